@@ -1,0 +1,155 @@
+"""What one forward pass needs: flattened tokens of several sequences plus the
+attention metadata over the paged KV cache.
+
+Sequences are packed back to back (no padding between them)::
+
+    input_ids   [ a0 a1 a2 | b0 | c0 c1 ]      T = 6 tokens, B = 3 sequences
+    qo_indptr   [0, 3, 4, 6]
+    prefix_lens [0, 7, 2]   tokens already in the cache before this step
+    seq_lens    [3, 8, 4]   prefix + new: the KV length each query row sees
+    out_cache_loc: the slot (page * page_size + offset) each new token's K/V goes to
+
+Query j (0-based within its sequence) of sequence b sits at absolute position
+prefix_lens[b] + j and attends to KV positions [0, prefix_lens[b] + j]: causal
+over the new tokens, full over the cached prefix. Decode is the case where every
+sequence has exactly one new token.
+
+Host copies (``*_host`` lists) are what the scheduler planned; kernels and the
+torch reference read the device tensors, and the reference may use the host
+lists for loop bounds (that is host data, no sync). Nothing here is ever read
+back from the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from ftserve.kvcache.pool import KVPool
+
+
+@dataclass
+class AttentionMetadata:
+    page_size: int
+    qo_indptr: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32, KV length after this step
+    prefix_lens: torch.Tensor  # [B] int32, KV length before this step
+    page_table: torch.Tensor  # [B, max_pages] int32, padded with the dummy page 0
+    out_cache_loc: torch.Tensor  # [T] int64, slot for each new token
+    seq_lens_host: list[int]
+    prefix_lens_host: list[int]
+    max_seq_len: int  # max(seq_lens_host), bounds kernel grids
+    max_extend_len: int  # max new tokens of one sequence
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def extend_lens_host(self) -> list[int]:
+        return [s - p for s, p in zip(self.seq_lens_host, self.prefix_lens_host)]
+
+
+class AttentionBackend(Protocol):
+    """Stores the new K/V of one layer into the pool, then attends.
+
+    q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]
+    """
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor: ...
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionMetadata
+    kv_pool: KVPool
+    attn_backend: AttentionBackend
+    # Rows of the final hidden state that become logits: the last new token of
+    # each sequence ([B] int64), or None for every token (parity tests).
+    logits_indices: torch.Tensor | None
+    is_decode: bool = False
+    # Per-step extras a backend may attach (e.g. MoE expert-cache state).
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return self.attn.num_seqs
+
+
+def build_forward_batch(
+    token_ids: list[list[int]],
+    prefix_lens: list[int],
+    page_tables: list[list[int]],
+    kv_pool: KVPool,
+    attn_backend: AttentionBackend,
+    *,
+    all_logits: bool = False,
+    is_decode: bool = False,
+    device: torch.device | str | None = None,
+) -> ForwardBatch:
+    """Simple host-side builder: one sequence per entry of ``token_ids`` holding
+    its *new* tokens, ``prefix_lens[b]`` tokens already cached in the pages
+    ``page_tables[b]`` (which must cover prefix + new tokens).
+
+    The engine's scheduler builds the same tensors into pinned staging buffers
+    (one non-blocking copy); this builder serves tests and tools.
+    """
+    device = torch.device(device) if device is not None else kv_pool.device
+    ps = kv_pool.page_size
+    ids: list[int] = []
+    pos: list[int] = []
+    locs: list[int] = []
+    indptr = [0]
+    seq_lens: list[int] = []
+    last: list[int] = []
+    for toks, pre, pages in zip(token_ids, prefix_lens, page_tables):
+        n = len(toks)
+        if n == 0:
+            raise ValueError("every sequence in a batch needs at least one new token")
+        if (pre + n + ps - 1) // ps > len(pages):
+            raise ValueError(f"page table of {len(pages)} pages cannot hold {pre + n} tokens")
+        ids.extend(toks)
+        for j in range(n):
+            p = pre + j
+            pos.append(p)
+            locs.append(pages[p // ps] * ps + p % ps)
+        indptr.append(indptr[-1] + n)
+        seq_lens.append(pre + n)
+        last.append(indptr[-1] - 1)
+    max_pages = max(1, max(len(p) for p in page_tables))
+    table = torch.zeros((len(token_ids), max_pages), dtype=torch.int32)
+    for b, pages in enumerate(page_tables):
+        if pages:
+            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    attn = AttentionMetadata(
+        page_size=ps,
+        qo_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=device),
+        page_table=table.to(device),
+        out_cache_loc=torch.tensor(locs, dtype=torch.int64, device=device),
+        seq_lens_host=seq_lens,
+        prefix_lens_host=list(prefix_lens),
+        max_seq_len=max(seq_lens),
+        max_extend_len=max(len(t) for t in token_ids),
+    )
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(pos, dtype=torch.int64, device=device),
+        attn=attn,
+        kv_pool=kv_pool,
+        attn_backend=attn_backend,
+        logits_indices=None if all_logits else torch.tensor(last, dtype=torch.int64, device=device),
+        is_decode=is_decode,
+    )
