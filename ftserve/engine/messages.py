@@ -1,0 +1,51 @@
+"""Typed messages between the event loop and the engine thread.
+
+This is the one place that crosses the thread boundary:
+
+    event loop --submit(GenerateRequest) / abort(request_id)--> engine thread
+    engine thread --one call_soon_threadsafe per step: list[RequestOutput]--> event loop
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ftserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float  # time.monotonic() when the server received it
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token_id, logprob) alternatives, best first
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # message when finish_reason == "error"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    completion_tokens: int = 0  # total generated so far
+    logprobs: list[TokenLogprob] | None = None
+    # Timings (seconds, monotonic clock); set when known.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    stop_token_hit: int | None = field(default=None)  # the stop/eos id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

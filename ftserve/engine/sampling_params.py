@@ -1,0 +1,71 @@
+"""Per-request sampling parameters, validated once when a request arrives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; ``param`` names it (OpenAI field name)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None = off; N = chosen token + N alternatives
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise SamplingParamsError naming the first bad field."""
+        if self.max_tokens < 1:
+            raise SamplingParamsError("max_tokens", "max_tokens must be at least 1")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise SamplingParamsError("min_tokens", "min_tokens must be in [0, max_tokens]")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise SamplingParamsError("temperature", "temperature must be in [0, 2]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError("top_p", "top_p must be in (0, 1]")
+        if self.top_k < -1:
+            raise SamplingParamsError("top_k", "top_k must be -1, 0 (off) or positive")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError("min_p", "min_p must be in [0, 1]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise SamplingParamsError("presence_penalty", "presence_penalty must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise SamplingParamsError("frequency_penalty", "frequency_penalty must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise SamplingParamsError("repetition_penalty", "repetition_penalty must be in (0, 2]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise SamplingParamsError("top_logprobs", "top_logprobs must be in [0, 20]")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise SamplingParamsError("seed", "seed must fit in 64 bits")
+        if vocab_size is not None:
+            for t in self.stop_token_ids:
+                if not 0 <= t < vocab_size:
+                    raise SamplingParamsError("stop_token_ids", f"stop token id {t} is out of range")
