@@ -1,0 +1,64 @@
+"""Frozen configuration, resolved once at start-up.
+
+"auto" values are replaced with ``dataclasses.replace`` by ``resolve()``;
+validation errors name the flag to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A start-up setting is invalid; the message names the flag to change."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # checkpoint dir; None = embedded demo model
+    load_format: str = "auto"  # auto | safetensors | dummy
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    page_size: int = 16
+    num_pages: int | None = None  # KV pool pages (incl. the dummy page)
+    kv_cache_tokens: int | None = None  # alternative to num_pages
+    memory_ratio: float = 0.9  # of free device memory after weights (CUDA)
+    max_prefill_length: int = 4096  # tokens per prefill chunk per step
+    max_running_requests: int = 64
+    max_model_len: int | None = None  # None = the model's limit
+    attention_backend: str = "auto"  # auto | torch | triton
+    cuda_graph_max_bs: int = 64  # 0 disables CUDA graphs
+    enable_prefix_cache: bool = True
+    seed: int = 0
+    status_log_interval: float = 10.0  # seconds between one-line status logs; 0 = off
+
+    def validate(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ConfigError("--page-size must be a power of two >= 1")
+        if self.max_prefill_length < self.page_size:
+            raise ConfigError("--max-prefill-length must be at least --page-size")
+        if self.max_running_requests < 1:
+            raise ConfigError("--max-running-requests must be at least 1")
+        if not 0.0 < self.memory_ratio <= 1.0:
+            raise ConfigError("--memory-ratio must be in (0, 1]")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ConfigError("--num-pages must be at least 2")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ConfigError("--dtype must be auto, bfloat16, float16 or float32")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ConfigError("--load-format must be auto, safetensors or dummy")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError("--attention-backend must be auto, torch or triton")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # default: the model dir's name
+    api_key: str | None = None
+    max_queued_requests: int = 256
+    max_body_bytes: int = 32 * 1024 * 1024
+    drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
+    keepalive_interval: float = 5.0  # seconds between SSE keep-alive comments
+    log_requests: bool = False
