@@ -1,0 +1,56 @@
+"""RMSNorm and rotary embedding: torch reference twins (see ops.py for dispatch).
+
+Numerics follow the HF reference implementations: the norm runs in fp32 and
+casts back to the input dtype before the weight multiply; rotary applies the
+neox ("rotate half") convention with a precomputed fp32 cos|sin table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] (or [..., H]), w [H] -> [T, H] in x's dtype."""
+    xf = x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)  # [T, 1]
+    normed = (xf * torch.rsqrt(var + eps)).to(x.dtype)  # [T, H]
+    return (w * normed).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual); the sum is the next residual.
+
+    The sum is taken in the input dtype, as the HF decoder layers do.
+    """
+    summed = x + residual  # [T, H]
+    return rms_norm_ref(summed, w, eps), summed
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, Hx, D]; cos/sin [T, 1, rot/2] fp32. Dims past rot_dim pass through
+    # unrotated (partial rotary); none of the supported families use it today.
+    half = cos.shape[-1]
+    rot = 2 * half
+    xf = x[..., :rot].float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)  # [T, Hx, rot]
+    if rot == x.shape[-1]:
+        return out
+    return torch.cat((out, x[..., rot:]), dim=-1)
+
+
+def rotary_ref(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary. q [T, Hq, D], k [T, Hkv, D], positions [T] int64,
+    cos_sin [max_pos, rot_dim] fp32 = cos | sin halves (any attention scaling,
+    e.g. yarn's mscale, is already folded into the table). Returns new tensors.
+    """
+    half = cos_sin.shape[-1] // 2
+    table = cos_sin.index_select(0, positions)  # [T, rot_dim]
+    cos = table[:, None, :half]  # [T, 1, rot/2]
+    sin = table[:, None, half:]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
