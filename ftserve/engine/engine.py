@@ -1,0 +1,292 @@
+"""The engine thread: owns the device, runs the scheduler loop.
+
+    event loop                      engine thread
+    submit(GenerateRequest) --->  inbox (queue.Queue)
+    abort(request_id)       --->      |
+                                 schedule -> runner.step -> commit
+    on_outputs(list)  <--- one call_soon_threadsafe per step
+
+An exception in the engine thread fails every live request with
+finish_reason "error" and marks the engine unhealthy; it never hangs silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ftserve.engine.messages import GenerateRequest, RequestOutput
+from ftserve.engine.request import Req
+from ftserve.engine.runner import ModelRunner
+from ftserve.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+OutputCallback = Callable[[list[RequestOutput]], None]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_pages_total: int  # usable pages (the dummy page excluded)
+    kv_pages_used: int  # held privately by live requests
+    kv_pages_cached: int  # held by the prefix cache (some shared with live requests)
+    kv_pages_free: int
+    prefix_hit_tokens_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    preemptions_total: int
+    finished_total: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_pages_used / max(1, self.kv_pages_total)
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], Any]
+    done: threading.Event
+    result: list[Any]
+
+
+_STOP = object()
+
+
+class EngineCore:
+    """Scheduler + runner + the thread that drives them."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, status_log_interval: float = 0.0,
+                 check_integrity: bool = False) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.status_log_interval = status_log_interval
+        self.check_integrity = check_integrity
+        self.healthy = True
+        self.error: str | None = None
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_outputs: OutputCallback | None = None
+        self._stats = self._make_stats()
+        self._last_status = time.monotonic()
+        self._last_counts = (0, 0)
+
+    # ----- called from any thread ------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OutputCallback) -> None:
+        self._loop, self._on_outputs = loop, on_outputs
+        self._thread = threading.Thread(target=self._run, name="ftserve-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: GenerateRequest) -> None:
+        self._inbox.put(req)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """Run fn on the engine thread between steps and return its result."""
+        if self._thread is None or not self._thread.is_alive():
+            return fn()
+        c = _Call(fn, threading.Event(), [])
+        self._inbox.put(c)
+        if not c.done.wait(timeout):
+            raise TimeoutError("the engine thread did not answer")
+        if isinstance(c.result[0], BaseException):
+            raise c.result[0]
+        return c.result[0]
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(_STOP)
+            self._thread.join(timeout)
+
+    # ----- engine thread -------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._drain_inbox(block=not self.scheduler.has_work):
+                    break
+                self._step()
+        except BaseException as exc:  # noqa: BLE001 - any failure must surface
+            log.exception("engine thread failed")
+            self.healthy = False
+            self.error = f"{type(exc).__name__}: {exc}"
+            self._fail_all(self.error)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        while True:
+            try:
+                item = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                if block:
+                    self._maybe_log_status()
+                    self._stats = self._make_stats()
+                    continue
+                return True
+            block = False
+            if item is _STOP:
+                self._fail_all("the engine is shutting down", reason="abort")
+                return False
+            if isinstance(item, GenerateRequest):
+                self._add(item)
+            elif isinstance(item, _Abort):
+                req = self.scheduler.abort(item.request_id)
+                if req is not None:
+                    self._emit(self._collect())
+            elif isinstance(item, _Call):
+                try:
+                    item.result.append(item.fn())
+                except BaseException as exc:  # noqa: BLE001 - handed back to the caller
+                    item.result.append(exc)
+                item.done.set()
+                self._stats = self._make_stats()
+
+    def _add(self, msg: GenerateRequest) -> None:
+        req = Req.from_message(msg)
+        why = self.scheduler.validate(req)
+        if why is not None:
+            self._emit([RequestOutput(req.request_id, [], finish_reason="error", error=why,
+                                      prompt_tokens=req.prompt_len)])
+            return
+        self.scheduler.add(req)
+
+    def _step(self) -> None:
+        batch = self.scheduler.schedule()
+        if batch is not None:
+            token_ids, logprobs = self.runner.step(batch)
+            self.scheduler.commit(batch, token_ids, logprobs)
+        if self.check_integrity:
+            self.scheduler.check_integrity()
+        self._emit(self._collect(batch.reqs if batch is not None else []))
+        self._stats = self._make_stats()
+        self._maybe_log_status()
+
+    def _collect(self, stepped: list[Req] | None = None) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        seen: set[int] = set()
+        for req in list(stepped or []) + self.scheduler.finished_reqs:
+            if id(req) in seen:
+                continue
+            seen.add(id(req))
+            if not req.pending_ids and not req.finished:
+                continue
+            outs.append(RequestOutput(
+                request_id=req.request_id,
+                new_token_ids=req.pending_ids,
+                finish_reason=req.finish_reason,
+                prompt_tokens=req.prompt_len,
+                cached_tokens=req.cached_len,
+                completion_tokens=req.num_outputs,
+                logprobs=req.pending_logprobs or None,
+                first_scheduled_time=req.first_scheduled_time,
+                first_token_time=req.first_token_time,
+                finished_time=req.finished_time,
+            ))
+            req.pending_ids, req.pending_logprobs = [], []
+        self.scheduler.finished_reqs.clear()
+        return outs
+
+    def _emit(self, outs: list[RequestOutput]) -> None:
+        if outs and self._loop is not None and self._on_outputs is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._on_outputs, outs)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def _fail_all(self, message: str, reason: str = "error") -> None:
+        outs = []
+        for req in list(self.scheduler.by_id.values()):
+            outs.append(RequestOutput(req.request_id, req.pending_ids, finish_reason=reason,
+                                      error=message if reason == "error" else None,
+                                      prompt_tokens=req.prompt_len,
+                                      completion_tokens=req.num_outputs))
+        self.scheduler.by_id.clear()
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+        # Requests still in the inbox never reached the scheduler.
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, GenerateRequest):
+                outs.append(RequestOutput(item.request_id, [], finish_reason=reason,
+                                          error=message if reason == "error" else None))
+            elif isinstance(item, _Call):
+                item.result.append(RuntimeError(message))
+                item.done.set()
+        self._emit(outs)
+
+    def _make_stats(self) -> EngineStats:
+        s = self.scheduler
+        c = s.counters
+        return EngineStats(
+            running=len(s.running), waiting=len(s.waiting),
+            kv_pages_total=s.allocator.num_total, kv_pages_used=s.num_pages_used,
+            kv_pages_cached=s.radix.cached_pages, kv_pages_free=s.allocator.num_free,
+            prefix_hit_tokens_total=c.prefix_hit_tokens_total,
+            prompt_tokens_total=c.prompt_tokens_total,
+            generation_tokens_total=c.generation_tokens_total,
+            preemptions_total=c.preemptions_total, finished_total=c.finished_total,
+        )
+
+    def _maybe_log_status(self) -> None:
+        if self.status_log_interval <= 0:
+            return
+        now = time.monotonic()
+        dt = now - self._last_status
+        if dt < self.status_log_interval:
+            return
+        st = self._stats
+        gen, prompt = st.generation_tokens_total, st.prompt_tokens_total
+        g0, p0 = self._last_counts
+        if gen == g0 and prompt == p0 and st.running == 0 and st.waiting == 0:
+            self._last_status = now
+            return
+        hit = st.prefix_hit_tokens_total / max(1, prompt)
+        log.info("status: gen %.1f tok/s, prompt %.1f tok/s, running %d, waiting %d, "
+                 "KV %.1f%% used (%d cached pages), prefix hit %.1f%%",
+                 (gen - g0) / dt, (prompt - p0) / dt, st.running, st.waiting,
+                 100 * st.kv_usage, st.kv_pages_cached, 100 * hit)
+        self._last_status, self._last_counts = now, (gen, prompt)
+
+
+class Engine(EngineCore):
+    """EngineCore plus what the server needs to know about the model."""
+
+    def __init__(self, core_args: dict[str, Any], *, model_dir: str, is_demo: bool,
+                 max_model_len: int, vocab_size: int, eos_token_ids: list[int],
+                 model_config: Any, summary: dict[str, Any]) -> None:
+        super().__init__(**core_args)
+        self.model_dir = model_dir
+        self.is_demo = is_demo
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.model_config = model_config
+        self.summary = summary  # start-up facts for logs and /v1/models
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Engine:
+        from ftserve.engine.setup import build_engine
+
+        return build_engine(cfg)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.call(self.scheduler.reset_prefix_cache))

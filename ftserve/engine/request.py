@@ -1,0 +1,87 @@
+"""A request's life inside the engine (host-side state only).
+
+    tokens:   [ prompt ............................ | output ....... ]
+    KV:       [ cached (prefix hit) | computed here ]  not yet computed
+              0             cached_len        computed_len        len(tokens)
+
+Pages: ``pages[i]`` holds tokens [i * page_size, (i + 1) * page_size).
+``pages[:num_tree_pages]`` belong to the radix tree (locked through
+``tree_node`` while the request lives); the rest are private to the request.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftserve.engine.messages import GenerateRequest, TokenLogprob
+from ftserve.engine.sampling_params import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"  # queued (new or preempted), holds no pages
+    PREFILL = "prefill"  # admitted, prompt KV partly computed
+    DECODE = "decode"  # prompt done, generating
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    # Set by the scheduler:
+    tokens: list[int] = field(init=False)  # prompt + output
+    output_ids: list[int] = field(default_factory=list, init=False)
+    state: ReqState = field(default=ReqState.WAITING, init=False)
+    pages: list[int] = field(default_factory=list, init=False)
+    num_tree_pages: int = field(default=0, init=False)
+    tree_node: Any = field(default=None, init=False)  # radix node locked by this request
+    cached_len: int = field(default=0, init=False)  # prefix-cache hit at first admission
+    computed_len: int = field(default=0, init=False)  # tokens whose KV is in pages
+    slot: int = field(default=-1, init=False)  # sampler row, -1 when not admitted
+    num_preemptions: int = field(default=0, init=False)
+    finish_reason: str | None = field(default=None, init=False)
+    # Outputs produced since the last report (drained by the engine each step).
+    pending_ids: list[int] = field(default_factory=list, init=False)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list, init=False)
+    # Timings (time.monotonic()).
+    first_scheduled_time: float | None = field(default=None, init=False)
+    first_token_time: float | None = field(default=None, init=False)
+    finished_time: float | None = field(default=None, init=False)
+    cached_reported: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt_ids)
+
+    @classmethod
+    def from_message(cls, msg: GenerateRequest) -> Req:
+        return cls(msg.request_id, list(msg.prompt_ids), msg.params, msg.arrival_time)
+
+    def check(self) -> None:
+        assert 0 <= self.cached_len <= self.computed_len <= len(self.tokens), (
+            self.request_id, self.cached_len, self.computed_len, len(self.tokens))
+        assert 0 <= self.num_tree_pages <= len(self.pages)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def remaining_prefill(self) -> int:
+        """Tokens whose KV must be computed before the next token can be sampled."""
+        return len(self.tokens) - self.computed_len
+
+    @property
+    def private_pages(self) -> list[int]:
+        return self.pages[self.num_tree_pages:]
+
+    @property
+    def finished(self) -> bool:
+        return self.state is ReqState.FINISHED

@@ -1,0 +1,325 @@
+"""Continuous batching with chunked prefill, a radix prefix cache and preemption.
+
+Each step is either a prefill step (chunks of waiting or partly prefilled
+requests, at most ``max_prefill_length`` new tokens in all) or a decode step
+(one token for every generating request). When both kinds of work exist the
+two alternate, so a long prompt never stalls running streams for more than one
+chunk.
+
+All state here is host state; the scheduler never reads the device. It plans
+every sequence length, page and chunk, which the runner turns into device
+metadata with one copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ftserve.engine.messages import TokenLogprob
+from ftserve.engine.request import Req, ReqState
+from ftserve.kvcache.allocator import PageAllocator
+from ftserve.kvcache.radix import RadixCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    reqs: list[Req]
+    is_decode: bool
+    new_tokens: list[list[int]]  # tokens fed this step, per request
+    prefix_lens: list[int]  # computed_len before this step, per request
+    samples: list[bool]  # whether the request samples a token after this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.new_tokens)
+
+
+@dataclass
+class SchedulerCounters:
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    prefix_hit_tokens_total: int = 0
+    preemptions_total: int = 0
+    finished_total: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        page_size: int,
+        num_pages: int,
+        max_running: int,
+        max_prefill_length: int,
+        max_model_len: int,
+        eos_token_ids: list[int],
+        enable_prefix_cache: bool = True,
+    ) -> None:
+        self.page_size = page_size
+        self.max_running = max_running
+        self.max_prefill_length = max_prefill_length
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.enable_prefix_cache = enable_prefix_cache
+        self.allocator = PageAllocator(num_pages)
+        self.radix = RadixCache(page_size, self.allocator)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # admitted: PREFILL or DECODE, in admission order
+        self.by_id: dict[str, Req] = {}
+        self.free_slots: list[int] = list(range(max_running - 1, -1, -1))
+        self.counters = SchedulerCounters()
+        self._last_was_prefill = False
+        self.finished_reqs: list[Req] = []  # finished since the last drain
+
+    # ----- intake -------------------------------------------------------
+    def validate(self, req: Req) -> str | None:
+        """Why a request can never run, or None."""
+        n = len(req.prompt_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n + 1 > self.max_model_len:
+            return (f"this model's maximum context length is {self.max_model_len} tokens; "
+                    f"the prompt has {n} tokens and needs room for at least one output token")
+        return None
+
+    def add(self, req: Req) -> None:
+        self.by_id[req.request_id] = req
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----- planning ------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        prefilling = [r for r in self.running if r.state is ReqState.PREFILL]
+        decoding = [r for r in self.running if r.state is ReqState.DECODE]
+        want_prefill = bool(prefilling or (self.waiting and self.free_slots))
+        if decoding and (not want_prefill or self._last_was_prefill):
+            batch = self._schedule_decode()
+            if batch is not None:
+                self._last_was_prefill = False
+                return batch
+        batch = self._schedule_prefill()
+        if batch is not None:
+            self._last_was_prefill = True
+            return batch
+        if decoding:
+            self._last_was_prefill = False
+            return self._schedule_decode()
+        return None
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.max_prefill_length
+        reqs: list[Req] = []
+        for req in [r for r in self.running if r.state is ReqState.PREFILL]:
+            if budget <= 0:
+                break
+            n = min(req.remaining_prefill, budget)
+            if not self._reserve(req, req.computed_len + n):
+                break
+            reqs.append(req)
+            budget -= n
+        while budget > 0 and self.waiting and self.free_slots:
+            req = self.waiting[0]
+            if not self._admit(req):
+                break
+            self.waiting.popleft()
+            n = min(req.remaining_prefill, budget)
+            if not self._reserve(req, req.computed_len + n):
+                # Admission matched pages but the chunk does not fit yet: undo.
+                self._release(req, keep_kv=True)
+                req.state = ReqState.WAITING
+                self.waiting.appendleft(req)
+                break
+            reqs.append(req)
+            budget -= n
+        if not reqs:
+            return None
+        budget = self.max_prefill_length
+        new_tokens, prefix_lens, samples = [], [], []
+        for req in reqs:
+            n = min(req.remaining_prefill, budget)
+            budget -= n
+            new_tokens.append(req.tokens[req.computed_len:req.computed_len + n])
+            prefix_lens.append(req.computed_len)
+            samples.append(req.computed_len + n == len(req.tokens))
+        return ScheduledBatch(reqs, False, new_tokens, prefix_lens, samples)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        reqs: list[Req] = []
+        for req in list(self.running):
+            if req.state is not ReqState.DECODE or req not in self.running:
+                continue
+            while not self._reserve(req, req.computed_len + 1):
+                victim = self._pick_victim(exclude=req)
+                if victim is None:
+                    # Cannot happen when max_model_len fits the pool; fail loudly.
+                    raise RuntimeError("KV pool exhausted by a single request")
+                self._preempt(victim)
+                if victim in reqs:
+                    reqs.remove(victim)
+            reqs.append(req)
+        if not reqs:
+            return None
+        return ScheduledBatch(
+            reqs, True, [[r.tokens[-1]] for r in reqs], [r.computed_len for r in reqs],
+            [True] * len(reqs))
+
+    # ----- pages ---------------------------------------------------------
+    def _reserve(self, req: Req, num_tokens: int) -> bool:
+        """Make req.pages cover num_tokens, evicting the prefix cache if needed."""
+        need = -(-num_tokens // self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        if self.allocator.num_free < need:
+            self.radix.evict(need - self.allocator.num_free)
+        pages = self.allocator.alloc(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def _admit(self, req: Req) -> bool:
+        """Take a sampler slot and match the prefix cache; False if no room."""
+        if self.enable_prefix_cache:
+            # Keep at least one token to compute: its logits give the next token.
+            match = self.radix.match_prefix(req.tokens[:len(req.tokens) - 1])
+            n_pages = match.num_tokens // self.page_size
+            self.radix.lock(match.node)
+            req.tree_node = match.node
+            req.pages = list(match.pages[:n_pages])
+            req.num_tree_pages = n_pages
+            req.computed_len = n_pages * self.page_size
+        else:
+            req.pages, req.num_tree_pages, req.computed_len = [], 0, 0
+        if req.num_preemptions == 0:
+            req.cached_len = req.computed_len
+            self.counters.prefix_hit_tokens_total += req.cached_len
+            self.counters.prompt_tokens_total += req.prompt_len
+        req.slot = self.free_slots.pop()
+        req.state = ReqState.PREFILL
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        self.running.append(req)
+        return True
+
+    def _release(self, req: Req, keep_kv: bool) -> None:
+        """Give back the request's slot and pages; its computed KV goes to the
+        prefix cache when keep_kv (finish, preemption, abort)."""
+        if req in self.running:
+            self.running.remove(req)
+        if req.slot >= 0:
+            self.free_slots.append(req.slot)
+            req.slot = -1
+        n_full = 0
+        if keep_kv and self.enable_prefix_cache and req.pages:
+            n_full = min(req.computed_len // self.page_size, len(req.pages))
+            if n_full > 0:
+                self.radix.insert(req.tokens[:n_full * self.page_size], req.pages[:n_full])
+        else:
+            n_full = req.num_tree_pages  # tree pages stay in the tree
+        rest = req.pages[max(n_full, req.num_tree_pages):]
+        if rest:
+            self.allocator.free(rest)
+        if req.tree_node is not None:
+            self.radix.unlock(req.tree_node)
+            req.tree_node = None
+        req.pages, req.num_tree_pages, req.computed_len = [], 0, 0
+
+    def _pick_victim(self, exclude: Req) -> Req | None:
+        for req in reversed(self.running):  # youngest first
+            if req is not exclude:
+                return req
+        return None
+
+    def _preempt(self, req: Req) -> None:
+        log.info("preempting %s (%d tokens) to free KV pages", req.request_id, len(req.tokens))
+        self._release(req, keep_kv=True)
+        req.state = ReqState.WAITING
+        req.num_preemptions += 1
+        self.counters.preemptions_total += 1
+        self.waiting.appendleft(req)
+
+    # ----- results -------------------------------------------------------
+    def commit(
+        self, batch: ScheduledBatch, token_ids: list[int],
+        logprobs: list[TokenLogprob | None] | None = None,
+    ) -> None:
+        """Apply one step's results (token_ids[i] for batch.reqs[i] where it samples)."""
+        now = time.monotonic()
+        for i, req in enumerate(batch.reqs):
+            if req.state is ReqState.FINISHED or req not in self.running:
+                continue  # aborted or preempted while the step ran
+            req.computed_len = batch.prefix_lens[i] + len(batch.new_tokens[i])
+            if not batch.samples[i]:
+                continue
+            tok = token_ids[i]
+            req.tokens.append(tok)
+            req.output_ids.append(tok)
+            req.pending_ids.append(tok)
+            if logprobs is not None and logprobs[i] is not None:
+                req.pending_logprobs.append(logprobs[i])  # type: ignore[arg-type]
+            self.counters.generation_tokens_total += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.state = ReqState.DECODE
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self.finish(req, reason)
+            req.check()
+
+    def _stop_reason(self, req: Req, tok: int) -> str | None:
+        p = req.params
+        n = req.num_outputs
+        if n >= p.min_tokens:
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+                return "stop"
+        if n >= p.max_tokens or len(req.tokens) >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, req: Req, reason: str) -> None:
+        if req.state is ReqState.FINISHED:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req, keep_kv=True)
+        req.state = ReqState.FINISHED
+        req.finish_reason = reason
+        req.finished_time = time.monotonic()
+        self.counters.finished_total += 1
+        self.by_id.pop(req.request_id, None)
+        self.finished_reqs.append(req)
+
+    def abort(self, request_id: str) -> Req | None:
+        req = self.by_id.get(request_id)
+        if req is None:
+            return None
+        self.finish(req, "abort")
+        return req
+
+    def reset_prefix_cache(self) -> bool:
+        return self.radix.reset()
+
+    # ----- invariants ----------------------------------------------------
+    def live_private_pages(self) -> list[int]:
+        return [p for r in self.running for p in r.private_pages]
+
+    def check_integrity(self) -> None:
+        for r in self.running:
+            r.check()
+        self.radix.check_integrity(self.live_private_pages())
+        slots = [r.slot for r in self.running]
+        assert len(set(slots)) == len(slots) and -1 not in slots, slots
+        assert len(slots) + len(self.free_slots) == self.max_running
+
+    @property
+    def num_pages_used(self) -> int:
+        """Pages held by live requests (private ones; shared prefix pages count as cached)."""
+        return sum(len(r.private_pages) for r in self.running)

@@ -1,0 +1,153 @@
+"""Start-up: resolve the config, load the model, size the KV pool, build the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftserve.config import ConfigError, EngineConfig
+from ftserve.engine.engine import Engine
+from ftserve.engine.runner import ModelRunner
+from ftserve.engine.sampler import Sampler
+from ftserve.engine.scheduler import Scheduler
+from ftserve.kvcache.pool import KVPool
+
+log = logging.getLogger(__name__)
+
+DEMO_PRESET = "tiny-moe"
+CPU_DEFAULT_KV_TOKENS = 65536
+# Activation headroom on CUDA per prefill token (hidden states, MoE buffers, logits).
+ACTIVATION_BYTES_PER_TOKEN = 64 * 1024
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for but no CUDA device is available")
+    return dev
+
+
+def demo_model_dir() -> str:
+    """Write (once) the embedded demo checkpoint: config + real tokenizer, no weights."""
+    from ftserve.models.checkpoint import write_checkpoint
+
+    root = Path(os.environ.get("FTSERVE_CACHE_DIR", Path.home() / ".cache" / "ftserve"))
+    out = root / f"demo-{DEMO_PRESET}"
+    if not (out / "config.json").exists() or not (out / "tokenizer_config.json").exists():
+        write_checkpoint(DEMO_PRESET, out, config_only=True)
+    return str(out)
+
+
+def read_eos_ids(model_dir: str, model_config: Any) -> list[int]:
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        p = Path(model_dir) / name
+        if p.exists():
+            val = json.loads(p.read_text()).get("eos_token_id")
+            if isinstance(val, int):
+                ids.append(val)
+            elif isinstance(val, list):
+                ids.extend(int(v) for v in val)
+        if ids:
+            break
+    return sorted(set(ids))
+
+
+def build_engine(cfg: EngineConfig) -> Engine:
+    from ftserve.models.loader import load_model
+
+    cfg.validate()
+    device = resolve_device(cfg.device)
+    is_demo = cfg.model is None
+    model_dir = demo_model_dir() if is_demo else cfg.model
+    assert model_dir is not None
+    load_format = cfg.load_format
+    if load_format == "auto":
+        load_format = "dummy" if is_demo else "safetensors"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.manual_seed(cfg.seed)
+    model, mcfg = load_model(model_dir, dtype=cfg.dtype, device=device, load_format=load_format)
+    dtype = next(model.parameters()).dtype
+    model_limit = int(mcfg.max_context_len)
+    if cfg.max_model_len is not None and cfg.max_model_len > model_limit:
+        raise ConfigError(
+            f"--max-model-len {cfg.max_model_len} exceeds the model's rope table "
+            f"({model_limit} positions); serving past it would read out of bounds. Lower "
+            f"--max-model-len or extend the checkpoint's rope_scaling")
+
+    per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, dtype)
+    num_pages = _plan_pages(cfg, device, per_token)
+    pool = KVPool(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
+                  dtype, device)
+    pool_tokens = pool.usable_pages * cfg.page_size
+    max_model_len = min(model_limit, cfg.max_model_len or model_limit, pool_tokens)
+    eos = read_eos_ids(model_dir, mcfg)
+    scheduler = Scheduler(
+        page_size=cfg.page_size, num_pages=num_pages, max_running=cfg.max_running_requests,
+        max_prefill_length=cfg.max_prefill_length, max_model_len=max_model_len,
+        eos_token_ids=eos, enable_prefix_cache=cfg.enable_prefix_cache,
+    )
+    sampler = Sampler(mcfg.vocab_size, cfg.max_running_requests, device)
+    backend = _attention_backend(cfg, device)
+    runner = ModelRunner(model, pool, backend, sampler, device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    summary = {
+        "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+        "weights_gib": weight_bytes / 2**30, "kv_pages": num_pages, "page_size": cfg.page_size,
+        "kv_tokens": pool_tokens, "kv_gib": num_pages * pool.bytes_per_page() / 2**30,
+        "max_model_len": max_model_len, "model_limit": model_limit,
+        "attention_backend": getattr(backend, "name", type(backend).__name__),
+    }
+    log.info("model %s: %s on %s, weights %.2f GiB; KV pool %d pages x %d tokens = %d tokens "
+             "(%.2f GiB); single-request limit %d tokens (rope table %d)",
+             model_dir, summary["dtype"], device, summary["weights_gib"], num_pages, cfg.page_size,
+             pool_tokens, summary["kv_gib"], max_model_len, model_limit)
+    return Engine(
+        dict(scheduler=scheduler, runner=runner, status_log_interval=cfg.status_log_interval),
+        model_dir=model_dir, is_demo=is_demo, max_model_len=max_model_len,
+        vocab_size=mcfg.vocab_size, eos_token_ids=eos, model_config=mcfg, summary=summary,
+    )
+
+
+def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int) -> int:
+    page_bytes = per_token * cfg.page_size
+    if cfg.num_pages is not None:
+        return cfg.num_pages
+    if cfg.kv_cache_tokens is not None:
+        return 1 + -(-cfg.kv_cache_tokens // cfg.page_size)
+    if device.type != "cuda":
+        return 1 + CPU_DEFAULT_KV_TOKENS // cfg.page_size
+    free, total = torch.cuda.mem_get_info(device)
+    budget = free * cfg.memory_ratio - cfg.max_prefill_length * ACTIVATION_BYTES_PER_TOKEN
+    pages = int(budget // page_bytes)
+    if pages < 2:
+        raise ConfigError(
+            f"no room for the KV cache: {free / 2**30:.1f} GiB free after weights, "
+            f"--memory-ratio {cfg.memory_ratio}; raise --memory-ratio or lower --max-prefill-length")
+    return pages
+
+
+def _attention_backend(cfg: EngineConfig, device: torch.device) -> Any:
+    choice = cfg.attention_backend
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" else "torch"
+    if choice == "triton":
+        from ftserve_kernels.attention_triton import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from ftserve_kernels.paged_attention import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+def with_overrides(cfg: EngineConfig, **kw: Any) -> EngineConfig:
+    return dataclasses.replace(cfg, **kw)

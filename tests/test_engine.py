@@ -1,0 +1,167 @@
+"""Engine correctness on the CPU (float32): exact greedy equality with a plain
+full-recompute decode, across batching, chunking, prefix hits, preemption and
+aborts; plus pool accounting after every scenario."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ftserve.config import EngineConfig
+from ftserve.engine.engine import Engine
+from ftserve.engine.setup import build_engine
+from tests.engine_util import collect, greedy, reference_greedy, tokens_of
+
+VOCAB_HI = 32000
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from ftserve.models.checkpoint import write_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny-moe")
+    write_checkpoint("tiny-moe", out, config_only=True)
+    return str(out)
+
+
+def make_engine(model_dir: str, **kw: object) -> Engine:
+    base = dict(model=model_dir, load_format="dummy", device="cpu", dtype="float32",
+                page_size=4, num_pages=512, max_prefill_length=64, max_running_requests=16,
+                status_log_interval=0.0)
+    base.update(kw)
+    eng = build_engine(EngineConfig(**base))  # type: ignore[arg-type]
+    eng.check_integrity = True
+    return eng
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, VOCAB_HI) for _ in range(n)]
+
+
+def assert_pool_baseline(eng: Engine) -> None:
+    s = eng.scheduler
+    assert not s.running and not s.waiting
+    assert s.num_pages_used == 0
+    assert s.allocator.num_free + s.radix.cached_pages == s.allocator.num_total
+    s.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: str) -> Engine:
+    eng = make_engine(model_dir)
+    yield eng
+    eng.shutdown()
+
+
+def test_single_request_matches_reference(engine: Engine) -> None:
+    rng = random.Random(0)
+    p = prompt(rng, 13)
+    outs = collect(engine, [("a", p, greedy(12))])
+    ref = reference_greedy(engine.runner.model, engine.model_config, p, 12)
+    assert tokens_of(outs["a"]) == ref
+    last = outs["a"][-1]
+    assert last.finish_reason == "length" and last.completion_tokens == 12
+    assert_pool_baseline(engine)
+
+
+def test_sixteen_concurrent_requests(engine: Engine) -> None:
+    rng = random.Random(1)
+    reqs = [(f"r{i}", prompt(rng, rng.randint(1, 40)), greedy(rng.randint(1, 10))) for i in range(16)]
+    outs = collect(engine, reqs)
+    for rid, p, params in reqs:
+        assert tokens_of(outs[rid]) == reference_greedy(
+            engine.runner.model, engine.model_config, p, params.max_tokens), rid
+    assert_pool_baseline(engine)
+
+
+def test_chunked_prefill_longer_than_chunk(engine: Engine) -> None:
+    rng = random.Random(2)
+    p = prompt(rng, 150)  # max_prefill_length 64: three chunks
+    outs = collect(engine, [("long", p, greedy(6)), ("short", prompt(rng, 5), greedy(20))])
+    assert tokens_of(outs["long"]) == reference_greedy(engine.runner.model, engine.model_config, p, 6)
+    assert_pool_baseline(engine)
+
+
+def test_second_turn_hits_prefix_cache(engine: Engine) -> None:
+    rng = random.Random(3)
+    turn1 = prompt(rng, 37)
+    out1 = tokens_of(collect(engine, [("t1", turn1, greedy(9))])["t1"])
+    turn2 = turn1 + out1 + prompt(rng, 11)
+    res = collect(engine, [("t2", turn2, greedy(7))])["t2"]
+    assert tokens_of(res) == reference_greedy(engine.runner.model, engine.model_config, turn2, 7)
+    # Turn 1's prompt and all but its last generated token have KV: whole pages are reused.
+    reusable = (len(turn1) + len(out1) - 1) // 4 * 4
+    assert res[-1].cached_tokens == reusable
+    assert_pool_baseline(engine)
+
+
+def test_abort_everywhere_returns_pool_to_baseline(engine: Engine) -> None:
+    rng = random.Random(4)
+    reqs = [(f"x{i}", prompt(rng, 30 + 20 * i), greedy(50)) for i in range(6)]
+    outs = collect(engine, reqs, abort_after={"x0": 1, "x1": 3, "x2": 10})
+    for rid in ("x0", "x1", "x2"):
+        assert outs[rid][-1].finish_reason == "abort"
+    assert_pool_baseline(engine)
+
+
+def test_abort_queued_and_unknown(engine: Engine) -> None:
+    engine.abort("does-not-exist")
+    rng = random.Random(5)
+    outs = collect(engine, [("q", prompt(rng, 8), greedy(3))])
+    assert tokens_of(outs["q"])
+    assert_pool_baseline(engine)
+
+
+def test_preemption_and_resume_exact(model_dir: str) -> None:
+    # 24 usable pages of 4 tokens = 96 tokens for 4 requests growing to ~45 tokens each.
+    eng = make_engine(model_dir, num_pages=25, max_running_requests=4, max_prefill_length=32)
+    try:
+        rng = random.Random(6)
+        reqs = [(f"p{i}", prompt(rng, 20), greedy(25)) for i in range(4)]
+        outs = collect(eng, reqs)
+        assert eng.scheduler.counters.preemptions_total > 0
+        for rid, p, params in reqs:
+            assert tokens_of(outs[rid]) == reference_greedy(
+                eng.runner.model, eng.model_config, p, params.max_tokens), rid
+        assert_pool_baseline(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_too_long_prompt_fails_at_once(model_dir: str) -> None:
+    eng = make_engine(model_dir, num_pages=9)  # 32 tokens of KV
+    try:
+        outs = collect(eng, [("big", list(range(10, 50)), greedy(2)), ("ok", [11, 12, 13], greedy(2))])
+        assert outs["big"][-1].finish_reason == "error"
+        assert "maximum context length" in (outs["big"][-1].error or "")
+        assert outs["ok"][-1].finish_reason == "length"
+        assert_pool_baseline(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_stop_token_and_min_tokens(engine: Engine) -> None:
+    rng = random.Random(7)
+    p = prompt(rng, 10)
+    ref = reference_greedy(engine.runner.model, engine.model_config, p, 8)
+    stop_at = ref[3]
+    first = ref.index(stop_at)
+    outs = collect(engine, [("s", p, greedy(8, stop_token_ids=(stop_at,)))])
+    assert tokens_of(outs["s"]) == ref[: first + 1]
+    assert outs["s"][-1].finish_reason == "stop"
+
+
+def test_engine_failure_surfaces(model_dir: str) -> None:
+    eng = make_engine(model_dir)
+    try:
+        def boom(*a: object, **k: object) -> None:
+            raise RuntimeError("injected device failure")
+
+        eng.runner.step = boom  # type: ignore[method-assign]
+        outs = collect(eng, [("f", [5, 6, 7], greedy(3))])
+        assert outs["f"][-1].finish_reason == "error"
+        assert "injected device failure" in (outs["f"][-1].error or "")
+        assert not eng.healthy
+    finally:
+        eng.shutdown()
