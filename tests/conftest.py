@@ -1,0 +1,20 @@
+"""Shared test set-up: CPU-friendly threading and the `gpu` marker."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+os.environ.setdefault("FTSERVE_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_ftserve_cache"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
