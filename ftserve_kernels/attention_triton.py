@@ -1,0 +1,411 @@
+"""Triton attention over the paged KV cache: KV store, split-K decode, extend.
+
+Twins of ``paged_attention.store_kv_ref`` / ``paged_attention_ref``. Shapes as in
+``paged_attention.py``; the cache is one layer of the pool ``[slots, Hkv, D]``
+(last dim contiguous), ``slot = page * page_size + offset``.
+
+Decode (one query per sequence) splits every sequence's KV range into a fixed
+number of chunks so one 100k-token request still fills the GPU::
+
+    seq b:  |-- split 0 --|-- split 1 --| ... |-- split S-1 --|   (S fixed per batch size)
+             partial (o, lse) per split  ->  reduce kernel  ->  o[b, h]
+
+Each split program serves all query heads of one KV head (GQA), so K/V are read
+once per KV head. Split boundaries come from ``seq_lens`` on the device: the grid
+is ``(B, Hkv, S)`` and never depends on device values, so a decode step can be
+captured in a CUDA graph. What must stay static between capture and replay:
+q/k/v/out buffers, the pool, ``page_table`` (fixed width), ``seq_lens`` and
+``out_cache_loc`` tensors (refill them in place), and the split count (a
+function of the batch size only, see ``TritonAttentionBackend.num_splits``).
+
+Extend/prefill runs one program per (query head, block of BLOCK_M new tokens,
+sequence): keys below the block's first query position need no mask (the
+bulk of a long cached prefix), the last few tiles get the causal mask. The grid
+uses ``max_extend_len`` (host metadata), so extend is eager-only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def mma(a, b, UPCAST: tl.constexpr):
+    """tl.dot with fp32 accumulation. The CPU interpreter (triton 3.9) returns
+    garbage for bf16 operands, so there (UPCAST) both sides go to fp32 first."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b)
+
+
+@dataclass(frozen=True)
+class AttnKernelConfig:
+    """Tile sizes. ``for_device`` picks Hopper-sized tiles on CUDA and tiny ones
+    for the CPU interpreter (which is slow and needs only correctness)."""
+
+    extend_block_m: int = 128
+    extend_block_n: int = 64
+    extend_warps: int = 8
+    extend_stages: int = 3
+    decode_block_n: int = 64
+    decode_warps: int = 4
+    decode_stages: int = 3
+    max_splits: int = 64
+
+    @staticmethod
+    def for_device(device: torch.device, head_dim: int) -> AttnKernelConfig:
+        if device.type != "cuda":
+            return AttnKernelConfig(16, 16, 4, 1, 16, 4, 1, 8)
+        if head_dim > 128:  # keep Q + staged K/V tiles within shared memory
+            return AttnKernelConfig(extend_block_n=32, extend_stages=2)
+        return AttnKernelConfig()
+
+
+# ---------------------------------------------------------------- KV store
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    loc = tl.load(loc_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < HKV) & (d[None, :] < D)
+    dst = loc * stride_cs + h[:, None] * stride_ch + d[None, :]
+    kk = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    tl.store(kc_ptr + dst, kk.to(kc_ptr.dtype.element_ty), mask=mask)
+    vv = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(vc_ptr + dst, vv.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_triton(
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,
+    out_cache_loc: torch.Tensor,  # [T] int64
+) -> None:
+    t, hkv, d = k.shape
+    if t == 0:
+        return
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
+    assert k_cache.stride() == v_cache.stride()
+    _store_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, out_cache_loc,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
+        HKV=hkv, D=d, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
+    )
+
+
+# ---------------------------------------------------------------- decode
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kc_ptr, vc_ptr, pt_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    stride_qt, stride_qh, stride_cs, stride_ch, stride_pt,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    scale_log2,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    kv_len = tl.load(seq_lens_ptr + b)
+    # Splits are BLOCK_N-aligned; trailing splits of a short sequence are empty.
+    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = s * per_split
+    end = tl.minimum(start + per_split, kv_len)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    dmask = d < D
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=gmask[:, None] & dmask[None, :], other=0.0,
+    )  # [G, D]
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    pt_row = pt_ptr + b.to(tl.int64) * stride_pt
+    head_off = kvh * stride_ch
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        nmask = pos < end
+        page = tl.load(pt_row + pos // PAGE_SIZE, mask=nmask, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [N]
+        kt = tl.load(
+            kc_ptr + slot[None, :] * stride_cs + head_off + d[:, None],
+            mask=nmask[None, :] & dmask[:, None], other=0.0,
+        )  # [D, N]
+        qk = mma(q, kt, UPCAST) * scale_log2  # [G, N]
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vv = tl.load(
+            vc_ptr + slot[:, None] * stride_cs + head_off + d[None, :],
+            mask=nmask[:, None] & dmask[None, :], other=0.0,
+        )  # [N, D]
+        acc = acc * alpha[:, None] + mma(p.to(vv.dtype), vv, UPCAST)
+        m_i = m_new
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(
+        mid_o_ptr + b * stride_mob + heads[:, None] * stride_moh + s * stride_mos + d[None, :],
+        out, mask=gmask[:, None] & dmask[None, :],
+    )
+    tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + s, lse, mask=gmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o_ptr, mid_lse_ptr, o_ptr,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < NUM_SPLITS
+    lse = tl.load(mid_lse_ptr + b * stride_mlb + h * stride_mlh + s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence (graph padding): output 0
+    w = tl.exp2(lse - m)  # [S]
+    tot = tl.sum(w, 0)
+    o = tl.load(
+        mid_o_ptr + b * stride_mob + h * stride_moh + s[:, None] * stride_mos + d[None, :],
+        mask=smask[:, None] & (d[None, :] < D), other=0.0,
+    )  # [S, D]
+    out = tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
+    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
+
+
+def decode_attention_triton(
+    q: torch.Tensor,  # [B, Hq, D], one query per sequence
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,  # [B, max_pages] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    page_size: int,
+    scale: float,
+    num_splits: int,
+    cfg: AttnKernelConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    bsz, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    cfg = cfg or AttnKernelConfig.for_device(q.device, d)
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    assert page_table.stride(-1) == 1
+    out = torch.empty_like(q) if out is None else out
+    block_d = triton.next_power_of_2(d)
+    mid_o = torch.empty((bsz, hq, num_splits, block_d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(bsz, hkv, num_splits)](
+        q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        scale * _LOG2E,
+        PAGE_SIZE=page_size, GROUP=group, D=d, BLOCK_D=block_d,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n,
+        NUM_SPLITS=num_splits, UPCAST=interpreting(), num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
+    )
+    _decode_reduce_kernel[(bsz, hq)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), D=d, BLOCK_D=block_d,
+        num_warps=4,
+    )
+    return out
+
+
+# ---------------------------------------------------------------- extend
+
+
+@triton.jit
+def _extend_tile(
+    q, acc, m_i, l_i, kc_ptr, vc_ptr, pt_row, head_off, n0, q_pos, kv_end, stride_cs,
+    scale_log2, d, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pos = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        nmask = pos < kv_end
+        page = tl.load(pt_row + pos // PAGE_SIZE, mask=nmask, other=0)
+    else:
+        page = tl.load(pt_row + pos // PAGE_SIZE)
+    slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [N]
+    kt = tl.load(kc_ptr + slot[None, :] * stride_cs + head_off + d[:, None])  # [D, N]
+    qk = mma(q, kt, UPCAST) * scale_log2  # [M, N]
+    if MASKED:
+        ok = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_end)
+        qk = tl.where(ok, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_ptrs = vc_ptr + slot[:, None] * stride_cs + head_off + d[None, :]
+    if MASKED:  # the dummy page may hold anything (padding writes): 0 * NaN = NaN
+        vv = tl.load(v_ptrs, mask=nmask[:, None], other=0.0)  # [N, D]
+    else:
+        vv = tl.load(v_ptrs)  # [N, D]
+    acc = acc * alpha[:, None] + mma(p.to(vv.dtype), vv, UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, o_ptr, kc_ptr, vc_ptr, pt_ptr, qo_indptr_ptr, prefix_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_pt,
+    scale_log2,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):
+    h = tl.program_id(0)
+    # Largest query blocks (longest causal range) first: better tail balance.
+    mb = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = tl.program_id(2)
+    q0 = tl.load(qo_indptr_ptr + b)
+    n_new = tl.load(qo_indptr_ptr + b + 1) - q0
+    if mb * BLOCK_M < n_new:
+        prefix = tl.load(prefix_ptr + b)
+        kvh = h // GROUP
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = offs_m < n_new
+        d = tl.arange(0, D)
+        rows = (q0 + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+                    mask=mmask[:, None], other=0.0)  # [M, D]
+        q_pos = prefix + offs_m
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        pt_row = pt_ptr + b.to(tl.int64) * stride_pt
+        head_off = kvh * stride_ch
+        # Keys before the block's first query are visible to every row: no mask.
+        full_end = ((prefix + mb * BLOCK_M) // BLOCK_N) * BLOCK_N
+        kv_end = prefix + tl.minimum((mb + 1) * BLOCK_M, n_new)
+        for n0 in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _extend_tile(
+                q, acc, m_i, l_i, kc_ptr, vc_ptr, pt_row, head_off, n0, q_pos, kv_end,
+                stride_cs, scale_log2, d, PAGE_SIZE, BLOCK_N, False, UPCAST,
+            )
+        for n0 in range(full_end, kv_end, BLOCK_N):
+            acc, m_i, l_i = _extend_tile(
+                q, acc, m_i, l_i, kc_ptr, vc_ptr, pt_row, head_off, n0, q_pos, kv_end,
+                stride_cs, scale_log2, d, PAGE_SIZE, BLOCK_N, True, UPCAST,
+            )
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=mmask[:, None])
+
+
+def extend_attention_triton(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [slots, Hkv, D], new tokens already stored
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,  # [B, max_pages] int32
+    qo_indptr: torch.Tensor,  # [B+1] int32
+    prefix_lens: torch.Tensor,  # [B] int32
+    max_extend_len: int,  # host value, bounds the grid
+    page_size: int,
+    scale: float,
+    cfg: AttnKernelConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    bsz = page_table.shape[0]
+    if d & (d - 1):
+        raise ValueError(f"head_dim {d} must be a power of two for the Triton extend kernel")
+    cfg = cfg or AttnKernelConfig.for_device(q.device, d)
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    assert page_table.stride(-1) == 1
+    out = torch.empty_like(q) if out is None else out
+    if t == 0:
+        return out
+    grid = (hq, triton.cdiv(max_extend_len, cfg.extend_block_m), bsz)
+    _extend_kernel[grid](
+        q, out, k_cache, v_cache, page_table, qo_indptr, prefix_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
+        scale * _LOG2E,
+        PAGE_SIZE=page_size, GROUP=hq // hkv, D=d,
+        BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n, UPCAST=interpreting(),
+        num_warps=cfg.extend_warps, num_stages=cfg.extend_stages,
+    )
+    return out
+
+
+# ---------------------------------------------------------------- backend
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+class TritonAttentionBackend:
+    """AttentionBackend (see forward_batch.py) on Triton kernels.
+
+    Decode batches (``batch.is_decode``: exactly one new token per sequence)
+    take the split-K path, which is CUDA-graph capturable; everything else takes
+    the extend path (eager). ``num_splits`` depends only on the batch size and
+    the KV head count, so a graph captured for batch size B stays valid.
+    """
+
+    name = "triton"
+
+    def __init__(self, scale: float | None = None, cfg: AttnKernelConfig | None = None) -> None:
+        self.scale = scale
+        self.cfg = cfg
+
+    def num_splits(self, batch_size: int, num_kv_heads: int, device: torch.device) -> int:
+        cfg = self.cfg or AttnKernelConfig.for_device(device, 128)
+        # About two split programs per SM over all (sequence, kv head) pairs.
+        want = math.ceil(2 * _num_sms(device) / max(1, batch_size * num_kv_heads))
+        return max(1, min(cfg.max_splits, want))
+
+    def forward(self, q, k, v, layer, batch):  # type: ignore[no-untyped-def]
+        pool = batch.kv_pool
+        meta = batch.attn
+        kc, vc = pool.k[layer], pool.v[layer]
+        store_kv_triton(kc, vc, k, v, meta.out_cache_loc)
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        cfg = self.cfg or AttnKernelConfig.for_device(q.device, q.shape[-1])
+        if batch.is_decode:
+            assert q.shape[0] == meta.num_seqs, "decode batches carry one token per sequence"
+            splits = self.num_splits(q.shape[0], kc.shape[1], q.device)
+            return decode_attention_triton(
+                q, kc, vc, meta.page_table, meta.seq_lens, meta.page_size, scale, splits, cfg
+            )
+        return extend_attention_triton(
+            q, kc, vc, meta.page_table, meta.qo_indptr, meta.prefix_lens,
+            meta.max_extend_len, meta.page_size, scale, cfg,
+        )

@@ -1,0 +1,199 @@
+"""Triton paged attention (store, split-K decode, extend) against the torch twin.
+
+On the CPU the kernels run under TRITON_INTERPRET=1 at tiny shapes; on CUDA the
+same tests run natively, and ``gpu``-marked tests use real shapes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    # The interpreter is chosen when a kernel is decorated: set it before import,
+    # and re-decorate if another test imported the module without it.
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "ftserve_kernels.attention_triton" in sys.modules:
+        importlib.reload(sys.modules["ftserve_kernels.attention_triton"])
+
+from ftserve.kvcache.pool import KVPool  # noqa: E402
+from ftserve.models.forward_batch import build_forward_batch  # noqa: E402
+from ftserve_kernels import attention_triton as at  # noqa: E402
+from ftserve_kernels.paged_attention import TorchAttentionBackend, paged_attention_ref  # noqa: E402
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
+
+
+def make_case(
+    new_lens: list[int], prefix_lens: list[int], hq: int, hkv: int, d: int, page_size: int,
+    dtype: torch.dtype, device: str, seed: int = 0,
+) -> tuple[KVPool, list[list[int]], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A pool whose pages hold random prefixes, shuffled page tables, new q/k/v."""
+    g = torch.Generator().manual_seed(seed)
+    need = [(p + n + page_size - 1) // page_size for p, n in zip(prefix_lens, new_lens)]
+    num_pages = sum(need) + 3
+    pool = KVPool(1, num_pages, page_size, hkv, d, dtype, device)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=g).to(dtype))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=g).to(dtype))
+    # The dummy page may hold garbage (padding writes): poison it.
+    pool.k[:, :page_size] = float("nan")
+    pool.v[:, :page_size] = float("nan")
+    perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()
+    tables, at_ = [], 0
+    for n in need:
+        tables.append(perm[at_ : at_ + n])
+        at_ += n
+    t = sum(new_lens)
+    # Scaled queries make the softmax peaky, so a wrong key shows up in the output.
+    q = (3 * torch.randn(t, hq, d, generator=g)).to(dtype).to(device)
+    k = torch.randn(t, hkv, d, generator=g).to(dtype).to(device)
+    v = torch.randn(t, hkv, d, generator=g).to(dtype).to(device)
+    return pool, tables, q, k, v
+
+
+def run_both(
+    new_lens: list[int], prefix_lens: list[int], hq: int, hkv: int, d: int, page_size: int,
+    dtype: torch.dtype, device: str, is_decode: bool,
+    backend: at.TritonAttentionBackend | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, KVPool, KVPool]:
+    pool, tables, q, k, v = make_case(new_lens, prefix_lens, hq, hkv, d, page_size, dtype, device)
+    ref_pool = KVPool(1, pool.num_pages, page_size, hkv, d, dtype, device)
+    ref_pool.k.copy_(pool.k)
+    ref_pool.v.copy_(pool.v)
+    toks = [[1] * n for n in new_lens]
+    backend = backend or at.TritonAttentionBackend()
+    fb = build_forward_batch(toks, prefix_lens, tables, pool, backend, is_decode=is_decode)
+    out = backend.forward(q, k, v, 0, fb)
+    ref_fb = build_forward_batch(toks, prefix_lens, tables, ref_pool, TorchAttentionBackend())
+    ref = ref_fb.attn_backend.forward(q, k, v, 0, ref_fb)
+    return out, ref, pool, ref_pool
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_matches_reference(dtype: torch.dtype) -> None:
+    # Cold prefill, chunk over a cached prefix, a single-token row, unaligned lengths.
+    out, ref, pool, ref_pool = run_both(
+        [7, 1, 20, 3], [0, 5, 13, 31], hq=4, hkv=2, d=32, page_size=4,
+        dtype=dtype, device=DEVICE, is_decode=False,
+    )
+    assert torch.equal(pool.k, ref_pool.k.to(pool.k.dtype)) or torch.allclose(
+        pool.k.nan_to_num(7.0), ref_pool.k.nan_to_num(7.0)
+    )
+    assert torch.equal(pool.v.nan_to_num(7.0), ref_pool.v.nan_to_num(7.0))
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_matches_reference(dtype: torch.dtype) -> None:
+    out, ref, pool, ref_pool = run_both(
+        [1, 1, 1], [0, 16, 39], hq=8, hkv=2, d=32, page_size=4,
+        dtype=dtype, device=DEVICE, is_decode=True,
+    )
+    assert torch.equal(pool.k.nan_to_num(7.0), ref_pool.k.nan_to_num(7.0))
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_decode_split_counts_agree(splits: int) -> None:
+    """More splits than tiles leaves empty splits; every count gives the same answer."""
+    pool, tables, q, k, v = make_case([1, 1], [50, 4], 4, 1, 32, 8, torch.float32, DEVICE)
+    toks = [[1], [1]]
+    fb = build_forward_batch(toks, [50, 4], tables, pool, TorchAttentionBackend(), is_decode=True)
+    at.store_kv_triton(pool.k[0], pool.v[0], k, v, fb.attn.out_cache_loc)
+    out = torch.full_like(q, float("nan"))
+    at.decode_attention_triton(
+        q, pool.k[0], pool.v[0], fb.attn.page_table, fb.attn.seq_lens, 8, 32**-0.5, splits, out=out
+    )
+    ref = paged_attention_ref(q, pool.k[0], pool.v[0], fb.attn.page_table, [0, 1, 2],
+                              fb.attn.seq_lens_host, 8, 32**-0.5)
+    assert rel_err(out, ref) < 1e-4
+
+
+def test_decode_empty_sequence_gives_zeros() -> None:
+    """CUDA-graph padding rows may carry seq_len 0: output must be finite (zeros)."""
+    pool, tables, q, k, v = make_case([1], [9], 2, 1, 16, 4, torch.float32, DEVICE)
+    table = torch.tensor([tables[0], [0] * len(tables[0])], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([10, 0], dtype=torch.int32, device=DEVICE)
+    q2 = torch.cat([q, q])
+    out = at.decode_attention_triton(q2, pool.k[0], pool.v[0], table, seq_lens, 4, 0.25, 4)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_backend_num_splits_depends_on_batch_size_only() -> None:
+    be = at.TritonAttentionBackend()
+    dev = torch.device(DEVICE)
+    assert be.num_splits(1, 4, dev) >= be.num_splits(8, 4, dev) >= be.num_splits(64, 4, dev) >= 1
+
+
+# ---------------------------------------------------------------- GPU, real shapes
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_gpu_extend_real_shape(page_size: int) -> None:
+    out, ref, _, _ = run_both(
+        [700, 1, 129], [5000, 0, 300], hq=32, hkv=4, d=128, page_size=page_size,
+        dtype=torch.bfloat16, device="cuda", is_decode=False,
+    )
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("prefix", [[100_000], [5, 2047, 30_000, 0, 1, 16, 63, 64]])
+def test_gpu_decode_real_shape(prefix: list[int]) -> None:
+    out, ref, _, _ = run_both(
+        [1] * len(prefix), prefix, hq=32, hkv=4, d=128, page_size=16,
+        dtype=torch.bfloat16, device="cuda", is_decode=True,
+    )
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_decode_poisoned_output_and_graph_replay() -> None:
+    """Capture decode in a CUDA graph, change seq_lens/page table in place, replay."""
+    pool, tables, q, k, v = make_case([1, 1], [3000, 70], 32, 4, 128, 16, torch.bfloat16, "cuda")
+    fb = build_forward_batch([[1], [1]], [3000, 70], tables, pool, TorchAttentionBackend(),
+                             is_decode=True)
+    meta = fb.attn
+    kc, vc = pool.k[0], pool.v[0]
+    at.store_kv_triton(kc, vc, k, v, meta.out_cache_loc)
+    be = at.TritonAttentionBackend()
+    splits = be.num_splits(2, 4, q.device)
+    out = torch.full_like(q, float("nan"))
+    seq_lens = meta.seq_lens.clone()
+    table = meta.page_table.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up compiles outside the capture
+        at.decode_attention_triton(q, kc, vc, table, seq_lens, 16, 128**-0.5, splits, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        at.decode_attention_triton(q, kc, vc, table, seq_lens, 16, 128**-0.5, splits, out=out)
+    for lens in ([3001, 71], [17, 2500]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = paged_attention_ref(q, kc, vc, table, [0, 1, 2], lens, 16, 128**-0.5)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < 2e-2
