@@ -1,0 +1,268 @@
+"""Per-slot sampling state on the device and the sync-free, fixed-shape sampler.
+
+A request holds one slot (a row of every state tensor) from ``admit`` to
+``release``. Row ``max_slots`` is the dummy slot: padded batch rows (CUDA-graph
+padding) point at it, and it always samples greedily with no penalties.
+
+    slots   0 .. max_slots-1 | max_slots
+            requests          dummy
+
+Per step the engine calls ``sample(logits, slots, steps, min_tokens_active)``
+then ``update(slots, token_ids)``. Both only launch fixed-shape kernels on
+device tensors: no ``.item()``, no boolean indexing, no host reads, so they
+can be captured in a CUDA graph.
+
+Pipeline for one row (the model distribution is ``logits``):
+
+    logits --(logprobs: log_softmax of the raw logits, vLLM/OpenAI semantics)
+      -> repetition penalty (prompt + generated), presence/frequency (generated)
+      -> eos/stop ids -> -inf while the row is below min_tokens
+      -> greedy rows: argmax
+      -> sampled rows: / temperature -> top-k -> top-p -> min-p -> Gumbel-max
+         with counter-based noise keyed by (seed, step, token)
+
+Which stages run is a host-side ``SamplerFeatures`` value that only grows as
+requests needing a stage are admitted (or ``enable`` forces it). Disabled
+stages would be exact no-ops for every admitted row, so skipping them changes
+no result; a graph runner keys its captured graphs on ``features`` and
+recaptures (or runs the sampler eagerly) when it changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ftserve.engine.sampling_params import SamplingParams
+from ftserve_kernels import sampling as ks
+
+# Smallest temperature used as a divisor; below it a row is sampled as greedy
+# (logits / 1e-6 would overflow fp32 for no observable difference).
+MIN_TEMPERATURE = 1e-6
+
+
+@dataclass(frozen=True)
+class SamplerFeatures:
+    """Stages ``sample`` runs. Hashable: use it in a CUDA-graph key."""
+
+    sampling: bool = False  # some row has temperature > 0
+    filtering: bool = False  # some row uses top-k, top-p or min-p
+    penalties: bool = False  # some row uses presence/frequency/repetition
+    logprobs: bool = False  # some row asked for logprobs
+
+    def union(self, other: SamplerFeatures) -> SamplerFeatures:
+        return SamplerFeatures(*(a or b for a, b in zip(dataclasses.astuple(self),
+                                                        dataclasses.astuple(other))))
+
+
+@dataclass
+class SampleOutput:
+    token_ids: torch.Tensor  # [B] int64
+    # None unless features.logprobs (some admitted request asked for logprobs).
+    logprobs: torch.Tensor | None = None  # [B] fp32, log_softmax(raw logits)[token]
+    top_ids: torch.Tensor | None = None  # [B, K] int64, best first
+    top_logprobs: torch.Tensor | None = None  # [B, K] fp32
+
+
+def _features_of(params: SamplingParams) -> SamplerFeatures:
+    sampled = not params.greedy and params.temperature >= MIN_TEMPERATURE
+    return SamplerFeatures(
+        sampling=sampled,
+        filtering=sampled and (params.top_k > 1 or params.top_p < 1.0 or params.min_p > 0.0),
+        penalties=params.uses_penalties,
+        logprobs=params.logprobs is not None,
+    )
+
+
+class Sampler:
+    def __init__(
+        self,
+        vocab_size: int,
+        max_slots: int,
+        device: torch.device | str,
+        *,
+        max_top_logprobs: int = 20,
+        max_stop_ids: int = 80,
+        seed: int | None = None,
+    ) -> None:
+        """``max_stop_ids`` bounds eos + stop ids per request (masked for
+        min_tokens); ``seed`` seeds the host RNG that draws seeds for requests
+        that bring none (None = nondeterministic)."""
+        self.vocab_size = vocab_size
+        self.max_slots = max_slots
+        self.device = torch.device(device)
+        self.max_top_logprobs = min(max_top_logprobs, vocab_size)
+        self.max_stop_ids = max_stop_ids
+        self._host_rng = random.Random(seed)
+        self._features = SamplerFeatures()
+        n = max_slots + 1  # + the dummy slot
+
+        def full(value: float | int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.full((n,), value, dtype=dtype, device=self.device)
+
+        self.greedy = full(True, torch.bool)  # [S]
+        self.temperature = full(1.0, torch.float32)  # [S], 1 on greedy rows (unused)
+        self.top_k = full(vocab_size, torch.int64)  # [S], V = off
+        self.top_p = full(1.0, torch.float32)  # [S]
+        self.min_p = full(0.0, torch.float32)  # [S]
+        self.repetition = full(1.0, torch.float32)  # [S]
+        self.presence = full(0.0, torch.float32)  # [S]
+        self.frequency = full(0.0, torch.float32)  # [S]
+        self.seed_lo = full(0, torch.int64)  # [S], 32-bit halves of the seed
+        self.seed_hi = full(0, torch.int64)  # [S]
+        # eos/stop ids masked while below min_tokens; padding is id 0, inactive.
+        self.stop_ids = torch.zeros(n, max_stop_ids, dtype=torch.int64, device=self.device)
+        self.stop_valid = torch.zeros(n, max_stop_ids, dtype=torch.bool, device=self.device)
+        self.token_hash = ks.token_hash_table(vocab_size, self.device)  # [V]
+        # Allocated on the first request that uses penalties ([S, V] each).
+        self.counts: torch.Tensor | None = None  # int32, generated-token counts
+        self.prompt_mask: torch.Tensor | None = None  # bool, token in the prompt
+
+    @property
+    def dummy_slot(self) -> int:
+        return self.max_slots
+
+    @property
+    def features(self) -> SamplerFeatures:
+        return self._features
+
+    def enable(self, features: SamplerFeatures) -> None:
+        """Turn stages on ahead of time (e.g. before capturing CUDA graphs)."""
+        self._features = self._features.union(features)
+        if self._features.penalties and self.counts is None:
+            n = self.max_slots + 1
+            self.counts = torch.zeros(n, self.vocab_size, dtype=torch.int32, device=self.device)
+            self.prompt_mask = torch.zeros(n, self.vocab_size, dtype=torch.bool, device=self.device)
+
+    # -- host path: once per request --------------------------------------
+
+    def admit(
+        self,
+        slot: int,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        eos_ids: Sequence[int],
+        output_ids: Sequence[int] = (),
+    ) -> None:
+        """Load a request's parameters into ``slot``. ``output_ids`` are tokens it
+        already generated (a preempted request resuming), counted for penalties.
+        Small host -> device copies; not the per-step path."""
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
+        stops = list(dict.fromkeys([*params.stop_token_ids, *([] if params.ignore_eos else eos_ids)]))
+        if len(stops) > self.max_stop_ids:
+            raise ValueError(f"{len(stops)} eos/stop ids exceed max_stop_ids={self.max_stop_ids}")
+        self.enable(_features_of(params))
+        sampled = _features_of(params).sampling
+        self.greedy[slot] = not sampled
+        self.temperature[slot] = params.temperature if sampled else 1.0
+        self.top_k[slot] = params.top_k if params.top_k > 0 else self.vocab_size
+        self.top_p[slot] = params.top_p
+        self.min_p[slot] = params.min_p
+        self.repetition[slot] = params.repetition_penalty
+        self.presence[slot] = params.presence_penalty
+        self.frequency[slot] = params.frequency_penalty
+        seed = params.seed if params.seed is not None else self._host_rng.getrandbits(64)
+        lo, hi = ks.split_seed(seed)
+        self.seed_lo[slot] = lo
+        self.seed_hi[slot] = hi
+        padded = stops + [0] * (self.max_stop_ids - len(stops))
+        self.stop_ids[slot].copy_(torch.tensor(padded, dtype=torch.int64))
+        self.stop_valid[slot].copy_(torch.arange(self.max_stop_ids) < len(stops))
+        if self.counts is not None and self.prompt_mask is not None:
+            # Reset even for requests without penalties: update() counts every row.
+            self.counts[slot].zero_()
+            self.prompt_mask[slot].zero_()
+            if params.uses_penalties:
+                if prompt_ids:
+                    ids = torch.tensor(list(prompt_ids), dtype=torch.int64, device=self.device)
+                    self.prompt_mask[slot].index_fill_(0, ids, True)
+                if output_ids:
+                    out = torch.tensor(list(output_ids), dtype=torch.int64, device=self.device)
+                    self.counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+
+    def release(self, slot: int) -> None:
+        """Return ``slot`` to neutral greedy settings (a stale row is harmless)."""
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
+        self.greedy[slot] = True
+        self.temperature[slot] = 1.0
+        self.top_k[slot] = self.vocab_size
+        self.top_p[slot] = 1.0
+        self.min_p[slot] = 0.0
+        self.repetition[slot] = 1.0
+        self.presence[slot] = 0.0
+        self.frequency[slot] = 0.0
+        self.stop_valid[slot] = False
+
+    # -- step path: fixed shapes, no host sync ----------------------------
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [B, V]
+        slots: torch.Tensor,  # [B] int64, dummy_slot for padded rows
+        steps: torch.Tensor,  # [B] int64, index of the output token being sampled
+        min_tokens_active: torch.Tensor,  # [B] bool, below min_tokens: mask eos/stop
+    ) -> SampleOutput:
+        f = self._features
+        raw = logits.float()  # [B, V]
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, slots)
+
+        out = SampleOutput(token_ids=raw.new_empty(0, dtype=torch.int64))
+        if f.logprobs:
+            logp = torch.log_softmax(raw, dim=-1)  # [B, V]
+            out.top_logprobs, out.top_ids = logp.topk(self.max_top_logprobs, dim=-1)  # [B, K]
+
+        x = raw
+        if f.penalties:
+            assert self.counts is not None and self.prompt_mask is not None
+            x = ks.apply_penalties_ref(
+                x, rows(self.counts), rows(self.prompt_mask),
+                rows(self.repetition), rows(self.presence), rows(self.frequency),
+            )  # [B, V]
+        stop_active = rows(self.stop_valid) & min_tokens_active[:, None]  # [B, M]
+        x = ks.mask_token_ids(x, rows(self.stop_ids), stop_active)  # [B, V]
+        tokens = x.argmax(dim=-1)  # [B], the greedy choice
+
+        if f.sampling:
+            scaled = x / rows(self.temperature).clamp_min(MIN_TEMPERATURE)[:, None]  # [B, V]
+            if f.filtering:
+                keep = ks.top_k_top_p_keep(scaled, rows(self.top_k), rows(self.top_p))
+                keep = keep & ks.min_p_keep(scaled, rows(self.min_p))  # [B, V]
+                scaled = torch.where(keep, scaled, ks.NEG_INF)
+            k1, k2 = ks.row_keys(rows(self.seed_lo), rows(self.seed_hi), steps)  # [B] each
+            drawn = gumbel_argmax(scaled, k1, k2, self.token_hash)  # [B]
+            tokens = torch.where(rows(self.greedy), tokens, drawn)
+
+        out.token_ids = tokens
+        if f.logprobs:
+            out.logprobs = logp.gather(1, tokens[:, None]).squeeze(1)  # [B]
+        return out
+
+    def update(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Count the sampled tokens for presence/frequency/repetition penalties.
+        Nothing to do (no kernel) until some request uses penalties."""
+        if self.counts is None:
+            return
+        ones = torch.ones_like(token_ids, dtype=torch.int32)  # [B]
+        self.counts.index_put_((slots, token_ids), ones, accumulate=True)
+
+
+def gumbel_argmax(
+    scores: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor, token_hash: torch.Tensor
+) -> torch.Tensor:
+    """Dispatch: the fused Triton kernel on CUDA when available, else the reference."""
+    if scores.is_cuda:
+        try:
+            from ftserve_kernels.sampling_triton import gumbel_argmax_triton
+        except ImportError:
+            pass
+        else:
+            return gumbel_argmax_triton(scores, k1, k2)
+    return ks.gumbel_argmax_ref(scores, k1, k2, token_hash)

@@ -1,0 +1,161 @@
+"""Sampling math on fixed shapes: counter-based noise, penalties, filter masks.
+
+Everything here is elementwise, a gather/scatter with fixed index shapes, a
+sort, or a reduction along the vocabulary: no data-dependent shapes and no
+host reads, so a caller can capture it in a CUDA graph.
+
+Counter-based randomness
+------------------------
+A sampled token must depend only on (request seed, output index), never on the
+batch it shares or its row, so noise is a pure function of
+
+    (seed_lo, seed_hi)  the request's 64-bit seed, as two 32-bit halves
+    step                the index of the output token being sampled
+    token               the vocabulary index
+
+hashed with ``mix32`` (a 32-bit integer finalizer; bijective, full avalanche):
+
+    k1 = mix32(seed_lo ^ mix32(step ^ GOLDEN))
+    k2 = mix32(seed_hi ^ mix32(k1 ^ SALT))
+    h  = mix32(mix32(mix32(token ^ GOLDEN) ^ k1) ^ k2)
+    u  = (h >> 8 + 0.5) / 2^24          in (0, 1), exact in fp32
+    g  = -log(-log(u))                  standard Gumbel
+
+and the sample is argmax(scores + g) (Gumbel-max: exactly a draw from
+softmax(scores)). Values are 32-bit quantities held in int64 tensors; products
+are split into 16-bit halves so nothing overflows int64 (the Triton twin uses
+native uint32 arithmetic, which wraps the same way).
+"""
+
+from __future__ import annotations
+
+import torch
+
+M32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9
+SALT = 0x85EBCA6B
+_C1 = 0x7FEB352D
+_C2 = 0x846CA68B
+NEG_INF = float("-inf")
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32), without int64 overflow."""
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (hi + x * (c & 0xFFFF)) & M32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _C1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _C2)
+    return x ^ (x >> 16)
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """A signed or unsigned 64-bit seed as (low, high) 32-bit halves."""
+    s = seed & 0xFFFFFFFFFFFFFFFF
+    return s & M32, s >> 32
+
+
+def row_keys(
+    seed_lo: torch.Tensor,  # [B] int64 in [0, 2^32)
+    seed_hi: torch.Tensor,  # [B] int64 in [0, 2^32)
+    steps: torch.Tensor,  # [B] int64, output index
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row 32-bit keys (k1, k2), each [B] int64."""
+    k1 = mix32(seed_lo ^ mix32((steps & M32) ^ GOLDEN))
+    k2 = mix32(seed_hi ^ mix32(k1 ^ SALT))
+    return k1, k2
+
+
+def token_hash_table(vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """mix32(token ^ GOLDEN) for every token: [V] int64, computed once."""
+    return mix32(torch.arange(vocab_size, dtype=torch.int64, device=device) ^ GOLDEN)
+
+
+def uniform_ref(
+    k1: torch.Tensor,  # [B] int64
+    k2: torch.Tensor,  # [B] int64
+    token_hash: torch.Tensor,  # [V] int64, from token_hash_table
+) -> torch.Tensor:
+    """Uniforms in (0, 1): [B, V] fp32, a pure function of (keys, token)."""
+    h = mix32(mix32(token_hash[None, :] ^ k1[:, None]) ^ k2[:, None])  # [B, V]
+    # 24 bits fit fp32's mantissa exactly; +0.5 keeps u away from 0 and 1.
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel_argmax_ref(
+    scores: torch.Tensor,  # [B, V] fp32, -inf = excluded
+    k1: torch.Tensor,  # [B] int64
+    k2: torch.Tensor,  # [B] int64
+    token_hash: torch.Tensor,  # [V] int64
+) -> torch.Tensor:
+    """One draw per row from softmax(scores): [B] int64."""
+    u = uniform_ref(k1, k2, token_hash)  # [B, V]
+    gumbel = -torch.log(-torch.log(u))  # [B, V]
+    return (scores + gumbel).argmax(dim=-1)
+
+
+def apply_penalties_ref(
+    logits: torch.Tensor,  # [B, V] fp32
+    counts: torch.Tensor,  # [B, V] int32, generated-token counts
+    prompt_mask: torch.Tensor,  # [B, V] bool, token appears in the prompt
+    repetition: torch.Tensor,  # [B] fp32, 1 = off
+    presence: torch.Tensor,  # [B] fp32, 0 = off
+    frequency: torch.Tensor,  # [B] fp32, 0 = off
+) -> torch.Tensor:
+    """HF repetition penalty (prompt + generated tokens), then OpenAI presence and
+    frequency penalties (generated tokens only). Neutral values are exact no-ops.
+    """
+    seen = counts > 0  # [B, V]
+    rep = repetition[:, None]  # [B, 1]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)  # [B, V]
+    out = torch.where(seen | prompt_mask, penalized, logits)  # [B, V]
+    out = out - counts.to(torch.float32) * frequency[:, None]
+    return out - seen.to(torch.float32) * presence[:, None]
+
+
+def mask_token_ids(
+    logits: torch.Tensor,  # [B, V] fp32
+    ids: torch.Tensor,  # [B, M] int64, padding may be any valid id
+    active: torch.Tensor,  # [B, M] bool, False = padding or not masked this step
+) -> torch.Tensor:
+    """Set logits[b, ids[b, m]] to -inf where active[b, m]: a fixed-shape scatter
+    of -inf (masked) or 0.0 (padding), added, so duplicates are harmless."""
+    add = torch.where(active, NEG_INF, 0.0).to(logits.dtype)  # [B, M]
+    return logits.scatter_add(1, ids, add)
+
+
+def top_k_top_p_keep(
+    scaled: torch.Tensor,  # [B, V] fp32, after temperature
+    top_k: torch.Tensor,  # [B] int64, V = off
+    top_p: torch.Tensor,  # [B] fp32, 1 = off
+) -> torch.Tensor:
+    """Tokens kept by top-k, then top-p over the top-k-renormalized distribution
+    (vLLM order). Ties at the top-k boundary go to the lower token id.
+    Returns [B, V] bool.
+    """
+    vocab = scaled.shape[-1]
+    # Stable sort: equal logits keep id order, so the kept set is well defined.
+    vals, order = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
+    rank = torch.arange(vocab, device=scaled.device)  # [V]
+    keep = rank[None, :] < top_k[:, None]  # [B, V]
+    vals = torch.where(keep, vals, NEG_INF)
+    probs = torch.softmax(vals, dim=-1)  # [B, V]
+    before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
+    # top_p == 1 keeps everything even where rounding pushes `before` to 1.
+    keep = keep & ((before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    return torch.zeros_like(keep).scatter(1, order, keep)
+
+
+def min_p_keep(
+    scaled: torch.Tensor,  # [B, V] fp32, after temperature
+    min_p: torch.Tensor,  # [B] fp32, 0 = off
+) -> torch.Tensor:
+    """p >= min_p * p_max, i.e. scaled >= max + log(min_p): [B, V] bool.
+    Relative to the max, so it does not depend on renormalization order."""
+    top = scaled.max(dim=-1, keepdim=True).values  # [B, 1]
+    return scaled >= top + torch.log(min_p)[:, None]

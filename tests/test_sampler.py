@@ -1,0 +1,305 @@
+"""Sampler: greedy, filters, seeded determinism, distribution, penalties,
+min_tokens, logprobs, and (GPU) CUDA-graph capture without host syncs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ftserve.engine.sampler import Sampler, SamplerFeatures
+from ftserve.engine.sampling_params import SamplingParams
+from ftserve_kernels import sampling as ks
+
+V = 32
+
+
+def _i64(xs: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int64, device=device)
+
+
+def _sample(
+    s: Sampler, logits: torch.Tensor, slots: list[int], steps: list[int] | None = None,
+    active: list[bool] | None = None,
+) -> torch.Tensor:
+    b = len(slots)
+    return s.sample(
+        logits, _i64(slots), _i64(steps or [0] * b),
+        torch.tensor(active or [False] * b, dtype=torch.bool),
+    ).token_ids
+
+
+def _draws(params: SamplingParams, logits: torch.Tensor, n: int) -> torch.Tensor:
+    """n draws for one request: one row per output step, all in one batch."""
+    s = Sampler(logits.shape[-1], 2, "cpu")
+    s.admit(0, params, [], [])
+    rows = logits.expand(n, -1).contiguous()
+    return s.sample(rows, _i64([0] * n), torch.arange(n), torch.zeros(n, dtype=torch.bool)).token_ids
+
+
+def test_greedy_is_argmax_and_top_k_1_is_greedy() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, V)
+    s = Sampler(V, 8, "cpu")
+    s.admit(0, SamplingParams(temperature=0.0), [], [])
+    s.admit(1, SamplingParams(temperature=1.3, top_k=1, seed=5), [], [])
+    s.admit(2, SamplingParams(temperature=0.8, seed=9), [], [])  # forces the sampling path
+    slots = [0, 1, 0, 1, s.dummy_slot, 0]
+    got = _sample(s, logits, slots, steps=[0, 1, 2, 3, 0, 7])
+    assert s.features.sampling
+    assert torch.equal(got, logits.argmax(-1))
+
+
+def test_mixed_batch_greedy_rows_unaffected_by_enabled_features() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(4, V)
+    plain = Sampler(V, 4, "cpu")
+    plain.admit(0, SamplingParams(temperature=0.0), [], [])
+    full = Sampler(V, 4, "cpu")
+    full.enable(SamplerFeatures(True, True, True, True))
+    full.admit(0, SamplingParams(temperature=0.0), [], [])
+    a = _sample(plain, logits, [0, 0, 0, 0])
+    b = _sample(full, logits, [0, 0, 0, 0])
+    assert plain.features == SamplerFeatures()
+    assert torch.equal(a, b) and torch.equal(a, logits.argmax(-1))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_k=3, seed=1),
+        SamplingParams(temperature=1.5, top_p=0.6, seed=2),
+        SamplingParams(temperature=0.7, min_p=0.3, seed=3),
+        SamplingParams(temperature=2.0, top_k=5, top_p=0.8, min_p=0.05, seed=4),
+    ],
+)
+def test_filters_never_sample_outside_allowed_set(params: SamplingParams) -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(V) * 2.0
+    draws = _draws(params, logits[None], 3000)
+    scaled = logits / params.temperature
+    order = scaled.argsort(descending=True)
+    k = params.top_k if params.top_k > 0 else V
+    probs_k = torch.softmax(scaled[order[:k]].double(), -1)
+    allowed: set[int] = set()
+    mass = 0.0
+    for tok, p in zip(order[:k].tolist(), probs_k.tolist()):
+        if mass >= params.top_p:
+            break
+        allowed.add(tok)
+        mass += p
+    p_full = torch.softmax(scaled.double(), -1)
+    allowed = {t for t in allowed if p_full[t] >= params.min_p * p_full.max()}
+    seen = set(draws.tolist())
+    assert seen <= allowed
+    assert len(seen) == len(allowed)  # every allowed token shows up over 3000 draws
+
+
+def test_distribution_matches_softmax() -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(V)
+    n = 20000
+    draws = _draws(SamplingParams(temperature=1.0, seed=1234), logits[None], n)
+    observed = torch.bincount(draws, minlength=V).double()
+    expected = torch.softmax(logits.double(), -1) * n
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    # 31 degrees of freedom: mean 31, sd ~7.9; 70 is beyond the 99.99th percentile.
+    assert chi2 < 70.0, chi2
+    # Temperature actually sharpens: at 0.5 the top token is drawn more often.
+    cold = _draws(SamplingParams(temperature=0.5, seed=1234), logits[None], n)
+    top = int(logits.argmax())
+    assert (cold == top).sum() > (draws == top).sum()
+
+
+def test_same_seed_independent_of_batch_and_row_order() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(3, V)
+    a = Sampler(V, 8, "cpu")
+    a.admit(5, SamplingParams(temperature=1.0, seed=42), [1, 2], [])
+    alone = [int(_sample(a, logits[i : i + 1], [5], steps=[i])[0]) for i in range(3)]
+    b = Sampler(V, 8, "cpu")
+    b.admit(0, SamplingParams(temperature=0.9, seed=7), [], [])
+    b.admit(3, SamplingParams(temperature=1.0, seed=42), [9], [])
+    b.admit(1, SamplingParams(temperature=0.0), [], [])
+    other = torch.randn(3, V)
+    batch = torch.stack([other[0], logits[2], other[1], logits[0], logits[1], other[2]])
+    got = _sample(b, batch, [0, 3, 1, 3, 3, b.dummy_slot], steps=[0, 2, 0, 0, 1, 0])
+    assert [int(got[3]), int(got[4]), int(got[1])] == alone
+
+
+def test_different_seeds_differ_and_unseeded_requests_get_fresh_seeds() -> None:
+    logits = torch.zeros(1, V)  # uniform: every token equally likely
+    runs = [_draws(SamplingParams(temperature=1.0, seed=sd), logits, 64) for sd in (1, 2, -1)]
+    assert not torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    assert torch.equal(runs[0], _draws(SamplingParams(temperature=1.0, seed=1), logits, 64))
+    s = Sampler(V, 4, "cpu", seed=0)
+    s.admit(0, SamplingParams(temperature=1.0), [], [])
+    s.admit(1, SamplingParams(temperature=1.0), [], [])
+    rows = logits.expand(64, -1)
+    steps = torch.arange(64)
+    t0 = s.sample(rows, _i64([0] * 64), steps, torch.zeros(64, dtype=torch.bool)).token_ids
+    t1 = s.sample(rows, _i64([1] * 64), steps, torch.zeros(64, dtype=torch.bool)).token_ids
+    assert not torch.equal(t0, t1)
+
+
+def _penalized_reference(
+    logits: list[float], prompt: list[int], output: list[int], rep: float, pres: float, freq: float
+) -> list[float]:
+    out = list(logits)
+    for t in set(prompt) | set(output):  # HF: prompt and generated tokens
+        out[t] = out[t] / rep if out[t] > 0 else out[t] * rep
+    for t in set(output):  # OpenAI: generated tokens only
+        out[t] -= output.count(t) * freq + pres
+    return out
+
+
+def test_penalties_match_formulas() -> None:
+    torch.manual_seed(5)
+    logits = torch.randn(3, V) * 3.0
+    cases = [
+        ([1, 2, 3, 3], [3, 4, 4, 4, 7], 1.3, 0.5, 0.25),
+        ([], [0, 0, 31], 0.8, -0.4, 1.1),
+        ([5, 6], [], 1.0, 0.0, 0.0),  # neutral: unchanged
+    ]
+    s = Sampler(V, 4, "cpu")
+    for slot, (prompt, output, rep, pres, freq) in enumerate(cases):
+        params = SamplingParams(
+            temperature=0.0, repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq)
+        half = len(output) // 2
+        # Half the outputs restored at admit (a resumed request), half via update().
+        s.admit(slot, params, prompt, [], output_ids=output[:half])
+        for tok in output[half:]:
+            s.update(_i64([slot]), _i64([tok]))
+    assert s.counts is not None and s.prompt_mask is not None
+    got = ks.apply_penalties_ref(
+        logits, s.counts[:3], s.prompt_mask[:3], s.repetition[:3], s.presence[:3], s.frequency[:3])
+    for i, (prompt, output, rep, pres, freq) in enumerate(cases):
+        want = _penalized_reference(logits[i].tolist(), prompt, output, rep, pres, freq)
+        torch.testing.assert_close(got[i], torch.tensor(want), rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[2], logits[2])
+    # And the greedy choice follows the penalized logits.
+    picked = _sample(s, logits, [0, 1, 2])
+    assert torch.equal(picked, got.argmax(-1))
+
+
+def test_update_counts_and_readmit_resets() -> None:
+    s = Sampler(V, 4, "cpu")
+    s.admit(2, SamplingParams(frequency_penalty=1.0), [4], [])
+    s.update(_i64([2, 2, s.dummy_slot]), _i64([9, 9, 9]))
+    assert s.counts is not None and s.prompt_mask is not None
+    assert int(s.counts[2, 9]) == 2 and bool(s.prompt_mask[2, 4])
+    s.release(2)
+    s.admit(2, SamplingParams(presence_penalty=1.0), [], [])
+    assert int(s.counts[2].sum()) == 0 and not bool(s.prompt_mask[2].any())
+
+
+def test_min_tokens_masks_eos_and_stop_ids() -> None:
+    logits = torch.zeros(4, V)
+    logits[:, 7] = 10.0  # eos is the favourite
+    logits[:, 11] = 9.0  # then a stop id
+    logits[:, 3] = 8.0
+    s = Sampler(V, 4, "cpu")
+    s.admit(0, SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(11,)), [], [7])
+    s.admit(1, SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), [], [7])
+    got = _sample(s, logits, [0, 0, 1, 1], active=[True, False, True, False])
+    # Row 0: eos and stop masked -> 3. Row 1: min_tokens done -> eos.
+    # Row 2: ignore_eos, so eos is not a stop and is never masked.
+    assert got.tolist() == [3, 7, 7, 7]
+    s.admit(2, SamplingParams(temperature=1.0, seed=3, min_tokens=5), [], [7])
+    drawn = s.sample(logits[:1].expand(500, -1), _i64([2] * 500), torch.arange(500),
+                     torch.ones(500, dtype=torch.bool)).token_ids
+    assert not bool((drawn == 7).any())
+
+
+def test_logprobs_are_raw_log_softmax() -> None:
+    torch.manual_seed(6)
+    logits = torch.randn(3, V)
+    s = Sampler(V, 4, "cpu", max_top_logprobs=5)
+    s.admit(0, SamplingParams(temperature=0.7, seed=1, logprobs=3, presence_penalty=1.0), [], [])
+    out = s.sample(logits, _i64([0, 0, 0]), _i64([0, 1, 2]), torch.zeros(3, dtype=torch.bool))
+    assert out.logprobs is not None and out.top_ids is not None and out.top_logprobs is not None
+    ref = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(out.logprobs, ref.gather(1, out.token_ids[:, None]).squeeze(1))
+    want_lp, want_ids = ref.topk(5, dim=-1)
+    assert out.top_ids.shape == (3, 5)
+    assert torch.equal(out.top_ids, want_ids)
+    torch.testing.assert_close(out.top_logprobs, want_lp)
+
+
+def test_noise_is_uniform_and_hash_matches_known_values() -> None:
+    table = ks.token_hash_table(4096, "cpu")
+    assert len(set(table.tolist())) == 4096  # mix32 is a bijection
+    k1, k2 = ks.row_keys(_i64([1, 1]), _i64([0, 0]), _i64([0, 1]))
+    u = ks.uniform_ref(k1, k2, table)  # [2, 4096]
+    assert float(u.min()) > 0.0 and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.02
+    assert float((u[0] - u[1]).abs().mean()) > 0.2  # steps decorrelate
+    # lowbias32 of 1: pins the arithmetic so the Triton twin cannot drift.
+    assert int(ks.mix32(_i64([1]))[0]) == _lowbias32_py(1)
+
+
+def _lowbias32_py(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_admit_rejects_bad_slot_and_too_many_stop_ids() -> None:
+    s = Sampler(V, 2, "cpu", max_stop_ids=2)
+    with pytest.raises(ValueError):
+        s.admit(2, SamplingParams(), [], [])
+    with pytest.raises(ValueError):
+        s.admit(0, SamplingParams(stop_token_ids=(1, 2)), [], [3])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_capture_matches_eager_without_syncs() -> None:
+    dev = torch.device("cuda")
+    vocab, b = 151_936, 8
+    s = Sampler(vocab, 16, dev)
+    s.enable(SamplerFeatures(True, True, True, True))
+    s.admit(0, SamplingParams(temperature=0.0), [1, 2, 3], [2])
+    s.admit(1, SamplingParams(temperature=0.8, top_p=0.9, seed=1, logprobs=5), [4], [2])
+    s.admit(2, SamplingParams(temperature=1.2, top_k=40, min_p=0.05, seed=2,
+                              repetition_penalty=1.2, frequency_penalty=0.5), [5, 6], [2])
+    s.admit(3, SamplingParams(temperature=1.0, min_tokens=3), [], [2])
+    logits = torch.randn(b, vocab, device=dev) * 4
+    slots = torch.tensor([0, 1, 2, 3, 1, 2, s.dummy_slot, s.dummy_slot], device=dev)
+    steps = torch.tensor([0, 1, 2, 0, 5, 6, 0, 0], device=dev)
+    active = torch.tensor([False, False, True, True, False, False, False, False], device=dev)
+    eager = s.sample(logits, slots, steps, active)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        s.sample(logits, slots, steps, active)  # warm-up on the side stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            out = s.sample(logits, slots, steps, active)
+        graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.equal(out.token_ids, eager.token_ids)
+    assert out.logprobs is not None and eager.logprobs is not None
+    assert torch.equal(out.logprobs, eager.logprobs)
+    assert torch.equal(out.top_ids, eager.top_ids)
+    # The Triton noise path agrees with the torch reference on the chosen token.
+    scaled = torch.randn(b, vocab, device=dev)
+    k1, k2 = ks.row_keys(s.seed_lo[:b], s.seed_hi[:b], steps)
+    ref = ks.gumbel_argmax_ref(scaled, k1, k2, s.token_hash)
+    from ftserve.engine.sampler import gumbel_argmax
+
+    fast = gumbel_argmax(scaled, k1, k2, s.token_hash)
+    g = -torch.log(-torch.log(ks.uniform_ref(k1, k2, s.token_hash)))
+    perturbed = scaled + g
+    best = perturbed.gather(1, ref[:, None])
+    assert torch.all(perturbed.gather(1, fast[:, None]) >= best - 1e-4)
+    assert math.isfinite(float(best.min()))
