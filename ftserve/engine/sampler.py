@@ -31,6 +31,7 @@ recaptures (or runs the sampler eagerly) when it changes.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -257,12 +258,8 @@ class Sampler:
 def gumbel_argmax(
     scores: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor, token_hash: torch.Tensor
 ) -> torch.Tensor:
-    """Dispatch: the fused Triton kernel on CUDA when available, else the reference."""
-    if scores.is_cuda:
-        try:
-            from ftserve_kernels.sampling_triton import gumbel_argmax_triton
-        except ImportError:
-            pass
-        else:
-            return gumbel_argmax_triton(scores, k1, k2)
+    """Dispatch: the fused Triton kernel on CUDA (FTSERVE_KERNELS=torch forces
+    the reference, as in ftserve_kernels.ops), else the reference."""
+    if scores.is_cuda and ks.triton is not None and os.environ.get("FTSERVE_KERNELS") != "torch":
+        return ks.gumbel_argmax_triton(scores, k1, k2)
     return ks.gumbel_argmax_ref(scores, k1, k2, token_hash)

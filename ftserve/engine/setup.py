@@ -96,9 +96,17 @@ def build_engine(cfg: EngineConfig) -> Engine:
         max_prefill_length=cfg.max_prefill_length, max_model_len=max_model_len,
         eos_token_ids=eos, enable_prefix_cache=cfg.enable_prefix_cache,
     )
-    sampler = Sampler(mcfg.vocab_size, cfg.max_running_requests, device)
+    sampler = Sampler(mcfg.vocab_size, cfg.max_running_requests, device, seed=cfg.seed)
     backend = _attention_backend(cfg, device)
-    runner = ModelRunner(model, pool, backend, sampler, device)
+    runner = ModelRunner(model, pool, backend, sampler, device,
+                         max_running=cfg.max_running_requests, max_model_len=max_model_len,
+                         eos_token_ids=eos)
+    graph_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
+    if device.type == "cuda" and graph_bs > 0 and getattr(backend, "name", "") == "triton":
+        from ftserve.engine.cuda_graph import DecodeGraphs
+
+        runner.graphs = DecodeGraphs(runner, graph_bs)
+        runner.graphs.capture()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     summary = {
         "device": str(device), "dtype": str(dtype).removeprefix("torch."),
@@ -106,6 +114,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
         "kv_tokens": pool_tokens, "kv_gib": num_pages * pool.bytes_per_page() / 2**30,
         "max_model_len": max_model_len, "model_limit": model_limit,
         "attention_backend": getattr(backend, "name", type(backend).__name__),
+        "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs is not None else [],
     }
     log.info("model %s: %s on %s, weights %.2f GiB; KV pool %d pages x %d tokens = %d tokens "
              "(%.2f GiB); single-request limit %d tokens (rope table %d)",

@@ -1,0 +1,149 @@
+"""CUDA-graph decode: one captured graph per padded batch size, replayed with
+one call.
+
+Static input, refilled each step by ONE non-blocking copy from pinned memory::
+
+    g_in [max_bs, 6] int64, one row per sequence: input_id, position,
+        out_cache_loc, seq_len, sampler slot (+ min_tokens flag in bit 62), step
+    (row-major so the first pbs rows are one contiguous copy; the graph
+    transposes them into contiguous per-field vectors itself)
+
+Padded rows (batch size rounded up to a captured size) read the dummy page
+(slot 0), the dummy page-table row and the dummy sampler slot, so they write
+nowhere real and need no branch. Graphs are captured largest first into one
+memory pool, for two sampler feature sets: greedy-only and everything on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ftserve.engine.sampler import SampleOutput, SamplerFeatures
+from ftserve.models.forward_batch import AttentionMetadata, ForwardBatch
+
+if TYPE_CHECKING:
+    from ftserve.engine.request import Req
+    from ftserve.engine.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+MIN_FLAG = 1 << 62
+ALL_FEATURES = SamplerFeatures(sampling=True, filtering=True, penalties=True, logprobs=True)
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_bs]
+    sizes += list(range(16, max_bs + 1, 8))
+    if max_bs not in sizes:
+        sizes.append(max_bs)
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    def __init__(self, runner: ModelRunner, max_bs: int) -> None:
+        self.runner = runner
+        self.device = runner.device
+        self.max_bs = max_bs
+        self.sizes = graph_batch_sizes(max_bs)
+        dev = self.device
+        self.g_in = torch.zeros(max_bs, 6, dtype=torch.int64, device=dev)
+        self.h_in = torch.zeros(max_bs, 6, dtype=torch.int64, pin_memory=True)
+        self.qo_indptr = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=dev)
+        self.graphs: dict[tuple[int, SamplerFeatures], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, SamplerFeatures], SampleOutput] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def can_run(self, bs: int) -> bool:
+        return bs <= self.max_bs
+
+    def _padded(self, bs: int) -> int:
+        for s in self.sizes:
+            if s >= bs:
+                return s
+        raise ValueError(bs)
+
+    def _forward(self, bs: int) -> SampleOutput:
+        r = self.runner
+        g = self.g_in[:bs].t().contiguous()  # [6, bs]
+        seq_lens = g[3].to(torch.int32)
+        slots = g[4] & (MIN_FLAG - 1)
+        attn = AttentionMetadata(
+            page_size=r.page_size,
+            qo_indptr=self.qo_indptr[:bs + 1],
+            seq_lens=seq_lens,
+            prefix_lens=seq_lens - 1,
+            page_table=r.page_table.index_select(0, slots),
+            out_cache_loc=g[2],
+            seq_lens_host=[r.max_pages * r.page_size] * bs,  # static upper bound
+            prefix_lens_host=[r.max_pages * r.page_size - 1] * bs,
+            max_seq_len=r.max_pages * r.page_size,
+            max_extend_len=1,
+        )
+        fb = ForwardBatch(g[0], g[1], attn, r.kv_pool, r.attn_backend,
+                          logits_indices=self.logits_indices[:bs], is_decode=True)
+        logits = r.model(fb)  # [bs, V]
+        min_active = (g[4] & MIN_FLAG) != 0
+        return r.sampler.sample(logits, slots, g[5], min_active)
+
+    def capture(self) -> None:
+        t0 = time.monotonic()
+        r = self.runner
+        saved = r.sampler.features
+        feature_sets = [SamplerFeatures(), ALL_FEATURES]
+        self._fill_dummy()
+        with torch.inference_mode():
+            for feats in feature_sets:
+                r.sampler._features = feats  # capture exactly this stage set
+                if feats.penalties:
+                    r.sampler.enable(feats)
+                for bs in sorted(self.sizes, reverse=True):
+                    stream = torch.cuda.Stream()
+                    stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(stream):
+                        for _ in range(2):  # warm up: compile kernels, settle allocations
+                            self._forward(bs)
+                    torch.cuda.current_stream().wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        out = self._forward(bs)
+                    self.graphs[(bs, feats)] = graph
+                    self.outputs[(bs, feats)] = out
+                log.info("captured %d decode graphs (%s)", len(self.sizes),
+                         "greedy" if feats == SamplerFeatures() else "all sampler stages")
+        r.sampler._features = saved
+        torch.cuda.synchronize()
+        log.info("CUDA graphs for batch sizes %s captured in %.1f s", self.sizes, time.monotonic() - t0)
+
+    def _fill_dummy(self) -> None:
+        r = self.runner
+        self.g_in.zero_()
+        self.g_in[:, 3].fill_(1)  # seq_len 1 over the dummy page
+        self.g_in[:, 4].fill_(r.sink_row)
+
+    def replay(self, reqs: list[Req]) -> SampleOutput:
+        r = self.runner
+        bs = len(reqs)
+        pbs = self._padded(bs)
+        ps = r.page_size
+        rows: list[tuple[int, ...]] = []
+        for req in reqs:
+            p = req.computed_len
+            flag = MIN_FLAG if req.num_outputs < req.params.min_tokens else 0
+            rows.append((req.tokens[-1], p, req.pages[p // ps] * ps + p % ps, p + 1,
+                         req.slot | flag, req.num_outputs))
+        rows.extend([(0, 0, 0, 1, r.sink_row, 0)] * (pbs - bs))
+        # h_in is safe to rewrite: every replay ends in the token read-back,
+        # which waits for the whole stream, this copy included.
+        self.h_in[:pbs] = torch.tensor(rows, dtype=torch.int64)
+        self.g_in[:pbs].copy_(self.h_in[:pbs], non_blocking=True)
+        feats = SamplerFeatures() if r.sampler.features == SamplerFeatures() else ALL_FEATURES
+        self.graphs[(pbs, feats)].replay()
+        out = self.outputs[(pbs, feats)]
+        slots = self.g_in[:bs, 4] & (MIN_FLAG - 1)
+        r.sampler.update(slots, out.token_ids[:bs])
+        return out
