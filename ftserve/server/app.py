@@ -1,0 +1,141 @@
+"""The aiohttp application: routes, auth and error middlewares.
+
+    POST /v1/chat/completions  POST /v1/completions  GET /v1/models
+    GET /health  GET /metrics  POST /tokenize  POST /detokenize  POST /reset_prefix_cache
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from ftserve.server.completions import STATE_KEY, chat_completions, completions, read_json
+from ftserve.server.errors import APIError, Handler, bad_request, error_middleware
+from ftserve.server.metrics import CONTENT_TYPE
+from ftserve.server.protocol import parse_messages
+from ftserve.server.state import ServerState
+from ftserve.server.text import TemplateError
+
+ROUTES: tuple[tuple[str, str], ...] = (
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("GET", "/v1/models"),
+    ("GET", "/health"),
+    ("GET", "/metrics"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("POST", "/reset_prefix_cache"),
+)
+_OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers carry no key
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    if request.path not in _OPEN_PATHS and not state.authorized(
+        request.headers.get("Authorization")
+    ):
+        raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                       code="invalid_api_key")
+    return await handler(request)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    engine, _ = state.ready()
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "ftserve",
+        "root": engine.model_dir,
+        "max_model_len": engine.max_model_len,
+    }
+    return _json({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    problem = request.app[STATE_KEY].health_problem()
+    if problem is not None:
+        raise APIError(503, problem, err_type="server_error", code="unavailable")
+    return _json({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM-style: {"prompt": str} or {"messages": [...]} -> {"tokens", "count", ...}."""
+    state = request.app[STATE_KEY]
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    state.check_model(body.get("model") if isinstance(body.get("model"), str) else None)
+    engine, text = state.ready()
+    if "messages" in body:
+        add_gen = body.get("add_generation_prompt", True)
+        if not isinstance(add_gen, bool):
+            raise bad_request("'add_generation_prompt' must be a boolean",
+                              param="add_generation_prompt")
+        try:
+            prompt = await asyncio.to_thread(text.render_chat, parse_messages(body), add_gen)
+        except TemplateError as err:
+            raise bad_request(f"chat template error: {err}", param="messages") from None
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad_request("'prompt' (a string) or 'messages' is required", param="prompt")
+    ids = await text.encode_async(prompt)
+    return _json({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    engine, text = state.ready()
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < engine.vocab_size for t in ids
+    ):
+        raise bad_request(f"'tokens' must be a list of token ids in [0, {engine.vocab_size})",
+                          param="tokens")
+    return _json({"prompt": text.decode(ids, skip_special_tokens=False)})
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    engine, _ = request.app[STATE_KEY].ready()
+    ok = await asyncio.to_thread(engine.reset_prefix_cache)
+    return _json({"success": bool(ok)})
+
+
+def make_app(state: ServerState) -> web.Application:
+    app = web.Application(
+        client_max_size=state.cfg.max_body_bytes,
+        middlewares=[error_middleware, auth_middleware],
+    )
+    app[STATE_KEY] = state
+    handlers: dict[str, Handler] = {
+        "/v1/chat/completions": chat_completions,
+        "/v1/completions": completions,
+        "/v1/models": models,
+        "/health": health,
+        "/metrics": metrics,
+        "/tokenize": tokenize,
+        "/detokenize": detokenize,
+        "/reset_prefix_cache": reset_prefix_cache,
+    }
+    for method, path in ROUTES:
+        app.router.add_route(method, path, handlers[path])
+    return app

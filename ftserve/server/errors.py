@@ -1,0 +1,106 @@
+"""OpenAI-style error objects and the middleware that guarantees every failure is one.
+
+Every non-2xx answer has the body ``{"error": {"message", "type", "param", "code"}}``.
+Bad input must never become a 500: handlers raise ``APIError`` for anything the
+client did wrong, and the middleware turns stray aiohttp HTTP exceptions (404 route,
+405 method, 413 body) into the same shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+log = logging.getLogger("ftserve.server")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class APIError(Exception):
+    """A request failed; maps 1:1 onto an OpenAI error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        err_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.err_type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status,
+            body=orjson.dumps(self.to_dict()),
+            content_type="application/json",
+            headers=self.headers,
+        )
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unsupported(param: str, why: str = "is not supported") -> APIError:
+    return APIError(400, f"'{param}' {why}", param=param, code="unsupported_parameter")
+
+
+def overloaded(message: str, retry_after: int = 1) -> APIError:
+    return APIError(
+        503,
+        message,
+        err_type="server_error",
+        code="overloaded",
+        headers={"Retry-After": str(retry_after)},
+    )
+
+
+def _from_http_exception(exc: web.HTTPException) -> APIError:
+    status = exc.status
+    if status == 413:
+        return APIError(413, "request body too large", code="request_too_large")
+    if status == 404:
+        return APIError(404, "not found", code="not_found")
+    if status == 405:
+        return APIError(405, "method not allowed", code="method_not_allowed")
+    err_type = "server_error" if status >= 500 else "invalid_request_error"
+    return APIError(status, exc.reason or "error", err_type=err_type)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as err:
+        return err.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _from_http_exception(exc).response()
+    except Exception:
+        # A bug on our side; the client still gets an OpenAI error object, and the
+        # traceback goes to the log where it can be fixed.
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return APIError(500, "internal server error", err_type="server_error").response()

@@ -1,0 +1,295 @@
+"""OpenAI request parsing (JSON body -> ParsedRequest) and validation.
+
+Types are checked strictly (a bool is not a number, a string is not a list) so that a
+bad field gets a 400 naming it instead of surfacing later as a 500. Fields we do not
+know are ignored, as OpenAI-compatible servers do; fields we know but cannot honour
+(n > 1, tools, response_format, ...) get a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ftserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from ftserve.server.errors import APIError, bad_request, unsupported
+
+_MISSING: Any = object()
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """One validated /v1/chat/completions or /v1/completions request."""
+
+    kind: Literal["chat", "completion"]
+    model: str | None
+    messages: list[dict[str, str]] | None = None  # chat: normalized {"role", "content"}
+    prompt_text: str | None = None  # completion with a string prompt
+    prompt_ids: list[int] | None = None  # completion with token ids
+    add_generation_prompt: bool = True
+    stream: bool = False
+    include_usage: bool = False
+    stop: tuple[str, ...] = ()
+    max_tokens: int | None = None  # None = whatever context remains (chat) / 16 (completion)
+    logprobs: int | None = None  # alternatives per token; None = no logprobs
+    return_token_ids: bool = False
+    skip_special_tokens: bool = True
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs
+
+    def build_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
+        """Resolve max_tokens against the context window and validate everything."""
+        if prompt_len >= max_model_len:
+            raise context_length_error(prompt_len, self.max_tokens or 0, max_model_len)
+        room = max_model_len - prompt_len
+        if self.max_tokens is None:
+            max_tokens = room if self.kind == "chat" else min(16, room)
+        else:
+            max_tokens = self.max_tokens
+            if prompt_len + max_tokens > max_model_len:
+                raise context_length_error(prompt_len, max_tokens, max_model_len)
+        params = SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling)
+        try:
+            params.validate(vocab_size)
+        except SamplingParamsError as err:
+            raise bad_request(str(err), param=err.param) from None
+        return params
+
+
+def context_length_error(prompt_len: int, max_tokens: int, limit: int) -> APIError:
+    return bad_request(
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
+        f"completion). Please reduce the length of the prompt or the completion.",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
+# --- typed field readers -------------------------------------------------------------
+
+
+def _get(body: dict[str, Any], key: str) -> Any:
+    value = body.get(key, _MISSING)
+    return _MISSING if value is None else value  # JSON null means "not given"
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = _get(body, key)
+    if value is _MISSING:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"'{key}' must be a boolean", param=key)
+    return value
+
+
+def _int(body: dict[str, Any], key: str, lo: int | None = None, hi: int | None = None) -> Any:
+    value = _get(body, key)
+    if value is _MISSING:
+        return _MISSING
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"'{key}' must be an integer", param=key)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise bad_request(f"'{key}' must be in {bounds}, got {value}", param=key)
+    return value
+
+
+def _float(body: dict[str, Any], key: str) -> Any:
+    value = _get(body, key)
+    if value is _MISSING:
+        return _MISSING
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad_request(f"'{key}' must be a number", param=key)
+    return float(value)
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    value = _get(body, "stop")
+    if value is _MISSING:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise bad_request("'stop' must be a string or a list of strings", param="stop")
+    if len(value) > 16:
+        raise bad_request("'stop' may hold at most 16 strings", param="stop")
+    if any(s == "" for s in value):
+        raise bad_request("'stop' strings must not be empty", param="stop")
+    return tuple(value)
+
+
+def _token_ids(value: Any, param: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise bad_request(f"'{param}' must be a list of integers", param=param)
+    return value
+
+
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The SamplingParams kwargs present in the body (ranges are checked by validate())."""
+    out: dict[str, Any] = {}
+    for key in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty"):
+        value = _float(body, key)
+        if value is not _MISSING:
+            out[key] = value
+    for key in ("top_k", "seed", "min_tokens"):
+        value = _int(body, key)
+        if value is not _MISSING:
+            out[key] = value
+    out["ignore_eos"] = _bool(body, "ignore_eos", False)
+    stop_ids = _get(body, "stop_token_ids")
+    if stop_ids is not _MISSING:
+        out["stop_token_ids"] = tuple(_token_ids(stop_ids, "stop_token_ids"))
+    return out
+
+
+def _max_tokens(body: dict[str, Any]) -> int | None:
+    value = _int(body, "max_completion_tokens", lo=1)
+    if value is _MISSING:
+        value = _int(body, "max_tokens", lo=1)
+    return None if value is _MISSING else value
+
+
+def _common(body: dict[str, Any]) -> dict[str, Any]:
+    model = _get(body, "model")
+    if model is not _MISSING and not isinstance(model, str):
+        raise bad_request("'model' must be a string", param="model")
+    if _int(body, "n", lo=1) not in (_MISSING, 1):
+        raise unsupported("n", "> 1 is not supported")
+    stream = _bool(body, "stream", False)
+    options = _get(body, "stream_options")
+    include_usage = False
+    if options is not _MISSING:
+        if not isinstance(options, dict):
+            raise bad_request("'stream_options' must be an object", param="stream_options")
+        include_usage = _bool(options, "include_usage", False)
+    return {
+        "model": None if model is _MISSING else model,
+        "stream": stream,
+        "include_usage": include_usage,
+        "stop": _stop(body),
+        "max_tokens": _max_tokens(body),
+        "return_token_ids": _bool(body, "return_token_ids", False),
+        "skip_special_tokens": _bool(body, "skip_special_tokens", True),
+        "sampling": _sampling(body),
+    }
+
+
+def _require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    return body
+
+
+# --- chat ------------------------------------------------------------------------------
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise unsupported(f"{where}.content", "supports only text parts")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad_request(f"'{where}.content[].text' must be a string", param=where)
+            parts.append(text)
+        return "".join(parts)
+    raise bad_request(f"'{where}.content' must be a string or a list of text parts", param=where)
+
+
+def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = _get(body, "messages")
+    if messages is _MISSING:
+        raise bad_request("'messages' is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", param="messages")
+    out: list[dict[str, str]] = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise bad_request(f"'{where}' must be an object", param=where)
+        role = msg.get("role")
+        if role not in _ROLES:
+            raise bad_request(f"'{where}.role' must be one of {', '.join(_ROLES)}", param=where)
+        if msg.get("tool_calls"):
+            raise unsupported(f"{where}.tool_calls")
+        content = msg.get("content")
+        text = "" if content is None and role == "assistant" else _content_text(content, where)
+        entry = {"role": role, "content": text}
+        name = msg.get("name")
+        if isinstance(name, str):
+            entry["name"] = name
+        out.append(entry)
+    return out
+
+
+def parse_chat(raw: Any) -> ParsedRequest:
+    body = _require_object(raw)
+    tools = _get(body, "tools")
+    if tools is not _MISSING and tools != []:
+        raise unsupported("tools")
+    if _get(body, "functions") is not _MISSING:
+        raise unsupported("functions")
+    if _get(body, "tool_choice") not in (_MISSING, "none"):
+        raise unsupported("tool_choice")
+    fmt = _get(body, "response_format")
+    if fmt is not _MISSING and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise unsupported("response_format")
+    common = _common(body)
+    logprobs: int | None = None
+    top = _int(body, "top_logprobs", lo=0, hi=20)
+    if _bool(body, "logprobs", False):
+        logprobs = 0 if top is _MISSING else top
+    elif top is not _MISSING and top > 0:
+        raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    return ParsedRequest(
+        kind="chat",
+        messages=parse_messages(body),
+        add_generation_prompt=_bool(body, "add_generation_prompt", True),
+        logprobs=logprobs,
+        **common,
+    )
+
+
+# --- completions ---------------------------------------------------------------------
+
+
+def parse_completion(raw: Any) -> ParsedRequest:
+    body = _require_object(raw)
+    if _bool(body, "echo", False):
+        raise unsupported("echo")
+    if _get(body, "suffix") is not _MISSING:
+        raise unsupported("suffix")
+    if _int(body, "best_of", lo=1) not in (_MISSING, 1):
+        raise unsupported("best_of", "> 1 is not supported")
+    prompt = _get(body, "prompt")
+    if prompt is _MISSING:
+        raise bad_request("'prompt' is required", param="prompt")
+    # A one-element batch is accepted; more than one would need n-way responses.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    text: str | None = None
+    ids: list[int] | None = None
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise unsupported("prompt", "batches of more than one prompt are not supported")
+    else:
+        ids = _token_ids(prompt, "prompt")
+        if not ids:
+            raise bad_request("'prompt' must not be empty", param="prompt")
+    logprobs = _int(body, "logprobs", lo=0, hi=20)
+    return ParsedRequest(
+        kind="completion",
+        prompt_text=text,
+        prompt_ids=ids,
+        logprobs=None if logprobs is _MISSING else logprobs,
+        **_common(body),
+    )

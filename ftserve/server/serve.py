@@ -1,0 +1,147 @@
+"""Process life: listen, load the engine (health 503 meanwhile), warm up, banner, and on
+SIGTERM/SIGINT stop accepting, drain in-flight requests, shut the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from ftserve.config import EngineConfig, ServerConfig
+from ftserve.engine.sampling_params import SamplingParams
+from ftserve.server.app import ROUTES, make_app
+from ftserve.server.generation import Generation
+from ftserve.server.state import ServerState, served_name
+from ftserve.server.text import TextCodec, make_text_codec
+
+log = logging.getLogger("ftserve.server")
+
+
+@dataclass
+class RunningServer:
+    state: ServerState
+    runner: web.AppRunner
+    site: web.TCPSite
+    port: int
+
+
+async def start_http(state: ServerState, host: str, port: int) -> RunningServer:
+    # handler_cancellation: a dropped connection cancels its handler, whose finally
+    # aborts the engine request, so pages come back within one engine step.
+    runner = web.AppRunner(
+        make_app(state),
+        handler_cancellation=True,
+        access_log=log if state.cfg.log_requests else None,
+        shutdown_timeout=1.0,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return RunningServer(state, runner, site, site.port)
+
+
+def load_engine(engine_cfg: EngineConfig) -> tuple[Any, TextCodec]:
+    """Blocking: run in a worker thread while the HTTP server already answers 503."""
+    from ftserve.engine.engine import Engine
+
+    engine = Engine.from_config(engine_cfg)
+    return engine, make_text_codec(engine.model_dir)
+
+
+async def warm_up(state: ServerState) -> None:
+    """One tiny request through the whole path (submit -> step -> callback)."""
+    engine, text = state.ready()
+    ids = (await text.encode_async("Hello"))[:8] or [0]
+    gen = Generation(engine, state.tracker, state.metrics, f"warmup-{uuid.uuid4().hex}", ids,
+                     SamplingParams(max_tokens=2, temperature=0.0), text.detokenizer(ids, (), True),
+                     time.monotonic())
+    try:
+        while not gen.finished:
+            await gen.next()
+    finally:
+        gen.close()
+
+
+def banner(state: ServerState, host: str, port: int) -> str:
+    engine = state.engine
+    assert engine is not None
+    lines = [f"ftserve ready: serving '{state.model_name}' at http://{host}:{port} "
+             f"(max context {engine.max_model_len} tokens)"]
+    lines += [f"  {method:<4} http://{host}:{port}{path}" for method, path in ROUTES]
+    if engine.is_demo:
+        lines.append("  WARNING: this is the embedded demo model with RANDOM DEMO WEIGHTS; its "
+                     "output is gibberish. Pass --model DIR to serve a real checkpoint.")
+    if state.cfg.api_key:
+        lines.append("  API key required: Authorization: Bearer <key>")
+    return "\n".join(lines)
+
+
+async def drain(server: RunningServer, timeout: float) -> None:
+    """Stop accepting, let in-flight requests finish (up to timeout), abort the rest."""
+    state = server.state
+    state.draining = True
+    await server.site.stop()  # closes the listening socket; open connections continue
+    deadline = time.monotonic() + timeout
+    while len(state.tracker) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if len(state.tracker) and state.engine is not None:
+        log.warning("drain timeout: aborting %d in-flight requests", len(state.tracker))
+        for rid in state.tracker.ids():
+            state.engine.abort(rid)
+        end = time.monotonic() + 5.0
+        while len(state.tracker) and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+    await server.runner.cleanup()
+
+
+async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
+    loop = asyncio.get_running_loop()
+    state = ServerState(server_cfg, served_name(server_cfg, engine_cfg.model))
+    server = await start_http(state, server_cfg.host, server_cfg.port)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("listening on http://%s:%d; loading the model (health answers 503 until ready)",
+             server_cfg.host, server.port)
+    load = asyncio.ensure_future(asyncio.to_thread(load_engine, engine_cfg))
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if not load.done():  # signalled while loading: nothing to drain
+        await server.runner.cleanup()
+        return 0
+    stopper.cancel()
+    try:
+        engine, text = load.result()
+    except Exception as exc:  # a bad flag or checkpoint: say so and exit non-zero
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        log.error("failed to load the model: %s", state.load_error)
+        await server.runner.cleanup()
+        return 1
+    state.attach(engine, text, loop)
+    try:
+        await warm_up(state)
+        print(banner(state, server_cfg.host, server.port), file=sys.stderr, flush=True)
+        await stop.wait()
+        log.info("signal received: draining in-flight requests (up to %.0fs)",
+                 server_cfg.drain_timeout)
+        await drain(server, server_cfg.drain_timeout)
+    finally:
+        await asyncio.to_thread(engine.shutdown)
+    log.info("shut down cleanly")
+    return 0
+
+
+def run(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
+    try:
+        import uvloop
+    except ImportError:  # uvloop is optional off Linux/macOS
+        return asyncio.run(serve(engine_cfg, server_cfg))
+    return uvloop.run(serve(engine_cfg, server_cfg))

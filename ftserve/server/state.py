@@ -1,0 +1,87 @@
+"""The server's shared state: config, engine (once loaded), text codec, tracker, metrics.
+
+The HTTP server starts before the model finishes loading, so ``engine`` is None for a
+while; every route that needs it answers 503 until ``attach`` runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+from typing import Any
+
+from ftserve.config import ServerConfig
+from ftserve.server.errors import APIError, overloaded
+from ftserve.server.generation import Tracker
+from ftserve.server.metrics import Metrics
+from ftserve.server.text import TextCodec
+
+DEMO_MODEL_NAME = "ftserve-demo"
+
+
+def served_name(cfg: ServerConfig, model: str | None) -> str:
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    if model is None:
+        return DEMO_MODEL_NAME
+    return os.path.basename(os.path.normpath(model)) or model
+
+
+class ServerState:
+    def __init__(self, cfg: ServerConfig, model_name: str) -> None:
+        self.cfg = cfg
+        self.model_name = model_name
+        self.engine: Any | None = None  # ftserve.engine.engine.Engine once loaded
+        self.text: TextCodec | None = None
+        self.tracker = Tracker()
+        self.metrics = Metrics(self._stats)
+        self.draining = False
+        self.load_error: str | None = None
+
+    def attach(self, engine: Any, text: TextCodec, loop: asyncio.AbstractEventLoop) -> None:
+        """Runs on the loop: from here on outputs flow to the tracker once per engine step."""
+        self.text = text
+        engine.start(loop, self.tracker.on_outputs)
+        self.engine = engine
+
+    def _stats(self) -> Any | None:
+        return None if self.engine is None else self.engine.stats()
+
+    # --- admission checks (each raises the APIError the client should see) -----------
+
+    def health_problem(self) -> str | None:
+        if self.load_error is not None:
+            return f"the model failed to load: {self.load_error}"
+        if self.engine is None:
+            return "the model is still loading"
+        if not self.engine.healthy:
+            return f"the engine stopped: {self.engine.error or 'unknown error'}"
+        if self.draining:
+            return "the server is shutting down"
+        return None
+
+    def ready(self) -> tuple[Any, TextCodec]:
+        problem = self.health_problem()
+        if problem is not None:
+            raise APIError(503, problem, err_type="server_error", code="unavailable",
+                           headers={"Retry-After": "5"})
+        assert self.engine is not None and self.text is not None
+        return self.engine, self.text
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                           f"'{self.model_name}'.", param="model", code="model_not_found")
+
+    def check_queue(self, engine: Any) -> None:
+        waiting = engine.stats().waiting
+        if waiting >= self.cfg.max_queued_requests:
+            raise overloaded(f"too many queued requests ({waiting}); retry later")
+
+    def authorized(self, header: str | None) -> bool:
+        if self.cfg.api_key is None:
+            return True
+        if not header or not header.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(header[7:].strip().encode(), self.cfg.api_key.encode())
