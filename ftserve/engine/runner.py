@@ -16,6 +16,8 @@ the step's one deliberate sync; a non-final prefill chunk reads nothing.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +31,21 @@ if TYPE_CHECKING:
     from ftserve.engine.cuda_graph import DecodeGraphs
     from ftserve.engine.request import Req
     from ftserve.engine.sampler import Sampler, SampleOutput
+
+
+@contextlib.contextmanager
+def deliberate_sync() -> Iterator[None]:
+    """Marks the one read-back a step may make; tests run everything else
+    under torch.cuda.set_sync_debug_mode("error")."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
 
 
 class ModelRunner:
@@ -61,6 +78,7 @@ class ModelRunner:
         self._synced: list[int] = [0] * max_running
         self._pin = device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
+        self.read_backs = 0  # deliberate device->host reads so far (tests count them)
 
     # ----- host -> device ------------------------------------------------
     def _upload(self, values: list[int]) -> torch.Tensor:
@@ -112,8 +130,8 @@ class ModelRunner:
         sreqs = [batch.reqs[i] for i in rows]
         slots = [r.slot for r in batch.reqs]
         t, b, r = len(ids), len(batch.reqs), len(rows)
-        packed = (ids + pos + locs + indptr + seq_lens + list(batch.prefix_lens) + slots + last
-                  + [q.slot for q in sreqs] + [q.num_outputs for q in sreqs]
+        packed = (ids + pos + locs + indptr + seq_lens + list(batch.prefix_lens) + slots
+                  + [last[i] for i in rows] + [q.slot for q in sreqs] + [q.num_outputs for q in sreqs]
                   + [int(q.num_outputs < q.params.min_tokens) for q in sreqs])
         dev = self._upload(packed)
         o = 0
@@ -125,7 +143,7 @@ class ModelRunner:
 
         input_ids, positions, out_loc = take(t), take(t), take(t)
         qo_indptr, d_seq, d_pre = take(b + 1), take(b), take(b)
-        d_slots, logits_idx = take(b), take(b)
+        d_slots, logits_idx = take(b), take(r)
         s_slots, s_steps, s_min = take(r), take(r), take(r)
         attn = AttentionMetadata(
             page_size=ps,
@@ -139,9 +157,6 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             max_extend_len=max(len(x) for x in batch.new_tokens),
         )
-        if r and r != b:
-            logits_idx = logits_idx.index_select(
-                0, torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True))
         fb = ForwardBatch(input_ids, positions, attn, self.kv_pool, self.attn_backend,
                           logits_indices=logits_idx, is_decode=batch.is_decode)
         return fb, s_slots, s_steps, s_min.bool()
@@ -158,7 +173,6 @@ class ModelRunner:
             fb, slots, steps, min_active = self.build(batch)
             if not rows:
                 # A non-final prefill chunk: only the KV matters; no logits, no sync.
-                fb.logits_indices = fb.logits_indices[:0] if fb.logits_indices is not None else None
                 self.model(fb)
                 return [], None
             logits = self.model(fb)  # [R, V] fp32
@@ -170,16 +184,21 @@ class ModelRunner:
                    ) -> tuple[list[int], list[TokenLogprob | None] | None]:
         reqs = [batch.reqs[i] for i in rows]
         # The step's one deliberate sync: the host needs the tokens to stream them.
-        sampled: list[int] = out.token_ids[:len(rows)].tolist()
+        self.read_backs += 1
+        with deliberate_sync():
+            sampled: list[int] = out.token_ids[:len(rows)].tolist()
+            want = any(r.params.logprobs is not None for r in reqs) and out.logprobs is not None
+            if want:
+                assert out.logprobs is not None and out.top_ids is not None
+                assert out.top_logprobs is not None
+                chosen = out.logprobs[:len(rows)].tolist()
+                top_ids = out.top_ids[:len(rows)].tolist()
+                top_lp = out.top_logprobs[:len(rows)].tolist()
         token_ids = [-1] * len(batch.reqs)
         for i, tok in zip(rows, sampled):
             token_ids[i] = tok
-        if not any(r.params.logprobs is not None for r in reqs) or out.logprobs is None:
+        if not want:
             return token_ids, None
-        assert out.top_ids is not None and out.top_logprobs is not None
-        chosen = out.logprobs[:len(rows)].tolist()
-        top_ids = out.top_ids[:len(rows)].tolist()
-        top_lp = out.top_logprobs[:len(rows)].tolist()
         lps: list[TokenLogprob | None] = [None] * len(batch.reqs)
         for j, (i, r) in enumerate(zip(rows, reqs)):
             k = r.params.logprobs
