@@ -75,6 +75,13 @@ def rotary(
 def route_topk(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if _triton_enabled(router_logits):
+        try:
+            from ftserve_kernels.moe_triton import route_topk_triton
+        except ImportError:
+            pass
+        else:
+            return route_topk_triton(router_logits, top_k, renormalize)
     from ftserve_kernels.moe import route_topk_ref
 
     return route_topk_ref(router_logits, top_k, renormalize)

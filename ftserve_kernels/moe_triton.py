@@ -1,0 +1,297 @@
+"""Fused MoE on Triton: routing top-k, fixed-shape alignment, grouped GEMMs.
+
+Twins of ``moe.route_topk_ref`` / ``moe.fused_moe_ref``. Weights as in moe.py:
+``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``.
+
+Alignment (no host sync, no data-dependent shape). The N = T*k (token, choice)
+pairs are grouped by expert, each expert's group padded to a multiple of BLOCK_M::
+
+    sorted_ids  [ e0 e0 e0 pad | e3 e3 pad pad | e7 ... | pad pad ... ]
+                  block 0        block 1         ...      (unused tail)
+    block_expert [0, 3, 7, ..., -1, -1]      num_padded [1] on the device
+
+Capacity is fixed at N + min(E, N) * (BLOCK_M - 1) rows (every non-empty expert
+wastes at most BLOCK_M - 1), so the grid is sized from host shapes; blocks past
+``num_padded`` exit at once. Entries hold the flat pair id ``t*k + j``; padding
+holds N. Rank within an expert comes from an atomic counter, so the order of
+rows inside an expert varies run to run, but each row's GEMM result does not
+depend on its neighbours and the combine sums a fixed [T, k, H] layout, so the
+output is deterministic.
+
+Kernels: (1) gate/up GEMM with SiLU(gate) * up fused, written per pair into
+``inter [N, I]``; (2) down GEMM scaled by the routing weight into ``y [N, H]``;
+(3) ``y.view(T, k, H).sum(1)`` combines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ftserve_kernels.attention_triton import interpreting, mma
+
+# ---------------------------------------------------------------- routing
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, w_ptr, ids_ptr, E, stride_t,
+    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    emask = e < E
+    x = tl.load(logits_ptr + t * stride_t + e, mask=emask, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = tl.where(emask, p, 0.0)
+    p = p / tl.sum(p, 0)  # [E] softmax
+    kk = tl.arange(0, BLOCK_K)
+    wsel = tl.zeros([BLOCK_K], tl.float32)
+    isel = tl.zeros([BLOCK_K], tl.int32)
+    work = tl.where(emask, p, -1.0)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(work, 0)
+        idx = tl.min(tl.where(work == best, e, BLOCK_E), 0)  # lowest index on ties
+        wsel = tl.where(kk == i, best, wsel)
+        isel = tl.where(kk == i, idx, isel)
+        work = tl.where(e == idx, -2.0, work)
+    if RENORM:
+        wsel = wsel / tl.sum(wsel, 0)
+    tl.store(w_ptr + t * TOP_K + kk, wsel, mask=kk < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + kk, isel, mask=kk < TOP_K)
+
+
+def route_topk_triton(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32), descending."""
+    t, e = router_logits.shape
+    assert router_logits.stride(-1) == 1
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=router_logits.device)
+    if t:
+        _route_kernel[(t,)](
+            router_logits, weights, ids, e, router_logits.stride(0),
+            TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e),
+            BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize,
+        )
+    return weights, ids
+
+
+# ---------------------------------------------------------------- alignment
+
+
+@triton.jit
+def _align_count_kernel(
+    ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, cursor_ptr,
+    N, E, MAX_ROWS, MAX_BLOCKS,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+):
+    # One program: counts per expert, padded offsets, block -> expert, sentinel fill.
+    e = tl.arange(0, BLOCK_E)
+    c = tl.arange(0, CHUNK)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for s in range(0, N, CHUNK):
+        ids = tl.load(ids_ptr + s + c, mask=s + c < N, other=-1)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M  # [E]
+    ends = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + e, ends - padded, mask=e < E)
+    total = tl.sum(padded, 0)
+    tl.store(total_ptr, total)
+    for s in range(0, MAX_BLOCKS, CHUNK):
+        first_row = (s + c) * BLOCK_M
+        owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), 1)  # [CHUNK]
+        owner = tl.where(first_row < total, owner, -1)
+        tl.store(block_expert_ptr + s + c, owner, mask=s + c < MAX_BLOCKS)
+    for s in range(0, MAX_ROWS, CHUNK):
+        tl.store(sorted_ptr + s + c, tl.zeros([CHUNK], tl.int32) + N, mask=s + c < MAX_ROWS)
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, sorted_ptr, cursor_ptr, N, CHUNK: tl.constexpr):
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    m = offs < N
+    ids = tl.load(ids_ptr + offs, mask=m, other=0)
+    dest = tl.atomic_add(cursor_ptr + ids, 1, mask=m)
+    tl.store(sorted_ptr + dest, offs, mask=m)
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted_ids [R] int32, block_expert [R / block_m] int32,
+    num_padded [1] int32), R = N + min(E, N) * (block_m - 1) rounded up to block_m."""
+    n = topk_ids.numel()
+    dev = topk_ids.device
+    max_rows = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
+    max_blocks = max_rows // block_m
+    ids = topk_ids.reshape(-1)
+    sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    _align_count_kernel[(1,)](
+        ids, sorted_ids, block_expert, total, cursor, n, num_experts, max_rows, max_blocks,
+        BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=256, num_warps=8,
+    )
+    _align_scatter_kernel[(triton.cdiv(n, 1024),)](ids, sorted_ids, cursor, n, CHUNK=1024)
+    return sorted_ids, block_expert, total
+
+
+# ---------------------------------------------------------------- grouped GEMMs
+
+
+@triton.jit
+def _block_coords(NUM_M, NUM_N, GROUP_M: tl.constexpr):
+    # Grouped order: GROUP_M row blocks sweep all column blocks together, so
+    # their activations and the expert's weight tiles stay in L2.
+    pid = tl.program_id(0)
+    per_group = GROUP_M * NUM_N
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(NUM_M - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+    N, H, I, NUM_M, stride_xt, stride_we, stride_wn, stride_ot,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m, pid_n = _block_coords(NUM_M, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M < tl.load(total_ptr):
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [M] pair ids
+        rmask = rows < N
+        tok = (rows // TOP_K).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < I
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]  # [M, K]
+        g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N]
+        u_off = I * stride_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+                g = tl.load(g_ptrs, mask=nmask[None, :], other=0.0)
+                u = tl.load(g_ptrs + u_off, mask=nmask[None, :], other=0.0)
+            else:
+                kmask = offs_k < H - k0
+                a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+                u = tl.load(g_ptrs + u_off, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            acc_g += mma(a, g, UPCAST)
+            acc_u += mma(a, u, UPCAST)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) * up, [M, N]
+        o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
+        tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+    N, H, I, NUM_M, stride_at, stride_we, stride_wn, stride_ot,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m, pid_n = _block_coords(NUM_M, tl.cdiv(H, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M < tl.load(total_ptr):
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [M] pair ids
+        rmask = rows < N
+        rows64 = rows.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < H
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows64[:, None] * stride_at + offs_k[None, :]  # [M, K]
+        b_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
+            else:
+                kmask = offs_k < I - k0
+                a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            acc += mma(a, b, UPCAST)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        wt = tl.load(weights_ptr + rows64, mask=rmask, other=0.0)  # [M] routing weight
+        acc = acc * wt[:, None]
+        o_ptrs = out_ptr + rows64[:, None] * stride_ot + offs_n[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+    @staticmethod
+    def pick(num_pairs: int, num_experts: int, device: torch.device) -> MoeConfig:
+        """Tile sizes from the average rows per expert (a host shape, not data)."""
+        if device.type != "cuda":
+            return MoeConfig(16, 16, 16, 2, 4, 1)
+        avg = num_pairs / num_experts
+        if avg <= 8:  # decode: weight-bandwidth bound, many narrow column blocks
+            return MoeConfig(16, 32, 128, 1, 4, 4)
+        if avg <= 32:
+            return MoeConfig(32, 64, 64, 4, 4, 4)
+        if avg <= 96:
+            return MoeConfig(64, 64, 64, 8, 4, 4)
+        return MoeConfig(128, 64, 64, 8, 8, 3)
+
+
+def fused_moe_triton(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k] fp32
+    topk_ids: torch.Tensor,  # [T, k] int32
+    cfg: MoeConfig | None = None,
+) -> torch.Tensor:
+    t, h = x.shape
+    e, two_i, _ = w13.shape
+    inter = two_i // 2
+    k = topk_ids.shape[1]
+    n = t * k
+    if t == 0:
+        return torch.empty_like(x)
+    assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1
+    cfg = cfg or MoeConfig.pick(n, e, x.device)
+    sorted_ids, block_expert, total = moe_align(topk_ids, e, cfg.block_m)
+    num_m = block_expert.shape[0]
+    weights = topk_weights.reshape(-1).float().contiguous()  # [N]
+    act = torch.empty((n, inter), dtype=x.dtype, device=x.device)  # [N, I]
+    y = torch.empty((n, h), dtype=x.dtype, device=x.device)  # [N, H]
+    common = dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _moe_gate_up_kernel[(num_m * triton.cdiv(inter, cfg.block_n),)](
+        x, w13, act, sorted_ids, block_expert, total,
+        n, h, inter, num_m, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=k, EVEN_K=h % cfg.block_k == 0, **common,
+    )
+    _moe_down_kernel[(num_m * triton.cdiv(h, cfg.block_n),)](
+        act, w2, y, weights, sorted_ids, block_expert, total,
+        n, h, inter, num_m, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        EVEN_K=inter % cfg.block_k == 0, **common,
+    )
+    return y.view(t, k, h).sum(dim=1)  # [T, H]

@@ -1,0 +1,146 @@
+"""Triton MoE (routing, alignment, grouped GEMMs) against the torch twins."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    # The interpreter is chosen when a kernel is decorated (see test_kernels_attention).
+    os.environ["TRITON_INTERPRET"] = "1"
+    for _name in ("ftserve_kernels.attention_triton", "ftserve_kernels.moe_triton"):
+        if _name in sys.modules:
+            importlib.reload(sys.modules[_name])
+
+from ftserve_kernels import moe_triton as mt  # noqa: E402
+from ftserve_kernels.moe import fused_moe_ref, route_topk_ref  # noqa: E402
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("renorm", [False, True])
+def test_route_topk_matches_reference(renorm: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 12, generator=g).to(DEVICE)
+    w, ids = mt.route_topk_triton(logits, 3, renorm)
+    rw, rids = route_topk_ref(logits, 3, renorm)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+
+
+def test_align_is_a_padded_grouping() -> None:
+    """Every pair appears once, in a block of its expert; padding is the sentinel."""
+    g = torch.Generator().manual_seed(1)
+    t, k, e, bm = 9, 3, 7, 4
+    ids = torch.randint(0, e, (t, k), generator=g, dtype=torch.int32)
+    ids[0] = torch.tensor([2, 2, 5])  # repeated expert inside one token's choices is legal input
+    sorted_ids, block_expert, total = mt.moe_align(ids.to(DEVICE), e, bm)
+    sorted_ids, block_expert, total = sorted_ids.cpu(), block_expert.cpu(), int(total.cpu()[0])
+    n = t * k
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=e)
+    assert total == int(((counts + bm - 1) // bm * bm).sum())
+    assert sorted_ids.numel() >= total and sorted_ids.numel() % bm == 0
+    real = sorted_ids[:total]
+    assert sorted(real[real < n].tolist()) == list(range(n))
+    assert torch.all(sorted_ids[total:] == n)
+    flat = ids.reshape(-1)
+    for b in range(total // bm):
+        rows = real[b * bm : (b + 1) * bm]
+        rows = rows[rows < n]
+        assert rows.numel() > 0, "no block is all padding"
+        assert torch.all(flat[rows.long()] == block_expert[b])
+    assert torch.all(block_expert[total // bm :] == -1)
+    # Blocks are in expert order.
+    used = block_expert[: total // bm]
+    assert torch.all(used[1:] >= used[:-1])
+
+
+@pytest.mark.parametrize("t", [1, 5, 33])
+def test_fused_moe_matches_reference(t: int) -> None:
+    g = torch.Generator().manual_seed(t)
+    e, k, h, inter = 6, 2, 32, 24  # inter not a multiple of the K block: masked tail
+    x = torch.randn(t, h, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(DEVICE)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(DEVICE)
+    logits = torch.randn(t, e, generator=g).to(DEVICE)
+    weights, ids = route_topk_ref(logits, k, True)
+    out = mt.fused_moe_triton(x, w13, w2, weights, ids)
+    ref = fused_moe_ref(x, w13, w2, weights, ids)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out, ref) < 1e-4
+
+
+def test_fused_moe_bf16() -> None:
+    g = torch.Generator().manual_seed(3)
+    t, e, k, h, inter = 7, 4, 2, 32, 32
+    x = torch.randn(t, h, generator=g).bfloat16().to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).bfloat16().to(DEVICE)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).bfloat16().to(DEVICE)
+    weights, ids = route_topk_ref(torch.randn(t, e, generator=g).to(DEVICE), k, False)
+    out = mt.fused_moe_triton(x, w13, w2, weights, ids)
+    ref = fused_moe_ref(x, w13, w2, weights, ids)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, ref) < 2e-2
+
+
+# ---------------------------------------------------------------- GPU, real shapes
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t", [1, 3, 64, 1000, 8192])
+def test_gpu_fused_moe_qwen3_30b_shape(t: int) -> None:
+    """E=128, k=8, H=2048, I=768 (qwen3-30b-a3b)."""
+    g = torch.Generator(device="cuda").manual_seed(t)
+    e, k, h, inter = 128, 8, 2048, 768
+    x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+    w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h**0.5).bfloat16()
+    w2 = (torch.randn(e, h, inter, device="cuda", generator=g) / inter**0.5).bfloat16()
+    logits = torch.randn(t, e, device="cuda", generator=g)
+    weights, ids = mt.route_topk_triton(logits, k, True)
+    rw, rids = route_topk_ref(logits, k, True)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(weights, rw, rtol=1e-5, atol=1e-6)
+    out = mt.fused_moe_triton(x, w13, w2, weights, ids)
+    ref = fused_moe_ref(x, w13, w2, weights, ids)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_fused_moe_no_sync_and_graph_capturable() -> None:
+    e, k, h, inter, t = 16, 4, 256, 128, 8
+    x = torch.randn(t, h, device="cuda").bfloat16()
+    w13 = (torch.randn(e, 2 * inter, h, device="cuda") / h**0.5).bfloat16()
+    w2 = (torch.randn(e, h, inter, device="cuda") / inter**0.5).bfloat16()
+    logits = torch.randn(t, e, device="cuda")
+    mt.fused_moe_triton(x, w13, w2, *mt.route_topk_triton(logits, k, True))  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mt.fused_moe_triton(x, w13, w2, *mt.route_topk_triton(logits, k, True))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mt.fused_moe_triton(x, w13, w2, *mt.route_topk_triton(logits, k, True))
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        logits.copy_(torch.randn(t, e, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = fused_moe_ref(x, w13, w2, *route_topk_ref(logits, k, True))
+        torch.cuda.synchronize()
+        assert rel_err(out, ref) < 2e-2
