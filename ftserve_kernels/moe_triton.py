@@ -1,7 +1,7 @@
 """Fused MoE on Triton: routing top-k, fixed-shape alignment, grouped GEMMs.
 
 Twins of ``moe.route_topk_ref`` / ``moe.fused_moe_ref``. Weights as in moe.py:
-``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``.
+``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, INTER]``.
 
 Alignment (no host sync, no data-dependent shape). The N = T*k (token, choice)
 pairs are grouped by expert, each expert's group padded to a multiple of BLOCK_M::
@@ -19,7 +19,7 @@ depend on its neighbours and the combine sums a fixed [T, k, H] layout, so the
 output is deterministic.
 
 Kernels: (1) gate/up GEMM with SiLU(gate) * up fused, written per pair into
-``inter [N, I]``; (2) down GEMM scaled by the routing weight into ``y [N, H]``;
+``inter [N, INTER]``; (2) down GEMM scaled by the routing weight into ``y [N, H]``;
 (3) ``y.view(T, k, H).sum(1)`` combines.
 """
 
@@ -161,22 +161,22 @@ def _block_coords(NUM_M, NUM_N, GROUP_M: tl.constexpr):
 @triton.jit
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-    N, H, I, NUM_M, stride_xt, stride_we, stride_wn, stride_ot,
+    N, H, INTER, NUM_M, stride_xt, stride_we, stride_wn, stride_ot,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_m, pid_n = _block_coords(NUM_M, tl.cdiv(I, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _block_coords(NUM_M, tl.cdiv(INTER, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M < tl.load(total_ptr):
         e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [M] pair ids
         rmask = rows < N
         tok = (rows // TOP_K).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = offs_n < I
+        nmask = offs_n < INTER
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]  # [M, K]
         g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N]
-        u_off = I * stride_wn
+        u_off = INTER * stride_wn
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -201,7 +201,7 @@ def _moe_gate_up_kernel(
 @triton.jit
 def _moe_down_kernel(
     a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-    N, H, I, NUM_M, stride_at, stride_we, stride_wn, stride_ot,
+    N, H, INTER, NUM_M, stride_at, stride_we, stride_wn, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -217,12 +217,12 @@ def _moe_down_kernel(
         a_ptrs = a_ptr + rows64[:, None] * stride_at + offs_k[None, :]  # [M, K]
         b_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, I, BLOCK_K):
+        for k0 in range(0, INTER, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
                 b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
             else:
-                kmask = offs_k < I - k0
+                kmask = offs_k < INTER - k0
                 a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
             acc += mma(a, b, UPCAST)
@@ -261,7 +261,7 @@ class MoeConfig:
 def fused_moe_triton(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2I, H]
-    w2: torch.Tensor,  # [E, H, I]
+    w2: torch.Tensor,  # [E, H, INTER]
     topk_weights: torch.Tensor,  # [T, k] fp32
     topk_ids: torch.Tensor,  # [T, k] int32
     cfg: MoeConfig | None = None,
@@ -278,7 +278,7 @@ def fused_moe_triton(
     sorted_ids, block_expert, total = moe_align(topk_ids, e, cfg.block_m)
     num_m = block_expert.shape[0]
     weights = topk_weights.reshape(-1).float().contiguous()  # [N]
-    act = torch.empty((n, inter), dtype=x.dtype, device=x.device)  # [N, I]
+    act = torch.empty((n, inter), dtype=x.dtype, device=x.device)  # [N, INTER]
     y = torch.empty((n, h), dtype=x.dtype, device=x.device)  # [N, H]
     common = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
