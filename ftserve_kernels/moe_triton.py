@@ -1,7 +1,7 @@
 """Fused MoE on Triton: routing top-k, fixed-shape alignment, grouped GEMMs.
 
 Twins of ``moe.route_topk_ref`` / ``moe.fused_moe_ref``. Weights as in moe.py:
-``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, INTER]``.
+``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``.
 
 Alignment (no host sync, no data-dependent shape). The N = T*k (token, choice)
 pairs are grouped by expert, each expert's group padded to a multiple of BLOCK_M::
@@ -19,7 +19,7 @@ depend on its neighbours and the combine sums a fixed [T, k, H] layout, so the
 output is deterministic.
 
 Kernels: (1) gate/up GEMM with SiLU(gate) * up fused, written per pair into
-``inter [N, INTER]``; (2) down GEMM scaled by the routing weight into ``y [N, H]``;
+``inter [N, I]``; (2) down GEMM scaled by the routing weight into ``y [N, H]``;
 (3) ``y.view(T, k, H).sum(1)`` combines.
 """
 
@@ -261,7 +261,7 @@ class MoeConfig:
 def fused_moe_triton(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2I, H]
-    w2: torch.Tensor,  # [E, H, INTER]
+    w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] fp32
     topk_ids: torch.Tensor,  # [T, k] int32
     cfg: MoeConfig | None = None,
