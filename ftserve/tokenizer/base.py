@@ -1,0 +1,129 @@
+"""The one tokenizer interface every backend implements.
+
+Three encodings matter and must stay consistent (tests/test_tokenizer.py):
+
+    encode(text, True)   == special_prefix + encode_body(text) + special_suffix
+    encode_body(text)    == ids of `text` starting a document (sentencepiece adds its
+                            dummy-prefix space "▁" to the first word)
+    encode_continuation(text) == ids of `text` when it continues earlier text and starts
+                            at a cut point (no dummy prefix, no special tokens added)
+
+For a safe cut point c of `text` (see `is_safe_cut`):
+
+    encode_body(text) == encode_body(text[:c]) + encode_continuation(text[c:])
+
+which is what the incremental cache builds on; it still verifies every splice.
+
+Decoding is defined here once, from raw token bytes, so that the streaming detokenizer
+and `decode` agree byte for byte: bytes are joined and decoded as UTF-8 with U+FFFD for
+invalid sequences (Python's "replace" rule), and when the backend strips the dummy-prefix
+space, the first token that produces any text loses one leading space if it is a
+word piece that starts with one.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+
+
+class Tokenizer(ABC):
+    """A loaded tokenizer. Immutable after construction; safe to share across threads."""
+
+    vocab_size: int
+    bos_id: int | None
+    eos_ids: tuple[int, ...]  # every id that ends generation (tokenizer + generation_config)
+    bos_token: str | None
+    eos_token: str | None
+    special_tokens: Mapping[str, int]  # text -> id of every special/control token
+    special_prefix: tuple[int, ...]  # added in front by encode(..., add_special_tokens=True)
+    special_suffix: tuple[int, ...]  # added at the end by encode(..., add_special_tokens=True)
+    strips_leading_space: bool  # decode drops the dummy-prefix space of the first word
+    chat_template: str | list[dict[str, str]] | None = None
+
+    def __init__(self) -> None:
+        self._bytes_cache: dict[int, bytes] = {}
+        self._space_cuts_ok: bool | None = None
+
+    # -- backend hooks -------------------------------------------------------------------
+    @abstractmethod
+    def encode_body(self, text: str) -> list[int]:
+        """Ids of `text` at the start of a document, without added special ids."""
+
+    @abstractmethod
+    def encode_continuation(self, text: str) -> list[int]:
+        """Ids of `text` when it continues earlier text at a safe cut point."""
+
+    @abstractmethod
+    def id_to_piece(self, token_id: int) -> str:
+        """The vocabulary string of a token (e.g. "▁Hello", "Ġworld", "<0x0A>", "</s>")."""
+
+    @abstractmethod
+    def _raw_token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token contributes to the text; special tokens give their text."""
+
+    @abstractmethod
+    def _is_word_piece(self, token_id: int) -> bool:
+        """True for an ordinary vocabulary piece (not special, not a raw byte token)."""
+
+    # -- shared behaviour ----------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        body = self.encode_body(text)
+        if not add_special_tokens:
+            return body
+        return [*self.special_prefix, *body, *self.special_suffix]
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        ids = getattr(self, "_special_ids", None)
+        if ids is None:
+            ids = frozenset(self.special_tokens.values())
+            self._special_ids = ids
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Bytes of one token (memoized; the table is read-only after the first call)."""
+        b = self._bytes_cache.get(token_id)
+        if b is None:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+            b = self._raw_token_bytes(token_id)
+            self._bytes_cache[token_id] = b
+        return b
+
+    def strip_first(self, token_id: int) -> bool:
+        """Whether `token_id`, as the first token with text, loses one leading space."""
+        return self.strips_leading_space and self._is_word_piece(token_id)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        special = self.special_ids
+        parts: list[bytes] = []
+        at_start = True
+        for t in ids:
+            if skip_special_tokens and t in special:
+                continue
+            b = self.token_bytes(t)
+            if at_start and b:
+                if self.strip_first(t) and b.startswith(b" "):
+                    b = b[1:]
+                at_start = False
+            parts.append(b)
+        return b"".join(parts).decode("utf-8", errors="replace")
+
+    @property
+    def space_cuts_ok(self) -> bool:
+        """True when no ordinary token spans a "non-space, space" pair, so a space that
+        follows a non-space character always starts a new token (checked over the vocab)."""
+        if self._space_cuts_ok is None:
+            special = self.special_ids
+            bad = re.compile(rb"[^\s] ")
+            self._space_cuts_ok = not any(
+                bad.search(self.token_bytes(t)) for t in range(self.vocab_size) if t not in special
+            )
+        return self._space_cuts_ok
+
+    def is_safe_cut(self, text: str, pos: int) -> bool:
+        """A position where encoding may be split: a space after a non-space character.
+        The incremental cache verifies each split anyway; this only picks candidates."""
+        return 0 < pos < len(text) and text[pos] == " " and not text[pos - 1].isspace()
