@@ -159,3 +159,96 @@ def min_p_keep(
     Relative to the max, so it does not depend on renormalization order."""
     top = scaled.max(dim=-1, keepdim=True).values  # [B, 1]
     return scaled >= top + torch.log(min_p)[:, None]
+
+
+# -- Triton twin of gumbel_argmax_ref: noise generated in registers ----------
+# The reference materializes several [B, V] int64 temporaries per step; the
+# kernel reads the scores once. Grid (rows, chunks): each program reduces one
+# vocabulary chunk to (best value, lowest index at it); a tiny torch argmax over
+# the chunks finishes, keeping torch.argmax's first-index tie rule.
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with torch on CUDA and in CI
+    triton = None
+
+if triton is not None:
+    # Globals read inside a jit function must be constexpr.
+    _C1_TL = tl.constexpr(_C1)
+    _C2_TL = tl.constexpr(_C2)
+    _GOLDEN_TL = tl.constexpr(GOLDEN)
+
+    @triton.jit
+    def _mix32_tl(x):
+        """lowbias32 on uint32 (wraps mod 2^32 like the reference)."""
+        x = x ^ (x >> 16)
+        x = x * tl.full(x.shape, _C1_TL, tl.uint32)
+        x = x ^ (x >> 15)
+        x = x * tl.full(x.shape, _C2_TL, tl.uint32)
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _argmax_combine(v1, i1, v2, i2):
+        """Larger value wins; on equal values the lower index (torch.argmax rule)."""
+        take1 = (v1 > v2) | ((v1 == v2) & (i1 < i2))
+        return tl.where(take1, v1, v2), tl.where(take1, i1, i2)
+
+    @triton.jit
+    def _gumbel_argmax_kernel(
+        scores_ptr, k1_ptr, k2_ptr, best_v_ptr, best_i_ptr,
+        vocab, stride_row, chunk,
+        NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        k1 = tl.load(k1_ptr + row).to(tl.uint32)
+        k2 = tl.load(k2_ptr + row).to(tl.uint32)
+        lane = tl.arange(0, BLOCK)
+        best_v = tl.full((BLOCK,), float("-inf"), tl.float32)
+        best_i = tl.full((BLOCK,), 0, tl.int32)  # not tl.zeros: see the reduce below
+        start = c * chunk
+        for off in range(start, start + chunk, BLOCK):
+            idx = off + lane  # [BLOCK] int32
+            ok = idx < vocab
+            s = tl.load(scores_ptr + row.to(tl.int64) * stride_row + idx, mask=ok,
+                        other=float("-inf"))
+            th = _mix32_tl(idx.to(tl.uint32) ^ tl.full((BLOCK,), _GOLDEN_TL, tl.uint32))
+            h = _mix32_tl(_mix32_tl(th ^ k1) ^ k2)
+            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            v = s - tl.log(-tl.log(u))
+            # Strict >: a lane's indices grow, so the first maximum stays.
+            take = (v > best_v) & ok
+            best_v = tl.where(take, v, best_v)
+            best_i = tl.where(take, idx, best_i)
+        # Own combine fn rather than tl.max/tl.argmax: those are jit functions
+        # decorated at triton import, which breaks switching to the interpreter later.
+        m, first = tl.reduce((best_v, best_i), 0, _argmax_combine)
+        tl.store(best_v_ptr + row * NUM_CHUNKS + c, m)
+        tl.store(best_i_ptr + row * NUM_CHUNKS + c, first)
+
+
+def gumbel_argmax_triton(
+    scores: torch.Tensor,  # [B, V] fp32
+    k1: torch.Tensor,  # [B] int64
+    k2: torch.Tensor,  # [B] int64
+    block: int = 1024,
+    target_programs: int = 512,
+) -> torch.Tensor:
+    """Same draw as gumbel_argmax_ref (up to fp32 log rounding): [B] int64.
+    Shapes depend only on (B, V), so it is graph-capturable."""
+    assert triton is not None, "triton is not installed"
+    scores = scores.contiguous()
+    rows, vocab = scores.shape
+    blocks = triton.cdiv(vocab, block)
+    num_chunks = max(1, min(blocks, triton.cdiv(target_programs, rows)))
+    chunk = triton.cdiv(blocks, num_chunks) * block
+    num_chunks = triton.cdiv(vocab, chunk)
+    best_v = torch.empty(rows, num_chunks, dtype=torch.float32, device=scores.device)
+    best_i = torch.empty(rows, num_chunks, dtype=torch.int32, device=scores.device)
+    _gumbel_argmax_kernel[(rows, num_chunks)](
+        scores, k1.contiguous(), k2.contiguous(), best_v, best_i,
+        vocab, scores.stride(0), chunk, NUM_CHUNKS=num_chunks, BLOCK=block,
+    )
+    pick = best_v.argmax(dim=-1, keepdim=True)  # [B, 1], first chunk on ties
+    return best_i.gather(1, pick).squeeze(1).to(torch.int64)
