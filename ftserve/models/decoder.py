@@ -1,0 +1,147 @@
+"""The generic pre-norm decoder shared by every supported family.
+
+Family differences are flags on ModelConfig (biases, q/k norm, which layers
+are MoE) plus the checkpoint names of the MoE block, which the thin family
+classes in registry.py set. The checkpoint map below is the single place that
+knows how HF tensor names land in our (fused) parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ftserve.models.config import ModelConfig
+from ftserve.models.forward_batch import ForwardBatch
+from ftserve.models.layers import Attention, DenseMLP, Embedding, Linear, MoEBlock, RMSNorm
+
+Index = tuple[int | slice, ...]
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one checkpoint tensor goes: ``param[index]`` (a view of a fused param)."""
+
+    param: str
+    index: Index = ()
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(
+            layer_idx, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.qkv_bias, cfg.o_bias, cfg.qk_norm, cfg.rms_norm_eps, dtype,
+        )
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.mlp: DenseMLP | MoEBlock
+        if cfg.sparse_layers[layer_idx]:
+            self.mlp = MoEBlock(
+                layer_idx, h, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                cfg.norm_topk_prob, dtype,
+            )
+        else:
+            self.mlp = DenseMLP(h, cfg.intermediate_size, cfg.mlp_bias, dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm fuses the add.
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)  # [T, H]
+        else:
+            x, residual = self.input_layernorm.forward_add(x, residual)
+        x = self.self_attn(x, batch, cos_sin)  # [T, H]
+        x, residual = self.post_attention_layernorm.forward_add(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderForCausalLM(nn.Module):
+    """model(batch) -> logits [rows, vocab] fp32: rows = batch.logits_indices, or every token."""
+
+    # HF names of the MoE block: "<prefix>.gate.weight", "<prefix>.experts.<e>.<name>.weight"
+    moe_prefix = "mlp"
+    expert_names = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        # Filled by init_buffers() after materialization; fp32 whatever the model dtype.
+        self.register_buffer(
+            "cos_sin", torch.empty(cfg.max_context_len, cfg.rotary_dim, dtype=torch.float32), persistent=False
+        )
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        self.cos_sin.copy_(self.config.rope_cos_sin())
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)  # [T, H]
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch, self.cos_sin)
+        assert residual is not None
+        if batch.logits_indices is not None:
+            # Norm is per row, so selecting first skips the norm of unused rows.
+            x = x.index_select(0, batch.logits_indices)  # [B, H]
+            residual = residual.index_select(0, batch.logits_indices)
+        x, _ = self.norm.forward_add(x, residual)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(x, head).float()  # [B or T, V]
+
+    def ignorable_checkpoint_names(self) -> set[str]:
+        """Tensors a checkpoint may carry that we do not load."""
+        return {"lm_head.weight"} if self.lm_head is None else set()
+
+    def checkpoint_targets(self) -> dict[str, Target]:
+        """HF tensor name -> destination, for every tensor the checkpoint must provide."""
+        cfg = self.config
+        q, kv = cfg.q_size, cfg.kv_size
+        t: dict[str, Target] = {"model.embed_tokens.weight": Target("embed_tokens.weight")}
+        for i, layer in enumerate(self.layers):
+            hf, me = f"model.layers.{i}", f"layers.{i}"
+            t[f"{hf}.input_layernorm.weight"] = Target(f"{me}.input_layernorm.weight")
+            t[f"{hf}.post_attention_layernorm.weight"] = Target(f"{me}.post_attention_layernorm.weight")
+            parts = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
+            kinds = ["weight"] + (["bias"] if cfg.qkv_bias else [])
+            for name, rows in parts.items():
+                for kind in kinds:
+                    t[f"{hf}.self_attn.{name}.{kind}"] = Target(f"{me}.self_attn.qkv_proj.{kind}", (rows,))
+            for kind in ["weight"] + (["bias"] if cfg.o_bias else []):
+                t[f"{hf}.self_attn.o_proj.{kind}"] = Target(f"{me}.self_attn.o_proj.{kind}")
+            if cfg.qk_norm:
+                t[f"{hf}.self_attn.q_norm.weight"] = Target(f"{me}.self_attn.q_norm.weight")
+                t[f"{hf}.self_attn.k_norm.weight"] = Target(f"{me}.self_attn.k_norm.weight")
+            if isinstance(layer.mlp, MoEBlock):
+                t.update(self._moe_targets(hf, me, cfg.num_experts, cfg.moe_intermediate_size))
+            else:
+                inter = cfg.intermediate_size
+                for kind in ["weight"] + (["bias"] if cfg.mlp_bias else []):
+                    gu = f"{me}.mlp.gate_up_proj.{kind}"
+                    t[f"{hf}.mlp.gate_proj.{kind}"] = Target(gu, (slice(0, inter),))
+                    t[f"{hf}.mlp.up_proj.{kind}"] = Target(gu, (slice(inter, 2 * inter),))
+                    t[f"{hf}.mlp.down_proj.{kind}"] = Target(f"{me}.mlp.down_proj.{kind}")
+        t["model.norm.weight"] = Target("norm.weight")
+        if self.lm_head is not None:
+            t["lm_head.weight"] = Target("lm_head.weight")
+        return t
+
+    def _moe_targets(self, hf: str, me: str, num_experts: int, inter: int) -> dict[str, Target]:
+        gate, up, down = self.expert_names
+        base = f"{hf}.{self.moe_prefix}"
+        t = {f"{base}.gate.weight": Target(f"{me}.mlp.gate.weight")}
+        for e in range(num_experts):
+            t[f"{base}.experts.{e}.{gate}.weight"] = Target(f"{me}.mlp.w13", (e, slice(0, inter)))
+            t[f"{base}.experts.{e}.{up}.weight"] = Target(f"{me}.mlp.w13", (e, slice(inter, 2 * inter)))
+            t[f"{base}.experts.{e}.{down}.weight"] = Target(f"{me}.mlp.w2", (e,))
+        return t

@@ -1,0 +1,153 @@
+"""Shared layers. Every parameter is created with ``torch.empty`` so models can
+be built on the meta device and materialized by the loader (no init cost, no
+double allocation). Tensors are packed tokens: x [T, H] (see ForwardBatch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ftserve.models.forward_batch import ForwardBatch
+from ftserve_kernels import ops
+
+# Signature of the MoE expert-compute hook: (x [T, H], topk_weights [T, k] fp32,
+# topk_ids [T, k] int32) -> [T, H]. See MoEBlock.
+ExpertCompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b); weight [out, in] in the HF layout, so checkpoints copy in as they are."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)  # [T, H]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Fused qkv projection -> optional per-head q/k RMSNorm (Qwen3) -> rotary ->
+    the batch's attention backend (which also stores K/V into the paged pool)."""
+
+    def __init__(
+        self, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+        qkv_bias: bool, o_bias: bool, qk_norm: bool, eps: float, dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        # rows [0, q) = q_proj, [q, q+kv) = k_proj, [q+kv, q+2kv) = v_proj
+        self.qkv_proj = Linear(hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
+        self.o_proj = Linear(self.q_size, hidden_size, o_bias, dtype)
+        self.q_norm = RMSNorm(head_dim, eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps, dtype) if qk_norm else None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, q + 2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim))  # [T*Hq, D]
+            k = self.k_norm(k.reshape(-1, self.head_dim))  # [T*Hkv, D]
+        q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = ops.rotary(q, k, batch.positions, cos_sin)
+        out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, self.q_size))  # [T, H]
+
+
+class DenseMLP(nn.Module):
+    """down(SiLU(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        # rows [0, I) = gate_proj, [I, 2I) = up_proj
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        h = F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]  # [T, I]
+        return self.down_proj(h)  # [T, H]
+
+
+class MoEBlock(nn.Module):
+    """Router linear -> softmax top-k -> experts over stacked weights.
+
+    Expert-offload hook: all expert compute goes through ``compute_experts``.
+    By default it runs ops.fused_moe over the resident ``w13``/``w2``; an
+    expert cache installs its own callable in ``self.expert_compute`` (same
+    signature, see ExpertCompute) that maps expert ids to VRAM slots and runs
+    the kernel over the slot buffers. ``layer_idx`` tells it which layer it is.
+    """
+
+    def __init__(
+        self, layer_idx: int, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+        renormalize: bool, dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = Linear(hidden_size, num_experts, False, dtype)  # the router
+        # w13 rows [0, I) = gate_proj, [I, 2I) = up_proj of each expert
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
+        )
+        self.expert_compute: ExpertCompute | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.gate(x)  # [T, E]
+        return ops.route_topk(logits, self.top_k, self.renormalize)  # [T, k] fp32, [T, k] int32
+
+    def compute_experts(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        if self.expert_compute is not None:
+            return self.expert_compute(x, topk_weights, topk_ids)
+        return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)  # [T, H]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        return self.compute_experts(x, weights, ids)

@@ -1,0 +1,152 @@
+"""load_model: build on the meta device, materialize once on the target device,
+then fill every parameter from memory-mapped safetensors shards (or random
+dummy values). Each checkpoint tensor is copied exactly once, straight into its
+(possibly fused) destination slice, so peak memory is the model itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from ftserve.models.config import ModelConfig
+from ftserve.models.decoder import DecoderForCausalLM
+from ftserve.models.registry import model_class
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Buffers some exporters save that we recompute instead.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model its config.json describes."""
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_dir} (use load_format='dummy' to run without weights)")
+    return files
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+    """Construct on the meta device (no memory, no init), then allocate once on ``device``.
+    Parameter values are uninitialized until the caller fills them."""
+    cls = model_class(cfg.architecture)
+    with torch.device("meta"):
+        model = cls(cfg, dtype)
+    model.to_empty(device=device)
+    model.init_buffers()
+    model.eval()
+    return model
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    load_format: str = "safetensors",
+    *,
+    max_model_len: int | None = None,
+    seed: int = 0,
+) -> tuple[DecoderForCausalLM, ModelConfig]:
+    """Returns (model, config). ``max_model_len`` shortens the rope table (and the
+    single-request limit) below what the checkpoint supports."""
+    model_dir = Path(model_dir)
+    device = torch.device(device)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    if max_model_len is not None:
+        cfg = cfg.with_max_len(max_model_len)
+    torch_dtype = resolve_dtype(dtype, device)
+    model = build_model(cfg, torch_dtype, device)
+    if load_format in ("safetensors", "auto"):
+        fill_from_safetensors(model, checkpoint_files(model_dir))
+    elif load_format == "dummy":
+        fill_dummy(model, seed)
+    else:
+        raise ValueError(f"load_format must be safetensors or dummy, got {load_format!r}")
+    return model, cfg
+
+
+@torch.no_grad()
+def fill_from_safetensors(model: DecoderForCausalLM, files: list[Path]) -> None:
+    targets = model.checkpoint_targets()
+    params = dict(model.named_parameters())
+    ignorable = model.ignorable_checkpoint_names()
+    seen: set[str] = set()
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc="loading weights", unit="tensor", disable=None) as bar:
+        for path, handle in zip(files, handles):
+            for name in handle.keys():
+                bar.update(1)
+                target = targets.get(name)
+                if target is None:
+                    if name in ignorable or name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    raise CheckpointError(f"unexpected tensor {name!r} in {path.name}: this model has no such weight")
+                if name in seen:
+                    raise CheckpointError(f"tensor {name!r} appears twice (again in {path.name})")
+                dest = params[target.param][target.index]
+                shape = tuple(handle.get_slice(name).get_shape())
+                if shape != tuple(dest.shape):
+                    raise CheckpointError(
+                        f"tensor {name!r} in {path.name} has shape {list(shape)}, expected {list(dest.shape)}"
+                    )
+                dest.copy_(handle.get_tensor(name))  # mmap read, one copy (+ dtype cast) into place
+                seen.add(name)
+    missing = sorted(set(targets) - seen)
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(f"checkpoint is missing tensor(s) {', '.join(missing[:5])}{more}")
+
+
+@torch.no_grad()
+def fill_dummy(model: DecoderForCausalLM, seed: int = 0) -> None:
+    """Random weights for benchmarks at real shapes, scaled so activations stay O(1).
+
+    Routing must follow the token: with tiny embeddings (or tiny router
+    weights) router logits collapse to near-ties, which in bf16 round to exact
+    ties, and top-k then picks the same experts for every token, making any
+    expert cache look perfect. Embeddings are N(0, 1) (hidden states O(1)) and
+    the router N(0, 1/H), so router logits are ~N(0, 1) and differ per token.
+    """
+    cfg = model.config
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        elif name == "embed_tokens.weight":
+            p.normal_(0.0, 1.0, generator=gen)
+        elif name.endswith("mlp.gate.weight"):
+            p.normal_(0.0, cfg.hidden_size**-0.5, generator=gen)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,180 @@
+"""Checkpoint presets for tools/make_model.py: HF config.json contents.
+
+Tiny presets (hidden 64, vocab 32768 = the bundled Mistral v3 tokenizer) are
+for tests and the demo model. Real-shape presets copy the published configs'
+layer shapes exactly; cut depth with ``layers=``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TOKENIZER_V3 = "mistral_instruct_tokenizer_240323.model.v3"  # vocab 32768
+TOKENIZER_V1 = "tokenizer.model.v1"  # vocab 32000, the Mistral/Mixtral v0.1 tokenizer
+
+_TINY_COMMON: dict[str, Any] = {
+    "vocab_size": 32768,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "initializer_range": 0.02,
+    "torch_dtype": "float32",
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-dense": {
+        **_TINY_COMMON,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    "tiny-mistral": {
+        **_TINY_COMMON,
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "sliding_window": None,
+    },
+    "tiny-qwen2": {
+        **_TINY_COMMON,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "rope_theta": 1000000.0,
+    },
+    "tiny-qwen3": {
+        **_TINY_COMMON,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "head_dim": 32,  # explicit, != hidden / heads, as in the real Qwen3 configs
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "rope_theta": 1000000.0,
+    },
+    "tiny-moe": {
+        **_TINY_COMMON,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "head_dim": 32,
+        "moe_intermediate_size": 32,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "rope_theta": 1000000.0,
+    },
+    "tiny-mixtral": {
+        **_TINY_COMMON,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-5,
+    },
+    # https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "hidden_act": "silu",
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 48,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "initializer_range": 0.02,
+        "torch_dtype": "bfloat16",
+    },
+    # https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json
+    "qwen3-235b-a22b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_hidden_layers": 94,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "hidden_act": "silu",
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 94,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "initializer_range": 0.02,
+        "torch_dtype": "bfloat16",
+    },
+    # https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "router_aux_loss_coef": 0.02,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "initializer_range": 0.02,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+# The tokenizer each preset ships with (vocab must not exceed the model's).
+TOKENIZER_FOR: dict[str, str] = {"mixtral-8x7b": TOKENIZER_V1}

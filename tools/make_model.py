@@ -1,0 +1,40 @@
+"""Write an HF-format checkpoint directory from a preset.
+
+    python tools/make_model.py --preset tiny-moe --out DIR [--layers N] [--seed S]
+        [--dtype D] [--shard-size-mb M] [--config-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from ftserve.models.checkpoint import write_checkpoint  # noqa: E402
+from ftserve.models.presets import PRESETS  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--layers", type=int, default=None, help="cut the depth to N layers")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                    help="stored weight dtype (default: the preset's)")
+    ap.add_argument("--shard-size-mb", type=float, default=1024.0)
+    ap.add_argument("--config-only", action="store_true",
+                    help="config + tokenizer files only, for --load-format dummy at real shapes")
+    args = ap.parse_args(argv)
+    out = write_checkpoint(
+        args.preset, args.out, layers=args.layers, seed=args.seed, dtype=args.dtype,
+        shard_size_mb=args.shard_size_mb, config_only=args.config_only,
+    )
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
