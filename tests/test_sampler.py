@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ftserve.engine.sampler import Sampler, SamplerFeatures
-from ftserve.engine.sampling_params import SamplingParams
+from ftserve.engine.sampler import SampleOutput, Sampler, SamplerFeatures
+from ftserve.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams, SamplingParamsError
 from ftserve_kernels import sampling as ks
 
 V = 32
@@ -255,6 +255,11 @@ def test_admit_rejects_bad_slot_and_too_many_stop_ids() -> None:
         s.admit(2, SamplingParams(), [], [])
     with pytest.raises(ValueError):
         s.admit(0, SamplingParams(stop_token_ids=(1, 2)), [], [3])
+    s.admit(0, SamplingParams(stop_token_ids=(1, 2), ignore_eos=True), [], [3])  # eos not a stop
+    too_many = SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1)))
+    with pytest.raises(SamplingParamsError):  # rejected upstream, before any slot
+        too_many.validate(vocab_size=1000)
+    assert Sampler(V, 1, "cpu").max_stop_ids > MAX_STOP_TOKEN_IDS
 
 
 def _assert_same_draw(fast: torch.Tensor, ref: torch.Tensor, scores: torch.Tensor,
@@ -304,24 +309,37 @@ def test_cuda_graph_capture_matches_eager_without_syncs() -> None:
     s.admit(0, SamplingParams(temperature=0.0), [1, 2, 3], [2])
     s.admit(1, SamplingParams(temperature=0.8, top_p=0.9, seed=1, logprobs=5), [4], [2])
     s.admit(2, SamplingParams(temperature=1.2, top_k=40, min_p=0.05, seed=2,
-                              repetition_penalty=1.2, frequency_penalty=0.5), [5, 6], [2])
+                              repetition_penalty=1.2, frequency_penalty=0.5, min_tokens=4),
+             [5, 6], [2])
     s.admit(3, SamplingParams(temperature=1.0, min_tokens=3), [], [2])
     logits = torch.randn(b, vocab, device=dev) * 4
+    logits[:, 2] = 50.0  # eos dominates: rows below min_tokens must avoid it
     slots = torch.tensor([0, 1, 2, 3, 1, 2, s.dummy_slot, s.dummy_slot], device=dev)
     steps = torch.tensor([0, 1, 2, 0, 5, 6, 0, 0], device=dev)
     active = torch.tensor([False, False, True, True, False, False, False, False], device=dev)
-    eager = s.sample(logits, slots, steps, active)
+    assert s.counts is not None
+    counts0 = s.counts.clone()
+
+    def step() -> SampleOutput:
+        out = s.sample(logits, slots, steps, active)
+        s.update(slots, out.token_ids)
+        return out
+
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        s.sample(logits, slots, steps, active)  # warm-up on the side stream
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
     torch.cuda.set_sync_debug_mode("error")
     try:
+        eager = step()  # eager too: any hidden sync raises here
+        counts1 = s.counts.clone()
+        s.counts.copy_(counts0)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # warm-up on a side stream, as torch.cuda.graphs recommends
+        torch.cuda.current_stream().wait_stream(stream)
+        s.counts.copy_(counts0)
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = s.sample(logits, slots, steps, active)
+            out = step()
         graph.replay()
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -330,6 +348,11 @@ def test_cuda_graph_capture_matches_eager_without_syncs() -> None:
     assert out.logprobs is not None and eager.logprobs is not None
     assert torch.equal(out.logprobs, eager.logprobs)
     assert torch.equal(out.top_ids, eager.top_ids)
+    assert torch.equal(s.counts, counts1)  # update() replayed the same counts
+    assert int(s.counts.sum() - counts0.sum()) == b
+    # Greedy row 0 takes eos (the argmax); rows 2 and 3 are below min_tokens.
+    assert int(out.token_ids[0]) == 2
+    assert int(out.token_ids[2]) != 2 and int(out.token_ids[3]) != 2
     # The Triton noise path agrees with the torch reference at the real vocab.
     scaled = torch.randn(b, vocab, device=dev)
     k1, k2 = ks.row_keys(s.seed_lo[:b], s.seed_hi[:b], steps)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ftserve.engine.sampling_params import SamplingParams
+from ftserve.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from ftserve_kernels import sampling as ks
 
 # Smallest temperature used as a divisor; below it a row is sampled as greedy
@@ -87,7 +87,7 @@ class Sampler:
         device: torch.device | str,
         *,
         max_top_logprobs: int = 20,
-        max_stop_ids: int = 80,
+        max_stop_ids: int = MAX_STOP_TOKEN_IDS + 16,  # + room for eos ids
         seed: int | None = None,
     ) -> None:
         """``max_stop_ids`` bounds eos + stop ids per request (masked for
@@ -157,8 +157,9 @@ class Sampler:
         stops = list(dict.fromkeys([*params.stop_token_ids, *([] if params.ignore_eos else eos_ids)]))
         if len(stops) > self.max_stop_ids:
             raise ValueError(f"{len(stops)} eos/stop ids exceed max_stop_ids={self.max_stop_ids}")
-        self.enable(_features_of(params))
-        sampled = _features_of(params).sampling
+        needs = _features_of(params)
+        self.enable(needs)
+        sampled = needs.sampling
         self.greedy[slot] = not sampled
         self.temperature[slot] = params.temperature if sampled else 1.0
         self.top_k[slot] = params.top_k if params.top_k > 0 else self.vocab_size
@@ -215,11 +216,6 @@ class Sampler:
         def rows(t: torch.Tensor) -> torch.Tensor:
             return t.index_select(0, slots)
 
-        out = SampleOutput(token_ids=raw.new_empty(0, dtype=torch.int64))
-        if f.logprobs:
-            logp = torch.log_softmax(raw, dim=-1)  # [B, V]
-            out.top_logprobs, out.top_ids = logp.topk(self.max_top_logprobs, dim=-1)  # [B, K]
-
         x = raw
         if f.penalties:
             assert self.counts is not None and self.prompt_mask is not None
@@ -241,18 +237,23 @@ class Sampler:
             drawn = gumbel_argmax(scaled, k1, k2, self.token_hash)  # [B]
             tokens = torch.where(rows(self.greedy), tokens, drawn)
 
-        out.token_ids = tokens
-        if f.logprobs:
-            out.logprobs = logp.gather(1, tokens[:, None]).squeeze(1)  # [B]
-        return out
+        if not f.logprobs:
+            return SampleOutput(tokens)
+        logp = torch.log_softmax(raw, dim=-1)  # [B, V], the raw model distribution
+        top_lp, top_ids = logp.topk(self.max_top_logprobs, dim=-1)  # [B, K]
+        chosen = logp.gather(1, tokens[:, None]).squeeze(1)  # [B]
+        return SampleOutput(tokens, chosen, top_ids, top_lp)
 
     def update(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Count the sampled tokens for presence/frequency/repetition penalties.
         Nothing to do (no kernel) until some request uses penalties."""
         if self.counts is None:
             return
+        # A flat scatter_add (atomics) rather than index_put_(accumulate=True),
+        # whose CUDA path sorts indices; duplicate (slot, token) pairs just add.
+        flat = slots * self.vocab_size + token_ids  # [B]
         ones = torch.ones_like(token_ids, dtype=torch.int32)  # [B]
-        self.counts.index_put_((slots, token_ids), ones, accumulate=True)
+        self.counts.view(-1).scatter_add_(0, flat, ones)
 
 
 def gumbel_argmax(

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Stop ids travel to the sampler in a fixed-width per-slot row (masked while a
+# request is below min_tokens); the sampler's width leaves room for eos ids.
+MAX_STOP_TOKEN_IDS = 64
+
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; ``param`` names it (OpenAI field name)."""
@@ -65,6 +69,9 @@ class SamplingParams:
             raise SamplingParamsError("top_logprobs", "top_logprobs must be in [0, 20]")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise SamplingParamsError("seed", "seed must fit in 64 bits")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError(
+                "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids are supported")
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:
