@@ -1,0 +1,116 @@
+"""Triton RMSNorm (plain and fused with the residual add) and rotary against the twins."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    # The interpreter is chosen when a kernel is decorated (see test_kernels_attention).
+    os.environ["TRITON_INTERPRET"] = "1"
+    for _name in ("ftserve_kernels.norm_triton", "ftserve_kernels.rope_triton"):
+        if _name in sys.modules:
+            importlib.reload(sys.modules[_name])
+
+from ftserve_kernels.norm_rope import fused_add_rms_norm_ref, rms_norm_ref, rotary_ref  # noqa: E402
+from ftserve_kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
+from ftserve_kernels.rope_triton import rotary_triton  # noqa: E402
+
+
+def cos_sin_table(max_pos: int, rot: int, base: float = 10000.0) -> torch.Tensor:
+    inv = 1.0 / base ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot)  # [rot/2]
+    ang = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv[None, :]  # [P, rot/2]
+    return torch.cat([ang.cos(), ang.sin()], dim=-1)  # [P, rot]
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:  # one bf16 rounding step apart at most
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h", [64, 48])  # 48: non-power-of-two width, masked tail
+def test_rms_norm(dtype: torch.dtype, h: int) -> None:
+    g = torch.Generator().manual_seed(h)
+    x = (3 * torch.randn(5, h, generator=g)).to(dtype).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(h, generator=g)).to(dtype).to(DEVICE)
+    close(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, 32, generator=g).to(dtype).to(DEVICE)  # any leading shape
+    r = torch.randn(4, 3, 32, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(32, generator=g).to(dtype).to(DEVICE)
+    x0, r0 = x.clone(), r.clone()
+    out, summed = fused_add_rms_norm_triton(x, r, w, 1e-5)
+    ref_out, ref_sum = fused_add_rms_norm_ref(x, r, w, 1e-5)
+    if DEVICE == "cuda" or dtype == torch.float32:
+        assert torch.equal(summed, ref_sum)
+    else:  # the 3.9 interpreter truncates fp32 -> bf16 instead of rounding to nearest
+        close(summed, ref_sum)
+    close(out, ref_out)
+    assert torch.equal(x, x0) and torch.equal(r, r0), "inputs are not modified"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot", [16, 8])  # 8 < head_dim 16: partial rotary tail passes through
+def test_rotary(dtype: torch.dtype, rot: int) -> None:
+    g = torch.Generator().manual_seed(rot)
+    t, hq, hk, d = 6, 4, 2, 16
+    table = cos_sin_table(64, rot).to(DEVICE)
+    q = torch.randn(t, hq, d, generator=g).to(dtype).to(DEVICE)
+    k = torch.randn(t, hk, d, generator=g).to(dtype).to(DEVICE)
+    pos = torch.tensor([0, 1, 5, 63, 7, 2], dtype=torch.int64, device=DEVICE)
+    qo, ko = rotary_triton(q, k, pos, table)
+    rq, rk = rotary_ref(q, k, pos, table)
+    close(qo, rq)
+    close(ko, rk)
+
+
+def test_rotary_strided_views() -> None:
+    """q and k sliced out of one fused qkv projection (non-contiguous heads)."""
+    t, hq, hk, d = 3, 4, 2, 16
+    qkv = torch.randn(t, (hq + 2 * hk) * d).to(DEVICE)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    table = cos_sin_table(16, d).to(DEVICE)
+    pos = torch.tensor([3, 9, 15], device=DEVICE)
+    qo, ko = rotary_triton(q, k, pos, table)
+    rq, rk = rotary_ref(q, k, pos, table)
+    close(qo, rq)
+    close(ko, rk)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_norm_rope_real_shapes() -> None:
+    t, h, hq, hk, d = 8192, 2048, 32, 4, 128
+    x = torch.randn(t, h, device="cuda").bfloat16()
+    r = torch.randn(t, h, device="cuda").bfloat16()
+    w = torch.randn(h, device="cuda").bfloat16()
+    out, summed = fused_add_rms_norm_triton(x, r, w, 1e-6)
+    ref_out, ref_sum = fused_add_rms_norm_ref(x, r, w, 1e-6)
+    assert torch.equal(summed, ref_sum)
+    close(out, ref_out)
+    close(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    table = cos_sin_table(262_144, d).cuda()
+    pos = torch.randint(0, 262_144, (t,), device="cuda")
+    q = torch.randn(t, hq, d, device="cuda").bfloat16()
+    k = torch.randn(t, hk, d, device="cuda").bfloat16()
+    qo, ko = rotary_triton(q, k, pos, table)
+    rq, rk = rotary_ref(q, k, pos, table)
+    close(qo, rq)
+    close(ko, rk)
