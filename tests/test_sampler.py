@@ -59,12 +59,29 @@ def test_mixed_batch_greedy_rows_unaffected_by_enabled_features() -> None:
     plain = Sampler(V, 4, "cpu")
     plain.admit(0, SamplingParams(temperature=0.0), [], [])
     full = Sampler(V, 4, "cpu")
-    full.enable(SamplerFeatures(True, True, True, True))
+    full.enable(SamplerFeatures.all())
     full.admit(0, SamplingParams(temperature=0.0), [], [])
     a = _sample(plain, logits, [0, 0, 0, 0])
     b = _sample(full, logits, [0, 0, 0, 0])
     assert plain.features == SamplerFeatures()
     assert torch.equal(a, b) and torch.equal(a, logits.argmax(-1))
+
+
+def test_forced_features_select_a_variant_and_restore() -> None:
+    torch.manual_seed(8)
+    logits = torch.randn(2, V)
+    s = Sampler(V, 2, "cpu")
+    s.admit(0, SamplingParams(temperature=1.0, seed=3), [], [])
+    assert s.features == SamplerFeatures(sampling=True)
+    with s.forced_features(SamplerFeatures.all()):
+        assert s.features == SamplerFeatures.all() and s.counts is not None
+        out = s.sample(logits, _i64([0, 0]), _i64([0, 1]), torch.zeros(2, dtype=torch.bool))
+        assert out.logprobs is not None
+    assert s.features == SamplerFeatures(sampling=True)
+    again = _sample(s, logits, [0, 0], steps=[0, 1])
+    assert torch.equal(out.token_ids, again)  # the extra stages are exact no-ops here
+    with s.forced_features(SamplerFeatures()):
+        assert torch.equal(_sample(s, logits, [0, 0]), logits.argmax(-1))
 
 
 @pytest.mark.parametrize(
@@ -305,7 +322,7 @@ def test_cuda_graph_capture_matches_eager_without_syncs() -> None:
     dev = torch.device("cuda")
     vocab, b = 151_936, 8
     s = Sampler(vocab, 16, dev)
-    s.enable(SamplerFeatures(True, True, True, True))
+    s.enable(SamplerFeatures.all())
     s.admit(0, SamplingParams(temperature=0.0), [1, 2, 3], [2])
     s.admit(1, SamplingParams(temperature=0.8, top_p=0.9, seed=1, logprobs=5), [4], [2])
     s.admit(2, SamplingParams(temperature=1.2, top_k=40, min_p=0.05, seed=2,

@@ -30,10 +30,11 @@ recaptures (or runs the sampler eagerly) when it changes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,10 @@ class SamplerFeatures:
     filtering: bool = False  # some row uses top-k, top-p or min-p
     penalties: bool = False  # some row uses presence/frequency/repetition
     logprobs: bool = False  # some row asked for logprobs
+
+    @classmethod
+    def all(cls) -> SamplerFeatures:
+        return cls(sampling=True, filtering=True, penalties=True, logprobs=True)
 
     def union(self, other: SamplerFeatures) -> SamplerFeatures:
         return SamplerFeatures(*(a or b for a, b in zip(dataclasses.astuple(self),
@@ -138,6 +143,20 @@ class Sampler:
             n = self.max_slots + 1
             self.counts = torch.zeros(n, self.vocab_size, dtype=torch.int32, device=self.device)
             self.prompt_mask = torch.zeros(n, self.vocab_size, dtype=torch.bool, device=self.device)
+
+    @contextlib.contextmanager
+    def forced_features(self, features: SamplerFeatures) -> Iterator[None]:
+        """Run exactly ``features`` inside the block, e.g. to capture one CUDA-graph
+        variant per feature set; the current set returns afterwards. Replaying a
+        variant that lacks a stage some admitted request needs is the caller's bug:
+        pick the variant with ``features`` (or a superset of it)."""
+        saved = self._features
+        self.enable(features)  # allocates penalty state if needed
+        self._features = features
+        try:
+            yield
+        finally:
+            self._features = saved
 
     # -- host path: once per request --------------------------------------
 
