@@ -209,6 +209,8 @@ def test_update_counts_and_readmit_resets() -> None:
     assert s.counts is not None and s.prompt_mask is not None
     assert int(s.counts[2, 9]) == 2 and bool(s.prompt_mask[2, 4])
     s.release(2)
+    neutral = s.dummy_slot
+    assert torch.equal(s._f[2], s._f[neutral]) and torch.equal(s._i[2], s._i[neutral])
     s.admit(2, SamplingParams(presence_penalty=1.0), [], [])
     assert int(s.counts[2].sum()) == 0 and not bool(s.prompt_mask[2].any())
 
@@ -335,7 +337,6 @@ def test_cuda_graph_capture_matches_eager_without_syncs() -> None:
     steps = torch.tensor([0, 1, 2, 0, 5, 6, 0, 0], device=dev)
     active = torch.tensor([False, False, True, True, False, False, False, False], device=dev)
     assert s.counts is not None
-    counts0 = s.counts.clone()
 
     def step() -> SampleOutput:
         out = s.sample(logits, slots, steps, active)
@@ -343,20 +344,30 @@ def test_cuda_graph_capture_matches_eager_without_syncs() -> None:
         return out
 
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    torch.cuda.set_sync_debug_mode("error")  # any hidden sync raises
     try:
-        eager = step()  # eager too: any hidden sync raises here
+        # A request joining mid-run: admit/release upload without a sync too.
+        s.admit(5, SamplingParams(temperature=0.5, repetition_penalty=1.1, seed=3), [7, 8], [2],
+                output_ids=[9])
+        s.release(5)
+        counts0 = s.counts.clone()
+        eager = step()
         counts1 = s.counts.clone()
         s.counts.copy_(counts0)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()  # warm-up on a side stream, as torch.cuda.graphs recommends
-        torch.cuda.current_stream().wait_stream(stream)
-        s.counts.copy_(counts0)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up on a side stream, as torch.cuda.graphs recommends
+    torch.cuda.current_stream().wait_stream(stream)
+    s.counts.copy_(counts0)
+    graph = torch.cuda.CUDAGraph()
+    # (graph entry synchronizes by itself; a sync inside capture would fail it)
+    with torch.cuda.graph(graph):
+        out = step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
         graph.replay()
     finally:
         torch.cuda.set_sync_debug_mode("default")

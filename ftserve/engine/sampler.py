@@ -42,9 +42,11 @@ import torch
 from ftserve.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from ftserve_kernels import sampling as ks
 
-# Smallest temperature used as a divisor; below it a row is sampled as greedy
-# (logits / 1e-6 would overflow fp32 for no observable difference).
+# Below this temperature a row samples greedily: logits / T overflows fp32 as
+# T -> 0, and the draw would be the argmax anyway.
 MIN_TEMPERATURE = 1e-6
+_NF = 6  # fp32 columns per slot
+_NI = 5  # int64 columns per slot before the stop ids
 
 
 @dataclass(frozen=True)
@@ -106,23 +108,20 @@ class Sampler:
         self._host_rng = random.Random(seed)
         self._features = SamplerFeatures()
         n = max_slots + 1  # + the dummy slot
-
-        def full(value: float | int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.full((n,), value, dtype=dtype, device=self.device)
-
-        self.greedy = full(True, torch.bool)  # [S]
-        self.temperature = full(1.0, torch.float32)  # [S], 1 on greedy rows (unused)
-        self.top_k = full(vocab_size, torch.int64)  # [S], V = off
-        self.top_p = full(1.0, torch.float32)  # [S]
-        self.min_p = full(0.0, torch.float32)  # [S]
-        self.repetition = full(1.0, torch.float32)  # [S]
-        self.presence = full(0.0, torch.float32)  # [S]
-        self.frequency = full(0.0, torch.float32)  # [S]
-        self.seed_lo = full(0, torch.int64)  # [S], 32-bit halves of the seed
-        self.seed_hi = full(0, torch.int64)  # [S]
-        # eos/stop ids masked while below min_tokens; padding is id 0, inactive.
-        self.stop_ids = torch.zeros(n, max_stop_ids, dtype=torch.int64, device=self.device)
-        self.stop_valid = torch.zeros(n, max_stop_ids, dtype=torch.bool, device=self.device)
+        # Two packed tables, so admit/release are one non-blocking upload each:
+        #   fp32  [S, 6]       temperature top_p min_p repetition presence frequency
+        #   int64 [S, 5 + M]   greedy top_k seed_lo seed_hi n_stops | stop ids (M)
+        self._f = torch.zeros(n, _NF, dtype=torch.float32, device=self.device)
+        self._i = torch.zeros(n, _NI + max_stop_ids, dtype=torch.int64, device=self.device)
+        self._f[:] = torch.tensor(self._neutral_f())
+        self._i[:, :_NI] = torch.tensor(self._neutral_i()[:_NI])
+        # Column views (strided); temperature is 1 on greedy rows (unused there).
+        (self.temperature, self.top_p, self.min_p,
+         self.repetition, self.presence, self.frequency) = self._f.unbind(1)
+        self.greedy, self.top_k, self.seed_lo, self.seed_hi, self.num_stops = \
+            self._i[:, :_NI].unbind(1)
+        # eos/stop ids masked while below min_tokens; [:, n_stops:] is padding.
+        self.stop_ids = self._i[:, _NI:]  # [S, M]
         self.token_hash = ks.token_hash_table(vocab_size, self.device)  # [V]
         # Allocated on the first request that uses penalties ([S, V] each).
         self.counts: torch.Tensor | None = None  # int32, generated-token counts
@@ -179,46 +178,55 @@ class Sampler:
         needs = _features_of(params)
         self.enable(needs)
         sampled = needs.sampling
-        self.greedy[slot] = not sampled
-        self.temperature[slot] = params.temperature if sampled else 1.0
-        self.top_k[slot] = params.top_k if params.top_k > 0 else self.vocab_size
-        self.top_p[slot] = params.top_p
-        self.min_p[slot] = params.min_p
-        self.repetition[slot] = params.repetition_penalty
-        self.presence[slot] = params.presence_penalty
-        self.frequency[slot] = params.frequency_penalty
         seed = params.seed if params.seed is not None else self._host_rng.getrandbits(64)
         lo, hi = ks.split_seed(seed)
-        self.seed_lo[slot] = lo
-        self.seed_hi[slot] = hi
-        padded = stops + [0] * (self.max_stop_ids - len(stops))
-        self.stop_ids[slot].copy_(torch.tensor(padded, dtype=torch.int64))
-        self.stop_valid[slot].copy_(torch.arange(self.max_stop_ids) < len(stops))
+        self._upload(self._f[slot], [
+            params.temperature if sampled else 1.0, params.top_p, params.min_p,
+            params.repetition_penalty, params.presence_penalty, params.frequency_penalty,
+        ], torch.float32)
+        top_k = params.top_k if params.top_k > 0 else self.vocab_size
+        stop_row = stops + [0] * (self.max_stop_ids - len(stops))
+        self._upload(self._i[slot], [int(not sampled), top_k, lo, hi, len(stops), *stop_row],
+                     torch.int64)
         if self.counts is not None and self.prompt_mask is not None:
             # Reset even for requests without penalties: update() counts every row.
             self.counts[slot].zero_()
             self.prompt_mask[slot].zero_()
             if params.uses_penalties:
                 if prompt_ids:
-                    ids = torch.tensor(list(prompt_ids), dtype=torch.int64, device=self.device)
+                    ids = self._to_device(list(prompt_ids), torch.int64)
                     self.prompt_mask[slot].index_fill_(0, ids, True)
                 if output_ids:
-                    out = torch.tensor(list(output_ids), dtype=torch.int64, device=self.device)
+                    out = self._to_device(list(output_ids), torch.int64)
                     self.counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
 
     def release(self, slot: int) -> None:
         """Return ``slot`` to neutral greedy settings (a stale row is harmless)."""
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
-        self.greedy[slot] = True
-        self.temperature[slot] = 1.0
-        self.top_k[slot] = self.vocab_size
-        self.top_p[slot] = 1.0
-        self.min_p[slot] = 0.0
-        self.repetition[slot] = 1.0
-        self.presence[slot] = 0.0
-        self.frequency[slot] = 0.0
-        self.stop_valid[slot] = False
+        self._upload(self._f[slot], self._neutral_f(), torch.float32)
+        self._upload(self._i[slot], self._neutral_i(), torch.int64)
+
+    def _neutral_f(self) -> list[float]:
+        return [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+
+    def _neutral_i(self) -> list[int]:
+        """Greedy, top-k off, seed 0, no stop ids."""
+        return [1, self.vocab_size, 0, 0, 0] + [0] * self.max_stop_ids
+
+    def _to_device(self, values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
+        """Host list -> device without a sync: a pinned staging tensor and an async
+        copy (the caching host allocator keeps the block until the copy is done)."""
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def _upload(self, dst: torch.Tensor, values: list[int] | list[float], dtype: torch.dtype) -> None:
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            host = host.pin_memory()  # async copy, see _to_device
+        dst.copy_(host, non_blocking=True)
 
     # -- step path: fixed shapes, no host sync ----------------------------
 
@@ -232,29 +240,32 @@ class Sampler:
         f = self._features
         raw = logits.float()  # [B, V]
 
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            return t.index_select(0, slots)
+        frow = self._f.index_select(0, slots)  # [B, 6]
+        irow = self._i.index_select(0, slots)  # [B, 5 + M]
+        temperature, top_p, min_p, repetition, presence, frequency = frow.unbind(1)
+        greedy, top_k, seed_lo, seed_hi, num_stops = irow[:, :_NI].unbind(1)
 
         x = raw
         if f.penalties:
             assert self.counts is not None and self.prompt_mask is not None
             x = ks.apply_penalties_ref(
-                x, rows(self.counts), rows(self.prompt_mask),
-                rows(self.repetition), rows(self.presence), rows(self.frequency),
+                x, self.counts.index_select(0, slots), self.prompt_mask.index_select(0, slots),
+                repetition, presence, frequency,
             )  # [B, V]
-        stop_active = rows(self.stop_valid) & min_tokens_active[:, None]  # [B, M]
-        x = ks.mask_token_ids(x, rows(self.stop_ids), stop_active)  # [B, V]
+        stop_cols = torch.arange(self.max_stop_ids, device=slots.device)  # [M]
+        stop_active = (stop_cols[None, :] < num_stops[:, None]) & min_tokens_active[:, None]
+        x = ks.mask_token_ids(x, irow[:, _NI:], stop_active)  # [B, V]
         tokens = x.argmax(dim=-1)  # [B], the greedy choice
 
         if f.sampling:
-            scaled = x / rows(self.temperature).clamp_min(MIN_TEMPERATURE)[:, None]  # [B, V]
+            scaled = x / temperature.clamp_min(MIN_TEMPERATURE)[:, None]  # [B, V]
             if f.filtering:
-                keep = ks.top_k_top_p_keep(scaled, rows(self.top_k), rows(self.top_p))
-                keep = keep & ks.min_p_keep(scaled, rows(self.min_p))  # [B, V]
+                keep = ks.top_k_top_p_keep(scaled, top_k, top_p)
+                keep = keep & ks.min_p_keep(scaled, min_p)  # [B, V]
                 scaled = torch.where(keep, scaled, ks.NEG_INF)
-            k1, k2 = ks.row_keys(rows(self.seed_lo), rows(self.seed_hi), steps)  # [B] each
+            k1, k2 = ks.row_keys(seed_lo, seed_hi, steps)  # [B] each
             drawn = gumbel_argmax(scaled, k1, k2, self.token_hash)  # [B]
-            tokens = torch.where(rows(self.greedy), tokens, drawn)
+            tokens = torch.where(greedy != 0, tokens, drawn)
 
         if not f.logprobs:
             return SampleOutput(tokens)
