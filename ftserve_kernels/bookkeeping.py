@@ -1,0 +1,317 @@
+"""Fixed-shape bookkeeping kernels: expert-slot admission, slot-range
+invalidation, page copies. Each has a torch twin (``*_ref``) with identical
+results; neither ever reads a device value back to the host.
+
+Expert-slot maps (issue 6)::
+
+    slot_of_id [L*E + 1] int32   (layer*E + expert) -> slot or -1; the last
+                                 entry is the sink that absorbs "no id" writes
+    id_of_slot [S] int32         slot -> id or -1 (empty)
+    last_used  [S] int64         stamp of the admission that last touched it
+    step       [1] int64         admission counter, incremented by each call
+
+Admission algorithm (``admit_experts``), for ``needed [M]`` (-1 = padding):
+
+1. The first occurrence of each id is its owner; repeats only read the result.
+2. hit = slot_of_id[id]. Slots hit in this call are protected from eviction.
+3. Owners that missed are ranked 0..n-1 in ``needed`` order.
+4. Victims are the n unprotected slots with the smallest key
+   ``last_used * S + slot`` (empty slots count as last_used = -1, so they go
+   first; ties cannot happen). The kernel finds the n-th smallest key by a
+   64-step binary search, so its cost is fixed.
+5. Victims, taken in slot order, go to the misses in rank order: the evicted id
+   is unmapped (through the sink if the slot was empty), the new id mapped,
+   hits and victims stamped ``last_used = step``; ``step += 1``.
+6. Outputs: ``slots [M]`` (the slot of every entry, -1 for padding) and the
+   fill list ``miss_slot [M]`` / ``miss_id [M]`` (-1 where entry i is not a
+   miss owner): copy expert ``miss_id[i]``'s weights into ``miss_slot[i]``.
+
+The caller must size S so that S - (distinct hits) >= misses of any call
+(every step's distinct experts fit); ``admit_experts`` checks S >= M.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BIG = 2**62  # key of protected slots: never a victim
+_BIG_K: tl.constexpr = tl.constexpr(_BIG)
+
+
+def new_slot_maps(
+    num_ids: int, num_slots: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty maps: (slot_of_id [num_ids + 1], id_of_slot [S], last_used [S], step [1])."""
+    return (
+        torch.full((num_ids + 1,), -1, dtype=torch.int32, device=device),
+        torch.full((num_slots,), -1, dtype=torch.int32, device=device),
+        torch.full((num_slots,), -1, dtype=torch.int64, device=device),
+        torch.zeros(1, dtype=torch.int64, device=device),
+    )
+
+
+# ---------------------------------------------------------------- admission
+
+
+def admit_experts_ref(
+    needed: torch.Tensor, slot_of_id: torch.Tensor, id_of_slot: torch.Tensor,
+    last_used: torch.Tensor, step: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch twin of ``admit_experts`` (same results, maps updated in place)."""
+    dev = needed.device
+    m, s = needed.numel(), id_of_slot.numel()
+    sink = slot_of_id.numel() - 1
+    ids = needed.long()
+    valid = ids >= 0
+    ar_m = torch.arange(m, device=dev)
+    earlier_same = (ids[None, :] == ids[:, None]) & (ar_m[None, :] < ar_m[:, None])  # [M, M]
+    owner = valid & ~earlier_same.any(1)
+    safe_ids = torch.where(valid, ids, sink)
+    hit = torch.where(valid, slot_of_id[safe_ids].long(), -1)  # [M]
+    prot = torch.zeros(s + 1, dtype=torch.bool, device=dev)
+    prot.scatter_(0, torch.where(hit >= 0, hit, s), True)
+    prot = prot[:s]
+    is_miss = owner & (hit < 0)
+    n_miss = is_miss.sum()
+    miss_rank = torch.cumsum(is_miss.long(), 0) - 1
+    ar_s = torch.arange(s, device=dev)
+    lu = torch.where(id_of_slot >= 0, last_used, -1)
+    key = torch.where(prot, _BIG, lu * s + ar_s)  # [S], unique
+    rank = torch.empty_like(ar_s)
+    rank[torch.argsort(key)] = ar_s
+    is_victim = rank < n_miss
+    vrank = torch.cumsum(is_victim.long(), 0) - 1
+    victims = torch.full((s + 1,), -1, dtype=torch.long, device=dev)
+    victims.scatter_(0, torch.where(is_victim, vrank, s), ar_s)
+    v = torch.where(is_miss, victims[miss_rank.clamp_min(0)], -1)  # [M]
+    v_safe = torch.where(is_miss, v, s)
+    old = torch.where(is_miss, id_of_slot[v.clamp_min(0)].long(), -1)
+    slot_of_id.scatter_(0, torch.where(old >= 0, old, sink), -1)
+    slot_of_id.scatter_(0, torch.where(is_miss, ids, sink), torch.where(is_miss, v, -1).int())
+    slot_of_id[sink] = -1
+    id_pad = torch.cat([id_of_slot, id_of_slot.new_full((1,), -1)])
+    id_pad.scatter_(0, v_safe, torch.where(is_miss, ids, -1).int())
+    id_of_slot.copy_(id_pad[:s])
+    stamped = torch.where(prot, step, last_used)
+    lu_pad = torch.cat([stamped, stamped.new_full((1,), -1)])
+    lu_pad.scatter_(0, v_safe, step.expand(m))
+    last_used.copy_(lu_pad[:s])
+    step += 1
+    slots = torch.where(valid, slot_of_id[safe_ids].long(), -1).int()
+    return slots, v.int(), torch.where(is_miss, ids, -1).int()
+
+
+@triton.jit
+def _admit_kernel(
+    needed_ptr, slot_of_id_ptr, id_of_slot_ptr, last_used_ptr, step_ptr,
+    out_slot_ptr, miss_slot_ptr, miss_id_ptr, prot_ptr, victim_ptr,
+    M, S, SINK,
+    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_J: tl.constexpr,
+):
+    # One program; phases talk through global scratch, ordered by barriers.
+    step = tl.load(step_ptr)
+    i = tl.arange(0, BLOCK_M)
+    im = i < M
+    ids = tl.load(needed_ptr + i, mask=im, other=-1)
+    valid = ids >= 0
+    dup = tl.zeros([BLOCK_M], tl.int32)
+    for j0 in range(0, M, CHUNK_J):
+        j = j0 + tl.arange(0, CHUNK_J)
+        idj = tl.load(needed_ptr + j, mask=j < M, other=-1)
+        same = (idj[None, :] == ids[:, None]) & (j[None, :] < i[:, None])
+        dup += tl.sum(same.to(tl.int32), 1)
+    owner = valid & (dup == 0)
+    safe_ids = tl.where(valid, ids, SINK)
+    hit = tl.load(slot_of_id_ptr + safe_ids, mask=im, other=-1)
+    hit = tl.where(valid, hit, -1)
+    s = tl.arange(0, BLOCK_S)
+    sm = s < S
+    tl.store(prot_ptr + s, tl.zeros([BLOCK_S], tl.int32), mask=sm)
+    tl.debug_barrier()
+    tl.store(prot_ptr + hit, tl.full([BLOCK_M], 1, tl.int32), mask=hit >= 0)
+    tl.debug_barrier()
+    prot = tl.load(prot_ptr + s, mask=sm, other=1, volatile=True) != 0
+    is_miss = owner & (hit < 0)
+    n_miss = tl.sum(is_miss.to(tl.int32), 0)
+    miss_rank = tl.cumsum(is_miss.to(tl.int32), 0) - 1
+    occ = tl.load(id_of_slot_ptr + s, mask=sm, other=-1)
+    lu = tl.load(last_used_ptr + s, mask=sm, other=0)
+    lu = tl.where(occ >= 0, lu, -1)
+    key = tl.where(prot | (s >= S), _BIG_K, lu * S + s)  # [S] int64, unique
+    # Smallest threshold with n_miss keys at or below it (n_miss = 0 -> none).
+    lo = tl.zeros([], tl.int64) - S - 1
+    hi = tl.zeros([], tl.int64) + _BIG_K
+    for _ in range(64):
+        mid = lo + (hi - lo) // 2
+        enough = tl.sum((key <= mid).to(tl.int32), 0) >= n_miss
+        hi = tl.where(enough, mid, hi)
+        lo = tl.where(enough, lo, mid + 1)
+    is_victim = key <= hi
+    vrank = tl.cumsum(is_victim.to(tl.int32), 0) - 1
+    tl.store(victim_ptr + vrank, s, mask=is_victim)
+    tl.debug_barrier()
+    v = tl.load(victim_ptr + miss_rank, mask=is_miss, other=-1, volatile=True)
+    old = tl.load(id_of_slot_ptr + v, mask=is_miss, other=-1)
+    tl.store(slot_of_id_ptr + tl.where(old >= 0, old, SINK), tl.full([BLOCK_M], -1, tl.int32),
+             mask=is_miss)
+    tl.debug_barrier()
+    tl.store(slot_of_id_ptr + ids, v, mask=is_miss)
+    tl.store(id_of_slot_ptr + v, ids, mask=is_miss)
+    tl.store(last_used_ptr + v, tl.zeros([BLOCK_M], tl.int64) + step, mask=is_miss)
+    tl.store(last_used_ptr + s, tl.zeros([BLOCK_S], tl.int64) + step, mask=sm & prot)
+    tl.store(slot_of_id_ptr + SINK, -1)
+    tl.store(miss_slot_ptr + i, tl.where(is_miss, v, -1), mask=im)
+    tl.store(miss_id_ptr + i, tl.where(is_miss, ids, -1), mask=im)
+    tl.debug_barrier()
+    out = tl.load(slot_of_id_ptr + safe_ids, mask=im, other=-1, volatile=True)
+    tl.store(out_slot_ptr + i, tl.where(valid, out, -1), mask=im)
+    tl.store(step_ptr, step + 1)
+
+
+def admit_experts(
+    needed: torch.Tensor, slot_of_id: torch.Tensor, id_of_slot: torch.Tensor,
+    last_used: torch.Tensor, step: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """needed [M] int32 ids (-1 = padding) -> (slots [M], miss_slot [M], miss_id [M]),
+    all int32; maps updated in place (see the module docstring). One launch."""
+    m, s = needed.numel(), id_of_slot.numel()
+    if s < m:
+        raise ValueError(f"{s} expert slots cannot hold the {m} experts one call may need")
+    assert slot_of_id.dtype == id_of_slot.dtype == torch.int32 and last_used.dtype == torch.int64
+    dev = needed.device
+    out = torch.empty(m, dtype=torch.int32, device=dev)
+    miss_slot = torch.empty(m, dtype=torch.int32, device=dev)
+    miss_id = torch.empty(m, dtype=torch.int32, device=dev)
+    prot = torch.empty(s, dtype=torch.int32, device=dev)
+    victims = torch.empty(s, dtype=torch.int32, device=dev)
+    block_s = triton.next_power_of_2(s)
+    _admit_kernel[(1,)](
+        needed, slot_of_id, id_of_slot, last_used, step, out, miss_slot, miss_id, prot, victims,
+        m, s, slot_of_id.numel() - 1,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_S=block_s, CHUNK_J=32,
+        num_warps=min(16, max(4, block_s // 256)),
+    )
+    return out, miss_slot, miss_id
+
+
+# ---------------------------------------------------------------- invalidation
+
+
+def invalidate_slots_ref(
+    slot_of_id: torch.Tensor, id_of_slot: torch.Tensor, start: int, end: int
+) -> None:
+    """slot_of_id[id_of_slot[s]] = -1 and id_of_slot[s] = -1 for s in [start, end)."""
+    sink = slot_of_id.numel() - 1
+    old = id_of_slot[start:end].long()
+    slot_of_id.scatter_(0, torch.where(old >= 0, old, sink), -1)
+    id_of_slot[start:end] = -1
+
+
+@triton.jit
+def _invalidate_kernel(slot_of_id_ptr, id_of_slot_ptr, start, end, SINK, BLOCK: tl.constexpr):
+    s = start + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = s < end
+    old = tl.load(id_of_slot_ptr + s, mask=m, other=-1)
+    # Empty slots write the sink: no branch, no data-dependent shape.
+    tl.store(slot_of_id_ptr + tl.where(old >= 0, old, SINK), tl.full([BLOCK], -1, tl.int32), mask=m)
+    tl.store(id_of_slot_ptr + s, tl.full([BLOCK], -1, tl.int32), mask=m)
+
+
+def invalidate_slots(
+    slot_of_id: torch.Tensor, id_of_slot: torch.Tensor, start: int, end: int
+) -> None:
+    """One fixed-shape launch; the range is host data (a buffer's slot range)."""
+    if end <= start:
+        return
+    block = 1024
+    _invalidate_kernel[(triton.cdiv(end - start, block),)](
+        slot_of_id, id_of_slot, start, end, slot_of_id.numel() - 1, BLOCK=block
+    )
+
+
+# ---------------------------------------------------------------- page copy
+
+
+def copy_kv_pages_ref(
+    src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
+    src_pages: torch.Tensor, dst_pages: torch.Tensor, page_size: int,
+) -> None:
+    """Pools [L, slots, Hkv, D]: page src_pages[i] -> dst_pages[i] in every layer;
+    -1 in either list skips the pair. Reads the lists on the host: reference only."""
+    for sp, dp in zip(src_pages.tolist(), dst_pages.tolist()):
+        if sp < 0 or dp < 0:
+            continue
+        src_rows = slice(sp * page_size, (sp + 1) * page_size)
+        dst_rows = slice(dp * page_size, (dp + 1) * page_size)
+        dst_k[:, dst_rows] = src_k[:, src_rows].to(dst_k.device)
+        dst_v[:, dst_rows] = src_v[:, src_rows].to(dst_v.device)
+
+
+@triton.jit
+def _copy_pages_kernel(
+    src_k, src_v, dst_k, dst_v, src_pages_ptr, dst_pages_ptr,
+    layer_stride_src, layer_stride_dst, PAGE_ELEMS,
+    HOST_SRC: tl.constexpr, HOST_DST: tl.constexpr, ELEM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0)
+    layer_kv = tl.program_id(1)  # layer * 2 + (0 for K, 1 for V)
+    chunk = tl.program_id(2)
+    sp = tl.load(src_pages_ptr + i).to(tl.int64)
+    dp = tl.load(dst_pages_ptr + i).to(tl.int64)
+    if (sp >= 0) & (dp >= 0):
+        # Pinned host memory arrives as an int64 address (UVA): cast it back.
+        if HOST_SRC:
+            src_k = src_k.to(tl.pointer_type(ELEM))
+            src_v = src_v.to(tl.pointer_type(ELEM))
+        if HOST_DST:
+            dst_k = dst_k.to(tl.pointer_type(ELEM))
+            dst_v = dst_v.to(tl.pointer_type(ELEM))
+        layer = (layer_kv // 2).to(tl.int64)
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        m = offs < PAGE_ELEMS
+        s_off = layer * layer_stride_src + sp * PAGE_ELEMS + offs
+        d_off = layer * layer_stride_dst + dp * PAGE_ELEMS + offs
+        if layer_kv % 2 == 0:
+            tl.store(dst_k + d_off, tl.load(src_k + s_off, mask=m), mask=m)
+        else:
+            tl.store(dst_v + d_off, tl.load(src_v + s_off, mask=m), mask=m)
+
+
+_WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_TL_WORD = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+
+
+def copy_kv_pages(
+    src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
+    src_pages: torch.Tensor, dst_pages: torch.Tensor, page_size: int,
+) -> None:
+    """Copy pages between two pools (device<->device, or device<->pinned host over
+    UVA) for every layer in one launch. ``src_pages``/``dst_pages`` [P] int32 on
+    the compute device, -1 = skip. Pools: contiguous [L, slots, Hkv, D], same dtype."""
+    assert src_k.dtype == dst_k.dtype and src_k.shape[0] == dst_k.shape[0]
+    assert all(t.is_contiguous() for t in (src_k, src_v, dst_k, dst_v))
+    p = src_pages.numel()
+    if p == 0:
+        return
+    esize = src_k.element_size()
+    word = _WORD[esize]
+    num_layers = src_k.shape[0]
+    page_elems = page_size * src_k.shape[2] * src_k.shape[3]
+    on_gpu = src_pages.is_cuda
+
+    def arg(t: torch.Tensor) -> torch.Tensor | int:
+        if on_gpu and not t.is_cuda:
+            assert t.is_pinned(), "host-side pools must be pinned for UVA access"
+            return t.data_ptr()
+        return t.view(word)
+
+    args = [arg(t) for t in (src_k, src_v, dst_k, dst_v)]
+    block = min(4096, triton.next_power_of_2(page_elems))
+    grid = (p, 2 * num_layers, triton.cdiv(page_elems, block))
+    _copy_pages_kernel[grid](
+        *args, src_pages, dst_pages, src_k[0].numel(), dst_k[0].numel(), page_elems,
+        HOST_SRC=isinstance(args[0], int), HOST_DST=isinstance(args[2], int),
+        ELEM=_TL_WORD[esize], BLOCK=block,
+    )

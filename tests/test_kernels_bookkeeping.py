@@ -1,0 +1,172 @@
+"""Fixed-shape bookkeeping kernels (expert admission, invalidation, page copy)
+against their torch twins, plus the invariants they must keep."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    # The interpreter is chosen when a kernel is decorated (see test_kernels_attention).
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "ftserve_kernels.bookkeeping" in sys.modules:
+        importlib.reload(sys.modules["ftserve_kernels.bookkeeping"])
+
+from ftserve_kernels import bookkeeping as bk  # noqa: E402
+
+
+def check_maps(slot_of_id: torch.Tensor, id_of_slot: torch.Tensor) -> None:
+    """The two maps are inverse to each other (sink excluded)."""
+    sid = slot_of_id[:-1].cpu().tolist()
+    ios = id_of_slot.cpu().tolist()
+    for s, i in enumerate(ios):
+        if i >= 0:
+            assert sid[i] == s, (s, i)
+    for i, s in enumerate(sid):
+        if s >= 0:
+            assert ios[s] == i, (i, s)
+
+
+def test_admission_small_case_is_lru() -> None:
+    maps = bk.new_slot_maps(10, 3, DEVICE)
+    slot_of_id, id_of_slot, last_used, step = maps
+
+    def admit(ids: list[int]) -> list[int]:
+        needed = torch.tensor(ids, dtype=torch.int32, device=DEVICE)
+        slots, ms, mi = bk.admit_experts(needed, *maps)
+        check_maps(slot_of_id, id_of_slot)
+        got = id_of_slot.cpu().tolist()
+        for i, s in zip(ids, slots.cpu().tolist()):
+            assert (i < 0 and s == -1) or got[s] == i
+        return slots.cpu().tolist()
+
+    assert admit([4, -1, 4]) == [0, -1, 0]  # empty slots fill in slot order, repeats share
+    assert admit([7, 2]) == [1, 2]
+    assert admit([4]) == [0]  # hit: 4 is now the most recent
+    assert admit([9, -1]) == [1, -1]  # evicts 7 (least recently used), not 2 or 4
+    assert slot_of_id[7].item() == -1
+    assert admit([2, 5]) == [2, 0]  # 2 hits (protected); 5 evicts 4, the LRU of {0, 1}
+    assert int(step.item()) == 5
+
+
+def test_admission_matches_reference_random() -> None:
+    rng = random.Random(0)
+    num_ids, num_slots, m = 40, 12, 8
+    tri = bk.new_slot_maps(num_ids, num_slots, DEVICE)
+    ref = bk.new_slot_maps(num_ids, num_slots, DEVICE)
+    for _ in range(12):
+        ids = [rng.randrange(num_ids) if rng.random() < 0.8 else -1 for _ in range(m)]
+        ids = [i if i < 0 else i % 16 for i in ids]  # small hot set: hits and repeats
+        needed = torch.tensor(ids, dtype=torch.int32, device=DEVICE)
+        got = bk.admit_experts(needed, *tri)
+        want = bk.admit_experts_ref(needed, *ref)
+        for a, b in zip(got, want):
+            assert torch.equal(a.cpu(), b.cpu())
+        for a, b in zip(tri, ref):
+            assert torch.equal(a[:-1].cpu(), b[:-1].cpu()) if a.numel() == num_ids + 1 else \
+                torch.equal(a.cpu(), b.cpu())
+        check_maps(tri[0], tri[1])
+        # Fill list: each miss owner once, into a slot that now holds it.
+        ms, mi = got[1].cpu().tolist(), got[2].cpu().tolist()
+        pairs = [(s, i) for s, i in zip(ms, mi) if s >= 0]
+        assert len({i for _, i in pairs}) == len(pairs)
+        assert all(tri[1][s].item() == i for s, i in pairs)
+
+
+def test_admission_rejects_too_few_slots() -> None:
+    maps = bk.new_slot_maps(10, 2, DEVICE)
+    with pytest.raises(ValueError, match="slots"):
+        bk.admit_experts(torch.tensor([1, 2, 3], dtype=torch.int32, device=DEVICE), *maps)
+
+
+def test_invalidate_matches_reference() -> None:
+    for impl in (bk.invalidate_slots, bk.invalidate_slots_ref):
+        slot_of_id, id_of_slot, _, _ = bk.new_slot_maps(20, 8, DEVICE)
+        for s, i in [(0, 3), (2, 11), (3, 0), (5, 19), (7, 6)]:
+            id_of_slot[s] = i
+            slot_of_id[i] = s
+        impl(slot_of_id, id_of_slot, 2, 6)  # slot 4 is empty: its write goes to the sink
+        assert id_of_slot.cpu().tolist() == [3, -1, -1, -1, -1, -1, -1, 6]
+        assert slot_of_id[3].item() == 0 and slot_of_id[6].item() == 7
+        assert all(slot_of_id[i].item() == -1 for i in (11, 0, 19))
+        check_maps(slot_of_id, id_of_slot)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_copy_pages_matches_reference(dtype: torch.dtype) -> None:
+    layers, pages, ps, hkv, d = 2, 6, 4, 2, 8
+    shape = (layers, pages * ps, hkv, d)
+    g = torch.Generator().manual_seed(0)
+    src_k = torch.randint(0, 100, shape, generator=g).to(dtype).to(DEVICE)
+    src_v = torch.randint(0, 100, shape, generator=g).to(dtype).to(DEVICE)
+    dst = [torch.zeros(shape, dtype=dtype, device=DEVICE) for _ in range(4)]
+    sp = torch.tensor([1, 4, -1, 2, 5], dtype=torch.int32, device=DEVICE)
+    dp = torch.tensor([3, 1, 2, -1, 5], dtype=torch.int32, device=DEVICE)
+    bk.copy_kv_pages(src_k, src_v, dst[0], dst[1], sp, dp, ps)
+    bk.copy_kv_pages_ref(src_k, src_v, dst[2], dst[3], sp, dp, ps)
+    assert torch.equal(dst[0], dst[2]) and torch.equal(dst[1], dst[3])
+    assert torch.equal(dst[0][:, 3 * ps : 4 * ps], src_k[:, ps : 2 * ps])
+    assert not dst[0][:, 2 * ps : 3 * ps].any(), "-1 pairs are skipped"
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_copy_pages_host_device_roundtrip_in_graph() -> None:
+    layers, pages, ps, hkv, d = 4, 64, 16, 4, 128
+    shape = (layers, pages * ps, hkv, d)
+    dev_k = torch.randn(shape, device="cuda").bfloat16()
+    dev_v = torch.randn(shape, device="cuda").bfloat16()
+    host_k = torch.zeros(shape, dtype=torch.bfloat16).pin_memory()
+    host_v = torch.zeros(shape, dtype=torch.bfloat16).pin_memory()
+    sp = torch.tensor([3, 9, -1, 63], dtype=torch.int32, device="cuda")
+    dp = torch.tensor([1, 2, 5, 60], dtype=torch.int32, device="cuda")
+    bk.copy_kv_pages(dev_k, dev_v, host_k, host_v, sp, dp, ps)  # device -> host
+    torch.cuda.synchronize()
+    for s, t in [(3, 1), (9, 2), (63, 60)]:
+        assert torch.equal(host_k[:, t * ps : (t + 1) * ps], dev_k[:, s * ps : (s + 1) * ps].cpu())
+        assert torch.equal(host_v[:, t * ps : (t + 1) * ps], dev_v[:, s * ps : (s + 1) * ps].cpu())
+    back_k, back_v = torch.zeros_like(dev_k), torch.zeros_like(dev_v)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # host -> device, captured
+        bk.copy_kv_pages(host_k, host_v, back_k, back_v, dp, sp, ps)
+    graph.replay()
+    torch.cuda.synchronize()
+    for s in (3, 9, 63):
+        assert torch.equal(back_k[:, s * ps : (s + 1) * ps], dev_k[:, s * ps : (s + 1) * ps])
+        assert torch.equal(back_v[:, s * ps : (s + 1) * ps], dev_v[:, s * ps : (s + 1) * ps])
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_admission_no_sync_and_matches_reference() -> None:
+    num_ids, num_slots, m = 48 * 128, 1536, 512
+    tri = bk.new_slot_maps(num_ids, num_slots, "cuda")
+    ref = bk.new_slot_maps(num_ids, num_slots, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for it in range(6):
+        needed = torch.randint(-1, 3000, (m,), device="cuda", generator=gen).int()
+        if it == 0:
+            bk.admit_experts(needed.clone(), *bk.new_slot_maps(num_ids, num_slots, "cuda"))
+            torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = bk.admit_experts(needed, *tri)
+            bk.invalidate_slots(tri[0], tri[1], 100 * it, 100 * it + 50)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        want = bk.admit_experts_ref(needed, *ref)
+        bk.invalidate_slots_ref(ref[0], ref[1], 100 * it, 100 * it + 50)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        assert torch.equal(tri[1], ref[1]) and torch.equal(tri[2], ref[2])
+        assert torch.equal(tri[0][:-1], ref[0][:-1])
+    check_maps(tri[0], tri[1])
