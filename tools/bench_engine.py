@@ -1,0 +1,502 @@
+"""Engine benchmarks at a real model shape with dummy weights (issue 5 item 5).
+
+    python -m tools.bench_engine --out bench_engine.json          # H200, ~4 min
+    python -m tools.bench_engine --smoke --out /tmp/smoke.json    # CPU, tiny-moe
+
+Sections (each one recorded, or its error recorded, in the JSON; the run goes on):
+    limits   bf16 matmul TFLOP/s, device copy GB/s, pinned H2D GB/s
+    engine   start-up summary (CUDA graphs must be on)
+    cold     cold prefill of one 4,096-token prompt
+    cached   one 4,096-token chunk over 0 / 8k / 32k / 100k cached tokens:
+             FLOPs, TFLOP/s, attention TFLOP/s, GPU-busy fraction (profiler)
+    decode   tokens/s at batch 1/8/32/64 x context 2k/32k vs the HBM roofline
+    hf       the same config through transformers (random weights, sdpa)
+
+The Scheduler and ModelRunner are driven directly on this thread, so every
+measured region is exactly one runner.step (or N decode steps), bracketed by
+torch.cuda.synchronize and CUDA events. The rope table is stretched to 131,072
+positions (max_position_embeddings) so a 100k prefix fits; that changes no
+FLOP or byte count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from ftserve.config import EngineConfig
+from ftserve.engine.engine import Engine
+from ftserve.engine.request import Req, ReqState
+from ftserve.engine.sampling_params import SamplingParams
+from ftserve.engine.scheduler import ScheduledBatch
+from tools.bench_common import (
+    decode_step_bytes,
+    gpu_kernel_seconds,
+    machine_info,
+    markdown_table,
+    physical_limits,
+    prefill_flops,
+    run_section,
+    say,
+    timed,
+    write_json,
+    write_model_config,
+)
+
+SECTIONS = ("limits", "cold", "cached", "decode", "hf")
+
+
+class EngineDriver:
+    """Synchronous schedule -> runner.step -> commit, one step per call."""
+
+    def __init__(self, engine: Engine, seed: int = 0) -> None:
+        self.engine = engine
+        self.sched = engine.scheduler
+        self.runner = engine.runner
+        self.rng = random.Random(seed)
+        self.vocab = int(engine.model_config.vocab_size)
+        self._n = 0
+
+    def tokens(self, n: int) -> list[int]:
+        """Random prompt ids away from the special ids at the start of the vocab."""
+        return [self.rng.randrange(100, self.vocab - 1) for _ in range(n)]
+
+    def add(self, prompt: list[int], max_tokens: int) -> Req:
+        self._n += 1
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        req = Req(f"bench-{self._n}", list(prompt), params, time.monotonic())
+        why = self.sched.validate(req)
+        if why is not None:
+            raise ValueError(why)
+        self.sched.add(req)
+        return req
+
+    def step(self, batch: ScheduledBatch | None = None) -> ScheduledBatch | None:
+        batch = batch if batch is not None else self.sched.schedule()
+        if batch is None:
+            return None
+        token_ids, logprobs = self.runner.step(batch)
+        self.commit(batch, token_ids, logprobs)
+        return batch
+
+    def commit(self, batch: ScheduledBatch, token_ids: list[int], logprobs: Any = None) -> None:
+        try:
+            self.sched.commit(batch, token_ids, logprobs)
+        except AssertionError:
+            # Scheduler.commit runs req.check() after finish() has reset
+            # computed_len to 0, which trips for any finished request with a
+            # prefix hit (cached_len > 0). Harmless only when that request is
+            # the whole batch (nothing after it went uncommitted).
+            if not (len(batch.reqs) == 1 and batch.reqs[0].finished):
+                raise
+        self.sched.finished_reqs.clear()
+
+    def run_all(self) -> None:
+        while self.step() is not None:
+            pass
+
+    def abort_all(self) -> None:
+        for req in list(self.sched.by_id.values()):
+            self.sched.finish(req, "abort")
+        self.sched.finished_reqs.clear()
+
+
+# ----------------------------------------------------------------- prefill
+
+
+def prefill_chunk(drv: EngineDriver, prompt: list[int], prefix: int, chunk: int,
+                  device: torch.device, profile: bool = False) -> dict[str, Any]:
+    """Time the single prefill chunk of ``prompt`` that follows ``prefix``
+    cached tokens (the prompt must end right after the chunk)."""
+    req = drv.add(prompt, max_tokens=1)
+    t0 = time.perf_counter()
+    batch = drv.sched.schedule()
+    sched_s = time.perf_counter() - t0
+    assert batch is not None and batch.reqs == [req], "the chunk must run alone"
+    got_prefix, got_new = batch.prefix_lens[0], len(batch.new_tokens[0])
+    if (got_prefix, got_new) != (prefix, chunk):
+        drv.step(batch)
+        drv.run_all()
+        raise RuntimeError(f"expected a {chunk}-token chunk over {prefix} cached tokens, "
+                           f"the scheduler planned {got_new} over {got_prefix} (prefix evicted?)")
+    out: dict[str, Any] = {"schedule_s": sched_s}
+    if profile:
+        prof = gpu_kernel_seconds(lambda: drv.runner.step(batch), device, ("extend", "attention"))
+        out["profile"] = prof
+        token_ids: list[int] = [0]
+    else:
+        out["wall_s"], out["gpu_s"], (token_ids, _) = timed(lambda: drv.runner.step(batch), device)
+    drv.commit(batch, token_ids)
+    assert req.finished, "a one-token request ends with its final chunk"
+    return out
+
+
+def bench_prefill(drv: EngineDriver, device: torch.device, mcfg: Any, limits: dict[str, Any],
+                  chunk: int, prefix: int, base: list[int], reps: int) -> dict[str, Any]:
+    """Median over ``reps`` chunks (after one warm-up) plus one profiled chunk."""
+    runs = []
+    for i in range(reps + 2):
+        prompt = base[:prefix] + drv.tokens(chunk)
+        runs.append(prefill_chunk(drv, prompt, prefix, chunk, device, profile=i == reps + 1))
+    timed_runs = runs[1:reps + 1]
+    wall = statistics.median(r["wall_s"] for r in timed_runs)
+    gpu = statistics.median(r["gpu_s"] for r in timed_runs)
+    sched = statistics.median(r["schedule_s"] for r in timed_runs)
+    fl = prefill_flops(mcfg, chunk, prefix)
+    prof = runs[-1]["profile"]
+    out: dict[str, Any] = {
+        "prefix": prefix, "chunk": chunk, "wall_s": wall, "gpu_event_s": gpu, "schedule_s": sched,
+        "tokens_per_s": chunk / wall, **fl,
+        "tflops": fl["total_flops"] / wall / 1e12,
+        "matmul_tflops": fl["matmul_flops"] / wall / 1e12,
+        "walls_s": [r["wall_s"] for r in timed_runs],
+        "kernel_s": prof["kernel_s"], "top_kernels": prof["top"],
+    }
+    mm = (limits or {}).get("matmul", {}).get("tflops")
+    if mm:
+        out["matmul_frac_of_peak"] = out["matmul_tflops"] / mm
+        out["total_frac_of_peak"] = out["tflops"] / mm
+    if prof["kernel_s"] is not None:
+        out["gpu_busy"] = prof["kernel_s"] / wall
+        out["gpu_busy_incl_schedule"] = prof["kernel_s"] / (wall + sched)
+        attn_s = prof["by_filter"].get("extend") or 0.0
+        if attn_s > 0:
+            out["attention_kernel_s"] = attn_s
+            out["attention_tflops"] = fl["attention_flops"] / attn_s / 1e12
+            if mm:
+                out["attention_frac_of_peak"] = out["attention_tflops"] * 1e12 / (mm * 1e12)
+    return out
+
+
+def prefill_base(drv: EngineDriver, base: list[int], device: torch.device) -> dict[str, Any]:
+    """Prefill the shared base prompt chunk by chunk (timing each), then leave
+    it in the prefix cache for the cached-prefix and decode sections."""
+    req = drv.add(base, max_tokens=1)
+    curve: list[tuple[int, int, float]] = []
+    while not req.finished:
+        batch = drv.sched.schedule()
+        assert batch is not None
+        wall, _, _ = timed(lambda b=batch: drv.step(b), device)
+        curve.append((batch.prefix_lens[0], len(batch.new_tokens[0]), wall))
+    return {"tokens": len(base), "chunks": [{"prefix": p, "new": n, "wall_s": w} for p, n, w in curve],
+            "total_s": sum(w for _, _, w in curve)}
+
+
+# ----------------------------------------------------------------- decode
+
+
+def count_routed_experts(drv: EngineDriver, batch: ScheduledBatch) -> float | None:
+    """Mean distinct experts per MoE layer for this decode batch, from one
+    eager forward with hooks on the routers (outside any timed region; it
+    writes the KV this batch would write anyway)."""
+    from ftserve.models.layers import MoEBlock
+
+    blocks = [m for m in drv.runner.model.modules() if isinstance(m, MoEBlock)]
+    if not blocks:
+        return None
+    counts: list[int] = []
+
+    def hook(mod: torch.nn.Module, _inp: Any, out: torch.Tensor) -> None:
+        ids = out.float().topk(mod.top_k, dim=-1).indices  # [B, k]
+        counts.append(int(torch.unique(ids).numel()))
+
+    handles = [b.gate.register_forward_hook(
+        lambda m, i, o, blk=b: hook(blk, i, o)) for b in blocks]
+    try:
+        drv.runner.prepare_slots(batch.reqs)
+        fb, _, _, _ = drv.runner.build(batch)
+        with torch.inference_mode():
+            drv.runner.model(fb)
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(counts) / len(counts)
+
+
+def bench_decode(drv: EngineDriver, device: torch.device, mcfg: Any, limits: dict[str, Any],
+                 base: list[int], context: int, batch_size: int, warmup: int, steps: int,
+                 tail: int) -> dict[str, Any]:
+    reqs = [drv.add(base[:context - tail] + drv.tokens(tail), max_tokens=warmup + steps + 4)
+            for _ in range(batch_size)]
+    prefill_steps = 0
+    while any(r.state is not ReqState.DECODE for r in reqs):
+        drv.step()
+        prefill_steps += 1
+        if prefill_steps > 10 * batch_size + 100:
+            raise RuntimeError("requests never reached decode")
+    for _ in range(warmup):
+        drv.step()
+    host_s = 0.0
+    ctx_before = sum(r.computed_len for r in reqs)
+
+    def run() -> None:
+        nonlocal host_s
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            batch = drv.sched.schedule()
+            host_s += time.perf_counter() - t0
+            assert batch is not None and batch.is_decode and len(batch.reqs) == batch_size
+            token_ids, lps = drv.runner.step(batch)
+            t0 = time.perf_counter()
+            drv.commit(batch, token_ids, lps)
+            host_s += time.perf_counter() - t0
+
+    wall, gpu, _ = timed(run, device)
+    ctx_after = sum(r.computed_len for r in reqs)
+    mean_ctx = (ctx_before + ctx_after) / 2 / batch_size
+    batch = drv.sched.schedule()
+    measured_experts = None
+    if batch is not None and batch.is_decode:
+        measured_experts = count_routed_experts(drv, batch)
+    drv.abort_all()
+    elem = torch.empty((), dtype=next(drv.runner.model.parameters()).dtype).element_size()
+    nbytes = decode_step_bytes(mcfg, elem, batch_size, [int(mean_ctx)] * batch_size, measured_experts)
+    expected = decode_step_bytes(mcfg, elem, batch_size, [int(mean_ctx)] * batch_size)
+    out: dict[str, Any] = {
+        "context": context, "batch": batch_size, "steps": steps, "wall_s": wall, "gpu_event_s": gpu,
+        "step_ms": wall / steps * 1e3, "tokens_per_s": batch_size * steps / wall,
+        "host_frac": host_s / wall, "mean_context": mean_ctx,
+        "experts_per_layer_measured": measured_experts,
+        "experts_per_layer_expected": expected["experts_per_layer"],
+        "experts_source": "measured routing" if measured_experts is not None else "expectation",
+        **{k: v for k, v in nbytes.items() if k != "experts_per_layer"},
+        "graph": drv.runner.graphs is not None and drv.runner.graphs.can_run(batch_size),
+    }
+    bw = (limits or {}).get("copy", {}).get("gbps_read_plus_write")
+    if bw:
+        t_roof = nbytes["total_bytes"] / (bw * 1e9)
+        out["roofline_tokens_per_s"] = batch_size / t_roof
+        out["frac_of_roofline"] = out["tokens_per_s"] / out["roofline_tokens_per_s"]
+    return out
+
+
+# ----------------------------------------------------------------- transformers peer
+
+
+def bench_hf(model_dir: str, device: torch.device, dtype: torch.dtype, prefill_len: int,
+             decode_ctx: int, decode_steps: int, reps: int) -> dict[str, Any]:
+    import transformers
+
+    hf_cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    cls = getattr(transformers, hf_cfg.architectures[0])
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls._from_config(hf_cfg, attn_implementation="sdpa")
+    finally:
+        torch.set_default_dtype(old)
+    model = model.to(device=device, dtype=dtype).eval()
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    vocab = hf_cfg.vocab_size
+    out: dict[str, Any] = {"transformers": transformers.__version__, "attn_implementation": "sdpa"}
+
+    def fwd(ids: torch.Tensor, **kw: Any) -> Any:
+        try:
+            return model(input_ids=ids, logits_to_keep=1, **kw)
+        except TypeError:
+            return model(input_ids=ids, **kw)
+
+    with torch.inference_mode():
+        times = []
+        for i in range(reps + 1):
+            ids = torch.randint(100, vocab - 1, (1, prefill_len), generator=gen).to(device)
+            wall, _, _ = timed(lambda ids=ids: fwd(ids, use_cache=False), device)
+            if i:
+                times.append(wall)
+        out["prefill_tokens"] = prefill_len
+        out["prefill_s"] = statistics.median(times)
+        out["prefill_tokens_per_s"] = prefill_len / out["prefill_s"]
+        ids = torch.randint(100, vocab - 1, (1, decode_ctx), generator=gen).to(device)
+        res = fwd(ids, use_cache=True)
+        past, nxt = res.past_key_values, res.logits[:, -1:].argmax(-1)
+        for _ in range(2):  # warm-up steps
+            res = fwd(nxt, past_key_values=past, use_cache=True)
+            past, nxt = res.past_key_values, res.logits[:, -1:].argmax(-1)
+
+        def run() -> None:
+            nonlocal past, nxt
+            for _ in range(decode_steps):
+                r = fwd(nxt, past_key_values=past, use_cache=True)
+                past, nxt = r.past_key_values, r.logits[:, -1:].argmax(-1)
+
+        wall, _, _ = timed(run, device)
+    out.update(decode_context=decode_ctx, decode_steps=decode_steps, decode_b1_tokens_per_s=decode_steps / wall)
+    return out
+
+
+# ----------------------------------------------------------------- report
+
+
+def render_markdown(res: dict[str, Any]) -> str:
+    """The BENCHMARKS.md section for this run."""
+    m, a = res["machine"], res["args"]
+    eng = res.get("engine_build") or {}
+    out = [f"### Engine: {a['preset']} x {a['layers']} layers, {a['dtype']}, dummy weights "
+           f"-- {m.get('gpu')}, {m['date_utc']}",
+           f"torch {m['torch']}, triton {m.get('triton')}; attention {eng.get('attention_backend')}, "
+           f"CUDA graphs for batch sizes {eng.get('cuda_graph_batch_sizes')}; "
+           f"reproduce: `python -m tools.bench_engine --out bench_engine.json`", ""]
+    lim = res.get("limits") or {}
+    mm = (lim.get("matmul") or {}).get("tflops")
+    bw = (lim.get("copy") or {}).get("gbps_read_plus_write")
+    h2d = lim.get("h2d") or {}
+    out += ["Physical limits measured in this run:", markdown_table(
+        ["matmul TFLOP/s", "device copy GB/s (read+write)", "pinned H2D GB/s", "pinned D2H GB/s"],
+        [[mm, bw, h2d.get("h2d_gbps"), h2d.get("d2h_gbps")]]), ""]
+
+    def pct(x: float | None) -> str | None:
+        return None if x is None else f"{100 * x:.0f}%"
+
+    cold = res.get("cold_prefill")
+    if cold:
+        out += ["Cold prefill (one chunk, no cached prefix):", markdown_table(
+            ["tokens", "wall s", "tokens/s", "matmul TFLOP/s", "of matmul rate", "GPU busy"],
+            [[cold["chunk"], cold["wall_s"], cold["tokens_per_s"], cold["matmul_tflops"],
+              pct(cold.get("matmul_frac_of_peak")), pct(cold.get("gpu_busy"))]]), ""]
+    rows = [[r["prefix"], r["wall_s"], r["tokens_per_s"], r["total_flops"] / 1e12, r["tflops"],
+             r.get("attention_tflops"), pct(r.get("attention_frac_of_peak")), pct(r.get("gpu_busy")),
+             r["schedule_s"] * 1e3] for r in res.get("cached_prefill") or []]
+    if rows:
+        out += [f"Cached-prefix prefill: one {a['chunk']}-token chunk over N cached tokens "
+                "(FLOPs = matmul + attention; GPU busy = profiler kernel time / chunk wall time):",
+                markdown_table(["cached", "wall s", "tokens/s", "TFLOP", "TFLOP/s", "attention TFLOP/s",
+                                "attn of matmul rate", "GPU busy", "schedule ms"], rows), ""]
+    rows = [[r["context"], r["batch"], r["tokens_per_s"], r["step_ms"], r.get("roofline_tokens_per_s"),
+             pct(r.get("frac_of_roofline")),
+             f"{r['experts_per_layer_measured'] or 0:.1f} / {r['experts_per_layer_expected']:.1f}",
+             r["total_bytes"] / 1e6, pct(r["host_frac"])] for r in res.get("decode") or []]
+    if rows:
+        out += ["Decode (CUDA graphs; roofline = bytes read per step / measured copy bandwidth; "
+                "bytes = attention + router + dense weights + the experts the batch was routed to "
+                "(measured) + lm_head + KV):",
+                markdown_table(["context", "batch", "tokens/s", "step ms", "roofline tokens/s",
+                                "of roofline", "experts/layer measured / E(1-(1-k/E)^B)",
+                                "MB read/step", "host time"], rows), ""]
+    hf = res.get("hf")
+    if hf:
+        ours_dec = next((r["tokens_per_s"] for r in res.get("decode") or []
+                         if r["batch"] == 1 and r["context"] == hf["decode_context"]), None)
+        ours_pre = cold["wall_s"] if cold else None
+        out += [f"transformers {hf['transformers']} peer (same config, random weights, "
+                f"{hf['attn_implementation']}):", markdown_table(
+                    ["", "transformers", "ftserve", "speed-up"],
+                    [[f"cold prefill {hf['prefill_tokens']} tokens, s", hf["prefill_s"], ours_pre,
+                      None if not ours_pre else f"{hf['prefill_s'] / ours_pre:.1f}x"],
+                     [f"decode batch 1 @ {hf['decode_context']} context, tokens/s",
+                      hf["decode_b1_tokens_per_s"], ours_dec,
+                      None if not ours_dec else f"{ours_dec / hf['decode_b1_tokens_per_s']:.1f}x"]]), ""]
+    for name, err in (res.get("errors") or {}).items():
+        out.append(f"- ERROR in {name}: {err.splitlines()[0]}")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------- main
+
+
+def build(args: argparse.Namespace, model_dir: str, device: torch.device) -> Engine:
+    from ftserve.engine.setup import build_engine
+
+    cfg = EngineConfig(
+        model=model_dir, load_format="dummy", dtype=args.dtype, device=str(device),
+        page_size=16, kv_cache_tokens=args.kv_tokens, max_prefill_length=args.chunk,
+        max_running_requests=max(args.batches), cuda_graph_max_bs=max(args.batches),
+        attention_backend="auto", status_log_interval=0.0, max_model_len=args.max_len,
+    )
+    return build_engine(cfg)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench_engine.json", help="JSON results path")
+    p.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU, tiny lengths (<60 s)")
+    p.add_argument("--preset", default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--load-format", default="dummy", choices=["dummy"])
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"subset of {','.join(SECTIONS)}")
+    args = p.parse_args(argv)
+    args.chunk, args.reps, args.max_len = 4096, 3, 131072
+    args.cached = [0, 8192, 32768, 102400]
+    args.contexts, args.batches = [2048, 32768], [1, 8, 32, 64]
+    args.decode_warmup, args.decode_steps, args.tail = 4, 32, 16
+    args.kv_tokens = 1 << 19
+    if args.smoke:
+        args.preset, args.layers, args.dtype, args.device = "tiny-moe", 2, "float32", "cpu"
+        args.chunk, args.reps, args.max_len = 64, 1, 1024
+        args.cached = [0, 64, 256]
+        args.contexts, args.batches = [48, 160], [1, 3]
+        args.decode_warmup, args.decode_steps, args.tail = 1, 3, 16
+        args.kv_tokens = 8192
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    wanted = set(args.sections.split(","))
+    results: dict[str, Any] = {"machine": machine_info(device), "args": {
+        k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, bool))}}
+    t_start = time.perf_counter()
+    model_dir = write_model_config(args.preset, tempfile.mkdtemp(prefix="ftserve-bench-"),
+                                   layers=args.layers, max_position_embeddings=args.max_len)
+    limits = run_section(results, "limits", lambda: physical_limits(device, args.smoke)) or {}
+    engine = run_section(results, "engine_build", lambda: build(args, model_dir, device))
+    if engine is not None:
+        results["engine_build"] = dict(engine.summary)
+        if device.type == "cuda" and engine.runner.graphs is None:
+            results.setdefault("errors", {})["cuda_graphs"] = "CUDA graphs are OFF: numbers are not valid"
+        drv = EngineDriver(engine)
+        mcfg = engine.model_config
+        base = drv.tokens(max(max(args.cached), max(args.contexts)))
+        if "cold" in wanted:
+            run_section(results, "cold_prefill", lambda: bench_prefill(
+                drv, device, mcfg, limits, args.chunk, 0, [], args.reps))
+        if wanted & {"cached", "decode"}:
+            run_section(results, "base_prefill", lambda: prefill_base(drv, base, device))
+        if "cached" in wanted:
+            rows = []
+            for prefix in args.cached:
+                r = run_section(results, f"cached_{prefix}", lambda p=prefix: bench_prefill(
+                    drv, device, mcfg, limits, args.chunk, p, base, args.reps))
+                drv.abort_all()
+                if r is not None:
+                    rows.append(r)
+                    results.pop(f"cached_{prefix}")
+            results["cached_prefill"] = rows
+        if "decode" in wanted:
+            rows = []
+            for ctx in args.contexts:
+                for bs in args.batches:
+                    r = run_section(results, f"decode_{ctx}_{bs}", lambda c=ctx, b=bs: bench_decode(
+                        drv, device, mcfg, limits, base, c, b, args.decode_warmup, args.decode_steps,
+                        args.tail))
+                    drv.abort_all()
+                    if r is not None:
+                        rows.append(r)
+                        results.pop(f"decode_{ctx}_{bs}")
+            results["decode"] = rows
+        engine.shutdown()
+        del drv, engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "hf" in wanted:
+        dtype = getattr(torch, args.dtype)
+        run_section(results, "hf", lambda: bench_hf(
+            model_dir, device, dtype, args.chunk, args.contexts[0], args.decode_steps, args.reps))
+    results["total_s"] = time.perf_counter() - t_start
+    write_json(args.out, results)
+    print(render_markdown(results), flush=True)
+    say(f"wrote {args.out} in {results['total_s']:.0f} s")
+    return results
+
+
+if __name__ == "__main__":
+    main()
