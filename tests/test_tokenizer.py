@@ -79,13 +79,17 @@ def train_tokenizer_json(path: Path, kind: str) -> Path:
         vocab_size=600, special_tokens=SPECIALS, initial_alphabet=alphabet, show_progress=False
     )
     core.train_from_iterator(CORPUS * 4, trainer=trainer)
-    if kind == "metaspace":  # byte-fallback pieces, as real sentencepiece-derived vocabularies have
-        core.add_tokens([f"<0x{b:02X}>" for b in range(256)])
     bos = core.token_to_id("<s>")
     core.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
     )
     core.save(str(path))
+    if kind == "metaspace":  # byte-fallback pieces in the model vocab, as sentencepiece-derived ones have
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        vocab = spec["model"]["vocab"]
+        for b in range(256):
+            vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+        path.write_text(json.dumps(spec), encoding="utf-8")
     return path
 
 
