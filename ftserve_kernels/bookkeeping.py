@@ -141,8 +141,9 @@ def _admit_kernel(
     lu = tl.where(occ >= 0, lu, -1)
     key = tl.where(prot | (s >= S), _BIG_K, lu * S + s)  # [S] int64, unique
     # Smallest threshold with n_miss keys at or below it (n_miss = 0 -> none).
-    lo = tl.zeros([], tl.int64) - S - 1
-    hi = tl.zeros([], tl.int64) + _BIG_K
+    zero64 = step * 0  # an int64 scalar tensor (S may arrive as a constexpr)
+    lo = zero64 - S - 1
+    hi = zero64 + _BIG_K
     for _ in range(64):
         mid = lo + (hi - lo) // 2
         enough = tl.sum((key <= mid).to(tl.int32), 0) >= n_miss

@@ -88,7 +88,7 @@ def route_topk_triton(
 def _align_count_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, cursor_ptr,
     N, E, MAX_ROWS, MAX_BLOCKS,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
 ):
     # One program: counts per expert, padded offsets, block -> expert, sentinel fill.
     e = tl.arange(0, BLOCK_E)
@@ -107,8 +107,9 @@ def _align_count_kernel(
         owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), 1)  # [CHUNK]
         owner = tl.where(first_row < total, owner, -1)
         tl.store(block_expert_ptr + s + c, owner, mask=s + c < MAX_BLOCKS)
-    for s in range(0, MAX_ROWS, CHUNK):
-        tl.store(sorted_ptr + s + c, tl.zeros([CHUNK], tl.int32) + N, mask=s + c < MAX_ROWS)
+    f = tl.arange(0, FILL)
+    for s in range(0, MAX_ROWS, FILL):
+        tl.store(sorted_ptr + s + f, tl.zeros([FILL], tl.int32) + N, mask=s + f < MAX_ROWS)
 
 
 @triton.jit
@@ -136,7 +137,8 @@ def moe_align(
     cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
     _align_count_kernel[(1,)](
         ids, sorted_ids, block_expert, total, cursor, n, num_experts, max_rows, max_blocks,
-        BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=256, num_warps=8,
+        BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=256, FILL=2048,
+        num_warps=8,
     )
     _align_scatter_kernel[(triton.cdiv(n, 1024),)](ids, sorted_ids, cursor, n, CHUNK=1024)
     return sorted_ids, block_expert, total

@@ -189,7 +189,7 @@ def test_gpu_decode_poisoned_output_and_graph_replay() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         at.decode_attention_triton(q, kc, vc, table, seq_lens, 16, 128**-0.5, splits, out=out)
-    for lens in ([3001, 71], [17, 2500]):
+    for lens in ([3001, 71], [17, 80]):  # within each table's pages (80 = 5 pages of 16)
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         out.fill_(float("nan"))
         graph.replay()
