@@ -108,6 +108,7 @@ class IncrementalTokenizer:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        tokenizer.space_cuts_ok  # noqa: B018 - one vocabulary scan now, not on the first request
 
     @property
     def nbytes(self) -> int:
@@ -163,7 +164,7 @@ class IncrementalTokenizer:
         entry, lcp = self._lookup(text)
         if entry is not None and lcp == len(text) == len(entry.text):
             return entry.ids.tolist()
-        ids: list[int] | None = None
+        ids: array | None = None
         if entry is not None and lcp >= self.min_reuse_chars:
             ids = self._splice(entry, text, lcp)
             with self._lock:
@@ -175,11 +176,14 @@ class IncrementalTokenizer:
             with self._lock:
                 self.stats.misses += 1
         if ids is None:
-            ids = self.tok.encode_body(text)
+            ids = array("i", self.tok.encode_body(text))
             with self._lock:
                 self.stats.chars_encoded += len(text)
-        self._insert(text, ids)
-        return ids
+        # The new text strictly extends the entry: the entry is dominated (a resend of it
+        # splices from the new one), so drop it and keep one entry per conversation.
+        parent = entry.text if entry is not None and lcp == len(entry.text) < len(text) else None
+        self._insert(text, ids, replaces=parent)
+        return ids.tolist()
 
     def _cut_candidates(self, text: str, lcp: int) -> list[int]:
         """Safe cuts, nearest first, at least `window_chars` before lcp."""
@@ -194,7 +198,7 @@ class IncrementalTokenizer:
             pos = text.rfind(" ", floor, pos)
         return out
 
-    def _splice(self, entry: _Entry, text: str, lcp: int) -> list[int] | None:
+    def _splice(self, entry: _Entry, text: str, lcp: int) -> array | None:
         tok = self.tok
         if not tok.space_cuts_ok:
             return None
@@ -214,7 +218,7 @@ class IncrementalTokenizer:
                 return None
             old_tail = tok.encode_continuation(old_text[c:])
             j = len(old_ids) - len(old_tail)
-            if j < 1 or old_ids[j:].tolist() != old_tail:
+            if j < 1 or old_ids[j:] != array("i", old_tail):
                 continue
             window = tok.encode_continuation(text[c:c2])
             new_tail = tok.encode_continuation(text[c:])
@@ -224,14 +228,18 @@ class IncrementalTokenizer:
             with self._lock:
                 self.stats.tokens_reused += j
                 self.stats.chars_encoded += (len(old_text) - c) + (len(text) - c) + (c2 - c)
-            return old_ids[:j].tolist() + new_tail
+            return old_ids[:j] + array("i", new_tail)  # C-level copies, no int boxing
         return None
 
-    def _insert(self, text: str, ids: list[int]) -> None:
-        entry = _Entry(text, array("i", ids))
+    def _insert(self, text: str, ids: array, replaces: str | None = None) -> None:
+        entry = _Entry(text, ids)  # never mutated after this point
         if entry.nbytes > self.max_bytes:
             return
         with self._lock:
+            if replaces is not None:
+                dominated = self._entries.pop(replaces, None)
+                if dominated is not None:
+                    self._bytes -= dominated.nbytes
             old = self._entries.pop(text, None)
             if old is not None:
                 self._bytes -= old.nbytes

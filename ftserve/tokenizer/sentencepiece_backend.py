@@ -76,6 +76,27 @@ def _without_dummy_prefix(model_proto: bytes) -> bytes:
     raise ValueError("sentencepiece model has no normalizer_spec")
 
 
+def _trie_pattern(words: list[str]) -> str:
+    """A regex matching any of `words`, longest first, as a prefix trie: with ~750
+    control pieces a flat alternation tries every one at each "[" or "<" of a long
+    prompt; the trie follows one branch per character."""
+    trie: dict[str, dict] = {}
+    for w in words:
+        node = trie
+        for ch in w:
+            node = node.setdefault(ch, {})
+        node[""] = {}  # end of a word
+
+    def build(node: dict[str, dict]) -> str:
+        branches = [re.escape(ch) + build(child) for ch, child in sorted(node.items()) if ch]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        return f"(?:{body})?" if "" in node else body  # greedy: the longer word wins
+
+    return build(trie) if words else "(?!)"
+
+
 class SentencePieceTokenizer(Tokenizer):
     def __init__(
         self,
@@ -108,11 +129,7 @@ class SentencePieceTokenizer(Tokenizer):
             if self.sp.is_control(i) or self.sp.is_unknown(i)
         }
         self.chat_template = chat_template
-        # Longest first so "[/INST]" is never read as "[" + ...; the lookahead on the
-        # first characters keeps the scan fast over long prompts.
-        names = sorted(self.special_tokens, key=len, reverse=True)
-        firsts = "".join(sorted({re.escape(n[0]) for n in names}))
-        self._special_re = re.compile(f"(?=[{firsts}])(?:{'|'.join(map(re.escape, names))})")
+        self._special_re = re.compile(_trie_pattern(list(self.special_tokens)))
 
     def _segments(self, text: str, at_start: bool) -> list[int]:
         ids: list[int] = []
