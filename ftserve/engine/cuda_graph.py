@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIN_FLAG = 1 << 62
-ALL_FEATURES = SamplerFeatures(sampling=True, filtering=True, penalties=True, logprobs=True)
+ALL_FEATURES = SamplerFeatures.all()
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -93,31 +93,30 @@ class DecodeGraphs:
     def capture(self) -> None:
         t0 = time.monotonic()
         r = self.runner
-        saved = r.sampler.features
         feature_sets = [SamplerFeatures(), ALL_FEATURES]
         self._fill_dummy()
         with torch.inference_mode():
             for feats in feature_sets:
-                r.sampler._features = feats  # capture exactly this stage set
-                if feats.penalties:
-                    r.sampler.enable(feats)
-                for bs in sorted(self.sizes, reverse=True):
-                    stream = torch.cuda.Stream()
-                    stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):
-                        for _ in range(2):  # warm up: compile kernels, settle allocations
-                            self._forward(bs)
-                    torch.cuda.current_stream().wait_stream(stream)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool):
-                        out = self._forward(bs)
-                    self.graphs[(bs, feats)] = graph
-                    self.outputs[(bs, feats)] = out
+                with r.sampler.forced_features(feats):  # capture exactly this stage set
+                    for bs in sorted(self.sizes, reverse=True):
+                        self._capture_one(bs, feats)
                 log.info("captured %d decode graphs (%s)", len(self.sizes),
                          "greedy" if feats == SamplerFeatures() else "all sampler stages")
-        r.sampler._features = saved
         torch.cuda.synchronize()
         log.info("CUDA graphs for batch sizes %s captured in %.1f s", self.sizes, time.monotonic() - t0)
+
+    def _capture_one(self, bs: int, feats: SamplerFeatures) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: compile kernels, settle allocations
+                self._forward(bs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._forward(bs)
+        self.graphs[(bs, feats)] = graph
+        self.outputs[(bs, feats)] = out
 
     def _fill_dummy(self) -> None:
         r = self.runner

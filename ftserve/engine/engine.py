@@ -210,7 +210,7 @@ class EngineCore:
                 pass
 
     def _fail_all(self, message: str, reason: str = "error") -> None:
-        outs = []
+        outs = self._collect()  # requests that finished normally before the failure
         for req in list(self.scheduler.by_id.values()):
             outs.append(RequestOutput(req.request_id, req.pending_ids, finish_reason=reason,
                                       error=message if reason == "error" else None,

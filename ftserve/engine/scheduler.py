@@ -269,10 +269,10 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             req.state = ReqState.DECODE
+            req.check()
             reason = self._stop_reason(req, tok)
             if reason is not None:
                 self.finish(req, reason)
-            req.check()
 
     def _stop_reason(self, req: Req, tok: int) -> str | None:
         p = req.params
