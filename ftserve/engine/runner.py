@@ -30,7 +30,7 @@ from ftserve.models.forward_batch import AttentionBackend, AttentionMetadata, Fo
 if TYPE_CHECKING:
     from ftserve.engine.cuda_graph import DecodeGraphs
     from ftserve.engine.request import Req
-    from ftserve.engine.sampler import Sampler, SampleOutput
+    from ftserve.engine.sampler import SampleOutput, Sampler
 
 
 @contextlib.contextmanager
