@@ -10,6 +10,9 @@ dummy bf16 weights, Triton attention and CUDA-graph decode:
 - greedy outputs with CUDA graphs equal eager outputs;
 - CUDA bf16 logits are close to the CPU fp32 reference for the same weights.
 
+Plus two CPU tests that keep tools/bench_engine.py honest: its FLOP / byte
+accounting against hand counts, and a --smoke run end to end.
+
 The Scheduler and ModelRunner are driven synchronously (tools.bench_engine's
 EngineDriver), so every step is checked on its own. Each scenario runs once
 unchecked first: Triton compiles (and any autotuning) happen at first launch
@@ -32,8 +35,6 @@ from ftserve.engine.request import Req, ReqState
 from ftserve.engine.scheduler import ScheduledBatch
 from tools.bench_common import write_model_config
 from tools.bench_engine import EngineDriver
-
-pytestmark = pytest.mark.gpu
 
 CHUNK = 256  # max_prefill_length
 # tiny-moe widened so the Triton kernels run at realistic tile shapes.
@@ -138,6 +139,7 @@ def scenario(engine: Engine, seed: int, check: bool) -> CheckedDriver:
     return drv
 
 
+@pytest.mark.gpu
 def test_no_hidden_syncs(engine: Engine) -> None:
     scenario(engine, seed=0, check=False)  # compile every kernel shape once
     drv = scenario(engine, seed=1, check=True)
@@ -161,6 +163,7 @@ def run_greedy(engine: Engine, prompts: list[list[int]], max_tokens: int) -> lis
     return [list(r.output_ids) for r in reqs]
 
 
+@pytest.mark.gpu
 def test_cuda_graph_decode_equals_eager(engine: Engine, model_dir: str) -> None:
     eager = make_engine(model_dir, graphs=False)
     try:
@@ -178,6 +181,7 @@ def test_cuda_graph_decode_equals_eager(engine: Engine, model_dir: str) -> None:
         eager.shutdown()
 
 
+@pytest.mark.gpu
 def test_cuda_bf16_logits_track_cpu_fp32(engine: Engine) -> None:
     with torch.inference_mode():
         _compare_logits(engine)
@@ -216,3 +220,49 @@ def _compare_logits(engine: Engine) -> None:
     assert cos.min() > 0.99, f"worst row cosine {cos.min():.4f}"
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean()
     assert agree >= 0.9, f"top-1 agreement {agree:.2f}"
+
+
+# ----------------------------------------------------------------- CPU: the benchmark itself
+
+
+def test_bench_accounting_matches_hand_counts() -> None:
+    from ftserve.models.config import ModelConfig
+    from ftserve.models.presets import PRESETS
+    from tools.bench_common import decode_step_bytes, expected_distinct_experts, prefill_flops
+
+    cfg = ModelConfig.from_hf({**PRESETS["qwen3-30b-a3b"], "num_hidden_layers": 8})
+    h, i, e, k, v = 2048, 768, 128, 8, 151936
+    attn = h * (32 * 128 + 2 * 4 * 128) + 32 * 128 * h  # qkv + o weights per layer
+    assert expected_distinct_experts(e, k, 1) == pytest.approx(k)
+    assert expected_distinct_experts(e, k, 10_000) == pytest.approx(e)
+    b1 = decode_step_bytes(cfg, 2, 1, [2048])
+    want = 2 * (8 * (attn + h * e + k * 3 * h * i) + v * h + h)
+    assert b1["weight_bytes"] == pytest.approx(want)
+    assert b1["kv_bytes"] == 2048 * 2 * 8 * 4 * 128 * 2
+    measured = decode_step_bytes(cfg, 2, 64, [100] * 64, experts_per_layer=100.0)
+    assert measured["experts_per_layer"] == 100.0
+    fl = prefill_flops(cfg, 4096, 8192)
+    assert fl["matmul_flops"] == pytest.approx(4096 * 8 * 2 * (attn + h * e + k * 3 * h * i) + 2 * h * v)
+    pairs = 4096 * 8192 + 4096 * 4097 / 2
+    assert fl["attention_flops"] == pytest.approx(8 * 32 * 4 * 128 * pairs)
+
+
+def test_bench_engine_smoke_cpu(tmp_path: Path) -> None:
+    from tools.bench_engine import main
+
+    out = tmp_path / "bench.json"
+    res = main(["--smoke", "--out", str(out), "--sections", "cold,cached,decode"])
+    assert out.exists() and not res.get("errors"), res.get("errors")
+    cached = res["cached_prefill"]
+    assert [r["prefix"] for r in cached] == [0, 64, 256]
+    # More cached tokens, same new tokens: strictly more attention work per chunk.
+    assert cached[0]["attention_flops"] < cached[1]["attention_flops"] < cached[2]["attention_flops"]
+    assert all(r["wall_s"] > 0 and r["tokens_per_s"] > 0 for r in cached)
+    rows = {(r["context"], r["batch"]): r for r in res["decode"]}
+    assert set(rows) == {(48, 1), (48, 3), (160, 1), (160, 3)}
+    for (ctx, bs), r in rows.items():
+        assert ctx <= r["mean_context"] <= ctx + 8
+        # tiny-moe routes 4 of 16 experts: one token touches exactly 4 distinct ones.
+        assert (r["experts_per_layer_measured"] == 4.0) if bs == 1 else 4.0 <= r["experts_per_layer_measured"] <= 12.0
+        assert 0 < r["frac_of_roofline"] < 1.0
+    assert res["base_prefill"]["tokens"] == 256

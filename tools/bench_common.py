@@ -36,10 +36,16 @@ def say(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def run_section(results: dict[str, Any], name: str, fn: Callable[[], Any]) -> Any:
+def run_section(results: dict[str, Any], name: str, fn: Callable[[], Any],
+                deadline: float | None = None) -> Any:
     """Run one benchmark section; an exception is recorded under
     results["errors"][name] and the run moves on (a long GPU run must not be
-    lost to one failing section)."""
+    lost to one failing section). Past ``deadline`` (time.perf_counter()) the
+    section is skipped and listed in results["skipped"]."""
+    if deadline is not None and time.perf_counter() > deadline:
+        results.setdefault("skipped", []).append(name)
+        say(f"section {name} skipped: time budget spent")
+        return None
     say(f"section {name} ...")
     t0 = time.perf_counter()
     try:

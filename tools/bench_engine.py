@@ -127,9 +127,10 @@ def prefill_chunk(drv: EngineDriver, prompt: list[int], prefix: int, chunk: int,
                            f"the scheduler planned {got_new} over {got_prefix} (prefix evicted?)")
     out: dict[str, Any] = {"schedule_s": sched_s}
     if profile:
-        prof = gpu_kernel_seconds(lambda: drv.runner.step(batch), device, ("extend", "attention"))
-        out["profile"] = prof
-        token_ids: list[int] = [0]
+        res: list[Any] = []
+        out["profile"] = gpu_kernel_seconds(lambda: res.append(drv.runner.step(batch)), device,
+                                            ("extend", "attention"))
+        token_ids = res[0][0]
     else:
         out["wall_s"], out["gpu_s"], (token_ids, _) = timed(lambda: drv.runner.step(batch), device)
     drv.commit(batch, token_ids)
@@ -366,6 +367,8 @@ def render_markdown(res: dict[str, Any]) -> str:
     if rows:
         out += [f"Cached-prefix prefill: one {a['chunk']}-token chunk over N cached tokens "
                 "(FLOPs = matmul + attention; GPU busy = profiler kernel time / chunk wall time):",
+                "(matmul FLOPs count the k routed experts per token and the lm_head for the one "
+                "sampled row only; attention = 4 * head_dim FLOPs per (query head, key) pair)",
                 markdown_table(["cached", "wall s", "tokens/s", "TFLOP", "TFLOP/s", "attention TFLOP/s",
                                 "attn of matmul rate", "GPU busy", "schedule ms"], rows), ""]
     rows = [[r["context"], r["batch"], r["tokens_per_s"], r["step_ms"], r.get("roofline_tokens_per_s"),
@@ -373,7 +376,9 @@ def render_markdown(res: dict[str, Any]) -> str:
              f"{r['experts_per_layer_measured'] or 0:.1f} / {r['experts_per_layer_expected']:.1f}",
              r["total_bytes"] / 1e6, pct(r["host_frac"])] for r in res.get("decode") or []]
     if rows:
-        out += ["Decode (CUDA graphs; roofline = bytes read per step / measured copy bandwidth; "
+        graphs = all(r.get("graph") for r in res.get("decode") or [])
+        out += [f"Decode ({'CUDA graphs' if graphs else 'eager: NO CUDA graphs'}; roofline = bytes "
+                "read per step / measured copy bandwidth; "
                 "bytes = attention + router + dense weights + the experts the batch was routed to "
                 "(measured) + lm_head + KV):",
                 markdown_table(["context", "batch", "tokens/s", "step ms", "roofline tokens/s",
@@ -422,6 +427,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--load-format", default="dummy", choices=["dummy"])
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"subset of {','.join(SECTIONS)}")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="skip sections that would start after this many seconds (default 330; smoke 50)")
     args = p.parse_args(argv)
     args.chunk, args.reps, args.max_len = 4096, 3, 131072
     args.cached = [0, 8192, 32768, 102400]
@@ -435,6 +442,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.contexts, args.batches = [48, 160], [1, 3]
         args.decode_warmup, args.decode_steps, args.tail = 1, 3, 16
         args.kv_tokens = 8192
+    if args.budget_s is None:
+        args.budget_s = 50.0 if args.smoke else 330.0
     return args
 
 
@@ -445,10 +454,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"machine": machine_info(device), "args": {
         k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, bool))}}
     t_start = time.perf_counter()
+    deadline = t_start + args.budget_s
     model_dir = write_model_config(args.preset, tempfile.mkdtemp(prefix="ftserve-bench-"),
                                    layers=args.layers, max_position_embeddings=args.max_len)
-    limits = run_section(results, "limits", lambda: physical_limits(device, args.smoke)) or {}
-    engine = run_section(results, "engine_build", lambda: build(args, model_dir, device))
+
+    def section(name: str, fn: Any, budgeted: bool = True) -> Any:
+        out = run_section(results, name, fn, deadline if budgeted else None)
+        write_json(args.out, results)  # a run killed later still leaves what it measured
+        return out
+
+    limits = section("limits", lambda: physical_limits(device, args.smoke), False) or {}
+    engine = section("engine_build", lambda: build(args, model_dir, device), False)
     if engine is not None:
         results["engine_build"] = dict(engine.summary)
         if device.type == "cuda" and engine.runner.graphs is None:
@@ -457,14 +473,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         mcfg = engine.model_config
         base = drv.tokens(max(max(args.cached), max(args.contexts)))
         if "cold" in wanted:
-            run_section(results, "cold_prefill", lambda: bench_prefill(
+            section("cold_prefill", lambda: bench_prefill(
                 drv, device, mcfg, limits, args.chunk, 0, [], args.reps))
         if wanted & {"cached", "decode"}:
-            run_section(results, "base_prefill", lambda: prefill_base(drv, base, device))
+            section("base_prefill", lambda: prefill_base(drv, base, device))
         if "cached" in wanted:
             rows = []
             for prefix in args.cached:
-                r = run_section(results, f"cached_{prefix}", lambda p=prefix: bench_prefill(
+                r = section(f"cached_{prefix}", lambda p=prefix: bench_prefill(
                     drv, device, mcfg, limits, args.chunk, p, base, args.reps))
                 drv.abort_all()
                 if r is not None:
@@ -475,7 +491,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             rows = []
             for ctx in args.contexts:
                 for bs in args.batches:
-                    r = run_section(results, f"decode_{ctx}_{bs}", lambda c=ctx, b=bs: bench_decode(
+                    r = section(f"decode_{ctx}_{bs}", lambda c=ctx, b=bs: bench_decode(
                         drv, device, mcfg, limits, base, c, b, args.decode_warmup, args.decode_steps,
                         args.tail))
                     drv.abort_all()
@@ -489,7 +505,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             torch.cuda.empty_cache()
     if "hf" in wanted:
         dtype = getattr(torch, args.dtype)
-        run_section(results, "hf", lambda: bench_hf(
+        section("hf", lambda: bench_hf(
             model_dir, device, dtype, args.chunk, args.contexts[0], args.decode_steps, args.reps))
     results["total_s"] = time.perf_counter() - t_start
     write_json(args.out, results)
