@@ -33,7 +33,7 @@ def test_mistral_template_renders_and_tokenizes() -> None:
     tok = sp_tokenizer("v3")
     tpl = chat_template_for(tok)
     text = tpl.render(CONVO)
-    assert text == "<s>[INST] Hi there[/INST]Hello! How can I help?</s>[INST] Part one\npart two[/INST]"
+    assert text == "<s>[INST] Hi there[/INST] Hello! How can I help?</s>[INST] Part one\npart two[/INST]"
     ids = tok.encode(text, add_special_tokens=False)
     pieces = [tok.id_to_piece(i) for i in ids]
     assert pieces[:3] == ["<s>", "[INST]", "▁Hi"] and pieces[-1] == "[/INST]"

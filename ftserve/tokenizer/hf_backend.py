@@ -88,9 +88,11 @@ class HFTokenizer(Tokenizer):
         dec = spec.get("decoder")
         self._byte_level = bool(_walk(dec, "ByteLevel"))
         self._byte_decoder = _gpt2_byte_decoder() if self._byte_level else {}
-        self.strips_leading_space = bool(
-            [s for s in _walk(dec, "Strip") if s.get("start", 0) > 0]
-            or [m for m in _walk(dec, "Metaspace") if m.get("prepend_scheme", "always") != "never"]
+        # Fuse + Strip(" ", 1, 0) strips the first character of the whole text, whatever
+        # token made it; a Metaspace decoder strips the "▁" of the first word piece only.
+        self._strip_any = bool([s for s in _walk(dec, "Strip") if s.get("start", 0) > 0])
+        self.strips_leading_space = self._strip_any or bool(
+            [m for m in _walk(dec, "Metaspace") if m.get("prepend_scheme", "always") != "never"]
         )
         self.bos_token, self.eos_token = bos_token, eos_token
         self.bos_id = self.tok.token_to_id(bos_token) if bos_token else None
@@ -128,6 +130,11 @@ class HFTokenizer(Tokenizer):
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             return bytes([int(piece[3:5], 16)])
         return piece.replace("▁", " ").encode("utf-8")
+
+    def strip_first(self, token_id: int) -> bool:
+        if self._strip_any:
+            return token_id not in self.special_ids
+        return super().strip_first(token_id)
 
     def _is_word_piece(self, token_id: int) -> bool:
         if token_id in self.special_ids:
