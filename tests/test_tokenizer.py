@@ -25,8 +25,8 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 from ftserve.tokenizer import (
     HFTokenizer,
     SentencePieceTokenizer,
-    chat_template_for,
     TokenizerLoadError,
+    chat_template_for,
     load_tokenizer,
 )
 from ftserve.tokenizer.sentencepiece_backend import _without_dummy_prefix
