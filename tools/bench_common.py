@@ -141,22 +141,19 @@ def gpu_kernel_seconds(fn: Callable[[], Any], device: torch.device,
         s, e = float(ev.time_range.start), float(ev.time_range.end)
         spans.append((s, e))
         by_name[ev.name] = by_name.get(ev.name, 0.0) + (e - s) / 1e6
-    if not spans and device.type == "cuda":
-        # Some profiler builds only expose device time through the averages.
-        for avg in prof.key_averages():
-            t = float(getattr(avg, "self_device_time_total", 0.0) or getattr(avg, "self_cuda_time_total", 0.0))
-            if t > 0:
-                spans.append((0.0, t))  # durations only: summed, not merged
-                by_name[avg.key] = t / 1e6
-        busy = sum(e - s for s, e in spans)
-        spans = []
-    else:
-        busy = 0.0
-    last_end = -math.inf
+    busy, last_end = 0.0, -math.inf  # union of the kernel intervals
     for s, e in sorted(spans):
         if e > last_end:
             busy += e - max(s, last_end)
             last_end = e
+    if not spans and device.type == "cuda":
+        # Some profiler builds expose device time only through the averages
+        # (durations without intervals: summed, not merged).
+        for avg in prof.key_averages():
+            t = float(getattr(avg, "self_device_time_total", 0.0) or 0.0)
+            if t > 0:
+                busy += t
+                by_name[avg.key] = t / 1e6
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
     return {
         "kernel_s": busy / 1e6 if device.type == "cuda" else None,

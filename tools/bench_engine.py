@@ -397,9 +397,41 @@ def render_markdown(res: dict[str, Any]) -> str:
                      [f"decode batch 1 @ {hf['decode_context']} context, tokens/s",
                       hf["decode_b1_tokens_per_s"], ours_dec,
                       None if not ours_dec else f"{ours_dec / hf['decode_b1_tokens_per_s']:.1f}x"]]), ""]
+    targets = check_targets(res)
+    if targets:
+        out += ["Issue 5 targets:"] + [
+            f"- {'PASS' if ok else 'FAIL' if ok is not None else 'n/a'}: {what} -- {got}"
+            for what, got, ok in targets] + [""]
+    for name in res.get("skipped") or []:
+        out.append(f"- SKIPPED (time budget): {name}")
     for name, err in (res.get("errors") or {}).items():
         out.append(f"- ERROR in {name}: {err.splitlines()[0]}")
     return "\n".join(out)
+
+
+def check_targets(res: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
+    """(target, measured, met) for the issue 5 targets this run measured."""
+    out: list[tuple[str, str, bool | None]] = []
+
+    def fmt(xs: list[float]) -> str:
+        return ", ".join(f"{100 * x:.0f}%" for x in xs)
+
+    b1 = [r["frac_of_roofline"] for r in res.get("decode") or []
+          if r["batch"] == 1 and "frac_of_roofline" in r]
+    if b1:
+        out.append(("decode batch 1 >= 70% of the HBM roofline", fmt(b1), min(b1) >= 0.7))
+    cold = res.get("cold_prefill") or {}
+    if "matmul_frac_of_peak" in cold:
+        f = cold["matmul_frac_of_peak"]
+        out.append(("cold prefill >= 40% of the matmul rate", fmt([f]), f >= 0.4))
+    rows = res.get("cached_prefill") or []
+    busy = [r["gpu_busy"] for r in rows if "gpu_busy" in r]
+    if busy:
+        out.append(("cached-prefix chunk GPU busy >= 90% at every length", fmt(busy), min(busy) >= 0.9))
+    attn = [r["attention_frac_of_peak"] for r in rows if r["prefix"] > 0 and "attention_frac_of_peak" in r]
+    if attn:
+        out.append(("attention >= 40% of the matmul rate over cached prefixes", fmt(attn), min(attn) >= 0.4))
+    return out
 
 
 # ----------------------------------------------------------------- main
@@ -508,6 +540,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         section("hf", lambda: bench_hf(
             model_dir, device, dtype, args.chunk, args.contexts[0], args.decode_steps, args.reps))
     results["total_s"] = time.perf_counter() - t_start
+    results["targets"] = check_targets(results)
     write_json(args.out, results)
     print(render_markdown(results), flush=True)
     say(f"wrote {args.out} in {results['total_s']:.0f} s")
