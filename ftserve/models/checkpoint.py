@@ -82,14 +82,17 @@ def preset_config(
     return hf
 
 
-def _init_tensor(name: str, shape: tuple[int, ...], hidden: int, gen: torch.Generator) -> torch.Tensor:
-    """Random values that keep activations O(1) and make routing depend on the token."""
+def _init_tensor(
+    name: str, shape: tuple[int, ...], hidden: int, tied: bool, gen: torch.Generator
+) -> torch.Tensor:
+    """Random values that keep activations and logits O(1) and make routing depend
+    on the token. Tied embeddings double as the LM head, so they get its scale."""
     if name.endswith("norm.weight"):
         return 1.0 + 0.1 * torch.randn(shape, generator=gen)
     if name.endswith(".bias"):
         return 0.1 * torch.randn(shape, generator=gen)
     if name == "model.embed_tokens.weight":
-        return torch.randn(shape, generator=gen)
+        return torch.randn(shape, generator=gen) * (hidden**-0.5 if tied else 1.0)
     if name.endswith(".gate.weight") or name == "lm_head.weight":
         return torch.randn(shape, generator=gen) * hidden**-0.5
     return torch.randn(shape, generator=gen) * shape[-1] ** -0.5  # [out, in]: std 1/sqrt(in)
@@ -169,7 +172,7 @@ def _write_weights(hf: dict[str, Any], cfg: ModelConfig, out: Path, seed: int, s
     for i, names in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {
-            n: _init_tensor(n, shapes[n], cfg.hidden_size, gen).to(store_dtype).contiguous() for n in names
+            n: _init_tensor(n, shapes[n], cfg.hidden_size, cfg.tie_word_embeddings, gen).to(store_dtype).contiguous() for n in names
         }
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         for n, t in tensors.items():

@@ -132,7 +132,8 @@ def fill_dummy(model: DecoderForCausalLM, seed: int = 0) -> None:
     Routing must follow the token: with tiny embeddings (or tiny router
     weights) router logits collapse to near-ties, which in bf16 round to exact
     ties, and top-k then picks the same experts for every token, making any
-    expert cache look perfect. Embeddings are N(0, 1) (hidden states O(1)) and
+    expert cache look perfect. Embeddings are N(0, 1) (hidden states O(1);
+    N(0, 1/H) when tied, as they are also the LM head) and
     the router N(0, 1/H), so router logits are ~N(0, 1) and differ per token.
     """
     cfg = model.config
@@ -145,7 +146,8 @@ def fill_dummy(model: DecoderForCausalLM, seed: int = 0) -> None:
         elif name.endswith(".bias"):
             p.zero_()
         elif name == "embed_tokens.weight":
-            p.normal_(0.0, 1.0, generator=gen)
+            # Tied: the embedding is also the LM head; keep logits O(1).
+            p.normal_(0.0, cfg.hidden_size**-0.5 if cfg.tie_word_embeddings else 1.0, generator=gen)
         elif name.endswith("mlp.gate.weight"):
             p.normal_(0.0, cfg.hidden_size**-0.5, generator=gen)
         else:
