@@ -1,0 +1,251 @@
+"""tools.loadgen: statistics, text generation, and whole runs over real HTTP on 127.0.0.1.
+
+Two servers: a real ``python -m ftserve serve`` subprocess (tiny demo model) that every profile and
+the soak checks must pass against, and a small in-test aiohttp server that speaks the same
+streaming protocol and can be told to misbehave (leak KV pages, drift canary outputs) to prove the
+soak checks can fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from tools.loadgen import main, textgen
+from tools.loadgen.client import RequestRecord
+from tools.loadgen.soak import parse_metrics
+from tools.loadgen.stats import format_table, summarize
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+def _rec(ttft: float, itl: list[float], e2e: float, out: int, status: str = "ok") -> RequestRecord:
+    return RequestRecord("random", 0, 0, "measure", 0.0, status=status, ttft=ttft, itl=itl,
+                         e2e=e2e, prompt_tokens=100, cached_tokens=40, output_tokens=out)
+
+
+def test_summary_matches_numpy_and_vllm_names() -> None:
+    rng = random.Random(1)
+    recs = [_rec(rng.random(), [rng.random() * 0.1 for _ in range(5)], 2.0 + rng.random(), 6)
+            for _ in range(50)]
+    recs.append(_rec(0.5, [0.01], 0.6, 2, status="aborted"))
+    recs.append(RequestRecord("random", 0, 0, "measure", 0.0, status="error", error_kind="http_503"))
+    recs.append(_rec(9.0, [], 9.0, 1))
+    recs[-1].phase = "warmup"  # must not count
+    s = summarize(recs, duration_s=10.0)
+    ttft = np.array([r.ttft for r in recs[:51]]) * 1000
+    assert s["mean_ttft_ms"] == pytest.approx(ttft.mean())
+    assert s["p99_ttft_ms"] == pytest.approx(np.percentile(ttft, 99))
+    assert s["median_ttft_ms"] == pytest.approx(np.median(ttft))
+    tpot = np.array([(r.e2e - r.ttft) / 5 for r in recs[:50]]) * 1000
+    assert s["mean_tpot_ms"] == pytest.approx(tpot.mean())
+    itl = np.array([x for r in recs[:51] for x in r.itl]) * 1000
+    assert s["p90_itl_ms"] == pytest.approx(np.percentile(itl, 90))
+    assert s["max_e2el_ms"] == pytest.approx(max(r.e2e for r in recs[:50]) * 1000)
+    assert (s["completed"], s["aborted"], s["failed"]) == (50, 1, 1)
+    assert s["errors"] == {"http_503": 1}
+    assert s["request_throughput"] == pytest.approx(5.0)
+    assert s["output_throughput"] == pytest.approx((50 * 6 + 2) / 10.0)
+    assert s["cache_hit_ratio"] == pytest.approx(0.4)
+    table = format_table(s)
+    assert "P99 TTFT (ms):" in table and "http_503:" in table
+
+
+def test_text_is_deterministic_and_heavy_tailed() -> None:
+    a, b = random.Random("s"), random.Random("s")
+    assert textgen.tool_output(a, 300) == textgen.tool_output(b, 300)
+    rng = random.Random(7)
+    xs = np.array([textgen.draw_length(rng, 200, "lognormal", 1.0, 10**9) for _ in range(20000)])
+    assert xs.mean() == pytest.approx(200, rel=0.1)
+    assert np.percentile(xs, 99) > 4 * np.median(xs)  # a heavy right tail
+    ps = np.array([textgen.draw_length(rng, 200, "pareto", 0.5, 10**9) for _ in range(20000)])
+    assert ps.mean() == pytest.approx(200, rel=0.15) and ps.max() > 20 * np.median(ps)
+    words = len(textgen.prose(random.Random(3), 1300).split())
+    assert words == pytest.approx(1000, abs=2)
+    json.loads(textgen.json_blob(random.Random(4), 200))
+
+
+def test_parse_metrics_sums_labels() -> None:
+    text = ('# TYPE ftserve_num_requests_running gauge\n'
+            'ftserve_num_requests_running{model="a"} 2\nftserve_num_requests_running{model="b"} 1\n'
+            '# TYPE ftserve_prompt_tokens counter\nftserve_prompt_tokens_total 17\n')
+    m = parse_metrics(text)
+    assert m["ftserve_num_requests_running"] == 3 and m["ftserve_prompt_tokens_total"] == 17
+
+
+# ---------------------------------------------------------------- in-test protocol server
+
+
+class FakeServer:
+    """Streams ``max_tokens`` word chunks; ``mode`` = healthy | leak | drift."""
+
+    def __init__(self, mode: str = "healthy") -> None:
+        self.mode = mode
+        self.running = 0
+        self.leaked = 0
+        self.disconnects = 0
+        self.canaries = 0
+        self.port = free_port()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        chat = "messages" in body
+        prompt = " ".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
+        n = int(body.get("max_tokens", 16))
+        canary = body.get("temperature") == 0.0
+        if canary:
+            self.canaries += 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        self.running += 1
+        finished = False
+        try:
+            for i in range(n):
+                word = f"w{i}" + (f"x{self.canaries}" if canary and self.mode == "drift" else "")
+                delta = {"delta": {"content": word + " "}} if chat else {"text": word + " "}
+                await resp.write(f"data: {json.dumps({'choices': [{'index': 0, **delta}]})}\n\n".encode())
+                await asyncio.sleep(0.003)
+            usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n,
+                     "prompt_tokens_details": {"cached_tokens": len(prompt.split()) // 2}}
+            done = {"choices": [{"index": 0, "finish_reason": "length", **({"delta": {}} if chat else {"text": ""})}]}
+            await resp.write(f"data: {json.dumps(done)}\n\n".encode())
+            await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+            finished = True
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.disconnects += 1
+            raise
+        finally:
+            self.running -= 1
+            if self.mode == "leak" and not canary:
+                self.leaked += 1
+        return resp if finished else resp
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        kv = min(1.0, 0.05 * self.running + 0.01 * self.leaked)
+        text = (f"# TYPE ftserve_num_requests_running gauge\nftserve_num_requests_running {self.running}\n"
+                "# TYPE ftserve_num_requests_waiting gauge\nftserve_num_requests_waiting 0\n"
+                f"# TYPE ftserve_kv_cache_usage_ratio gauge\nftserve_kv_cache_usage_ratio {kv}\n"
+                "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes 1e8\n")
+        return web.Response(text=text, content_type="text/plain")
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_get("/health", lambda r: self._ok(web.Response(text="ok")))
+        app.router.add_get("/v1/models", lambda r: self._ok(web.json_response({"data": [{"id": "fake"}]})))
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/chat/completions", self._stream)
+        app.router.add_post("/v1/completions", self._stream)
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    @staticmethod
+    async def _ok(resp: web.Response) -> web.Response:
+        return resp
+
+    def __enter__(self) -> FakeServer:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+FAST = ["--no-progress", "--output-tokens", "8", "--max-output-tokens", "16", "--settle-timeout",
+        "1", "--scrape-interval", "0.2", "--canary-interval", "0.3", "--drain-timeout", "5"]
+
+
+def test_fake_healthy_soak_passes_and_writes_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeServer() as srv:
+        rc = main(["--url", srv.url, "--profile", "agentic", "--sessions", "3", "--duration", "1.2",
+                   "--warmup", "0.2", "--soak", "--abort-rate", "0.3", "--out", str(tmp_path), *FAST])
+        out = capsys.readouterr()
+        assert rc == 0, out.err
+        assert srv.disconnects > 0  # aborts really closed the stream mid-way
+    assert "soak: all checks passed" in out.out and "Mean TTFT (ms):" in out.out
+    lines = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    phases = {r["phase"] for r in lines}
+    assert {"warmup", "measure", "canary"} <= phases
+    measured = [r for r in lines if r["phase"] == "measure"]
+    assert any(r["status"] == "aborted" for r in measured) and any(r["status"] == "ok" for r in measured)
+    assert max(r["turn"] for r in measured) >= 2  # sessions carried on for several turns
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    assert doc["summary"]["completed"] > 0 and doc["violations"] == []
+    assert doc["soak"]["num_scrapes"] >= 3
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "ttft_vs_prompt_tokens.png").stat().st_size > 1000
+    assert (tmp_path / "server_metrics.png").exists()
+
+
+@pytest.mark.parametrize("mode,needle", [("leak", "KV pages leaked"), ("drift", "greedy output changed")])
+def test_soak_fails_on_misbehaving_server(mode: str, needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with FakeServer(mode) as srv:
+        rc = main(["--url", srv.url, "--profile", "random", "--concurrency", "2", "--duration", "0.8",
+                   "--soak", *FAST])
+    err = capsys.readouterr().err
+    assert rc == 1 and "SOAK FAILED" in err and needle in err, err
+
+
+def test_max_requests_bound_and_poisson(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with FakeServer() as srv:
+        rc = main(["--url", srv.url, "--profile", "shared-prefix", "--request-rate", "50",
+                   "--max-requests", "12", "--endpoint", "completions", "--out", str(tmp_path), *FAST])
+    assert rc == 0, capsys.readouterr().err
+    s = json.loads((tmp_path / "summary.json").read_text())["summary"]
+    assert s["num_requests"] == 12 and s["completed"] == 12
+
+
+def test_unreachable_server_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--url", f"http://127.0.0.1:{free_port()}", "--duration", "1"]) == 2
+
+
+def test_ctrl_c_prints_what_was_measured() -> None:
+    with FakeServer() as srv:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tools.loadgen", "--url", srv.url, "--profile", "random",
+             "--duration", "60", *FAST], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        time.sleep(2.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130, err
+    assert "INTERRUPTED" in out and "Successful requests:" in out
+    done = int(next(x for x in out.splitlines() if x.startswith("Successful requests:")).split()[-1])
+    assert done > 0

@@ -1,0 +1,198 @@
+"""Workload profiles: what each request contains and when it is sent.
+
+- agentic: S closed-loop sessions; every turn resends the whole conversation plus a new user or
+  tool message of heavy-tailed length; the assistant's streamed reply is appended; a session that
+  would pass --max-context restarts with a fresh conversation; lognormal think time between turns.
+- shared-prefix: G groups, each with its own long system prompt; each request is one group's
+  prompt plus a unique question.
+- random: independent prompts; Poisson arrivals at --request-rate, else --concurrency closed loops.
+
+Every request's content comes from ``random.Random`` seeded by (seed, profile, session or index),
+so the same --seed sends the same conversations whatever the timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tools.loadgen import textgen
+from tools.loadgen.client import RequestRecord, RequestSpec
+
+PROFILES = ("agentic", "shared-prefix", "random")
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    profile: str = "agentic"
+    seed: int = 0
+    model: str = ""
+    endpoint: str = "chat"  # chat | completions (random / shared-prefix only)
+    length_dist: str = "lognormal"  # lognormal | pareto | fixed
+    length_sigma: float = 1.0
+    # agentic
+    sessions: int = 4
+    system_tokens: int = 300
+    turn_tokens: float = 200.0  # mean new tokens per user/tool turn
+    tool_fraction: float = 0.5  # share of turns that are tool outputs (code / JSON)
+    max_context: int = 8192  # conversation ceiling in tokens, then the session restarts
+    think_time_s: float = 0.0  # mean seconds between a reply and the next turn (lognormal)
+    # shared-prefix
+    groups: int = 4
+    prefix_tokens: int = 1000
+    # random / shared-prefix
+    input_tokens: float = 256.0
+    request_rate: float | None = None  # req/s Poisson; None = closed loop at `concurrency`
+    concurrency: int = 8
+    # all
+    output_tokens: float = 64.0  # mean max_tokens per request
+    max_output_tokens: int = 1024
+    temperature: float = 1.0
+    ignore_eos: bool = False
+
+
+class Issuer(Protocol):
+    """What a profile needs from the runner."""
+
+    @property
+    def stopping(self) -> bool: ...
+
+    async def issue(self, spec: RequestSpec) -> RequestRecord | None:
+        """Send ``spec``; None once the run is stopping (the profile should return)."""
+        ...
+
+
+def _sampling(cfg: WorkloadConfig, rng: random.Random) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": cfg.model,
+        "max_tokens": textgen.draw_length(
+            rng, cfg.output_tokens, cfg.length_dist, cfg.length_sigma, cfg.max_output_tokens
+        ),
+        "temperature": cfg.temperature,
+    }
+    if cfg.ignore_eos:
+        body["ignore_eos"] = True  # vLLM / ftserve extension; OpenAI itself would reject it
+    return body
+
+
+def _draw(cfg: WorkloadConfig, rng: random.Random, mean: float, cap: int) -> int:
+    return textgen.draw_length(rng, mean, cfg.length_dist, cfg.length_sigma, max(1, cap))
+
+
+async def _think(cfg: WorkloadConfig, rng: random.Random) -> None:
+    if cfg.think_time_s > 0:
+        await asyncio.sleep(rng.lognormvariate(-0.5, 1.0) * cfg.think_time_s)  # E = think_time_s
+
+
+async def _agentic_session(cfg: WorkloadConfig, issuer: Issuer, sid: int, system: str) -> None:
+    gen = 0
+    while not issuer.stopping:
+        rng = random.Random(f"{cfg.seed}:agentic:{sid}:{gen}")
+        gen += 1
+        messages: list[dict[str, str]] = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": textgen.user_turn(rng, _draw(cfg, rng, cfg.turn_tokens, cfg.max_context // 4))},
+        ]
+        context = sum(textgen.approx_tokens(m["content"]) for m in messages)
+        turn = 0
+        while True:
+            body = _sampling(cfg, rng)
+            # Leave room for the reply inside the ceiling.
+            body["max_tokens"] = max(1, min(body["max_tokens"], cfg.max_context - context))
+            spec = RequestSpec("chat", {**body, "messages": list(messages)}, "agentic", sid, turn)
+            rec = await issuer.issue(spec)
+            if rec is None:
+                return
+            if rec.status == "error":
+                await asyncio.sleep(0.5)  # do not spin on a failing server; restart the session
+                break
+            reply = rec.text or "(no reply)"
+            messages.append({"role": "assistant", "content": reply})
+            prompt = rec.prompt_tokens if rec.prompt_tokens is not None else context
+            context = prompt + max(rec.output_tokens, textgen.approx_tokens(reply))
+            room = cfg.max_context - context - int(cfg.output_tokens)
+            if room < 16:
+                break  # ceiling reached: a fresh conversation
+            n = _draw(cfg, rng, cfg.turn_tokens, room)
+            if rng.random() < cfg.tool_fraction:
+                content = textgen.tool_output(rng, n)
+            else:
+                content = textgen.user_turn(rng, n)
+            # Tool results go in as user messages: a bare "tool" role needs a matching
+            # tool_calls entry that the synthetic assistant never produced.
+            messages.append({"role": "user", "content": content})
+            context += textgen.approx_tokens(content)
+            turn += 1
+            await _think(cfg, rng)
+
+
+def _independent_spec(cfg: WorkloadConfig, i: int, prefixes: list[str]) -> RequestSpec:
+    rng = random.Random(f"{cfg.seed}:{cfg.profile}:{i}")
+    n = _draw(cfg, rng, cfg.input_tokens, cfg.max_context)
+    body = _sampling(cfg, rng)
+    group = -1
+    if prefixes:
+        group = rng.randrange(len(prefixes))
+        system, question = prefixes[group], textgen.user_turn(rng, n)
+    else:
+        system, question = "", textgen.user_turn(rng, n)
+    if cfg.endpoint == "chat":
+        msgs = ([{"role": "system", "content": system}] if system else [])
+        body["messages"] = [*msgs, {"role": "user", "content": question}]
+    else:
+        body["prompt"] = (system + "\n\n" + question) if system else question
+    return RequestSpec(cfg.endpoint, body, cfg.profile, group, i)
+
+
+async def _open_or_closed_loop(
+    cfg: WorkloadConfig, issuer: Issuer, make: Callable[[int], RequestSpec]
+) -> None:
+    counter = iter(range(1 << 62))
+    if cfg.request_rate is None:
+        async def worker() -> None:
+            while not issuer.stopping:
+                if await issuer.issue(make(next(counter))) is None:
+                    return
+
+        await asyncio.gather(*(worker() for _ in range(cfg.concurrency)))
+        return
+    # Poisson arrivals, capped at `concurrency` in flight so an overloaded server cannot make the
+    # client open unbounded connections.
+    rng = random.Random(f"{cfg.seed}:arrivals")
+    sem = asyncio.Semaphore(cfg.concurrency)
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one(spec: RequestSpec) -> None:
+        async with sem:
+            await issuer.issue(spec)
+
+    while not issuer.stopping:
+        await asyncio.sleep(rng.expovariate(cfg.request_rate))
+        if issuer.stopping:
+            break
+        t = asyncio.create_task(one(make(next(counter))))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*tasks)
+
+
+def build(cfg: WorkloadConfig, issuer: Issuer) -> Awaitable[Any]:
+    """The coroutine that drives ``cfg.profile`` until ``issuer.stopping``."""
+    if cfg.profile == "agentic":
+        system = textgen.system_prompt(random.Random(f"{cfg.seed}:system"), cfg.system_tokens)
+        return asyncio.gather(
+            *(_agentic_session(cfg, issuer, sid, system) for sid in range(cfg.sessions))
+        )
+    if cfg.profile == "shared-prefix":
+        prefixes = [
+            textgen.system_prompt(random.Random(f"{cfg.seed}:prefix:{g}"), cfg.prefix_tokens)
+            for g in range(cfg.groups)
+        ]
+        return _open_or_closed_loop(cfg, issuer, lambda i: _independent_spec(cfg, i, prefixes))
+    if cfg.profile == "random":
+        return _open_or_closed_loop(cfg, issuer, lambda i: _independent_spec(cfg, i, []))
+    raise ValueError(f"unknown profile {cfg.profile!r}; choose one of {', '.join(PROFILES)}")

@@ -1,0 +1,120 @@
+"""Deterministic synthetic conversation text with heavy-tailed lengths.
+
+Lengths are drawn in *tokens* and rendered as words at ``TOKENS_PER_WORD`` (a typical ratio for
+English under BPE / sentencepiece vocabularies), so a target of 1,000 tokens becomes ~770 words.
+Every generator takes an explicit ``random.Random`` so a run is reproducible from ``--seed``
+regardless of how the event loop interleaves sessions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+TOKENS_PER_WORD = 1.3
+
+_WORDS = (
+    "the a of to and in is that for it with as on be this are by from at or an was have not "
+    "can will which but if more when there all so into than then also about would each other "
+    "function module request server cache token latency memory buffer thread queue session "
+    "context prompt model expert layer kernel batch page prefix stream error result value "
+    "update check test build deploy config option default parameter return state handler "
+    "file path directory commit branch merge diff patch review change fix issue report "
+    "because however therefore instead although while before after during without within "
+    "quickly carefully exactly probably usually again still already never always often "
+    "compute measure verify allocate release schedule dispatch encode decode parse render"
+).split()
+
+_IDENTS = (
+    "alloc_pages free_pages radix_insert match_prefix schedule_step run_decode sample_tokens "
+    "load_weights build_model tokenize detokenize page_table seq_lens expert_ids slot_map "
+    "handle_request stream_chunks"
+).split()
+
+_TOOLS = ("read_file", "run_tests", "grep", "list_dir", "http_get", "sql_query")
+
+
+def draw_length(rng: random.Random, mean: float, dist: str, sigma: float, cap: int) -> int:
+    """A heavy-tailed positive integer with the given mean (before clipping to [1, cap]).
+
+    lognormal: mu = ln(mean) - sigma^2 / 2 keeps E[X] = mean.
+    pareto: alpha = 1 + 1 / sigma (sigma 1.0 -> alpha 2, finite mean, infinite variance),
+    scale x_m = mean * (alpha - 1) / alpha keeps E[X] = mean.
+    """
+    if mean <= 0:
+        return 1
+    if dist == "lognormal":
+        x = rng.lognormvariate(math.log(mean) - sigma * sigma / 2.0, sigma)
+    elif dist == "pareto":
+        alpha = 1.0 + 1.0 / max(sigma, 1e-3)
+        x = mean * (alpha - 1.0) / alpha * rng.paretovariate(alpha)
+    elif dist == "fixed":
+        x = mean
+    else:
+        raise ValueError(f"unknown length distribution {dist!r} (lognormal | pareto | fixed)")
+    return max(1, min(cap, int(round(x))))
+
+
+def words_for_tokens(tokens: int) -> int:
+    return max(1, int(round(tokens / TOKENS_PER_WORD)))
+
+
+def approx_tokens(text: str) -> int:
+    """Word-count token estimate, used only when the server has not reported usage yet."""
+    return int(len(text.split()) * TOKENS_PER_WORD) + 1
+
+
+def prose(rng: random.Random, tokens: int) -> str:
+    n = words_for_tokens(tokens)
+    out: list[str] = []
+    sentence = 0
+    for _ in range(n):
+        w = rng.choice(_WORDS)
+        out.append(w.capitalize() if sentence == 0 else w)
+        sentence += 1
+        if sentence > 6 and rng.random() < 0.15:
+            out[-1] += "."
+            sentence = 0
+    return " ".join(out) + "."
+
+
+def code_block(rng: random.Random, tokens: int) -> str:
+    """Python-looking source: identifiers and punctuation tokenize denser than prose."""
+    lines: list[str] = ["```python"]
+    budget = words_for_tokens(tokens)
+    while budget > 0:
+        name = rng.choice(_IDENTS)
+        arg = rng.choice(_WORDS)
+        lines.append(f"def {name}_{rng.randrange(100)}({arg}: int) -> int:")
+        for _ in range(rng.randint(1, 4)):
+            lines.append(f"    {arg} = {rng.choice(_IDENTS)}({arg}, {rng.randrange(1000)})")
+        lines.append(f"    return {arg}")
+        budget -= 12
+    lines.append("```")
+    return "\n".join(lines)
+
+
+def json_blob(rng: random.Random, tokens: int) -> str:
+    items = []
+    for i in range(max(1, words_for_tokens(tokens) // 6)):
+        items.append(
+            {"id": i, "name": rng.choice(_IDENTS), "ok": rng.random() < 0.9,
+             "ms": round(rng.random() * 100, 2), "note": f"{rng.choice(_WORDS)} {rng.choice(_WORDS)}"}
+        )
+    return json.dumps({"results": items}, separators=(",", ":"))
+
+
+def tool_output(rng: random.Random, tokens: int) -> str:
+    """What an agent's tool returns: a header, then code or JSON."""
+    tool = rng.choice(_TOOLS)
+    body = code_block(rng, tokens) if rng.random() < 0.5 else json_blob(rng, tokens)
+    return f"[tool {tool} returned]\n{body}"
+
+
+def system_prompt(rng: random.Random, tokens: int) -> str:
+    return "You are a coding agent working in a large repository. " + prose(rng, tokens)
+
+
+def user_turn(rng: random.Random, tokens: int) -> str:
+    return prose(rng, tokens)
