@@ -254,8 +254,8 @@ def _extend_tile(
     UPCAST: tl.constexpr,
 ):
     pos = n0 + tl.arange(0, BLOCK_N)
+    nmask = pos < kv_end  # used by the MASKED variant only
     if MASKED:
-        nmask = pos < kv_end
         page = tl.load(pt_row + pos // PAGE_SIZE, mask=nmask, other=0)
     else:
         page = tl.load(pt_row + pos // PAGE_SIZE)

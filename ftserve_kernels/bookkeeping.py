@@ -259,25 +259,32 @@ def _copy_pages_kernel(
     i = tl.program_id(0)
     layer_kv = tl.program_id(1)  # layer * 2 + (0 for K, 1 for V)
     chunk = tl.program_id(2)
+    # Pinned host memory arrives as an int64 address (UVA): cast it to a pointer.
+    # New names, bound before the runtime branch, keep each name's type fixed.
+    if HOST_SRC:
+        sk = src_k.to(tl.pointer_type(ELEM))
+        sv = src_v.to(tl.pointer_type(ELEM))
+    else:
+        sk = src_k
+        sv = src_v
+    if HOST_DST:
+        dk = dst_k.to(tl.pointer_type(ELEM))
+        dv = dst_v.to(tl.pointer_type(ELEM))
+    else:
+        dk = dst_k
+        dv = dst_v
     sp = tl.load(src_pages_ptr + i).to(tl.int64)
     dp = tl.load(dst_pages_ptr + i).to(tl.int64)
     if (sp >= 0) & (dp >= 0):
-        # Pinned host memory arrives as an int64 address (UVA): cast it back.
-        if HOST_SRC:
-            src_k = src_k.to(tl.pointer_type(ELEM))
-            src_v = src_v.to(tl.pointer_type(ELEM))
-        if HOST_DST:
-            dst_k = dst_k.to(tl.pointer_type(ELEM))
-            dst_v = dst_v.to(tl.pointer_type(ELEM))
         layer = (layer_kv // 2).to(tl.int64)
         offs = chunk * BLOCK + tl.arange(0, BLOCK)
         m = offs < PAGE_ELEMS
         s_off = layer * layer_stride_src + sp * PAGE_ELEMS + offs
         d_off = layer * layer_stride_dst + dp * PAGE_ELEMS + offs
         if layer_kv % 2 == 0:
-            tl.store(dst_k + d_off, tl.load(src_k + s_off, mask=m), mask=m)
+            tl.store(dk + d_off, tl.load(sk + s_off, mask=m), mask=m)
         else:
-            tl.store(dst_v + d_off, tl.load(src_v + s_off, mask=m), mask=m)
+            tl.store(dv + d_off, tl.load(sv + s_off, mask=m), mask=m)
 
 
 _WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -1,0 +1,155 @@
+"""Compile the Triton kernels for Hopper (sm_90) on a machine without a GPU.
+
+The interpreter tests check what the kernels compute; they cannot see whether a
+kernel compiles for the GPU, spills registers, fits in shared memory, or uses
+Hopper's wgmma tensor-core path with pipelined (cp.async) loads. Triton can
+compile ahead of time for a named target, so this test does, at the tile sizes
+the CUDA paths use. It runs in a subprocess because other kernel tests put
+Triton into interpreter mode for this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import pytest
+
+SMEM_LIMIT = 227 * 1024  # H100/H200 max dynamic shared memory per block
+
+
+def _compile_all() -> dict[str, dict[str, Any]]:
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ftserve_kernels import attention_triton as at
+    from ftserve_kernels import bookkeeping as bk
+    from ftserve_kernels import moe_triton as mt
+    from ftserve_kernels import norm_triton as nt
+    from ftserve_kernels import rope_triton as rt
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    results: dict[str, dict[str, Any]] = {}
+
+    def comp(name: str, fn: Any, types: dict[str, str], consts: dict[str, Any],
+             warps: int = 4, stages: int = 3) -> None:
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+        # Launch-time specialization: pointers and strides divisible by 16.
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if n not in consts and (sig[n].startswith("*") or "stride" in n)}
+        try:
+            k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                               target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": warps, "num_stages": stages})
+        except Exception as exc:  # reported, asserted on by the test
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            return
+        ptx = k.asm["ptx"]
+        local = -1
+        if os.path.exists(tool):
+            with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+                f.write(k.asm["cubin"])
+            out = subprocess.run([tool, "--dump-resource-usage", f.name],
+                                 capture_output=True, text=True).stdout
+            os.unlink(f.name)
+            for word in out.split():
+                if word.startswith("LOCAL:"):
+                    local = int(word.split(":")[1])
+        results[name] = {"shared": k.metadata.shared, "wgmma": "wgmma" in ptx,
+                         "cp_async": "cp.async" in ptx, "local": local}
+
+    bf, i32 = "*bf16", "*i32"
+    comp("store_kv", at._store_kv_kernel,
+         {"k_ptr": bf, "v_ptr": bf, "kc_ptr": bf, "vc_ptr": bf, "loc_ptr": "*i64"},
+         dict(HKV=4, D=128, BLOCK_H=4, BLOCK_D=128))
+    attn = {"q_ptr": bf, "o_ptr": bf, "kc_ptr": bf, "vc_ptr": bf, "pt_ptr": i32,
+            "qo_indptr_ptr": i32, "prefix_ptr": i32, "seq_lens_ptr": i32,
+            "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "scale_log2": "fp32"}
+    cfg = at.AttnKernelConfig.for_device(__import__("torch").device("cuda"), 128)
+    comp("decode_split", at._decode_split_kernel, attn,
+         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=cfg.decode_block_n,
+              NUM_SPLITS=64, UPCAST=False), cfg.decode_warps, cfg.decode_stages)
+    comp("decode_reduce", at._decode_reduce_kernel, attn,
+         dict(NUM_SPLITS=64, BLOCK_S=64, D=128, BLOCK_D=128), 4, 1)
+    comp("extend", at._extend_kernel, attn,
+         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m,
+              BLOCK_N=cfg.extend_block_n, UPCAST=False), cfg.extend_warps, cfg.extend_stages)
+    comp("route", mt._route_kernel, {"logits_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": i32},
+         dict(TOP_K=8, BLOCK_E=128, BLOCK_K=8, RENORM=True))
+    align = {"ids_ptr": i32, "sorted_ptr": i32, "block_expert_ptr": i32, "total_ptr": i32,
+             "cursor_ptr": i32}
+    comp("align_count", mt._align_count_kernel, align,
+         dict(BLOCK_M=64, BLOCK_E=128, CHUNK=256, FILL=2048), 8)
+    comp("align_scatter", mt._align_scatter_kernel, align, dict(CHUNK=1024))
+    moe = {"x_ptr": bf, "a_ptr": bf, "w_ptr": bf, "out_ptr": bf, "weights_ptr": "*fp32",
+           "sorted_ptr": i32, "block_expert_ptr": i32, "total_ptr": i32}
+    for t in (1, 8192):
+        c = mt.MoeConfig.pick(t * 8, 128, __import__("torch").device("cuda"))
+        common = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+                      GROUP_M=c.group_m, EVEN_K=True, UPCAST=False)
+        comp(f"moe_gate_up_T{t}", mt._moe_gate_up_kernel, moe, dict(TOP_K=8, **common),
+             c.num_warps, c.num_stages)
+        comp(f"moe_down_T{t}", mt._moe_down_kernel, moe, common, c.num_warps, c.num_stages)
+    comp("rms_norm", nt._rms_norm_kernel,
+         {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "eps": "fp32"},
+         dict(HAS_RESIDUAL=True, BLOCK_H=2048), 8)
+    comp("rotary", rt._rotary_kernel,
+         {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "pos_ptr": "*i64", "cs_ptr": "*fp32"},
+         dict(HQ=32, HK=4, D=128, HALF=64, BLOCK_HQ=32, BLOCK_HK=4, BLOCK_HALF=64, BLOCK_D=1))
+    maps = {n: i32 for n in ("needed_ptr", "slot_of_id_ptr", "id_of_slot_ptr", "out_slot_ptr",
+                             "miss_slot_ptr", "miss_id_ptr", "prot_ptr", "victim_ptr")}
+    maps |= {"last_used_ptr": "*i64", "step_ptr": "*i64"}
+    comp("admit", bk._admit_kernel, maps, dict(BLOCK_M=512, BLOCK_S=2048, CHUNK_J=32), 8)
+    comp("invalidate", bk._invalidate_kernel, maps, dict(BLOCK=1024))
+    pages = {"src_pages_ptr": i32, "dst_pages_ptr": i32, "layer_stride_src": "i64",
+             "layer_stride_dst": "i64"}
+    host = {"src_k": "i64", "src_v": "i64", "dst_k": "*i16", "dst_v": "*i16"}
+    comp("copy_pages_from_host", bk._copy_pages_kernel, pages | host,
+         dict(HOST_SRC=True, HOST_DST=False, ELEM=tl.int16, BLOCK=4096))
+    to_host = {"src_k": "*i16", "src_v": "*i16", "dst_k": "i64", "dst_v": "i64"}
+    comp("copy_pages_to_host", bk._copy_pages_kernel, pages | to_host,
+         dict(HOST_SRC=False, HOST_DST=True, ELEM=tl.int16, BLOCK=4096))
+    return results
+
+
+def _nvidia_backend_available() -> bool:
+    try:
+        import triton.backends.nvidia  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _nvidia_backend_available(), reason="triton without the nvidia backend")
+def test_kernels_compile_for_sm90() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    if shutil.which(sys.executable) is None and not os.path.exists(sys.executable):
+        pytest.skip("no python executable")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    errors = {k: v["error"] for k, v in results.items() if "error" in v}
+    assert not errors, errors
+    for name, r in results.items():
+        assert r["shared"] <= SMEM_LIMIT, (name, r)
+        assert r["local"] in (0, -1), f"{name} spills registers to local memory: {r}"
+    for name in ("extend", "moe_gate_up_T8192", "moe_down_T8192"):
+        assert results[name]["wgmma"], f"{name} does not use Hopper wgmma: {results[name]}"
+    for name in ("extend", "decode_split", "moe_gate_up_T1", "moe_gate_up_T8192"):
+        assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all()))
