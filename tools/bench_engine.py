@@ -294,9 +294,19 @@ def bench_hf(model_dir: str, device: torch.device, dtype: torch.dtype, prefill_l
     finally:
         torch.set_default_dtype(old)
     model = model.to(device=device, dtype=dtype).eval()
+    with torch.no_grad():
+        # Same scales as ftserve's dummy fill: HF's init (router std 0.02)
+        # gives near-tied router logits, every token would pick the same
+        # experts and the expert loop would look cheaper than real routing.
+        for name, p in model.named_parameters():
+            if name.endswith("embed_tokens.weight"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, hf_cfg.hidden_size ** -0.5)
     gen = torch.Generator(device="cpu").manual_seed(0)
     vocab = hf_cfg.vocab_size
-    out: dict[str, Any] = {"transformers": transformers.__version__, "attn_implementation": "sdpa"}
+    out: dict[str, Any] = {"transformers": transformers.__version__, "attn_implementation": "sdpa",
+                           "experts_implementation": getattr(model.config, "_experts_implementation", None)}
 
     def fwd(ids: torch.Tensor, **kw: Any) -> Any:
         try:
