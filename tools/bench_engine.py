@@ -185,6 +185,9 @@ def prefill_base(drv: EngineDriver, base: list[int], device: torch.device) -> di
         assert batch is not None
         wall, _, _ = timed(lambda b=batch: drv.step(b), device)
         curve.append((batch.prefix_lens[0], len(batch.new_tokens[0]), wall))
+        if len(curve) % 8 == 0:
+            say(f"  base prefill: {batch.prefix_lens[0] + len(batch.new_tokens[0])} / {len(base)} "
+                f"tokens, last chunk {wall:.3f} s")
     return {"tokens": len(base), "chunks": [{"prefix": p, "new": n, "wall_s": w} for p, n, w in curve],
             "total_s": sum(w for _, _, w in curve)}
 
