@@ -33,6 +33,7 @@ from ftserve_kernels import bookkeeping as bk  # noqa: E402
 from ftserve_kernels import moe_triton as mt  # noqa: E402
 from ftserve_kernels.moe import fused_moe_ref  # noqa: E402
 from ftserve_kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
+from ftserve_kernels.paged_attention import paged_attention_ref  # noqa: E402
 from ftserve_kernels.rope_triton import rotary_triton  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 4, 128, 16
@@ -144,11 +145,18 @@ def bench_extend(n_new: int, total: int, quick: bool) -> None:
     indptr = torch.tensor([0, n_new], dtype=torch.int32, device="cuda")
     pre = torch.tensor([prefix], dtype=torch.int32, device="cuda")
     flops = causal_flops(n_new, prefix)
-    k_full, v_full = gather(kc, table[0], total), gather(vc, table[0], total)
-    ref = sdpa(q, k_full, v_full, lower_right=True)
-    secs = bench(lambda: sdpa(q, k_full, v_full, lower_right=True), 5)
-    RESULTS["limits"][f"sdpa_extend_{n_new}x{total}_tflops"] = flops / secs / 1e12
-    record(f"sdpa flash (contiguous) {n_new} over {total}", secs, tflops=flops / secs / 1e12)
+    # Oracle: the torch twin for the last 256 queries (fp32; the full problem would
+    # need a 50 GB score matrix).
+    tail = 256
+    ref = paged_attention_ref(q[-tail:], kc, vc, table, [0, tail], [total], PAGE, D**-0.5)
+    peer_key = f"sdpa_extend_{n_new}x{total}_tflops"
+    try:
+        k_full, v_full = gather(kc, table[0], total), gather(vc, table[0], total)
+        secs = bench(lambda: sdpa(q, k_full, v_full, lower_right=True), 5)
+        RESULTS["limits"][peer_key] = flops / secs / 1e12
+        record(f"sdpa flash (contiguous) {n_new} over {total}", secs, tflops=flops / secs / 1e12)
+    except RuntimeError as exc:  # the peer is optional; the kernel is still timed
+        print(f"  SDPA peer unavailable: {str(exc)[:200]}")
     configs = [at.AttnKernelConfig()]
     if not quick:
         configs += [
@@ -169,14 +177,15 @@ def bench_extend(n_new: int, total: int, quick: bool) -> None:
         except Exception as exc:  # a config that does not fit this GPU's shared memory
             print(f"  config {tag} failed: {type(exc).__name__}: {str(exc)[:120]}")
             continue
-        err = rel_err(out, ref)
+        err = rel_err(out[-tail:], ref)
         check(f"extend_{n_new}x{total}_{tag}", bool(torch.isfinite(out).all()) and err < 2e-2,
-              f"rel err vs SDPA {err:.2e}")
+              f"rel err vs torch twin (last {tail} queries) {err:.2e}")
         secs = bench(run, 5)
         tf = flops / secs / 1e12
-        record(f"triton extend {n_new} over {total} [{tag}]", secs, tflops=tf,
-               vs_sdpa=tf / RESULTS["limits"][f"sdpa_extend_{n_new}x{total}_tflops"],
-               vs_matmul=tf / RESULTS["limits"]["matmul_tflops"])
+        ratios = {"vs_matmul": tf / RESULTS["limits"]["matmul_tflops"]}
+        if peer_key in RESULTS["limits"]:
+            ratios["vs_sdpa"] = tf / RESULTS["limits"][peer_key]
+        record(f"triton extend {n_new} over {total} [{tag}]", secs, tflops=tf, **ratios)
 
 
 def bench_decode(batch: int, kv_len: int) -> None:
@@ -191,11 +200,12 @@ def bench_decode(batch: int, kv_len: int) -> None:
         return at.decode_attention_triton(q, kc, vc, table, seq_lens, PAGE, D**-0.5, splits, out=out)
 
     run()
-    b0k, b0v = gather(kc, table[0], kv_len), gather(vc, table[0], kv_len)
-    ref = sdpa(q[:1], b0k, b0v, lower_right=False)
-    err = rel_err(out[:1], ref)
+    rows = min(batch, 4)
+    ref = paged_attention_ref(q[:rows], kc, vc, table, list(range(rows + 1)), [kv_len] * rows,
+                              PAGE, D**-0.5)
+    err = rel_err(out[:rows], ref)
     check(f"decode_b{batch}_{kv_len}", bool(torch.isfinite(out).all()) and err < 2e-2,
-          f"rel err vs SDPA {err:.2e}, {splits} splits")
+          f"rel err vs torch twin {err:.2e}, {splits} splits")
     kv_bytes = 2 * batch * kv_len * HKV * D * 2
     secs = bench(run, 20)
     gbps = kv_bytes / secs / 1e9
