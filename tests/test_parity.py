@@ -132,6 +132,7 @@ def test_chunked_prefill_over_paged_cache(pair: Pair) -> None:
     assert (last[0] - ref_short[-1]).abs().max().item() <= TOL
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # HF renames past_key_values in later releases
 def test_greedy_continuation_32_tokens(pair: Pair) -> None:
     if pair.name == "qwen3_moe_mixed":
         pytest.skip("logit parity covers this variant; greedy runs once per family")
@@ -160,3 +161,35 @@ def test_greedy_continuation_32_tokens(pair: Pair) -> None:
             logits = sess.step(seqs, [[t] for t in nxt], all_logits=False)  # batched decode
     assert got == ref_tokens
     assert len(set(got[0])) > 1  # the continuation is not one repeated token
+
+
+ROPE_SCALINGS: dict[str, dict] = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    # dynamic NTK equals HF only within the original context: the table is cut to it
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn_mscale": {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+        "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2,
+    },
+    # orig 128 / head_dim 16: low, medium and high frequency bands all occur
+    "llama3": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 128,
+    },
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPE_SCALINGS))
+def test_rope_scaling_logits(kind: str, tmp_path: Path) -> None:
+    overrides = {"rope_scaling": ROPE_SCALINGS[kind], "max_position_embeddings": 256}
+    write_checkpoint("tiny-dense", tmp_path, seed=3, dtype="float32", overrides=overrides)
+    pair = Pair(kind, tmp_path)
+    if kind == "dynamic":
+        assert pair.cfg.max_context_len == 1024  # the request limit the scaling buys
+        pair.model, pair.cfg = load_model(tmp_path, dtype="float32", device="cpu", max_model_len=256)
+    prompts = _prompts(pair.cfg.vocab_size, [230, 3], seed=4)
+    sess = PagedSession(pair.model, num_pages=80)
+    logits = sess.step([sess.new_seq(), sess.new_seq()], prompts, all_logits=True)
+    assert (logits[:230] - pair.hf_logits(prompts[0])).abs().max().item() <= TOL
+    assert (logits[230:] - pair.hf_logits(prompts[1])).abs().max().item() <= TOL
