@@ -82,6 +82,10 @@ async def tokenize(request: web.Request) -> web.Response:
         raise bad_request("request body must be a JSON object")
     state.check_model(body.get("model") if isinstance(body.get("model"), str) else None)
     engine, text = state.ready()
+    special = not isinstance(body.get("messages"), list)  # a template adds its own
+    special_flag = body.get("add_special_tokens", special)
+    if not isinstance(special_flag, bool):
+        raise bad_request("'add_special_tokens' must be a boolean", param="add_special_tokens")
     if "messages" in body:
         add_gen = body.get("add_generation_prompt", True)
         if not isinstance(add_gen, bool):
@@ -95,7 +99,7 @@ async def tokenize(request: web.Request) -> web.Response:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise bad_request("'prompt' (a string) or 'messages' is required", param="prompt")
-    ids = await text.encode_async(prompt)
+    ids = await text.encode_async(prompt, add_special_tokens=special_flag)
     return _json({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
 
 

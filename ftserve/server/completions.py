@@ -45,7 +45,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         )
     except TemplateError as err:
         raise bad_request(f"chat template error: {err}", param="messages") from None
-    ids = await text.encode_async(prompt)
+    ids = await text.encode_async(prompt, add_special_tokens=False)  # template adds them
     return await _run(request, state, parsed, ids, arrival, "chatcmpl-")
 
 
@@ -64,7 +64,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                               param="prompt")
     else:
         assert parsed.prompt_text is not None
-        ids = await text.encode_async(parsed.prompt_text)
+        ids = await text.encode_async(parsed.prompt_text, add_special_tokens=True)
         if not ids:
             raise bad_request("the prompt encodes to zero tokens", param="prompt")
     return await _run(request, state, parsed, ids, arrival, "cmpl-")

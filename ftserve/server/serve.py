@@ -59,7 +59,7 @@ def load_engine(engine_cfg: EngineConfig) -> tuple[Any, TextCodec]:
 async def warm_up(state: ServerState) -> None:
     """One tiny request through the whole path (submit -> step -> callback)."""
     engine, text = state.ready()
-    ids = (await text.encode_async("Hello"))[:8] or [0]
+    ids = (await text.encode_async("Hello", add_special_tokens=True))[:8] or [0]
     gen = Generation(engine, state.tracker, state.metrics, f"warmup-{uuid.uuid4().hex}", ids,
                      SamplingParams(max_tokens=2, temperature=0.0), text.detokenizer(ids, (), True),
                      time.monotonic())

@@ -45,6 +45,14 @@ class ServerState:
         engine.start(loop, self.tracker.on_outputs)
         self.engine = engine
 
+    def sharing(self, cfg: ServerConfig) -> ServerState:
+        """Another listener's state over the same engine, codec, tracker and metrics
+        (e.g. a second port with other limits)."""
+        other = ServerState.__new__(ServerState)
+        other.__dict__.update(self.__dict__)
+        other.cfg = cfg
+        return other
+
     def _stats(self) -> Any | None:
         return None if self.engine is None else self.engine.stats()
 

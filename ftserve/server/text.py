@@ -9,6 +9,17 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from ftserve.tokenizer import (
+    ChatTemplate,
+    ChatTemplateError,
+    IncrementalTokenizer,
+    NoChatTemplateError,
+    StreamingDetokenizer,
+    Tokenizer,
+    chat_template_for,
+    load_tokenizer,
+)
+
 
 class TemplateError(ValueError):
     """The chat template rejected the conversation (raise_exception, missing template)."""
@@ -29,7 +40,7 @@ class StreamDetokenizer(Protocol):
 class TextCodec(Protocol):
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str: ...
 
-    async def encode_async(self, text: str) -> list[int]:
+    async def encode_async(self, text: str, add_special_tokens: bool) -> list[int]:
         """Prompt text -> ids, through the incremental cache, off the event loop."""
         ...
 
@@ -42,3 +53,63 @@ class TextCodec(Protocol):
     def detokenizer(
         self, prompt_ids: list[int], stop: tuple[str, ...], skip_special_tokens: bool
     ) -> StreamDetokenizer: ...
+
+
+class _Detok:
+    """StreamDetokenizer over the tokenizer package's StreamingDetokenizer."""
+
+    def __init__(self, inner: StreamingDetokenizer) -> None:
+        self._inner = inner
+
+    @property
+    def stopped(self) -> bool:
+        return self._inner.stopped
+
+    def push(self, token_ids: list[int]) -> str:
+        return self._inner.feed(token_ids).text
+
+    def finish(self) -> str:
+        return self._inner.finish()
+
+
+class TokenizerCodec:
+    """TextCodec for a model directory: its tokenizer, chat template and a shared
+    incremental cache (agentic clients resend the whole conversation every turn)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cache = IncrementalTokenizer(tokenizer)
+        self._template: ChatTemplate | None = None
+        self._template_error: str | None = None
+        try:
+            self._template = chat_template_for(tokenizer)
+        except NoChatTemplateError as err:
+            # Completions still work; chat requests get a 400 that says why.
+            self._template_error = f"this model has no chat template ({err}); use /v1/completions"
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        if self._template is None:
+            raise TemplateError(self._template_error or "no chat template")
+        try:
+            return self._template.render(messages, add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as err:
+            raise TemplateError(str(err)) from None
+
+    async def encode_async(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await self.cache.encode_async(text, add_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def detokenizer(
+        self, prompt_ids: list[int], stop: tuple[str, ...], skip_special_tokens: bool
+    ) -> StreamDetokenizer:
+        return _Detok(StreamingDetokenizer(self.tokenizer, stop,
+                                           skip_special_tokens=skip_special_tokens))
+
+
+def make_text_codec(model_dir: str) -> TextCodec:
+    return TokenizerCodec(load_tokenizer(model_dir))

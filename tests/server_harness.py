@@ -1,0 +1,90 @@
+"""A real ftserve server (real engine, demo model, uvloop) in a background thread.
+
+Shared by the server test modules; each module starts one and reuses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import uvloop
+
+from ftserve.config import EngineConfig, ServerConfig
+from ftserve.server.serve import RunningServer, load_engine, start_http, warm_up
+from ftserve.server.state import ServerState
+from ftserve.server.text import TextCodec
+
+T = TypeVar("T")
+
+# Small on purpose: tests exercise queueing, and CPU decode steps must stay cheap.
+TEST_ENGINE = EngineConfig(device="cpu", max_running_requests=2, max_model_len=512,
+                           num_pages=192, page_size=16, max_prefill_length=256,
+                           cuda_graph_max_bs=0, status_log_interval=0.0)
+TEST_SERVER = ServerConfig(port=0, max_queued_requests=2, max_body_bytes=4 * 1024 * 1024,
+                           drain_timeout=5.0, keepalive_interval=0.2)
+
+
+@dataclass
+class Live:
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+    engine: Any
+    text: TextCodec
+    state: ServerState
+    server: RunningServer
+    extra: list[RunningServer]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.port}"
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def listen(self, cfg: ServerConfig) -> str:
+        """A second listener on the same engine with another ServerConfig."""
+        extra = self.call(start_http(self.state.sharing(cfg), "127.0.0.1", 0))
+        self.extra.append(extra)
+        return f"http://127.0.0.1:{extra.port}"
+
+    def wait_idle(self, timeout: float = 10.0) -> Any:
+        """Poll engine.stats() until nothing runs, waits or holds pages; return the stats."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.engine.stats()
+            if st.running == 0 and st.waiting == 0 and st.kv_pages_used == 0:
+                return st
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine not idle after {timeout}s: {st}")
+            time.sleep(0.02)
+
+
+def start_live(engine_cfg: EngineConfig = TEST_ENGINE,
+               server_cfg: ServerConfig = TEST_SERVER) -> Live:
+    engine, text = load_engine(engine_cfg)
+    loop = uvloop.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="test-server-loop", daemon=True)
+    thread.start()
+    state = ServerState(server_cfg, "ftserve-demo")
+
+    async def boot() -> RunningServer:
+        state.attach(engine, text, asyncio.get_running_loop())
+        server = await start_http(state, "127.0.0.1", 0)
+        await warm_up(state)
+        return server
+
+    server = asyncio.run_coroutine_threadsafe(boot(), loop).result(120)
+    return Live(loop, thread, engine, text, state, server, [])
+
+
+def stop_live(live: Live) -> None:
+    for srv in [*live.extra, live.server]:
+        live.call(srv.runner.cleanup())
+    live.engine.shutdown()
+    live.loop.call_soon_threadsafe(live.loop.stop)
+    live.thread.join(10)

@@ -1,0 +1,228 @@
+"""OpenAI compatibility: the official client against a real server (real engine, demo model)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from tests.server_harness import Live, start_live, stop_live
+
+MSGS = [{"role": "user", "content": "Tell me a story about a dragon."}]
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[Live]:
+    server = start_live()
+    yield server
+    stop_live(server)
+
+
+@pytest.fixture(scope="module")
+def client(live: Live) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+async def _sse_events(url: str, body: dict[str, Any]) -> list[bytes]:
+    """Raw SSE frames (each 'data: ...' payload or comment) in arrival order."""
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = await resp.read()
+    return [f for f in raw.split(b"\n\n") if f]
+
+
+def _post(live: Live, path: str, body: Any) -> tuple[int, Any]:
+    async def go() -> tuple[int, Any]:
+        async with aiohttp.ClientSession() as s, s.post(live.url + path, json=body) as resp:
+            return resp.status, await resp.json()
+
+    return asyncio.run(go())
+
+
+def test_models_reports_real_context(live: Live, client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == ["ftserve-demo"]
+    assert models[0].model_extra["max_model_len"] == live.engine.max_model_len
+
+
+def test_chat_non_streaming_usage(live: Live, client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=6,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == 6
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 6
+    assert r.usage.prompt_tokens_details.cached_tokens is not None
+    live.wait_idle()
+
+
+def test_chat_stream_wire_format(live: Live) -> None:
+    body = {"model": "ftserve-demo", "messages": MSGS, "max_tokens": 5, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    frames = asyncio.run(_sse_events(live.url + "/v1/chat/completions", body))
+    assert frames[-1] == b"data: [DONE]"
+    events = [orjson.loads(f[6:]) for f in frames[:-1] if f.startswith(b"data: ")]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    usage_ev = events[-1]
+    assert usage_ev["choices"] == [] and usage_ev["usage"]["completion_tokens"] == 5
+    assert "cached_tokens" in usage_ev["usage"]["prompt_tokens_details"]
+    finish = events[-2]["choices"][0]
+    assert finish["finish_reason"] == "length" and finish["delta"] == {}
+    middle = events[1:-2]
+    assert all(e["choices"][0]["finish_reason"] is None for e in middle)
+    assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"]
+               for e in events)
+    # Streamed text equals the non-streamed text of the same greedy request.
+    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in middle)
+    body.pop("stream"), body.pop("stream_options")
+    status, full = _post(live, "/v1/chat/completions", body)
+    assert status == 200 and full["choices"][0]["message"]["content"] == streamed
+
+
+def test_openai_client_streaming(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=4,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_return_token_ids_round_trip(live: Live) -> None:
+    body = {"messages": MSGS, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    status, r = _post(live, "/v1/chat/completions", body)
+    assert status == 200
+    status, tok = _post(live, "/tokenize", {"messages": MSGS})
+    assert r["prompt_token_ids"] == tok["tokens"] and tok["count"] == r["usage"]["prompt_tokens"]
+    ids = r["choices"][0]["token_ids"]
+    assert len(ids) == r["usage"]["completion_tokens"] == 8
+    assert live.text.decode(ids) == r["choices"][0]["message"]["content"]
+    # Token ids in as a completions prompt, echoed back exactly.
+    prompt = r["prompt_token_ids"] + ids[:4]
+    status, c = _post(live, "/v1/completions", {"prompt": prompt, "max_tokens": 4,
+                                                "ignore_eos": True, "return_token_ids": True})
+    assert status == 200 and c["choices"][0]["prompt_token_ids"] == prompt
+    assert len(c["choices"][0]["token_ids"]) == 4 and c["usage"]["prompt_tokens"] == len(prompt)
+
+
+def test_completions_string_prompt_and_logprobs(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="ftserve-demo", prompt="The capital of France is",
+                                  max_tokens=5, logprobs=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(x <= 0.0 for x in lp.token_logprobs)
+    assert all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=4,
+                                       logprobs=True, top_logprobs=2, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for item in content:
+        assert item.logprob <= 0.0 and len(item.top_logprobs) == 2
+        # Greedy: the chosen token is the most likely one.
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob, abs=1e-4)
+
+
+def test_seed_reproducible_and_sampling_fields(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model="ftserve-demo", messages=MSGS, max_tokens=8, temperature=1.0,
+                              top_p=0.9, seed=1234, presence_penalty=0.5,
+                              frequency_penalty=0.3,
+                              extra_body={"top_k": 50, "min_p": 0.01, "ignore_eos": True,
+                                          "repetition_penalty": 1.1, "return_token_ids": True})
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    assert a.choices[0].model_extra["token_ids"] == b.choices[0].model_extra["token_ids"]
+
+
+def test_stop_token_ids_and_min_tokens(live: Live) -> None:
+    base = {"messages": MSGS, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    _, ref = _post(live, "/v1/chat/completions", base)
+    ids = ref["choices"][0]["token_ids"]
+    stop_id = ids[3]
+    _, r = _post(live, "/v1/chat/completions", {**base, "stop_token_ids": [stop_id]})
+    got = r["choices"][0]["token_ids"]
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert got[-1] == stop_id and len(got) == ids.index(stop_id) + 1
+
+
+def test_stop_string_trims_and_aborts(live: Live) -> None:
+    base = {"messages": MSGS, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    _, ref = _post(live, "/v1/chat/completions", base)
+    text = ref["choices"][0]["message"]["content"]
+    stripped = text.strip()
+    assert len(stripped) >= 6, f"demo output too short to test stop strings: {text!r}"
+    stop = stripped[len(stripped) // 2: len(stripped) // 2 + 2]
+    cut = text.index(stop)
+    for stream in (False, True):
+        if stream:
+            frames = asyncio.run(_sse_events(live.url + "/v1/chat/completions",
+                                             {**base, "stop": [stop], "stream": True}))
+            evs = [orjson.loads(f[6:]) for f in frames[:-1] if f.startswith(b"data: ")]
+            got = "".join(e["choices"][0]["delta"].get("content", "") for e in evs)
+            reason = evs[-1]["choices"][0]["finish_reason"]
+        else:
+            _, r = _post(live, "/v1/chat/completions", {**base, "stop": stop})
+            got, reason = r["choices"][0]["message"]["content"], r["choices"][0]["finish_reason"]
+        assert got == text[:cut] and reason == "stop"
+    live.wait_idle()  # the stop string aborted the engine request: nothing left running
+
+
+def test_prefix_cache_hits_and_reset(live: Live) -> None:
+    msgs = [{"role": "user", "content": "word " * 120}]
+    body = {"messages": msgs, "max_tokens": 1}
+    _, first = _post(live, "/v1/chat/completions", body)
+    _, second = _post(live, "/v1/chat/completions", body)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 100
+    status, reset = _post(live, "/reset_prefix_cache", {})
+    assert status == 200 and reset == {"success": True}
+    _, third = _post(live, "/v1/chat/completions", body)
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_tokenize_detokenize(live: Live) -> None:
+    _, tok = _post(live, "/tokenize", {"prompt": "Hello world, héllo"})
+    assert tok["count"] == len(tok["tokens"]) > 0
+    assert tok["max_model_len"] == live.engine.max_model_len
+    _, det = _post(live, "/detokenize", {"tokens": tok["tokens"]})
+    assert det["prompt"].endswith("Hello world, héllo")
+
+
+def test_health_and_metrics(live: Live) -> None:
+    async def go() -> tuple[int, str]:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(live.url + "/health") as h:
+                assert h.status == 200
+            async with s.get(live.url + "/metrics") as m:
+                return m.status, await m.text()
+
+    _post(live, "/v1/completions", {"prompt": "count: one two", "max_tokens": 3,
+                                    "ignore_eos": True})
+    status, text = asyncio.run(go())
+    assert status == 200
+    values = {line.split(" ")[0]: float(line.split(" ")[1])
+              for line in text.splitlines() if line and not line.startswith("#")}
+    for name in ("ftserve_num_requests_running", "ftserve_num_requests_waiting",
+                 "ftserve_kv_cache_usage_ratio", "ftserve_kv_pages_used",
+                 "ftserve_kv_pages_cached", "ftserve_prefix_cache_hit_tokens_total"):
+        assert name in values, name
+    assert values["ftserve_prompt_tokens_total"] > 0
+    assert values["ftserve_generation_tokens_total"] >= 3
+    for hist in ("ftserve_time_to_first_token_seconds", "ftserve_inter_token_latency_seconds",
+                 "ftserve_e2e_request_latency_seconds", "ftserve_request_queue_time_seconds"):
+        assert values[hist + "_count"] >= 1, hist
+    assert "process_cpu_seconds_total" in values
