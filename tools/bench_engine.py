@@ -384,9 +384,23 @@ def render_markdown(res: dict[str, Any]) -> str:
                 "sampled row only; attention = 4 * head_dim FLOPs per (query head, key) pair)",
                 markdown_table(["cached", "wall s", "tokens/s", "TFLOP", "TFLOP/s", "attention TFLOP/s",
                                 "attn of matmul rate", "GPU busy", "schedule ms"], rows), ""]
+    cached = res.get("cached_prefill") or []
+    if len(cached) > 1 and cached[0]["prefix"] == 0:
+        far = cached[-1]
+        out += [f"A chunk over {far['prefix']:,} cached tokens takes {far['wall_s'] / cached[0]['wall_s']:.1f}x "
+                f"the cold chunk's time for {far['total_flops'] / cached[0]['total_flops']:.1f}x its FLOPs "
+                "(the seed report's engine: 10-40x slower, GPU 97% idle).", ""]
+    base = res.get("base_prefill")
+    if base and base["chunks"]:
+        ch = base["chunks"]
+        picks = [ch[0], ch[len(ch) // 4], ch[len(ch) // 2], ch[-1]]
+        out += [f"Prefill of the shared {base['tokens']:,}-token prompt: {base['total_s']:.2f} s in "
+                f"{len(ch)} chunks; chunk wall s at prefix " + ", ".join(
+                    f"{c['prefix']:,}: {c['wall_s']:.3f}" for c in picks), ""]
     rows = [[r["context"], r["batch"], r["tokens_per_s"], r["step_ms"], r.get("roofline_tokens_per_s"),
              pct(r.get("frac_of_roofline")),
-             f"{r['experts_per_layer_measured'] or 0:.1f} / {r['experts_per_layer_expected']:.1f}",
+             ("-" if r["experts_per_layer_measured"] is None else f"{r['experts_per_layer_measured']:.1f}")
+             + f" / {r['experts_per_layer_expected']:.1f}",
              r["total_bytes"] / 1e6, pct(r["host_frac"])] for r in res.get("decode") or []]
     if rows:
         graphs = all(r.get("graph") for r in res.get("decode") or [])
