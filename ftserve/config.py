@@ -29,6 +29,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton
     cuda_graph_max_bs: int = 64  # 0 disables CUDA graphs
     enable_prefix_cache: bool = True
+    overlap_schedule: bool = True  # plan step N+1 while step N runs on the device
     seed: int = 0
     status_log_interval: float = 10.0  # seconds between one-line status logs; 0 = off
 

@@ -75,6 +75,20 @@ def test_sixteen_concurrent_requests(engine: Engine) -> None:
     assert_pool_baseline(engine)
 
 
+def test_without_overlap_scheduling_same_tokens(model_dir: str, engine: Engine) -> None:
+    eng = make_engine(model_dir, overlap_schedule=False)
+    try:
+        rng = random.Random(11)
+        reqs = [(f"o{i}", prompt(rng, rng.randint(1, 30)), greedy(rng.randint(1, 8))) for i in range(6)]
+        a = collect(eng, reqs)
+        b = collect(engine, reqs)
+        for rid, _, _ in reqs:
+            assert tokens_of(a[rid]) == tokens_of(b[rid]), rid
+        assert_pool_baseline(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_chunked_prefill_longer_than_chunk(engine: Engine) -> None:
     rng = random.Random(2)
     p = prompt(rng, 150)  # max_prefill_length 64: three chunks
@@ -158,7 +172,7 @@ def test_engine_failure_surfaces(model_dir: str) -> None:
         def boom(*a: object, **k: object) -> None:
             raise RuntimeError("injected device failure")
 
-        eng.runner.step = boom  # type: ignore[method-assign]
+        eng.runner.launch = boom  # type: ignore[method-assign]
         outs = collect(eng, [("f", [5, 6, 7], greedy(3))])
         assert outs["f"][-1].finish_reason == "error"
         assert "injected device failure" in (outs["f"][-1].error or "")

@@ -3,8 +3,10 @@ one call.
 
 Static input, refilled each step by ONE non-blocking copy from pinned memory::
 
-    g_in [max_bs, 6] int64, one row per sequence: input_id, position,
-        out_cache_loc, seq_len, sampler slot (+ min_tokens flag in bit 62), step
+    g_in [max_bs, 7] int64, one row per sequence: input_id, position,
+        out_cache_loc, seq_len, sampler slot (+ min_tokens flag in bit 62), step,
+        src_row (row of runner.last_tokens holding the input id when the host
+        does not know it yet -- overlap scheduling -- else -1)
     (row-major so the first pbs rows are one contiguous copy; the graph
     transposes them into contiguous per-field vectors itself)
 
@@ -26,8 +28,8 @@ from ftserve.engine.sampler import SampleOutput, SamplerFeatures
 from ftserve.models.forward_batch import AttentionMetadata, ForwardBatch
 
 if TYPE_CHECKING:
-    from ftserve.engine.request import Req
     from ftserve.engine.runner import ModelRunner
+    from ftserve.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,11 @@ class DecodeGraphs:
         self.max_bs = max_bs
         self.sizes = graph_batch_sizes(max_bs)
         dev = self.device
-        self.g_in = torch.zeros(max_bs, 6, dtype=torch.int64, device=dev)
-        self.h_in = torch.zeros(max_bs, 6, dtype=torch.int64, pin_memory=True)
+        self.g_in = torch.zeros(max_bs, 7, dtype=torch.int64, device=dev)
+        # Two pinned staging buffers, alternating: with overlap scheduling the
+        # copy out of one may still be queued while the next step is planned.
+        self.h_in = [torch.zeros(max_bs, 7, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._flip = 0
         self.qo_indptr = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=dev)
         self.graphs: dict[tuple[int, SamplerFeatures], torch.cuda.CUDAGraph] = {}
@@ -69,7 +74,8 @@ class DecodeGraphs:
 
     def _forward(self, bs: int) -> SampleOutput:
         r = self.runner
-        g = self.g_in[:bs].t().contiguous()  # [6, bs]
+        g = self.g_in[:bs].t().contiguous()  # [7, bs]
+        input_ids = r._device_inputs(g[0], g[6])
         seq_lens = g[3].to(torch.int32)
         slots = g[4] & (MIN_FLAG - 1)
         attn = AttentionMetadata(
@@ -84,7 +90,7 @@ class DecodeGraphs:
             max_seq_len=r.max_pages * r.page_size,
             max_extend_len=1,
         )
-        fb = ForwardBatch(g[0], g[1], attn, r.kv_pool, r.attn_backend,
+        fb = ForwardBatch(input_ids, g[1], attn, r.kv_pool, r.attn_backend,
                           logits_indices=self.logits_indices[:bs], is_decode=True)
         logits = r.model(fb)  # [bs, V]
         min_active = (g[4] & MIN_FLAG) != 0
@@ -123,23 +129,26 @@ class DecodeGraphs:
         self.g_in.zero_()
         self.g_in[:, 3].fill_(1)  # seq_len 1 over the dummy page
         self.g_in[:, 4].fill_(r.sink_row)
+        self.g_in[:, 6].fill_(-1)
 
-    def replay(self, reqs: list[Req]) -> SampleOutput:
+    def replay(self, batch: ScheduledBatch) -> SampleOutput:
         r = self.runner
-        bs = len(reqs)
+        bs = len(batch.reqs)
         pbs = self._padded(bs)
         ps = r.page_size
         rows: list[tuple[int, ...]] = []
-        for req in reqs:
-            p = req.computed_len
-            flag = MIN_FLAG if req.num_outputs < req.params.min_tokens else 0
-            rows.append((req.tokens[-1], p, req.pages[p // ps] * ps + p % ps, p + 1,
-                         req.slot | flag, req.num_outputs))
-        rows.extend([(0, 0, 0, 1, r.sink_row, 0)] * (pbs - bs))
-        # h_in is safe to rewrite: every replay ends in the token read-back,
-        # which waits for the whole stream, this copy included.
-        self.h_in[:pbs] = torch.tensor(rows, dtype=torch.int64)
-        self.g_in[:pbs].copy_(self.h_in[:pbs], non_blocking=True)
+        for req, toks, p, step, src in zip(batch.reqs, batch.new_tokens, batch.prefix_lens,
+                                           batch.steps, batch.src_rows):
+            flag = MIN_FLAG if step < req.params.min_tokens else 0
+            rows.append((toks[0], p, req.pages[p // ps] * ps + p % ps, p + 1,
+                         req.slot | flag, step, src))
+        rows.extend([(0, 0, 0, 1, r.sink_row, 0, -1)] * (pbs - bs))
+        # This buffer was last used two steps ago; the engine has read back
+        # that step's tokens since, which waited for its copy.
+        self._flip ^= 1
+        h_in = self.h_in[self._flip]
+        h_in[:pbs] = torch.tensor(rows, dtype=torch.int64)
+        self.g_in[:pbs].copy_(h_in[:pbs], non_blocking=True)
         feats = SamplerFeatures() if r.sampler.features == SamplerFeatures() else ALL_FEATURES
         self.graphs[(pbs, feats)].replay()
         out = self.outputs[(pbs, feats)]

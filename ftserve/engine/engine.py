@@ -23,7 +23,7 @@ from typing import Any
 
 from ftserve.engine.messages import GenerateRequest, RequestOutput
 from ftserve.engine.request import Req
-from ftserve.engine.runner import ModelRunner
+from ftserve.engine.runner import Launched, ModelRunner
 from ftserve.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -69,9 +69,11 @@ class EngineCore:
     """Scheduler + runner + the thread that drives them."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, status_log_interval: float = 0.0,
-                 check_integrity: bool = False) -> None:
+                 check_integrity: bool = False, overlap: bool = True) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        self.overlap = overlap
+        self._inflight: Launched | None = None
         self.status_log_interval = status_log_interval
         self.check_integrity = check_integrity
         self.healthy = True
@@ -120,7 +122,8 @@ class EngineCore:
     def _run(self) -> None:
         try:
             while True:
-                if not self._drain_inbox(block=not self.scheduler.has_work):
+                busy = self.scheduler.has_work or self._inflight is not None
+                if not self._drain_inbox(block=not busy):
                     break
                 self._step()
         except BaseException as exc:  # noqa: BLE001 - any failure must surface
@@ -167,15 +170,34 @@ class EngineCore:
         self.scheduler.add(req)
 
     def _step(self) -> None:
+        """Plan and launch step N+1, then read back and commit step N.
+
+        With overlap the host plans the next step while the device still runs
+        the previous one; a step that samples nothing (a non-final prefill
+        chunk) is committed at once, since there is nothing to wait for.
+        """
         batch = self.scheduler.schedule()
-        if batch is not None:
-            token_ids, logprobs = self.runner.step(batch)
-            self.scheduler.commit(batch, token_ids, logprobs)
+        launched = self.runner.launch(batch) if batch is not None else None
+        stepped: list[Req] = []
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._commit(prev)
+            stepped += prev.batch.reqs
+        if launched is not None:
+            if launched.out is None or not self.overlap:
+                self._commit(launched)
+                stepped += launched.batch.reqs
+            else:
+                self._inflight = launched
         if self.check_integrity:
             self.scheduler.check_integrity()
-        self._emit(self._collect(batch.reqs if batch is not None else []))
+        self._emit(self._collect(stepped))
         self._stats = self._make_stats()
         self._maybe_log_status()
+
+    def _commit(self, launched: Launched) -> None:
+        token_ids, logprobs = self.runner.collect(launched)
+        self.scheduler.commit(launched.batch, token_ids, logprobs)
 
     def _collect(self, stepped: list[Req] | None = None) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
@@ -216,6 +238,7 @@ class EngineCore:
                                       error=message if reason == "error" else None,
                                       prompt_tokens=req.prompt_len,
                                       completion_tokens=req.num_outputs))
+        self._inflight = None
         self.scheduler.by_id.clear()
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()

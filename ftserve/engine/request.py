@@ -43,6 +43,12 @@ class Req:
     computed_len: int = field(default=0, init=False)  # tokens whose KV is in pages
     slot: int = field(default=-1, init=False)  # sampler row, -1 when not admitted
     num_preemptions: int = field(default=0, init=False)
+    # Overlap scheduling: the latest launched step holding this request whose
+    # results are not committed yet (-1: none), and the request's row in that
+    # step's sampled tokens (-1: it samples nothing); the next decode step takes
+    # its input token from there.
+    inflight_step: int = field(default=-1, init=False)
+    inflight_row: int = field(default=-1, init=False)
     finish_reason: str | None = field(default=None, init=False)
     # Outputs produced since the last report (drained by the engine each step).
     pending_ids: list[int] = field(default_factory=list, init=False)
@@ -72,6 +78,15 @@ class Req:
     @property
     def num_outputs(self) -> int:
         return len(self.output_ids)
+
+    @property
+    def num_inflight_tokens(self) -> int:
+        """Tokens sampled on the device but not yet committed on the host (0 or 1)."""
+        return 1 if self.inflight and self.inflight_row >= 0 else 0
+
+    @property
+    def inflight(self) -> bool:
+        return self.inflight_step >= 0
 
     @property
     def remaining_prefill(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,6 +79,9 @@ class ModelRunner:
         self._synced: list[int] = [0] * max_running
         self._pin = device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
+        # Sampled tokens of the latest step, by sampled row: the next decode
+        # step's inputs for requests whose tokens the host has not read yet.
+        self.last_tokens = torch.zeros(max_running + 1, dtype=torch.int64, device=device)
         self.read_backs = 0  # deliberate device->host reads so far (tests count them)
 
     # ----- host -> device ------------------------------------------------
@@ -127,12 +131,12 @@ class ModelRunner:
             seq_lens.append(pre + n)
             last.append(indptr[-1] - 1)
         rows = [i for i, s in enumerate(batch.samples) if s]
-        sreqs = [batch.reqs[i] for i in rows]
-        slots = [r.slot for r in batch.reqs]
         t, b, r = len(ids), len(batch.reqs), len(rows)
-        packed = (ids + pos + locs + indptr + seq_lens + list(batch.prefix_lens) + slots
-                  + [last[i] for i in rows] + [q.slot for q in sreqs] + [q.num_outputs for q in sreqs]
-                  + [int(q.num_outputs < q.params.min_tokens) for q in sreqs])
+        src = batch.src_rows if batch.src_rows else [-1] * t  # decode: t == b
+        packed = (ids + src + pos + locs + indptr + seq_lens + list(batch.prefix_lens)
+                  + [q.slot for q in batch.reqs] + [last[i] for i in rows]
+                  + [batch.reqs[i].slot for i in rows] + [batch.steps[i] for i in rows]
+                  + [int(batch.steps[i] < batch.reqs[i].params.min_tokens) for i in rows])
         dev = self._upload(packed)
         o = 0
 
@@ -141,10 +145,14 @@ class ModelRunner:
             o += n
             return dev[o - n:o]
 
-        input_ids, positions, out_loc = take(t), take(t), take(t)
+        host_ids, src_rows, positions, out_loc = take(t), take(t), take(t), take(t)
         qo_indptr, d_seq, d_pre = take(b + 1), take(b), take(b)
         d_slots, logits_idx = take(b), take(r)
         s_slots, s_steps, s_min = take(r), take(r), take(r)
+        if batch.src_rows and max(batch.src_rows) >= 0:
+            input_ids = self._device_inputs(host_ids, src_rows)
+        else:
+            input_ids = host_ids
         attn = AttentionMetadata(
             page_size=ps,
             qo_indptr=qo_indptr.to(torch.int32),
@@ -161,48 +169,95 @@ class ModelRunner:
                           logits_indices=logits_idx, is_decode=batch.is_decode)
         return fb, s_slots, s_steps, s_min.bool()
 
+    def _device_inputs(self, host_ids: torch.Tensor, src_rows: torch.Tensor) -> torch.Tensor:
+        """Input ids where the previous step's sampled token stands in for the
+        ones the host does not know yet (src_rows >= 0). Fixed shape, no sync."""
+        prev = self.last_tokens.index_select(0, src_rows.clamp(min=0))  # [B]
+        return torch.where(src_rows >= 0, prev, host_ids)
+
     # ----- one step ------------------------------------------------------
     @torch.inference_mode()
-    def step(self, batch: ScheduledBatch) -> tuple[list[int], list[TokenLogprob | None] | None]:
+    def launch(self, batch: ScheduledBatch) -> Launched:
+        """Enqueue the step's device work; the tokens come back in collect()."""
         self.prepare_slots(batch.reqs)
         rows = [i for i, s in enumerate(batch.samples) if s]
-        out: SampleOutput | None
         if self.graphs is not None and batch.is_decode and self.graphs.can_run(len(batch.reqs)):
-            out = self.graphs.replay(batch.reqs)
+            out = self.graphs.replay(batch)
         else:
             fb, slots, steps, min_active = self.build(batch)
             if not rows:
                 # A non-final prefill chunk: only the KV matters; no logits, no sync.
                 self.model(fb)
-                return [], None
+                return Launched(batch, rows, None)
             logits = self.model(fb)  # [R, V] fp32
             out = self.sampler.sample(logits, slots, steps, min_active)
             self.sampler.update(slots, out.token_ids)
-        return self._read_back(batch, rows, out)
+        self.last_tokens[:len(rows)].copy_(out.token_ids[:len(rows)])
+        return Launched(batch, rows, self._copy_out(batch, rows, out))
 
-    def _read_back(self, batch: ScheduledBatch, rows: list[int], out: SampleOutput,
-                   ) -> tuple[list[int], list[TokenLogprob | None] | None]:
-        reqs = [batch.reqs[i] for i in rows]
-        # The step's one deliberate sync: the host needs the tokens to stream them.
+    def _copy_out(self, batch: ScheduledBatch, rows: list[int], out: SampleOutput) -> _HostOut:
+        """Start the device->host copy of the sampled tokens (and logprobs if asked)."""
+        n = len(rows)
+        want = out.logprobs is not None and any(
+            batch.reqs[i].params.logprobs is not None for i in rows)
+        parts = [out.token_ids[:n].to(torch.float64)]
+        if want:
+            assert out.logprobs is not None and out.top_ids is not None
+            assert out.top_logprobs is not None
+            parts += [out.logprobs[:n].double()[:, None], out.top_ids[:n].double(),
+                      out.top_logprobs[:n].double()]
+            packed = torch.cat([parts[0][:, None]] + parts[1:], dim=1)  # [n, 2 + 2K]
+        else:
+            packed = parts[0][:, None]  # [n, 1]
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=self._pin)
+        host.copy_(packed, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return _HostOut(host, event, want)
+
+    def collect(self, launched: Launched) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        """Wait for a launched step's tokens: the step's one deliberate sync."""
+        batch, rows, hout = launched.batch, launched.rows, launched.out
+        if hout is None:
+            return [], None
         self.read_backs += 1
         with deliberate_sync():
-            sampled: list[int] = out.token_ids[:len(rows)].tolist()
-            want = any(r.params.logprobs is not None for r in reqs) and out.logprobs is not None
-            if want:
-                assert out.logprobs is not None and out.top_ids is not None
-                assert out.top_logprobs is not None
-                chosen = out.logprobs[:len(rows)].tolist()
-                top_ids = out.top_ids[:len(rows)].tolist()
-                top_lp = out.top_logprobs[:len(rows)].tolist()
+            if hout.event is not None:
+                hout.event.synchronize()
+            table = hout.host.tolist()
+        sampled = [int(row[0]) for row in table]
         token_ids = [-1] * len(batch.reqs)
         for i, tok in zip(rows, sampled):
             token_ids[i] = tok
-        if not want:
+        if not hout.logprobs:
             return token_ids, None
+        k_max = (len(table[0]) - 2) // 2 if table else 0
         lps: list[TokenLogprob | None] = [None] * len(batch.reqs)
-        for j, (i, r) in enumerate(zip(rows, reqs)):
-            k = r.params.logprobs
+        for j, i in enumerate(rows):
+            k = batch.reqs[i].params.logprobs
             if k is not None:
-                alts = tuple(zip(top_ids[j][:k], top_lp[j][:k]))
-                lps[i] = TokenLogprob(sampled[j], float(chosen[j]), alts)
+                row = table[j]
+                ids = [int(x) for x in row[2:2 + k_max]][:k]
+                vals = row[2 + k_max:2 + 2 * k_max][:k]
+                lps[i] = TokenLogprob(sampled[j], float(row[1]), tuple(zip(ids, vals)))
         return token_ids, lps
+
+    def step(self, batch: ScheduledBatch) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        """launch + collect, without overlap."""
+        return self.collect(self.launch(batch))
+
+
+@dataclass
+class _HostOut:
+    host: torch.Tensor  # [n, 1] or [n, 2 + 2K] float64: token, logprob, top ids, top logprobs
+    event: torch.cuda.Event | None
+    logprobs: bool
+
+
+@dataclass
+class Launched:
+    batch: ScheduledBatch
+    rows: list[int]  # batch rows that sample
+    out: _HostOut | None  # None: nothing sampled (non-final prefill chunk)

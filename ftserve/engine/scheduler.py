@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ftserve.engine.messages import TokenLogprob
 from ftserve.engine.request import Req, ReqState
@@ -30,9 +30,14 @@ log = logging.getLogger(__name__)
 class ScheduledBatch:
     reqs: list[Req]
     is_decode: bool
-    new_tokens: list[list[int]]  # tokens fed this step, per request
-    prefix_lens: list[int]  # computed_len before this step, per request
+    new_tokens: list[list[int]]  # tokens fed this step, per request (-1: from the device)
+    prefix_lens: list[int]  # KV length before this step, per request
     samples: list[bool]  # whether the request samples a token after this step
+    # Decode only: the row of the previous (still in-flight) step's sampled
+    # tokens that holds this request's input token, or -1 when the host has it.
+    src_rows: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)  # index of the output token each row samples
+    step_id: int = -1  # set by Scheduler.schedule
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +79,7 @@ class Scheduler:
         self.free_slots: list[int] = list(range(max_running - 1, -1, -1))
         self.counters = SchedulerCounters()
         self._last_was_prefill = False
+        self._step_id = 0
         self.finished_reqs: list[Req] = []  # finished since the last drain
 
     # ----- intake -------------------------------------------------------
@@ -97,7 +103,22 @@ class Scheduler:
 
     # ----- planning ------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        prefilling = [r for r in self.running if r.state is ReqState.PREFILL]
+        """Plan the next step. A previous step may still be in flight (overlap
+        scheduling): its requests decode from their device-side tokens and are
+        not prefilled again until it is committed."""
+        batch = self._plan()
+        if batch is not None:
+            self._step_id += 1
+            batch.step_id = self._step_id
+            j = 0
+            for req, s in zip(batch.reqs, batch.samples):
+                req.inflight_step = batch.step_id
+                req.inflight_row = j if s else -1
+                j += s
+        return batch
+
+    def _plan(self) -> ScheduledBatch | None:
+        prefilling = [r for r in self.running if r.state is ReqState.PREFILL and not r.inflight]
         decoding = [r for r in self.running if r.state is ReqState.DECODE]
         want_prefill = bool(prefilling or (self.waiting and self.free_slots))
         if decoding and (not want_prefill or self._last_was_prefill):
@@ -117,7 +138,7 @@ class Scheduler:
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.max_prefill_length
         reqs: list[Req] = []
-        for req in [r for r in self.running if r.state is ReqState.PREFILL]:
+        for req in [r for r in self.running if r.state is ReqState.PREFILL and not r.inflight]:
             if budget <= 0:
                 break
             n = min(req.remaining_prefill, budget)
@@ -127,6 +148,8 @@ class Scheduler:
             budget -= n
         while budget > 0 and self.waiting and self.free_slots:
             req = self.waiting[0]
+            if req.inflight:
+                break  # preempted while its last step is in flight: wait for the commit
             if not self._admit(req):
                 break
             self.waiting.popleft()
@@ -149,14 +172,17 @@ class Scheduler:
             new_tokens.append(req.tokens[req.computed_len:req.computed_len + n])
             prefix_lens.append(req.computed_len)
             samples.append(req.computed_len + n == len(req.tokens))
-        return ScheduledBatch(reqs, False, new_tokens, prefix_lens, samples)
+        steps = [r.num_outputs for r in reqs]
+        return ScheduledBatch(reqs, False, new_tokens, prefix_lens, samples, steps=steps)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         reqs: list[Req] = []
         for req in list(self.running):
             if req.state is not ReqState.DECODE or req not in self.running:
                 continue
-            while not self._reserve(req, req.computed_len + 1):
+            if req.inflight and req.inflight_row < 0:
+                continue  # defensive: an in-flight step that samples nothing
+            while not self._reserve(req, req.computed_len + req.num_inflight_tokens + 1):
                 victim = self._pick_victim(exclude=req)
                 if victim is None:
                     # Cannot happen when max_model_len fits the pool; fail loudly.
@@ -167,9 +193,15 @@ class Scheduler:
             reqs.append(req)
         if not reqs:
             return None
-        return ScheduledBatch(
-            reqs, True, [[r.tokens[-1]] for r in reqs], [r.computed_len for r in reqs],
-            [True] * len(reqs))
+        new_tokens, prefix_lens, src_rows, steps = [], [], [], []
+        for r in reqs:
+            k = r.num_inflight_tokens
+            new_tokens.append([-1] if k else [r.tokens[-1]])
+            prefix_lens.append(r.computed_len + k)
+            src_rows.append(r.inflight_row if k else -1)
+            steps.append(r.num_outputs + k)
+        return ScheduledBatch(reqs, True, new_tokens, prefix_lens, [True] * len(reqs),
+                              src_rows=src_rows, steps=steps)
 
     # ----- pages ---------------------------------------------------------
     def _reserve(self, req: Req, num_tokens: int) -> bool:
@@ -211,7 +243,12 @@ class Scheduler:
 
     def _release(self, req: Req, keep_kv: bool) -> None:
         """Give back the request's slot and pages; its computed KV goes to the
-        prefix cache when keep_kv (finish, preemption, abort)."""
+        prefix cache when keep_kv (finish, preemption, abort).
+
+        A step still in flight may write KV for this request after this: only at
+        positions >= computed_len, which are never in the full pages handed to
+        the tree, and before (in stream order) any later owner of a freed page
+        writes it. Its sampled token is dropped at commit."""
         if req in self.running:
             self.running.remove(req)
         if req.slot >= 0:
@@ -253,9 +290,12 @@ class Scheduler:
     ) -> None:
         """Apply one step's results (token_ids[i] for batch.reqs[i] where it samples)."""
         now = time.monotonic()
+        for req in batch.reqs:
+            if req.inflight_step == batch.step_id:  # not re-planned since
+                req.inflight_step, req.inflight_row = -1, -1
         for i, req in enumerate(batch.reqs):
             if req.state is ReqState.FINISHED or req not in self.running:
-                continue  # aborted or preempted while the step ran
+                continue  # aborted, finished or preempted while the step ran
             req.computed_len = batch.prefix_lens[i] + len(batch.new_tokens[i])
             if not batch.samples[i]:
                 continue

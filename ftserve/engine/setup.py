@@ -121,7 +121,8 @@ def build_engine(cfg: EngineConfig) -> Engine:
              model_dir, summary["dtype"], device, summary["weights_gib"], num_pages, cfg.page_size,
              pool_tokens, summary["kv_gib"], max_model_len, model_limit)
     return Engine(
-        dict(scheduler=scheduler, runner=runner, status_log_interval=cfg.status_log_interval),
+        dict(scheduler=scheduler, runner=runner, status_log_interval=cfg.status_log_interval,
+             overlap=cfg.overlap_schedule),
         model_dir=model_dir, is_demo=is_demo, max_model_len=max_model_len,
         vocab_size=mcfg.vocab_size, eos_token_ids=eos, model_config=mcfg, summary=summary,
     )
