@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+import tempfile
 import time
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ftserve.tokenizer import IncrementalTokenizer, Tokenizer, chat_template_for
+from ftserve.tokenizer import IncrementalTokenizer, Tokenizer, chat_template_for, load_tokenizer
 from ftserve.tokenizer.incremental import common_prefix_len
-from tests.test_tokenizer import hf_tokenizer, sp_tokenizer
+from tests.test_tokenizer import hf_tokenizer, sp_tokenizer, trained_dir
 
 KINDS = ["sp-v1", "sp-v3", "bytelevel", "metaspace"]
 
@@ -91,6 +96,7 @@ def test_agentic_turns_reuse_almost_everything(kind: str) -> None:
         assert cache.encode(prompt) == tok.encode(prompt, add_special_tokens=False)
         messages.append({"role": "assistant", "content": f"Done with step {turn}; the tests pass. " * 10})
     assert cache.stats.prefix_hits == 7 and cache.stats.fallbacks == 0
+    assert cache.stats.verify_failures == 0
     total = sum(len(tok.encode(tpl.render(messages[: 2 * t + 1]), False)) for t in range(1, 8))
     assert cache.stats.tokens_reused > 0.6 * total
 
@@ -152,3 +158,44 @@ def test_long_encode_runs_off_the_event_loop() -> None:
     assert len(ids) > 150_000
     assert elapsed > 0.15  # the encode really is long ...
     assert worst_gap < elapsed / 3  # ... yet the stream never stalled for it
+
+
+def test_space_eating_special_tokens_are_caught_by_verification(tmp_path: Path) -> None:
+    """Added tokens with lstrip/rstrip swallow the spaces around them, so a space right
+    after one is no token boundary. The checks must reject that cut and splice earlier."""
+    src = trained_dir("bytelevel")
+    spec = json.loads((src / "tokenizer.json").read_text(encoding="utf-8"))
+    for added in spec["added_tokens"]:
+        if added["content"] == "[/INST]":
+            added["lstrip"] = added["rstrip"] = True
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    shutil.copy(src / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+    tok = load_tokenizer(tmp_path)
+    cache = small_cache(tok, window_chars=1)
+    old = "alpha beta [/INST] gamma delta"
+    new = old + " and more words"
+    assert cache.encode(old) == tok.encode(old, False)
+    assert cache.encode(new) == tok.encode(new, False)
+    assert cache.stats.verify_failures >= 1 and cache.stats.prefix_hits == 1
+
+
+@cache
+def space_eating_tokenizer() -> Tokenizer:
+    """The byte-level test tokenizer with every special token stripping spaces on both sides."""
+    d = Path(tempfile.mkdtemp(prefix="ftserve-tok-eating-"))
+    spec = json.loads((trained_dir("bytelevel") / "tokenizer.json").read_text(encoding="utf-8"))
+    for added in spec["added_tokens"]:
+        added["lstrip"] = added["rstrip"] = True
+    (d / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    return load_tokenizer(d)
+
+
+@settings(max_examples=30, deadline=None)
+@given(texts=st.lists(text_st, min_size=2, max_size=4), cut=st.integers(0, 10_000))
+def test_space_eating_tokens_property(texts: list[str], cut: int) -> None:
+    tok = space_eating_tokenizer()
+    cache = small_cache(tok)
+    full = " ".join(texts) * 2
+    prefix = full[: cut % (len(full) + 1)]
+    assert cache.encode(prefix) == tok.encode(prefix, False)
+    assert cache.encode(full) == tok.encode(full, False)

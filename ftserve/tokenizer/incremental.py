@@ -44,6 +44,7 @@ class IncrementalStats:
     prefix_hits: int = 0  # spliced onto a cached entry
     misses: int = 0  # no useful cached entry: full encode
     fallbacks: int = 0  # a cached entry was found but no splice verified: full encode
+    verify_failures: int = 0  # candidate cuts rejected by the checks (each costs a retry)
     tokens_reused: int = 0
     chars_encoded: int = 0  # characters actually run through the tokenizer
     evictions: int = 0
@@ -219,17 +220,23 @@ class IncrementalTokenizer:
             old_tail = tok.encode_continuation(old_text[c:])
             j = len(old_ids) - len(old_tail)
             if j < 1 or old_ids[j:] != array("i", old_tail):
+                self._count_verify_failure()
                 continue
             window = tok.encode_continuation(text[c:c2])
             new_tail = tok.encode_continuation(text[c:])
             w = len(window)
             if old_tail[:w] != window or new_tail[:w] != window:
+                self._count_verify_failure()
                 continue
             with self._lock:
                 self.stats.tokens_reused += j
                 self.stats.chars_encoded += (len(old_text) - c) + (len(text) - c) + (c2 - c)
             return old_ids[:j] + array("i", new_tail)  # C-level copies, no int boxing
         return None
+
+    def _count_verify_failure(self) -> None:
+        with self._lock:
+            self.stats.verify_failures += 1
 
     def _insert(self, text: str, ids: array, replaces: str | None = None) -> None:
         entry = _Entry(text, ids)  # never mutated after this point
