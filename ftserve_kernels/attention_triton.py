@@ -374,8 +374,8 @@ def _num_sms(device: torch.device) -> int:
 class TritonAttentionBackend:
     """AttentionBackend (see forward_batch.py) on Triton kernels.
 
-    Decode batches (``batch.is_decode``: exactly one new token per sequence)
-    take the split-K path, which is CUDA-graph capturable; everything else takes
+    Decode batches (``batch.is_decode``, or any batch with one new token per
+    sequence) take the split-K path, which is CUDA-graph capturable; everything else takes
     the extend path (eager). ``num_splits`` depends only on the batch size and
     the KV head count, so a graph captured for batch size B stays valid.
     """
@@ -399,7 +399,9 @@ class TritonAttentionBackend:
         store_kv_triton(kc, vc, k, v, meta.out_cache_loc)
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         cfg = self.cfg or AttnKernelConfig.for_device(q.device, q.shape[-1])
-        if batch.is_decode:
+        # One new token per sequence (host metadata): the split-K kernel reads each
+        # KV head once for all its query heads, far cheaper than 128-row extend tiles.
+        if batch.is_decode or meta.max_extend_len == 1:
             assert q.shape[0] == meta.num_seqs, "decode batches carry one token per sequence"
             splits = self.num_splits(q.shape[0], kc.shape[1], q.device)
             return decode_attention_triton(

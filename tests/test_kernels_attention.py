@@ -91,11 +91,14 @@ def test_extend_matches_reference(dtype: torch.dtype) -> None:
     assert rel_err(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_matches_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    "dtype,is_decode", [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)]
+)
+def test_decode_matches_reference(dtype: torch.dtype, is_decode: bool) -> None:
+    # is_decode=False with one token per sequence takes the split-K path too.
     out, ref, pool, ref_pool = run_both(
         [1, 1, 1], [0, 16, 39], hq=8, hkv=2, d=32, page_size=4,
-        dtype=dtype, device=DEVICE, is_decode=True,
+        dtype=dtype, device=DEVICE, is_decode=is_decode,
     )
     assert torch.equal(pool.k.nan_to_num(7.0), ref_pool.k.nan_to_num(7.0))
     assert torch.isfinite(out).all()
