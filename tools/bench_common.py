@@ -138,6 +138,9 @@ def gpu_kernel_seconds(fn: Callable[[], Any], device: torch.device,
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue  # CPU ops; on a CPU-only run nothing is device time
+        kind = str(getattr(ev, "activity_type", "") or "").lower()
+        if getattr(ev, "is_user_annotation", False) or "annotation" in kind:
+            continue  # GPU ranges of record_function scopes span idle gaps too
         s, e = float(ev.time_range.start), float(ev.time_range.end)
         spans.append((s, e))
         by_name[ev.name] = by_name.get(ev.name, 0.0) + (e - s) / 1e6
