@@ -509,6 +509,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here; `--smoke` runs the CPU version")
     wanted = set(args.sections.split(","))
     results: dict[str, Any] = {"machine": machine_info(device), "args": {
         k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, bool))}}
