@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import socket
@@ -17,6 +18,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -249,3 +252,71 @@ def test_ctrl_c_prints_what_was_measured() -> None:
     assert "INTERRUPTED" in out and "Successful requests:" in out
     done = int(next(x for x in out.splitlines() if x.startswith("Successful requests:")).split()[-1])
     assert done > 0
+
+
+# ---------------------------------------------------------------- the real server
+
+
+@pytest.fixture(scope="module")
+def ftserve_server() -> Iterator[tuple[str, int]]:
+    """``python -m ftserve serve`` (tiny random demo model) on a free port, until the module ends."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ftserve", "serve", "--port", str(port), "--status-log-interval", "0"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"ftserve exited with {proc.returncode}:\n{proc.stdout.read() if proc.stdout else ''}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass  # not listening yet, or 503 while the model loads
+            assert time.monotonic() < deadline, "ftserve did not become healthy in 90 s"
+            time.sleep(0.2)
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+REAL = ["--no-progress", "--duration", "3", "--soak", "--abort-rate", "0.2", "--ignore-eos",
+        "--output-tokens", "8", "--max-output-tokens", "16", "--max-context", "1024",
+        "--scrape-interval", "0.5", "--canary-interval", "1", "--settle-timeout", "5"]
+
+
+@pytest.mark.parametrize("profile,extra", [
+    ("agentic", ["--sessions", "3", "--system-tokens", "200", "--turn-tokens", "120"]),
+    ("shared-prefix", ["--groups", "2", "--prefix-tokens", "300", "--input-tokens", "40",
+                       "--concurrency", "3"]),
+    ("random", ["--request-rate", "15", "--input-tokens", "80", "--endpoint", "completions"]),
+])
+def test_real_server_profile_soak_passes(ftserve_server: tuple[str, int], profile: str,
+                                         extra: list[str], tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    url, pid = ftserve_server
+    rc = main(["--url", url, "--profile", profile, "--server-pid", str(pid), "--out", str(tmp_path),
+               *REAL, *extra])
+    out = capsys.readouterr()
+    assert rc == 0, out.out + out.err
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    s = doc["summary"]
+    assert s["completed"] >= 3 and s["failed"] == 0, s
+    assert s["aborted"] >= 1  # mid-stream aborts happened, and the soak checks saw no leak
+    assert s["mean_ttft_ms"] > 0 and s["mean_itl_ms"] > 0 and s["total_input_tokens"] > 0
+    if profile != "random":
+        assert s["cache_hit_ratio"] > 0.2  # shared prompts and growing conversations hit the cache
+    assert s["max_prompt_tokens"] <= 1024
+    canaries = doc["canaries"]
+    assert len(canaries) >= 3 and len({c["text"] for c in canaries}) == 1 and canaries[0]["text"]
+    final = doc["soak"]["final"]
+    assert final["ftserve_num_requests_running"] == 0 and final["rss"] > 0

@@ -87,21 +87,31 @@ async def _think(cfg: WorkloadConfig, rng: random.Random) -> None:
         await asyncio.sleep(rng.lognormvariate(-0.5, 1.0) * cfg.think_time_s)  # E = think_time_s
 
 
+def _fit(content: str, est: float, room: float) -> str:
+    """Cut ``content`` to about ``room`` tokens when its estimate ``est`` is over."""
+    if est <= room:
+        return content
+    words = content.split(" ")
+    return " ".join(words[: max(1, int(len(words) * room / est))])
+
+
 async def _agentic_session(cfg: WorkloadConfig, issuer: Issuer, sid: int, system: str) -> None:
     gen = 0
+    scale = 1.0  # server tokens per estimated token, learned from usage.prompt_tokens
     while not issuer.stopping:
         rng = random.Random(f"{cfg.seed}:agentic:{sid}:{gen}")
         gen += 1
+        first = textgen.user_turn(rng, _draw(cfg, rng, cfg.turn_tokens, cfg.max_context // 4))
         messages: list[dict[str, str]] = [
             {"role": "system", "content": system},
-            {"role": "user", "content": textgen.user_turn(rng, _draw(cfg, rng, cfg.turn_tokens, cfg.max_context // 4))},
+            {"role": "user", "content": first},
         ]
-        context = sum(textgen.approx_tokens(m["content"]) for m in messages)
+        context = scale * sum(textgen.approx_tokens(m["content"]) for m in messages)
         turn = 0
         while True:
             body = _sampling(cfg, rng)
             # Leave room for the reply inside the ceiling.
-            body["max_tokens"] = max(1, min(body["max_tokens"], cfg.max_context - context))
+            body["max_tokens"] = max(1, min(body["max_tokens"], cfg.max_context - int(context)))
             spec = RequestSpec("chat", {**body, "messages": list(messages)}, "agentic", sid, turn)
             rec = await issuer.issue(spec)
             if rec is None:
@@ -109,22 +119,29 @@ async def _agentic_session(cfg: WorkloadConfig, issuer: Issuer, sid: int, system
             if rec.status == "error":
                 await asyncio.sleep(0.5)  # do not spin on a failing server; restart the session
                 break
+            if rec.prompt_tokens:
+                est = sum(textgen.approx_tokens(m["content"]) for m in messages)
+                scale = max(0.25, min(4.0, rec.prompt_tokens / est))
+                context = float(rec.prompt_tokens)
             reply = rec.text or "(no reply)"
             messages.append({"role": "assistant", "content": reply})
-            prompt = rec.prompt_tokens if rec.prompt_tokens is not None else context
-            context = prompt + max(rec.output_tokens, textgen.approx_tokens(reply))
-            room = cfg.max_context - context - int(cfg.output_tokens)
+            context += max(rec.output_tokens, scale * textgen.approx_tokens(reply))
+            # The ceiling must hold for the next prompt plus its reply; 32 tokens of slack
+            # cover the chat template's per-message overhead.
+            # 0.8: one message's estimate can be ~30% off even after the session's rescaling.
+            room = 0.8 * (cfg.max_context - context - cfg.max_output_tokens - 32)
             if room < 16:
                 break  # ceiling reached: a fresh conversation
-            n = _draw(cfg, rng, cfg.turn_tokens, room)
+            n = _draw(cfg, rng, cfg.turn_tokens, int(room / scale))
             if rng.random() < cfg.tool_fraction:
                 content = textgen.tool_output(rng, n)
             else:
                 content = textgen.user_turn(rng, n)
+            content = _fit(content, scale * textgen.approx_tokens(content), room)
             # Tool results go in as user messages: a bare "tool" role needs a matching
             # tool_calls entry that the synthetic assistant never produced.
             messages.append({"role": "user", "content": content})
-            context += textgen.approx_tokens(content)
+            context += scale * textgen.approx_tokens(content)
             turn += 1
             await _think(cfg, rng)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 
 TOKENS_PER_WORD = 1.3
 
@@ -60,9 +61,16 @@ def words_for_tokens(tokens: int) -> int:
     return max(1, int(round(tokens / TOKENS_PER_WORD)))
 
 
+_ALPHA = re.compile(r"[A-Za-z]+")
+_DIGIT = re.compile(r"\d")
+_PUNCT = re.compile(r"[^\w\s]|_")
+
+
 def approx_tokens(text: str) -> int:
-    """Word-count token estimate, used only when the server has not reported usage yet."""
-    return int(len(text.split()) * TOKENS_PER_WORD) + 1
+    """Tokenizer-free estimate: letter runs ~1.2 tokens, digits 1 each (Llama-style vocabularies
+    split numbers), punctuation ~0.7. Sessions rescale it by the server's reported prompt_tokens."""
+    alpha = len(_ALPHA.findall(text))
+    return int(1.2 * alpha + len(_DIGIT.findall(text)) + 0.7 * len(_PUNCT.findall(text))) + 1
 
 
 def prose(rng: random.Random, tokens: int) -> str:
@@ -82,26 +90,28 @@ def prose(rng: random.Random, tokens: int) -> str:
 def code_block(rng: random.Random, tokens: int) -> str:
     """Python-looking source: identifiers and punctuation tokenize denser than prose."""
     lines: list[str] = ["```python"]
-    budget = words_for_tokens(tokens)
+    budget = tokens
     while budget > 0:
         name = rng.choice(_IDENTS)
         arg = rng.choice(_WORDS)
-        lines.append(f"def {name}_{rng.randrange(100)}({arg}: int) -> int:")
+        block = [f"def {name}_{rng.randrange(100)}({arg}: int) -> int:"]
         for _ in range(rng.randint(1, 4)):
-            lines.append(f"    {arg} = {rng.choice(_IDENTS)}({arg}, {rng.randrange(1000)})")
-        lines.append(f"    return {arg}")
-        budget -= 12
+            block.append(f"    {arg} = {rng.choice(_IDENTS)}({arg}, {rng.randrange(1000)})")
+        block.append(f"    return {arg}")
+        lines.extend(block)
+        budget -= approx_tokens("\n".join(block))
     lines.append("```")
     return "\n".join(lines)
 
 
 def json_blob(rng: random.Random, tokens: int) -> str:
-    items = []
-    for i in range(max(1, words_for_tokens(tokens) // 6)):
-        items.append(
-            {"id": i, "name": rng.choice(_IDENTS), "ok": rng.random() < 0.9,
-             "ms": round(rng.random() * 100, 2), "note": f"{rng.choice(_WORDS)} {rng.choice(_WORDS)}"}
-        )
+    items: list[dict[str, object]] = []
+    budget = tokens
+    while budget > 0 or not items:
+        item = {"id": len(items), "name": rng.choice(_IDENTS), "ok": rng.random() < 0.9,
+                "ms": round(rng.random() * 100, 2), "note": f"{rng.choice(_WORDS)} {rng.choice(_WORDS)}"}
+        items.append(item)
+        budget -= approx_tokens(json.dumps(item, separators=(",", ":")))
     return json.dumps({"results": items}, separators=(",", ":"))
 
 
