@@ -251,44 +251,74 @@ def copy_kv_pages_ref(
 
 
 @triton.jit
-def _copy_pages_kernel(
-    src_k, src_v, dst_k, dst_v, src_pages_ptr, dst_pages_ptr,
-    layer_stride_src, layer_stride_dst, PAGE_ELEMS,
+def _copy_blocks_kernel(
+    src_a, src_b, dst_a, dst_b, src_idx_ptr, dst_idx_ptr,
+    group_stride_src, group_stride_dst, BLOCK_ELEMS,
     HOST_SRC: tl.constexpr, HOST_DST: tl.constexpr, ELEM: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    # Block src_idx[i] -> dst_idx[i] of tensor a or b, in group g (a KV layer).
     i = tl.program_id(0)
-    layer_kv = tl.program_id(1)  # layer * 2 + (0 for K, 1 for V)
+    group_ab = tl.program_id(1)  # group * 2 + (0 for a, 1 for b)
     chunk = tl.program_id(2)
     # Pinned host memory arrives as an int64 address (UVA): cast it to a pointer.
     # New names, bound before the runtime branch, keep each name's type fixed.
     if HOST_SRC:
-        sk = src_k.to(tl.pointer_type(ELEM))
-        sv = src_v.to(tl.pointer_type(ELEM))
+        sa = src_a.to(tl.pointer_type(ELEM))
+        sb = src_b.to(tl.pointer_type(ELEM))
     else:
-        sk = src_k
-        sv = src_v
+        sa = src_a
+        sb = src_b
     if HOST_DST:
-        dk = dst_k.to(tl.pointer_type(ELEM))
-        dv = dst_v.to(tl.pointer_type(ELEM))
+        da = dst_a.to(tl.pointer_type(ELEM))
+        db = dst_b.to(tl.pointer_type(ELEM))
     else:
-        dk = dst_k
-        dv = dst_v
-    sp = tl.load(src_pages_ptr + i).to(tl.int64)
-    dp = tl.load(dst_pages_ptr + i).to(tl.int64)
+        da = dst_a
+        db = dst_b
+    sp = tl.load(src_idx_ptr + i).to(tl.int64)
+    dp = tl.load(dst_idx_ptr + i).to(tl.int64)
     if (sp >= 0) & (dp >= 0):
-        layer = (layer_kv // 2).to(tl.int64)
+        group = (group_ab // 2).to(tl.int64)
         offs = chunk * BLOCK + tl.arange(0, BLOCK)
-        m = offs < PAGE_ELEMS
-        s_off = layer * layer_stride_src + sp * PAGE_ELEMS + offs
-        d_off = layer * layer_stride_dst + dp * PAGE_ELEMS + offs
-        if layer_kv % 2 == 0:
-            tl.store(dk + d_off, tl.load(sk + s_off, mask=m), mask=m)
+        m = offs < BLOCK_ELEMS
+        s_off = group * group_stride_src + sp * BLOCK_ELEMS + offs
+        d_off = group * group_stride_dst + dp * BLOCK_ELEMS + offs
+        if group_ab % 2 == 0:
+            tl.store(da + d_off, tl.load(sa + s_off, mask=m), mask=m)
         else:
-            tl.store(dv + d_off, tl.load(sv + s_off, mask=m), mask=m)
+            tl.store(db + d_off, tl.load(sb + s_off, mask=m), mask=m)
 
 
 _WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TL_WORD = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+
+
+def _launch_copy(
+    srcs: tuple[torch.Tensor, torch.Tensor], dsts: tuple[torch.Tensor, torch.Tensor],
+    src_idx: torch.Tensor, dst_idx: torch.Tensor, groups: int, pairs: int,
+    group_stride_src: int, group_stride_dst: int, block_elems: int,
+) -> None:
+    n = src_idx.numel()
+    if n == 0:
+        return
+    assert all(t.is_contiguous() for t in (*srcs, *dsts))
+    assert srcs[0].dtype == dsts[0].dtype, "copies move bits: same dtype on both sides"
+    esize = srcs[0].element_size()
+    on_gpu = src_idx.is_cuda
+
+    def arg(t: torch.Tensor) -> torch.Tensor | int:
+        if on_gpu and not t.is_cuda:
+            assert t.is_pinned(), "host-side tensors must be pinned for UVA access"
+            return t.data_ptr()
+        return t.view(_WORD[esize])
+
+    sa, sb, da, db = (arg(t) for t in (*srcs, *dsts))
+    block = min(4096, triton.next_power_of_2(block_elems))
+    grid = (n, groups * pairs, triton.cdiv(block_elems, block))
+    _copy_blocks_kernel[grid](
+        sa, sb, da, db, src_idx, dst_idx, group_stride_src, group_stride_dst, block_elems,
+        HOST_SRC=isinstance(sa, int), HOST_DST=isinstance(da, int),
+        ELEM=_TL_WORD[esize], BLOCK=block,
+    )
 
 
 def copy_kv_pages(
@@ -298,28 +328,28 @@ def copy_kv_pages(
     """Copy pages between two pools (device<->device, or device<->pinned host over
     UVA) for every layer in one launch. ``src_pages``/``dst_pages`` [P] int32 on
     the compute device, -1 = skip. Pools: contiguous [L, slots, Hkv, D], same dtype."""
-    assert src_k.dtype == dst_k.dtype and src_k.shape[0] == dst_k.shape[0]
-    assert all(t.is_contiguous() for t in (src_k, src_v, dst_k, dst_v))
-    p = src_pages.numel()
-    if p == 0:
-        return
-    esize = src_k.element_size()
-    word = _WORD[esize]
-    num_layers = src_k.shape[0]
+    assert src_k.shape[0] == dst_k.shape[0] and src_k.shape[2:] == dst_k.shape[2:]
     page_elems = page_size * src_k.shape[2] * src_k.shape[3]
-    on_gpu = src_pages.is_cuda
+    _launch_copy((src_k, src_v), (dst_k, dst_v), src_pages, dst_pages, src_k.shape[0], 2,
+                 src_k[0].numel(), dst_k[0].numel(), page_elems)
 
-    def arg(t: torch.Tensor) -> torch.Tensor | int:
-        if on_gpu and not t.is_cuda:
-            assert t.is_pinned(), "host-side pools must be pinned for UVA access"
-            return t.data_ptr()
-        return t.view(word)
 
-    args = [arg(t) for t in (src_k, src_v, dst_k, dst_v)]
-    block = min(4096, triton.next_power_of_2(page_elems))
-    grid = (p, 2 * num_layers, triton.cdiv(page_elems, block))
-    _copy_pages_kernel[grid](
-        *args, src_pages, dst_pages, src_k[0].numel(), dst_k[0].numel(), page_elems,
-        HOST_SRC=isinstance(args[0], int), HOST_DST=isinstance(args[2], int),
-        ELEM=_TL_WORD[esize], BLOCK=block,
-    )
+def copy_rows_ref(
+    src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor
+) -> None:
+    """dst[dst_idx[i]] = src[src_idx[i]] where both are >= 0. Reference only (host loop)."""
+    for s, d in zip(src_idx.tolist(), dst_idx.tolist()):
+        if s >= 0 and d >= 0:
+            dst[d] = src[s].to(dst.device)
+
+
+def copy_rows(
+    src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor
+) -> None:
+    """dst[dst_idx[i]] = src[src_idx[i]] along dim 0 where both are >= 0; one launch,
+    either side may be pinned host memory (UVA). Expert fill after admission::
+
+        copy_rows(host_w13, slot_w13, miss_id, miss_slot)   # [L*E, 2I, H] -> [S, 2I, H]
+    """
+    assert src.shape[1:] == dst.shape[1:]
+    _launch_copy((src, src), (dst, dst), src_idx, dst_idx, 1, 1, 0, 0, src[0].numel())

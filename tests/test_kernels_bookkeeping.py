@@ -170,3 +170,41 @@ def test_gpu_admission_no_sync_and_matches_reference() -> None:
         assert torch.equal(tri[1], ref[1]) and torch.equal(tri[2], ref[2])
         assert torch.equal(tri[0][:-1], ref[0][:-1])
     check_maps(tri[0], tri[1])
+
+
+def test_copy_rows_matches_reference() -> None:
+    g = torch.Generator().manual_seed(2)
+    src = torch.randn(7, 3, 5, generator=g).to(DEVICE)
+    outs = [torch.zeros(4, 3, 5, device=DEVICE) for _ in range(2)]
+    si = torch.tensor([6, -1, 0, 2], dtype=torch.int32, device=DEVICE)
+    di = torch.tensor([1, 0, 3, -1], dtype=torch.int32, device=DEVICE)
+    bk.copy_rows(src, outs[0], si, di)
+    bk.copy_rows_ref(src, outs[1], si, di)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0][1], src[6]) and torch.equal(outs[0][3], src[0])
+    assert not outs[0][0].any() and not outs[0][2].any()
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_expert_fill_from_pinned_host_in_graph() -> None:
+    """Admission + fill from pinned host banks, captured in one CUDA graph."""
+    num_ids, slots, rows, cols = 64, 8, 96, 128
+    bank = torch.randn(num_ids, rows, cols).bfloat16().pin_memory()
+    cache = torch.zeros(slots, rows, cols, dtype=torch.bfloat16, device="cuda")
+    maps = bk.new_slot_maps(num_ids, slots, "cuda")
+    needed = torch.full((4,), -1, dtype=torch.int32, device="cuda")
+    needed.copy_(torch.tensor([5, 9, -1, 5]))
+    out = bk.admit_experts(needed, *maps)  # warm-up compiles outside the capture
+    bk.copy_rows(bank, cache, out[2], out[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        slots_out, miss_slot, miss_id = bk.admit_experts(needed, *maps)
+        bk.copy_rows(bank, cache, miss_id, miss_slot)
+    for ids in ([1, 2, 3, 4], [7, 1, -1, 63], [10, 11, 12, 13], [63, 7, 10, 2]):
+        needed.copy_(torch.tensor(ids))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, s in zip(ids, slots_out.tolist()):
+            if i >= 0:
+                assert torch.equal(cache[s].cpu(), bank[i]), (i, s)

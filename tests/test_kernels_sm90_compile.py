@@ -108,13 +108,13 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     maps |= {"last_used_ptr": "*i64", "step_ptr": "*i64"}
     comp("admit", bk._admit_kernel, maps, dict(BLOCK_M=512, BLOCK_S=2048, CHUNK_J=32), 8)
     comp("invalidate", bk._invalidate_kernel, maps, dict(BLOCK=1024))
-    pages = {"src_pages_ptr": i32, "dst_pages_ptr": i32, "layer_stride_src": "i64",
-             "layer_stride_dst": "i64"}
-    host = {"src_k": "i64", "src_v": "i64", "dst_k": "*i16", "dst_v": "*i16"}
-    comp("copy_pages_from_host", bk._copy_pages_kernel, pages | host,
+    blocks = {"src_idx_ptr": i32, "dst_idx_ptr": i32, "group_stride_src": "i64",
+              "group_stride_dst": "i64"}
+    host = {"src_a": "i64", "src_b": "i64", "dst_a": "*i16", "dst_b": "*i16"}
+    comp("copy_blocks_from_host", bk._copy_blocks_kernel, blocks | host,
          dict(HOST_SRC=True, HOST_DST=False, ELEM=tl.int16, BLOCK=4096))
-    to_host = {"src_k": "*i16", "src_v": "*i16", "dst_k": "i64", "dst_v": "i64"}
-    comp("copy_pages_to_host", bk._copy_pages_kernel, pages | to_host,
+    to_host = {"src_a": "*i16", "src_b": "*i16", "dst_a": "i64", "dst_b": "i64"}
+    comp("copy_blocks_to_host", bk._copy_blocks_kernel, blocks | to_host,
          dict(HOST_SRC=False, HOST_DST=True, ELEM=tl.int16, BLOCK=4096))
     return results
 
