@@ -131,3 +131,12 @@ def test_stop_strings_property(kind: str, text: str, stops: list[str], chunks: l
         assert "".join(out) == full[:first] and d.stop is not None and full.find(d.stop) == first
     else:
         assert "".join(out) == full and d.stop is None
+
+
+def test_ids_past_the_vocabulary_produce_no_text() -> None:
+    tok = get_tok("sp-v1")  # 32000 pieces; Mistral checkpoints pad the embedding further
+    d = StreamingDetokenizer(tok)
+    ids = tok.encode_body("ok then")
+    assert d.feed([ids[0], tok.vocab_size + 5, -1]).text + d.feed(ids[1:]).text + d.finish() == "ok then"
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.decode([tok.vocab_size])  # /detokenize answers 400 on this

@@ -77,8 +77,10 @@ def main() -> None:
 
     messages: list[dict[str, str]] = []
     reply = ""
-    rows: list[tuple[int, int, float, float]] = []
-    print(f"{'turn':>4} {'tokens':>8} {'new':>6} {'full ms':>9} {'incr ms':>9} {'ratio':>7}")
+    rows: list[tuple[int, int, float, float, float]] = []
+    prev_prompt = ""
+    print(f"{'turn':>4} {'tokens':>8} {'new':>6} {'full ms':>9} {'incr ms':>9} {'ratio':>7} "
+          f"{'floor ms':>9}")
     n_tokens = 0
     turn = 0
     while n_tokens < args.target_tokens:
@@ -96,11 +98,17 @@ def main() -> None:
         t2 = time.perf_counter()
         if incr != full:
             raise SystemExit(f"turn {turn}: incremental ids differ from the full tokenization")
+        # The floor: tokenizing only the characters this turn added, nothing else.
+        assert prompt.startswith(prev_prompt)
+        t3 = time.perf_counter()
+        tok.encode_continuation(prompt[len(prev_prompt):])
+        floor = time.perf_counter() - t3
+        prev_prompt = prompt
         new = len(full) - n_tokens
         n_tokens = len(full)
-        rows.append((turn, n_tokens, t1 - t0, t2 - t1))
+        rows.append((turn, n_tokens, t1 - t0, t2 - t1, floor))
         print(f"{turn:>4} {n_tokens:>8} {new:>6} {(t1 - t0) * 1e3:>9.2f} {(t2 - t1) * 1e3:>9.2f} "
-              f"{(t1 - t0) / (t2 - t1):>6.1f}x")
+              f"{(t1 - t0) / (t2 - t1):>6.1f}x {floor * 1e3:>9.2f}")
 
     full_total = sum(r[2] for r in rows)
     incr_total = sum(r[3] for r in rows[1:]) + rows[0][2]  # turn 1 has nothing to reuse
@@ -114,6 +122,8 @@ def main() -> None:
           f"{statistics.median(r[2] / r[3] for r in rows[1:]):.1f}x")
     print(f"whole session: full {full_total:.2f} s, incremental {incr_total:.2f} s, "
           f"ratio {full_total / incr_total:.1f}x")
+    print(f"incremental vs floor (tokenizing only the new text), median over turns: "
+          f"{statistics.median(r[3] / r[4] for r in rows[1:]):.1f}x the floor")
     print(f"cache: prefix_hits={s.prefix_hits} fallbacks={s.fallbacks} misses={s.misses} "
           f"tokens_reused={s.tokens_reused} cache_bytes={cache.nbytes}")
 

@@ -62,8 +62,11 @@ class StreamingDetokenizer:
             return DetokenizerDelta("")
         self.num_tokens += len(ids)
         parts: list[bytes] = []
+        vocab = self.tok.vocab_size
         for t in ids:
-            if t in self._special:
+            # Ids past the tokenizer's vocabulary (a model's padded embedding rows) have
+            # no text; a stream must not die on one.
+            if t in self._special or not 0 <= t < vocab:
                 continue
             b = self.tok.token_bytes(t)
             if self._at_start and b:
