@@ -40,6 +40,9 @@ def _compile_all() -> dict[str, dict[str, Any]]:
 
     def comp(name: str, fn: Any, types: dict[str, str], consts: dict[str, Any],
              warps: int = 4, stages: int = 3) -> None:
+        # Optional features default off; a name the kernel lacks is dropped.
+        consts = {k: v for k, v in ({"HAS_MAP": False} | consts).items() if k in fn.arg_names}
+        types = {"map_ptr": "*i32"} | types
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
         # Launch-time specialization: pointers and strides divisible by 16.
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -97,6 +100,9 @@ def _compile_all() -> dict[str, dict[str, Any]]:
         comp(f"moe_gate_up_T{t}", mt._moe_gate_up_kernel, moe, dict(TOP_K=8, **common),
              c.num_warps, c.num_stages)
         comp(f"moe_down_T{t}", mt._moe_down_kernel, moe, common, c.num_warps, c.num_stages)
+    if "HAS_MAP" in mt._moe_gate_up_kernel.arg_names:  # expert -> slot indirection
+        comp("moe_gate_up_mapped", mt._moe_gate_up_kernel, moe,
+             dict(TOP_K=8, HAS_MAP=True, **common), c.num_warps, c.num_stages)
     comp("rms_norm", nt._rms_norm_kernel,
          {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "eps": "fp32"},
          dict(HAS_RESIDUAL=True, BLOCK_H=2048), 8)
