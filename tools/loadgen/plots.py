@@ -37,11 +37,23 @@ def write_plots(out_dir: str, records: list[RequestRecord], snapshots: list[Snap
         prompt = np.array([r.prompt_tokens or 0 for r in timed])
         cached = np.array([r.cached_tokens or 0 for r in timed])
         ttft = np.array([r.ttft for r in timed]) * 1000.0
+        has_usage = np.array([r.prompt_tokens is not None for r in timed])  # aborted: no usage
         for name, x, xlabel in (("ttft_vs_prompt_tokens.png", prompt, "prompt tokens"),
                                 ("ttft_vs_cached_tokens.png", cached, "cached prompt tokens")):
+            x, y, c = x[has_usage], ttft[has_usage], (prompt - cached)[has_usage]
+            if x.size == 0:
+                continue
             fig, ax = plt.subplots(figsize=(7, 4.5))
-            sc = ax.scatter(x, ttft, c=prompt - cached, s=10, cmap="viridis")
+            sc = ax.scatter(x, y, c=c, s=10, cmap="viridis")
             fig.colorbar(sc, ax=ax, label="uncached prompt tokens")
+            # A median line per context bin answers "does TTFT stay flat as context grows?"
+            edges = np.unique(np.quantile(x, np.linspace(0.0, 1.0, 11)))
+            if edges.size > 2:
+                idx = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, edges.size - 2)
+                mids = [(edges[i] + edges[i + 1]) / 2 for i in range(edges.size - 1) if (idx == i).any()]
+                meds = [np.median(y[idx == i]) for i in range(edges.size - 1) if (idx == i).any()]
+                ax.plot(mids, meds, color="red", label="median per bin")
+                ax.legend()
             ax.set_xlabel(xlabel)
             ax.set_ylabel("TTFT (ms)")
             ax.set_title(f"TTFT vs {xlabel}")

@@ -71,6 +71,8 @@ class Runner:
         self.soak = SoakMonitor(cfg.url, cfg.soak, self.t0) if cfg.soak else None
         self.measure_start = self.t0 + cfg.warmup_s
         self.measure_end: float | None = None
+        self._counts = {"measure": 0, "error": 0, "aborted": 0, "tokens": 0}
+        self._last_tick = (self.t0, 0)
 
     @property
     def stopping(self) -> bool:
@@ -98,12 +100,21 @@ class Runner:
             rec = await send(self._session, self.cfg.url, spec, self.t0, phase,
                              self.cfg.request_timeout_s, self._headers)
         except Cancelled as c:
-            self.records.append(c.record)
+            self._record(c.record)
             return None
         finally:
             self.inflight -= 1
-        self.records.append(rec)
+        self._record(rec)
         return rec
+
+    def _record(self, rec: RequestRecord) -> None:
+        """Keep ``rec`` and the running counts the progress line reads (O(1) per tick)."""
+        self.records.append(rec)
+        self._counts["tokens"] += rec.output_tokens
+        if rec.phase == "measure":
+            self._counts["measure"] += 1
+            if rec.status in ("error", "aborted"):
+                self._counts[rec.status] += 1
 
     async def _canary(self) -> None:
         assert self._session is not None
@@ -140,14 +151,19 @@ class Runner:
         now = self._now()
         el = now - self.t0
         phase = "warmup" if now < self.measure_start else ("drain" if self.stopping else "measure")
-        done = [r for r in self.records if r.phase == "measure"]
-        err = sum(r.status == "error" for r in done)
-        ab = sum(r.status == "aborted" for r in done)
-        recent = [r for r in self.records if r.ttft is not None and r.start > el - 10.0]
-        ttft = f"{np.median([r.ttft for r in recent]) * 1000:.0f}ms" if recent else "-"
-        toks = sum(1 for r in self.records for t in r.chunk_times if t > el - 5.0)
-        line = (f"[{phase} {el:6.1f}s] done {len(done)} err {err} abort {ab} inflight {self.inflight} "
-                f"| ttft p50(10s) {ttft} | out {toks / 5.0:.0f} chunk/s")
+        c = self._counts
+        recent: list[float] = []
+        for r in reversed(self.records):  # newest last; stop at the 10 s window
+            if r.start + (r.e2e or 0.0) < el - 10.0:
+                break
+            if r.ttft is not None:
+                recent.append(r.ttft)
+        ttft = f"{np.median(recent) * 1000:.0f}ms" if recent else "-"
+        dt = max(now - self._last_tick[0], 1e-9)
+        rate = (c["tokens"] - self._last_tick[1]) / dt
+        self._last_tick = (now, c["tokens"])
+        line = (f"[{phase} {el:6.1f}s] done {c['measure']} err {c['error']} abort {c['aborted']} "
+                f"inflight {self.inflight} | ttft p50(10s) {ttft} | out {rate:.0f} tok/s")
         if self.soak and self.soak.snapshots:
             m = self.soak.snapshots[-1].metrics
             line += f" | run {m.get(RUNNING, float('nan')):g} kv {m.get(KV_USAGE, float('nan')):.2f}"

@@ -114,7 +114,8 @@ def format_table(s: dict[str, Any], title: str = "Serving Benchmark Result") -> 
         row(f"Mean {key.upper()} (ms):", s[f"mean_{key}_ms"])
         row(f"Median {key.upper()} (ms):", s[f"median_{key}_ms"])
         for p in PERCENTILES:
-            row(f"P{p} {key.upper()} (ms):", s[f"p{p}_{key}_ms"])
+            if p != 50:  # P50 is the median row
+                row(f"P{p} {key.upper()} (ms):", s[f"p{p}_{key}_ms"])
         row(f"Max {key.upper()} (ms):", s[f"max_{key}_ms"])
     lines.append("=" * w)
     return "\n".join(lines)
