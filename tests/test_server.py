@@ -37,6 +37,12 @@ async def _sse_events(url: str, body: dict[str, Any]) -> list[bytes]:
     return [f for f in raw.split(b"\n\n") if f]
 
 
+def _cold(live: Live) -> None:
+    """Empty the prefix cache: a cache hit changes the prefill shapes, and with random
+    demo weights near-tied logits can then flip a greedy choice."""
+    assert live.engine.reset_prefix_cache()
+
+
 def _post(live: Live, path: str, body: Any) -> tuple[int, Any]:
     async def go() -> tuple[int, Any]:
         async with aiohttp.ClientSession() as s, s.post(live.url + path, json=body) as resp:
@@ -66,6 +72,7 @@ def test_chat_non_streaming_usage(live: Live, client: openai.OpenAI) -> None:
 def test_chat_stream_wire_format(live: Live) -> None:
     body = {"model": "ftserve-demo", "messages": MSGS, "max_tokens": 5, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    _cold(live)
     frames = asyncio.run(_sse_events(live.url + "/v1/chat/completions", body))
     assert frames[-1] == b"data: [DONE]"
     events = [orjson.loads(f[6:]) for f in frames[:-1] if f.startswith(b"data: ")]
@@ -82,6 +89,7 @@ def test_chat_stream_wire_format(live: Live) -> None:
     # Streamed text equals the non-streamed text of the same greedy request.
     streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in middle)
     body.pop("stream"), body.pop("stream_options")
+    _cold(live)
     status, full = _post(live, "/v1/chat/completions", body)
     assert status == 200 and full["choices"][0]["message"]["content"] == streamed
 
@@ -137,13 +145,15 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         assert item.logprob == pytest.approx(item.top_logprobs[0].logprob, abs=1e-4)
 
 
-def test_seed_reproducible_and_sampling_fields(client: openai.OpenAI) -> None:
+def test_seed_reproducible_and_sampling_fields(live: Live, client: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(model="ftserve-demo", messages=MSGS, max_tokens=8, temperature=1.0,
                               top_p=0.9, seed=1234, presence_penalty=0.5,
                               frequency_penalty=0.3,
                               extra_body={"top_k": 50, "min_p": 0.01, "ignore_eos": True,
                                           "repetition_penalty": 1.1, "return_token_ids": True})
+    _cold(live)
     a = client.chat.completions.create(**kw)
+    _cold(live)
     b = client.chat.completions.create(**kw)
     assert a.choices[0].model_extra["token_ids"] == b.choices[0].model_extra["token_ids"]
 
@@ -151,9 +161,11 @@ def test_seed_reproducible_and_sampling_fields(client: openai.OpenAI) -> None:
 def test_stop_token_ids_and_min_tokens(live: Live) -> None:
     base = {"messages": MSGS, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
+    _cold(live)
     _, ref = _post(live, "/v1/chat/completions", base)
     ids = ref["choices"][0]["token_ids"]
     stop_id = ids[3]
+    _cold(live)
     _, r = _post(live, "/v1/chat/completions", {**base, "stop_token_ids": [stop_id]})
     got = r["choices"][0]["token_ids"]
     assert r["choices"][0]["finish_reason"] == "stop"
@@ -162,6 +174,7 @@ def test_stop_token_ids_and_min_tokens(live: Live) -> None:
 
 def test_stop_string_trims_and_aborts(live: Live) -> None:
     base = {"messages": MSGS, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    _cold(live)
     _, ref = _post(live, "/v1/chat/completions", base)
     text = ref["choices"][0]["message"]["content"]
     stripped = text.strip()
@@ -169,6 +182,7 @@ def test_stop_string_trims_and_aborts(live: Live) -> None:
     stop = stripped[len(stripped) // 2: len(stripped) // 2 + 2]
     cut = text.index(stop)
     for stream in (False, True):
+        _cold(live)
         if stream:
             frames = asyncio.run(_sse_events(live.url + "/v1/chat/completions",
                                              {**base, "stop": [stop], "stream": True}))

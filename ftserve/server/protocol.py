@@ -16,6 +16,7 @@ from ftserve.engine.sampling_params import SamplingParams, SamplingParamsError
 from ftserve.server.errors import APIError, bad_request, unsupported
 
 _MISSING: Any = object()
+_I32 = 2**31 - 1
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -136,8 +137,10 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
         value = _float(body, key)
         if value is not _MISSING:
             out[key] = value
-    for key in ("top_k", "seed", "min_tokens"):
-        value = _int(body, key)
+    # Bounds here keep absurd integers out of device tensors; finer ranges are validate()'s.
+    for key, lo, hi in (("top_k", -1, _I32), ("seed", -(2**63), 2**63 - 1),
+                        ("min_tokens", 0, _I32)):
+        value = _int(body, key, lo, hi)
         if value is not _MISSING:
             out[key] = value
     out["ignore_eos"] = _bool(body, "ignore_eos", False)
@@ -148,9 +151,9 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _max_tokens(body: dict[str, Any]) -> int | None:
-    value = _int(body, "max_completion_tokens", lo=1)
+    value = _int(body, "max_completion_tokens", lo=1, hi=_I32)
     if value is _MISSING:
-        value = _int(body, "max_tokens", lo=1)
+        value = _int(body, "max_tokens", lo=1, hi=_I32)
     return None if value is _MISSING else value
 
 
