@@ -101,6 +101,21 @@ def test_agentic_turns_reuse_almost_everything(kind: str) -> None:
     assert cache.stats.tokens_reused > 0.6 * total
 
 
+def test_text_without_spaces_splices_at_newlines() -> None:
+    """A CJK conversation in ChatML has no spaces at all; newlines are the cut points."""
+    tok = get_tok("bytelevel")
+    tpl = chat_template_for(tok)
+    cache = IncrementalTokenizer(tok, min_reuse_chars=64, inline_chars=256)
+    messages: list[dict[str, str]] = []
+    for turn in range(6):
+        messages.append({"role": "user", "content": f"第{turn}轮：读取文件并修复错误。\n" * 30})
+        prompt = tpl.render(messages)
+        assert " " not in prompt
+        assert cache.encode(prompt) == tok.encode(prompt, add_special_tokens=False)
+        messages.append({"role": "assistant", "content": "好的，已经完成。\n" * 10})
+    assert cache.stats.prefix_hits == 5 and cache.stats.fallbacks == 0
+
+
 def test_exact_hit_and_lru_by_bytes() -> None:
     tok = get_tok("sp-v3")
     texts = [f"conversation {i} " + "lorem ipsum dolor " * 200 for i in range(6)]

@@ -159,7 +159,7 @@ def test_sentencepiece_continuation_has_no_dummy_prefix(version: str) -> None:
     for c in range(1, len(text)):
         if tok.is_safe_cut(text, c):
             assert tok.encode_body(text[:c]) + tok.encode_continuation(text[c:]) == tok.encode_body(text)
-    assert tok.space_cuts_ok
+    assert tok.cut_chars == {" ", "\n"}
 
 
 def test_proto_patch_only_changes_dummy_prefix() -> None:

@@ -8,7 +8,8 @@ Three encodings matter and must stay consistent (tests/test_tokenizer.py):
     encode_continuation(text) == ids of `text` when it continues earlier text and starts
                             at a cut point (no dummy prefix, no special tokens added)
 
-For a safe cut point c of `text` (see `is_safe_cut`):
+For a safe cut point c of `text` (see `is_safe_cut`: a space or newline after a
+non-whitespace character, where the vocabulary has no token spanning the two):
 
     encode_body(text) == encode_body(text[:c]) + encode_continuation(text[c:])
 
@@ -44,7 +45,7 @@ class Tokenizer(ABC):
 
     def __init__(self) -> None:
         self._bytes_cache: dict[int, bytes] = {}
-        self._space_cuts_ok: bool | None = None
+        self._cut_chars: frozenset[str] | None = None
 
     # -- backend hooks -------------------------------------------------------------------
     @abstractmethod
@@ -112,18 +113,22 @@ class Tokenizer(ABC):
         return b"".join(parts).decode("utf-8", errors="replace")
 
     @property
-    def space_cuts_ok(self) -> bool:
-        """True when no ordinary token spans a "non-space, space" pair, so a space that
-        follows a non-space character always starts a new token (checked over the vocab)."""
-        if self._space_cuts_ok is None:
+    def cut_chars(self) -> frozenset[str]:
+        """Characters c (among space and newline) such that no ordinary token spans a
+        "non-whitespace, c" pair, so c after a non-whitespace character always starts a
+        new token (checked over the whole vocabulary once)."""
+        if self._cut_chars is None:
             special = self.special_ids
-            bad = re.compile(rb"[^\s] ")
-            self._space_cuts_ok = not any(
-                bad.search(self.token_bytes(t)) for t in range(self.vocab_size) if t not in special
-            )
-        return self._space_cuts_ok
+            bodies = [self.token_bytes(t) for t in range(self.vocab_size) if t not in special]
+            ok = set()
+            for ch in (" ", "\n"):
+                bad = re.compile(rb"[^\s]" + re.escape(ch.encode()))
+                if not any(bad.search(b) for b in bodies):
+                    ok.add(ch)
+            self._cut_chars = frozenset(ok)
+        return self._cut_chars
 
     def is_safe_cut(self, text: str, pos: int) -> bool:
-        """A position where encoding may be split: a space after a non-space character.
-        The incremental cache verifies each split anyway; this only picks candidates."""
-        return 0 < pos < len(text) and text[pos] == " " and not text[pos - 1].isspace()
+        """A position where encoding may be split: a cut character after a non-whitespace
+        one. The incremental cache verifies each split anyway; this only picks candidates."""
+        return 0 < pos < len(text) and text[pos] in self.cut_chars and not text[pos - 1].isspace()

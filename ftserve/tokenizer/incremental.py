@@ -8,8 +8,9 @@ recent prompts (LRU, bounded by bytes) and, for a new text, splice:
                                           c            c2   lcp
                   |<- old ids[:j] reused ->|<- encode_continuation(T'[c:]) ->|
 
-c and c2 are safe cuts (a space after a non-space, where ordinary tokens never span:
-checked over the vocabulary once) before the common-prefix end `lcp`. The splice is
+c and c2 are safe cuts (a space or newline after a non-whitespace character, where no
+ordinary token spans the two: checked over the vocabulary once) before the
+common-prefix end `lcp`. The splice is
 accepted only when all three checks pass:
   1. the old ids end with encode_continuation(T[c:])   -> c is a token boundary of T and
      j = len(old ids) - len(that) tokens cover T[:c];
@@ -109,7 +110,7 @@ class IncrementalTokenizer:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
-        tokenizer.space_cuts_ok  # noqa: B018 - one vocabulary scan now, not on the first request
+        self._cut_chars = tuple(tokenizer.cut_chars)  # one vocabulary scan now, not per request
 
     @property
     def nbytes(self) -> int:
@@ -190,18 +191,22 @@ class IncrementalTokenizer:
         """Safe cuts, nearest first, at least `window_chars` before lcp."""
         out: list[int] = []
         floor = max(1, lcp - self.max_backoff_chars)
-        pos = text.rfind(" ", floor, lcp)
+
+        def prev(end: int) -> int:
+            return max(text.rfind(ch, floor, end) for ch in self._cut_chars)
+
+        pos = prev(lcp)
         while pos >= floor:
             if self.tok.is_safe_cut(text, pos):
                 out.append(pos)
                 if len(out) > self.max_attempts and lcp - out[-1] >= self.window_chars:
                     break
-            pos = text.rfind(" ", floor, pos)
+            pos = prev(pos)
         return out
 
     def _splice(self, entry: _Entry, text: str, lcp: int) -> array | None:
         tok = self.tok
-        if not tok.space_cuts_ok:
+        if not self._cut_chars:
             return None
         old_text, old_ids = entry.text, entry.ids
         cuts = self._cut_candidates(text, lcp)
