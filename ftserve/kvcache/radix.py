@@ -138,7 +138,11 @@ class RadixCache:
 
     # ---------------------------------------------------------------- locks
     def lock(self, node: RadixNode) -> None:
-        """Pin every page on root..node against eviction (counted; pair with unlock)."""
+        """Pin every page on root..node against eviction (counted; pair with unlock).
+
+        Lock a match before anything can evict: until then ``evict`` may trim
+        or drop the matched node and the match's page list goes stale.
+        """
         if node.detached:
             raise ValueError(f"cannot lock {node!r}: it was evicted or reset out of the tree")
         n: RadixNode | None = node
