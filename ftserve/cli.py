@@ -31,6 +31,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-prefix-cache", action="store_true")
     g.add_argument("--seed", type=int, default=e.seed)
     g.add_argument("--status-log-interval", type=float, default=e.status_log_interval)
+    g.add_argument("--moe-cache-size", type=int, default=e.moe_cache_size,
+                   help="offload mode: experts in pinned host memory, N expert slots in VRAM")
+    g.add_argument("--moe-cache-auto", action="store_true",
+                   help="offload mode with the slot count sized from --memory-ratio")
     h = p.add_argument_group("server")
     h.add_argument("--host", default=s.host)
     h.add_argument("--port", type=int, default=s.port)
@@ -52,6 +56,7 @@ def configs_from_args(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig
         attention_backend=a.attention_backend, cuda_graph_max_bs=a.cuda_graph_max_bs,
         enable_prefix_cache=not a.disable_prefix_cache, seed=a.seed,
         status_log_interval=a.status_log_interval,
+        moe_cache_size=a.moe_cache_size, moe_cache_auto=a.moe_cache_auto,
     )
     server = ServerConfig(
         host=a.host, port=a.port, served_model_name=a.served_model_name, api_key=a.api_key,

@@ -32,6 +32,8 @@ class EngineConfig:
     overlap_schedule: bool = True  # plan step N+1 while step N runs on the device
     seed: int = 0
     status_log_interval: float = 10.0  # seconds between one-line status logs; 0 = off
+    moe_cache_size: int | None = None  # expert slots in VRAM (offload mode); None = resident
+    moe_cache_auto: bool = False  # offload mode, slots sized from --memory-ratio
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -50,6 +52,10 @@ class EngineConfig:
             raise ConfigError("--load-format must be auto, safetensors or dummy")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError("--attention-backend must be auto, torch or triton")
+        if self.moe_cache_size is not None and self.moe_cache_size < 1:
+            raise ConfigError("--moe-cache-size must be at least 1")
+        if self.moe_cache_size is not None and self.moe_cache_auto:
+            raise ConfigError("give --moe-cache-size or --moe-cache-auto, not both")
 
 
 @dataclass(frozen=True)

@@ -162,14 +162,17 @@ def _block_coords(NUM_M, NUM_N, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+    x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, total_ptr, map_ptr,
     N, H, INTER, NUM_M, stride_xt, stride_we, stride_wn, stride_ot,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
     pid_m, pid_n = _block_coords(NUM_M, tl.cdiv(INTER, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M < tl.load(total_ptr):
-        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        e = tl.load(block_expert_ptr + pid_m)
+        if HAS_MAP:  # expert -> row of w (an expert-slot cache)
+            e = tl.load(map_ptr + e)
+        e = e.to(tl.int64)
         rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [M] pair ids
         rmask = rows < N
         tok = (rows // TOP_K).to(tl.int64)
@@ -202,14 +205,17 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+    a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr, map_ptr,
     N, H, INTER, NUM_M, stride_at, stride_we, stride_wn, stride_ot,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
     pid_m, pid_n = _block_coords(NUM_M, tl.cdiv(H, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M < tl.load(total_ptr):
-        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        e = tl.load(block_expert_ptr + pid_m)
+        if HAS_MAP:
+            e = tl.load(map_ptr + e)
+        e = e.to(tl.int64)
         rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [M] pair ids
         rmask = rows < N
         rows64 = rows.to(tl.int64)
@@ -267,9 +273,12 @@ def fused_moe_triton(
     topk_weights: torch.Tensor,  # [T, k] fp32
     topk_ids: torch.Tensor,  # [T, k] int32
     cfg: MoeConfig | None = None,
+    expert_map: torch.Tensor | None = None,  # [E] int32: expert -> row of w13/w2 (slot cache)
 ) -> torch.Tensor:
     t, h = x.shape
-    e, two_i, _ = w13.shape
+    two_i = w13.shape[1]
+    # With a map, ids index the map (E entries) and the map indexes the weight rows.
+    e = expert_map.numel() if expert_map is not None else w13.shape[0]
     inter = two_i // 2
     k = topk_ids.shape[1]
     n = t * k
@@ -284,15 +293,17 @@ def fused_moe_triton(
     y = torch.empty((n, h), dtype=x.dtype, device=x.device)  # [N, H]
     common = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST=interpreting(), HAS_MAP=expert_map is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    emap = expert_map if expert_map is not None else block_expert  # unread without HAS_MAP
     _moe_gate_up_kernel[(num_m * triton.cdiv(inter, cfg.block_n),)](
-        x, w13, act, sorted_ids, block_expert, total,
+        x, w13, act, sorted_ids, block_expert, total, emap,
         n, h, inter, num_m, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOP_K=k, EVEN_K=h % cfg.block_k == 0, **common,
     )
     _moe_down_kernel[(num_m * triton.cdiv(h, cfg.block_n),)](
-        act, w2, y, weights, sorted_ids, block_expert, total,
+        act, w2, y, weights, sorted_ids, block_expert, total, emap,
         n, h, inter, num_m, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         EVEN_K=inter % cfg.block_k == 0, **common,
     )

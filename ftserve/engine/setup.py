@@ -75,7 +75,14 @@ def build_engine(cfg: EngineConfig) -> Engine:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(cfg.seed)
-    model, mcfg = load_model(model_dir, dtype=cfg.dtype, device=device, load_format=load_format)
+    moe_cache = None
+    if cfg.moe_cache_size is not None or cfg.moe_cache_auto:
+        # Offload mode: experts in host banks, N slots in VRAM (sized before the KV pool).
+        from ftserve.moe.planning import load_with_expert_cache
+
+        model, mcfg, moe_cache = load_with_expert_cache(model_dir, cfg, device, load_format)
+    else:
+        model, mcfg = load_model(model_dir, dtype=cfg.dtype, device=device, load_format=load_format)
     dtype = next(model.parameters()).dtype
     model_limit = int(mcfg.max_context_len)
     if cfg.max_model_len is not None and cfg.max_model_len > model_limit:
@@ -115,6 +122,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
         "max_model_len": max_model_len, "model_limit": model_limit,
         "attention_backend": getattr(backend, "name", type(backend).__name__),
         "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs is not None else [],
+        "moe_cache": moe_cache.summary() if moe_cache is not None else None,
     }
     log.info("model %s: %s on %s, weights %.2f GiB; KV pool %d pages x %d tokens = %d tokens "
              "(%.2f GiB); single-request limit %d tokens (rope table %d)",
