@@ -136,6 +136,10 @@ def _nvidia_backend_available() -> bool:
 
 @pytest.mark.skipif(not _nvidia_backend_available(), reason="triton without the nvidia backend")
 def test_kernels_compile_for_sm90() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the gpu-marked tests compile and run the kernels for real")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
