@@ -200,7 +200,7 @@ def test_loader_reads_side_files(tmp_path: Path) -> None:
     sp = load_tokenizer(sp_dir)
     assert isinstance(sp, SentencePieceTokenizer)
     assert sp.encode("hi") == sp.encode("hi", add_special_tokens=False)  # add_bos_token false
-    assert sp.eos_ids == (2, 4) and sp.chat_template == MISTRAL_TEMPLATE
+    assert sp.eos_ids == (2, 4) and sp.eos_id == 2 and sp.chat_template == MISTRAL_TEMPLATE
     assert sp.vocab_size == 32768 and sp.special_tokens["[INST]"] == 3
 
     with pytest.raises(TokenizerLoadError, match="no tokenizer.json or tokenizer.model"):

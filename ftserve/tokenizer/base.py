@@ -76,6 +76,11 @@ class Tokenizer(ABC):
         return [*self.special_prefix, *body, *self.special_suffix]
 
     @property
+    def eos_id(self) -> int | None:
+        """The tokenizer's own end-of-sequence id (first of eos_ids)."""
+        return self.eos_ids[0] if self.eos_ids else None
+
+    @property
     def special_ids(self) -> frozenset[int]:
         ids = getattr(self, "_special_ids", None)
         if ids is None:
