@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read RSS from /proc/PID (else process_resident_memory_bytes)")
     g.add_argument("--canary-interval", type=float, default=None,
                    help="seconds between greedy canaries (default 5 with --soak, else off)")
+    g.add_argument("--canary-compare", choices=("all", "idle"), default="all",
+                   help="which canaries must match the first: all, or only those sent while "
+                        "nothing else was in flight (engines that are not batch-invariant)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="directory for requests.jsonl, summary.json, plots")
     g.add_argument("--no-progress", action="store_true")
@@ -126,6 +129,7 @@ def config_from_args(ns: argparse.Namespace, model: str) -> RunConfig:
         max_requests=ns.max_requests, warmup_s=ns.warmup, drain_timeout_s=ns.drain_timeout,
         request_timeout_s=ns.request_timeout, abort_rate=ns.abort_rate, api_key=ns.api_key,
         progress_interval_s=0.0 if ns.no_progress else 1.0, soak=soak, canary_interval_s=canary,
+        canary_compare=ns.canary_compare,
     )
 
 
