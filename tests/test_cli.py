@@ -1,0 +1,173 @@
+"""`ftserve serve` as a real subprocess (health while loading, SIGTERM drain) and
+`ftserve chat` against it; flag parsing in-process."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from ftserve.cli import build_parser, configs_from_args, main
+from ftserve.config import EngineConfig
+from ftserve.server.chat_client import ChatClient, chat_loop
+
+
+def test_every_engine_field_has_a_flag() -> None:
+    args = build_parser().parse_args([
+        "serve", "--model", "/m", "--load-format", "dummy", "--dtype", "float32",
+        "--device", "cpu", "--page-size", "32", "--num-pages", "100", "--kv-cache-tokens", "999",
+        "--memory-ratio", "0.5", "--max-prefill-length", "64", "--max-running-requests", "3",
+        "--max-model-len", "77", "--attention-backend", "torch", "--cuda-graph-max-bs", "0",
+        "--disable-prefix-cache", "--seed", "9", "--status-log-interval", "0",
+        "--disable-overlap-schedule", "--moe-cache-size", "4",
+        "--host", "0.0.0.0", "--port", "1234", "--served-model-name", "x", "--api-key", "k",
+        "--max-queued-requests", "5",
+    ])
+    engine, server = configs_from_args(args)
+    assert engine == EngineConfig(model="/m", load_format="dummy", dtype="float32", device="cpu",
+                                  page_size=32, num_pages=100, kv_cache_tokens=999,
+                                  memory_ratio=0.5, max_prefill_length=64,
+                                  max_running_requests=3, max_model_len=77,
+                                  attention_backend="torch", cuda_graph_max_bs=0,
+                                  enable_prefix_cache=False, seed=9, status_log_interval=0.0,
+                                  overlap_schedule=False, moe_cache_size=4)
+    defaults, _ = configs_from_args(build_parser().parse_args(["serve"]))
+    assert defaults == EngineConfig()  # no flag = the config's own default
+    assert (server.host, server.port, server.served_model_name, server.api_key,
+            server.max_queued_requests) == ("0.0.0.0", 1234, "x", "k", 5)
+
+
+def test_bad_flag_names_itself(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--page-size", "3"]) == 2
+    assert "--page-size" in capsys.readouterr().err
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen[str]
+    port: int
+    health_codes: list[int]
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+@pytest.fixture(scope="module")
+def proc() -> Iterator[Proc]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "ftserve", "serve", "--port", "0", "--device", "cpu",
+         "--max-model-len", "512", "--num-pages", "128", "--max-running-requests", "2",
+         "--cuda-graph-max-bs", "0", "--drain-timeout", "20", "--status-log-interval", "0"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+    )
+    assert popen.stderr is not None
+    lines: list[str] = []
+    port: int | None = None
+    deadline = time.monotonic() + 60
+    while port is None:
+        line = popen.stderr.readline()
+        assert line and time.monotonic() < deadline, "".join(lines)
+        lines.append(line)
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+        if m:
+            port = int(m.group(1))
+    p = Proc(popen, port, [], lines)
+    threading.Thread(target=lambda: lines.extend(iter(popen.stderr.readline, "")),
+                     daemon=True).start()
+    while True:  # 503 while the model loads, then 200
+        code = _health(p.url)
+        p.health_codes.append(code)
+        if code == 200:
+            break
+        assert time.monotonic() < deadline and popen.poll() is None, "".join(lines)
+        time.sleep(0.05)
+    yield p
+    if popen.poll() is None:
+        popen.kill()
+        popen.wait()
+
+
+def test_health_503_while_loading_then_banner(proc: Proc) -> None:
+    assert proc.health_codes[0] == 503 and proc.health_codes[-1] == 200
+    deadline = time.monotonic() + 10
+    while not any("RANDOM DEMO WEIGHTS" in line for line in proc.lines):
+        assert time.monotonic() < deadline, "".join(proc.lines)
+        time.sleep(0.05)
+    text = "".join(proc.lines)
+    assert f"http://127.0.0.1:{proc.port}" in text and "/v1/chat/completions" in text
+
+
+class RecordingClient(ChatClient):
+    """The real client; also keeps what each turn sent."""
+
+    sent: list[list[dict[str, str]]]
+
+    def stream(self, messages: list[dict[str, str]]) -> Iterator[str]:
+        self.sent.append([dict(m) for m in messages])
+        return super().stream(messages)
+
+
+def test_chat_client_streams_and_keeps_history(proc: Proc) -> None:
+    client = RecordingClient(proc.url, max_tokens=6)
+    client.sent = []
+    out = io.StringIO()
+    history: list[dict[str, str]] = []
+    rc = chat_loop(client, "be brief", io.StringIO("hello there\nand again\n/exit\n"), out,
+                   history)
+    assert rc == 0
+    assert [m["role"] for m in history] == ["system", "user", "assistant", "user", "assistant"]
+    assert client.sent[1] == history[:4]  # turn 2 resent turn 1 in full
+    for reply in (history[2]["content"], history[4]["content"]):
+        assert reply in out.getvalue()
+    assert "ftserve-demo" in out.getvalue()
+
+
+def test_sigterm_drains_in_flight_then_exits(proc: Proc) -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+                       "ignore_eos": True, "stream": True}).encode()
+    req = urllib.request.Request(proc.url + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    events: list[Any] = []
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                events.append("[DONE]")
+                continue
+            events.append(json.loads(line[6:]))
+            if len(events) == 2:  # the stream is live: now ask the server to stop
+                proc.popen.send_signal(signal.SIGTERM)
+                time.sleep(0.3)
+                with pytest.raises((urllib.error.URLError, ConnectionError)):
+                    urllib.request.urlopen(proc.url + "/health", timeout=5)
+    assert events[-1] == "[DONE]"
+    finish = [e for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert finish[0]["choices"][0]["finish_reason"] == "length"
+    assert proc.popen.wait(timeout=30) == 0
+    assert any("shut down cleanly" in line for line in proc.lines)
