@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import PreTrainedTokenizerFast
-
 from ftserve.tokenizer import (
     ChatTemplate,
     ChatTemplateError,
@@ -95,9 +93,10 @@ def test_flatten_content() -> None:
 
 def test_matches_transformers_apply_chat_template() -> None:
     """HF's own apply_chat_template over the same tokenizer.json/template gives the same text and ids."""
+    transformers = pytest.importorskip("transformers")
     d = trained_dir("bytelevel")
     ours = hf_tokenizer("bytelevel")
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), bos_token="<s>", eos_token="</s>")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), bos_token="<s>", eos_token="</s>")
     hf.chat_template = CHATML_TEMPLATE
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 😀  there"},
             {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "中文?"}]
