@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,7 +12,7 @@ import openai
 import orjson
 import pytest
 
-from tests.server_harness import Live, start_live, stop_live
+from tests.server_harness import TEST_ENGINE, Live, start_live, stop_live
 
 MSGS = [{"role": "user", "content": "Tell me a story about a dragon."}]
 
@@ -240,3 +241,28 @@ def test_health_and_metrics(live: Live) -> None:
                  "ftserve_e2e_request_latency_seconds", "ftserve_request_queue_time_seconds"):
         assert values[hist + "_count"] >= 1, hist
     assert "process_cpu_seconds_total" in values
+
+
+@pytest.mark.gpu
+def test_gpu_server_streams_and_frees_pages() -> None:
+    """The same server on CUDA (CUDA graphs on): concurrent streams, a disconnect, usage."""
+    gpu = start_live(dataclasses.replace(TEST_ENGINE, device="cuda", cuda_graph_max_bs=8,
+                                         max_running_requests=4))
+    try:
+        body = {"messages": MSGS, "max_tokens": 16, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+
+        async def go() -> list[list[bytes]]:
+            async with aiohttp.ClientSession() as s:
+                dropped = await s.post(gpu.url + "/v1/chat/completions", json=body)
+                await dropped.content.readuntil(b"\n\n")
+                dropped.close()
+                return await asyncio.gather(*[
+                    _sse_events(gpu.url + "/v1/chat/completions", body) for _ in range(3)])
+
+        for frames in asyncio.run(go()):
+            assert frames[-1] == b"data: [DONE]"
+            assert orjson.loads(frames[-2][6:])["usage"]["completion_tokens"] == 16
+        gpu.wait_idle()
+    finally:
+        stop_live(gpu)

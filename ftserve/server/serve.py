@@ -127,7 +127,12 @@ async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
         return 1
     state.attach(engine, text, loop)
     try:
-        await warm_up(state)
+        try:
+            await warm_up(state)
+        except Exception as exc:  # the engine cannot serve at all: do not pretend
+            log.error("warm-up request failed: %s: %s", type(exc).__name__, exc)
+            await server.runner.cleanup()
+            return 1
         print(banner(state, server_cfg.host, server.port), file=sys.stderr, flush=True)
         await stop.wait()
         log.info("signal received: draining in-flight requests (up to %.0fs)",
