@@ -1,7 +1,8 @@
 """GPU engine guarantees (issue 5 items 2 and 4), on a scaled-up tiny-moe with
 dummy bf16 weights, Triton attention and CUDA-graph decode:
 
-- no hidden device->host sync: every scheduler + runner step runs under
+- no hidden device->host sync: every engine step (overlapped, as the engine
+  thread runs it: plan + launch step N+1, read back + commit step N) runs under
   torch.cuda.set_sync_debug_mode("error"); the one deliberate read-back
   (runner.deliberate_sync, counted in runner.read_backs) is 0 for a non-final
   prefill chunk and exactly 1 for a decode step. Covered: a cold prompt longer
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ import torch
 from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.engine.request import Req, ReqState
+from ftserve.engine.runner import Launched
 from ftserve.engine.scheduler import ScheduledBatch
 from tools.bench_common import write_model_config
 from tools.bench_engine import EngineDriver
@@ -84,35 +86,33 @@ def sync_is_error(on: bool) -> Iterator[None]:
 
 
 class CheckedDriver(EngineDriver):
-    """Runs each step under sync errors and records (batch kind, read-backs)."""
+    """The engine's overlapped step (plan + launch N+1, then read back and
+    commit N) under sync errors, logging (kind, batch size, read-backs) for
+    every launched step when it is committed."""
 
     def __init__(self, engine: Engine, seed: int, check: bool) -> None:
         super().__init__(engine, seed)
         self.check = check
-        self.log: list[tuple[str, int, int]] = []  # (kind, batch size, read-backs)
+        self.log: list[tuple[str, int, int]] = []
 
-    def step(self, batch: ScheduledBatch | None = None) -> ScheduledBatch | None:
-        before = self.runner.read_backs
+    def step(self) -> ScheduledBatch | None:
         with sync_is_error(self.check):
-            batch = self.sched.schedule()
-            if batch is None:
-                return None
-            token_ids, logprobs = self.runner.step(batch)
-            self.commit(batch, token_ids, logprobs)
-        if batch.is_decode:
-            kind = "decode"
-        else:
-            kind = "prefill_final" if any(batch.samples) else "prefill_chunk"
-        self.log.append((kind, len(batch.reqs), self.runner.read_backs - before))
-        return batch
+            return super().step()
 
-    def until(self, cond: object, limit: int = 200) -> None:
+    def finish(self, launched: Launched) -> None:
+        before = self.runner.read_backs
+        super().finish(launched)
+        b = launched.batch
+        kind = "decode" if b.is_decode else "prefill_final" if any(b.samples) else "prefill_chunk"
+        self.log.append((kind, len(b.reqs), self.runner.read_backs - before))
+
+    def until(self, cond: Callable[[], bool], limit: int = 200) -> None:
         for _ in range(limit):
-            if cond():  # type: ignore[operator]
+            if cond():
                 return
-            if self.step() is None:
+            if self.step() is None and self.idle:
                 break
-        assert cond(), "the engine stopped before the condition held"  # type: ignore[operator]
+        assert cond(), "the engine stopped before the condition held"
 
 
 def scenario(engine: Engine, seed: int, check: bool) -> CheckedDriver:

@@ -13,8 +13,9 @@ Sections (each one recorded, or its error recorded, in the JSON; the run goes on
     hf       the same config through transformers (random weights, sdpa)
 
 The Scheduler and ModelRunner are driven directly on this thread, so every
-measured region is exactly one runner.step (or N decode steps), bracketed by
-torch.cuda.synchronize and CUDA events. The rope table is stretched to 131,072
+measured region is exactly one runner.step (or N decode steps, overlapped as
+the engine thread runs them, and again without overlap for reference),
+bracketed by torch.cuda.synchronize and CUDA events. The rope table is stretched to 131,072
 positions (max_position_embeddings) so a 100k prefix fits; that changes no
 FLOP or byte count.
 """
@@ -33,6 +34,7 @@ import torch
 from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.engine.request import Req, ReqState
+from ftserve.engine.runner import Launched
 from ftserve.engine.sampling_params import SamplingParams
 from ftserve.engine.scheduler import ScheduledBatch
 from tools.bench_common import (
@@ -53,7 +55,12 @@ SECTIONS = ("limits", "cold", "cached", "decode", "hf")
 
 
 class EngineDriver:
-    """Synchronous schedule -> runner.step -> commit, one step per call."""
+    """Drives Scheduler + ModelRunner on this thread, one step per call.
+
+    ``step`` is the engine's overlapped step (EngineCore._step): plan and
+    launch step N+1, then read back and commit step N. ``sync_step`` is
+    launch + read-back + commit of one step with nothing in flight.
+    """
 
     def __init__(self, engine: Engine, seed: int = 0) -> None:
         self.engine = engine
@@ -61,6 +68,8 @@ class EngineDriver:
         self.runner = engine.runner
         self.rng = random.Random(seed)
         self.vocab = int(engine.model_config.vocab_size)
+        self.inflight: Launched | None = None
+        self.host_s = 0.0  # time spent planning, launching and committing (not waiting)
         self._n = 0
 
     def tokens(self, n: int) -> list[int]:
@@ -77,31 +86,53 @@ class EngineDriver:
         self.sched.add(req)
         return req
 
-    def step(self, batch: ScheduledBatch | None = None) -> ScheduledBatch | None:
-        batch = batch if batch is not None else self.sched.schedule()
-        if batch is None:
-            return None
-        token_ids, logprobs = self.runner.step(batch)
-        self.commit(batch, token_ids, logprobs)
+    def step(self) -> ScheduledBatch | None:
+        t0 = time.perf_counter()
+        batch = self.sched.schedule()
+        launched = self.runner.launch(batch) if batch is not None else None
+        self.host_s += time.perf_counter() - t0
+        prev, self.inflight = self.inflight, None
+        if prev is not None:
+            self.finish(prev)
+        if launched is not None:
+            if launched.out is None:
+                self.finish(launched)  # a non-final chunk: nothing to wait for
+            else:
+                self.inflight = launched
         return batch
 
-    def commit(self, batch: ScheduledBatch, token_ids: list[int], logprobs: Any = None) -> None:
-        try:
-            self.sched.commit(batch, token_ids, logprobs)
-        except AssertionError:
-            # Scheduler.commit runs req.check() after finish() has reset
-            # computed_len to 0, which trips for any finished request with a
-            # prefix hit (cached_len > 0). Harmless only when that request is
-            # the whole batch (nothing after it went uncommitted).
-            if not (len(batch.reqs) == 1 and batch.reqs[0].finished):
-                raise
+    def finish(self, launched: Launched) -> None:
+        """Read back (the step's one deliberate sync) and commit."""
+        token_ids, logprobs = self.runner.collect(launched)
+        t0 = time.perf_counter()
+        self.sched.commit(launched.batch, token_ids, logprobs)
         self.sched.finished_reqs.clear()
+        self.host_s += time.perf_counter() - t0
 
-    def run_all(self) -> None:
-        while self.step() is not None:
-            pass
+    def flush(self) -> None:
+        prev, self.inflight = self.inflight, None
+        if prev is not None:
+            self.finish(prev)
+
+    def sync_step(self, batch: ScheduledBatch | None = None) -> ScheduledBatch | None:
+        self.flush()
+        batch = batch if batch is not None else self.sched.schedule()
+        if batch is not None:
+            self.finish(self.runner.launch(batch))
+        return batch
+
+    @property
+    def idle(self) -> bool:
+        return self.inflight is None and not self.sched.has_work
+
+    def run_all(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if self.step() is None and self.idle:
+                return
+        raise RuntimeError(f"work left after {max_steps} steps")
 
     def abort_all(self) -> None:
+        self.flush()
         for req in list(self.sched.by_id.values()):
             self.sched.finish(req, "abort")
         self.sched.finished_reqs.clear()
@@ -114,6 +145,7 @@ def prefill_chunk(drv: EngineDriver, prompt: list[int], prefix: int, chunk: int,
                   device: torch.device, profile: bool = False) -> dict[str, Any]:
     """Time the single prefill chunk of ``prompt`` that follows ``prefix``
     cached tokens (the prompt must end right after the chunk)."""
+    drv.flush()
     req = drv.add(prompt, max_tokens=1)
     t0 = time.perf_counter()
     batch = drv.sched.schedule()
@@ -121,7 +153,7 @@ def prefill_chunk(drv: EngineDriver, prompt: list[int], prefix: int, chunk: int,
     assert batch is not None and batch.reqs == [req], "the chunk must run alone"
     got_prefix, got_new = batch.prefix_lens[0], len(batch.new_tokens[0])
     if (got_prefix, got_new) != (prefix, chunk):
-        drv.step(batch)
+        drv.sync_step(batch)
         drv.run_all()
         raise RuntimeError(f"expected a {chunk}-token chunk over {prefix} cached tokens, "
                            f"the scheduler planned {got_new} over {got_prefix} (prefix evicted?)")
@@ -133,7 +165,8 @@ def prefill_chunk(drv: EngineDriver, prompt: list[int], prefix: int, chunk: int,
         token_ids = res[0][0]
     else:
         out["wall_s"], out["gpu_s"], (token_ids, _) = timed(lambda: drv.runner.step(batch), device)
-    drv.commit(batch, token_ids)
+    drv.sched.commit(batch, token_ids, None)
+    drv.sched.finished_reqs.clear()
     assert req.finished, "a one-token request ends with its final chunk"
     return out
 
@@ -178,12 +211,13 @@ def bench_prefill(drv: EngineDriver, device: torch.device, mcfg: Any, limits: di
 def prefill_base(drv: EngineDriver, base: list[int], device: torch.device) -> dict[str, Any]:
     """Prefill the shared base prompt chunk by chunk (timing each), then leave
     it in the prefix cache for the cached-prefix and decode sections."""
+    drv.flush()
     req = drv.add(base, max_tokens=1)
     curve: list[tuple[int, int, float]] = []
     while not req.finished:
         batch = drv.sched.schedule()
         assert batch is not None
-        wall, _, _ = timed(lambda b=batch: drv.step(b), device)
+        wall, _, _ = timed(lambda b=batch: drv.sync_step(b), device)
         curve.append((batch.prefix_lens[0], len(batch.new_tokens[0]), wall))
         if len(curve) % 8 == 0:
             say(f"  base prefill: {batch.prefix_lens[0] + len(batch.new_tokens[0])} / {len(base)} "
@@ -226,7 +260,7 @@ def count_routed_experts(drv: EngineDriver, batch: ScheduledBatch) -> float | No
 def bench_decode(drv: EngineDriver, device: torch.device, mcfg: Any, limits: dict[str, Any],
                  base: list[int], context: int, batch_size: int, warmup: int, steps: int,
                  tail: int) -> dict[str, Any]:
-    reqs = [drv.add(base[:context - tail] + drv.tokens(tail), max_tokens=warmup + steps + 4)
+    reqs = [drv.add(base[:context - tail] + drv.tokens(tail), max_tokens=warmup + 2 * steps + 8)
             for _ in range(batch_size)]
     prefill_steps = 0
     while any(r.state is not ReqState.DECODE for r in reqs):
@@ -236,24 +270,21 @@ def bench_decode(drv: EngineDriver, device: torch.device, mcfg: Any, limits: dic
             raise RuntimeError("requests never reached decode")
     for _ in range(warmup):
         drv.step()
-    host_s = 0.0
+    drv.flush()
     ctx_before = sum(r.computed_len for r in reqs)
 
-    def run() -> None:
-        nonlocal host_s
+    def run(step: Any) -> None:
         for _ in range(steps):
-            t0 = time.perf_counter()
-            batch = drv.sched.schedule()
-            host_s += time.perf_counter() - t0
+            batch = step()
             assert batch is not None and batch.is_decode and len(batch.reqs) == batch_size
-            token_ids, lps = drv.runner.step(batch)
-            t0 = time.perf_counter()
-            drv.commit(batch, token_ids, lps)
-            host_s += time.perf_counter() - t0
+        drv.flush()  # the last step's tokens must reach the host too
 
-    wall, gpu, _ = timed(run, device)
+    drv.host_s = 0.0
+    wall, gpu, _ = timed(lambda: run(drv.step), device)  # overlapped, as the engine runs
+    host_s = drv.host_s
     ctx_after = sum(r.computed_len for r in reqs)
     mean_ctx = (ctx_before + ctx_after) / 2 / batch_size
+    wall_sync, _, _ = timed(lambda: run(drv.sync_step), device)  # no overlap, for reference
     batch = drv.sched.schedule()
     measured_experts = None
     if batch is not None and batch.is_decode:
@@ -265,7 +296,8 @@ def bench_decode(drv: EngineDriver, device: torch.device, mcfg: Any, limits: dic
     out: dict[str, Any] = {
         "context": context, "batch": batch_size, "steps": steps, "wall_s": wall, "gpu_event_s": gpu,
         "step_ms": wall / steps * 1e3, "tokens_per_s": batch_size * steps / wall,
-        "host_frac": host_s / wall, "mean_context": mean_ctx,
+        "tokens_per_s_no_overlap": batch_size * steps / wall_sync,
+        "host_ms_per_step": host_s / steps * 1e3, "host_frac": host_s / wall, "mean_context": mean_ctx,
         "experts_per_layer_measured": measured_experts,
         "experts_per_layer_expected": expected["experts_per_layer"],
         "experts_source": "measured routing" if measured_experts is not None else "expectation",
