@@ -19,6 +19,7 @@ from ftserve.config import EngineConfig, ServerConfig
 from ftserve.engine.sampling_params import SamplingParams
 from ftserve.server.app import ROUTES, make_app
 from ftserve.server.generation import Generation
+from ftserve.server.metrics import Metrics
 from ftserve.server.state import ServerState, served_name
 from ftserve.server.text import TextCodec, make_text_codec
 
@@ -60,9 +61,10 @@ async def warm_up(state: ServerState) -> None:
     """One tiny request through the whole path (submit -> step -> callback)."""
     engine, text = state.ready()
     ids = (await text.encode_async("Hello", add_special_tokens=True))[:8] or [0]
-    gen = Generation(engine, state.tracker, state.metrics, f"warmup-{uuid.uuid4().hex}", ids,
-                     SamplingParams(max_tokens=2, temperature=0.0), text.detokenizer(ids, (), True),
-                     time.monotonic())
+    # Its own Metrics: the warm-up must not show up in the served latency histograms.
+    gen = Generation(engine, state.tracker, Metrics(lambda: None), f"warmup-{uuid.uuid4().hex}",
+                     ids, SamplingParams(max_tokens=2, temperature=0.0),
+                     text.detokenizer(ids, (), True), time.monotonic())
     try:
         while not gen.finished:
             await gen.next()
