@@ -174,3 +174,28 @@ def test_dummy_routing_follows_the_token(tmp_path: Path, dtype: str) -> None:
     # same seed, same weights: dummy runs are reproducible
     again, _ = load_model(tmp_path, dtype=dtype, load_format="dummy", seed=5)
     assert torch.equal(again.layers[0].mlp.w13, model.layers[0].mlp.w13)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dummy_real_shape_on_cuda(tmp_path: Path) -> None:
+    """qwen3-30b-a3b layer shapes, 2 layers, dummy bf16 weights on the GPU: builds on
+    meta, allocates once, runs, and routes 256 tokens over most of the 128 experts."""
+    write_checkpoint("qwen3-30b-a3b", tmp_path, layers=2, config_only=True)
+    torch.cuda.reset_peak_memory_stats()
+    model, cfg = load_model(tmp_path, dtype="auto", device="cuda", load_format="dummy")
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert next(model.parameters()).dtype == torch.bfloat16
+    assert torch.cuda.max_memory_allocated() <= weight_bytes * 1.1 + cfg.rope_cos_sin().numel() * 4
+    assert model.layers[0].mlp.w13.shape == (128, 2 * 768, 2048)
+    tokens = torch.randperm(32768, generator=torch.Generator().manual_seed(0))[:256].tolist()
+    pool = KVPool(cfg.num_layers, 20, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cuda")
+    seen: list[torch.Tensor] = []
+    hook = model.layers[1].mlp.gate.register_forward_hook(
+        lambda mod, inp, out: seen.append(torch.topk(out.float(), 8, dim=-1).indices))
+    batch = build_forward_batch([tokens], [0], [list(range(1, 17))], pool, TorchAttentionBackend(), device="cuda")
+    logits = model(batch)
+    hook.remove()
+    assert logits.shape == (1, cfg.vocab_size) and torch.isfinite(logits).all()
+    counts = torch.bincount(seen[0].reshape(-1).cpu(), minlength=128)
+    assert (counts > 0).sum().item() >= 100 and counts.max().item() <= 0.25 * 256

@@ -24,7 +24,7 @@ def test_cli_writes_complete_sharded_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "ck"
     cmd = [sys.executable, str(ROOT / "tools/make_model.py"), "--preset", "tiny-moe", "--out", str(out),
            "--layers", "3", "--seed", "4", "--dtype", "bfloat16", "--shard-size-mb", "2"]
-    subprocess.run(cmd, check=True, capture_output=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    subprocess.run(cmd, check=True, capture_output=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "generation_config.json", "tokenizer.model", "tokenizer_config.json",
             "model.safetensors.index.json"} <= names

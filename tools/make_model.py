@@ -7,13 +7,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from ftserve.models.checkpoint import write_checkpoint  # noqa: E402
-from ftserve.models.presets import PRESETS  # noqa: E402
+from ftserve.models.checkpoint import write_checkpoint
+from ftserve.models.presets import PRESETS
 
 
 def main(argv: list[str] | None = None) -> int:
