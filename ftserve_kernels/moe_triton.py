@@ -85,18 +85,33 @@ def route_topk_triton(
 
 
 @triton.jit
+def _align_hist_kernel(ids_ptr, counts_ptr, N, E, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    # Many programs, for large N: per-chunk counts, summed with atomics.
+    c = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + c, mask=c < N, other=-1)
+    e = tl.arange(0, BLOCK_E)
+    local = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)  # [E]
+    tl.atomic_add(counts_ptr + e, local, mask=(e < E) & (local > 0))
+
+
+@triton.jit
 def _align_count_kernel(
-    ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, cursor_ptr,
+    ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, cursor_ptr,
     N, E, MAX_ROWS, MAX_BLOCKS,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+    PRECOUNTED: tl.constexpr,
 ):
-    # One program: counts per expert, padded offsets, block -> expert, sentinel fill.
+    # One program: counts per expert (unless _align_hist_kernel made them), padded
+    # offsets, block -> expert, sentinel fill.
     e = tl.arange(0, BLOCK_E)
     c = tl.arange(0, CHUNK)
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    for s in range(0, N, CHUNK):
-        ids = tl.load(ids_ptr + s + c, mask=s + c < N, other=-1)
-        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
+    if PRECOUNTED:
+        counts = tl.load(counts_ptr + e, mask=e < E, other=0)
+    else:
+        counts = tl.zeros([BLOCK_E], tl.int32)
+        for s in range(0, N, CHUNK):
+            ids = tl.load(ids_ptr + s + c, mask=s + c < N, other=-1)
+            counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M  # [E]
     ends = tl.cumsum(padded, 0)
     tl.store(cursor_ptr + e, ends - padded, mask=e < E)
@@ -121,6 +136,9 @@ def _align_scatter_kernel(ids_ptr, sorted_ptr, cursor_ptr, N, CHUNK: tl.constexp
     tl.store(sorted_ptr + dest, offs, mask=m)
 
 
+_PRECOUNT_MIN = 4096  # pairs; module-level so tests can lower it
+
+
 def moe_align(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,10 +153,18 @@ def moe_align(
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    block_e = triton.next_power_of_2(num_experts)
+    # Past a few thousand pairs one program counting alone becomes the bottleneck.
+    precount = n > _PRECOUNT_MIN
+    counts = cursor
+    if precount:
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+        _align_hist_kernel[(triton.cdiv(n, 256),)](ids, counts, n, num_experts,
+                                                   BLOCK_E=block_e, CHUNK=256)
     _align_count_kernel[(1,)](
-        ids, sorted_ids, block_expert, total, cursor, n, num_experts, max_rows, max_blocks,
-        BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=256, FILL=2048,
-        num_warps=8,
+        ids, counts, sorted_ids, block_expert, total, cursor, n, num_experts, max_rows,
+        max_blocks, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=256, FILL=2048,
+        PRECOUNTED=precount, num_warps=8,
     )
     _align_scatter_kernel[(triton.cdiv(n, 1024),)](ids, sorted_ids, cursor, n, CHUNK=1024)
     return sorted_ids, block_expert, total

@@ -36,8 +36,11 @@ def test_route_topk_matches_reference(renorm: bool) -> None:
     torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
 
 
-def test_align_is_a_padded_grouping() -> None:
-    """Every pair appears once, in a block of its expert; padding is the sentinel."""
+@pytest.mark.parametrize("precount", [False, True])
+def test_align_is_a_padded_grouping(precount: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pair appears once, in a block of its expert; padding is the sentinel.
+    ``precount`` forces the many-program histogram used for large batches."""
+    monkeypatch.setattr(mt, "_PRECOUNT_MIN", 0 if precount else 10**9)
     g = torch.Generator().manual_seed(1)
     t, k, e, bm = 9, 3, 7, 4
     ids = torch.randint(0, e, (t, k), generator=g, dtype=torch.int32)
@@ -76,6 +79,23 @@ def test_fused_moe_matches_reference(t: int) -> None:
     ref = fused_moe_ref(x, w13, w2, weights, ids)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert rel_err(out, ref) < 1e-4
+
+
+def test_fused_moe_expert_map() -> None:
+    """Slot-cache mode: ids name experts, the map names their rows in w13/w2."""
+    g = torch.Generator().manual_seed(4)
+    t, e, k, h, inter, slots = 6, 5, 2, 16, 16, 8
+    x = torch.randn(t, h, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(DEVICE)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(DEVICE)
+    slot_of = torch.tensor([6, 0, 3, 7, 2], dtype=torch.int32, device=DEVICE)
+    s13 = torch.full((slots, 2 * inter, h), float("nan"), device=DEVICE)  # unused slots poisoned
+    s2 = torch.full((slots, h, inter), float("nan"), device=DEVICE)
+    s13[slot_of.long()] = w13
+    s2[slot_of.long()] = w2
+    weights, ids = route_topk_ref(torch.randn(t, e, generator=g).to(DEVICE), k, True)
+    out = mt.fused_moe_triton(x, s13, s2, weights, ids, expert_map=slot_of)
+    assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-4
 
 
 def test_fused_moe_bf16() -> None:
