@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from ftserve.kvcache.pool import KVPool
 from ftserve.models.checkpoint import write_checkpoint
-from ftserve.models.config import UnsupportedModelError
+from ftserve.models.config import ModelConfig, UnsupportedModelError
+from ftserve.models.decoder import DecoderForCausalLM
 from ftserve.models.forward_batch import build_forward_batch
 from ftserve.models.layers import MoEBlock
 from ftserve.models.loader import CheckpointError, load_model
@@ -32,7 +34,7 @@ def _copy_checkpoint(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _edit_shard(path: Path, tensor: str, edit) -> None:  # type: ignore[no-untyped-def]
+def _edit_shard(path: Path, tensor: str, edit: Callable[[dict[str, torch.Tensor]], object]) -> None:
     """Apply ``edit(tensors)`` to the shard holding ``tensor`` and keep the index in sync."""
     index_path = path / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
@@ -45,7 +47,7 @@ def _edit_shard(path: Path, tensor: str, edit) -> None:  # type: ignore[no-untyp
     index_path.write_text(json.dumps(index))
 
 
-def _forward(model, cfg, tokens: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _forward(model: DecoderForCausalLM, cfg: ModelConfig, tokens: list[int]) -> torch.Tensor:
     dtype = next(model.parameters()).dtype
     pool = KVPool(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
     batch = build_forward_batch([tokens], [0], [[1, 2, 3]], pool, TorchAttentionBackend(), all_logits=True)
@@ -138,10 +140,10 @@ def test_no_weights_is_a_clear_error(tmp_path: Path) -> None:
         load_model(tmp_path)
 
 
-def _routing(model, cfg, tokens: list[int]) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+def _routing(model: DecoderForCausalLM, cfg: ModelConfig, tokens: list[int]) -> list[torch.Tensor]:
     """Top-k expert ids per MoE layer, observed through the router's forward."""
     seen: list[torch.Tensor] = []
-    hooks = []
+    hooks: list[torch.utils.hooks.RemovableHandle] = []
     for layer in model.layers:
         if isinstance(layer.mlp, MoEBlock):
             block = layer.mlp
