@@ -266,3 +266,16 @@ def test_gpu_server_streams_and_frees_pages() -> None:
         gpu.wait_idle()
     finally:
         stop_live(gpu)
+
+
+def test_openai_client_sees_error_objects(live: Live, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="ftserve-demo", prompt=[7] * 50,
+                                  max_tokens=live.engine.max_model_len)
+    assert bad.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="nope", messages=MSGS, max_tokens=1)
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as n2:
+        client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=1, n=2)
+    assert n2.value.param == "n"

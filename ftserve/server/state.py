@@ -83,6 +83,8 @@ class ServerState:
                            f"'{self.model_name}'.", param="model", code="model_not_found")
 
     def check_queue(self, engine: Any) -> None:
+        # The snapshot is refreshed by the engine thread every step (or 0.5 s when idle), so
+        # a burst that is still in the engine's inbox is not counted yet.
         waiting = engine.stats().waiting
         if waiting >= self.cfg.max_queued_requests:
             raise overloaded(f"too many queued requests ({waiting}); retry later")
