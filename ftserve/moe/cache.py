@@ -100,6 +100,15 @@ class ExpertCache:
         return "stream"
 
     @torch.no_grad()
+    def reset(self) -> None:
+        """Forget every slot (after the bank's contents changed); full mode refills."""
+        for t in (self.slot_of_id, self.id_of_slot, self.last_used, self.pslot_of_id, self.pid_of_slot):
+            t.fill_(-1)
+        self.step.zero_()
+        if self.full:
+            self._fill_all()
+
+    @torch.no_grad()
     def _fill_all(self) -> None:
         """Start-up, full mode: id i lives in slot i for good."""
         t = self.total
