@@ -28,10 +28,13 @@ ACTIVATION_BYTES_PER_TOKEN = 64 * 1024
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for but no CUDA device is available")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda was asked for but no CUDA device is available")
+        if dev.index is None:  # an explicit index: set_device and mem_get_info need one
+            dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
