@@ -295,7 +295,7 @@ def ftserve_server() -> Iterator[tuple[str, int]]:
             proc.wait()
 
 
-REAL = ["--no-progress", "--duration", "3", "--soak", "--abort-rate", "0.2", "--ignore-eos",
+REAL = ["--no-progress", "--duration", "3", "--soak", "--abort-rate", "0.3", "--ignore-eos",
         "--output-tokens", "8", "--max-output-tokens", "16", "--max-context", "1024",
         "--scrape-interval", "0.5", "--canary-interval", "1", "--settle-timeout", "5"]
 
@@ -321,7 +321,8 @@ def test_real_server_profile_soak_passes(ftserve_server: tuple[str, int], profil
     assert s["mean_ttft_ms"] > 0 and s["mean_itl_ms"] > 0 and s["total_input_tokens"] > 0
     if profile != "random":
         assert s["cache_hit_ratio"] > 0.2  # shared prompts and growing conversations hit the cache
-    assert s["max_prompt_tokens"] <= 1024
+    # The ceiling is approximate: the client has no tokenizer and re-anchors on usage each turn.
+    assert s["max_prompt_tokens"] <= 1.1 * 1024
     canaries = doc["canaries"]
     assert len(canaries) >= 3 and len({c["text"] for c in canaries}) == 1 and canaries[0]["text"]
     final = doc["soak"]["final"]

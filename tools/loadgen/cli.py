@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--turn-tokens", type=float, default=200.0, help="agentic: mean new tokens per turn")
     g.add_argument("--tool-fraction", type=float, default=0.5, help="agentic: share of tool-output turns")
     g.add_argument("--max-context", type=int, default=8192,
-                   help="agentic: context ceiling (tokens) before a session restarts; "
-                        "also caps prompt lengths elsewhere")
+                   help="agentic: context ceiling (tokens, approximate: the client has no "
+                        "tokenizer) before a session restarts; also caps prompt lengths elsewhere")
     g.add_argument("--think-time", type=float, default=0.0, help="agentic: mean think seconds")
     g.add_argument("--groups", type=int, default=4, help="shared-prefix: number of shared prompts")
     g.add_argument("--prefix-tokens", type=int, default=1000, help="shared-prefix: shared prompt length")
