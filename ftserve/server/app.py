@@ -13,11 +13,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ftserve.server.completions import STATE_KEY, chat_completions, completions, read_json
+from ftserve.server.completions import chat_completions, completions, read_json
 from ftserve.server.errors import APIError, Handler, bad_request, error_middleware
 from ftserve.server.metrics import CONTENT_TYPE
 from ftserve.server.protocol import parse_messages
-from ftserve.server.state import ServerState
+from ftserve.server.state import STATE_KEY, ServerState
 from ftserve.server.text import TemplateError
 
 ROUTES: tuple[tuple[str, str], ...] = (

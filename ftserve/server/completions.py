@@ -16,10 +16,8 @@ from ftserve.server import sse
 from ftserve.server.errors import APIError, bad_request
 from ftserve.server.generation import EngineRequestError, Generation
 from ftserve.server.protocol import ParsedRequest, parse_chat, parse_completion
-from ftserve.server.state import ServerState
+from ftserve.server.state import STATE_KEY, ServerState
 from ftserve.server.text import TemplateError, TextCodec
-
-STATE_KEY: web.AppKey[ServerState] = web.AppKey("ftserve_state", ServerState)
 
 
 async def read_json(request: web.Request) -> Any:

@@ -13,12 +13,15 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ftserve.engine.messages import GenerateRequest, RequestOutput, TokenLogprob
 from ftserve.engine.sampling_params import SamplingParams
 from ftserve.server.metrics import Metrics
 from ftserve.server.text import StreamDetokenizer
+
+if TYPE_CHECKING:  # state.py imports this module
+    from ftserve.server.state import EngineAPI
 
 
 class EngineRequestError(Exception):
@@ -65,7 +68,7 @@ class Step:
 class Generation:
     def __init__(
         self,
-        engine: Any,
+        engine: EngineAPI,
         tracker: Tracker,
         metrics: Metrics,
         request_id: str,

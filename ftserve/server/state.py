@@ -9,15 +9,38 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from aiohttp import web
 
 from ftserve.config import ServerConfig
+from ftserve.engine.messages import GenerateRequest, RequestOutput
 from ftserve.server.errors import APIError, overloaded
 from ftserve.server.generation import Tracker
 from ftserve.server.metrics import Metrics
 from ftserve.server.text import TextCodec
 
 DEMO_MODEL_NAME = "ftserve-demo"
+
+
+class EngineAPI(Protocol):
+    """The engine surface the server uses (ftserve.engine.engine.Engine)."""
+
+    model_dir: str
+    is_demo: bool
+    max_model_len: int
+    vocab_size: int
+    healthy: bool
+    error: str | None
+
+    def start(self, loop: asyncio.AbstractEventLoop,
+              on_outputs: Callable[[list[RequestOutput]], None]) -> None: ...
+    def submit(self, req: GenerateRequest) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def stats(self) -> Any: ...
+    def reset_prefix_cache(self) -> bool: ...
+    def shutdown(self) -> None: ...
 
 
 def served_name(cfg: ServerConfig, model: str | None) -> str:
@@ -32,14 +55,14 @@ class ServerState:
     def __init__(self, cfg: ServerConfig, model_name: str) -> None:
         self.cfg = cfg
         self.model_name = model_name
-        self.engine: Any | None = None  # ftserve.engine.engine.Engine once loaded
+        self.engine: EngineAPI | None = None  # set by attach() once loaded
         self.text: TextCodec | None = None
         self.tracker = Tracker()
         self.metrics = Metrics(self._stats)
         self.draining = False
         self.load_error: str | None = None
 
-    def attach(self, engine: Any, text: TextCodec, loop: asyncio.AbstractEventLoop) -> None:
+    def attach(self, engine: EngineAPI, text: TextCodec, loop: asyncio.AbstractEventLoop) -> None:
         """Runs on the loop: from here on outputs flow to the tracker once per engine step."""
         self.text = text
         engine.start(loop, self.tracker.on_outputs)
@@ -69,7 +92,7 @@ class ServerState:
             return "the server is shutting down"
         return None
 
-    def ready(self) -> tuple[Any, TextCodec]:
+    def ready(self) -> tuple[EngineAPI, TextCodec]:
         problem = self.health_problem()
         if problem is not None:
             raise APIError(503, problem, err_type="server_error", code="unavailable",
@@ -82,7 +105,7 @@ class ServerState:
             raise APIError(404, f"The model '{model}' does not exist; this server serves "
                            f"'{self.model_name}'.", param="model", code="model_not_found")
 
-    def check_queue(self, engine: Any) -> None:
+    def check_queue(self, engine: EngineAPI) -> None:
         # The snapshot is refreshed by the engine thread every step (or 0.5 s when idle), so
         # a burst that is still in the engine's inbox is not counted yet.
         waiting = engine.stats().waiting
@@ -95,3 +118,6 @@ class ServerState:
         if not header or not header.startswith("Bearer "):
             return False
         return hmac.compare_digest(header[7:].strip().encode(), self.cfg.api_key.encode())
+
+
+STATE_KEY: web.AppKey[ServerState] = web.AppKey("ftserve_state", ServerState)
