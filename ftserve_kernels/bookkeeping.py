@@ -18,7 +18,7 @@ Admission algorithm (``admit_experts``), for ``needed [M]`` (-1 = padding):
 4. Victims are the n unprotected slots with the smallest key
    ``last_used * S + slot`` (empty slots count as last_used = -1, so they go
    first; ties cannot happen). The kernel finds the n-th smallest key by a
-   64-step binary search, so its cost is fixed.
+   binary search over the key range (at most ~64 steps, none when n = 0).
 5. Victims, taken in slot order, go to the misses in rank order: the evicted id
    is unmapped (through the sink if the slot was empty), the new id mapped,
    hits and victims stamped ``last_used = step``; ``step += 1``.
@@ -140,11 +140,16 @@ def _admit_kernel(
     lu = tl.load(last_used_ptr + s, mask=sm, other=0)
     lu = tl.where(occ >= 0, lu, -1)
     key = tl.where(prot | (s >= S), _BIG_K, lu * S + s)  # [S] int64, unique
-    # Smallest threshold with n_miss keys at or below it (n_miss = 0 -> none).
-    zero64 = step * 0  # an int64 scalar tensor (S may arrive as a constexpr)
-    lo = zero64 - S - 1
-    hi = zero64 + _BIG_K
-    for _ in range(64):
+    # Smallest threshold with n_miss keys at or below it, searched in
+    # [min key - 1, max unprotected key]; n_miss = 0 -> no iterations, no victims.
+    # The iteration count only shortens the search: extra steps change nothing.
+    kmin = tl.min(key, 0)
+    kmax = tl.max(tl.where(key < _BIG_K, key, kmin), 0)
+    lo = kmin - 1
+    hi = kmax
+    span = (kmax - lo + 1).to(tl.float32)
+    iters = tl.where(n_miss > 0, tl.ceil(tl.log2(span)).to(tl.int32) + 2, 0)
+    for _ in range(iters):
         mid = lo + (hi - lo) // 2
         enough = tl.sum((key <= mid).to(tl.int32), 0) >= n_miss
         hi = tl.where(enough, mid, hi)
