@@ -71,6 +71,18 @@ def run_both(
     backend = backend or at.TritonAttentionBackend()
     fb = build_forward_batch(toks, prefix_lens, tables, pool, backend, is_decode=is_decode)
     out = backend.forward(q, k, v, 0, fb)
+    # Again into a NaN-poisoned output: every row must be written, and the same.
+    meta, scale = fb.attn, d**-0.5
+    poisoned = torch.full_like(q, float("nan"))
+    if is_decode or meta.max_extend_len == 1:
+        splits = backend.num_splits(len(new_lens), hkv, q.device)
+        at.decode_attention_triton(q, pool.k[0], pool.v[0], meta.page_table, meta.seq_lens,
+                                   page_size, scale, splits, out=poisoned)
+    else:
+        at.extend_attention_triton(q, pool.k[0], pool.v[0], meta.page_table, meta.qo_indptr,
+                                   meta.prefix_lens, meta.max_extend_len, page_size, scale,
+                                   out=poisoned)
+    assert torch.equal(poisoned, out)
     ref_fb = build_forward_batch(toks, prefix_lens, tables, ref_pool, TorchAttentionBackend())
     ref = ref_fb.attn_backend.forward(q, k, v, 0, ref_fb)
     return out, ref, pool, ref_pool
