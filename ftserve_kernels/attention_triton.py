@@ -29,10 +29,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from ftserve.models.forward_batch import ForwardBatch
 
 _LOG2E = 1.4426950408889634
 
@@ -392,7 +396,9 @@ class TritonAttentionBackend:
         want = math.ceil(2 * _num_sms(device) / max(1, batch_size * num_kv_heads))
         return max(1, min(cfg.max_splits, want))
 
-    def forward(self, q, k, v, layer, batch):  # type: ignore[no-untyped-def]
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
         pool = batch.kv_pool
         meta = batch.attn
         kc, vc = pool.k[layer], pool.v[layer]
