@@ -33,6 +33,7 @@ class EngineAPI(Protocol):
     vocab_size: int
     healthy: bool
     error: str | None
+    summary: dict[str, Any]  # start-up facts (KV capacity per tier, ...) for banner and cards
 
     def start(self, loop: asyncio.AbstractEventLoop,
               on_outputs: Callable[[list[RequestOutput]], None]) -> None: ...
