@@ -146,6 +146,14 @@ def test_chat_client_streams_and_keeps_history(proc: Proc) -> None:
     assert "ftserve-demo" in out.getvalue()
 
 
+def test_ftserve_chat_command(proc: Proc, monkeypatch: pytest.MonkeyPatch,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n/reset\n/exit\n"))
+    assert main(["chat", "--url", proc.url, "--max-tokens", "3", "--system", "terse"]) == 0
+    out = capsys.readouterr().out
+    assert "ftserve chat with 'ftserve-demo'" in out and "(history cleared)" in out
+
+
 def test_sigterm_drains_in_flight_then_exits(proc: Proc) -> None:
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
                        "ignore_eos": True, "stream": True}).encode()
