@@ -55,6 +55,15 @@ def mma(a, b, UPCAST: tl.constexpr):
         return tl.dot(a, b)
 
 
+@triton.jit
+def mma_acc(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b, accumulated in place by the tensor-core instruction."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
 @dataclass(frozen=True)
 class AttnKernelConfig:
     """Tile sizes. ``for_device`` picks Hopper-sized tiles on CUDA and tiny ones
@@ -161,17 +170,17 @@ def _decode_split_kernel(
             kc_ptr + slot[None, :] * stride_cs + head_off + d[:, None],
             mask=nmask[None, :] & dmask[:, None], other=0.0,
         )  # [D, N]
-        qk = mma(q, kt, UPCAST) * scale_log2  # [G, N]
+        qk = mma(q, kt, UPCAST)  # [G, N] unscaled scores
         qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)  # log2 domain
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        p = tl.exp2(qk * scale_log2 - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         vv = tl.load(
             vc_ptr + slot[:, None] * stride_cs + head_off + d[None, :],
             mask=nmask[:, None] & dmask[None, :], other=0.0,
         )  # [N, D]
-        acc = acc * alpha[:, None] + mma(p.to(vv.dtype), vv, UPCAST)
+        acc = mma_acc(p.to(vv.dtype), vv, acc * alpha[:, None], UPCAST)
         m_i = m_new
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -265,20 +274,20 @@ def _extend_tile(
         page = tl.load(pt_row + pos // PAGE_SIZE)
     slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [N]
     kt = tl.load(kc_ptr + slot[None, :] * stride_cs + head_off + d[:, None])  # [D, N]
-    qk = mma(q, kt, UPCAST) * scale_log2  # [M, N]
+    qk = mma(q, kt, UPCAST)  # [M, N] unscaled scores
     if MASKED:
         ok = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_end)
         qk = tl.where(ok, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)  # log2 domain
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    p = tl.exp2(qk * scale_log2 - m_new[:, None])  # one FMA per score
     l_i = l_i * alpha + tl.sum(p, 1)
     v_ptrs = vc_ptr + slot[:, None] * stride_cs + head_off + d[None, :]
     if MASKED:  # the dummy page may hold anything (padding writes): 0 * NaN = NaN
         vv = tl.load(v_ptrs, mask=nmask[:, None], other=0.0)  # [N, D]
     else:
         vv = tl.load(v_ptrs)  # [N, D]
-    acc = acc * alpha[:, None] + mma(p.to(vv.dtype), vv, UPCAST)
+    acc = mma_acc(p.to(vv.dtype), vv, acc * alpha[:, None], UPCAST)
     return acc, m_new, l_i
 
 
