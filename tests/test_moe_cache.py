@@ -281,3 +281,17 @@ def test_fused_moe_expert_map_matches_reference(triton_mods: Any) -> None:
     got = mt.fused_moe_triton(x, w13, w2, w, ids, expert_map=emap)
     ref = fused_moe_ref(x, w13, w2, w, emap[ids.long()])
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_bench_smoke_cpu(tmp_path: Path) -> None:
+    from tools.bench_moe_cache import main
+
+    res = main(["--smoke", "--out", str(tmp_path / "moe.json")])
+    assert not res.get("errors"), res.get("errors")
+    pre = res["summary"]["prefill"]
+    assert {(r["mode"], r["prefix"]) for r in pre} >= {("offload", 0), ("offload", 256), ("offload_full", 64)}
+    for r in pre:
+        # 25% cache on a cold LRU streams every expert of every layer; full never streams.
+        assert r["experts_streamed"] == (TOTAL if r["mode"] == "offload" else 0), r
+    dec = [r for r in res["summary"]["decode"] if r["mode"] == "offload"]
+    assert [r["batch"] for r in dec] == [1, 3] and all(0.0 <= r["hit_rate"] <= 1.0 for r in dec)

@@ -1,0 +1,356 @@
+"""MoE expert-cache benchmark (issue 6 item 9): offload mode against the PCIe
+bound and against resident mode, measured in the same run.
+
+    python -m tools.bench_moe_cache --out bench_moe_cache.json        # H200, < 4 min
+    python -m tools.bench_moe_cache --smoke --out /tmp/moe_smoke.json  # CPU, tiny-moe
+
+qwen3-30b-a3b shapes (8 layers, 128 experts of 9.4 MB in bf16), dummy weights.
+Sections (each recorded, or its error recorded, in the JSON; the run goes on):
+    limits        pinned host->device GB/s (cudaMemcpy) and the UVA row-copy kernel's GB/s
+    <mode>_build  engine start-up; modes: resident, offload (25% of experts in
+                  slots), offload_full (slots for every expert: must never stream)
+    <mode>_prefill  one 4,096-token chunk over 0 / 32k / 100k cached tokens:
+                  seconds, experts streamed, PCIe bound = streamed bytes / H2D GB/s
+    <mode>_decode   tokens/s at batch 1 and 8, cache hit rate, PCIe bound at that
+                  hit rate = missed bytes per step / H2D GB/s
+Targets: offload prefill <= 1.1 x max(PCIe bound, resident) at every cached
+length; offload decode >= 90% of its PCIe bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from ftserve.config import EngineConfig
+from ftserve.engine.engine import Engine
+from ftserve.engine.request import Req, ReqState
+from ftserve.engine.sampling_params import SamplingParams
+from ftserve.moe.cache import ExpertCache
+from tools.bench_common import (
+    machine_info,
+    markdown_table,
+    measure_h2d_gbps,
+    run_section,
+    say,
+    sync,
+    write_json,
+    write_model_config,
+)
+
+MODES = ("resident", "offload", "offload_full")
+
+
+class Driver:
+    """Synchronous schedule -> runner.step -> commit, one step per call."""
+
+    def __init__(self, engine: Engine, seed: int = 0) -> None:
+        self.sched, self.runner = engine.scheduler, engine.runner
+        self.rng = random.Random(seed)
+        self.vocab = int(engine.model_config.vocab_size)
+        self.n = 0
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(100, self.vocab - 1) for _ in range(n)]
+
+    def add(self, prompt: list[int], max_tokens: int) -> Req:
+        self.n += 1
+        req = Req(f"moe-{self.n}", list(prompt),
+                  SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), time.monotonic())
+        why = self.sched.validate(req)
+        if why is not None:
+            raise ValueError(why)
+        self.sched.add(req)
+        return req
+
+    def step(self) -> Any:
+        batch = self.sched.schedule()
+        if batch is None:
+            return None
+        token_ids, logprobs = self.runner.step(batch)
+        self.sched.commit(batch, token_ids, logprobs)
+        self.sched.finished_reqs.clear()
+        return batch
+
+    def run_all(self) -> None:
+        while self.step() is not None:
+            pass
+
+    def abort_all(self) -> None:
+        for req in list(self.sched.by_id.values()):
+            self.sched.finish(req, "abort")
+        self.sched.finished_reqs.clear()
+
+
+def cache_of(engine: Engine) -> ExpertCache | None:
+    return getattr(engine.runner.model, "expert_cache", None)
+
+
+def stats(engine: Engine) -> dict[str, float]:
+    cache = cache_of(engine)
+    return cache.stats() if cache is not None else {}
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0) for k in ("lookups", "misses", "experts_streamed",
+                                                     "bytes_streamed", "bytes_missed") if k in after}
+
+
+# ----------------------------------------------------------------- limits
+
+
+def measure_uva_gbps(device: torch.device, row_elems: int, rows: int) -> dict[str, Any]:
+    """The row-copy kernel reading pinned host memory (what a miss costs)."""
+    from ftserve.moe.kernels import fill_rows
+
+    bank = torch.empty(rows, row_elems, dtype=torch.bfloat16, pin_memory=True).fill_(1.0)
+    slots = torch.empty(rows + 1, row_elems, dtype=torch.bfloat16, device=device)
+    ids = torch.arange(rows, dtype=torch.int32, device=device)
+    fill_rows(bank, slots, ids, ids)  # compile
+    times = []
+    for _ in range(5):
+        sync(device)
+        t0 = time.perf_counter()
+        fill_rows(bank, slots, ids, ids)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    ok = bool(torch.equal(slots[:rows].cpu(), bank))
+    nbytes = bank.numel() * 2
+    return {"bytes": nbytes, "median_s": statistics.median(times),
+            "gbps": nbytes / statistics.median(times) / 1e9, "correct": ok}
+
+
+# ----------------------------------------------------------------- prefill / decode
+
+
+def prefill_chunk(drv: Driver, engine: Engine, device: torch.device, prompt: list[int], prefix: int,
+                  chunk: int) -> dict[str, Any]:
+    req = drv.add(prompt, max_tokens=1)
+    batch = drv.sched.schedule()
+    assert batch is not None and batch.reqs == [req], "the chunk must run alone"
+    if (batch.prefix_lens[0], len(batch.new_tokens[0])) != (prefix, chunk):
+        raise RuntimeError(f"planned {len(batch.new_tokens[0])} over {batch.prefix_lens[0]} cached, "
+                           f"wanted {chunk} over {prefix}")
+    before = stats(engine)
+    sync(device)
+    t0 = time.perf_counter()
+    token_ids, lp = drv.runner.step(batch)
+    sync(device)
+    wall = time.perf_counter() - t0
+    drv.sched.commit(batch, token_ids, lp)
+    drv.sched.finished_reqs.clear()
+    return {"wall_s": wall, **delta(stats(engine), before)}
+
+
+def bench_prefill(drv: Driver, engine: Engine, device: torch.device, base: list[int],
+                  prefix: int, chunk: int, reps: int) -> dict[str, Any]:
+    runs = [prefill_chunk(drv, engine, device, base[:prefix] + drv.tokens(chunk), prefix, chunk)
+            for _ in range(reps + 1)][1:]  # the first one warms up (compiles, fills caches)
+    out: dict[str, Any] = {"prefix": prefix, "chunk": chunk,
+                           "wall_s": statistics.median(r["wall_s"] for r in runs),
+                           "walls_s": [r["wall_s"] for r in runs]}
+    if "experts_streamed" in runs[0]:
+        out["experts_streamed"] = statistics.median(r["experts_streamed"] for r in runs)
+        out["bytes_streamed"] = statistics.median(r["bytes_streamed"] for r in runs)
+    return out
+
+
+def prefill_base(drv: Driver, device: torch.device, base: list[int]) -> dict[str, Any]:
+    req = drv.add(base, max_tokens=1)
+    sync(device)
+    t0 = time.perf_counter()
+    drv.run_all()
+    sync(device)
+    assert req.finished
+    return {"tokens": len(base), "total_s": time.perf_counter() - t0}
+
+
+def bench_decode(drv: Driver, engine: Engine, device: torch.device, bs: int, prompt_len: int,
+                 warmup: int, steps: int) -> dict[str, Any]:
+    reqs = [drv.add(drv.tokens(prompt_len), max_tokens=warmup + steps + 4) for _ in range(bs)]
+    for _ in range(20 * bs + 50):
+        if all(r.state is ReqState.DECODE for r in reqs):
+            break
+        drv.step()
+    for _ in range(warmup):
+        drv.step()
+    before = stats(engine)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        b = drv.step()
+        assert b is not None and b.is_decode and len(b.reqs) == bs
+    sync(device)
+    wall = time.perf_counter() - t0
+    d = delta(stats(engine), before)
+    drv.abort_all()
+    out: dict[str, Any] = {"batch": bs, "steps": steps, "step_ms": wall / steps * 1e3,
+                           "tokens_per_s": bs * steps / wall,
+                           "graph": engine.runner.graphs is not None and engine.runner.graphs.can_run(bs)}
+    if d.get("lookups"):
+        out["hit_rate"] = 1.0 - d["misses"] / d["lookups"]
+        out["missed_bytes_per_step"] = d["bytes_missed"] / steps
+    return out
+
+
+# ----------------------------------------------------------------- one mode
+
+
+def build(args: argparse.Namespace, model_dir: str, device: torch.device, slots: int | None) -> Engine:
+    from ftserve.engine.setup import build_engine
+
+    return build_engine(EngineConfig(
+        model=model_dir, load_format="dummy", dtype=args.dtype, device=str(device), page_size=16,
+        kv_cache_tokens=args.kv_tokens, max_prefill_length=args.chunk, max_running_requests=max(args.batches),
+        cuda_graph_max_bs=max(args.batches), status_log_interval=0.0, max_model_len=args.max_len,
+        moe_cache_size=slots))
+
+
+def run_mode(mode: str, args: argparse.Namespace, model_dir: str, device: torch.device,
+             results: dict[str, Any], section: Any) -> None:
+    total = args.layers * args.num_experts
+    slots = {"resident": None, "offload": max(1, int(total * args.cache_frac)), "offload_full": total}[mode]
+    engine = section(f"{mode}_build", lambda: build(args, model_dir, device, slots))
+    if engine is None:
+        return
+    results[f"{mode}_build"] = dict(engine.summary)
+    drv = Driver(engine, seed=1)
+    cached = args.cached if mode != "offload_full" else [p for p in args.cached if p <= args.cached[1]]
+    base = drv.tokens(max(cached))
+
+    def prefill() -> list[dict[str, Any]]:
+        rows = [bench_prefill(drv, engine, device, [], 0, args.chunk, args.reps)]
+        say(f"  {mode} cold chunk {rows[0]['wall_s']:.3f} s")
+        if max(cached) > 0:
+            rows.append({"base_prefill": prefill_base(drv, device, base)})
+            for p in cached:
+                if p > 0:
+                    rows.append(bench_prefill(drv, engine, device, base, p, args.chunk, args.reps))
+                    say(f"  {mode} chunk over {p}: {rows[-1]['wall_s']:.3f} s")
+        drv.abort_all()
+        return rows
+
+    section(f"{mode}_prefill", prefill)
+    section(f"{mode}_decode", lambda: [bench_decode(drv, engine, device, bs, args.decode_prompt,
+                                                    args.decode_warmup, args.decode_steps)
+                                       for bs in args.batches])
+    engine.shutdown()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------- report
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    gbps = (results.get("limits") or {}).get("h2d", {}).get("h2d_gbps")
+    res = {r["prefix"]: r for r in results.get("resident_prefill") or [] if "prefix" in r}
+    out: dict[str, Any] = {"h2d_gbps": gbps, "prefill": [], "decode": []}
+    for mode in ("offload", "offload_full"):
+        for r in results.get(f"{mode}_prefill") or []:
+            if "prefix" not in r:
+                continue
+            row: dict[str, Any] = {"mode": mode, "prefix": r["prefix"], "wall_s": r["wall_s"],
+                                   "experts_streamed": r.get("experts_streamed")}
+            if gbps and r.get("bytes_streamed") is not None:
+                row["pcie_bound_s"] = r["bytes_streamed"] / (gbps * 1e9)
+            if r["prefix"] in res:
+                row["resident_s"] = res[r["prefix"]]["wall_s"]
+            floor = max(row.get("pcie_bound_s") or 0.0, row.get("resident_s") or 0.0)
+            if floor > 0:
+                row["ratio_to_bound"] = r["wall_s"] / floor
+                row["ok"] = row["ratio_to_bound"] <= 1.1
+            out["prefill"].append(row)
+        res_dec = {r["batch"]: r for r in results.get("resident_decode") or []}
+        for r in results.get(f"{mode}_decode") or []:
+            row = {"mode": mode, "batch": r["batch"], "tokens_per_s": r["tokens_per_s"],
+                   "hit_rate": r.get("hit_rate"),
+                   "resident_tokens_per_s": res_dec.get(r["batch"], {}).get("tokens_per_s")}
+            missed = r.get("missed_bytes_per_step")
+            if gbps and missed:
+                row["pcie_bound_tokens_per_s"] = r["batch"] / (missed / (gbps * 1e9))
+                row["frac_of_pcie_bound"] = r["tokens_per_s"] / row["pcie_bound_tokens_per_s"]
+                row["ok"] = row["frac_of_pcie_bound"] >= 0.9
+            out["decode"].append(row)
+    return out
+
+
+def render(summary: dict[str, Any]) -> str:
+    pre = markdown_table(
+        ["mode", "cached", "s / chunk", "experts streamed", "PCIe bound s", "resident s", "ratio", "ok"],
+        [[r["mode"], r["prefix"], r["wall_s"], r.get("experts_streamed"), r.get("pcie_bound_s"),
+          r.get("resident_s"), r.get("ratio_to_bound"), r.get("ok")] for r in summary["prefill"]])
+    dec = markdown_table(
+        ["mode", "batch", "tok/s", "hit rate", "PCIe bound tok/s", "frac", "resident tok/s", "ok"],
+        [[r["mode"], r["batch"], r["tokens_per_s"], r.get("hit_rate"), r.get("pcie_bound_tokens_per_s"),
+          r.get("frac_of_pcie_bound"), r.get("resident_tokens_per_s"), r.get("ok")] for r in summary["decode"]])
+    return f"pinned H2D: {summary['h2d_gbps']} GB/s\n\n{pre}\n\n{dec}\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench_moe_cache.json")
+    p.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU (< 60 s)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--cache-frac", type=float, default=0.25)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--budget-s", type=float, default=None, help="skip sections past this (default 200)")
+    args = p.parse_args(argv)
+    args.preset, args.dtype, args.device, args.num_experts = "qwen3-30b-a3b", "bfloat16", "cuda", 128
+    args.chunk, args.reps, args.max_len, args.kv_tokens = 4096, 2, 131072, 120_000
+    args.cached, args.batches = [0, 32768, 102400], [1, 8]
+    args.decode_prompt, args.decode_warmup, args.decode_steps = 256, 4, 32
+    if args.smoke:
+        args.preset, args.dtype, args.device, args.num_experts = "tiny-moe", "float32", "cpu", 16
+        args.layers, args.chunk, args.reps, args.max_len, args.kv_tokens = 3, 64, 1, 1024, 4096
+        args.cached, args.batches = [0, 64, 256], [1, 3]
+        args.decode_prompt, args.decode_warmup, args.decode_steps = 20, 1, 4
+    if args.budget_s is None:
+        args.budget_s = 50.0 if args.smoke else 200.0
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here; `--smoke` runs the CPU version")
+    results: dict[str, Any] = {"machine": machine_info(device), "args": {
+        k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, bool))}}
+    t_start = time.perf_counter()
+    deadline = t_start + args.budget_s
+    model_dir = write_model_config(args.preset, tempfile.mkdtemp(prefix="ftserve-moe-"),
+                                   layers=args.layers, max_position_embeddings=args.max_len)
+
+    def section(name: str, fn: Any) -> Any:
+        out = run_section(results, name, fn, deadline)
+        write_json(args.out, results)  # a run killed later still leaves what it measured
+        return out
+
+    def limits() -> dict[str, Any]:
+        out: dict[str, Any] = {"h2d": measure_h2d_gbps(device, 1 << 30 if not args.smoke else 1 << 24)}
+        if device.type == "cuda":
+            out["uva_fill"] = measure_uva_gbps(device, 3 * 768 * 2048, 64)
+        return out
+
+    section("limits", limits)
+    for mode in args.modes.split(","):
+        run_mode(mode, args, model_dir, device, results, section)
+    results["summary"] = summarize(results)
+    results["total_s"] = time.perf_counter() - t_start
+    write_json(args.out, results)
+    print(render(results["summary"]), flush=True)
+    say(f"wrote {args.out} in {results['total_s']:.0f} s")
+    return results
+
+
+if __name__ == "__main__":
+    main()
