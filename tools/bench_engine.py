@@ -257,6 +257,38 @@ def count_routed_experts(drv: EngineDriver, batch: ScheduledBatch) -> float | No
     return sum(counts) / len(counts)
 
 
+def time_decode_device(drv: EngineDriver, batch: ScheduledBatch, device: torch.device,
+                       reps: int = 50) -> dict[str, Any]:
+    """Device time of one decode step alone: replay its CUDA graph back to back
+    (no host work between replays), plus the eager step's heaviest kernels."""
+    out: dict[str, Any] = {}
+    if device.type != "cuda":
+        return out
+    runner = drv.runner
+    graphs = runner.graphs
+    if graphs is not None and graphs.can_run(len(batch.reqs)):
+        runner.prepare_slots(batch.reqs)
+        graphs.replay(batch)  # fills the static inputs for this batch
+        key = next(k for k in graphs.graphs if k[0] == graphs._padded(len(batch.reqs)))
+        g = graphs.graphs[key]
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        out["graph_replay_ms"] = start.elapsed_time(end) / reps
+    saved, runner.graphs = runner.graphs, None
+    try:
+        prof = gpu_kernel_seconds(lambda: runner.launch(batch), device)
+    finally:
+        runner.graphs = saved
+    out["eager_kernel_ms"] = (prof.get("kernel_s") or 0.0) * 1e3
+    out["eager_top_kernels"] = [(n, round(t * 1e3, 4)) for n, t in prof.get("top", [])]
+    return out
+
+
 def bench_decode(drv: EngineDriver, device: torch.device, mcfg: Any, limits: dict[str, Any],
                  base: list[int], context: int, batch_size: int, warmup: int, steps: int,
                  tail: int) -> dict[str, Any]:
@@ -287,8 +319,10 @@ def bench_decode(drv: EngineDriver, device: torch.device, mcfg: Any, limits: dic
     wall_sync, _, _ = timed(lambda: run(drv.sync_step), device)  # no overlap, for reference
     batch = drv.sched.schedule()
     measured_experts = None
+    replay: dict[str, Any] = {}
     if batch is not None and batch.is_decode:
         measured_experts = count_routed_experts(drv, batch)
+        replay = time_decode_device(drv, batch, device)
     drv.abort_all()
     elem = torch.empty((), dtype=next(drv.runner.model.parameters()).dtype).element_size()
     nbytes = decode_step_bytes(mcfg, elem, batch_size, [int(mean_ctx)] * batch_size, measured_experts)
@@ -303,6 +337,7 @@ def bench_decode(drv: EngineDriver, device: torch.device, mcfg: Any, limits: dic
         "experts_source": "measured routing" if measured_experts is not None else "expectation",
         **{k: v for k, v in nbytes.items() if k != "experts_per_layer"},
         "graph": drv.runner.graphs is not None and drv.runner.graphs.can_run(batch_size),
+        **replay,
     }
     bw = (limits or {}).get("copy", {}).get("gbps_read_plus_write")
     if bw:

@@ -61,7 +61,8 @@ def render_markdown(res: dict[str, Any]) -> str:
              pct(r.get("frac_of_roofline")),
              ("-" if r["experts_per_layer_measured"] is None else f"{r['experts_per_layer_measured']:.1f}")
              + f" / {r['experts_per_layer_expected']:.1f}",
-             r["total_bytes"] / 1e6, r.get("tokens_per_s_no_overlap"), r.get("host_ms_per_step")]
+             r["total_bytes"] / 1e6, r.get("tokens_per_s_no_overlap"), r.get("host_ms_per_step"),
+             r.get("graph_replay_ms")]
             for r in res.get("decode") or []]
     if rows:
         graphs = all(r.get("graph") for r in res.get("decode") or [])
@@ -72,7 +73,8 @@ def render_markdown(res: dict[str, Any]) -> str:
                 markdown_table(["context", "batch", "tokens/s", "step ms", "roofline tokens/s",
                                 "of roofline", "experts/layer measured / E(1-(1-k/E)^B)",
                                 "MB read/step", "tokens/s without overlap",
-                                "host ms/step (plan+launch+commit)"], rows), ""]
+                                "host ms/step (plan+launch+commit)",
+                                "device ms/step (graph replays back to back)"], rows), ""]
     hf = res.get("hf")
     if hf:
         ours_dec = next((r["tokens_per_s"] for r in res.get("decode") or []
