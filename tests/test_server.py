@@ -171,6 +171,13 @@ def test_stop_token_ids_and_min_tokens(live: Live) -> None:
     got = r["choices"][0]["token_ids"]
     assert r["choices"][0]["finish_reason"] == "stop"
     assert got[-1] == stop_id and len(got) == ids.index(stop_id) + 1
+    # min_tokens masks stop ids until that many tokens exist.
+    k = ids.index(stop_id) + 2
+    _cold(live)
+    _, r = _post(live, "/v1/chat/completions",
+                 {**base, "stop_token_ids": [stop_id], "min_tokens": k})
+    got = r["choices"][0]["token_ids"]
+    assert len(got) >= k and stop_id not in got[:k]
 
 
 def test_stop_string_trims_and_aborts(live: Live) -> None:
