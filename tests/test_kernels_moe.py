@@ -129,7 +129,12 @@ def test_gpu_fused_moe_qwen3_30b_shape(t: int) -> None:
     logits = torch.randn(t, e, device="cuda", generator=g)
     weights, ids = mt.route_topk_triton(logits, k, True)
     rw, rids = route_topk_ref(logits, k, True)
-    assert torch.equal(ids, rids)
+    # Ids may differ only where two probabilities tie to within an ulp (8192 x 128
+    # random logits make that likely somewhere): compare the probabilities chosen.
+    probs = torch.softmax(logits, dim=-1)
+    torch.testing.assert_close(probs.gather(1, ids.long()), probs.gather(1, rids.long()),
+                               rtol=1e-5, atol=1e-7)
+    assert (ids == rids).float().mean() > 0.999
     torch.testing.assert_close(weights, rw, rtol=1e-5, atol=1e-6)
     out = mt.fused_moe_triton(x, w13, w2, weights, ids)
     ref = fused_moe_ref(x, w13, w2, weights, ids)
