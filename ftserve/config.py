@@ -34,6 +34,8 @@ class EngineConfig:
     status_log_interval: float = 10.0  # seconds between one-line status logs; 0 = off
     moe_cache_size: int | None = None  # expert slots in VRAM (offload mode); None = resident
     moe_cache_auto: bool = False  # offload mode, slots sized from --memory-ratio
+    kv_host_pages: int | None = None  # host-tier KV pages (pinned); None = no host tier
+    kv_host_gib: float | None = None  # alternative to kv_host_pages, in GiB of host memory
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -56,6 +58,16 @@ class EngineConfig:
             raise ConfigError("--moe-cache-size must be at least 1")
         if self.moe_cache_size is not None and self.moe_cache_auto:
             raise ConfigError("give --moe-cache-size or --moe-cache-auto, not both")
+        if self.kv_host_pages is not None and self.kv_host_gib is not None:
+            raise ConfigError("give --kv-host-pages or --kv-host-gib, not both")
+        if self.kv_host_pages is not None and self.kv_host_pages < 1:
+            raise ConfigError("--kv-host-pages must be at least 1")
+        if self.kv_host_gib is not None and not self.kv_host_gib > 0:
+            raise ConfigError("--kv-host-gib must be > 0")
+        if (self.kv_host_pages is not None or self.kv_host_gib is not None) and (
+                not self.enable_prefix_cache):
+            raise ConfigError("the KV host tier keeps prefix-cache pages: drop "
+                              "--disable-prefix-cache or the --kv-host-* flag")
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,9 @@ class EngineStats:
     generation_tokens_total: int
     preemptions_total: int
     finished_total: int
+    kv_host_pages_total: int = 0  # usable host-tier pages (0: no host tier)
+    kv_host_pages_cached: int = 0  # host pages holding evicted prefix-cache KV
+    kv_host_hit_tokens_total: int = 0  # prompt tokens brought back from the host tier
 
     @property
     def kv_usage(self) -> float:
@@ -267,6 +270,9 @@ class EngineCore:
             prompt_tokens_total=c.prompt_tokens_total,
             generation_tokens_total=c.generation_tokens_total,
             preemptions_total=c.preemptions_total, finished_total=c.finished_total,
+            kv_host_pages_total=s.host_tier.num_total if s.host_tier is not None else 0,
+            kv_host_pages_cached=s.radix.host_cached_pages,
+            kv_host_hit_tokens_total=s.radix.host_hit_tokens_total,
         )
 
     def _maybe_log_status(self) -> None:

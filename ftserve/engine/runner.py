@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from ftserve.engine.cuda_graph import DecodeGraphs
     from ftserve.engine.request import Req
     from ftserve.engine.sampler import SampleOutput, Sampler
+    from ftserve.kvcache.host_tier import HostKVTier
 
 
 @contextlib.contextmanager
@@ -79,6 +80,9 @@ class ModelRunner:
         self._synced: list[int] = [0] * max_running
         self._pin = device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
+        # KV host tier (set by setup when --kv-host-* is given): the page moves
+        # the scheduler planned for this step are launched before its forward.
+        self.kv_host: HostKVTier | None = None
         # Sampled tokens of the latest step, by sampled row: the next decode
         # step's inputs for requests whose tokens the host has not read yet.
         self.last_tokens = torch.zeros(max_running + 1, dtype=torch.int64, device=device)
@@ -179,6 +183,10 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> Launched:
         """Enqueue the step's device work; the tokens come back in collect()."""
+        if self.kv_host is not None:
+            # Offloads of evicted pages and loads of host-tier hits, ordered by
+            # events after the previous steps and before this one (no host wait).
+            self.kv_host.flush()
         self.prepare_slots(batch.reqs)
         rows = [i for i, s in enumerate(batch.samples) if s]
         if self.graphs is not None and batch.is_decode and self.graphs.can_run(len(batch.reqs)):

@@ -17,11 +17,15 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ftserve.engine.messages import TokenLogprob
 from ftserve.engine.request import Req, ReqState
 from ftserve.kvcache.allocator import PageAllocator
 from ftserve.kvcache.radix import RadixCache
+
+if TYPE_CHECKING:
+    from ftserve.kvcache.host_tier import HostKVTier
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,7 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: list[int],
         enable_prefix_cache: bool = True,
+        host_tier: HostKVTier | None = None,
     ) -> None:
         self.page_size = page_size
         self.max_running = max_running
@@ -72,7 +77,11 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.enable_prefix_cache = enable_prefix_cache
         self.allocator = PageAllocator(num_pages)
-        self.radix = RadixCache(page_size, self.allocator)
+        # With a host tier, prefix-cache eviction moves pages to host memory and
+        # admission brings them back; the moves are planned here and performed
+        # by the runner (HostKVTier.flush) before the step that needs them.
+        self.host_tier = host_tier
+        self.radix = RadixCache(page_size, self.allocator, host=host_tier)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted: PREFILL or DECODE, in admission order
         self.by_id: dict[str, Req] = {}
@@ -222,6 +231,9 @@ class Scheduler:
         if self.enable_prefix_cache:
             # Keep at least one token to compute: its logits give the next token.
             match = self.radix.match_prefix(req.tokens[:len(req.tokens) - 1])
+            # Host-tier hit: device pages are allocated now and the load runs
+            # before this step's forward; those tokens count as cached.
+            match = self.radix.restore(match)
             n_pages = match.num_tokens // self.page_size
             self.radix.lock(match.node)
             req.tree_node = match.node

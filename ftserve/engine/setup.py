@@ -16,6 +16,7 @@ from ftserve.engine.engine import Engine
 from ftserve.engine.runner import ModelRunner
 from ftserve.engine.sampler import Sampler
 from ftserve.engine.scheduler import Scheduler
+from ftserve.kvcache.host_tier import HostKVTier
 from ftserve.kvcache.pool import KVPool
 
 log = logging.getLogger(__name__)
@@ -101,16 +102,18 @@ def build_engine(cfg: EngineConfig) -> Engine:
     pool_tokens = pool.usable_pages * cfg.page_size
     max_model_len = min(model_limit, cfg.max_model_len or model_limit, pool_tokens)
     eos = read_eos_ids(model_dir, mcfg)
+    host_tier = _host_tier(cfg, pool)
     scheduler = Scheduler(
         page_size=cfg.page_size, num_pages=num_pages, max_running=cfg.max_running_requests,
         max_prefill_length=cfg.max_prefill_length, max_model_len=max_model_len,
-        eos_token_ids=eos, enable_prefix_cache=cfg.enable_prefix_cache,
+        eos_token_ids=eos, enable_prefix_cache=cfg.enable_prefix_cache, host_tier=host_tier,
     )
     sampler = Sampler(mcfg.vocab_size, cfg.max_running_requests, device, seed=cfg.seed)
     backend = _attention_backend(cfg, device)
     runner = ModelRunner(model, pool, backend, sampler, device,
                          max_running=cfg.max_running_requests, max_model_len=max_model_len,
                          eos_token_ids=eos)
+    runner.kv_host = host_tier
     graph_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
     if device.type == "cuda" and graph_bs > 0 and getattr(backend, "name", "") == "triton":
         from ftserve.engine.cuda_graph import DecodeGraphs
@@ -126,17 +129,39 @@ def build_engine(cfg: EngineConfig) -> Engine:
         "attention_backend": getattr(backend, "name", type(backend).__name__),
         "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs is not None else [],
         "moe_cache": moe_cache.summary() if moe_cache is not None else None,
+        # The host tier adds prefix-cache capacity, not single-request context.
+        "kv_host_pages": host_tier.num_total if host_tier is not None else 0,
+        "kv_host_tokens": host_tier.num_total * cfg.page_size if host_tier is not None else 0,
+        "kv_host_gib": host_tier.bytes_total() / 2**30 if host_tier is not None else 0.0,
     }
-    log.info("model %s: %s on %s, weights %.2f GiB; KV pool %d pages x %d tokens = %d tokens "
-             "(%.2f GiB); single-request limit %d tokens (rope table %d)",
-             model_dir, summary["dtype"], device, summary["weights_gib"], num_pages, cfg.page_size,
-             pool_tokens, summary["kv_gib"], max_model_len, model_limit)
+    log.info("model %s: %s on %s, weights %.2f GiB", model_dir, summary["dtype"], device,
+             summary["weights_gib"])
+    log.info("context: single-request limit %d tokens (rope table %d, device KV %d); KV capacity "
+             "for all requests and the prefix cache: device %d pages x %d = %d tokens (%.2f GiB), "
+             "host tier %d tokens (%.2f GiB)", max_model_len, model_limit, pool_tokens,
+             num_pages, cfg.page_size, pool_tokens, summary["kv_gib"],
+             summary["kv_host_tokens"], summary["kv_host_gib"])
     return Engine(
         dict(scheduler=scheduler, runner=runner, status_log_interval=cfg.status_log_interval,
              overlap=cfg.overlap_schedule),
         model_dir=model_dir, is_demo=is_demo, max_model_len=max_model_len,
         vocab_size=mcfg.vocab_size, eos_token_ids=eos, model_config=mcfg, summary=summary,
     )
+
+
+def _host_tier(cfg: EngineConfig, pool: KVPool) -> HostKVTier | None:
+    """The pinned host tier asked for by --kv-host-pages / --kv-host-gib, or None."""
+    if cfg.kv_host_pages is None and cfg.kv_host_gib is None:
+        return None
+    pages = cfg.kv_host_pages
+    if pages is None:
+        assert cfg.kv_host_gib is not None
+        pages = HostKVTier.pages_for_gib(cfg.kv_host_gib, pool)
+        if pages < 1:
+            raise ConfigError(
+                f"--kv-host-gib {cfg.kv_host_gib} holds no page of "
+                f"{pool.bytes_per_page()} bytes; raise it")
+    return HostKVTier(pool, pages)
 
 
 def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int) -> int:

@@ -1,4 +1,4 @@
-"""Radix prefix cache over token ids, in whole KV pages.
+"""Radix prefix cache over token ids, in whole KV pages, over two tiers.
 
 The tree shares FULL pages only. Each node holds a run of whole pages and the
 tokens they cache (``len(key) == len(pages) * page_size``); children are keyed
@@ -6,20 +6,32 @@ by their first page-sized chunk of tokens, so a lookup costs one dict probe per
 node plus one C-level list comparison of the node's tokens::
 
     root ──(t0..t15)── A: pages [7, 3]  ──(t32..t47)── B: pages [9]
-                                        └─(u32..u47)── C: pages [4, 12, 5]
+                                        └─(u32..u47)── C: host pages [4, 12, 5]
 
 A partial trailing page stays private to its request and is freed when the
 request ends; it never enters the tree.
 
+Tiers: a node's pages are all device pages (``PageAllocator``) or, with a host
+tier, all host pages (``HostKVTier``, ``node.on_host``). A device node's parent
+is a device node or the root, so the device part of the tree is a top subtree
+and host nodes hang below it. Device eviction takes the least recently used
+unlocked device node with no device children and, when a host tier exists,
+moves its KV to host pages (an offload) instead of dropping it; the host tier
+drops its own least recently used unlocked leaves when it needs room. A match
+that runs into host nodes is brought back by ``restore`` (a load), which turns
+them into device nodes again. Page moves are only planned here; the host tier
+performs them in planning order before the next step (see host_tier.py).
+
 Ownership: every page in the tree is owned by the tree. A request that matched
 a prefix reads those pages while it holds ``lock(node)``, which ref-counts the
-whole path root..node, so ``evict`` (LRU over unlocked leaves) never frees them.
+whole path root..node, so ``evict`` never frees or moves them.
 Invariant: a node's ref count >= each child's, hence an unlocked node's subtree
 is unlocked and every unlocked page is reachable by repeated leaf eviction.
 
 How the engine uses it (chunked prefill and finish alike)::
 
-    m = cache.match_prefix(tokens); cache.lock(m.node)      # reuse m.pages
+    m = cache.restore(cache.match_prefix(tokens))  # bring host pages back
+    cache.lock(m.node)                                      # reuse m.pages
     ... allocate private pages, run forward over tokens[m.num_tokens:] ...
     cache.insert(tokens, pages)       # tree takes the full pages, frees duplicates
     m2 = cache.match_prefix(tokens)   # the tree's pages for those full pages
@@ -37,58 +49,85 @@ import heapq
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ftserve.kvcache.allocator import PageAllocator
+
+if TYPE_CHECKING:
+    from ftserve.kvcache.host_tier import HostKVTier
 
 
 class RadixNode:
     """A run of whole pages under one parent (the root holds none)."""
 
-    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "uid", "detached")
+    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "uid", "detached",
+                 "on_host")
 
     def __init__(
-        self, key: list[int], pages: list[int], parent: RadixNode | None, uid: int
+        self, key: list[int], pages: list[int], parent: RadixNode | None, uid: int,
+        on_host: bool = False,
     ) -> None:
         self.key = key  # tokens cached by `pages`, len == len(pages) * page_size
-        self.pages = pages
+        self.pages = pages  # device page ids, or host page ids when on_host
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.parent = parent
         self.ref = 0  # live locks whose path runs through this node
         self.last_access = 0  # logical clock of the last match/insert through it
         self.uid = uid  # stable tie-break for the eviction heap
         self.detached = False  # evicted or dropped by reset: must not be locked again
+        self.on_host = on_host
 
     def __repr__(self) -> str:
-        return f"RadixNode(uid={self.uid}, pages={self.pages}, ref={self.ref}, children={len(self.children)})"
+        tier = "host" if self.on_host else "device"
+        return (f"RadixNode(uid={self.uid}, {tier} pages={self.pages}, ref={self.ref}, "
+                f"children={len(self.children)})")
 
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """Longest cached prefix of a query, in whole pages."""
+    """Longest cached prefix of a query, in whole pages.
 
-    pages: list[int]  # tree pages of tokens[:num_tokens], in order
+    ``pages``/``num_tokens``/``node`` cover the device-resident part; a match
+    that continues into host-tier nodes says so in ``host_tokens`` (extra
+    tokens cached on the host) and ``host_node`` (deepest matched node), for
+    ``RadixCache.restore``.
+    """
+
+    pages: list[int]  # device pages of tokens[:num_tokens], in order
     num_tokens: int  # multiple of page_size
     node: RadixNode  # lock/unlock this to pin exactly `pages`
+    host_tokens: int = 0
+    host_node: RadixNode | None = None
 
 
 class RadixCache:
-    def __init__(self, page_size: int, allocator: PageAllocator) -> None:
+    def __init__(
+        self, page_size: int, allocator: PageAllocator, host: HostKVTier | None = None
+    ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if host is not None and host.page_size != page_size:
+            raise ValueError(f"host tier page size {host.page_size} != {page_size}")
         self.page_size = page_size
         self.allocator = allocator
+        self.host = host
         self._uids = itertools.count()
         self.root = RadixNode([], [], None, next(self._uids))
         self._clock = 0
-        # Pages in nodes with ref == 0 / ref > 0; kept incrementally so stats are O(1).
+        # Device pages in nodes with ref == 0 / ref > 0, and host pages in the
+        # tree; kept incrementally so stats are O(1).
         self._evictable_pages = 0
         self._locked_pages = 0
+        self._host_pages = 0
         self.hit_tokens_total = 0
         self.query_tokens_total = 0
+        self.host_hit_tokens_total = 0  # tokens brought back from the host tier
+        self.host_dropped_pages_total = 0  # host pages dropped (host LRU or reset)
 
     # ---------------------------------------------------------------- stats
     @property
     def cached_pages(self) -> int:
+        """Device pages held by the tree."""
         return self._evictable_pages + self._locked_pages
 
     @property
@@ -98,6 +137,11 @@ class RadixCache:
     @property
     def locked_pages(self) -> int:
         return self._locked_pages
+
+    @property
+    def host_cached_pages(self) -> int:
+        """Host pages held by the tree."""
+        return self._host_pages
 
     @property
     def hit_rate(self) -> float:
@@ -120,6 +164,7 @@ class RadixCache:
         node.last_access = self._clock
         pages: list[int] = []
         pos = 0
+        dev: tuple[int, RadixNode] | None = None  # (tokens, node) where the device part ends
         while pos < limit:
             child = node.children.get(tuple(toks[pos : pos + ps]))
             if child is None:
@@ -128,13 +173,65 @@ class RadixCache:
             if n_pages < len(child.pages):
                 child = self._split(child, n_pages)
             child.last_access = self._clock
-            pages.extend(child.pages)
+            if child.on_host and dev is None:
+                dev = (pos, node)
+            if dev is None:
+                pages.extend(child.pages)
             pos += len(child.key)
             node = child
+        dev_tokens, dev_node = dev if dev is not None else (pos, node)
         if count_stats:
             self.query_tokens_total += len(toks)
-            self.hit_tokens_total += pos
-        return PrefixMatch(pages=pages, num_tokens=pos, node=node)
+            self.hit_tokens_total += dev_tokens
+        if dev is None:
+            return PrefixMatch(pages=pages, num_tokens=pos, node=node)
+        return PrefixMatch(pages=pages, num_tokens=dev_tokens, node=dev_node,
+                           host_tokens=pos - dev_tokens, host_node=node)
+
+    def restore(self, match: PrefixMatch) -> PrefixMatch:
+        """Bring the host-tier part of ``match`` back to device pages (as many
+        whole pages as the device can free, top-down) and return the device
+        match. Plans the loads; the host tier performs them before the next step."""
+        target = match.host_node
+        if target is None or self.host is None:
+            return match
+        self.lock(target)  # pins the whole path, both tiers, against both evictions
+        try:
+            host_nodes: list[RadixNode] = []
+            n: RadixNode | None = target
+            while n is not None and n.on_host:
+                host_nodes.append(n)
+                n = n.parent
+            host_nodes.reverse()
+            need = sum(len(h.pages) for h in host_nodes)
+            if self.allocator.num_free < need:
+                self.evict(need - self.allocator.num_free)
+            avail = self.allocator.num_free
+            pages, num_tokens, node = list(match.pages), match.num_tokens, match.node
+            for h in host_nodes:
+                if avail == 0:
+                    break
+                partial = len(h.pages) > avail
+                if partial:
+                    h = self._split(h, avail)  # load the upper part; the rest stays on host
+                dev = self.allocator.alloc(len(h.pages))
+                assert dev is not None
+                self.host.queue_load(h.pages, dev)
+                self.host.free(h.pages)
+                self._host_pages -= len(dev)
+                self._locked_pages += len(dev)  # h.ref > 0 here: it is on the locked path
+                h.pages, h.on_host = dev, False
+                avail -= len(dev)
+                pages += dev
+                num_tokens += len(h.key)
+                node = h
+                if partial:
+                    break
+        finally:
+            self.unlock(target)
+        self.hit_tokens_total += num_tokens - match.num_tokens
+        self.host_hit_tokens_total += num_tokens - match.num_tokens
+        return PrefixMatch(pages=pages, num_tokens=num_tokens, node=node)
 
     # ---------------------------------------------------------------- locks
     def lock(self, node: RadixNode) -> None:
@@ -147,7 +244,7 @@ class RadixCache:
             raise ValueError(f"cannot lock {node!r}: it was evicted or reset out of the tree")
         n: RadixNode | None = node
         while n is not None:
-            if n.ref == 0:
+            if n.ref == 0 and not n.on_host:
                 self._evictable_pages -= len(n.pages)
                 self._locked_pages += len(n.pages)
             n.ref += 1
@@ -160,7 +257,7 @@ class RadixCache:
         n: RadixNode | None = node
         while n is not None:
             n.ref -= 1
-            if n.ref == 0:
+            if n.ref == 0 and not n.on_host:
                 self._locked_pages -= len(n.pages)
                 self._evictable_pages += len(n.pages)
             n = n.parent
@@ -171,8 +268,9 @@ class RadixCache:
 
         ``pages[i]`` holds tokens[i*page_size:(i+1)*page_size]; pages past the
         last full page are not touched (the caller keeps its partial page).
-        Where the tree already has a page for a chunk, the caller's page (if a
-        different one) is freed back to the allocator.
+        Where the tree already has a device page for a chunk, the caller's page
+        (if a different one) is freed back to the allocator. Where it has a
+        host page, the caller's fresh device page replaces it (no copy needed).
         """
         toks = tokens if isinstance(tokens, list) else list(tokens)
         ps = self.page_size
@@ -201,9 +299,13 @@ class RadixCache:
             if n_pages < len(child.pages):
                 child = self._split(child, n_pages)
             p0 = pos // ps
-            for tree_page, own_page in zip(child.pages, pages[p0 : p0 + n_pages]):
-                if own_page != tree_page:
-                    duplicates.append(own_page)
+            own = list(pages[p0 : p0 + n_pages])
+            if child.on_host:
+                # Walking top-down, `node` is the root or a device node, so the
+                # tier invariant holds after this node turns device.
+                self._to_device(child, own)
+            else:
+                duplicates.extend(o for t, o in zip(child.pages, own) if o != t)
             child.last_access = self._clock
             pos += len(child.key)
             node = child
@@ -211,18 +313,102 @@ class RadixCache:
             self.allocator.free(duplicates)
         return pos
 
+    def _to_device(self, node: RadixNode, device_pages: list[int]) -> None:
+        """A host node takes the caller's device pages holding the same KV."""
+        assert self.host is not None and len(device_pages) == len(node.pages)
+        self.host.free(node.pages)
+        self._host_pages -= len(device_pages)
+        if node.ref:
+            self._locked_pages += len(device_pages)
+        else:
+            self._evictable_pages += len(device_pages)
+        node.pages, node.on_host = device_pages, False
+
     # ---------------------------------------------------------------- evict
     def evict(self, num_pages: int) -> int:
-        """Free up to ``num_pages`` pages from least-recently-used unlocked leaves."""
+        """Free up to ``num_pages`` device pages from the least recently used
+        unlocked device nodes that have no device children. With a host tier
+        their KV moves to host pages (dropped only when the host tier has no
+        room even after its own LRU eviction); without one it is dropped."""
         if num_pages <= 0:
             return 0
         heap: list[tuple[int, int, RadixNode]] = []
         stack = [self.root]
         while stack:
             n = stack.pop()
+            dev_children = [c for c in n.children.values() if not c.on_host]
+            if dev_children:
+                stack.extend(dev_children)  # host subtrees hold no device pages
+            elif n is not self.root and n.ref == 0 and not n.on_host:
+                heap.append((n.last_access, n.uid, n))
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < num_pages:
+            _, _, leaf = heapq.heappop(heap)
+            take = min(num_pages - freed, len(leaf.pages))
+            parent = leaf.parent
+            assert parent is not None
+            if self.host is None:
+                self._drop_device_leaf(leaf, take)
+            else:
+                if take < len(leaf.pages):
+                    # Cut off the deepest `take` pages; they keep `leaf`'s
+                    # identity and its (host) children.
+                    parent = self._split(leaf, len(leaf.pages) - take)
+                if not self._offload(leaf):
+                    self._drop_subtree(leaf)
+            freed += take
+            if (parent is not self.root and parent.ref == 0 and not parent.on_host
+                    and all(c.on_host for c in parent.children.values())):
+                heapq.heappush(heap, (parent.last_access, parent.uid, parent))
+        return freed
+
+    def _drop_device_leaf(self, leaf: RadixNode, take: int) -> None:
+        """No host tier: free the leaf's deepest ``take`` pages (all: drop it)."""
+        ps = self.page_size
+        if take < len(leaf.pages):
+            victims = leaf.pages[-take:]
+            del leaf.pages[-take:]
+            del leaf.key[-take * ps :]
+        else:
+            victims = leaf.pages
+            self._detach(leaf)
+        self.allocator.free(victims)
+        self._evictable_pages -= len(victims)
+
+    def _offload(self, node: RadixNode) -> bool:
+        """Move an unlocked device node's KV to host pages (planned copy)."""
+        assert self.host is not None and not node.on_host and node.ref == 0
+        host_pages = self._host_alloc(len(node.pages))
+        if host_pages is None:
+            return False
+        self.host.queue_offload(node.pages, host_pages)
+        # Safe to reuse at once: the next step waits for this copy (HostKVTier.flush).
+        self.allocator.free(node.pages)
+        self._evictable_pages -= len(node.pages)
+        self._host_pages += len(host_pages)
+        node.pages, node.on_host = host_pages, True
+        return True
+
+    def _host_alloc(self, n: int) -> list[int] | None:
+        host = self.host
+        assert host is not None
+        if n > host.num_total:
+            return None
+        if host.num_free < n:
+            self._evict_host(n - host.num_free)
+        return host.alloc(n)
+
+    def _evict_host(self, num_pages: int) -> int:
+        """Drop up to ``num_pages`` host pages from LRU unlocked host leaves."""
+        assert self.host is not None
+        heap: list[tuple[int, int, RadixNode]] = []
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
             if n.children:
                 stack.extend(n.children.values())
-            elif n is not self.root and n.ref == 0:
+            elif n.on_host and n.ref == 0:
                 heap.append((n.last_access, n.uid, n))
         heapq.heapify(heap)
         freed = 0
@@ -230,46 +416,66 @@ class RadixCache:
         while heap and freed < num_pages:
             _, _, leaf = heapq.heappop(heap)
             take = min(num_pages - freed, len(leaf.pages))
+            parent = leaf.parent
+            assert parent is not None
             if take < len(leaf.pages):
-                # Trim the leaf's tail: its deepest pages go first, the rest stay cached.
                 victims = leaf.pages[-take:]
                 del leaf.pages[-take:]
                 del leaf.key[-take * ps :]
             else:
                 victims = leaf.pages
-                parent = leaf.parent
-                assert parent is not None
-                del parent.children[tuple(leaf.key[:ps])]
-                leaf.parent = None
-                leaf.detached = True
-                leaf.pages = []
-                leaf.key = []
-                if parent is not self.root and not parent.children and parent.ref == 0:
+                self._detach(leaf)
+                if parent.on_host and not parent.children and parent.ref == 0:
                     heapq.heappush(heap, (parent.last_access, parent.uid, parent))
-            self.allocator.free(victims)
-            self._evictable_pages -= len(victims)
+            self.host.free(victims)
+            self._host_pages -= len(victims)
+            self.host_dropped_pages_total += len(victims)
             freed += len(victims)
         return freed
 
+    def _drop_subtree(self, node: RadixNode) -> None:
+        """Drop an unlocked node and everything below it, freeing both tiers' pages."""
+        self._detach(node)
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            assert n.ref == 0
+            stack.extend(n.children.values())
+            self._free_node_pages(n)
+            n.detached, n.parent, n.children = True, None, {}
+
+    def _free_node_pages(self, n: RadixNode) -> None:
+        if n.on_host:
+            assert self.host is not None
+            self.host.free(n.pages)
+            self._host_pages -= len(n.pages)
+            self.host_dropped_pages_total += len(n.pages)
+        else:
+            self.allocator.free(n.pages)
+            if n.ref:
+                self._locked_pages -= len(n.pages)
+            else:
+                self._evictable_pages -= len(n.pages)
+        n.pages, n.key = [], []
+
+    def _detach(self, leaf: RadixNode) -> None:
+        parent = leaf.parent
+        assert parent is not None
+        del parent.children[tuple(leaf.key[: self.page_size])]
+        leaf.parent = None
+        leaf.detached = True
+
     def reset(self) -> bool:
-        """Drop the whole tree, freeing its pages; False (and no change) if any page is locked.
+        """Drop the whole tree (both tiers), freeing its pages; False (and no
+        change) if any page is locked.
 
         Lifetime hit counters survive a reset. The root stays the same object,
         so a request that holds a lock on the root (an empty match) stays valid.
         """
         if self._locked_pages:
             return False
-        stack = list(self.root.children.values())
-        freed: list[int] = []
-        while stack:
-            n = stack.pop()
-            stack.extend(n.children.values())
-            freed.extend(n.pages)
-            n.detached = True
-            n.parent = None
-        self.root.children = {}
-        self.allocator.free(freed)
-        self._evictable_pages = 0
+        for child in list(self.root.children.values()):
+            self._drop_subtree(child)
         return True
 
     # ---------------------------------------------------------------- helpers
@@ -291,13 +497,14 @@ class RadixCache:
 
         The lower part keeps the original object, so a holder of ``node`` (a
         lock) still pins the same pages, and its path now runs through the new
-        upper node, which inherits the ref count and access time.
+        upper node, which inherits the ref count, access time and tier.
         """
         ps = self.page_size
         cut = n_pages * ps
         parent = node.parent
         assert parent is not None and 0 < n_pages < len(node.pages)
-        upper = RadixNode(node.key[:cut], node.pages[:n_pages], parent, next(self._uids))
+        upper = RadixNode(node.key[:cut], node.pages[:n_pages], parent, next(self._uids),
+                          on_host=node.on_host)
         upper.ref = node.ref
         upper.last_access = node.last_access
         parent.children[tuple(node.key[:ps])] = upper
@@ -309,68 +516,12 @@ class RadixCache:
 
     # ---------------------------------------------------------------- checks
     def check_integrity(self, live_pages: Iterable[int] = ()) -> None:
-        """Assert the page partition and the tree's structural invariants.
+        """Assert the page partition of both tiers and the tree's invariants.
 
-        Every usable page is in exactly one of: the allocator's free list,
-        ``live_pages`` (held privately by live requests), the tree.
+        Every usable device page is in exactly one of: the allocator's free
+        list, ``live_pages`` (held privately by live requests), a device node.
+        Every usable host page is in exactly one of: the host free list, a host node.
         """
-        ps = self.page_size
-        alloc = self.allocator
-        alloc.check_integrity()
-        owner: dict[int, str] = {}
+        from ftserve.kvcache.radix_check import check_radix
 
-        def claim(page: int, where: str) -> None:
-            assert 0 < page < alloc.num_pages, (
-                f"{where} holds page {page}, outside 1..{alloc.num_pages - 1}"
-            )
-            prev = owner.get(page)
-            assert prev is None, f"page {page} is owned twice: by {prev} and by {where}"
-            owner[page] = where
-
-        for p in alloc.free_pages():
-            claim(p, "the free list")
-        for p in live_pages:
-            claim(p, "a live request")
-        root = self.root
-        assert not root.pages and not root.key and root.parent is None, (
-            "the root must hold no pages"
-        )
-        evictable = locked = 0
-        stack = [root]
-        while stack:
-            n = stack.pop()
-            assert n.ref >= 0, f"{n!r} has a negative ref count"
-            assert not n.detached, f"{n!r} is in the tree but marked detached"
-            if n is not root:
-                assert n.pages, f"{n!r} holds no pages"
-                assert len(n.key) == len(n.pages) * ps, (
-                    f"{n!r}: {len(n.key)} tokens for {len(n.pages)} pages of {ps}"
-                )
-                for p in n.pages:
-                    claim(p, f"tree node {n.uid}")
-                if n.ref:
-                    locked += len(n.pages)
-                else:
-                    evictable += len(n.pages)
-            for first, c in n.children.items():
-                assert c.parent is n, f"{c!r} is under {n!r} but points to another parent"
-                assert len(first) == ps and tuple(c.key[:ps]) == first, (
-                    f"{c!r} is filed under key {first} but starts with {c.key[:ps]}"
-                )
-                assert c.ref <= n.ref, f"child {c!r} has more locks than its parent {n!r}"
-                assert c.last_access <= n.last_access, (
-                    f"child {c!r} accessed after its parent {n!r}"
-                )
-                stack.append(c)
-        assert evictable == self._evictable_pages, (
-            f"evictable_pages counter {self._evictable_pages} != {evictable} counted in the tree"
-        )
-        assert locked == self._locked_pages, (
-            f"locked_pages counter {self._locked_pages} != {locked} counted in the tree"
-        )
-        missing = alloc.num_total - len(owner)
-        assert missing == 0, (
-            f"{missing} usable pages are owned by nobody (leaked), e.g. "
-            f"{sorted(set(range(1, alloc.num_pages)) - owner.keys())[:8]}"
-        )
-        assert 0 <= self.hit_tokens_total <= self.query_tokens_total, "hit counters inconsistent"
+        check_radix(self, live_pages)

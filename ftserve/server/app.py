@@ -58,6 +58,10 @@ async def models(request: web.Request) -> web.Response:
         "owned_by": "ftserve",
         "root": engine.model_dir,
         "max_model_len": engine.max_model_len,
+        # Single-request limit above; KV capacity shared by all requests and the
+        # prefix cache below, per tier (the host tier only holds evicted prefixes).
+        "kv_capacity_tokens": {"device": int(engine.summary.get("kv_tokens", 0)),
+                               "host": int(engine.summary.get("kv_host_tokens", 0))},
     }
     return _json({"object": "list", "data": [card]})
 

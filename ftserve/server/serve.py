@@ -76,7 +76,9 @@ def banner(state: ServerState, host: str, port: int) -> str:
     engine = state.engine
     assert engine is not None
     lines = [f"ftserve ready: serving '{state.model_name}' at http://{host}:{port} "
-             f"(max context {engine.max_model_len} tokens)"]
+             f"(max context {engine.max_model_len} tokens per request; KV capacity "
+             f"{engine.summary.get('kv_tokens', 0)} tokens on the device, "
+             f"{engine.summary.get('kv_host_tokens', 0)} in the host tier)"]
     lines += [f"  {method:<4} http://{host}:{port}{path}" for method, path in ROUTES]
     if engine.is_demo:
         lines.append("  WARNING: this is the embedded demo model with RANDOM DEMO WEIGHTS; its "

@@ -1,0 +1,192 @@
+"""Host tier of the KV cache: pinned host pages that keep evicted prefixes.
+
+Same per-layer page layout as ``KVPool`` (page 0 is a dummy here too, so the
+same ``PageAllocator`` hands out host pages 1..N)::
+
+    device KVPool.k [L, dev_pages * ps, Hkv, D]   <-- load (host -> device)
+    host   tier.k   [L, host_pages * ps, Hkv, D]  --> offload (device -> host)
+
+The radix cache decides WHAT moves (it owns the host page ids through its
+host-tier nodes); this class only records the moves the scheduler planned and
+performs them in planning order at ``flush()``, which the runner calls right
+before it launches the step that may read or overwrite the pages involved.
+
+Ordering on CUDA, without a single host wait::
+
+    compute stream:  ... step N ...  rec(e1)          wait(e2) step N+1 ...
+    copy stream:                      wait(e1) copies rec(e2)
+
+- e1: an offload reads device pages only after every earlier step wrote them.
+- e2: step N+1 may reuse a just-freed device page (the offload already read
+  it) and reads just-loaded pages only after the load wrote them.
+- All moves run on one stream in planning order, so a host page freed by a
+  load and handed to a later offload in the same plan is read before it is
+  overwritten. The host CPU itself never touches the pages.
+
+Each direction's run of moves is ONE fixed-shape launch of
+``copy_kv_pages`` over padded page lists (-1 = skip, padded to a power of two
+so the shapes seen stay few), planned on the host from host-side metadata and
+uploaded with one non-blocking copy. It is one batched copy before the step,
+not a layer-by-layer overlap with compute (see the module's tests and
+tools/bench_kv_tiers.py for what that costs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ftserve.kvcache.allocator import PageAllocator
+from ftserve.kvcache.pool import KVPool
+
+
+@dataclass
+class _Run:
+    """Consecutive moves in one direction: page src[i] -> page dst[i], every layer."""
+
+    to_host: bool
+    src: list[int]
+    dst: list[int]
+
+
+@dataclass
+class HostTierCounters:
+    pages_offloaded_total: int = 0  # device -> host
+    pages_loaded_total: int = 0  # host -> device
+    copy_launches_total: int = 0
+
+
+class HostKVTier:
+    """Host pages in the device pool's layout, a host page allocator, and the
+    queue of planned page moves (see the module docstring)."""
+
+    def __init__(self, pool: KVPool, num_pages: int) -> None:
+        if num_pages < 1:
+            raise ValueError(f"the host tier needs at least 1 page, got {num_pages}")
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.device = pool.device
+        self.on_cuda = self.device.type == "cuda"
+        shape = (pool.num_layers, (num_pages + 1) * pool.page_size, pool.num_kv_heads, pool.head_dim)
+        # Pinned so the copy kernel reads/writes it over UVA; never initialized:
+        # a host page is always written by an offload before a load reads it.
+        self.k = torch.empty(shape, dtype=pool.dtype, pin_memory=self.on_cuda)
+        self.v = torch.empty(shape, dtype=pool.dtype, pin_memory=self.on_cuda)
+        self.allocator = PageAllocator(num_pages + 1)
+        self.counters = HostTierCounters()
+        self._runs: list[_Run] = []
+        self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+
+    # ----- capacity --------------------------------------------------------
+    @property
+    def num_total(self) -> int:
+        """Usable host pages."""
+        return self.allocator.num_total
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    def bytes_total(self) -> int:
+        return self.num_total * self.pool.bytes_per_page()
+
+    @staticmethod
+    def pages_for_gib(gib: float, pool: KVPool) -> int:
+        """Host pages that fit in ``gib`` GiB at the pool's page size."""
+        return int(gib * 2**30) // pool.bytes_per_page()
+
+    # ----- allocation (the radix cache owns the ids it gets) -----------------
+    def alloc(self, n: int) -> list[int] | None:
+        return self.allocator.alloc(n)
+
+    def free(self, pages: list[int]) -> None:
+        self.allocator.free(pages)
+
+    # ----- planned moves -----------------------------------------------------
+    def queue_offload(self, device_pages: list[int], host_pages: list[int]) -> None:
+        """Plan device_pages[i] -> host_pages[i]. The caller may free the device
+        pages at once: the next step waits for this copy (flush)."""
+        self._queue(True, device_pages, host_pages)
+        self.counters.pages_offloaded_total += len(device_pages)
+
+    def queue_load(self, host_pages: list[int], device_pages: list[int]) -> None:
+        """Plan host_pages[i] -> device_pages[i]. The caller may free the host
+        pages at once: later moves run after this one on the same stream."""
+        self._queue(False, host_pages, device_pages)
+        self.counters.pages_loaded_total += len(device_pages)
+
+    def _queue(self, to_host: bool, src: list[int], dst: list[int]) -> None:
+        if len(src) != len(dst):
+            raise ValueError(f"page move with {len(src)} sources and {len(dst)} destinations")
+        if not src:
+            return
+        if self._runs and self._runs[-1].to_host == to_host:
+            self._runs[-1].src.extend(src)
+            self._runs[-1].dst.extend(dst)
+        else:
+            self._runs.append(_Run(to_host, list(src), list(dst)))
+
+    @property
+    def num_pending(self) -> int:
+        """Page moves planned but not launched yet."""
+        return sum(len(r.src) for r in self._runs)
+
+    def flush(self) -> None:
+        """Launch every planned move, in planning order, ordered after the work
+        already queued on the current stream and before the work queued after
+        this call (CUDA: events between streams, no host wait)."""
+        if not self._runs:
+            return
+        runs, self._runs = self._runs, []
+        if self.copy_stream is None:
+            for run in runs:
+                self._copy_torch(run)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        before = torch.cuda.Event()
+        before.record(compute)
+        self.copy_stream.wait_event(before)
+        with torch.cuda.stream(self.copy_stream):
+            for run in runs:
+                self._copy_cuda(run)
+        after = torch.cuda.Event()
+        after.record(self.copy_stream)
+        compute.wait_event(after)
+
+    def synchronize(self) -> None:
+        """Wait (host) for every launched move; for tests and benchmarks only."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+
+    # ----- the copies ----------------------------------------------------------
+    def _sides(self, run: _Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = self.pool
+        if run.to_host:
+            return p.k, p.v, self.k, self.v
+        return self.k, self.v, p.k, p.v
+
+    def _copy_cuda(self, run: _Run) -> None:
+        from ftserve_kernels.bookkeeping import copy_kv_pages
+
+        n = len(run.src)
+        width = 1 << (n - 1).bit_length()  # pad to a power of two; -1 entries are skipped
+        pad = [-1] * (width - n)
+        # One pinned buffer, one non-blocking upload on the copy stream; the
+        # caching allocators keep both alive until the copy stream used them.
+        host = torch.tensor(run.src + pad + run.dst + pad, dtype=torch.int32, pin_memory=True)
+        idx = host.to(self.device, non_blocking=True).view(2, width)  # [2, P]
+        src_k, src_v, dst_k, dst_v = self._sides(run)
+        copy_kv_pages(src_k, src_v, dst_k, dst_v, idx[0], idx[1], self.page_size)
+        self.counters.copy_launches_total += 1
+
+    def _copy_torch(self, run: _Run) -> None:
+        """CPU path: the same moves with index_select / index_copy_ over slot rows."""
+        ps = self.page_size
+        offs = torch.arange(ps)
+        src_rows = (torch.tensor(run.src)[:, None] * ps + offs).reshape(-1)  # [n * ps]
+        dst_rows = (torch.tensor(run.dst)[:, None] * ps + offs).reshape(-1)  # [n * ps]
+        src_k, src_v, dst_k, dst_v = self._sides(run)
+        dst_k.index_copy_(1, dst_rows, src_k.index_select(1, src_rows).to(dst_k.device))
+        dst_v.index_copy_(1, dst_rows, src_v.index_select(1, src_rows).to(dst_v.device))
+        self.counters.copy_launches_total += 1
