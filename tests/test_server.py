@@ -134,6 +134,21 @@ def test_completions_string_prompt_and_logprobs(client: openai.OpenAI) -> None:
     assert all(1 <= len(t) <= 3 for t in lp.top_logprobs)
 
 
+def test_completions_streaming(live: Live, client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model="ftserve-demo", prompt="Once upon a time", max_tokens=6,
+                              temperature=0, extra_body={"ignore_eos": True})
+    _cold(live)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                            logprobs=1, **kw))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert chunks[-2].choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].text for c in chunks[:-1])
+    offsets = [o for c in chunks[:-2] for o in c.choices[0].logprobs.text_offset]
+    assert offsets == sorted(offsets) and len(offsets) == 6
+    _cold(live)
+    assert client.completions.create(**kw).choices[0].text == streamed
+
+
 def test_chat_logprobs(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=4,
                                        logprobs=True, top_logprobs=2, temperature=0,
