@@ -135,6 +135,9 @@ def test_gpu_copy_pages_host_device_roundtrip_in_graph() -> None:
         assert torch.equal(host_k[:, t * ps : (t + 1) * ps], dev_k[:, s * ps : (s + 1) * ps].cpu())
         assert torch.equal(host_v[:, t * ps : (t + 1) * ps], dev_v[:, s * ps : (s + 1) * ps].cpu())
     back_k, back_v = torch.zeros_like(dev_k), torch.zeros_like(dev_v)
+    bk.copy_kv_pages(host_k, host_v, back_k, back_v, dp, sp, ps)  # compile outside the capture
+    back_k.zero_()
+    back_v.zero_()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):  # host -> device, captured
         bk.copy_kv_pages(host_k, host_v, back_k, back_v, dp, sp, ps)
@@ -154,8 +157,10 @@ def test_gpu_admission_no_sync_and_matches_reference() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for it in range(6):
         needed = torch.randint(-1, 3000, (m,), device="cuda", generator=gen).int()
-        if it == 0:
-            bk.admit_experts(needed.clone(), *bk.new_slot_maps(num_ids, num_slots, "cuda"))
+        if it == 0:  # compile outside the sync check
+            scratch = bk.new_slot_maps(num_ids, num_slots, "cuda")
+            bk.admit_experts(needed.clone(), *scratch)
+            bk.invalidate_slots(scratch[0], scratch[1], 0, 50)
             torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
