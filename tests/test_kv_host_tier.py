@@ -322,3 +322,20 @@ def test_startup_reports_limit_and_both_capacities(
         assert "device 41 pages x 4 = 160 tokens" in text
     finally:
         eng.shutdown()
+
+
+def test_bench_kv_tiers_smoke(tmp_path: object) -> None:
+    """tools/bench_kv_tiers.py end to end on the CPU: each TTFT case really is
+    the case it names (cached tokens), and every section ran."""
+    from tools.bench_kv_tiers import main
+
+    out = main(["--smoke", "--out", str(tmp_path) + "/kv.json"])  # type: ignore[operator]
+    assert not out.get("errors"), out.get("errors")
+    t = out["ttft"]
+    prefix = t["prefix_tokens"]
+    assert t["device"]["cached_tokens"] == prefix and t["host"]["cached_tokens"] == prefix
+    assert t["recompute"]["cached_tokens"] == 0
+    assert all(r["host_tokens_before"] == prefix for r in t["host"]["runs"])
+    bw = out["bandwidth"]
+    assert bw["restore_pages"] == bw["offload_pages"] == prefix // 16
+    assert len(out["conversation"]["turns"]) == 7
