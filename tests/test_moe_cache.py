@@ -40,10 +40,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_model_config("tiny-moe", Path(tmp_path_factory.mktemp("moe-cache")), layers=LAYERS)
 
 
-def make_engine(model_dir: str, **kw: Any) -> Engine:
+def make_engine(model_dir: str, load_format: str = "dummy", **kw: Any) -> Engine:
     from ftserve.engine.setup import build_engine
 
-    cfg = EngineConfig(model=model_dir, load_format="dummy", device="cpu", dtype="float32",
+    cfg = EngineConfig(model=model_dir, load_format=load_format, device="cpu", dtype="float32",
                        page_size=16, num_pages=256, max_prefill_length=64, max_running_requests=4,
                        cuda_graph_max_bs=0, status_log_interval=0.0, **kw)
     return build_engine(cfg)
@@ -295,3 +295,34 @@ def test_bench_smoke_cpu(tmp_path: Path) -> None:
         assert r["experts_streamed"] == (TOTAL if r["mode"] == "offload" else 0), r
     dec = [r for r in res["summary"]["decode"] if r["mode"] == "offload"]
     assert [r["batch"] for r in dec] == [1, 3] and all(0.0 <= r["hit_rate"] <= 1.0 for r in dec)
+
+
+def test_offload_from_safetensors_equals_resident(tmp_path: Path) -> None:
+    """Item 2: experts go from real (sharded) safetensors straight into the host bank."""
+    from ftserve.models.checkpoint import write_checkpoint
+
+    ckpt = write_checkpoint("tiny-moe", tmp_path / "ckpt", layers=2, seed=3, shard_size_mb=0.5)
+    assert len(list(ckpt.glob("*.safetensors"))) > 1, "want a sharded checkpoint"
+    p = prompts(11, 2, 20, 90)
+    outs = []
+    for slots in (None, 16):
+        eng = make_engine(str(ckpt), "safetensors", moe_cache_size=slots)
+        try:
+            assert (eng.summary["moe_cache"] is None) == (slots is None)
+            if slots is not None:
+                # The bank holds the checkpoint's tensors, row by row.
+                from safetensors import safe_open
+
+                cache = cache_of(eng)
+                checked = 0
+                for f in ckpt.glob("*.safetensors"):
+                    with safe_open(str(f), "pt") as h:
+                        for name in h.keys():
+                            if ".experts.5.down_proj" in name and "layers.1." in name:
+                                assert torch.equal(cache.bank.w2(1)[5], h.get_tensor(name).float())
+                                checked += 1
+                assert checked == 1
+            outs.append(run_greedy(eng, p, 6))
+        finally:
+            eng.shutdown()
+    assert outs[0] == outs[1]
