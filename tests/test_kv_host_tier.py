@@ -339,3 +339,31 @@ def test_bench_kv_tiers_smoke(tmp_path: object) -> None:
     bw = out["bandwidth"]
     assert bw["restore_pages"] == bw["offload_pages"] == prefix // 16
     assert len(out["conversation"]["turns"]) == 7
+
+
+def test_models_endpoint_reports_limit_and_capacities() -> None:
+    """/v1/models over real HTTP: the single-request limit and the KV capacity
+    of each tier are separate numbers; the banner says the same."""
+    import asyncio
+    import dataclasses
+
+    import aiohttp
+
+    from ftserve.server.serve import banner
+    from tests.server_harness import TEST_ENGINE, start_live, stop_live
+
+    live = start_live(dataclasses.replace(TEST_ENGINE, kv_host_pages=100))
+    try:
+        async def get() -> dict:  # type: ignore[type-arg]
+            async with aiohttp.ClientSession() as s, s.get(live.url + "/v1/models") as resp:
+                assert resp.status == 200
+                return await resp.json()  # type: ignore[no-any-return]
+
+        card = asyncio.run(get())["data"][0]
+        assert card["max_model_len"] == 512  # TEST_ENGINE's --max-model-len
+        assert card["kv_capacity_tokens"] == {"device": 191 * 16, "host": 100 * 16}
+        text = banner(live.state, "127.0.0.1", live.server.port)
+        assert "max context 512 tokens per request" in text
+        assert f"KV capacity {191 * 16} tokens on the device, {100 * 16} in the host tier" in text
+    finally:
+        stop_live(live)
