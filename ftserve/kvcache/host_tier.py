@@ -170,7 +170,9 @@ class HostKVTier:
         from ftserve_kernels.bookkeeping import copy_kv_pages
 
         n = len(run.src)
-        width = 1 << (n - 1).bit_length()  # pad to a power of two; -1 entries are skipped
+        # Pad to a power of two (>= 16, so the dst half of the buffer stays
+        # 64-byte aligned and the kernel sees one specialization); -1 = skip.
+        width = max(16, 1 << (n - 1).bit_length())
         pad = [-1] * (width - n)
         # One pinned buffer, one non-blocking upload on the copy stream; the
         # caching allocators keep both alive until the copy stream used them.
