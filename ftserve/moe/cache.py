@@ -41,7 +41,7 @@ from torch import nn
 
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve.moe.banks import HostBank, moe_blocks
-from ftserve.moe.kernels import fill_rows, fill_rows_ref, plan_layer, plan_layer_ref
+from ftserve.moe.kernels import check_bank, fill_rows, fill_rows_ref, plan_layer, plan_layer_ref
 from ftserve_kernels import bookkeeping as bk
 from ftserve_kernels.moe import fused_moe_ref
 
@@ -75,6 +75,7 @@ class ExpertCache:
         self.track_stats = track_stats
         self.mode = "full" if self.full else "admit"
         if self.on_cuda:
+            check_bank(bank.data)
             self.copy_stream = torch.cuda.Stream(device)
             self.ready = [torch.cuda.Event(), torch.cuda.Event()]
             self.done = [torch.cuda.Event(), torch.cuda.Event()]
@@ -147,7 +148,7 @@ class ExpertCache:
             bk.invalidate_slots(self.pslot_of_id, self.pid_of_slot, b * e, (b + 1) * e)
             plan_layer(self.slot_of_id, self.pslot_of_id, self.pid_of_slot,
                        self.plan_src[b], self.plan_dst[b], j, b, self.buf_base)
-            fill_rows(self.bank.data, self.slots, self.plan_src[b], self.plan_dst[b])
+            fill_rows(self.bank.data, self.slots, self.plan_src[b], self.plan_dst[b], bank_checked=True)
             self._count(2, (self.plan_src[b] >= 0).sum())
             self.ready[b].record(self.copy_stream)
 
@@ -181,7 +182,7 @@ class ExpertCache:
         admit = bk.admit_experts if self.on_cuda else bk.admit_experts_ref
         _, miss_slot, miss_id = admit(needed, self.slot_of_id, self.id_of_slot, self.last_used, self.step)
         if self.on_cuda:
-            fill_rows(self.bank.data, self.slots, miss_id, miss_slot)
+            fill_rows(self.bank.data, self.slots, miss_id, miss_slot, bank_checked=True)
         else:
             fill_rows_ref(self.bank.data, self.slots, miss_id, miss_slot)
         self._count(0, sel.sum())

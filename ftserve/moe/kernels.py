@@ -53,7 +53,9 @@ def _fill_rows_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS,
                       HOST_SRC: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr):
     # Cast before any runtime branch so the name keeps one type (see bookkeeping).
     if HOST_SRC:
-        src_base = bank.to(tl.pointer_type(WORD))
+        # Host rows are 16-byte aligned (pinned, row bytes % 16 == 0 checked by
+        # the launcher); the cast loses that, so restore it for vector loads.
+        src_base = tl.multiple_of(bank.to(tl.pointer_type(WORD)), 16)
     else:
         src_base = bank
     i = tl.program_id(0)
@@ -67,20 +69,26 @@ def _fill_rows_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS,
         tl.store(slots_ptr + dst * ROW_WORDS + offs, v, mask=m)
 
 
+def check_bank(bank: torch.Tensor) -> None:
+    """What the UVA path needs of a host bank; checked once at start-up, since
+    querying pointer attributes has no place inside a captured step."""
+    assert bank.is_contiguous() and bank.is_pinned(), "the host bank must be pinned for UVA reads"
+    assert bank.data_ptr() % 16 == 0, "the kernel assumes a 16-byte aligned bank"
+
+
 def fill_rows(bank: torch.Tensor, slots: torch.Tensor, src_ids: torch.Tensor,
-              dst_slots: torch.Tensor) -> None:
+              dst_slots: torch.Tensor, *, bank_checked: bool = False) -> None:
     """One launch over the M pairs (src_ids / dst_slots [M] int32 on the slots' device).
-    bank [rows, R] (pinned host memory on CUDA) -> slots [S, R], same dtype."""
+    bank [rows, R] (pinned host memory on CUDA, see check_bank) -> slots [S, R], same dtype."""
     assert bank.dtype == slots.dtype and bank.shape[1] == slots.shape[1]
-    assert bank.is_contiguous() and slots.is_contiguous()
     m = src_ids.numel()
     if m == 0:
         return
     wb = _word_bytes(bank.shape[1] * bank.element_size())
     row_words = bank.shape[1] * bank.element_size() // wb
     host = slots.is_cuda and not bank.is_cuda
-    if host:
-        assert bank.is_pinned(), "the host bank must be pinned for UVA reads"
+    if host and not bank_checked:
+        check_bank(bank)
     src_arg: torch.Tensor | int = bank.data_ptr() if host else bank.view(_WORD[wb])
     block = min(8192, triton.next_power_of_2(row_words))
     _fill_rows_kernel[(m, triton.cdiv(row_words, block))](
