@@ -304,6 +304,35 @@ def test_engine_host_tier_full_drops_the_oldest(model_dir: str) -> None:
         eng.shutdown()
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_engine_random_shared_prefixes_under_both_evictions(model_dir: str, seed: int) -> None:
+    """Requests over a few shared stems, in small concurrent waves, through a
+    40-page device pool and a 20-page host tier: device eviction offloads,
+    host LRU drops, admissions restore; integrity (both tiers) is checked after
+    every engine step and every output equals a full recompute."""
+    rng = random.Random(seed)
+    eng = make_engine(model_dir, kv_host_pages=20)
+    try:
+        stems = [[rng.randrange(10, 32000) for _ in range(rng.randint(20, 44))] for _ in range(4)]
+        for wave in range(8):
+            reqs = []
+            for i in range(rng.randint(1, 3)):
+                p = rng.choice(stems)[: rng.randint(12, 44)] + [
+                    rng.randrange(10, 32000) for _ in range(rng.randint(1, 24))]
+                reqs.append((f"w{wave}r{i}", p, greedy(rng.randint(1, 3))))
+            outs = collect(eng, reqs)
+            for rid, p, params in reqs:
+                assert tokens_of(outs[rid]) == reference_greedy(
+                    eng.runner.model, eng.model_config, p, params.max_tokens), rid
+        r = eng.scheduler.radix
+        assert eng.runner.kv_host is not None
+        assert eng.runner.kv_host.counters.pages_offloaded_total > 0
+        assert r.host_hit_tokens_total > 0 and r.host_dropped_pages_total > 0
+        eng.scheduler.check_integrity()
+    finally:
+        eng.shutdown()
+
+
 def test_startup_reports_limit_and_both_capacities(
         model_dir: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="ftserve.engine.setup"):
