@@ -372,3 +372,20 @@ def test_kernels_compile_for_sm90_with_vector_uva_loads() -> None:
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["plan"] > 0
     assert any(".v2.b64" in x or ".v4" in x for x in res["host_loads"]), res
+
+
+def test_auto_slots_budget() -> None:
+    """--moe-cache-auto arithmetic: KV reserve, activations and two layer buffers
+    come off the budget; a budget that holds everything gives every expert."""
+    from ftserve.moe.banks import HostBank
+    from ftserve.moe.planning import ACTIVATION_BYTES_PER_TOKEN, auto_slots
+
+    bank = HostBank(torch.empty(8 * 8, 3 * 4 * 8), 8, 8, 8, 4)  # 64 experts, rows of 384 B
+    rb = bank.row_bytes
+    cfg = EngineConfig(max_prefill_length=16, kv_cache_tokens=100, memory_ratio=0.5)
+    act = 16 * ACTIVATION_BYTES_PER_TOKEN
+    kv = 100 * 10
+    free = int((act + kv + 2 * 8 * rb + 20 * rb) / 0.5)
+    assert auto_slots(free, cfg, bank, 10) == 20
+    assert auto_slots(int((act + kv + 64 * rb) / 0.5) + 2, cfg, bank, 10) == 64  # all fit: no buffers
+    assert auto_slots(0, cfg, bank, 10) == 0

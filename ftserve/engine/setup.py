@@ -120,7 +120,9 @@ def build_engine(cfg: EngineConfig) -> Engine:
 
         runner.graphs = DecodeGraphs(runner, graph_bs)
         runner.graphs.capture()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # Device-resident only (offload mode keeps the experts in host memory).
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
+                       if p.device.type == device.type)
     summary = {
         "device": str(device), "dtype": str(dtype).removeprefix("torch."),
         "weights_gib": weight_bytes / 2**30, "kv_pages": num_pages, "page_size": cfg.page_size,

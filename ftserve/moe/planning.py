@@ -48,15 +48,7 @@ def plan_num_slots(cfg: EngineConfig, mcfg: ModelConfig, bank: HostBank, device:
         n, how = total, "--moe-cache-auto (CPU: device memory is host memory)"
     else:
         free, _ = torch.cuda.mem_get_info(device)
-        budget = free * cfg.memory_ratio - cfg.max_prefill_length * ACTIVATION_BYTES_PER_TOKEN
-        budget -= 2 * bank.num_experts * bank.row_bytes  # the two prefill layer buffers
-        if cfg.num_pages is not None:
-            kv = cfg.num_pages * cfg.page_size * kv_bytes_per_token
-        elif cfg.kv_cache_tokens is not None:
-            kv = cfg.kv_cache_tokens * kv_bytes_per_token
-        else:
-            kv = budget * AUTO_KV_SHARE
-        n = min(total, int((budget - kv) // bank.row_bytes))
+        n = auto_slots(free, cfg, bank, kv_bytes_per_token)
         how = f"--moe-cache-auto ({free / 2**30:.1f} GiB free, --memory-ratio {cfg.memory_ratio})"
     if n < need:
         raise ConfigError(
@@ -66,6 +58,22 @@ def plan_num_slots(cfg: EngineConfig, mcfg: ModelConfig, bank: HostBank, device:
             f"to at least {need}, free memory (--memory-ratio, a smaller KV cache) or lower "
             f"--max-running-requests")
     return min(n, total)
+
+
+def auto_slots(free_bytes: int, cfg: EngineConfig, bank: HostBank, kv_bytes_per_token: int) -> int:
+    """Slots that fit in ``free_bytes`` of VRAM (after the resident weights)."""
+    total = bank.num_layers * bank.num_experts
+    budget = free_bytes * cfg.memory_ratio - cfg.max_prefill_length * ACTIVATION_BYTES_PER_TOKEN
+    if cfg.num_pages is not None:
+        kv = cfg.num_pages * cfg.page_size * kv_bytes_per_token
+    elif cfg.kv_cache_tokens is not None:
+        kv = cfg.kv_cache_tokens * kv_bytes_per_token
+    else:
+        kv = budget * AUTO_KV_SHARE
+    if (budget - kv) // bank.row_bytes >= total:
+        return total  # everything fits: full mode, no layer buffers needed
+    budget -= 2 * bank.num_experts * bank.row_bytes  # the two prefill layer buffers
+    return max(0, min(total, int((budget - kv) // bank.row_bytes)))
 
 
 def load_with_expert_cache(
