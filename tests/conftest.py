@@ -8,6 +8,10 @@ import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU through the interpreter. Set before any
+    # kernel module is imported: @triton.jit reads it when a kernel is defined.
+    os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("FTSERVE_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_ftserve_cache"))
 
 
