@@ -291,8 +291,11 @@ def test_bench_smoke_cpu(tmp_path: Path) -> None:
     pre = res["summary"]["prefill"]
     assert {(r["mode"], r["prefix"]) for r in pre} >= {("offload", 0), ("offload", 256), ("offload_full", 64)}
     for r in pre:
-        # 25% cache on a cold LRU streams every expert of every layer; full never streams.
-        assert r["experts_streamed"] == (TOTAL if r["mode"] == "offload" else 0), r
+        # 25% cache: chunks stream the experts the LRU does not hold; full never streams.
+        if r["mode"] == "offload":
+            assert TOTAL - 12 <= r["experts_streamed"] <= TOTAL, r
+        else:
+            assert r["experts_streamed"] == 0, r
     dec = [r for r in res["summary"]["decode"] if r["mode"] == "offload"]
     assert [r["batch"] for r in dec] == [1, 3] and all(0.0 <= r["hit_rate"] <= 1.0 for r in dec)
 
