@@ -132,6 +132,10 @@ class HostKVTier:
         """Page moves planned but not launched yet."""
         return sum(len(r.src) for r in self._runs)
 
+    def pending_moves(self) -> list[tuple[bool, list[int], list[int]]]:
+        """(to_host, src pages, dst pages) of each planned run, in order (a copy)."""
+        return [(r.to_host, list(r.src), list(r.dst)) for r in self._runs]
+
     def flush(self) -> None:
         """Launch every planned move, in planning order, ordered after the work
         already queued on the current stream and before the work queued after
