@@ -23,8 +23,6 @@ log = logging.getLogger(__name__)
 
 DEMO_PRESET = "tiny-moe"
 CPU_DEFAULT_KV_TOKENS = 65536
-# Activation headroom on CUDA per prefill token (hidden states, MoE buffers, logits).
-ACTIVATION_BYTES_PER_TOKEN = 64 * 1024
 
 
 def resolve_device(name: str) -> torch.device:
@@ -96,7 +94,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
             f"--max-model-len or extend the checkpoint's rope_scaling")
 
     per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, dtype)
-    num_pages = _plan_pages(cfg, device, per_token)
+    num_pages = _plan_pages(cfg, device, per_token, model, mcfg)
     pool = KVPool(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
                   dtype, device)
     pool_tokens = pool.usable_pages * cfg.page_size
@@ -166,7 +164,13 @@ def _host_tier(cfg: EngineConfig, pool: KVPool) -> HostKVTier | None:
     return HostKVTier(pool, pages)
 
 
-def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int) -> int:
+def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int,
+                model: torch.nn.Module, mcfg: Any) -> int:
+    """KV pages for the pool. On CUDA: ``--memory-ratio`` of the device's total
+    memory must hold weights + activations of the largest prefill chunk +
+    sampler and CUDA-graph workspace + KV; the activation peak is measured with
+    one dummy prefill of ``--max-prefill-length`` tokens (which also compiles
+    the prefill kernels), not guessed."""
     page_bytes = per_token * cfg.page_size
     if cfg.num_pages is not None:
         return cfg.num_pages
@@ -174,14 +178,58 @@ def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int) -> int:
         return 1 + -(-cfg.kv_cache_tokens // cfg.page_size)
     if device.type != "cuda":
         return 1 + CPU_DEFAULT_KV_TOKENS // cfg.page_size
+    activation = _profile_prefill_peak(cfg, device, model, mcfg)
+    # Decode-side workspace: logits and sampler sort buffers for a full batch,
+    # plus the CUDA-graph pool (intermediates of the largest captured batch).
+    vocab = mcfg.vocab_size
+    workspace = cfg.max_running_requests * vocab * 16 + 256 * 2**20
     free, total = torch.cuda.mem_get_info(device)
-    budget = free * cfg.memory_ratio - cfg.max_prefill_length * ACTIVATION_BYTES_PER_TOKEN
+    used = total - free  # weights, the CUDA context, anything else on the card
+    budget = total * cfg.memory_ratio - used - activation - workspace
     pages = int(budget // page_bytes)
-    if pages < 2:
+    log.info("memory plan: total %.1f GiB x --memory-ratio %.2f = %.1f GiB: in use %.1f GiB "
+             "(weights + context), prefill activations %.2f GiB (measured, %d tokens), "
+             "decode/graph workspace %.2f GiB, KV cache %.1f GiB (%d pages)",
+             total / 2**30, cfg.memory_ratio, total * cfg.memory_ratio / 2**30, used / 2**30,
+             activation / 2**30, cfg.max_prefill_length, workspace / 2**30,
+             max(0, pages) * page_bytes / 2**30, max(0, pages))
+    min_pages = 2 + -(-cfg.max_prefill_length // cfg.page_size)
+    if pages < min_pages:
         raise ConfigError(
-            f"no room for the KV cache: {free / 2**30:.1f} GiB free after weights, "
-            f"--memory-ratio {cfg.memory_ratio}; raise --memory-ratio or lower --max-prefill-length")
+            f"no room for the KV cache: --memory-ratio {cfg.memory_ratio} of "
+            f"{total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB after weights "
+            f"({used / 2**30:.1f} GiB in use), prefill activations ({activation / 2**30:.2f} GiB for "
+            f"--max-prefill-length {cfg.max_prefill_length}) and workspace; raise --memory-ratio, "
+            f"lower --max-prefill-length or --max-running-requests, or offload experts with "
+            f"--moe-cache-size")
     return pages
+
+
+def _profile_prefill_peak(cfg: EngineConfig, device: torch.device, model: torch.nn.Module,
+                          mcfg: Any) -> int:
+    """Peak bytes one prefill chunk of max_prefill_length tokens allocates
+    beyond what is already resident (its own small KV pool excluded)."""
+    from ftserve.models.forward_batch import build_forward_batch
+
+    n = cfg.max_prefill_length
+    ps = cfg.page_size
+    dtype = next(model.parameters()).dtype
+    pages = -(-n // ps)
+    pool = KVPool(mcfg.num_layers, pages + 1, ps, mcfg.num_kv_heads, mcfg.head_dim, dtype, device)
+    backend = _attention_backend(cfg, device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, mcfg.vocab_size, (n,), generator=gen).tolist()
+    fb = build_forward_batch([ids], [0], [list(range(1, pages + 1))], pool, backend)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    with torch.inference_mode():
+        model(fb)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del fb, pool
+    torch.cuda.empty_cache()
+    return int(peak * 1.1)  # headroom for allocator fragmentation
 
 
 def _attention_backend(cfg: EngineConfig, device: torch.device) -> Any:
