@@ -22,7 +22,7 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None  # KV pool pages (incl. the dummy page)
     kv_cache_tokens: int | None = None  # alternative to num_pages
-    memory_ratio: float = 0.9  # of free device memory after weights (CUDA)
+    memory_ratio: float = 0.9  # of total device memory: weights + activations + KV (CUDA)
     max_prefill_length: int = 4096  # tokens per prefill chunk per step
     max_running_requests: int = 64
     max_model_len: int | None = None  # None = the model's limit
