@@ -131,7 +131,9 @@ def test_natural_eviction_under_pressure_keeps_outputs(engine: Engine) -> None:
         filler = drv.add(drv.tokens(1200), max_tokens=1)
         drv.until(lambda f=filler: f.finished)
     assert engine.runner.kv_host.counters.pages_offloaded_total > offloaded  # type: ignore[union-attr]
+    hits = sched.radix.host_hit_tokens_total
     second = drv.add(first.tokens + tail, max_tokens=4)
     drv.until(lambda: second.finished)
+    assert sched.radix.host_hit_tokens_total > hits, "turn 1 should have come back from the host"
     assert list(second.output_ids) == ref
     sched.check_integrity()
