@@ -94,7 +94,9 @@ class DecodeGraphs:
                           logits_indices=self.logits_indices[:bs], is_decode=True)
         logits = r.model(fb)  # [bs, V]
         min_active = (g[4] & MIN_FLAG) != 0
-        return r.sampler.sample(logits, slots, g[5], min_active)
+        out = r.sampler.sample(logits, slots, g[5], min_active)
+        r.last_tokens[:bs].copy_(out.token_ids)  # the next step's device-side inputs
+        return out
 
     def capture(self) -> None:
         t0 = time.monotonic()

@@ -86,6 +86,9 @@ class ModelRunner:
         # Sampled tokens of the latest step, by sampled row: the next decode
         # step's inputs for requests whose tokens the host has not read yet.
         self.last_tokens = torch.zeros(max_running + 1, dtype=torch.int64, device=device)
+        self._out_host = [torch.zeros(max_running + 1, dtype=torch.int64, pin_memory=self._pin)
+                          for _ in range(2)]
+        self._out_flip = 0
         self.read_backs = 0  # deliberate device->host reads so far (tests count them)
 
     # ----- host -> device ------------------------------------------------
@@ -200,7 +203,7 @@ class ModelRunner:
             logits = self.model(fb)  # [R, V] fp32
             out = self.sampler.sample(logits, slots, steps, min_active)
             self.sampler.update(slots, out.token_ids)
-        self.last_tokens[:len(rows)].copy_(out.token_ids[:len(rows)])
+            self.last_tokens[:len(rows)].copy_(out.token_ids[:len(rows)])
         return Launched(batch, rows, self._copy_out(batch, rows, out))
 
     def _copy_out(self, batch: ScheduledBatch, rows: list[int], out: SampleOutput) -> _HostOut:
@@ -208,17 +211,20 @@ class ModelRunner:
         n = len(rows)
         want = out.logprobs is not None and any(
             batch.reqs[i].params.logprobs is not None for i in rows)
-        parts = [out.token_ids[:n].to(torch.float64)]
         if want:
             assert out.logprobs is not None and out.top_ids is not None
             assert out.top_logprobs is not None
-            parts += [out.logprobs[:n].double()[:, None], out.top_ids[:n].double(),
-                      out.top_logprobs[:n].double()]
-            packed = torch.cat([parts[0][:, None]] + parts[1:], dim=1)  # [n, 2 + 2K]
+            packed = torch.cat([out.token_ids[:n, None].double(), out.logprobs[:n, None].double(),
+                                out.top_ids[:n].double(), out.top_logprobs[:n].double()],
+                               dim=1)  # [n, 2 + 2K]
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=self._pin)
+            host.copy_(packed, non_blocking=True)
         else:
-            packed = parts[0][:, None]  # [n, 1]
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=self._pin)
-        host.copy_(packed, non_blocking=True)
+            # Tokens only: straight into a persistent pinned buffer. Two of them
+            # alternate: step N's is read (collect) before step N+2 rewrites it.
+            self._out_flip ^= 1
+            host = self._out_host[self._out_flip][:n]
+            host.copy_(out.token_ids[:n], non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -235,7 +241,10 @@ class ModelRunner:
             if hout.event is not None:
                 hout.event.synchronize()
             table = hout.host.tolist()
-        sampled = [int(row[0]) for row in table]
+        if not hout.logprobs:
+            sampled = table
+        else:
+            sampled = [int(row[0]) for row in table]
         token_ids = [-1] * len(batch.reqs)
         for i, tok in zip(rows, sampled):
             token_ids[i] = tok
@@ -259,7 +268,7 @@ class ModelRunner:
 
 @dataclass
 class _HostOut:
-    host: torch.Tensor  # [n, 1] or [n, 2 + 2K] float64: token, logprob, top ids, top logprobs
+    host: torch.Tensor  # [n] int64 tokens, or [n, 2 + 2K] float64: token, logprob, top ids, top logprobs
     event: torch.cuda.Event | None
     logprobs: bool
 
