@@ -35,14 +35,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
                               layers=LAYERS, **SCALE)
 
 
-def make_engine(model_dir: str, slots: int | None, graphs: bool = True) -> Engine:
+def make_engine(model_dir: str, slots: int | None, graphs: bool = True, auto: bool = False) -> Engine:
     from ftserve.engine.setup import build_engine
 
     cfg = EngineConfig(
         model=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
         attention_backend="triton", page_size=16, num_pages=1024, max_prefill_length=CHUNK,
         max_running_requests=8, cuda_graph_max_bs=8 if graphs else 0, status_log_interval=0.0,
-        moe_cache_size=slots,
+        moe_cache_size=slots, moe_cache_auto=auto,
     )
     return build_engine(cfg)
 
@@ -194,3 +194,15 @@ def test_fused_moe_expert_map_cuda() -> None:
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), w, emap[ids.long()].int())
     rel = float((got.float() - ref).norm() / ref.norm())
     assert rel < 2e-2, rel
+
+
+@pytest.mark.gpu
+def test_auto_size_on_the_device(model_dir: str) -> None:
+    """--moe-cache-auto on a card that holds this small model whole: every expert cached."""
+    eng = make_engine(model_dir, None, graphs=False, auto=True)
+    try:
+        cache = cache_of(eng)
+        assert cache.full and eng.summary["moe_cache"]["slots"] == TOTAL
+        assert cache.slots.is_cuda and cache.bank.data.is_pinned()
+    finally:
+        eng.shutdown()
