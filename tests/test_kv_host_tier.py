@@ -391,6 +391,13 @@ def test_models_endpoint_reports_limit_and_capacities() -> None:
         card = asyncio.run(get())["data"][0]
         assert card["max_model_len"] == 512  # TEST_ENGINE's --max-model-len
         assert card["kv_capacity_tokens"] == {"device": 191 * 16, "host": 100 * 16}
+        async def metrics() -> str:
+            async with aiohttp.ClientSession() as s, s.get(live.url + "/metrics") as resp:
+                return await resp.text()
+
+        body = asyncio.run(metrics())
+        assert "ftserve_kv_host_pages_total 100.0" in body
+        assert "ftserve_kv_host_hit_tokens_total" in body
         text = banner(live.state, "127.0.0.1", live.server.port)
         assert "max context 512 tokens per request" in text
         assert f"KV capacity {191 * 16} tokens on the device, {100 * 16} in the host tier" in text

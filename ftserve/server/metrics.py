@@ -40,12 +40,18 @@ class _EngineCollector(Collector):
             ("ftserve_kv_pages_used", "KV pages held by live requests.", stats.kv_pages_used),
             ("ftserve_kv_pages_cached", "KV pages held only by the prefix cache.",
              stats.kv_pages_cached),
+            ("ftserve_kv_host_pages_total", "Pages of the KV host tier (0: none).",
+             getattr(stats, "kv_host_pages_total", 0)),
+            ("ftserve_kv_host_pages_cached", "Host-tier pages holding evicted prefix-cache KV.",
+             getattr(stats, "kv_host_pages_cached", 0)),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=float(value))
         counters = (
             ("ftserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
              stats.prefix_hit_tokens_total),
+            ("ftserve_kv_host_hit_tokens", "Prompt tokens restored from the KV host tier.",
+             getattr(stats, "kv_host_hit_tokens_total", 0)),
             ("ftserve_prompt_tokens", "Prompt tokens received.", stats.prompt_tokens_total),
             ("ftserve_generation_tokens", "Tokens generated.", stats.generation_tokens_total),
             ("ftserve_num_preemptions", "Requests preempted to free KV pages.",
