@@ -257,6 +257,23 @@ def count_routed_experts(drv: EngineDriver, batch: ScheduledBatch) -> float | No
     return sum(counts) / len(counts)
 
 
+def profile_host(fn: Any, top: int = 25) -> list[tuple[str, int, float, float]]:
+    """cProfile of the host side of fn: (function, calls, tottime ms, cumtime ms)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, name), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+        rows.append((f"{file.rsplit('/', 1)[-1]}:{line}({name})", nc, tt * 1e3, ct * 1e3))
+    rows.sort(key=lambda r: -r[2])
+    return rows[:top]
+
+
 def time_decode_device(drv: EngineDriver, batch: ScheduledBatch, device: torch.device,
                        reps: int = 50) -> dict[str, Any]:
     """Device time of one decode step alone: replay its CUDA graph back to back
@@ -317,6 +334,7 @@ def bench_decode(drv: EngineDriver, device: torch.device, mcfg: Any, limits: dic
     ctx_after = sum(r.computed_len for r in reqs)
     mean_ctx = (ctx_before + ctx_after) / 2 / batch_size
     wall_sync, _, _ = timed(lambda: run(drv.sync_step), device)  # no overlap, for reference
+    host_profile = profile_host(lambda: run(drv.step)) if batch_size == 1 else None
     batch = drv.sched.schedule()
     measured_experts = None
     replay: dict[str, Any] = {}
@@ -339,6 +357,8 @@ def bench_decode(drv: EngineDriver, device: torch.device, mcfg: Any, limits: dic
         "graph": drv.runner.graphs is not None and drv.runner.graphs.can_run(batch_size),
         **replay,
     }
+    if host_profile is not None:
+        out["host_profile_top"] = host_profile
     bw = (limits or {}).get("copy", {}).get("gbps_read_plus_write")
     if bw:
         t_roof = nbytes["total_bytes"] / (bw * 1e9)
