@@ -54,3 +54,14 @@ def rotary_ref(
     cos = table[:, None, :half]  # [T, 1, rot/2]
     sin = table[:, None, half:]
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def qk_norm_rotary_ref(
+    q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
+    positions: torch.Tensor, cos_sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q [T, Hq, D] and k [T, Hkv, D] (weights q_w/k_w [D]),
+    then neox rotary: what Qwen3 attention does before the KV store."""
+    qn = rms_norm_ref(q, q_w, eps)  # [T, Hq, D]
+    kn = rms_norm_ref(k, k_w, eps)  # [T, Hkv, D]
+    return rotary_ref(qn, kn, positions, cos_sin)

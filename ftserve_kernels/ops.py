@@ -8,6 +8,8 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
     fused_add_rms_norm(x [T, H], residual [T, H], w [H], eps) -> (normed, x + residual)
     rotary(q [T, Hq, D], k [T, Hkv, D], positions [T] int64,
            cos_sin [max_pos, rot_dim] fp32 (cos | sin halves)) -> (q, k)   (neox style)
+    qk_norm_rotary(q [T, Hq, D], k [T, Hkv, D], q_w [D], k_w [D], eps, positions, cos_sin)
+        -> (q, k): per-head RMSNorm of q and k, then rotary (Qwen3), one kernel on Triton
     route_topk(router_logits [T, E], top_k, renormalize) -> (weights [T, k] fp32, ids [T, k] int32)
     fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], ids [T, k]) -> [T, H]
         (w13 rows [0, I) are the gate, [I, 2I) the up projection; SiLU(gate) * up)
@@ -70,6 +72,22 @@ def rotary(
     from ftserve_kernels.norm_rope import rotary_ref
 
     return rotary_ref(q, k, positions, cos_sin)
+
+
+def qk_norm_rotary(
+    q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
+    positions: torch.Tensor, cos_sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _triton_enabled(q):
+        try:
+            from ftserve_kernels.rope_triton import qk_norm_rotary_triton
+        except ImportError:
+            pass
+        else:
+            return qk_norm_rotary_triton(q, k, q_w, k_w, eps, positions, cos_sin)
+    from ftserve_kernels.norm_rope import qk_norm_rotary_ref
+
+    return qk_norm_rotary_ref(q, k, q_w, k_w, eps, positions, cos_sin)
 
 
 def route_topk(

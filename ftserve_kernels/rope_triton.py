@@ -3,6 +3,10 @@
 Returns new q and k tensors (the ops.py contract). ``cos_sin [max_pos, rot]``
 holds cos in its first half and sin in its second; head dims past ``rot`` pass
 through unrotated. One program per token handles all q and k heads.
+
+``qk_norm_rotary_triton`` fuses Qwen3's per-head q/k RMSNorm with the rotary in
+one launch over (token, head) rows, many rows per program: three launches and
+two [T * H, D] round trips through memory become one read and one write.
 """
 
 from __future__ import annotations
@@ -73,5 +77,99 @@ def rotary_triton(
             BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
             BLOCK_HALF=triton.next_power_of_2(half),
             BLOCK_D=triton.next_power_of_2(max(1, d - 2 * half)),
+        )
+    return qo, ko
+
+
+# ---------------------------------------------------------------- q/k RMSNorm + rotary, fused
+
+
+@triton.jit
+def _norm_rotate_rows(
+    src_ptr, dst_ptr, w_ptr, pos_ptr, cs_ptr, r0, R, eps,
+    stride_st, stride_sh, stride_dt, stride_dh, stride_cs,
+    NH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+):
+    # Rows are (token, head) pairs of one tensor: row = token * NH + head.
+    rows = r0 + tl.arange(0, BLOCK_R)  # [R]
+    rmask = rows < R
+    tok = (rows // NH).to(tl.int64)
+    head = rows % NH
+    src = src_ptr + tok[:, None] * stride_st + head[:, None] * stride_sh  # [R, 1]
+    dst = dst_ptr + tok[:, None] * stride_dt + head[:, None] * stride_dh
+    j = tl.arange(0, BLOCK_HALF)
+    mh = rmask[:, None] & (j[None, :] < HALF)  # [R, half]
+    x1 = tl.load(src + j[None, :], mask=mh, other=0.0).to(tl.float32)  # [R, half]
+    x2 = tl.load(src + HALF + j[None, :], mask=mh, other=0.0).to(tl.float32)
+    ss = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)  # [R]
+    if 2 * HALF < D:  # partial rotary: the tail is normed but not rotated
+        tt = 2 * HALF + tl.arange(0, BLOCK_TAIL)
+        mt = rmask[:, None] & (tt[None, :] < D)
+        x3 = tl.load(src + tt[None, :], mask=mt, other=0.0).to(tl.float32)
+        ss += tl.sum(x3 * x3, 1)
+    rs = tl.rsqrt(ss / D + eps)[:, None]  # [R, 1]
+    ty = dst_ptr.dtype.element_ty
+    # Same roundings as rms_norm_ref then rotary_ref: normed -> dtype, w * normed -> dtype.
+    w1 = tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    y1 = (w1 * (x1 * rs).to(ty).to(tl.float32)).to(ty).to(tl.float32)  # [R, half]
+    y2 = (w2 * (x2 * rs).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    pos = tl.load(pos_ptr + tok, mask=rmask, other=0).to(tl.int64)  # [R]
+    cs = cs_ptr + pos[:, None] * stride_cs + j[None, :]
+    cos = tl.load(cs, mask=mh, other=0.0)  # [R, half] fp32
+    sin = tl.load(cs + HALF, mask=mh, other=0.0)
+    tl.store(dst + j[None, :], (y1 * cos - y2 * sin).to(ty), mask=mh)
+    tl.store(dst + HALF + j[None, :], (y2 * cos + y1 * sin).to(ty), mask=mh)
+    if 2 * HALF < D:
+        w3 = tl.load(w_ptr + tt, mask=tt < D, other=0.0).to(tl.float32)[None, :]
+        tl.store(dst + tt[None, :], (w3 * (x3 * rs).to(ty).to(tl.float32)).to(ty), mask=mt)
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(
+    q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, T, eps,
+    stride_qt, stride_qh, stride_kt, stride_kh,
+    stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
+    HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+):
+    # Programs [0, cdiv(T*HQ, R)) take q rows, the rest k rows: one launch for both.
+    pid = tl.program_id(0)
+    q_programs = tl.cdiv(T * HQ, BLOCK_R)
+    if pid < q_programs:
+        _norm_rotate_rows(q_ptr, qo_ptr, qw_ptr, pos_ptr, cs_ptr, pid * BLOCK_R, T * HQ, eps,
+                          stride_qt, stride_qh, stride_qot, stride_qoh, stride_cs,
+                          HQ, D, HALF, BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
+    else:
+        _norm_rotate_rows(k_ptr, ko_ptr, kw_ptr, pos_ptr, cs_ptr, (pid - q_programs) * BLOCK_R,
+                          T * HK, eps, stride_kt, stride_kh, stride_kot, stride_koh, stride_cs,
+                          HK, D, HALF, BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
+
+
+def qk_norm_rotary_triton(
+    q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
+    positions: torch.Tensor, cos_sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k (Qwen3's q_norm / k_norm), then neox rotary, in one
+    launch. q [T, Hq, D], k [T, Hkv, D] (views into the qkv projection are fine),
+    q_w/k_w [D] -> new contiguous (q, k). Twin: norm_rope.qk_norm_rotary_ref."""
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    half = cos_sin.shape[-1] // 2
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.stride(-1) == 1
+    assert q_w.is_contiguous() and k_w.is_contiguous()
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
+    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # [T, Hkv, D]
+    if t:
+        block_half = triton.next_power_of_2(half)
+        block_r = max(16, 4096 // block_half)  # [R, half] tiles of 4k elements, two of them
+        grid = (triton.cdiv(t * hq, block_r) + triton.cdiv(t * hk, block_r),)
+        _qk_norm_rotary_kernel[grid](
+            q, k, qo, ko, q_w, k_w, positions, cos_sin, t, eps,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos_sin.stride(0),
+            HQ=hq, HK=hk, D=d, HALF=half, BLOCK_R=block_r, BLOCK_HALF=block_half,
+            BLOCK_TAIL=triton.next_power_of_2(max(1, d - 2 * half)), num_warps=8,
         )
     return qo, ko

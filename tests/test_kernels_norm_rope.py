@@ -17,9 +17,18 @@ if DEVICE == "cpu":
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 
-from ftserve_kernels.norm_rope import fused_add_rms_norm_ref, rms_norm_ref, rotary_ref  # noqa: E402
-from ftserve_kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
-from ftserve_kernels.rope_triton import rotary_triton  # noqa: E402
+from ftserve_kernels.norm_rope import (  # noqa: E402
+    fused_add_rms_norm_ref,
+    qk_norm_rotary_ref,
+    rms_norm_ref,
+    rotary_ref,
+)
+from ftserve_kernels.norm_triton import (  # noqa: E402
+    fused_add_rms_norm_triton,
+    norm_launch_params,
+    rms_norm_triton,
+)
+from ftserve_kernels.rope_triton import qk_norm_rotary_triton, rotary_triton  # noqa: E402
 
 
 def cos_sin_table(max_pos: int, rot: int, base: float = 10000.0) -> torch.Tensor:
@@ -43,6 +52,25 @@ def test_rms_norm(dtype: torch.dtype, h: int) -> None:
     x = (3 * torch.randn(5, h, generator=g)).to(dtype).to(DEVICE)
     w = (1 + 0.1 * torch.randn(h, generator=g)).to(dtype).to(DEVICE)
     close(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+
+
+def test_rms_norm_many_rows_per_program() -> None:
+    """Row counts that leave the last multi-row program partly empty, rows of a
+    strided (non-contiguous) view, with and without the residual."""
+    h = 32
+    block_r = norm_launch_params(h)[1]
+    assert block_r > 1
+    g = torch.Generator().manual_seed(7)
+    for t in (block_r - 1, 2 * block_r + 3):
+        big = (2 * torch.randn(t, 3 * h, generator=g)).to(DEVICE)
+        x = big[:, h : 2 * h]  # row stride 3h
+        r = torch.randn(t, h, generator=g).to(DEVICE)
+        w = (1 + 0.1 * torch.randn(h, generator=g)).to(DEVICE)
+        close(rms_norm_triton(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+        out, summed = fused_add_rms_norm_triton(x, r, w, 1e-6)
+        ref_out, ref_sum = fused_add_rms_norm_ref(x, r, w, 1e-6)
+        close(out, ref_out)
+        assert torch.equal(summed, ref_sum)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -91,6 +119,31 @@ def test_rotary_strided_views() -> None:
     close(ko, rk)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot", [16, 8])  # 8: partial rotary, the tail is normed only
+def test_qk_norm_rotary(dtype: torch.dtype, rot: int) -> None:
+    """Fused per-head q/k norm + rotary on views into one qkv projection output,
+    with enough rows that q spans several programs and k a partial one."""
+    g = torch.Generator().manual_seed(rot)
+    t, hq, hk, d = 37, 4, 2, 16
+    qkv = (3 * torch.randn(t, (hq + 2 * hk) * d, generator=g)).to(dtype).to(DEVICE)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    qw = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE)
+    kw = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE)
+    table = cos_sin_table(128, rot).to(DEVICE)
+    pos = torch.randint(0, 128, (t,), generator=g).to(DEVICE)
+    qo, ko = qk_norm_rotary_triton(q, k, qw, kw, 1e-6, pos, table)
+    rq, rk = qk_norm_rotary_ref(q, k, qw, kw, 1e-6, pos, table)
+    assert qo.is_contiguous() and ko.is_contiguous()
+    if DEVICE == "cuda" or dtype == torch.float32:
+        close(qo, rq)
+        close(ko, rk)
+    else:  # the interpreter truncates at each of the three bf16 roundings: a few ulps
+        for out, ref in ((qo, rq), (ko, rk)):
+            torch.testing.assert_close(out.float(), ref.float(), rtol=4e-2, atol=4e-2)
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -112,5 +165,14 @@ def test_gpu_norm_rope_real_shapes() -> None:
     k = torch.randn(t, hk, d, device="cuda").bfloat16()
     qo, ko = rotary_triton(q, k, pos, table)
     rq, rk = rotary_ref(q, k, pos, table)
+    close(qo, rq)
+    close(ko, rk)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda").bfloat16()
+    qv = qkv[:, : hq * d].view(t, hq, d)
+    kv = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    qw = torch.randn(d, device="cuda").bfloat16()
+    kw = torch.randn(d, device="cuda").bfloat16()
+    qo, ko = qk_norm_rotary_triton(qv, kv, qw, kw, 1e-6, pos, table)
+    rq, rk = qk_norm_rotary_ref(qv, kv, qw, kw, 1e-6, pos, table)
     close(qo, rq)
     close(ko, rk)

@@ -81,13 +81,15 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q + 2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim))  # [T*Hq, D]
-            k = self.k_norm(k.reshape(-1, self.head_dim))  # [T*Hkv, D]
-        q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D], a view of qkv
         k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = ops.rotary(q, k, batch.positions, cos_sin)
+        if self.q_norm is not None and self.k_norm is not None:
+            # One kernel for both per-head norms and the rotary (three on the unfused path).
+            q, k = ops.qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight,
+                                      self.q_norm.eps, batch.positions, cos_sin)
+        else:
+            q, k = ops.rotary(q, k, batch.positions, cos_sin)
         out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.q_size))  # [T, H]
 
