@@ -188,7 +188,11 @@ def test_dummy_real_shape_on_cuda(tmp_path: Path) -> None:
     model, cfg = load_model(tmp_path, dtype="auto", device="cuda", load_format="dummy")
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert next(model.parameters()).dtype == torch.bfloat16
-    assert torch.cuda.max_memory_allocated() <= weight_bytes * 1.1 + cfg.rope_cos_sin().numel() * 4
+    # No double allocation: the peak is the weights plus at most one parameter
+    # staged in fp32 by the random init (measured on the H200: 1.29x the weights
+    # at this shape; a second copy of the model would be 2x).
+    largest = max(p.numel() for p in model.parameters())
+    assert torch.cuda.max_memory_allocated() <= weight_bytes + 4 * largest + cfg.rope_cos_sin().numel() * 4
     assert model.layers[0].mlp.w13.shape == (128, 2 * 768, 2048)
     tokens = torch.randperm(32768, generator=torch.Generator().manual_seed(0))[:256].tolist()
     pool = KVPool(cfg.num_layers, 20, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cuda")

@@ -264,8 +264,10 @@ def profile_host(fn: Any, top: int = 25) -> list[tuple[str, int, float, float]]:
 
     prof = cProfile.Profile()
     prof.enable()
-    fn()
-    prof.disable()
+    try:
+        fn()
+    finally:
+        prof.disable()
     st = pstats.Stats(prof)
     rows = []
     for (file, line, name), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
@@ -281,6 +283,12 @@ def time_decode_device(drv: EngineDriver, batch: ScheduledBatch, device: torch.d
     out: dict[str, Any] = {}
     if device.type != "cuda":
         return out
+    with torch.inference_mode():
+        return _time_decode_device(drv, batch, device, reps, out)
+
+
+def _time_decode_device(drv: EngineDriver, batch: ScheduledBatch, device: torch.device,
+                        reps: int, out: dict[str, Any]) -> dict[str, Any]:
     runner = drv.runner
     graphs = runner.graphs
     if graphs is not None and graphs.can_run(len(batch.reqs)):
@@ -309,7 +317,7 @@ def time_decode_device(drv: EngineDriver, batch: ScheduledBatch, device: torch.d
 def bench_decode(drv: EngineDriver, device: torch.device, mcfg: Any, limits: dict[str, Any],
                  base: list[int], context: int, batch_size: int, warmup: int, steps: int,
                  tail: int) -> dict[str, Any]:
-    reqs = [drv.add(base[:context - tail] + drv.tokens(tail), max_tokens=warmup + 2 * steps + 8)
+    reqs = [drv.add(base[:context - tail] + drv.tokens(tail), max_tokens=warmup + 4 * steps + 8)
             for _ in range(batch_size)]
     prefill_steps = 0
     while any(r.state is not ReqState.DECODE for r in reqs):
