@@ -20,12 +20,31 @@ function of the batch size only, see ``TritonAttentionBackend.num_splits``).
 
 Extend/prefill runs one program per (query head, block of BLOCK_M new tokens,
 sequence): keys below the block's first query position need no mask (the
-bulk of a long cached prefix), the last few tiles get the causal mask. The grid
-uses ``max_extend_len`` (host metadata), so extend is eager-only.
+bulk of a long cached prefix), the last few tiles get the causal mask. With
+``extend_pack_gqa`` a program instead takes one KV head and BLOCK_M / GROUP
+tokens x the GROUP query heads sharing it, so every K/V tile is loaded once for
+the whole group (rows ordered token-major, head-minor)::
+
+    rows of one packed block (GROUP = 8):  t0h0 t0h1 .. t0h7 | t1h0 .. t1h7 | ...
+
+Extend in a CUDA graph (fixed token budget). The grid is
+``(heads, cdiv(max_extend_len, tokens per block), B)`` and depends only on the
+host ints ``max_extend_len`` and ``B = page_table.shape[0]``. Every program reads
+its sequence's extent from ``qo_indptr`` / ``prefix_lens`` on the device and
+exits at once when its token block lies past that sequence's new tokens. So
+``max_extend_len`` may be any upper bound, e.g. the chunk size: capture with
+``max_extend_len = chunk`` and fixed buffers, then between replays refill in
+place ``q`` (first ``sum(new)`` rows), ``qo_indptr`` [B+1], ``prefix_lens`` [B],
+``page_table`` [B, W] and the pool; unused sequences get equal ``qo_indptr``
+entries (zero new tokens) and write nothing. Rows of ``out`` past
+``qo_indptr[B]`` are left untouched. ``TritonAttentionBackend(extend_token_bound=
+chunk)`` launches extend this way; batches with one token per sequence still
+take the decode path only when the host says so (``batch.is_decode``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -69,22 +88,37 @@ class AttnKernelConfig:
     """Tile sizes. ``for_device`` picks Hopper-sized tiles on CUDA and tiny ones
     for the CPU interpreter (which is slow and needs only correctness)."""
 
-    extend_block_m: int = 128
+    # H200, 4096 queries over 102,400 keys (32/4 heads, d 128): bm64 bn64 w4 s3
+    # 323 TFLOP/s, bm128 bn64 w8 s3 291, bm128 bn128 w8 s2 301 (tools/bench_kernels.py).
+    extend_block_m: int = 64
     extend_block_n: int = 64
-    extend_warps: int = 8
+    extend_warps: int = 4
     extend_stages: int = 3
     decode_block_n: int = 64
     decode_warps: int = 4
     decode_stages: int = 3
-    max_splits: int = 64
+    max_splits: int = 128
+    extend_pack_gqa: bool = False  # one program per KV head x (BLOCK_M / GROUP) tokens
+    decode_programs_per_sm: int = 4  # split-K target: (B * Hkv * splits) ~ this x SMs
 
     @staticmethod
     def for_device(device: torch.device, head_dim: int) -> AttnKernelConfig:
-        if device.type != "cuda":
-            return AttnKernelConfig(16, 16, 4, 1, 16, 4, 1, 8)
-        if head_dim > 128:  # keep Q + staged K/V tiles within shared memory
-            return AttnKernelConfig(extend_block_n=32, extend_stages=2)
-        return AttnKernelConfig()
+        return _config_for(device.type, head_dim)
+
+    def tag(self) -> str:
+        pack = "_gqa" if self.extend_pack_gqa else ""
+        return (f"bm{self.extend_block_m}_bn{self.extend_block_n}_w{self.extend_warps}"
+                f"_s{self.extend_stages}{pack}")
+
+
+@functools.lru_cache(maxsize=16)
+def _config_for(device_type: str, head_dim: int) -> AttnKernelConfig:
+    # Cached: the backend asks on every layer of every step.
+    if device_type != "cuda":
+        return AttnKernelConfig(16, 16, 4, 1, 16, 4, 1, 8)
+    if head_dim > 128:  # keep Q + staged K/V tiles within shared memory
+        return AttnKernelConfig(extend_block_n=32, extend_stages=2)
+    return AttnKernelConfig()
 
 
 # ---------------------------------------------------------------- KV store
@@ -297,22 +331,31 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_pt,
     scale_log2,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PACK_GQA: tl.constexpr,
+    TOK: tl.constexpr,
 ):
-    h = tl.program_id(0)
+    # TOK tokens per block: BLOCK_M rows are BLOCK_M tokens of one query head, or
+    # (PACK_GQA) TOK = BLOCK_M / GROUP tokens x the GROUP query heads of one KV head.
     # Largest query blocks (longest causal range) first: better tail balance.
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
     b = tl.program_id(2)
     q0 = tl.load(qo_indptr_ptr + b)
     n_new = tl.load(qo_indptr_ptr + b + 1) - q0
-    if mb * BLOCK_M < n_new:
+    if mb * TOK < n_new:  # blocks past this sequence's new tokens (static grid) exit
         prefix = tl.load(prefix_ptr + b)
-        kvh = h // GROUP
-        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        r = tl.arange(0, BLOCK_M)
+        if PACK_GQA:
+            kvh = tl.program_id(0)
+            offs_m = mb * TOK + r // GROUP  # [M] token within the sequence
+            head = kvh * GROUP + r % GROUP  # [M]
+        else:
+            head = tl.program_id(0) + r * 0  # [M], one head
+            kvh = tl.program_id(0) // GROUP
+            offs_m = mb * TOK + r
         mmask = offs_m < n_new
         d = tl.arange(0, D)
         rows = (q0 + offs_m).to(tl.int64)
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+        q = tl.load(q_ptr + (rows * stride_qt + head * stride_qh)[:, None] + d[None, :],
                     mask=mmask[:, None], other=0.0)  # [M, D]
         q_pos = prefix + offs_m
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -321,8 +364,8 @@ def _extend_kernel(
         pt_row = pt_ptr + b.to(tl.int64) * stride_pt
         head_off = kvh * stride_ch
         # Keys before the block's first query are visible to every row: no mask.
-        full_end = ((prefix + mb * BLOCK_M) // BLOCK_N) * BLOCK_N
-        kv_end = prefix + tl.minimum((mb + 1) * BLOCK_M, n_new)
+        full_end = ((prefix + mb * TOK) // BLOCK_N) * BLOCK_N
+        kv_end = prefix + tl.minimum((mb + 1) * TOK, n_new)
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _extend_tile(
                 q, acc, m_i, l_i, kc_ptr, vc_ptr, pt_row, head_off, n0, q_pos, kv_end,
@@ -333,8 +376,8 @@ def _extend_kernel(
                 q, acc, m_i, l_i, kc_ptr, vc_ptr, pt_row, head_off, n0, q_pos, kv_end,
                 stride_cs, scale_log2, d, PAGE_SIZE, BLOCK_N, True, UPCAST,
             )
-        out = acc / l_i[:, None]
-        tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+        out = acc / l_i[:, None]  # every row sees at least key 0: l_i > 0
+        tl.store(o_ptr + (rows * stride_ot + head * stride_oh)[:, None] + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=mmask[:, None])
 
 
@@ -345,12 +388,15 @@ def extend_attention_triton(
     page_table: torch.Tensor,  # [B, max_pages] int32
     qo_indptr: torch.Tensor,  # [B+1] int32
     prefix_lens: torch.Tensor,  # [B] int32
-    max_extend_len: int,  # host value, bounds the grid
+    max_extend_len: int,  # host value bounding every sequence's new tokens: sizes the grid
     page_size: int,
     scale: float,
     cfg: AttnKernelConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Causal over the new tokens, full over the cached prefix. ``max_extend_len``
+    may exceed the real maximum (a static bound for CUDA graphs, see the module
+    docstring); programs past a sequence's extent exit early."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     bsz = page_table.shape[0]
@@ -362,15 +408,18 @@ def extend_attention_triton(
     out = torch.empty_like(q) if out is None else out
     if t == 0:
         return out
-    grid = (hq, triton.cdiv(max_extend_len, cfg.extend_block_m), bsz)
+    group = hq // hkv
+    pack = cfg.extend_pack_gqa and group > 1 and cfg.extend_block_m % group == 0
+    tok = cfg.extend_block_m // group if pack else cfg.extend_block_m
+    grid = (hkv if pack else hq, triton.cdiv(max_extend_len, tok), bsz)
     _extend_kernel[grid](
         q, out, k_cache, v_cache, page_table, qo_indptr, prefix_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         scale * _LOG2E,
-        PAGE_SIZE=page_size, GROUP=hq // hkv, D=d,
+        PAGE_SIZE=page_size, GROUP=group, D=d,
         BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n, UPCAST=interpreting(),
-        num_warps=cfg.extend_warps, num_stages=cfg.extend_stages,
+        PACK_GQA=pack, TOK=tok, num_warps=cfg.extend_warps, num_stages=cfg.extend_stages,
     )
     return out
 
@@ -378,6 +427,7 @@ def extend_attention_triton(
 # ---------------------------------------------------------------- backend
 
 
+@functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -388,21 +438,34 @@ class TritonAttentionBackend:
     """AttentionBackend (see forward_batch.py) on Triton kernels.
 
     Decode batches (``batch.is_decode``, or any batch with one new token per
-    sequence) take the split-K path, which is CUDA-graph capturable; everything else takes
-    the extend path (eager). ``num_splits`` depends only on the batch size and
+    sequence) take the split-K path, which is CUDA-graph capturable; everything
+    else takes the extend path. ``num_splits`` depends only on the batch size and
     the KV head count, so a graph captured for batch size B stays valid.
+
+    ``extend_token_bound``: when set (the prefill chunk size), extend grids are
+    sized from it instead of the batch's ``max_extend_len``, so a prefill chunk
+    can be captured once per token budget and replayed (see the module
+    docstring); the one-token-per-sequence shortcut to the decode kernel is then
+    taken only for ``batch.is_decode``, since ``max_extend_len`` may change
+    between replays.
     """
 
     name = "triton"
 
-    def __init__(self, scale: float | None = None, cfg: AttnKernelConfig | None = None) -> None:
+    def __init__(
+        self, scale: float | None = None, cfg: AttnKernelConfig | None = None,
+        extend_token_bound: int | None = None,
+    ) -> None:
         self.scale = scale
         self.cfg = cfg
+        self.extend_token_bound = extend_token_bound
 
     def num_splits(self, batch_size: int, num_kv_heads: int, device: torch.device) -> int:
         cfg = self.cfg or AttnKernelConfig.for_device(device, 128)
-        # About two split programs per SM over all (sequence, kv head) pairs.
-        want = math.ceil(2 * _num_sms(device) / max(1, batch_size * num_kv_heads))
+        # About decode_programs_per_sm split programs per SM over all (sequence,
+        # kv head) pairs: one 100k-token sequence needs many splits to fill the HBM pipe.
+        want = math.ceil(cfg.decode_programs_per_sm * _num_sms(device)
+                         / max(1, batch_size * num_kv_heads))
         return max(1, min(cfg.max_splits, want))
 
     def forward(
@@ -414,9 +477,11 @@ class TritonAttentionBackend:
         store_kv_triton(kc, vc, k, v, meta.out_cache_loc)
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         cfg = self.cfg or AttnKernelConfig.for_device(q.device, q.shape[-1])
+        bound = self.extend_token_bound
+        assert bound is None or bound >= meta.max_extend_len, "extend_token_bound below a chunk"
         # One new token per sequence (host metadata): the split-K kernel reads each
-        # KV head once for all its query heads, far cheaper than 128-row extend tiles.
-        if batch.is_decode or meta.max_extend_len == 1:
+        # KV head once for all its query heads, far cheaper than 64-row extend tiles.
+        if batch.is_decode or (bound is None and meta.max_extend_len == 1):
             assert q.shape[0] == meta.num_seqs, "decode batches carry one token per sequence"
             splits = self.num_splits(q.shape[0], kc.shape[1], q.device)
             return decode_attention_triton(
@@ -424,5 +489,5 @@ class TritonAttentionBackend:
             )
         return extend_attention_triton(
             q, kc, vc, meta.page_table, meta.qo_indptr, meta.prefix_lens,
-            meta.max_extend_len, meta.page_size, scale, cfg,
+            bound if bound is not None else meta.max_extend_len, meta.page_size, scale, cfg,
         )

@@ -74,14 +74,15 @@ def run_both(
     # Again into a NaN-poisoned output: every row must be written, and the same.
     meta, scale = fb.attn, d**-0.5
     poisoned = torch.full_like(q, float("nan"))
-    if is_decode or meta.max_extend_len == 1:
+    bound = backend.extend_token_bound
+    if is_decode or (bound is None and meta.max_extend_len == 1):
         splits = backend.num_splits(len(new_lens), hkv, q.device)
         at.decode_attention_triton(q, pool.k[0], pool.v[0], meta.page_table, meta.seq_lens,
-                                   page_size, scale, splits, out=poisoned)
+                                   page_size, scale, splits, cfg=backend.cfg, out=poisoned)
     else:
         at.extend_attention_triton(q, pool.k[0], pool.v[0], meta.page_table, meta.qo_indptr,
-                                   meta.prefix_lens, meta.max_extend_len, page_size, scale,
-                                   out=poisoned)
+                                   meta.prefix_lens, bound or meta.max_extend_len, page_size,
+                                   scale, cfg=backend.cfg, out=poisoned)
     assert torch.equal(poisoned, out)
     ref_fb = build_forward_batch(toks, prefix_lens, tables, ref_pool, TorchAttentionBackend())
     ref = ref_fb.attn_backend.forward(q, k, v, 0, ref_fb)
@@ -101,6 +102,63 @@ def test_extend_matches_reference(dtype: torch.dtype) -> None:
     assert torch.equal(pool.v.nan_to_num(7.0), ref_pool.v.nan_to_num(7.0))
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (8, 2), (4, 4)])
+def test_extend_gqa_packed_matches_reference(hq: int, hkv: int) -> None:
+    """GQA packing (a program per KV head x BLOCK_M / GROUP tokens): same answer;
+    group 1 (hq == hkv) falls back to the per-head grid."""
+    cpu = DEVICE == "cpu"
+    cfg = at.AttnKernelConfig(16, 16, 4, 1, 16, 4, 1, 8, extend_pack_gqa=True) if cpu else \
+        at.AttnKernelConfig(extend_block_m=64, extend_pack_gqa=True)
+    be = at.TritonAttentionBackend(cfg=cfg)
+    out, ref, _, _ = run_both(
+        [7, 1, 20, 3], [0, 5, 13, 31], hq=hq, hkv=hkv, d=32, page_size=4,
+        dtype=torch.float32, device=DEVICE, is_decode=False, backend=be,
+    )
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_extend_static_grid_bound(pack: bool) -> None:
+    """A grid sized from an upper bound (the CUDA-graph mode) gives the same rows,
+    including a batch padded with empty sequences (equal qo_indptr entries)."""
+    cfg = at.AttnKernelConfig.for_device(torch.device(DEVICE), 32)
+    cfg = at.AttnKernelConfig(**{**cfg.__dict__, "extend_pack_gqa": pack})
+    pool, tables, q, k, v = make_case([9, 20], [5, 0], 4, 2, 32, 4, torch.float32, DEVICE)
+    fb = build_forward_batch([[1] * 9, [1] * 20], [5, 0], tables, pool, TorchAttentionBackend())
+    meta = fb.attn
+    at.store_kv_triton(pool.k[0], pool.v[0], k, v, meta.out_cache_loc)
+    args = (q, pool.k[0], pool.v[0])
+    exact = at.extend_attention_triton(*args, meta.page_table, meta.qo_indptr, meta.prefix_lens,
+                                       20, 4, 32**-0.5, cfg)
+    bounded = torch.full_like(q, float("nan"))
+    at.extend_attention_triton(*args, meta.page_table, meta.qo_indptr, meta.prefix_lens,
+                               64, 4, 32**-0.5, cfg, out=bounded)
+    assert torch.equal(exact, bounded)
+    # Two padding sequences after the real ones: zero new tokens, dummy page rows.
+    table = torch.cat([meta.page_table, torch.zeros_like(meta.page_table)])
+    indptr = torch.cat([meta.qo_indptr, meta.qo_indptr[-1:].repeat(2)])
+    prefix = torch.cat([meta.prefix_lens, torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)])
+    padded = torch.full_like(q, float("nan"))
+    at.extend_attention_triton(*args, table, indptr, prefix, 64, 4, 32**-0.5, cfg, out=padded)
+    assert torch.equal(exact, padded)
+    ref = paged_attention_ref(q, pool.k[0], pool.v[0], meta.page_table, [0, 9, 29], [14, 20],
+                              4, 32**-0.5)
+    assert rel_err(exact, ref) < 1e-4
+
+
+def test_backend_extend_token_bound() -> None:
+    """The backend's static-bound mode: same output; a one-token-per-sequence
+    batch that is not marked decode stays on the extend kernel."""
+    be = at.TritonAttentionBackend(extend_token_bound=48)
+    out, ref, _, _ = run_both([7, 1, 20], [0, 5, 13], hq=4, hkv=2, d=32, page_size=4,
+                              dtype=torch.float32, device=DEVICE, is_decode=False, backend=be)
+    assert rel_err(out, ref) < 1e-4
+    out, ref, _, _ = run_both([1, 1], [3, 17], hq=4, hkv=2, d=32, page_size=4,
+                              dtype=torch.float32, device=DEVICE, is_decode=False, backend=be)
+    assert rel_err(out, ref) < 1e-4
 
 
 @pytest.mark.parametrize(
@@ -212,3 +270,53 @@ def test_gpu_decode_poisoned_output_and_graph_replay() -> None:
         torch.cuda.synchronize()
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("pack", [False, True])
+def test_gpu_extend_graph_replay_static_bound(pack: bool) -> None:
+    """Capture extend once with a grid sized from a 1024-token budget, then replay
+    with different sequence counts, lengths and prefixes refilled in place."""
+    budget, bsz, width = 1024, 3, 160
+    cfg = at.AttnKernelConfig(extend_pack_gqa=pack)
+    pool, tables, q, k, v = make_case([budget], [1400], 32, 4, 128, 16, torch.bfloat16, "cuda")
+    kc, vc = pool.k[0], pool.v[0]
+    pages = torch.tensor(tables[0], dtype=torch.int32, device="cuda")
+    table = torch.zeros(bsz, width, dtype=torch.int32, device="cuda")
+    indptr = torch.zeros(bsz + 1, dtype=torch.int32, device="cuda")
+    prefix = torch.zeros(bsz, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+
+    def run() -> None:
+        at.extend_attention_triton(q, kc, vc, table, indptr, prefix, budget, 16, 128**-0.5,
+                                   cfg, out=out)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    # (new tokens, prefix) per sequence; every sequence reads the same pages.
+    for case in ([(1024, 1400)], [(300, 0), (700, 1400), (24, 77)], [(1, 5), (1000, 1)]):
+        table.zero_()
+        indptr.zero_()
+        prefix.zero_()
+        for b, (n, p) in enumerate(case):
+            table[b, : pages.numel()] = pages
+            indptr[b + 1] = indptr[b] + n
+            prefix[b] = p
+        indptr[len(case) + 1 :] = indptr[len(case)]
+        out.fill_(float("nan"))
+        graph.replay()
+        bounds = [0]
+        for n, _ in case:
+            bounds.append(bounds[-1] + n)
+        ref = paged_attention_ref(q[: bounds[-1]], kc, vc, table[: len(case)], bounds,
+                                  [n + p for n, p in case], 16, 128**-0.5)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out[: bounds[-1]]).all()
+        assert rel_err(out[: bounds[-1]], ref) < 2e-2
