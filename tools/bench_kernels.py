@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,9 +33,10 @@ from ftserve_kernels import attention_triton as at  # noqa: E402
 from ftserve_kernels import bookkeeping as bk  # noqa: E402
 from ftserve_kernels import moe_triton as mt  # noqa: E402
 from ftserve_kernels.moe import fused_moe_ref  # noqa: E402
+from ftserve_kernels.norm_rope import qk_norm_rotary_ref  # noqa: E402
 from ftserve_kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from ftserve_kernels.paged_attention import paged_attention_ref  # noqa: E402
-from ftserve_kernels.rope_triton import rotary_triton  # noqa: E402
+from ftserve_kernels.rope_triton import qk_norm_rotary_triton, rotary_triton  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 4, 128, 16
 RESULTS: dict[str, Any] = {"limits": {}, "kernels": {}, "checks": {}}
@@ -54,6 +56,34 @@ def bench(fn: Callable[[], Any], iters: int = 10, warmup: int = 3) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
+
+
+def bench_graph(fn: Callable[[], Any], replays: int = 50) -> float:
+    """Device seconds per call of ``fn``: captured once in a CUDA graph, replayed
+    back to back between two events, so host launch cost is not in the number
+    (this is how the engine runs decode)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # compile and warm up outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / replays)
+    del graph
+    return min(times)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -157,15 +187,21 @@ def bench_extend(n_new: int, total: int, quick: bool) -> None:
         record(f"sdpa flash (contiguous) {n_new} over {total}", secs, tflops=flops / secs / 1e12)
     except RuntimeError as exc:  # the peer is optional; the kernel is still timed
         print(f"  SDPA peer unavailable: {str(exc)[:200]}")
-    configs = [at.AttnKernelConfig()]
+    base = at.AttnKernelConfig()
+    configs = [base, replace(base, extend_pack_gqa=True)]
     if not quick:
         configs += [
-            at.AttnKernelConfig(extend_block_n=128, extend_stages=2),
-            at.AttnKernelConfig(extend_block_m=64, extend_warps=4),
-            at.AttnKernelConfig(extend_stages=4),
+            replace(base, extend_block_n=128, extend_stages=2),
+            replace(base, extend_stages=4),
+            replace(base, extend_block_m=128, extend_warps=8),
+            replace(base, extend_block_m=128, extend_warps=8, extend_pack_gqa=True),
+            replace(base, extend_block_m=128, extend_block_n=128, extend_warps=8, extend_stages=2,
+                    extend_pack_gqa=True),
+            replace(base, extend_block_m=64, extend_block_n=128, extend_warps=4, extend_stages=2,
+                    extend_pack_gqa=True),
         ]
     for cfg in configs:
-        tag = f"bm{cfg.extend_block_m}_bn{cfg.extend_block_n}_w{cfg.extend_warps}_s{cfg.extend_stages}"
+        tag = cfg.tag()
         out = torch.full_like(q, float("nan"))
 
         def run(cfg: at.AttnKernelConfig = cfg, out: torch.Tensor = out) -> torch.Tensor:
@@ -188,38 +224,59 @@ def bench_extend(n_new: int, total: int, quick: bool) -> None:
         record(f"triton extend {n_new} over {total} [{tag}]", secs, tflops=tf, **ratios)
 
 
-def bench_decode(batch: int, kv_len: int) -> None:
+def bench_decode(batch: int, kv_len: int, quick: bool) -> None:
+    """Split-K decode, timed by CUDA-graph replay (device time, as the engine runs
+    it) for the default config and a sweep of tiles / stages / split targets."""
     kc, vc, table = paged_case([kv_len] * batch, seed=batch)
     q = torch.randn(batch, HQ, D, device="cuda").bfloat16()
     seq_lens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
-    be = at.TritonAttentionBackend()
-    splits = be.num_splits(batch, HKV, q.device)
-    out = torch.full_like(q, float("nan"))
-
-    def run() -> torch.Tensor:
-        return at.decode_attention_triton(q, kc, vc, table, seq_lens, PAGE, D**-0.5, splits, out=out)
-
-    run()
+    kv_bytes = 2 * batch * kv_len * HKV * D * 2
     rows = min(batch, 4)
     ref = paged_attention_ref(q[:rows], kc, vc, table, list(range(rows + 1)), [kv_len] * rows,
                               PAGE, D**-0.5)
-    err = rel_err(out[:rows], ref)
-    check(f"decode_b{batch}_{kv_len}", bool(torch.isfinite(out).all()) and err < 2e-2,
-          f"rel err vs torch twin {err:.2e}, {splits} splits")
-    kv_bytes = 2 * batch * kv_len * HKV * D * 2
-    secs = bench(run, 20)
-    gbps = kv_bytes / secs / 1e9
-    record(f"triton decode b{batch} kv{kv_len}", secs, kv_gbps=gbps,
-           vs_copy=gbps / RESULTS["limits"]["copy_gbps"])
+    base = at.AttnKernelConfig()
+    configs = [base]
+    if not quick:
+        configs += [
+            replace(base, decode_block_n=128),
+            replace(base, decode_stages=4),
+            replace(base, decode_block_n=128, decode_warps=8),
+            replace(base, decode_block_n=32, decode_stages=4),
+            replace(base, decode_programs_per_sm=2),
+            replace(base, decode_programs_per_sm=8, max_splits=256),
+        ]
+    for cfg in configs:
+        be = at.TritonAttentionBackend(cfg=cfg)
+        splits = be.num_splits(batch, HKV, q.device)
+        tag = f"bn{cfg.decode_block_n}_w{cfg.decode_warps}_s{cfg.decode_stages}_sp{splits}"
+        out = torch.full_like(q, float("nan"))
+
+        def run(cfg: at.AttnKernelConfig = cfg, splits: int = splits,
+                out: torch.Tensor = out) -> torch.Tensor:
+            return at.decode_attention_triton(q, kc, vc, table, seq_lens, PAGE, D**-0.5, splits,
+                                              cfg, out=out)
+
+        run()
+        err = rel_err(out[:rows], ref)
+        check(f"decode_b{batch}_{kv_len}_{tag}", bool(torch.isfinite(out).all()) and err < 2e-2,
+              f"rel err vs torch twin {err:.2e}")
+        secs = bench_graph(run)
+        gbps = kv_bytes / secs / 1e9
+        record(f"triton decode b{batch} kv{kv_len} graph [{tag}]", secs, kv_gbps=gbps,
+               vs_copy_read=gbps / (RESULTS["limits"]["copy_gbps"] / 2))
+        if cfg is base:
+            secs = bench(run, 20)
+            record(f"triton decode b{batch} kv{kv_len} eager (incl. launch)", secs,
+                   kv_gbps=kv_bytes / secs / 1e9)
     if batch == 1:
-        # Peer: SDPA flash over contiguous MHA KV (32 heads) of the same length.
+        # Peer: SDPA over contiguous MHA KV (32 heads) of the same length, graph-timed.
         km = torch.randn(1, HQ, kv_len, D, device="cuda").bfloat16()
         vm = torch.randn_like(km)
-        qm = q[:1].transpose(0, 1)[None]
-        s2 = bench(lambda: F.scaled_dot_product_attention(qm, km, vm), 20)
+        qm = q[:1].transpose(0, 1)[None].contiguous()
+        s2 = bench_graph(lambda: F.scaled_dot_product_attention(qm, km, vm))
         peer = 2 * km.numel() * 2 / s2 / 1e9
         RESULTS["limits"][f"sdpa_decode_{kv_len}_gbps"] = peer
-        record(f"sdpa decode (MHA, contiguous) kv{kv_len}", s2, kv_gbps=peer)
+        record(f"sdpa decode (MHA, contiguous) kv{kv_len} graph", s2, kv_gbps=peer)
 
 
 def bench_store() -> None:
@@ -240,11 +297,18 @@ def bench_store() -> None:
 
 
 def bench_moe(quick: bool) -> None:
+    """fused_moe (alignment + both GEMMs + combine) eager, and by CUDA-graph replay
+    (device time, as decode runs it) with a config sweep for small T. Weight GB/s
+    counts only the experts the batch was routed to."""
     e, k, h, inter = 128, 8, 2048, 768
     w13 = (torch.randn(e, 2 * inter, h, device="cuda") / h**0.5).bfloat16()
     w2 = (torch.randn(e, h, inter, device="cuda") / inter**0.5).bfloat16()
     expert_bytes = (w13[0].numel() + w2[0].numel()) * 2
-    for t in ([1, 64, 4096] if quick else [1, 8, 64, 512, 4096, 8192]):
+    read_limit = RESULTS["limits"]["copy_gbps"] / 2
+    small = [mt.MoeConfig(16, 32, 128, 1, 4, 4), mt.MoeConfig(16, 64, 128, 1, 4, 4),
+             mt.MoeConfig(16, 16, 128, 1, 4, 4), mt.MoeConfig(16, 32, 256, 1, 4, 3),
+             mt.MoeConfig(16, 64, 64, 1, 4, 5), mt.MoeConfig(16, 128, 64, 1, 4, 4)]
+    for t in ([1, 64, 4096] if quick else [1, 2, 8, 16, 32, 64, 512, 4096, 8192]):
         x = torch.randn(t, h, device="cuda").bfloat16()
         logits = torch.randn(t, e, device="cuda")
         weights, ids = mt.route_topk_triton(logits, k, True)
@@ -252,37 +316,86 @@ def bench_moe(quick: bool) -> None:
         if t <= 512:
             err = rel_err(out, fused_moe_ref(x, w13, w2, weights, ids))
             check(f"moe_T{t}", bool(torch.isfinite(out).all()) and err < 2e-2, f"rel err {err:.2e}")
-        secs = bench(lambda x=x, w=weights, i=ids: mt.fused_moe_triton(x, w13, w2, w, i))
         flops = 2 * t * k * (h * 2 * inter + inter * h)
         touched = int(torch.zeros(e, device="cuda").index_fill_(0, ids.reshape(-1).long(), 1).sum())
-        gbps = touched * expert_bytes / secs / 1e9
-        record(f"fused_moe T={t}", secs, tflops=flops / secs / 1e12,
-               vs_matmul=flops / secs / 1e12 / RESULTS["limits"]["matmul_tflops"],
-               weight_gbps=gbps, vs_copy_read=gbps / (RESULTS["limits"]["copy_gbps"] / 2))
+        wbytes = touched * expert_bytes
+
+        def rec(name: str, secs: float, flops: float = flops, touched: int = touched,
+                wbytes: int = wbytes) -> None:
+            record(name, secs, tflops=flops / secs / 1e12,
+                   vs_matmul=flops / secs / 1e12 / RESULTS["limits"]["matmul_tflops"],
+                   experts=touched, weight_gbps=wbytes / secs / 1e9,
+                   vs_copy_read=wbytes / secs / 1e9 / read_limit)
+
+        default = mt.MoeConfig.pick(t * k, e, x.device)
+        configs = [default]
+        if t <= 64 and not quick:
+            configs += [c for c in small if c != default]
+        for cfg in configs:
+            def run(x: torch.Tensor = x, w: torch.Tensor = weights, i: torch.Tensor = ids,
+                    cfg: mt.MoeConfig = cfg) -> torch.Tensor:
+                return mt.fused_moe_triton(x, w13, w2, w, i, cfg=cfg)
+
+            tag = (f"m{cfg.block_m}_n{cfg.block_n}_k{cfg.block_k}_g{cfg.group_m}"
+                   f"_w{cfg.num_warps}_s{cfg.num_stages}")
+            if cfg is default:
+                rec(f"fused_moe T={t} eager (incl. launch) [{tag}]", bench(run))
+            else:
+                err = rel_err(run(), out)
+                check(f"moe_T{t}_{tag}", err < 2e-2, f"rel err vs default config {err:.2e}")
+            if t <= 4096:
+                rec(f"fused_moe T={t} graph [{tag}]", bench_graph(run, 20 if t > 64 else 50))
         if t == 8192 or (quick and t == 4096):
             rs = bench(lambda lg=logits: mt.route_topk_triton(lg, k, True))
             record(f"route_topk T={t} E={e}", rs)
+            bm = default.block_m
+            al = bench_graph(lambda i=ids, bm=bm: mt.moe_align(i, e, bm), 20)
+            record(f"moe_align T={t} E={e} graph", al)
 
 
 def bench_norm_rope() -> None:
+    """Norms and rotary by CUDA-graph replay (device time). GB/s = bytes read +
+    written once, against the copy rate (which counts read + write too)."""
     t, h = 8192, 2048
     x = torch.randn(t, h, device="cuda").bfloat16()
     r = torch.randn_like(x)
     w = torch.randn(h, device="cuda").bfloat16()
     copy = RESULTS["limits"]["copy_gbps"]
-    secs = bench(lambda: rms_norm_triton(x, w, 1e-6), 20)
-    record(f"rms_norm T={t} H={h}", secs, gbps=2 * x.numel() * 2 / secs / 1e9,
-           vs_copy=2 * x.numel() * 2 / secs / 1e9 / copy)
-    secs = bench(lambda: fused_add_rms_norm_triton(x, r, w, 1e-6), 20)
-    record(f"fused_add_rms_norm T={t} H={h}", secs, gbps=4 * x.numel() * 2 / secs / 1e9,
-           vs_copy=4 * x.numel() * 2 / secs / 1e9 / copy)
+
+    def rec(name: str, secs: float, moved: float) -> None:
+        record(name, secs, gbps=moved / secs / 1e9, vs_copy=moved / secs / 1e9 / copy)
+
+    rec(f"rms_norm T={t} H={h}", bench_graph(lambda: rms_norm_triton(x, w, 1e-6)), 4 * x.numel())
+    rec(f"fused_add_rms_norm T={t} H={h}",
+        bench_graph(lambda: fused_add_rms_norm_triton(x, r, w, 1e-6)), 8 * x.numel())
+    heads = torch.randn(t * HQ, D, device="cuda").bfloat16()
+    hw = torch.randn(D, device="cuda").bfloat16()
+    rec(f"rms_norm (q head norm) rows={t * HQ} H={D}",
+        bench_graph(lambda: rms_norm_triton(heads, hw, 1e-6)), 4 * heads.numel())
     q = torch.randn(t, HQ, D, device="cuda").bfloat16()
     kk = torch.randn(t, HKV, D, device="cuda").bfloat16()
     pos = torch.randint(0, 131072, (t,), device="cuda")
     table = torch.randn(131072, D, device="cuda")
-    secs = bench(lambda: rotary_triton(q, kk, pos, table), 20)
     moved = 2 * (q.numel() + kk.numel()) * 2
-    record(f"rotary T={t}", secs, gbps=moved / secs / 1e9, vs_copy=moved / secs / 1e9 / copy)
+    rec(f"rotary T={t}", bench_graph(lambda: rotary_triton(q, kk, pos, table)), moved)
+    # Qwen3 attention input: q/k views into the qkv projection output.
+    qkv = torch.randn(t, (HQ + 2 * HKV) * D, device="cuda").bfloat16()
+    qv = qkv[:, : HQ * D].view(t, HQ, D)
+    kv = qkv[:, HQ * D : (HQ + HKV) * D].view(t, HKV, D)
+    kw = torch.randn(D, device="cuda").bfloat16()
+    qo, ko = qk_norm_rotary_triton(qv, kv, hw, kw, 1e-6, pos, table)
+    rq, rk = qk_norm_rotary_ref(qv, kv, hw, kw, 1e-6, pos, table)
+    err = max(rel_err(qo, rq), rel_err(ko, rk))
+    check("qk_norm_rotary", bool(torch.isfinite(qo).all()) and err < 1e-2, f"rel err {err:.2e}")
+    rec(f"qk_norm_rotary (fused) T={t}",
+        bench_graph(lambda: qk_norm_rotary_triton(qv, kv, hw, kw, 1e-6, pos, table)), moved)
+
+    def unfused() -> None:
+        qn = rms_norm_triton(qv.reshape(-1, D), hw, 1e-6).view(t, HQ, D)
+        kn = rms_norm_triton(kv.reshape(-1, D), kw, 1e-6).view(t, HKV, D)
+        rotary_triton(qn, kn, pos, table)
+
+    rec(f"q_norm + k_norm + rotary (3 launches + copies) T={t}", bench_graph(unfused), moved)
 
 
 def bench_bookkeeping() -> None:
@@ -332,7 +445,8 @@ def main() -> int:
     measure_limits()
     sections: list[tuple[str, Callable[[], None]]] = [
         ("extend", lambda: bench_extend(4096, 102_400, args.quick)),
-        ("decode", lambda: [bench_decode(b, n) for b, n in ((1, 102_400), (8, 32_768), (64, 2048))]),
+        ("decode", lambda: [bench_decode(b, n, args.quick)
+                            for b, n in ((1, 102_400), (8, 32_768), (64, 2048))]),
         ("store", bench_store),
         ("moe", lambda: bench_moe(args.quick)),
         ("norm_rope", bench_norm_rope),
