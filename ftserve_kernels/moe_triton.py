@@ -13,10 +13,11 @@ pairs are grouped by expert, each expert's group padded to a multiple of BLOCK_M
 Capacity is fixed at N + min(E, N) * (BLOCK_M - 1) rows (every non-empty expert
 wastes at most BLOCK_M - 1), so the grid is sized from host shapes; blocks past
 ``num_padded`` exit at once. Entries hold the flat pair id ``t*k + j``; padding
-holds N. Rank within an expert comes from an atomic counter, so the order of
-rows inside an expert varies run to run, but each row's GEMM result does not
-depend on its neighbours and the combine sums a fixed [T, k, H] layout, so the
-output is deterministic.
+holds N. The grouping is stable (pairs keep their order inside an expert) and
+uses no atomics: the pairs are cut into chunks; each program places one chunk
+at expert start + the counts of earlier chunks + the rank inside its chunk
+(counts come from a per-chunk histogram pass past a few thousand pairs, else
+every program counts all ids itself: one launch for decode).
 
 Kernels: (1) gate/up GEMM with SiLU(gate) * up fused, written per pair into
 ``inter [N, I]``; (2) down GEMM scaled by the routing weight into ``y [N, H]``;
@@ -25,6 +26,7 @@ Kernels: (1) gate/up GEMM with SiLU(gate) * up fused, written per pair into
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -85,88 +87,120 @@ def route_topk_triton(
 
 
 @triton.jit
-def _align_hist_kernel(ids_ptr, counts_ptr, N, E, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-    # Many programs, for large N: per-chunk counts, summed with atomics.
-    c = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + c, mask=c < N, other=-1)
+def _align_hist_kernel(ids_ptr, hist_ptr, N, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    # Large N only: per-chunk expert counts hist[c, e], plain stores (no atomics,
+    # so no zeroed buffer and no extra launch to zero it).
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < N, other=-1)
     e = tl.arange(0, BLOCK_E)
-    local = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)  # [E]
-    tl.atomic_add(counts_ptr + e, local, mask=(e < E) & (local > 0))
+    cnt = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)  # [E]
+    tl.store(hist_ptr + c * BLOCK_E + e, cnt)
 
 
 @triton.jit
-def _align_count_kernel(
-    ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, cursor_ptr,
-    N, E, MAX_ROWS, MAX_BLOCKS,
-    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
-    PRECOUNTED: tl.constexpr,
+def _align_place_kernel(
+    ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+    N, MAX_ROWS, MAX_BLOCKS, ROWS_PER_PROG, BLOCKS_PER_PROG,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, HIST_ROWS: tl.constexpr,
+    FILL: tl.constexpr, PRECOUNTED: tl.constexpr,
 ):
-    # One program: counts per expert (unless _align_hist_kernel made them), padded
-    # offsets, block -> expert, sentinel fill.
+    # Program c: (1) counts per expert over all pairs and over chunks before c,
+    # (2) places the pairs of chunk c at expert start + earlier chunks' count +
+    # rank inside the chunk (stable: pair order within an expert), (3) writes the
+    # sentinel into its share of padding rows and block -> expert entries.
+    c = tl.program_id(0)
+    nchunks = tl.num_programs(0)
     e = tl.arange(0, BLOCK_E)
-    c = tl.arange(0, CHUNK)
+    totals = tl.zeros([BLOCK_E], tl.int32)
+    before = tl.zeros([BLOCK_E], tl.int32)
     if PRECOUNTED:
-        counts = tl.load(counts_ptr + e, mask=e < E, other=0)
+        hr = tl.arange(0, HIST_ROWS)
+        for c0 in range(0, nchunks, HIST_ROWS):
+            rows = c0 + hr
+            h = tl.load(hist_ptr + rows[:, None] * BLOCK_E + e[None, :],
+                        mask=rows[:, None] < nchunks, other=0)  # [HIST_ROWS, E]
+            totals += tl.sum(h, 0)
+            before += tl.sum(tl.where(rows[:, None] < c, h, 0), 0)
     else:
-        counts = tl.zeros([BLOCK_E], tl.int32)
-        for s in range(0, N, CHUNK):
-            ids = tl.load(ids_ptr + s + c, mask=s + c < N, other=-1)
-            counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
-    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M  # [E]
+        j = tl.arange(0, CHUNK)
+        for c0 in range(0, nchunks):
+            ids = tl.load(ids_ptr + c0 * CHUNK + j, mask=c0 * CHUNK + j < N, other=-1)
+            cnt = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)  # [E]
+            totals += cnt
+            before += cnt * (c0 < c).to(tl.int32)
+    padded = tl.cdiv(totals, BLOCK_M) * BLOCK_M  # [E]
     ends = tl.cumsum(padded, 0)
-    tl.store(cursor_ptr + e, ends - padded, mask=e < E)
+    starts = ends - padded
     total = tl.sum(padded, 0)
-    tl.store(total_ptr, total)
-    for s in range(0, MAX_BLOCKS, CHUNK):
-        first_row = (s + c) * BLOCK_M
-        owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), 1)  # [CHUNK]
-        owner = tl.where(first_row < total, owner, -1)
-        tl.store(block_expert_ptr + s + c, owner, mask=s + c < MAX_BLOCKS)
-    f = tl.arange(0, FILL)
-    for s in range(0, MAX_ROWS, FILL):
-        tl.store(sorted_ptr + s + f, tl.zeros([FILL], tl.int32) + N, mask=s + f < MAX_ROWS)
-
-
-@triton.jit
-def _align_scatter_kernel(ids_ptr, sorted_ptr, cursor_ptr, N, CHUNK: tl.constexpr):
-    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    tl.store(total_ptr, total, mask=c == 0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
     m = offs < N
-    ids = tl.load(ids_ptr + offs, mask=m, other=0)
-    dest = tl.atomic_add(cursor_ptr + ids, 1, mask=m)
+    ids = tl.load(ids_ptr + offs, mask=m, other=-1)
+    onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [C, E]
+    rank = tl.cumsum(onehot, 0) - onehot  # [C, E] earlier pairs of the same expert in the chunk
+    dest = tl.sum(onehot * ((starts + before)[None, :] + rank), 1)  # [C]
     tl.store(sorted_ptr + dest, offs, mask=m)
+    f = tl.arange(0, FILL)
+    pad_lo = starts + totals  # [E] first padding row of each expert
+    r_begin = c * ROWS_PER_PROG
+    r_end = tl.minimum(r_begin + ROWS_PER_PROG, MAX_ROWS)
+    for r0 in range(r_begin, r_end, FILL):
+        rows = r0 + f
+        in_pad = (rows[:, None] >= pad_lo[None, :]) & (rows[:, None] < ends[None, :])  # [F, E]
+        pad = (tl.sum(in_pad.to(tl.int32), 1) > 0) | (rows >= total)
+        tl.store(sorted_ptr + rows, tl.zeros([FILL], tl.int32) + N, mask=pad & (rows < r_end))
+    b_begin = c * BLOCKS_PER_PROG
+    b_end = tl.minimum(b_begin + BLOCKS_PER_PROG, MAX_BLOCKS)
+    for b0 in range(b_begin, b_end, FILL):
+        blk = b0 + f
+        first_row = blk * BLOCK_M
+        owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), 1)  # [F]
+        owner = tl.where(first_row < total, owner, -1)
+        tl.store(block_expert_ptr + blk, owner, mask=blk < b_end)
 
 
-_PRECOUNT_MIN = 4096  # pairs; module-level so tests can lower it
+_PRECOUNT_MIN = 4096  # pairs; past it a histogram pass beats every program counting all ids
+
+
+@functools.lru_cache(maxsize=256)
+def _align_plan(n: int, num_experts: int, block_m: int) -> tuple[int, ...]:
+    """Host-only sizes for moe_align, cached: (max_rows, max_blocks, BLOCK_E, chunk,
+    chunks, rows per program, blocks per program)."""
+    max_rows = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
+    max_blocks = max_rows // block_m
+    block_e = triton.next_power_of_2(num_experts)
+    # [chunk, E] one-hot tiles of at most 16k elements.
+    chunk = max(16, min(triton.next_power_of_2(n), 16384 // block_e))
+    chunks = triton.cdiv(n, chunk)
+    return (max_rows, max_blocks, block_e, chunk, chunks,
+            triton.cdiv(max_rows, chunks), triton.cdiv(max_blocks, chunks))
 
 
 def moe_align(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_ids [R] int32, block_expert [R / block_m] int32,
-    num_padded [1] int32), R = N + min(E, N) * (block_m - 1) rounded up to block_m."""
+    num_padded [1] int32), R = N + min(E, N) * (block_m - 1) rounded up to block_m.
+    One launch up to _PRECOUNT_MIN pairs (decode), two past it."""
     n = topk_ids.numel()
     dev = topk_ids.device
-    max_rows = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
-    max_blocks = max_rows // block_m
+    max_rows, max_blocks, block_e, chunk, chunks, rows_pp, blocks_pp = _align_plan(
+        n, num_experts, block_m)
     ids = topk_ids.reshape(-1)
     sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
-    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    block_e = triton.next_power_of_2(num_experts)
-    # Past a few thousand pairs one program counting alone becomes the bottleneck.
     precount = n > _PRECOUNT_MIN
-    counts = cursor
+    hist = total  # unread unless precount
     if precount:
-        counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
-        _align_hist_kernel[(triton.cdiv(n, 256),)](ids, counts, n, num_experts,
-                                                   BLOCK_E=block_e, CHUNK=256)
-    _align_count_kernel[(1,)](
-        ids, counts, sorted_ids, block_expert, total, cursor, n, num_experts, max_rows,
-        max_blocks, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=256, FILL=2048,
-        PRECOUNTED=precount, num_warps=8,
+        hist = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)
+        _align_hist_kernel[(chunks,)](ids, hist, n, BLOCK_E=block_e, CHUNK=chunk)
+    _align_place_kernel[(chunks,)](
+        ids, hist, sorted_ids, block_expert, total, n, max_rows, max_blocks, rows_pp, blocks_pp,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, HIST_ROWS=max(1, 4096 // block_e),
+        FILL=max(16, 8192 // block_e), PRECOUNTED=precount, num_warps=8 if chunk * block_e > 4096 else 4,
     )
-    _align_scatter_kernel[(triton.cdiv(n, 1024),)](ids, sorted_ids, cursor, n, CHUNK=1024)
     return sorted_ids, block_expert, total
 
 

@@ -37,12 +37,15 @@ def test_route_topk_matches_reference(renorm: bool) -> None:
 
 
 @pytest.mark.parametrize("precount", [False, True])
-def test_align_is_a_padded_grouping(precount: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every pair appears once, in a block of its expert; padding is the sentinel.
-    ``precount`` forces the many-program histogram used for large batches."""
+@pytest.mark.parametrize("t,k,e,bm", [(9, 3, 7, 4), (100, 3, 128, 16)])  # 1 chunk; 3 chunks
+def test_align_is_a_padded_grouping(
+    precount: bool, t: int, k: int, e: int, bm: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every pair appears once, in a block of its expert, in pair order (stable);
+    padding is the sentinel. ``precount`` forces the per-chunk histogram pass
+    used for large batches."""
     monkeypatch.setattr(mt, "_PRECOUNT_MIN", 0 if precount else 10**9)
     g = torch.Generator().manual_seed(1)
-    t, k, e, bm = 9, 3, 7, 4
     ids = torch.randint(0, e, (t, k), generator=g, dtype=torch.int32)
     ids[0] = torch.tensor([2, 2, 5])  # repeated expert inside one token's choices is legal input
     sorted_ids, block_expert, total = mt.moe_align(ids.to(DEVICE), e, bm)
@@ -61,9 +64,10 @@ def test_align_is_a_padded_grouping(precount: bool, monkeypatch: pytest.MonkeyPa
         assert rows.numel() > 0, "no block is all padding"
         assert torch.all(flat[rows.long()] == block_expert[b])
     assert torch.all(block_expert[total // bm :] == -1)
-    # Blocks are in expert order.
+    # Blocks are in expert order, pairs in id order: the grouping is a stable sort.
     used = block_expert[: total // bm]
     assert torch.all(used[1:] >= used[:-1])
+    assert torch.equal(real[real < n], torch.argsort(flat.long(), stable=True).int())
 
 
 @pytest.mark.parametrize("t", [1, 5, 33])

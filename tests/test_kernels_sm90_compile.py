@@ -91,14 +91,12 @@ def _compile_all() -> dict[str, dict[str, Any]]:
                   PACK_GQA=True, TOK=bm // 8), warps, 3)
     comp("route", mt._route_kernel, {"logits_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": i32},
          dict(TOP_K=8, BLOCK_E=128, BLOCK_K=8, RENORM=True))
-    align = {"ids_ptr": i32, "sorted_ptr": i32, "block_expert_ptr": i32, "total_ptr": i32,
-             "cursor_ptr": i32}
-    align["counts_ptr"] = i32
+    align = {"ids_ptr": i32, "hist_ptr": i32, "sorted_ptr": i32, "block_expert_ptr": i32,
+             "total_ptr": i32}
     for pre in (False, True):
-        comp(f"align_count_{pre}", mt._align_count_kernel, align,
-             dict(BLOCK_M=64, BLOCK_E=128, CHUNK=256, FILL=2048, PRECOUNTED=pre), 8)
-    comp("align_hist", mt._align_hist_kernel, align, dict(BLOCK_E=128, CHUNK=256))
-    comp("align_scatter", mt._align_scatter_kernel, align, dict(CHUNK=1024))
+        comp(f"align_place_{pre}", mt._align_place_kernel, align,
+             dict(BLOCK_M=64, BLOCK_E=128, CHUNK=128, HIST_ROWS=32, FILL=64, PRECOUNTED=pre), 8)
+    comp("align_hist", mt._align_hist_kernel, align, dict(BLOCK_E=128, CHUNK=128))
     moe = {"x_ptr": bf, "a_ptr": bf, "w_ptr": bf, "out_ptr": bf, "weights_ptr": "*fp32",
            "sorted_ptr": i32, "block_expert_ptr": i32, "total_ptr": i32}
     for t in (1, 8192):
