@@ -314,16 +314,22 @@ class MoeConfig:
     @staticmethod
     def pick(num_pairs: int, num_experts: int, device: torch.device) -> MoeConfig:
         """Tile sizes from the average rows per expert (a host shape, not data)."""
-        if device.type != "cuda":
-            return MoeConfig(16, 16, 16, 2, 4, 1)
-        avg = num_pairs / num_experts
-        if avg <= 8:  # decode: weight-bandwidth bound, many narrow column blocks
-            return MoeConfig(16, 32, 128, 1, 4, 4)
-        if avg <= 32:
-            return MoeConfig(32, 64, 64, 4, 4, 4)
-        if avg <= 96:
-            return MoeConfig(64, 64, 64, 8, 4, 4)
-        return MoeConfig(128, 64, 64, 8, 8, 3)
+        return _pick(num_pairs, num_experts, device.type)
+
+
+@functools.lru_cache(maxsize=256)
+def _pick(num_pairs: int, num_experts: int, device_type: str) -> MoeConfig:
+    # Cached: asked once per MoE layer per step.
+    if device_type != "cuda":
+        return MoeConfig(16, 16, 16, 2, 4, 1)
+    avg = num_pairs / num_experts
+    if avg <= 8:  # decode: weight-bandwidth bound, many narrow column blocks
+        return MoeConfig(16, 32, 128, 1, 4, 4)
+    if avg <= 32:
+        return MoeConfig(32, 64, 64, 4, 4, 4)
+    if avg <= 96:
+        return MoeConfig(64, 64, 64, 8, 4, 4)
+    return MoeConfig(128, 64, 64, 8, 8, 3)
 
 
 def fused_moe_triton(
@@ -348,7 +354,9 @@ def fused_moe_triton(
     cfg = cfg or MoeConfig.pick(n, e, x.device)
     sorted_ids, block_expert, total = moe_align(topk_ids, e, cfg.block_m)
     num_m = block_expert.shape[0]
-    weights = topk_weights.reshape(-1).float().contiguous()  # [N]
+    weights = topk_weights.reshape(-1)  # [N]
+    if weights.dtype != torch.float32 or weights.stride(0) != 1:
+        weights = weights.float().contiguous()
     act = torch.empty((n, inter), dtype=x.dtype, device=x.device)  # [N, INTER]
     y = torch.empty((n, h), dtype=x.dtype, device=x.device)  # [N, H]
     common = dict(

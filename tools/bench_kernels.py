@@ -308,6 +308,9 @@ def bench_moe(quick: bool) -> None:
     small = [mt.MoeConfig(16, 32, 128, 1, 4, 4), mt.MoeConfig(16, 64, 128, 1, 4, 4),
              mt.MoeConfig(16, 16, 128, 1, 4, 4), mt.MoeConfig(16, 32, 256, 1, 4, 3),
              mt.MoeConfig(16, 64, 64, 1, 4, 5), mt.MoeConfig(16, 128, 64, 1, 4, 4)]
+    large = [mt.MoeConfig(128, 128, 64, 8, 8, 3), mt.MoeConfig(64, 128, 64, 8, 4, 4),
+             mt.MoeConfig(128, 64, 64, 8, 8, 4), mt.MoeConfig(128, 128, 32, 8, 8, 4),
+             mt.MoeConfig(64, 64, 64, 8, 4, 4)]
     for t in ([1, 64, 4096] if quick else [1, 2, 8, 16, 32, 64, 512, 4096, 8192]):
         x = torch.randn(t, h, device="cuda").bfloat16()
         logits = torch.randn(t, e, device="cuda")
@@ -331,6 +334,8 @@ def bench_moe(quick: bool) -> None:
         configs = [default]
         if t <= 64 and not quick:
             configs += [c for c in small if c != default]
+        if t == 4096 and not quick:
+            configs += [c for c in large if c != default]
         for cfg in configs:
             def run(x: torch.Tensor = x, w: torch.Tensor = weights, i: torch.Tensor = ids,
                     cfg: mt.MoeConfig = cfg) -> torch.Tensor:
