@@ -40,30 +40,37 @@ from ftserve_kernels.attention_triton import interpreting, mma
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, w_ptr, ids_ptr, E, stride_t,
-    TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
+    logits_ptr, w_ptr, ids_ptr, T, E, stride_t,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    RENORM: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    # BLOCK_T tokens per program (one token per program was thousands of tiny programs).
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [R]
+    tmask = t < T
     e = tl.arange(0, BLOCK_E)
     emask = e < E
-    x = tl.load(logits_ptr + t * stride_t + e, mask=emask, other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, 0))
-    p = tl.where(emask, p, 0.0)
-    p = p / tl.sum(p, 0)  # [E] softmax
+    x = tl.load(logits_ptr + t[:, None] * stride_t + e[None, :],
+                mask=tmask[:, None] & emask[None, :], other=float("-inf")).to(tl.float32)
+    x = tl.where(tmask[:, None], x, 0.0)  # rows past T: finite, never stored
+    p = tl.exp(x - tl.max(x, 1)[:, None])
+    p = tl.where(emask[None, :], p, 0.0)
+    p = p / tl.sum(p, 1)[:, None]  # [R, E] softmax
     kk = tl.arange(0, BLOCK_K)
-    wsel = tl.zeros([BLOCK_K], tl.float32)
-    isel = tl.zeros([BLOCK_K], tl.int32)
-    work = tl.where(emask, p, -1.0)
+    wsel = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+    isel = tl.zeros([BLOCK_T, BLOCK_K], tl.int32)
+    work = tl.where(emask[None, :], p, -1.0)
     for i in tl.static_range(TOP_K):
-        best = tl.max(work, 0)
-        idx = tl.min(tl.where(work == best, e, BLOCK_E), 0)  # lowest index on ties
-        wsel = tl.where(kk == i, best, wsel)
-        isel = tl.where(kk == i, idx, isel)
-        work = tl.where(e == idx, -2.0, work)
+        best = tl.max(work, 1)  # [R]
+        idx = tl.min(tl.where(work == best[:, None], e[None, :], BLOCK_E), 1)  # lowest index on ties
+        wsel = tl.where(kk[None, :] == i, best[:, None], wsel)
+        isel = tl.where(kk[None, :] == i, idx[:, None], isel)
+        work = tl.where(e[None, :] == idx[:, None], -2.0, work)
     if RENORM:
-        wsel = wsel / tl.sum(wsel, 0)
-    tl.store(w_ptr + t * TOP_K + kk, wsel, mask=kk < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + kk, isel, mask=kk < TOP_K)
+        wsel = wsel / tl.sum(wsel, 1)[:, None]
+    out = t[:, None] * TOP_K + kk[None, :]
+    omask = tmask[:, None] & (kk[None, :] < TOP_K)
+    tl.store(w_ptr + out, wsel, mask=omask)
+    tl.store(ids_ptr + out, isel, mask=omask)
 
 
 def route_topk_triton(
@@ -75,9 +82,11 @@ def route_topk_triton(
     weights = torch.empty((t, top_k), dtype=torch.float32, device=router_logits.device)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=router_logits.device)
     if t:
-        _route_kernel[(t,)](
-            router_logits, weights, ids, e, router_logits.stride(0),
-            TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e),
+        block_e = triton.next_power_of_2(e)
+        block_t = max(1, min(16, 2048 // block_e))
+        _route_kernel[(triton.cdiv(t, block_t),)](
+            router_logits, weights, ids, t, e, router_logits.stride(0),
+            TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=block_e,
             BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize,
         )
     return weights, ids

@@ -26,9 +26,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("renorm", [False, True])
-def test_route_topk_matches_reference(renorm: bool) -> None:
+@pytest.mark.parametrize("t", [5, 300])  # 300: several multi-token programs, a partial last one
+def test_route_topk_matches_reference(renorm: bool, t: int) -> None:
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(5, 12, generator=g).to(DEVICE)
+    logits = torch.randn(t, 12, generator=g).to(DEVICE)
     w, ids = mt.route_topk_triton(logits, 3, renorm)
     rw, rids = route_topk_ref(logits, 3, renorm)
     assert ids.dtype == torch.int32 and w.dtype == torch.float32

@@ -90,7 +90,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
              dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=bm, BLOCK_N=64, UPCAST=False,
                   PACK_GQA=True, TOK=bm // 8), warps, 3)
     comp("route", mt._route_kernel, {"logits_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": i32},
-         dict(TOP_K=8, BLOCK_E=128, BLOCK_K=8, RENORM=True))
+         dict(TOP_K=8, BLOCK_T=16, BLOCK_E=128, BLOCK_K=8, RENORM=True))
     align = {"ids_ptr": i32, "hist_ptr": i32, "sorted_ptr": i32, "block_expert_ptr": i32,
              "total_ptr": i32}
     for pre in (False, True):
