@@ -179,8 +179,9 @@ def _align_plan(n: int, num_experts: int, block_m: int) -> tuple[int, ...]:
     max_rows = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
     max_blocks = max_rows // block_m
     block_e = triton.next_power_of_2(num_experts)
-    # [chunk, E] one-hot tiles of at most 16k elements.
-    chunk = max(16, min(triton.next_power_of_2(n), 16384 // block_e))
+    # [chunk, E] one-hot tiles of about 16k elements, but chunks of at least 128
+    # pairs: every program reads all [chunks, E] counts, so chunks must stay few.
+    chunk = max(16, min(triton.next_power_of_2(n), max(128, 16384 // block_e)))
     chunks = triton.cdiv(n, chunk)
     return (max_rows, max_blocks, block_e, chunk, chunks,
             triton.cdiv(max_rows, chunks), triton.cdiv(max_blocks, chunks))
