@@ -62,6 +62,9 @@ def _route_kernel(
     for i in tl.static_range(TOP_K):
         best = tl.max(work, 1)  # [R]
         idx = tl.min(tl.where(work == best[:, None], e[None, :], BLOCK_E), 1)  # lowest index on ties
+        # NaN logits (e.g. garbage in padding rows of a captured batch) match nothing:
+        # clamp so ids always index the expert maps in bounds.
+        idx = tl.minimum(idx, E - 1)
         wsel = tl.where(kk[None, :] == i, best[:, None], wsel)
         isel = tl.where(kk[None, :] == i, idx[:, None], isel)
         work = tl.where(e[None, :] == idx[:, None], -2.0, work)
@@ -149,7 +152,8 @@ def _align_place_kernel(
     onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [C, E]
     rank = tl.cumsum(onehot, 0) - onehot  # [C, E] earlier pairs of the same expert in the chunk
     dest = tl.sum(onehot * ((starts + before)[None, :] + rank), 1)  # [C]
-    tl.store(sorted_ptr + dest, offs, mask=m)
+    # An id outside [0, E) belongs to no expert: dropped, never written over row 0.
+    tl.store(sorted_ptr + dest, offs, mask=m & (tl.sum(onehot, 1) > 0))
     f = tl.arange(0, FILL)
     pad_lo = starts + totals  # [E] first padding row of each expert
     r_begin = c * ROWS_PER_PROG

@@ -71,6 +71,27 @@ def test_align_is_a_padded_grouping(
     assert torch.equal(real[real < n], torch.argsort(flat.long(), stable=True).int())
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # the interpreter's numpy max over NaN
+def test_route_nan_rows_give_in_range_ids() -> None:
+    """Padding rows of a captured batch may hold garbage: ids must still index
+    the expert maps in bounds, and real rows are unaffected."""
+    logits = torch.randn(4, 8).to(DEVICE)
+    logits[1] = float("nan")
+    logits[2, 3] = float("nan")
+    w, ids = mt.route_topk_triton(logits, 2, True)
+    assert bool(((ids >= 0) & (ids < 8)).all())
+    rw, rids = route_topk_ref(logits[[0, 3]], 2, True)
+    assert torch.equal(ids[[0, 3]], rids)
+
+
+def test_align_drops_out_of_range_ids() -> None:
+    """An id outside [0, E) is placed nowhere (never over another pair's row)."""
+    ids = torch.tensor([[0, 3], [5, 1], [3, 0]], dtype=torch.int32, device=DEVICE)  # 5 >= E
+    sorted_ids, block_expert, total = mt.moe_align(ids, 4, 2)
+    real = sorted_ids[: int(total.cpu()[0])].cpu()
+    assert sorted(real[real < 6].tolist()) == [0, 1, 3, 4, 5]
+
+
 @pytest.mark.parametrize("t", [1, 5, 33])
 def test_fused_moe_matches_reference(t: int) -> None:
     g = torch.Generator().manual_seed(t)
