@@ -112,6 +112,10 @@ def test_offload_equals_resident(model_dir: str, resident_tokens: dict[str, list
         else:
             assert st["experts_streamed"] > 0, "the long prompts must have streamed layers"
             assert 0 < st["misses"] < st["lookups"]
+            # Decode at batch <= 2 prefetches (2 * 2 * top-4 <= 16 slots): it must have copied.
+            assert st["prefetched"] > 0, st
+            # A fresh snapshot streams exactly the uncached experts, a stale one at worst more.
+            assert st["experts_streamed"] >= st["experts_uncached"] > 0, st
     finally:
         eng.shutdown()
 
@@ -149,6 +153,34 @@ def test_stream_invalidates_old_buffer_mappings(model_dir: str) -> None:
         assert cache.pslot_of_id[-1] == -1
     finally:
         eng.shutdown()
+
+
+def test_stale_host_view_falls_back_on_the_device(model_dir: str,
+                                                 resident_tokens: dict[str, list[list[int]]]) -> None:
+    """The host plans prefill DMA from a snapshot of the LRU map; a wrong one
+    (every expert "cached" in slot 0, or nothing cached) must still leave every
+    prefill mapping pointing at its expert's weights (the device plan fills
+    what the host skipped) and give the right tokens."""
+    for claim in (0, -1):
+        eng = make_engine(model_dir, moe_cache_size=24)
+        try:
+            cache = cache_of(eng)
+            cache.slots.zero_()  # no leftovers of start-up forwards can stand in for a copy
+            cache._snap.fill_(claim)
+            cache._snap_pending = True  # the next streamed forward adopts the poisoned view
+            run_greedy(eng, prompts(3, 1, 64, 64), 1)  # one 64-token chunk: streams every layer
+            mapped = 0
+            for i, s in enumerate(cache.pslot_of_id[:-1].tolist()):
+                if s >= 0:
+                    mapped += 1
+                    assert torch.equal(cache.slots[s], cache.bank.data[i]), (claim, i, s)
+            assert mapped == 2 * E
+            st = cache.stats()
+            assert st["experts_streamed"] >= st["experts_uncached"] > 0, st
+            assert run_greedy(eng, prompts(0, 4, 5, 150), 10) == resident_tokens["mixed"]
+            check_cache(cache)
+        finally:
+            eng.shutdown()
 
 
 def test_too_small_cache_is_a_startup_error(model_dir: str) -> None:
@@ -253,17 +285,49 @@ def test_fill_rows_and_plan_match_twins(triton_mods: Any) -> None:
     assert torch.equal(a[5], bank[7]) and torch.equal(a[2], torch.zeros(40))
     slot_of_id = torch.full((13,), -1, dtype=torch.int32)
     slot_of_id[[4, 6]] = torch.tensor([1, 0], dtype=torch.int32)
+    dma = torch.tensor([1, 0, 0, 1], dtype=torch.int32)  # host copies experts 0 and 3 of the layer
     outs = []
     for fn in (mk.plan_layer, mk.plan_layer_ref):
         maps = [torch.full((13,), -1, dtype=torch.int32), torch.full((8,), -1, dtype=torch.int32),
                 torch.empty(4, dtype=torch.int32), torch.empty(4, dtype=torch.int32)]
-        fn(slot_of_id, *maps, 1, 1, 2)  # layer 1 (ids 4..7) into buffer 1, buffers from slot 2
-        outs.append(maps)
+        counters = torch.zeros(5, dtype=torch.int64)
+        fn(slot_of_id, *maps, dma, counters, 1, 1, 2)  # layer 1 (ids 4..7) into buffer 1, buffers from slot 2
+        outs.append([*maps, counters])
     for x, y in zip(*outs):
         assert torch.equal(x, y)
-    pslot, pid, psrc, pdst = outs[0]
-    assert pslot[4:8].tolist() == [1, 7, 0, 9] and psrc.tolist() == [-1, 5, -1, 7]
+    pslot, pid, psrc, pdst, counters = outs[0]
+    # id 4 cached (slot 1), id 6 cached (slot 0); id 5 uncached and not copied by the
+    # host -> the fallback fills it; id 7 uncached, copied by the host -> no fallback.
+    assert pslot[4:8].tolist() == [1, 7, 0, 9] and psrc.tolist() == [-1, 5, -1, -1]
     assert pid[4:].tolist() == [4, 5, 6, 7] and pdst.tolist() == [6, 7, 8, 9]
+    assert counters.tolist() == [0, 0, 1, 2, 0]  # 1 fallback copy, 2 experts not cached
+
+
+def test_admission_lists_match_twins(triton_mods: Any) -> None:
+    mk, _ = triton_mods
+    g = torch.Generator().manual_seed(2)
+    e = 16
+    for t, k in ((1, 4), (3, 4), (4, 4), (7, 4)):  # list form (t*k <= E) and mask form
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()  # [T, k]
+        m = min(t * k, e)
+        outs = []
+        for fn in (mk.needed_ids, mk.needed_ids_ref):
+            needed = torch.full((m,), -7, dtype=torch.int32)
+            counters = torch.zeros(5, dtype=torch.int64)
+            fn(ids, needed, counters, 2, e, 0)
+            outs.append((needed, counters))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        needed, counters = outs[0]
+        distinct = set(ids.reshape(-1).tolist())
+        assert int(counters[0]) == len(distinct)
+        assert set(needed.tolist()) - {-1} == {2 * e + x for x in distinct}
+    x = torch.tensor([3, -1, 0, -1, 9], dtype=torch.int32)
+    a, b = torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64)
+    mk.count_valid(x, a, 1)
+    mk.count_valid_ref(x, b, 1)
+    assert a.tolist() == b.tolist() == [0, 3, 0, 0, 0]
+    assert mk.host_runs([True, True, False, True, False, False, True]) == [(0, 2), (3, 4), (6, 7)]
+    assert mk.host_runs([False, False]) == [] and mk.host_runs([True] * 3) == [(0, 3)]
 
 
 def test_fused_moe_expert_map_matches_reference(triton_mods: Any) -> None:

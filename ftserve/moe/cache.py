@@ -11,14 +11,32 @@ picks, per forward pass, one of three paths (host shapes only):
              evicting LRU slots not needed now, ``fill_rows`` copies the misses
              from the pinned bank over UVA, then the fused kernel reads slots.
              All device-side and fixed-shape, so it is captured in the decode graph.
+             Decode also prefetches (see prefetch below).
 - ``stream`` prefill: whole layers go to two layer buffers on a copy stream,
              layer j+1 copying while layer j computes, ordered by events only::
 
                  copy   : plan+copy L0->b0 | L1->b1 | (wait done0) L2->b0 | ...
                  compute:   (wait ready0) L0 | (wait ready1) L1 | (wait ready0) L2
+             The copies are cudaMemcpyAsync of contiguous runs of bank rows
+             (copy engines: no SMs taken from attention, which is what makes
+             the two streams actually overlap; an SM-driven copy of a whole
+             layer fills every SM and serializes with the compute). The host
+             picks the runs from a snapshot of the LRU map taken one prefill
+             forward earlier (an async D2H copy, read only once its event has
+             completed: never a wait); experts the snapshot calls cached are
+             skipped, and ``plan_layer`` on the device maps the truly cached
+             ones in place and UVA-fills the few the snapshot got wrong.
              Reusing buffer b first unmaps what pointed into it: one fixed-shape
              scatter through the prefill map's sink (``invalidate_slots``), never
-             a boolean index. Experts already cached are used in place, not copied.
+             a boolean index.
+
+Decode prefetch: layer j's MoE input, put through layer j+1's router, predicts
+layer j+1's experts (the residual stream changes little per layer). Right after
+layer j's own admission, the prediction is admitted too (LRU order keeps both
+sets: it needs N >= 2M slots for M = one call's list, else prefetch is off for
+that batch size) and filled on a side stream, so layer j+1's copies overlap
+layer j's MoE and layer j+1's attention; layer j+1's admission then mostly hits,
+and its MoE waits on the side stream's event. Every copy counts in the stats.
 
 Device maps (fixed shapes, ``-1`` = none, last entry of each *_of_id = sink)::
 
@@ -26,7 +44,9 @@ Device maps (fixed shapes, ``-1`` = none, last entry of each *_of_id = sink)::
     id_of_slot  [N] int32, last_used [N] int64, step [1] int64
     pslot_of_id [Lm*E + 1] int32   prefill: id -> slot (cache or buffer)
     pid_of_slot [2E] int32         buffer slot -> id
-    counters    [3] int64          distinct lookups, misses (admit); experts streamed
+    counters    [5] int64          distinct lookups, misses (admit); experts
+                                   streamed, experts not cached (stream);
+                                   experts prefetched (decode, all copied)
 
 Nothing here reads a device value on the host.
 """
@@ -41,14 +61,27 @@ from torch import nn
 
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve.moe.banks import HostBank, moe_blocks
-from ftserve.moe.kernels import check_bank, fill_rows, fill_rows_ref, plan_layer, plan_layer_ref
+from ftserve.moe.kernels import (
+    check_bank,
+    count_valid,
+    count_valid_ref,
+    fill_rows,
+    fill_rows_ref,
+    host_runs,
+    needed_ids,
+    needed_ids_ref,
+    plan_layer,
+    plan_layer_ref,
+)
 from ftserve_kernels import bookkeeping as bk
 from ftserve_kernels.moe import fused_moe_ref
+
+LOOKUPS, MISSES, STREAMED, UNCACHED, PREFETCHED = range(5)  # counters
 
 
 class ExpertCache:
     def __init__(self, model: nn.Module, bank: HostBank, num_slots: int, top_k: int,
-                 device: torch.device, track_stats: bool = True) -> None:
+                 device: torch.device, track_stats: bool = True, prefetch: bool = True) -> None:
         self.bank = bank
         self.device = device
         self.on_cuda = device.type == "cuda"
@@ -70,13 +103,24 @@ class ExpertCache:
         self.pid_of_slot = torch.full((2 * e,), -1, dtype=torch.int32, device=device)
         self.plan_src = torch.full((2, e), -1, dtype=torch.int32, device=device)  # per buffer
         self.plan_dst = torch.full((2, e), -1, dtype=torch.int32, device=device)
-        self.counters = torch.zeros(3, dtype=torch.int64, device=device)
-        self.ar_e = torch.arange(e, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(5, dtype=torch.int64, device=device)
         self.track_stats = track_stats
+        self.prefetch = prefetch
         self.mode = "full" if self.full else "admit"
+        self._pf_on = False
+        # Host view of the LRU map for planning prefill copies ([Lm][E], True =
+        # cached), refreshed from an async snapshot (see _refresh_host_view).
+        self.host_cached = [[False] * e for _ in range(self.num_layers)]
+        self._snap = torch.full((self.total,), -1, dtype=torch.int32, pin_memory=self.on_cuda)
+        self._snap_event: Any = None
+        self._snap_pending = False
+        self._dma = torch.zeros(self.num_layers, e, dtype=torch.int32, device=device)  # [Lm, E]
+        self._runs: list[list[tuple[int, int]]] = [[] for _ in range(self.num_layers)]
+        self._pf_wait: dict[int, Any] = {}  # layer -> (event, tensors kept alive until the wait)
         if self.on_cuda:
             check_bank(bank.data)
             self.copy_stream = torch.cuda.Stream(device)
+            self.pf_stream = torch.cuda.Stream(device)
             self.ready = [torch.cuda.Event(), torch.cuda.Event()]
             self.done = [torch.cuda.Event(), torch.cuda.Event()]
         self.blocks = moe_blocks(model)
@@ -100,12 +144,19 @@ class ExpertCache:
             return "admit"
         return "stream"
 
+    def prefetches(self, num_tokens: int, is_decode: bool) -> bool:
+        """Decode prefetch needs room for two admission lists at once (module doc)."""
+        return (self.prefetch and is_decode and self.num_layers > 1
+                and self.path_for(num_tokens, is_decode) == "admit"
+                and 2 * self.max_admit(num_tokens) <= self.num_slots)
+
     @torch.no_grad()
     def reset(self) -> None:
         """Forget every slot (after the bank's contents changed); full mode refills."""
         for t in (self.slot_of_id, self.id_of_slot, self.last_used, self.pslot_of_id, self.pid_of_slot):
             t.fill_(-1)
         self.step.zero_()
+        self.host_cached = [[False] * self.num_experts for _ in range(self.num_layers)]
         if self.full:
             self._fill_all()
 
@@ -121,35 +172,74 @@ class ExpertCache:
     # ----- per forward ---------------------------------------------------
     def _begin(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         fb: ForwardBatch = args[0]
-        self.mode = self.path_for(int(fb.input_ids.shape[0]), fb.is_decode)
+        t = int(fb.input_ids.shape[0])
+        self.mode = self.path_for(t, fb.is_decode)
+        self._pf_on = self.prefetches(t, fb.is_decode)
+        self._pf_wait.clear()
         if self.mode != "stream":
             return
         if self.on_cuda:
             # The copy stream starts after everything already queued (earlier
             # steps' admissions and buffer reads): an event, not a host wait.
             self.copy_stream.wait_stream(torch.cuda.current_stream())
+        self._plan_stream()
         for j in range(min(2, self.num_layers)):
             self._stream_layer(j)
+
+    def _refresh_host_view(self) -> None:
+        """Adopt the last snapshot if its copy has completed (query, never wait)."""
+        if self._snap_pending and (self._snap_event is None or self._snap_event.query()):
+            self.host_cached = (self._snap.view(self.num_layers, self.num_experts) >= 0).tolist()
+            self._snap_pending = False
+
+    def _plan_stream(self) -> None:
+        """Host plan of one streamed forward: DMA runs per layer, the device copy
+        of the plan, and a new snapshot of the LRU map for the next forward."""
+        self._refresh_host_view()
+        copy = [[not c for c in row] for row in self.host_cached]  # [Lm][E]
+        self._runs = [host_runs(row) for row in copy]
+        n_dma = sum(z - a for runs in self._runs for a, z in runs)
+        dma = torch.tensor(copy, dtype=torch.int32)  # [Lm, E] host
+        if not self.on_cuda:
+            self._dma = dma
+            self._snap.copy_(self.slot_of_id[:-1])  # same one-forward staleness as on CUDA
+            self._snap_pending = True
+            self._count(STREAMED, n_dma)
+            return
+        with torch.cuda.stream(self.copy_stream):
+            # Pinned staging from the caching host allocator: reused only after this copy ran.
+            self._dma = dma.pin_memory().to(self.device, non_blocking=True)
+            if not self._snap_pending:
+                self._snap.copy_(self.slot_of_id[:-1], non_blocking=True)  # 4 bytes per expert
+                self._snap_event = torch.cuda.Event()
+                self._snap_event.record(self.copy_stream)
+                self._snap_pending = True
+            self._count(STREAMED, n_dma)
 
     def _stream_layer(self, j: int) -> None:
         """Plan layer j into buffer j % 2 and copy its uncached experts (copy stream)."""
         b = j % 2
         e = self.num_experts
+        lo = self.buf_base + b * e  # buffer b's first slot row
         if not self.on_cuda:
             bk.invalidate_slots_ref(self.pslot_of_id, self.pid_of_slot, b * e, (b + 1) * e)
-            plan_layer_ref(self.slot_of_id, self.pslot_of_id, self.pid_of_slot,
-                           self.plan_src[b], self.plan_dst[b], j, b, self.buf_base)
+            plan_layer_ref(self.slot_of_id, self.pslot_of_id, self.pid_of_slot, self.plan_src[b],
+                           self.plan_dst[b], self._dma[j], self.counters, j, b, self.buf_base)
+            for a, z in self._runs[j]:
+                self.slots[lo + a:lo + z].copy_(self.bank.data[j * e + a:j * e + z])
             fill_rows_ref(self.bank.data, self.slots, self.plan_src[b], self.plan_dst[b])
-            self._count(2, (self.plan_src[b] >= 0).sum())
             return
         with torch.cuda.stream(self.copy_stream):
             if j >= 2:
                 self.copy_stream.wait_event(self.done[b])  # layer j-2 finished reading buffer b
             bk.invalidate_slots(self.pslot_of_id, self.pid_of_slot, b * e, (b + 1) * e)
-            plan_layer(self.slot_of_id, self.pslot_of_id, self.pid_of_slot,
-                       self.plan_src[b], self.plan_dst[b], j, b, self.buf_base)
+            plan_layer(self.slot_of_id, self.pslot_of_id, self.pid_of_slot, self.plan_src[b],
+                       self.plan_dst[b], self._dma[j], self.counters, j, b, self.buf_base)
+            for a, z in self._runs[j]:
+                # [z-a, R] contiguous pinned rows -> contiguous slot rows: one cudaMemcpyAsync
+                self.slots[lo + a:lo + z].copy_(self.bank.data[j * e + a:j * e + z], non_blocking=True)
+            # Experts the snapshot wrongly called cached (normally none: no-op programs).
             fill_rows(self.bank.data, self.slots, self.plan_src[b], self.plan_dst[b], bank_checked=True)
-            self._count(2, (self.plan_src[b] >= 0).sum())
             self.ready[b].record(self.copy_stream)
 
     # ----- per MoE layer -------------------------------------------------
@@ -158,7 +248,14 @@ class ExpertCache:
         if self.mode == "full":
             return self._moe(x, weights, ids, self.slot_of_id[j * e:(j + 1) * e])
         if self.mode == "admit":
-            self._admit(j, ids)
+            pf = self._pf_on and j + 1 < self.num_layers
+            pred = self.blocks[j + 1].route(x)[1] if pf else None  # [T, k] layer j+1's guess
+            self._admit(j, ids, LOOKUPS, MISSES)
+            if pred is not None:
+                self._prefetch(j + 1, pred)
+            if j in self._pf_wait:
+                ev, _held = self._pf_wait.pop(j)  # the side stream filled this layer's prefetch
+                torch.cuda.current_stream().wait_event(ev)
             return self._moe(x, weights, ids, self.slot_of_id[j * e:(j + 1) * e])
         b = j % 2
         if self.on_cuda:
@@ -170,25 +267,51 @@ class ExpertCache:
             self._stream_layer(j + 2)
         return out
 
-    def _admit(self, j: int, ids: torch.Tensor) -> None:
+    def _admission(self, j: int, ids: torch.Tensor, lookup_idx: int,
+                   miss_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Admit layer j's experts of ids [T, k]; returns the fill list (miss_slot, miss_id)."""
         e = self.num_experts
-        flat = ids.reshape(-1)  # [T*k] int32
-        sel = torch.zeros(e, dtype=torch.int32, device=ids.device)
-        sel.scatter_(0, flat.long(), 1)  # [E] 1 = selected by some token
-        if flat.numel() <= e:
-            needed = flat + j * e  # [T*k], repeats allowed: the kernel dedups
+        m = ids.numel() if ids.numel() <= e else e
+        needed = torch.empty(m, dtype=torch.int32, device=ids.device)  # [M]
+        li = lookup_idx if self.track_stats else -1
+        if self.on_cuda:
+            needed_ids(ids, needed, self.counters, j, e, li)
+            _, miss_slot, miss_id = bk.admit_experts(needed, self.slot_of_id, self.id_of_slot,
+                                                     self.last_used, self.step)
+            if self.track_stats:
+                count_valid(miss_id, self.counters, miss_idx)
         else:
-            needed = torch.where(sel > 0, self.ar_e + j * e, -1)  # [E]
-        admit = bk.admit_experts if self.on_cuda else bk.admit_experts_ref
-        _, miss_slot, miss_id = admit(needed, self.slot_of_id, self.id_of_slot, self.last_used, self.step)
+            needed_ids_ref(ids, needed, self.counters, j, e, li)
+            _, miss_slot, miss_id = bk.admit_experts_ref(needed, self.slot_of_id, self.id_of_slot,
+                                                         self.last_used, self.step)
+            if self.track_stats:
+                count_valid_ref(miss_id, self.counters, miss_idx)
+        return miss_slot, miss_id
+
+    def _admit(self, j: int, ids: torch.Tensor, lookup_idx: int = LOOKUPS, miss_idx: int = MISSES) -> None:
+        miss_slot, miss_id = self._admission(j, ids, lookup_idx, miss_idx)
         if self.on_cuda:
             fill_rows(self.bank.data, self.slots, miss_id, miss_slot, bank_checked=True)
         else:
             fill_rows_ref(self.bank.data, self.slots, miss_id, miss_slot)
-        self._count(0, sel.sum())
-        self._count(1, (miss_id >= 0).sum())
 
-    def _count(self, which: int, n: torch.Tensor) -> None:
+    def _prefetch(self, j: int, pred: torch.Tensor) -> None:
+        """Admit layer j's predicted experts now; fill them on the side stream."""
+        miss_slot, miss_id = self._admission(j, pred, -1, PREFETCHED)
+        if not self.on_cuda:
+            fill_rows_ref(self.bank.data, self.slots, miss_id, miss_slot)
+            return
+        main = torch.cuda.current_stream()
+        self.pf_stream.wait_stream(main)  # after this admission (and everything before it)
+        with torch.cuda.stream(self.pf_stream):
+            fill_rows(self.bank.data, self.slots, miss_id, miss_slot, bank_checked=True)
+            ev = torch.cuda.Event()
+            ev.record(self.pf_stream)
+        # miss_* were allocated on the main stream: keep them alive until main waits
+        # on ev, so the allocator cannot hand their memory out while the fill reads it.
+        self._pf_wait[j] = (ev, (miss_id, miss_slot))
+
+    def _count(self, which: int, n: torch.Tensor | int) -> None:
         if self.track_stats:
             self.counters[which] += n  # a 0-d device add: no host read
 
@@ -203,13 +326,16 @@ class ExpertCache:
 
     # ----- reporting (host reads: tests and benchmarks only) ---------------
     def stats(self) -> dict[str, float]:
-        lookups, misses, streamed = (int(v) for v in self.counters.tolist())
+        lookups, misses, streamed, uncached, prefetched = (int(v) for v in self.counters.tolist())
+        rb = self.bank.row_bytes
         return {
-            "lookups": lookups, "misses": misses,
+            "lookups": lookups, "misses": misses, "prefetched": prefetched,
             "hit_rate": 1.0 - misses / lookups if lookups else float("nan"),
-            "experts_streamed": streamed,
-            "bytes_streamed": streamed * self.bank.row_bytes,
-            "bytes_missed": misses * self.bank.row_bytes,
+            "experts_streamed": streamed, "experts_uncached": uncached,
+            "bytes_streamed": streamed * rb,
+            "bytes_missed": misses * rb,
+            # Everything decode moved over PCIe: demand misses and prefetches.
+            "bytes_copied_decode": (misses + prefetched) * rb,
         }
 
     def reset_stats(self) -> None:

@@ -8,13 +8,18 @@ captured graph.
 
 ``plan_layer``: place one MoE layer for a prefill chunk. Experts of the layer
 already in the LRU cache are used where they are (no copy at all); the others
-go to their row of a whole-layer buffer and are listed for ``fill_rows``::
+are read from their row of a whole-layer buffer. The host has already queued
+DMA copies (cudaMemcpyAsync on the copy stream: copy engines, no SMs) into that
+buffer for every expert it believed uncached (``dma[e] = 1``, from a slightly
+stale snapshot of the LRU map); the plan lists for ``fill_rows`` only the
+experts the host skipped that are not cached after all (evicted since the
+snapshot), normally none::
 
     slot rows   [ 0 .. N-1 | N .. N+E-1 | N+E .. N+2E-1 | trash ]
                   LRU cache   buffer 0      buffer 1      (twins' "no slot" writes)
 
     pslot_of_id[j*E + e] = slot_of_id[j*E + e]   if cached
-                         = N + b*E + e           otherwise (and src[e] = j*E + e)
+                         = N + b*E + e           otherwise (src[e] = j*E + e if not dma[e])
     pid_of_slot[b*E + e] = j*E + e              (so reusing buffer b can unmap it)
 
 Neither reads a device value on the host; shapes depend only on E and M.
@@ -101,9 +106,12 @@ def fill_rows(bank: torch.Tensor, slots: torch.Tensor, src_ids: torch.Tensor,
 
 
 def plan_layer_ref(slot_of_id: torch.Tensor, pslot_of_id: torch.Tensor, pid_of_slot: torch.Tensor,
-                   src: torch.Tensor, dst: torch.Tensor, layer: int, buf: int, base: int) -> None:
+                   src: torch.Tensor, dst: torch.Tensor, dma: torch.Tensor, counters: torch.Tensor,
+                   layer: int, buf: int, base: int) -> None:
     """Twin of ``plan_layer``: fills pslot_of_id for layer ``layer``, the buffer's
-    pid_of_slot range, and the copy list src [E] (-1 = cached) / dst [E]."""
+    pid_of_slot range, the fallback copy list src [E] (-1 = nothing to copy) /
+    dst [E], and adds to counters[2] (fallback copies) and counters[3] (experts
+    of the layer not in the LRU cache, what a minimal plan must stream)."""
     e = src.numel()
     ar = torch.arange(e, device=src.device, dtype=torch.int32)
     ids = layer * e + ar  # [E]
@@ -111,27 +119,122 @@ def plan_layer_ref(slot_of_id: torch.Tensor, pslot_of_id: torch.Tensor, pid_of_s
     buf_slots = base + buf * e + ar  # [E]
     pslot_of_id[layer * e:(layer + 1) * e] = torch.where(cached >= 0, cached, buf_slots)
     pid_of_slot[buf * e:(buf + 1) * e] = ids
-    src.copy_(torch.where(cached >= 0, -1, ids))
+    fallback = (cached < 0) & (dma == 0)  # [E] the host did not copy it and it is not cached
+    src.copy_(torch.where(fallback, ids, -1))
     dst.copy_(buf_slots)
+    counters[2] += fallback.sum()
+    counters[3] += (cached < 0).sum()
 
 
 @triton.jit
-def _plan_kernel(slot_of_id_ptr, pslot_of_id_ptr, pid_of_slot_ptr, src_ptr, dst_ptr,
-                 layer, buf, base, E, BLOCK: tl.constexpr):
+def _plan_kernel(slot_of_id_ptr, pslot_of_id_ptr, pid_of_slot_ptr, src_ptr, dst_ptr, dma_ptr,
+                 counters_ptr, layer, buf, base, E, BLOCK: tl.constexpr):
     e = tl.arange(0, BLOCK)
     m = e < E
     ids = layer * E + e
     cached = tl.load(slot_of_id_ptr + ids, mask=m, other=-1)
+    dma = tl.load(dma_ptr + e, mask=m, other=1)
     buf_slots = base + buf * E + e
+    fallback = m & (cached < 0) & (dma == 0)
     tl.store(pslot_of_id_ptr + ids, tl.where(cached >= 0, cached, buf_slots), mask=m)
     tl.store(pid_of_slot_ptr + buf * E + e, ids, mask=m)
-    tl.store(src_ptr + e, tl.where(cached >= 0, -1, ids), mask=m)
+    tl.store(src_ptr + e, tl.where(fallback, ids, -1), mask=m)
     tl.store(dst_ptr + e, buf_slots, mask=m)
+    # One program: plain read-modify-write of the two counters is race-free
+    # (the admission path only touches counters 0, 1 and 4).
+    n_fb = tl.sum(fallback.to(tl.int64), 0)
+    n_needed = tl.sum((m & (cached < 0)).to(tl.int64), 0)
+    tl.store(counters_ptr + 2, tl.load(counters_ptr + 2) + n_fb)
+    tl.store(counters_ptr + 3, tl.load(counters_ptr + 3) + n_needed)
 
 
 def plan_layer(slot_of_id: torch.Tensor, pslot_of_id: torch.Tensor, pid_of_slot: torch.Tensor,
-               src: torch.Tensor, dst: torch.Tensor, layer: int, buf: int, base: int) -> None:
-    """One single-program launch; layer, buffer and base are host data."""
+               src: torch.Tensor, dst: torch.Tensor, dma: torch.Tensor, counters: torch.Tensor,
+               layer: int, buf: int, base: int) -> None:
+    """One single-program launch; layer, buffer and base are host data, ``dma`` [E]
+    int32 (1 = the host copies that expert's row into the buffer itself) is
+    device data, counters [>= 4] int64."""
     e = src.numel()
-    _plan_kernel[(1,)](slot_of_id, pslot_of_id, pid_of_slot, src, dst, layer, buf, base, e,
+    _plan_kernel[(1,)](slot_of_id, pslot_of_id, pid_of_slot, src, dst, dma, counters, layer, buf, base, e,
                        BLOCK=triton.next_power_of_2(e))
+
+
+def host_runs(copy: list[bool]) -> list[tuple[int, int]]:
+    """Maximal runs [a, z) of True in ``copy``: one DMA copy per run."""
+    runs: list[tuple[int, int]] = []
+    a = -1
+    for i, c in enumerate([*copy, False]):
+        if c and a < 0:
+            a = i
+        elif not c and a >= 0:
+            runs.append((a, i))
+            a = -1
+    return runs
+
+
+# ---------------------------------------------------------------- admission lists
+
+
+def needed_ids_ref(ids: torch.Tensor, needed: torch.Tensor, counters: torch.Tensor, layer: int,
+                   num_experts: int, lookup_idx: int) -> None:
+    """Twin of ``needed_ids``. ids [T, k] (layer-local experts) -> needed [M] global
+    ids for the admission kernel: the T*k ids themselves (repeats allowed, the
+    admission dedups) when M = T*k <= E, else one entry per expert ([E], -1 =
+    not selected). Adds the number of distinct experts to counters[lookup_idx]."""
+    e = num_experts
+    flat = ids.reshape(-1).long()  # [T*k]
+    sel = torch.zeros(e, dtype=torch.int64, device=ids.device)
+    sel.scatter_(0, flat, 1)  # [E] 1 = selected by some token
+    if needed.numel() == flat.numel():
+        needed.copy_(flat + layer * e)
+    else:
+        needed.copy_(torch.where(sel > 0, torch.arange(e, device=ids.device) + layer * e, -1))
+    if lookup_idx >= 0:
+        counters[lookup_idx] += sel.sum()
+
+
+@triton.jit
+def _needed_kernel(ids_ptr, needed_ptr, counters_ptr, base, P, E, LOOKUP_IDX: tl.constexpr,
+                   LIST: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    e = tl.arange(0, BLOCK_E)
+    em = e < E
+    seen = tl.zeros([BLOCK_E], tl.int32)
+    for p0 in range(0, P, CHUNK):
+        p = p0 + tl.arange(0, CHUNK)
+        pm = p < P
+        v = tl.load(ids_ptr + p, mask=pm, other=-1)
+        seen += tl.sum((v[None, :] == e[:, None]).to(tl.int32), 1)
+        if LIST:
+            tl.store(needed_ptr + p, v + base, mask=pm)
+    present = em & (seen > 0)
+    if not LIST:
+        tl.store(needed_ptr + e, tl.where(present, e + base, -1), mask=em)
+    if LOOKUP_IDX >= 0:
+        tl.store(counters_ptr + LOOKUP_IDX,
+                 tl.load(counters_ptr + LOOKUP_IDX) + tl.sum(present.to(tl.int64), 0))
+
+
+def needed_ids(ids: torch.Tensor, needed: torch.Tensor, counters: torch.Tensor, layer: int,
+               num_experts: int, lookup_idx: int) -> None:
+    """One single-program launch (see ``needed_ids_ref``); lookup_idx -1 = no count."""
+    p = ids.numel()
+    _needed_kernel[(1,)](ids, needed, counters, layer * num_experts, p, num_experts,
+                         LOOKUP_IDX=lookup_idx, LIST=needed.numel() == p,
+                         BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=16)
+
+
+def count_valid_ref(x: torch.Tensor, counters: torch.Tensor, idx: int) -> None:
+    """counters[idx] += number of entries of x that are >= 0."""
+    counters[idx] += (x >= 0).sum()
+
+
+@triton.jit
+def _count_kernel(x_ptr, counters_ptr, N, IDX: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + i, mask=i < N, other=-1)
+    tl.store(counters_ptr + IDX, tl.load(counters_ptr + IDX) + tl.sum((v >= 0).to(tl.int64), 0))
+
+
+def count_valid(x: torch.Tensor, counters: torch.Tensor, idx: int) -> None:
+    """One single-program launch (three torch kernels otherwise)."""
+    _count_kernel[(1,)](x, counters, x.numel(), IDX=idx, BLOCK=triton.next_power_of_2(x.numel()))
