@@ -357,11 +357,15 @@ def test_bench_smoke_cpu(tmp_path: Path) -> None:
     for r in pre:
         # 25% cache: chunks stream the experts the LRU does not hold; full never streams.
         if r["mode"] == "offload":
-            assert TOTAL - 12 <= r["experts_streamed"] <= TOTAL, r
+            assert TOTAL - 12 <= r["experts_uncached"] <= r["experts_streamed"] <= TOTAL, r
         else:
-            assert r["experts_streamed"] == 0, r
-    dec = [r for r in res["summary"]["decode"] if r["mode"] == "offload"]
-    assert [r["batch"] for r in dec] == [1, 3] and all(0.0 <= r["hit_rate"] <= 1.0 for r in dec)
+            assert r["experts_streamed"] == r["experts_uncached"] == 0, r
+    dec = res["summary"]["decode"]
+    for mode, prefetch in (("offload", [True, False]), ("offload, prefetch off", [False, False])):
+        rows = [r for r in dec if r["mode"] == mode]
+        # 12 slots: batch 1 (8 distinct at most, twice) prefetches, batch 3 (12) cannot.
+        assert [(r["batch"], r["prefetch"]) for r in rows] == list(zip([1, 3], prefetch)), dec
+        assert all(0.0 <= r["hit_rate"] <= 1.0 and r["copies_per_step"] > 0 for r in rows), rows
 
 
 def test_offload_from_safetensors_equals_resident(tmp_path: Path) -> None:
@@ -411,9 +415,15 @@ def ptx(fn, types, consts, warps):
 
 fill = {"bank": "i64", "slots_ptr": "*i64", "src_ptr": "*i32", "dst_ptr": "*i32"}
 host = ptx(mk._fill_rows_kernel, fill, dict(HOST_SRC=True, WORD=tl.int64, BLOCK=8192), 8)
-plan = ptx(mk._plan_kernel, {n: "*i32" for n in mk._plan_kernel.arg_names if n.endswith("_ptr")},
-           dict(BLOCK=128), 4)
-print(json.dumps({"host_loads": sorted(set(re.findall(r"ld\.global[.\w]*", host))), "plan": len(plan)}))
+def ptrs(fn):
+    return {n: "*i64" if n == "counters_ptr" else "*i32" for n in fn.arg_names if n.endswith("_ptr")}
+
+plan = ptx(mk._plan_kernel, ptrs(mk._plan_kernel), dict(BLOCK=128), 4)
+small = [ptx(mk._needed_kernel, ptrs(mk._needed_kernel),
+             dict(LOOKUP_IDX=li, LIST=lst, BLOCK_E=128, CHUNK=16), 4) for li, lst in ((0, True), (-1, False))]
+small.append(ptx(mk._count_kernel, ptrs(mk._count_kernel), dict(IDX=1, BLOCK=64), 4))
+print(json.dumps({"host_loads": sorted(set(re.findall(r"ld\.global[.\w]*", host))), "plan": len(plan),
+                  "small": [len(x) for x in small]}))
 """
 
 
@@ -437,7 +447,7 @@ def test_kernels_compile_for_sm90_with_vector_uva_loads() -> None:
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res["plan"] > 0
+    assert res["plan"] > 0 and all(n > 0 for n in res["small"])
     assert any(".v2.b64" in x or ".v4" in x for x in res["host_loads"]), res
 
 

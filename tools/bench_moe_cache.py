@@ -10,9 +10,11 @@ Sections (each recorded, or its error recorded, in the JSON; the run goes on):
     <mode>_build  engine start-up; modes: resident, offload (25% of experts in
                   slots), offload_full (slots for every expert: must never stream)
     <mode>_prefill  one 4,096-token chunk over 0 / 32k / 100k cached tokens:
-                  seconds, experts streamed, PCIe bound = streamed bytes / H2D GB/s
+                  seconds, experts streamed, PCIe bound = bytes of the experts not in
+                  the LRU cache (what had to be streamed) / H2D GB/s
     <mode>_decode   tokens/s at batch 1 and 8, cache hit rate, PCIe bound at that
-                  hit rate = missed bytes per step / H2D GB/s
+                  hit rate = bytes copied per step (demand misses + prefetches) /
+                  H2D GB/s; offload decode also runs once more with prefetch off
 Targets: offload prefill <= 1.1 x max(PCIe bound, resident) at every cached
 length; offload decode >= 90% of its PCIe bound.
 """
@@ -99,8 +101,9 @@ def stats(engine: Engine) -> dict[str, float]:
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before.get(k, 0) for k in ("lookups", "misses", "experts_streamed",
-                                                     "bytes_streamed", "bytes_missed") if k in after}
+    return {k: after[k] - before.get(k, 0) for k in ("lookups", "misses", "prefetched", "experts_streamed",
+                                                     "experts_uncached", "bytes_streamed", "bytes_missed",
+                                                     "bytes_copied_decode") if k in after}
 
 
 # ----------------------------------------------------------------- limits
@@ -157,8 +160,10 @@ def bench_prefill(drv: Driver, engine: Engine, device: torch.device, base: list[
                            "wall_s": statistics.median(r["wall_s"] for r in runs),
                            "walls_s": [r["wall_s"] for r in runs]}
     if "experts_streamed" in runs[0]:
-        out["experts_streamed"] = statistics.median(r["experts_streamed"] for r in runs)
-        out["bytes_streamed"] = statistics.median(r["bytes_streamed"] for r in runs)
+        for k in ("experts_streamed", "experts_uncached", "bytes_streamed"):
+            out[k] = statistics.median(r[k] for r in runs)
+        # The bound counts only what had to cross PCIe: experts not in the LRU cache.
+        out["bytes_needed"] = out["experts_uncached"] * cache_of(engine).bank.row_bytes
     return out
 
 
@@ -195,8 +200,14 @@ def bench_decode(drv: Driver, engine: Engine, device: torch.device, bs: int, pro
                            "tokens_per_s": bs * steps / wall,
                            "graph": engine.runner.graphs is not None and engine.runner.graphs.can_run(bs)}
     if d.get("lookups"):
-        out["hit_rate"] = 1.0 - d["misses"] / d["lookups"]
-        out["missed_bytes_per_step"] = d["bytes_missed"] / steps
+        cache = cache_of(engine)
+        out["hit_rate"] = 1.0 - d["misses"] / d["lookups"]  # demand lookups served from VRAM
+        out["prefetch"] = cache is not None and cache.prefetches(bs, True)
+        out["experts_prefetched_per_step"] = d["prefetched"] / steps
+        out["experts_missed_per_step"] = d["misses"] / steps
+        # Every byte decode moved over PCIe: demand misses and prefetches (a wrong
+        # guess costs its copy): the bound is these bytes at the measured H2D rate.
+        out["missed_bytes_per_step"] = d["bytes_copied_decode"] / steps
     return out
 
 
@@ -238,9 +249,21 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: str, device: torch.
         return rows
 
     section(f"{mode}_prefill", prefill)
-    section(f"{mode}_decode", lambda: [bench_decode(drv, engine, device, bs, args.decode_prompt,
-                                                    args.decode_warmup, args.decode_steps)
-                                       for bs in args.batches])
+    def decode() -> list[dict[str, Any]]:
+        rows = [bench_decode(drv, engine, device, bs, args.decode_prompt, args.decode_warmup,
+                             args.decode_steps) for bs in args.batches]
+        cache = cache_of(engine)
+        if cache is not None and not cache.full and any(r.get("prefetch") for r in rows):
+            # Ablation in the same run: prefetch off, graphs captured again.
+            cache.prefetch = False
+            if engine.runner.graphs is not None:
+                engine.runner.graphs.capture()
+            rows += [{**bench_decode(drv, engine, device, bs, args.decode_prompt, args.decode_warmup,
+                                     args.decode_steps), "ablation": True} for bs in args.batches]
+            cache.prefetch = True
+        return rows
+
+    section(f"{mode}_decode", decode)
     engine.shutdown()
 
 
@@ -256,9 +279,10 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             if "prefix" not in r:
                 continue
             row: dict[str, Any] = {"mode": mode, "prefix": r["prefix"], "wall_s": r["wall_s"],
-                                   "experts_streamed": r.get("experts_streamed")}
-            if gbps and r.get("bytes_streamed") is not None:
-                row["pcie_bound_s"] = r["bytes_streamed"] / (gbps * 1e9)
+                                   "experts_streamed": r.get("experts_streamed"),
+                                   "experts_uncached": r.get("experts_uncached")}
+            if gbps and r.get("bytes_needed") is not None:
+                row["pcie_bound_s"] = r["bytes_needed"] / (gbps * 1e9)
             if r["prefix"] in res:
                 row["resident_s"] = res[r["prefix"]]["wall_s"]
             floor = max(row.get("pcie_bound_s") or 0.0, row.get("resident_s") or 0.0)
@@ -268,8 +292,10 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             out["prefill"].append(row)
         res_dec = {r["batch"]: r for r in results.get("resident_decode") or []}
         for r in results.get(f"{mode}_decode") or []:
-            row = {"mode": mode, "batch": r["batch"], "tokens_per_s": r["tokens_per_s"],
-                   "hit_rate": r.get("hit_rate"),
+            name = f"{mode}, prefetch off" if r.get("ablation") else mode
+            row = {"mode": name, "batch": r["batch"], "tokens_per_s": r["tokens_per_s"],
+                   "prefetch": r.get("prefetch"),
+                   "hit_rate": r.get("hit_rate"), "copies_per_step": _copies(r),
                    "resident_tokens_per_s": res_dec.get(r["batch"], {}).get("tokens_per_s")}
             missed = r.get("missed_bytes_per_step")
             if gbps and missed:
@@ -280,15 +306,25 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _copies(r: dict[str, Any]) -> float | None:
+    if "experts_missed_per_step" not in r:
+        return None
+    return r["experts_missed_per_step"] + r.get("experts_prefetched_per_step", 0.0)
+
+
 def render(summary: dict[str, Any]) -> str:
     pre = markdown_table(
-        ["mode", "cached", "s / chunk", "experts streamed", "PCIe bound s", "resident s", "ratio", "ok"],
-        [[r["mode"], r["prefix"], r["wall_s"], r.get("experts_streamed"), r.get("pcie_bound_s"),
-          r.get("resident_s"), r.get("ratio_to_bound"), r.get("ok")] for r in summary["prefill"]])
+        ["mode", "cached", "s / chunk", "experts uncached", "experts streamed", "PCIe bound s", "resident s",
+         "ratio", "ok"],
+        [[r["mode"], r["prefix"], r["wall_s"], r.get("experts_uncached"), r.get("experts_streamed"),
+          r.get("pcie_bound_s"), r.get("resident_s"), r.get("ratio_to_bound"), r.get("ok")]
+         for r in summary["prefill"]])
     dec = markdown_table(
-        ["mode", "batch", "tok/s", "hit rate", "PCIe bound tok/s", "frac", "resident tok/s", "ok"],
-        [[r["mode"], r["batch"], r["tokens_per_s"], r.get("hit_rate"), r.get("pcie_bound_tokens_per_s"),
-          r.get("frac_of_pcie_bound"), r.get("resident_tokens_per_s"), r.get("ok")] for r in summary["decode"]])
+        ["mode", "batch", "prefetch", "tok/s", "hit rate", "experts copied / step", "PCIe bound tok/s", "frac",
+         "resident tok/s", "ok"],
+        [[r["mode"], r["batch"], r.get("prefetch"), r["tokens_per_s"], r.get("hit_rate"), r.get("copies_per_step"),
+          r.get("pcie_bound_tokens_per_s"), r.get("frac_of_pcie_bound"), r.get("resident_tokens_per_s"),
+          r.get("ok")] for r in summary["decode"]])
     return f"pinned H2D: {summary['h2d_gbps']} GB/s\n\n{pre}\n\n{dec}\n"
 
 

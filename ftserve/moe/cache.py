@@ -272,6 +272,7 @@ class ExpertCache:
         """Admit layer j's experts of ids [T, k]; returns the fill list (miss_slot, miss_id)."""
         e = self.num_experts
         m = ids.numel() if ids.numel() <= e else e
+        ids = ids.contiguous()  # [T, k] int32, read flat by the kernel
         needed = torch.empty(m, dtype=torch.int32, device=ids.device)  # [M]
         li = lookup_idx if self.track_stats else -1
         if self.on_cuda:
