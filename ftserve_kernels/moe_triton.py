@@ -21,7 +21,8 @@ every program counts all ids itself: one launch for decode).
 
 Kernels: (1) gate/up GEMM with SiLU(gate) * up fused, written per pair into
 ``inter [N, I]``; (2) down GEMM scaled by the routing weight into ``y [N, H]``;
-(3) ``y.view(T, k, H).sum(1)`` combines.
+(3) ``y.view(T, k, H).sum(1)`` combines. Up to GEMV_MAX_TOKENS tokens (decode at
+small batch) the two GEMV kernels of moe_gemv_triton replace all of this.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ftserve_kernels.attention_triton import interpreting, mma
+from ftserve_kernels.moe_gemv_triton import GEMV_MAX_TOKENS, fused_moe_gemv_triton
 
 # ---------------------------------------------------------------- routing
 
@@ -354,7 +356,12 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,  # [T, k] int32
     cfg: MoeConfig | None = None,
     expert_map: torch.Tensor | None = None,  # [E] int32: expert -> row of w13/w2 (slot cache)
+    gemv: bool | None = None,
 ) -> torch.Tensor:
+    """Grouped-GEMM MoE; ``gemv`` (default: no ``cfg`` and T <= GEMV_MAX_TOKENS)
+    takes the two-kernel GEMV path of moe_gemv_triton instead."""
+    if gemv or (gemv is None and cfg is None and x.shape[0] <= GEMV_MAX_TOKENS):
+        return fused_moe_gemv_triton(x, w13, w2, topk_weights, topk_ids, expert_map)
     t, h = x.shape
     two_i = w13.shape[1]
     # With a map, ids index the map (E entries) and the map indexes the weight rows.

@@ -92,19 +92,32 @@ def test_align_drops_out_of_range_ids() -> None:
     assert sorted(real[real < 6].tolist()) == [0, 1, 3, 4, 5]
 
 
-@pytest.mark.parametrize("t", [1, 5, 33])
-def test_fused_moe_matches_reference(t: int) -> None:
+@pytest.mark.parametrize("t,gemv", [(1, None), (1, False), (5, None), (5, True), (33, None)])
+def test_fused_moe_matches_reference(t: int, gemv: bool | None) -> None:
+    """Grouped-GEMM path and the GEMV path (default for T <= GEMV_MAX_TOKENS)."""
     g = torch.Generator().manual_seed(t)
-    e, k, h, inter = 6, 2, 32, 24  # inter not a multiple of the K block: masked tail
+    e, k, h, inter = 6, 2, 40, 24  # h, inter not multiples of the K block: masked tails
     x = torch.randn(t, h, generator=g).to(DEVICE)
     w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(DEVICE)
     w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(DEVICE)
     logits = torch.randn(t, e, generator=g).to(DEVICE)
     weights, ids = route_topk_ref(logits, k, True)
-    out = mt.fused_moe_triton(x, w13, w2, weights, ids)
+    out = mt.fused_moe_triton(x, w13, w2, weights, ids, gemv=gemv)
     ref = fused_moe_ref(x, w13, w2, weights, ids)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert rel_err(out, ref) < 1e-4
+
+
+def test_fused_moe_gemv_odd_top_k() -> None:
+    """k = 3: the GEMV down kernel pads the choices to 4 rows per column."""
+    g = torch.Generator().manual_seed(9)
+    t, e, k, h, inter = 2, 5, 3, 24, 40
+    x = torch.randn(t, h, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(DEVICE)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(DEVICE)
+    weights, ids = route_topk_ref(torch.randn(t, e, generator=g).to(DEVICE), k, False)
+    out = mt.fused_moe_triton(x, w13, w2, weights, ids, gemv=True)
+    assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-4
 
 
 def test_fused_moe_expert_map() -> None:
@@ -120,8 +133,9 @@ def test_fused_moe_expert_map() -> None:
     s13[slot_of.long()] = w13
     s2[slot_of.long()] = w2
     weights, ids = route_topk_ref(torch.randn(t, e, generator=g).to(DEVICE), k, True)
-    out = mt.fused_moe_triton(x, s13, s2, weights, ids, expert_map=slot_of)
-    assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-4
+    for gemv in (False, True):
+        out = mt.fused_moe_triton(x, s13, s2, weights, ids, expert_map=slot_of, gemv=gemv)
+        assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-4
 
 
 def test_fused_moe_bf16() -> None:
@@ -131,10 +145,11 @@ def test_fused_moe_bf16() -> None:
     w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).bfloat16().to(DEVICE)
     w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).bfloat16().to(DEVICE)
     weights, ids = route_topk_ref(torch.randn(t, e, generator=g).to(DEVICE), k, False)
-    out = mt.fused_moe_triton(x, w13, w2, weights, ids)
     ref = fused_moe_ref(x, w13, w2, weights, ids)
-    assert out.dtype == torch.bfloat16
-    assert rel_err(out, ref) < 2e-2
+    for gemv in (False, True):
+        out = mt.fused_moe_triton(x, w13, w2, weights, ids, gemv=gemv)
+        assert out.dtype == torch.bfloat16
+        assert rel_err(out, ref) < 2e-2
 
 
 # ---------------------------------------------------------------- GPU, real shapes
@@ -171,8 +186,9 @@ def test_gpu_fused_moe_qwen3_30b_shape(t: int) -> None:
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_fused_moe_no_sync_and_graph_capturable() -> None:
-    e, k, h, inter, t = 16, 4, 256, 128, 8
+@pytest.mark.parametrize("t", [1, 8])  # GEMV path, grouped path
+def test_gpu_fused_moe_no_sync_and_graph_capturable(t: int) -> None:
+    e, k, h, inter = 16, 4, 256, 128
     x = torch.randn(t, h, device="cuda").bfloat16()
     w13 = (torch.randn(e, 2 * inter, h, device="cuda") / h**0.5).bfloat16()
     w2 = (torch.randn(e, h, inter, device="cuda") / inter**0.5).bfloat16()

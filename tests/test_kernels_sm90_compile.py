@@ -31,6 +31,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
 
     from ftserve_kernels import attention_triton as at
     from ftserve_kernels import bookkeeping as bk
+    from ftserve_kernels import moe_gemv_triton as mg
     from ftserve_kernels import moe_triton as mt
     from ftserve_kernels import norm_triton as nt
     from ftserve_kernels import rope_triton as rt
@@ -106,6 +107,12 @@ def _compile_all() -> dict[str, dict[str, Any]]:
         comp(f"moe_gate_up_T{t}", mt._moe_gate_up_kernel, moe, dict(TOP_K=8, **common),
              c.num_warps, c.num_stages)
         comp(f"moe_down_T{t}", mt._moe_down_kernel, moe, common, c.num_warps, c.num_stages)
+    gemv = {"x_ptr": bf, "a_ptr": bf, "w_ptr": bf, "out_ptr": bf, "weights_ptr": "*fp32",
+            "ids_ptr": i32}
+    comp("moe_gemv_gate_up", mg._gemv_gate_up_kernel, gemv,
+         dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True), 8, 2)
+    comp("moe_gemv_down", mg._gemv_down_combine_kernel, gemv,
+         dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True), 8, 2)
     if "HAS_MAP" in mt._moe_gate_up_kernel.arg_names:  # expert -> slot indirection
         comp("moe_gate_up_mapped", mt._moe_gate_up_kernel, moe,
              dict(TOP_K=8, HAS_MAP=True, **common), c.num_warps, c.num_stages)

@@ -330,7 +330,7 @@ def bench_moe(quick: bool) -> None:
                    experts=touched, weight_gbps=wbytes / secs / 1e9,
                    vs_copy_read=wbytes / secs / 1e9 / read_limit)
 
-        default = mt.MoeConfig.pick(t * k, e, x.device)
+        default = mt.MoeConfig.pick(t * k, e, x.device)  # grouped path (cfg given)
         configs = [default]
         if t <= 64 and not quick:
             configs += [c for c in small if c != default]
@@ -350,6 +350,16 @@ def bench_moe(quick: bool) -> None:
                 check(f"moe_T{t}_{tag}", err < 2e-2, f"rel err vs default config {err:.2e}")
             if t <= 4096:
                 rec(f"fused_moe T={t} graph [{tag}]", bench_graph(run, 20 if t > 64 else 50))
+        if t <= 16:  # GEMV path (no alignment, combine fused): default up to GEMV_MAX_TOKENS
+            def run_gemv(x: torch.Tensor = x, w: torch.Tensor = weights,
+                         i: torch.Tensor = ids) -> torch.Tensor:
+                return mt.fused_moe_triton(x, w13, w2, w, i, gemv=True)
+
+            err = rel_err(run_gemv(), out)
+            check(f"moe_T{t}_gemv", err < 2e-2, f"rel err vs grouped path {err:.2e}")
+            rec(f"fused_moe T={t} graph [gemv]", bench_graph(run_gemv))
+            if t == 1:
+                rec(f"fused_moe T={t} eager (incl. launch) [gemv]", bench(run_gemv))
         if t == 8192 or (quick and t == 4096):
             rs = bench(lambda lg=logits: mt.route_topk_triton(lg, k, True))
             record(f"route_topk T={t} E={e}", rs)

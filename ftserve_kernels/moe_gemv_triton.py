@@ -1,0 +1,152 @@
+"""Fused MoE for a handful of tokens: two GEMV kernels, no alignment, combine fused.
+
+At decode batch 1-2 the grouped-GEMM path of moe_triton pays for an alignment
+launch, 16-row tiles holding one real row, a [T*k, H] intermediate and a
+separate combine. Here (twin: ``moe.fused_moe_ref``, same signature)::
+
+    gate_up: program (pair p = t*k + j, column block) -> act[p, cols]
+             = SiLU(x_t . W13[e_p, gate cols]) * (x_t . W13[e_p, up cols])
+    down:    program (token t, column block) -> out[t, cols]
+             = sum_j  round(weight[t, j] * (act[t*k + j] . W2[e_{t,j}, cols]))
+
+Each expert weight row is streamed once per (token, choice); with more tokens,
+experts shared between tokens would be read once per token, which is why the
+grouped path takes over past ``GEMV_MAX_TOKENS``. The combine adds the k
+choices in a fixed order in fp32: the output is deterministic. Rounding
+follows the grouped path: act and each weighted down row round to x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GEMV_MAX_TOKENS = 2  # fused_moe_triton's default switch point (tokens, not pairs)
+
+
+@triton.jit
+def _gemv_gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, ids_ptr, map_ptr, H, INTER,
+    stride_xt, stride_we, stride_wn, stride_ot,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    e = tl.load(ids_ptr + pair)
+    if HAS_MAP:  # expert -> row of w (an expert-slot cache)
+        e = tl.load(map_ptr + e)
+    e = e.to(tl.int64)
+    tok = (pair // TOP_K).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [N, K]
+    u_off = INTER * stride_wn
+    x_ptrs = x_ptr + tok * stride_xt + offs_k  # [K]
+    acc_g = tl.zeros([BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            xv = tl.load(x_ptrs).to(tl.float32)
+            g = tl.load(g_ptrs, mask=nmask[:, None], other=0.0)
+            u = tl.load(g_ptrs + u_off, mask=nmask[:, None], other=0.0)
+        else:
+            kmask = offs_k < H - k0
+            xv = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32)
+            m2 = nmask[:, None] & kmask[None, :]
+            g = tl.load(g_ptrs, mask=m2, other=0.0)
+            u = tl.load(g_ptrs + u_off, mask=m2, other=0.0)
+        acc_g += tl.sum(g.to(tl.float32) * xv[None, :], 1)
+        acc_u += tl.sum(u.to(tl.float32) * xv[None, :], 1)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) * up, [N]
+    tl.store(out_ptr + pair.to(tl.int64) * stride_ot + offs_n, h.to(out_ptr.dtype.element_ty),
+             mask=nmask)
+
+
+@triton.jit
+def _gemv_down_combine_kernel(
+    a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, H, INTER,
+    stride_at, stride_we, stride_wn, stride_ot,
+    TOP_K: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr,
+):
+    # Rows r = j * BLOCK_N + n: column n of choice j. All k choices' weight rows load
+    # as one [KP * N, K] tile per step, so each step has k times the bytes in flight
+    # (these loads are not cp.async-pipelined: only concurrency hides latency).
+    t = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, BLOCK_KP * BLOCK_N)
+    j = r // BLOCK_N
+    offs_n = tl.program_id(1) * BLOCK_N + r % BLOCK_N  # [R]
+    rmask = (j < TOP_K) & (offs_n < H)
+    pair = t * TOP_K + j  # [R]
+    e = tl.load(ids_ptr + pair, mask=rmask, other=0)
+    if HAS_MAP:
+        e = tl.load(map_ptr + e, mask=rmask, other=0)
+    e = e.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    b_ptrs = w_ptr + (e * stride_we + offs_n * stride_wn)[:, None] + offs_k[None, :]  # [R, K]
+    a_ptrs = a_ptr + (pair * stride_at)[:, None] + offs_k[None, :]  # [R, K], k distinct rows
+    acc = tl.zeros([BLOCK_KP * BLOCK_N], tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        if EVEN_K:
+            m2 = rmask[:, None]
+        else:
+            m2 = rmask[:, None] & (offs_k[None, :] < INTER - k0)
+        av = tl.load(a_ptrs, mask=m2, other=0.0)
+        b = tl.load(b_ptrs, mask=m2, other=0.0)
+        acc += tl.sum(b.to(tl.float32) * av.to(tl.float32), 1)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    wt = tl.load(weights_ptr + pair, mask=rmask, other=0.0)  # [R]
+    # Round each weighted row as the grouped path stores it, then sum the k choices
+    # in fp32 in a fixed order: deterministic.
+    y = (acc * wt).to(out_ptr.dtype.element_ty).to(tl.float32)
+    out = tl.sum(tl.reshape(y, [BLOCK_KP, BLOCK_N]), 0)  # [N]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + t * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
+def fused_moe_gemv_triton(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k] fp32
+    topk_ids: torch.Tensor,  # [T, k] int32
+    expert_map: torch.Tensor | None = None,  # [E] int32: expert -> row of w13/w2
+    block_n: tuple[int, int] | None = None,  # (gate_up, down) output columns per program
+) -> torch.Tensor:
+    t, h = x.shape
+    inter = w13.shape[1] // 2
+    k = topk_ids.shape[1]
+    out = torch.empty_like(x)  # [T, H]
+    if t == 0:
+        return out
+    assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1
+    ids = topk_ids.reshape(-1)  # [N]
+    weights = topk_weights.reshape(-1)  # [N]
+    if weights.dtype != torch.float32 or weights.stride(0) != 1:
+        weights = weights.float().contiguous()
+    act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)  # [N, I]
+    cuda = x.is_cuda
+    # Narrow column blocks: enough programs for every SM at batch 1 (8 pairs x 48
+    # gate/up blocks; 256 down blocks); wide K steps keep 32 KB per program in flight.
+    bn_gu, bn_d = block_n or ((16, 8) if cuda else (16, 16))
+    bk_gu, bk_d = (512, 256) if cuda else (16, 16)
+    emap = expert_map if expert_map is not None else ids  # unread without HAS_MAP
+    has_map = expert_map is not None
+    _gemv_gate_up_kernel[(t * k, triton.cdiv(inter, bn_gu))](
+        x, w13, act, ids, emap, h, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=k, BLOCK_N=bn_gu, BLOCK_K=bk_gu, EVEN_K=h % bk_gu == 0, HAS_MAP=has_map,
+        num_warps=8 if cuda else 4, num_stages=2 if cuda else 1,
+    )
+    _gemv_down_combine_kernel[(t, triton.cdiv(h, bn_d))](
+        act, w2, out, weights, ids, emap, h, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        TOP_K=k, BLOCK_KP=triton.next_power_of_2(k), BLOCK_N=bn_d, BLOCK_K=bk_d,
+        EVEN_K=inter % bk_d == 0, HAS_MAP=has_map,
+        num_warps=8 if cuda else 4, num_stages=2 if cuda else 1,
+    )
+    return out
