@@ -206,3 +206,55 @@ def test_auto_size_on_the_device(model_dir: str) -> None:
         assert cache.slots.is_cuda and cache.bank.data.is_pinned()
     finally:
         eng.shutdown()
+
+
+@pytest.mark.gpu
+def test_prefetch_in_graphs_equals_resident(model_dir: str, resident: Engine) -> None:
+    """Twice the slots: decode prefetches at every graph batch size (2 x 16 <= 32),
+    forking the fill onto a side stream inside the captured graph."""
+    eng = make_engine(model_dir, 2 * SLOTS)
+    try:
+        copy_weights(resident, eng)
+        cache = cache_of(eng)
+        cache.prefetch_max_tokens = 8  # default 1 here (16 experts, top-4): cover every size
+        assert eng.runner.graphs is not None
+        eng.runner.graphs.capture()
+        assert all(cache.prefetches(bs, True) for bs in (1, 4, 8))
+        rng = random.Random(11)
+        for bs in (1, 3, 8):
+            prompts = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 2 * CHUNK))]
+                       for _ in range(bs)]
+            assert run_greedy(eng, prompts, 16) == run_greedy(resident, prompts, 16), f"batch {bs}"
+        st = cache.stats()
+        assert st["prefetched"] > 0 and st["misses"] < st["lookups"], st
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.gpu
+def test_prefill_dma_plan_and_stale_snapshot(model_dir: str, offload: Engine) -> None:
+    """Prefill copies contiguous runs with cudaMemcpyAsync as planned from a snapshot
+    of the LRU map; a wrong snapshot is repaired on the device (UVA fallback)."""
+    cache = cache_of(offload)
+    rng = random.Random(13)
+    torch.cuda.synchronize()
+    cache.slots[cache.buf_base:].zero_()  # nothing left in the buffers can stand in for a copy
+    cache._snap.fill_(0)  # "every expert is cached in slot 0": the host copies nothing
+    cache._snap_pending = True
+    cache._snap_event = None
+    cache.reset_stats()
+    run_greedy(offload, [[rng.randrange(100, 32000) for _ in range(CHUNK)]], 1)  # one streamed chunk
+    torch.cuda.synchronize()
+    pslot = cache.pslot_of_id[:-1].tolist()
+    mapped = [(i, s) for i, s in enumerate(pslot) if s >= 0]
+    assert len(mapped) == 2 * cache.num_experts
+    for i, s in mapped:
+        assert torch.equal(cache.slots[s].cpu(), cache.bank.data[i]), (i, s)
+    st = cache.stats()
+    assert st["experts_streamed"] >= st["experts_uncached"] > 0, st
+    # Back to back with no decode between: the snapshot is exact, so the host
+    # streams exactly the experts the LRU cache does not hold.
+    cache.reset_stats()
+    run_greedy(offload, [[rng.randrange(100, 32000) for _ in range(CHUNK)]], 1)
+    st = cache.stats()
+    assert st["experts_streamed"] == st["experts_uncached"] > 0, st

@@ -37,6 +37,7 @@ sets: it needs N >= 2M slots for M = one call's list, else prefetch is off for
 that batch size) and filled on a side stream, so layer j+1's copies overlap
 layer j's MoE and layer j+1's attention; layer j+1's admission then mostly hits,
 and its MoE waits on the side stream's event. Every copy counts in the stats.
+Only for small batches (``prefetch_max_tokens``): large ones are copy-bound.
 
 Device maps (fixed shapes, ``-1`` = none, last entry of each *_of_id = sink)::
 
@@ -106,6 +107,10 @@ class ExpertCache:
         self.counters = torch.zeros(5, dtype=torch.int64, device=device)
         self.track_stats = track_stats
         self.prefetch = prefetch
+        # A wrong guess costs a whole copy, and only compute can hide behind the
+        # right ones: worth it while a layer's copies are comparable to its compute
+        # (few tokens); a large batch is copy-bound, where guesses only add bytes.
+        self.prefetch_max_tokens = max(1, e // (4 * top_k))
         self.mode = "full" if self.full else "admit"
         self._pf_on = False
         # Host view of the LRU map for planning prefill copies ([Lm][E], True =
@@ -147,6 +152,7 @@ class ExpertCache:
     def prefetches(self, num_tokens: int, is_decode: bool) -> bool:
         """Decode prefetch needs room for two admission lists at once (module doc)."""
         return (self.prefetch and is_decode and self.num_layers > 1
+                and num_tokens <= self.prefetch_max_tokens
                 and self.path_for(num_tokens, is_decode) == "admit"
                 and 2 * self.max_admit(num_tokens) <= self.num_slots)
 
