@@ -50,7 +50,7 @@ def norm_launch_params(h: int) -> tuple[int, int, int]:
     costs no recomputation on the host."""
     block_h = triton.next_power_of_2(h)
     block_r = max(1, min(128, _TILE_ELEMS // block_h))
-    warps = max(1, min(16, block_r * block_h // 256))  # 8 warps at 8k elements
+    warps = max(1, min(16, block_r * block_h // 1024))  # 8 warps at 8k elements: 32 per thread
     return block_h, block_r, warps
 
 
