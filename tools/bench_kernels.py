@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from ftserve_kernels import attention_triton as at  # noqa: E402
 from ftserve_kernels import bookkeeping as bk  # noqa: E402
 from ftserve_kernels import moe_triton as mt  # noqa: E402
+from ftserve_kernels import norm_triton as nt  # noqa: E402
 from ftserve_kernels.moe import fused_moe_ref  # noqa: E402
 from ftserve_kernels.norm_rope import qk_norm_rotary_ref  # noqa: E402
 from ftserve_kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
@@ -380,13 +381,21 @@ def bench_norm_rope() -> None:
     def rec(name: str, secs: float, moved: float) -> None:
         record(name, secs, gbps=moved / secs / 1e9, vs_copy=moved / secs / 1e9 / copy)
 
-    rec(f"rms_norm T={t} H={h}", bench_graph(lambda: rms_norm_triton(x, w, 1e-6)), 4 * x.numel())
-    rec(f"fused_add_rms_norm T={t} H={h}",
-        bench_graph(lambda: fused_add_rms_norm_triton(x, r, w, 1e-6)), 8 * x.numel())
     heads = torch.randn(t * HQ, D, device="cuda").bfloat16()
     hw = torch.randn(D, device="cuda").bfloat16()
-    rec(f"rms_norm (q head norm) rows={t * HQ} H={D}",
-        bench_graph(lambda: rms_norm_triton(heads, hw, 1e-6)), 4 * heads.numel())
+    default_tile = nt._TILE_ELEMS
+    for tile in (default_tile, 2048, 4096, 16384):  # elements per program: default first
+        nt._TILE_ELEMS = tile
+        nt.norm_launch_params.cache_clear()
+        tag = f"tile{tile}" + (" (default)" if tile == default_tile else "")
+        rec(f"rms_norm T={t} H={h} [{tag}]",
+            bench_graph(lambda: rms_norm_triton(x, w, 1e-6)), 4 * x.numel())
+        rec(f"fused_add_rms_norm T={t} H={h} [{tag}]",
+            bench_graph(lambda: fused_add_rms_norm_triton(x, r, w, 1e-6)), 8 * x.numel())
+        rec(f"rms_norm (q head norm) rows={t * HQ} H={D} [{tag}]",
+            bench_graph(lambda: rms_norm_triton(heads, hw, 1e-6)), 4 * heads.numel())
+    nt._TILE_ELEMS = default_tile
+    nt.norm_launch_params.cache_clear()
     q = torch.randn(t, HQ, D, device="cuda").bfloat16()
     kk = torch.randn(t, HKV, D, device="cuda").bfloat16()
     pos = torch.randint(0, 131072, (t,), device="cuda")
