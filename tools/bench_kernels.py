@@ -468,7 +468,8 @@ def main() -> int:
     RESULTS["versions"] = {"torch": torch.__version__, "triton": __import__("triton").__version__}
     measure_limits()
     sections: list[tuple[str, Callable[[], None]]] = [
-        ("extend", lambda: bench_extend(4096, 102_400, args.quick)),
+        ("extend", lambda: [bench_extend(4096, 102_400, args.quick),
+                            bench_extend(4096, 4096, True)]),  # cold prefill chunk
         ("decode", lambda: [bench_decode(b, n, args.quick)
                             for b, n in ((1, 102_400), (8, 32_768), (64, 2048))]),
         ("store", bench_store),
