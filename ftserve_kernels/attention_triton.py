@@ -46,79 +46,27 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
+from ftserve_kernels.attention_common import (  # noqa: F401  (re-exported names)
+    LOG2E,
+    AttnKernelConfig,
+    interpreting,
+    mma,
+    mma_acc,
+)
+from ftserve_kernels.attention_decode_triton import (  # noqa: F401  (re-exported names)
+    _decode_reduce_kernel,
+    _decode_split_kernel,
+    decode_attention_triton,
+)
+
 if TYPE_CHECKING:
     from ftserve.models.forward_batch import ForwardBatch
-
-_LOG2E = 1.4426950408889634
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@triton.jit
-def mma(a, b, UPCAST: tl.constexpr):
-    """tl.dot with fp32 accumulation. The CPU interpreter (triton 3.9) returns
-    garbage for bf16 operands, so there (UPCAST) both sides go to fp32 first."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def mma_acc(a, b, acc, UPCAST: tl.constexpr):
-    """acc + a @ b, accumulated in place by the tensor-core instruction."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    else:
-        return tl.dot(a, b, acc)
-
-
-@dataclass(frozen=True)
-class AttnKernelConfig:
-    """Tile sizes. ``for_device`` picks Hopper-sized tiles on CUDA and tiny ones
-    for the CPU interpreter (which is slow and needs only correctness)."""
-
-    # H200, 4096 queries over 102,400 keys (32/4 heads, d 128): bm64 bn64 w4 s3
-    # 323 TFLOP/s, bm128 bn64 w8 s3 291, bm128 bn128 w8 s2 301 (tools/bench_kernels.py).
-    extend_block_m: int = 64
-    extend_block_n: int = 64
-    extend_warps: int = 4
-    extend_stages: int = 3
-    decode_block_n: int = 64
-    decode_warps: int = 4
-    decode_stages: int = 3
-    max_splits: int = 128
-    extend_pack_gqa: bool = False  # one program per KV head x (BLOCK_M / GROUP) tokens
-    decode_programs_per_sm: int = 4  # split-K target: (B * Hkv * splits) ~ this x SMs
-
-    @staticmethod
-    def for_device(device: torch.device, head_dim: int) -> AttnKernelConfig:
-        return _config_for(device.type, head_dim)
-
-    def tag(self) -> str:
-        pack = "_gqa" if self.extend_pack_gqa else ""
-        return (f"bm{self.extend_block_m}_bn{self.extend_block_n}_w{self.extend_warps}"
-                f"_s{self.extend_stages}{pack}")
-
-
-@functools.lru_cache(maxsize=16)
-def _config_for(device_type: str, head_dim: int) -> AttnKernelConfig:
-    # Cached: the backend asks on every layer of every step.
-    if device_type != "cuda":
-        return AttnKernelConfig(16, 16, 4, 1, 16, 4, 1, 8)
-    if head_dim > 128:  # keep Q + staged K/V tiles within shared memory
-        return AttnKernelConfig(extend_block_n=32, extend_stages=2)
-    return AttnKernelConfig()
 
 
 # ---------------------------------------------------------------- KV store
@@ -159,136 +107,6 @@ def store_kv_triton(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
         HKV=hkv, D=d, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
     )
-
-
-# ---------------------------------------------------------------- decode
-
-
-@triton.jit
-def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, pt_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
-    stride_qt, stride_qh, stride_cs, stride_ch, stride_pt,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-    scale_log2,
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
-):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    s = tl.program_id(2)
-    kv_len = tl.load(seq_lens_ptr + b)
-    # Splits are BLOCK_N-aligned; trailing splits of a short sequence are empty.
-    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = s * per_split
-    end = tl.minimum(start + per_split, kv_len)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, BLOCK_D)
-    heads = kvh * GROUP + g
-    gmask = g < GROUP
-    dmask = d < D
-    q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=gmask[:, None] & dmask[None, :], other=0.0,
-    )  # [G, D]
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    pt_row = pt_ptr + b.to(tl.int64) * stride_pt
-    head_off = kvh * stride_ch
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        nmask = pos < end
-        page = tl.load(pt_row + pos // PAGE_SIZE, mask=nmask, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [N]
-        kt = tl.load(
-            kc_ptr + slot[None, :] * stride_cs + head_off + d[:, None],
-            mask=nmask[None, :] & dmask[:, None], other=0.0,
-        )  # [D, N]
-        qk = mma(q, kt, UPCAST)  # [G, N] unscaled scores
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)  # log2 domain
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk * scale_log2 - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vv = tl.load(
-            vc_ptr + slot[:, None] * stride_cs + head_off + d[None, :],
-            mask=nmask[:, None] & dmask[None, :], other=0.0,
-        )  # [N, D]
-        acc = mma_acc(p.to(vv.dtype), vv, acc * alpha[:, None], UPCAST)
-        m_i = m_new
-    has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    tl.store(
-        mid_o_ptr + b * stride_mob + heads[:, None] * stride_moh + s * stride_mos + d[None, :],
-        out, mask=gmask[:, None] & dmask[None, :],
-    )
-    tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + s, lse, mask=gmask)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    mid_o_ptr, mid_lse_ptr, o_ptr,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    smask = s < NUM_SPLITS
-    lse = tl.load(mid_lse_ptr + b * stride_mlb + h * stride_mlh + s, mask=smask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence (graph padding): output 0
-    w = tl.exp2(lse - m)  # [S]
-    tot = tl.sum(w, 0)
-    o = tl.load(
-        mid_o_ptr + b * stride_mob + h * stride_moh + s[:, None] * stride_mos + d[None, :],
-        mask=smask[:, None] & (d[None, :] < D), other=0.0,
-    )  # [S, D]
-    out = tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
-    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
-
-
-def decode_attention_triton(
-    q: torch.Tensor,  # [B, Hq, D], one query per sequence
-    k_cache: torch.Tensor,  # [slots, Hkv, D]
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,  # [B, max_pages] int32
-    seq_lens: torch.Tensor,  # [B] int32
-    page_size: int,
-    scale: float,
-    num_splits: int,
-    cfg: AttnKernelConfig | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    bsz, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    group = hq // hkv
-    cfg = cfg or AttnKernelConfig.for_device(q.device, d)
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
-    assert page_table.stride(-1) == 1
-    out = torch.empty_like(q) if out is None else out
-    block_d = triton.next_power_of_2(d)
-    mid_o = torch.empty((bsz, hq, num_splits, block_d), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(bsz, hkv, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        scale * _LOG2E,
-        PAGE_SIZE=page_size, GROUP=group, D=d, BLOCK_D=block_d,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n,
-        NUM_SPLITS=num_splits, UPCAST=interpreting(), num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
-    )
-    _decode_reduce_kernel[(bsz, hq)](
-        mid_o, mid_lse, out,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), D=d, BLOCK_D=block_d,
-        num_warps=4,
-    )
-    return out
 
 
 # ---------------------------------------------------------------- extend
@@ -416,7 +234,7 @@ def extend_attention_triton(
         q, out, k_cache, v_cache, page_table, qo_indptr, prefix_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
-        scale * _LOG2E,
+        scale * LOG2E,
         PAGE_SIZE=page_size, GROUP=group, D=d,
         BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n, UPCAST=interpreting(),
         PACK_GQA=pack, TOK=tok, num_warps=cfg.extend_warps, num_stages=cfg.extend_stages,

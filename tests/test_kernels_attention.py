@@ -18,8 +18,10 @@ if DEVICE == "cpu":
     # The interpreter is chosen when a kernel is decorated: set it before import,
     # and re-decorate if another test imported the module without it.
     os.environ["TRITON_INTERPRET"] = "1"
-    if "ftserve_kernels.attention_triton" in sys.modules:
-        importlib.reload(sys.modules["ftserve_kernels.attention_triton"])
+    for _name in ("ftserve_kernels.attention_common", "ftserve_kernels.attention_decode_triton",
+                  "ftserve_kernels.attention_triton"):
+        if _name in sys.modules:
+            importlib.reload(sys.modules[_name])
 
 from ftserve.kvcache.pool import KVPool  # noqa: E402
 from ftserve.models.forward_batch import build_forward_batch  # noqa: E402

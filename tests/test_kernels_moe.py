@@ -13,7 +13,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     # The interpreter is chosen when a kernel is decorated (see test_kernels_attention).
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("ftserve_kernels.attention_triton", "ftserve_kernels.moe_triton"):
+    for _name in ("ftserve_kernels.attention_common", "ftserve_kernels.attention_decode_triton",
+                  "ftserve_kernels.attention_triton", "ftserve_kernels.moe_gemv_triton",
+                  "ftserve_kernels.moe_triton"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 

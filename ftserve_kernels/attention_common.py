@@ -1,0 +1,75 @@
+"""Shared pieces of the Triton attention kernels: the interpreter switch, the
+tensor-core dot helpers and the tile configuration (``AttnKernelConfig``)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def mma(a, b, UPCAST: tl.constexpr):
+    """tl.dot with fp32 accumulation. The CPU interpreter (triton 3.9) returns
+    garbage for bf16 operands, so there (UPCAST) both sides go to fp32 first."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def mma_acc(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b, accumulated in place by the tensor-core instruction."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@dataclass(frozen=True)
+class AttnKernelConfig:
+    """Tile sizes. ``for_device`` picks Hopper-sized tiles on CUDA and tiny ones
+    for the CPU interpreter (which is slow and needs only correctness)."""
+
+    # H200, 4096 queries over 102,400 keys (32/4 heads, d 128): bm64 bn64 w4 s3
+    # 323 TFLOP/s, bm128 bn64 w8 s3 291, bm128 bn128 w8 s2 301 (tools/bench_kernels.py).
+    extend_block_m: int = 64
+    extend_block_n: int = 64
+    extend_warps: int = 4
+    extend_stages: int = 3
+    decode_block_n: int = 64
+    decode_warps: int = 4
+    decode_stages: int = 3
+    max_splits: int = 128
+    extend_pack_gqa: bool = False  # one program per KV head x (BLOCK_M / GROUP) tokens
+    decode_programs_per_sm: int = 4  # split-K target: (B * Hkv * splits) ~ this x SMs
+
+    @staticmethod
+    def for_device(device: torch.device, head_dim: int) -> AttnKernelConfig:
+        return _config_for(device.type, head_dim)
+
+    def tag(self) -> str:
+        pack = "_gqa" if self.extend_pack_gqa else ""
+        return (f"bm{self.extend_block_m}_bn{self.extend_block_n}_w{self.extend_warps}"
+                f"_s{self.extend_stages}{pack}")
+
+
+@functools.lru_cache(maxsize=16)
+def _config_for(device_type: str, head_dim: int) -> AttnKernelConfig:
+    # Cached: the backend asks on every layer of every step.
+    if device_type != "cuda":
+        return AttnKernelConfig(16, 16, 4, 1, 16, 4, 1, 8)
+    if head_dim > 128:  # keep Q + staged K/V tiles within shared memory
+        return AttnKernelConfig(extend_block_n=32, extend_stages=2)
+    return AttnKernelConfig()
