@@ -250,20 +250,22 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: str, device: torch.
 
     section(f"{mode}_prefill", prefill)
     def decode() -> list[dict[str, Any]]:
-        rows = [bench_decode(drv, engine, device, bs, args.decode_prompt, args.decode_warmup,
+        return [bench_decode(drv, engine, device, bs, args.decode_prompt, args.decode_warmup,
                              args.decode_steps) for bs in args.batches]
-        cache = cache_of(engine)
-        if cache is not None and not cache.full and any(r.get("prefetch") for r in rows):
-            # Ablation in the same run: prefetch off, graphs captured again.
+
+    rows = section(f"{mode}_decode", decode)
+    cache = cache_of(engine)
+    if rows and cache is not None and any(r.get("prefetch") for r in rows):
+
+        def ablation() -> list[dict[str, Any]]:
+            # Same engine, prefetch off (graphs captured again): what prefetch buys.
             cache.prefetch = False
             if engine.runner.graphs is not None:
                 engine.runner.graphs.capture()
-            rows += [{**bench_decode(drv, engine, device, bs, args.decode_prompt, args.decode_warmup,
-                                     args.decode_steps), "ablation": True} for bs in args.batches]
-            cache.prefetch = True
-        return rows
+            return [{**bench_decode(drv, engine, device, r["batch"], args.decode_prompt, args.decode_warmup,
+                                    args.decode_steps), "ablation": True} for r in rows if r.get("prefetch")]
 
-    section(f"{mode}_decode", decode)
+        section(f"{mode}_decode_prefetch_off", ablation)
     engine.shutdown()
 
 
@@ -291,7 +293,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 row["ok"] = row["ratio_to_bound"] <= 1.1
             out["prefill"].append(row)
         res_dec = {r["batch"]: r for r in results.get("resident_decode") or []}
-        for r in results.get(f"{mode}_decode") or []:
+        for r in (results.get(f"{mode}_decode") or []) + (results.get(f"{mode}_decode_prefetch_off") or []):
             name = f"{mode}, prefetch off" if r.get("ablation") else mode
             row = {"mode": name, "batch": r["batch"], "tokens_per_s": r["tokens_per_s"],
                    "prefetch": r.get("prefetch"),
