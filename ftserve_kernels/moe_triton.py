@@ -326,6 +326,7 @@ class MoeConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    down_block_n: int = 0  # column block of the down GEMM; 0: block_n
 
     @staticmethod
     def pick(num_pairs: int, num_experts: int, device: torch.device) -> MoeConfig:
@@ -381,19 +382,20 @@ def fused_moe_triton(
     act = torch.empty((n, inter), dtype=x.dtype, device=x.device)  # [N, INTER]
     y = torch.empty((n, h), dtype=x.dtype, device=x.device)  # [N, H]
     common = dict(
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         UPCAST=interpreting(), HAS_MAP=expert_map is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    down_n = cfg.down_block_n or cfg.block_n
     emap = expert_map if expert_map is not None else block_expert  # unread without HAS_MAP
     _moe_gate_up_kernel[(num_m * triton.cdiv(inter, cfg.block_n),)](
         x, w13, act, sorted_ids, block_expert, total, emap,
         n, h, inter, num_m, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=k, EVEN_K=h % cfg.block_k == 0, **common,
+        TOP_K=k, BLOCK_N=cfg.block_n, EVEN_K=h % cfg.block_k == 0, **common,
     )
-    _moe_down_kernel[(num_m * triton.cdiv(h, cfg.block_n),)](
+    _moe_down_kernel[(num_m * triton.cdiv(h, down_n),)](
         act, w2, y, weights, sorted_ids, block_expert, total, emap,
         n, h, inter, num_m, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        EVEN_K=inter % cfg.block_k == 0, **common,
+        BLOCK_N=down_n, EVEN_K=inter % cfg.block_k == 0, **common,
     )
     return y.view(t, k, h).sum(dim=1)  # [T, H]

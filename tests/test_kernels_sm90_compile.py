@@ -107,6 +107,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
         comp(f"moe_gate_up_T{t}", mt._moe_gate_up_kernel, moe, dict(TOP_K=8, **common),
              c.num_warps, c.num_stages)
         comp(f"moe_down_T{t}", mt._moe_down_kernel, moe, common, c.num_warps, c.num_stages)
+    comp("moe_down_n128", mt._moe_down_kernel, moe, common | dict(BLOCK_N=128), 8, 3)
     gemv = {"x_ptr": bf, "a_ptr": bf, "w_ptr": bf, "out_ptr": bf, "weights_ptr": "*fp32",
             "ids_ptr": i32}
     comp("moe_gemv_gate_up", mg._gemv_gate_up_kernel, gemv,

@@ -309,7 +309,9 @@ def bench_moe(quick: bool) -> None:
     small = [mt.MoeConfig(16, 32, 128, 1, 4, 4), mt.MoeConfig(16, 64, 128, 1, 4, 4),
              mt.MoeConfig(16, 16, 128, 1, 4, 4), mt.MoeConfig(16, 32, 256, 1, 4, 3),
              mt.MoeConfig(16, 64, 64, 1, 4, 5), mt.MoeConfig(16, 128, 64, 1, 4, 4)]
-    large = [mt.MoeConfig(128, 128, 64, 8, 8, 3), mt.MoeConfig(64, 128, 64, 8, 4, 4),
+    large = [mt.MoeConfig(128, 64, 64, 8, 8, 3, down_block_n=128),
+             mt.MoeConfig(128, 64, 64, 8, 8, 4, down_block_n=128),
+             mt.MoeConfig(128, 128, 64, 8, 8, 3), mt.MoeConfig(64, 128, 64, 8, 4, 4),
              mt.MoeConfig(128, 64, 64, 8, 8, 4), mt.MoeConfig(128, 128, 32, 8, 8, 4),
              mt.MoeConfig(64, 64, 64, 8, 4, 4)]
     for t in ([1, 64, 4096] if quick else [1, 2, 8, 16, 32, 64, 512, 4096, 8192]):
@@ -343,7 +345,8 @@ def bench_moe(quick: bool) -> None:
                 return mt.fused_moe_triton(x, w13, w2, w, i, cfg=cfg)
 
             tag = (f"m{cfg.block_m}_n{cfg.block_n}_k{cfg.block_k}_g{cfg.group_m}"
-                   f"_w{cfg.num_warps}_s{cfg.num_stages}")
+                   f"_w{cfg.num_warps}_s{cfg.num_stages}"
+                   + (f"_dn{cfg.down_block_n}" if cfg.down_block_n else ""))
             if cfg is default:
                 rec(f"fused_moe T={t} eager (incl. launch) [{tag}]", bench(run))
             else:
