@@ -314,7 +314,7 @@ def bench_moe(quick: bool) -> None:
              mt.MoeConfig(128, 128, 64, 8, 8, 3), mt.MoeConfig(64, 128, 64, 8, 4, 4),
              mt.MoeConfig(128, 64, 64, 8, 8, 4), mt.MoeConfig(128, 128, 32, 8, 8, 4),
              mt.MoeConfig(64, 64, 64, 8, 4, 4)]
-    for t in ([1, 64, 4096] if quick else [1, 2, 8, 16, 32, 64, 512, 4096, 8192]):
+    for t in ([1, 64, 4096] if quick else [1, 2, 4, 8, 16, 32, 64, 512, 4096, 8192]):
         x = torch.randn(t, h, device="cuda").bfloat16()
         logits = torch.randn(t, e, device="cuda")
         weights, ids = mt.route_topk_triton(logits, k, True)
