@@ -238,12 +238,15 @@ class ExpertCache:
         with torch.cuda.stream(self.copy_stream):
             if j >= 2:
                 self.copy_stream.wait_event(self.done[b])  # layer j-2 finished reading buffer b
-            bk.invalidate_slots(self.pslot_of_id, self.pid_of_slot, b * e, (b + 1) * e)
-            plan_layer(self.slot_of_id, self.pslot_of_id, self.pid_of_slot, self.plan_src[b],
-                       self.plan_dst[b], self._dma[j], self.counters, j, b, self.buf_base)
+            # The copies first: they depend on host data only, so the copy engines
+            # start the moment buffer b is free, not after the plan kernel found an
+            # SM between long attention blocks.
             for a, z in self._runs[j]:
                 # [z-a, R] contiguous pinned rows -> contiguous slot rows: one cudaMemcpyAsync
                 self.slots[lo + a:lo + z].copy_(self.bank.data[j * e + a:j * e + z], non_blocking=True)
+            bk.invalidate_slots(self.pslot_of_id, self.pid_of_slot, b * e, (b + 1) * e)
+            plan_layer(self.slot_of_id, self.pslot_of_id, self.pid_of_slot, self.plan_src[b],
+                       self.plan_dst[b], self._dma[j], self.counters, j, b, self.buf_base)
             # Experts the snapshot wrongly called cached (normally none: no-op programs).
             fill_rows(self.bank.data, self.slots, self.plan_src[b], self.plan_dst[b], bank_checked=True)
             self.ready[b].record(self.copy_stream)
