@@ -257,7 +257,11 @@ def bench_decode(batch: int, kv_len: int, quick: bool) -> None:
             return at.decode_attention_triton(q, kc, vc, table, seq_lens, PAGE, D**-0.5, splits,
                                               cfg, out=out)
 
-        run()
+        try:
+            run()
+        except Exception as exc:  # a config this GPU cannot run: report, keep sweeping
+            print(f"  config {tag} failed: {type(exc).__name__}: {str(exc)[:120]}")
+            continue
         err = rel_err(out[:rows], ref)
         check(f"decode_b{batch}_{kv_len}_{tag}", bool(torch.isfinite(out).all()) and err < 2e-2,
               f"rel err vs torch twin {err:.2e}")
@@ -354,7 +358,11 @@ def bench_moe(quick: bool) -> None:
             if cfg is default:
                 rec(f"fused_moe T={t} eager (incl. launch) [{tag}]", bench(run))
             else:
-                err = rel_err(run(), out)
+                try:
+                    err = rel_err(run(), out)
+                except Exception as exc:  # a config this GPU cannot run: keep sweeping
+                    print(f"  config {tag} failed: {type(exc).__name__}: {str(exc)[:120]}")
+                    continue
                 check(f"moe_T{t}_{tag}", err < 2e-2, f"rel err vs default config {err:.2e}")
             if t <= 4096:
                 rec(f"fused_moe T={t} graph [{tag}]", bench_graph(run, 20 if t > 64 else 50))
