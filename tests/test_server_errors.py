@@ -100,7 +100,7 @@ def test_unknown_fields_are_ignored(live: Live) -> None:
 def test_context_length_exceeded_names_both_numbers(live: Live) -> None:
     limit = live.engine.max_model_len
     err = assert_error(call(live, "/v1/completions", {"prompt": [5] * 100, "max_tokens": limit}),
-                       400, code="context_length_exceeded")
+                       400, param="prompt", code="context_length_exceeded")
     assert str(limit) in err["message"] and str(100 + limit) in err["message"]
     err = assert_error(call(live, "/v1/completions", {"prompt": [5] * (limit + 3)}), 400,
                        code="context_length_exceeded")

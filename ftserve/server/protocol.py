@@ -42,14 +42,14 @@ class ParsedRequest:
     def build_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
         """Resolve max_tokens against the context window and validate everything."""
         if prompt_len >= max_model_len:
-            raise context_length_error(prompt_len, self.max_tokens or 0, max_model_len)
+            raise context_length_error(prompt_len, self.max_tokens or 0, max_model_len, self.kind)
         room = max_model_len - prompt_len
         if self.max_tokens is None:
             max_tokens = room if self.kind == "chat" else min(16, room)
         else:
             max_tokens = self.max_tokens
             if prompt_len + max_tokens > max_model_len:
-                raise context_length_error(prompt_len, max_tokens, max_model_len)
+                raise context_length_error(prompt_len, max_tokens, max_model_len, self.kind)
         params = SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling)
         try:
             params.validate(vocab_size)
@@ -58,12 +58,13 @@ class ParsedRequest:
         return params
 
 
-def context_length_error(prompt_len: int, max_tokens: int, limit: int) -> APIError:
+def context_length_error(prompt_len: int, max_tokens: int, limit: int,
+                         kind: str = "chat") -> APIError:
     return bad_request(
         f"This model's maximum context length is {limit} tokens. However, you requested "
         f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
         f"completion). Please reduce the length of the prompt or the completion.",
-        param="messages",
+        param="messages" if kind == "chat" else "prompt",
         code="context_length_exceeded",
     )
 
