@@ -122,11 +122,15 @@ def test_offload_equals_resident(model_dir: str, resident_tokens: dict[str, list
         eng.shutdown()
 
 
-def test_repeated_experts_hit(model_dir: str) -> None:
-    """The same short request twice: the second run's experts mostly hit."""
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_repeated_experts_hit(model_dir: str, prefetch: bool) -> None:
+    """The same short request twice: the second run's experts mostly hit and
+    copy (almost) nothing. With prefetch the first run's demand lookups already
+    hit, because the guesses were copied ahead: it is the copies that drop."""
     eng = make_engine(model_dir, moe_cache_size=TOTAL - 1)
     try:
         cache = cache_of(eng)
+        cache.prefetch = prefetch
         p = prompts(5, 1, 4, 4)
         first = run_greedy(eng, p, 6)
         cold = cache.stats()
@@ -134,7 +138,13 @@ def test_repeated_experts_hit(model_dir: str) -> None:
         assert run_greedy(eng, p, 6) == first
         warm = cache.stats()
         assert warm["lookups"] == cold["lookups"]
-        assert warm["hit_rate"] > 0.9 > cold["hit_rate"], (cold, warm)
+        copies = {k: st["misses"] + st["prefetched"] for k, st in (("cold", cold), ("warm", warm))}
+        assert copies["warm"] <= 0.1 * warm["lookups"] < copies["cold"], (cold, warm)
+        assert warm["hit_rate"] > 0.9, warm
+        if prefetch:
+            assert cold["prefetched"] > 0 and cold["hit_rate"] > 0.5, cold  # the guesses were used
+        else:
+            assert cold["prefetched"] == 0 and cold["hit_rate"] < 0.9, cold
         check_cache(cache)
     finally:
         eng.shutdown()
@@ -183,6 +193,35 @@ def test_stale_host_view_falls_back_on_the_device(model_dir: str,
             check_cache(cache)
         finally:
             eng.shutdown()
+
+
+def test_prefetch_guesses_use_the_router_norms(model_dir: str) -> None:
+    """The guess for layer j+1 rescales layer j's MoE input by w[j+1] / w[j] of the
+    router-input norms, so it equals layer j+1's router input over the same
+    residual; layer 0 is guessed from the embeddings."""
+    eng = make_engine(model_dir, moe_cache_size=24)
+    try:
+        cache = cache_of(eng)
+        model = eng.runner.model
+        assert cache._norms == [layer.post_attention_layernorm for layer in model.layers]
+        assert cache._ratios == [None] * LAYERS  # dummy norms are all ones
+        g = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for layer in model.layers[1:]:
+                layer.post_attention_layernorm.weight.uniform_(0.5, 2.0, generator=g)
+        cache.reset()
+        r0 = cache._ratios[0]
+        assert r0 is not None and cache._ratios[-1] is None
+        h = torch.randn(5, model.config.hidden_size, generator=g)  # [T, H] residual stream
+        x0 = model.layers[0].post_attention_layernorm(h)
+        torch.testing.assert_close(x0 * r0, model.layers[1].post_attention_layernorm(h))
+        st0 = cache.stats()
+        run_greedy(eng, prompts(6, 1, 4, 4), 4)  # decode at batch 1: guesses from the embeddings on
+        st = cache.stats()
+        assert st["prefetched"] > st0["prefetched"], st
+        check_cache(cache)
+    finally:
+        eng.shutdown()
 
 
 def test_too_small_cache_is_a_startup_error(model_dir: str) -> None:

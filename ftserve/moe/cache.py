@@ -133,6 +133,14 @@ class ExpertCache:
         for j, blk in enumerate(self.blocks):
             blk.expert_compute = functools.partial(self._compute, j)
         self._hook = model.register_forward_pre_hook(self._begin)
+        # Router-input norms of the MoE layers, for the prefetch guesses (None: a
+        # model without the usual decoder layout guesses from the raw MoE input).
+        self._norms = _router_norms(model, self.blocks)
+        self._ratios: list[torch.Tensor | None] = [None] * self.num_layers
+        embed = getattr(model, "embed_tokens", None)
+        if self._norms is not None and isinstance(embed, nn.Module):
+            embed.register_forward_hook(self._after_embed)  # guesses layer 0 from the embeddings
+        self._refresh_ratios()
         if self.full:
             self._fill_all()
 
@@ -163,8 +171,21 @@ class ExpertCache:
             t.fill_(-1)
         self.step.zero_()
         self.host_cached = [[False] * self.num_experts for _ in range(self.num_layers)]
+        self._refresh_ratios()
         if self.full:
             self._fill_all()
+
+    @torch.no_grad()
+    def _refresh_ratios(self) -> None:
+        """ratio[j] = w[j+1] / w[j] of the router-input norms: layer j's MoE input
+        rms(h) * w[j] times it is rms(h) * w[j+1], layer j+1's router input as if
+        the residual stream had not moved. None where they are equal (start-up /
+        reset only: these host reads are outside the step path)."""
+        if self._norms is None:
+            return
+        for j in range(self.num_layers - 1):
+            a, b = self._norms[j].weight, self._norms[j + 1].weight  # [H]
+            self._ratios[j] = None if torch.equal(a, b) else torch.where(a != 0, b / a, 0).to(a.dtype)
 
     @torch.no_grad()
     def _fill_all(self) -> None:
@@ -191,6 +212,12 @@ class ExpertCache:
         self._plan_stream()
         for j in range(min(2, self.num_layers)):
             self._stream_layer(j)
+
+    def _after_embed(self, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
+        """Decode prefetch of the first MoE layer: its router over the normed
+        embeddings [T, H], so the copies overlap the first attention."""
+        if self._pf_on and self.mode == "admit" and self._norms is not None:
+            self._prefetch(0, self.blocks[0].route(self._norms[0](out))[1])
 
     def _refresh_host_view(self) -> None:
         """Adopt the last snapshot if its copy has completed (query, never wait)."""
@@ -257,8 +284,10 @@ class ExpertCache:
         if self.mode == "full":
             return self._moe(x, weights, ids, self.slot_of_id[j * e:(j + 1) * e])
         if self.mode == "admit":
-            pf = self._pf_on and j + 1 < self.num_layers
-            pred = self.blocks[j + 1].route(x)[1] if pf else None  # [T, k] layer j+1's guess
+            pred = None
+            if self._pf_on and j + 1 < self.num_layers:
+                r = self._ratios[j]
+                pred = self.blocks[j + 1].route(x if r is None else x * r)[1]  # [T, k] layer j+1's guess
             self._admit(j, ids, LOOKUPS, MISSES)
             if pred is not None:
                 self._prefetch(j + 1, pred)
@@ -361,3 +390,11 @@ class ExpertCache:
             "buffer_gib": (0 if self.full else 2 * self.num_experts) * rb / 2**30,
             "host_gib": self.bank.nbytes / 2**30, "expert_bytes": rb,
         }
+
+
+def _router_norms(model: nn.Module, blocks: list[Any]) -> list[nn.Module] | None:
+    """The norm that feeds each MoE block's router (its decoder layer's
+    post_attention_layernorm), in block order; None if the layout differs."""
+    owner = {id(getattr(m, "mlp", None)): m for m in model.modules()}
+    norms = [getattr(owner.get(id(b)), "post_attention_layernorm", None) for b in blocks]
+    return norms if all(isinstance(n, nn.Module) for n in norms) else None
