@@ -465,8 +465,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--load-format", default="dummy", choices=["dummy"])
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"subset of {','.join(SECTIONS)}")
-    p.add_argument("--batches", default=None, help="decode batch sizes, e.g. 1,8 (default 1,8,32,64)")
-    p.add_argument("--contexts", default=None, help="decode contexts, e.g. 2048 (default 2048,32768)")
+    p.add_argument("--batches", dest="batches_arg", default=None, help="decode batch sizes, e.g. 1,8 (default 1,8,32,64)")
+    p.add_argument("--contexts", dest="contexts_arg", default=None, help="decode contexts, e.g. 2048 (default 2048,32768)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip sections that would start after this many seconds (default 330; smoke 50)")
     args = p.parse_args(argv)
@@ -482,10 +482,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.contexts, args.batches = [48, 160], [1, 3]
         args.decode_warmup, args.decode_steps, args.tail = 1, 3, 16
         args.kv_tokens = 8192
-    if args.batches:
-        args.batches = [int(x) for x in args.batches.split(",")]
-    if args.contexts:
-        args.contexts = [int(x) for x in args.contexts.split(",")]
+    if args.batches_arg:
+        args.batches = [int(x) for x in args.batches_arg.split(",")]
+    if args.contexts_arg:
+        args.contexts = [int(x) for x in args.contexts_arg.split(",")]
     if args.budget_s is None:
         args.budget_s = 50.0 if args.smoke else 330.0
     return args
