@@ -17,6 +17,8 @@ captured in a CUDA graph. What must stay static between capture and replay:
 q/k/v/out buffers, the pool, ``page_table`` (fixed width), ``seq_lens`` and
 ``out_cache_loc`` tensors (refill them in place), and the split count (a
 function of the batch size only, see ``TritonAttentionBackend.num_splits``).
+The decode kernels live in attention_decode_triton.py, the shared helpers and
+``AttnKernelConfig`` in attention_common.py (both re-exported here).
 
 Extend/prefill runs one program per (query head, block of BLOCK_M new tokens,
 sequence): keys below the block's first query position need no mask (the
