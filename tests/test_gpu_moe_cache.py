@@ -239,13 +239,13 @@ def test_prefill_dma_plan_and_stale_snapshot(model_dir: str, offload: Engine) ->
     rng = random.Random(13)
     torch.cuda.synchronize()
     cache.slots[cache.buf_base:].zero_()  # nothing left in the buffers can stand in for a copy
-    cache._snap.fill_(0)  # "every expert is cached in slot 0": the host copies nothing
-    cache._snap_pending = True
-    cache._snap_event = None
+    cache.streamer.snap.fill_(0)  # "every expert is cached in slot 0": the host copies nothing
+    cache.streamer.snap_pending = True
+    cache.streamer.snap_event = None
     cache.reset_stats()
     run_greedy(offload, [[rng.randrange(100, 32000) for _ in range(CHUNK)]], 1)  # one streamed chunk
     torch.cuda.synchronize()
-    pslot = cache.pslot_of_id[:-1].tolist()
+    pslot = cache.streamer.pslot_of_id[:-1].tolist()
     mapped = [(i, s) for i, s in enumerate(pslot) if s >= 0]
     assert len(mapped) == 2 * cache.num_experts
     for i, s in mapped:

@@ -157,12 +157,12 @@ def test_stream_invalidates_old_buffer_mappings(model_dir: str) -> None:
     try:
         cache = cache_of(eng)
         run_greedy(eng, prompts(3, 1, 64, 64), 1)  # one 64-token chunk: 256 pairs >= E, streams
-        mapped = cache.pslot_of_id[:-1].view(LAYERS, E) >= 0  # [Lm, E]
+        mapped = cache.streamer.pslot_of_id[:-1].view(LAYERS, E) >= 0  # [Lm, E]
         assert mapped.tolist() == [[False] * E] + [[True] * E] * 2
-        for i, s in enumerate(cache.pslot_of_id[:-1].tolist()):
+        for i, s in enumerate(cache.streamer.pslot_of_id[:-1].tolist()):
             if s >= 0:
                 assert torch.equal(cache.slots[s], cache.bank.data[i])
-        assert cache.pslot_of_id[-1] == -1
+        assert cache.streamer.pslot_of_id[-1] == -1
     finally:
         eng.shutdown()
 
@@ -178,11 +178,11 @@ def test_stale_host_view_falls_back_on_the_device(model_dir: str,
         try:
             cache = cache_of(eng)
             cache.slots.zero_()  # no leftovers of start-up forwards can stand in for a copy
-            cache._snap.fill_(claim)
-            cache._snap_pending = True  # the next streamed forward adopts the poisoned view
+            cache.streamer.snap.fill_(claim)
+            cache.streamer.snap_pending = True  # the next streamed forward adopts the poisoned view
             run_greedy(eng, prompts(3, 1, 64, 64), 1)  # one 64-token chunk: streams every layer
             mapped = 0
-            for i, s in enumerate(cache.pslot_of_id[:-1].tolist()):
+            for i, s in enumerate(cache.streamer.pslot_of_id[:-1].tolist()):
                 if s >= 0:
                     mapped += 1
                     assert torch.equal(cache.slots[s], cache.bank.data[i]), (claim, i, s)
@@ -279,7 +279,7 @@ def test_bookkeeping_is_fixed_shape(model_dir: str) -> None:
                     cache._admit(j, ids)
             cache.mode = "stream"
             for j in range(LAYERS):
-                cache._stream_layer(j)
+                cache.streamer.stream_layer(j)
         check_cache(cache)
     finally:
         eng.shutdown()

@@ -12,23 +12,9 @@ picks, per forward pass, one of three paths (host shapes only):
              from the pinned bank over UVA, then the fused kernel reads slots.
              All device-side and fixed-shape, so it is captured in the decode graph.
              Decode also prefetches (see prefetch below).
-- ``stream`` prefill: whole layers go to two layer buffers on a copy stream,
-             layer j+1 copying while layer j computes, ordered by events only::
-
-                 copy   : plan+copy L0->b0 | L1->b1 | (wait done0) L2->b0 | ...
-                 compute:   (wait ready0) L0 | (wait ready1) L1 | (wait ready0) L2
-             The copies are cudaMemcpyAsync of contiguous runs of bank rows
-             (copy engines: no SMs taken from attention, which is what makes
-             the two streams actually overlap; an SM-driven copy of a whole
-             layer fills every SM and serializes with the compute). The host
-             picks the runs from a snapshot of the LRU map taken one prefill
-             forward earlier (an async D2H copy, read only once its event has
-             completed: never a wait); experts the snapshot calls cached are
-             skipped, and ``plan_layer`` on the device maps the truly cached
-             ones in place and UVA-fills the few the snapshot got wrong.
-             Reusing buffer b first unmaps what pointed into it: one fixed-shape
-             scatter through the prefill map's sink (``invalidate_slots``), never
-             a boolean index.
+- ``stream`` prefill: whole layers stream into two layer buffers on a copy
+             stream by DMA, overlapping the compute (``LayerStreamer``,
+             stream.py); experts already in the LRU cache are used in place.
 
 Decode prefetch: layer j's MoE input, put through layer j+1's router, predicts
 layer j+1's experts (the residual stream changes little per layer). Right after
@@ -43,8 +29,6 @@ Device maps (fixed shapes, ``-1`` = none, last entry of each *_of_id = sink)::
 
     slot_of_id  [Lm*E + 1] int32   LRU cache: id -> slot in [0, N)
     id_of_slot  [N] int32, last_used [N] int64, step [1] int64
-    pslot_of_id [Lm*E + 1] int32   prefill: id -> slot (cache or buffer)
-    pid_of_slot [2E] int32         buffer slot -> id
     counters    [5] int64          distinct lookups, misses (admit); experts
                                    streamed, experts not cached (stream);
                                    experts prefetched (decode, all copied)
@@ -68,16 +52,14 @@ from ftserve.moe.kernels import (
     count_valid_ref,
     fill_rows,
     fill_rows_ref,
-    host_runs,
     needed_ids,
     needed_ids_ref,
-    plan_layer,
-    plan_layer_ref,
 )
+from ftserve.moe.stream import LayerStreamer
 from ftserve_kernels import bookkeeping as bk
 from ftserve_kernels.moe import fused_moe_ref
 
-LOOKUPS, MISSES, STREAMED, UNCACHED, PREFETCHED = range(5)  # counters
+LOOKUPS, MISSES, STREAMED, UNCACHED, PREFETCHED = range(5)  # counters (plan_layer: 2, 3)
 
 
 class ExpertCache:
@@ -100,10 +82,6 @@ class ExpertCache:
         self.w2 = self.slots[:, 2 * i * h:].view(rows, h, i)  # [S, H, I], row stride R
         self.slot_of_id, self.id_of_slot, self.last_used, self.step = bk.new_slot_maps(
             self.total, n, device)
-        self.pslot_of_id = torch.full((self.total + 1,), -1, dtype=torch.int32, device=device)
-        self.pid_of_slot = torch.full((2 * e,), -1, dtype=torch.int32, device=device)
-        self.plan_src = torch.full((2, e), -1, dtype=torch.int32, device=device)  # per buffer
-        self.plan_dst = torch.full((2, e), -1, dtype=torch.int32, device=device)
         self.counters = torch.zeros(5, dtype=torch.int64, device=device)
         self.track_stats = track_stats
         self.prefetch = prefetch
@@ -113,21 +91,14 @@ class ExpertCache:
         self.prefetch_max_tokens = max(1, e // (4 * top_k))
         self.mode = "full" if self.full else "admit"
         self._pf_on = False
-        # Host view of the LRU map for planning prefill copies ([Lm][E], True =
-        # cached), refreshed from an async snapshot (see _refresh_host_view).
-        self.host_cached = [[False] * e for _ in range(self.num_layers)]
-        self._snap = torch.full((self.total,), -1, dtype=torch.int32, pin_memory=self.on_cuda)
-        self._snap_event: Any = None
-        self._snap_pending = False
-        self._dma = torch.zeros(self.num_layers, e, dtype=torch.int32, device=device)  # [Lm, E]
-        self._runs: list[list[tuple[int, int]]] = [[] for _ in range(self.num_layers)]
         self._pf_wait: dict[int, Any] = {}  # layer -> (event, tensors kept alive until the wait)
+        self.streamer: LayerStreamer | None = None
         if self.on_cuda:
             check_bank(bank.data)
-            self.copy_stream = torch.cuda.Stream(device)
             self.pf_stream = torch.cuda.Stream(device)
-            self.ready = [torch.cuda.Event(), torch.cuda.Event()]
-            self.done = [torch.cuda.Event(), torch.cuda.Event()]
+        if not self.full:
+            self.streamer = LayerStreamer(bank, self.slots, self.slot_of_id, self.counters, n, device,
+                                          track_stats)
         self.blocks = moe_blocks(model)
         assert len(self.blocks) == self.num_layers
         for j, blk in enumerate(self.blocks):
@@ -167,10 +138,11 @@ class ExpertCache:
     @torch.no_grad()
     def reset(self) -> None:
         """Forget every slot (after the bank's contents changed); full mode refills."""
-        for t in (self.slot_of_id, self.id_of_slot, self.last_used, self.pslot_of_id, self.pid_of_slot):
+        for t in (self.slot_of_id, self.id_of_slot, self.last_used):
             t.fill_(-1)
         self.step.zero_()
-        self.host_cached = [[False] * self.num_experts for _ in range(self.num_layers)]
+        if self.streamer is not None:
+            self.streamer.reset()
         self._refresh_ratios()
         if self.full:
             self._fill_all()
@@ -203,80 +175,15 @@ class ExpertCache:
         self.mode = self.path_for(t, fb.is_decode)
         self._pf_on = self.prefetches(t, fb.is_decode)
         self._pf_wait.clear()
-        if self.mode != "stream":
-            return
-        if self.on_cuda:
-            # The copy stream starts after everything already queued (earlier
-            # steps' admissions and buffer reads): an event, not a host wait.
-            self.copy_stream.wait_stream(torch.cuda.current_stream())
-        self._plan_stream()
-        for j in range(min(2, self.num_layers)):
-            self._stream_layer(j)
+        if self.mode == "stream":
+            assert self.streamer is not None
+            self.streamer.begin()
 
     def _after_embed(self, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
         """Decode prefetch of the first MoE layer: its router over the normed
         embeddings [T, H], so the copies overlap the first attention."""
         if self._pf_on and self.mode == "admit" and self._norms is not None:
             self._prefetch(0, self.blocks[0].route(self._norms[0](out))[1])
-
-    def _refresh_host_view(self) -> None:
-        """Adopt the last snapshot if its copy has completed (query, never wait)."""
-        if self._snap_pending and (self._snap_event is None or self._snap_event.query()):
-            self.host_cached = (self._snap.view(self.num_layers, self.num_experts) >= 0).tolist()
-            self._snap_pending = False
-
-    def _plan_stream(self) -> None:
-        """Host plan of one streamed forward: DMA runs per layer, the device copy
-        of the plan, and a new snapshot of the LRU map for the next forward."""
-        self._refresh_host_view()
-        copy = [[not c for c in row] for row in self.host_cached]  # [Lm][E]
-        self._runs = [host_runs(row) for row in copy]
-        n_dma = sum(z - a for runs in self._runs for a, z in runs)
-        dma = torch.tensor(copy, dtype=torch.int32)  # [Lm, E] host
-        if not self.on_cuda:
-            self._dma = dma
-            self._snap.copy_(self.slot_of_id[:-1])  # same one-forward staleness as on CUDA
-            self._snap_pending = True
-            self._count(STREAMED, n_dma)
-            return
-        with torch.cuda.stream(self.copy_stream):
-            # Pinned staging from the caching host allocator: reused only after this copy ran.
-            self._dma = dma.pin_memory().to(self.device, non_blocking=True)
-            if not self._snap_pending:
-                self._snap.copy_(self.slot_of_id[:-1], non_blocking=True)  # 4 bytes per expert
-                self._snap_event = torch.cuda.Event()
-                self._snap_event.record(self.copy_stream)
-                self._snap_pending = True
-            self._count(STREAMED, n_dma)
-
-    def _stream_layer(self, j: int) -> None:
-        """Plan layer j into buffer j % 2 and copy its uncached experts (copy stream)."""
-        b = j % 2
-        e = self.num_experts
-        lo = self.buf_base + b * e  # buffer b's first slot row
-        if not self.on_cuda:
-            bk.invalidate_slots_ref(self.pslot_of_id, self.pid_of_slot, b * e, (b + 1) * e)
-            plan_layer_ref(self.slot_of_id, self.pslot_of_id, self.pid_of_slot, self.plan_src[b],
-                           self.plan_dst[b], self._dma[j], self.counters, j, b, self.buf_base)
-            for a, z in self._runs[j]:
-                self.slots[lo + a:lo + z].copy_(self.bank.data[j * e + a:j * e + z])
-            fill_rows_ref(self.bank.data, self.slots, self.plan_src[b], self.plan_dst[b])
-            return
-        with torch.cuda.stream(self.copy_stream):
-            if j >= 2:
-                self.copy_stream.wait_event(self.done[b])  # layer j-2 finished reading buffer b
-            # The copies first: they depend on host data only, so the copy engines
-            # start the moment buffer b is free, not after the plan kernel found an
-            # SM between long attention blocks.
-            for a, z in self._runs[j]:
-                # [z-a, R] contiguous pinned rows -> contiguous slot rows: one cudaMemcpyAsync
-                self.slots[lo + a:lo + z].copy_(self.bank.data[j * e + a:j * e + z], non_blocking=True)
-            bk.invalidate_slots(self.pslot_of_id, self.pid_of_slot, b * e, (b + 1) * e)
-            plan_layer(self.slot_of_id, self.pslot_of_id, self.pid_of_slot, self.plan_src[b],
-                       self.plan_dst[b], self._dma[j], self.counters, j, b, self.buf_base)
-            # Experts the snapshot wrongly called cached (normally none: no-op programs).
-            fill_rows(self.bank.data, self.slots, self.plan_src[b], self.plan_dst[b], bank_checked=True)
-            self.ready[b].record(self.copy_stream)
 
     # ----- per MoE layer -------------------------------------------------
     def _compute(self, j: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -295,14 +202,9 @@ class ExpertCache:
                 ev, _held = self._pf_wait.pop(j)  # the side stream filled this layer's prefetch
                 torch.cuda.current_stream().wait_event(ev)
             return self._moe(x, weights, ids, self.slot_of_id[j * e:(j + 1) * e])
-        b = j % 2
-        if self.on_cuda:
-            torch.cuda.current_stream().wait_event(self.ready[b])
-        out = self._moe(x, weights, ids, self.pslot_of_id[j * e:(j + 1) * e])
-        if self.on_cuda:
-            self.done[b].record(torch.cuda.current_stream())
-        if j + 2 < self.num_layers:
-            self._stream_layer(j + 2)
+        assert self.streamer is not None
+        out = self._moe(x, weights, ids, self.streamer.layer_map(j))
+        self.streamer.layer_done(j)
         return out
 
     def _admission(self, j: int, ids: torch.Tensor, lookup_idx: int,
