@@ -6,7 +6,11 @@
   (prefill chunks stream layers, decode admits experts inside the graph);
 - a cache of every expert never streams and never misses;
 - the UVA row copy reads pinned memory correctly, also replayed in a graph;
-- the fused MoE kernel with an expert -> slot map equals the reference.
+- the fused MoE kernel with an expert -> slot map equals the reference;
+- decode prefetch (a side stream forked and joined inside the captured graph)
+  keeps greedy tokens equal to resident mode at batch 1, 3 and 8;
+- prefill DMA planned from a stale snapshot of the LRU map is repaired on the
+  device, and a fresh snapshot streams exactly the uncached experts.
 """
 
 from __future__ import annotations
