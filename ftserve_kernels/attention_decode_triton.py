@@ -15,12 +15,13 @@ from ftserve_kernels.attention_common import LOG2E, AttnKernelConfig, interpreti
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, pt_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, kc_ptr, vc_ptr, pt_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, o_ptr, count_ptr,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_pt,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
     scale_log2,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -73,6 +74,38 @@ def _decode_split_kernel(
         out, mask=gmask[:, None] & dmask[None, :],
     )
     tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + s, lse, mask=gmask)
+    if FUSED_REDUCE:
+        # The last split program of (b, kv head) to finish combines all splits: no
+        # second launch. All threads' stores precede the barrier, the barrier
+        # precedes the release by the atomic; the winner's acquire precedes its
+        # loads (L2, .cg). The winner re-zeroes the counter for the next launch.
+        tl.debug_barrier()
+        cnt_ptr = count_ptr + b * tl.num_programs(1) + kvh
+        done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+        if done == NUM_SPLITS - 1:
+            ss = tl.arange(0, BLOCK_S)
+            lse_all = tl.load(
+                mid_lse_ptr + b * stride_mlb + heads[:, None] * stride_mlh + ss[None, :],
+                mask=gmask[:, None] & (ss[None, :] < NUM_SPLITS), other=float("-inf"),
+                cache_modifier=".cg",
+            )  # [G, S]
+            m = tl.max(lse_all, 1)
+            m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence (graph padding): output 0
+            tot = tl.sum(tl.exp2(lse_all - m[:, None]), 1)  # [G]
+            o_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            for j in range(NUM_SPLITS):
+                lse_j = tl.load(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + j,
+                                mask=gmask, other=float("-inf"), cache_modifier=".cg")
+                o_j = tl.load(
+                    mid_o_ptr + b * stride_mob + heads[:, None] * stride_moh + j * stride_mos
+                    + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0,
+                    cache_modifier=".cg",
+                )  # [G, D]
+                o_acc += o_j * tl.exp2(lse_j - m)[:, None]
+            res = o_acc / tl.where(tot > 0.0, tot, 1.0)[:, None]
+            tl.store(o_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                     res.to(o_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+            tl.atomic_xchg(cnt_ptr, 0)
 
 
 @triton.jit
@@ -110,7 +143,12 @@ def decode_attention_triton(
     num_splits: int,
     cfg: AttnKernelConfig | None = None,
     out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Split-K decode. With ``cfg.decode_fused_reduce`` the last split program of
+    each (sequence, KV head) combines the splits itself (one launch); it needs
+    ``counters``: int32, at least B * Hkv entries, zero before the first call and
+    left zero after every call (allocated zeroed here when not given)."""
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -121,15 +159,26 @@ def decode_attention_triton(
     block_d = triton.next_power_of_2(d)
     mid_o = torch.empty((bsz, hq, num_splits, block_d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
+    fused = cfg.decode_fused_reduce
+    if fused and counters is None:
+        counters = torch.zeros(bsz * hkv, dtype=torch.int32, device=q.device)
+    if fused:
+        assert counters is not None and counters.numel() >= bsz * hkv
     _decode_split_kernel[(bsz, hkv, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse,
+        q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, out,
+        counters if counters is not None else seq_lens,  # unread unless fused
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
         scale * LOG2E,
         PAGE_SIZE=page_size, GROUP=group, D=d, BLOCK_D=block_d,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n,
-        NUM_SPLITS=num_splits, UPCAST=interpreting(), num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
+        NUM_SPLITS=num_splits, UPCAST=interpreting(), FUSED_REDUCE=fused,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
     )
+    if fused:
+        return out
     _decode_reduce_kernel[(bsz, hq)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

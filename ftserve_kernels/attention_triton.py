@@ -279,6 +279,14 @@ class TritonAttentionBackend:
         self.scale = scale
         self.cfg = cfg
         self.extend_token_bound = extend_token_bound
+        # Split counters of the fused decode reduce: zero between launches, kept
+        # (one allocation, sized generously so a graph capture never allocates).
+        self._counters: torch.Tensor | None = None
+
+    def _decode_counters(self, n: int, device: torch.device) -> torch.Tensor:
+        if self._counters is None or self._counters.numel() < n or self._counters.device != device:
+            self._counters = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        return self._counters
 
     def num_splits(self, batch_size: int, num_kv_heads: int, device: torch.device) -> int:
         cfg = self.cfg or AttnKernelConfig.for_device(device, 128)
@@ -304,8 +312,11 @@ class TritonAttentionBackend:
         if batch.is_decode or (bound is None and meta.max_extend_len == 1):
             assert q.shape[0] == meta.num_seqs, "decode batches carry one token per sequence"
             splits = self.num_splits(q.shape[0], kc.shape[1], q.device)
+            counters = (self._decode_counters(q.shape[0] * kc.shape[1], q.device)
+                        if cfg.decode_fused_reduce else None)
             return decode_attention_triton(
-                q, kc, vc, meta.page_table, meta.seq_lens, meta.page_size, scale, splits, cfg
+                q, kc, vc, meta.page_table, meta.seq_lens, meta.page_size, scale, splits, cfg,
+                counters=counters,
             )
         return extend_attention_triton(
             q, kc, vc, meta.page_table, meta.qo_indptr, meta.prefix_lens,

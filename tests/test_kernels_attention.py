@@ -193,6 +193,39 @@ def test_decode_split_counts_agree(splits: int) -> None:
     assert rel_err(out, ref) < 1e-4
 
 
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_decode_fused_reduce_matches_two_kernels(splits: int) -> None:
+    """decode_fused_reduce: the last split program combines; same answer as the
+    reduce kernel, counters left at zero, and a second call (reused counters)
+    agrees. Includes an empty (padding) sequence, which must give zeros."""
+    pool, tables, q, k, v = make_case([1, 1, 1], [50, 4, 0], 8, 2, 32, 8, torch.float32, DEVICE)
+    fb = build_forward_batch([[1], [1], [1]], [50, 4, 0], tables, pool, TorchAttentionBackend(),
+                             is_decode=True)
+    at.store_kv_triton(pool.k[0], pool.v[0], k, v, fb.attn.out_cache_loc)
+    seq_lens = fb.attn.seq_lens.clone()
+    seq_lens[2] = 0
+    base = at.AttnKernelConfig.for_device(torch.device(DEVICE), 32)
+    fused = at.AttnKernelConfig(**{**base.__dict__, "decode_fused_reduce": True})
+    args = (q, pool.k[0], pool.v[0], fb.attn.page_table, seq_lens, 8, 32**-0.5, splits)
+    two = at.decode_attention_triton(*args, base)
+    counters = torch.zeros(6, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        one = torch.full_like(q, float("nan"))
+        at.decode_attention_triton(*args, fused, out=one, counters=counters)
+        assert torch.equal(counters, torch.zeros_like(counters))
+        assert rel_err(one[:2], two[:2]) < 1e-5
+        assert torch.equal(one[2], torch.zeros_like(one[2]))
+
+
+def test_backend_decode_fused_reduce() -> None:
+    cfg = at.AttnKernelConfig.for_device(torch.device(DEVICE), 32)
+    be = at.TritonAttentionBackend(cfg=at.AttnKernelConfig(**{**cfg.__dict__,
+                                                             "decode_fused_reduce": True}))
+    out, ref, _, _ = run_both([1, 1, 1], [0, 16, 39], hq=8, hkv=2, d=32, page_size=4,
+                              dtype=torch.float32, device=DEVICE, is_decode=True, backend=be)
+    assert rel_err(out, ref) < 1e-4
+
+
 def test_decode_empty_sequence_gives_zeros() -> None:
     """CUDA-graph padding rows may carry seq_len 0: output must be finite (zeros)."""
     pool, tables, q, k, v = make_case([1], [9], 2, 1, 16, 4, torch.float32, DEVICE)

@@ -75,11 +75,13 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          dict(HKV=4, D=128, BLOCK_H=4, BLOCK_D=128))
     attn = {"q_ptr": bf, "o_ptr": bf, "kc_ptr": bf, "vc_ptr": bf, "pt_ptr": i32,
             "qo_indptr_ptr": i32, "prefix_ptr": i32, "seq_lens_ptr": i32,
-            "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "scale_log2": "fp32"}
+            "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "scale_log2": "fp32", "count_ptr": i32}
     cfg = at.AttnKernelConfig.for_device(__import__("torch").device("cuda"), 128)
-    comp("decode_split", at._decode_split_kernel, attn,
-         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=cfg.decode_block_n,
-              NUM_SPLITS=64, UPCAST=False), cfg.decode_warps, cfg.decode_stages)
+    for fused in (False, True):
+        comp("decode_split" + ("_fused" if fused else ""), at._decode_split_kernel, attn,
+             dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
+                  BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=fused,
+                  BLOCK_S=64), cfg.decode_warps, cfg.decode_stages)
     comp("decode_reduce", at._decode_reduce_kernel, attn,
          dict(NUM_SPLITS=64, BLOCK_S=64, D=128, BLOCK_D=128), 4, 1)
     comp("extend", at._extend_kernel, attn,
