@@ -104,6 +104,7 @@ class ExpertCache:
         for j, blk in enumerate(self.blocks):
             blk.expert_compute = functools.partial(self._compute, j)
         self._hook = model.register_forward_pre_hook(self._begin)
+        model.register_forward_hook(self._end)
         # Router-input norms of the MoE layers, for the prefetch guesses (None: a
         # model without the usual decoder layout guesses from the raw MoE input).
         self._norms = _router_norms(model, self.blocks)
@@ -178,6 +179,12 @@ class ExpertCache:
         if self.mode == "stream":
             assert self.streamer is not None
             self.streamer.begin()
+
+    def _end(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        # Every prefetch was joined by its layer; an embedding lookup outside a
+        # forward (tests, tools) must not start one.
+        assert not self._pf_wait, f"prefetches of layers {list(self._pf_wait)} never joined"
+        self._pf_on = False
 
     def _after_embed(self, module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
         """Decode prefetch of the first MoE layer: its router over the normed
