@@ -355,3 +355,37 @@ def test_gpu_extend_graph_replay_static_bound(pack: bool) -> None:
         torch.cuda.synchronize()
         assert torch.isfinite(out[: bounds[-1]]).all()
         assert rel_err(out[: bounds[-1]], ref) < 2e-2
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_decode_fused_reduce_races() -> None:
+    """Real concurrency: the fused reduce equals the two-kernel path on every one
+    of many eager calls and graph replays, and leaves the counters at zero."""
+    prefix = [100_000, 5, 2047, 30_000, 0, 1, 16, 63]
+    pool, tables, q, k, v = make_case([1] * 8, prefix, 32, 4, 128, 16, torch.bfloat16, "cuda")
+    fb = build_forward_batch([[1]] * 8, prefix, tables, pool, TorchAttentionBackend(),
+                             is_decode=True)
+    kc, vc, meta = pool.k[0], pool.v[0], fb.attn
+    at.store_kv_triton(kc, vc, k, v, meta.out_cache_loc)
+    base = at.AttnKernelConfig()
+    fused = at.AttnKernelConfig(decode_fused_reduce=True)
+    splits = at.TritonAttentionBackend().num_splits(8, 4, q.device)
+    args = (q, kc, vc, meta.page_table, meta.seq_lens, 16, 128**-0.5, splits)
+    two = at.decode_attention_triton(*args, base)
+    counters = torch.zeros(32, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    for _ in range(20):
+        out.fill_(float("nan"))
+        at.decode_attention_triton(*args, fused, out=out, counters=counters)
+        torch.cuda.synchronize()
+        assert rel_err(out, two) < 1e-3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        at.decode_attention_triton(*args, fused, out=out, counters=counters)
+    for _ in range(20):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, two) < 1e-3
+    assert int(counters.abs().sum()) == 0
