@@ -2,11 +2,18 @@
 
 The tree shares FULL pages only. Each node holds a run of whole pages and the
 tokens they cache (``len(key) == len(pages) * page_size``); children are keyed
-by their first page-sized chunk of tokens, so a lookup costs one dict probe per
-node plus one C-level list comparison of the node's tokens::
+by the bytes of their first page-sized chunk of tokens, so a lookup costs one
+dict probe per node plus one memcmp of the node's tokens::
 
     root ──(t0..t15)── A: pages [7, 3]  ──(t32..t47)── B: pages [9]
                                         └─(u32..u47)── C: host pages [4, 12, 5]
+
+Memory: the tree lives for hours and holds millions of tokens, so keys and
+page lists are ``array('i')`` (4 bytes an entry) rather than lists of Python
+ints (8-byte pointer + 32-byte int object each): about 4.5 host bytes per cached
+token instead of ~40 (numbers in test_memory_bounds.py). Each public call
+converts its token list to an array once; slices then compare at C speed.
+Match results (``PrefixMatch.pages``) are plain lists for the caller.
 
 A partial trailing page stays private to its request and is freed when the
 request ends; it never enters the tree.
@@ -47,6 +54,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -58,6 +66,13 @@ if TYPE_CHECKING:
     from ftserve.kvcache.host_tier import HostKVTier
 
 
+def as_token_array(tokens: Sequence[int]) -> array:
+    """``tokens`` as an ``array('i')`` (shared, not copied, if it already is one)."""
+    if isinstance(tokens, array) and tokens.typecode == "i":
+        return tokens
+    return array("i", tokens)
+
+
 class RadixNode:
     """A run of whole pages under one parent (the root holds none)."""
 
@@ -65,12 +80,13 @@ class RadixNode:
                  "on_host")
 
     def __init__(
-        self, key: list[int], pages: list[int], parent: RadixNode | None, uid: int,
+        self, key: array, pages: array, parent: RadixNode | None, uid: int,
         on_host: bool = False,
     ) -> None:
-        self.key = key  # tokens cached by `pages`, len == len(pages) * page_size
-        self.pages = pages  # device page ids, or host page ids when on_host
-        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.key = key  # array('i'): tokens cached by `pages`, len == len(pages) * page_size
+        self.pages = pages  # array('i'): device page ids, or host page ids when on_host
+        # keyed by child.key[:page_size].tobytes() (see RadixCache._first)
+        self.children: dict[bytes, RadixNode] = {}
         self.parent = parent
         self.ref = 0  # live locks whose path runs through this node
         self.last_access = 0  # logical clock of the last match/insert through it
@@ -80,7 +96,7 @@ class RadixNode:
 
     def __repr__(self) -> str:
         tier = "host" if self.on_host else "device"
-        return (f"RadixNode(uid={self.uid}, {tier} pages={self.pages}, ref={self.ref}, "
+        return (f"RadixNode(uid={self.uid}, {tier} pages={self.pages.tolist()}, ref={self.ref}, "
                 f"children={len(self.children)})")
 
 
@@ -113,7 +129,7 @@ class RadixCache(TierMoves):
         self.allocator = allocator
         self.host = host
         self._uids = itertools.count()
-        self.root = RadixNode([], [], None, next(self._uids))
+        self.root = RadixNode(array("i"), array("i"), None, next(self._uids))
         self._clock = 0
         # Device pages in nodes with ref == 0 / ref > 0, and host pages in the
         # tree; kept incrementally so stats are O(1).
@@ -157,7 +173,7 @@ class RadixCache(TierMoves):
         node splits that node so ``node`` pins exactly the matched pages.
         ``count_stats=False`` for re-matches that are not new queries.
         """
-        toks = tokens if isinstance(tokens, list) else list(tokens)
+        toks = as_token_array(tokens)
         ps = self.page_size
         limit = len(toks) // ps * ps
         self._clock += 1
@@ -167,7 +183,7 @@ class RadixCache(TierMoves):
         pos = 0
         dev: tuple[int, RadixNode] | None = None  # (tokens, node) where the device part ends
         while pos < limit:
-            child = node.children.get(tuple(toks[pos : pos + ps]))
+            child = node.children.get(toks[pos : pos + ps].tobytes())
             if child is None:
                 break
             n_pages = self._common_pages(child.key, toks, pos, limit)
@@ -228,7 +244,7 @@ class RadixCache(TierMoves):
         (if a different one) is freed back to the allocator. Where it has a
         host page, the caller's fresh device page replaces it (no copy needed).
         """
-        toks = tokens if isinstance(tokens, list) else list(tokens)
+        toks = as_token_array(tokens)
         ps = self.page_size
         n_full = len(toks) // ps
         if len(pages) < n_full:
@@ -242,11 +258,12 @@ class RadixCache(TierMoves):
         pos = 0
         duplicates: list[int] = []
         while pos < limit:
-            first = tuple(toks[pos : pos + ps])
+            first = toks[pos : pos + ps].tobytes()
             child = node.children.get(first)
             if child is None:
                 p0 = pos // ps
-                leaf = RadixNode(toks[pos:limit], list(pages[p0:n_full]), node, next(self._uids))
+                leaf = RadixNode(toks[pos:limit], array("i", pages[p0:n_full]), node,
+                                 next(self._uids))
                 leaf.last_access = self._clock
                 node.children[first] = leaf
                 self._evictable_pages += len(leaf.pages)
@@ -255,7 +272,7 @@ class RadixCache(TierMoves):
             if n_pages < len(child.pages):
                 child = self._split(child, n_pages)
             p0 = pos // ps
-            own = list(pages[p0 : p0 + n_pages])
+            own = array("i", pages[p0 : p0 + n_pages])
             if child.on_host:
                 # Walking top-down, `node` is the root or a device node, so the
                 # tier invariant holds after this node turns device.
@@ -344,12 +361,12 @@ class RadixCache(TierMoves):
                 self._locked_pages -= len(n.pages)
             else:
                 self._evictable_pages -= len(n.pages)
-        n.pages, n.key = [], []
+        n.pages, n.key = array("i"), array("i")
 
     def _detach(self, leaf: RadixNode) -> None:
         parent = leaf.parent
         assert parent is not None
-        del parent.children[tuple(leaf.key[: self.page_size])]
+        del parent.children[self._first(leaf)]
         leaf.parent = None
         leaf.detached = True
 
@@ -367,7 +384,11 @@ class RadixCache(TierMoves):
         return True
 
     # ---------------------------------------------------------------- helpers
-    def _common_pages(self, key: list[int], toks: list[int], pos: int, limit: int) -> int:
+    def _first(self, node: RadixNode) -> bytes:
+        """The key ``node`` is filed under in its parent's ``children``."""
+        return node.key[: self.page_size].tobytes()
+
+    def _common_pages(self, key: array, toks: array, pos: int, limit: int) -> int:
         """Whole pages of ``key`` equal to toks[pos:limit] from the start (>= 1 here,
         since the caller found the child by its first chunk)."""
         n = len(key)
@@ -395,11 +416,11 @@ class RadixCache(TierMoves):
                           on_host=node.on_host)
         upper.ref = node.ref
         upper.last_access = node.last_access
-        parent.children[tuple(node.key[:ps])] = upper
+        parent.children[self._first(node)] = upper
         node.key = node.key[cut:]
         node.pages = node.pages[n_pages:]
         node.parent = upper
-        upper.children[tuple(node.key[:ps])] = node
+        upper.children[self._first(node)] = node
         return upper
 
     # ---------------------------------------------------------------- checks

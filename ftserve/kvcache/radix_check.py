@@ -9,6 +9,7 @@ node. Tiers: a device node's parent is the root or a device node.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,10 @@ def check_radix(cache: RadixCache, live_pages: Iterable[int] = ()) -> None:
         assert not n.detached, f"{n!r} is in the tree but marked detached"
         if n is not root:
             assert n.pages, f"{n!r} holds no pages"
+            # Compact storage is part of the contract (host memory per cached token).
+            assert all(isinstance(x, array) and x.typecode == "i" for x in (n.key, n.pages)), (
+                f"{n!r} stores its key/pages as {type(n.key)}/{type(n.pages)}, not array('i')"
+            )
             assert len(n.key) == len(n.pages) * ps, (
                 f"{n!r}: {len(n.key)} tokens for {len(n.pages)} pages of {ps}"
             )
@@ -87,8 +92,8 @@ def check_radix(cache: RadixCache, live_pages: Iterable[int] = ()) -> None:
                     evictable += len(n.pages)
         for first, c in n.children.items():
             assert c.parent is n, f"{c!r} is under {n!r} but points to another parent"
-            assert len(first) == ps and tuple(c.key[:ps]) == first, (
-                f"{c!r} is filed under key {first} but starts with {c.key[:ps]}"
+            assert len(first) == ps * c.key.itemsize and c.key[:ps].tobytes() == first, (
+                f"{c!r} is filed under key {first!r} but starts with {c.key[:ps].tolist()}"
             )
             assert c.ref <= n.ref, f"child {c!r} has more locks than its parent {n!r}"
             assert c.last_access <= n.last_access, f"child {c!r} accessed after its parent {n!r}"

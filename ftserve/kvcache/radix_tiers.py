@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from array import array
 from typing import TYPE_CHECKING
 
 from ftserve.kvcache.allocator import PageAllocator
@@ -85,7 +86,7 @@ class TierMoves:
                 self.host.free(h.pages)
                 self._host_pages -= len(dev)
                 self._locked_pages += len(dev)  # h.ref > 0 here: it is on the locked path
-                h.pages, h.on_host = dev, False
+                h.pages, h.on_host = array("i", dev), False  # compact, like every node
                 avail -= len(dev)
                 pages += dev
                 num_tokens += len(h.key)
@@ -99,7 +100,7 @@ class TierMoves:
         return dataclasses.replace(match, pages=pages, num_tokens=num_tokens, node=node,
                                    host_tokens=0, host_node=None)
 
-    def _to_device(self, node: RadixNode, device_pages: list[int]) -> None:
+    def _to_device(self, node: RadixNode, device_pages: array) -> None:
         """A host node takes the caller's device pages holding the same KV."""
         assert self.host is not None and len(device_pages) == len(node.pages)
         self.host.free(node.pages)
@@ -113,9 +114,10 @@ class TierMoves:
     def _offload(self, node: RadixNode) -> bool:
         """Move an unlocked device node's KV to host pages (planned copy)."""
         assert self.host is not None and not node.on_host and node.ref == 0
-        host_pages = self._host_alloc(len(node.pages))
-        if host_pages is None:
+        got = self._host_alloc(len(node.pages))
+        if got is None:
             return False
+        host_pages = array("i", got)
         self.host.queue_offload(node.pages, host_pages)
         # Safe to reuse at once: the next step waits for this copy (HostKVTier.flush).
         self.allocator.free(node.pages)
