@@ -28,6 +28,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's limit
     attention_backend: str = "auto"  # auto | torch | triton
     cuda_graph_max_bs: int = 64  # 0 disables CUDA graphs
+    cuda_graph_prefill: bool = True  # also capture prefill steps per token budget (CUDA)
     enable_prefix_cache: bool = True
     overlap_schedule: bool = True  # plan step N+1 while step N runs on the device
     seed: int = 0

@@ -73,6 +73,8 @@ def _health(url: str) -> int:
             return r.status
     except urllib.error.HTTPError as err:
         return err.code
+    except urllib.error.URLError:  # not accepting yet (a loaded machine can lag the log line)
+        return 0
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +114,8 @@ def proc() -> Iterator[Proc]:
 
 
 def test_health_503_while_loading_then_banner(proc: Proc) -> None:
-    assert proc.health_codes[0] == 503 and proc.health_codes[-1] == 200
+    codes = [c for c in proc.health_codes if c != 0]
+    assert codes[0] == 503 and codes[-1] == 200
     deadline = time.monotonic() + 10
     while not any("RANDOM DEMO WEIGHTS" in line for line in proc.lines):
         assert time.monotonic() < deadline, "".join(proc.lines)

@@ -30,6 +30,7 @@ from ftserve.models.forward_batch import AttentionBackend, AttentionMetadata, Fo
 
 if TYPE_CHECKING:
     from ftserve.engine.cuda_graph import DecodeGraphs
+    from ftserve.engine.prefill_graph import PrefillGraphs
     from ftserve.engine.request import Req
     from ftserve.engine.sampler import SampleOutput, Sampler
     from ftserve.kvcache.host_tier import HostKVTier
@@ -80,6 +81,7 @@ class ModelRunner:
         self._synced: list[int] = [0] * max_running
         self._pin = device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         # KV host tier (set by setup when --kv-host-* is given): the page moves
         # the scheduler planned for this step are launched before its forward.
         self.kv_host: HostKVTier | None = None
@@ -194,6 +196,18 @@ class ModelRunner:
         rows = [i for i, s in enumerate(batch.samples) if s]
         if self.graphs is not None and batch.is_decode and self.graphs.can_run(len(batch.reqs)):
             out = self.graphs.replay(batch)
+        elif self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+            logits_all = self.prefill_graphs.replay(batch)  # [max_seqs, V], row i = reqs[i]
+            if not rows:
+                return Launched(batch, rows, None)
+            sreqs = [batch.reqs[i] for i in rows]
+            dev = self._upload(rows + [q.slot for q in sreqs] + [batch.steps[i] for i in rows]
+                               + [int(batch.steps[i] < batch.reqs[i].params.min_tokens)
+                                  for i in rows]).view(4, -1)
+            logits = logits_all.index_select(0, dev[0])  # [R, V]
+            out = self.sampler.sample(logits, dev[1], dev[2], dev[3].bool())
+            self.sampler.update(dev[1], out.token_ids)
+            self.last_tokens[:len(rows)].copy_(out.token_ids[:len(rows)])
         else:
             fb, slots, steps, min_active = self.build(batch)
             if not rows:

@@ -118,6 +118,14 @@ def build_engine(cfg: EngineConfig) -> Engine:
 
         runner.graphs = DecodeGraphs(runner, graph_bs)
         runner.graphs.capture()
+        if cfg.cuda_graph_prefill and moe_cache is None:
+            # Offload mode streams expert layers on a side stream during prefill,
+            # which a captured graph cannot follow: it stays eager there.
+            from ftserve.engine.prefill_graph import PrefillGraphs
+
+            runner.prefill_graphs = PrefillGraphs(
+                runner, cfg.max_prefill_length, min(cfg.max_running_requests, 16))
+            runner.prefill_graphs.capture()
     # Device-resident only (offload mode keeps the experts in host memory).
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
                        if p.device.type == device.type)
@@ -128,6 +136,8 @@ def build_engine(cfg: EngineConfig) -> Engine:
         "max_model_len": max_model_len, "model_limit": model_limit,
         "attention_backend": getattr(backend, "name", type(backend).__name__),
         "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs is not None else [],
+        "cuda_graph_prefill_tokens": (runner.prefill_graphs.buckets
+                                      if runner.prefill_graphs is not None else []),
         "moe_cache": moe_cache.summary() if moe_cache is not None else None,
         # The host tier adds prefix-cache capacity, not single-request context.
         "kv_host_pages": host_tier.num_total if host_tier is not None else 0,
