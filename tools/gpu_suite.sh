@@ -18,13 +18,13 @@ step() {  # step NAME SECONDS CMD...
     timeout "$secs" "$@" > "$out/$name.md" 2> "$out/$name.err"
     echo "   exit $?; $(tail -1 "$out/$name.err")"
 }
-step gpu_tests 240 python3 -m pytest -m gpu -q --continue-on-collection-errors -p no:randomly tests/
+step gpu_tests 200 python3 -m pytest -m gpu -q --continue-on-collection-errors -p no:randomly tests/
 grep -E "passed|failed" "$out/gpu_tests.md" | tail -1
 grep -E "^(FAILED|ERROR)" "$out/gpu_tests.md" | head -20
-step bench_engine 150 python3 -m tools.bench_engine --out "$out/bench_engine.json"
+step bench_engine 120 python3 -m tools.bench_engine --out "$out/bench_engine.json"
 if [ "$mode" = full ]; then
-    step bench_kernels 90 python3 tools/bench_kernels.py --quick --out "$out/bench_kernels.json"
-    step bench_moe_cache 110 python3 -m tools.bench_moe_cache --out "$out/bench_moe_cache.json"
-    step bench_kv_tiers 90 python3 -m tools.bench_kv_tiers --out "$out/bench_kv_tiers.json"
+    step bench_moe_cache 90 python3 -m tools.bench_moe_cache --out "$out/bench_moe_cache.json"
+    step bench_kv_tiers 70 python3 -m tools.bench_kv_tiers --out "$out/bench_kv_tiers.json"
+    step bench_kernels 60 python3 tools/bench_kernels.py --quick --out "$out/bench_kernels.json"
 fi
 echo "total $(( $(date +%s) - t0 ))s"
