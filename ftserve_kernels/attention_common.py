@@ -12,6 +12,9 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# Same values as paged_attention.FP8_MAX / FP8_MIN_AMAX (constexpr: read inside kernels).
+FP8_MAX = tl.constexpr(448.0)
+FP8_MIN_AMAX = tl.constexpr(1e-8)
 
 
 def interpreting() -> bool:
@@ -35,6 +38,31 @@ def mma_acc(a, b, acc, UPCAST: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def round_e4m3(y):
+    """fp32 values in [-448, 448] rounded (nearest, ties to even) to the e4m3
+    grid, still fp32: the cast to fp8 that follows is then exact. Done by hand
+    because the CPU interpreter's own fp32 -> fp8 cast rounds some values wrong
+    (31.27 -> 16), and so the GPU and the torch twin agree bit for bit."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # exponent; -6 = subnormal range
+    ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2**(e-3): 3 mantissa bits
+    t = y / ulp  # exact (power of two), |t| <= 16
+    r = (t + 12582912.0) - 12582912.0  # 1.5 * 2**23: the fp32 add rounds to nearest even
+    return r * ulp
+
+
+@triton.jit
+def quantize_e4m3(x, D_AXIS: tl.constexpr):
+    """x [H, D] fp32 -> (codes [H, D] fp32 on the e4m3 grid, scales [H]); see
+    paged_attention's module docstring for the format."""
+    amax = tl.max(tl.abs(x), D_AXIS)
+    scale = tl.maximum(amax, FP8_MIN_AMAX) / FP8_MAX  # [H]
+    y = tl.math.div_rn(x, tl.expand_dims(scale, D_AXIS))  # IEEE division, as torch does
+    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    return round_e4m3(y), scale
 
 
 @dataclass(frozen=True)

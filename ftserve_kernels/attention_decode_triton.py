@@ -16,12 +16,13 @@ from ftserve_kernels.attention_common import LOG2E, AttnKernelConfig, interpreti
 @triton.jit
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, pt_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, o_ptr, count_ptr,
-    stride_qt, stride_qh, stride_cs, stride_ch, stride_pt,
+    ks_ptr, vs_ptr,
+    stride_qt, stride_qh, stride_cs, stride_ch, stride_pt, stride_ss,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
     scale_log2,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -54,7 +55,12 @@ def _decode_split_kernel(
             kc_ptr + slot[None, :] * stride_cs + head_off + d[:, None],
             mask=nmask[None, :] & dmask[:, None], other=0.0,
         )  # [D, N]
-        qk = mma(q, kt, UPCAST)  # [G, N] unscaled scores
+        if FP8:
+            # e4m3 codes -> q's dtype is exact; a key's scale multiplies its whole score column.
+            ksc = tl.load(ks_ptr + slot * stride_ss + kvh, mask=nmask, other=0.0)  # [N]
+            qk = mma(q, kt.to(q.dtype), UPCAST) * ksc[None, :]  # [G, N]
+        else:
+            qk = mma(q, kt, UPCAST)  # [G, N] unscaled scores
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)  # log2 domain
         alpha = tl.exp2(m_i - m_new)
@@ -64,7 +70,13 @@ def _decode_split_kernel(
             vc_ptr + slot[:, None] * stride_cs + head_off + d[None, :],
             mask=nmask[:, None] & dmask[None, :], other=0.0,
         )  # [N, D]
-        acc = mma_acc(p.to(vv.dtype), vv, acc * alpha[:, None], UPCAST)
+        if FP8:
+            # Scale V rows (not p): values keep their own magnitude, safe in fp16 too.
+            vsc = tl.load(vs_ptr + slot * stride_ss + kvh, mask=nmask, other=0.0)  # [N]
+            vd = (vv.to(tl.float32) * vsc[:, None]).to(q.dtype)  # [N, D]
+            acc = mma_acc(p.to(q.dtype), vd, acc * alpha[:, None], UPCAST)
+        else:
+            acc = mma_acc(p.to(vv.dtype), vv, acc * alpha[:, None], UPCAST)
         m_i = m_new
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -144,11 +156,17 @@ def decode_attention_triton(
     cfg: AttnKernelConfig | None = None,
     out: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,  # [slots, Hkv] fp32, fp8 caches only
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Split-K decode. With ``cfg.decode_fused_reduce`` the last split program of
     each (sequence, KV head) combines the splits itself (one launch); it needs
     ``counters``: int32, at least B * Hkv entries, zero before the first call and
-    left zero after every call (allocated zeroed here when not given)."""
+    left zero after every call (allocated zeroed here when not given). fp8 caches
+    (float8_e4m3fn codes) need ``k_scale`` / ``v_scale``; tiles are dequantized in
+    registers."""
+    from ftserve_kernels.attention_triton import _scale_args
+
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -164,17 +182,20 @@ def decode_attention_triton(
         counters = torch.zeros(bsz * hkv, dtype=torch.int32, device=q.device)
     if fused:
         assert counters is not None and counters.numel() >= bsz * hkv
+    ks, vs, stride_ss, fp8 = _scale_args(k_cache, k_scale, v_scale)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, out,
         counters if counters is not None else seq_lens,  # unread unless fused
+        ks, vs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
+        stride_ss,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         scale * LOG2E,
         PAGE_SIZE=page_size, GROUP=group, D=d, BLOCK_D=block_d,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n,
         NUM_SPLITS=num_splits, UPCAST=interpreting(), FUSED_REDUCE=fused,
-        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_S=triton.next_power_of_2(num_splits), FP8=fp8,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
     )
     if fused:

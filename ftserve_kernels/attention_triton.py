@@ -60,6 +60,7 @@ from ftserve_kernels.attention_common import (  # noqa: F401  (re-exported names
     interpreting,
     mma,
     mma_acc,
+    quantize_e4m3,
 )
 from ftserve_kernels.attention_decode_triton import (  # noqa: F401  (re-exported names)
     _decode_reduce_kernel,
@@ -76,20 +77,46 @@ if TYPE_CHECKING:
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
+    k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, ks_ptr, vs_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch, stride_ss,
     HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     loc = tl.load(loc_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    mask = (h[:, None] < HKV) & (d[None, :] < D)
+    hmask = h < HKV
+    mask = hmask[:, None] & (d[None, :] < D)
     dst = loc * stride_cs + h[:, None] * stride_ch + d[None, :]
-    kk = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    tl.store(kc_ptr + dst, kk.to(kc_ptr.dtype.element_ty), mask=mask)
-    vv = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    tl.store(vc_ptr + dst, vv.to(vc_ptr.dtype.element_ty), mask=mask)
+    kk = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask,
+                 other=0.0)  # [H, D]
+    vv = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask,
+                 other=0.0)  # [H, D]
+    if FP8:
+        # One scale per (token, KV head) over D; padded lanes load 0 and cannot raise amax.
+        kq, ksc = quantize_e4m3(kk.to(tl.float32), 1)  # [H, D], [H]
+        vq, vsc = quantize_e4m3(vv.to(tl.float32), 1)
+        tl.store(kc_ptr + dst, kq.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptr + dst, vq.to(vc_ptr.dtype.element_ty), mask=mask)
+        tl.store(ks_ptr + loc * stride_ss + h, ksc, mask=hmask)
+        tl.store(vs_ptr + loc * stride_ss + h, vsc, mask=hmask)
+    else:
+        tl.store(kc_ptr + dst, kk.to(kc_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_ptr + dst, vv.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+def _scale_args(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
+    """(k_scale, v_scale, slot stride, fp8) kernel arguments; non-fp8 caches pass
+    the cache itself as an unread placeholder pointer."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return k_cache, k_cache, 0, False
+    assert k_scale is not None and v_scale is not None, "fp8 caches need their scales"
+    assert k_scale.shape == k_cache.shape[:2] and k_scale.stride() == v_scale.stride()
+    assert k_scale.stride(-1) == 1 and k_scale.dtype == torch.float32
+    return k_scale, v_scale, k_scale.stride(0), True
 
 
 def store_kv_triton(
@@ -98,16 +125,21 @@ def store_kv_triton(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,
     out_cache_loc: torch.Tensor,  # [T] int64
+    k_scale: torch.Tensor | None = None,  # [slots, Hkv] fp32, fp8 caches only
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     t, hkv, d = k.shape
     if t == 0:
         return
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride()
+    ks, vs, stride_ss, fp8 = _scale_args(k_cache, k_scale, v_scale)
     _store_kv_kernel[(t,)](
-        k, v, k_cache, v_cache, out_cache_loc,
+        k, v, k_cache, v_cache, out_cache_loc, ks, vs,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
+        stride_ss,
         HKV=hkv, D=d, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
+        FP8=fp8,
     )
 
 
@@ -117,8 +149,9 @@ def store_kv_triton(
 @triton.jit
 def _extend_tile(
     q, acc, m_i, l_i, kc_ptr, vc_ptr, pt_row, head_off, n0, q_pos, kv_end, stride_cs,
-    scale_log2, d, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    UPCAST: tl.constexpr,
+    scale_log2, d, ks_ptr, vs_ptr, stride_ss, kvh,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    UPCAST: tl.constexpr, FP8: tl.constexpr,
 ):
     pos = n0 + tl.arange(0, BLOCK_N)
     nmask = pos < kv_end  # used by the MASKED variant only
@@ -128,7 +161,13 @@ def _extend_tile(
         page = tl.load(pt_row + pos // PAGE_SIZE)
     slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [N]
     kt = tl.load(kc_ptr + slot[None, :] * stride_cs + head_off + d[:, None])  # [D, N]
-    qk = mma(q, kt, UPCAST)  # [M, N] unscaled scores
+    if FP8:
+        # Codes -> q's dtype is exact; each key's scale multiplies its score column.
+        # Slots past kv_end read the dummy page (zero or finite scales, finite codes).
+        ksc = tl.load(ks_ptr + slot * stride_ss + kvh)  # [N]
+        qk = mma(q, kt.to(q.dtype), UPCAST) * ksc[None, :]  # [M, N]
+    else:
+        qk = mma(q, kt, UPCAST)  # [M, N] unscaled scores
     if MASKED:
         ok = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < kv_end)
         qk = tl.where(ok, qk, float("-inf"))
@@ -141,18 +180,26 @@ def _extend_tile(
         vv = tl.load(v_ptrs, mask=nmask[:, None], other=0.0)  # [N, D]
     else:
         vv = tl.load(v_ptrs)  # [N, D]
-    acc = mma_acc(p.to(vv.dtype), vv, acc * alpha[:, None], UPCAST)
+    if FP8:
+        if MASKED:
+            vsc = tl.load(vs_ptr + slot * stride_ss + kvh, mask=nmask, other=0.0)  # [N]
+        else:
+            vsc = tl.load(vs_ptr + slot * stride_ss + kvh)  # [N]
+        vd = (vv.to(tl.float32) * vsc[:, None]).to(q.dtype)  # [N, D] dequantized
+        acc = mma_acc(p.to(q.dtype), vd, acc * alpha[:, None], UPCAST)
+    else:
+        acc = mma_acc(p.to(vv.dtype), vv, acc * alpha[:, None], UPCAST)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _extend_kernel(
-    q_ptr, o_ptr, kc_ptr, vc_ptr, pt_ptr, qo_indptr_ptr, prefix_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_pt,
+    q_ptr, o_ptr, kc_ptr, vc_ptr, pt_ptr, qo_indptr_ptr, prefix_ptr, ks_ptr, vs_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_pt, stride_ss,
     scale_log2,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PACK_GQA: tl.constexpr,
-    TOK: tl.constexpr,
+    TOK: tl.constexpr, FP8: tl.constexpr,
 ):
     # TOK tokens per block: BLOCK_M rows are BLOCK_M tokens of one query head, or
     # (PACK_GQA) TOK = BLOCK_M / GROUP tokens x the GROUP query heads of one KV head.
@@ -189,12 +236,14 @@ def _extend_kernel(
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _extend_tile(
                 q, acc, m_i, l_i, kc_ptr, vc_ptr, pt_row, head_off, n0, q_pos, kv_end,
-                stride_cs, scale_log2, d, PAGE_SIZE, BLOCK_N, False, UPCAST,
+                stride_cs, scale_log2, d, ks_ptr, vs_ptr, stride_ss, kvh,
+                PAGE_SIZE, BLOCK_N, False, UPCAST, FP8,
             )
         for n0 in range(full_end, kv_end, BLOCK_N):
             acc, m_i, l_i = _extend_tile(
                 q, acc, m_i, l_i, kc_ptr, vc_ptr, pt_row, head_off, n0, q_pos, kv_end,
-                stride_cs, scale_log2, d, PAGE_SIZE, BLOCK_N, True, UPCAST,
+                stride_cs, scale_log2, d, ks_ptr, vs_ptr, stride_ss, kvh,
+                PAGE_SIZE, BLOCK_N, True, UPCAST, FP8,
             )
         out = acc / l_i[:, None]  # every row sees at least key 0: l_i > 0
         tl.store(o_ptr + (rows * stride_ot + head * stride_oh)[:, None] + d[None, :],
@@ -213,10 +262,13 @@ def extend_attention_triton(
     scale: float,
     cfg: AttnKernelConfig | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,  # [slots, Hkv] fp32, fp8 caches only
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal over the new tokens, full over the cached prefix. ``max_extend_len``
     may exceed the real maximum (a static bound for CUDA graphs, see the module
-    docstring); programs past a sequence's extent exit early."""
+    docstring); programs past a sequence's extent exit early. fp8 caches need
+    ``k_scale`` / ``v_scale`` (dequantized in registers)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     bsz = page_table.shape[0]
@@ -232,14 +284,16 @@ def extend_attention_triton(
     pack = cfg.extend_pack_gqa and group > 1 and cfg.extend_block_m % group == 0
     tok = cfg.extend_block_m // group if pack else cfg.extend_block_m
     grid = (hkv if pack else hq, triton.cdiv(max_extend_len, tok), bsz)
+    ks, vs, stride_ss, fp8 = _scale_args(k_cache, k_scale, v_scale)
     _extend_kernel[grid](
-        q, out, k_cache, v_cache, page_table, qo_indptr, prefix_lens,
+        q, out, k_cache, v_cache, page_table, qo_indptr, prefix_lens, ks, vs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
+        k_cache.stride(0), k_cache.stride(1), page_table.stride(0), stride_ss,
         scale * LOG2E,
         PAGE_SIZE=page_size, GROUP=group, D=d,
         BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n, UPCAST=interpreting(),
-        PACK_GQA=pack, TOK=tok, num_warps=cfg.extend_warps, num_stages=cfg.extend_stages,
+        PACK_GQA=pack, TOK=tok, FP8=fp8,
+        num_warps=cfg.extend_warps, num_stages=cfg.extend_stages,
     )
     return out
 
@@ -302,7 +356,8 @@ class TritonAttentionBackend:
         pool = batch.kv_pool
         meta = batch.attn
         kc, vc = pool.k[layer], pool.v[layer]
-        store_kv_triton(kc, vc, k, v, meta.out_cache_loc)
+        ks, vs = pool.scales(layer)  # None, None unless the pool holds fp8 codes
+        store_kv_triton(kc, vc, k, v, meta.out_cache_loc, ks, vs)
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         cfg = self.cfg or AttnKernelConfig.for_device(q.device, q.shape[-1])
         bound = self.extend_token_bound
@@ -316,9 +371,10 @@ class TritonAttentionBackend:
                         if cfg.decode_fused_reduce else None)
             return decode_attention_triton(
                 q, kc, vc, meta.page_table, meta.seq_lens, meta.page_size, scale, splits, cfg,
-                counters=counters,
+                counters=counters, k_scale=ks, v_scale=vs,
             )
         return extend_attention_triton(
             q, kc, vc, meta.page_table, meta.qo_indptr, meta.prefix_lens,
             bound if bound is not None else meta.max_extend_len, meta.page_size, scale, cfg,
+            k_scale=ks, v_scale=vs,
         )
