@@ -13,96 +13,111 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
     route_topk(router_logits [T, E], top_k, renormalize) -> (weights [T, k] fp32, ids [T, k] int32)
     fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], ids [T, k]) -> [T, H]
         (w13 rows [0, I) are the gate, [I, 2I) the up projection; SiLU(gate) * up)
+    add_rms_norm_route(x [T, H], residual [T, H] | None, norm_w [H], eps, gate_w [E, H],
+                       top_k, renormalize, counter [1] int32)
+        -> (normed [T, H], x + residual | None, weights [T, k] fp32, ids [T, k] int32):
+        the (fused-add) norm, the router linear and route_topk; one launch on Triton
+        for decode-sized T (decode_fused_triton), the composition otherwise
+
+Backends are imported once into a table (``_table``); the environment is read
+per call so tests can switch it. FTSERVE_DECODE_FUSION=0 turns the decode-sized
+fusions off (the composition runs instead).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+from ftserve_kernels import moe as moe_ref
+from ftserve_kernels import norm_rope as nr_ref
 
 
-def _triton_enabled(t: torch.Tensor) -> bool:
+@dataclass(frozen=True)
+class _Kernels:
+    rms_norm: Callable[..., torch.Tensor]
+    fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    qk_norm_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    route_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    fused_moe: Callable[..., torch.Tensor]
+    # (x, residual, norm_w, eps, gate_w, top_k, renorm, counter) -> 4 tensors; None: compose
+    add_norm_route: Callable[..., Any] | None
+    fused_max_tokens: int
+
+
+_REF = _Kernels(
+    rms_norm=nr_ref.rms_norm_ref, fused_add_rms_norm=nr_ref.fused_add_rms_norm_ref,
+    rotary=nr_ref.rotary_ref, qk_norm_rotary=nr_ref.qk_norm_rotary_ref,
+    route_topk=moe_ref.route_topk_ref, fused_moe=moe_ref.fused_moe_ref,
+    add_norm_route=None, fused_max_tokens=0,
+)
+
+
+@functools.cache
+def _triton_table() -> _Kernels:
+    """The Triton kernels, imported once; the reference table if Triton is missing."""
+    try:
+        from ftserve_kernels import decode_fused_triton as df
+        from ftserve_kernels import moe_triton as mt
+        from ftserve_kernels import norm_triton as nt
+        from ftserve_kernels import rope_triton as rt
+    except ImportError:
+        return _REF
+    return _Kernels(
+        rms_norm=nt.rms_norm_triton, fused_add_rms_norm=nt.fused_add_rms_norm_triton,
+        rotary=rt.rotary_triton, qk_norm_rotary=rt.qk_norm_rotary_triton,
+        route_topk=mt.route_topk_triton, fused_moe=mt.fused_moe_triton,
+        add_norm_route=df.add_norm_route_triton, fused_max_tokens=df.FUSED_MAX_TOKENS,
+    )
+
+
+def _table(t: torch.Tensor) -> _Kernels:
     choice = os.environ.get("FTSERVE_KERNELS", "auto")
     if choice == "torch":
-        return False
-    if choice == "triton":
-        return True
-    return t.is_cuda
+        return _REF
+    if choice == "triton" or t.is_cuda:
+        return _triton_table()
+    return _REF
+
+
+def decode_fusion_enabled() -> bool:
+    return os.environ.get("FTSERVE_DECODE_FUSION", "1") != "0"
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    if _triton_enabled(x):
-        try:
-            from ftserve_kernels.norm_triton import rms_norm_triton
-        except ImportError:
-            pass
-        else:
-            return rms_norm_triton(x, w, eps)
-    from ftserve_kernels.norm_rope import rms_norm_ref
-
-    return rms_norm_ref(x, w, eps)
+    return _table(x).rms_norm(x, w, eps)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _triton_enabled(x):
-        try:
-            from ftserve_kernels.norm_triton import fused_add_rms_norm_triton
-        except ImportError:
-            pass
-        else:
-            return fused_add_rms_norm_triton(x, residual, w, eps)
-    from ftserve_kernels.norm_rope import fused_add_rms_norm_ref
-
-    return fused_add_rms_norm_ref(x, residual, w, eps)
+    return _table(x).fused_add_rms_norm(x, residual, w, eps)
 
 
 def rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _triton_enabled(q):
-        try:
-            from ftserve_kernels.rope_triton import rotary_triton
-        except ImportError:
-            pass
-        else:
-            return rotary_triton(q, k, positions, cos_sin)
-    from ftserve_kernels.norm_rope import rotary_ref
-
-    return rotary_ref(q, k, positions, cos_sin)
+    return _table(q).rotary(q, k, positions, cos_sin)
 
 
 def qk_norm_rotary(
     q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
     positions: torch.Tensor, cos_sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _triton_enabled(q):
-        try:
-            from ftserve_kernels.rope_triton import qk_norm_rotary_triton
-        except ImportError:
-            pass
-        else:
-            return qk_norm_rotary_triton(q, k, q_w, k_w, eps, positions, cos_sin)
-    from ftserve_kernels.norm_rope import qk_norm_rotary_ref
-
-    return qk_norm_rotary_ref(q, k, q_w, k_w, eps, positions, cos_sin)
+    return _table(q).qk_norm_rotary(q, k, q_w, k_w, eps, positions, cos_sin)
 
 
 def route_topk(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _triton_enabled(router_logits):
-        try:
-            from ftserve_kernels.moe_triton import route_topk_triton
-        except ImportError:
-            pass
-        else:
-            return route_topk_triton(router_logits, top_k, renormalize)
-    from ftserve_kernels.moe import route_topk_ref
-
-    return route_topk_ref(router_logits, top_k, renormalize)
+    return _table(router_logits).route_topk(router_logits, top_k, renormalize)
 
 
 def fused_moe(
@@ -112,13 +127,20 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    if _triton_enabled(x):
-        try:
-            from ftserve_kernels.moe_triton import fused_moe_triton
-        except ImportError:
-            pass
-        else:
-            return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
-    from ftserve_kernels.moe import fused_moe_ref
+    return _table(x).fused_moe(x, w13, w2, topk_weights, topk_ids)
 
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+def add_rms_norm_route(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+    gate_w: torch.Tensor, top_k: int, renormalize: bool, counter: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    k = _table(x)
+    if k.add_norm_route is not None and x.shape[0] <= k.fused_max_tokens and decode_fusion_enabled():
+        return k.add_norm_route(x, residual, norm_w, eps, gate_w, top_k, renormalize, counter)
+    # The composition (the reference twin of the fused kernel).
+    if residual is None:
+        normed, summed = k.rms_norm(x, norm_w, eps), None
+    else:
+        normed, summed = k.fused_add_rms_norm(x, residual, norm_w, eps)
+    weights, ids = k.route_topk(F.linear(normed, gate_w), top_k, renormalize)  # [T, k] x2
+    return normed, summed, weights, ids

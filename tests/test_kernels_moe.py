@@ -15,11 +15,13 @@ if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
     for _name in ("ftserve_kernels.attention_common", "ftserve_kernels.attention_decode_triton",
                   "ftserve_kernels.attention_triton", "ftserve_kernels.moe_gemv_triton",
-                  "ftserve_kernels.moe_triton"):
+                  "ftserve_kernels.moe_triton", "ftserve_kernels.decode_fused_triton"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 
+from ftserve_kernels import decode_fused_triton as df  # noqa: E402
 from ftserve_kernels import moe_triton as mt  # noqa: E402
+from ftserve_kernels import ops  # noqa: E402
 from ftserve_kernels.moe import fused_moe_ref, route_topk_ref  # noqa: E402
 
 
@@ -154,6 +156,99 @@ def test_fused_moe_bf16() -> None:
         assert rel_err(out, ref) < 2e-2
 
 
+def norm_route_ref(
+    x: torch.Tensor, r: torch.Tensor | None, nw: torch.Tensor, gw: torch.Tensor, k: int, renorm: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The unfused composition the fused kernel replaces (FTSERVE_KERNELS=torch)."""
+    os.environ["FTSERVE_KERNELS"] = "torch"
+    try:
+        c = torch.zeros(1, dtype=torch.int32, device=x.device)
+        return ops.add_rms_norm_route(x, r, nw, 1e-6, gw, k, renorm, c)
+    finally:
+        del os.environ["FTSERVE_KERNELS"]
+
+
+@pytest.mark.parametrize("t,residual,renorm", [(1, True, True), (2, True, False), (5, False, True)])
+def test_add_norm_route_matches_composition(t: int, residual: bool, renorm: bool) -> None:
+    """One launch = fused add + RMSNorm + router linear + top-k; E = 10 is not a
+    multiple of the per-program expert block, H = 48 not a power of two. Two
+    launches share the counter: the first must leave it at zero."""
+    g = torch.Generator().manual_seed(t)
+    e, k, h = 10, 3, 48
+    x = torch.randn(t, h, generator=g).to(DEVICE)
+    r = torch.randn(t, h, generator=g).to(DEVICE) if residual else None
+    nw = (1 + 0.1 * torch.randn(h, generator=g)).to(DEVICE)
+    gw = torch.randn(e, h, generator=g).to(DEVICE)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    ref = norm_route_ref(x, r, nw, gw, k, renorm)
+    for _ in range(2):
+        got = df.add_norm_route_triton(x, r, nw, 1e-6, gw, k, renorm, counter)
+        assert int(counter.cpu()[0]) == 0
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+        if residual:
+            assert got[1] is not None and ref[1] is not None and torch.equal(got[1], ref[1])
+        else:
+            assert got[1] is None
+        assert got[3].dtype == torch.int32 and torch.equal(got[3], ref[3])
+        torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6)
+
+
+def test_add_norm_route_bf16_rounds_like_the_reference() -> None:
+    """bf16: the sum is the exact bf16 sum (on CUDA); the normed rows and the
+    routing weights agree with the composition to bf16 rounding."""
+    g = torch.Generator().manual_seed(11)
+    t, e, k, h = 2, 16, 4, 64
+    x = torch.randn(t, h, generator=g).bfloat16().to(DEVICE)
+    r = torch.randn(t, h, generator=g).bfloat16().to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(h, generator=g)).bfloat16().to(DEVICE)
+    gw = (torch.randn(e, h, generator=g) / h**0.5).bfloat16().to(DEVICE)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    got = df.add_norm_route_triton(x, r, nw, 1e-6, gw, k, True, counter)
+    ref = norm_route_ref(x, r, nw, gw, k, True)
+    assert got[1] is not None and ref[1] is not None
+    if DEVICE == "cuda":
+        assert torch.equal(got[1], ref[1])
+    else:  # the interpreter's fp32 -> bf16 cast truncates instead of rounding
+        torch.testing.assert_close(got[1], ref[1], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got[0], ref[0], rtol=2e-2, atol=2e-2)
+    # Logits round to bf16 in both; a 1-ulp difference can reorder a near tie, so
+    # compare the probability mass chosen, not the ids.
+    torch.testing.assert_close(got[2].sum(1), ref[2].sum(1))
+    assert (got[3] == ref[3]).float().mean() >= 0.75
+
+
+def test_ops_norm_route_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton runs the fused kernel up to FUSED_MAX_TOKENS rows, the composition
+    past it and with FTSERVE_DECODE_FUSION=0; all three agree."""
+    g = torch.Generator().manual_seed(5)
+    e, k, h = 8, 2, 32
+    nw = torch.ones(h).to(DEVICE)
+    gw = torch.randn(e, h, generator=g).to(DEVICE)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    calls: list[int] = []
+    real = df.add_norm_route_triton
+
+    def counting(*args: object) -> object:
+        calls.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(df, "add_norm_route_triton", counting)
+    ops._triton_table.cache_clear()
+    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
+    try:
+        for t, fusion, fused in [(3, "1", True), (df.FUSED_MAX_TOKENS + 1, "1", False), (3, "0", False)]:
+            monkeypatch.setenv("FTSERVE_DECODE_FUSION", fusion)
+            x = torch.randn(t, h, generator=g).to(DEVICE)
+            r = torch.randn(t, h, generator=g).to(DEVICE)
+            n0 = len(calls)
+            got = ops.add_rms_norm_route(x, r, nw, 1e-6, gw, k, True, counter)
+            assert (len(calls) > n0) == fused
+            ref = norm_route_ref(x, r, nw, gw, k, True)
+            assert torch.equal(got[3], ref[3])
+    finally:
+        ops._triton_table.cache_clear()
+
+
 # ---------------------------------------------------------------- GPU, real shapes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -213,3 +308,41 @@ def test_gpu_fused_moe_no_sync_and_graph_capturable(t: int) -> None:
         ref = fused_moe_ref(x, w13, w2, *route_topk_ref(logits, k, True))
         torch.cuda.synchronize()
         assert rel_err(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_gpu_add_norm_route_qwen3_shape_graph(t: int) -> None:
+    """E=128, k=8, H=2048: sync-free, capturable, replays agree with the
+    composition, and the counter is zero after every replay."""
+    g = torch.Generator(device="cuda").manual_seed(t)
+    e, k, h = 128, 8, 2048
+    x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+    r = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+    nw = (1 + 0.1 * torch.randn(h, device="cuda", generator=g)).bfloat16()
+    gw = (torch.randn(e, h, device="cuda", generator=g) / h**0.5).bfloat16()
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    df.add_norm_route_triton(x, r, nw, 1e-6, gw, k, True, counter)  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        df.add_norm_route_triton(x, r, nw, 1e-6, gw, k, True, counter)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = df.add_norm_route_triton(x, r, nw, 1e-6, gw, k, True, counter)
+    for seed in (1, 2, 3):
+        torch.manual_seed(seed)
+        x.copy_(torch.randn(t, h, device="cuda"))
+        graph.replay()
+        ref = norm_route_ref(x, r, nw, gw, k, True)
+        torch.cuda.synchronize()
+        assert int(counter.item()) == 0
+        assert out[1] is not None and ref[1] is not None and torch.equal(out[1], ref[1])
+        torch.testing.assert_close(out[0], ref[0], rtol=1e-2, atol=1e-2)
+        probs = torch.softmax(torch.nn.functional.linear(ref[0], gw).float(), dim=-1)
+        torch.testing.assert_close(probs.gather(1, out[3].long()), probs.gather(1, ref[3].long()),
+                                   rtol=2e-2, atol=1e-4)
+        assert (out[3] == ref[3]).float().mean() >= 0.9

@@ -57,6 +57,11 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.forward_add(x, residual)
         x = self.self_attn(x, batch, cos_sin)  # [T, H]
+        if isinstance(self.mlp, MoEBlock):
+            # Norm, router and top-k in one launch at decode sizes (see MoEBlock.norm_route).
+            x, summed, weights, ids = self.mlp.norm_route(x, residual, self.post_attention_layernorm)
+            assert summed is not None
+            return self.mlp.compute_experts(x, weights, ids), summed
         x, residual = self.post_attention_layernorm.forward_add(x, residual)
         return self.mlp(x), residual
 
@@ -91,8 +96,11 @@ class DecoderForCausalLM(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, batch, self.cos_sin)
         assert residual is not None
-        if batch.logits_indices is not None:
-            # Norm is per row, so selecting first skips the norm of unused rows.
+        rows = batch.logits_indices
+        if rows is not None and not (batch.is_decode and rows.shape[0] == x.shape[0]):
+            # Norm is per row, so selecting first skips the norm of unused rows. A decode
+            # batch whose every token is a logits row selects all of them in order (the
+            # last token of each one-token sequence): skip the two gathers.
             x = x.index_select(0, batch.logits_indices)  # [B, H]
             residual = residual.index_select(0, batch.logits_indices)
         x, _ = self.norm.forward_add(x, residual)

@@ -138,6 +138,20 @@ class MoEBlock(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
         )
         self.expert_compute: ExpertCompute | None = None
+        # Arrival counter of the fused norm + route kernel: zero between launches
+        # (the kernel's last program re-zeroes it); made on first use, on x's device.
+        self._route_counter: torch.Tensor | None = None
+
+    def norm_route(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """``norm`` (fused with the residual add when given), then route: one launch
+        at decode sizes on Triton. -> (normed [T, H], x + residual or None, weights, ids)."""
+        c = self._route_counter
+        if c is None or c.device != x.device:
+            c = self._route_counter = torch.zeros(1, dtype=torch.int32, device=x.device)
+        return ops.add_rms_norm_route(x, residual, norm.weight, norm.eps, self.gate.weight,
+                                      self.top_k, self.renormalize, c)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.gate(x)  # [T, E]
