@@ -18,6 +18,8 @@ follows the grouped path: act and each weighted down row round to x's dtype.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -109,6 +111,51 @@ def _gemv_down_combine_kernel(
     tl.store(out_ptr + t * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
+@triton.jit
+def _gemv_down_combine3d_kernel(
+    a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, H, INTER,
+    stride_at, stride_we, stride_wn, stride_ot,
+    TOP_K: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr,
+):
+    # As _gemv_down_combine_kernel, with the k choices as a third tile axis: the
+    # weight tile is [KP, N, K] and each choice's act row loads once as [KP, K]
+    # (the 2-D kernel loaded it N times into registers, a second full-size tile
+    # that halved the programs an SM could hold, and so the bytes in flight).
+    t = tl.program_id(0).to(tl.int64)
+    jj = tl.arange(0, BLOCK_KP)  # [KP]
+    jmask = jj < TOP_K
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
+    nmask = cols < H
+    pair = t * TOP_K + jj  # [KP]
+    e = tl.load(ids_ptr + pair, mask=jmask, other=0)
+    if HAS_MAP:
+        e = tl.load(map_ptr + e, mask=jmask, other=0)
+    e = e.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    b_ptrs = (w_ptr + (e * stride_we)[:, None, None] + (cols * stride_wn)[None, :, None]
+              + offs_k[None, None, :])  # [KP, N, K]
+    a_ptrs = a_ptr + (pair * stride_at)[:, None] + offs_k[None, :]  # [KP, K]
+    bmask = jmask[:, None, None] & nmask[None, :, None]  # [KP, N, 1]
+    acc = tl.zeros([BLOCK_KP, BLOCK_N], tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        if EVEN_K:
+            av = tl.load(a_ptrs, mask=jmask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=bmask, other=0.0)
+        else:
+            kmask = offs_k < INTER - k0
+            av = tl.load(a_ptrs, mask=jmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=bmask & kmask[None, None, :], other=0.0)
+        acc += tl.sum(b.to(tl.float32) * av.to(tl.float32)[:, None, :], 2)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    wt = tl.load(weights_ptr + pair, mask=jmask, other=0.0)  # [KP]
+    # Same rounding and fixed-order fp32 sum of the k choices as the 2-D kernel.
+    y = (acc * wt[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # [KP, N]
+    out = tl.sum(y, 0)  # [N]
+    tl.store(out_ptr + t * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
 def fused_moe_gemv_triton(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2I, H]
@@ -117,6 +164,7 @@ def fused_moe_gemv_triton(
     topk_ids: torch.Tensor,  # [T, k] int32
     expert_map: torch.Tensor | None = None,  # [E] int32: expert -> row of w13/w2
     block_n: tuple[int, int] | None = None,  # (gate_up, down) output columns per program
+    down3d: bool | None = None,  # default: on unless FTSERVE_MOE_DOWN3D=0
 ) -> torch.Tensor:
     t, h = x.shape
     inter = w13.shape[1] // 2
@@ -142,7 +190,10 @@ def fused_moe_gemv_triton(
         TOP_K=k, BLOCK_N=bn_gu, BLOCK_K=bk_gu, EVEN_K=h % bk_gu == 0, HAS_MAP=has_map,
         num_warps=8 if cuda else 4, num_stages=2 if cuda else 1,
     )
-    _gemv_down_combine_kernel[(t, triton.cdiv(h, bn_d))](
+    if down3d is None:
+        down3d = os.environ.get("FTSERVE_MOE_DOWN3D", "1") != "0"
+    down = _gemv_down_combine3d_kernel if down3d else _gemv_down_combine_kernel
+    down[(t, triton.cdiv(h, bn_d))](
         act, w2, out, weights, ids, emap, h, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         TOP_K=k, BLOCK_KP=triton.next_power_of_2(k), BLOCK_N=bn_d, BLOCK_K=bk_d,

@@ -124,6 +124,28 @@ def test_fused_moe_gemv_odd_top_k() -> None:
     assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-4
 
 
+@pytest.mark.parametrize("down3d", [False, True])
+@pytest.mark.parametrize("t,k,bn", [(1, 3, None), (2, 8, (16, 8)), (2, 2, (16, 4))])
+def test_gemv_down_variants(down3d: bool, t: int, k: int, bn: tuple[int, int] | None) -> None:
+    """Both down-combine kernels (3-D tile over the choices, and the 2-D one),
+    odd k (padded choice axis), H and I not multiples of the blocks, through an
+    expert map, in bf16."""
+    from ftserve_kernels.moe_gemv_triton import fused_moe_gemv_triton
+
+    g = torch.Generator().manual_seed(k)
+    e, h, inter = 9, 36, 40
+    x = torch.randn(t, h, generator=g).bfloat16().to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).bfloat16().to(DEVICE)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).bfloat16().to(DEVICE)
+    perm = torch.randperm(e, generator=g).to(torch.int32).to(DEVICE)  # expert -> row
+    s13, s2 = torch.empty_like(w13), torch.empty_like(w2)
+    s13[perm.long()], s2[perm.long()] = w13, w2
+    weights, ids = route_topk_ref(torch.randn(t, e, generator=g).to(DEVICE), k, True)
+    out = fused_moe_gemv_triton(x, s13, s2, weights, ids, expert_map=perm, block_n=bn, down3d=down3d)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 2e-2
+
+
 def test_fused_moe_expert_map() -> None:
     """Slot-cache mode: ids name experts, the map names their rows in w13/w2."""
     g = torch.Generator().manual_seed(4)
