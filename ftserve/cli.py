@@ -16,6 +16,8 @@ _HELP = {
     "device": "auto | cpu | cuda | cuda:N",
     "load_format": "auto | safetensors | dummy",
     "dtype": "auto | bfloat16 | float16 | float32",
+    "kv_cache_dtype": "auto (= --dtype) | bfloat16 | float16 | float32 | fp8_e4m3 (alias fp8): "
+                      "e4m3 codes + a scale per token and KV head, about half the bytes of bf16",
     "attention_backend": "auto | torch | triton",
 }
 _TYPES = {"int": int, "float": float, "str": str}

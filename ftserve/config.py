@@ -18,6 +18,8 @@ class EngineConfig:
     model: str | None = None  # checkpoint dir; None = embedded demo model
     load_format: str = "auto"  # auto | safetensors | dummy
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    # fp8_e4m3 (alias fp8): e4m3 codes + one fp32 scale per token and KV head, ~half of bf16.
+    kv_cache_dtype: str = "auto"  # auto (= the model dtype) | bfloat16 | float16 | float32 | fp8_e4m3
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     page_size: int = 16
     num_pages: int | None = None  # KV pool pages (incl. the dummy page)
@@ -51,6 +53,8 @@ class EngineConfig:
             raise ConfigError("--num-pages must be at least 2")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ConfigError("--dtype must be auto, bfloat16, float16 or float32")
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8"):
+            raise ConfigError("--kv-cache-dtype must be auto, bfloat16, float16, float32 or fp8_e4m3")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ConfigError("--load-format must be auto, safetensors or dummy")
         if self.attention_backend not in ("auto", "torch", "triton"):

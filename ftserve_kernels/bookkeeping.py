@@ -32,6 +32,8 @@ The caller must size S so that S - (distinct hits) >= misses of any call
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -332,9 +334,10 @@ def copy_kv_pages(
 ) -> None:
     """Copy pages between two pools (device<->device, or device<->pinned host over
     UVA) for every layer in one launch. ``src_pages``/``dst_pages`` [P] int32 on
-    the compute device, -1 = skip. Pools: contiguous [L, slots, Hkv, D], same dtype."""
+    the compute device, -1 = skip. Pools: contiguous [L, slots, Hkv, D], same dtype;
+    also the fp8 scales [L, slots, Hkv] (any trailing dims: a page is page_size rows)."""
     assert src_k.shape[0] == dst_k.shape[0] and src_k.shape[2:] == dst_k.shape[2:]
-    page_elems = page_size * src_k.shape[2] * src_k.shape[3]
+    page_elems = page_size * math.prod(src_k.shape[2:])
     _launch_copy((src_k, src_v), (dst_k, dst_v), src_pages, dst_pages, src_k.shape[0], 2,
                  src_k[0].numel(), dst_k[0].numel(), page_elems)
 

@@ -17,7 +17,7 @@ from ftserve.engine.runner import ModelRunner
 from ftserve.engine.sampler import Sampler
 from ftserve.engine.scheduler import Scheduler
 from ftserve.kvcache.host_tier import HostKVTier
-from ftserve.kvcache.pool import KVPool
+from ftserve.kvcache.pool import KVPool, kv_cache_torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +93,12 @@ def build_engine(cfg: EngineConfig) -> Engine:
             f"({model_limit} positions); serving past it would read out of bounds. Lower "
             f"--max-model-len or extend the checkpoint's rope_scaling")
 
-    per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, dtype)
+    # --kv-cache-dtype: the pool's dtype (fp8: codes + scales, both counted per token).
+    kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, dtype)
+    per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)
     num_pages = _plan_pages(cfg, device, per_token, model, mcfg)
     pool = KVPool(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
-                  dtype, device)
+                  kv_dtype, device)
     pool_tokens = pool.usable_pages * cfg.page_size
     max_model_len = min(model_limit, cfg.max_model_len or model_limit, pool_tokens)
     eos = read_eos_ids(model_dir, mcfg)
@@ -131,6 +133,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
                        if p.device.type == device.type)
     summary = {
         "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
         "weights_gib": weight_bytes / 2**30, "kv_pages": num_pages, "page_size": cfg.page_size,
         "kv_tokens": pool_tokens, "kv_gib": num_pages * pool.bytes_per_page() / 2**30,
         "max_model_len": max_model_len, "model_limit": model_limit,
@@ -223,7 +226,8 @@ def _profile_prefill_peak(cfg: EngineConfig, device: torch.device, model: torch.
 
     n = cfg.max_prefill_length
     ps = cfg.page_size
-    dtype = next(model.parameters()).dtype
+    # The pool's own dtype, so the profiled (and compiled) kernels are the served ones.
+    dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, next(model.parameters()).dtype)
     pages = -(-n // ps)
     pool = KVPool(mcfg.num_layers, pages + 1, ps, mcfg.num_kv_heads, mcfg.head_dim, dtype, device)
     backend = _attention_backend(cfg, device)

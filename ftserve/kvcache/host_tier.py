@@ -26,7 +26,9 @@ Ordering on CUDA, without a single host wait::
 Each direction's run of moves is ONE fixed-shape launch of
 ``copy_kv_pages`` over padded page lists (-1 = skip, padded to a power of two
 so the shapes seen stay few), planned on the host from host-side metadata and
-uploaded with one non-blocking copy. It is one batched copy before the step,
+uploaded with one non-blocking copy (plus one for the scales of an fp8 pool:
+a page is its codes and its scales, and both always move together). It is
+one batched copy before the step,
 not a layer-by-layer overlap with compute (see the module's tests and
 tools/bench_kv_tiers.py for what that costs).
 """
@@ -73,6 +75,12 @@ class HostKVTier:
         # a host page is always written by an offload before a load reads it.
         self.k = torch.empty(shape, dtype=pool.dtype, pin_memory=self.on_cuda)
         self.v = torch.empty(shape, dtype=pool.dtype, pin_memory=self.on_cuda)
+        # fp8 pools: the per-(token, KV head) scales live beside the codes here too.
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+        if pool.k_scale is not None:
+            self.k_scale = torch.empty(shape[:3], dtype=pool.k_scale.dtype, pin_memory=self.on_cuda)
+            self.v_scale = torch.empty(shape[:3], dtype=pool.k_scale.dtype, pin_memory=self.on_cuda)
         self.allocator = PageAllocator(num_pages + 1)
         self.counters = HostTierCounters()
         self._runs: list[_Run] = []
@@ -164,11 +172,17 @@ class HostKVTier:
             self.copy_stream.synchronize()
 
     # ----- the copies ----------------------------------------------------------
-    def _sides(self, run: _Run) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _sides(self, run: _Run) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(src_k, src_v, dst_k, dst_v) of every tensor pair a page spans: the
+        values, then (fp8) the scales."""
         p = self.pool
+        pairs = [(p.k, p.v, self.k, self.v)]
+        if p.k_scale is not None and p.v_scale is not None:
+            assert self.k_scale is not None and self.v_scale is not None
+            pairs.append((p.k_scale, p.v_scale, self.k_scale, self.v_scale))
         if run.to_host:
-            return p.k, p.v, self.k, self.v
-        return self.k, self.v, p.k, p.v
+            return pairs
+        return [(hk, hv, dk, dv) for dk, dv, hk, hv in pairs]
 
     def _copy_cuda(self, run: _Run) -> None:
         from ftserve_kernels.bookkeeping import copy_kv_pages
@@ -182,9 +196,9 @@ class HostKVTier:
         # caching allocators keep both alive until the copy stream used them.
         host = torch.tensor(run.src + pad + run.dst + pad, dtype=torch.int32, pin_memory=True)
         idx = host.to(self.device, non_blocking=True).view(2, width)  # [2, P]
-        src_k, src_v, dst_k, dst_v = self._sides(run)
-        copy_kv_pages(src_k, src_v, dst_k, dst_v, idx[0], idx[1], self.page_size)
-        self.counters.copy_launches_total += 1
+        for src_k, src_v, dst_k, dst_v in self._sides(run):
+            copy_kv_pages(src_k, src_v, dst_k, dst_v, idx[0], idx[1], self.page_size)
+            self.counters.copy_launches_total += 1
 
     def _copy_torch(self, run: _Run) -> None:
         """CPU path: the same moves with index_select / index_copy_ over slot rows."""
@@ -192,7 +206,9 @@ class HostKVTier:
         offs = torch.arange(ps)
         src_rows = (torch.tensor(run.src)[:, None] * ps + offs).reshape(-1)  # [n * ps]
         dst_rows = (torch.tensor(run.dst)[:, None] * ps + offs).reshape(-1)  # [n * ps]
-        src_k, src_v, dst_k, dst_v = self._sides(run)
-        dst_k.index_copy_(1, dst_rows, src_k.index_select(1, src_rows).to(dst_k.device))
-        dst_v.index_copy_(1, dst_rows, src_v.index_select(1, src_rows).to(dst_v.device))
+        for src_k, src_v, dst_k, dst_v in self._sides(run):
+            for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+                if src.element_size() == 1:  # fp8 codes: no CPU index_copy_ kernel, move bytes
+                    src, dst = src.view(torch.uint8), dst.view(torch.uint8)
+                dst.index_copy_(1, dst_rows, src.index_select(1, src_rows).to(dst.device))
         self.counters.copy_launches_total += 1

@@ -30,6 +30,17 @@ import torch
 DUMMY_PAGE = 0
 FP8_KV_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float32  # fp8 pools: one per (slot, KV head), 4 bytes next to D codes
+# --kv-cache-dtype values ("auto" = the model's dtype); "fp8" is short for fp8_e4m3.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+    "fp8_e4m3": FP8_KV_DTYPE, "fp8": FP8_KV_DTYPE,
+}
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool dtype for a --kv-cache-dtype value (validated by EngineConfig)."""
+    dtype = KV_CACHE_DTYPES[name]
+    return model_dtype if dtype is None else dtype
 
 
 class KVPool:

@@ -85,10 +85,11 @@ def load_with_expert_cache(
     the pool plans around the cache."""
     model, mcfg, bank = load_offloaded_model(model_dir, cfg.dtype, device, load_format, seed=cfg.seed)
     if kv_bytes_per_token is None:
-        from ftserve.kvcache.pool import KVPool
+        from ftserve.kvcache.pool import KVPool, kv_cache_torch_dtype
 
+        kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, bank.data.dtype)  # fp8 counts scales
         kv_bytes_per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim,
-                                                    bank.data.dtype)
+                                                    kv_dtype)
     n = plan_num_slots(cfg, mcfg, bank, device, kv_bytes_per_token)
     cache = ExpertCache(model, bank, n, mcfg.num_experts_per_tok, device)
     model.expert_cache = cache  # reachable from the runner's model (tests, benchmarks)
