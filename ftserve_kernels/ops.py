@@ -18,10 +18,16 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
         -> (normed [T, H], x + residual | None, weights [T, k] fp32, ids [T, k] int32):
         the (fused-add) norm, the router linear and route_topk; one launch on Triton
         for decode-sized T (decode_fused_triton), the composition otherwise
+    linear(x [T, K], w [N, K], b [N] | None) -> [T, N]: F.linear, or the Triton GEMV
+        for T <= 4 when FTSERVE_DENSE_GEMV=1 (gemv_triton)
+    add_rms_norm_linear(x [T, H], residual [T, H] | None, norm_w [H], eps, w [N, H], b | None)
+        -> (linear(norm(x + residual)) [T, N], x + residual (x when residual is None)):
+        one launch with FTSERVE_DENSE_GEMV=1 at T <= 4 on Triton
 
 Backends are imported once into a table (``_table``); the environment is read
 per call so tests can switch it. FTSERVE_DECODE_FUSION=0 turns the decode-sized
-fusions off (the composition runs instead).
+norm + route fusion off (the composition runs instead); FTSERVE_DENSE_GEMV=1
+turns the dense Triton GEMV on (off by default until the H200 numbers say so).
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ class _Kernels:
     # (x, residual, norm_w, eps, gate_w, top_k, renorm, counter) -> 4 tensors; None: compose
     add_norm_route: Callable[..., Any] | None
     fused_max_tokens: int
+    # (x, w, bias, norm_w, residual, eps) -> (y, summed | None); None: F.linear
+    gemv: Callable[..., Any] | None = None
+    gemv_max_rows: int = 0
 
 
 _REF = _Kernels(
@@ -65,6 +74,7 @@ def _triton_table() -> _Kernels:
     """The Triton kernels, imported once; the reference table if Triton is missing."""
     try:
         from ftserve_kernels import decode_fused_triton as df
+        from ftserve_kernels import gemv_triton as gv
         from ftserve_kernels import moe_triton as mt
         from ftserve_kernels import norm_triton as nt
         from ftserve_kernels import rope_triton as rt
@@ -75,6 +85,7 @@ def _triton_table() -> _Kernels:
         rotary=rt.rotary_triton, qk_norm_rotary=rt.qk_norm_rotary_triton,
         route_topk=mt.route_topk_triton, fused_moe=mt.fused_moe_triton,
         add_norm_route=df.add_norm_route_triton, fused_max_tokens=df.FUSED_MAX_TOKENS,
+        gemv=gv.gemv_triton, gemv_max_rows=gv.GEMV_MAX_ROWS,
     )
 
 
@@ -89,6 +100,10 @@ def _table(t: torch.Tensor) -> _Kernels:
 
 def decode_fusion_enabled() -> bool:
     return os.environ.get("FTSERVE_DECODE_FUSION", "1") != "0"
+
+
+def dense_gemv_enabled() -> bool:
+    return os.environ.get("FTSERVE_DENSE_GEMV", "0") == "1"
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -144,3 +159,31 @@ def add_rms_norm_route(
         normed, summed = k.fused_add_rms_norm(x, residual, norm_w, eps)
     weights, ids = k.route_topk(F.linear(normed, gate_w), top_k, renormalize)  # [T, k] x2
     return normed, summed, weights, ids
+
+
+def _gemv_for(x: torch.Tensor) -> Callable[..., Any] | None:
+    k = _table(x)
+    if k.gemv is not None and x.shape[0] <= k.gemv_max_rows and dense_gemv_enabled():
+        return k.gemv
+    return None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    gemv = _gemv_for(x)
+    if gemv is not None:
+        return gemv(x, w, b)[0]
+    return F.linear(x, w, b)
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+    w: torch.Tensor, b: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gemv = _gemv_for(x)
+    if gemv is not None:
+        y, summed = gemv(x, w, b, norm_w, residual, eps)
+        return y, (x if summed is None else summed)
+    if residual is None:
+        return F.linear(rms_norm(x, norm_w, eps), w, b), x
+    normed, summed = fused_add_rms_norm(x, residual, norm_w, eps)
+    return F.linear(normed, w, b), summed

@@ -40,13 +40,19 @@ def run_steps(path: Path, backend: AttentionBackend) -> list[torch.Tensor]:
     return outs
 
 
+@pytest.mark.parametrize("fusion,dense_gemv", [("1", "0"), ("0", "0"), ("1", "1")])
 def test_model_on_triton_kernels_matches_torch_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fusion: str, dense_gemv: str
 ) -> None:
+    """The decode step (T = 2) runs the decode fusions: norm + router + top-k in
+    one launch, and with FTSERVE_DENSE_GEMV=1 the norm-prologue qkv GEMV and the
+    o_proj GEMV."""
     write_checkpoint("tiny-moe", tmp_path, seed=5, dtype="float32")
     monkeypatch.setenv("FTSERVE_KERNELS", "torch")
     ref = run_steps(tmp_path, TorchAttentionBackend())
     monkeypatch.setenv("FTSERVE_KERNELS", "triton")
+    monkeypatch.setenv("FTSERVE_DECODE_FUSION", fusion)
+    monkeypatch.setenv("FTSERVE_DENSE_GEMV", dense_gemv)
     got = run_steps(tmp_path, TritonAttentionBackend())
     for r, o in zip(ref, got):
         assert o.shape == r.shape and torch.isfinite(o).all()

@@ -13,10 +13,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     # The interpreter is chosen when a kernel is decorated (see test_kernels_attention).
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("ftserve_kernels.norm_triton", "ftserve_kernels.rope_triton"):
+    for _name in ("ftserve_kernels.norm_triton", "ftserve_kernels.rope_triton",
+                  "ftserve_kernels.gemv_triton"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 
+from ftserve_kernels.gemv_triton import gemv_triton  # noqa: E402
 from ftserve_kernels.norm_rope import (  # noqa: E402
     fused_add_rms_norm_ref,
     qk_norm_rotary_ref,
@@ -176,3 +178,115 @@ def test_gpu_norm_rope_real_shapes() -> None:
     rq, rk = qk_norm_rotary_ref(qv, kv, qw, kw, 1e-6, pos, table)
     close(qo, rq)
     close(ko, rk)
+
+
+# ---------------------------------------------------------------- dense GEMV (+ norm prologue)
+
+
+@pytest.mark.parametrize("t", [1, 2, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_linear(t: int, bias: bool) -> None:
+    """N, K not multiples of the blocks (masked tails); T = 3 pads the row block."""
+    g = torch.Generator().manual_seed(t)
+    n, k = 37, 56
+    x = torch.randn(t, k, generator=g).to(DEVICE)
+    w = torch.randn(n, k, generator=g).to(DEVICE)
+    b = torch.randn(n, generator=g).to(DEVICE) if bias else None
+    y, summed = gemv_triton(x, w, b)
+    assert summed is None and y.shape == (t, n)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_norm_prologue_matches_norm_then_linear(residual: bool, dtype: torch.dtype) -> None:
+    """qkv_proj(input_layernorm(x + r)) in one launch: the output and the new
+    residual agree with the composition of the twins."""
+    g = torch.Generator().manual_seed(7)
+    t, n, k = 2, 24, 48
+    x = torch.randn(t, k, generator=g).to(dtype).to(DEVICE)
+    r = torch.randn(t, k, generator=g).to(dtype).to(DEVICE) if residual else None
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    y, summed = gemv_triton(x, w, None, nw, r, 1e-6, block=(8, 16))  # 3 programs, 3 K steps
+    if r is None:
+        normed, want_sum = rms_norm_ref(x, nw, 1e-6), None
+    else:
+        normed, want_sum = fused_add_rms_norm_ref(x, r, nw, 1e-6)
+    ref = torch.nn.functional.linear(normed, w)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    else:  # the interpreter truncates fp32 -> bf16 casts; CUDA rounds
+        torch.testing.assert_close(y, ref, rtol=3e-2, atol=3e-2)
+    if want_sum is None:
+        assert summed is None
+    else:
+        assert summed is not None
+        torch.testing.assert_close(summed, want_sum, rtol=1e-2 if dtype != torch.float32 else 0, atol=0)
+
+
+def test_ops_dense_gemv_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FTSERVE_DENSE_GEMV=1 routes ops.linear / ops.add_rms_norm_linear to the
+    GEMV up to GEMV_MAX_ROWS rows; results equal the composition either way."""
+    from ftserve_kernels import gemv_triton as gv
+    from ftserve_kernels import ops
+
+    calls: list[int] = []
+
+    def counting(*args: object) -> object:
+        calls.append(1)
+        return gemv_triton(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gv, "gemv_triton", counting)
+    ops._triton_table.cache_clear()
+    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(16, 32, generator=g).to(DEVICE)
+    nw = torch.ones(32).to(DEVICE)
+    try:
+        for t, on, used in [(2, "1", True), (gv.GEMV_MAX_ROWS + 1, "1", False), (2, "0", False)]:
+            monkeypatch.setenv("FTSERVE_DENSE_GEMV", on)
+            x = torch.randn(t, 32, generator=g).to(DEVICE)
+            r = torch.randn(t, 32, generator=g).to(DEVICE)
+            n0 = len(calls)
+            y = ops.linear(x, w, None)
+            y2, s2 = ops.add_rms_norm_linear(x, r, nw, 1e-6, w, None)
+            y3, s3 = ops.add_rms_norm_linear(x, None, nw, 1e-6, w, None)
+            assert (len(calls) - n0 == 3) == used and (len(calls) == n0) == (not used)
+            torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+            n2, want = fused_add_rms_norm_ref(x, r, nw, 1e-6)
+            torch.testing.assert_close(y2, torch.nn.functional.linear(n2, w), rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(s2, want)
+            torch.testing.assert_close(y3, torch.nn.functional.linear(rms_norm_ref(x, nw, 1e-6), w),
+                                       rtol=1e-5, atol=1e-4)
+            assert s3 is x
+    finally:
+        ops._triton_table.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096)])  # qwen3-30b qkv_proj, o_proj
+@pytest.mark.parametrize("t", [1, 2])
+def test_gpu_gemv_qwen3_shapes_graph(n: int, k: int, t: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(n + t)
+    x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
+    r = torch.randn(t, k, device="cuda", generator=g).bfloat16()
+    nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).bfloat16()
+    gemv_triton(x, w, None, nw, r, 1e-6)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            y, summed = gemv_triton(x, w, None, nw, r, 1e-6)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    x.copy_(torch.randn(t, k, device="cuda", generator=g).bfloat16())
+    graph.replay()
+    normed, want = fused_add_rms_norm_ref(x, r, nw, 1e-6)
+    ref = torch.nn.functional.linear(normed, w)
+    torch.cuda.synchronize()
+    assert summed is not None and torch.equal(summed, want)
+    assert float((y.float() - ref.float()).norm() / ref.float().norm()) < 1e-2

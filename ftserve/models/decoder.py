@@ -50,13 +50,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual stream is carried separately so each norm fuses the add.
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)  # [T, H]
-        else:
-            x, residual = self.input_layernorm.forward_add(x, residual)
-        x = self.self_attn(x, batch, cos_sin)  # [T, H]
+        # The residual stream is carried separately so each norm fuses the add (and,
+        # at decode sizes, folds into the next GEMV: see ops.add_rms_norm_linear).
+        x, residual = self.self_attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin)
         if isinstance(self.mlp, MoEBlock):
             # Norm, router and top-k in one launch at decode sizes (see MoEBlock.norm_route).
             x, summed, weights, ids = self.mlp.norm_route(x, residual, self.post_attention_layernorm)

@@ -78,8 +78,21 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps, dtype) if qk_norm else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q + 2kv]
+        return self.attend(self.qkv_proj(x), batch, cos_sin)
+
+    def forward_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
+        cos_sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """attention(norm(x + residual)), x + residual (x when residual is None); the
+        norm folds into the qkv GEMV at decode sizes (ops.add_rms_norm_linear)."""
+        qkv, summed = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps,
+                                              self.qkv_proj.weight, self.qkv_proj.bias)
+        return self.attend(qkv, batch, cos_sin), summed
+
+    def attend(self, qkv: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
+        """qkv [T, q + 2kv] -> o_proj(attention) [T, H]."""
+        t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D], a view of qkv
         k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -91,7 +104,7 @@ class Attention(nn.Module):
         else:
             q, k = ops.rotary(q, k, batch.positions, cos_sin)
         out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.q_size))  # [T, H]
+        return ops.linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)  # [T, H]
 
 
 class DenseMLP(nn.Module):
