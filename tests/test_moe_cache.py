@@ -196,25 +196,29 @@ def test_stale_host_view_falls_back_on_the_device(model_dir: str,
 
 
 def test_prefetch_guesses_use_the_router_norms(model_dir: str) -> None:
-    """The guess for layer j+1 rescales layer j's MoE input by w[j+1] / w[j] of the
-    router-input norms, so it equals layer j+1's router input over the same
-    residual; layer 0 is guessed from the embeddings."""
+    """The guess for layer j+1 divides layer j's MoE input rms(h) * w[j] by w[j]
+    and puts it through layer j+1's norm and router: exactly layer j+1's routing
+    over the same residual h. Layer 0 is guessed from the embeddings."""
     eng = make_engine(model_dir, moe_cache_size=24)
     try:
         cache = cache_of(eng)
         model = eng.runner.model
-        assert cache._norms == [layer.post_attention_layernorm for layer in model.layers]
-        assert cache._ratios == [None] * LAYERS  # dummy norms are all ones
+        norms = [layer.post_attention_layernorm for layer in model.layers]
+        assert cache._norms == norms
+        assert cache._inv_w == [None] * LAYERS  # dummy norms are all ones
         g = torch.Generator().manual_seed(4)
         with torch.no_grad():
-            for layer in model.layers[1:]:
-                layer.post_attention_layernorm.weight.uniform_(0.5, 2.0, generator=g)
+            for n in norms:
+                n.weight.uniform_(0.5, 2.0, generator=g)
         cache.reset()
-        r0 = cache._ratios[0]
-        assert r0 is not None and cache._ratios[-1] is None
-        h = torch.randn(5, model.config.hidden_size, generator=g)  # [T, H] residual stream
-        x0 = model.layers[0].post_attention_layernorm(h)
-        torch.testing.assert_close(x0 * r0, model.layers[1].post_attention_layernorm(h))
+        assert all(w is not None for w in cache._inv_w[:-1]) and cache._inv_w[-1] is None
+        h = 3 * torch.randn(5, model.config.hidden_size, generator=g)  # [T, H] residual stream
+        for j in range(LAYERS - 1):
+            x = norms[j](h)  # layer j's MoE input
+            inv = cache._inv_w[j]
+            assert inv is not None
+            want = model.layers[j + 1].mlp.route(norms[j + 1](h))[1]
+            assert torch.equal(cache._guess(j + 1, x * inv), want)
         st0 = cache.stats()
         run_greedy(eng, prompts(6, 1, 4, 4), 4)  # decode at batch 1: guesses from the embeddings on
         st = cache.stats()

@@ -108,11 +108,11 @@ class ExpertCache:
         # Router-input norms of the MoE layers, for the prefetch guesses (None: a
         # model without the usual decoder layout guesses from the raw MoE input).
         self._norms = _router_norms(model, self.blocks)
-        self._ratios: list[torch.Tensor | None] = [None] * self.num_layers
+        self._inv_w: list[torch.Tensor | None] = [None] * self.num_layers
         embed = getattr(model, "embed_tokens", None)
         if self._norms is not None and isinstance(embed, nn.Module):
             embed.register_forward_hook(self._after_embed)  # guesses layer 0 from the embeddings
-        self._refresh_ratios()
+        self._refresh_norms()
         if self.full:
             self._fill_all()
 
@@ -144,21 +144,29 @@ class ExpertCache:
         self.step.zero_()
         if self.streamer is not None:
             self.streamer.reset()
-        self._refresh_ratios()
+        self._refresh_norms()
         if self.full:
             self._fill_all()
 
     @torch.no_grad()
-    def _refresh_ratios(self) -> None:
-        """ratio[j] = w[j+1] / w[j] of the router-input norms: layer j's MoE input
-        rms(h) * w[j] times it is rms(h) * w[j+1], layer j+1's router input as if
-        the residual stream had not moved. None where they are equal (start-up /
-        reset only: these host reads are outside the step path)."""
+    def _refresh_norms(self) -> None:
+        """inv_w[j] = 1 / w[j] of layer j's router-input norm: layer j's MoE input
+        rms(h) * w[j] times it is rms(h), which layer j+1's norm + router then
+        treat as if the residual stream had not moved. None where w[j] is all
+        ones (start-up / reset only: these host reads are outside the step path)."""
         if self._norms is None:
             return
         for j in range(self.num_layers - 1):
-            a, b = self._norms[j].weight, self._norms[j + 1].weight  # [H]
-            self._ratios[j] = None if torch.equal(a, b) else torch.where(a != 0, b / a, 0).to(a.dtype)
+            w = self._norms[j].weight  # [H]
+            ones = bool((w == 1).all())
+            self._inv_w[j] = None if ones else torch.where(w != 0, 1.0 / w.float(), 0.0).to(w.dtype)
+
+    def _guess(self, j: int, h: torch.Tensor) -> torch.Tensor:
+        """Layer j's experts [T, k] for a residual-stream-like h [T, H]: its own
+        norm + router (one fused launch at decode sizes)."""
+        if self._norms is None:
+            return self.blocks[j].route(h)[1]
+        return self.blocks[j].norm_route(h, None, self._norms[j])[3]
 
     @torch.no_grad()
     def _fill_all(self) -> None:
@@ -190,7 +198,7 @@ class ExpertCache:
         """Decode prefetch of the first MoE layer: its router over the normed
         embeddings [T, H], so the copies overlap the first attention."""
         if self._pf_on and self.mode == "admit" and self._norms is not None:
-            self._prefetch(0, self.blocks[0].route(self._norms[0](out))[1])
+            self._prefetch(0, self._guess(0, out))
 
     # ----- per MoE layer -------------------------------------------------
     def _compute(self, j: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -200,8 +208,8 @@ class ExpertCache:
         if self.mode == "admit":
             pred = None
             if self._pf_on and j + 1 < self.num_layers:
-                r = self._ratios[j]
-                pred = self.blocks[j + 1].route(x if r is None else x * r)[1]  # [T, k] layer j+1's guess
+                inv = self._inv_w[j]
+                pred = self._guess(j + 1, x if inv is None else x * inv)  # [T, k] layer j+1's guess
             self._admit(j, ids, LOOKUPS, MISSES)
             if pred is not None:
                 self._prefetch(j + 1, pred)
