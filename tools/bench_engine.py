@@ -254,7 +254,9 @@ def count_routed_experts(drv: EngineDriver, batch: ScheduledBatch) -> float | No
     finally:
         for h in handles:
             h.remove()
-    return sum(counts) / len(counts)
+    # No router call seen (the fused decode route of T <= 8 bypasses the gate
+    # module): fall back to the expectation instead of failing the section.
+    return sum(counts) / len(counts) if counts else None
 
 
 def profile_host(fn: Any, top: int = 25) -> list[tuple[str, int, float, float]]:
