@@ -49,9 +49,11 @@ def round_e4m3(y):
     bits = y.to(tl.int32, bitcast=True)
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # exponent; -6 = subnormal range
     ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2**(e-3): 3 mantissa bits
-    t = y / ulp  # exact (power of two), |t| <= 16
+    inv_ulp = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)  # 2**(3-e)
+    t = y * inv_ulp  # exact (a power of two), |t| <= 16
     r = (t + 12582912.0) - 12582912.0  # 1.5 * 2**23: the fp32 add rounds to nearest even
-    return r * ulp
+    r = tl.abs(r) * ulp
+    return tl.where(bits < 0, -r, r)  # the sign bit, so -0 and values rounding to 0 keep it
 
 
 @triton.jit
