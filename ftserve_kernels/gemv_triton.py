@@ -3,8 +3,8 @@ residual add + RMSNorm folded in as a prologue. Twin: the composition in ops.py.
 
 At batch 1 the cuBLAS GEMVs of the attention projections read their weights at
 about half of HBM bandwidth; here every program streams BLOCK_N full weight
-rows in [BLOCK_N, BLOCK_K] tiles (small tiles, low register use, so several
-programs per SM keep enough bytes in flight), for all T rows at once::
+rows in [BLOCK_N, BLOCK_K] tiles (32 KB a step; enough programs that every SM
+holds two or three), for all T rows at once::
 
     program p: y[:, p*BN : (p+1)*BN] = in[T, K] . W[p*BN : (p+1)*BN, K]^T
 
@@ -99,10 +99,12 @@ def gemv_triton(
     if residual is not None:
         assert residual.stride(-1) == 1
     cuda = x.is_cuda
-    # 16 x 512 bf16 = 16 KB per step at 8 warps (32 elements a thread): qkv (N = 5120)
-    # is 320 programs, o_proj (N = 2048, K = 4096) 128 with 128 KB each... so o_proj
-    # halves the rows per program (BLOCK_N 8: 256 programs of 64 KB).
-    bn, bk = block or (((16 if n >= 4096 else 8), 512) if cuda else (8, 16))
+    # 32 KB of bf16 weights per step (64 elements a thread at 8 warps), as the MoE
+    # gate/up GEMV that streams at ~75% of copy bandwidth: loads outside tl.dot may
+    # not be software-pipelined, so one step's tile is what hides the latency.
+    # qkv (N = 5120, K = 2048): 320 programs of 2 steps; o_proj (N = 2048, K = 4096):
+    # 256 programs of 2 steps. Sweep: tools/bench_decode_layer.py.
+    bn, bk = block or (((16, 1024) if n >= 4096 else (8, 2048)) if cuda else (8, 16))
     bk = min(bk, triton.next_power_of_2(k))
     r = residual if residual is not None else x
     nw = norm_w if norm_w is not None else x

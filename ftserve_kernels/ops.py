@@ -23,6 +23,8 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
     add_rms_norm_linear(x [T, H], residual [T, H] | None, norm_w [H], eps, w [N, H], b | None)
         -> (linear(norm(x + residual)) [T, N], x + residual (x when residual is None)):
         one launch with FTSERVE_DENSE_GEMV=1 at T <= 4 on Triton
+    linear_fp32(x [T, K], w [N, K]) -> [T, N] fp32: F.linear(x, w).float(), or one
+        cuBLAS mm writing fp32 (torch.mm out_dtype) on CUDA when FTSERVE_LM_HEAD_FP32=1
 
 Backends are imported once into a table (``_table``); the environment is read
 per call so tests can switch it. FTSERVE_DECODE_FUSION=0 turns the decode-sized
@@ -187,3 +189,12 @@ def add_rms_norm_linear(
         return F.linear(rms_norm(x, norm_w, eps), w, b), x
     normed, summed = fused_add_rms_norm(x, residual, norm_w, eps)
     return F.linear(normed, w, b), summed
+
+
+def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The lm_head: logits in fp32. With FTSERVE_LM_HEAD_FP32=1 on CUDA the GEMM
+    writes fp32 itself (no separate cast launch; the products are accumulated in
+    fp32 either way, only the bf16 rounding of the output is skipped)."""
+    if x.is_cuda and x.dtype != torch.float32 and os.environ.get("FTSERVE_LM_HEAD_FP32") == "1":
+        return torch.mm(x, w.t(), out_dtype=torch.float32)  # type: ignore[call-arg]
+    return F.linear(x, w).float()

@@ -190,7 +190,7 @@ def norm_route_ref(
         del os.environ["FTSERVE_KERNELS"]
 
 
-@pytest.mark.parametrize("t,residual,renorm", [(1, True, True), (2, True, False), (5, False, True)])
+@pytest.mark.parametrize("t,residual,renorm", [(1, True, True), (2, True, False), (3, False, True)])
 def test_add_norm_route_matches_composition(t: int, residual: bool, renorm: bool) -> None:
     """One launch = fused add + RMSNorm + router linear + top-k; E = 10 is not a
     multiple of the per-program expert block, H = 48 not a power of two. Two
@@ -334,7 +334,7 @@ def test_gpu_fused_moe_no_sync_and_graph_capturable(t: int) -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("t", [1, 2, 8])
+@pytest.mark.parametrize("t", [1, 2, 4])
 def test_gpu_add_norm_route_qwen3_shape_graph(t: int) -> None:
     """E=128, k=8, H=2048: sync-free, capturable, replays agree with the
     composition, and the counter is zero after every replay."""

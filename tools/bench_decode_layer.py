@@ -170,7 +170,7 @@ def main() -> int:
     OUT["device"] = torch.cuda.get_device_name()
     OUT["date"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     print(f"copy bandwidth (read + write) {bw:.0f} GB/s")
-    blocks = [(8, 512), (16, 512), (16, 256), (32, 256), (32, 128), (64, 128)]
+    blocks = [(16, 1024), (8, 2048), (4, 2048), (8, 1024), (16, 512), (8, 512), (32, 256)]
     for t in (1, 2):
         sections: list[tuple[str, Callable[[], None]]] = [
             ("route", lambda t=t: bench_route(t, bw)),  # type: ignore[misc]
@@ -184,7 +184,7 @@ def main() -> int:
             except Exception as exc:
                 OUT["failed"][f"{name} T={t}"] = f"{type(exc).__name__}: {exc}"[:300]
                 print(f"section {name} T={t} FAILED: {exc}")
-    bench_route(8, bw)
+    bench_route(4, bw)
     with open(args.out, "w") as f:
         json.dump(OUT, f, indent=2)
     print(f"wrote {args.out}; failed: {list(OUT['failed']) or 'none'}")

@@ -16,6 +16,7 @@ from torch import nn
 from ftserve.models.config import ModelConfig
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve.models.layers import Attention, DenseMLP, Embedding, Linear, MoEBlock, RMSNorm
+from ftserve_kernels import ops
 
 Index = tuple[int | slice, ...]
 
@@ -101,7 +102,7 @@ class DecoderForCausalLM(nn.Module):
             residual = residual.index_select(0, batch.logits_indices)
         x, _ = self.norm.forward_add(x, residual)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(x, head).float()  # [B or T, V]
+        return ops.linear_fp32(x, head)  # [B or T, V] fp32
 
     def ignorable_checkpoint_names(self) -> set[str]:
         """Tensors a checkpoint may carry that we do not load."""
