@@ -171,7 +171,9 @@ class RadixCache(TierMoves):
         Returns the true match (possibly all of ``tokens``); the caller caps it
         if it needs a token left to compute logits. A match ending inside a
         node splits that node so ``node`` pins exactly the matched pages.
-        ``count_stats=False`` for re-matches that are not new queries.
+        ``count_stats=False`` for re-matches that are not new queries. A list
+        costs one conversion to ``array('i')`` (~20 ns a token); an ``array('i')``
+        is used as is.
         """
         toks = as_token_array(tokens)
         ps = self.page_size
