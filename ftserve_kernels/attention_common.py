@@ -67,6 +67,19 @@ def quantize_e4m3(x, D_AXIS: tl.constexpr):
     return round_e4m3(y), scale
 
 
+def scale_args(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
+    """(k_scale, v_scale, slot stride, fp8) kernel arguments; non-fp8 caches pass
+    the cache itself as an unread placeholder pointer."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return k_cache, k_cache, 0, False
+    assert k_scale is not None and v_scale is not None, "fp8 caches need their scales"
+    assert k_scale.shape == k_cache.shape[:2] and k_scale.stride() == v_scale.stride()
+    assert k_scale.stride(-1) == 1 and k_scale.dtype == torch.float32
+    return k_scale, v_scale, k_scale.stride(0), True
+
+
 @dataclass(frozen=True)
 class AttnKernelConfig:
     """Tile sizes. ``for_device`` picks Hopper-sized tiles on CUDA and tiny ones

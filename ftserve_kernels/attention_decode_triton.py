@@ -10,7 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ftserve_kernels.attention_common import LOG2E, AttnKernelConfig, interpreting, mma, mma_acc
+from ftserve_kernels.attention_common import (
+    LOG2E,
+    AttnKernelConfig,
+    interpreting,
+    mma,
+    mma_acc,
+    scale_args,
+)
 
 
 @triton.jit
@@ -165,7 +172,6 @@ def decode_attention_triton(
     left zero after every call (allocated zeroed here when not given). fp8 caches
     (float8_e4m3fn codes) need ``k_scale`` / ``v_scale``; tiles are dequantized in
     registers."""
-    from ftserve_kernels.attention_triton import _scale_args
 
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
@@ -182,7 +188,7 @@ def decode_attention_triton(
         counters = torch.zeros(bsz * hkv, dtype=torch.int32, device=q.device)
     if fused:
         assert counters is not None and counters.numel() >= bsz * hkv
-    ks, vs, stride_ss, fp8 = _scale_args(k_cache, k_scale, v_scale)
+    ks, vs, stride_ss, fp8 = scale_args(k_cache, k_scale, v_scale)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, out,
         counters if counters is not None else seq_lens,  # unread unless fused

@@ -42,6 +42,13 @@ entries (zero new tokens) and write nothing. Rows of ``out`` past
 ``qo_indptr[B]`` are left untouched. ``TritonAttentionBackend(extend_token_bound=
 chunk)`` launches extend this way; batches with one token per sequence still
 take the decode path only when the host says so (``batch.is_decode``).
+
+fp8 pools (``float8_e4m3fn`` caches, format in ``paged_attention``): the store
+kernel quantizes each (token, KV head) row with its own scale; decode and
+extend load codes plus per-key scales, cast codes to q's dtype (exact), scale
+the score columns by the K scales and the V rows by the V scales, so no
+dequantized copy of a page ever exists. The scale tensors are as static as the
+pool, so graph capture is unchanged; ``FP8`` is a constexpr (one specialization).
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ from ftserve_kernels.attention_common import (  # noqa: F401  (re-exported names
     mma,
     mma_acc,
     quantize_e4m3,
+    scale_args,
 )
 from ftserve_kernels.attention_decode_triton import (  # noqa: F401  (re-exported names)
     _decode_reduce_kernel,
@@ -106,19 +114,6 @@ def _store_kv_kernel(
         tl.store(vc_ptr + dst, vv.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def _scale_args(
-    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
-    """(k_scale, v_scale, slot stride, fp8) kernel arguments; non-fp8 caches pass
-    the cache itself as an unread placeholder pointer."""
-    if k_cache.dtype != torch.float8_e4m3fn:
-        return k_cache, k_cache, 0, False
-    assert k_scale is not None and v_scale is not None, "fp8 caches need their scales"
-    assert k_scale.shape == k_cache.shape[:2] and k_scale.stride() == v_scale.stride()
-    assert k_scale.stride(-1) == 1 and k_scale.dtype == torch.float32
-    return k_scale, v_scale, k_scale.stride(0), True
-
-
 def store_kv_triton(
     k_cache: torch.Tensor,  # [slots, Hkv, D]
     v_cache: torch.Tensor,
@@ -133,7 +128,7 @@ def store_kv_triton(
         return
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1
     assert k_cache.stride() == v_cache.stride()
-    ks, vs, stride_ss, fp8 = _scale_args(k_cache, k_scale, v_scale)
+    ks, vs, stride_ss, fp8 = scale_args(k_cache, k_scale, v_scale)
     _store_kv_kernel[(t,)](
         k, v, k_cache, v_cache, out_cache_loc, ks, vs,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -284,7 +279,7 @@ def extend_attention_triton(
     pack = cfg.extend_pack_gqa and group > 1 and cfg.extend_block_m % group == 0
     tok = cfg.extend_block_m // group if pack else cfg.extend_block_m
     grid = (hkv if pack else hq, triton.cdiv(max_extend_len, tok), bsz)
-    ks, vs, stride_ss, fp8 = _scale_args(k_cache, k_scale, v_scale)
+    ks, vs, stride_ss, fp8 = scale_args(k_cache, k_scale, v_scale)
     _extend_kernel[grid](
         q, out, k_cache, v_cache, page_table, qo_indptr, prefix_lens, ks, vs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
