@@ -206,16 +206,21 @@ def dma_copy_seconds(engine: Engine, moves: list[tuple[bool, list[int], list[int
             else:
                 spans.append((s, d, 1))
 
+    pairs = [(host.k, pool.k), (host.v, pool.v)]
+    if pool.k_scale is not None and pool.v_scale is not None:  # fp8: scales move too
+        assert host.k_scale is not None and host.v_scale is not None
+        pairs += [(host.k_scale, pool.k_scale), (host.v_scale, pool.v_scale)]
+
     def run() -> None:
         # Per layer, so each copy is one contiguous cudaMemcpyAsync from pinned memory.
         for layer in range(pool.num_layers):
             for s, d, n in spans:
-                for src_t, dst_t in ((host.k, pool.k), (host.v, pool.v)):
+                for src_t, dst_t in pairs:
                     dst_t[layer, d * ps:(d + n) * ps].copy_(
                         src_t[layer, s * ps:(s + n) * ps], non_blocking=True)
 
     _, secs, _ = timed(run, device)
-    return secs, 2 * pool.num_layers * len(spans)
+    return secs, len(pairs) * pool.num_layers * len(spans)
 
 
 def decode_kv_dtype(args: argparse.Namespace, model_dir: str, device: torch.device,
