@@ -172,7 +172,6 @@ def decode_attention_triton(
     left zero after every call (allocated zeroed here when not given). fp8 caches
     (float8_e4m3fn codes) need ``k_scale`` / ``v_scale``; tiles are dequantized in
     registers."""
-
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
