@@ -38,6 +38,7 @@ async def run_requests(
                 engine.abort(o.request_id)
                 abort_after.pop(o.request_id)
             if o.finished:
+                assert o.request_id in remaining, f"{o.request_id} reported finished twice"
                 remaining.discard(o.request_id)
         if not remaining:
             done.set()

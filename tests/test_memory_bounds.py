@@ -245,8 +245,6 @@ def test_engine_keeps_no_per_request_state(engine: Engine) -> None:
     assert growth < 64 << 10, f"engine host memory grew {growth} B over 4 rounds: {traced}"
 
 
-@pytest.mark.xfail(strict=True, reason="engine.py _collect re-reports a request that finished "
-                   "while it sat in the in-flight (overlap) batch: two finished outputs")
 def test_engine_reports_each_finish_once(engine: Engine) -> None:
     drv = EngineDriver(engine)
 

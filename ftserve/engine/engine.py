@@ -209,8 +209,13 @@ class EngineCore:
             if id(req) in seen:
                 continue
             seen.add(id(req))
+            if req.finish_reported:
+                # A request that finished while a later step was in flight shows
+                # up again when that step commits: its last output already went.
+                continue
             if not req.pending_ids and not req.finished:
                 continue
+            req.finish_reported = req.finished
             outs.append(RequestOutput(
                 request_id=req.request_id,
                 new_token_ids=req.pending_ids,

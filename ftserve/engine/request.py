@@ -57,7 +57,7 @@ class Req:
     first_scheduled_time: float | None = field(default=None, init=False)
     first_token_time: float | None = field(default=None, init=False)
     finished_time: float | None = field(default=None, init=False)
-    cached_reported: bool = field(default=False, init=False)
+    finish_reported: bool = field(default=False, init=False)  # its finished output went out
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
