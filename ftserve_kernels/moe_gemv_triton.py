@@ -116,7 +116,7 @@ def _gemv_down_combine3d_kernel(
     a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, H, INTER,
     stride_at, stride_we, stride_wn, stride_ot,
     TOP_K: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr, K_STEPS: tl.constexpr,
 ):
     # As _gemv_down_combine_kernel, with the k choices as a third tile axis: the
     # weight tile is [KP, N, K] and each choice's act row loads once as [KP, K]
@@ -138,7 +138,11 @@ def _gemv_down_combine3d_kernel(
     a_ptrs = a_ptr + (pair * stride_at)[:, None] + offs_k[None, :]  # [KP, K]
     bmask = jmask[:, None, None] & nmask[None, :, None]  # [KP, N, 1]
     acc = tl.zeros([BLOCK_KP, BLOCK_N], tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):
+    # Unrolled (K_STEPS = cdiv(I, BLOCK_K), 3 at I = 768): the steps' loads are
+    # independent, so they can all be in flight at once (one memory round trip per
+    # program, not three; these loads are not cp.async-pipelined).
+    for step in tl.static_range(K_STEPS):
+        k0 = step * BLOCK_K
         if EVEN_K:
             av = tl.load(a_ptrs, mask=jmask[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=bmask, other=0.0)
@@ -192,12 +196,14 @@ def fused_moe_gemv_triton(
     )
     if down3d is None:
         down3d = os.environ.get("FTSERVE_MOE_DOWN3D", "1") != "0"
-    down = _gemv_down_combine3d_kernel if down3d else _gemv_down_combine_kernel
-    down[(t, triton.cdiv(h, bn_d))](
-        act, w2, out, weights, ids, emap, h, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        TOP_K=k, BLOCK_KP=triton.next_power_of_2(k), BLOCK_N=bn_d, BLOCK_K=bk_d,
-        EVEN_K=inter % bk_d == 0, HAS_MAP=has_map,
-        num_warps=8 if cuda else 4, num_stages=2 if cuda else 1,
-    )
+    down_args = (act, w2, out, weights, ids, emap, h, inter,
+                 act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))
+    down_consts = dict(TOP_K=k, BLOCK_KP=triton.next_power_of_2(k), BLOCK_N=bn_d, BLOCK_K=bk_d,
+                       EVEN_K=inter % bk_d == 0, HAS_MAP=has_map,
+                       num_warps=8 if cuda else 4, num_stages=2 if cuda else 1)
+    if down3d:
+        _gemv_down_combine3d_kernel[(t, triton.cdiv(h, bn_d))](
+            *down_args, K_STEPS=triton.cdiv(inter, bk_d), **down_consts)
+    else:
+        _gemv_down_combine_kernel[(t, triton.cdiv(h, bn_d))](*down_args, **down_consts)
     return out
