@@ -5,6 +5,7 @@ SIGTERM/SIGINT stop accepting, drain in-flight requests, shut the engine down.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import signal
 import sys
@@ -106,8 +107,16 @@ async def drain(server: RunningServer, timeout: float) -> None:
     await server.runner.cleanup()
 
 
+# Worker threads for long tokenizations and chat-template rendering. A few are
+# enough (tokenizers release the GIL) and each thread costs its own malloc arena,
+# so the pool is bounded instead of the default of cpu_count + 4.
+TOKENIZER_THREADS = 4
+
+
 async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
+    loop.set_default_executor(
+        concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ftserve-tok"))
     state = ServerState(server_cfg, served_name(server_cfg, engine_cfg.model))
     server = await start_http(state, server_cfg.host, server_cfg.port)
     stop = asyncio.Event()
