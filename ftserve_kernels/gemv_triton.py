@@ -3,14 +3,15 @@ residual add + RMSNorm folded in as a prologue. Twin: the composition in ops.py.
 
 At batch 1 the cuBLAS GEMVs of the attention projections read their weights at
 about half of HBM bandwidth; here every program streams BLOCK_N full weight
-rows in [BLOCK_N, BLOCK_K] tiles (32 KB a step; enough programs that every SM
-holds two or three), for all T rows at once::
+rows in [BLOCK_N, BLOCK_K] tiles, for all T rows at once, with an fp32
+accumulator per row shaped like the tile, so the unrolled K loop is loads and
+FMAs only (no barrier: loads issue ahead) and K is summed once at the end::
 
     program p: y[:, p*BN : (p+1)*BN] = in[T, K] . W[p*BN : (p+1)*BN, K]^T
 
 With ``norm_w`` the input is ``round(w * round(rmsnorm(round(x + r))))``, as
 ops.fused_add_rms_norm computes it: each program first takes the row's sum of
-squares over all of K (T x K from L2, cheap next to its 32-64 KB of weights),
+squares over all of K (T x K from L2, cheap next to its 64 KB of weights),
 then rebuilds the normed input chunk by chunk; program 0 also stores x + r,
 the next residual. So qkv_proj(input_layernorm(x, r)) is one launch.
 """
@@ -25,56 +26,104 @@ GEMV_MAX_ROWS = 4  # rows per launch: every program holds all of them
 
 
 @triton.jit
+def _row_in(x_ptr, r_ptr, nw_ptr, t, T, stride_x, stride_r, kk, kmask, inv, dtype,
+            HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Row t's input chunk as an fp32 tile shaped like the weight tile (kk [N, BK]
+    repeats one K chunk down the rows: the loads hit L1, and the tile needs no
+    layout conversion, so no shared memory and no barrier in the K loop)."""
+    m = kmask & ((kk * 0 + t) < T)
+    xv = tl.load(x_ptr + t * stride_x + kk, mask=m, other=0.0)
+    if HAS_NORM:
+        if HAS_RESIDUAL:
+            rv = tl.load(r_ptr + t * stride_r + kk, mask=m, other=0.0)
+            xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dtype)
+        normed = (xv.to(tl.float32) * inv).to(dtype)
+        nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0)
+        xv = (nw.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+    return xv.to(tl.float32)
+
+
+@triton.jit
+def _row_inv(x_ptr, r_ptr, sum_ptr, t, T, K, eps, stride_x, stride_r, stride_s, pid, dtype,
+             HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_KALL: tl.constexpr):
+    """1 / rms of row t (x + r rounded to x's dtype); program 0 stores x + r."""
+    inv = 0.0
+    if HAS_NORM:
+        ka = tl.arange(0, BLOCK_KALL)
+        m = (ka < K) & ((ka * 0 + t) < T)
+        xa = tl.load(x_ptr + t * stride_x + ka, mask=m, other=0.0)
+        if HAS_RESIDUAL:
+            ra = tl.load(r_ptr + t * stride_r + ka, mask=m, other=0.0)
+            xa = (xa.to(tl.float32) + ra.to(tl.float32)).to(dtype)
+            if pid == 0:
+                tl.store(sum_ptr + t * stride_s + ka, xa, mask=m)
+        xf = xa.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
+    return inv
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, sum_ptr,
     T, N, K, eps,
     stride_x, stride_r, stride_w, stride_y, stride_s,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KALL: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, K_STEPS: tl.constexpr,
 ):
+    # Rows are unrolled (BLOCK_T in 1, 2, 4), each with its own [N, BK] fp32
+    # accumulator summed over K once at the end: the K loop is loads and FMAs only.
     pid = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_T)  # [TB]
-    tmask = rows < T
+    dt = x_ptr.dtype.element_ty
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
     nmask = cols < N
     offs_k = tl.arange(0, BLOCK_K)
-    inv = tl.zeros([BLOCK_T], tl.float32)
-    if HAS_NORM:
-        ka = tl.arange(0, BLOCK_KALL)
-        m = tmask[:, None] & (ka[None, :] < K)
-        xa = tl.load(x_ptr + rows[:, None] * stride_x + ka[None, :], mask=m, other=0.0)
-        if HAS_RESIDUAL:
-            ra = tl.load(r_ptr + rows[:, None] * stride_r + ka[None, :], mask=m, other=0.0)
-            xa = (xa.to(tl.float32) + ra.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        xf = xa.to(tl.float32)
-        inv = tl.rsqrt(tl.sum(xf * xf, 1) / K + eps)  # [TB]
-    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + offs_k[None, :]  # [N, K]
-    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
+    zero_n = tl.zeros([BLOCK_N, 1], tl.int32)  # broadcasts a K chunk down the rows
+    inv0 = _row_inv(x_ptr, r_ptr, sum_ptr, 0, T, K, eps, stride_x, stride_r, stride_s, pid, dt,
+                    HAS_NORM, HAS_RESIDUAL, BLOCK_KALL)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if BLOCK_T > 1:
+        inv1 = _row_inv(x_ptr, r_ptr, sum_ptr, 1, T, K, eps, stride_x, stride_r, stride_s, pid, dt,
+                        HAS_NORM, HAS_RESIDUAL, BLOCK_KALL)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if BLOCK_T > 2:
+        inv2 = _row_inv(x_ptr, r_ptr, sum_ptr, 2, T, K, eps, stride_x, stride_r, stride_s, pid, dt,
+                        HAS_NORM, HAS_RESIDUAL, BLOCK_KALL)
+        inv3 = _row_inv(x_ptr, r_ptr, sum_ptr, 3, T, K, eps, stride_x, stride_r, stride_s, pid, dt,
+                        HAS_NORM, HAS_RESIDUAL, BLOCK_KALL)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + offs_k[None, :]  # [N, BK]
+    # Unrolled (K_STEPS = cdiv(K, BLOCK_K)): the steps' loads are independent and
+    # the body has no barrier, so the compiler can issue them ahead.
+    for step in tl.static_range(K_STEPS):
+        kk = step * BLOCK_K + offs_k[None, :] + zero_n  # [N, BK]
         kmask = kk < K
-        xm = tmask[:, None] & kmask[None, :]
-        xv = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=xm, other=0.0)  # [TB, K]
-        if HAS_NORM:
-            if HAS_RESIDUAL:
-                rv = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=xm, other=0.0)
-                xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                if pid == 0:
-                    tl.store(sum_ptr + rows[:, None] * stride_s + kk[None, :], xv, mask=xm)
-            normed = (xv.to(tl.float32) * inv[:, None]).to(x_ptr.dtype.element_ty)
-            nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0)
-            xv = (nw.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x_ptr.dtype.element_ty)
         if EVEN_K:
-            w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0).to(tl.float32)
         else:
-            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :], 2)  # [TB, N]
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask, other=0.0).to(tl.float32)
+        acc0 += w * _row_in(x_ptr, r_ptr, nw_ptr, 0, T, stride_x, stride_r, kk, kmask, inv0, dt,
+                            HAS_NORM, HAS_RESIDUAL)
+        if BLOCK_T > 1:
+            acc1 += w * _row_in(x_ptr, r_ptr, nw_ptr, 1, T, stride_x, stride_r, kk, kmask, inv1, dt,
+                                HAS_NORM, HAS_RESIDUAL)
+        if BLOCK_T > 2:
+            acc2 += w * _row_in(x_ptr, r_ptr, nw_ptr, 2, T, stride_x, stride_r, kk, kmask, inv2, dt,
+                                HAS_NORM, HAS_RESIDUAL)
+            acc3 += w * _row_in(x_ptr, r_ptr, nw_ptr, 3, T, stride_x, stride_r, kk, kmask, inv3, dt,
+                                HAS_NORM, HAS_RESIDUAL)
         w_ptrs += BLOCK_K
+    bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=tmask[:, None] & nmask[None, :])
+        bias = tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
+    ydt = y_ptr.dtype.element_ty
+    tl.store(y_ptr + cols, (tl.sum(acc0, 1) + bias).to(ydt), mask=nmask)
+    if BLOCK_T > 1:
+        tl.store(y_ptr + stride_y + cols, (tl.sum(acc1, 1) + bias).to(ydt), mask=nmask & ((cols * 0 + 1) < T))
+    if BLOCK_T > 2:
+        tl.store(y_ptr + 2 * stride_y + cols, (tl.sum(acc2, 1) + bias).to(ydt), mask=nmask & ((cols * 0 + 2) < T))
+        tl.store(y_ptr + 3 * stride_y + cols, (tl.sum(acc3, 1) + bias).to(ydt), mask=nmask & ((cols * 0 + 3) < T))
 
 
 def gemv_triton(
@@ -99,12 +148,12 @@ def gemv_triton(
     if residual is not None:
         assert residual.stride(-1) == 1
     cuda = x.is_cuda
-    # 32 KB of bf16 weights per step (64 elements a thread at 8 warps), as the MoE
-    # gate/up GEMV that streams at ~75% of copy bandwidth: loads outside tl.dot may
-    # not be software-pipelined, so one step's tile is what hides the latency.
-    # qkv (N = 5120, K = 2048): 320 programs of 2 steps; o_proj (N = 2048, K = 4096):
-    # 256 programs of 2 steps. Sweep: tools/bench_decode_layer.py.
-    bn, bk = block or (((16, 1024) if n >= 4096 else (8, 2048)) if cuda else (8, 16))
+    # BLOCK_K = 256 bf16 is one warp's width (8 a lane), so warps split the rows and
+    # the final K sum stays inside a warp. qkv (N = 5120, K = 2048): 320 programs of
+    # 16 rows (64 KB, 53 registers on sm_90); o_proj (N = 2048, K = 4096): 256 programs
+    # of 8 rows (64 KB, 80 registers). 4 rows of 16 would take 255 registers: 8.
+    # Sweep: tools/bench_decode_layer.py.
+    bn, bk = block or (((16 if n >= 4096 and t <= 2 else 8), 256) if cuda else (8, 16))
     bk = min(bk, triton.next_power_of_2(k))
     r = residual if residual is not None else x
     nw = norm_w if norm_w is not None else x
@@ -114,8 +163,8 @@ def gemv_triton(
         t, n, k, eps,
         x.stride(0), r.stride(0), w.stride(0), y.stride(0), s.stride(0),
         HAS_NORM=norm_w is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_T=max(2, triton.next_power_of_2(t)), BLOCK_N=bn, BLOCK_K=bk,
-        BLOCK_KALL=triton.next_power_of_2(k), EVEN_K=k % bk == 0,
+        BLOCK_T=triton.next_power_of_2(t), BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_KALL=triton.next_power_of_2(k), EVEN_K=k % bk == 0, K_STEPS=triton.cdiv(k, bk),
         num_warps=8 if cuda else 1,
     )
     return y, summed

@@ -185,14 +185,15 @@ def test_gpu_norm_rope_real_shapes() -> None:
 
 @pytest.mark.parametrize("t", [1, 2, 3])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_matches_linear(t: int, bias: bool) -> None:
+@pytest.mark.parametrize("k,block", [(56, None), (600, (4, 512))])  # (4, 512): 2 warp-width sub-chunks
+def test_gemv_matches_linear(t: int, bias: bool, k: int, block: tuple[int, int] | None) -> None:
     """N, K not multiples of the blocks (masked tails); T = 3 pads the row block."""
     g = torch.Generator().manual_seed(t)
-    n, k = 37, 56
+    n = 37
     x = torch.randn(t, k, generator=g).to(DEVICE)
     w = torch.randn(n, k, generator=g).to(DEVICE)
     b = torch.randn(n, generator=g).to(DEVICE) if bias else None
-    y, summed = gemv_triton(x, w, b)
+    y, summed = gemv_triton(x, w, b, block=block)
     assert summed is None and y.shape == (t, n)
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
 

@@ -170,7 +170,7 @@ def main() -> int:
     OUT["device"] = torch.cuda.get_device_name()
     OUT["date"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     print(f"copy bandwidth (read + write) {bw:.0f} GB/s")
-    blocks = [(16, 1024), (8, 2048), (4, 2048), (8, 1024), (16, 512), (8, 512), (32, 256)]
+    blocks = [(16, 256), (8, 256), (32, 256), (4, 256), (8, 512), (16, 128)]
     for t in (1, 2):
         sections: list[tuple[str, Callable[[], None]]] = [
             ("route", lambda t=t: bench_route(t, bw)),  # type: ignore[misc]
