@@ -69,6 +69,54 @@ def _gemv_gate_up_kernel(
 
 
 @triton.jit
+def _gemv_gate_up_acc_kernel(
+    x_ptr, w_ptr, out_ptr, ids_ptr, map_ptr, H, INTER,
+    stride_xt, stride_we, stride_wn, stride_ot,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr, K_STEPS: tl.constexpr,
+):
+    # As _gemv_gate_up_kernel, but BLOCK_K = 256 (one warp's width of bf16, so warps
+    # split the rows) with [N, BK] fp32 accumulators summed once after an unrolled
+    # K loop: the loop is loads and FMAs only (no cross-warp sum, no barrier per
+    # step), so the compiler can issue the steps' loads ahead. x is read as an
+    # [N, BK] tile (one K chunk down the rows, L1 hits) so it needs no layout change.
+    pair = tl.program_id(0)
+    e = tl.load(ids_ptr + pair)
+    if HAS_MAP:  # expert -> row of w (an expert-slot cache)
+        e = tl.load(map_ptr + e)
+    e = e.to(tl.int64)
+    tok = (pair // TOP_K).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [N, BK]
+    u_off = INTER * stride_wn
+    kk0 = offs_k[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)  # [N, BK]: one chunk per row
+    x_ptrs = x_ptr + tok * stride_xt + kk0
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for step in tl.static_range(K_STEPS):
+        k0 = step * BLOCK_K
+        if EVEN_K:
+            xv = tl.load(x_ptrs + k0).to(tl.float32)
+            g = tl.load(g_ptrs + k0, mask=nmask[:, None], other=0.0)
+            u = tl.load(g_ptrs + k0 + u_off, mask=nmask[:, None], other=0.0)
+        else:
+            kmask = kk0 < H - k0
+            xv = tl.load(x_ptrs + k0, mask=kmask, other=0.0).to(tl.float32)
+            m2 = nmask[:, None] & kmask
+            g = tl.load(g_ptrs + k0, mask=m2, other=0.0)
+            u = tl.load(g_ptrs + k0 + u_off, mask=m2, other=0.0)
+        acc_g += g.to(tl.float32) * xv
+        acc_u += u.to(tl.float32) * xv
+    sg = tl.sum(acc_g, 1)  # [N]
+    su = tl.sum(acc_u, 1)
+    h = sg / (1.0 + tl.exp(-sg)) * su  # SiLU(gate) * up, [N]
+    tl.store(out_ptr + pair.to(tl.int64) * stride_ot + offs_n, h.to(out_ptr.dtype.element_ty),
+             mask=nmask)
+
+
+@triton.jit
 def _gemv_down_combine_kernel(
     a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, H, INTER,
     stride_at, stride_we, stride_wn, stride_ot,
@@ -169,6 +217,7 @@ def fused_moe_gemv_triton(
     expert_map: torch.Tensor | None = None,  # [E] int32: expert -> row of w13/w2
     block_n: tuple[int, int] | None = None,  # (gate_up, down) output columns per program
     down3d: bool | None = None,  # default: on unless FTSERVE_MOE_DOWN3D=0
+    gate_up_acc: bool | None = None,  # default: on only with FTSERVE_MOE_GATEUP_ACC=1
 ) -> torch.Tensor:
     t, h = x.shape
     inter = w13.shape[1] // 2
@@ -189,11 +238,21 @@ def fused_moe_gemv_triton(
     bk_gu, bk_d = (512, 256) if cuda else (16, 16)
     emap = expert_map if expert_map is not None else ids  # unread without HAS_MAP
     has_map = expert_map is not None
-    _gemv_gate_up_kernel[(t * k, triton.cdiv(inter, bn_gu))](
-        x, w13, act, ids, emap, h, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=k, BLOCK_N=bn_gu, BLOCK_K=bk_gu, EVEN_K=h % bk_gu == 0, HAS_MAP=has_map,
-        num_warps=8 if cuda else 4, num_stages=2 if cuda else 1,
-    )
+    if gate_up_acc is None:
+        gate_up_acc = os.environ.get("FTSERVE_MOE_GATEUP_ACC", "0") == "1"
+    gu_args = (x, w13, act, ids, emap, h, inter,
+               x.stride(0), w13.stride(0), w13.stride(1), act.stride(0))
+    if gate_up_acc:
+        bk_acc = 256 if cuda else 16
+        _gemv_gate_up_acc_kernel[(t * k, triton.cdiv(inter, bn_gu))](
+            *gu_args, TOP_K=k, BLOCK_N=bn_gu, BLOCK_K=bk_acc, EVEN_K=h % bk_acc == 0,
+            HAS_MAP=has_map, K_STEPS=triton.cdiv(h, bk_acc), num_warps=8 if cuda else 4,
+        )
+    else:
+        _gemv_gate_up_kernel[(t * k, triton.cdiv(inter, bn_gu))](
+            *gu_args, TOP_K=k, BLOCK_N=bn_gu, BLOCK_K=bk_gu, EVEN_K=h % bk_gu == 0,
+            HAS_MAP=has_map, num_warps=8 if cuda else 4, num_stages=2 if cuda else 1,
+        )
     if down3d is None:
         down3d = os.environ.get("FTSERVE_MOE_DOWN3D", "1") != "0"
     down_args = (act, w2, out, weights, ids, emap, h, inter,

@@ -124,12 +124,14 @@ def test_fused_moe_gemv_odd_top_k() -> None:
     assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-4
 
 
-@pytest.mark.parametrize("down3d", [False, True])
+@pytest.mark.parametrize("down3d,gate_up_acc", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("t,k,bn", [(1, 3, None), (2, 8, (16, 8)), (2, 2, (16, 4))])
-def test_gemv_down_variants(down3d: bool, t: int, k: int, bn: tuple[int, int] | None) -> None:
-    """Both down-combine kernels (3-D tile over the choices, and the 2-D one),
-    odd k (padded choice axis), H and I not multiples of the blocks, through an
-    expert map, in bf16."""
+def test_gemv_down_variants(
+    down3d: bool, gate_up_acc: bool, t: int, k: int, bn: tuple[int, int] | None
+) -> None:
+    """The GEMV kernel variants (down: 3-D tile over the choices or 2-D; gate/up:
+    per-step sums or tile accumulators), odd k (padded choice axis), H and I not
+    multiples of the blocks, through an expert map, in bf16."""
     from ftserve_kernels.moe_gemv_triton import fused_moe_gemv_triton
 
     g = torch.Generator().manual_seed(k)
@@ -141,7 +143,8 @@ def test_gemv_down_variants(down3d: bool, t: int, k: int, bn: tuple[int, int] | 
     s13, s2 = torch.empty_like(w13), torch.empty_like(w2)
     s13[perm.long()], s2[perm.long()] = w13, w2
     weights, ids = route_topk_ref(torch.randn(t, e, generator=g).to(DEVICE), k, True)
-    out = fused_moe_gemv_triton(x, s13, s2, weights, ids, expert_map=perm, block_n=bn, down3d=down3d)
+    out = fused_moe_gemv_triton(x, s13, s2, weights, ids, expert_map=perm, block_n=bn, down3d=down3d,
+                                gate_up_acc=gate_up_acc)
     assert out.dtype == torch.bfloat16
     assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 2e-2
 

@@ -121,19 +121,22 @@ def bench_moe(t: int, bw: float) -> None:
     weights, ids = mt.route_topk_triton(torch.randn(t, E, device="cuda"), TOPK, True)
     nbytes = len(set(ids.flatten().tolist())) * 3 * INTER * H * 2
     ref = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, down3d=False)
-    for d3 in (False, True):
-        for bn in ((16, 8), (16, 4), (16, 16), (8, 8), (32, 8)):
-            def run(d3: bool = d3, bn: tuple[int, int] = bn) -> torch.Tensor:
-                return mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, block_n=bn, down3d=d3)
+    variants = [(False, False, (16, 8))] + [(True, acc, bn) for acc in (False, True)
+                                             for bn in ((16, 8), (16, 4), (8, 8), (8, 16), (32, 8))]
+    for d3, acc, bn in variants:
+        def run(d3: bool = d3, acc: bool = acc, bn: tuple[int, int] = bn) -> torch.Tensor:
+            return mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, block_n=bn, down3d=d3,
+                                            gate_up_acc=acc)
 
-            name = f"moe gemv T={t} [{'3-D' if d3 else '2-D'} down, block_n {bn}]"
-            try:
-                ok = check(name, rel_err(run(), ref), 1e-2)
-            except Exception as exc:
-                OUT["failed"][name] = str(exc)[:300]
-                continue
-            if ok:
-                row(name, run, nbytes, bw)
+        name = (f"moe gemv T={t} [{'acc' if acc else 'sum'} gate/up, "
+                f"{'3-D' if d3 else '2-D'} down, block_n {bn}]")
+        try:
+            ok = check(name, rel_err(run(), ref), 1e-2)
+        except Exception as exc:
+            OUT["failed"][name] = str(exc)[:300]
+            continue
+        if ok:
+            row(name, run, nbytes, bw)
 
 
 def bench_lm_head(t: int, bw: float) -> None:
