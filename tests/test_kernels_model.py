@@ -60,6 +60,24 @@ def test_model_on_triton_kernels_matches_torch_path(
         assert err < 1e-4, err
 
 
+def test_logits_rows_with_and_without_gathers(tmp_path: Path) -> None:
+    """logits_indices picks the last token of each sequence: a decode batch (every
+    token a row; the model skips the gathers) and a prefill (real gathers) give
+    the matching rows of the every-token logits."""
+    write_checkpoint("tiny-moe", tmp_path, seed=5, dtype="float32")
+    model, cfg = load_model(tmp_path, dtype="float32", device="cpu")
+    pool = KVPool(cfg.num_layers, 40, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    backend = TorchAttentionBackend()
+    pages = [list(range(1, 8)), list(range(20, 23))]
+    steps = [([[5, 6, 7, 8], [9, 10]], [0, 0], False, [3, 5]), ([[11], [12]], [4, 2], True, [0, 1])]
+    with torch.no_grad():
+        for toks, prefix, decode, rows in steps:
+            full = model(build_forward_batch(toks, prefix, pages, pool, backend, all_logits=True,
+                                             is_decode=decode))
+            picked = model(build_forward_batch(toks, prefix, pages, pool, backend, is_decode=decode))
+            torch.testing.assert_close(picked, full[rows], rtol=1e-5, atol=1e-5)  # GEMM blocking
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_prefill_chunk_graph_replay(tmp_path: Path) -> None:
@@ -103,3 +121,52 @@ def test_gpu_prefill_chunk_graph_replay(tmp_path: Path) -> None:
             assert torch.isfinite(logits).all()
             err = float((logits - eager).norm() / eager.norm())
             assert err < 1e-2, (split, err)
+
+
+DECODE_SWITCHES = [
+    {},  # the defaults: norm + route fusion, 3-D MoE down kernel
+    {"FTSERVE_DENSE_GEMV": "1", "FTSERVE_MOE_GATEUP_ACC": "1", "FTSERVE_LM_HEAD_FP32": "1"},
+    {"FTSERVE_DECODE_FUSION": "0", "FTSERVE_MOE_DOWN3D": "0"},  # the unfused kernels
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("switches", DECODE_SWITCHES)
+def test_gpu_decode_step_fusions_graph(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, switches: dict[str, str]
+) -> None:
+    """A bf16 decode step of two sequences (logits rows = every token: the
+    gathers are skipped) under each set of decode switches: the captured graph
+    replays the eager step, and both agree with the torch reference path."""
+    for name, value in switches.items():
+        monkeypatch.setenv(name, value)
+    write_checkpoint("tiny-moe", tmp_path, seed=5, dtype="bfloat16")
+    model, cfg = load_model(tmp_path, dtype="bfloat16", device="cuda")
+    pool = KVPool(cfg.num_layers, 40, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cuda")
+    g = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (21, 6))
+    pages = [list(range(1, 8)), list(range(20, 23))]
+    backend = TritonAttentionBackend()
+    with torch.no_grad():
+        model(build_forward_batch([a, b], [0, 0], pages, pool, backend))  # fill the KV cache
+        step = build_forward_batch([[7], [9]], [21, 6], pages, pool, backend, is_decode=True)
+        assert step.logits_indices is not None
+        eager = model(step)  # [2, V]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            model(step)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = model(step)
+        logits.fill_(float("nan"))
+        graph.replay()
+        monkeypatch.setenv("FTSERVE_KERNELS", "torch")
+        ref = model(build_forward_batch([[7], [9]], [21, 6], pages, pool, TorchAttentionBackend(),
+                                        is_decode=True))
+    torch.cuda.synchronize()
+    assert torch.isfinite(logits).all()
+    assert float((logits - eager).norm() / eager.norm()) < 1e-3
+    assert float((eager - ref).norm() / ref.norm()) < 3e-2
