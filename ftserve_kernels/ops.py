@@ -19,10 +19,10 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
         the (fused-add) norm, the router linear and route_topk; one launch on Triton
         for decode-sized T (decode_fused_triton), the composition otherwise
     linear(x [T, K], w [N, K], b [N] | None) -> [T, N]: F.linear, or the Triton GEMV
-        for T <= 4 when FTSERVE_DENSE_GEMV=1 (gemv_triton)
+        for T <= 4 when FTSERVE_DENSE_GEMV is 1 or "linear" (gemv_triton)
     add_rms_norm_linear(x [T, H], residual [T, H] | None, norm_w [H], eps, w [N, H], b | None)
         -> (linear(norm(x + residual)) [T, N], x + residual (x when residual is None)):
-        one launch with FTSERVE_DENSE_GEMV=1 at T <= 4 on Triton
+        one launch with FTSERVE_DENSE_GEMV 1 or "norm" at T <= 4 on Triton
     linear_fp32(x [T, K], w [N, K]) -> [T, N] fp32: F.linear(x, w).float(), or one
         cuBLAS mm writing fp32 (torch.mm out_dtype) on CUDA when FTSERVE_LM_HEAD_FP32=1
 
@@ -104,8 +104,10 @@ def decode_fusion_enabled() -> bool:
     return os.environ.get("FTSERVE_DECODE_FUSION", "1") != "0"
 
 
-def dense_gemv_enabled() -> bool:
-    return os.environ.get("FTSERVE_DENSE_GEMV", "0") == "1"
+def dense_gemv_enabled(kind: str) -> bool:
+    """FTSERVE_DENSE_GEMV: 0 (default) off; 1 both uses; "linear" only plain
+    linears (o_proj); "norm" only the norm-prologue GEMV (qkv_proj)."""
+    return os.environ.get("FTSERVE_DENSE_GEMV", "0") in ("1", kind)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -163,15 +165,15 @@ def add_rms_norm_route(
     return normed, summed, weights, ids
 
 
-def _gemv_for(x: torch.Tensor) -> Callable[..., Any] | None:
+def _gemv_for(x: torch.Tensor, kind: str) -> Callable[..., Any] | None:
     k = _table(x)
-    if k.gemv is not None and x.shape[0] <= k.gemv_max_rows and dense_gemv_enabled():
+    if k.gemv is not None and x.shape[0] <= k.gemv_max_rows and dense_gemv_enabled(kind):
         return k.gemv
     return None
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    gemv = _gemv_for(x)
+    gemv = _gemv_for(x, "linear")
     if gemv is not None:
         return gemv(x, w, b)[0]
     return F.linear(x, w, b)
@@ -181,7 +183,7 @@ def add_rms_norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
     w: torch.Tensor, b: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    gemv = _gemv_for(x)
+    gemv = _gemv_for(x, "norm")
     if gemv is not None:
         y, summed = gemv(x, w, b, norm_w, residual, eps)
         return y, (x if summed is None else summed)

@@ -1,0 +1,106 @@
+"""Compile the decode-path GEMV kernels for Hopper (sm_90) without a GPU and
+report registers, spills and how the weight loads are issued.
+
+Usage: python -m tools.compile_decode_kernels  (prints one JSON line; run it
+without TRITON_INTERPRET). tests/test_kernels_moe.py runs it in a subprocess.
+
+The GEMV kernels stream weights with plain loads (not cp.async-pipelined), so
+what hides memory latency is how many loads a thread issues before its first
+use of one. ``loads_before_first_use`` counts the LDG instructions before the
+first FFMA in the SASS (-1 when cuobjdump is missing): unrolled K loops free of
+barriers let ptxas issue many of them up front.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ftserve_kernels import decode_fused_triton as df
+from ftserve_kernels import gemv_triton as gv
+from ftserve_kernels import moe_gemv_triton as mg
+
+# Integer arguments the launch specializes as multiples of 16 at the real shapes.
+_DIV16 = ("H", "K", "N", "E", "INTER")
+
+
+def _compile(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int) -> dict[str, Any]:
+    consts = {k: v for k, v in ({"HAS_MAP": False} | consts).items() if k in fn.arg_names}
+    types = {"map_ptr": "*i32"} | types
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (sig[n].startswith("*") or "stride" in n or n in _DIV16)}
+    try:
+        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
+    except Exception as exc:  # reported; the test asserts on it
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    res: dict[str, Any] = {"shared": k.metadata.shared, "regs": -1, "local": -1,
+                           "loads_before_first_use": -1}
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return res
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    try:
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    for word in usage.split():
+        if word.startswith("REG:"):
+            res["regs"] = int(word[4:])
+        if word.startswith("LOCAL:"):
+            res["local"] = int(word[6:])
+    n = 0
+    for line in sass.splitlines():
+        if " FFMA" in line:
+            break
+        n += " LDG" in line
+    res["loads_before_first_use"] = n
+    return res
+
+
+def compile_all() -> dict[str, dict[str, Any]]:
+    bf, i32 = "*bf16", "*i32"
+    moe = {"x_ptr": bf, "a_ptr": bf, "w_ptr": bf, "out_ptr": bf, "weights_ptr": "*fp32", "ids_ptr": i32}
+    out: dict[str, dict[str, Any]] = {}
+    out["moe_gate_up"] = _compile(mg._gemv_gate_up_kernel, moe,
+                                  dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True), 8)
+    for bn in (16, 8):
+        out[f"moe_gate_up_acc_n{bn}"] = _compile(
+            mg._gemv_gate_up_acc_kernel, moe,
+            dict(TOP_K=8, BLOCK_N=bn, BLOCK_K=256, EVEN_K=True, K_STEPS=8), 8)
+    out["moe_down3d"] = _compile(mg._gemv_down_combine3d_kernel, moe,
+                                 dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True,
+                                      K_STEPS=3), 8)
+    route = {"x_ptr": bf, "r_ptr": bf, "nw_ptr": bf, "g_ptr": bf, "normed_ptr": bf, "sum_ptr": bf,
+             "logits_ptr": "*fp32", "w_out_ptr": "*fp32", "ids_out_ptr": i32, "cnt_ptr": i32,
+             "eps": "fp32"}
+    out["add_norm_route"] = _compile(
+        df._add_norm_route_kernel, route,
+        dict(HAS_RESIDUAL=True, TOP_K=8, RENORM=True, BLOCK_E=4, BLOCK_H=2048, BLOCK_EALL=128,
+             BLOCK_K=8), 4)
+    g = {"x_ptr": bf, "r_ptr": bf, "nw_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf,
+         "sum_ptr": bf, "eps": "fp32"}
+    for t in (1, 2, 4):  # the default blocks gemv_triton picks at each row count
+        out[f"gemv_qkv_norm_T{t}"] = _compile(
+            gv._gemv_kernel, g,
+            dict(HAS_NORM=True, HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_T=t,
+                 BLOCK_N=16 if t <= 2 else 8, BLOCK_K=256, BLOCK_KALL=2048, EVEN_K=True, K_STEPS=8), 8)
+        out[f"gemv_o_T{t}"] = _compile(
+            gv._gemv_kernel, g,
+            dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, BLOCK_T=t, BLOCK_N=8,
+                 BLOCK_K=256, BLOCK_KALL=4096, EVEN_K=True, K_STEPS=16), 8)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_all()))
