@@ -130,6 +130,11 @@ def add_norm_route_triton(
         x.stride(0), r.stride(0), normed.stride(0), s.stride(0), gate_w.stride(0),
         HAS_RESIDUAL=residual is not None, TOP_K=top_k, RENORM=renormalize,
         BLOCK_E=_ROUTE_BLOCK_E, BLOCK_H=block_h, BLOCK_EALL=triton.next_power_of_2(e),
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=4 if x.is_cuda else 1,
+        # One warp: every reduction (the norm, the dot, the winner's softmax and k
+        # rounds of max) stays in shuffles; with 4 warps each went through shared
+        # memory and a barrier (47 in the sm_90 PTX, 6 at one warp), a serial tail
+        # the last program pays k times. 32 one-warp programs still issue the whole
+        # 0.5 MB router weight at once (16 KB each).
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=1,
     )
     return normed, summed, weights, ids

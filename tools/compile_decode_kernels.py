@@ -87,7 +87,7 @@ def compile_all() -> dict[str, dict[str, Any]]:
     out["add_norm_route"] = _compile(
         df._add_norm_route_kernel, route,
         dict(HAS_RESIDUAL=True, TOP_K=8, RENORM=True, BLOCK_E=4, BLOCK_H=2048, BLOCK_EALL=128,
-             BLOCK_K=8), 4)
+             BLOCK_K=8), 1)
     g = {"x_ptr": bf, "r_ptr": bf, "nw_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf,
          "sum_ptr": bf, "eps": "fp32"}
     for t in (1, 2, 4):  # the default blocks gemv_triton picks at each row count
