@@ -134,7 +134,7 @@ def add_norm_route_triton(
         # rounds of max) stays in shuffles; with 4 warps each went through shared
         # memory and a barrier (47 in the sm_90 PTX, 6 at one warp), a serial tail
         # the last program pays k times. 32 one-warp programs still issue the whole
-        # 0.5 MB router weight at once (16 KB each).
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=1,
+        # 0.5 MB router weight at once (16 KB each). Wider rows would spill: 4 warps.
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if block_h <= 2048 else 4,
     )
     return normed, summed, weights, ids
