@@ -306,6 +306,34 @@ def test_decode_gemv_kernels_compile_for_sm90() -> None:
         assert n == -1 or n >= 8, f"{name}: only {n} loads issued before the first FMA"
 
 
+def test_moe_block_norm_route_hooks_see_the_router(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward hook on the router (tests, bench_engine's expert count) turns
+    the fused launch off for that block: the hook sees the logits, and the
+    routing equals the fused kernel's."""
+    from ftserve.models.layers import MoEBlock, RMSNorm
+
+    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
+    g = torch.Generator().manual_seed(8)
+    h, e, k = 32, 8, 2
+    block = MoEBlock(0, h, 16, e, k, True, torch.float32).to(DEVICE)
+    norm = RMSNorm(h, 1e-6, torch.float32).to(DEVICE)
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.randn(e, h, generator=g))
+        norm.weight.copy_(1 + 0.1 * torch.randn(h, generator=g))
+    x, r = torch.randn(2, h, generator=g).to(DEVICE), torch.randn(2, h, generator=g).to(DEVICE)
+    fused = block.norm_route(x, r, norm)
+    seen: list[torch.Tensor] = []
+    handle = block.gate.register_forward_hook(lambda m, i, o: seen.append(o))
+    try:
+        hooked = block.norm_route(x, r, norm)
+    finally:
+        handle.remove()
+    assert len(seen) == 1 and seen[0].shape == (2, e)
+    assert torch.equal(hooked[3], fused[3])
+    torch.testing.assert_close(hooked[2], fused[2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hooked[0], fused[0], rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- GPU, real shapes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

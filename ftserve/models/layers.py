@@ -160,6 +160,14 @@ class MoEBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """``norm`` (fused with the residual add when given), then route: one launch
         at decode sizes on Triton. -> (normed [T, H], x + residual or None, weights, ids)."""
+        if self.gate._forward_hooks or self.gate._forward_pre_hooks:
+            # Someone observes the router (tests, bench_engine's expert count): call
+            # the modules, unfused, so the hooks see the logits.
+            if residual is None:
+                normed, summed = norm(x), None
+            else:
+                normed, summed = norm.forward_add(x, residual)
+            return (normed, summed, *self.route(normed))
         c = self._route_counter
         if c is None or c.device != x.device:
             c = self._route_counter = torch.zeros(1, dtype=torch.int32, device=x.device)
