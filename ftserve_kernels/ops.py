@@ -193,10 +193,15 @@ def add_rms_norm_linear(
     return F.linear(normed, w, b), summed
 
 
+# torch.mm(..., out_dtype=) (the aten mm.dtype overload) is missing from older torch.
+_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+
+
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The lm_head: logits in fp32. With FTSERVE_LM_HEAD_FP32=1 on CUDA the GEMM
     writes fp32 itself (no separate cast launch; the products are accumulated in
     fp32 either way, only the bf16 rounding of the output is skipped)."""
-    if x.is_cuda and x.dtype != torch.float32 and os.environ.get("FTSERVE_LM_HEAD_FP32") == "1":
+    if (x.is_cuda and x.dtype != torch.float32 and os.environ.get("FTSERVE_LM_HEAD_FP32") == "1"
+            and _MM_OUT_DTYPE):
         return torch.mm(x, w.t(), out_dtype=torch.float32)  # type: ignore[call-arg]
     return F.linear(x, w).float()
