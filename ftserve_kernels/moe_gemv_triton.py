@@ -18,11 +18,11 @@ follows the grouped path: act and each weighted down row round to x's dtype.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from ftserve import envs
 
 GEMV_MAX_TOKENS = 2  # fused_moe_triton's default switch point (tokens, not pairs)
 
@@ -239,7 +239,7 @@ def fused_moe_gemv_triton(
     emap = expert_map if expert_map is not None else ids  # unread without HAS_MAP
     has_map = expert_map is not None
     if gate_up_acc is None:
-        gate_up_acc = os.environ.get("FTSERVE_MOE_GATEUP_ACC", "0") == "1"
+        gate_up_acc = envs.moe_gateup_acc()
     gu_args = (x, w13, act, ids, emap, h, inter,
                x.stride(0), w13.stride(0), w13.stride(1), act.stride(0))
     if gate_up_acc:
@@ -254,7 +254,7 @@ def fused_moe_gemv_triton(
             HAS_MAP=has_map, num_warps=8 if cuda else 4, num_stages=2 if cuda else 1,
         )
     if down3d is None:
-        down3d = os.environ.get("FTSERVE_MOE_DOWN3D", "1") != "0"
+        down3d = envs.moe_down3d()
     down_args = (act, w2, out, weights, ids, emap, h, inter,
                  act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))
     down_consts = dict(TOP_K=k, BLOCK_KP=triton.next_power_of_2(k), BLOCK_N=bn_d, BLOCK_K=bk_d,

@@ -35,7 +35,6 @@ turns the dense Triton GEMV on (off by default until the H200 numbers say so).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ftserve import envs
 from ftserve_kernels import moe as moe_ref
 from ftserve_kernels import norm_rope as nr_ref
 
@@ -92,7 +92,7 @@ def _triton_table() -> _Kernels:
 
 
 def _table(t: torch.Tensor) -> _Kernels:
-    choice = os.environ.get("FTSERVE_KERNELS", "auto")
+    choice = envs.kernels()
     if choice == "torch":
         return _REF
     if choice == "triton" or t.is_cuda:
@@ -101,13 +101,13 @@ def _table(t: torch.Tensor) -> _Kernels:
 
 
 def decode_fusion_enabled() -> bool:
-    return os.environ.get("FTSERVE_DECODE_FUSION", "1") != "0"
+    return envs.decode_fusion()
 
 
 def dense_gemv_enabled(kind: str) -> bool:
     """FTSERVE_DENSE_GEMV: 0 (default) off; 1 both uses; "linear" only plain
     linears (o_proj); "norm" only the norm-prologue GEMV (qkv_proj)."""
-    return os.environ.get("FTSERVE_DENSE_GEMV", "0") in ("1", kind)
+    return envs.dense_gemv() in ("1", kind)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -201,7 +201,7 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The lm_head: logits in fp32. With FTSERVE_LM_HEAD_FP32=1 on CUDA the GEMM
     writes fp32 itself (no separate cast launch; the products are accumulated in
     fp32 either way, only the bf16 rounding of the output is skipped)."""
-    if (x.is_cuda and x.dtype != torch.float32 and os.environ.get("FTSERVE_LM_HEAD_FP32") == "1"
+    if (x.is_cuda and x.dtype != torch.float32 and envs.lm_head_fp32()
             and _MM_OUT_DTYPE):
         return torch.mm(x, w.t(), out_dtype=torch.float32)  # type: ignore[call-arg]
     return F.linear(x, w).float()

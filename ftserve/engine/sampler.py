@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ftserve import envs
 from ftserve.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from ftserve_kernels import sampling as ks
 
@@ -291,6 +291,6 @@ def gumbel_argmax(
 ) -> torch.Tensor:
     """Dispatch: the fused Triton kernel on CUDA (FTSERVE_KERNELS=torch forces
     the reference, as in ftserve_kernels.ops), else the reference."""
-    if scores.is_cuda and ks.triton is not None and os.environ.get("FTSERVE_KERNELS") != "torch":
+    if scores.is_cuda and ks.triton is not None and envs.kernels() != "torch":
         return ks.gumbel_argmax_triton(scores, k1, k2)
     return ks.gumbel_argmax_ref(scores, k1, k2, token_hash)

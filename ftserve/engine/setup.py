@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ftserve import envs
 from ftserve.config import ConfigError, EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.engine.runner import ModelRunner
@@ -41,7 +41,7 @@ def demo_model_dir() -> str:
     """Write (once) the embedded demo checkpoint: config + real tokenizer, no weights."""
     from ftserve.models.checkpoint import write_checkpoint
 
-    root = Path(os.environ.get("FTSERVE_CACHE_DIR", Path.home() / ".cache" / "ftserve"))
+    root = envs.cache_dir()
     out = root / f"demo-{DEMO_PRESET}"
     if not (out / "config.json").exists() or not (out / "tokenizer_config.json").exists():
         write_checkpoint(DEMO_PRESET, out, config_only=True)

@@ -1,0 +1,57 @@
+"""Every FTSERVE_* environment variable, typed, in one place.
+
+Read at call time (not import time) so tests and benchmarks can flip them per
+run. Kernel switches that are off by default exist until the H200 numbers say
+which variant wins; see BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value not in ("0", "false", "False", "no")
+
+
+def cache_dir() -> Path:
+    """FTSERVE_CACHE_DIR: where the embedded demo checkpoint is written
+    (default ~/.cache/ftserve)."""
+    return Path(os.environ.get("FTSERVE_CACHE_DIR", Path.home() / ".cache" / "ftserve"))
+
+
+def kernels() -> str:
+    """FTSERVE_KERNELS: auto (Triton on CUDA tensors, torch elsewhere) | triton | torch."""
+    return os.environ.get("FTSERVE_KERNELS", "auto")
+
+
+def decode_fusion() -> bool:
+    """FTSERVE_DECODE_FUSION (default on): residual add + RMSNorm + router +
+    top-k in one launch for decode-sized batches."""
+    return _flag("FTSERVE_DECODE_FUSION", True)
+
+
+def dense_gemv() -> str:
+    """FTSERVE_DENSE_GEMV (default 0): Triton GEMV for tiny batches instead of
+    cuBLAS: 1 = everywhere, 'linear' = o_proj only, 'norm' = qkv with the input
+    norm folded in."""
+    return os.environ.get("FTSERVE_DENSE_GEMV", "0")
+
+
+def lm_head_fp32() -> bool:
+    """FTSERVE_LM_HEAD_FP32 (default off): the lm_head writes fp32 logits itself."""
+    return _flag("FTSERVE_LM_HEAD_FP32", False)
+
+
+def moe_gateup_acc() -> bool:
+    """FTSERVE_MOE_GATEUP_ACC (default off): the accumulate-style expert gate/up GEMV."""
+    return _flag("FTSERVE_MOE_GATEUP_ACC", False)
+
+
+def moe_down3d() -> bool:
+    """FTSERVE_MOE_DOWN3D (default on): the expert down GEMV with the k choices as a tile axis."""
+    return _flag("FTSERVE_MOE_DOWN3D", True)
