@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 MIN_FLAG = 1 << 62
 ALL_FEATURES = SamplerFeatures.all()
 
@@ -43,6 +45,21 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     if max_bs not in sizes:
         sizes.append(max_bs)
     return sorted(set(sizes))
+
+
+def capture_graph(fn: Callable[[], T], pool: object) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Warm fn up on a side stream (kernel compiles, allocator settles), then
+    capture one call of it into pool; returns the graph and fn's static output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 class DecodeGraphs:
@@ -114,15 +131,7 @@ class DecodeGraphs:
         log.info("CUDA graphs for batch sizes %s captured in %.1f s", self.sizes, time.monotonic() - t0)
 
     def _capture_one(self, bs: int, feats: SamplerFeatures) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: compile kernels, settle allocations
-                self._forward(bs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(bs)
+        graph, out = capture_graph(lambda: self._forward(bs), self.pool)
         self.graphs[(bs, feats)] = graph
         self.outputs[(bs, feats)] = out
 

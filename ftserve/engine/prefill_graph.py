@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ftserve.engine.cuda_graph import capture_graph
+from ftserve.engine.runner import token_layout
 from ftserve.models.forward_batch import AttentionMetadata, ForwardBatch
 
 if TYPE_CHECKING:
@@ -69,7 +71,7 @@ class PrefillGraphs:
         self.backends = {b: TritonAttentionBackend(extend_token_bound=b) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.pool = pool  # set at capture (CUDA only)
 
     def can_run(self, batch: ScheduledBatch) -> bool:
         return (not batch.is_decode and len(batch.reqs) <= self.max_seqs
@@ -105,19 +107,13 @@ class PrefillGraphs:
 
     def capture(self) -> None:
         t0 = time.monotonic()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         self._fill(None, self.t_max)
         with torch.inference_mode():
             for bucket in sorted(self.buckets, reverse=True):
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm up: compile kernels, settle allocations
-                        self._forward(bucket)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self.logits[bucket] = self._forward(bucket)
-                self.graphs[bucket] = graph
+                self.graphs[bucket], self.logits[bucket] = capture_graph(
+                    lambda b=bucket: self._forward(b), self.pool)
         torch.cuda.synchronize()
         log.info("CUDA graphs for prefill token budgets %s (up to %d sequences) captured in "
                  "%.1f s", self.buckets, self.max_seqs, time.monotonic() - t0)
@@ -125,31 +121,25 @@ class PrefillGraphs:
     def _fill(self, batch: ScheduledBatch | None, bucket: int) -> None:
         """Pack the step into p_in with one copy (batch None: an all-padding step)."""
         r = self.runner
-        ps, s = r.page_size, self.max_seqs
+        s = self.max_seqs
         ids: list[int] = []
         pos: list[int] = []
         locs: list[int] = []
         indptr = [0]
-        seq, pre, slots, last = [], [], [], []
+        seq: list[int] = []
+        pre: list[int] = []
+        slots: list[int] = []
+        last: list[int] = []
         if batch is not None:
-            for req, toks, p0 in zip(batch.reqs, batch.new_tokens, batch.prefix_lens):
-                n = len(toks)
-                ids.extend(toks)
-                pages = req.pages
-                for p in range(p0, p0 + n):
-                    pos.append(p)
-                    locs.append(pages[p // ps] * ps + p % ps)
-                indptr.append(indptr[-1] + n)
-                seq.append(p0 + n)
-                pre.append(p0)
-                slots.append(req.slot)
-                last.append(indptr[-1] - 1)
+            ids, pos, locs, indptr, seq, last = token_layout(batch, r.page_size)
+            pre = list(batch.prefix_lens)
+            slots = [req.slot for req in batch.reqs]
         t, k = len(ids), len(seq)
         pad_t, pad_s = self.t_max - t, s - k
         packed = (ids + [0] * pad_t + pos + [0] * pad_t + locs + [0] * pad_t
                   + indptr + [t] * pad_s + seq + [0] * pad_s + pre + [0] * pad_s
                   + slots + [r.sink_row] * pad_s + last + [0] * pad_s)
-        host = torch.tensor(packed, dtype=torch.int64, pin_memory=True)
+        host = torch.tensor(packed, dtype=torch.int64, pin_memory=r.device.type == "cuda")
         self.p_in.copy_(host, non_blocking=True)
 
     def replay(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -123,22 +123,7 @@ class ModelRunner:
     def build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Eager path: (forward batch, sampler slots, steps, min_tokens_active)."""
         ps = self.page_size
-        ids: list[int] = []
-        pos: list[int] = []
-        locs: list[int] = []
-        indptr = [0]
-        seq_lens: list[int] = []
-        last: list[int] = []
-        for req, toks, pre in zip(batch.reqs, batch.new_tokens, batch.prefix_lens):
-            n = len(toks)
-            ids.extend(toks)
-            pages = req.pages
-            for p in range(pre, pre + n):
-                pos.append(p)
-                locs.append(pages[p // ps] * ps + p % ps)
-            indptr.append(indptr[-1] + n)
-            seq_lens.append(pre + n)
-            last.append(indptr[-1] - 1)
+        ids, pos, locs, indptr, seq_lens, last = token_layout(batch, ps)
         rows = [i for i, s in enumerate(batch.samples) if s]
         t, b, r = len(ids), len(batch.reqs), len(rows)
         src = batch.src_rows if batch.src_rows else [-1] * t  # decode: t == b
@@ -278,6 +263,29 @@ class ModelRunner:
     def step(self, batch: ScheduledBatch) -> tuple[list[int], list[TokenLogprob | None] | None]:
         """launch + collect, without overlap."""
         return self.collect(self.launch(batch))
+
+
+def token_layout(batch: ScheduledBatch, page_size: int,
+                 ) -> tuple[list[int], list[int], list[int], list[int], list[int], list[int]]:
+    """The packed token layout of a step (see ForwardBatch): token ids,
+    positions, KV slots, qo_indptr, seq_lens and each sequence's last token row."""
+    ids: list[int] = []
+    pos: list[int] = []
+    locs: list[int] = []
+    indptr = [0]
+    seq_lens: list[int] = []
+    last: list[int] = []
+    for req, toks, pre in zip(batch.reqs, batch.new_tokens, batch.prefix_lens):
+        n = len(toks)
+        ids.extend(toks)
+        pages = req.pages
+        for p in range(pre, pre + n):
+            pos.append(p)
+            locs.append(pages[p // page_size] * page_size + p % page_size)
+        indptr.append(indptr[-1] + n)
+        seq_lens.append(pre + n)
+        last.append(indptr[-1] - 1)
+    return ids, pos, locs, indptr, seq_lens, last
 
 
 @dataclass
