@@ -42,8 +42,9 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     def comp(name: str, fn: Any, types: dict[str, str], consts: dict[str, Any],
              warps: int = 4, stages: int = 3) -> None:
         # Optional features default off; a name the kernel lacks is dropped.
-        consts = {k: v for k, v in ({"HAS_MAP": False} | consts).items() if k in fn.arg_names}
-        types = {"map_ptr": "*i32"} | types
+        consts = {k: v for k, v in ({"HAS_MAP": False, "FP8": False} | consts).items()
+                  if k in fn.arg_names}
+        types = {"map_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32"} | types
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
         # Launch-time specialization: pointers and strides divisible by 16.
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -82,6 +83,20 @@ def _compile_all() -> dict[str, dict[str, Any]]:
              dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
                   BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=fused,
                   BLOCK_S=64), cfg.decode_warps, cfg.decode_stages)
+    # fp8 e4m3 KV pages (codes + per-token scales): store, decode and extend.
+    fp8 = "*fp8e4nv"
+    comp("store_kv_fp8", at._store_kv_kernel,
+         {"k_ptr": bf, "v_ptr": bf, "kc_ptr": fp8, "vc_ptr": fp8, "loc_ptr": "*i64"},
+         dict(HKV=4, D=128, BLOCK_H=4, BLOCK_D=128, FP8=True))
+    attn8 = attn | {"kc_ptr": fp8, "vc_ptr": fp8}
+    comp("decode_split_fp8", at._decode_split_kernel, attn8,
+         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=cfg.decode_block_n,
+              NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False, BLOCK_S=64, FP8=True),
+         cfg.decode_warps, cfg.decode_stages)
+    comp("extend_fp8", at._extend_kernel, attn8,
+         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n,
+              UPCAST=False, PACK_GQA=False, TOK=cfg.extend_block_m, FP8=True),
+         cfg.extend_warps, cfg.extend_stages)
     comp("decode_reduce", at._decode_reduce_kernel, attn,
          dict(NUM_SPLITS=64, BLOCK_S=64, D=128, BLOCK_D=128), 4, 1)
     comp("extend", at._extend_kernel, attn,
