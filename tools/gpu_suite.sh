@@ -23,9 +23,9 @@ step gpu_tests 150 python3 -m pytest -m gpu -q --continue-on-collection-errors -
     -o addopts="" tests/ > "$out/gpu_tests.txt"
 grep -E "passed|failed" "$out/gpu_tests.txt" | tail -1
 grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" | head -30
-step bench_engine 90 python3 -m tools.bench_engine --out "$out/bench_engine.json" > "$out/bench_engine.md"
+step bench_engine 90 python3 -m tools.bench_engine --budget-s 70 --out "$out/bench_engine.json" > "$out/bench_engine.md"
 if [ "$mode" = full ]; then
-    step bench_moe_cache 70 python3 -m tools.bench_moe_cache --out "$out/bench_moe_cache.json" \
+    step bench_moe_cache 70 python3 -m tools.bench_moe_cache --budget-s 50 --out "$out/bench_moe_cache.json" \
         > "$out/bench_moe_cache.md"
     step bench_kv_tiers 50 python3 -m tools.bench_kv_tiers --out "$out/bench_kv_tiers.json" \
         > "$out/bench_kv_tiers.md"
