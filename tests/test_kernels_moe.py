@@ -430,4 +430,8 @@ def test_gpu_add_norm_route_qwen3_shape_graph(t: int) -> None:
         probs = torch.softmax(torch.nn.functional.linear(ref[0], gw).float(), dim=-1)
         torch.testing.assert_close(probs.gather(1, out[3].long()), probs.gather(1, ref[3].long()),
                                    rtol=2e-2, atol=1e-4)
-        assert (out[3] == ref[3]).float().mean() >= 0.9
+        # The same experts, in either order among near-ties (measured on the H200:
+        # positional agreement 0.875 at t=4, all from adjacent swaps of experts
+        # whose probabilities agree to rounding; the MoE sum does not depend on order).
+        same = out[3].sort(dim=1).values == ref[3].sort(dim=1).values
+        assert same.float().mean() >= 0.9

@@ -220,9 +220,10 @@ def test_cuda_parity(family: str, tmp_path: Path) -> None:
             ours = logits[off : off + len(p)]
             off += len(p)
             if dtype == "float32":
-                # The Triton grouped GEMM multiplies fp32 inputs in TF32 on CUDA
-                # (measured 3e-3 on the MoE families); dense layers stay fp32.
-                tol = 5e-3 if cfg.is_moe else 1e-3
+                # Triton's MoE GEMMs/GEMVs multiply fp32 inputs in TF32 on CUDA
+                # (measured on the H200: 3e-3, then 7e-3 with the fused decode
+                # kernels); dense layers stay fp32 through cuBLAS.
+                tol = 1e-2 if cfg.is_moe else 1e-3
                 assert (ours - r).abs().max().item() <= tol
             else:
                 err, hf_err = (ours - r).abs().max().item(), (r16 - r).abs().max().item()
