@@ -103,6 +103,7 @@ def test_offload_equals_resident(model_dir: str, resident_tokens: dict[str, list
         assert cache.full == (slots >= TOTAL)
         assert cache.prefetch_max_tokens == 1  # 16 experts, top-4
         cache.prefetch_max_tokens = 4  # up to batch 3 with 24 slots, 2 with 16
+        cache.prefetch = True  # off by default; this test covers the prefetch path too
         for name, seed, lo, hi, n in (("mixed", 0, 5, 150, 10), ("short", 1, 3, 12, 12)):
             got = run_greedy(eng, prompts(seed, *(3 if name == "short" else 4, lo, hi)), n)
             assert got == resident_tokens[name], f"{name}: offload with {slots} slots differs"
@@ -202,6 +203,7 @@ def test_prefetch_guesses_use_the_router_norms(model_dir: str) -> None:
     eng = make_engine(model_dir, moe_cache_size=24)
     try:
         cache = cache_of(eng)
+        cache.prefetch = True  # off by default (see ExpertCache)
         model = eng.runner.model
         norms = [layer.post_attention_layernorm for layer in model.layers]
         assert cache._norms == norms
@@ -406,9 +408,9 @@ def test_bench_smoke_cpu(tmp_path: Path) -> None:
         else:
             assert r["experts_streamed"] == r["experts_uncached"] == 0, r
     dec = res["summary"]["decode"]
-    # 12 slots: batch 1 (top-4, twice) prefetches, batch 3 does not; the ablation
-    # runs again, prefetch off, the batch sizes that prefetched.
-    for mode, want in (("offload", [(1, True), (3, False)]), ("offload, prefetch off", [(1, False)])):
+    # 12 slots, prefetch off by default; the ablation runs again, prefetch on,
+    # the batch sizes where it applies (batch 1 with top-4, twice, fits; 3 does not).
+    for mode, want in (("offload", [(1, False), (3, False)]), ("offload, prefetch on", [(1, True)])):
         rows = [r for r in dec if r["mode"] == mode]
         assert [(r["batch"], r["prefetch"]) for r in rows] == want, dec
         assert all(0.0 <= r["hit_rate"] <= 1.0 and r["copies_per_step"] > 0 for r in rows), rows
