@@ -179,3 +179,27 @@ def test_engine_failure_surfaces(model_dir: str) -> None:
         assert not eng.healthy
     finally:
         eng.shutdown()
+
+
+def test_undone_admission_counts_prompt_once() -> None:
+    """A request whose first chunk does not fit yet is admitted again later:
+    prompt and prefix-hit counters count it once."""
+    from ftserve.engine.request import Req
+    from ftserve.engine.sampling_params import SamplingParams
+    from ftserve.engine.scheduler import Scheduler
+
+    s = Scheduler(page_size=4, num_pages=9, max_running=4, max_prefill_length=64,
+                  max_model_len=32, eos_token_ids=[])
+    a = Req("a", list(range(10, 34)), SamplingParams(max_tokens=4, temperature=0.0), 0.0)
+    b = Req("b", list(range(50, 62)), SamplingParams(max_tokens=4, temperature=0.0), 0.0)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()  # a takes 6 of 8 pages; b (3 pages) is admitted, undone
+    assert batch is not None and batch.reqs == [a] and list(s.waiting) == [b]
+    s.check_integrity()
+    s.commit(batch, [1])
+    s.finish(a, "abort")  # a's pages go to the tree, evictable
+    batch = s.schedule()
+    assert batch is not None and batch.reqs == [b]
+    assert s.counters.prompt_tokens_total == 24 + 12
+    s.check_integrity()

@@ -57,6 +57,7 @@ class Req:
     first_scheduled_time: float | None = field(default=None, init=False)
     first_token_time: float | None = field(default=None, init=False)
     finished_time: float | None = field(default=None, init=False)
+    counted: bool = field(default=False, init=False)  # in the prompt / prefix-hit counters
     finish_reported: bool = field(default=False, init=False)  # its finished output went out
 
     def __post_init__(self) -> None:

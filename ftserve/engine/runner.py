@@ -26,7 +26,13 @@ import torch
 from ftserve.engine.messages import TokenLogprob
 from ftserve.engine.scheduler import ScheduledBatch
 from ftserve.kvcache.pool import KVPool
-from ftserve.models.forward_batch import AttentionBackend, AttentionMetadata, ForwardBatch
+from ftserve.models.forward_batch import (
+    AttentionBackend,
+    AttentionMetadata,
+    ForwardBatch,
+    PackedTokens,
+    pack_tokens,
+)
 
 if TYPE_CHECKING:
     from ftserve.engine.cuda_graph import DecodeGraphs
@@ -265,27 +271,10 @@ class ModelRunner:
         return self.collect(self.launch(batch))
 
 
-def token_layout(batch: ScheduledBatch, page_size: int,
-                 ) -> tuple[list[int], list[int], list[int], list[int], list[int], list[int]]:
-    """The packed token layout of a step (see ForwardBatch): token ids,
-    positions, KV slots, qo_indptr, seq_lens and each sequence's last token row."""
-    ids: list[int] = []
-    pos: list[int] = []
-    locs: list[int] = []
-    indptr = [0]
-    seq_lens: list[int] = []
-    last: list[int] = []
-    for req, toks, pre in zip(batch.reqs, batch.new_tokens, batch.prefix_lens):
-        n = len(toks)
-        ids.extend(toks)
-        pages = req.pages
-        for p in range(pre, pre + n):
-            pos.append(p)
-            locs.append(pages[p // page_size] * page_size + p % page_size)
-        indptr.append(indptr[-1] + n)
-        seq_lens.append(pre + n)
-        last.append(indptr[-1] - 1)
-    return ids, pos, locs, indptr, seq_lens, last
+def token_layout(batch: ScheduledBatch, page_size: int) -> PackedTokens:
+    """The packed token layout of a scheduled step (see pack_tokens)."""
+    return pack_tokens(batch.new_tokens, batch.prefix_lens, [r.pages for r in batch.reqs],
+                       page_size)
 
 
 @dataclass

@@ -146,43 +146,39 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.max_prefill_length
-        reqs: list[Req] = []
+        chunks: list[tuple[Req, int]] = []  # (request, new tokens this step)
         for req in [r for r in self.running if r.state is ReqState.PREFILL and not r.inflight]:
             if budget <= 0:
                 break
             n = min(req.remaining_prefill, budget)
             if not self._reserve(req, req.computed_len + n):
                 break
-            reqs.append(req)
+            chunks.append((req, n))
             budget -= n
         while budget > 0 and self.waiting and self.free_slots:
             req = self.waiting[0]
             if req.inflight:
                 break  # preempted while its last step is in flight: wait for the commit
-            if not self._admit(req):
-                break
-            self.waiting.popleft()
+            self._admit(req)
             n = min(req.remaining_prefill, budget)
             if not self._reserve(req, req.computed_len + n):
                 # Admission matched pages but the chunk does not fit yet: undo.
                 self._release(req, keep_kv=True)
                 req.state = ReqState.WAITING
-                self.waiting.appendleft(req)
                 break
-            reqs.append(req)
+            self.waiting.popleft()
+            self._count_admission(req)
+            chunks.append((req, n))
             budget -= n
-        if not reqs:
+        if not chunks:
             return None
-        budget = self.max_prefill_length
-        new_tokens, prefix_lens, samples = [], [], []
-        for req in reqs:
-            n = min(req.remaining_prefill, budget)
-            budget -= n
-            new_tokens.append(req.tokens[req.computed_len:req.computed_len + n])
-            prefix_lens.append(req.computed_len)
-            samples.append(req.computed_len + n == len(req.tokens))
-        steps = [r.num_outputs for r in reqs]
-        return ScheduledBatch(reqs, False, new_tokens, prefix_lens, samples, steps=steps)
+        reqs = [req for req, _ in chunks]
+        return ScheduledBatch(
+            reqs, False,
+            new_tokens=[req.tokens[req.computed_len:req.computed_len + n] for req, n in chunks],
+            prefix_lens=[req.computed_len for req in reqs],
+            samples=[req.computed_len + n == len(req.tokens) for req, n in chunks],
+            steps=[req.num_outputs for req in reqs])
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         reqs: list[Req] = []
@@ -226,8 +222,9 @@ class Scheduler:
         req.pages.extend(pages)
         return True
 
-    def _admit(self, req: Req) -> bool:
-        """Take a sampler slot and match the prefix cache; False if no room."""
+    def _admit(self, req: Req) -> None:
+        """Take a sampler slot and match the prefix cache (the caller checked a
+        slot is free)."""
         if self.enable_prefix_cache:
             # Keep at least one token to compute: its logits give the next token.
             match = self.radix.match_prefix(req.tokens[:len(req.tokens) - 1])
@@ -242,16 +239,20 @@ class Scheduler:
             req.computed_len = n_pages * self.page_size
         else:
             req.pages, req.num_tree_pages, req.computed_len = [], 0, 0
-        if req.num_preemptions == 0:
-            req.cached_len = req.computed_len
-            self.counters.prefix_hit_tokens_total += req.cached_len
-            self.counters.prompt_tokens_total += req.prompt_len
         req.slot = self.free_slots.pop()
         req.state = ReqState.PREFILL
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
         self.running.append(req)
-        return True
+
+    def _count_admission(self, req: Req) -> None:
+        """Prompt and prefix-hit counters, once per request: at its first
+        admission that got pages (not an undone one, not a resume)."""
+        if req.num_preemptions == 0 and not req.counted:
+            req.counted = True
+            req.cached_len = req.computed_len
+            self.counters.prefix_hit_tokens_total += req.cached_len
+            self.counters.prompt_tokens_total += req.prompt_len
 
     def _release(self, req: Req, keep_kv: bool) -> None:
         """Give back the request's slot and pages; its computed KV goes to the

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -257,7 +256,3 @@ def _attention_backend(cfg: EngineConfig, device: torch.device) -> Any:
     from ftserve_kernels.paged_attention import TorchAttentionBackend
 
     return TorchAttentionBackend()
-
-
-def with_overrides(cfg: EngineConfig, **kw: Any) -> EngineConfig:
-    return dataclasses.replace(cfg, **kw)

@@ -22,6 +22,7 @@ back from the device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -87,6 +88,35 @@ class ForwardBatch:
         return self.attn.num_seqs
 
 
+PackedTokens = tuple[list[int], list[int], list[int], list[int], list[int], list[int]]
+
+
+def pack_tokens(
+    token_ids: Sequence[Sequence[int]],
+    prefix_lens: Sequence[int],
+    page_tables: Sequence[Sequence[int]],
+    page_size: int,
+) -> PackedTokens:
+    """Host lists of the packed layout (module docstring): (token ids, positions,
+    KV slots, qo_indptr, seq_lens, each sequence's last token row)."""
+    ids: list[int] = []
+    pos: list[int] = []
+    locs: list[int] = []
+    indptr = [0]
+    seq_lens: list[int] = []
+    last: list[int] = []
+    for toks, pre, pages in zip(token_ids, prefix_lens, page_tables):
+        n = len(toks)
+        ids.extend(toks)
+        for p in range(pre, pre + n):
+            pos.append(p)
+            locs.append(pages[p // page_size] * page_size + p % page_size)
+        indptr.append(indptr[-1] + n)
+        seq_lens.append(pre + n)
+        last.append(indptr[-1] - 1)
+    return ids, pos, locs, indptr, seq_lens, last
+
+
 def build_forward_batch(
     token_ids: list[list[int]],
     prefix_lens: list[int],
@@ -107,26 +137,12 @@ def build_forward_batch(
     """
     device = torch.device(device) if device is not None else kv_pool.device
     ps = kv_pool.page_size
-    ids: list[int] = []
-    pos: list[int] = []
-    locs: list[int] = []
-    indptr = [0]
-    seq_lens: list[int] = []
-    last: list[int] = []
     for toks, pre, pages in zip(token_ids, prefix_lens, page_tables):
-        n = len(toks)
-        if n == 0:
+        if not toks:
             raise ValueError("every sequence in a batch needs at least one new token")
-        if (pre + n + ps - 1) // ps > len(pages):
-            raise ValueError(f"page table of {len(pages)} pages cannot hold {pre + n} tokens")
-        ids.extend(toks)
-        for j in range(n):
-            p = pre + j
-            pos.append(p)
-            locs.append(pages[p // ps] * ps + p % ps)
-        indptr.append(indptr[-1] + n)
-        seq_lens.append(pre + n)
-        last.append(indptr[-1] - 1)
+        if (pre + len(toks) + ps - 1) // ps > len(pages):
+            raise ValueError(f"page table of {len(pages)} pages cannot hold {pre + len(toks)} tokens")
+    ids, pos, locs, indptr, seq_lens, last = pack_tokens(token_ids, prefix_lens, page_tables, ps)
     max_pages = max(1, max(len(p) for p in page_tables))
     table = torch.zeros((len(token_ids), max_pages), dtype=torch.int32)
     for b, pages in enumerate(page_tables):
