@@ -387,3 +387,18 @@ def test_cuda_graph_capture_matches_eager_without_syncs() -> None:
     ref = ks.gumbel_argmax_ref(scaled, k1, k2, s.token_hash)
     fast = ks.gumbel_argmax_triton(scaled, k1, k2)
     _assert_same_draw(fast, ref, scaled, k1, k2, s.token_hash)
+
+
+def test_update_is_free_until_a_request_uses_penalties() -> None:
+    """Capturing the all-stages graph allocates the penalty counts; decode steps
+    must still skip the counting until an admitted request uses penalties."""
+    s = Sampler(32, 4, "cpu", seed=0)
+    with s.forced_features(SamplerFeatures.all()):
+        pass
+    assert s.counts is not None and not s.features.penalties
+    s.admit(0, SamplingParams(temperature=0.0), [1, 2], [3])
+    s.update(torch.tensor([0]), torch.tensor([7]))
+    assert int(s.counts.sum()) == 0
+    s.admit(1, SamplingParams(temperature=0.0, presence_penalty=1.0), [1, 2], [3])
+    s.update(torch.tensor([1]), torch.tensor([7]))
+    assert int(s.counts.view(-1, 32)[1, 7]) == 1

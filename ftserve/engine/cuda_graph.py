@@ -163,6 +163,6 @@ class DecodeGraphs:
         feats = SamplerFeatures() if r.sampler.features == SamplerFeatures() else ALL_FEATURES
         self.graphs[(pbs, feats)].replay()
         out = self.outputs[(pbs, feats)]
-        slots = self.g_in[:bs, 4] & (MIN_FLAG - 1)
-        r.sampler.update(slots, out.token_ids[:bs])
+        if r.sampler.features.penalties:
+            r.sampler.update(self.g_in[:bs, 4] & (MIN_FLAG - 1), out.token_ids[:bs])
         return out

@@ -276,8 +276,10 @@ class Sampler:
 
     def update(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Count the sampled tokens for presence/frequency/repetition penalties.
-        Nothing to do (no kernel) until some request uses penalties."""
-        if self.counts is None:
+        Nothing to do (no kernel) until some admitted request uses penalties:
+        capturing the all-stages graph allocates the counts, but rows of requests
+        without penalties never read them, and admit() resets a row it hands out."""
+        if self.counts is None or not self._features.penalties:
             return
         # A flat scatter_add (atomics) rather than index_put_(accumulate=True),
         # whose CUDA path sorts indices; duplicate (slot, token) pairs just add.
