@@ -55,3 +55,10 @@ def moe_gateup_acc() -> bool:
 def moe_down3d() -> bool:
     """FTSERVE_MOE_DOWN3D (default on): the expert down GEMV with the k choices as a tile axis."""
     return _flag("FTSERVE_MOE_DOWN3D", True)
+
+
+def moe_config_file() -> Path | None:
+    """FTSERVE_MOE_CONFIG_FILE: a MoE tile table (tools/tune_moe.py output) used
+    instead of the packaged ftserve_kernels/configs/moe_<device>.json."""
+    value = os.environ.get("FTSERVE_MOE_CONFIG_FILE")
+    return Path(value) if value else None

@@ -203,3 +203,27 @@ def test_undone_admission_counts_prompt_once() -> None:
     assert batch is not None and batch.reqs == [b]
     assert s.counters.prompt_tokens_total == 24 + 12
     s.check_integrity()
+
+
+def test_pack_tokens_matches_per_token_layout() -> None:
+    """The vectorized packer equals the per-token definition for short (decode)
+    and long (chunk) sequences mixed, across page boundaries."""
+    from ftserve.models.forward_batch import pack_tokens
+
+    rng = random.Random(3)
+    ps = 4
+    toks, pres, tables = [], [], []
+    for n, pre in [(1, 9), (40, 0), (3, 5), (17, 13), (1, 0), (64, 31)]:
+        toks.append([rng.randrange(100) for _ in range(n)])
+        pres.append(pre)
+        tables.append(rng.sample(range(1, 500), (pre + n + ps - 1) // ps))
+    ids, pos, locs, indptr, seq_lens, last = pack_tokens(toks, pres, tables, ps)
+    want_pos = [p for t, pre in zip(toks, pres) for p in range(pre, pre + len(t))]
+    want_locs = [tab[p // ps] * ps + p % ps
+                 for t, pre, tab in zip(toks, pres, tables) for p in range(pre, pre + len(t))]
+    assert ids.tolist() == [x for t in toks for x in t]
+    assert pos.tolist() == want_pos
+    assert locs.tolist() == want_locs
+    assert indptr == [0, 1, 41, 44, 61, 62, 126]
+    assert seq_lens == [10, 40, 8, 30, 1, 95]
+    assert last == [0, 40, 43, 60, 61, 125]

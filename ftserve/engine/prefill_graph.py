@@ -27,6 +27,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ftserve.engine.cuda_graph import capture_graph
@@ -121,25 +122,24 @@ class PrefillGraphs:
     def _fill(self, batch: ScheduledBatch | None, bucket: int) -> None:
         """Pack the step into p_in with one copy (batch None: an all-padding step)."""
         r = self.runner
-        s = self.max_seqs
-        ids: list[int] = []
-        pos: list[int] = []
-        locs: list[int] = []
-        indptr = [0]
-        seq: list[int] = []
-        pre: list[int] = []
-        slots: list[int] = []
-        last: list[int] = []
+        buf = np.zeros(self.size, dtype=np.int64)  # padding: token 0 -> dummy slot 0
+        o = self.off
+        buf[o["slot"]:o["last"]] = r.sink_row  # empty sequences read the dummy row
         if batch is not None:
             ids, pos, locs, indptr, seq, last = token_layout(batch, r.page_size)
-            pre = list(batch.prefix_lens)
-            slots = [req.slot for req in batch.reqs]
-        t, k = len(ids), len(seq)
-        pad_t, pad_s = self.t_max - t, s - k
-        packed = (ids + [0] * pad_t + pos + [0] * pad_t + locs + [0] * pad_t
-                  + indptr + [t] * pad_s + seq + [0] * pad_s + pre + [0] * pad_s
-                  + slots + [r.sink_row] * pad_s + last + [0] * pad_s)
-        host = torch.tensor(packed, dtype=torch.int64, pin_memory=r.device.type == "cuda")
+            t, k = len(ids), len(seq)
+            buf[o["ids"]:o["ids"] + t] = ids
+            buf[o["pos"]:o["pos"] + t] = pos
+            buf[o["loc"]:o["loc"] + t] = locs
+            buf[o["indptr"]:o["indptr"] + k + 1] = indptr
+            buf[o["indptr"] + k + 1:o["seq"]] = t  # empty sequences: 0 tokens
+            buf[o["seq"]:o["seq"] + k] = seq
+            buf[o["pre"]:o["pre"] + k] = batch.prefix_lens
+            buf[o["slot"]:o["slot"] + k] = [req.slot for req in batch.reqs]
+            buf[o["last"]:o["last"] + k] = last
+        host = torch.from_numpy(buf)
+        if r.device.type == "cuda":
+            host = host.pin_memory()
         self.p_in.copy_(host, non_blocking=True)
 
     def replay(self, batch: ScheduledBatch) -> torch.Tensor:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ftserve.engine.messages import TokenLogprob
@@ -100,15 +101,20 @@ class ModelRunner:
         self.read_backs = 0  # deliberate device->host reads so far (tests count them)
 
     # ----- host -> device ------------------------------------------------
-    def _upload(self, values: list[int]) -> torch.Tensor:
-        host = torch.tensor(values, dtype=torch.int64, pin_memory=self._pin)
+    def _upload(self, values: list[int] | np.ndarray) -> torch.Tensor:
+        """One non-blocking copy of int64 values to the device (numpy -> torch
+        shares memory; pinning copies into the caching host allocator, which keeps
+        the block until the copy has run)."""
+        host = torch.from_numpy(np.asarray(values, dtype=np.int64))
+        if self._pin:
+            host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
 
     def prepare_slots(self, reqs: list[Req]) -> None:
         """Admit new owners to the sampler and mirror newly added pages."""
-        upd_rows: list[int] = []
-        upd_cols: list[int] = []
-        upd_pages: list[int] = []
+        upd_rows: list[np.ndarray] = []
+        upd_cols: list[np.ndarray] = []
+        upd_pages: list[np.ndarray] = []
         for req in reqs:
             s = req.slot
             if self._owner[s] is not req:
@@ -118,12 +124,12 @@ class ModelRunner:
             n = self._synced[s]
             new = req.pages[n:]
             if new:
-                upd_rows.extend([s] * len(new))
-                upd_cols.extend(range(n, n + len(new)))
-                upd_pages.extend(new)
+                upd_rows.append(np.full(len(new), s, dtype=np.int64))
+                upd_cols.append(np.arange(n, n + len(new), dtype=np.int64))
+                upd_pages.append(np.array(new, dtype=np.int64))
                 self._synced[s] = len(req.pages)
         if upd_rows:
-            dev = self._upload(upd_rows + upd_cols + upd_pages).view(3, -1)
+            dev = self._upload(np.concatenate(upd_rows + upd_cols + upd_pages)).view(3, -1)
             self.page_table.index_put_((dev[0], dev[1]), dev[2].to(torch.int32))
 
     def build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -132,12 +138,12 @@ class ModelRunner:
         ids, pos, locs, indptr, seq_lens, last = token_layout(batch, ps)
         rows = [i for i, s in enumerate(batch.samples) if s]
         t, b, r = len(ids), len(batch.reqs), len(rows)
-        src = batch.src_rows if batch.src_rows else [-1] * t  # decode: t == b
-        packed = (ids + src + pos + locs + indptr + seq_lens + list(batch.prefix_lens)
-                  + [q.slot for q in batch.reqs] + [last[i] for i in rows]
-                  + [batch.reqs[i].slot for i in rows] + [batch.steps[i] for i in rows]
-                  + [int(batch.steps[i] < batch.reqs[i].params.min_tokens) for i in rows])
-        dev = self._upload(packed)
+        src = np.array(batch.src_rows, dtype=np.int64) if batch.src_rows else np.full(t, -1)
+        small = (indptr + seq_lens + list(batch.prefix_lens)
+                 + [q.slot for q in batch.reqs] + [last[i] for i in rows]
+                 + [batch.reqs[i].slot for i in rows] + [batch.steps[i] for i in rows]
+                 + [int(batch.steps[i] < batch.reqs[i].params.min_tokens) for i in rows])
+        dev = self._upload(np.concatenate([ids, src, pos, locs, np.array(small, dtype=np.int64)]))
         o = 0
 
         def take(n: int) -> torch.Tensor:
