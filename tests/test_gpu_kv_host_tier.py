@@ -76,6 +76,41 @@ def test_page_moves_round_trip_without_sync() -> None:
         assert not pool.k[:, p * ps:(p + 1) * ps].any(), f"page {p} was written"
 
 
+def test_layered_restore_waits_per_layer_without_sync() -> None:
+    """flush(layered=True): one event per layer, each layer's pages moved once its
+    event has fired, no host sync, correct while the compute stream is busy."""
+    dev = torch.device("cuda")
+    pool = KVPool(4, 64, 16, 2, 64, torch.bfloat16, dev)
+    pool.k.normal_()
+    pool.v.normal_()
+    host = HostKVTier(pool, 32)
+    src, mid, dst = list(range(1, 21)), list(range(5, 25)), list(range(40, 60))
+    host.queue_offload(src, mid)
+    host.flush()
+    host.queue_load(mid, dst)
+    assert host.has_pending_loads
+    host.flush(layered=True)  # compile outside the checked region
+    torch.cuda.synchronize()
+    want_k, want_v = pool.k.clone(), pool.v.clone()
+    pool.k[:, 40 * 16:].zero_()
+    pool.v[:, 40 * 16:].zero_()
+    a = torch.randn(4096, 4096, device=dev)
+    with sync_is_error(True):
+        busy = a @ a  # the compute stream is busy when the copies are queued
+        host.queue_load(mid, dst)
+        events = host.flush(layered=True)
+        assert events is not None and len(events) == pool.num_layers
+        assert not host.has_pending_loads
+        got = []
+        for layer, ev in enumerate(events):
+            torch.cuda.current_stream().wait_event(ev)
+            got.append((pool.k[layer].clone(), pool.v[layer].clone()))
+    torch.cuda.synchronize()
+    del busy
+    for layer, (k, v) in enumerate(got):
+        assert torch.equal(k, want_k[layer]) and torch.equal(v, want_v[layer]), f"layer {layer}"
+
+
 def host_scenario(engine: Engine, seed: int, check: bool, to_host: bool) -> tuple[CheckedDriver, list[int], int]:
     """Turn 1 (3 chunks) -> optionally push the whole prefix cache to the host
     tier -> turn 2 over it. Returns the driver, turn 2's output and its cached length."""
@@ -111,7 +146,10 @@ def test_host_tier_hit_has_no_hidden_syncs(engine: Engine) -> None:
 
 def test_host_restore_equals_device_hit(engine: Engine) -> None:
     _, on_device, cached_dev = host_scenario(engine, seed=5, check=False, to_host=False)
+    counters = engine.runner.kv_host.counters  # type: ignore[union-attr]
+    layered = counters.layered_flushes_total
     _, via_host, cached_host = host_scenario(engine, seed=5, check=False, to_host=True)
+    assert counters.layered_flushes_total > layered, "the restore should stream in layer by layer"
     assert cached_dev == cached_host
     assert via_host == on_device, f"after a host restore {via_host} != device hit {on_device}"
 

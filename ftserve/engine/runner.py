@@ -185,15 +185,23 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> Launched:
         """Enqueue the step's device work; the tokens come back in collect()."""
+        decode_graph = (self.graphs is not None and batch.is_decode
+                        and self.graphs.can_run(len(batch.reqs)))
+        layer_ready = None
         if self.kv_host is not None:
             # Offloads of evicted pages and loads of host-tier hits, ordered by
-            # events after the previous steps and before this one (no host wait).
-            self.kv_host.flush()
+            # events after the previous steps (no host wait). A restore streams
+            # in layer by layer under an eager forward (layer L waits for its
+            # own pages only); before a graph, the step waits for all of it.
+            layered = not decode_graph and self.kv_host.has_pending_loads
+            layer_ready = self.kv_host.flush(layered=layered)
         self.prepare_slots(batch.reqs)
         rows = [i for i, s in enumerate(batch.samples) if s]
-        if self.graphs is not None and batch.is_decode and self.graphs.can_run(len(batch.reqs)):
+        if decode_graph:
+            assert self.graphs is not None
             out = self.graphs.replay(batch)
-        elif self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+        elif (layer_ready is None and self.prefill_graphs is not None
+              and self.prefill_graphs.can_run(batch)):
             logits_all = self.prefill_graphs.replay(batch)  # [max_seqs, V], row i = reqs[i]
             if not rows:
                 return Launched(batch, rows, None)
@@ -207,11 +215,15 @@ class ModelRunner:
             self.last_tokens[:len(rows)].copy_(out.token_ids[:len(rows)])
         else:
             fb, slots, steps, min_active = self.build(batch)
+            fb.layer_ready = layer_ready
+            logits = self.model(fb)  # [R, V] fp32 (unused for a non-final chunk)
+            if layer_ready:
+                # Every move is done before the step ends, also if some layer
+                # never waited (later steps rely on the stream order alone).
+                torch.cuda.current_stream(self.device).wait_event(layer_ready[-1])
             if not rows:
                 # A non-final prefill chunk: only the KV matters; no logits, no sync.
-                self.model(fb)
                 return Launched(batch, rows, None)
-            logits = self.model(fb)  # [R, V] fp32
             out = self.sampler.sample(logits, slots, steps, min_active)
             self.sampler.update(slots, out.token_ids)
             self.last_tokens[:len(rows)].copy_(out.token_ids[:len(rows)])

@@ -23,14 +23,26 @@ Ordering on CUDA, without a single host wait::
   load and handed to a later offload in the same plan is read before it is
   overwritten. The host CPU itself never touches the pages.
 
-Each direction's run of moves is ONE fixed-shape launch of
-``copy_kv_pages`` over padded page lists (-1 = skip, padded to a power of two
-so the shapes seen stay few), planned on the host from host-side metadata and
-uploaded with one non-blocking copy (plus one for the scales of an fp8 pool:
-a page is its codes and its scales, and both always move together). It is
-one batched copy before the step,
-not a layer-by-layer overlap with compute (see the module's tests and
-tools/bench_kv_tiers.py for what that costs).
+Each direction's run of moves is a fixed-shape launch of ``copy_kv_pages``
+over padded page lists (-1 = skip, padded to a power of two so the shapes seen
+stay few), planned on the host from host-side metadata and uploaded with one
+non-blocking copy (plus one for the scales of an fp8 pool: a page is its codes
+and its scales, and both always move together).
+
+Two ways to flush:
+
+- ``flush()``: every layer in one launch per run; the step waits for all of it
+  (e2 above). Used before a replayed CUDA graph, which cannot wait mid-way.
+- ``flush(layered=True)``: one launch per (layer, run), an event after each
+  layer; the step's layer L waits only for event L before it touches layer L's
+  pages (``ForwardBatch.layer_ready``), so a restore streams in under the
+  compute of the layers before it::
+
+    copy stream:     L0 | L1 | L2 | ...          (one restore, layer by layer)
+    compute stream:  .. layer 0 | layer 1 | ...  (layer L waits for event L)
+
+  Offloads in the same plan are split by layer too: layer L of a freed device
+  page is read before layer L of the step may overwrite it.
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ class HostTierCounters:
     pages_offloaded_total: int = 0  # device -> host
     pages_loaded_total: int = 0  # host -> device
     copy_launches_total: int = 0
+    layered_flushes_total: int = 0  # flushes that returned per-layer events
 
 
 class HostKVTier:
@@ -144,27 +157,50 @@ class HostKVTier:
         """(to_host, src pages, dst pages) of each planned run, in order (a copy)."""
         return [(r.to_host, list(r.src), list(r.dst)) for r in self._runs]
 
-    def flush(self) -> None:
+    @property
+    def has_pending_loads(self) -> bool:
+        """A planned host -> device move (a prefix restore) awaits the next step."""
+        return any(not r.to_host for r in self._runs)
+
+    def flush(self, layered: bool = False) -> list[torch.cuda.Event] | None:
         """Launch every planned move, in planning order, ordered after the work
-        already queued on the current stream and before the work queued after
-        this call (CUDA: events between streams, no host wait)."""
+        already queued on the current stream (CUDA: events between streams, no
+        host wait). Plain: the work queued after this call waits for all of it.
+        ``layered``: returns one event per layer (layer L's pages have moved);
+        the caller must make the current stream wait for event L before it
+        reads or writes layer L's pages, and for the last event before the step
+        ends. None when nothing was planned or off CUDA (the CPU copies at once)."""
         if not self._runs:
-            return
+            return None
         runs, self._runs = self._runs, []
         if self.copy_stream is None:
             for run in runs:
                 self._copy_torch(run)
-            return
+            return None
         compute = torch.cuda.current_stream(self.device)
         before = torch.cuda.Event()
         before.record(compute)
         self.copy_stream.wait_event(before)
+        events: list[torch.cuda.Event] = []
         with torch.cuda.stream(self.copy_stream):
-            for run in runs:
-                self._copy_cuda(run)
+            idx = [self._upload_pages(run) for run in runs]
+            if not layered:
+                for run, ix in zip(runs, idx):
+                    self._copy_cuda(run, ix, None)
+            else:
+                for layer in range(self.pool.num_layers):
+                    for run, ix in zip(runs, idx):
+                        self._copy_cuda(run, ix, layer)
+                    ev = torch.cuda.Event()
+                    ev.record(self.copy_stream)
+                    events.append(ev)
+        if layered:
+            self.counters.layered_flushes_total += 1
+            return events
         after = torch.cuda.Event()
         after.record(self.copy_stream)
         compute.wait_event(after)
+        return None
 
     def synchronize(self) -> None:
         """Wait (host) for every launched move; for tests and benchmarks only."""
@@ -184,19 +220,27 @@ class HostKVTier:
             return pairs
         return [(hk, hv, dk, dv) for dk, dv, hk, hv in pairs]
 
-    def _copy_cuda(self, run: _Run) -> None:
-        from ftserve_kernels.bookkeeping import copy_kv_pages
-
+    def _upload_pages(self, run: _Run) -> torch.Tensor:
+        """The run's page lists on the device, [2, P]: one pinned buffer, one
+        non-blocking upload on the copy stream (the caching allocators keep
+        both alive until the copy stream has used them)."""
         n = len(run.src)
         # Pad to a power of two (>= 16, so the dst half of the buffer stays
         # 64-byte aligned and the kernel sees one specialization); -1 = skip.
         width = max(16, 1 << (n - 1).bit_length())
         pad = [-1] * (width - n)
-        # One pinned buffer, one non-blocking upload on the copy stream; the
-        # caching allocators keep both alive until the copy stream used them.
         host = torch.tensor(run.src + pad + run.dst + pad, dtype=torch.int32, pin_memory=True)
-        idx = host.to(self.device, non_blocking=True).view(2, width)  # [2, P]
+        return host.to(self.device, non_blocking=True).view(2, width)
+
+    def _copy_cuda(self, run: _Run, idx: torch.Tensor, layer: int | None) -> None:
+        """The run's pages in every layer (layer None, one launch per tensor
+        pair) or in one layer."""
+        from ftserve_kernels.bookkeeping import copy_kv_pages
+
         for src_k, src_v, dst_k, dst_v in self._sides(run):
+            if layer is not None:
+                sl = slice(layer, layer + 1)
+                src_k, src_v, dst_k, dst_v = src_k[sl], src_v[sl], dst_k[sl], dst_v[sl]
             copy_kv_pages(src_k, src_v, dst_k, dst_v, idx[0], idx[1], self.page_size)
             self.counters.copy_launches_total += 1
 

@@ -79,6 +79,10 @@ class ForwardBatch:
     is_decode: bool = False
     # Per-step extras a backend may attach (e.g. MoE expert-cache state).
     extras: dict[str, Any] = field(default_factory=dict)
+    # CUDA events, one per layer: layer L must not touch its KV pages before
+    # event L (a KV host-tier restore streaming in layer by layer; see
+    # HostKVTier.flush). None: the pages are ready.
+    layer_ready: list[Any] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -103,6 +103,8 @@ class Attention(nn.Module):
                                       self.q_norm.eps, batch.positions, cos_sin)
         else:
             q, k = ops.rotary(q, k, batch.positions, cos_sin)
+        if batch.layer_ready is not None:  # this layer's pages may still be streaming in
+            torch.cuda.current_stream().wait_event(batch.layer_ready[self.layer_idx])
         out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch)  # [T, Hq, D]
         return ops.linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)  # [T, H]
 
