@@ -23,18 +23,20 @@ Kernels: (1) gate/up GEMM with SiLU(gate) * up fused, written per pair into
 ``inter [N, I]``; (2) down GEMM scaled by the routing weight into ``y [N, H]``;
 (3) ``y.view(T, k, H).sum(1)`` combines. Up to GEMV_MAX_TOKENS tokens (decode at
 small batch) the two GEMV kernels of moe_gemv_triton replace all of this.
+Tile sizes come from moe_configs (a tuned per-device table, else a heuristic);
+the gate/up and down GEMMs share only BLOCK_M (one alignment feeds both).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from ftserve_kernels.attention_triton import interpreting, mma
+from ftserve_kernels.moe_configs import MoeConfig
 from ftserve_kernels.moe_gemv_triton import GEMV_MAX_TOKENS, fused_moe_gemv_triton
 
 # ---------------------------------------------------------------- routing
@@ -318,35 +320,7 @@ def _moe_down_kernel(
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
-@dataclass(frozen=True)
-class MoeConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
-    down_block_n: int = 0  # column block of the down GEMM; 0: block_n
-
-    @staticmethod
-    def pick(num_pairs: int, num_experts: int, device: torch.device) -> MoeConfig:
-        """Tile sizes from the average rows per expert (a host shape, not data)."""
-        return _pick(num_pairs, num_experts, device.type)
-
-
-@functools.lru_cache(maxsize=256)
-def _pick(num_pairs: int, num_experts: int, device_type: str) -> MoeConfig:
-    # Cached: asked once per MoE layer per step.
-    if device_type != "cuda":
-        return MoeConfig(16, 16, 16, 2, 4, 1)
-    avg = num_pairs / num_experts
-    if avg <= 8:  # decode: weight-bandwidth bound, many narrow column blocks
-        return MoeConfig(16, 32, 128, 1, 4, 4)
-    if avg <= 32:
-        return MoeConfig(32, 64, 64, 4, 4, 4)
-    if avg <= 96:
-        return MoeConfig(64, 64, 64, 8, 4, 4)
-    return MoeConfig(128, 64, 64, 8, 8, 3)
+Alignment = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # moe_align's result
 
 
 def fused_moe_triton(
@@ -373,29 +347,62 @@ def fused_moe_triton(
     if t == 0:
         return torch.empty_like(x)
     assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1
-    cfg = cfg or MoeConfig.pick(n, e, x.device)
-    sorted_ids, block_expert, total = moe_align(topk_ids, e, cfg.block_m)
-    num_m = block_expert.shape[0]
+    cfg = cfg or MoeConfig.pick(n, e, x.device, hidden=h, inter=inter, top_k=k)
+    align = moe_align(topk_ids, e, cfg.block_m)
     weights = topk_weights.reshape(-1)  # [N]
     if weights.dtype != torch.float32 or weights.stride(0) != 1:
         weights = weights.float().contiguous()
     act = torch.empty((n, inter), dtype=x.dtype, device=x.device)  # [N, INTER]
     y = torch.empty((n, h), dtype=x.dtype, device=x.device)  # [N, H]
-    common = dict(
-        BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        UPCAST=interpreting(), HAS_MAP=expert_map is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    down_n = cfg.down_block_n or cfg.block_n
+    moe_gate_up(x, w13, act, align, k, cfg, expert_map)
+    moe_down(act, w2, y, weights, align, cfg, expert_map)
+    return y.view(t, k, h).sum(dim=1)  # [T, H]
+
+
+def moe_gate_up(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    act: torch.Tensor,  # [N, I] out
+    align: Alignment,
+    top_k: int,
+    cfg: MoeConfig,
+    expert_map: torch.Tensor | None = None,
+) -> None:
+    """act[pair] = SiLU(gate) * up of the pair's token through its expert.
+    One launch; tools/tune_moe.py times it alone."""
+    sorted_ids, block_expert, total = align
+    h = x.shape[1]
+    inter = w13.shape[1] // 2
+    num_m = block_expert.shape[0]
     emap = expert_map if expert_map is not None else block_expert  # unread without HAS_MAP
     _moe_gate_up_kernel[(num_m * triton.cdiv(inter, cfg.block_n),)](
         x, w13, act, sorted_ids, block_expert, total, emap,
-        n, h, inter, num_m, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=k, BLOCK_N=cfg.block_n, EVEN_K=h % cfg.block_k == 0, **common,
+        act.shape[0], h, inter, num_m, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, EVEN_K=h % cfg.block_k == 0, UPCAST=interpreting(),
+        HAS_MAP=expert_map is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    _moe_down_kernel[(num_m * triton.cdiv(h, down_n),)](
+
+
+def moe_down(
+    act: torch.Tensor,  # [N, I]
+    w2: torch.Tensor,  # [E, H, I]
+    y: torch.Tensor,  # [N, H] out
+    weights: torch.Tensor,  # [N] fp32 routing weights
+    align: Alignment,
+    cfg: MoeConfig,
+    expert_map: torch.Tensor | None = None,
+) -> None:
+    """y[pair] = weight * down(act[pair]) with the ``down_*`` tiles of cfg. One launch."""
+    sorted_ids, block_expert, total = align
+    h, inter = w2.shape[1], w2.shape[2]
+    num_m = block_expert.shape[0]
+    block_n, block_k, group_m, warps, stages = cfg.down
+    emap = expert_map if expert_map is not None else block_expert
+    _moe_down_kernel[(num_m * triton.cdiv(h, block_n),)](
         act, w2, y, weights, sorted_ids, block_expert, total, emap,
-        n, h, inter, num_m, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_N=down_n, EVEN_K=inter % cfg.block_k == 0, **common,
+        act.shape[0], h, inter, num_m, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        EVEN_K=inter % block_k == 0, UPCAST=interpreting(), HAS_MAP=expert_map is not None,
+        num_warps=warps, num_stages=stages,
     )
-    return y.view(t, k, h).sum(dim=1)  # [T, H]

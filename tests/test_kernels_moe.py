@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,9 +24,11 @@ if DEVICE == "cpu":
             importlib.reload(sys.modules[_name])
 
 from ftserve_kernels import decode_fused_triton as df  # noqa: E402
+from ftserve_kernels import moe_configs as mc  # noqa: E402
 from ftserve_kernels import moe_triton as mt  # noqa: E402
 from ftserve_kernels import ops  # noqa: E402
 from ftserve_kernels.moe import fused_moe_ref, route_topk_ref  # noqa: E402
+from tools import tune_moe as tune  # noqa: E402
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -179,6 +185,148 @@ def test_fused_moe_bf16() -> None:
         out = mt.fused_moe_triton(x, w13, w2, weights, ids, gemv=gemv)
         assert out.dtype == torch.bfloat16
         assert rel_err(out, ref) < 2e-2
+
+
+# ---------------------------------------------------------------- tuned tile tables
+
+
+def _write_table(path: Path, configs: dict[str, Any]) -> str:
+    path.write_text(json.dumps({"device": "test", "configs": configs}))
+    return str(path)
+
+
+def test_moe_config_table_picks_the_nearest_tuned_t(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FTSERVE_MOE_CONFIG_FILE drives MoeConfig.pick on CUDA devices: the tuned
+    T within 2x, the largest past the end, else the heuristic; other shapes and
+    CPU tensors never read the table."""
+    small = mc.MoeConfig(64, 128, 64, 8, 4, 4, down_block_n=256, down_block_k=128, down_num_warps=8)
+    large = mc.MoeConfig(128, 128, 64, 16, 8, 3, down_block_n=128, down_num_stages=4)
+    path = _write_table(tmp_path / "t.json", {"E=8,H=64,I=32,k=2": {
+        "512": small.to_dict(), "4096": large.to_dict()}})
+    monkeypatch.setenv("FTSERVE_MOE_CONFIG_FILE", path)
+    cuda0 = torch.device("cuda", 0)  # index given: no CUDA call is needed to find the table
+
+    def pick(tokens: int, e: int = 8, shape: tuple[int, int, int] = (64, 32, 2)) -> mc.MoeConfig:
+        h, inter, k = shape
+        return mc.MoeConfig.pick(tokens * k, e, cuda0, hidden=h, inter=inter, top_k=k)
+
+    assert pick(4096) == large and pick(3000) == large and pick(100_000) == large
+    assert pick(512) == small and pick(300) == small and pick(1000) == small
+    assert pick(100) == mc.heuristic(200, 8, "cuda")  # 5x below the smallest tuned T
+    assert pick(4096, e=16) == mc.heuristic(8192, 16, "cuda")
+    assert pick(4096, shape=(64, 32, 4)) == mc.heuristic(4 * 4096, 8, "cuda")
+    assert mc.MoeConfig.pick(8192, 8, cuda0) == mc.heuristic(8192, 8, "cuda")  # no shape given
+    assert mc.MoeConfig.pick(8192, 8, torch.device("cpu"), 64, 32, 2) == mc.MoeConfig(16, 16, 16, 2, 4, 1)
+    assert large.down == (128, 64, 16, 8, 4) and small.down == (256, 128, 8, 8, 4)
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{not json", "JSONDecodeError"),
+    ('{"table": {}}', "KeyError"),
+    ('{"configs": {"E=8,H=64,I=32,k=2": {"512": {"block_m": 64}}}}', "TypeError"),
+    ('{"configs": {"E=8,H=64,I=32,k=2": {"512": {"block_m": 64, "block_n": 64, "block_k": 64, '
+     '"group_m": 8, "num_warps": 4, "num_stages": 3, "blockn": 64}}}}', "unknown MoeConfig fields"),
+    ('{"configs": {"E=8,H=64,I=32,k=2": {"big": {}}}}', "ValueError"),
+    ('{"configs": {"E=8,H=64,I=32,k=2": {"512": {"block_m": 48, "block_n": 64, "block_k": 64, '
+     '"group_m": 8, "num_warps": 4, "num_stages": 3}}}}', "power of two"),
+    (None, "FileNotFoundError"),
+])
+def test_moe_config_bad_table_is_an_error_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str | None, needle: str
+) -> None:
+    """A table that exists (or is asked for) but does not parse fails loudly:
+    ignoring it would silently keep the untuned tiles."""
+    path = tmp_path / f"bad_{abs(hash(needle))}.json"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setenv("FTSERVE_MOE_CONFIG_FILE", str(path))
+    with pytest.raises(ValueError, match="bad MoE config table") as info:
+        mc.MoeConfig.pick(4096, 8, torch.device("cuda", 0), hidden=64, inter=32, top_k=2)
+    assert str(path) in str(info.value) and needle in str(info.value)
+
+
+def test_fused_moe_separate_down_tiles() -> None:
+    """Down GEMM with its own block_n / block_k (I not a multiple: masked K tail),
+    group_m, warps and stages, sharing block_m with gate/up."""
+    g = torch.Generator().manual_seed(11)
+    t, e, k, h, inter = 21, 5, 2, 64, 48
+    x = torch.randn(t, h, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(DEVICE)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(DEVICE)
+    weights, ids = route_topk_ref(torch.randn(t, e, generator=g).to(DEVICE), k, True)
+    ref = fused_moe_ref(x, w13, w2, weights, ids)
+    cfg = mc.MoeConfig(16, 32, 16, 2, 4, 1, down_block_n=16, down_block_k=32, down_num_warps=2,
+                       down_num_stages=2, down_group_m=1)
+    assert rel_err(mt.fused_moe_triton(x, w13, w2, weights, ids, cfg=cfg), ref) < 1e-4
+
+
+@pytest.mark.parametrize("shape", list(tune.SHAPES))
+@pytest.mark.parametrize("tokens", tune.TOKENS)
+def test_tune_candidates_cover_every_tile_shape(shape: str, tokens: int) -> None:
+    """The pruned sweep is never empty, stays under its cap, only holds tiles
+    that fit, offers both kernels the same block_m values (they share the
+    alignment), and covers every surviving tile shape before repeating one."""
+    e, k, h, inter = tune.SHAPES[shape]
+    bms = tune.block_ms(tokens * k / e)
+    cap = tune.cap_for(tokens)
+    for kind, kd, nd in (("gate_up", h, inter), ("down", inter, h)):
+        sweep = tune.candidates(kind, bms, kd, nd, cap)
+        full = tune.candidates(kind, bms, kd, nd, 10**6)
+        assert 0 < len(sweep) <= cap and len(sweep) == min(cap, len(full))
+        assert all(tune.fits(kind, t, kd, nd) for t in full)
+        assert {t.block_m for t in sweep} == set(bms)
+        shapes = {(t.block_m, t.block_n, t.block_k) for t in full}
+        assert {(t.block_m, t.block_n, t.block_k) for t in sweep} == shapes
+        assert len(set(sweep)) == len(sweep)
+    assert tune.smem_bytes("gate_up", tune.Tile(128, 256, 128, 8, 8, 5)) > tune.SMEM_LIMIT
+    assert not tune.fits("gate_up", tune.Tile(128, 256, 64, 8, 8, 3), h, inter)  # 256 acc regs
+    assert tune.candidates("down", bms, inter, h, 0) == []
+
+
+def test_tune_choose_pairs_one_block_m() -> None:
+    """The fastest gate/up and down tiles may disagree on block_m; the choice is
+    the fastest pair that shares one, alignment time included."""
+    tile = tune.Tile
+    gate_up = {tile(64, 64, 64, 8, 4, 3): 1.0, tile(128, 128, 64, 8, 8, 3): 1.2}
+    down = {tile(64, 128, 64, 8, 4, 3): 1.0, tile(128, 256, 64, 8, 8, 4): 0.5,
+            tile(32, 64, 64, 8, 4, 3): 0.1}
+    cfg, total = tune.choose(gate_up, down, {64: 0.0, 128: 0.05})
+    assert cfg.block_m == 128 and total == pytest.approx(1.75)
+    assert tune.split_config(cfg) == (tile(128, 128, 64, 8, 8, 3), tile(128, 256, 64, 8, 8, 4))
+    assert tune.choose(gate_up, {tile(32, 64, 64, 8, 4, 3): 0.1}, {}) is None
+
+
+def test_tune_one_writes_a_table_the_runtime_picks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tools/tune_moe end to end on the interpreter (tiny tiles): the tuned
+    entry goes through merge_table into a file, MoeConfig.pick returns it, and
+    fused_moe_triton with it matches the reference. A spent budget still
+    leaves the default timed and an entry written."""
+    torch.manual_seed(0)
+    e, k, h, inter, t = 4, 2, 32, 32, 8
+    w13 = torch.randn(e, 2 * inter, h) / h**0.5
+    w2 = torch.randn(e, h, inter) / inter**0.5
+    bench = tune.Bench((e, k, h, inter), t, w13, w2, iters=1)
+    gu = [tune.Tile(16, 32, 16, 2, 4, 1), tune.Tile(16, 16, 32, 1, 4, 1)]
+    dn = [tune.Tile(16, 32, 32, 2, 4, 1), tune.Tile(32, 16, 16, 2, 4, 1)]
+    logs: list[str] = []
+    res = tune.tune_one(bench, time.monotonic() + 600, logs.append, sweep=(gu, dn))
+    assert res is not None and res["config"].block_m in (16, 32)
+    assert res["timing"]["configs_timed"][0] >= 3 and not res["timing"]["budget_cut"]
+    key = mc.shape_key(e, h, inter, k)
+    table = tune.merge_table({"meta": {}}, key, t, res["config"], res["timing"])
+    table = tune.merge_table(table, key, 2 * t, mc.heuristic(1, 1, "cpu"), res["timing"])
+    assert list(table["configs"][key]) == [str(t), str(2 * t)] and "meta" in table
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setenv("FTSERVE_MOE_CONFIG_FILE", str(path))
+    picked = mc.MoeConfig.pick(t * k, e, torch.device("cuda", 0), hidden=h, inter=inter, top_k=k)
+    assert picked == res["config"]
+    out = mt.fused_moe_triton(bench.x, w13, w2, bench.weights, bench.ids, cfg=picked)
+    assert rel_err(out, bench.ref) < 1e-4
+    assert "| E=4,H=32,I=32,k=2 | 8 |" in tune.report(table, 100.0)
+    cut = tune.tune_one(bench, time.monotonic() - 1, logs.append, sweep=(gu, dn))
+    assert cut is not None and cut["timing"]["budget_cut"]
+    assert tune.split_config(cut["config"]) == tune.split_config(mc.heuristic(t * k, e, "cpu"))
 
 
 def norm_route_ref(

@@ -1,0 +1,184 @@
+"""Tile configs of the grouped-GEMM fused MoE (moe_triton): the dataclass, the
+built-in heuristic, and per-device tables written by tools/tune_moe.py.
+
+A table is JSON, one file per device (``configs/moe_<device name>.json``, the
+name from ``torch.cuda.get_device_name`` with every non-alphanumeric character
+turned into ``_``), or the file named by FTSERVE_MOE_CONFIG_FILE::
+
+    {"device": "NVIDIA H200",
+     "configs": {"E=128,H=2048,I=768,k=8": {"4096": {"block_m": 128, "block_n": 128, ...},
+                                             "8192": {...}}}}
+
+Keys under a shape are token counts T (pairs / k) the tuner measured. A batch
+of T tokens takes the entry of the tuned T nearest in log scale if it is within
+a factor of 2, the largest entry past the largest tuned T, else the heuristic
+(a prefill-tuned tile is wrong for decode). A table that exists but does not
+parse or holds unknown fields is an error that names the file: a silently
+ignored table would leave the slow default in place unnoticed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftserve import envs
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+NEAREST_RATIO = 2.0  # a tuned T serves batches within this factor of it
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tiles of the two grouped GEMMs. They share ``block_m`` (one alignment
+    feeds both); the ``down_*`` fields tune the down GEMM on its own, 0 means
+    "same as gate/up"."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    down_block_n: int = 0
+    down_block_k: int = 0
+    down_num_warps: int = 0
+    down_num_stages: int = 0
+    down_group_m: int = 0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"MoeConfig.{f.name} must be a non-negative int, got {v!r}")
+        for name in ("block_m", "block_n", "block_k", "down_block_n", "down_block_k"):
+            v = getattr(self, name)
+            if v and v & (v - 1):
+                raise ValueError(f"MoeConfig.{name} must be a power of two, got {v}")
+        if min(self.block_m, self.block_n, self.block_k, self.group_m,
+               self.num_warps, self.num_stages) == 0:
+            raise ValueError(f"MoeConfig gate/up fields must be positive: {self}")
+
+    @property
+    def down(self) -> tuple[int, int, int, int, int]:
+        """(block_n, block_k, group_m, num_warps, num_stages) of the down GEMM,
+        defaults resolved."""
+        return (self.down_block_n or self.block_n, self.down_block_k or self.block_k,
+                self.down_group_m or self.group_m, self.down_num_warps or self.num_warps,
+                self.down_num_stages or self.num_stages)
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> MoeConfig:
+        names = {f.name for f in dataclasses.fields(MoeConfig)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown MoeConfig fields {sorted(unknown)}")
+        return MoeConfig(**d)
+
+    @staticmethod
+    def pick(num_pairs: int, num_experts: int, device: torch.device,
+             hidden: int = 0, inter: int = 0, top_k: int = 0) -> MoeConfig:
+        """The table entry for this shape and batch if there is one, else the
+        heuristic from the average rows per expert (host shapes, never data).
+        Without ``hidden``/``inter``/``top_k`` only the heuristic applies."""
+        if device.type != "cuda" or not (hidden and inter and top_k):
+            return heuristic(num_pairs, num_experts, device.type)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        path = envs.moe_config_file()
+        return _pick(num_pairs, num_experts, index, hidden, inter, top_k,
+                     str(path) if path is not None else None)
+
+
+def heuristic(num_pairs: int, num_experts: int, device_type: str) -> MoeConfig:
+    """The untuned choice: tiles grow with the average rows per expert."""
+    if device_type != "cuda":
+        return MoeConfig(16, 16, 16, 2, 4, 1)  # the interpreter: small tiles are fast
+    avg = num_pairs / num_experts
+    if avg <= 8:  # decode: weight-bandwidth bound, many narrow column blocks
+        return MoeConfig(16, 32, 128, 1, 4, 4)
+    if avg <= 32:
+        return MoeConfig(32, 64, 64, 4, 4, 4)
+    if avg <= 96:
+        return MoeConfig(64, 64, 64, 8, 4, 4)
+    return MoeConfig(128, 64, 64, 8, 8, 3)
+
+
+def shape_key(num_experts: int, hidden: int, inter: int, top_k: int) -> str:
+    return f"E={num_experts},H={hidden},I={inter},k={top_k}"
+
+
+def device_slug(name: str) -> str:
+    return re.sub(r"[^0-9A-Za-z]", "_", name)
+
+
+def table_file_name(device_name: str) -> str:
+    return f"moe_{device_slug(device_name)}.json"
+
+
+Table = dict[str, dict[int, MoeConfig]]  # shape key -> tuned T -> config
+
+
+@functools.lru_cache(maxsize=16)
+def load_table(path: str) -> Table:
+    """Parse and validate a table; raises ValueError naming the file."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        configs = raw["configs"]
+        if not isinstance(configs, dict):
+            raise TypeError("'configs' is not an object")
+        table: Table = {}
+        for shape, by_t in configs.items():
+            table[shape] = {int(t): MoeConfig.from_dict(c) for t, c in by_t.items()}
+        return table
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"bad MoE config table {path}: {type(exc).__name__}: {exc} "
+                         "(regenerate it with tools/tune_moe.py or unset "
+                         "FTSERVE_MOE_CONFIG_FILE)") from exc
+
+
+def lookup(table: Table, shape: str, tokens: int) -> MoeConfig | None:
+    """The entry for ``tokens`` under ``shape`` (rule in the module docstring)."""
+    by_t = table.get(shape)
+    if not by_t or tokens <= 0:
+        return None
+    largest = max(by_t)
+    if tokens >= largest:
+        return by_t[largest]
+    nearest = min(by_t, key=lambda t: (abs(math.log(tokens / t)), t))
+    if abs(math.log(tokens / nearest)) <= math.log(NEAREST_RATIO) + 1e-9:
+        return by_t[nearest]
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def table_for(device_index: int, override: str | None) -> Table:
+    """The override file if given (it must exist), else the packaged table of
+    this device, else an empty table."""
+    if override is not None:
+        return load_table(override)
+    path = CONFIG_DIR / table_file_name(_device_name(device_index))
+    return load_table(str(path)) if path.is_file() else {}
+
+
+@functools.lru_cache(maxsize=512)
+def _pick(num_pairs: int, num_experts: int, device_index: int, hidden: int, inter: int,
+          top_k: int, override: str | None) -> MoeConfig:
+    # Cached: asked once per MoE layer per step.
+    cfg = lookup(table_for(device_index, override),
+                 shape_key(num_experts, hidden, inter, top_k), num_pairs // top_k)
+    return cfg if cfg is not None else heuristic(num_pairs, num_experts, "cuda")

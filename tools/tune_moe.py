@@ -1,0 +1,419 @@
+"""Tune the grouped-GEMM fused MoE tiles on this GPU; write the table moe_configs loads.
+
+    python -m tools.tune_moe --out DIR --budget-s 150
+
+For each shape (qwen3-30b-a3b first, mixtral-8x7b if the budget allows) and
+each token count T (most important first), with realistic routing
+(route_topk_triton over random logits):
+
+1. time the heuristic config (today's default) for both kernels;
+2. sweep gate/up and down candidates independently, interleaved so a cut-off
+   run has tried both; every candidate is checked against fused_moe_ref at bf16
+   tolerance before it is timed; a config that fails to compile (shared memory,
+   registers) or to match is skipped with its reason;
+3. refine the three fastest of each kernel with group_m 16;
+4. keep the block_m whose gate/up + down + alignment time is lowest.
+
+Triton compiles each config once (~1-2 s) and reuses it for every T (the int
+arguments specialize the same way at all tuned T), so the first T pays for the
+compiles. The clock is checked between configs; results are written after every
+T, so a run cut by --budget-s still leaves a valid table. Progress goes to
+stderr; a markdown report (default vs best, TFLOP/s against an 8192^3 bf16
+matmul measured in the same run) goes to stdout and DIR/tune_moe.md.
+
+Copy DIR/moe_<device>.json to ftserve_kernels/configs/ to ship it, or point
+FTSERVE_MOE_CONFIG_FILE at it to try it first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftserve_kernels import moe_triton as mt
+from ftserve_kernels.moe import fused_moe_ref
+from ftserve_kernels.moe_configs import MoeConfig, heuristic, shape_key, table_file_name
+
+SHAPES: dict[str, tuple[int, int, int, int]] = {  # name -> (E, k, H, I)
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+}
+TOKENS = (4096, 8192, 2048, 1024, 512)  # prefill chunk sizes, most important first
+SMEM_LIMIT = 227 * 1024  # H100/H200 dynamic shared memory per block
+MAX_ACC_REGS = 128  # fp32 accumulator registers per thread past which Triton spills
+BLOCK_NS = (64, 128, 256)
+BLOCK_KS = (64, 128)
+WARPS = (4, 8)
+STAGES = (4, 3, 5)  # preference order inside one tile shape
+REL_TOL = 2e-2  # bf16 output vs the fp32-accumulated reference
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One kernel's launch parameters (gate/up or down)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def smem_bytes(kind: str, tile: Tile, elem: int = 2) -> int:
+    """Pipelined operand buffers: the activation tile plus one weight tile
+    (two for gate/up: gate and up rows), per stage."""
+    b_tiles = 2 if kind == "gate_up" else 1
+    return tile.num_stages * (tile.block_m * tile.block_k + b_tiles * tile.block_k * tile.block_n) * elem
+
+
+def acc_regs(kind: str, tile: Tile) -> float:
+    """fp32 accumulator registers per thread (gate/up keeps two accumulators)."""
+    accs = 2 if kind == "gate_up" else 1
+    return accs * tile.block_m * tile.block_n / (tile.num_warps * 32)
+
+
+def fits(kind: str, tile: Tile, k_dim: int, n_dim: int) -> bool:
+    """Static pruning: shared memory, accumulator registers, tiles no larger
+    than the problem, and enough K steps to fill the pipeline."""
+    return (smem_bytes(kind, tile) <= SMEM_LIMIT
+            and acc_regs(kind, tile) <= MAX_ACC_REGS
+            and tile.block_n <= max(64, n_dim)
+            and tile.block_k <= k_dim
+            and k_dim // tile.block_k >= tile.num_stages - 1)
+
+
+def block_ms(avg_rows: float) -> tuple[int, ...]:
+    """Row tiles worth trying for an average of ``avg_rows`` pairs per expert:
+    a tile much taller than the average is mostly padding."""
+    return (32, 64) if avg_rows <= 48 else (64, 128)
+
+
+def cap_for(tokens: int) -> int:
+    """Configs per kernel per T: fewer for small T, where the kernels are short."""
+    return 36 if tokens >= 2048 else 24 if tokens >= 1024 else 16
+
+
+def candidates(kind: str, bms: Iterable[int], k_dim: int, n_dim: int, cap: int,
+               group_m: int = 8) -> list[Tile]:
+    """Pruned sweep, at most ``cap`` tiles. Round robin over the tile shapes
+    (block_m, block_n, block_k), each shape's variants in preference order
+    (warps suited to the tile first, then stages 4, 3, 5), so a small cap still
+    covers every shape before it tries a second variant of any."""
+    groups: list[list[Tile]] = []
+    for bm, bn, bk in itertools.product(bms, BLOCK_NS, BLOCK_KS):
+        big = bm * bn * (2 if kind == "gate_up" else 1) >= 128 * 128
+        warps = sorted(WARPS, key=lambda w: w != (8 if big else 4))
+        variants = [Tile(bm, bn, bk, group_m, w, s) for w in warps for s in STAGES]
+        variants = [t for t in variants if fits(kind, t, k_dim, n_dim)]
+        if variants:
+            groups.append(variants)
+    out: list[Tile] = []
+    for rank in range(max((len(g) for g in groups), default=0)):
+        for g in groups:
+            if rank < len(g) and len(out) < cap:
+                out.append(g[rank])
+    return out
+
+
+def refinements(best: list[Tile], tried: set[Tile]) -> list[Tile]:
+    """group_m 16 variants of the fastest tiles not yet tried."""
+    return [t for t in (replace(b, group_m=16) for b in best) if t not in tried]
+
+
+def to_config(gate_up: Tile, down: Tile) -> MoeConfig:
+    assert gate_up.block_m == down.block_m, "the two GEMMs share one alignment"
+    return MoeConfig(gate_up.block_m, gate_up.block_n, gate_up.block_k, gate_up.group_m,
+                     gate_up.num_warps, gate_up.num_stages, down_block_n=down.block_n,
+                     down_block_k=down.block_k, down_num_warps=down.num_warps,
+                     down_num_stages=down.num_stages, down_group_m=down.group_m)
+
+
+def split_config(cfg: MoeConfig) -> tuple[Tile, Tile]:
+    bn, bk, gm, w, s = cfg.down
+    return (Tile(cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.num_warps, cfg.num_stages),
+            Tile(cfg.block_m, bn, bk, gm, w, s))
+
+
+def choose(gate_up: dict[Tile, float], down: dict[Tile, float],
+           align: dict[int, float]) -> tuple[MoeConfig, float] | None:
+    """Fastest (gate/up, down) pair with a common block_m, alignment included."""
+    best: tuple[MoeConfig, float] | None = None
+    for bm in sorted({t.block_m for t in gate_up} & {t.block_m for t in down}):
+        gu = min((t for t in gate_up if t.block_m == bm), key=gate_up.__getitem__)
+        dn = min((t for t in down if t.block_m == bm), key=down.__getitem__)
+        total = gate_up[gu] + down[dn] + align.get(bm, 0.0)
+        if best is None or total < best[1]:
+            best = (to_config(gu, dn), total)
+    return best
+
+
+def merge_table(old: dict[str, Any], shape: str, tokens: int, cfg: MoeConfig,
+                timing: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``old`` with the entry for (shape, T) set; keys sorted by T."""
+    table = {"configs": {}, "timings": {}} | {k: v for k, v in old.items()}
+    for part, value in (("configs", cfg.to_dict()), ("timings", timing)):
+        by_t = dict(table.get(part, {}).get(shape, {}))
+        by_t[str(tokens)] = value
+        table[part] = dict(table.get(part, {})) | {shape: dict(sorted(by_t.items(), key=lambda kv: int(kv[0])))}
+    return table
+
+
+# ---------------------------------------------------------------- GPU part
+
+
+def _median_s(fn: Callable[[], Any], device: torch.device, iters: int = 15,
+              warmup: int = 2) -> float:
+    """Median seconds of ``iters`` calls: CUDA events around each (device time),
+    wall clock on the CPU (the interpreter, tests only)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
+
+
+class Bench:
+    """One (shape, T) problem on the GPU: inputs, reference, alignments per block_m."""
+
+    def __init__(self, shape: tuple[int, int, int, int], tokens: int,
+                 w13: torch.Tensor, w2: torch.Tensor, iters: int = 15) -> None:
+        e, k, h, inter = shape
+        self.shape, self.tokens, self.w13, self.w2 = shape, tokens, w13, w2
+        self.device, self.iters = w13.device, iters
+        dt = w13.dtype
+        self.x = torch.randn(tokens, h, device=self.device).to(dt)
+        logits = torch.randn(tokens, e, device=self.device)
+        self.weights, self.ids = mt.route_topk_triton(logits, k, True)
+        self.flat_w = self.weights.reshape(-1).contiguous()
+        self.ref = fused_moe_ref(self.x, w13, w2, self.weights, self.ids)
+        n = tokens * k
+        self.act = torch.empty(n, inter, device=self.device, dtype=dt)
+        self.y = torch.empty(n, h, device=self.device, dtype=dt)
+        self._aligns: dict[int, mt.Alignment] = {}
+        self.align_s: dict[int, float] = {}
+        self.base: dict[int, MoeConfig] = {}  # block_m -> a verified config for the other kernel
+
+    def align(self, bm: int) -> mt.Alignment:
+        if bm not in self._aligns:
+            e = self.shape[0]
+            self._aligns[bm] = mt.moe_align(self.ids, e, bm)
+            self.align_s[bm] = self.time(lambda: mt.moe_align(self.ids, e, bm))
+        return self._aligns[bm]
+
+    def time(self, fn: Callable[[], Any]) -> float:
+        return _median_s(fn, self.device, self.iters, warmup=min(2, self.iters))
+
+    def _gate_up(self, cfg: MoeConfig) -> None:
+        mt.moe_gate_up(self.x, self.w13, self.act, self.align(cfg.block_m), self.shape[1], cfg)
+
+    def _down(self, cfg: MoeConfig) -> None:
+        mt.moe_down(self.act, self.w2, self.y, self.flat_w, self.align(cfg.block_m), cfg)
+
+    def _check(self) -> float:
+        t, h = self.x.shape
+        out = self.y.view(t, self.shape[1], h).sum(1)
+        return _rel_err(out, self.ref)
+
+    def measure(self, kind: str, tile: Tile) -> float:
+        """Seconds of one kernel launch with this tile; raises if it fails to
+        compile or its output differs from the reference."""
+        other = self.base.get(tile.block_m) or _fallback(tile.block_m)
+        gu, dn = split_config(other)
+        cfg = to_config(tile, dn) if kind == "gate_up" else to_config(gu, tile)
+        self._gate_up(cfg)
+        self._down(cfg)
+        err = self._check()
+        if not err < REL_TOL:
+            raise ValueError(f"rel err {err:.2e} vs reference")
+        self.base.setdefault(tile.block_m, cfg)
+        run = self._gate_up if kind == "gate_up" else self._down
+        return self.time(lambda: run(cfg))
+
+
+def _fallback(bm: int) -> MoeConfig:
+    """A conservative config at this block_m for the kernel not being tuned."""
+    return MoeConfig(bm, 64, 64, 8, 4 if bm <= 64 else 8, 3)
+
+
+def tune_one(bench: Bench, deadline: float, log: Callable[[str], None],
+             sweep: tuple[list[Tile], list[Tile]] | None = None) -> dict[str, Any] | None:
+    """Best config for one (shape, T), with its timings; None if nothing ran.
+    ``sweep`` (gate/up tiles, down tiles) replaces the generated candidates."""
+    e, k, h, inter = bench.shape
+    t = bench.tokens
+    n = t * k
+    default = heuristic(n, e, bench.device.type)
+    d_gu, d_dn = split_config(default)
+    times: dict[str, dict[Tile, float]] = {"gate_up": {}, "down": {}}
+    failed: dict[str, int] = {"gate_up": 0, "down": 0}
+
+    def attempt(kind: str, tile: Tile) -> None:
+        if tile in times[kind]:
+            return
+        try:
+            times[kind][tile] = bench.measure(kind, tile)
+        except Exception as exc:  # out of resources, compile error, mismatch: skip it
+            failed[kind] += 1
+            log(f"  skip {kind} {tile}: {type(exc).__name__}: {str(exc)[:120]}")
+
+    bench.base[default.block_m] = default
+    attempt("gate_up", d_gu)
+    attempt("down", d_dn)
+    default_s = {kind: times[kind].get(tile) for kind, tile in (("gate_up", d_gu), ("down", d_dn))}
+    if sweep is None:
+        bms, cap = block_ms(n / e), cap_for(t)
+        sweep = candidates("gate_up", bms, h, inter, cap), candidates("down", bms, inter, h, cap)
+    gu_list, dn_list = sweep
+    cut = False
+    for pair in itertools.zip_longest(gu_list, dn_list):
+        for kind, tile in zip(("gate_up", "down"), pair):
+            if tile is None:
+                continue
+            if time.monotonic() > deadline:
+                cut = True
+                break
+            attempt(kind, tile)
+        if cut:
+            break
+    if not cut:
+        for kind in ("gate_up", "down"):
+            best = sorted(times[kind], key=times[kind].__getitem__)[:3]
+            for tile in refinements(best, set(times[kind])):
+                if time.monotonic() > deadline:
+                    cut = True
+                    break
+                attempt(kind, tile)
+    for bm in {tile.block_m for tile in times["gate_up"]}:
+        bench.align(bm)
+    chosen = choose(times["gate_up"], times["down"], bench.align_s)
+    if chosen is None:
+        log(f"  T={t}: nothing measured")
+        return None
+    cfg, _ = chosen
+    gu_tile, dn_tile = split_config(cfg)
+    log(f"  T={t}: {len(times['gate_up'])}+{len(times['down'])} configs timed, "
+        f"{failed['gate_up']}+{failed['down']} skipped{' (budget cut)' if cut else ''}")
+    return {
+        "config": cfg,
+        "timing": {
+            "gate_up_default_us": _us(default_s["gate_up"]), "gate_up_best_us": _us(times["gate_up"][gu_tile]),
+            "down_default_us": _us(default_s["down"]), "down_best_us": _us(times["down"][dn_tile]),
+            "align_us": _us(bench.align_s.get(cfg.block_m)),
+            "align_default_us": _us(bench.align_s.get(default.block_m)),
+            "configs_timed": [len(times["gate_up"]), len(times["down"])],
+            "budget_cut": cut,
+        },
+    }
+
+
+def _us(s: float | None) -> float | None:
+    return None if s is None else round(s * 1e6, 2)
+
+
+def _matmul_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    secs = _median_s(lambda: torch.matmul(a, b, out=c), a.device, iters=10, warmup=3)
+    return 2 * n**3 / secs / 1e12
+
+
+def report(table: dict[str, Any], matmul_tflops: float) -> str:
+    """Markdown: per shape and T, default vs best time of each kernel and the
+    achieved rate of the best as TFLOP/s and % of the measured matmul rate."""
+    rows = ["| shape | T | gate_up default us | best us | TFLOP/s (% mm) | down default us | best us "
+            "| TFLOP/s (% mm) | config |", "|" + "---|" * 9]
+    for shape, by_t in table.get("timings", {}).items():
+        e, h, inter, k = (int(p.split("=")[1]) for p in shape.split(","))
+        for t, tm in by_t.items():
+            n = int(t) * k
+            cells = [shape, t]
+            for kind, flops in (("gate_up", 2 * n * h * 2 * inter), ("down", 2 * n * inter * h)):
+                best = tm[f"{kind}_best_us"]
+                rate = flops / (best * 1e-6) / 1e12 if best else 0.0
+                cells += [tm[f"{kind}_default_us"], best,
+                          f"{rate:.0f} ({100 * rate / matmul_tflops:.0f}%)"]
+            cfg = table["configs"][shape][t]
+            cells.append(" ".join(f"{key}={v}" for key, v in cfg.items() if v))
+            rows.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return f"bf16 matmul 8192^3: {matmul_tflops:.0f} TFLOP/s\n\n" + "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="folder for moe_<device>.json and tune_moe.md")
+    ap.add_argument("--budget-s", type=float, default=150.0, help="stop starting configs after this")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    args = ap.parse_args(argv)
+    assert torch.cuda.is_available(), "tune_moe needs a CUDA device"
+    t0 = time.monotonic()
+    deadline = t0 + args.budget_s
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    device_name = torch.cuda.get_device_name()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / table_file_name(device_name)
+    table: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    mm = _matmul_tflops()
+    table["meta"] = {"device": device_name, "torch": torch.__version__,
+                     "triton": __import__("triton").__version__, "matmul_tflops": round(mm, 1),
+                     "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    log(f"{device_name}: bf16 matmul {mm:.0f} TFLOP/s")
+    torch.manual_seed(0)
+    for name in args.shapes.split(","):
+        e, k, h, inter = SHAPES[name]
+        if time.monotonic() > deadline:
+            break
+        w13 = (torch.randn(e, 2 * inter, h, device="cuda") / h**0.5).bfloat16()
+        w2 = (torch.randn(e, h, inter, device="cuda") / inter**0.5).bfloat16()
+        key = shape_key(e, h, inter, k)
+        for t in (int(s) for s in args.tokens.split(",")):
+            if time.monotonic() > deadline:
+                log(f"budget spent before {name} T={t}")
+                break
+            log(f"{name} T={t}")
+            result = tune_one(Bench((e, k, h, inter), t, w13, w2), deadline, log)
+            if result is not None:
+                table = merge_table(table, key, t, result["config"], result["timing"])
+                path.write_text(json.dumps(table, indent=1))
+            torch.cuda.empty_cache()
+        del w13, w2
+        torch.cuda.empty_cache()
+    md = report(table, mm)
+    (out_dir / "tune_moe.md").write_text(md + "\n")
+    print(md)
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
