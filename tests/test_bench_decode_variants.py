@@ -1,0 +1,198 @@
+"""tools/bench_decode_variants.py on the CPU: the variant list, the
+environment switching, the combination of the winners, the table, and a
+--smoke run end to end (tiny-moe, no graphs). The GPU parts (graph
+re-capture and replay timing) run only on the H200."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from ftserve import envs
+from ftserve_kernels.attention_common import AttnKernelConfig
+from tools.bench_decode_variants import (
+    DEFAULT_ENV,
+    backend_for,
+    combine_best,
+    default_variants,
+    env_applied,
+    main,
+    render_table,
+    score_ms,
+    should_skip,
+)
+
+
+def _switches() -> dict[str, object]:
+    return {"dense_gemv": envs.dense_gemv(), "moe_gateup_acc": envs.moe_gateup_acc(),
+            "lm_head_fp32": envs.lm_head_fp32(), "decode_fusion": envs.decode_fusion(),
+            "moe_down3d": envs.moe_down3d()}
+
+
+def test_default_env_is_what_envs_reads_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in DEFAULT_ENV:
+        monkeypatch.delenv(k, raising=False)
+    unset = _switches()
+    monkeypatch.setenv("FTSERVE_DENSE_GEMV", "norm")
+    monkeypatch.setenv("FTSERVE_DECODE_FUSION", "0")
+    with env_applied(DEFAULT_ENV):
+        assert _switches() == unset  # the caller's settings do not leak into the baseline
+    assert envs.dense_gemv() == "norm" and envs.decode_fusion() is False
+
+
+def test_env_applied_restores_after_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FTSERVE_DENSE_GEMV", "linear")
+    monkeypatch.delenv("FTSERVE_LM_HEAD_FP32", raising=False)
+    monkeypatch.setenv("FTSERVE_MOE_GATEUP_ACC", "1")
+    with pytest.raises(RuntimeError), env_applied(
+            {"FTSERVE_DENSE_GEMV": "1", "FTSERVE_LM_HEAD_FP32": "1", "FTSERVE_MOE_GATEUP_ACC": None}):
+        assert (envs.dense_gemv(), envs.lm_head_fp32(), envs.moe_gateup_acc()) == ("1", True, False)
+        assert "FTSERVE_MOE_GATEUP_ACC" not in os.environ
+        raise RuntimeError("a failing variant")
+    assert os.environ["FTSERVE_DENSE_GEMV"] == "linear"
+    assert "FTSERVE_LM_HEAD_FP32" not in os.environ
+    assert os.environ["FTSERVE_MOE_GATEUP_ACC"] == "1"
+
+
+def test_each_variant_turns_exactly_its_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    variants = default_variants(AttnKernelConfig())
+    names = [v.name for v in variants]
+    assert names[0] == "baseline" and len(set(names)) == len(names)
+    assert {"DENSE_GEMV=1", "DENSE_GEMV=linear", "DENSE_GEMV=norm", "MOE_GATEUP_ACC=1", "LM_HEAD_FP32=1",
+            "attn fused_reduce=1", "attn programs_per_sm=2", "attn programs_per_sm=8"} <= set(names)
+    with env_applied(DEFAULT_ENV):
+        base = _switches()
+    for v in variants:
+        assert set(v.env) <= set(DEFAULT_ENV) and (v.group == "") == (v.name == "baseline")
+        assert bool(v.env) != bool(v.attn) or v.name == "baseline"
+        with env_applied({**DEFAULT_ENV, **v.env}):
+            changed = {k for k, x in _switches().items() if x != base[k]}
+        assert changed == ({v.group} if v.env else set()), v.name
+        for field_name in v.attn:
+            assert hasattr(AttnKernelConfig(), field_name)
+
+
+def test_programs_per_sm_variants_skip_the_baseline_value() -> None:
+    names = [v.name for v in default_variants(AttnKernelConfig(decode_programs_per_sm=1,
+                                                               decode_fused_reduce=True))]
+    assert [n for n in names if n.startswith("attn")] == ["attn fused_reduce=0", "attn programs_per_sm=2"]
+
+
+def test_backend_for_replaces_only_the_config() -> None:
+    from ftserve_kernels.attention_triton import TritonAttentionBackend
+    from ftserve_kernels.paged_attention import TorchAttentionBackend
+
+    built = TritonAttentionBackend(scale=0.125, extend_token_bound=256)
+    base_cfg = AttnKernelConfig()
+    by_name = {v.name: v for v in default_variants(base_cfg)}
+    assert backend_for(built, base_cfg, by_name["DENSE_GEMV=1"]) is built
+    cpu = __import__("torch").device("cpu")
+    splits = {}
+    for name in ("attn programs_per_sm=2", "attn programs_per_sm=8", "attn fused_reduce=1"):
+        new = backend_for(built, base_cfg, by_name[name])
+        assert new is not built and new.scale == 0.125 and new.extend_token_bound == 256
+        assert new.cfg.extend_block_m == base_cfg.extend_block_m
+        splits[name] = new.num_splits(1, 4, cpu)
+    assert new.cfg.decode_fused_reduce is True
+    # 4 KV heads on the 4 "SMs" the CPU reports: splits = programs per SM.
+    assert built.num_splits(1, 4, cpu) == 4
+    assert splits["attn programs_per_sm=2"] == 2 and splits["attn programs_per_sm=8"] == 8
+    with pytest.raises(RuntimeError, match="triton backend"):
+        backend_for(TorchAttentionBackend(), base_cfg, by_name["attn fused_reduce=1"])
+
+
+def _row(name: str, ms: float | None, ok: bool | None = True, error: str | None = None) -> dict[str, object]:
+    return {"name": name, "replay_ms": ms, "tokens_ok": ok, "error": error}
+
+
+def test_combine_best_takes_the_fastest_exact_option_per_knob() -> None:
+    variants = default_variants(AttnKernelConfig())
+    rows = [
+        _row("baseline", 1.00),
+        _row("DENSE_GEMV=1", 0.95), _row("DENSE_GEMV=linear", 0.90), _row("DENSE_GEMV=norm", 0.80, ok=False),
+        _row("MOE_GATEUP_ACC=1", 0.995),  # under the 1% gain: noise
+        _row("LM_HEAD_FP32=1", 0.50, error="RuntimeError: boom"),
+        _row("attn fused_reduce=1", 1.10),
+        _row("attn programs_per_sm=8", 0.97), _row("attn programs_per_sm=2", 0.96),
+    ]
+    combo, winners = combine_best(rows, variants, min_gain=0.01)
+    assert winners == {"dense_gemv": "DENSE_GEMV=linear", "attn_programs_per_sm": "attn programs_per_sm=2"}
+    assert combo is not None and combo.group == ""
+    assert dict(combo.env) == {"FTSERVE_DENSE_GEMV": "linear"}
+    assert dict(combo.attn) == {"decode_programs_per_sm": 2}
+    assert "DENSE_GEMV=linear" in combo.name and "programs_per_sm=2" in combo.name
+    # A combination row itself never wins a knob.
+    again, _ = combine_best(rows + [{**_row(combo.name, 0.1)}], [*variants, combo], min_gain=0.01)
+    assert again == combo
+
+
+def test_combine_best_needs_a_baseline_and_two_winners() -> None:
+    variants = default_variants(AttnKernelConfig())
+    one = [_row("baseline", 1.0), _row("DENSE_GEMV=1", 0.5), _row("LM_HEAD_FP32=1", 1.2)]
+    assert combine_best(one, variants, 0.01) == (None, {"dense_gemv": "DENSE_GEMV=1"})
+    failed_base = [_row("baseline", None, error="x"), _row("DENSE_GEMV=1", 0.5), _row("LM_HEAD_FP32=1", 0.4)]
+    assert combine_best(failed_base, variants, 0.01) == (None, {})
+
+
+def test_score_falls_back_to_the_engine_step_without_graphs() -> None:
+    assert score_ms({"replay_ms": 0.7, "decode_b1": {"tokens_per_s": 100.0}}) == 0.7
+    assert score_ms({"replay_ms": None, "decode_b1": {"tokens_per_s": 500.0}}) == pytest.approx(2.0)
+    assert score_ms({"error": "x"}) is None
+
+
+def test_should_skip_keeps_room_for_the_slowest_variant() -> None:
+    assert not should_skip(100.0, 101.0, [], reserve=2)  # nothing measured yet
+    assert not should_skip(100.0, 121.0, [5.0, 10.0], reserve=2)
+    assert should_skip(100.0, 119.0, [5.0, 10.0], reserve=2)
+    assert not should_skip(100.0, 111.0, [5.0, 10.0], reserve=1)
+
+
+def test_render_table_rows_and_skips() -> None:
+    rows = [
+        {**_row("baseline", 0.8), "replay_frac_of_roofline": 0.5,
+         "decode_b1": {"tokens_per_s": 1000.0, "frac_of_roofline": 0.4}, "decode_b8": {"tokens_per_s": 5000.0}},
+        {**_row("DENSE_GEMV=1", 0.4, ok=False), "mismatch_at": 3, "decode_b1": {"tokens_per_s": 1500.0}},
+        _row("LM_HEAD_FP32=1", None, ok=None, error="RuntimeError: capture failed\ntraceback..."),
+    ]
+    text = render_table(rows, (1, 8), skipped=["attn fused_reduce=1"])
+    lines = text.splitlines()
+    assert lines[0].count("|") == lines[2].count("|") == lines[4].count("|") == 9  # 8 columns
+    assert "tok/s b8" in lines[0] and "% roofline b1" in lines[0]
+    assert "| baseline | yes | 0.8 | 1.000x | 50.0% | 1,000 | 40.0% | 5,000 |" in text
+    assert "NO (step 3)" in lines[3] and "2.000x" in lines[3]
+    assert "FAILED: RuntimeError: capture failed" in lines[4] and "traceback" not in text
+    assert lines[-1] == "skipped (time budget): attn fused_reduce=1"
+
+
+def test_smoke_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FTSERVE_DENSE_GEMV", "linear")  # the caller's setting: back afterwards
+    out = tmp_path / "variants.json"
+    res = main(["--smoke", "--out", str(out), "--budget-s", "300"])
+    assert os.environ["FTSERVE_DENSE_GEMV"] == "linear"
+    assert json.loads(out.read_text())["table"] == res["table"]
+    rows = {r["name"]: r for r in res["variants"]}
+    assert list(rows)[:9] == [v.name for v in default_variants(AttnKernelConfig())]
+    assert rows["baseline"]["env_seen"] == DEFAULT_ENV
+    assert rows["DENSE_GEMV=1"]["env_seen"] == {**DEFAULT_ENV, "FTSERVE_DENSE_GEMV": "1"}
+    assert len(rows["baseline"]["tokens"]) == res["args"]["check_steps"]
+    for name, r in rows.items():
+        if name.startswith("attn"):  # the CPU engine runs the torch attention backend
+            assert "triton backend" in r["error"] and name in res["table"]
+            continue
+        # The CPU runs the torch kernels whatever the switches say: same tokens.
+        assert not r.get("error") and r["tokens_ok"] is True, (name, r.get("error"))
+        assert r["decode_b1"]["tokens_per_s"] > 0 and r["decode_b3"]["tokens_per_s"] > 0
+        assert r.get("replay_ms") is None and r["capture_s"] is None
+    assert res["best"]["name"] in rows
+    assert res["roofline_b1"]["ms"] > 0 and not res["skipped"]
+
+
+def test_smoke_run_out_of_budget_measures_only_the_baseline(tmp_path: Path) -> None:
+    res = main(["--smoke", "--out", str(tmp_path / "v.json"), "--budget-s", "0"])
+    assert [r["name"] for r in res["variants"]] == ["baseline"]
+    assert not res["variants"][0].get("error") and res["variants"][0]["tokens_ok"] is True
+    assert res["skipped"] == [v.name for v in default_variants(AttnKernelConfig())][1:]
+    assert res["table"].endswith("skipped (time budget): " + ", ".join(res["skipped"]))

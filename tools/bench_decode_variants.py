@@ -1,0 +1,477 @@
+"""Which batch-1 decode kernel variants win, measured in one bounded run.
+
+    python -m tools.bench_decode_variants --out decode_variants.json          # H200, ~2 min
+    python -m tools.bench_decode_variants --smoke --out /tmp/variants.json    # CPU, tiny-moe
+
+The engine is built once (qwen3-30b-a3b cut to --layers, dummy bf16 weights, as
+tools/bench_engine builds it) and one 2,048-token prompt is prefilled into the
+prefix cache. Then, for each variant (an FTSERVE_* kernel switch from
+ftserve/envs.py, or a field of the Triton attention backend's AttnKernelConfig):
+
+    1. set the variant's environment (every switch set explicitly, so the
+       caller's environment does not leak in) and attention config;
+    2. re-capture the decode CUDA graphs: kernels are chosen while a graph is
+       captured, so a switch flipped after the build changes nothing until then;
+    3. greedy-decode 16 tokens after the 2,048-token prompt and compare them to
+       the baseline's (a mismatch is reported, the variant is still timed);
+    4. time the batch-1 graph alone (back-to-back replays, one CUDA event per
+       replay, median), profile the kernels of one eager step, and measure the
+       engine's full step rate at batch 1 and 8 (tools.bench_engine.bench_decode).
+
+Last, the fastest token-exact option of each knob (replay at least --min-gain
+faster than the baseline) is combined into one variant and measured too. The
+run stops itself within --budget-s (variants that would not fit are listed as
+skipped); a failing variant is recorded and the run goes on. The environment
+is restored at the end. On the CPU (--smoke) there are no graphs: the rows
+hold the eager step rates only, and attention-config variants fail (the torch
+backend has no kernel config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import inspect
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tools.bench_common import (
+    decode_step_bytes,
+    gpu_kernel_seconds,
+    machine_info,
+    markdown_table,
+    measure_copy_gbps,
+    run_section,
+    say,
+    write_json,
+    write_model_config,
+)
+from tools.bench_engine import EngineDriver, bench_decode, build, prefill_base
+
+# Every kernel switch at its ftserve/envs.py default: the baseline, and the
+# base every variant's own settings are laid over.
+DEFAULT_ENV: dict[str, str] = {
+    "FTSERVE_DENSE_GEMV": "0",
+    "FTSERVE_MOE_GATEUP_ACC": "0",
+    "FTSERVE_LM_HEAD_FP32": "0",
+    "FTSERVE_DECODE_FUSION": "1",
+    "FTSERVE_MOE_DOWN3D": "1",
+}
+TOP_KERNELS = 12
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One point to measure. ``group`` is the knob it turns (options of one
+    group exclude each other when the best are combined); the baseline and the
+    combination have none. ``attn`` replaces AttnKernelConfig fields."""
+
+    name: str
+    group: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
+    attn: Mapping[str, Any] = field(default_factory=dict)
+
+
+def default_variants(base_attn: Any) -> list[Variant]:
+    """Baseline first, then one knob at a time; ``base_attn`` is the
+    AttnKernelConfig the backend uses by default on this device."""
+    pps = base_attn.decode_programs_per_sm
+    fused = not base_attn.decode_fused_reduce
+    out = [Variant("baseline")]
+    out += [Variant(f"DENSE_GEMV={v}", "dense_gemv", {"FTSERVE_DENSE_GEMV": v})
+            for v in ("1", "linear", "norm")]
+    out.append(Variant("MOE_GATEUP_ACC=1", "moe_gateup_acc", {"FTSERVE_MOE_GATEUP_ACC": "1"}))
+    out.append(Variant("LM_HEAD_FP32=1", "lm_head_fp32", {"FTSERVE_LM_HEAD_FP32": "1"}))
+    out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
+                       attn={"decode_fused_reduce": fused}))
+    for factor in (0.5, 2.0):
+        n = max(1, round(pps * factor))
+        if n != pps:
+            out.append(Variant(f"attn programs_per_sm={n}", "attn_programs_per_sm",
+                               attn={"decode_programs_per_sm": n}))
+    return out
+
+
+@contextmanager
+def env_applied(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Set (None: unset) these environment variables inside the block; on
+    exit each one is back to its earlier value or absence, even after an error."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, old in saved.items():
+            if old is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = old
+
+
+def score_ms(row: Mapping[str, Any]) -> float | None:
+    """What a variant is ranked by: the graph replay time of one batch-1 step;
+    without graphs (CPU), the engine's batch-1 step time."""
+    if row.get("replay_ms") is not None:
+        return float(row["replay_ms"])
+    tps = (row.get("decode_b1") or {}).get("tokens_per_s")
+    return 1e3 / tps if tps else None
+
+
+def combine_best(rows: Sequence[Mapping[str, Any]], variants: Sequence[Variant],
+                 min_gain: float) -> tuple[Variant | None, dict[str, str]]:
+    """The combination of each group's fastest variant that matched the
+    baseline's tokens and beat the baseline's score by more than ``min_gain``
+    (a fraction). Returns (variant, {group: winner}); the variant is None when
+    fewer than two groups have a winner (one winner was measured already)."""
+    by_name = {v.name: v for v in variants}
+    base = next((r for r in rows if r["name"] == "baseline" and not r.get("error")), None)
+    base_ms = score_ms(base) if base is not None else None
+    if base_ms is None:
+        return None, {}
+    best: dict[str, tuple[float, Variant]] = {}
+    for r in rows:
+        v = by_name.get(r["name"])
+        ms = score_ms(r)
+        if v is None or not v.group or r.get("error") or r.get("tokens_ok") is not True or ms is None:
+            continue
+        if ms < base_ms * (1.0 - min_gain) and (v.group not in best or ms < best[v.group][0]):
+            best[v.group] = (ms, v)
+    winners = {g: v.name for g, (_, v) in sorted(best.items())}
+    if len(best) < 2:
+        return None, winners
+    env: dict[str, str] = {}
+    attn: dict[str, Any] = {}
+    for _, v in best.values():
+        env.update(v.env)
+        attn.update(v.attn)
+    return Variant("combined: " + " + ".join(winners.values()), "", env, attn), winners
+
+
+def should_skip(now: float, deadline: float, durations: Sequence[float], reserve: int) -> bool:
+    """Skip a variant unless ``reserve`` variants as slow as the slowest so far
+    (this one and any kept for later) fit before the deadline."""
+    if not durations:
+        return False
+    return deadline - now < reserve * max(durations)
+
+
+def render_table(rows: Sequence[Mapping[str, Any]], batches: Sequence[int] = (1, 8),
+                 skipped: Sequence[str] = ()) -> str:
+    """Markdown: one line per measured variant, then the skipped ones. The
+    roofline columns are batch 1's (``batches[0]``)."""
+    base = next((r for r in rows if r["name"] == "baseline"), None)
+    base_ms = score_ms(base) if base is not None else None
+    table = []
+    for r in rows:
+        ms = score_ms(r)
+        tok = {True: "yes", False: f"NO (step {r.get('mismatch_at')})", None: "-"}[r.get("tokens_ok")]
+        if r.get("error"):
+            tok = "FAILED: " + str(r["error"]).splitlines()[0][:60]
+        first = r.get(f"decode_b{batches[0]}") or {}
+        frac, replay_frac = first.get("frac_of_roofline"), r.get("replay_frac_of_roofline")
+        table.append((r["name"], tok, r.get("replay_ms"),
+                      f"{base_ms / ms:.3f}x" if base_ms and ms else None,
+                      f"{100 * replay_frac:.1f}%" if replay_frac is not None else None,
+                      first.get("tokens_per_s"), f"{100 * frac:.1f}%" if frac is not None else None,
+                      *((r.get(f"decode_b{bs}") or {}).get("tokens_per_s") for bs in batches[1:])))
+    headers = ("variant", "tokens ok", "replay ms", "speed-up", "replay % roofline",
+               f"tok/s b{batches[0]}", f"% roofline b{batches[0]}",
+               *(f"tok/s b{bs}" for bs in batches[1:]))
+    text = markdown_table(headers, table)
+    if skipped:
+        text += "\n\nskipped (time budget): " + ", ".join(skipped)
+    return text
+
+
+# ----------------------------------------------------------------- GPU side
+
+
+@dataclass
+class Bench:
+    """What every variant run needs."""
+
+    args: argparse.Namespace
+    drv: EngineDriver
+    device: torch.device
+    mcfg: Any
+    limits: dict[str, Any]
+    base: list[int]  # the prefilled prompt; bench_decode reuses its prefix
+    check_prompt: list[int]
+    base_attn: Any  # AttnKernelConfig of the build's backend
+    backend: Any  # the build's attention backend
+    max_bs: int
+    roofline_ms: float | None  # one batch-1 step's bytes at the copy bandwidth
+    baseline_tokens: list[int] | None = None
+
+
+def backend_for(backend: Any, base_attn: Any, v: Variant) -> Any:
+    """The attention backend variant ``v`` runs: the build's own unless it
+    changes AttnKernelConfig fields, then a Triton backend with those."""
+    if not v.attn:
+        return backend
+    if getattr(backend, "name", "") != "triton":
+        raise RuntimeError(f"attention config variants need the triton backend; this engine "
+                           f"runs {getattr(backend, 'name', type(backend).__name__)}")
+    from ftserve_kernels.attention_triton import TritonAttentionBackend
+
+    return TritonAttentionBackend(scale=backend.scale, cfg=dataclasses.replace(base_attn, **v.attn),
+                                  extend_token_bound=backend.extend_token_bound)
+
+
+def recapture(b: Bench, backend: Any) -> float | None:
+    """Install ``backend`` and capture fresh decode graphs under the current
+    environment; seconds taken (None: no graphs on this device)."""
+    runner = b.drv.runner
+    b.drv.abort_all()  # nothing in flight may still read the old graphs' outputs
+    runner.attn_backend = backend
+    if b.device.type != "cuda":
+        return None
+    from ftserve.engine.cuda_graph import DecodeGraphs
+
+    runner.graphs = None  # the old graphs and their memory pool go first
+    gc.collect()
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    graphs = DecodeGraphs(runner, b.max_bs)
+    graphs.capture()
+    runner.graphs = graphs
+    return time.perf_counter() - t0
+
+
+def greedy_tokens(b: Bench, n: int) -> list[int]:
+    """The first n greedy tokens after check_prompt; the request is left in
+    decode (it asked for more), so the caller can schedule one more step."""
+    req = b.drv.add(b.check_prompt, max_tokens=n + 8)
+    for _ in range(10 * n + 100):
+        if len(req.output_ids) >= n:
+            break
+        b.drv.step()
+    b.drv.flush()
+    if len(req.output_ids) < n:
+        raise RuntimeError(f"only {len(req.output_ids)} of {n} check tokens came out")
+    return list(req.output_ids[:n])
+
+
+def time_replay(b: Bench, batch: Any, reps: int) -> dict[str, Any]:
+    """The batch's greedy graph replayed back to back, an event after each
+    replay: per-replay device ms (median, min, max)."""
+    from ftserve.engine.sampler import SamplerFeatures
+
+    runner = b.drv.runner
+    graphs = runner.graphs
+    runner.prepare_slots(batch.reqs)
+    graphs.replay(batch)  # fills the static inputs for this batch
+    g = graphs.graphs[(graphs._padded(len(batch.reqs)), SamplerFeatures())]
+    for _ in range(5):
+        g.replay()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+    torch.cuda.synchronize()
+    events[0].record()
+    for ev in events[1:]:
+        g.replay()
+        ev.record()
+    torch.cuda.synchronize()
+    ms = [a.elapsed_time(e) for a, e in zip(events, events[1:])]
+    return {"replay_ms": statistics.median(ms), "replay_ms_min": min(ms), "replay_ms_max": max(ms),
+            "replay_reps": reps}
+
+
+def eager_kernels(b: Bench, batch: Any) -> dict[str, Any]:
+    """Kernels of one eager (graph-less) launch of the batch."""
+    runner = b.drv.runner
+    # bench_common.gpu_kernel_seconds lists its top 8; ask for more once it can.
+    kw = {"top": TOP_KERNELS} if "top" in inspect.signature(gpu_kernel_seconds).parameters else {}
+    saved, runner.graphs = runner.graphs, None
+    try:
+        prof = gpu_kernel_seconds(lambda: runner.launch(batch), b.device, **kw)
+    finally:
+        runner.graphs = saved
+    kernel_s = prof.get("kernel_s")
+    return {"eager_kernel_ms": kernel_s * 1e3 if kernel_s is not None else None,
+            "eager_num_kernels": prof.get("num_kernels"), "eager_top_kernels": prof.get("top")}
+
+
+def run_variant(b: Bench, v: Variant) -> dict[str, Any]:
+    args, drv = b.args, b.drv
+    row: dict[str, Any] = {"name": v.name, "group": v.group, "env": dict(v.env), "attn": dict(v.attn)}
+    with env_applied({**DEFAULT_ENV, **v.env}):
+        row["env_seen"] = {k: os.environ.get(k) for k in DEFAULT_ENV}
+        row["capture_s"] = recapture(b, backend_for(b.backend, b.base_attn, v))
+        with torch.inference_mode():
+            tokens = greedy_tokens(b, args.check_steps)
+        row["tokens"] = tokens
+        if b.baseline_tokens is None:
+            row["tokens_ok"] = True if v.name == "baseline" else None
+        else:
+            bad = [i for i, (x, y) in enumerate(zip(tokens, b.baseline_tokens)) if x != y]
+            row["tokens_ok"] = not bad
+            row["mismatch_at"] = bad[0] if bad else None
+        batch = drv.sched.schedule()  # one more decode step of the check request
+        if batch is not None and batch.is_decode:
+            with torch.inference_mode():
+                if drv.runner.graphs is not None and drv.runner.graphs.can_run(len(batch.reqs)):
+                    row.update(time_replay(b, batch, args.replay_reps))
+                row.update(eager_kernels(b, batch))
+        drv.abort_all()
+        if row.get("replay_ms") and b.roofline_ms:
+            row["replay_frac_of_roofline"] = b.roofline_ms / row["replay_ms"]
+        for bs in args.batches:
+            row[f"decode_b{bs}"] = bench_decode(drv, b.device, b.mcfg, b.limits, b.base, args.context, bs,
+                                                args.decode_warmup, args.decode_steps, args.tail)
+            drv.abort_all()
+    return row
+
+
+def measure(b: Bench, variants: Sequence[Variant], results: dict[str, Any], deadline: float) -> None:
+    """Run the variants in order, then the best-of-each combination; rows go
+    to results["variants"] as they finish (the JSON is rewritten each time)."""
+    rows: list[dict[str, Any]] = results.setdefault("variants", [])
+    skipped: list[str] = results.setdefault("skipped", [])
+    durations: list[float] = []
+
+    def one(v: Variant, reserve: int) -> None:
+        if v.name != "baseline" and should_skip(time.perf_counter(), deadline, durations, reserve):
+            skipped.append(v.name)
+            say(f"variant {v.name} skipped: {deadline - time.perf_counter():.0f} s left, "
+                f"a variant takes up to {max(durations):.0f} s")
+            return
+        t0 = time.perf_counter()
+        out = run_section(results, f"variant {v.name}", lambda: run_variant(b, v))
+        results.pop(f"variant {v.name}", None)
+        durations.append(time.perf_counter() - t0)
+        if out is None:  # run_section recorded the error
+            out = {"name": v.name, "group": v.group, "env": dict(v.env), "attn": dict(v.attn),
+                   "error": results["errors"][f"variant {v.name}"]}
+            try:
+                b.drv.abort_all()
+            except Exception as exc:  # noqa: BLE001 - the next variant starts over anyway
+                say(f"  abort after a failed variant failed too: {exc}")
+        out["seconds"] = durations[-1]
+        rows.append(out)
+        if v.name == "baseline" and not out.get("error"):
+            b.baseline_tokens = out["tokens"]
+        say(f"  {v.name}: replay {out.get('replay_ms')} ms, tokens ok {out.get('tokens_ok')}")
+        write_json(b.args.out, results)
+
+    for v in variants:
+        one(v, reserve=2)  # keep room for the combination
+    combo, winners = combine_best(rows, variants, b.args.min_gain)
+    results["winners"] = winners
+    if combo is not None:
+        one(combo, reserve=1)
+    scored = [r for r in rows if not r.get("error") and r.get("tokens_ok") and score_ms(r) is not None]
+    if scored:
+        best = min(scored, key=lambda r: score_ms(r) or 0.0)
+        results["best"] = {k: best.get(k) for k in ("name", "env", "attn", "replay_ms")}
+
+
+def b1_roofline(mcfg: Any, elem: int, context: int, limits: dict[str, Any]) -> dict[str, Any]:
+    """HBM bytes of one batch-1 step at ``context`` and the time the measured
+    copy bandwidth needs for them (one token routes to exactly top_k experts)."""
+    nbytes = decode_step_bytes(mcfg, elem, 1, [context])
+    out: dict[str, Any] = {"context": context, **nbytes}
+    bw = limits.get("copy", {}).get("gbps_read_plus_write")
+    if bw:
+        out["ms"] = nbytes["total_bytes"] / (bw * 1e9) * 1e3
+        out["tokens_per_s"] = 1e3 / out["ms"]
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench_decode_variants.json", help="JSON results path")
+    p.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU, no graphs (<60 s)")
+    p.add_argument("--preset", default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--budget-s", type=float, default=None, help="whole-run limit (default 120; smoke 60)")
+    p.add_argument("--only", default="", help="comma-separated variant names (baseline always runs)")
+    p.add_argument("--min-gain", type=float, default=0.01,
+                   help="a knob joins the combination when its replay beats the baseline by this fraction")
+    args = p.parse_args(argv)
+    args.dtype, args.device, args.context, args.batches = "bfloat16", "cuda", 2048, [1, 8]
+    args.check_steps, args.replay_reps = 16, 200
+    args.decode_warmup, args.decode_steps, args.tail = 4, 64, 16
+    args.chunk, args.max_len, args.kv_tokens = 2048, 4096, 1 << 16
+    if args.smoke:
+        args.preset, args.layers, args.dtype, args.device = "tiny-moe", 2, "float32", "cpu"
+        args.context, args.batches, args.chunk, args.max_len, args.kv_tokens = 160, [1, 3], 64, 1024, 8192
+        args.check_steps, args.decode_steps = 6, 3
+    if args.budget_s is None:
+        args.budget_s = 60.0 if args.smoke else 120.0
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here; `--smoke` runs the CPU version")
+    results: dict[str, Any] = {"machine": machine_info(device), "args": {
+        k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, bool))}}
+    t_start = time.perf_counter()
+    deadline = t_start + args.budget_s
+    model_dir = write_model_config(args.preset, tempfile.mkdtemp(prefix="ftserve-variants-"),
+                                   layers=args.layers, max_position_embeddings=args.max_len)
+    # The defaults hold for the build too: its prefill graphs and the prefix
+    # every variant reads are computed with the baseline kernels.
+    with env_applied(DEFAULT_ENV):
+        copy = run_section(results, "copy", lambda: measure_copy_gbps(
+            device, (64 << 20) if args.smoke else (2 << 30), 3 if args.smoke else 10))
+        limits: dict[str, Any] = {"copy": copy} if copy else {}
+        results["limits"] = results.pop("copy", None)
+        engine = run_section(results, "engine_build", lambda: build(args, model_dir, device))
+        if engine is None:
+            write_json(args.out, results)
+            return results
+        results["engine_build"] = dict(engine.summary)
+        runner = engine.runner
+        drv = EngineDriver(engine)
+        mcfg = engine.model_config
+        elem = torch.empty((), dtype=next(runner.model.parameters()).dtype).element_size()
+        roof = b1_roofline(mcfg, elem, args.context, limits)
+        results["roofline_b1"] = roof
+        from ftserve_kernels.attention_common import AttnKernelConfig
+
+        backend = runner.attn_backend
+        base_attn = getattr(backend, "cfg", None) or AttnKernelConfig.for_device(device, mcfg.head_dim)
+        base = drv.tokens(args.context)
+        b = Bench(args, drv, device, mcfg, limits, base, base[:args.context - args.tail] + drv.tokens(args.tail),
+                  base_attn, backend, runner.graphs.max_bs if runner.graphs is not None else max(args.batches),
+                  roof.get("ms"))
+        try:
+            if run_section(results, "base_prefill", lambda: prefill_base(drv, base, device)) is not None:
+                variants = default_variants(base_attn)
+                if args.only:
+                    keep = {s.strip() for s in args.only.split(",")} | {"baseline"}
+                    unknown = keep - {v.name for v in variants}
+                    if unknown:
+                        raise SystemExit(f"unknown variants {sorted(unknown)}; known: "
+                                         f"{', '.join(v.name for v in variants)}")
+                    variants = [v for v in variants if v.name in keep]
+                measure(b, variants, results, deadline)
+        finally:
+            runner.attn_backend = backend
+            engine.shutdown()
+    results["total_s"] = time.perf_counter() - t_start
+    results["table"] = render_table(results.get("variants", []), args.batches, results.get("skipped", []))
+    write_json(args.out, results)
+    print(results["table"], flush=True)
+    say(f"wrote {args.out} in {results['total_s']:.0f} s")
+    return results
+
+
+if __name__ == "__main__":
+    main()
