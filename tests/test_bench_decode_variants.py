@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from ftserve import envs
 from ftserve_kernels.attention_common import AttnKernelConfig
@@ -62,7 +63,8 @@ def test_each_variant_turns_exactly_its_switch(monkeypatch: pytest.MonkeyPatch) 
     names = [v.name for v in variants]
     assert names[0] == "baseline" and len(set(names)) == len(names)
     assert {"DENSE_GEMV=1", "DENSE_GEMV=linear", "DENSE_GEMV=norm", "MOE_GATEUP_ACC=1", "LM_HEAD_FP32=1",
-            "attn fused_reduce=1", "attn programs_per_sm=2", "attn programs_per_sm=8"} <= set(names)
+            "attn fused_reduce=1", "attn programs_per_sm=2", "attn programs_per_sm=8",
+            "attn max_splits=32", "attn max_splits=64"} <= set(names)
     with env_applied(DEFAULT_ENV):
         base = _switches()
     for v in variants:
@@ -76,9 +78,10 @@ def test_each_variant_turns_exactly_its_switch(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_programs_per_sm_variants_skip_the_baseline_value() -> None:
-    names = [v.name for v in default_variants(AttnKernelConfig(decode_programs_per_sm=1,
+    names = [v.name for v in default_variants(AttnKernelConfig(decode_programs_per_sm=1, max_splits=2,
                                                                decode_fused_reduce=True))]
-    assert [n for n in names if n.startswith("attn")] == ["attn fused_reduce=0", "attn programs_per_sm=2"]
+    assert [n for n in names if n.startswith("attn")] == ["attn fused_reduce=0", "attn programs_per_sm=2",
+                                                          "attn max_splits=1"]
 
 
 def test_backend_for_replaces_only_the_config() -> None:
@@ -89,7 +92,7 @@ def test_backend_for_replaces_only_the_config() -> None:
     base_cfg = AttnKernelConfig()
     by_name = {v.name: v for v in default_variants(base_cfg)}
     assert backend_for(built, base_cfg, by_name["DENSE_GEMV=1"]) is built
-    cpu = __import__("torch").device("cpu")
+    cpu = torch.device("cpu")
     splits = {}
     for name in ("attn programs_per_sm=2", "attn programs_per_sm=8", "attn fused_reduce=1"):
         new = backend_for(built, base_cfg, by_name[name])
@@ -174,7 +177,8 @@ def test_smoke_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert os.environ["FTSERVE_DENSE_GEMV"] == "linear"
     assert json.loads(out.read_text())["table"] == res["table"]
     rows = {r["name"]: r for r in res["variants"]}
-    assert list(rows)[:9] == [v.name for v in default_variants(AttnKernelConfig())]
+    variants = default_variants(AttnKernelConfig.for_device(torch.device("cpu"), 128))
+    assert list(rows)[:len(variants)] == [v.name for v in variants]
     assert rows["baseline"]["env_seen"] == DEFAULT_ENV
     assert rows["DENSE_GEMV=1"]["env_seen"] == {**DEFAULT_ENV, "FTSERVE_DENSE_GEMV": "1"}
     assert len(rows["baseline"]["tokens"]) == res["args"]["check_steps"]
@@ -194,5 +198,6 @@ def test_smoke_run_out_of_budget_measures_only_the_baseline(tmp_path: Path) -> N
     res = main(["--smoke", "--out", str(tmp_path / "v.json"), "--budget-s", "0"])
     assert [r["name"] for r in res["variants"]] == ["baseline"]
     assert not res["variants"][0].get("error") and res["variants"][0]["tokens_ok"] is True
-    assert res["skipped"] == [v.name for v in default_variants(AttnKernelConfig())][1:]
+    cpu_attn = AttnKernelConfig.for_device(torch.device("cpu"), 128)
+    assert res["skipped"] == [v.name for v in default_variants(cpu_attn)][1:]
     assert res["table"].endswith("skipped (time budget): " + ", ".join(res["skipped"]))

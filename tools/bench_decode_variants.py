@@ -98,6 +98,11 @@ def default_variants(base_attn: Any) -> list[Variant]:
         if n != pps:
             out.append(Variant(f"attn programs_per_sm={n}", "attn_programs_per_sm",
                                attn={"decode_programs_per_sm": n}))
+    # At batch 1 the split count sits at the max_splits cap (H200: 132 SMs x 4
+    # programs over 4 KV heads > 128), so only a lower cap changes it there.
+    for n in sorted({base_attn.max_splits // 4, base_attn.max_splits // 2}):
+        if 1 <= n < base_attn.max_splits:
+            out.append(Variant(f"attn max_splits={n}", "attn_max_splits", attn={"max_splits": n}))
     return out
 
 
@@ -208,8 +213,10 @@ class Bench:
     device: torch.device
     mcfg: Any
     limits: dict[str, Any]
-    base: list[int]  # the prefilled prompt; bench_decode reuses its prefix
-    check_prompt: list[int]
+    # The prefilled prompt: the token check decodes after all of it (every
+    # variant then recomputes the same last token over the same cached KV);
+    # bench_decode reuses its prefix.
+    base: list[int]
     base_attn: Any  # AttnKernelConfig of the build's backend
     backend: Any  # the build's attention backend
     max_bs: int
@@ -252,9 +259,9 @@ def recapture(b: Bench, backend: Any) -> float | None:
 
 
 def greedy_tokens(b: Bench, n: int) -> list[int]:
-    """The first n greedy tokens after check_prompt; the request is left in
-    decode (it asked for more), so the caller can schedule one more step."""
-    req = b.drv.add(b.check_prompt, max_tokens=n + 8)
+    """The first n greedy tokens after the base prompt; the request is left
+    in decode (it asked for more), so the caller can schedule one more step."""
+    req = b.drv.add(b.base, max_tokens=n + 8)
     for _ in range(10 * n + 100):
         if len(req.output_ids) >= n:
             break
@@ -310,9 +317,11 @@ def run_variant(b: Bench, v: Variant) -> dict[str, Any]:
     with env_applied({**DEFAULT_ENV, **v.env}):
         row["env_seen"] = {k: os.environ.get(k) for k in DEFAULT_ENV}
         row["capture_s"] = recapture(b, backend_for(b.backend, b.base_attn, v))
-        with torch.inference_mode():
-            tokens = greedy_tokens(b, args.check_steps)
-        row["tokens"] = tokens
+        backend = b.drv.runner.attn_backend
+        if hasattr(backend, "num_splits"):  # the Triton backend: split-K programs per (seq, KV head)
+            row["attn_splits"] = {bs: backend.num_splits(bs, b.mcfg.num_kv_heads, b.device)
+                                  for bs in args.batches}
+        row["tokens"] = tokens = greedy_tokens(b, args.check_steps)
         if b.baseline_tokens is None:
             row["tokens_ok"] = True if v.name == "baseline" else None
         else:
@@ -404,7 +413,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dtype, args.device, args.context, args.batches = "bfloat16", "cuda", 2048, [1, 8]
     args.check_steps, args.replay_reps = 16, 200
     args.decode_warmup, args.decode_steps, args.tail = 4, 64, 16
-    args.chunk, args.max_len, args.kv_tokens = 2048, 4096, 1 << 16
+    args.chunk, args.max_len, args.kv_tokens = 2048, 4096, 1 << 17
     if args.smoke:
         args.preset, args.layers, args.dtype, args.device = "tiny-moe", 2, "float32", "cpu"
         args.context, args.batches, args.chunk, args.max_len, args.kv_tokens = 160, [1, 3], 64, 1024, 8192
@@ -448,8 +457,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         backend = runner.attn_backend
         base_attn = getattr(backend, "cfg", None) or AttnKernelConfig.for_device(device, mcfg.head_dim)
         base = drv.tokens(args.context)
-        b = Bench(args, drv, device, mcfg, limits, base, base[:args.context - args.tail] + drv.tokens(args.tail),
-                  base_attn, backend, runner.graphs.max_bs if runner.graphs is not None else max(args.batches),
+        b = Bench(args, drv, device, mcfg, limits, base, base_attn, backend, runner.graphs.max_bs if runner.graphs is not None else max(args.batches),
                   roof.get("ms"))
         try:
             if run_section(results, "base_prefill", lambda: prefill_base(drv, base, device)) is not None:
