@@ -129,22 +129,34 @@ def table_file_name(device_name: str) -> str:
 Table = dict[str, dict[int, MoeConfig]]  # shape key -> tuned T -> config
 
 
-@functools.lru_cache(maxsize=16)
 def load_table(path: str) -> Table:
-    """Parse and validate a table; raises ValueError naming the file."""
+    """Parse and validate a table; raises ValueError naming the file. Parsed
+    once per file version (a rewritten file is read again); the runtime asks
+    once per batch shape, so a table changed under a running server is seen
+    only by shapes it has not met yet."""
+    try:
+        st = Path(path).stat()
+    except OSError as exc:
+        raise _bad(path, exc) from exc
+    return _parse_table(path, st.st_mtime_ns, st.st_size)
+
+
+def _bad(path: str, exc: Exception) -> ValueError:
+    return ValueError(f"bad MoE config table {path}: {type(exc).__name__}: {exc} "
+                      "(regenerate it with tools/tune_moe.py or unset FTSERVE_MOE_CONFIG_FILE)")
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_table(path: str, mtime_ns: int, size: int) -> Table:
     try:
         raw = json.loads(Path(path).read_text())
         configs = raw["configs"]
         if not isinstance(configs, dict):
             raise TypeError("'configs' is not an object")
-        table: Table = {}
-        for shape, by_t in configs.items():
-            table[shape] = {int(t): MoeConfig.from_dict(c) for t, c in by_t.items()}
-        return table
+        return {shape: {int(t): MoeConfig.from_dict(c) for t, c in by_t.items()}
+                for shape, by_t in configs.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"bad MoE config table {path}: {type(exc).__name__}: {exc} "
-                         "(regenerate it with tools/tune_moe.py or unset "
-                         "FTSERVE_MOE_CONFIG_FILE)") from exc
+        raise _bad(path, exc) from exc
 
 
 def lookup(table: Table, shape: str, tokens: int) -> MoeConfig | None:

@@ -296,36 +296,52 @@ def test_tune_choose_pairs_one_block_m() -> None:
     assert tune.choose(gate_up, {tile(32, 64, 64, 8, 4, 3): 0.1}, {}) is None
 
 
-def test_tune_one_writes_a_table_the_runtime_picks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tools/tune_moe end to end on the interpreter (tiny tiles): the tuned
-    entry goes through merge_table into a file, MoeConfig.pick returns it, and
-    fused_moe_triton with it matches the reference. A spent budget still
-    leaves the default timed and an entry written."""
-    torch.manual_seed(0)
+def test_tune_run_writes_a_table_the_runtime_picks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tools/tune_moe end to end on the interpreter (tiny tiles): the table it
+    writes loads, MoeConfig.pick returns its entries, and fused_moe_triton with
+    them matches the reference. A spent budget still leaves a loadable table,
+    and a later run merges into the same file."""
+    e, k, h, inter = 4, 2, 32, 32
+    gu = [tune.Tile(16, 32, 16, 2, 4, 1), tune.Tile(16, 16, 32, 1, 4, 1)]
+    dn = [tune.Tile(16, 32, 32, 2, 4, 1), tune.Tile(32, 16, 16, 2, 4, 1)]
+    cpu = torch.device("cpu")
+    empty = tune.run(tmp_path, 0.0, {"tiny": (e, k, h, inter)}, (8,), cpu, matmul_n=64,
+                     sweep=lambda shape, t: (gu, dn), dtype=torch.float32, iters=1)
+    assert mc.load_table(str(empty)) == {}
+    path = tune.run(tmp_path, 600.0, {"tiny": (e, k, h, inter)}, (8, 16), cpu, matmul_n=64,
+                    sweep=lambda shape, t: (gu, dn), dtype=torch.float32, iters=1)
+    assert path == empty and path.name == "moe_cpu.json"
+    raw = json.loads(path.read_text())
+    key = mc.shape_key(e, h, inter, k)
+    assert list(raw["configs"][key]) == ["8", "16"] and raw["meta"]["device"] == "cpu"
+    timing = raw["timings"][key]["8"]
+    assert timing["configs_timed"][0] >= 3 and not timing["budget_cut"]  # default + 2 + group_m 16
+    assert f"| {key} | 16 |" in capsys.readouterr().out
+    monkeypatch.setenv("FTSERVE_MOE_CONFIG_FILE", str(path))
+    g = torch.Generator().manual_seed(5)
+    for t in (8, 16):
+        picked = mc.MoeConfig.pick(t * k, e, torch.device("cuda", 0), hidden=h, inter=inter, top_k=k)
+        assert picked == mc.MoeConfig.from_dict(raw["configs"][key][str(t)])
+        x = torch.randn(t, h, generator=g)
+        w13 = torch.randn(e, 2 * inter, h, generator=g) / h**0.5
+        w2 = torch.randn(e, h, inter, generator=g) / inter**0.5
+        weights, ids = route_topk_ref(torch.randn(t, e, generator=g), k, True)
+        out = mt.fused_moe_triton(x, w13, w2, weights, ids, cfg=picked)
+        assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-4
+
+
+def test_tune_one_stops_at_the_deadline() -> None:
+    """Past the deadline only the default config is timed, and it is the entry."""
     e, k, h, inter, t = 4, 2, 32, 32, 8
     w13 = torch.randn(e, 2 * inter, h) / h**0.5
     w2 = torch.randn(e, h, inter) / inter**0.5
     bench = tune.Bench((e, k, h, inter), t, w13, w2, iters=1)
-    gu = [tune.Tile(16, 32, 16, 2, 4, 1), tune.Tile(16, 16, 32, 1, 4, 1)]
-    dn = [tune.Tile(16, 32, 32, 2, 4, 1), tune.Tile(32, 16, 16, 2, 4, 1)]
-    logs: list[str] = []
-    res = tune.tune_one(bench, time.monotonic() + 600, logs.append, sweep=(gu, dn))
-    assert res is not None and res["config"].block_m in (16, 32)
-    assert res["timing"]["configs_timed"][0] >= 3 and not res["timing"]["budget_cut"]
-    key = mc.shape_key(e, h, inter, k)
-    table = tune.merge_table({"meta": {}}, key, t, res["config"], res["timing"])
-    table = tune.merge_table(table, key, 2 * t, mc.heuristic(1, 1, "cpu"), res["timing"])
-    assert list(table["configs"][key]) == [str(t), str(2 * t)] and "meta" in table
-    path = tmp_path / "tuned.json"
-    path.write_text(json.dumps(table))
-    monkeypatch.setenv("FTSERVE_MOE_CONFIG_FILE", str(path))
-    picked = mc.MoeConfig.pick(t * k, e, torch.device("cuda", 0), hidden=h, inter=inter, top_k=k)
-    assert picked == res["config"]
-    out = mt.fused_moe_triton(bench.x, w13, w2, bench.weights, bench.ids, cfg=picked)
-    assert rel_err(out, bench.ref) < 1e-4
-    assert "| E=4,H=32,I=32,k=2 | 8 |" in tune.report(table, 100.0)
-    cut = tune.tune_one(bench, time.monotonic() - 1, logs.append, sweep=(gu, dn))
+    sweep = ([tune.Tile(16, 32, 16, 2, 4, 1)], [tune.Tile(16, 32, 32, 2, 4, 1)])
+    cut = tune.tune_one(bench, time.monotonic() - 1, lambda msg: None, sweep=sweep)
     assert cut is not None and cut["timing"]["budget_cut"]
+    assert cut["timing"]["configs_timed"] == [1, 1]
     assert tune.split_config(cut["config"]) == tune.split_config(mc.heuristic(t * k, e, "cpu"))
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import triton
 
 from ftserve_kernels import moe_triton as mt
 from ftserve_kernels.moe import fused_moe_ref
@@ -336,11 +337,11 @@ def _us(s: float | None) -> float | None:
     return None if s is None else round(s * 1e6, 2)
 
 
-def _matmul_tflops(n: int = 8192) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
-    secs = _median_s(lambda: torch.matmul(a, b, out=c), a.device, iters=10, warmup=3)
+def _matmul_tflops(device: torch.device, n: int = 8192) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    secs = _median_s(lambda: torch.matmul(a, b, out=c), device, iters=10, warmup=3)
     return 2 * n**3 / secs / 1e12
 
 
@@ -365,6 +366,60 @@ def report(table: dict[str, Any], matmul_tflops: float) -> str:
     return f"bf16 matmul 8192^3: {matmul_tflops:.0f} TFLOP/s\n\n" + "\n".join(rows)
 
 
+def run(out_dir: Path, budget_s: float, shapes: dict[str, tuple[int, int, int, int]],
+        tokens: Iterable[int], device: torch.device, matmul_n: int = 8192,
+        sweep: Callable[[tuple[int, int, int, int], int], tuple[list[Tile], list[Tile]]] | None = None,
+        dtype: torch.dtype = torch.bfloat16, iters: int = 15) -> Path:
+    """Tune every (shape, T) in order until ``budget_s`` is spent; returns the
+    table path (rewritten after every T). ``sweep`` replaces the generated
+    candidates (tests run tiny tiles on the interpreter)."""
+    t0 = time.monotonic()
+    deadline = t0 + budget_s
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / table_file_name(device_name)
+    table: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    table.setdefault("configs", {})  # a valid (empty) table even if the budget allows nothing
+    mm = _matmul_tflops(device, matmul_n)
+    table["meta"] = {"device": device_name, "torch": torch.__version__,
+                     "triton": triton.__version__, "matmul_tflops": round(mm, 1),
+                     "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path.write_text(json.dumps(table, indent=1))
+    log(f"{device_name}: bf16 matmul {mm:.0f} TFLOP/s")
+    torch.manual_seed(0)
+    for name, shape in shapes.items():
+        e, k, h, inter = shape
+        if time.monotonic() > deadline:
+            log(f"budget spent before {name}")
+            break
+        w13 = (torch.randn(e, 2 * inter, h, device=device) / h**0.5).to(dtype)
+        w2 = (torch.randn(e, h, inter, device=device) / inter**0.5).to(dtype)
+        key = shape_key(e, h, inter, k)
+        for t in tokens:
+            if time.monotonic() > deadline:
+                log(f"budget spent before {name} T={t}")
+                break
+            log(f"{name} T={t}")
+            bench = Bench(shape, t, w13, w2, iters=iters)
+            result = tune_one(bench, deadline, log, sweep(shape, t) if sweep else None)
+            if result is not None:
+                table = merge_table(table, key, t, result["config"], result["timing"])
+                path.write_text(json.dumps(table, indent=1))
+            del bench
+        del w13, w2
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    md = report(table, mm)
+    (out_dir / "tune_moe.md").write_text(md + "\n")
+    print(md)
+    log(f"wrote {path}")
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for moe_<device>.json and tune_moe.md")
@@ -373,46 +428,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     args = ap.parse_args(argv)
     assert torch.cuda.is_available(), "tune_moe needs a CUDA device"
-    t0 = time.monotonic()
-    deadline = t0 + args.budget_s
-
-    def log(msg: str) -> None:
-        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
-    device_name = torch.cuda.get_device_name()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / table_file_name(device_name)
-    table: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
-    mm = _matmul_tflops()
-    table["meta"] = {"device": device_name, "torch": torch.__version__,
-                     "triton": __import__("triton").__version__, "matmul_tflops": round(mm, 1),
-                     "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    log(f"{device_name}: bf16 matmul {mm:.0f} TFLOP/s")
-    torch.manual_seed(0)
-    for name in args.shapes.split(","):
-        e, k, h, inter = SHAPES[name]
-        if time.monotonic() > deadline:
-            break
-        w13 = (torch.randn(e, 2 * inter, h, device="cuda") / h**0.5).bfloat16()
-        w2 = (torch.randn(e, h, inter, device="cuda") / inter**0.5).bfloat16()
-        key = shape_key(e, h, inter, k)
-        for t in (int(s) for s in args.tokens.split(",")):
-            if time.monotonic() > deadline:
-                log(f"budget spent before {name} T={t}")
-                break
-            log(f"{name} T={t}")
-            result = tune_one(Bench((e, k, h, inter), t, w13, w2), deadline, log)
-            if result is not None:
-                table = merge_table(table, key, t, result["config"], result["timing"])
-                path.write_text(json.dumps(table, indent=1))
-            torch.cuda.empty_cache()
-        del w13, w2
-        torch.cuda.empty_cache()
-    md = report(table, mm)
-    (out_dir / "tune_moe.md").write_text(md + "\n")
-    print(md)
-    log(f"wrote {path}")
+    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+    run(Path(args.out), args.budget_s, shapes, [int(t) for t in args.tokens.split(",")],
+        torch.device("cuda"))
 
 
 if __name__ == "__main__":
