@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from ftserve_kernels.attention_common import AttnKernelConfig
 from tools.bench_common import (
     decode_step_bytes,
     gpu_kernel_seconds,
@@ -81,7 +82,7 @@ class Variant:
     attn: Mapping[str, Any] = field(default_factory=dict)
 
 
-def default_variants(base_attn: Any) -> list[Variant]:
+def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     """Baseline first, then one knob at a time; ``base_attn`` is the
     AttnKernelConfig the backend uses by default on this device."""
     pps = base_attn.decode_programs_per_sm
@@ -217,14 +218,14 @@ class Bench:
     # variant then recomputes the same last token over the same cached KV);
     # bench_decode reuses its prefix.
     base: list[int]
-    base_attn: Any  # AttnKernelConfig of the build's backend
+    base_attn: AttnKernelConfig  # what the build's backend runs with
     backend: Any  # the build's attention backend
     max_bs: int
     roofline_ms: float | None  # one batch-1 step's bytes at the copy bandwidth
     baseline_tokens: list[int] | None = None
 
 
-def backend_for(backend: Any, base_attn: Any, v: Variant) -> Any:
+def backend_for(backend: Any, base_attn: AttnKernelConfig, v: Variant) -> Any:
     """The attention backend variant ``v`` runs: the build's own unless it
     changes AttnKernelConfig fields, then a Triton backend with those."""
     if not v.attn:
@@ -452,13 +453,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         elem = torch.empty((), dtype=next(runner.model.parameters()).dtype).element_size()
         roof = b1_roofline(mcfg, elem, args.context, limits)
         results["roofline_b1"] = roof
-        from ftserve_kernels.attention_common import AttnKernelConfig
-
         backend = runner.attn_backend
         base_attn = getattr(backend, "cfg", None) or AttnKernelConfig.for_device(device, mcfg.head_dim)
         base = drv.tokens(args.context)
-        b = Bench(args, drv, device, mcfg, limits, base, base_attn, backend, runner.graphs.max_bs if runner.graphs is not None else max(args.batches),
-                  roof.get("ms"))
+        max_bs = runner.graphs.max_bs if runner.graphs is not None else max(args.batches)
+        b = Bench(args, drv, device, mcfg, limits, base, base_attn, backend, max_bs, roof.get("ms"))
         try:
             if run_section(results, "base_prefill", lambda: prefill_base(drv, base, device)) is not None:
                 variants = default_variants(base_attn)
