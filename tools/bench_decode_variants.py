@@ -1,6 +1,6 @@
 """Which batch-1 decode kernel variants win, measured in one bounded run.
 
-    python -m tools.bench_decode_variants --out decode_variants.json          # H200, ~2 min
+    python -m tools.bench_decode_variants --out decode_variants.json          # H200, <= --budget-s (120)
     python -m tools.bench_decode_variants --smoke --out /tmp/variants.json    # CPU, tiny-moe
 
 The engine is built once (qwen3-30b-a3b cut to --layers, dummy bf16 weights, as
