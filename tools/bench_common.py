@@ -120,7 +120,7 @@ def median_time(fn: Callable[[], Any], device: torch.device, iters: int, warmup:
 
 
 def gpu_kernel_seconds(fn: Callable[[], Any], device: torch.device,
-                       name_filters: Sequence[str] = ()) -> dict[str, Any]:
+                       name_filters: Sequence[str] = (), top: int = 8) -> dict[str, Any]:
     """Run fn once under torch.profiler; sum the device time of every CUDA
     kernel / memcpy / memset it launched. ``by_filter[f]`` sums the kernels
     whose name contains f (e.g. the attention kernel), ``top`` lists the
@@ -157,12 +157,12 @@ def gpu_kernel_seconds(fn: Callable[[], Any], device: torch.device,
             if t > 0:
                 busy += t
                 by_name[avg.key] = t / 1e6
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+    heaviest = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
     return {
         "kernel_s": busy / 1e6 if device.type == "cuda" else None,
         "num_kernels": len(spans),
         "by_filter": {f: sum(t for n, t in by_name.items() if f in n) for f in name_filters},
-        "top": [(n[:80], round(t * 1e3, 3)) for n, t in top],  # (name, ms)
+        "top": [(n[:80], round(t * 1e3, 3)) for n, t in heaviest],  # (name, ms)
     }
 
 

@@ -1,33 +1,64 @@
 #!/usr/bin/env bash
-# Everything GPU-only in one call (for a lent H200): the `gpu` tests, then the
-# benchmarks, each bounded in time. Results land in OUT as they finish (at most
-# 8 files: gpu_tests.txt, suite.log and <bench>.md / <bench>.json), so a run cut
-# short still returns what it measured.
+# Everything GPU-only in one call (for a lent H200): the `gpu` tests, the MoE
+# tile tuner, then the benchmarks, each bounded in time. Every step writes into
+# WORK; after each step WORK is packed into OUT/results.tgz and the markdown
+# reports are gathered in OUT/report.md, so a run cut short still returns what
+# it measured (OUT holds 4 files: results.tgz, report.md, gpu_tests.txt, suite.log).
 #
 #   tools/gpu_suite.sh [OUT] [quick|full]
+#
+# The tuner's table (moe_<device>.json) is used by the benchmarks that follow
+# through FTSERVE_MOE_CONFIG_FILE; commit it under ftserve_kernels/configs/.
 set -u
 out=${1:-gpu_out}
 mode=${2:-full}
 mkdir -p "$out"
+work=$(mktemp -d)
 export PYTHONUNBUFFERED=1
 log="$out/suite.log"
 t0=$(date +%s)
-step() {  # step NAME SECONDS CMD...
+pack() {
+    tar czf "$out/results.tgz" -C "$work" . 2>/dev/null
+    : > "$out/report.md"
+    for f in "$work"/*.md; do
+        [ -e "$f" ] || continue
+        { echo "# $(basename "$f")"; cat "$f"; echo; } >> "$out/report.md"
+    done
+}
+total=${GPU_SUITE_SECONDS:-580}  # the whole suite stops by then (a device call allows 600)
+step() {  # step NAME SECONDS CMD... (cut to the time left; skipped under 20 s)
     local name=$1 secs=$2
     shift 2
+    local left=$(( total - ($(date +%s) - t0) ))
+    if [ "$left" -lt 20 ]; then
+        echo "== $name skipped: ${left}s left" | tee -a "$log"
+        return
+    fi
+    [ "$secs" -gt "$left" ] && secs=$left
     echo "== $name (limit ${secs}s, at +$(( $(date +%s) - t0 ))s)" | tee -a "$log"
     timeout "$secs" "$@" 2>> "$log"
     echo "   $name exit $?" | tee -a "$log"
+    pack
 }
-step gpu_tests 150 python3 -m pytest -m gpu -q --continue-on-collection-errors -p no:randomly \
+step gpu_tests 140 python3 -m pytest -m gpu -q --continue-on-collection-errors -p no:randomly \
     -o addopts="" tests/ > "$out/gpu_tests.txt"
 grep -E "passed|failed" "$out/gpu_tests.txt" | tail -1
 grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" | head -30
-step bench_engine 90 python3 -m tools.bench_engine --budget-s 70 --out "$out/bench_engine.json" > "$out/bench_engine.md"
+step tune_moe 110 python3 -m tools.tune_moe --out "$work" --budget-s 95 > "$work/tune_moe.md"
+table=$(ls "$work"/moe_*.json 2>/dev/null | head -1)
+if [ -n "$table" ]; then
+    export FTSERVE_MOE_CONFIG_FILE="$table"
+    echo "   using $table" | tee -a "$log"
+fi
+step bench_engine 85 python3 -m tools.bench_engine --budget-s 65 --out "$work/bench_engine.json" \
+    > "$work/bench_engine.md"
+step bench_kv_tiers 45 python3 -m tools.bench_kv_tiers --out "$work/bench_kv_tiers.json" \
+    > "$work/bench_kv_tiers.md"
 if [ "$mode" = full ]; then
-    step bench_moe_cache 70 python3 -m tools.bench_moe_cache --budget-s 50 --out "$out/bench_moe_cache.json" \
-        > "$out/bench_moe_cache.md"
-    step bench_kv_tiers 50 python3 -m tools.bench_kv_tiers --out "$out/bench_kv_tiers.json" \
-        > "$out/bench_kv_tiers.md"
+    step bench_decode_variants 165 python3 -m tools.bench_decode_variants --budget-s 150 \
+        --out "$work/bench_decode_variants.json" > "$work/bench_decode_variants.md"
+    step bench_moe_cache 70 python3 -m tools.bench_moe_cache --budget-s 50 \
+        --out "$work/bench_moe_cache.json" > "$work/bench_moe_cache.md"
 fi
 echo "total $(( $(date +%s) - t0 ))s" | tee -a "$log"
+pack
