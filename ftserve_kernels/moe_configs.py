@@ -53,13 +53,14 @@ class MoeConfig:
     down_num_warps: int = 0
     down_num_stages: int = 0
     down_group_m: int = 0
+    align_chunk: int = 0  # pairs per moe_align program; 0: moe_align's default
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"MoeConfig.{f.name} must be a non-negative int, got {v!r}")
-        for name in ("block_m", "block_n", "block_k", "down_block_n", "down_block_k"):
+        for name in ("block_m", "block_n", "block_k", "down_block_n", "down_block_k", "align_chunk"):
             v = getattr(self, name)
             if v and v & (v - 1):
                 raise ValueError(f"MoeConfig.{name} must be a power of two, got {v}")

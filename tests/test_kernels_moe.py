@@ -82,6 +82,27 @@ def test_align_is_a_padded_grouping(
 
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice")  # the interpreter's numpy max over NaN
+@pytest.mark.parametrize("precount", [False, True])
+@pytest.mark.parametrize("t,k,e", [(400, 3, 128), (400, 3, 20)])
+def test_align_chunk_does_not_change_the_result(
+    precount: bool, t: int, k: int, e: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Larger chunks (a tuned-table field) walk each chunk in sub-chunks; the
+    grouping must be bit-identical to the default plan: same order, padding and
+    block map. e=128: 512-pair chunks of 4 sub-chunks; e=20: up to 8."""
+    monkeypatch.setattr(mt, "_PRECOUNT_MIN", 0 if precount else 10**9)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, e, (t, k), generator=g, dtype=torch.int32).to(DEVICE)
+    ref = [x.cpu() for x in mt.moe_align(ids, e, 16)]
+    default_chunk = mt._align_plan(t * k, e, 16)[3]
+    for chunk in (256, 512, 1024):
+        plan = mt._align_plan(t * k, e, 16, chunk)
+        assert plan[3] == max(chunk, default_chunk) and plan[4] == -(-t * k // plan[3])
+        got = [x.cpu() for x in mt.moe_align(ids, e, 16, chunk)]
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b), chunk
+
+
 def test_route_nan_rows_give_in_range_ids() -> None:
     """Padding rows of a captured batch may hold garbage: ids must still index
     the expert maps in bounds, and real rows are unaffected."""
@@ -281,6 +302,12 @@ def test_tune_candidates_cover_every_tile_shape(shape: str, tokens: int) -> None
     assert tune.smem_bytes("gate_up", tune.Tile(128, 256, 128, 8, 8, 5)) > tune.SMEM_LIMIT
     assert not tune.fits("gate_up", tune.Tile(128, 256, 64, 8, 8, 3), h, inter)  # 256 acc regs
     assert tune.candidates("down", bms, inter, h, 0) == []
+    n = tokens * k
+    chunks = tune.align_chunks(n, e, bms[-1])
+    default = mt._align_plan(n, e, bms[-1])[3]  # qwen3: 128; mixtral (E=8): already 2048
+    assert chunks == sorted(set(chunks))
+    assert bool(chunks) == (min(max(tune.ALIGN_CHUNKS), 1 << (n - 1).bit_length()) > default)
+    assert tune.align_chunks(16, e, 64) == []  # one chunk covers every pair already
 
 
 def test_tune_choose_pairs_one_block_m() -> None:
@@ -330,6 +357,15 @@ def test_tune_run_writes_a_table_the_runtime_picks(
         weights, ids = route_topk_ref(torch.randn(t, e, generator=g), k, True)
         out = mt.fused_moe_triton(x, w13, w2, weights, ids, cfg=picked)
         assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-4
+
+
+def test_tune_align_chunk_times_only_identical_plans() -> None:
+    """Every chunk the tuner may put in the table reproduces the default grouping."""
+    e, k, h, inter, t = 128, 3, 16, 16, 400
+    bench = tune.Bench((e, k, h, inter), t, torch.randn(e, 2 * inter, h), torch.randn(e, h, inter), iters=1)
+    times = bench.align_chunk_times(16, time.monotonic() + 600)
+    assert sorted(times) == [0, 256, 512, 1024, 2048] and all(v > 0 for v in times.values())
+    assert bench.align_chunk_times(16, time.monotonic() - 1) == {0: times[0]}
 
 
 def test_tune_one_stops_at_the_deadline() -> None:

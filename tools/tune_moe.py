@@ -57,6 +57,7 @@ BLOCK_KS = (64, 128)
 WARPS = (4, 8)
 STAGES = (4, 3, 5)  # preference order inside one tile shape
 REL_TOL = 2e-2  # bf16 output vs the fp32-accumulated reference
+ALIGN_CHUNKS = (256, 512, 1024, 2048)  # moe_align pairs per program, tried against the default
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,19 @@ def candidates(kind: str, bms: Iterable[int], k_dim: int, n_dim: int, cap: int,
 def refinements(best: list[Tile], tried: set[Tile]) -> list[Tile]:
     """group_m 16 variants of the fastest tiles not yet tried."""
     return [t for t in (replace(b, group_m=16) for b in best) if t not in tried]
+
+
+def align_chunks(num_pairs: int, num_experts: int, block_m: int) -> list[int]:
+    """moe_align chunk sizes worth timing: those that change the plan (the
+    default is the baseline, a chunk past the pair count is the same plan)."""
+    seen = {mt._align_plan(num_pairs, num_experts, block_m)[3]}
+    out = []
+    for chunk in ALIGN_CHUNKS:
+        eff = mt._align_plan(num_pairs, num_experts, block_m, chunk)[3]
+        if eff not in seen:
+            seen.add(eff)
+            out.append(chunk)
+    return out
 
 
 def to_config(gate_up: Tile, down: Tile) -> MoeConfig:
@@ -227,6 +241,23 @@ class Bench:
             self.align_s[bm] = self.time(lambda: mt.moe_align(self.ids, e, bm))
         return self._aligns[bm]
 
+    def align_chunk_times(self, bm: int, deadline: float) -> dict[int, float]:
+        """Seconds of moe_align per chunk (0: default); a chunk whose result is
+        not bit-identical to the default's is left out."""
+        e = self.shape[0]
+        ref = self.align(bm)
+        out = {0: self.align_s[bm]}
+        for chunk in align_chunks(self.ids.numel(), e, bm):
+            if time.monotonic() > deadline:
+                break
+            try:
+                got = mt.moe_align(self.ids, e, bm, chunk)
+                if all(torch.equal(a, b) for a, b in zip(got, ref)):
+                    out[chunk] = self.time(lambda c=chunk: mt.moe_align(self.ids, e, bm, c))
+            except Exception:  # a chunk that does not compile is just not a candidate
+                continue
+        return out
+
     def time(self, fn: Callable[[], Any]) -> float:
         return _median_s(fn, self.device, self.iters, warmup=min(2, self.iters))
 
@@ -317,6 +348,8 @@ def tune_one(bench: Bench, deadline: float, log: Callable[[str], None],
         log(f"  T={t}: nothing measured")
         return None
     cfg, _ = chosen
+    chunk_s = bench.align_chunk_times(cfg.block_m, deadline)
+    cfg = replace(cfg, align_chunk=min(chunk_s, key=chunk_s.__getitem__))
     gu_tile, dn_tile = split_config(cfg)
     log(f"  T={t}: {len(times['gate_up'])}+{len(times['down'])} configs timed, "
         f"{failed['gate_up']}+{failed['down']} skipped{' (budget cut)' if cut else ''}")
@@ -325,7 +358,8 @@ def tune_one(bench: Bench, deadline: float, log: Callable[[str], None],
         "timing": {
             "gate_up_default_us": _us(default_s["gate_up"]), "gate_up_best_us": _us(times["gate_up"][gu_tile]),
             "down_default_us": _us(default_s["down"]), "down_best_us": _us(times["down"][dn_tile]),
-            "align_us": _us(bench.align_s.get(cfg.block_m)),
+            "align_us": _us(chunk_s[cfg.align_chunk]),
+            "align_chunk_us": {str(c): _us(s) for c, s in chunk_s.items()},
             "align_default_us": _us(bench.align_s.get(default.block_m)),
             "configs_timed": [len(times["gate_up"]), len(times["down"])],
             "budget_cut": cut,
@@ -349,7 +383,7 @@ def report(table: dict[str, Any], matmul_tflops: float) -> str:
     """Markdown: per shape and T, default vs best time of each kernel and the
     achieved rate of the best as TFLOP/s and % of the measured matmul rate."""
     rows = ["| shape | T | gate_up default us | best us | TFLOP/s (% mm) | down default us | best us "
-            "| TFLOP/s (% mm) | config |", "|" + "---|" * 9]
+            "| TFLOP/s (% mm) | align default us | best us | config |", "|" + "---|" * 11]
     for shape, by_t in table.get("timings", {}).items():
         e, h, inter, k = (int(p.split("=")[1]) for p in shape.split(","))
         for t, tm in by_t.items():
@@ -360,6 +394,7 @@ def report(table: dict[str, Any], matmul_tflops: float) -> str:
                 rate = flops / (best * 1e-6) / 1e12 if best else 0.0
                 cells += [tm[f"{kind}_default_us"], best,
                           f"{rate:.0f} ({100 * rate / matmul_tflops:.0f}%)"]
+            cells += [tm.get("align_default_us"), tm.get("align_us")]
             cfg = table["configs"][shape][t]
             cells.append(" ".join(f"{key}={v}" for key, v in cfg.items() if v))
             rows.append("| " + " | ".join(str(c) for c in cells) + " |")
