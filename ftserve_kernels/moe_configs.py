@@ -119,6 +119,12 @@ def shape_key(num_experts: int, hidden: int, inter: int, top_k: int) -> str:
     return f"E={num_experts},H={hidden},I={inter},k={top_k}"
 
 
+def parse_shape_key(key: str) -> tuple[int, int, int, int]:
+    """shape_key's inverse: "E=..,H=..,I=..,k=.." -> (E, H, I, k)."""
+    parts = dict(p.split("=") for p in key.split(","))
+    return int(parts["E"]), int(parts["H"]), int(parts["I"]), int(parts["k"])
+
+
 def device_slug(name: str) -> str:
     return re.sub(r"[^0-9A-Za-z]", "_", name)
 

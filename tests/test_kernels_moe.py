@@ -239,6 +239,7 @@ def test_moe_config_table_picks_the_nearest_tuned_t(tmp_path: Path, monkeypatch:
     assert mc.MoeConfig.pick(8192, 8, cuda0) == mc.heuristic(8192, 8, "cuda")  # no shape given
     assert mc.MoeConfig.pick(8192, 8, torch.device("cpu"), 64, 32, 2) == mc.MoeConfig(16, 16, 16, 2, 4, 1)
     assert large.down == (128, 64, 16, 8, 4) and small.down == (256, 128, 8, 8, 4)
+    assert mc.parse_shape_key(mc.shape_key(8, 64, 32, 2)) == (8, 64, 32, 2)
 
 
 @pytest.mark.parametrize("content,needle", [
@@ -635,3 +636,26 @@ def test_gpu_add_norm_route_qwen3_shape_graph(t: int) -> None:
         # whose probabilities agree to rounding; the MoE sum does not depend on order).
         same = out[3].sort(dim=1).values == ref[3].sort(dim=1).values
         assert same.float().mean() >= 0.9
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_packaged_moe_table_configs_match_reference() -> None:
+    """Every entry of this GPU's packaged table runs and matches the reference
+    (the tuner checked them at its T; this guards edits and Triton upgrades)."""
+    path = mc.CONFIG_DIR / mc.table_file_name(torch.cuda.get_device_name())
+    if not path.is_file():
+        pytest.skip(f"no tuned table {path.name} for this GPU")
+    torch.manual_seed(0)
+    for key, by_t in mc.load_table(str(path)).items():
+        e, h, inter, k = mc.parse_shape_key(key)
+        w13 = (torch.randn(e, 2 * inter, h, device="cuda") / h**0.5).bfloat16()
+        w2 = (torch.randn(e, h, inter, device="cuda") / inter**0.5).bfloat16()
+        for t, cfg in by_t.items():
+            t = min(t, 1024)  # the tiles, not T, are under test; keeps the reference cheap
+            x = torch.randn(t, h, device="cuda").bfloat16()
+            weights, ids = mt.route_topk_triton(torch.randn(t, e, device="cuda"), k, True)
+            out = mt.fused_moe_triton(x, w13, w2, weights, ids, cfg=cfg)
+            assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 2e-2, (key, t, cfg)
+        del w13, w2
+

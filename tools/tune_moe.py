@@ -43,7 +43,13 @@ import triton
 
 from ftserve_kernels import moe_triton as mt
 from ftserve_kernels.moe import fused_moe_ref
-from ftserve_kernels.moe_configs import MoeConfig, heuristic, shape_key, table_file_name
+from ftserve_kernels.moe_configs import (
+    MoeConfig,
+    heuristic,
+    parse_shape_key,
+    shape_key,
+    table_file_name,
+)
 
 SHAPES: dict[str, tuple[int, int, int, int]] = {  # name -> (E, k, H, I)
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -385,7 +391,7 @@ def report(table: dict[str, Any], matmul_tflops: float) -> str:
     rows = ["| shape | T | gate_up default us | best us | TFLOP/s (% mm) | down default us | best us "
             "| TFLOP/s (% mm) | align default us | best us | config |", "|" + "---|" * 11]
     for shape, by_t in table.get("timings", {}).items():
-        e, h, inter, k = (int(p.split("=")[1]) for p in shape.split(","))
+        e, h, inter, k = parse_shape_key(shape)
         for t, tm in by_t.items():
             n = int(t) * k
             cells = [shape, t]
