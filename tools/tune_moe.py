@@ -385,26 +385,32 @@ def _matmul_tflops(device: torch.device, n: int = 8192) -> float:
     return 2 * n**3 / secs / 1e12
 
 
-def report(table: dict[str, Any], matmul_tflops: float) -> str:
-    """Markdown: per shape and T, default vs best time of each kernel and the
-    achieved rate of the best as TFLOP/s and % of the measured matmul rate."""
+def report(table: dict[str, Any], matmul_tflops: float, matmul_n: int = 8192) -> str:
+    """Markdown: per shape and T, default vs best time of each kernel, the
+    achieved rate of the best as TFLOP/s and % of the measured matmul rate, and
+    the speedup of gate/up + down + alignment together."""
     rows = ["| shape | T | gate_up default us | best us | TFLOP/s (% mm) | down default us | best us "
-            "| TFLOP/s (% mm) | align default us | best us | config |", "|" + "---|" * 11]
+            "| TFLOP/s (% mm) | align default us | best us | speedup | config |", "|" + "---|" * 12]
     for shape, by_t in table.get("timings", {}).items():
         e, h, inter, k = parse_shape_key(shape)
         for t, tm in by_t.items():
             n = int(t) * k
-            cells = [shape, t]
+            cells: list[Any] = [shape, t]
             for kind, flops in (("gate_up", 2 * n * h * 2 * inter), ("down", 2 * n * inter * h)):
                 best = tm[f"{kind}_best_us"]
                 rate = flops / (best * 1e-6) / 1e12 if best else 0.0
                 cells += [tm[f"{kind}_default_us"], best,
                           f"{rate:.0f} ({100 * rate / matmul_tflops:.0f}%)"]
             cells += [tm.get("align_default_us"), tm.get("align_us")]
+            parts = [(tm.get(f"{p}_default_us"), tm.get(f"{p}_us" if p == "align" else f"{p}_best_us"))
+                     for p in ("gate_up", "down", "align")]
+            ok = all(d is not None and b for d, b in parts)
+            cells.append(f"{sum(d for d, _ in parts) / sum(b for _, b in parts):.2f}x" if ok else "-")
             cfg = table["configs"][shape][t]
             cells.append(" ".join(f"{key}={v}" for key, v in cfg.items() if v))
             rows.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return f"bf16 matmul 8192^3: {matmul_tflops:.0f} TFLOP/s\n\n" + "\n".join(rows)
+    head = f"bf16 matmul {matmul_n}^3: {matmul_tflops:.0f} TFLOP/s"
+    return head + "\n\n" + "\n".join(rows)
 
 
 def run(out_dir: Path, budget_s: float, shapes: dict[str, tuple[int, int, int, int]],
@@ -454,7 +460,7 @@ def run(out_dir: Path, budget_s: float, shapes: dict[str, tuple[int, int, int, i
         del w13, w2
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    md = report(table, mm)
+    md = report(table, mm, matmul_n)
     (out_dir / "tune_moe.md").write_text(md + "\n")
     print(md)
     log(f"wrote {path}")
