@@ -251,7 +251,7 @@ def test_bench_engine_smoke_cpu(tmp_path: Path) -> None:
     from tools.bench_engine import main
 
     out = tmp_path / "bench.json"
-    res = main(["--smoke", "--out", str(out), "--sections", "cold,cached,decode"])
+    res = main(["--smoke", "--budget-s", "600", "--out", str(out), "--sections", "cold,cached,decode"])
     assert out.exists() and not res.get("errors"), res.get("errors")
     cached = res["cached_prefill"]
     assert [r["prefix"] for r in cached] == [0, 64, 256]
