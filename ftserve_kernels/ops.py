@@ -105,7 +105,7 @@ def decode_fusion_enabled() -> bool:
 
 
 def dense_gemv_enabled(kind: str) -> bool:
-    """FTSERVE_DENSE_GEMV: 0 (default) off; 1 both uses; "linear" only plain
+    """FTSERVE_DENSE_GEMV: 0 off; 1 both uses; "linear" (default) only plain
     linears (o_proj); "norm" only the norm-prologue GEMV (qkv_proj)."""
     return envs.dense_gemv() in ("1", kind)
 

@@ -62,7 +62,7 @@ def test_each_variant_turns_exactly_its_switch(monkeypatch: pytest.MonkeyPatch) 
     variants = default_variants(AttnKernelConfig())
     names = [v.name for v in variants]
     assert names[0] == "baseline" and len(set(names)) == len(names)
-    assert {"DENSE_GEMV=1", "DENSE_GEMV=linear", "DENSE_GEMV=norm", "MOE_GATEUP_ACC=1", "LM_HEAD_FP32=1",
+    assert {"DENSE_GEMV=0", "DENSE_GEMV=1", "DENSE_GEMV=norm", "MOE_GATEUP_ACC=1", "LM_HEAD_FP32=1",
             "attn fused_reduce=1", "attn programs_per_sm=2", "attn programs_per_sm=8",
             "attn max_splits=32", "attn max_splits=64"} <= set(names)
     with env_applied(DEFAULT_ENV):
@@ -115,18 +115,18 @@ def test_combine_best_takes_the_fastest_exact_option_per_knob() -> None:
     variants = default_variants(AttnKernelConfig())
     rows = [
         _row("baseline", 1.00),
-        _row("DENSE_GEMV=1", 0.95), _row("DENSE_GEMV=linear", 0.90), _row("DENSE_GEMV=norm", 0.80, ok=False),
+        _row("DENSE_GEMV=0", 0.95), _row("DENSE_GEMV=1", 0.90), _row("DENSE_GEMV=norm", 0.80, ok=False),
         _row("MOE_GATEUP_ACC=1", 0.995),  # under the 1% gain: noise
         _row("LM_HEAD_FP32=1", 0.50, error="RuntimeError: boom"),
         _row("attn fused_reduce=1", 1.10),
         _row("attn programs_per_sm=8", 0.97), _row("attn programs_per_sm=2", 0.96),
     ]
     combo, winners = combine_best(rows, variants, min_gain=0.01)
-    assert winners == {"dense_gemv": "DENSE_GEMV=linear", "attn_programs_per_sm": "attn programs_per_sm=2"}
+    assert winners == {"dense_gemv": "DENSE_GEMV=1", "attn_programs_per_sm": "attn programs_per_sm=2"}
     assert combo is not None and combo.group == ""
-    assert dict(combo.env) == {"FTSERVE_DENSE_GEMV": "linear"}
+    assert dict(combo.env) == {"FTSERVE_DENSE_GEMV": "1"}
     assert dict(combo.attn) == {"decode_programs_per_sm": 2}
-    assert "DENSE_GEMV=linear" in combo.name and "programs_per_sm=2" in combo.name
+    assert "DENSE_GEMV=1" in combo.name and "programs_per_sm=2" in combo.name
     # A combination row itself never wins a knob.
     again, _ = combine_best(rows + [{**_row(combo.name, 0.1)}], [*variants, combo], min_gain=0.01)
     assert again == combo

@@ -61,7 +61,7 @@ from tools.bench_engine import EngineDriver, bench_decode, build, prefill_base
 # Every kernel switch at its ftserve/envs.py default: the baseline, and the
 # base every variant's own settings are laid over.
 DEFAULT_ENV: dict[str, str] = {
-    "FTSERVE_DENSE_GEMV": "0",
+    "FTSERVE_DENSE_GEMV": "linear",
     "FTSERVE_MOE_GATEUP_ACC": "0",
     "FTSERVE_LM_HEAD_FP32": "0",
     "FTSERVE_DECODE_FUSION": "1",
@@ -89,7 +89,7 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     fused = not base_attn.decode_fused_reduce
     out = [Variant("baseline")]
     out += [Variant(f"DENSE_GEMV={v}", "dense_gemv", {"FTSERVE_DENSE_GEMV": v})
-            for v in ("1", "linear", "norm")]
+            for v in ("0", "1", "norm")]
     out.append(Variant("MOE_GATEUP_ACC=1", "moe_gateup_acc", {"FTSERVE_MOE_GATEUP_ACC": "1"}))
     out.append(Variant("LM_HEAD_FP32=1", "lm_head_fp32", {"FTSERVE_LM_HEAD_FP32": "1"}))
     out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
