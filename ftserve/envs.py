@@ -64,3 +64,13 @@ def moe_config_file() -> Path | None:
     instead of the packaged ftserve_kernels/configs/moe_<device>.json."""
     value = os.environ.get("FTSERVE_MOE_CONFIG_FILE")
     return Path(value) if value else None
+
+
+def kv_layered_restore() -> bool:
+    """FTSERVE_KV_LAYERED_RESTORE (default off): a KV host-tier restore streams
+    in layer by layer under the step's compute (HostKVTier.flush(layered=True))
+    instead of one batched copy before the step. Off because it measured slower
+    on the H200 (2026-11-30, tools.bench_kv_tiers turn 8: 0.910 s layered vs
+    0.896 s batched vs 0.862 s device hit): the SM copy kernel's many short
+    programs overlapping the attention cost more than the 39 ms copy they hide."""
+    return _flag("FTSERVE_KV_LAYERED_RESTORE", False)

@@ -221,6 +221,7 @@ def test_prefetch_in_graphs_equals_resident(model_dir: str, resident: Engine) ->
         copy_weights(resident, eng)
         cache = cache_of(eng)
         cache.prefetch_max_tokens = 8  # default 1 here (16 experts, top-4): cover every size
+        cache.prefetch = True  # off by default (slower on the H200); this test covers the path
         assert eng.runner.graphs is not None
         eng.runner.graphs.capture()
         assert all(cache.prefetches(bs, True) for bs in (1, 4, 8))

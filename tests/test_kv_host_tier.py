@@ -246,7 +246,10 @@ def make_engine(model_dir: str, **kw: object) -> Engine:
     return eng
 
 
-def test_conversation_resumes_from_the_host_tier(model_dir: str) -> None:
+@pytest.mark.parametrize("layered", ["0", "1"])
+def test_conversation_resumes_from_the_host_tier(model_dir: str, layered: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FTSERVE_KV_LAYERED_RESTORE", layered)  # the CPU copies at once either way
     rng = random.Random(7)
     eng = make_engine(model_dir)
     try:

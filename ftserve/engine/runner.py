@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ftserve import envs
 from ftserve.engine.messages import TokenLogprob
 from ftserve.engine.scheduler import ScheduledBatch
 from ftserve.kvcache.pool import KVPool
@@ -190,10 +191,12 @@ class ModelRunner:
         layer_ready = None
         if self.kv_host is not None:
             # Offloads of evicted pages and loads of host-tier hits, ordered by
-            # events after the previous steps (no host wait). A restore streams
-            # in layer by layer under an eager forward (layer L waits for its
-            # own pages only); before a graph, the step waits for all of it.
-            layered = not decode_graph and self.kv_host.has_pending_loads
+            # events after the previous steps (no host wait). The step waits for
+            # all of it, or (FTSERVE_KV_LAYERED_RESTORE) a restore streams in
+            # layer by layer under an eager forward, layer L waiting for its own
+            # pages only.
+            layered = (envs.kv_layered_restore() and not decode_graph
+                       and self.kv_host.has_pending_loads)
             layer_ready = self.kv_host.flush(layered=layered)
         self.prepare_slots(batch.reqs)
         rows = [i for i, s in enumerate(batch.samples) if s]
