@@ -72,5 +72,7 @@ def kv_layered_restore() -> bool:
     instead of one batched copy before the step. Off because it measured slower
     on the H200 (2026-11-30, tools.bench_kv_tiers turn 8: 0.910 s layered vs
     0.896 s batched vs 0.862 s device hit): the SM copy kernel's many short
-    programs overlapping the attention cost more than the 39 ms copy they hide."""
+    programs overlapping the attention cost more than the 39 ms copy they hide.
+    Layered copies now run on a capped grid (HostKVTier.LAYERED_COPY_PROGRAMS),
+    not yet measured there: tools.bench_kv_tiers reports both modes."""
     return _flag("FTSERVE_KV_LAYERED_RESTORE", False)

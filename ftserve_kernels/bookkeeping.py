@@ -259,12 +259,14 @@ def copy_kv_pages_ref(
 
 @triton.jit
 def _copy_blocks_kernel(
-    src_a, src_b, dst_a, dst_b, src_idx_ptr, dst_idx_ptr,
+    src_a, src_b, dst_a, dst_b, src_idx_ptr, dst_idx_ptr, N,
     group_stride_src, group_stride_dst, BLOCK_ELEMS,
     HOST_SRC: tl.constexpr, HOST_DST: tl.constexpr, ELEM: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # Block src_idx[i] -> dst_idx[i] of tensor a or b, in group g (a KV layer).
-    i = tl.program_id(0)
+    # Blocks src_idx[i] -> dst_idx[i] of tensor a or b, in group g (a KV layer),
+    # for i = program 0's index, + the programs along axis 0, ... < N: one block
+    # per program when the grid covers every block, a strided loop when the grid
+    # was capped (a copy that must leave most SMs to concurrent compute).
     group_ab = tl.program_id(1)  # group * 2 + (0 for a, 1 for b)
     chunk = tl.program_id(2)
     # Pinned host memory arrives as an int64 address (UVA): cast it to a pointer.
@@ -281,18 +283,19 @@ def _copy_blocks_kernel(
     else:
         da = dst_a
         db = dst_b
-    sp = tl.load(src_idx_ptr + i).to(tl.int64)
-    dp = tl.load(dst_idx_ptr + i).to(tl.int64)
-    if (sp >= 0) & (dp >= 0):
-        group = (group_ab // 2).to(tl.int64)
-        offs = chunk * BLOCK + tl.arange(0, BLOCK)
-        m = offs < BLOCK_ELEMS
-        s_off = group * group_stride_src + sp * BLOCK_ELEMS + offs
-        d_off = group * group_stride_dst + dp * BLOCK_ELEMS + offs
-        if group_ab % 2 == 0:
-            tl.store(da + d_off, tl.load(sa + s_off, mask=m), mask=m)
-        else:
-            tl.store(db + d_off, tl.load(sb + s_off, mask=m), mask=m)
+    group = (group_ab // 2).to(tl.int64)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    m = offs < BLOCK_ELEMS
+    for i in range(tl.program_id(0), N, tl.num_programs(0)):
+        sp = tl.load(src_idx_ptr + i).to(tl.int64)
+        dp = tl.load(dst_idx_ptr + i).to(tl.int64)
+        if (sp >= 0) & (dp >= 0):
+            s_off = group * group_stride_src + sp * BLOCK_ELEMS + offs
+            d_off = group * group_stride_dst + dp * BLOCK_ELEMS + offs
+            if group_ab % 2 == 0:
+                tl.store(da + d_off, tl.load(sa + s_off, mask=m), mask=m)
+            else:
+                tl.store(db + d_off, tl.load(sb + s_off, mask=m), mask=m)
 
 
 _WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -303,6 +306,7 @@ def _launch_copy(
     srcs: tuple[torch.Tensor, torch.Tensor], dsts: tuple[torch.Tensor, torch.Tensor],
     src_idx: torch.Tensor, dst_idx: torch.Tensor, groups: int, pairs: int,
     group_stride_src: int, group_stride_dst: int, block_elems: int,
+    max_programs: int | None = None,
 ) -> None:
     n = src_idx.numel()
     if n == 0:
@@ -320,9 +324,10 @@ def _launch_copy(
 
     sa, sb, da, db = (arg(t) for t in (*srcs, *dsts))
     block = min(4096, triton.next_power_of_2(block_elems))
-    grid = (n, groups * pairs, triton.cdiv(block_elems, block))
+    rows = n if max_programs is None else max(1, min(n, max_programs))
+    grid = (rows, groups * pairs, triton.cdiv(block_elems, block))
     _copy_blocks_kernel[grid](
-        sa, sb, da, db, src_idx, dst_idx, group_stride_src, group_stride_dst, block_elems,
+        sa, sb, da, db, src_idx, dst_idx, n, group_stride_src, group_stride_dst, block_elems,
         HOST_SRC=isinstance(sa, int), HOST_DST=isinstance(da, int),
         ELEM=_TL_WORD[esize], BLOCK=block,
     )
@@ -331,15 +336,19 @@ def _launch_copy(
 def copy_kv_pages(
     src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
     src_pages: torch.Tensor, dst_pages: torch.Tensor, page_size: int,
+    max_programs: int | None = None,
 ) -> None:
     """Copy pages between two pools (device<->device, or device<->pinned host over
     UVA) for every layer in one launch. ``src_pages``/``dst_pages`` [P] int32 on
     the compute device, -1 = skip. Pools: contiguous [L, slots, Hkv, D], same dtype;
-    also the fp8 scales [L, slots, Hkv] (any trailing dims: a page is page_size rows)."""
+    also the fp8 scales [L, slots, Hkv] (any trailing dims: a page is page_size rows).
+    ``max_programs`` caps the programs along the page axis (each then walks every
+    max_programs-th page): a copy meant to run beside compute kernels, not to
+    flood the SMs with thousands of short programs."""
     assert src_k.shape[0] == dst_k.shape[0] and src_k.shape[2:] == dst_k.shape[2:]
     page_elems = page_size * math.prod(src_k.shape[2:])
     _launch_copy((src_k, src_v), (dst_k, dst_v), src_pages, dst_pages, src_k.shape[0], 2,
-                 src_k[0].numel(), dst_k[0].numel(), page_elems)
+                 src_k[0].numel(), dst_k[0].numel(), page_elems, max_programs)
 
 
 def copy_rows_ref(

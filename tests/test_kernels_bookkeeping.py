@@ -98,8 +98,9 @@ def test_invalidate_matches_reference() -> None:
         check_maps(slot_of_id, id_of_slot)
 
 
+@pytest.mark.parametrize("max_programs", [None, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
-def test_copy_pages_matches_reference(dtype: torch.dtype) -> None:
+def test_copy_pages_matches_reference(dtype: torch.dtype, max_programs: int | None) -> None:
     layers, pages, ps, hkv, d = 2, 6, 4, 2, 8
     shape = (layers, pages * ps, hkv, d)
     g = torch.Generator().manual_seed(0)
@@ -108,7 +109,8 @@ def test_copy_pages_matches_reference(dtype: torch.dtype) -> None:
     dst = [torch.zeros(shape, dtype=dtype, device=DEVICE) for _ in range(4)]
     sp = torch.tensor([1, 4, -1, 2, 5], dtype=torch.int32, device=DEVICE)
     dp = torch.tensor([3, 1, 2, -1, 5], dtype=torch.int32, device=DEVICE)
-    bk.copy_kv_pages(src_k, src_v, dst[0], dst[1], sp, dp, ps)
+    # Capped at 2 programs along the pages, each walks every other page of the 5.
+    bk.copy_kv_pages(src_k, src_v, dst[0], dst[1], sp, dp, ps, max_programs=max_programs)
     bk.copy_kv_pages_ref(src_k, src_v, dst[2], dst[3], sp, dp, ps)
     assert torch.equal(dst[0], dst[2]) and torch.equal(dst[1], dst[3])
     assert torch.equal(dst[0][:, 3 * ps : 4 * ps], src_k[:, ps : 2 * ps])

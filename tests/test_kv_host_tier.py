@@ -6,6 +6,7 @@ prefix was pushed out to the host tier with identical greedy output."""
 from __future__ import annotations
 
 import logging
+import os
 import random
 
 import pytest
@@ -368,8 +369,11 @@ def test_bench_kv_tiers_smoke(tmp_path: object) -> None:
     t = out["ttft"]
     prefix = t["prefix_tokens"]
     assert t["device"]["cached_tokens"] == prefix and t["host"]["cached_tokens"] == prefix
+    assert t["host_layered"]["cached_tokens"] == prefix
     assert t["recompute"]["cached_tokens"] == 0
-    assert all(r["host_tokens_before"] == prefix for r in t["host"]["runs"])
+    for mode in ("host", "host_layered"):
+        assert all(r["host_tokens_before"] == prefix for r in t[mode]["runs"]), mode
+    assert "FTSERVE_KV_LAYERED_RESTORE" not in os.environ, "the bench must restore the env"
     bw = out["bandwidth"]
     assert bw["restore_pages"] == bw["offload_pages"] == prefix // 16
     assert len(out["conversation"]["turns"]) == 7

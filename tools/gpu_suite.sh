@@ -52,7 +52,7 @@ if [ -n "$table" ]; then
 fi
 step bench_engine 85 python3 -m tools.bench_engine --budget-s 65 --out "$work/bench_engine.json" \
     > "$work/bench_engine.md"
-step bench_kv_tiers 45 python3 -m tools.bench_kv_tiers --out "$work/bench_kv_tiers.json" \
+step bench_kv_tiers 90 python3 -m tools.bench_kv_tiers --out "$work/bench_kv_tiers.json" \
     > "$work/bench_kv_tiers.md"
 if [ "$mode" = full ]; then
     step bench_decode_variants 165 python3 -m tools.bench_decode_variants --budget-s 150 \
