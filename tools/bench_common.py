@@ -20,11 +20,12 @@ import math
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -312,3 +313,29 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 def write_json(path: str | Path, obj: Any) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(obj, indent=2, default=str))
+
+
+class BenchRun(NamedTuple):
+    device: torch.device
+    results: dict[str, Any]  # machine info and the plain-valued args so far
+    t_start: float  # time.perf_counter() at the start
+    deadline: float  # t_start + args.budget_s (inf without a budget)
+    model_dir: str  # a config-only checkpoint of args.preset
+
+
+def start_run(args: Any, prefix: str) -> BenchRun:
+    """The opening every engine benchmark shares: the device (CUDA missing is an
+    error naming --smoke), the results dict, the clock and the --budget-s
+    deadline, and args.preset's config cut to args.layers layers with
+    max_position_embeddings = args.max_len."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here; `--smoke` runs the CPU version")
+    results: dict[str, Any] = {"machine": machine_info(device), "args": {
+        k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, bool))}}
+    t_start = time.perf_counter()
+    budget = getattr(args, "budget_s", None)
+    deadline = t_start + budget if budget is not None else math.inf
+    model_dir = write_model_config(args.preset, tempfile.mkdtemp(prefix=prefix),
+                                   layers=args.layers, max_position_embeddings=args.max_len)
+    return BenchRun(device, results, t_start, deadline, model_dir)

@@ -35,7 +35,6 @@ import gc
 import inspect
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -48,13 +47,12 @@ from ftserve_kernels.attention_common import AttnKernelConfig
 from tools.bench_common import (
     decode_step_bytes,
     gpu_kernel_seconds,
-    machine_info,
     markdown_table,
     measure_copy_gbps,
     run_section,
     say,
+    start_run,
     write_json,
-    write_model_config,
 )
 from tools.bench_engine import EngineDriver, bench_decode, build, prefill_base
 
@@ -426,15 +424,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device here; `--smoke` runs the CPU version")
-    results: dict[str, Any] = {"machine": machine_info(device), "args": {
-        k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, bool))}}
-    t_start = time.perf_counter()
-    deadline = t_start + args.budget_s
-    model_dir = write_model_config(args.preset, tempfile.mkdtemp(prefix="ftserve-variants-"),
-                                   layers=args.layers, max_position_embeddings=args.max_len)
+    device, results, t_start, deadline, model_dir = start_run(args, "ftserve-variants-")
     # The defaults hold for the build too: its prefill graphs and the prefix
     # every variant reads are computed with the baseline kernels.
     with env_applied(DEFAULT_ENV):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import tempfile
 import time
 from typing import Any
 
@@ -40,14 +39,13 @@ from ftserve.engine.scheduler import ScheduledBatch
 from tools.bench_common import (
     decode_step_bytes,
     gpu_kernel_seconds,
-    machine_info,
     physical_limits,
     prefill_flops,
     run_section,
     say,
+    start_run,
     timed,
     write_json,
-    write_model_config,
 )
 from tools.bench_engine_report import check_targets, render_markdown
 
@@ -495,16 +493,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device here; `--smoke` runs the CPU version")
+    device, results, t_start, deadline, model_dir = start_run(args, "ftserve-bench-")
     wanted = set(args.sections.split(","))
-    results: dict[str, Any] = {"machine": machine_info(device), "args": {
-        k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, bool))}}
-    t_start = time.perf_counter()
-    deadline = t_start + args.budget_s
-    model_dir = write_model_config(args.preset, tempfile.mkdtemp(prefix="ftserve-bench-"),
-                                   layers=args.layers, max_position_embeddings=args.max_len)
 
     def section(name: str, fn: Any, budgeted: bool = True) -> Any:
         out = run_section(results, name, fn, deadline if budgeted else None)

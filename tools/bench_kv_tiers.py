@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 from typing import Any
 
@@ -51,14 +50,13 @@ from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.kvcache.host_tier import HostKVTier
 from tools.bench_common import (
-    machine_info,
     measure_h2d_gbps,
     run_section,
     say,
+    start_run,
     sync,
     timed,
     write_json,
-    write_model_config,
 )
 from tools.bench_engine import EngineDriver
 
@@ -314,13 +312,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device here; `--smoke` runs the CPU version")
-    results: dict[str, Any] = {"machine": machine_info(device), "args": {
-        k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}}
-    model_dir = write_model_config(args.preset, tempfile.mkdtemp(prefix="ftserve-kvt-"),
-                                   layers=args.layers, max_position_embeddings=args.max_len)
+    device, results, _, _, model_dir = start_run(args, "ftserve-kvt-")
 
     def section(name: str, fn: Any) -> Any:
         out = run_section(results, name, fn)

@@ -25,7 +25,6 @@ import argparse
 import gc
 import random
 import statistics
-import tempfile
 import time
 from typing import Any
 
@@ -37,14 +36,13 @@ from ftserve.engine.request import Req, ReqState
 from ftserve.engine.sampling_params import SamplingParams
 from ftserve.moe.cache import ExpertCache
 from tools.bench_common import (
-    machine_info,
     markdown_table,
     measure_h2d_gbps,
     run_section,
     say,
+    start_run,
     sync,
     write_json,
-    write_model_config,
 )
 
 MODES = ("resident", "offload", "offload_full")
@@ -366,15 +364,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device here; `--smoke` runs the CPU version")
-    results: dict[str, Any] = {"machine": machine_info(device), "args": {
-        k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, bool))}}
-    t_start = time.perf_counter()
-    deadline = t_start + args.budget_s
-    model_dir = write_model_config(args.preset, tempfile.mkdtemp(prefix="ftserve-moe-"),
-                                   layers=args.layers, max_position_embeddings=args.max_len)
+    device, results, t_start, deadline, model_dir = start_run(args, "ftserve-moe-")
 
     def section(name: str, fn: Any) -> Any:
         out = run_section(results, name, fn, deadline)
