@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Everything GPU-only in one call (for a lent H200): the `gpu` tests, the MoE
-# tile tuner, then the benchmarks, each bounded in time. Every step writes into
-# WORK; after each step WORK is packed into OUT/results.tgz and the markdown
-# reports are gathered in OUT/report.md, so a run cut short still returns what
-# it measured (OUT holds 4 files: results.tgz, report.md, gpu_tests.txt, suite.log).
+# Everything GPU-only in one call (for a lent H200): the `gpu` tests, the tile
+# tuners (mode tune), then the benchmarks, each bounded in time. Every step
+# writes into WORK; after each step WORK is packed into OUT/results.tgz and the
+# markdown reports are gathered in OUT/report.md, so a run cut short still
+# returns what it measured (OUT holds 4 files: results.tgz, report.md,
+# gpu_tests.txt, suite.log). The whole suite stops by GPU_SUITE_SECONDS (580).
 #
-#   tools/gpu_suite.sh [OUT] [quick|full]
+#   tools/gpu_suite.sh [OUT] [full|quick|tune]
 #
-# The tuner's table (moe_<device>.json) is used by the benchmarks that follow
-# through FTSERVE_MOE_CONFIG_FILE; commit it under ftserve_kernels/configs/.
+# full: tests + every benchmark; quick: tests + bench_engine + bench_kv_tiers;
+# tune: tests + tools.tune_moe / tools.tune_gemv, then the benchmarks with the
+# fresh tables (FTSERVE_MOE_CONFIG_FILE / FTSERVE_GEMV_CONFIG_FILE); commit a
+# table that wins under ftserve_kernels/configs/.
 set -u
 out=${1:-gpu_out}
 mode=${2:-full}
@@ -40,21 +43,31 @@ step() {  # step NAME SECONDS CMD... (cut to the time left; skipped under 20 s)
     echo "   $name exit $?" | tee -a "$log"
     pack
 }
-step gpu_tests 140 python3 -m pytest -m gpu -q --continue-on-collection-errors -p no:randomly \
+step gpu_tests 180 python3 -m pytest -m gpu -q --continue-on-collection-errors -p no:randomly \
     -o addopts="" tests/ > "$out/gpu_tests.txt"
 grep -E "passed|failed" "$out/gpu_tests.txt" | tail -1
 grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" | head -30
-step tune_moe 110 python3 -m tools.tune_moe --out "$work" --budget-s 95 > "$work/tune_moe.md"
-table=$(ls "$work"/moe_*.json 2>/dev/null | head -1)
-if [ -n "$table" ]; then
-    export FTSERVE_MOE_CONFIG_FILE="$table"
-    echo "   using $table" | tee -a "$log"
+if [ "$mode" = tune ]; then
+    step tune_moe 110 python3 -m tools.tune_moe --out "$work" --budget-s 95 > "$work/tune_moe.md"
+    table=$(ls "$work"/moe_*.json 2>/dev/null | head -1)
+    if [ -n "$table" ]; then
+        export FTSERVE_MOE_CONFIG_FILE="$table"
+        echo "   using $table" | tee -a "$log"
+    fi
+    if [ -f tools/tune_gemv.py ]; then
+        step tune_gemv 100 python3 -m tools.tune_gemv --out "$work" --budget-s 85 > "$work/tune_gemv.md"
+        table=$(ls "$work"/gemv_*.json 2>/dev/null | head -1)
+        if [ -n "$table" ]; then
+            export FTSERVE_GEMV_CONFIG_FILE="$table"
+            echo "   using $table" | tee -a "$log"
+        fi
+    fi
 fi
 step bench_engine 85 python3 -m tools.bench_engine --budget-s 65 --out "$work/bench_engine.json" \
     > "$work/bench_engine.md"
 step bench_kv_tiers 90 python3 -m tools.bench_kv_tiers --out "$work/bench_kv_tiers.json" \
     > "$work/bench_kv_tiers.md"
-if [ "$mode" = full ]; then
+if [ "$mode" != quick ]; then
     step bench_decode_variants 165 python3 -m tools.bench_decode_variants --budget-s 150 \
         --out "$work/bench_decode_variants.json" > "$work/bench_decode_variants.md"
     step bench_moe_cache 70 python3 -m tools.bench_moe_cache --budget-s 50 \
