@@ -66,6 +66,13 @@ def moe_config_file() -> Path | None:
     return Path(value) if value else None
 
 
+def gemv_config_file() -> Path | None:
+    """FTSERVE_GEMV_CONFIG_FILE: a decode GEMV launch table (tools/tune_gemv.py
+    output) used instead of the packaged ftserve_kernels/configs/gemv_<device>.json."""
+    value = os.environ.get("FTSERVE_GEMV_CONFIG_FILE")
+    return Path(value) if value else None
+
+
 def kv_layered_restore() -> bool:
     """FTSERVE_KV_LAYERED_RESTORE (default off): a KV host-tier restore streams
     in layer by layer under the step's compute (HostKVTier.flush(layered=True))

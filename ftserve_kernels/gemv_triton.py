@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ftserve_kernels import gemv_configs as gc
+
 GEMV_MAX_ROWS = 4  # rows per launch: every program holds all of them
 
 
@@ -133,9 +135,11 @@ def gemv_triton(
     norm_w: torch.Tensor | None = None,  # [K]: RMSNorm the input first (see module doc)
     residual: torch.Tensor | None = None,  # [T, K]: add before the norm; needs norm_w
     eps: float = 1e-6,
-    block: tuple[int, int] | None = None,  # (BLOCK_N, BLOCK_K)
+    block: tuple[int, int] | None = None,  # (BLOCK_N, BLOCK_K) over the default's warps
+    config: gc.GemvConfig | None = None,  # all launch parameters; wins over block
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """-> (y [T, N] in x's dtype, x + residual [T, K] or None)."""
+    """-> (y [T, N] in x's dtype, x + residual [T, K] or None). Launch: ``config``,
+    else ``block``, else the device table's entry (gemv_configs), else the default."""
     t, k = x.shape
     n = w.shape[0]
     assert t <= GEMV_MAX_ROWS and w.shape[1] == k
@@ -148,13 +152,21 @@ def gemv_triton(
     if residual is not None:
         assert residual.stride(-1) == 1
     cuda = x.is_cuda
-    # BLOCK_K = 256 bf16 is one warp's width (8 a lane), so warps split the rows and
-    # the final K sum stays inside a warp. qkv (N = 5120, K = 2048): 320 programs of
-    # 16 rows (64 KB, 53 registers on sm_90); o_proj (N = 2048, K = 4096): 256 programs
-    # of 8 rows (64 KB, 80 registers). 4 rows of 16 would take 255 registers: 8.
-    # Sweep: tools/bench_decode_layer.py.
-    bn, bk = block or (((16 if n >= 4096 and t <= 2 else 8), 256) if cuda else (8, 16))
-    bk = min(bk, triton.next_power_of_2(k))
+    block_t = triton.next_power_of_2(t)
+    # Default (gemv_configs.default): BLOCK_K = 256 bf16 is one warp's width (8 a
+    # lane), so warps split the rows and the final K sum stays inside a warp. qkv
+    # (N = 5120, K = 2048): 320 programs of 16 rows (64 KB, 53 registers on sm_90);
+    # o_proj (N = 2048, K = 4096): 256 programs of 8 rows (64 KB, 80 registers).
+    # 4 rows of 16 would take 255 registers: 8. Tuned per device: tools/tune_gemv.py.
+    kind = "dense_norm" if norm_w is not None else "dense"
+    if config is None:
+        if block is not None:
+            config = gc.default(kind, cuda, n, t)
+            config = gc.GemvConfig(block[0], block[1], config.num_warps, config.num_stages)
+        else:
+            config = (gc.pick(gc.dense_key(norm_w is not None, n, k), block_t, x.device)
+                      or gc.default(kind, cuda, n, t))
+    bn, bk = config.block_n, min(config.block_k, triton.next_power_of_2(k))
     r = residual if residual is not None else x
     nw = norm_w if norm_w is not None else x
     s = summed if summed is not None else y
@@ -163,8 +175,8 @@ def gemv_triton(
         t, n, k, eps,
         x.stride(0), r.stride(0), w.stride(0), y.stride(0), s.stride(0),
         HAS_NORM=norm_w is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_T=triton.next_power_of_2(t), BLOCK_N=bn, BLOCK_K=bk,
+        BLOCK_T=block_t, BLOCK_N=bn, BLOCK_K=bk,
         BLOCK_KALL=triton.next_power_of_2(k), EVEN_K=k % bk == 0, K_STEPS=triton.cdiv(k, bk),
-        num_warps=8 if cuda else 1,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y, summed

@@ -18,11 +18,14 @@ follows the grouped path: act and each weighted down row round to x's dtype.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from ftserve import envs
+from ftserve_kernels import gemv_configs as gc
 
 GEMV_MAX_TOKENS = 2  # fused_moe_triton's default switch point (tokens, not pairs)
 
@@ -218,7 +221,10 @@ def fused_moe_gemv_triton(
     block_n: tuple[int, int] | None = None,  # (gate_up, down) output columns per program
     down3d: bool | None = None,  # default: on unless FTSERVE_MOE_DOWN3D=0
     gate_up_acc: bool | None = None,  # default: on only with FTSERVE_MOE_GATEUP_ACC=1
+    configs: tuple[gc.GemvConfig, gc.GemvConfig] | None = None,  # (gate_up, down): wins over block_n
 ) -> torch.Tensor:
+    """Launch parameters of each kernel: ``configs``, else ``block_n`` over the
+    defaults, else the device table's entry (gemv_configs), else the default."""
     t, h = x.shape
     inter = w13.shape[1] // 2
     k = topk_ids.shape[1]
@@ -231,38 +237,74 @@ def fused_moe_gemv_triton(
     if weights.dtype != torch.float32 or weights.stride(0) != 1:
         weights = weights.float().contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)  # [N, I]
-    cuda = x.is_cuda
-    # Narrow column blocks: enough programs for every SM at batch 1 (8 pairs x 48
-    # gate/up blocks; 256 down blocks); wide K steps keep 32 KB per program in flight.
-    bn_gu, bn_d = block_n or ((16, 8) if cuda else (16, 16))
-    bk_gu, bk_d = (512, 256) if cuda else (16, 16)
-    emap = expert_map if expert_map is not None else ids  # unread without HAS_MAP
-    has_map = expert_map is not None
     if gate_up_acc is None:
         gate_up_acc = envs.moe_gateup_acc()
-    gu_args = (x, w13, act, ids, emap, h, inter,
-               x.stride(0), w13.stride(0), w13.stride(1), act.stride(0))
-    if gate_up_acc:
-        bk_acc = 256 if cuda else 16
-        _gemv_gate_up_acc_kernel[(t * k, triton.cdiv(inter, bn_gu))](
-            *gu_args, TOP_K=k, BLOCK_N=bn_gu, BLOCK_K=bk_acc, EVEN_K=h % bk_acc == 0,
-            HAS_MAP=has_map, K_STEPS=triton.cdiv(h, bk_acc), num_warps=8 if cuda else 4,
-        )
-    else:
-        _gemv_gate_up_kernel[(t * k, triton.cdiv(inter, bn_gu))](
-            *gu_args, TOP_K=k, BLOCK_N=bn_gu, BLOCK_K=bk_gu, EVEN_K=h % bk_gu == 0,
-            HAS_MAP=has_map, num_warps=8 if cuda else 4, num_stages=2 if cuda else 1,
-        )
     if down3d is None:
         down3d = envs.moe_down3d()
-    down_args = (act, w2, out, weights, ids, emap, h, inter,
-                 act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))
-    down_consts = dict(TOP_K=k, BLOCK_KP=triton.next_power_of_2(k), BLOCK_N=bn_d, BLOCK_K=bk_d,
-                       EVEN_K=inter % bk_d == 0, HAS_MAP=has_map,
-                       num_warps=8 if cuda else 4, num_stages=2 if cuda else 1)
-    if down3d:
-        _gemv_down_combine3d_kernel[(t, triton.cdiv(h, bn_d))](
-            *down_args, K_STEPS=triton.cdiv(inter, bk_d), **down_consts)
-    else:
-        _gemv_down_combine_kernel[(t, triton.cdiv(h, bn_d))](*down_args, **down_consts)
+    kinds = ("moe_gate_up_acc" if gate_up_acc else "moe_gate_up", "moe_down" if down3d else "moe_down2d")
+    if configs is None:
+        cuda = x.is_cuda
+        if block_n is not None:
+            cfgs = [dataclasses.replace(gc.default(kind, cuda), block_n=bn) for kind, bn in zip(kinds, block_n)]
+        else:
+            # The model's expert count, not the rows of w13 (an expert-slot cache holds fewer).
+            e = expert_map.shape[0] if expert_map is not None else w13.shape[0]
+            cfgs = [gc.pick(gc.moe_key(kind, e, h, inter, k), t, x.device) or gc.default(kind, cuda)
+                    for kind in kinds]
+        configs = (cfgs[0], cfgs[1])
+    moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc)
+    moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d)
     return out
+
+
+def moe_gate_up_gemv(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    act: torch.Tensor,  # [T*k, I] out: SiLU(gate) * up per (token, choice)
+    ids: torch.Tensor,  # [T*k] int32
+    top_k: int,
+    cfg: gc.GemvConfig,
+    expert_map: torch.Tensor | None = None,
+    acc: bool = False,  # _gemv_gate_up_acc_kernel instead of _gemv_gate_up_kernel
+) -> None:
+    """The gate/up kernel alone (tools/tune_gemv times it on its own)."""
+    h = x.shape[1]
+    inter = act.shape[1]
+    pairs = ids.shape[0]
+    emap = expert_map if expert_map is not None else ids  # unread without HAS_MAP
+    args = (x, w13, act, ids, emap, h, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0))
+    grid = (pairs, triton.cdiv(inter, cfg.block_n))
+    # Default (gemv_configs.default): narrow column blocks, enough programs for every
+    # SM at batch 1 (8 pairs x 48 blocks); wide K steps keep 32 KB per program in flight.
+    kernel = _gemv_gate_up_acc_kernel if acc else _gemv_gate_up_kernel
+    extra = dict(K_STEPS=triton.cdiv(h, cfg.block_k)) if acc else {}
+    kernel[grid](*args, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                 EVEN_K=h % cfg.block_k == 0, HAS_MAP=expert_map is not None,
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+
+
+def moe_down_gemv(
+    act: torch.Tensor,  # [T*k, I]
+    w2: torch.Tensor,  # [E, H, I]
+    out: torch.Tensor,  # [T, H] out: the weighted sum over the k choices
+    weights: torch.Tensor,  # [T*k] fp32, contiguous
+    ids: torch.Tensor,  # [T*k] int32
+    top_k: int,
+    cfg: gc.GemvConfig,
+    expert_map: torch.Tensor | None = None,
+    down3d: bool = True,  # _gemv_down_combine3d_kernel instead of _gemv_down_combine_kernel
+) -> None:
+    """The down + combine kernel alone (tools/tune_gemv times it on its own)."""
+    t, h = out.shape
+    inter = act.shape[1]
+    emap = expert_map if expert_map is not None else ids
+    args = (act, w2, out, weights, ids, emap, h, inter,
+            act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))
+    consts = dict(TOP_K=top_k, BLOCK_KP=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n,
+                  BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, HAS_MAP=expert_map is not None,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (t, triton.cdiv(h, cfg.block_n))
+    if down3d:
+        _gemv_down_combine3d_kernel[grid](*args, K_STEPS=triton.cdiv(inter, cfg.block_k), **consts)
+    else:
+        _gemv_down_combine_kernel[grid](*args, **consts)

@@ -1,0 +1,182 @@
+"""Launch configs of the decode GEMV kernels (gemv_triton, moe_gemv_triton):
+the dataclass, today's defaults, and per-device tables written by tools/tune_gemv.py.
+
+A table is JSON, one file per device (``configs/gemv_<device name>.json``, the
+name slugged as moe_configs does), or the file named by FTSERVE_GEMV_CONFIG_FILE::
+
+    {"configs": {"moe_gate_up:E=128,H=2048,I=768,k=8": {"1": {"block_n": 32, "block_k": 256,
+                                                              "num_warps": 4, "num_stages": 2},
+                                                        "2": {...}},
+                 "dense_norm:N=5120,K=2048": {"1": {...}}}}
+
+A key is ``<kind>:<shape>``; the kinds and the kernel each one launches:
+
+    moe_gate_up      _gemv_gate_up_kernel           shape E,H,I,k; T = tokens
+    moe_gate_up_acc  _gemv_gate_up_acc_kernel       (FTSERVE_MOE_GATEUP_ACC=1)
+    moe_down         _gemv_down_combine3d_kernel    (the default down kernel)
+    moe_down2d       _gemv_down_combine_kernel      (FTSERVE_MOE_DOWN3D=0)
+    dense            _gemv_kernel                   shape N,K; T = the row block 1, 2 or 4
+    dense_norm       _gemv_kernel, norm prologue    (qkv_proj(input_layernorm(x, r)))
+
+An entry applies only to the T it was tuned at (for the dense kernel the row
+block next_power_of_2(T), which is what the kernel specializes on): these
+kernels' registers and grid scale with T, so a neighbour's entry is no safe
+guess; any other T, shape or kind takes the kernel's default (``default``,
+exactly the launch used before tables existed). Tables are read on CUDA only;
+the interpreter keeps its small tiles. A table that exists but does not parse,
+names an unknown kind or holds unknown fields is an error naming the file
+(same policy as moe_configs: a silently ignored table hides the slow default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftserve import envs
+from ftserve_kernels.moe_configs import CONFIG_DIR, device_slug
+from ftserve_kernels.moe_configs import shape_key as moe_shape_key
+
+MOE_KINDS = ("moe_gate_up", "moe_gate_up_acc", "moe_down", "moe_down2d")
+DENSE_KINDS = ("dense", "dense_norm")
+KINDS = MOE_KINDS + DENSE_KINDS
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One GEMV kernel's launch parameters: output columns (rows of W) per
+    program, K elements per step, warps, and software-pipeline stages (only the
+    kernels with a runtime K loop, moe_gate_up and moe_down2d, pipeline)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"GemvConfig.{f.name} must be a positive int, got {v!r}")
+        for name in ("block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v & (v - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two, got {v}")
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> GemvConfig:
+        names = {f.name for f in dataclasses.fields(GemvConfig)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown GemvConfig fields {sorted(unknown)}")
+        return GemvConfig(**d)
+
+
+def default(kind: str, cuda: bool, n: int = 0, tokens: int = 1) -> GemvConfig:
+    """The launch each kernel used before tables existed (keep it so: no table
+    must mean no change). ``n``/``tokens`` matter for the dense kinds only.
+    num_stages 3 where the launch passed none: Triton's CUDA default."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown GEMV kernel kind {kind!r}; known: {KINDS}")
+    if not cuda:  # the interpreter: small tiles are fast, warps and stages are ignored
+        if kind in DENSE_KINDS:
+            return GemvConfig(8, 16, 1, 3)
+        return GemvConfig(16, 16, 4, 1 if kind != "moe_gate_up_acc" else 3)
+    if kind in DENSE_KINDS:
+        # gemv_triton's reasoning: 16 rows of 256 per program at qkv's N, 8 where
+        # 4 rows of 16 would spill.
+        return GemvConfig(16 if n >= 4096 and tokens <= 2 else 8, 256, 8, 3)
+    return {"moe_gate_up": GemvConfig(16, 512, 8, 2),
+            "moe_gate_up_acc": GemvConfig(16, 256, 8, 3),
+            "moe_down": GemvConfig(8, 256, 8, 2),
+            "moe_down2d": GemvConfig(8, 256, 8, 2)}[kind]
+
+
+def moe_key(kind: str, num_experts: int, hidden: int, inter: int, top_k: int) -> str:
+    assert kind in MOE_KINDS, kind
+    return f"{kind}:{moe_shape_key(num_experts, hidden, inter, top_k)}"
+
+
+def dense_key(norm: bool, n: int, k: int) -> str:
+    return f"{'dense_norm' if norm else 'dense'}:N={n},K={k}"
+
+
+def parse_key(key: str) -> tuple[str, dict[str, int]]:
+    """"kind:A=1,B=2" -> ("kind", {"A": 1, "B": 2}); ValueError on an unknown kind."""
+    kind, _, shape = key.partition(":")
+    if kind not in KINDS:
+        raise ValueError(f"unknown GEMV kernel kind {kind!r} in key {key!r}; known: {KINDS}")
+    parts = dict(p.split("=") for p in shape.split(",")) if shape else {}
+    return kind, {name: int(v) for name, v in parts.items()}
+
+
+def table_file_name(device_name: str) -> str:
+    return f"gemv_{device_slug(device_name)}.json"
+
+
+Table = dict[str, dict[int, GemvConfig]]  # key -> tuned T -> config
+
+
+def load_table(path: str) -> Table:
+    """Parse and validate a table; raises ValueError naming the file. Parsed
+    once per file version (as moe_configs.load_table)."""
+    try:
+        st = Path(path).stat()
+    except OSError as exc:
+        raise _bad(path, exc) from exc
+    return _parse_table(path, st.st_mtime_ns, st.st_size)
+
+
+def _bad(path: str, exc: Exception) -> ValueError:
+    return ValueError(f"bad GEMV config table {path}: {type(exc).__name__}: {exc} "
+                      "(regenerate it with tools/tune_gemv.py or unset FTSERVE_GEMV_CONFIG_FILE)")
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_table(path: str, mtime_ns: int, size: int) -> Table:
+    try:
+        raw = json.loads(Path(path).read_text())
+        configs = raw["configs"]
+        if not isinstance(configs, dict):
+            raise TypeError("'configs' is not an object")
+        table: Table = {}
+        for key, by_t in configs.items():
+            parse_key(key)
+            table[key] = {int(t): GemvConfig.from_dict(c) for t, c in by_t.items()}
+        return table
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _bad(path, exc) from exc
+
+
+def table_for(device_index: int, override: str | None) -> Table:
+    """The override file if given (it must exist), else the packaged table of
+    this device, else an empty table."""
+    if override is not None:
+        return load_table(override)
+    path = CONFIG_DIR / table_file_name(torch.cuda.get_device_name(device_index))
+    return load_table(str(path)) if path.is_file() else {}
+
+
+def pick(key: str, tokens: int, device: torch.device) -> GemvConfig | None:
+    """The table entry for ``key`` at ``tokens`` (host ints, never data), or
+    None: the caller launches its default. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    path = envs.gemv_config_file()
+    return _pick(key, tokens, index, str(path) if path is not None else None)
+
+
+@functools.lru_cache(maxsize=512)
+def _pick(key: str, tokens: int, device_index: int, override: str | None) -> GemvConfig | None:
+    # Cached: asked once per GEMV launch (several per layer per step).
+    return table_for(device_index, override).get(key, {}).get(tokens)

@@ -1,0 +1,278 @@
+"""Decode GEMV launch tables (gemv_configs), the launchers' use of them, and
+tools/tune_gemv on the interpreter."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    # The interpreter is chosen when a kernel is decorated (see test_kernels_attention).
+    os.environ["TRITON_INTERPRET"] = "1"
+    for _name in ("ftserve_kernels.gemv_triton", "ftserve_kernels.moe_gemv_triton"):
+        if _name in sys.modules:
+            importlib.reload(sys.modules[_name])
+
+from ftserve_kernels import gemv_configs as gc  # noqa: E402
+from ftserve_kernels import gemv_triton as gv  # noqa: E402
+from ftserve_kernels import moe_gemv_triton as mg  # noqa: E402
+from ftserve_kernels.gemv_configs import GemvConfig  # noqa: E402
+from ftserve_kernels.moe import fused_moe_ref, route_topk_ref  # noqa: E402
+from ftserve_kernels.norm_rope import fused_add_rms_norm_ref  # noqa: E402
+from tools import tune_gemv as tune  # noqa: E402
+
+CUDA0 = torch.device("cuda", 0)  # index given: no CUDA call is needed to find an override table
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
+
+
+def _write(path: Path, configs: dict[str, Any]) -> str:
+    path.write_text(json.dumps({"meta": {"device": "test"}, "configs": configs}))
+    return str(path)
+
+
+def test_defaults_are_the_launches_before_tables() -> None:
+    """No table must mean no change: the defaults are the launches the kernels
+    used before gemv_configs existed (H200-measured; tools/bench_decode_layer)."""
+    assert gc.default("dense_norm", True, 5120, 1) == GemvConfig(16, 256, 8, 3)
+    assert gc.default("dense_norm", True, 5120, 2) == GemvConfig(16, 256, 8, 3)
+    assert gc.default("dense_norm", True, 5120, 4) == GemvConfig(8, 256, 8, 3)
+    assert gc.default("dense", True, 2048, 1) == GemvConfig(8, 256, 8, 3)
+    assert gc.default("moe_gate_up", True) == GemvConfig(16, 512, 8, 2)
+    assert gc.default("moe_gate_up_acc", True) == GemvConfig(16, 256, 8, 3)
+    assert gc.default("moe_down", True) == gc.default("moe_down2d", True) == GemvConfig(8, 256, 8, 2)
+    assert gc.default("dense", False, 5120, 1) == GemvConfig(8, 16, 1, 3)
+    assert gc.default("moe_gate_up", False) == GemvConfig(16, 16, 4, 1)
+    with pytest.raises(ValueError, match="unknown GEMV kernel kind"):
+        gc.default("dense_fp8", True)
+
+
+def test_table_lookup_via_env_is_exact_in_t(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FTSERVE_GEMV_CONFIG_FILE drives pick on CUDA devices: an entry serves only
+    its own key and T; CPU tensors never read a table."""
+    gu_key = gc.moe_key("moe_gate_up", 8, 64, 32, 2)
+    dense_key = gc.dense_key(False, 48, 64)
+    a, b = GemvConfig(32, 256, 4, 3), GemvConfig(4, 128, 2, 1)
+    path = _write(tmp_path / "t.json", {gu_key: {"1": a.to_dict()}, dense_key: {"2": b.to_dict(), "4": a.to_dict()}})
+    monkeypatch.setenv("FTSERVE_GEMV_CONFIG_FILE", path)
+    assert gc.pick(gu_key, 1, CUDA0) == a
+    assert gc.pick(gu_key, 2, CUDA0) is None  # a neighbour's entry is not used
+    assert gc.pick(dense_key, 2, CUDA0) == b and gc.pick(dense_key, 4, CUDA0) == a
+    assert gc.pick(gc.dense_key(True, 48, 64), 2, CUDA0) is None  # the norm variant is its own kind
+    assert gc.pick(gc.moe_key("moe_down", 8, 64, 32, 2), 1, CUDA0) is None
+    assert gc.pick(gu_key, 1, torch.device("cpu")) is None
+    assert gc.parse_key(gu_key) == ("moe_gate_up", {"E": 8, "H": 64, "I": 32, "k": 2})
+    assert gc.parse_key(dense_key) == ("dense", {"N": 48, "K": 64})
+    assert gc.table_file_name("NVIDIA H200") == "gemv_NVIDIA_H200.json"
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{not json", "JSONDecodeError"),
+    ('{"table": {}}', "KeyError"),
+    ('{"configs": []}', "TypeError"),
+    ('{"configs": {"dense_fp8:N=8,K=8": {}}}', "unknown GEMV kernel kind"),
+    ('{"configs": {"dense:N=8,K=8": {"1": {"block_n": 8}}}}', "TypeError"),
+    ('{"configs": {"dense:N=8,K=8": {"1": {"block_n": 8, "block_k": 16, "num_warps": 4, '
+     '"num_stages": 2, "warps": 4}}}}', "unknown GemvConfig fields"),
+    ('{"configs": {"dense:N=8,K=8": {"one": {}}}}', "ValueError"),
+    ('{"configs": {"dense:N=8,K=8": {"1": {"block_n": 12, "block_k": 16, "num_warps": 4, '
+     '"num_stages": 2}}}}', "power of two"),
+    ('{"configs": {"dense:N=8,K=8": {"1": {"block_n": 8, "block_k": 16, "num_warps": 4, '
+     '"num_stages": 0}}}}', "positive int"),
+    (None, "FileNotFoundError"),
+])
+def test_bad_table_is_an_error_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str | None, needle: str
+) -> None:
+    """A table that exists (or is asked for) but does not parse fails loudly."""
+    path = tmp_path / f"bad_{abs(hash(needle + str(content)))}.json"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setenv("FTSERVE_GEMV_CONFIG_FILE", str(path))
+    with pytest.raises(ValueError, match="bad GEMV config table") as info:
+        gc.pick("dense:N=8,K=8", 1, CUDA0)
+    assert str(path) in str(info.value) and needle in str(info.value)
+
+
+@pytest.mark.parametrize("t", [1, 2, 3])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("cfg", [GemvConfig(16, 32, 2, 2), GemvConfig(4, 128, 4, 1)])
+def test_dense_gemv_with_other_configs_matches_reference(t: int, norm: bool, cfg: GemvConfig) -> None:
+    """N = 37, K = 80: masked column and K tails under non-default tiles."""
+    g = torch.Generator().manual_seed(t)
+    n, k = 37, 80
+    x = torch.randn(t, k, generator=g).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE)
+    if norm:
+        r = torch.randn(t, k, generator=g).to(DEVICE)
+        nw = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE)
+        y, summed = gv.gemv_triton(x, w, None, nw, r, 1e-6, config=cfg)
+        normed, want_sum = fused_add_rms_norm_ref(x, r, nw, 1e-6)
+        torch.testing.assert_close(summed, want_sum)
+        ref = torch.nn.functional.linear(normed, w)
+    else:
+        y, _ = gv.gemv_triton(x, w, config=cfg)
+        ref = torch.nn.functional.linear(x, w)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("acc,down3d", [(False, True), (True, True), (False, False)])
+def test_moe_gemv_with_other_configs_matches_reference(acc: bool, down3d: bool) -> None:
+    """I = 48 is not a multiple of the down block_k: masked K tail; k = 3 pads
+    the choices to 4."""
+    g = torch.Generator().manual_seed(3)
+    t, e, k, h, inter = 2, 6, 3, 64, 48
+    x = torch.randn(t, h, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(DEVICE)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(DEVICE)
+    weights, ids = route_topk_ref(torch.randn(t, e, generator=g).to(DEVICE), k, True)
+    ref = fused_moe_ref(x, w13, w2, weights, ids)
+    for cfgs in ((GemvConfig(8, 32, 2, 2), GemvConfig(4, 32, 2, 1)),
+                 (GemvConfig(32, 64, 8, 1), GemvConfig(32, 64, 4, 3))):
+        out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, down3d=down3d, gate_up_acc=acc,
+                                       configs=cfgs)
+        assert rel_err(out, ref) < 1e-5
+
+
+def test_launchers_ask_for_the_keys_the_tuner_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each launcher looks its table entry up under the key and T that
+    tools/tune_gemv writes (dense: the row block, so T = 3 asks for 4), and
+    launches what it gets. pick is wrapped to answer on the CPU (it answers
+    None off CUDA, tested above); everything else is the real launch path."""
+    asked: list[tuple[str, int]] = []
+    served = {"moe_gate_up": GemvConfig(32, 32, 2, 1), "moe_down": GemvConfig(8, 32, 2, 1),
+              "dense_norm": GemvConfig(4, 32, 1, 1), "dense": GemvConfig(32, 64, 1, 1)}
+
+    def spy(key: str, tokens: int, device: torch.device) -> GemvConfig | None:
+        asked.append((key, tokens))
+        return served.get(gc.parse_key(key)[0])
+
+    monkeypatch.setattr(gc, "pick", spy)
+    g = torch.Generator().manual_seed(4)
+    e, k, h, inter = 8, 2, 64, 32
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(DEVICE)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(DEVICE)
+    x = torch.randn(1, h, generator=g).to(DEVICE)
+    weights, ids = route_topk_ref(torch.randn(1, e, generator=g).to(DEVICE), k, True)
+    out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, down3d=True, gate_up_acc=False)
+    assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-5
+    shape = (e, k, h, inter)
+    assert asked == [(tune.Problem("g", "moe_gate_up", shape).key(), 1),
+                     (tune.Problem("d", "moe_down", shape).key(), 1)]
+    asked.clear()
+    xs, r = torch.randn(3, h, generator=g).to(DEVICE), torch.randn(3, h, generator=g).to(DEVICE)
+    nw, wd = torch.ones(h).to(DEVICE), (torch.randn(40, h, generator=g) / h**0.5).to(DEVICE)
+    y, _ = gv.gemv_triton(xs, wd, None, nw, r, 1e-6)
+    torch.testing.assert_close(y, torch.nn.functional.linear(fused_add_rms_norm_ref(xs, r, nw, 1e-6)[0], wd),
+                               rtol=1e-5, atol=1e-4)
+    y, _ = gv.gemv_triton(xs, wd)
+    torch.testing.assert_close(y, torch.nn.functional.linear(xs, wd), rtol=1e-5, atol=1e-4)
+    qkv, o = tune.Problem("q", "dense_norm", (40, h)), tune.Problem("o", "dense", (40, h))
+    assert asked == [(qkv.key(), qkv.table_t(3)), (o.key(), o.table_t(3))] and qkv.table_t(3) == 4
+    asked.clear()
+    gv.gemv_triton(xs, wd, block=(8, 16))  # an explicit block (benchmarks) skips the table
+    assert asked == []
+
+
+@pytest.mark.parametrize("name", list(tune.PROBLEMS))
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+def test_tune_candidates_are_pruned_and_capped(name: str, tokens: int) -> None:
+    """Never empty at the qwen3 shapes, under the cap, unique, the default left
+    out, every candidate fits, and the first ones cover distinct tile shapes."""
+    problem = tune.PROBLEMS[name]
+    default = gc.default(problem.kind, True, problem.shape[0], tokens)
+    sweep = tune.candidates(problem, tokens, 132)
+    full = tune.candidates(problem, tokens, 132, cap=10**6)
+    assert 0 < len(sweep) <= tune.CAP and len(sweep) == min(tune.CAP, len(full))
+    assert len(set(full)) == len(full) and default not in full
+    assert all(tune.fits(problem, c, tokens, 132) for c in full)
+    shapes = {(c.block_n, c.block_k) for c in full}
+    head = sweep[:min(len(shapes), len(sweep))]
+    assert len({(c.block_n, c.block_k) for c in head}) == len(head)
+    if problem.kind not in tune.PIPELINED:  # stages do nothing there: never swept
+        assert {c.num_stages for c in full} == {default.num_stages}
+    assert tune.candidates(problem, tokens, 132, cap=0) == []
+
+
+def test_tune_fits_rejects_what_cannot_run_well() -> None:
+    qkv, down, gate_up = tune.PROBLEMS["qkv"], tune.PROBLEMS["down"], tune.PROBLEMS["gate_up"]
+    assert not tune.fits(qkv, GemvConfig(16, 256, 8, 3), 4, 132)  # 4 rows of 16: 64 acc regs
+    assert tune.fits(qkv, GemvConfig(8, 256, 8, 3), 4, 132)
+    assert not tune.fits(down, GemvConfig(64, 256, 8, 2), 1, 132)  # 32 programs for 132 SMs
+    assert not tune.fits(down, GemvConfig(8, 1024, 8, 2), 1, 132)  # block_k past I = 768
+    assert not tune.fits(gate_up, GemvConfig(64, 1024, 16, 2), 1, 132)  # 256 KB of stages
+
+
+def test_tune_run_writes_a_table_the_runtime_picks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tools/tune_gemv end to end on the interpreter (tiny shapes): a spent
+    budget still leaves a loadable table; a full run writes an entry exactly for
+    the (kernel, T) whose best beat the default, gc.pick returns those entries,
+    and the launchers with them match the reference."""
+    e, k, h, inter = 8, 2, 32, 32
+    problems = [tune.Problem("gu", "moe_gate_up", (e, k, h, inter)),
+                tune.Problem("dn", "moe_down", (e, k, h, inter)),
+                tune.Problem("qkv", "dense_norm", (24, 64)),
+                tune.Problem("o", "dense", (16, 64), optional=True)]
+    # Larger tiles than the interpreter's defaults: fewer programs, so they win there.
+    sweep = {"moe_gate_up": [GemvConfig(32, 32, 4, 1)], "moe_down": [GemvConfig(32, 32, 4, 1)],
+             "dense_norm": [GemvConfig(32, 64, 1, 3)], "dense": [GemvConfig(16, 64, 1, 3), GemvConfig(4, 16, 1, 3)]}
+    cpu = torch.device("cpu")
+    kw: dict[str, Any] = dict(sweep=lambda p, t: sweep[p.kind], dtype=torch.float32, iters=3,
+                              min_gain=0.0, copy_bytes=1 << 20)
+    empty = tune.run(tmp_path, 0.0, problems, (1, 2), cpu, **kw)
+    assert gc.load_table(str(empty)) == {} and empty.name == "gemv_cpu.json"
+    path = tune.run(tmp_path, 600.0, problems, (1, 2, 3), cpu, **kw)
+    assert path == empty
+    raw = json.loads(path.read_text())
+    assert raw["meta"]["device"] == "cpu" and raw["meta"]["copy_gbps"] > 0
+    table = gc.load_table(str(path))
+    listed = 0
+    for p in problems:
+        ts = [1, 2, 4] if p.kind.startswith("dense") else [1, 2, 3]
+        assert sorted(int(t) for t in raw["timings"][p.key()]) == ts
+        for t in ts:
+            tm = raw["timings"][p.key()][str(t)]
+            entry = table.get(p.key(), {}).get(t)
+            assert (entry is not None) == tm["in_table"]
+            assert tm["in_table"] == (tm["best_us"] < tm["default_us"] and tm["best"] != tm["default"])
+            if entry is not None:
+                assert entry.to_dict() == tm["best"]
+                listed += 1
+    assert listed >= 6  # of 12: the larger tiles win on the interpreter
+    assert f"| {problems[0].key()} | 1 |" in capsys.readouterr().out
+    monkeypatch.setenv("FTSERVE_GEMV_CONFIG_FILE", str(path))
+    g = torch.Generator().manual_seed(5)
+    w13 = torch.randn(e, 2 * inter, h, generator=g) / h**0.5
+    w2 = torch.randn(e, h, inter, generator=g) / inter**0.5
+    for t in (1, 2):
+        gu = gc.pick(problems[0].key(), t, CUDA0) or gc.default("moe_gate_up", False)
+        dn = gc.pick(problems[1].key(), t, CUDA0) or gc.default("moe_down", False)
+        x = torch.randn(t, h, generator=g)
+        weights, ids = route_topk_ref(torch.randn(t, e, generator=g), k, True)
+        out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, down3d=True, gate_up_acc=False,
+                                       configs=(gu, dn))
+        assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-5
+
+
+def test_tune_merge_drops_a_stale_entry() -> None:
+    """A rerun where the default wins removes the old entry (it was measured
+    as no better) and keeps the other T and keys."""
+    a = GemvConfig(8, 128, 4, 3)
+    table = tune.merge({}, "dense:N=8,K=8", 1, a, {"x": 1})
+    table = tune.merge(table, "dense:N=8,K=8", 2, a, {"x": 2})
+    table = tune.merge(table, "dense:N=8,K=16", 1, a, {"x": 3})
+    table = tune.merge(table, "dense:N=8,K=8", 1, None, {"x": 4})
+    assert table["configs"] == {"dense:N=8,K=8": {"2": a.to_dict()}, "dense:N=8,K=16": {"1": a.to_dict()}}
+    assert table["timings"]["dense:N=8,K=8"] == {"1": {"x": 4}, "2": {"x": 2}}
