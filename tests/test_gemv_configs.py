@@ -213,6 +213,29 @@ def test_tune_fits_rejects_what_cannot_run_well() -> None:
     assert not tune.fits(gate_up, GemvConfig(64, 1024, 16, 2), 1, 132)  # 256 KB of stages
 
 
+def test_tune_refinements_vary_only_warps_and_stages() -> None:
+    """Refinements keep the tile shape, skip what was tried or does not fit, and
+    sweep stages only where the kernel pipelines."""
+    gate_up, o_proj = tune.PROBLEMS["gate_up"], tune.PROBLEMS["o_proj"]
+    best = [GemvConfig(16, 512, 8, 2), GemvConfig(8, 256, 8, 2)]
+    out = tune.refinements(gate_up, best, set(best), 1, 132)
+    assert out and not set(out) & set(best) and len(set(out)) == len(out)
+    assert {(c.block_n, c.block_k) for c in out} <= {(16, 512), (8, 256)}
+    assert {c.num_stages for c in out} == set(tune.STAGES)
+    assert all(tune.fits(gate_up, c, 1, 132) for c in out)
+    dense = tune.refinements(o_proj, [GemvConfig(8, 256, 8, 3)], set(), 1, 132)
+    assert {c.num_stages for c in dense} == {3} and GemvConfig(8, 256, 4, 3) in dense
+
+
+def test_tune_case_stops_at_the_deadline() -> None:
+    """Past the deadline only the default is timed, and it is the best."""
+    problem = tune.Problem("o", "dense", (16, 64))
+    case = tune.DenseCase(problem, 1, torch.device("cpu"), torch.float32, iters=1)
+    cut = tune.tune_case(case, [GemvConfig(16, 64, 1, 3)], -1.0, lambda msg: None, refine_sms=1)
+    assert cut is not None and cut["timing"]["budget_cut"] and cut["timing"]["configs_timed"] == 1
+    assert cut["config"] == gc.default("dense", False, 16, 1)
+
+
 def test_tune_run_writes_a_table_the_runtime_picks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -276,3 +299,69 @@ def test_tune_merge_drops_a_stale_entry() -> None:
     table = tune.merge(table, "dense:N=8,K=8", 1, None, {"x": 4})
     assert table["configs"] == {"dense:N=8,K=8": {"2": a.to_dict()}, "dense:N=8,K=16": {"1": a.to_dict()}}
     assert table["timings"]["dense:N=8,K=8"] == {"1": {"x": 4}, "2": {"x": 2}}
+
+
+def _check_entry(key: str, t: int, cfg: GemvConfig) -> float:
+    """rel err of the kernel of ``key`` launched with ``cfg`` at T = t (CUDA, bf16)."""
+    kind, shape = gc.parse_key(key)
+    if kind in gc.MOE_KINDS:
+        e, h, inter, k = shape["E"], shape["H"], shape["I"], shape["k"]
+        w13 = (torch.randn(e, 2 * inter, h, device="cuda") / h**0.5).bfloat16()
+        w2 = (torch.randn(e, h, inter, device="cuda") / inter**0.5).bfloat16()
+        x = torch.randn(t, h, device="cuda").bfloat16()
+        weights, ids = route_topk_ref(torch.randn(t, e, device="cuda"), k, True)
+        acc, down3d = kind == "moe_gate_up_acc", kind != "moe_down2d"
+        gu_kind = kind if kind.startswith("moe_gate_up") else "moe_gate_up"
+        dn_kind = kind if kind.startswith("moe_down") else "moe_down"
+        cfgs = (cfg if gu_kind == kind else gc.default(gu_kind, True), cfg if dn_kind == kind else gc.default(dn_kind, True))
+        out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, down3d=down3d, gate_up_acc=acc, configs=cfgs)
+        return rel_err(out, fused_moe_ref(x, w13, w2, weights, ids))
+    n, kd = shape["N"], shape["K"]
+    w = (torch.randn(n, kd, device="cuda") / kd**0.5).bfloat16()
+    x = torch.randn(t, kd, device="cuda").bfloat16()
+    if kind == "dense_norm":
+        r, nw = torch.randn_like(x), torch.ones(kd, device="cuda").bfloat16()
+        y = gv.gemv_triton(x, w, None, nw, r, 1e-6, config=cfg)[0]
+        return rel_err(y, torch.nn.functional.linear(fused_add_rms_norm_ref(x, r, nw, 1e-6)[0].float(), w.float()))
+    return rel_err(gv.gemv_triton(x, w, config=cfg)[0], torch.nn.functional.linear(x.float(), w.float()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_packaged_gemv_table_configs_match_reference() -> None:
+    """Every entry of this GPU's packaged table runs and matches the reference
+    (the tuner checked them; this guards kernel edits and Triton upgrades)."""
+    path = gc.CONFIG_DIR / gc.table_file_name(torch.cuda.get_device_name())
+    if not path.is_file():
+        pytest.skip(f"no tuned table {path.name} for this GPU")
+    torch.manual_seed(0)
+    for key, by_t in gc.load_table(str(path)).items():
+        for t, cfg in by_t.items():
+            assert _check_entry(key, t, cfg) < 2e-2, (key, t, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_tune_gemv_short_run_feeds_the_launchers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short real tuner run (3 candidates per kernel, every best written):
+    the table loads, and with FTSERVE_GEMV_CONFIG_FILE set the launchers' own
+    lookup (no config passed) runs the entries and matches the reference."""
+    problems = [tune.PROBLEMS["gate_up"], tune.PROBLEMS["down"], tune.PROBLEMS["o_proj"]]
+    path = tune.run(tmp_path, 60.0, problems, (1,), torch.device("cuda"), cap=3, min_gain=-0.5,
+                    copy_bytes=256 << 20)
+    table = gc.load_table(str(path))
+    monkeypatch.setenv("FTSERVE_GEMV_CONFIG_FILE", str(path))
+    torch.manual_seed(1)
+    for key, by_t in table.items():
+        for t, cfg in by_t.items():
+            assert gc.pick(key, t, torch.device("cuda")) == cfg
+    e, k, h, inter = tune.QWEN3_MOE
+    w13 = (torch.randn(e, 2 * inter, h, device="cuda") / h**0.5).bfloat16()
+    w2 = (torch.randn(e, h, inter, device="cuda") / inter**0.5).bfloat16()
+    x = torch.randn(1, h, device="cuda").bfloat16()
+    weights, ids = route_topk_ref(torch.randn(1, e, device="cuda"), k, True)
+    out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, down3d=True, gate_up_acc=False)
+    assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 2e-2
+    xo = torch.randn(1, 4096, device="cuda").bfloat16()
+    wo = (torch.randn(2048, 4096, device="cuda") / 64).bfloat16()
+    assert rel_err(gv.gemv_triton(xo, wo)[0], torch.nn.functional.linear(xo.float(), wo.float())) < 2e-2

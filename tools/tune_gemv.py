@@ -13,7 +13,8 @@ lm_head (2048 -> 151936) only with budget to spare. For each token count T
    enough programs for the SMs, tile shapes nearest the default first); each
    candidate is checked against the torch reference at bf16 tolerance before
    it is timed; one that fails to compile or to match is skipped with its reason;
-3. keep the fastest; it goes into the table only if it beats the default by
+3. time the other warps / stages of the three fastest tile shapes (``refinements``);
+4. keep the fastest; it goes into the table only if it beats the default by
    more than --min-gain (2%): a noise-level "win" must not replace a launch
    that has been measured in the whole decode step.
 
@@ -197,6 +198,20 @@ def candidates(problem: Problem, tokens: int, sms: int, cap: int = CAP) -> list[
     return out
 
 
+def refinements(problem: Problem, best: Iterable[GemvConfig], tried: set[GemvConfig], tokens: int,
+                sms: int) -> list[GemvConfig]:
+    """The untried warps (and, where the kernel pipelines, stages) variants of
+    the fastest tile shapes: the round robin reaches few of them under a cap."""
+    stages = STAGES if problem.kind in PIPELINED else None
+    out: list[GemvConfig] = []
+    for b in best:
+        for w, s in itertools.product(WARPS, stages or (b.num_stages,)):
+            c = GemvConfig(b.block_n, b.block_k, w, s)
+            if c not in tried and c not in out and fits(problem, c, tokens, sms):
+                out.append(c)
+    return out
+
+
 # ---------------------------------------------------------------- GPU part
 
 
@@ -219,6 +234,7 @@ class MoeCase:
         self.problem, self.tokens, self.w13, self.w2, self.iters = problem, tokens, w13, w2, iters
         dev = self.device = w13.device
         cuda = dev.type == "cuda"
+        assert tokens * k <= e, "each routing takes distinct experts"
         n_routes = min(max(1, e // (tokens * k)), copies(problem.weight_bytes(tokens)) if cuda else 1)
         perm = torch.randperm(e, device=dev).to(torch.int32)
         self.x = torch.randn(tokens, h, device=dev).to(w13.dtype)
@@ -252,6 +268,8 @@ class MoeCase:
         down = gc.default(self.down_kind, cuda)
         tuning_gate_up = self.problem.kind.startswith("moe_gate_up")
         gate_up, down = (cfg, down) if tuning_gate_up else (gate_up, cfg)
+        self.act.fill_(float("nan"))  # a launch that writes nothing must not pass on stale output
+        self.out.fill_(float("nan"))
         self._gate_up(gate_up, 0)
         self._down(down, 0)
         err = _rel_err(self.out, self.ref)
@@ -303,10 +321,12 @@ class DenseCase:
 Case = MoeCase | DenseCase
 
 
-def tune_case(case: Case, sweep: list[GemvConfig], deadline: float,
-              log: Callable[[str], None]) -> dict[str, Any] | None:
+def tune_case(case: Case, sweep: list[GemvConfig], deadline: float, log: Callable[[str], None],
+              refine_sms: int = 0) -> dict[str, Any] | None:
     """Default and best config of one (problem, T) with their timings; None if
-    even the default did not run. The default is always timed (the baseline)."""
+    even the default did not run. The default is always timed (the baseline).
+    With ``refine_sms`` (the SM count) the sweep is followed, time allowing, by
+    the other warps / stages of the three fastest tile shapes."""
     problem, t = case.problem, case.tokens
     default = gc.default(problem.kind, case.device.type == "cuda", problem.shape[0], t)
     times: dict[GemvConfig, float] = {}
@@ -329,6 +349,16 @@ def tune_case(case: Case, sweep: list[GemvConfig], deadline: float,
             cut = True
             break
         if cfg not in times:
+            attempt(cfg)
+    if refine_sms and not cut:
+        fastest: list[GemvConfig] = []
+        for cfg in sorted(times, key=times.__getitem__):  # one per tile shape
+            if all((c.block_n, c.block_k) != (cfg.block_n, cfg.block_k) for c in fastest):
+                fastest.append(cfg)
+        for cfg in refinements(problem, fastest[:3], set(times), t, refine_sms):
+            if time.monotonic() > deadline:
+                cut = True
+                break
             attempt(cfg)
     best = min(times, key=times.__getitem__)
     try:
@@ -435,7 +465,7 @@ def run(out_dir: Path, budget_s: float, problems: Iterable[Problem], tokens: Ite
         else:
             case = DenseCase(problem, t, device, dtype, iters)
         configs = sweep(problem, t) if sweep is not None else candidates(problem, t, sms, cap)
-        result = tune_case(case, configs, share_end, log)
+        result = tune_case(case, configs, share_end, log, refine_sms=sms if sweep is None else 0)
         del case
         if result is None:
             continue
