@@ -14,9 +14,15 @@ ops.fused_add_rms_norm computes it: each program first takes the row's sum of
 squares over all of K (T x K from L2, cheap next to its 64 KB of weights),
 then rebuilds the normed input chunk by chunk; program 0 also stores x + r,
 the next residual. So qkv_proj(input_layernorm(x, r)) is one launch.
+
+Launch parameters (BLOCK_N, BLOCK_K, warps, stages) come from this GPU's table
+in gemv_configs (written by tools/tune_gemv.py) where it has the shape, else
+from gemv_configs.default.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -161,8 +167,7 @@ def gemv_triton(
     kind = "dense_norm" if norm_w is not None else "dense"
     if config is None:
         if block is not None:
-            config = gc.default(kind, cuda, n, t)
-            config = gc.GemvConfig(block[0], block[1], config.num_warps, config.num_stages)
+            config = dataclasses.replace(gc.default(kind, cuda, n, t), block_n=block[0], block_k=block[1])
         else:
             config = (gc.pick(gc.dense_key(norm_w is not None, n, k), block_t, x.device)
                       or gc.default(kind, cuda, n, t))

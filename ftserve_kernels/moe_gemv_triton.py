@@ -14,6 +14,10 @@ experts shared between tokens would be read once per token, which is why the
 grouped path takes over past ``GEMV_MAX_TOKENS``. The combine adds the k
 choices in a fixed order in fp32: the output is deterministic. Rounding
 follows the grouped path: act and each weighted down row round to x's dtype.
+
+Launch parameters of each kernel (block_n, block_k, warps, stages) come from
+this GPU's table in gemv_configs (written by tools/tune_gemv.py) where it has
+the shape and T, else from gemv_configs.default.
 """
 
 from __future__ import annotations
