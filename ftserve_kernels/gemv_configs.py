@@ -32,15 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ftserve import envs
-from ftserve_kernels.moe_configs import CONFIG_DIR, device_slug
+from ftserve_kernels import config_tables as tables
+from ftserve_kernels.config_tables import CONFIG_DIR  # noqa: F401 - re-exported
 from ftserve_kernels.moe_configs import shape_key as moe_shape_key
 
 MOE_KINDS = ("moe_gate_up", "moe_gate_up_acc", "moe_down", "moe_down2d")
@@ -120,50 +119,29 @@ def parse_key(key: str) -> tuple[str, dict[str, int]]:
 
 
 def table_file_name(device_name: str) -> str:
-    return f"gemv_{device_slug(device_name)}.json"
+    return tables.file_name("gemv", device_name)
 
 
 Table = dict[str, dict[int, GemvConfig]]  # key -> tuned T -> config
+_WHAT = "GEMV config table (regenerate it with tools/tune_gemv.py or unset FTSERVE_GEMV_CONFIG_FILE)"
+
+
+def _entry(key: str, raw: Any) -> GemvConfig | None:
+    if raw is None:
+        parse_key(key)  # an unknown kernel kind is a bad table
+        return None
+    return GemvConfig.from_dict(raw)
 
 
 def load_table(path: str) -> Table:
-    """Parse and validate a table; raises ValueError naming the file. Parsed
-    once per file version (as moe_configs.load_table)."""
-    try:
-        st = Path(path).stat()
-    except OSError as exc:
-        raise _bad(path, exc) from exc
-    return _parse_table(path, st.st_mtime_ns, st.st_size)
-
-
-def _bad(path: str, exc: Exception) -> ValueError:
-    return ValueError(f"bad GEMV config table {path}: {type(exc).__name__}: {exc} "
-                      "(regenerate it with tools/tune_gemv.py or unset FTSERVE_GEMV_CONFIG_FILE)")
-
-
-@functools.lru_cache(maxsize=16)
-def _parse_table(path: str, mtime_ns: int, size: int) -> Table:
-    try:
-        raw = json.loads(Path(path).read_text())
-        configs = raw["configs"]
-        if not isinstance(configs, dict):
-            raise TypeError("'configs' is not an object")
-        table: Table = {}
-        for key, by_t in configs.items():
-            parse_key(key)
-            table[key] = {int(t): GemvConfig.from_dict(c) for t, c in by_t.items()}
-        return table
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise _bad(path, exc) from exc
+    """Parse and validate a table (config_tables.load)."""
+    return tables.load(path, _WHAT, _entry)
 
 
 def table_for(device_index: int, override: str | None) -> Table:
     """The override file if given (it must exist), else the packaged table of
     this device, else an empty table."""
-    if override is not None:
-        return load_table(override)
-    path = CONFIG_DIR / table_file_name(torch.cuda.get_device_name(device_index))
-    return load_table(str(path)) if path.is_file() else {}
+    return tables.table_for(device_index, override, "gemv", _WHAT, _entry)
 
 
 def pick(key: str, tokens: int, device: torch.device) -> GemvConfig | None:

@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ftserve import envs
+from ftserve_kernels import config_tables as tables
+from ftserve_kernels.config_tables import CONFIG_DIR, device_slug  # noqa: F401 - re-exported
 
-CONFIG_DIR = Path(__file__).parent / "configs"
 NEAREST_RATIO = 2.0  # a tuned T serves batches within this factor of it
 
 
@@ -125,45 +123,26 @@ def parse_shape_key(key: str) -> tuple[int, int, int, int]:
     return int(parts["E"]), int(parts["H"]), int(parts["I"]), int(parts["k"])
 
 
-def device_slug(name: str) -> str:
-    return re.sub(r"[^0-9A-Za-z]", "_", name)
-
-
 def table_file_name(device_name: str) -> str:
-    return f"moe_{device_slug(device_name)}.json"
+    return tables.file_name("moe", device_name)
 
 
 Table = dict[str, dict[int, MoeConfig]]  # shape key -> tuned T -> config
+_WHAT = "MoE config table (regenerate it with tools/tune_moe.py or unset FTSERVE_MOE_CONFIG_FILE)"
+
+
+def _entry(key: str, raw: Any) -> MoeConfig | None:
+    if raw is None:
+        parse_shape_key(key)  # a key that is no shape is a bad table
+        return None
+    return MoeConfig.from_dict(raw)
 
 
 def load_table(path: str) -> Table:
-    """Parse and validate a table; raises ValueError naming the file. Parsed
-    once per file version (a rewritten file is read again); the runtime asks
-    once per batch shape, so a table changed under a running server is seen
-    only by shapes it has not met yet."""
-    try:
-        st = Path(path).stat()
-    except OSError as exc:
-        raise _bad(path, exc) from exc
-    return _parse_table(path, st.st_mtime_ns, st.st_size)
-
-
-def _bad(path: str, exc: Exception) -> ValueError:
-    return ValueError(f"bad MoE config table {path}: {type(exc).__name__}: {exc} "
-                      "(regenerate it with tools/tune_moe.py or unset FTSERVE_MOE_CONFIG_FILE)")
-
-
-@functools.lru_cache(maxsize=16)
-def _parse_table(path: str, mtime_ns: int, size: int) -> Table:
-    try:
-        raw = json.loads(Path(path).read_text())
-        configs = raw["configs"]
-        if not isinstance(configs, dict):
-            raise TypeError("'configs' is not an object")
-        return {shape: {int(t): MoeConfig.from_dict(c) for t, c in by_t.items()}
-                for shape, by_t in configs.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise _bad(path, exc) from exc
+    """Parse and validate a table (config_tables.load); the runtime asks once
+    per batch shape, so a table changed under a running server is seen only by
+    shapes it has not met yet."""
+    return tables.load(path, _WHAT, _entry)
 
 
 def lookup(table: Table, shape: str, tokens: int) -> MoeConfig | None:
@@ -180,18 +159,10 @@ def lookup(table: Table, shape: str, tokens: int) -> MoeConfig | None:
     return None
 
 
-@functools.lru_cache(maxsize=8)
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
 def table_for(device_index: int, override: str | None) -> Table:
     """The override file if given (it must exist), else the packaged table of
     this device, else an empty table."""
-    if override is not None:
-        return load_table(override)
-    path = CONFIG_DIR / table_file_name(_device_name(device_index))
-    return load_table(str(path)) if path.is_file() else {}
+    return tables.table_for(device_index, override, "moe", _WHAT, _entry)
 
 
 @functools.lru_cache(maxsize=512)
