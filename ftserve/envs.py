@@ -83,3 +83,11 @@ def kv_layered_restore() -> bool:
     Layered copies now run on a capped grid (HostKVTier.LAYERED_COPY_PROGRAMS),
     not yet measured there: tools.bench_kv_tiers reports both modes."""
     return _flag("FTSERVE_KV_LAYERED_RESTORE", False)
+
+
+def fused_kv_store() -> bool:
+    """FTSERVE_FUSED_KV_STORE (default off): for q/k-normed models (Qwen3) with a
+    float KV cache, the q/k norm + rotary launch also stores K and V into their
+    pages, one launch fewer per layer. Off until tools.bench_decode_variants has
+    measured it on the GPU."""
+    return _flag("FTSERVE_FUSED_KV_STORE", False)

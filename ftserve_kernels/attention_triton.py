@@ -346,13 +346,16 @@ class TritonAttentionBackend:
         return max(1, min(cfg.max_splits, want))
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
+        """``kv_stored``: the caller already put this step's K/V into the pages."""
         pool = batch.kv_pool
         meta = batch.attn
         kc, vc = pool.k[layer], pool.v[layer]
         ks, vs = pool.scales(layer)  # None, None unless the pool holds fp8 codes
-        store_kv_triton(kc, vc, k, v, meta.out_cache_loc, ks, vs)
+        if not kv_stored:
+            store_kv_triton(kc, vc, k, v, meta.out_cache_loc, ks, vs)
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         cfg = self.cfg or AttnKernelConfig.for_device(q.device, q.shape[-1])
         bound = self.extend_token_bound

@@ -59,9 +59,16 @@ def rotary_ref(
 def qk_norm_rotary_ref(
     q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
     positions: torch.Tensor, cos_sin: torch.Tensor,
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q [T, Hq, D] and k [T, Hkv, D] (weights q_w/k_w [D]),
-    then neox rotary: what Qwen3 attention does before the KV store."""
+    then neox rotary: what Qwen3 attention does before the KV store. ``kv_store`` =
+    (k_cache, v_cache, v, out_cache_loc): then also that store (float caches)."""
     qn = rms_norm_ref(q, q_w, eps)  # [T, Hq, D]
     kn = rms_norm_ref(k, k_w, eps)  # [T, Hkv, D]
-    return rotary_ref(qn, kn, positions, cos_sin)
+    qo, ko = rotary_ref(qn, kn, positions, cos_sin)
+    if kv_store is not None:
+        kc, vc, v, loc = kv_store
+        kc.index_copy_(0, loc, ko.to(kc.dtype))
+        vc.index_copy_(0, loc, v.to(vc.dtype))
+    return qo, ko

@@ -8,8 +8,10 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
     fused_add_rms_norm(x [T, H], residual [T, H], w [H], eps) -> (normed, x + residual)
     rotary(q [T, Hq, D], k [T, Hkv, D], positions [T] int64,
            cos_sin [max_pos, rot_dim] fp32 (cos | sin halves)) -> (q, k)   (neox style)
-    qk_norm_rotary(q [T, Hq, D], k [T, Hkv, D], q_w [D], k_w [D], eps, positions, cos_sin)
-        -> (q, k): per-head RMSNorm of q and k, then rotary (Qwen3), one kernel on Triton
+    qk_norm_rotary(q [T, Hq, D], k [T, Hkv, D], q_w [D], k_w [D], eps, positions, cos_sin,
+                   kv_store=None) -> (q, k): per-head RMSNorm of q and k, then rotary
+        (Qwen3), one kernel on Triton; kv_store = (k_cache, v_cache, v, out_cache_loc)
+        also stores k and v into their pages in that launch (FTSERVE_FUSED_KV_STORE)
     route_topk(router_logits [T, E], top_k, renormalize) -> (weights [T, k] fp32, ids [T, k] int32)
     fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], ids [T, k]) -> [T, H]
         (w13 rows [0, I) are the gate, [I, 2I) the up projection; SiLU(gate) * up)
@@ -129,8 +131,9 @@ def rotary(
 def qk_norm_rotary(
     q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
     positions: torch.Tensor, cos_sin: torch.Tensor,
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _table(q).qk_norm_rotary(q, k, q_w, k_w, eps, positions, cos_sin)
+    return _table(q).qk_norm_rotary(q, k, q_w, k_w, eps, positions, cos_sin, kv_store)
 
 
 def route_topk(

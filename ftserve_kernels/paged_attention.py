@@ -129,11 +129,12 @@ class TorchAttentionBackend:
     def __init__(self, scale: float | None = None) -> None:
         self.scale = scale
 
-    def forward(self, q, k, v, layer, batch):  # type: ignore[no-untyped-def]
+    def forward(self, q, k, v, layer, batch, kv_stored=False):  # type: ignore[no-untyped-def]
         pool = batch.kv_pool
         meta = batch.attn
         ks, vs = pool.scales(layer)  # None, None unless the pool holds fp8 codes
-        store_kv_ref(pool.k[layer], pool.v[layer], k, v, meta.out_cache_loc, ks, vs)
+        if not kv_stored:
+            store_kv_ref(pool.k[layer], pool.v[layer], k, v, meta.out_cache_loc, ks, vs)
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         indptr = [0]
         for n in meta.extend_lens_host:

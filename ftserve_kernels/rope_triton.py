@@ -88,9 +88,13 @@ def rotary_triton(
 def _norm_rotate_rows(
     src_ptr, dst_ptr, w_ptr, pos_ptr, cs_ptr, r0, R, eps,
     stride_st, stride_sh, stride_dt, stride_dh, stride_cs,
+    kc_ptr, vc_ptr, v_ptr, loc_ptr, stride_cslot, stride_chead, stride_vt, stride_vh,
     NH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    BLOCK_D: tl.constexpr, STORE: tl.constexpr,
 ):
+    # STORE (k rows only): the rotated row also goes to the paged K cache at its
+    # token's slot, and the row's V (untouched) to the V cache: no KV-store launch.
     # Rows are (token, head) pairs of one tensor: row = token * NH + head.
     rows = r0 + tl.arange(0, BLOCK_R)  # [R]
     rmask = rows < R
@@ -119,11 +123,27 @@ def _norm_rotate_rows(
     cs = cs_ptr + pos[:, None] * stride_cs + j[None, :]
     cos = tl.load(cs, mask=mh, other=0.0)  # [R, half] fp32
     sin = tl.load(cs + HALF, mask=mh, other=0.0)
-    tl.store(dst + j[None, :], (y1 * cos - y2 * sin).to(ty), mask=mh)
-    tl.store(dst + HALF + j[None, :], (y2 * cos + y1 * sin).to(ty), mask=mh)
+    o1 = (y1 * cos - y2 * sin).to(ty)
+    o2 = (y2 * cos + y1 * sin).to(ty)
+    tl.store(dst + j[None, :], o1, mask=mh)
+    tl.store(dst + HALF + j[None, :], o2, mask=mh)
+    if STORE:
+        loc = tl.load(loc_ptr + tok, mask=rmask, other=0).to(tl.int64)  # [R] KV slot
+        cdst = loc[:, None] * stride_cslot + head[:, None] * stride_chead  # [R, 1]
+        cty = kc_ptr.dtype.element_ty
+        tl.store(kc_ptr + cdst + j[None, :], o1.to(cty), mask=mh)
+        tl.store(kc_ptr + cdst + HALF + j[None, :], o2.to(cty), mask=mh)
+        dd = tl.arange(0, BLOCK_D)
+        mv = rmask[:, None] & (dd[None, :] < D)
+        vv = tl.load(v_ptr + tok[:, None] * stride_vt + head[:, None] * stride_vh + dd[None, :],
+                     mask=mv, other=0.0)
+        tl.store(vc_ptr + cdst + dd[None, :], vv.to(vc_ptr.dtype.element_ty), mask=mv)
     if 2 * HALF < D:
         w3 = tl.load(w_ptr + tt, mask=tt < D, other=0.0).to(tl.float32)[None, :]
-        tl.store(dst + tt[None, :], (w3 * (x3 * rs).to(ty).to(tl.float32)).to(ty), mask=mt)
+        o3 = (w3 * (x3 * rs).to(ty).to(tl.float32)).to(ty)
+        tl.store(dst + tt[None, :], o3, mask=mt)
+        if STORE:
+            tl.store(kc_ptr + cdst + tt[None, :], o3.to(kc_ptr.dtype.element_ty), mask=mt)
 
 
 @triton.jit
@@ -131,8 +151,10 @@ def _qk_norm_rotary_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, T, eps,
     stride_qt, stride_qh, stride_kt, stride_kh,
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
+    kc_ptr, vc_ptr, v_ptr, loc_ptr, stride_cslot, stride_chead, stride_vt, stride_vh,
     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    BLOCK_D: tl.constexpr, STORE: tl.constexpr,
 ):
     # Programs [0, cdiv(T*HQ, R)) take q rows, the rest k rows: one launch for both.
     pid = tl.program_id(0)
@@ -140,20 +162,29 @@ def _qk_norm_rotary_kernel(
     if pid < q_programs:
         _norm_rotate_rows(q_ptr, qo_ptr, qw_ptr, pos_ptr, cs_ptr, pid * BLOCK_R, T * HQ, eps,
                           stride_qt, stride_qh, stride_qot, stride_qoh, stride_cs,
-                          HQ, D, HALF, BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
+                          kc_ptr, vc_ptr, v_ptr, loc_ptr, stride_cslot, stride_chead,
+                          stride_vt, stride_vh,
+                          HQ, D, HALF, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, BLOCK_D, False)
     else:
         _norm_rotate_rows(k_ptr, ko_ptr, kw_ptr, pos_ptr, cs_ptr, (pid - q_programs) * BLOCK_R,
                           T * HK, eps, stride_kt, stride_kh, stride_kot, stride_koh, stride_cs,
-                          HK, D, HALF, BLOCK_R, BLOCK_HALF, BLOCK_TAIL)
+                          kc_ptr, vc_ptr, v_ptr, loc_ptr, stride_cslot, stride_chead,
+                          stride_vt, stride_vh,
+                          HK, D, HALF, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, BLOCK_D, STORE)
 
 
 def qk_norm_rotary_triton(
     q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
     positions: torch.Tensor, cos_sin: torch.Tensor,
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k (Qwen3's q_norm / k_norm), then neox rotary, in one
     launch. q [T, Hq, D], k [T, Hkv, D] (views into the qkv projection are fine),
-    q_w/k_w [D] -> new contiguous (q, k). Twin: norm_rope.qk_norm_rotary_ref."""
+    q_w/k_w [D] -> new contiguous (q, k). Twin: norm_rope.qk_norm_rotary_ref.
+
+    ``kv_store`` = (k_cache [slots, Hkv, D], v_cache, v [T, Hkv, D], out_cache_loc [T]):
+    the same launch also stores the rotated k and v at each token's slot (what the
+    attention backend's KV store would do; caches in a float dtype, not fp8)."""
     t, hq, d = q.shape
     hk = k.shape[1]
     half = cos_sin.shape[-1] // 2
@@ -161,6 +192,12 @@ def qk_norm_rotary_triton(
     assert q_w.is_contiguous() and k_w.is_contiguous()
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
     ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # [T, Hkv, D]
+    if kv_store is not None:
+        kc, vc, v, loc = kv_store
+        assert kc.dtype.is_floating_point and kc.element_size() > 1, "fp8 caches: store_kv"
+        assert kc.stride() == vc.stride() and kc.stride(-1) == 1 and v.stride(-1) == 1
+    else:
+        kc, vc, v, loc = ko, ko, k, positions  # unread
     if t:
         block_half = triton.next_power_of_2(half)
         block_r = max(16, 4096 // block_half)  # [R, half] tiles of 4k elements, two of them
@@ -169,7 +206,9 @@ def qk_norm_rotary_triton(
             q, k, qo, ko, q_w, k_w, positions, cos_sin, t, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos_sin.stride(0),
+            kc, vc, v, loc, kc.stride(0), kc.stride(1), v.stride(0), v.stride(1),
             HQ=hq, HK=hk, D=d, HALF=half, BLOCK_R=block_r, BLOCK_HALF=block_half,
-            BLOCK_TAIL=triton.next_power_of_2(max(1, d - 2 * half)), num_warps=8,
+            BLOCK_TAIL=triton.next_power_of_2(max(1, d - 2 * half)),
+            BLOCK_D=triton.next_power_of_2(d), STORE=kv_store is not None, num_warps=8,
         )
     return qo, ko

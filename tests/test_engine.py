@@ -227,3 +227,30 @@ def test_pack_tokens_matches_per_token_layout() -> None:
     assert indptr == [0, 1, 41, 44, 61, 62, 126]
     assert seq_lens == [10, 40, 8, 30, 1, 95]
     assert last == [0, 40, 43, 60, 61, 125]
+
+
+def test_fused_kv_store_same_tokens(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FTSERVE_FUSED_KV_STORE (the q/k norm + rotary op stores K/V, the backend
+    skips its store): chunked prefill, a prefix hit and decode give the tokens of
+    a full recompute, and the hook really ran (the backend saw kv_stored)."""
+    monkeypatch.setenv("FTSERVE_FUSED_KV_STORE", "1")
+    backend = engine.runner.attn_backend
+    seen: list[bool] = []
+    real = backend.forward
+
+    def spy(q, k, v, layer, batch, kv_stored=False):  # type: ignore[no-untyped-def]
+        seen.append(kv_stored)
+        return real(q, k, v, layer, batch, kv_stored=kv_stored)
+
+    monkeypatch.setattr(backend, "forward", spy)
+    rng = random.Random(21)
+    p = prompt(rng, 150)  # > max_prefill_length 64: three chunks
+    first = tokens_of(collect(engine, [("f1", p, greedy(6))])["f1"])
+    turn2 = p + first + prompt(rng, 9)
+    outs = collect(engine, [("f2", turn2, greedy(6))])["f2"]
+    assert outs[-1].cached_tokens > 0, "turn 2 should hit the prefix cache"
+    model, mcfg = engine.runner.model, engine.model_config
+    assert first == reference_greedy(model, mcfg, p, 6)
+    assert tokens_of(outs) == reference_greedy(model, mcfg, turn2, 6)
+    assert seen and all(seen), "every attention call should have found its K/V stored"
+    assert_pool_baseline(engine)

@@ -146,6 +146,34 @@ def test_qk_norm_rotary(dtype: torch.dtype, rot: int) -> None:
             torch.testing.assert_close(out.float(), ref.float(), rtol=4e-2, atol=4e-2)
 
 
+@pytest.mark.parametrize("rot", [16, 8])
+def test_qk_norm_rotary_with_kv_store(rot: int) -> None:
+    """FTSERVE_FUSED_KV_STORE's launch: q and k as without the store, the rotated
+    k and the untouched v at each token's slot, every other slot untouched."""
+    g = torch.Generator().manual_seed(7 + rot)
+    t, hq, hk, d, slots = 21, 4, 2, 16, 64
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(DEVICE)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(t, hk, d)
+    qw = (1 + 0.2 * torch.randn(d, generator=g)).to(DEVICE)
+    kw = (1 + 0.2 * torch.randn(d, generator=g)).to(DEVICE)
+    table = cos_sin_table(128, rot).to(DEVICE)
+    pos = torch.randint(0, 128, (t,), generator=g).to(DEVICE)
+    loc = torch.randperm(slots, generator=g)[:t].to(DEVICE)
+    caches = [torch.full((slots, hk, d), 7.0, device=DEVICE) for _ in range(4)]
+    qo, ko = qk_norm_rotary_triton(q, k, qw, kw, 1e-6, pos, table, (caches[0], caches[1], v, loc))
+    rq, rk = qk_norm_rotary_ref(q, k, qw, kw, 1e-6, pos, table, (caches[2], caches[3], v, loc))
+    close(qo, rq)
+    close(ko, rk)
+    close(caches[0], caches[2])
+    assert torch.equal(caches[1], caches[3]) and torch.equal(caches[1][loc], v)
+    close(caches[0][loc], ko)
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[loc.cpu()] = False
+    assert (caches[0][untouched.to(DEVICE)] == 7.0).all(), "a slot outside out_cache_loc changed"
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -178,6 +206,12 @@ def test_gpu_norm_rope_real_shapes() -> None:
     rq, rk = qk_norm_rotary_ref(qv, kv, qw, kw, 1e-6, pos, table)
     close(qo, rq)
     close(ko, rk)
+    vv = qkv[:, (hq + hk) * d :].view(t, hk, d)
+    loc = torch.randperm(4 * t, device="cuda")[:t]
+    kc, vc = (torch.zeros(4 * t, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    qs, ks = qk_norm_rotary_triton(qv, kv, qw, kw, 1e-6, pos, table, (kc, vc, vv, loc))
+    assert torch.equal(qs, qo) and torch.equal(ks, ko)  # the store changes nothing else
+    assert torch.equal(kc[loc], ko) and torch.equal(vc[loc], vv)
 
 
 # ---------------------------------------------------------------- dense GEMV (+ norm prologue)

@@ -56,13 +56,15 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Stores the new K/V of one layer into the pool, then attends.
+    """Stores the new K/V of one layer into the pool (unless ``kv_stored``: the
+    caller's fused q/k norm + rotary launch did), then attends.
 
     q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]
     """
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor: ...
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ftserve import envs
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve_kernels import ops
 
@@ -97,15 +98,24 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D], a view of qkv
         k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            # One kernel for both per-head norms and the rotary (three on the unfused path).
-            q, k = ops.qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight,
-                                      self.q_norm.eps, batch.positions, cos_sin)
-        else:
-            q, k = ops.rotary(q, k, batch.positions, cos_sin)
         if batch.layer_ready is not None:  # this layer's pages may still be streaming in
             torch.cuda.current_stream().wait_event(batch.layer_ready[self.layer_idx])
-        out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch)  # [T, Hq, D]
+        stored = False
+        if self.q_norm is not None and self.k_norm is not None:
+            # One kernel for both per-head norms and the rotary (three on the unfused
+            # path), and with FTSERVE_FUSED_KV_STORE the KV store too.
+            pool = batch.kv_pool
+            stored = envs.fused_kv_store() and pool.k_scale is None
+            kv_store = ((pool.k[self.layer_idx], pool.v[self.layer_idx], v,
+                         batch.attn.out_cache_loc) if stored else None)
+            q, k = ops.qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight,
+                                      self.q_norm.eps, batch.positions, cos_sin, kv_store)
+        else:
+            q, k = ops.rotary(q, k, batch.positions, cos_sin)
+        if stored:
+            out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch, kv_stored=True)
+        else:
+            out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch)  # [T, Hq, D]
         return ops.linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)  # [T, H]
 
 
