@@ -140,10 +140,13 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     comp("rms_norm_heads", nt._rms_norm_kernel,
          {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "eps": "fp32"},
          dict(HAS_RESIDUAL=False, BLOCK_R=64, BLOCK_H=128), 8)
-    comp("qk_norm_rotary", rt._qk_norm_rotary_kernel,
-         {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "qw_ptr": bf, "kw_ptr": bf,
-          "pos_ptr": "*i64", "cs_ptr": "*fp32", "eps": "fp32"},
-         dict(HQ=32, HK=4, D=128, HALF=64, BLOCK_R=64, BLOCK_HALF=64, BLOCK_TAIL=1), 8)
+    for store in (False, True):  # True: FTSERVE_FUSED_KV_STORE's launch
+        comp("qk_norm_rotary" + ("_store" if store else ""), rt._qk_norm_rotary_kernel,
+             {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "qw_ptr": bf, "kw_ptr": bf,
+              "pos_ptr": "*i64", "cs_ptr": "*fp32", "eps": "fp32", "kc_ptr": bf, "vc_ptr": bf,
+              "v_ptr": bf, "loc_ptr": "*i64"},
+             dict(HQ=32, HK=4, D=128, HALF=64, BLOCK_R=64, BLOCK_HALF=64, BLOCK_TAIL=1,
+                  BLOCK_D=128, STORE=store), 8)
     comp("rotary", rt._rotary_kernel,
          {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "pos_ptr": "*i64", "cs_ptr": "*fp32"},
          dict(HQ=32, HK=4, D=128, HALF=64, BLOCK_HQ=32, BLOCK_HK=4, BLOCK_HALF=64, BLOCK_D=1))
