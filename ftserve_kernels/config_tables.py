@@ -11,6 +11,7 @@ the slow default in place unnoticed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -22,7 +23,7 @@ import torch
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
-E = TypeVar("E")
+C = TypeVar("C")
 # (key, the entry's JSON object) -> the parsed entry; raises on a bad one. Also
 # called as (key, None) once per key, entries or not: a bad key raises there.
 EntryParser = Callable[[str, Any], Any]
@@ -39,6 +40,14 @@ def device_slug(name: str) -> str:
 
 def file_name(prefix: str, device: str) -> str:
     return f"{prefix}_{device_slug(device)}.json"
+
+
+def from_dict(cls: type[C], d: dict[str, Any]) -> C:
+    """A config dataclass from a table entry; unknown fields are an error."""
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}")
+    return cls(**d)
 
 
 def load(path: str, what: str, parse_entry: EntryParser) -> dict[str, dict[int, Any]]:

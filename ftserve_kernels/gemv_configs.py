@@ -73,11 +73,7 @@ class GemvConfig:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> GemvConfig:
-        names = {f.name for f in dataclasses.fields(GemvConfig)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown GemvConfig fields {sorted(unknown)}")
-        return GemvConfig(**d)
+        return tables.from_dict(GemvConfig, d)
 
 
 def default(kind: str, cuda: bool, n: int = 0, tokens: int = 1) -> GemvConfig:

@@ -79,11 +79,7 @@ class MoeConfig:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> MoeConfig:
-        names = {f.name for f in dataclasses.fields(MoeConfig)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown MoeConfig fields {sorted(unknown)}")
-        return MoeConfig(**d)
+        return tables.from_dict(MoeConfig, d)
 
     @staticmethod
     def pick(num_pairs: int, num_experts: int, device: torch.device,

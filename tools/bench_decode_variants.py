@@ -36,8 +36,7 @@ import inspect
 import os
 import statistics
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +45,7 @@ import torch
 from ftserve_kernels.attention_common import AttnKernelConfig
 from tools.bench_common import (
     decode_step_bytes,
+    env_applied,
     gpu_kernel_seconds,
     markdown_table,
     measure_copy_gbps,
@@ -105,26 +105,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
         if 1 <= n < base_attn.max_splits:
             out.append(Variant(f"attn max_splits={n}", "attn_max_splits", attn={"max_splits": n}))
     return out
-
-
-@contextmanager
-def env_applied(values: Mapping[str, str | None]) -> Iterator[None]:
-    """Set (None: unset) these environment variables inside the block; on
-    exit each one is back to its earlier value or absence, even after an error."""
-    saved = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, old in saved.items():
-            if old is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = old
 
 
 def score_ms(row: Mapping[str, Any]) -> float | None:

@@ -39,7 +39,6 @@ minus "device" is what is left of it when it overlaps the compute.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from typing import Any
@@ -50,6 +49,7 @@ from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.kvcache.host_tier import HostKVTier
 from tools.bench_common import (
+    env_applied,
     measure_h2d_gbps,
     run_section,
     say,
@@ -144,17 +144,10 @@ def bench_ttft(drv: EngineDriver, engine: Engine, prefix: list[int], turn: int, 
 
     for _ in range(reps):
         runs["host"].append(from_host())
-    saved = os.environ.get("FTSERVE_KV_LAYERED_RESTORE")
-    os.environ["FTSERVE_KV_LAYERED_RESTORE"] = "1"
-    try:
+    with env_applied({"FTSERVE_KV_LAYERED_RESTORE": "1"}):
         from_host()  # warm-up: the eager first chunk compiles shapes the graphs never needed
         for _ in range(reps):
             runs["host_layered"].append(from_host())
-    finally:
-        if saved is None:
-            os.environ.pop("FTSERVE_KV_LAYERED_RESTORE", None)
-        else:
-            os.environ["FTSERVE_KV_LAYERED_RESTORE"] = saved
     for _ in range(reps):
         assert radix.reset(), "nothing may be locked between requests"
         runs["recompute"].append(ttft(drv, prefix + drv.tokens(turn), device))

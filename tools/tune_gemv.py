@@ -58,10 +58,10 @@ from ftserve_kernels import moe_gemv_triton as mg
 from ftserve_kernels.gemv_configs import GemvConfig
 from ftserve_kernels.moe import fused_moe_ref, route_topk_ref
 from ftserve_kernels.norm_rope import fused_add_rms_norm_ref
-from tools.bench_common import measure_copy_gbps
+from tools.bench_common import measure_copy_gbps, median_time
 from tools.bench_decode_layer import copies, rotate
 from tools.bench_kernels import bench_graph
-from tools.tune_moe import REL_TOL, SMEM_LIMIT, _median_s, _rel_err, _us
+from tools.tune_moe import REL_TOL, SMEM_LIMIT, _rel_err, _us
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ def _time_calls(fns: list[Callable[[], Any]], device: torch.device, iters: int) 
     replay on the GPU, wall clock on the interpreter (tests only)."""
     if device.type == "cuda":
         return bench_graph(rotate(fns), replays=REPLAYS) / len(fns)
-    return _median_s(rotate(fns), device, iters, warmup=1) / len(fns)
+    return median_time(rotate(fns), device, iters, warmup=1) / len(fns)
 
 
 class MoeCase:

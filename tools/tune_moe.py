@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -50,6 +49,7 @@ from ftserve_kernels.moe_configs import (
     shape_key,
     table_file_name,
 )
+from tools.bench_common import median_time
 
 SHAPES: dict[str, tuple[int, int, int, int]] = {  # name -> (E, k, H, I)
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -193,28 +193,6 @@ def merge_table(old: dict[str, Any], shape: str, tokens: int, cfg: MoeConfig,
 # ---------------------------------------------------------------- GPU part
 
 
-def _median_s(fn: Callable[[], Any], device: torch.device, iters: int = 15,
-              warmup: int = 2) -> float:
-    """Median seconds of ``iters`` calls: CUDA events around each (device time),
-    wall clock on the CPU (the interpreter, tests only)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type != "cuda":
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
 
@@ -265,7 +243,7 @@ class Bench:
         return out
 
     def time(self, fn: Callable[[], Any]) -> float:
-        return _median_s(fn, self.device, self.iters, warmup=min(2, self.iters))
+        return median_time(fn, self.device, self.iters, warmup=min(2, self.iters))
 
     def _gate_up(self, cfg: MoeConfig) -> None:
         mt.moe_gate_up(self.x, self.w13, self.act, self.align(cfg.block_m), self.shape[1], cfg)
@@ -381,7 +359,7 @@ def _matmul_tflops(device: torch.device, n: int = 8192) -> float:
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     c = torch.empty(n, n, device=device, dtype=torch.bfloat16)
-    secs = _median_s(lambda: torch.matmul(a, b, out=c), device, iters=10, warmup=3)
+    secs = median_time(lambda: torch.matmul(a, b, out=c), device, iters=10, warmup=3)
     return 2 * n**3 / secs / 1e12
 
 
