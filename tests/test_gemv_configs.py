@@ -365,3 +365,17 @@ def test_gpu_tune_gemv_short_run_feeds_the_launchers(tmp_path: Path, monkeypatch
     xo = torch.randn(1, 4096, device="cuda").bfloat16()
     wo = (torch.randn(2048, 4096, device="cuda") / 64).bfloat16()
     assert rel_err(gv.gemv_triton(xo, wo)[0], torch.nn.functional.linear(xo.float(), wo.float())) < 2e-2
+
+
+def test_shipped_tables_parse() -> None:
+    """Every table under ftserve_kernels/configs/ loads with its own parser (a
+    bad key or entry there would fail on the GPU at the first launch)."""
+    from ftserve_kernels import moe_configs
+
+    root = Path(gc.__file__).parent / "configs"
+    tables = sorted(root.glob("*.json"))
+    assert any(p.name.startswith("gemv_") for p in tables)
+    for path in tables:
+        load = gc.load_table if path.name.startswith("gemv_") else moe_configs.load_table
+        table = load(str(path))
+        assert table and all(table.values()), path.name

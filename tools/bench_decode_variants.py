@@ -64,7 +64,7 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_LM_HEAD_FP32": "0",
     "FTSERVE_DECODE_FUSION": "1",
     "FTSERVE_MOE_DOWN3D": "1",
-    "FTSERVE_FUSED_KV_STORE": "0",
+    "FTSERVE_FUSED_KV_STORE": "1",
 }
 TOP_KERNELS = 12
 
@@ -91,7 +91,7 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
             for v in ("0", "1", "norm")]
     out.append(Variant("MOE_GATEUP_ACC=1", "moe_gateup_acc", {"FTSERVE_MOE_GATEUP_ACC": "1"}))
     out.append(Variant("LM_HEAD_FP32=1", "lm_head_fp32", {"FTSERVE_LM_HEAD_FP32": "1"}))
-    out.append(Variant("FUSED_KV_STORE=1", "fused_kv_store", {"FTSERVE_FUSED_KV_STORE": "1"}))
+    out.append(Variant("FUSED_KV_STORE=0", "fused_kv_store", {"FTSERVE_FUSED_KV_STORE": "0"}))
     out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
                        attn={"decode_fused_reduce": fused}))
     for factor in (0.5, 2.0):

@@ -11,10 +11,12 @@ prefix can hit) is served three ways and its time to first token compared:
 
     device     the prefix is in the device prefix cache
     host       the whole prefix cache was pushed to the host tier first
-               (offload finished before the clock starts): restore + 16k prefill
-    host_layered  the same with FTSERVE_KV_LAYERED_RESTORE=1: the restore streams
-               in layer by layer under the first chunk's compute (one untimed
-               warm-up run first: the eager forward compiles its own shapes)
+               (offload finished before the clock starts): restore + 16k prefill,
+               with FTSERVE_KV_LAYERED_RESTORE=0 (one batched copy, then the step)
+    host_layered  the same with FTSERVE_KV_LAYERED_RESTORE=1 (the default): the
+               restore streams in layer by layer under the first chunk's compute
+               (one untimed warm-up run first: the eager forward compiles its
+               own shapes)
     recompute  the prefix cache was emptied: 128k tokens prefilled
 
 Sections (each one recorded, or its error recorded, in the JSON; the run goes on):
@@ -142,8 +144,9 @@ def bench_ttft(drv: EngineDriver, engine: Engine, prefix: list[int], turn: int, 
         return {**r, "pages_offloaded": moved, "host_tokens_before": m.host_tokens,
                 "device_tokens_before": m.num_tokens}
 
-    for _ in range(reps):
-        runs["host"].append(from_host())
+    with env_applied({"FTSERVE_KV_LAYERED_RESTORE": "0"}):
+        for _ in range(reps):
+            runs["host"].append(from_host())
     with env_applied({"FTSERVE_KV_LAYERED_RESTORE": "1"}):
         from_host()  # warm-up: the eager first chunk compiles shapes the graphs never needed
         for _ in range(reps):

@@ -192,8 +192,8 @@ class ModelRunner:
         if self.kv_host is not None:
             # Offloads of evicted pages and loads of host-tier hits, ordered by
             # events after the previous steps (no host wait). The step waits for
-            # all of it, or (FTSERVE_KV_LAYERED_RESTORE) a restore streams in
-            # layer by layer under an eager forward, layer L waiting for its own
+            # all of it, or (FTSERVE_KV_LAYERED_RESTORE, the default) a restore
+            # streams in layer by layer under an eager forward, layer L waiting for its own
             # pages only.
             layered = (envs.kv_layered_restore() and not decode_graph
                        and self.kv_host.has_pending_loads)
