@@ -83,6 +83,14 @@ def kv_layered_restore() -> bool:
     return _flag("FTSERVE_KV_LAYERED_RESTORE", True)
 
 
+def pdl() -> bool:
+    """FTSERVE_PDL (default off): decode-path Triton kernels launch with
+    programmatic dependent launch on sm_90+ (ftserve_kernels/pdl.py): each one is
+    scheduled while the kernel before it finishes and waits in-kernel for its
+    results. Off until tools.bench_decode_variants has measured it."""
+    return _flag("FTSERVE_PDL", False)
+
+
 def fused_kv_store() -> bool:
     """FTSERVE_FUSED_KV_STORE (default on): for q/k-normed models (Qwen3) with a
     float KV cache, the q/k norm + rotary launch also stores K and V into their

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftserve_kernels import pdl
 from ftserve_kernels.attention_common import (
     LOG2E,
     AttnKernelConfig,
@@ -29,8 +30,9 @@ def _decode_split_kernel(
     scale_log2,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -132,7 +134,9 @@ def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, o_ptr,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -188,6 +192,7 @@ def decode_attention_triton(
     if fused:
         assert counters is not None and counters.numel() >= bsz * hkv
     ks, vs, stride_ss, fp8 = scale_args(k_cache, k_scale, v_scale)
+    on = pdl.active(q)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, out,
         counters if counters is not None else seq_lens,  # unread unless fused
@@ -201,7 +206,7 @@ def decode_attention_triton(
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n,
         NUM_SPLITS=num_splits, UPCAST=interpreting(), FUSED_REDUCE=fused,
         BLOCK_S=triton.next_power_of_2(num_splits), FP8=fp8,
-        num_warps=cfg.decode_warps, num_stages=cfg.decode_stages,
+        num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
     )
     if fused:
         return out
@@ -210,6 +215,6 @@ def decode_attention_triton(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), D=d, BLOCK_D=block_d,
-        num_warps=4,
+        num_warps=4, PDL=on, **pdl.launch(on),
     )
     return out

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ftserve_kernels import pdl
+
 # Rows one launch handles. Each program loops over them, one L2 round trip for x
 # and r per row, so the fusion pays only while a few rows' latency stays below
 # the two launches it saves.
@@ -40,6 +42,7 @@ def _add_norm_route_kernel(
     stride_x, stride_r, stride_n, stride_s, stride_g,
     HAS_RESIDUAL: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_EALL: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
@@ -49,6 +52,7 @@ def _add_norm_route_kernel(
     g = tl.load(g_ptr + rows_e.to(tl.int64)[:, None] * stride_g + offs[None, :],
                 mask=emask[:, None] & hmask[None, :], other=0.0)  # [BE, H], x's dtype
     nw = tl.load(nw_ptr + offs, mask=hmask, other=0.0).to(tl.float32)  # [H]
+    pdl.enter(PDL)  # the router and norm weights above are in flight; x and r are not yet written
     for t in range(T):
         x = tl.load(x_ptr + t * stride_x + offs, mask=hmask, other=0.0)
         if HAS_RESIDUAL:
@@ -124,6 +128,7 @@ def add_norm_route_triton(
     r = residual if residual is not None else x
     s = summed if summed is not None else normed
     block_h = triton.next_power_of_2(h)
+    on = pdl.active(x)
     _add_norm_route_kernel[(triton.cdiv(e, _ROUTE_BLOCK_E),)](
         x, r, norm_w, gate_w, normed, s, logits, weights, ids, counter,
         t, h, e, eps,
@@ -136,5 +141,6 @@ def add_norm_route_triton(
         # the last program pays k times. 32 one-warp programs still issue the whole
         # 0.5 MB router weight at once (16 KB each). Wider rows would spill: 4 warps.
         BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if block_h <= 2048 else 4,
+        PDL=on, **pdl.launch(on),
     )
     return normed, summed, weights, ids

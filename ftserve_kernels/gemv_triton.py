@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ftserve_kernels import gemv_configs as gc
+from ftserve_kernels import pdl
 
 GEMV_MAX_ROWS = 4  # rows per launch: every program holds all of them
 
@@ -77,7 +78,7 @@ def _gemv_kernel(
     stride_x, stride_r, stride_w, stride_y, stride_s,
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KALL: tl.constexpr,
-    EVEN_K: tl.constexpr, K_STEPS: tl.constexpr,
+    EVEN_K: tl.constexpr, K_STEPS: tl.constexpr, PDL: tl.constexpr,
 ):
     # Rows are unrolled (BLOCK_T in 1, 2, 4), each with its own [N, BK] fp32
     # accumulator summed over K once at the end: the K loop is loads and FMAs only.
@@ -87,6 +88,13 @@ def _gemv_kernel(
     nmask = cols < N
     offs_k = tl.arange(0, BLOCK_K)
     zero_n = tl.zeros([BLOCK_N, 1], tl.int32)  # broadcasts a K chunk down the rows
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + offs_k[None, :]  # [N, BK]
+    if PDL:
+        # The weights are no earlier kernel's output: the first K step's tile is
+        # in flight before the wait (pdl.py), while the kernel before finishes.
+        kk_first = offs_k[None, :] + zero_n
+        w_first = tl.load(w_ptrs, mask=nmask[:, None] & (kk_first < K), other=0.0)
+    pdl.enter(PDL)
     inv0 = _row_inv(x_ptr, r_ptr, sum_ptr, 0, T, K, eps, stride_x, stride_r, stride_s, pid, dt,
                     HAS_NORM, HAS_RESIDUAL, BLOCK_KALL)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -101,13 +109,14 @@ def _gemv_kernel(
                         HAS_NORM, HAS_RESIDUAL, BLOCK_KALL)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + offs_k[None, :]  # [N, BK]
     # Unrolled (K_STEPS = cdiv(K, BLOCK_K)): the steps' loads are independent and
     # the body has no barrier, so the compiler can issue them ahead.
     for step in tl.static_range(K_STEPS):
         kk = step * BLOCK_K + offs_k[None, :] + zero_n  # [N, BK]
         kmask = kk < K
-        if EVEN_K:
+        if PDL and step == 0:
+            w = w_first.to(tl.float32)
+        elif EVEN_K:
             w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0).to(tl.float32)
         else:
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask, other=0.0).to(tl.float32)
@@ -175,6 +184,7 @@ def gemv_triton(
     r = residual if residual is not None else x
     nw = norm_w if norm_w is not None else x
     s = summed if summed is not None else y
+    on = pdl.active(x)
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, r, nw, w, bias if bias is not None else w, y, s,
         t, n, k, eps,
@@ -182,6 +192,6 @@ def gemv_triton(
         HAS_NORM=norm_w is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_T=block_t, BLOCK_N=bn, BLOCK_K=bk,
         BLOCK_KALL=triton.next_power_of_2(k), EVEN_K=k % bk == 0, K_STEPS=triton.cdiv(k, bk),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, PDL=on, **pdl.launch(on),
     )
     return y, summed

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ftserve import envs
 from ftserve_kernels import gemv_configs as gc
+from ftserve_kernels import pdl
 
 GEMV_MAX_TOKENS = 2  # fused_moe_triton's default switch point (tokens, not pairs)
 
@@ -40,7 +41,9 @@ def _gemv_gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_ot,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)  # the ids / activations come from the kernel before
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair)
     if HAS_MAP:  # expert -> row of w (an expert-slot cache)
@@ -81,7 +84,9 @@ def _gemv_gate_up_acc_kernel(
     stride_xt, stride_we, stride_wn, stride_ot,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr, K_STEPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)  # the ids / activations come from the kernel before
     # As _gemv_gate_up_kernel, but BLOCK_K = 256 (one warp's width of bf16, so warps
     # split the rows) with [N, BK] fp32 accumulators summed once after an unrolled
     # K loop: the loop is loads and FMAs only (no cross-warp sum, no barrier per
@@ -129,7 +134,9 @@ def _gemv_down_combine_kernel(
     stride_at, stride_we, stride_wn, stride_ot,
     TOP_K: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)  # the ids / activations come from the kernel before
     # Rows r = j * BLOCK_N + n: column n of choice j. All k choices' weight rows load
     # as one [KP * N, K] tile per step, so each step has k times the bytes in flight
     # (these loads are not cp.async-pipelined: only concurrency hides latency).
@@ -172,7 +179,9 @@ def _gemv_down_combine3d_kernel(
     stride_at, stride_we, stride_wn, stride_ot,
     TOP_K: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr, K_STEPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)  # the ids / activations come from the kernel before
     # As _gemv_down_combine_kernel, with the k choices as a third tile axis: the
     # weight tile is [KP, N, K] and each choice's act row loads once as [KP, K]
     # (the 2-D kernel loaded it N times into registers, a second full-size tile
@@ -282,9 +291,10 @@ def moe_gate_up_gemv(
     # SM at batch 1 (8 pairs x 48 blocks); wide K steps keep 32 KB per program in flight.
     kernel = _gemv_gate_up_acc_kernel if acc else _gemv_gate_up_kernel
     extra = dict(K_STEPS=triton.cdiv(h, cfg.block_k)) if acc else {}
+    on = pdl.active(x)
     kernel[grid](*args, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  EVEN_K=h % cfg.block_k == 0, HAS_MAP=expert_map is not None,
-                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **extra, **pdl.launch(on))
 
 
 def moe_down_gemv(
@@ -306,7 +316,8 @@ def moe_down_gemv(
             act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))
     consts = dict(TOP_K=top_k, BLOCK_KP=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, HAS_MAP=expert_map is not None,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=pdl.active(act))
+    consts.update(pdl.launch(consts["PDL"]))
     grid = (t, triton.cdiv(h, cfg.block_n))
     if down3d:
         _gemv_down_combine3d_kernel[grid](*args, K_STEPS=triton.cdiv(inter, cfg.block_k), **consts)

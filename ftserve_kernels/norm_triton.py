@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ftserve_kernels import pdl
+
 _TILE_ELEMS = 8192  # elements per program: 16 KB of bf16 per tensor, 32 per thread at 8 warps
 
 
@@ -26,7 +28,9 @@ def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, T, H, eps,
     stride_x, stride_r, stride_o, stride_s,
     HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [R]
     offs = tl.arange(0, BLOCK_H)
     mask = (rows[:, None] < T) & (offs[None, :] < H)  # [R, H]
@@ -67,10 +71,12 @@ def _launch(
     s2 = summed if summed is not None else out
     if t:
         block_h, block_r, warps = norm_launch_params(h)
+        on = pdl.active(x2)
         _rms_norm_kernel[(triton.cdiv(t, block_r),)](
             x2, r2, w, out, s2, t, h, eps,
             x2.stride(0), r2.stride(0), out.stride(0), s2.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=warps,
+            PDL=on, **pdl.launch(on),
         )
     shape = x.shape
     return out.view(shape), (summed.view(shape) if summed is not None else None)

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ftserve_kernels import pdl
+
 
 @triton.jit
 def _rotate_heads(
@@ -154,9 +156,10 @@ def _qk_norm_rotary_kernel(
     kc_ptr, vc_ptr, v_ptr, loc_ptr, stride_cslot, stride_chead, stride_vt, stride_vh,
     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-    BLOCK_D: tl.constexpr, STORE: tl.constexpr,
+    BLOCK_D: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr,
 ):
     # Programs [0, cdiv(T*HQ, R)) take q rows, the rest k rows: one launch for both.
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     q_programs = tl.cdiv(T * HQ, BLOCK_R)
     if pid < q_programs:
@@ -202,6 +205,7 @@ def qk_norm_rotary_triton(
         block_half = triton.next_power_of_2(half)
         block_r = max(16, 4096 // block_half)  # [R, half] tiles of 4k elements, two of them
         grid = (triton.cdiv(t * hq, block_r) + triton.cdiv(t * hk, block_r),)
+        on = pdl.active(q)
         _qk_norm_rotary_kernel[grid](
             q, k, qo, ko, q_w, k_w, positions, cos_sin, t, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),
@@ -210,5 +214,6 @@ def qk_norm_rotary_triton(
             HQ=hq, HK=hk, D=d, HALF=half, BLOCK_R=block_r, BLOCK_HALF=block_half,
             BLOCK_TAIL=triton.next_power_of_2(max(1, d - 2 * half)),
             BLOCK_D=triton.next_power_of_2(d), STORE=kv_store is not None, num_warps=8,
+            PDL=on, **pdl.launch(on),
         )
     return qo, ko

@@ -30,7 +30,7 @@ from tools.bench_decode_variants import (
 def _switches() -> dict[str, object]:
     return {"dense_gemv": envs.dense_gemv(), "moe_gateup_acc": envs.moe_gateup_acc(),
             "lm_head_fp32": envs.lm_head_fp32(), "decode_fusion": envs.decode_fusion(),
-            "moe_down3d": envs.moe_down3d(), "fused_kv_store": envs.fused_kv_store()}
+            "moe_down3d": envs.moe_down3d(), "fused_kv_store": envs.fused_kv_store(), "pdl": envs.pdl()}
 
 
 def test_default_env_is_what_envs_reads_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -63,7 +63,7 @@ def test_each_variant_turns_exactly_its_switch(monkeypatch: pytest.MonkeyPatch) 
     names = [v.name for v in variants]
     assert names[0] == "baseline" and len(set(names)) == len(names)
     assert {"DENSE_GEMV=0", "DENSE_GEMV=1", "DENSE_GEMV=norm", "MOE_GATEUP_ACC=1", "LM_HEAD_FP32=1",
-            "FUSED_KV_STORE=0",
+            "FUSED_KV_STORE=0", "PDL=1", "PDL=1 DENSE_GEMV=1", "PDL=1 DENSE_GEMV=norm",
             "attn fused_reduce=1", "attn programs_per_sm=2", "attn programs_per_sm=8",
             "attn max_splits=32", "attn max_splits=64"} <= set(names)
     with env_applied(DEFAULT_ENV):
@@ -73,7 +73,7 @@ def test_each_variant_turns_exactly_its_switch(monkeypatch: pytest.MonkeyPatch) 
         assert bool(v.env) != bool(v.attn) or v.name == "baseline"
         with env_applied({**DEFAULT_ENV, **v.env}):
             changed = {k for k, x in _switches().items() if x != base[k]}
-        assert changed == ({v.group} if v.env else set()), v.name
+        assert changed == (set(v.group.split("+")) if v.env else set()), v.name
         for field_name in v.attn:
             assert hasattr(AttnKernelConfig(), field_name)
 

@@ -182,6 +182,34 @@ def test_cuda_graph_decode_equals_eager(engine: Engine, model_dir: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dense", ["linear", "1"])
+def test_pdl_graph_decode_equals_default(engine: Engine, model_dir: str, dense: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """FTSERVE_PDL=1 (ftserve_kernels/pdl.py): graphs captured with programmatic
+    dependent launches decode the same greedy tokens as the default engine
+    (dense "1": every GEMV a Triton kernel, the longest PDL chains)."""
+    monkeypatch.setenv("FTSERVE_DENSE_GEMV", dense)
+    rng = random.Random(11)
+    prompts = {bs: [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 60))] for _ in range(bs)]
+               for bs in (1, 3, 8)}
+    monkeypatch.setenv("FTSERVE_PDL", "0")
+    plain = make_engine(model_dir)
+    try:
+        plain.runner.model.load_state_dict(engine.runner.model.state_dict())
+        want = {bs: run_greedy(plain, p, 16) for bs, p in prompts.items()}
+    finally:
+        plain.shutdown()
+    monkeypatch.setenv("FTSERVE_PDL", "1")
+    linked = make_engine(model_dir)  # graphs captured with the PDL launches
+    try:
+        linked.runner.model.load_state_dict(engine.runner.model.state_dict())
+        for bs, p in prompts.items():
+            assert run_greedy(linked, p, 16) == want[bs], f"batch {bs}"
+    finally:
+        linked.shutdown()
+
+
+@pytest.mark.gpu
 def test_cuda_bf16_logits_track_cpu_fp32(engine: Engine) -> None:
     with torch.inference_mode():
         _compare_logits(engine)

@@ -179,6 +179,17 @@ def test_uva_fill_rows_in_a_graph() -> None:
     fill_rows_ref(bank, ref, src, dst)
     torch.cuda.synchronize()
     assert torch.equal(slots[:-1], ref[:-1])
+    # The capped grid of the decode prefetch (a few programs walk every chunk).
+    wide = torch.randn(32, 3 * 8192 + 40, generator=g).to(torch.bfloat16).pin_memory()
+    a = torch.zeros(9, wide.shape[1], dtype=torch.bfloat16, device="cuda")
+    b = a.clone()
+    for cap in (1, 3, 16):
+        a.zero_()
+        b.zero_()
+        fill_rows(wide, a, src, dst, max_programs=cap)
+        fill_rows_ref(wide, b, src, dst)
+        torch.cuda.synchronize()
+        assert torch.equal(a[:-1], b[:-1]), cap
 
 
 @pytest.mark.gpu

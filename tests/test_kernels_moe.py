@@ -502,9 +502,17 @@ def test_decode_gemv_kernels_compile_for_sm90() -> None:
     assert not {k: v["error"] for k, v in res.items() if "error" in v}
     for name, r in res.items():
         assert r["local"] in (0, -1), f"{name} spills registers: {r}"
-    for name in ("moe_gate_up_acc_n8", "moe_down3d", "gemv_o_T1"):
+    for name in ("moe_gate_up_acc_n8", "moe_down3d", "gemv_o_T1", "gemv_o_T1_pdl"):
         n = res[name]["loads_before_first_use"]
         assert n == -1 or n >= 8, f"{name}: only {n} loads issued before the first FMA"
+    for name, r in res.items():  # FTSERVE_PDL: the wait and release exactly where compiled in
+        assert r["pdl_wait"] == r["pdl_release"] == name.endswith("_pdl"), (name, r)
+    # Weights in flight before the wait where they are no earlier kernel's output.
+    assert res["gemv_o_T1_pdl"]["loads_before_wait"] >= 1, res["gemv_o_T1_pdl"]
+    assert res["gemv_qkv_norm_T2_pdl"]["loads_before_wait"] >= 1, res["gemv_qkv_norm_T2_pdl"]
+    assert res["add_norm_route_pdl"]["loads_before_wait"] >= 2, res["add_norm_route_pdl"]
+    for name in ("moe_gate_up_pdl", "moe_down3d_pdl"):
+        assert res[name]["loads_before_wait"] == 0, (name, res[name])
 
 
 def test_moe_block_norm_route_hooks_see_the_router(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,7 +42,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     def comp(name: str, fn: Any, types: dict[str, str], consts: dict[str, Any],
              warps: int = 4, stages: int = 3) -> None:
         # Optional features default off; a name the kernel lacks is dropped.
-        consts = {k: v for k, v in ({"HAS_MAP": False, "FP8": False} | consts).items()
+        consts = {k: v for k, v in ({"HAS_MAP": False, "FP8": False, "PDL": False} | consts).items()
                   if k in fn.arg_names}
         types = {"map_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32"} | types
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -67,8 +67,12 @@ def _compile_all() -> dict[str, dict[str, Any]]:
             for word in out.split():
                 if word.startswith("LOCAL:"):
                     local = int(word.split(":")[1])
+        body = ptx[ptx.index(".entry"):]
+        wait = body.find("griddepcontrol.wait")
         results[name] = {"shared": k.metadata.shared, "wgmma": "wgmma" in ptx,
-                         "cp_async": "cp.async" in ptx, "local": local}
+                         "cp_async": "cp.async" in ptx, "local": local,
+                         "pdl_wait": wait >= 0, "pdl_release": "griddepcontrol.launch_dependents" in body,
+                         "loads_before_wait": body[:wait].count("ld.global") if wait >= 0 else -1}
 
     bf, i32 = "*bf16", "*i32"
     comp("store_kv", at._store_kv_kernel,
@@ -146,7 +150,17 @@ def _compile_all() -> dict[str, dict[str, Any]]:
               "pos_ptr": "*i64", "cs_ptr": "*fp32", "eps": "fp32", "kc_ptr": bf, "vc_ptr": bf,
               "v_ptr": bf, "loc_ptr": "*i64"},
              dict(HQ=32, HK=4, D=128, HALF=64, BLOCK_R=64, BLOCK_HALF=64, BLOCK_TAIL=1,
-                  BLOCK_D=128, STORE=store), 8)
+                  BLOCK_D=128, STORE=store, PDL=store), 8)  # the store variant with FTSERVE_PDL
+    # FTSERVE_PDL (ftserve_kernels/pdl.py): the decode kernels' grid-dependency wait.
+    comp("decode_split_pdl", at._decode_split_kernel, attn,
+         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=cfg.decode_block_n,
+              NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False, BLOCK_S=64, PDL=True),
+         cfg.decode_warps, cfg.decode_stages)
+    comp("decode_reduce_pdl", at._decode_reduce_kernel, attn,
+         dict(NUM_SPLITS=64, BLOCK_S=64, D=128, BLOCK_D=128, PDL=True), 4, 1)
+    comp("rms_norm_pdl", nt._rms_norm_kernel,
+         {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "eps": "fp32"},
+         dict(HAS_RESIDUAL=True, BLOCK_R=4, BLOCK_H=2048, PDL=True), 8)
     comp("rotary", rt._rotary_kernel,
          {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "pos_ptr": "*i64", "cs_ptr": "*fp32"},
          dict(HQ=32, HK=4, D=128, HALF=64, BLOCK_HQ=32, BLOCK_HK=4, BLOCK_HALF=64, BLOCK_D=1))
@@ -198,6 +212,12 @@ def test_kernels_compile_for_sm90() -> None:
         assert r["local"] in (0, -1), f"{name} spills registers to local memory: {r}"
     for name in ("extend", "extend_gqa_bm128", "moe_gate_up_T8192", "moe_down_T8192"):
         assert results[name]["wgmma"], f"{name} does not use Hopper wgmma: {results[name]}"
+    for name, r in results.items():  # the wait and release exactly where PDL is compiled in
+        pdl = name.endswith("_pdl") or name == "qk_norm_rotary_store"
+        assert r["pdl_wait"] == r["pdl_release"] == pdl, (name, r)
+    for name in ("decode_split_pdl", "decode_reduce_pdl", "rms_norm_pdl", "qk_norm_rotary_store"):
+        # Their every load reads an earlier kernel's output: none may move above the wait.
+        assert results[name]["loads_before_wait"] == 0, (name, results[name])
     for name in ("extend", "decode_split", "moe_gate_up_T1", "moe_gate_up_T8192"):
         assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"
 

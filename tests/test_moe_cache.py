@@ -330,6 +330,12 @@ def test_fill_rows_and_plan_match_twins(triton_mods: Any) -> None:
     mk.fill_rows_ref(bank, b, src, dst)
     assert torch.equal(a[:-1], b[:-1])
     assert torch.equal(a[5], bank[7]) and torch.equal(a[2], torch.zeros(40))
+    for cap in (1, 4):  # a capped grid walks every pair and chunk (rows of 3 chunks)
+        wide = torch.randn(12, 3 * 8192 + 5, generator=g)
+        c, d = torch.zeros(7, wide.shape[1]), torch.zeros(7, wide.shape[1])
+        mk.fill_rows(wide, c, src, dst, max_programs=cap)
+        mk.fill_rows_ref(wide, d, src, dst)
+        assert torch.equal(c[:-1], d[:-1]), cap
     slot_of_id = torch.full((13,), -1, dtype=torch.int32)
     slot_of_id[[4, 6]] = torch.tensor([1, 0], dtype=torch.int32)
     dma = torch.tensor([1, 0, 0, 1], dtype=torch.int32)  # host copies experts 0 and 3 of the layer
@@ -409,9 +415,12 @@ def test_bench_smoke_cpu(tmp_path: Path) -> None:
         else:
             assert r["experts_streamed"] == r["experts_uncached"] == 0, r
     dec = res["summary"]["decode"]
-    # 12 slots, prefetch off by default; the ablation runs again, prefetch on,
-    # the batch sizes where it applies (batch 1 with top-4, twice, fits; 3 does not).
-    for mode, want in (("offload", [(1, False), (3, False)]), ("offload, prefetch on", [(1, True)])):
+    # 12 slots, prefetch off by default; the ablation runs again, prefetch on with
+    # each fill grid cap, the batch sizes where it applies (batch 1 with top-4,
+    # twice, fits; 3 does not).
+    want_rows = [("offload", [(1, False), (3, False)])]
+    want_rows += [(f"offload, prefetch on, fill {n}", [(1, True)]) for n in (16, 32, 0)]
+    for mode, want in want_rows:
         rows = [r for r in dec if r["mode"] == mode]
         assert [(r["batch"], r["prefetch"]) for r in rows] == want, dec
         assert all(0.0 <= r["hit_rate"] <= 1.0 and r["copies_per_step"] > 0 for r in rows), rows

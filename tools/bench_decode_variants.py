@@ -65,6 +65,7 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_DECODE_FUSION": "1",
     "FTSERVE_MOE_DOWN3D": "1",
     "FTSERVE_FUSED_KV_STORE": "1",
+    "FTSERVE_PDL": "0",
 }
 TOP_KERNELS = 12
 
@@ -92,6 +93,11 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     out.append(Variant("MOE_GATEUP_ACC=1", "moe_gateup_acc", {"FTSERVE_MOE_GATEUP_ACC": "1"}))
     out.append(Variant("LM_HEAD_FP32=1", "lm_head_fp32", {"FTSERVE_LM_HEAD_FP32": "1"}))
     out.append(Variant("FUSED_KV_STORE=0", "fused_kv_store", {"FTSERVE_FUSED_KV_STORE": "0"}))
+    out.append(Variant("PDL=1", "pdl", {"FTSERVE_PDL": "1"}))
+    # PDL links only Triton kernels: with the cuBLAS GEMVs replaced too. A group
+    # joined by "+" turns several switches and never enters the combination.
+    out += [Variant(f"PDL=1 DENSE_GEMV={v}", "pdl+dense_gemv", {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": v})
+            for v in ("1", "norm")]
     out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
                        attn={"decode_fused_reduce": fused}))
     for factor in (0.5, 2.0):
@@ -131,7 +137,8 @@ def combine_best(rows: Sequence[Mapping[str, Any]], variants: Sequence[Variant],
     for r in rows:
         v = by_name.get(r["name"])
         ms = score_ms(r)
-        if v is None or not v.group or r.get("error") or r.get("tokens_ok") is not True or ms is None:
+        if (v is None or not v.group or "+" in v.group or r.get("error") or r.get("tokens_ok") is not True
+                or ms is None):
             continue
         if ms < base_ms * (1.0 - min_gain) and (v.group not in best or ms < best[v.group][0]):
             best[v.group] = (ms, v)

@@ -253,21 +253,29 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: str, device: torch.
 
     rows = section(f"{mode}_decode", decode)
     cache = cache_of(engine)
-    if rows and cache is not None and not cache.prefetch:
+    if rows and cache is not None:
+        default = (cache.prefetch, cache.prefetch_fill_programs)
         cache.prefetch = True  # which batch sizes would prefetch
         wanted = [r for r in rows if cache.prefetches(r["batch"], True)]
-        cache.prefetch = False
+        variants = [(True, n or None) for n in args.prefetch_programs]
+        variants = [v for v in variants if v != default]
 
         def ablation() -> list[dict[str, Any]]:
-            # Same engine, prefetch on (graphs captured again): what prefetch buys.
-            cache.prefetch = True
-            if engine.runner.graphs is not None:
-                engine.runner.graphs.capture()
-            return [{**bench_decode(drv, engine, device, r["batch"], args.decode_prompt, args.decode_warmup,
-                                    args.decode_steps), "ablation": True} for r in wanted]
+            # Same engine, prefetch on (graphs captured again): what prefetch buys,
+            # with its side-stream fill on each grid cap (0 = one program per chunk).
+            out = []
+            for on, cap in variants:
+                cache.prefetch, cache.prefetch_fill_programs = on, cap
+                if engine.runner.graphs is not None:
+                    engine.runner.graphs.capture()
+                out += [{**bench_decode(drv, engine, device, r["batch"], args.decode_prompt,
+                                        args.decode_warmup, args.decode_steps),
+                         "ablation": True, "fill_programs": cap or 0} for r in wanted]
+            return out
 
-        if wanted:
+        if wanted and variants:
             section(f"{mode}_decode_prefetch_on", ablation)
+        cache.prefetch, cache.prefetch_fill_programs = default
     engine.shutdown()
 
 
@@ -299,7 +307,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             out["prefill"].append(row)
         res_dec = {r["batch"]: r for r in results.get("resident_decode") or []}
         for r in (results.get(f"{mode}_decode") or []) + (results.get(f"{mode}_decode_prefetch_on") or []):
-            name = f"{mode}, prefetch on" if r.get("ablation") else mode
+            name = f"{mode}, prefetch on, fill {r['fill_programs']}" if r.get("ablation") else mode
             row = {"mode": name, "batch": r["batch"], "tokens_per_s": r["tokens_per_s"],
                    "prefetch": r.get("prefetch"),
                    "hit_rate": r.get("hit_rate"), "copies_per_step": _copies(r),
@@ -345,6 +353,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU (< 60 s)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--cache-frac", type=float, default=0.25)
+    p.add_argument("--prefetch-programs", type=lambda v: [int(x) for x in v.split(",")], default=[16, 32, 0],
+                   help="decode ablation: prefetch on with these fill grid caps (0 = uncapped)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--budget-s", type=float, default=None, help="skip sections past this (default 200)")
     args = p.parse_args(argv)

@@ -32,7 +32,7 @@ _DIV16 = ("H", "K", "N", "E", "INTER")
 
 
 def _compile(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int) -> dict[str, Any]:
-    consts = {k: v for k, v in ({"HAS_MAP": False} | consts).items() if k in fn.arg_names}
+    consts = {k: v for k, v in ({"HAS_MAP": False, "PDL": False} | consts).items() if k in fn.arg_names}
     types = {"map_ptr": "*i32"} | types
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -42,8 +42,13 @@ def _compile(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int)
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
     except Exception as exc:  # reported; the test asserts on it
         return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    body = k.asm["ptx"][k.asm["ptx"].index(".entry"):]
+    wait = body.find("griddepcontrol.wait")
     res: dict[str, Any] = {"shared": k.metadata.shared, "regs": -1, "local": -1,
-                           "loads_before_first_use": -1}
+                           "loads_before_first_use": -1, "pdl_wait": wait >= 0,
+                           "pdl_release": "griddepcontrol.launch_dependents" in body,
+                           # PTX loads ahead of the wait: weights in flight early (pdl.py)
+                           "loads_before_wait": body[:wait].count("ld.global") if wait >= 0 else -1}
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
         return res
@@ -99,6 +104,25 @@ def compile_all() -> dict[str, dict[str, Any]]:
             gv._gemv_kernel, g,
             dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, BLOCK_T=t, BLOCK_N=8,
                  BLOCK_K=256, BLOCK_KALL=4096, EVEN_K=True, K_STEPS=16), 8)
+    # FTSERVE_PDL launches: the gemv and the router load weights before the wait,
+    # the MoE GEMVs read the router's ids first, so nothing of theirs comes before it.
+    out["gemv_o_T1_pdl"] = _compile(
+        gv._gemv_kernel, g,
+        dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, BLOCK_T=1, BLOCK_N=8,
+             BLOCK_K=256, BLOCK_KALL=4096, EVEN_K=True, K_STEPS=16, PDL=True), 8)
+    out["gemv_qkv_norm_T2_pdl"] = _compile(
+        gv._gemv_kernel, g,
+        dict(HAS_NORM=True, HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_T=2,
+             BLOCK_N=16, BLOCK_K=256, BLOCK_KALL=2048, EVEN_K=True, K_STEPS=8, PDL=True), 8)
+    out["add_norm_route_pdl"] = _compile(
+        df._add_norm_route_kernel, route,
+        dict(HAS_RESIDUAL=True, TOP_K=8, RENORM=True, BLOCK_E=4, BLOCK_H=2048, BLOCK_EALL=128,
+             BLOCK_K=8, PDL=True), 1)
+    out["moe_gate_up_pdl"] = _compile(mg._gemv_gate_up_kernel, moe,
+                                      dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True, PDL=True), 8)
+    out["moe_down3d_pdl"] = _compile(mg._gemv_down_combine3d_kernel, moe,
+                                     dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True,
+                                          K_STEPS=3, PDL=True), 8)
     return out
 
 

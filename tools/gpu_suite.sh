@@ -8,6 +8,7 @@
 #
 #   tools/gpu_suite.sh [OUT] [full|quick|tune]
 #
+# GPU_SUITE_SKIP="bench_kv_tiers ..." skips steps by name.
 # full: tests + every benchmark; quick: tests + bench_engine + bench_kv_tiers;
 # tune: tests + tools.tune_gemv (+ tools.tune_moe with TUNE_MOE=1), then the
 # benchmarks with the fresh tables (FTSERVE_GEMV_CONFIG_FILE /
@@ -34,6 +35,10 @@ total=${GPU_SUITE_SECONDS:-580}  # the whole suite stops by then (a device call 
 step() {  # step NAME SECONDS CMD... (cut to the time left; skipped under 20 s)
     local name=$1 secs=$2
     shift 2
+    case " ${GPU_SUITE_SKIP:-} " in *" $name "*)
+        echo "== $name skipped: GPU_SUITE_SKIP" | tee -a "$log"
+        return;;
+    esac
     local left=$(( total - ($(date +%s) - t0) ))
     if [ "$left" -lt 20 ]; then
         echo "== $name skipped: ${left}s left" | tee -a "$log"

@@ -63,6 +63,7 @@ LOOKUPS, MISSES, STREAMED, UNCACHED, PREFETCHED = range(5)  # counters (plan_lay
 
 
 class ExpertCache:
+    PREFETCH_FILL_PROGRAMS = 16
     def __init__(self, model: nn.Module, bank: HostBank, num_slots: int, top_k: int,
                  device: torch.device, track_stats: bool = True, prefetch: bool = False) -> None:
         # prefetch defaults off: on the H200 (2026-11-30, qwen3-30b-a3b x 8, 25% cache)
@@ -88,6 +89,10 @@ class ExpertCache:
         self.counters = torch.zeros(5, dtype=torch.int64, device=device)
         self.track_stats = track_stats
         self.prefetch = prefetch
+        # The prefetch fill runs on a side stream beside the layer's compute: a
+        # capped grid leaves it most SMs (uncapped, ~290 programs per expert row
+        # queue ahead of the compute kernels and serialize the two streams).
+        self.prefetch_fill_programs: int | None = self.PREFETCH_FILL_PROGRAMS
         # A wrong guess costs a whole copy, and only compute can hide behind the
         # right ones: worth it while a layer's copies are comparable to its compute
         # (few tokens); a large batch is copy-bound, where guesses only add bytes.
@@ -263,7 +268,8 @@ class ExpertCache:
         main = torch.cuda.current_stream()
         self.pf_stream.wait_stream(main)  # after this admission (and everything before it)
         with torch.cuda.stream(self.pf_stream):
-            fill_rows(self.bank.data, self.slots, miss_id, miss_slot, bank_checked=True)
+            fill_rows(self.bank.data, self.slots, miss_id, miss_slot, bank_checked=True,
+                      max_programs=self.prefetch_fill_programs)
             ev = torch.cuda.Event()
             ev.record(self.pf_stream)
         # miss_* were allocated on the main stream: keep them alive until main waits

@@ -54,8 +54,11 @@ def fill_rows_ref(bank: torch.Tensor, slots: torch.Tensor, src_ids: torch.Tensor
 
 
 @triton.jit
-def _fill_rows_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS,
+def _fill_rows_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS,
                       HOST_SRC: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr):
+    # Work item w = pair * CHUNKS + chunk, for w = this program, + the programs,
+    # ... < WORK: one item per program when the grid covers the work, a strided
+    # loop when it was capped (a copy that runs beside compute kernels).
     # Cast before any runtime branch so the name keeps one type (see bookkeeping).
     if HOST_SRC:
         # Host rows are 16-byte aligned (pinned, row bytes % 16 == 0 checked by
@@ -63,15 +66,16 @@ def _fill_rows_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS,
         src_base = tl.multiple_of(bank.to(tl.pointer_type(WORD)), 16)
     else:
         src_base = bank
-    i = tl.program_id(0)
-    c = tl.program_id(1)
-    src = tl.load(src_ptr + i).to(tl.int64)
-    dst = tl.load(dst_ptr + i).to(tl.int64)
-    if (src >= 0) & (dst >= 0):
-        offs = c * BLOCK + tl.arange(0, BLOCK)
-        m = offs < ROW_WORDS
-        v = tl.load(src_base + src * ROW_WORDS + offs, mask=m)
-        tl.store(slots_ptr + dst * ROW_WORDS + offs, v, mask=m)
+    for w in range(tl.program_id(0), WORK, tl.num_programs(0)):
+        i = w // CHUNKS
+        c = w % CHUNKS
+        src = tl.load(src_ptr + i).to(tl.int64)
+        dst = tl.load(dst_ptr + i).to(tl.int64)
+        if (src >= 0) & (dst >= 0):
+            offs = c * BLOCK + tl.arange(0, BLOCK)
+            m = offs < ROW_WORDS
+            v = tl.load(src_base + src * ROW_WORDS + offs, mask=m)
+            tl.store(slots_ptr + dst * ROW_WORDS + offs, v, mask=m)
 
 
 def check_bank(bank: torch.Tensor) -> None:
@@ -82,9 +86,16 @@ def check_bank(bank: torch.Tensor) -> None:
 
 
 def fill_rows(bank: torch.Tensor, slots: torch.Tensor, src_ids: torch.Tensor,
-              dst_slots: torch.Tensor, *, bank_checked: bool = False) -> None:
+              dst_slots: torch.Tensor, *, bank_checked: bool = False,
+              max_programs: int | None = None) -> None:
     """One launch over the M pairs (src_ids / dst_slots [M] int32 on the slots' device).
-    bank [rows, R] (pinned host memory on CUDA, see check_bank) -> slots [S, R], same dtype."""
+    bank [rows, R] (pinned host memory on CUDA, see check_bank) -> slots [S, R], same dtype.
+
+    Uncapped, one program per (pair, 32 KiB chunk): a 9 MiB expert row is ~290
+    programs, so a few misses hold every SM until the copy is done, which is
+    what a copy on the critical path wants. ``max_programs`` caps the grid (each
+    program walks every max_programs-th chunk): a copy on a side stream that
+    must leave the SMs to the compute it overlaps (decode prefetch)."""
     assert bank.dtype == slots.dtype and bank.shape[1] == slots.shape[1]
     m = src_ids.numel()
     if m == 0:
@@ -96,8 +107,11 @@ def fill_rows(bank: torch.Tensor, slots: torch.Tensor, src_ids: torch.Tensor,
         check_bank(bank)
     src_arg: torch.Tensor | int = bank.data_ptr() if host else bank.view(_WORD[wb])
     block = min(8192, triton.next_power_of_2(row_words))
-    _fill_rows_kernel[(m, triton.cdiv(row_words, block))](
-        src_arg, slots.view(_WORD[wb]), src_ids, dst_slots, row_words,
+    chunks = triton.cdiv(row_words, block)
+    work = m * chunks
+    programs = work if max_programs is None else max(1, min(work, max_programs))
+    _fill_rows_kernel[(programs,)](
+        src_arg, slots.view(_WORD[wb]), src_ids, dst_slots, row_words, work, chunks,
         HOST_SRC=host, WORD=_TL_WORD[wb], BLOCK=block, num_warps=8,
     )
 

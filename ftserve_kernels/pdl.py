@@ -1,0 +1,75 @@
+"""Programmatic dependent launch (PDL) for the decode-path kernels, sm_90+.
+
+A decode step at batch 1 is ~100 small launches, and between two of them the
+GPU idles for the second one's launch and block scheduling. Launched with the
+PDL attribute (``launch_pdl=True``), kernel B is scheduled while kernel A is
+still running, as soon as every program of A has passed its
+``griddepcontrol.launch_dependents``; B's programs then run whatever does not
+depend on A (loading their weights) and wait in ``griddepcontrol.wait`` until A
+has completed and its writes are visible::
+
+    A:  [wait | work ................ ]
+    B:          (scheduled) [own loads | wait ....| work ......... ]
+
+Every kernel compiled with ``PDL=True`` calls ``enter`` before its first read
+of anything an earlier kernel wrote, and before any write; a kernel launched
+without the attribute (cuBLAS, torch ops) waits for full completion as always,
+so the ordering of the stream is kept. ``enter`` also releases the next kernel
+right after the wait: its programs can only take SM room this kernel's last
+wave leaves (all of this kernel's programs are placed by then). Stream capture
+records the programmatic edges, so the decode CUDA graphs keep them.
+
+Off unless FTSERVE_PDL=1 (ftserve/envs.py), and only on CUDA devices of
+compute capability 9.0 or newer; never under the Triton interpreter (inline PTX).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ftserve import envs
+from ftserve_kernels.attention_common import interpreting
+
+try:  # Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAVE_GDC = True
+except ImportError:  # pragma: no cover - older Triton: PDL stays off
+    HAVE_GDC = False
+
+    @triton.jit
+    def gdc_wait():  # type: ignore[no-redef]
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():  # type: ignore[no-redef]
+        pass
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """Wait for the kernel before this one, then let the next one be scheduled."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=16)
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def active(t: torch.Tensor) -> bool:
+    """Whether launches producing/consuming ``t`` use PDL (the PDL constexpr)."""
+    return (HAVE_GDC and t.is_cuda and envs.pdl() and not interpreting()
+            and _capable(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+
+
+def launch(on: bool) -> dict[str, Any]:
+    """The launch keyword for a kernel whose PDL constexpr is ``on``."""
+    return {"launch_pdl": True} if on else {}
