@@ -19,8 +19,9 @@ right after the wait: its programs can only take SM room this kernel's last
 wave leaves (all of this kernel's programs are placed by then). Stream capture
 records the programmatic edges, so the decode CUDA graphs keep them.
 
-Off unless FTSERVE_PDL=1 (ftserve/envs.py), and only on CUDA devices of
-compute capability 9.0 or newer; never under the Triton interpreter (inline PTX).
+Off unless FTSERVE_PDL=1 or =wait (ftserve/envs.py; wait: no early release),
+and only on CUDA devices of compute capability 9.0 or newer; never under the
+Triton interpreter (inline PTX). Measured slower on the H200 so far (envs.py).
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off
 
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """Wait for the kernel before this one, then let the next one be scheduled."""
+    """Wait for the kernel before this one; in mode 1, then let the next one be
+    scheduled (mode 2: it is released as this kernel's programs exit)."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if PDL == 1:
+            gdc_launch_dependents()
 
 
 @functools.lru_cache(maxsize=16)
@@ -64,12 +67,14 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def active(t: torch.Tensor) -> bool:
-    """Whether launches producing/consuming ``t`` use PDL (the PDL constexpr)."""
-    return (HAVE_GDC and t.is_cuda and envs.pdl() and not interpreting()
-            and _capable(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+def active(t: torch.Tensor) -> int:
+    """The PDL constexpr for launches on ``t``'s device: 0 (off) or envs.pdl()'s mode."""
+    mode = envs.pdl()
+    if not (mode and HAVE_GDC and t.is_cuda and not interpreting()):
+        return 0
+    return mode if _capable(t.device.index if t.device.index is not None else torch.cuda.current_device()) else 0
 
 
-def launch(on: bool) -> dict[str, Any]:
+def launch(on: int) -> dict[str, Any]:
     """The launch keyword for a kernel whose PDL constexpr is ``on``."""
     return {"launch_pdl": True} if on else {}

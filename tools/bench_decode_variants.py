@@ -93,7 +93,7 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     out.append(Variant("MOE_GATEUP_ACC=1", "moe_gateup_acc", {"FTSERVE_MOE_GATEUP_ACC": "1"}))
     out.append(Variant("LM_HEAD_FP32=1", "lm_head_fp32", {"FTSERVE_LM_HEAD_FP32": "1"}))
     out.append(Variant("FUSED_KV_STORE=0", "fused_kv_store", {"FTSERVE_FUSED_KV_STORE": "0"}))
-    out.append(Variant("PDL=1", "pdl", {"FTSERVE_PDL": "1"}))
+    out += [Variant(f"PDL={v}", "pdl", {"FTSERVE_PDL": v}) for v in ("1", "wait")]
     # PDL links only Triton kernels: with the cuBLAS GEMVs replaced too. A group
     # joined by "+" turns several switches and never enters the combination.
     out += [Variant(f"PDL=1 DENSE_GEMV={v}", "pdl+dense_gemv", {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": v})
