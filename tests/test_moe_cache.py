@@ -424,6 +424,10 @@ def test_bench_smoke_cpu(tmp_path: Path) -> None:
         rows = [r for r in dec if r["mode"] == mode]
         assert [(r["batch"], r["prefetch"]) for r in rows] == want, dec
         assert all(0.0 <= r["hit_rate"] <= 1.0 and r["copies_per_step"] > 0 for r in rows), rows
+        # Seeded prompts and an emptied cache: every variant decodes the default row's tokens.
+        assert all(r["same_tokens"] is True for r in rows), rows
+    runs = [r for r in res["offload_decode"] + res["offload_decode_prefetch_on"] if r["batch"] == 1]
+    assert len({tuple(r["tokens"]) for r in runs}) == 1 and len(runs[0]["tokens"]) > 4
 
 
 def test_offload_from_safetensors_equals_resident(tmp_path: Path) -> None:

@@ -122,13 +122,41 @@ def median_time(fn: Callable[[], Any], device: torch.device, iters: int, warmup:
     return statistics.median(timed(fn, device)[1] for _ in range(iters))
 
 
+def overlap_seconds(spans: Sequence[tuple[float, float, str]], key: str) -> dict[str, float]:
+    """Of the spans (start, end, name; microseconds) whose name contains ``key``:
+    their merged time, and how much of it some other span ran at the same time
+    (a copy kernel on a side stream hidden under compute, or not)."""
+    def merged(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        out: list[tuple[float, float]] = []
+        for s, e in sorted(iv):
+            if out and s <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], e))
+            else:
+                out.append((s, e))
+        return out
+
+    mine = merged([(s, e) for s, e, n in spans if key in n])
+    rest = merged([(s, e) for s, e, n in spans if key not in n])
+    both, j = 0.0, 0
+    for s, e in mine:  # both lists sorted and disjoint: one sweep
+        while j < len(rest) and rest[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(rest) and rest[k][0] < e:
+            both += min(e, rest[k][1]) - max(s, rest[k][0])
+            k += 1
+    return {"key_s": sum(e - s for s, e in mine) / 1e6, "overlapped_s": both / 1e6}
+
+
 def gpu_kernel_seconds(fn: Callable[[], Any], device: torch.device,
-                       name_filters: Sequence[str] = (), top: int = 8) -> dict[str, Any]:
+                       name_filters: Sequence[str] = (), top: int = 8,
+                       overlap_of: str | None = None) -> dict[str, Any]:
     """Run fn once under torch.profiler; sum the device time of every CUDA
     kernel / memcpy / memset it launched. ``by_filter[f]`` sums the kernels
     whose name contains f (e.g. the attention kernel), ``top`` lists the
     heaviest kernel names. Intervals are merged, so overlapping kernels on two
-    streams are not counted twice."""
+    streams are not counted twice. ``overlap_of``: also report how much of the
+    kernels with that in their name ran beside other kernels (overlap_seconds)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -137,6 +165,7 @@ def gpu_kernel_seconds(fn: Callable[[], Any], device: torch.device,
         fn()
         sync(device)
     spans: list[tuple[float, float]] = []  # microseconds
+    named: list[tuple[float, float, str]] = []
     by_name: dict[str, float] = {}
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
@@ -146,6 +175,7 @@ def gpu_kernel_seconds(fn: Callable[[], Any], device: torch.device,
             continue  # GPU ranges of record_function scopes span idle gaps too
         s, e = float(ev.time_range.start), float(ev.time_range.end)
         spans.append((s, e))
+        named.append((s, e, ev.name))
         by_name[ev.name] = by_name.get(ev.name, 0.0) + (e - s) / 1e6
     busy, last_end = 0.0, -math.inf  # union of the kernel intervals
     for s, e in sorted(spans):
@@ -161,12 +191,16 @@ def gpu_kernel_seconds(fn: Callable[[], Any], device: torch.device,
                 busy += t
                 by_name[avg.key] = t / 1e6
     heaviest = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
-    return {
+    out = {
         "kernel_s": busy / 1e6 if device.type == "cuda" else None,
         "num_kernels": len(spans),
         "by_filter": {f: sum(t for n, t in by_name.items() if f in n) for f in name_filters},
         "top": [(n[:80], round(t * 1e3, 3)) for n, t in heaviest],  # (name, ms)
     }
+    if overlap_of is not None:
+        out["overlap"] = overlap_seconds(named, overlap_of)
+        out["spans"] = named  # for further overlap_seconds questions
+    return out
 
 
 # ----------------------------------------------------------------- physical limits

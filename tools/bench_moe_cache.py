@@ -36,8 +36,10 @@ from ftserve.engine.request import Req, ReqState
 from ftserve.engine.sampling_params import SamplingParams
 from ftserve.moe.cache import ExpertCache
 from tools.bench_common import (
+    gpu_kernel_seconds,
     markdown_table,
     measure_h2d_gbps,
+    overlap_seconds,
     run_section,
     say,
     start_run,
@@ -46,6 +48,7 @@ from tools.bench_common import (
 )
 
 MODES = ("resident", "offload", "offload_full")
+DECODE_SEED = 7000  # + batch size: every mode and variant decodes the same prompts
 
 
 class Driver:
@@ -175,13 +178,25 @@ def prefill_base(drv: Driver, device: torch.device, base: list[int]) -> dict[str
     return {"tokens": len(base), "total_s": time.perf_counter() - t0}
 
 
+PROFILE_STEPS = 4  # decode steps run under the profiler after the timed ones
+
+
 def bench_decode(drv: Driver, engine: Engine, device: torch.device, bs: int, prompt_len: int,
-                 warmup: int, steps: int) -> dict[str, Any]:
-    reqs = [drv.add(drv.tokens(prompt_len), max_tokens=warmup + steps + 4) for _ in range(bs)]
+                 warmup: int, steps: int, seed: int | None = None) -> dict[str, Any]:
+    """``seed``: the prompts come from it, and the expert cache is emptied once
+    the prompts are in, so runs with the same seed decode the same tokens from
+    the same cache state (variants compare like for like)."""
+    rng = random.Random(seed) if seed is not None else drv.rng
+    prompts = [[rng.randrange(100, drv.vocab - 1) for _ in range(prompt_len)] for _ in range(bs)]
+    reqs = [drv.add(p, max_tokens=warmup + steps + PROFILE_STEPS + 4) for p in prompts]
     for _ in range(20 * bs + 50):
         if all(r.state is ReqState.DECODE for r in reqs):
             break
         drv.step()
+    cache = cache_of(engine)
+    if seed is not None and cache is not None and not cache.full:
+        sync(device)
+        cache.reset()  # in place: the captured graphs keep their pointers
     for _ in range(warmup):
         drv.step()
     before = stats(engine)
@@ -193,12 +208,27 @@ def bench_decode(drv: Driver, engine: Engine, device: torch.device, bs: int, pro
     sync(device)
     wall = time.perf_counter() - t0
     d = delta(stats(engine), before)
-    drv.abort_all()
     out: dict[str, Any] = {"batch": bs, "steps": steps, "step_ms": wall / steps * 1e3,
-                           "tokens_per_s": bs * steps / wall,
+                           "tokens_per_s": bs * steps / wall, "seed": seed,
+                           "tokens": list(reqs[0].output_ids),
                            "graph": engine.runner.graphs is not None and engine.runner.graphs.can_run(bs)}
+    if device.type == "cuda" and cache is not None:
+        # Whether the expert copies ran beside compute: of the fill kernels' time,
+        # the part some other kernel shared (the prefetch fill is on a side stream).
+        # _fill_rows_capped_kernel is the side-stream prefetch fill (moe/kernels.py).
+        prof = gpu_kernel_seconds(lambda: [drv.step() for _ in range(PROFILE_STEPS)], device,
+                                  overlap_of="fill_rows", top=12)
+        side = overlap_seconds(prof["spans"], "fill_rows_capped")
+        ov = prof["overlap"]
+        out["profile"] = {"kernel_ms_per_step": prof["kernel_s"] * 1e3 / PROFILE_STEPS,
+                          "fill_ms_per_step": ov["key_s"] * 1e3 / PROFILE_STEPS,
+                          "fill_overlapped_frac": ov["overlapped_s"] / ov["key_s"] if ov["key_s"] else None,
+                          "prefetch_fill_ms_per_step": side["key_s"] * 1e3 / PROFILE_STEPS,
+                          "prefetch_fill_overlapped_frac": (side["overlapped_s"] / side["key_s"]
+                                                            if side["key_s"] else None),
+                          "top": prof["top"]}
+    drv.abort_all()
     if d.get("lookups"):
-        cache = cache_of(engine)
         out["hit_rate"] = 1.0 - d["misses"] / d["lookups"]  # demand lookups served from VRAM
         out["prefetch"] = cache is not None and cache.prefetches(bs, True)
         out["experts_prefetched_per_step"] = d["prefetched"] / steps
@@ -249,7 +279,7 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: str, device: torch.
     section(f"{mode}_prefill", prefill)
     def decode() -> list[dict[str, Any]]:
         return [bench_decode(drv, engine, device, bs, args.decode_prompt, args.decode_warmup,
-                             args.decode_steps) for bs in args.batches]
+                             args.decode_steps, seed=DECODE_SEED + bs) for bs in args.batches]
 
     rows = section(f"{mode}_decode", decode)
     cache = cache_of(engine)
@@ -269,7 +299,7 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: str, device: torch.
                 if engine.runner.graphs is not None:
                     engine.runner.graphs.capture()
                 out += [{**bench_decode(drv, engine, device, r["batch"], args.decode_prompt,
-                                        args.decode_warmup, args.decode_steps),
+                                        args.decode_warmup, args.decode_steps, seed=DECODE_SEED + r["batch"]),
                          "ablation": True, "fill_programs": cap or 0} for r in wanted]
             return out
 
@@ -308,8 +338,14 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         res_dec = {r["batch"]: r for r in results.get("resident_decode") or []}
         for r in (results.get(f"{mode}_decode") or []) + (results.get(f"{mode}_decode_prefetch_on") or []):
             name = f"{mode}, prefetch on, fill {r['fill_programs']}" if r.get("ablation") else mode
+            same = [x for x in results.get(f"{mode}_decode") or [] if x["batch"] == r["batch"]]
+            prof = r.get("profile") or {}
             row = {"mode": name, "batch": r["batch"], "tokens_per_s": r["tokens_per_s"],
                    "prefetch": r.get("prefetch"),
+                   # Same prompts and tokens as the default row (else routing differs).
+                   "same_tokens": same[0].get("tokens") == r.get("tokens") if same else None,
+                   "fill_ms_per_step": prof.get("fill_ms_per_step"),
+                   "fill_overlapped_frac": prof.get("fill_overlapped_frac"),
                    "hit_rate": r.get("hit_rate"), "copies_per_step": _copies(r),
                    "resident_tokens_per_s": res_dec.get(r["batch"], {}).get("tokens_per_s")}
             missed = r.get("missed_bytes_per_step")
@@ -338,11 +374,11 @@ def render(summary: dict[str, Any]) -> str:
          for r in summary["prefill"]])
     dec = markdown_table(
         ["mode", "batch", "prefetch", "tok/s", "hit rate", "experts copied / step", "PCIe bound tok/s", "frac",
-         "frac at UVA rate", "resident tok/s", "ok"],
+         "frac at UVA rate", "resident tok/s", "fill ms / step", "fill overlapped", "same tokens", "ok"],
         [[r["mode"], r["batch"], r.get("prefetch"), r["tokens_per_s"], r.get("hit_rate"), r.get("copies_per_step"),
           r.get("pcie_bound_tokens_per_s"), r.get("frac_of_pcie_bound"), r.get("frac_of_uva_bound"),
-          r.get("resident_tokens_per_s"),
-          r.get("ok")] for r in summary["decode"]])
+          r.get("resident_tokens_per_s"), r.get("fill_ms_per_step"), r.get("fill_overlapped_frac"),
+          r.get("same_tokens"), r.get("ok")] for r in summary["decode"]])
     return (f"pinned H2D: {summary['h2d_gbps']} GB/s, UVA fill kernel: {summary.get('uva_gbps')} GB/s"
             f"\n\n{pre}\n\n{dec}\n")
 

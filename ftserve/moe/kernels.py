@@ -54,8 +54,8 @@ def fill_rows_ref(bank: torch.Tensor, slots: torch.Tensor, src_ids: torch.Tensor
 
 
 @triton.jit
-def _fill_rows_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS,
-                      HOST_SRC: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr):
+def _fill_rows_body(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS,
+                    HOST_SRC: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr):
     # Work item w = pair * CHUNKS + chunk, for w = this program, + the programs,
     # ... < WORK: one item per program when the grid covers the work, a strided
     # loop when it was capped (a copy that runs beside compute kernels).
@@ -76,6 +76,20 @@ def _fill_rows_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS
             m = offs < ROW_WORDS
             v = tl.load(src_base + src * ROW_WORDS + offs, mask=m)
             tl.store(slots_ptr + dst * ROW_WORDS + offs, v, mask=m)
+
+
+@triton.jit
+def _fill_rows_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS,
+                      HOST_SRC: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr):
+    _fill_rows_body(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS, HOST_SRC, WORD, BLOCK)
+
+
+@triton.jit
+def _fill_rows_capped_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS,
+                             HOST_SRC: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr):
+    # The same copy under its own name, so a profile tells the capped side-stream
+    # fills (decode prefetch) from the copies on the critical path.
+    _fill_rows_body(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS, HOST_SRC, WORD, BLOCK)
 
 
 def check_bank(bank: torch.Tensor) -> None:
@@ -110,7 +124,8 @@ def fill_rows(bank: torch.Tensor, slots: torch.Tensor, src_ids: torch.Tensor,
     chunks = triton.cdiv(row_words, block)
     work = m * chunks
     programs = work if max_programs is None else max(1, min(work, max_programs))
-    _fill_rows_kernel[(programs,)](
+    kernel = _fill_rows_kernel if max_programs is None else _fill_rows_capped_kernel
+    kernel[(programs,)](
         src_arg, slots.view(_WORD[wb]), src_ids, dst_slots, row_words, work, chunks,
         HOST_SRC=host, WORD=_TL_WORD[wb], BLOCK=block, num_warps=8,
     )
