@@ -36,7 +36,7 @@ from ftserve.engine.request import Req, ReqState
 from ftserve.engine.runner import Launched
 from ftserve.engine.scheduler import ScheduledBatch
 from tools.bench_common import write_model_config
-from tools.bench_engine import EngineDriver
+from tools.engine_driver import EngineDriver
 
 CHUNK = 256  # max_prefill_length
 # tiny-moe widened so the Triton kernels run at realistic tile shapes.

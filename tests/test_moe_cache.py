@@ -29,7 +29,7 @@ from ftserve.config import ConfigError, EngineConfig  # noqa: E402
 from ftserve.engine.engine import Engine  # noqa: E402
 from ftserve.moe.cache import ExpertCache  # noqa: E402
 from tools.bench_common import write_model_config  # noqa: E402
-from tools.bench_engine import EngineDriver  # noqa: E402
+from tools.engine_driver import EngineDriver  # noqa: E402
 
 LAYERS, E, K = 3, 16, 4  # tiny-moe: 16 experts, top-4
 TOTAL = LAYERS * E

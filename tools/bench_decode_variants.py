@@ -54,7 +54,8 @@ from tools.bench_common import (
     start_run,
     write_json,
 )
-from tools.bench_engine import EngineDriver, bench_decode, build, prefill_base
+from tools.engine_driver import EngineDriver, build
+from tools.engine_measure import bench_decode, prefill_base
 
 # Every kernel switch at its ftserve/envs.py default: the baseline, and the
 # base every variant's own settings are laid over.

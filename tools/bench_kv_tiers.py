@@ -60,7 +60,7 @@ from tools.bench_common import (
     timed,
     write_json,
 )
-from tools.bench_engine import EngineDriver
+from tools.engine_driver import EngineDriver
 
 
 def build(args: argparse.Namespace, model_dir: str, device: torch.device, **kw: Any) -> Engine:
@@ -245,7 +245,7 @@ def decode_kv_dtype(args: argparse.Namespace, model_dir: str, device: torch.devi
     batch 1 decode reads the whole KV of every layer per token, so halving its
     bytes should show up as speed once attention dominates the step."""
     from ftserve.kvcache.pool import KVPool
-    from tools.bench_engine import bench_decode, prefill_base
+    from tools.engine_measure import bench_decode, prefill_base
 
     rows: dict[str, Any] = {}
     kinds = args.kv_dtypes.split(",")

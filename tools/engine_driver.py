@@ -1,0 +1,122 @@
+"""An engine driven step by step on the caller's thread, for benchmarks and tests.
+
+``build`` makes the engine every engine benchmark measures (dummy weights,
+16-token pages, CUDA graphs up to the largest decode batch); ``EngineDriver``
+steps its Scheduler + ModelRunner directly, so a timed region is exactly the
+steps the caller asks for. tools/engine_measure.py holds what is timed with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from ftserve.config import EngineConfig
+from ftserve.engine.engine import Engine
+from ftserve.engine.request import Req
+from ftserve.engine.runner import Launched
+from ftserve.engine.sampling_params import SamplingParams
+from ftserve.engine.scheduler import ScheduledBatch
+
+
+class EngineDriver:
+    """Drives Scheduler + ModelRunner on this thread, one step per call.
+
+    ``step`` is the engine's overlapped step (EngineCore._step): plan and
+    launch step N+1, then read back and commit step N. ``sync_step`` is
+    launch + read-back + commit of one step with nothing in flight.
+    """
+
+    def __init__(self, engine: Engine, seed: int = 0) -> None:
+        self.engine = engine
+        self.sched = engine.scheduler
+        self.runner = engine.runner
+        self.rng = random.Random(seed)
+        self.vocab = int(engine.model_config.vocab_size)
+        self.inflight: Launched | None = None
+        self.host_s = 0.0  # time spent planning, launching and committing (not waiting)
+        self._n = 0
+
+    def tokens(self, n: int) -> list[int]:
+        """Random prompt ids away from the special ids at the start of the vocab."""
+        return [self.rng.randrange(100, self.vocab - 1) for _ in range(n)]
+
+    def add(self, prompt: list[int], max_tokens: int) -> Req:
+        self._n += 1
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        req = Req(f"bench-{self._n}", list(prompt), params, time.monotonic())
+        why = self.sched.validate(req)
+        if why is not None:
+            raise ValueError(why)
+        self.sched.add(req)
+        return req
+
+    def step(self) -> ScheduledBatch | None:
+        t0 = time.perf_counter()
+        batch = self.sched.schedule()
+        launched = self.runner.launch(batch) if batch is not None else None
+        self.host_s += time.perf_counter() - t0
+        prev, self.inflight = self.inflight, None
+        if prev is not None:
+            self.finish(prev)
+        if launched is not None:
+            if launched.out is None:
+                self.finish(launched)  # a non-final chunk: nothing to wait for
+            else:
+                self.inflight = launched
+        return batch
+
+    def finish(self, launched: Launched) -> None:
+        """Read back (the step's one deliberate sync) and commit."""
+        token_ids, logprobs = self.runner.collect(launched)
+        t0 = time.perf_counter()
+        self.sched.commit(launched.batch, token_ids, logprobs)
+        self.sched.finished_reqs.clear()
+        self.host_s += time.perf_counter() - t0
+
+    def flush(self) -> None:
+        prev, self.inflight = self.inflight, None
+        if prev is not None:
+            self.finish(prev)
+
+    def sync_step(self, batch: ScheduledBatch | None = None) -> ScheduledBatch | None:
+        self.flush()
+        batch = batch if batch is not None else self.sched.schedule()
+        if batch is not None:
+            self.finish(self.runner.launch(batch))
+        return batch
+
+    @property
+    def idle(self) -> bool:
+        return self.inflight is None and not self.sched.has_work
+
+    def run_all(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if self.step() is None and self.idle:
+                return
+        raise RuntimeError(f"work left after {max_steps} steps")
+
+    def abort_all(self) -> None:
+        self.flush()
+        for req in list(self.sched.by_id.values()):
+            self.sched.finish(req, "abort")
+        self.sched.finished_reqs.clear()
+
+
+def build(args: argparse.Namespace, model_dir: str, device: torch.device) -> Engine:
+    """The benchmarked engine. ``args`` carries dtype, kv_tokens, chunk (the
+    prefill chunk), batches (decode batch sizes) and max_len, as
+    tools/bench_engine.parse_args sets them."""
+    from ftserve.engine.setup import build_engine
+
+    cfg = EngineConfig(
+        model=model_dir, load_format="dummy", dtype=args.dtype, device=str(device),
+        page_size=16, kv_cache_tokens=args.kv_tokens, max_prefill_length=args.chunk,
+        max_running_requests=max(args.batches), cuda_graph_max_bs=max(args.batches),
+        attention_backend="auto", status_log_interval=0.0, max_model_len=args.max_len,
+    )
+    return build_engine(cfg)
+
