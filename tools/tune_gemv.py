@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
-import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -61,7 +59,15 @@ from ftserve_kernels.norm_rope import fused_add_rms_norm_ref
 from tools.bench_common import measure_copy_gbps, median_time
 from tools.bench_decode_layer import copies, rotate
 from tools.bench_kernels import bench_graph
-from tools.tune_moe import REL_TOL, SMEM_LIMIT, _rel_err, _us
+from tools.tune_common import (
+    SMEM_LIMIT,
+    Sweep,
+    TuneRun,
+    attempt_until,
+    check_close,
+    round_robin,
+    us,
+)
 
 
 @dataclass(frozen=True)
@@ -190,12 +196,7 @@ def candidates(problem: Problem, tokens: int, sms: int, cap: int = CAP) -> list[
         variants = [c for c in variants if c != base and fits(problem, c, tokens, sms)]
         if variants:
             groups.append(variants)
-    out: list[GemvConfig] = []
-    for rank in range(max((len(g) for g in groups), default=0)):
-        for g in groups:
-            if rank < len(g) and len(out) < cap:
-                out.append(g[rank])
-    return out
+    return round_robin(groups, cap)
 
 
 def refinements(problem: Problem, best: Iterable[GemvConfig], tried: set[GemvConfig], tokens: int,
@@ -272,9 +273,7 @@ class MoeCase:
         self.out.fill_(float("nan"))
         self._gate_up(gate_up, 0)
         self._down(down, 0)
-        err = _rel_err(self.out, self.ref)
-        if not err < REL_TOL:
-            raise ValueError(f"rel err {err:.2e} vs reference")
+        check_close(self.out, self.ref)
         run = self._gate_up if tuning_gate_up else self._down
         fns = [lambda r=r: run(cfg, r) for r in range(len(self.routes))]
         return _time_calls(fns, self.device, self.iters)
@@ -308,9 +307,7 @@ class DenseCase:
         return gv.gemv_triton(self.x, w, config=cfg)[0]
 
     def measure(self, cfg: GemvConfig) -> float:
-        err = _rel_err(self._run(cfg, self.ws[0]), self.ref)
-        if not err < REL_TOL:
-            raise ValueError(f"rel err {err:.2e} vs reference")
+        check_close(self._run(cfg, self.ws[0]), self.ref)
         return _time_calls([lambda w=w: self._run(cfg, w) for w in self.ws], self.device, self.iters)
 
     def cublas(self) -> float | None:
@@ -329,50 +326,32 @@ def tune_case(case: Case, sweep: list[GemvConfig], deadline: float, log: Callabl
     the other warps / stages of the three fastest tile shapes."""
     problem, t = case.problem, case.tokens
     default = gc.default(problem.kind, case.device.type == "cuda", problem.shape[0], t)
-    times: dict[GemvConfig, float] = {}
-    skipped = 0
-
-    def attempt(cfg: GemvConfig) -> None:
-        nonlocal skipped
-        try:
-            times[cfg] = case.measure(cfg)
-        except Exception as exc:  # out of resources, compile error, mismatch: skip it
-            skipped += 1
-            log(f"  skip {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
-
-    attempt(default)
+    timed = Sweep(case.measure, log)
+    times = timed.times
+    timed.attempt(default)
     if default not in times:
         return None
-    cut = False
-    for cfg in sweep:
-        if time.monotonic() > deadline:
-            cut = True
-            break
-        if cfg not in times:
-            attempt(cfg)
+    cut = attempt_until(deadline, ((timed, cfg) for cfg in sweep))
     if refine_sms and not cut:
         fastest: list[GemvConfig] = []
         for cfg in sorted(times, key=times.__getitem__):  # one per tile shape
             if all((c.block_n, c.block_k) != (cfg.block_n, cfg.block_k) for c in fastest):
                 fastest.append(cfg)
-        for cfg in refinements(problem, fastest[:3], set(times), t, refine_sms):
-            if time.monotonic() > deadline:
-                cut = True
-                break
-            attempt(cfg)
+        refine = refinements(problem, fastest[:3], set(times), t, refine_sms)
+        cut = attempt_until(deadline, ((timed, cfg) for cfg in refine))
     best = min(times, key=times.__getitem__)
     try:
         cublas = case.cublas()
     except Exception as exc:  # reported as missing, the tuning result stands
         log(f"  cuBLAS: {type(exc).__name__}: {exc}"[:200])
         cublas = None
-    log(f"  {problem.name} T={t}: {len(times)} configs timed, {skipped} skipped"
-        f"{' (budget cut)' if cut else ''}; default {_us(times[default])} us, best {_us(times[best])} us")
+    log(f"  {problem.name} T={t}: {len(times)} configs timed, {timed.skipped} skipped"
+        f"{' (budget cut)' if cut else ''}; default {us(times[default])} us, best {us(times[best])} us")
     return {"config": best, "default_s": times[default], "best_s": times[best], "cublas_s": cublas,
-            "timing": {"default_us": _us(times[default]), "best_us": _us(times[best]),
-                       "cublas_us": _us(cublas), "weight_mb": round(problem.weight_bytes(t) / 1e6, 2),
+            "timing": {"default_us": us(times[default]), "best_us": us(times[best]),
+                       "cublas_us": us(cublas), "weight_mb": round(problem.weight_bytes(t) / 1e6, 2),
                        "default": default.to_dict(), "best": best.to_dict(),
-                       "configs_timed": len(times), "skipped": skipped, "budget_cut": cut}}
+                       "configs_timed": len(times), "skipped": timed.skipped, "budget_cut": cut}}
 
 
 def merge(table: dict[str, Any], key: str, t: int, cfg: GemvConfig | None,
@@ -421,25 +400,13 @@ def run(out_dir: Path, budget_s: float, problems: Iterable[Problem], tokens: Ite
     """Tune every (problem, T) within ``budget_s``; returns the table path
     (rewritten after every (problem, T)). ``sweep`` replaces the generated
     candidates (tests run tiny tiles on the interpreter)."""
-    t0 = time.monotonic()
-    deadline = t0 + budget_s
-
-    def log(msg: str) -> None:
-        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
-
+    tr = TuneRun(out_dir, budget_s, device, gc.table_file_name)
+    t0, deadline, log = tr.t0, tr.deadline, tr.log
     cuda = device.type == "cuda"
-    device_name = torch.cuda.get_device_name(device) if cuda else device.type
     sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / gc.table_file_name(device_name)
-    table: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
-    table.setdefault("configs", {})  # a valid (empty) table even if the budget allows nothing
     copy_gbps = measure_copy_gbps(device, copy_bytes, iters=10 if cuda else 2)["gbps_read_plus_write"]
-    table["meta"] = {"device": device_name, "torch": torch.__version__, "triton": triton.__version__,
-                     "copy_gbps": round(copy_gbps, 1), "min_gain": min_gain,
-                     "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    path.write_text(json.dumps(table, indent=1))
-    log(f"{device_name}: copy rate {copy_gbps:.0f} GB/s, {sms} SMs")
+    tr.stamp(copy_gbps=round(copy_gbps, 1), min_gain=min_gain)
+    log(f"{tr.device_name}: copy rate {copy_gbps:.0f} GB/s, {sms} SMs")
     problems = list(problems)
     order = ([(p, t) for t in tokens for p in problems if not p.optional]
              + [(p, t) for t in tokens for p in problems if p.optional])
@@ -472,14 +439,9 @@ def run(out_dir: Path, budget_s: float, problems: Iterable[Problem], tokens: Ite
         win = result["default_s"] / result["best_s"] > 1 + min_gain and result["config"] != gc.default(
             problem.kind, cuda, problem.shape[0], t)
         result["timing"]["in_table"] = win
-        table = merge(table, problem.key(), problem.table_t(t), result["config"] if win else None,
-                      result["timing"])
-        path.write_text(json.dumps(table, indent=1))
-    md = report(table, copy_gbps)
-    (out_dir / "tune_gemv.md").write_text(md + "\n")
-    print(md)
-    log(f"wrote {path}")
-    return path
+        tr.save(merge(tr.table, problem.key(), problem.table_t(t), result["config"] if win else None,
+                      result["timing"]))
+    return tr.finish("tune_gemv.md", report(tr.table, copy_gbps))
 
 
 def main(argv: list[str] | None = None) -> None:
