@@ -14,7 +14,7 @@ dummy bf16 weights, Triton attention and CUDA-graph decode:
 Plus two CPU tests that keep tools/bench_engine.py honest: its FLOP / byte
 accounting against hand counts, and a --smoke run end to end.
 
-The Scheduler and ModelRunner are driven synchronously (tools.bench_engine's
+The Scheduler and ModelRunner are driven synchronously (tools.engine_driver's
 EngineDriver), so every step is checked on its own. Each scenario runs once
 unchecked first: Triton compiles (and any autotuning) happen at first launch
 of a shape, which is start-up cost, not the steady state the rule is about.

@@ -16,7 +16,7 @@ ftserve/envs.py, or a field of the Triton attention backend's AttnKernelConfig):
        the baseline's (a mismatch is reported, the variant is still timed);
     4. time the batch-1 graph alone (back-to-back replays, one CUDA event per
        replay, median), profile the kernels of one eager step, and measure the
-       engine's full step rate at batch 1 and 8 (tools.bench_engine.bench_decode).
+       engine's full step rate at batch 1 and 8 (tools.engine_measure.bench_decode).
 
 Last, the fastest token-exact option of each knob (replay at least --min-gain
 faster than the baseline) is combined into one variant and measured too. The
