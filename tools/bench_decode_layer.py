@@ -32,7 +32,7 @@ from ftserve_kernels import gemv_triton as gv
 from ftserve_kernels import moe_gemv_triton as mg
 from ftserve_kernels import moe_triton as mt
 from ftserve_kernels import norm_triton as nt
-from tools.bench_kernels import bench, bench_graph, rel_err
+from tools.kernel_bench_harness import bench, bench_graph, rel_err
 
 H, E, TOPK, INTER, QKV, Q, V = 2048, 128, 8, 768, 5120, 4096, 151_936
 OUT: dict[str, Any] = {"rows": {}, "failed": {}}
