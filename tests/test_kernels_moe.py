@@ -19,11 +19,13 @@ if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
     for _name in ("ftserve_kernels.attention_common", "ftserve_kernels.attention_decode_triton",
                   "ftserve_kernels.attention_triton", "ftserve_kernels.moe_gemv_triton",
-                  "ftserve_kernels.moe_triton", "ftserve_kernels.decode_fused_triton"):
+                  "ftserve_kernels.moe_align_triton", "ftserve_kernels.moe_triton",
+                  "ftserve_kernels.decode_fused_triton"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 
 from ftserve_kernels import decode_fused_triton as df  # noqa: E402
+from ftserve_kernels import moe_align_triton as ma  # noqa: E402
 from ftserve_kernels import moe_configs as mc  # noqa: E402
 from ftserve_kernels import moe_triton as mt  # noqa: E402
 from ftserve_kernels import ops  # noqa: E402
@@ -55,11 +57,11 @@ def test_align_is_a_padded_grouping(
     """Every pair appears once, in a block of its expert, in pair order (stable);
     padding is the sentinel. ``precount`` forces the per-chunk histogram pass
     used for large batches."""
-    monkeypatch.setattr(mt, "_PRECOUNT_MIN", 0 if precount else 10**9)
+    monkeypatch.setattr(ma, "_PRECOUNT_MIN", 0 if precount else 10**9)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, e, (t, k), generator=g, dtype=torch.int32)
     ids[0] = torch.tensor([2, 2, 5])  # repeated expert inside one token's choices is legal input
-    sorted_ids, block_expert, total = mt.moe_align(ids.to(DEVICE), e, bm)
+    sorted_ids, block_expert, total = ma.moe_align(ids.to(DEVICE), e, bm)
     sorted_ids, block_expert, total = sorted_ids.cpu(), block_expert.cpu(), int(total.cpu()[0])
     n = t * k
     counts = torch.bincount(ids.reshape(-1).long(), minlength=e)
@@ -90,15 +92,15 @@ def test_align_chunk_does_not_change_the_result(
     """Larger chunks (a tuned-table field) walk each chunk in sub-chunks; the
     grouping must be bit-identical to the default plan: same order, padding and
     block map. e=128: 512-pair chunks of 4 sub-chunks; e=20: up to 8."""
-    monkeypatch.setattr(mt, "_PRECOUNT_MIN", 0 if precount else 10**9)
+    monkeypatch.setattr(ma, "_PRECOUNT_MIN", 0 if precount else 10**9)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, e, (t, k), generator=g, dtype=torch.int32).to(DEVICE)
-    ref = [x.cpu() for x in mt.moe_align(ids, e, 16)]
-    default_chunk = mt._align_plan(t * k, e, 16)[3]
+    ref = [x.cpu() for x in ma.moe_align(ids, e, 16)]
+    default_chunk = ma._align_plan(t * k, e, 16)[3]
     for chunk in (256, 512, 1024):
-        plan = mt._align_plan(t * k, e, 16, chunk)
+        plan = ma._align_plan(t * k, e, 16, chunk)
         assert plan[3] == max(chunk, default_chunk) and plan[4] == -(-t * k // plan[3])
-        got = [x.cpu() for x in mt.moe_align(ids, e, 16, chunk)]
+        got = [x.cpu() for x in ma.moe_align(ids, e, 16, chunk)]
         for a, b in zip(got, ref):
             assert torch.equal(a, b), chunk
 
@@ -118,7 +120,7 @@ def test_route_nan_rows_give_in_range_ids() -> None:
 def test_align_drops_out_of_range_ids() -> None:
     """An id outside [0, E) is placed nowhere (never over another pair's row)."""
     ids = torch.tensor([[0, 3], [5, 1], [3, 0]], dtype=torch.int32, device=DEVICE)  # 5 >= E
-    sorted_ids, block_expert, total = mt.moe_align(ids, 4, 2)
+    sorted_ids, block_expert, total = ma.moe_align(ids, 4, 2)
     real = sorted_ids[: int(total.cpu()[0])].cpu()
     assert sorted(real[real < 6].tolist()) == [0, 1, 3, 4, 5]
 
@@ -305,7 +307,7 @@ def test_tune_candidates_cover_every_tile_shape(shape: str, tokens: int) -> None
     assert tune.candidates("down", bms, inter, h, 0) == []
     n = tokens * k
     chunks = tune.align_chunks(n, e, bms[-1])
-    default = mt._align_plan(n, e, bms[-1])[3]  # qwen3: 128; mixtral (E=8): already 2048
+    default = ma._align_plan(n, e, bms[-1])[3]  # qwen3: 128; mixtral (E=8): already 2048
     assert chunks == sorted(set(chunks))
     assert bool(chunks) == (min(max(tune.ALIGN_CHUNKS), 1 << (n - 1).bit_length()) > default)
     assert tune.align_chunks(16, e, 64) == []  # one chunk covers every pair already

@@ -31,6 +31,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
 
     from ftserve_kernels import attention_triton as at
     from ftserve_kernels import bookkeeping as bk
+    from ftserve_kernels import moe_align_triton as ma
     from ftserve_kernels import moe_gemv_triton as mg
     from ftserve_kernels import moe_triton as mt
     from ftserve_kernels import norm_triton as nt
@@ -116,9 +117,9 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     align = {"ids_ptr": i32, "hist_ptr": i32, "sorted_ptr": i32, "block_expert_ptr": i32,
              "total_ptr": i32}
     for pre in (False, True):
-        comp(f"align_place_{pre}", mt._align_place_kernel, align,
+        comp(f"align_place_{pre}", ma._align_place_kernel, align,
              dict(BLOCK_M=64, BLOCK_E=128, CHUNK=128, HIST_ROWS=32, FILL=64, PRECOUNTED=pre), 8)
-    comp("align_hist", mt._align_hist_kernel, align, dict(BLOCK_E=128, CHUNK=128))
+    comp("align_hist", ma._align_hist_kernel, align, dict(BLOCK_E=128, CHUNK=128))
     moe = {"x_ptr": bf, "a_ptr": bf, "w_ptr": bf, "out_ptr": bf, "weights_ptr": "*fp32",
            "sorted_ptr": i32, "block_expert_ptr": i32, "total_ptr": i32}
     for t in (1, 8192):

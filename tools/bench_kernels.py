@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from ftserve_kernels import bookkeeping as bk  # noqa: E402
+from ftserve_kernels import moe_align_triton as ma  # noqa: E402
 from ftserve_kernels import moe_triton as mt  # noqa: E402
 from ftserve_kernels import norm_triton as nt  # noqa: E402
 from ftserve_kernels.moe import fused_moe_ref  # noqa: E402
@@ -128,7 +129,7 @@ def bench_moe(quick: bool) -> None:
             rs = bench(lambda lg=logits: mt.route_topk_triton(lg, k, True))
             record(f"route_topk T={t} E={e}", rs)
             bm = default.block_m
-            al = bench_graph(lambda i=ids, bm=bm: mt.moe_align(i, e, bm), 20)
+            al = bench_graph(lambda i=ids, bm=bm: ma.moe_align(i, e, bm), 20)
             record(f"moe_align T={t} E={e} graph", al)
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ftserve_kernels import moe_align_triton as ma
 from ftserve_kernels import moe_triton as mt
 from ftserve_kernels.moe import fused_moe_ref
 from ftserve_kernels.moe_configs import (
@@ -141,10 +142,10 @@ def refinements(best: list[Tile], tried: set[Tile]) -> list[Tile]:
 def align_chunks(num_pairs: int, num_experts: int, block_m: int) -> list[int]:
     """moe_align chunk sizes worth timing: those that change the plan (the
     default is the baseline, a chunk past the pair count is the same plan)."""
-    seen = {mt._align_plan(num_pairs, num_experts, block_m)[3]}
+    seen = {ma._align_plan(num_pairs, num_experts, block_m)[3]}
     out = []
     for chunk in ALIGN_CHUNKS:
-        eff = mt._align_plan(num_pairs, num_experts, block_m, chunk)[3]
+        eff = ma._align_plan(num_pairs, num_experts, block_m, chunk)[3]
         if eff not in seen:
             seen.add(eff)
             out.append(chunk)
@@ -216,8 +217,8 @@ class Bench:
     def align(self, bm: int) -> mt.Alignment:
         if bm not in self._aligns:
             e = self.shape[0]
-            self._aligns[bm] = mt.moe_align(self.ids, e, bm)
-            self.align_s[bm] = self.time(lambda: mt.moe_align(self.ids, e, bm))
+            self._aligns[bm] = ma.moe_align(self.ids, e, bm)
+            self.align_s[bm] = self.time(lambda: ma.moe_align(self.ids, e, bm))
         return self._aligns[bm]
 
     def align_chunk_times(self, bm: int, deadline: float) -> dict[int, float]:
@@ -230,9 +231,9 @@ class Bench:
             if time.monotonic() > deadline:
                 break
             try:
-                got = mt.moe_align(self.ids, e, bm, chunk)
+                got = ma.moe_align(self.ids, e, bm, chunk)
                 if all(torch.equal(a, b) for a, b in zip(got, ref)):
-                    out[chunk] = self.time(lambda c=chunk: mt.moe_align(self.ids, e, bm, c))
+                    out[chunk] = self.time(lambda c=chunk: ma.moe_align(self.ids, e, bm, c))
             except Exception:  # a chunk that does not compile is just not a candidate
                 continue
         return out

@@ -1,0 +1,166 @@
+"""Fixed-shape token-to-expert alignment for the grouped-GEMM MoE (moe_triton).
+
+No host sync, no data-dependent shape. The N = T*k (token, choice) pairs are
+grouped by expert, each expert's group padded to a multiple of BLOCK_M::
+
+    sorted_ids  [ e0 e0 e0 pad | e3 e3 pad pad | e7 ... | pad pad ... ]
+                  block 0        block 1         ...      (unused tail)
+    block_expert [0, 3, 7, ..., -1, -1]      num_padded [1] on the device
+
+Capacity is fixed at N + min(E, N) * (BLOCK_M - 1) rows (every non-empty expert
+wastes at most BLOCK_M - 1), so the grid is sized from host shapes; blocks past
+``num_padded`` exit at once. Entries hold the flat pair id ``t*k + j``; padding
+holds N. The grouping is stable (pairs keep their order inside an expert) and
+uses no atomics: the pairs are cut into chunks; each program places one chunk
+at expert start + the counts of earlier chunks + the rank inside its chunk
+(counts come from a per-chunk histogram pass past a few thousand pairs, else
+every program counts all ids itself: one launch for decode).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _align_hist_kernel(ids_ptr, hist_ptr, N, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    # Large N only: per-chunk expert counts hist[c, e], plain stores (no atomics,
+    # so no zeroed buffer and no extra launch to zero it).
+    # Sub-chunks keep the [SUB, E] one-hot tile near 16k elements (as _align_place_kernel).
+    SUB: tl.constexpr = CHUNK if CHUNK * BLOCK_E <= 16384 else (CHUNK if CHUNK <= 128 else (
+        16384 // BLOCK_E if BLOCK_E >= 128 else 128))
+    c = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    cnt = tl.zeros([BLOCK_E], tl.int32)
+    for s0 in range(0, CHUNK, SUB):
+        offs = c * CHUNK + s0 + tl.arange(0, SUB)
+        ids = tl.load(ids_ptr + offs, mask=offs < N, other=-1)
+        cnt += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)  # [E]
+    tl.store(hist_ptr + c * BLOCK_E + e, cnt)
+
+
+@triton.jit
+def _align_place_kernel(
+    ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+    N, MAX_ROWS, MAX_BLOCKS, ROWS_PER_PROG, BLOCKS_PER_PROG,
+    BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, HIST_ROWS: tl.constexpr,
+    FILL: tl.constexpr, PRECOUNTED: tl.constexpr,
+):
+    # Program c: (1) counts per expert over all pairs and over chunks before c,
+    # (2) places the pairs of chunk c at expert start + earlier chunks' count +
+    # rank inside the chunk (stable: pair order within an expert), (3) writes the
+    # sentinel into its share of padding rows and block -> expert entries.
+    # A chunk is walked in sub-chunks of SUB pairs: one-hot tiles [SUB, E] stay
+    # near 16k elements while a large CHUNK keeps the chunk count (every program
+    # reads all chunks' counts) small. SUB == CHUNK for the default plan.
+    SUB: tl.constexpr = CHUNK if CHUNK * BLOCK_E <= 16384 else (CHUNK if CHUNK <= 128 else (
+        16384 // BLOCK_E if BLOCK_E >= 128 else 128))
+    c = tl.program_id(0)
+    nchunks = tl.num_programs(0)
+    e = tl.arange(0, BLOCK_E)
+    totals = tl.zeros([BLOCK_E], tl.int32)
+    before = tl.zeros([BLOCK_E], tl.int32)
+    if PRECOUNTED:
+        hr = tl.arange(0, HIST_ROWS)
+        for c0 in range(0, nchunks, HIST_ROWS):
+            rows = c0 + hr
+            h = tl.load(hist_ptr + rows[:, None] * BLOCK_E + e[None, :],
+                        mask=rows[:, None] < nchunks, other=0)  # [HIST_ROWS, E]
+            totals += tl.sum(h, 0)
+            before += tl.sum(tl.where(rows[:, None] < c, h, 0), 0)
+    else:
+        j = tl.arange(0, SUB)
+        for c0 in range(0, nchunks):
+            for s0 in range(0, CHUNK, SUB):
+                p = c0 * CHUNK + s0 + j
+                ids = tl.load(ids_ptr + p, mask=p < N, other=-1)
+                cnt = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)  # [E]
+                totals += cnt
+                before += cnt * (c0 < c).to(tl.int32)
+    padded = tl.cdiv(totals, BLOCK_M) * BLOCK_M  # [E]
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    total = tl.sum(padded, 0)
+    tl.store(total_ptr, total, mask=c == 0)
+    base = starts + before  # [E] next free row of each expert for this program
+    for s0 in range(0, CHUNK, SUB):
+        offs = c * CHUNK + s0 + tl.arange(0, SUB)
+        m = offs < N
+        ids = tl.load(ids_ptr + offs, mask=m, other=-1)
+        onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [S, E]
+        rank = tl.cumsum(onehot, 0) - onehot  # [S, E] earlier pairs of the same expert in the sub-chunk
+        dest = tl.sum(onehot * (base[None, :] + rank), 1)  # [S]
+        # An id outside [0, E) belongs to no expert: dropped, never written over row 0.
+        tl.store(sorted_ptr + dest, offs, mask=m & (tl.sum(onehot, 1) > 0))
+        base += tl.sum(onehot, 0)
+    f = tl.arange(0, FILL)
+    pad_lo = starts + totals  # [E] first padding row of each expert
+    r_begin = c * ROWS_PER_PROG
+    r_end = tl.minimum(r_begin + ROWS_PER_PROG, MAX_ROWS)
+    for r0 in range(r_begin, r_end, FILL):
+        rows = r0 + f
+        in_pad = (rows[:, None] >= pad_lo[None, :]) & (rows[:, None] < ends[None, :])  # [F, E]
+        pad = (tl.sum(in_pad.to(tl.int32), 1) > 0) | (rows >= total)
+        tl.store(sorted_ptr + rows, tl.zeros([FILL], tl.int32) + N, mask=pad & (rows < r_end))
+    b_begin = c * BLOCKS_PER_PROG
+    b_end = tl.minimum(b_begin + BLOCKS_PER_PROG, MAX_BLOCKS)
+    for b0 in range(b_begin, b_end, FILL):
+        blk = b0 + f
+        first_row = blk * BLOCK_M
+        owner = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), 1)  # [F]
+        owner = tl.where(first_row < total, owner, -1)
+        tl.store(block_expert_ptr + blk, owner, mask=blk < b_end)
+
+
+_PRECOUNT_MIN = 4096  # pairs; past it a histogram pass beats every program counting all ids
+
+
+@functools.lru_cache(maxsize=256)
+def _align_plan(n: int, num_experts: int, block_m: int, chunk: int = 0) -> tuple[int, ...]:
+    """Host-only sizes for moe_align, cached: (max_rows, max_blocks, BLOCK_E, chunk,
+    chunks, rows per program, blocks per program). ``chunk`` (a power of two,
+    0: the default below) is the pairs per program, a tuned-table field."""
+    max_rows = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
+    max_blocks = max_rows // block_m
+    block_e = triton.next_power_of_2(num_experts)
+    # [chunk, E] one-hot tiles of about 16k elements, but chunks of at least 128
+    # pairs: every program reads all [chunks, E] counts, so chunks must stay few.
+    default = max(16, min(triton.next_power_of_2(n), max(128, 16384 // block_e)))
+    assert chunk & (chunk - 1) == 0, f"align chunk {chunk} is not a power of two"
+    chunk = max(default, min(chunk, triton.next_power_of_2(n)))
+    chunks = triton.cdiv(n, chunk)
+    return (max_rows, max_blocks, block_e, chunk, chunks,
+            triton.cdiv(max_rows, chunks), triton.cdiv(max_blocks, chunks))
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted_ids [R] int32, block_expert [R / block_m] int32,
+    num_padded [1] int32), R = N + min(E, N) * (block_m - 1) rounded up to block_m.
+    One launch up to _PRECOUNT_MIN pairs (decode), two past it. ``chunk``: pairs
+    per program (0: default; never below it); the result does not depend on it."""
+    n = topk_ids.numel()
+    dev = topk_ids.device
+    max_rows, max_blocks, block_e, chunk, chunks, rows_pp, blocks_pp = _align_plan(
+        n, num_experts, block_m, chunk)
+    ids = topk_ids.reshape(-1)
+    sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    precount = n > _PRECOUNT_MIN
+    hist = total  # unread unless precount
+    if precount:
+        hist = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)
+        _align_hist_kernel[(chunks,)](ids, hist, n, BLOCK_E=block_e, CHUNK=chunk)
+    _align_place_kernel[(chunks,)](
+        ids, hist, sorted_ids, block_expert, total, n, max_rows, max_blocks, rows_pp, blocks_pp,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, HIST_ROWS=max(1, 4096 // block_e),
+        FILL=max(16, 8192 // block_e), PRECOUNTED=precount,
+        num_warps=8 if min(chunk, 16384 // block_e) * block_e > 4096 else 4,
+    )
+    return sorted_ids, block_expert, total
