@@ -32,8 +32,7 @@ import torch
 
 from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
-from ftserve.engine.request import Req, ReqState
-from ftserve.engine.sampling_params import SamplingParams
+from ftserve.engine.request import ReqState
 from ftserve.moe.cache import ExpertCache
 from tools.bench_common import (
     gpu_kernel_seconds,
@@ -46,50 +45,10 @@ from tools.bench_common import (
     sync,
     write_json,
 )
+from tools.engine_driver import EngineDriver
 
 MODES = ("resident", "offload", "offload_full")
 DECODE_SEED = 7000  # + batch size: every mode and variant decodes the same prompts
-
-
-class Driver:
-    """Synchronous schedule -> runner.step -> commit, one step per call."""
-
-    def __init__(self, engine: Engine, seed: int = 0) -> None:
-        self.sched, self.runner = engine.scheduler, engine.runner
-        self.rng = random.Random(seed)
-        self.vocab = int(engine.model_config.vocab_size)
-        self.n = 0
-
-    def tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(100, self.vocab - 1) for _ in range(n)]
-
-    def add(self, prompt: list[int], max_tokens: int) -> Req:
-        self.n += 1
-        req = Req(f"moe-{self.n}", list(prompt),
-                  SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), time.monotonic())
-        why = self.sched.validate(req)
-        if why is not None:
-            raise ValueError(why)
-        self.sched.add(req)
-        return req
-
-    def step(self) -> Any:
-        batch = self.sched.schedule()
-        if batch is None:
-            return None
-        token_ids, logprobs = self.runner.step(batch)
-        self.sched.commit(batch, token_ids, logprobs)
-        self.sched.finished_reqs.clear()
-        return batch
-
-    def run_all(self) -> None:
-        while self.step() is not None:
-            pass
-
-    def abort_all(self) -> None:
-        for req in list(self.sched.by_id.values()):
-            self.sched.finish(req, "abort")
-        self.sched.finished_reqs.clear()
 
 
 def cache_of(engine: Engine) -> ExpertCache | None:
@@ -134,7 +93,7 @@ def measure_uva_gbps(device: torch.device, row_elems: int, rows: int) -> dict[st
 # ----------------------------------------------------------------- prefill / decode
 
 
-def prefill_chunk(drv: Driver, engine: Engine, device: torch.device, prompt: list[int], prefix: int,
+def prefill_chunk(drv: EngineDriver, engine: Engine, device: torch.device, prompt: list[int], prefix: int,
                   chunk: int) -> dict[str, Any]:
     req = drv.add(prompt, max_tokens=1)
     batch = drv.sched.schedule()
@@ -153,7 +112,7 @@ def prefill_chunk(drv: Driver, engine: Engine, device: torch.device, prompt: lis
     return {"wall_s": wall, **delta(stats(engine), before)}
 
 
-def bench_prefill(drv: Driver, engine: Engine, device: torch.device, base: list[int],
+def bench_prefill(drv: EngineDriver, engine: Engine, device: torch.device, base: list[int],
                   prefix: int, chunk: int, reps: int) -> dict[str, Any]:
     runs = [prefill_chunk(drv, engine, device, base[:prefix] + drv.tokens(chunk), prefix, chunk)
             for _ in range(reps + 1)][1:]  # the first one warms up (compiles, fills caches)
@@ -168,7 +127,7 @@ def bench_prefill(drv: Driver, engine: Engine, device: torch.device, base: list[
     return out
 
 
-def prefill_base(drv: Driver, device: torch.device, base: list[int]) -> dict[str, Any]:
+def prefill_base(drv: EngineDriver, device: torch.device, base: list[int]) -> dict[str, Any]:
     req = drv.add(base, max_tokens=1)
     sync(device)
     t0 = time.perf_counter()
@@ -184,7 +143,7 @@ PROFILE_STEPS = 4  # decode steps run under the profiler after the timed ones
 SEEDED_WARMUP = 24
 
 
-def bench_decode(drv: Driver, engine: Engine, device: torch.device, bs: int, prompt_len: int,
+def bench_decode(drv: EngineDriver, engine: Engine, device: torch.device, bs: int, prompt_len: int,
                  warmup: int, steps: int, seed: int | None = None) -> dict[str, Any]:
     """``seed``: the prompts come from it, and the expert cache is emptied once
     the prompts are in, so runs with the same seed decode the same tokens from
@@ -197,18 +156,18 @@ def bench_decode(drv: Driver, engine: Engine, device: torch.device, bs: int, pro
     for _ in range(20 * bs + 50):
         if all(r.state is ReqState.DECODE for r in reqs):
             break
-        drv.step()
+        drv.sync_step()
     cache = cache_of(engine)
     if seed is not None and cache is not None and not cache.full:
         sync(device)
         cache.reset()  # in place: the captured graphs keep their pointers
     for _ in range(warmup):
-        drv.step()
+        drv.sync_step()
     before = stats(engine)
     sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
-        b = drv.step()
+        b = drv.sync_step()
         assert b is not None and b.is_decode and len(b.reqs) == bs
     sync(device)
     wall = time.perf_counter() - t0
@@ -221,7 +180,7 @@ def bench_decode(drv: Driver, engine: Engine, device: torch.device, bs: int, pro
         # Whether the expert copies ran beside compute: of the fill kernels' time,
         # the part some other kernel shared (the prefetch fill is on a side stream).
         # _fill_rows_capped_kernel is the side-stream prefetch fill (moe/kernels.py).
-        prof = gpu_kernel_seconds(lambda: [drv.step() for _ in range(PROFILE_STEPS)], device,
+        prof = gpu_kernel_seconds(lambda: [drv.sync_step() for _ in range(PROFILE_STEPS)], device,
                                   overlap_of="fill_rows", top=12)
         side = overlap_seconds(prof["spans"], "fill_rows_capped")
         ov = prof["overlap"]
@@ -265,7 +224,7 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: str, device: torch.
     if engine is None:
         return
     results[f"{mode}_build"] = dict(engine.summary)
-    drv = Driver(engine, seed=1)
+    drv = EngineDriver(engine, seed=1)
     cached = args.cached if mode != "offload_full" else [p for p in args.cached if p <= args.cached[1]]
     base = drv.tokens(max(cached))
 
