@@ -14,13 +14,13 @@ import torch
 
 from ftserve import envs
 from ftserve_kernels.attention_common import AttnKernelConfig
-from tools.bench_decode_variants import (
+from tools.bench_common import env_applied
+from tools.bench_decode_variants import main
+from tools.decode_variants import (
     DEFAULT_ENV,
     backend_for,
     combine_best,
     default_variants,
-    env_applied,
-    main,
     render_table,
     score_ms,
     should_skip,

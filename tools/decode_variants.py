@@ -1,0 +1,164 @@
+"""The variant model of tools/bench_decode_variants: which batch-1 decode
+kernel variants there are, how a run's rows are ranked and combined, and the
+markdown table. No GPU here (tests/test_bench_decode_variants.py runs it on
+the CPU); the measurement loop lives in tools/bench_decode_variants.py.
+
+A variant is an FTSERVE_* kernel switch from ftserve/envs.py laid over
+DEFAULT_ENV, or fields of the Triton attention backend's AttnKernelConfig.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftserve_kernels.attention_common import AttnKernelConfig
+from tools.bench_common import markdown_table
+
+# Every kernel switch at its ftserve/envs.py default: the baseline, and the
+# base every variant's own settings are laid over.
+DEFAULT_ENV: dict[str, str] = {
+    "FTSERVE_DENSE_GEMV": "linear",
+    "FTSERVE_MOE_GATEUP_ACC": "0",
+    "FTSERVE_LM_HEAD_FP32": "0",
+    "FTSERVE_DECODE_FUSION": "1",
+    "FTSERVE_MOE_DOWN3D": "1",
+    "FTSERVE_FUSED_KV_STORE": "1",
+    "FTSERVE_PDL": "0",
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One point to measure. ``group`` is the knob it turns (options of one
+    group exclude each other when the best are combined); the baseline and the
+    combination have none. ``attn`` replaces AttnKernelConfig fields."""
+
+    name: str
+    group: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
+    attn: Mapping[str, Any] = field(default_factory=dict)
+
+
+def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
+    """Baseline first, then one knob at a time; ``base_attn`` is the
+    AttnKernelConfig the backend uses by default on this device."""
+    pps = base_attn.decode_programs_per_sm
+    fused = not base_attn.decode_fused_reduce
+    out = [Variant("baseline")]
+    out += [Variant(f"DENSE_GEMV={v}", "dense_gemv", {"FTSERVE_DENSE_GEMV": v})
+            for v in ("0", "1", "norm")]
+    out.append(Variant("MOE_GATEUP_ACC=1", "moe_gateup_acc", {"FTSERVE_MOE_GATEUP_ACC": "1"}))
+    out.append(Variant("LM_HEAD_FP32=1", "lm_head_fp32", {"FTSERVE_LM_HEAD_FP32": "1"}))
+    out.append(Variant("FUSED_KV_STORE=0", "fused_kv_store", {"FTSERVE_FUSED_KV_STORE": "0"}))
+    out += [Variant(f"PDL={v}", "pdl", {"FTSERVE_PDL": v}) for v in ("1", "wait")]
+    # PDL links only Triton kernels: with the cuBLAS GEMVs replaced too. A group
+    # joined by "+" turns several switches and never enters the combination.
+    out += [Variant(f"PDL=1 DENSE_GEMV={v}", "pdl+dense_gemv", {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": v})
+            for v in ("1", "norm")]
+    out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
+                       attn={"decode_fused_reduce": fused}))
+    for factor in (0.5, 2.0):
+        n = max(1, round(pps * factor))
+        if n != pps:
+            out.append(Variant(f"attn programs_per_sm={n}", "attn_programs_per_sm",
+                               attn={"decode_programs_per_sm": n}))
+    # At batch 1 the split count sits at the max_splits cap (H200: 132 SMs x 4
+    # programs over 4 KV heads > 128), so only a lower cap changes it there.
+    for n in sorted({base_attn.max_splits // 4, base_attn.max_splits // 2}):
+        if 1 <= n < base_attn.max_splits:
+            out.append(Variant(f"attn max_splits={n}", "attn_max_splits", attn={"max_splits": n}))
+    return out
+
+
+def score_ms(row: Mapping[str, Any]) -> float | None:
+    """What a variant is ranked by: the graph replay time of one batch-1 step;
+    without graphs (CPU), the engine's batch-1 step time."""
+    if row.get("replay_ms") is not None:
+        return float(row["replay_ms"])
+    tps = (row.get("decode_b1") or {}).get("tokens_per_s")
+    return 1e3 / tps if tps else None
+
+
+def combine_best(rows: Sequence[Mapping[str, Any]], variants: Sequence[Variant],
+                 min_gain: float) -> tuple[Variant | None, dict[str, str]]:
+    """The combination of each group's fastest variant that matched the
+    baseline's tokens and beat the baseline's score by more than ``min_gain``
+    (a fraction). Returns (variant, {group: winner}); the variant is None when
+    fewer than two groups have a winner (one winner was measured already)."""
+    by_name = {v.name: v for v in variants}
+    base = next((r for r in rows if r["name"] == "baseline" and not r.get("error")), None)
+    base_ms = score_ms(base) if base is not None else None
+    if base_ms is None:
+        return None, {}
+    best: dict[str, tuple[float, Variant]] = {}
+    for r in rows:
+        v = by_name.get(r["name"])
+        ms = score_ms(r)
+        if (v is None or not v.group or "+" in v.group or r.get("error") or r.get("tokens_ok") is not True
+                or ms is None):
+            continue
+        if ms < base_ms * (1.0 - min_gain) and (v.group not in best or ms < best[v.group][0]):
+            best[v.group] = (ms, v)
+    winners = {g: v.name for g, (_, v) in sorted(best.items())}
+    if len(best) < 2:
+        return None, winners
+    env: dict[str, str] = {}
+    attn: dict[str, Any] = {}
+    for _, v in best.values():
+        env.update(v.env)
+        attn.update(v.attn)
+    return Variant("combined: " + " + ".join(winners.values()), "", env, attn), winners
+
+
+def should_skip(now: float, deadline: float, durations: Sequence[float], reserve: int) -> bool:
+    """Skip a variant unless ``reserve`` variants as slow as the slowest so far
+    (this one and any kept for later) fit before the deadline."""
+    if not durations:
+        return False
+    return deadline - now < reserve * max(durations)
+
+
+def render_table(rows: Sequence[Mapping[str, Any]], batches: Sequence[int] = (1, 8),
+                 skipped: Sequence[str] = ()) -> str:
+    """Markdown: one line per measured variant, then the skipped ones. The
+    roofline columns are batch 1's (``batches[0]``)."""
+    base = next((r for r in rows if r["name"] == "baseline"), None)
+    base_ms = score_ms(base) if base is not None else None
+    table = []
+    for r in rows:
+        ms = score_ms(r)
+        tok = {True: "yes", False: f"NO (step {r.get('mismatch_at')})", None: "-"}[r.get("tokens_ok")]
+        if r.get("error"):
+            tok = "FAILED: " + str(r["error"]).splitlines()[0][:60]
+        first = r.get(f"decode_b{batches[0]}") or {}
+        frac, replay_frac = first.get("frac_of_roofline"), r.get("replay_frac_of_roofline")
+        table.append((r["name"], tok, r.get("replay_ms"),
+                      f"{base_ms / ms:.3f}x" if base_ms and ms else None,
+                      f"{100 * replay_frac:.1f}%" if replay_frac is not None else None,
+                      first.get("tokens_per_s"), f"{100 * frac:.1f}%" if frac is not None else None,
+                      *((r.get(f"decode_b{bs}") or {}).get("tokens_per_s") for bs in batches[1:])))
+    headers = ("variant", "tokens ok", "replay ms", "speed-up", "replay % roofline",
+               f"tok/s b{batches[0]}", f"% roofline b{batches[0]}",
+               *(f"tok/s b{bs}" for bs in batches[1:]))
+    text = markdown_table(headers, table)
+    if skipped:
+        text += "\n\nskipped (time budget): " + ", ".join(skipped)
+    return text
+
+
+def backend_for(backend: Any, base_attn: AttnKernelConfig, v: Variant) -> Any:
+    """The attention backend variant ``v`` runs: the build's own unless it
+    changes AttnKernelConfig fields, then a Triton backend with those."""
+    if not v.attn:
+        return backend
+    if getattr(backend, "name", "") != "triton":
+        raise RuntimeError(f"attention config variants need the triton backend; this engine "
+                           f"runs {getattr(backend, 'name', type(backend).__name__)}")
+    from ftserve_kernels.attention_triton import TritonAttentionBackend
+
+    return TritonAttentionBackend(scale=backend.scale, cfg=dataclasses.replace(base_attn, **v.attn),
+                                  extend_token_bound=backend.extend_token_bound)
+
