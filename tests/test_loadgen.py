@@ -89,6 +89,27 @@ def test_text_is_deterministic_and_heavy_tailed() -> None:
     json.loads(textgen.json_blob(random.Random(4), 200))
 
 
+def test_token_estimate_treats_prose_and_tool_output_alike() -> None:
+    """The agentic ceiling rescales the estimate by the server's count for the
+    whole prompt, then sizes the next message with it, inside a 0.8 margin: so
+    real / estimate must agree between prose and tool output (code, JSON) to
+    about 25%. Checked with the demo model's real sentencepiece vocabulary."""
+    import sentencepiece as spm
+
+    from ftserve.models.checkpoint import tokenizer_data_dir
+    from ftserve.models.presets import TOKENIZER_V1
+
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_data_dir() / TOKENIZER_V1))
+    ratios: dict[str, list[float]] = {}
+    for kind in ("user_turn", "tool_output", "system_prompt"):
+        rng = random.Random(1)
+        texts = [getattr(textgen, kind)(rng, rng.choice([40, 150, 400])) for _ in range(60)]
+        ratios[kind] = [len(sp.encode(t)) / textgen.approx_tokens(t) for t in texts]
+    prose = sum(ratios["user_turn"]) / len(ratios["user_turn"])
+    for kind, rs in ratios.items():
+        assert 0.75 * prose <= min(rs) and max(rs) <= 1.3 * prose, (kind, prose, min(rs), max(rs))
+
+
 def test_parse_metrics_sums_labels() -> None:
     text = ('# TYPE ftserve_num_requests_running gauge\n'
             'ftserve_num_requests_running{model="a"} 2\nftserve_num_requests_running{model="b"} 1\n'
