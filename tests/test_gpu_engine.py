@@ -273,6 +273,10 @@ def test_bench_accounting_matches_hand_counts() -> None:
     assert fl["matmul_flops"] == pytest.approx(4096 * 8 * 2 * (attn + h * e + k * 3 * h * i) + 2 * h * v)
     pairs = 4096 * 8192 + 4096 * 4097 / 2
     assert fl["attention_flops"] == pytest.approx(8 * 32 * 4 * 128 * pairs)
+    assert fl["attention_square_flops"] == pytest.approx(8 * 32 * 4 * 128 * 4096 * (8192 + 4096))
+    # The reference: 0.040 s cold at "about 19%" of 790 TFLOP/s counts ~6.0 TFLOP.
+    cold = prefill_flops(cfg, 4096, 0)
+    assert (cold["matmul_flops"] + cold["attention_square_flops"]) / 0.040 / 790e12 == pytest.approx(0.19, abs=0.005)
 
 
 def test_bench_engine_smoke_cpu(tmp_path: Path) -> None:

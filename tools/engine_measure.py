@@ -88,6 +88,8 @@ def bench_prefill(drv: EngineDriver, device: torch.device, mcfg: Any, limits: di
     if mm:
         out["matmul_frac_of_peak"] = out["matmul_tflops"] / mm
         out["total_frac_of_peak"] = out["tflops"] / mm
+        # The issue's own count (bench_common.prefill_flops): attention as a square.
+        out["issue_count_frac_of_peak"] = (fl["matmul_flops"] + fl["attention_square_flops"]) / wall / 1e12 / mm
     if prof["kernel_s"] is not None:
         out["gpu_busy"] = prof["kernel_s"] / wall
         out["gpu_busy_incl_schedule"] = prof["kernel_s"] / (wall + sched)
