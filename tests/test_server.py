@@ -174,6 +174,60 @@ def test_seed_reproducible_and_sampling_fields(live: Live, client: openai.OpenAI
     assert a.choices[0].model_extra["token_ids"] == b.choices[0].model_extra["token_ids"]
 
 
+def test_n_choices_non_streaming(live: Live, client: openai.OpenAI) -> None:
+    """n > 1: one engine request per choice; a seed gives choice i seed + i, so the
+    choices differ and the whole response is reproducible; the prompt is counted once."""
+    kw: dict[str, Any] = dict(model="ftserve-demo", messages=MSGS, max_tokens=6, temperature=1.0,
+                              seed=99, n=3, extra_body={"ignore_eos": True, "return_token_ids": True})
+    _cold(live)
+    a = client.chat.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" and c.message.role == "assistant" for c in a.choices)
+    ids = [c.model_extra["token_ids"] for c in a.choices]
+    assert all(len(t) == 6 for t in ids) and len({tuple(t) for t in ids}) > 1
+    assert a.usage.completion_tokens == 18
+    single = client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=1)
+    assert a.usage.prompt_tokens == single.usage.prompt_tokens
+    _cold(live)
+    b = client.chat.completions.create(**kw)
+    assert [c.model_extra["token_ids"] for c in b.choices] == ids
+    # Choice 0 of n is the single request with the same seed.
+    _cold(live)
+    one = client.chat.completions.create(**{**kw, "n": 1})
+    assert one.choices[0].model_extra["token_ids"] == ids[0]
+    # Greedy choices are the same tokens; completions take n as well.
+    g = client.completions.create(model="ftserve-demo", prompt="Once upon a time", max_tokens=5,
+                                  temperature=0, n=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in g.choices] == [0, 1] and g.choices[0].text == g.choices[1].text
+    assert g.usage.completion_tokens == 10
+    live.wait_idle()
+
+
+def test_n_choices_streaming(live: Live) -> None:
+    body = {"model": "ftserve-demo", "messages": MSGS, "max_tokens": 5, "temperature": 1.0, "seed": 7,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "n": 2}
+    _cold(live)
+    frames = asyncio.run(_sse_events(live.url + "/v1/chat/completions", body))
+    assert frames[-1] == b"data: [DONE]"
+    events = [orjson.loads(f[6:]) for f in frames[:-1] if f.startswith(b"data: ")]
+    assert [e["choices"][0]["index"] for e in events[:2]] == [0, 1]  # a role chunk each
+    assert all(e["choices"][0]["delta"] == {"role": "assistant", "content": ""} for e in events[:2])
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 10
+    texts, reasons = ["", ""], [None, None]
+    for e in events[2:-1]:
+        (c,) = e["choices"]
+        assert reasons[c["index"]] is None, "nothing after a choice's finish chunk"
+        texts[c["index"]] += c["delta"].get("content", "")
+        reasons[c["index"]] = c["finish_reason"]
+    assert reasons == ["length", "length"]
+    # Each choice's stream equals the same choice of the non-streamed response.
+    body.pop("stream"), body.pop("stream_options")
+    _cold(live)
+    status, full = _post(live, "/v1/chat/completions", body)
+    assert status == 200 and [c["message"]["content"] for c in full["choices"]] == texts
+    live.wait_idle()
+
+
 def test_stop_token_ids_and_min_tokens(live: Live) -> None:
     base = {"messages": MSGS, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
@@ -298,6 +352,6 @@ def test_openai_client_sees_error_objects(live: Live, client: openai.OpenAI) -> 
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="nope", messages=MSGS, max_tokens=1)
     assert missing.value.code == "model_not_found"
-    with pytest.raises(openai.BadRequestError) as n2:
-        client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=1, n=2)
-    assert n2.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=1, n=17)
+    assert too_many.value.param == "n"

@@ -73,7 +73,9 @@ def assert_error(resp: tuple[int, dict[str, str], Any], status: int,
     ({"messages": MSGS, "stop": [1, 2]}, "stop"),
     ({"messages": MSGS, "top_logprobs": 50, "logprobs": True}, "top_logprobs"),
     ({"messages": MSGS, "stop_token_ids": [10**9]}, "stop_token_ids"),
-    ({"messages": MSGS, "n": 2}, "n"),
+    ({"messages": MSGS, "n": 0}, "n"),
+    ({"messages": MSGS, "n": 17}, "n"),
+    ({"messages": MSGS, "n": "2"}, "n"),
     ({"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": MSGS, "tool_choice": "auto"}, "tool_choice"),
     ({"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
@@ -182,6 +184,36 @@ def test_non_streaming_disconnect_aborts(live: Live) -> None:
 
     asyncio.run(go())
     live.wait_idle(timeout=5)
+
+
+def test_n_choices_disconnect_aborts_every_choice(live: Live) -> None:
+    """n = 3 is three engine requests: a client that leaves mid-stream, or before a
+    non-streamed answer, frees all of them."""
+    baseline = live.wait_idle()
+
+    async def go() -> None:
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(live.url + CHAT, json={
+                "messages": MSGS, "max_tokens": 400, "ignore_eos": True, "stream": True, "n": 3})
+            assert resp.status == 200
+            for _ in range(6):  # three role chunks, then tokens
+                await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)
+            st = live.engine.stats()
+            assert st.running + st.waiting == 3, st  # this server runs 2 at a time
+            resp.close()
+            task = asyncio.ensure_future(s.post(live.url + CHAT, json={
+                "messages": MSGS, "max_tokens": 400, "ignore_eos": True, "n": 2}))
+            deadline = time.monotonic() + 10
+            while live.engine.stats().running < 2:  # the stream's three are gone first
+                assert time.monotonic() < deadline, live.engine.stats()
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(go())
+    after = live.wait_idle(timeout=5)
+    assert after.kv_pages_used == baseline.kv_pages_used == 0
 
 
 def test_stream_keeps_flowing_while_huge_prompts_tokenize(live: Live) -> None:

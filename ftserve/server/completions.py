@@ -14,7 +14,7 @@ from ftserve.engine.messages import TokenLogprob
 from ftserve.server import responses as R
 from ftserve.server import sse
 from ftserve.server.errors import APIError, bad_request
-from ftserve.server.generation import EngineRequestError, Generation
+from ftserve.server.generation import EngineRequestError, Generation, Step
 from ftserve.server.protocol import ParsedRequest, parse_chat, parse_completion
 from ftserve.server.state import STATE_KEY, ServerState
 from ftserve.server.text import TemplateError, TextCodec
@@ -79,14 +79,20 @@ async def _run(
     engine, text = state.ready()
     params = parsed.build_params(len(ids), engine.max_model_len, engine.vocab_size)
     rid = prefix + uuid.uuid4().hex
-    detok = text.detokenizer(ids, parsed.stop, parsed.skip_special_tokens)
-    gen = Generation(engine, state.tracker, state.metrics, rid, ids, params, detok, arrival)
+    # One engine request per choice (n > 1: ids rid-0, rid-1, ...; the response keeps rid).
+    gens: list[Generation] = []
     try:
+        for i in range(parsed.n):
+            detok = text.detokenizer(ids, parsed.stop, parsed.skip_special_tokens)
+            gid = rid if parsed.n == 1 else f"{rid}-{i}"
+            gens.append(Generation(engine, state.tracker, state.metrics, gid, ids,
+                                   parsed.choice_params(params, i), detok, arrival))
         if parsed.stream:
-            return await _stream(request, state, parsed, gen, text)
-        return await _collect(state, parsed, gen, text)
+            return await _stream(request, state, parsed, rid, gens, text)
+        return await _collect(state, parsed, rid, gens, text)
     finally:
-        gen.close()  # a cancelled handler (client gone) aborts the engine request here
+        for gen in gens:
+            gen.close()  # a cancelled handler (client gone) aborts the engine requests here
 
 
 def _engine_error(state: ServerState, err: EngineRequestError) -> APIError:
@@ -95,99 +101,148 @@ def _engine_error(state: ServerState, err: EngineRequestError) -> APIError:
     return bad_request(str(err), code="request_rejected")
 
 
-def _usage(gen: Generation) -> dict[str, Any]:
-    return R.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+def _usage(gens: list[Generation]) -> dict[str, Any]:
+    """The prompt counts once however many choices share it."""
+    return R.usage(gens[0].prompt_tokens, sum(g.completion_tokens for g in gens),
+                   max(g.cached_tokens for g in gens))
 
 
 async def _collect(
-    state: ServerState, parsed: ParsedRequest, gen: Generation, text: TextCodec
+    state: ServerState, parsed: ParsedRequest, rid: str, gens: list[Generation], text: TextCodec
 ) -> web.Response:
-    pieces: list[str] = []
-    out_ids: list[int] = []
-    lps: list[TokenLogprob] = []
-    try:
-        while not gen.finished:
-            step = await gen.next()
-            assert step is not None
-            pieces.append(step.text)
-            out_ids.extend(step.token_ids)
-            if step.logprobs:
-                lps.extend(step.logprobs)
-    except EngineRequestError as err:
-        raise _engine_error(state, err) from None
-    content = "".join(pieces)
-    reason = gen.finish_reason or "stop"
-    tok_ids = out_ids if parsed.return_token_ids else None
-    prompt_ids = gen.prompt_ids if parsed.return_token_ids else None
     created = int(time.time())
-    if parsed.kind == "chat":
-        logprobs = R.chat_logprobs(lps, text.token_text) if parsed.logprobs is not None else None
-        body = R.chat_response(gen.request_id, created, state.model_name, content, reason,
-                               _usage(gen), logprobs, tok_ids, prompt_ids)
-    else:
-        logprobs = (R.completion_logprobs(lps, text.token_text, 0)
-                    if parsed.logprobs is not None else None)
-        body = R.completion_response(gen.request_id, created, state.model_name, content, reason,
-                                     _usage(gen), logprobs, tok_ids, prompt_ids)
+    choices: list[dict[str, Any]] = []
+    body: dict[str, Any] = {}
+    for index, gen in enumerate(gens):  # the engine runs them all at once; read in turn
+        pieces: list[str] = []
+        out_ids: list[int] = []
+        lps: list[TokenLogprob] = []
+        try:
+            while not gen.finished:
+                step = await gen.next()
+                assert step is not None
+                pieces.append(step.text)
+                out_ids.extend(step.token_ids)
+                if step.logprobs:
+                    lps.extend(step.logprobs)
+        except EngineRequestError as err:
+            raise _engine_error(state, err) from None
+        content = "".join(pieces)
+        reason = gen.finish_reason or "stop"
+        tok_ids = out_ids if parsed.return_token_ids else None
+        prompt_ids = gen.prompt_ids if parsed.return_token_ids else None
+        if parsed.kind == "chat":
+            logprobs = R.chat_logprobs(lps, text.token_text) if parsed.logprobs is not None else None
+            body = R.chat_response(rid, created, state.model_name, content, reason,
+                                   {}, logprobs, tok_ids, prompt_ids)
+        else:
+            logprobs = (R.completion_logprobs(lps, text.token_text, 0)
+                        if parsed.logprobs is not None else None)
+            body = R.completion_response(rid, created, state.model_name, content, reason,
+                                         {}, logprobs, tok_ids, prompt_ids)
+        choices.append({**body["choices"][0], "index": index})
+    body["choices"] = choices
+    body["usage"] = _usage(gens)
     return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+class _ChoiceChunks:
+    """SSE chunks of one choice: its completion text offset (logprobs) and, for
+    completions, prompt_token_ids on its first chunk."""
+
+    def __init__(self, parsed: ParsedRequest, rid: str, created: int, model: str,
+                 gen: Generation, index: int, text: TextCodec) -> None:
+        self.chat = parsed.kind == "chat"
+        self.rid, self.created, self.model, self.index = rid, created, model, index
+        self.gen, self.text = gen, text
+        self.prompt_ids_pending = parsed.return_token_ids and not self.chat
+        self.text_offset = 0
+
+    def role(self, want_ids: bool) -> dict[str, Any]:
+        # The role chunk goes out at once, as OpenAI does, before any token exists.
+        out = self._indexed(R.chat_chunk(self.rid, self.created, self.model,
+                                         {"role": "assistant", "content": ""}))
+        if want_ids:
+            out["prompt_token_ids"] = self.gen.prompt_ids
+        return out
+
+    def chunk(self, step_text: str, reason: str | None, lp: list[TokenLogprob] | None,
+              ids: list[int] | None) -> dict[str, Any]:
+        if self.chat:
+            lp_obj = R.chat_logprobs(lp, self.text.token_text) if lp else None
+            delta = {"content": step_text} if reason is None else {}
+            return self._indexed(R.chat_chunk(self.rid, self.created, self.model, delta, reason,
+                                              lp_obj, ids))
+        lp_obj = R.completion_logprobs(lp, self.text.token_text, self.text_offset) if lp else None
+        self.text_offset += len(step_text)
+        p_ids = self.gen.prompt_ids if self.prompt_ids_pending else None
+        self.prompt_ids_pending = False
+        return self._indexed(R.completion_chunk(self.rid, self.created, self.model, step_text,
+                                                reason, lp_obj, ids, p_ids))
+
+    def _indexed(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        chunk["choices"][0]["index"] = self.index
+        return chunk
 
 
 async def _stream(
     request: web.Request,
     state: ServerState,
     parsed: ParsedRequest,
-    gen: Generation,
+    rid: str,
+    gens: list[Generation],
     text: TextCodec,
 ) -> web.StreamResponse:
-    rid, model, created = gen.request_id, state.model_name, int(time.time())
+    model, created = state.model_name, int(time.time())
     chat = parsed.kind == "chat"
     want_ids = parsed.return_token_ids
+    streams = [_ChoiceChunks(parsed, rid, created, model, g, i, text) for i, g in enumerate(gens)]
     resp = await sse.open_stream(request)
-    # Completions carry prompt_token_ids on their first choice; chat on the role chunk.
-    prompt_ids_pending = want_ids and not chat
-    text_offset = 0
+    # Every choice's steps go through one queue, in the order they arrive.
+    merged: asyncio.Queue[tuple[int, Step | EngineRequestError]] = asyncio.Queue()
 
-    def chunk(step_text: str, reason: str | None, lp: list[TokenLogprob] | None,
-              ids: list[int] | None) -> dict[str, Any]:
-        nonlocal prompt_ids_pending, text_offset
-        if chat:
-            lp_obj = R.chat_logprobs(lp, text.token_text) if lp else None
-            delta = {"content": step_text} if reason is None else {}
-            return R.chat_chunk(rid, created, model, delta, reason, lp_obj, ids)
-        lp_obj = R.completion_logprobs(lp, text.token_text, text_offset) if lp else None
-        text_offset += len(step_text)
-        p_ids = gen.prompt_ids if prompt_ids_pending else None
-        prompt_ids_pending = False
-        return R.completion_chunk(rid, created, model, step_text, reason, lp_obj, ids, p_ids)
-
-    try:
-        if chat:
-            # The role chunk goes out at once, as OpenAI does, before any token exists.
-            role = R.chat_chunk(rid, created, model, {"role": "assistant", "content": ""})
-            if want_ids:
-                role["prompt_token_ids"] = gen.prompt_ids
-            await resp.write(sse.frame(role))
+    async def pump(index: int, gen: Generation) -> None:
         while not gen.finished:
             try:
-                step = await gen.next(timeout=state.cfg.keepalive_interval)
+                step = await gen.next()
             except EngineRequestError as err:
-                await resp.write(sse.frame(_engine_error(state, err).to_dict()))
-                break
-            if step is None:
+                merged.put_nowait((index, err))
+                return
+            assert step is not None
+            merged.put_nowait((index, step))
+
+    pumps = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        if chat:
+            for st in streams:
+                await resp.write(sse.frame(st.role(want_ids)))
+        failed = False
+        while not all(g.finished for g in gens) or not merged.empty():
+            try:
+                index, item = await asyncio.wait_for(merged.get(), state.cfg.keepalive_interval)
+            except TimeoutError:
                 await resp.write(sse.KEEPALIVE)  # long prefill: keep proxies and clients patient
                 continue
-            lp = step.logprobs if parsed.logprobs is not None else None
-            ids = step.token_ids if want_ids else None
-            if step.text or lp or ids:
-                await resp.write(sse.frame(chunk(step.text, None, lp, ids)))
-            if step.finish_reason is not None:
-                await resp.write(sse.frame(chunk("", step.finish_reason, None,
-                                                 [] if want_ids else None)))
-        if parsed.include_usage and gen.finish_reason not in (None, "error"):
+            if isinstance(item, EngineRequestError):
+                await resp.write(sse.frame(_engine_error(state, item).to_dict()))
+                failed = True
+                break
+            st = streams[index]
+            lp = item.logprobs if parsed.logprobs is not None else None
+            ids = item.token_ids if want_ids else None
+            if item.text or lp or ids:
+                await resp.write(sse.frame(st.chunk(item.text, None, lp, ids)))
+            if item.finish_reason is not None:
+                await resp.write(sse.frame(st.chunk("", item.finish_reason, None,
+                                                    [] if want_ids else None)))
+        if parsed.include_usage and not failed:
             obj = "chat.completion.chunk" if chat else "text_completion"
-            await resp.write(sse.frame(R.usage_chunk(rid, created, model, obj, _usage(gen))))
+            await resp.write(sse.frame(R.usage_chunk(rid, created, model, obj, _usage(gens))))
         await resp.write(sse.DONE)
         await resp.write_eof()
     except ConnectionError:
-        pass  # the client left; the caller's finally aborts the engine request
+        pass  # the client left; the caller's finally aborts the engine requests
+    finally:
+        for task in pumps:
+            task.cancel()
     return resp

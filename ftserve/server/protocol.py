@@ -3,11 +3,12 @@
 Types are checked strictly (a bool is not a number, a string is not a list) so that a
 bad field gets a 400 naming it instead of surfacing later as a 500. Fields we do not
 know are ignored, as OpenAI-compatible servers do; fields we know but cannot honour
-(n > 1, tools, response_format, ...) get a 400 naming the field.
+(tools, response_format, n above MAX_CHOICES, ...) get a 400 naming the field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -18,6 +19,7 @@ from ftserve.server.errors import APIError, bad_request, unsupported
 _MISSING: Any = object()
 _I32 = 2**31 - 1
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_CHOICES = 16  # n: each choice is its own engine request (its own KV and batch slot)
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class ParsedRequest:
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs
+    n: int = 1  # choices: one engine request each, the same prompt (seeds: seed + i)
 
     def build_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
         """Resolve max_tokens against the context window and validate everything."""
@@ -56,6 +59,13 @@ class ParsedRequest:
         except SamplingParamsError as err:
             raise bad_request(str(err), param=err.param) from None
         return params
+
+    def choice_params(self, params: SamplingParams, index: int) -> SamplingParams:
+        """Choice ``index`` of n: a given seed becomes seed + index (wrapped to 64 bits),
+        so the choices are distinct draws and the whole response is reproducible."""
+        if index == 0 or params.seed is None:
+            return params
+        return dataclasses.replace(params, seed=(params.seed + index + 2**63) % 2**64 - 2**63)
 
 
 def context_length_error(prompt_len: int, max_tokens: int, limit: int,
@@ -162,8 +172,7 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     model = _get(body, "model")
     if model is not _MISSING and not isinstance(model, str):
         raise bad_request("'model' must be a string", param="model")
-    if _int(body, "n", lo=1) not in (_MISSING, 1):
-        raise unsupported("n", "> 1 is not supported")
+    n = _int(body, "n", lo=1, hi=MAX_CHOICES)
     stream = _bool(body, "stream", False)
     options = _get(body, "stream_options")
     include_usage = False
@@ -180,6 +189,7 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
         "return_token_ids": _bool(body, "return_token_ids", False),
         "skip_special_tokens": _bool(body, "skip_special_tokens", True),
         "sampling": _sampling(body),
+        "n": 1 if n is _MISSING else n,
     }
 
 
