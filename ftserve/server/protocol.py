@@ -176,9 +176,12 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     stream = _bool(body, "stream", False)
     options = _get(body, "stream_options")
     include_usage = False
-    if options is not _MISSING:
+    if options is not _MISSING and options is not None:
         if not isinstance(options, dict):
             raise bad_request("'stream_options' must be an object", param="stream_options")
+        if not stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true",
+                              param="stream_options")
         include_usage = _bool(options, "include_usage", False)
     return {
         "model": None if model is _MISSING else model,
