@@ -353,7 +353,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU (< 60 s)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--cache-frac", type=float, default=0.25)
-    p.add_argument("--prefetch-programs", type=lambda v: [int(x) for x in v.split(",")], default=[16, 32, 0],
+    p.add_argument("--prefetch-programs", type=lambda v: [int(x) for x in v.split(",")], default=[16, 0],
                    help="decode ablation: prefetch on with these fill grid caps (0 = uncapped)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--budget-s", type=float, default=None, help="skip sections past this (default 200)")
