@@ -1,0 +1,86 @@
+"""ftserve/server/tool_calls.py: finding tool calls in model output, whole and streamed."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from ftserve.server.tool_calls import ToolStream, format_of, parse
+
+
+def test_format_from_the_template() -> None:
+    assert format_of("{% for t in tools %}...<tool_call>\n{{ t | tojson }}</tool_call>") == "hermes"
+    assert format_of("{{ '[TOOL_CALLS]' + calls | tojson }}") == "mistral"
+    assert format_of("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+
+
+def test_hermes_calls_and_content() -> None:
+    text = ('Let me look.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n'
+            '</tool_call>\n<tool_call>{"name": "grep", "arguments": "{\\"q\\": \\"x\\"}"}</tool_call>')
+    p = parse(text, "hermes")
+    assert p.content == "Let me look."
+    assert [c["function"]["name"] for c in p.tool_calls] == ["read_file", "grep"]
+    assert json.loads(p.tool_calls[0]["function"]["arguments"]) == {"path": "a.py"}
+    assert json.loads(p.tool_calls[1]["function"]["arguments"]) == {"q": "x"}
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in p.tool_calls)
+    assert len({c["id"] for c in p.tool_calls}) == 2
+    only = parse('<tool_call>{"name": "ls", "arguments": {}}</tool_call>', "hermes")
+    assert only.content is None and only.tool_calls[0]["function"]["arguments"] == "{}"
+
+
+@pytest.mark.parametrize("text", [
+    "no calls at all",
+    '<tool_call>{"name": "ls", "arguments": {}}',  # cut off by max_tokens: no closing tag
+    '<tool_call>{"name": "ls", "arguments": {</tool_call>',  # bad JSON
+    '<tool_call>{"arguments": {}}</tool_call>',  # no name
+    '<tool_call>{"name": "ls", "arguments": "{not json"}</tool_call>',  # arguments string not JSON
+    '<tool_call>{"name": "ls"}</tool_call> and then more prose',  # text after the calls
+])
+def test_hermes_anything_unclean_stays_content(text: str) -> None:
+    p = parse(text, "hermes")
+    assert p.content == text and p.tool_calls == []
+
+
+def test_mistral_calls() -> None:
+    text = 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now"}]'
+    p = parse(text, "mistral")
+    assert p.content == "Sure."
+    assert [c["function"]["name"] for c in p.tool_calls] == ["get_weather", "now"]
+    assert json.loads(p.tool_calls[1]["function"]["arguments"]) == {}
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in p.tool_calls)
+    bad = '[TOOL_CALLS][{"name": "get_weather", "argu'
+    assert parse(bad, "mistral").tool_calls == [] and parse(bad, "mistral").content == bad
+
+
+@pytest.mark.parametrize("fmt,text", [
+    ("hermes", 'I will check.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "<x>"}}\n</tool_call>'),
+    ("hermes", "A < B and <tool but no call; <tool_cal"),
+    ("hermes", '<tool_call>{"name": "ls", "arguments": {}}'),  # unfinished: content
+    ("mistral", 'ok [TOOL_CALLS][{"name": "f", "arguments": {"a": [1, 2]}}]'),
+    ("mistral", "prices in [TOOL brackets] stay"),
+])
+def test_stream_matches_whole_parse_for_any_split(fmt: str, text: str) -> None:
+    whole = parse(text, fmt)  # type: ignore[arg-type]
+    rng = random.Random(0)
+    for _ in range(40):
+        cuts = sorted(rng.sample(range(1, len(text)), k=min(6, len(text) - 1)))
+        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+        ts = ToolStream(fmt)  # type: ignore[arg-type]
+        sent = "".join(ts.push(p) for p in pieces)
+        tail, calls = ts.finish()
+        sent += tail
+        assert [c["function"] for c in calls] == [c["function"] for c in whole.tool_calls]
+        if whole.tool_calls:
+            assert sent.strip() == (whole.content or "")
+        else:
+            assert sent == text  # nothing lost, nothing reordered
+
+
+def test_stream_sends_plain_text_at_once() -> None:
+    ts = ToolStream("hermes")
+    assert ts.push("hello world") == "hello world"
+    assert ts.push(" a <to") == " a "  # "<to" could start a call: held
+    assert ts.push("day") == "<today"  # it did not
+    assert ts.finish() == ("", [])
