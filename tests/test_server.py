@@ -285,6 +285,52 @@ def test_prefix_cache_hits_and_reset(live: Live) -> None:
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+TOOLS = [{"type": "function", "function": {
+    "name": "read_file", "description": "Read a file",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+
+
+def test_tools_reach_the_template(live: Live, client: openai.OpenAI) -> None:
+    """The demo template renders Mistral-style tools: the tool list, an earlier
+    assistant turn's calls and the tool's result all reach the prompt, through the
+    official client's own message shapes."""
+    messages: list[Any] = [
+        {"role": "user", "content": "Show me a.py"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "abc123XYZ", "type": "function",
+            "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}]},
+        {"role": "tool", "tool_call_id": "abc123XYZ", "content": "print('hi')"},
+    ]
+    r = client.chat.completions.create(model="ftserve-demo", messages=messages, tools=TOOLS,
+                                       tool_choice="auto", max_tokens=3,
+                                       extra_body={"return_token_ids": True})
+    assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    _, det = _post(live, "/detokenize", {"tokens": r.model_extra["prompt_token_ids"]})
+    prompt = det["prompt"]
+    assert '[AVAILABLE_TOOLS] [{"type": "function", "function": {"name": "read_file"' in prompt
+    assert '[TOOL_CALLS] [{"name": "read_file", "arguments": {"path": "a.py"}, "id": "abc123XYZ"}]' in prompt
+    assert '[TOOL_RESULTS] {"call_id": "abc123XYZ", "content": "print(\'hi\')"}' in prompt
+    # tool_choice "none": the tools are not offered (not rendered).
+    r2 = client.chat.completions.create(model="ftserve-demo", messages=messages[:1], tools=TOOLS,
+                                        tool_choice="none", max_tokens=1,
+                                        extra_body={"return_token_ids": True})
+    _, det2 = _post(live, "/detokenize", {"tokens": r2.model_extra["prompt_token_ids"]})
+    assert "AVAILABLE_TOOLS" not in det2["prompt"]
+    # Streaming with tools: the filter passes plain content through unchanged.
+    body = {"model": "ftserve-demo", "messages": messages[:1], "tools": TOOLS, "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True}
+    _cold(live)
+    status, full = _post(live, "/v1/chat/completions", body)
+    _cold(live)
+    frames = asyncio.run(_sse_events(live.url + "/v1/chat/completions", {**body, "stream": True}))
+    events = [orjson.loads(f[6:]) for f in frames[:-1] if f.startswith(b"data: ")]
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+    msg = full["choices"][0]["message"]
+    if "tool_calls" not in msg:  # random weights: almost surely plain text
+        assert status == 200 and streamed == msg["content"]
+    live.wait_idle()
+
+
 def test_tokenize_detokenize(live: Live) -> None:
     _, tok = _post(live, "/tokenize", {"prompt": "Hello world, héllo"})
     assert tok["count"] == len(tok["tokens"]) > 0

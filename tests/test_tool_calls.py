@@ -84,3 +84,46 @@ def test_stream_sends_plain_text_at_once() -> None:
     assert ts.push(" a <to") == " a "  # "<to" could start a call: held
     assert ts.push("day") == "<today"  # it did not
     assert ts.finish() == ("", [])
+
+
+def test_chat_choice_with_tool_calls() -> None:
+    from ftserve.server.completions import with_tool_calls
+
+    text = 'Checking.\n<tool_call>{"name": "ls", "arguments": {"dir": "."}}</tool_call>'
+    choice = {"index": 1, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              "finish_reason": "stop"}
+    with_tool_calls(choice, text, "hermes")
+    assert choice["finish_reason"] == "tool_calls" and choice["index"] == 1
+    msg = choice["message"]
+    assert msg["content"] == "Checking." and msg["role"] == "assistant"
+    (call,) = msg["tool_calls"]
+    assert call["function"] == {"name": "ls", "arguments": '{"dir": "."}'}
+    plain = {"message": {"role": "assistant", "content": "hi"}, "finish_reason": "length"}
+    with_tool_calls(plain, "hi", "hermes")
+    assert plain == {"message": {"role": "assistant", "content": "hi"}, "finish_reason": "length"}
+
+
+def test_streamed_choice_sends_calls_whole(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The SSE side: content through the filter, then one tool_calls delta with
+    the choice's index, as the openai client assembles it."""
+    from ftserve.models.checkpoint import write_checkpoint
+    from ftserve.server.completions import _ChoiceChunks
+    from ftserve.server.protocol import parse_chat
+    from ftserve.server.text import make_text_codec
+
+    ckpt = write_checkpoint("tiny-moe", tmp_path / "m", layers=1, seed=0)
+    text = make_text_codec(str(ckpt))
+    assert text.tool_format() == "mistral"  # the demo template renders Mistral-style tools
+    parsed = parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
+                         "tools": [{"type": "function", "function": {"name": "ls"}}]})
+    st = _ChoiceChunks(parsed, "chatcmpl-1", 0, "m", None, 2, text)  # type: ignore[arg-type]
+    assert st.tools is not None
+    out = "Sure [TOOL_CALLS] [{\"name\": \"ls\", \"arguments\": {}}]"
+    sent = "".join(st.tools.push(out[i:i + 5]) for i in range(0, len(out), 5))
+    tail, calls = st.tools.finish()
+    assert (sent + tail).strip() == "Sure" and [c["function"]["name"] for c in calls] == ["ls"]
+    chunk = st.calls_chunk(calls)
+    (choice,) = chunk["choices"]
+    assert choice["index"] == 2 and choice["finish_reason"] is None
+    (tc,) = choice["delta"]["tool_calls"]
+    assert tc["index"] == 0 and tc["type"] == "function" and tc["function"]["arguments"] == "{}"

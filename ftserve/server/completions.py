@@ -12,7 +12,7 @@ from aiohttp import web
 
 from ftserve.engine.messages import TokenLogprob
 from ftserve.server import responses as R
-from ftserve.server import sse
+from ftserve.server import sse, tool_calls
 from ftserve.server.errors import APIError, bad_request
 from ftserve.server.generation import EngineRequestError, Generation, Step
 from ftserve.server.protocol import ParsedRequest, parse_chat, parse_completion
@@ -36,10 +36,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine, text = state.ready()
     state.check_queue(engine)
     assert parsed.messages is not None
+    if parsed.tools and text.tool_format() is None:
+        raise bad_request("this model's chat template does not render tools, so it cannot "
+                          "be given any", param="tools")
     try:
         # Rendering a 170k-token conversation is real work: keep it off the loop too.
         prompt = await asyncio.to_thread(
-            text.render_chat, parsed.messages, parsed.add_generation_prompt
+            text.render_chat, parsed.messages, parsed.add_generation_prompt, parsed.tools
         )
     except TemplateError as err:
         raise bad_request(f"chat template error: {err}", param="messages") from None
@@ -135,6 +138,9 @@ async def _collect(
             logprobs = R.chat_logprobs(lps, text.token_text) if parsed.logprobs is not None else None
             body = R.chat_response(rid, created, state.model_name, content, reason,
                                    {}, logprobs, tok_ids, prompt_ids)
+            fmt = text.tool_format() if parsed.tools else None
+            if fmt is not None:
+                with_tool_calls(body["choices"][0], content, fmt)
         else:
             logprobs = (R.completion_logprobs(lps, text.token_text, 0)
                         if parsed.logprobs is not None else None)
@@ -144,6 +150,16 @@ async def _collect(
     body["choices"] = choices
     body["usage"] = _usage(gens)
     return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+def with_tool_calls(choice: dict[str, Any], content: str, fmt: tool_calls.Format) -> None:
+    """A chat choice whose text holds tool calls: message.tool_calls, the rest as
+    content (null if none), finish_reason "tool_calls". Unchanged otherwise."""
+    parsed = tool_calls.parse(content, fmt)
+    if parsed.tool_calls:
+        choice["message"] = {"role": "assistant", "content": parsed.content,
+                             "tool_calls": parsed.tool_calls}
+        choice["finish_reason"] = "tool_calls"
 
 
 class _ChoiceChunks:
@@ -157,6 +173,9 @@ class _ChoiceChunks:
         self.gen, self.text = gen, text
         self.prompt_ids_pending = parsed.return_token_ids and not self.chat
         self.text_offset = 0
+        fmt = text.tool_format() if parsed.tools else None
+        # With tools, content passes through a filter that holds back tool calls.
+        self.tools = tool_calls.ToolStream(fmt) if fmt else None
 
     def role(self, want_ids: bool) -> dict[str, Any]:
         # The role chunk goes out at once, as OpenAI does, before any token exists.
@@ -179,6 +198,11 @@ class _ChoiceChunks:
         self.prompt_ids_pending = False
         return self._indexed(R.completion_chunk(self.rid, self.created, self.model, step_text,
                                                 reason, lp_obj, ids, p_ids))
+
+    def calls_chunk(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
+        """The finished choice's tool calls, whole, in one delta."""
+        delta = {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]}
+        return self._indexed(R.chat_chunk(self.rid, self.created, self.model, delta))
 
     def _indexed(self, chunk: dict[str, Any]) -> dict[str, Any]:
         chunk["choices"][0]["index"] = self.index
@@ -230,11 +254,19 @@ async def _stream(
             st = streams[index]
             lp = item.logprobs if parsed.logprobs is not None else None
             ids = item.token_ids if want_ids else None
-            if item.text or lp or ids:
-                await resp.write(sse.frame(st.chunk(item.text, None, lp, ids)))
+            step_text = st.tools.push(item.text) if st.tools is not None else item.text
+            if step_text or lp or ids:
+                await resp.write(sse.frame(st.chunk(step_text, None, lp, ids)))
             if item.finish_reason is not None:
-                await resp.write(sse.frame(st.chunk("", item.finish_reason, None,
-                                                    [] if want_ids else None)))
+                reason = item.finish_reason
+                if st.tools is not None:
+                    tail, calls = st.tools.finish()
+                    if tail:
+                        await resp.write(sse.frame(st.chunk(tail, None, None, None)))
+                    if calls:
+                        await resp.write(sse.frame(st.calls_chunk(calls)))
+                        reason = "tool_calls"
+                await resp.write(sse.frame(st.chunk("", reason, None, [] if want_ids else None)))
         if parsed.include_usage and not failed:
             obj = "chat.completion.chunk" if chat else "text_completion"
             await resp.write(sse.frame(R.usage_chunk(rid, created, model, obj, _usage(gens))))

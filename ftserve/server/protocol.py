@@ -3,12 +3,14 @@
 Types are checked strictly (a bool is not a number, a string is not a list) so that a
 bad field gets a 400 naming it instead of surfacing later as a 500. Fields we do not
 know are ignored, as OpenAI-compatible servers do; fields we know but cannot honour
-(tools, response_format, n above MAX_CHOICES, ...) get a 400 naming the field.
+(response_format, a forced tool_choice, n above MAX_CHOICES, ...) get a 400 naming
+the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -28,7 +30,7 @@ class ParsedRequest:
 
     kind: Literal["chat", "completion"]
     model: str | None
-    messages: list[dict[str, str]] | None = None  # chat: normalized {"role", "content"}
+    messages: list[dict[str, Any]] | None = None  # chat: {"role", "content"} (+ tool fields)
     prompt_text: str | None = None  # completion with a string prompt
     prompt_ids: list[int] | None = None  # completion with token ids
     add_generation_prompt: bool = True
@@ -41,6 +43,7 @@ class ParsedRequest:
     skip_special_tokens: bool = True
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs
     n: int = 1  # choices: one engine request each, the same prompt (seeds: seed + i)
+    tools: list[dict[str, Any]] | None = None  # chat: rendered by the template, calls parsed
 
     def build_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
         """Resolve max_tokens against the context window and validate everything."""
@@ -221,13 +224,13 @@ def _content_text(content: Any, where: str) -> str:
     raise bad_request(f"'{where}.content' must be a string or a list of text parts", param=where)
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = _get(body, "messages")
     if messages is _MISSING:
         raise bad_request("'messages' is required", param="messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", param="messages")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -235,27 +238,76 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         role = msg.get("role")
         if role not in _ROLES:
             raise bad_request(f"'{where}.role' must be one of {', '.join(_ROLES)}", param=where)
-        if msg.get("tool_calls"):
-            raise unsupported(f"{where}.tool_calls")
         content = msg.get("content")
         text = "" if content is None and role == "assistant" else _content_text(content, where)
-        entry = {"role": role, "content": text}
+        entry: dict[str, Any] = {"role": role, "content": text}
         name = msg.get("name")
         if isinstance(name, str):
             entry["name"] = name
+        calls = msg.get("tool_calls")
+        if calls:
+            if role != "assistant":
+                raise bad_request(f"'{where}.tool_calls' is only allowed on assistant messages",
+                                  param=where)
+            entry["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        call_id = msg.get("tool_call_id")
+        if isinstance(call_id, str):
+            entry["tool_call_id"] = call_id
         out.append(entry)
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's earlier calls, for the template. Arguments arrive as a
+    JSON string; templates (Qwen, Llama, Mistral) expect the object, as vLLM gives it."""
+    if not isinstance(calls, list):
+        raise bad_request(f"'{where}' must be a list", param=where)
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"'{where}[{i}]' must have a function with a name", param=where)
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise bad_request(f"'{where}[{i}].function.arguments' is not valid JSON",
+                                  param=where) from None
+        out.append({"id": call.get("id", ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Validated ``tools`` (None: none given, or tool_choice "none")."""
+    tools = _get(body, "tools")
+    choice = _get(body, "tool_choice")
+    if choice not in (_MISSING, None, "auto", "none"):
+        raise unsupported("tool_choice", "supports 'auto' and 'none' only")
+    if tools is _MISSING or tools is None or tools == [] or choice == "none":
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be a list", param="tools")
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if (not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str) or not fn["name"]):
+            raise bad_request(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": "
+                              "{\"name\": ...}}", param="tools")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise bad_request(f"'tools[{i}].function.parameters' must be an object", param="tools")
+        out.append({"type": "function", "function": dict(fn)})
     return out
 
 
 def parse_chat(raw: Any) -> ParsedRequest:
     body = _require_object(raw)
-    tools = _get(body, "tools")
-    if tools is not _MISSING and tools != []:
-        raise unsupported("tools")
     if _get(body, "functions") is not _MISSING:
-        raise unsupported("functions")
-    if _get(body, "tool_choice") not in (_MISSING, "none"):
-        raise unsupported("tool_choice")
+        raise unsupported("functions", "(the legacy form) is not supported; use 'tools'")
+    tools = _tools(body)
+    _bool(body, "parallel_tool_calls", True)  # several calls per turn are always allowed
     fmt = _get(body, "response_format")
     if fmt is not _MISSING and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise unsupported("response_format")
@@ -271,6 +323,7 @@ def parse_chat(raw: Any) -> ParsedRequest:
         messages=parse_messages(body),
         add_generation_prompt=_bool(body, "add_generation_prompt", True),
         logprobs=logprobs,
+        tools=tools,
         **common,
     )
 

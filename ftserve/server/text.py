@@ -7,8 +7,9 @@ strings all go through ``TextCodec``.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
+from ftserve.server.tool_calls import Format, format_of
 from ftserve.tokenizer import (
     ChatTemplate,
     ChatTemplateError,
@@ -38,7 +39,12 @@ class StreamDetokenizer(Protocol):
 
 
 class TextCodec(Protocol):
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str: ...
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> str: ...
+
+    def tool_format(self) -> Format | None:
+        """The tool-call syntax of the chat template (tool_calls.format_of), or None."""
+        ...
 
     async def encode_async(self, text: str, add_special_tokens: bool) -> list[int]:
         """Prompt text -> ids, through the incremental cache, off the event loop."""
@@ -87,13 +93,23 @@ class TokenizerCodec:
             # Completions still work; chat requests get a 400 that says why.
             self._template_error = f"this model has no chat template ({err}); use /v1/completions"
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         if self._template is None:
             raise TemplateError(self._template_error or "no chat template")
         try:
-            return self._template.render(messages, add_generation_prompt=add_generation_prompt)
+            return self._template.render(messages, add_generation_prompt=add_generation_prompt,
+                                         tools=tools)
         except ChatTemplateError as err:
             raise TemplateError(str(err)) from None
+
+    def tool_format(self) -> Format | None:
+        if self._template is None:
+            return None
+        try:
+            return format_of(self._template.source(tools=True))
+        except ChatTemplateError:
+            return None
 
     async def encode_async(self, text: str, add_special_tokens: bool) -> list[int]:
         return await self.cache.encode_async(text, add_special_tokens)

@@ -105,6 +105,10 @@ class ChatTemplate:
         self.eos_token = eos_token or ""
         select_template(template)  # fail at load time when there is none
 
+    def source(self, tools: object = None) -> str:
+        """The template text used with (truthy ``tools``) or without tools."""
+        return select_template(self._sources, tools)
+
     def _template(self, tools: object) -> jinja2.Template:
         source = select_template(self._sources, tools)
         t = self._compiled.get(source)
