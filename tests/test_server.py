@@ -310,6 +310,9 @@ def test_tools_reach_the_template(live: Live, client: openai.OpenAI) -> None:
     assert '[AVAILABLE_TOOLS] [{"type": "function", "function": {"name": "read_file"' in prompt
     assert '[TOOL_CALLS] [{"name": "read_file", "arguments": {"path": "a.py"}, "id": "abc123XYZ"}]' in prompt
     assert '[TOOL_RESULTS] {"call_id": "abc123XYZ", "content": "print(\'hi\')"}' in prompt
+    # /tokenize counts the same prompt, tools included.
+    _, tok = _post(live, "/tokenize", {"messages": messages, "tools": TOOLS})
+    assert tok["tokens"] == r.model_extra["prompt_token_ids"]
     # tool_choice "none": the tools are not offered (not rendered).
     r2 = client.chat.completions.create(model="ftserve-demo", messages=messages[:1], tools=TOOLS,
                                         tool_choice="none", max_tokens=1,

@@ -279,7 +279,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Validated ``tools`` (None: none given, or tool_choice "none")."""
     tools = _get(body, "tools")
     choice = _get(body, "tool_choice")
@@ -306,7 +306,7 @@ def parse_chat(raw: Any) -> ParsedRequest:
     body = _require_object(raw)
     if _get(body, "functions") is not _MISSING:
         raise unsupported("functions", "(the legacy form) is not supported; use 'tools'")
-    tools = _tools(body)
+    tools = parse_tools(body)
     _bool(body, "parallel_tool_calls", True)  # several calls per turn are always allowed
     fmt = _get(body, "response_format")
     if fmt is not _MISSING and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
