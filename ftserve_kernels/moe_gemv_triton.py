@@ -314,10 +314,10 @@ def moe_down_gemv(
     emap = expert_map if expert_map is not None else ids
     args = (act, w2, out, weights, ids, emap, h, inter,
             act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))
+    on = pdl.active(act)
     consts = dict(TOP_K=top_k, BLOCK_KP=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, HAS_MAP=expert_map is not None,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=pdl.active(act))
-    consts.update(pdl.launch(consts["PDL"]))
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **pdl.launch(on))
     grid = (t, triton.cdiv(h, cfg.block_n))
     if down3d:
         _gemv_down_combine3d_kernel[grid](*args, K_STEPS=triton.cdiv(inter, cfg.block_k), **consts)

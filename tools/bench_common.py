@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -122,19 +122,21 @@ def median_time(fn: Callable[[], Any], device: torch.device, iters: int, warmup:
     return statistics.median(timed(fn, device)[1] for _ in range(iters))
 
 
+def merged(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intervals (start, end) as their sorted, disjoint union."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
 def overlap_seconds(spans: Sequence[tuple[float, float, str]], key: str) -> dict[str, float]:
     """Of the spans (start, end, name; microseconds) whose name contains ``key``:
     their merged time, and how much of it some other span ran at the same time
     (a copy kernel on a side stream hidden under compute, or not)."""
-    def merged(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
-        out: list[tuple[float, float]] = []
-        for s, e in sorted(iv):
-            if out and s <= out[-1][1]:
-                out[-1] = (out[-1][0], max(out[-1][1], e))
-            else:
-                out.append((s, e))
-        return out
-
     mine = merged([(s, e) for s, e, n in spans if key in n])
     rest = merged([(s, e) for s, e, n in spans if key not in n])
     both, j = 0.0, 0
@@ -177,11 +179,7 @@ def gpu_kernel_seconds(fn: Callable[[], Any], device: torch.device,
         spans.append((s, e))
         named.append((s, e, ev.name))
         by_name[ev.name] = by_name.get(ev.name, 0.0) + (e - s) / 1e6
-    busy, last_end = 0.0, -math.inf  # union of the kernel intervals
-    for s, e in sorted(spans):
-        if e > last_end:
-            busy += e - max(s, last_end)
-            last_end = e
+    busy = sum(e - s for s, e in merged(spans))  # overlapping kernels count once
     if not spans and device.type == "cuda":
         # Some profiler builds expose device time only through the averages
         # (durations without intervals: summed, not merged).

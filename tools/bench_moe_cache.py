@@ -148,8 +148,8 @@ def bench_decode(drv: EngineDriver, engine: Engine, device: torch.device, bs: in
     """``seed``: the prompts come from it, and the expert cache is emptied once
     the prompts are in, so runs with the same seed decode the same tokens from
     the same cache state (variants compare like for like)."""
-    rng = random.Random(seed) if seed is not None else drv.rng
-    prompts = [[rng.randrange(100, drv.vocab - 1) for _ in range(prompt_len)] for _ in range(bs)]
+    rng = random.Random(seed) if seed is not None else None
+    prompts = [drv.tokens(prompt_len, rng) for _ in range(bs)]
     if seed is not None:
         warmup = max(warmup, SEEDED_WARMUP)  # from an empty cache to its steady state
     reqs = [drv.add(p, max_tokens=warmup + steps + PROFILE_STEPS + 4) for p in prompts]

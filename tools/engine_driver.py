@@ -40,9 +40,11 @@ class EngineDriver:
         self.host_s = 0.0  # time spent planning, launching and committing (not waiting)
         self._n = 0
 
-    def tokens(self, n: int) -> list[int]:
-        """Random prompt ids away from the special ids at the start of the vocab."""
-        return [self.rng.randrange(100, self.vocab - 1) for _ in range(n)]
+    def tokens(self, n: int, rng: random.Random | None = None) -> list[int]:
+        """Random prompt ids away from the special ids at the start of the vocab
+        (from ``rng`` when given, else the driver's own stream)."""
+        rng = rng or self.rng
+        return [rng.randrange(100, self.vocab - 1) for _ in range(n)]
 
     def add(self, prompt: list[int], max_tokens: int) -> Req:
         self._n += 1

@@ -92,6 +92,12 @@ class TokenizerCodec:
         except NoChatTemplateError as err:
             # Completions still work; chat requests get a 400 that says why.
             self._template_error = f"this model has no chat template ({err}); use /v1/completions"
+        self._tool_format: Format | None = None  # read off the template once
+        if self._template is not None:
+            try:
+                self._tool_format = format_of(self._template.source(tools=True))
+            except ChatTemplateError:
+                pass
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None = None) -> str:
@@ -104,12 +110,7 @@ class TokenizerCodec:
             raise TemplateError(str(err)) from None
 
     def tool_format(self) -> Format | None:
-        if self._template is None:
-            return None
-        try:
-            return format_of(self._template.source(tools=True))
-        except ChatTemplateError:
-            return None
+        return self._tool_format
 
     async def encode_async(self, text: str, add_special_tokens: bool) -> list[int]:
         return await self.cache.encode_async(text, add_special_tokens)
