@@ -59,6 +59,13 @@ def moe_down3d() -> bool:
     return _flag("FTSERVE_MOE_DOWN3D", True)
 
 
+def moe_read_through() -> bool:
+    """FTSERVE_MOE_READ_THROUGH (default on): with an expert-slot cache, decode's
+    expert GEMVs read this step's misses from the host bank themselves (writing
+    the slots as they pass) instead of a fill kernel copying them first."""
+    return _flag("FTSERVE_MOE_READ_THROUGH", True)
+
+
 def moe_config_file() -> Path | None:
     """FTSERVE_MOE_CONFIG_FILE: a MoE tile table (tools/tune_moe.py output) used
     instead of the packaged ftserve_kernels/configs/moe_<device>.json."""

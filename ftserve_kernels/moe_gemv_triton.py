@@ -23,6 +23,7 @@ the shape and T, else from gemv_configs.default.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import triton
@@ -35,12 +36,56 @@ from ftserve_kernels import pdl
 GEMV_MAX_TOKENS = 2  # fused_moe_triton's default switch point (tokens, not pairs)
 
 
+class ReadThrough(NamedTuple):
+    """This step's expert-cache misses, read by the GEMVs straight from the host
+    bank (UVA) and written into their slots on the way, instead of a fill
+    kernel first (moe/cache.py). ``miss_slot`` / ``miss_id`` [M] int32 are the
+    admission's fill list (-1 = none): slot miss_slot[i] gets bank row
+    miss_id[i]; w13 / w2 of a bank row start ``w13_col`` / ``w2_col`` elements
+    into it, as in a slot row. The bank is pinned (moe.kernels.check_bank) or,
+    for the interpreter, any CPU tensor."""
+
+    bank: torch.Tensor  # [ids, R]
+    miss_slot: torch.Tensor  # [M] int32
+    miss_id: torch.Tensor  # [M] int32
+    w13_col: int
+    w2_col: int
+
+    def args(self, col: int) -> tuple[int, torch.Tensor, torch.Tensor, int, int]:
+        return self.bank.data_ptr(), self.miss_slot, self.miss_id, self.miss_slot.numel(), col
+
+
+def _no_read_through(ids: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, int, int]:
+    return 0, ids, ids, 0, 0  # unread: READ_THROUGH=False
+
+
+@triton.jit
+def _miss_source(slot, miss_slot_ptr, miss_id_ptr, M, BLOCK_M: tl.constexpr):
+    """The bank row to read ``slot`` from: its id in this step's fill list
+    (miss_slot[i] == slot), else -1 (a hit: read the slot). ``slot`` is a scalar
+    or [KP, 1] (-> [KP]); the list is M <= T*k entries, -1 = none."""
+    offs = tl.arange(0, BLOCK_M)
+    ms = tl.load(miss_slot_ptr + offs, mask=offs < M, other=-1)
+    mi = tl.load(miss_id_ptr + offs, mask=offs < M, other=-1)
+    hit = (slot == ms) & (mi >= 0)
+    return tl.max(tl.where(hit, mi, -1), axis=len(hit.shape) - 1).to(tl.int64)
+
+
+@triton.jit
+def _bank_rows(bank, dtype: tl.constexpr):
+    # The pinned bank's address as an int64 (UVA); rows are 16-byte aligned
+    # (moe.kernels.check_bank), which the cast forgets: restore it for vector loads.
+    return tl.multiple_of(bank.to(tl.pointer_type(dtype)), 16)
+
+
 @triton.jit
 def _gemv_gate_up_kernel(
     x_ptr, w_ptr, out_ptr, ids_ptr, map_ptr, H, INTER,
     stride_xt, stride_we, stride_wn, stride_ot,
+    bank, miss_slot_ptr, miss_id_ptr, M, bank_col,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr,
+    READ_THROUGH: tl.constexpr, BLOCK_M: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.enter(PDL)  # the ids / activations come from the kernel before
@@ -53,20 +98,34 @@ def _gemv_gate_up_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < INTER
     offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [N, K]
+    tile = offs_n[:, None] * stride_wn + offs_k[None, :]  # [N, K] offsets within a weight row
+    g_ptrs = w_ptr + e * stride_we + tile
     u_off = INTER * stride_wn
+    if READ_THROUGH:  # a miss of this step: read the bank row over UVA, write the slot as it passes
+        src = _miss_source(e, miss_slot_ptr, miss_id_ptr, M, BLOCK_M)
+        h_ptrs = _bank_rows(bank, w_ptr.dtype.element_ty) + tl.maximum(src, 0) * stride_we + bank_col + tile
+        # As [N, 1] tensors, not scalars: the interpreter turns scalar & tensor masks into ints.
+        src_n = src + tl.zeros([BLOCK_N, 1], tl.int64)
+        from_host = src_n >= 0
     x_ptrs = x_ptr + tok * stride_xt + offs_k  # [K]
     acc_g = tl.zeros([BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, H, BLOCK_K):
         if EVEN_K:
             xv = tl.load(x_ptrs).to(tl.float32)
-            g = tl.load(g_ptrs, mask=nmask[:, None], other=0.0)
-            u = tl.load(g_ptrs + u_off, mask=nmask[:, None], other=0.0)
+            m2 = nmask[:, None]
         else:
             kmask = offs_k < H - k0
             xv = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32)
             m2 = nmask[:, None] & kmask[None, :]
+        if READ_THROUGH:
+            r_ptrs = tl.where(from_host, h_ptrs, g_ptrs)  # the bank row on a miss, else the slot
+            g = tl.load(r_ptrs, mask=m2, other=0.0)
+            u = tl.load(r_ptrs + u_off, mask=m2, other=0.0)
+            tl.store(g_ptrs, g, mask=m2 & from_host)
+            tl.store(g_ptrs + u_off, u, mask=m2 & from_host)
+            h_ptrs += BLOCK_K
+        else:
             g = tl.load(g_ptrs, mask=m2, other=0.0)
             u = tl.load(g_ptrs + u_off, mask=m2, other=0.0)
         acc_g += tl.sum(g.to(tl.float32) * xv[None, :], 1)
@@ -177,8 +236,10 @@ def _gemv_down_combine_kernel(
 def _gemv_down_combine3d_kernel(
     a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, H, INTER,
     stride_at, stride_we, stride_wn, stride_ot,
+    bank, miss_slot_ptr, miss_id_ptr, M, bank_col,
     TOP_K: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr, K_STEPS: tl.constexpr,
+    READ_THROUGH: tl.constexpr, BLOCK_M: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.enter(PDL)  # the ids / activations come from the kernel before
@@ -197,10 +258,15 @@ def _gemv_down_combine3d_kernel(
         e = tl.load(map_ptr + e, mask=jmask, other=0)
     e = e.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    b_ptrs = (w_ptr + (e * stride_we)[:, None, None] + (cols * stride_wn)[None, :, None]
-              + offs_k[None, None, :])  # [KP, N, K]
+    tile = (cols * stride_wn)[None, :, None] + offs_k[None, None, :]  # [1, N, K] within a row
+    b_ptrs = w_ptr + (e * stride_we)[:, None, None] + tile  # [KP, N, K]
     a_ptrs = a_ptr + (pair * stride_at)[:, None] + offs_k[None, :]  # [KP, K]
     bmask = jmask[:, None, None] & nmask[None, :, None]  # [KP, N, 1]
+    if READ_THROUGH:  # as in the gate/up kernel, per choice
+        src = _miss_source(e[:, None], miss_slot_ptr, miss_id_ptr, M, BLOCK_M)  # [KP]
+        h_ptrs = (_bank_rows(bank, w_ptr.dtype.element_ty) + (tl.maximum(src, 0) * stride_we)[:, None, None]
+                  + bank_col + tile)
+        from_host = (src >= 0)[:, None, None]  # [KP, 1, 1]
     acc = tl.zeros([BLOCK_KP, BLOCK_N], tl.float32)
     # Unrolled (K_STEPS = cdiv(I, BLOCK_K), 3 at I = 768): the steps' loads are
     # independent, so they can all be in flight at once (one memory round trip per
@@ -209,11 +275,17 @@ def _gemv_down_combine3d_kernel(
         k0 = step * BLOCK_K
         if EVEN_K:
             av = tl.load(a_ptrs, mask=jmask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=bmask, other=0.0)
+            m3 = bmask
         else:
             kmask = offs_k < INTER - k0
             av = tl.load(a_ptrs, mask=jmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=bmask & kmask[None, None, :], other=0.0)
+            m3 = bmask & kmask[None, None, :]
+        if READ_THROUGH:
+            b = tl.load(tl.where(from_host, h_ptrs, b_ptrs), mask=m3, other=0.0)
+            tl.store(b_ptrs, b, mask=m3 & from_host)
+            h_ptrs += BLOCK_K
+        else:
+            b = tl.load(b_ptrs, mask=m3, other=0.0)
         acc += tl.sum(b.to(tl.float32) * av.to(tl.float32)[:, None, :], 2)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -235,9 +307,11 @@ def fused_moe_gemv_triton(
     down3d: bool | None = None,  # default: on unless FTSERVE_MOE_DOWN3D=0
     gate_up_acc: bool | None = None,  # default: on only with FTSERVE_MOE_GATEUP_ACC=1
     configs: tuple[gc.GemvConfig, gc.GemvConfig] | None = None,  # (gate_up, down): wins over block_n
+    read_through: ReadThrough | None = None,  # misses read from the host bank (needs expert_map)
 ) -> torch.Tensor:
     """Launch parameters of each kernel: ``configs``, else ``block_n`` over the
-    defaults, else the device table's entry (gemv_configs), else the default."""
+    defaults, else the device table's entry (gemv_configs), else the default.
+    ``read_through`` runs the default kernels (gate/up, 3-D down), the ones that have it."""
     t, h = x.shape
     inter = w13.shape[1] // 2
     k = topk_ids.shape[1]
@@ -254,6 +328,9 @@ def fused_moe_gemv_triton(
         gate_up_acc = envs.moe_gateup_acc()
     if down3d is None:
         down3d = envs.moe_down3d()
+    if read_through is not None:
+        assert expert_map is not None, "read-through resolves misses by slot"
+        gate_up_acc, down3d = False, True
     kinds = ("moe_gate_up_acc" if gate_up_acc else "moe_gate_up", "moe_down" if down3d else "moe_down2d")
     if configs is None:
         cuda = x.is_cuda
@@ -265,8 +342,8 @@ def fused_moe_gemv_triton(
             cfgs = [gc.pick(gc.moe_key(kind, e, h, inter, k), t, x.device) or gc.default(kind, cuda)
                     for kind in kinds]
         configs = (cfgs[0], cfgs[1])
-    moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc)
-    moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d)
+    moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through)
+    moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d, read_through)
     return out
 
 
@@ -279,6 +356,7 @@ def moe_gate_up_gemv(
     cfg: gc.GemvConfig,
     expert_map: torch.Tensor | None = None,
     acc: bool = False,  # _gemv_gate_up_acc_kernel instead of _gemv_gate_up_kernel
+    read_through: ReadThrough | None = None,  # _gemv_gate_up_kernel only
 ) -> None:
     """The gate/up kernel alone (tools/tune_gemv times it on its own)."""
     h = x.shape[1]
@@ -290,7 +368,12 @@ def moe_gate_up_gemv(
     # Default (gemv_configs.default): narrow column blocks, enough programs for every
     # SM at batch 1 (8 pairs x 48 blocks); wide K steps keep 32 KB per program in flight.
     kernel = _gemv_gate_up_acc_kernel if acc else _gemv_gate_up_kernel
-    extra = dict(K_STEPS=triton.cdiv(h, cfg.block_k)) if acc else {}
+    extra: dict[str, object] = dict(K_STEPS=triton.cdiv(h, cfg.block_k)) if acc else {}
+    if not acc:
+        args += _read_through_args(read_through, ids, w13, "w13_col")
+        extra.update(_read_through_consts(read_through))
+    else:
+        assert read_through is None, "the accumulate-style kernel has no read-through"
     on = pdl.active(x)
     kernel[grid](*args, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  EVEN_K=h % cfg.block_k == 0, HAS_MAP=expert_map is not None,
@@ -307,6 +390,7 @@ def moe_down_gemv(
     cfg: gc.GemvConfig,
     expert_map: torch.Tensor | None = None,
     down3d: bool = True,  # _gemv_down_combine3d_kernel instead of _gemv_down_combine_kernel
+    read_through: ReadThrough | None = None,  # the 3-D kernel only
 ) -> None:
     """The down + combine kernel alone (tools/tune_gemv times it on its own)."""
     t, h = out.shape
@@ -320,6 +404,23 @@ def moe_down_gemv(
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **pdl.launch(on))
     grid = (t, triton.cdiv(h, cfg.block_n))
     if down3d:
-        _gemv_down_combine3d_kernel[grid](*args, K_STEPS=triton.cdiv(inter, cfg.block_k), **consts)
+        _gemv_down_combine3d_kernel[grid](*args, *_read_through_args(read_through, ids, w2, "w2_col"),
+                                          K_STEPS=triton.cdiv(inter, cfg.block_k),
+                                          **_read_through_consts(read_through), **consts)
     else:
+        assert read_through is None, "the 2-D down kernel has no read-through"
         _gemv_down_combine_kernel[grid](*args, **consts)
+
+
+def _read_through_args(rt: ReadThrough | None, ids: torch.Tensor, w: torch.Tensor,
+                       col: str) -> tuple[int, torch.Tensor, torch.Tensor, int, int]:
+    if rt is None:
+        return _no_read_through(ids)
+    assert rt.bank.dtype == w.dtype and rt.bank.shape[1] == w.stride(0), "bank rows are laid out as slot rows"
+    assert rt.miss_slot.dtype == rt.miss_id.dtype == torch.int32 and rt.miss_slot.shape == rt.miss_id.shape
+    return rt.args(getattr(rt, col))
+
+
+def _read_through_consts(rt: ReadThrough | None) -> dict[str, object]:
+    m = 0 if rt is None else rt.miss_slot.numel()
+    return dict(READ_THROUGH=rt is not None, BLOCK_M=max(2, triton.next_power_of_2(max(m, 1))))

@@ -7,6 +7,8 @@
 - a cache of every expert never streams and never misses;
 - the UVA row copy reads pinned memory correctly, also replayed in a graph;
 - the fused MoE kernel with an expert -> slot map equals the reference;
+- decode's read-through GEMVs (misses read from the bank by the GEMVs) equal
+  fill + GEMV bit for bit, also in a graph; the fill path still works at batch 1;
 - decode prefetch (a side stream forked and joined inside the captured graph)
   keeps greedy tokens equal to resident mode at batch 1, 3 and 8;
 - prefill DMA planned from a stale snapshot of the LRU map is repaired on the
@@ -190,6 +192,92 @@ def test_uva_fill_rows_in_a_graph() -> None:
         fill_rows_ref(wide, b, src, dst)
         torch.cuda.synchronize()
         assert torch.equal(a[:-1], b[:-1]), cap
+
+
+@pytest.mark.gpu
+def test_read_through_gemv_in_a_graph() -> None:
+    """qwen3-30b expert shapes, bf16, a pinned bank: the read-through GEMVs (misses
+    read over UVA, slots written on the way) give bit-for-bit what fill_rows +
+    the same GEMVs over the filled slots give, eagerly and replayed in a graph
+    with new fill lists; every missed slot ends up holding its bank row."""
+    from ftserve.moe.kernels import fill_rows
+    from ftserve_kernels.moe_gemv_triton import ReadThrough, fused_moe_gemv_triton
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    h, inter, e, k, s = 2048, 768, 128, 8, 24
+    r = 3 * inter * h
+    bank = (torch.randn(e, r, generator=g, device="cuda") * 0.02).bfloat16().cpu().pin_memory()
+    slots = torch.full((s, r), float("nan"), dtype=torch.bfloat16, device="cuda")
+    w13 = lambda a: a[:, : 2 * inter * h].view(s, 2 * inter, h)  # noqa: E731
+    w2 = lambda a: a[:, 2 * inter * h:].view(s, h, inter)  # noqa: E731
+    emap = torch.full((e,), s - 1, dtype=torch.int32, device="cuda")  # expert -> slot
+    ids = torch.empty(2, k, dtype=torch.int32, device="cuda")
+    miss_slot = torch.empty(2 * k, dtype=torch.int32, device="cuda")
+    miss_id = torch.empty(2 * k, dtype=torch.int32, device="cuda")
+    x = torch.randn(2, h, generator=g, device="cuda").bfloat16()
+    w = torch.softmax(torch.randn(2, k, generator=g, device="cuda"), -1)
+    rng = random.Random(6)
+
+    def plan(t: int) -> None:
+        """Fresh routing for t tokens: half the experts already in their slots, the rest misses."""
+        chosen = rng.sample(range(e), 2 * k)
+        places = rng.sample(range(s - 1), 2 * k)
+        emap.fill_(s - 1)
+        emap[torch.tensor(chosen, device="cuda")] = torch.tensor(places, dtype=torch.int32, device="cuda")
+        routed = [chosen[:k], chosen[k:]]
+        if t == 2:
+            routed[1][:3] = routed[0][:3]  # shared experts: both tokens' programs read them
+        ids.copy_(torch.tensor(routed, dtype=torch.int32))
+        used = set(routed[0]) | (set(routed[1]) if t == 2 else set())
+        miss_slot.fill_(-1)
+        miss_id.fill_(-1)
+        for i in range(0, 2 * k, 2):  # every other expert misses (the ones this step reads)
+            if chosen[i] in used:
+                miss_slot[i], miss_id[i] = places[i], chosen[i]
+        hits = [p for i, p in enumerate(places) if i % 2]
+        slots[torch.tensor(hits, device="cuda")] = bank[torch.tensor(chosen[1::2])].cuda()
+
+    def expected(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ref = slots.clone()
+        fill_rows(bank, ref, miss_id, miss_slot, bank_checked=True)
+        out = fused_moe_gemv_triton(x[:t], w13(ref), w2(ref), w[:t], ids[:t], emap)
+        return out, ref
+
+    rt = ReadThrough(bank, miss_slot, miss_id, 0, 2 * inter * h)
+    for t in (1, 2):
+        plan(t)
+        want, ref = expected(t)
+        got = fused_moe_gemv_triton(x[:t], w13(slots), w2(slots), w[:t], ids[:t], emap, read_through=rt)
+        assert torch.equal(got, want), t
+        assert torch.equal(slots[:-1].nan_to_num(7.0), ref[:-1].nan_to_num(7.0)), t
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_gemv_triton(x[:1], w13(slots), w2(slots), w[:1], ids[:1], emap, read_through=rt)
+    for _ in range(2):
+        plan(1)
+        slots[torch.tensor([int(v) for v in miss_slot.tolist() if v >= 0], device="cuda")] = float("nan")
+        want, ref = expected(1)
+        graph.replay()
+        assert torch.equal(out, want)
+        assert torch.equal(slots[:-1].nan_to_num(7.0), ref[:-1].nan_to_num(7.0))
+
+
+@pytest.mark.gpu
+def test_fill_path_at_batch_1_equals_resident(offload: Engine, resident: Engine) -> None:
+    """FTSERVE_MOE_READ_THROUGH=0's path (fill kernel, then the GEMVs) still gives
+    resident mode's tokens at batch 1 (read-through is the default there)."""
+    cache = cache_of(offload)
+    assert cache.read_through
+    rng = random.Random(8)
+    prompts = [[rng.randrange(100, 32000) for _ in range(40)]]
+    assert offload.runner.graphs is not None
+    try:
+        cache.read_through = False
+        offload.runner.graphs.capture()
+        assert run_greedy(offload, prompts, 16) == run_greedy(resident, prompts, 16)
+    finally:
+        cache.read_through = True
+        offload.runner.graphs.capture()
 
 
 @pytest.mark.gpu

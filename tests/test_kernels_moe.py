@@ -515,6 +515,9 @@ def test_decode_gemv_kernels_compile_for_sm90() -> None:
     assert res["add_norm_route_pdl"]["loads_before_wait"] >= 2, res["add_norm_route_pdl"]
     for name in ("moe_gate_up_pdl", "moe_down3d_pdl"):
         assert res[name]["loads_before_wait"] == 0, (name, res[name])
+    for name in ("moe_gate_up", "moe_down3d"):  # read-through keeps the weight loads 16 bytes wide
+        plain, rt = res[name]["v4_loads"], res[name + "_rt"]["v4_loads"]
+        assert plain > 0 and rt >= plain, (name, plain, rt)  # one load from the slot or the bank
 
 
 def test_moe_block_norm_route_hooks_see_the_router(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -401,11 +401,52 @@ def test_fused_moe_expert_map_matches_reference(triton_mods: Any) -> None:
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("t", [1, 2])
+def test_read_through_gemv_equals_fill_then_compute(triton_mods: Any, t: int) -> None:
+    """The expert GEMVs with read-through (misses read from the bank, slots
+    written on the way) compute what fill_rows + the reference compute, and
+    leave every missed slot holding its whole bank row (both w13 and w2)."""
+    _, mt = triton_mods
+    mg = sys.modules["ftserve_kernels.moe_gemv_triton"]
+    from ftserve_kernels.moe import fused_moe_ref
+
+    g = torch.Generator().manual_seed(5)
+    h, inter, e, k, s = 32, 16, 8, 4, 7  # 8 experts of layer 1 (ids 8..15), 6 slots + trash
+    r = 3 * inter * h
+    bank = torch.randn(2 * e, r, generator=g) * 0.2  # [ids, R], slot-row layout [w13 | w2]
+    slots = torch.randn(s, r, generator=g) * 0.2
+    emap = torch.tensor([3, 0, 5, 1, 2, 4, 0, 1], dtype=torch.int32)  # expert -> slot
+    ids = torch.tensor([[0, 2, 3, 5], [2, 1, 4, 0]][:t], dtype=torch.int32)  # t=2: expert 2 twice
+    miss_slot = torch.tensor([5, 1, -1, 4][:2 * t], dtype=torch.int32)  # experts 2 and 3 miss;
+    miss_id = torch.tensor([e + 2, e + 3, -1, e + 5][:2 * t], dtype=torch.int32)  # t=2: 5 as well
+    poisoned = slots.clone()
+    poisoned[miss_slot[miss_slot >= 0].long()] = float("nan")  # what the victims held: never read
+    x = torch.randn(t, h, generator=g)
+    w = torch.softmax(torch.randn(t, k, generator=g), -1)
+
+    want_slots = poisoned.clone()
+    fill = sys.modules["ftserve.moe.kernels"].fill_rows_ref
+    fill(bank, want_slots, miss_id, miss_slot)
+    w13 = lambda a: a[:, : 2 * inter * h].view(s, 2 * inter, h)  # noqa: E731
+    w2 = lambda a: a[:, 2 * inter * h:].view(s, h, inter)  # noqa: E731
+    want = fused_moe_ref(x, w13(want_slots), w2(want_slots), w, emap[ids.long()])
+
+    got_slots = poisoned.clone()
+    rt = mg.ReadThrough(bank, miss_slot, miss_id, 0, 2 * inter * h)
+    got = mg.fused_moe_gemv_triton(x, w13(got_slots), w2(got_slots), w, ids, emap, read_through=rt)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    used = sorted({int(emap[i]) for i in ids.reshape(-1).tolist()})
+    for slot in used:  # every slot the step read: filled rows whole, the rest untouched
+        assert torch.equal(got_slots[slot], want_slots[slot]), slot
+    plain = mg.fused_moe_gemv_triton(x, w13(want_slots), w2(want_slots), w, ids, emap)
+    torch.testing.assert_close(got, plain, rtol=0, atol=0)  # same sums as reading the filled slots
+
+
 def test_bench_smoke_cpu(tmp_path: Path) -> None:
     from tools.bench_moe_cache import main
 
     # A budget no CI machine reaches: a skipped section would fail the checks below.
-    res = main(["--smoke", "--budget-s", "600", "--out", str(tmp_path / "moe.json")])
+    res = main(["--smoke", "--budget-s", "600", "--prefetch-programs", "16,0", "--out", str(tmp_path / "moe.json")])
     assert not res.get("errors"), res.get("errors")
     pre = res["summary"]["prefill"]
     assert {(r["mode"], r["prefix"]) for r in pre} >= {("offload", 0), ("offload", 256), ("offload_full", 64)}

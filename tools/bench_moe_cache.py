@@ -14,7 +14,10 @@ Sections (each recorded, or its error recorded, in the JSON; the run goes on):
                   the LRU cache (what had to be streamed) / H2D GB/s
     <mode>_decode   tokens/s at batch 1 and 8, cache hit rate, PCIe bound at that
                   hit rate = bytes copied per step (demand misses + prefetches) /
-                  H2D GB/s; offload decode also runs once more with prefetch on
+                  H2D GB/s; offload decode also runs once more with prefetch on, and
+                  at GEMV sizes with the fill kernel instead of read-through; each
+                  offload row's ceiling without speculation = bound / (bound + the
+                  resident step's time outside the expert kernels)
 Targets: offload prefill <= 1.1 x max(PCIe bound, resident) at every cached
 length; offload decode >= 90% of its PCIe bound.
 """
@@ -45,6 +48,7 @@ from tools.bench_common import (
     sync,
     write_json,
 )
+from ftserve_kernels.moe_gemv_triton import GEMV_MAX_TOKENS
 from tools.engine_driver import EngineDriver
 
 MODES = ("resident", "offload", "offload_full")
@@ -141,6 +145,7 @@ PROFILE_STEPS = 4  # decode steps run under the profiler after the timed ones
 # Warm-up steps after the expert cache is emptied: at batch 1 the first steps
 # miss nearly every expert (2026-11-30 03:53 H200, 4 warm-up steps: hit rate 0.51).
 SEEDED_WARMUP = 24
+EXPERT_KERNELS = ("_gemv_gate_up", "_gemv_down", "_moe_gate_up", "_moe_down")  # GEMV and grouped paths
 
 
 def bench_decode(drv: EngineDriver, engine: Engine, device: torch.device, bs: int, prompt_len: int,
@@ -176,14 +181,17 @@ def bench_decode(drv: EngineDriver, engine: Engine, device: torch.device, bs: in
                            "tokens_per_s": bs * steps / wall, "seed": seed,
                            "tokens": list(reqs[0].output_ids),
                            "graph": engine.runner.graphs is not None and engine.runner.graphs.can_run(bs)}
-    if device.type == "cuda" and cache is not None:
+    if device.type == "cuda":
         # Whether the expert copies ran beside compute: of the fill kernels' time,
         # the part some other kernel shared (the prefetch fill is on a side stream).
         # _fill_rows_capped_kernel is the side-stream prefetch fill (moe/kernels.py).
         prof = gpu_kernel_seconds(lambda: [drv.sync_step() for _ in range(PROFILE_STEPS)], device,
-                                  overlap_of="fill_rows", top=12)
+                                  name_filters=EXPERT_KERNELS, overlap_of="fill_rows", top=12)
         side = overlap_seconds(prof["spans"], "fill_rows_capped")
         ov = prof["overlap"]
+        # The expert GEMMs / GEMVs: in offload mode the only compute a layer's
+        # copies can run beside (everything else waits on them or feeds them).
+        out["expert_ms_per_step"] = sum(prof["by_filter"].values()) * 1e3 / PROFILE_STEPS
         out["profile"] = {"kernel_ms_per_step": prof["kernel_s"] * 1e3 / PROFILE_STEPS,
                           "fill_ms_per_step": ov["key_s"] * 1e3 / PROFILE_STEPS,
                           "fill_overlapped_frac": ov["overlapped_s"] / ov["key_s"] if ov["key_s"] else None,
@@ -270,6 +278,21 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: str, device: torch.
         if wanted and variants:
             section(f"{mode}_decode_prefetch_on", ablation)
         cache.prefetch, cache.prefetch_fill_programs = default
+        small = [r["batch"] for r in rows if r["batch"] <= GEMV_MAX_TOKENS]
+        if cache.on_cuda and cache.read_through and small:
+            def fill_kernel() -> list[dict[str, Any]]:
+                # FTSERVE_MOE_READ_THROUGH=0: a fill kernel copies the misses, then the GEMVs run.
+                cache.read_through = False
+                try:
+                    if engine.runner.graphs is not None:
+                        engine.runner.graphs.capture()
+                    return [{**bench_decode(drv, engine, device, bs, args.decode_prompt, args.decode_warmup,
+                                            args.decode_steps, seed=DECODE_SEED + bs), "variant": "fill kernel"}
+                            for bs in small]
+                finally:
+                    cache.read_through = True
+
+            section(f"{mode}_decode_fill", fill_kernel)
     engine.shutdown()
 
 
@@ -300,8 +323,10 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 row["ok"] = row["ratio_to_bound"] <= 1.1
             out["prefill"].append(row)
         res_dec = {r["batch"]: r for r in results.get("resident_decode") or []}
-        for r in (results.get(f"{mode}_decode") or []) + (results.get(f"{mode}_decode_prefetch_on") or []):
+        rows = [results.get(f"{mode}_decode{x}") or [] for x in ("", "_prefetch_on", "_fill")]
+        for r in sum(rows, []):
             name = f"{mode}, prefetch on, fill {r['fill_programs']}" if r.get("ablation") else mode
+            name = f"{name}, {r['variant']}" if r.get("variant") else name
             same = [x for x in results.get(f"{mode}_decode") or [] if x["batch"] == r["batch"]]
             prof = r.get("profile") or {}
             row = {"mode": name, "batch": r["batch"], "tokens_per_s": r["tokens_per_s"],
@@ -319,6 +344,18 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 if uva:
                     row["frac_of_uva_bound"] = r["tokens_per_s"] * missed / (uva * 1e9) / r["batch"]
                 row["ok"] = row["frac_of_pcie_bound"] >= 0.9
+                # Without speculation a layer's misses are known only after its router
+                # and the next layer needs their output: only the expert compute can
+                # run beside the copies. The rest of a resident step (attention, norms,
+                # router, lm_head, sampling, host) adds to the copy time, so the most
+                # this row can reach is bound / (bound + that serial time).
+                res_row = res_dec.get(r["batch"])
+                if res_row and res_row.get("expert_ms_per_step") is not None:
+                    serial_s = (res_row["step_ms"] - res_row["expert_ms_per_step"]) / 1e3
+                    bound_s = missed / (gbps * 1e9)
+                    row["serial_ms_per_step"] = serial_s * 1e3
+                    row["ceiling_frac_of_pcie_bound"] = bound_s / (bound_s + serial_s)
+                    row["frac_of_ceiling"] = row["frac_of_pcie_bound"] / row["ceiling_frac_of_pcie_bound"]
             out["decode"].append(row)
     return out
 
@@ -338,9 +375,11 @@ def render(summary: dict[str, Any]) -> str:
          for r in summary["prefill"]])
     dec = markdown_table(
         ["mode", "batch", "prefetch", "tok/s", "hit rate", "experts copied / step", "PCIe bound tok/s", "frac",
-         "frac at UVA rate", "resident tok/s", "fill ms / step", "fill overlapped", "same tokens", "ok"],
+         "frac at UVA rate", "ceiling (no speculation)", "of ceiling", "resident tok/s", "fill ms / step",
+         "fill overlapped", "same tokens", "ok"],
         [[r["mode"], r["batch"], r.get("prefetch"), r["tokens_per_s"], r.get("hit_rate"), r.get("copies_per_step"),
           r.get("pcie_bound_tokens_per_s"), r.get("frac_of_pcie_bound"), r.get("frac_of_uva_bound"),
+          r.get("ceiling_frac_of_pcie_bound"), r.get("frac_of_ceiling"),
           r.get("resident_tokens_per_s"), r.get("fill_ms_per_step"), r.get("fill_overlapped_frac"),
           r.get("same_tokens"), r.get("ok")] for r in summary["decode"]])
     return (f"pinned H2D: {summary['h2d_gbps']} GB/s, UVA fill kernel: {summary.get('uva_gbps')} GB/s"
@@ -353,7 +392,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU (< 60 s)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--cache-frac", type=float, default=0.25)
-    p.add_argument("--prefetch-programs", type=lambda v: [int(x) for x in v.split(",")], default=[16, 0],
+    p.add_argument("--prefetch-programs", type=lambda v: [int(x) for x in v.split(",")], default=[16],
                    help="decode ablation: prefetch on with these fill grid caps (0 = uncapped)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--budget-s", type=float, default=None, help="skip sections past this (default 200)")

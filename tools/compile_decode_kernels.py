@@ -28,12 +28,13 @@ from ftserve_kernels import gemv_triton as gv
 from ftserve_kernels import moe_gemv_triton as mg
 
 # Integer arguments the launch specializes as multiples of 16 at the real shapes.
-_DIV16 = ("H", "K", "N", "E", "INTER")
+_DIV16 = ("H", "K", "N", "E", "INTER", "bank_col")
 
 
 def _compile(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int) -> dict[str, Any]:
-    consts = {k: v for k, v in ({"HAS_MAP": False, "PDL": False} | consts).items() if k in fn.arg_names}
-    types = {"map_ptr": "*i32"} | types
+    consts = {k: v for k, v in ({"HAS_MAP": False, "PDL": False, "READ_THROUGH": False, "BLOCK_M": 1}
+                                | consts).items() if k in fn.arg_names}
+    types = {"map_ptr": "*i32", "bank": "i64", "miss_slot_ptr": "*i32", "miss_id_ptr": "*i32"} | types
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in consts and (sig[n].startswith("*") or "stride" in n or n in _DIV16)}
@@ -48,7 +49,9 @@ def _compile(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int)
                            "loads_before_first_use": -1, "pdl_wait": wait >= 0,
                            "pdl_release": "griddepcontrol.launch_dependents" in body,
                            # PTX loads ahead of the wait: weights in flight early (pdl.py)
-                           "loads_before_wait": body[:wait].count("ld.global") if wait >= 0 else -1}
+                           "loads_before_wait": body[:wait].count("ld.global") if wait >= 0 else -1,
+                           # 16-byte loads (what UVA reads from the host bank need to near PCIe speed)
+                           "v4_loads": body.count("ld.global.v4") + body.count("ld.global.L1::evict_last.v4")}
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
         return res
@@ -86,6 +89,13 @@ def compile_all() -> dict[str, dict[str, Any]]:
     out["moe_down3d"] = _compile(mg._gemv_down_combine3d_kernel, moe,
                                  dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True,
                                       K_STEPS=3), 8)
+    # Read-through (moe/cache.py): this step's expert-cache misses read from the host bank.
+    rt = dict(READ_THROUGH=True, BLOCK_M=8, HAS_MAP=True)
+    out["moe_gate_up_rt"] = _compile(mg._gemv_gate_up_kernel, moe,
+                                     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True, **rt), 8)
+    out["moe_down3d_rt"] = _compile(mg._gemv_down_combine3d_kernel, moe,
+                                    dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True,
+                                         K_STEPS=3, **rt), 8)
     route = {"x_ptr": bf, "r_ptr": bf, "nw_ptr": bf, "g_ptr": bf, "normed_ptr": bf, "sum_ptr": bf,
              "logits_ptr": "*fp32", "w_out_ptr": "*fp32", "ids_out_ptr": i32, "cnt_ptr": i32,
              "eps": "fp32"}

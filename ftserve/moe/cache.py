@@ -10,6 +10,10 @@ picks, per forward pass, one of three paths (host shapes only):
              per layer ONE admission kernel maps the selected experts to slots,
              evicting LRU slots not needed now, ``fill_rows`` copies the misses
              from the pinned bank over UVA, then the fused kernel reads slots.
+             At GEMV sizes (T <= GEMV_MAX_TOKENS, ``read_through``) there is no
+             fill kernel: the expert GEMVs read the misses from the bank over
+             UVA themselves and write the slots as they go, so the compute runs
+             while the bytes arrive instead of after them.
              All device-side and fixed-shape, so it is captured in the decode graph.
              Decode also prefetches (see prefetch below).
 - ``stream`` prefill: whole layers stream into two layer buffers on a copy
@@ -39,11 +43,12 @@ Nothing here reads a device value on the host.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from ftserve import envs
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve.moe.banks import HostBank, moe_blocks
 from ftserve.moe.kernels import (
@@ -58,6 +63,9 @@ from ftserve.moe.kernels import (
 from ftserve.moe.stream import LayerStreamer
 from ftserve_kernels import bookkeeping as bk
 from ftserve_kernels.moe import fused_moe_ref
+
+if TYPE_CHECKING:
+    from ftserve_kernels.moe_gemv_triton import ReadThrough
 
 LOOKUPS, MISSES, STREAMED, UNCACHED, PREFETCHED = range(5)  # counters (plan_layer: 2, 3)
 
@@ -90,6 +98,7 @@ class ExpertCache:
         self.counters = torch.zeros(5, dtype=torch.int64, device=device)
         self.track_stats = track_stats
         self.prefetch = prefetch
+        self.read_through = envs.moe_read_through()
         # The prefetch fill runs on a side stream beside the layer's compute: a
         # capped grid leaves it most SMs (uncapped, ~290 programs per expert row
         # queue ahead of the compute kernels and serialize the two streams).
@@ -219,13 +228,15 @@ class ExpertCache:
             if self._pf_on and j + 1 < self.num_layers:
                 inv = self._inv_w[j]
                 pred = self._guess(j + 1, x if inv is None else x * inv)  # [T, k] layer j+1's guess
-            self._admit(j, ids, LOOKUPS, MISSES)
+            rt = self._read_through(j, ids) if self.on_cuda and self.read_through else None
+            if rt is None:
+                self._admit(j, ids, LOOKUPS, MISSES)
             if pred is not None:
                 self._prefetch(j + 1, pred)
             if j in self._pf_wait:
                 ev, _held = self._pf_wait.pop(j)  # the side stream filled this layer's prefetch
                 torch.cuda.current_stream().wait_event(ev)
-            return self._moe(x, weights, ids, self.slot_of_id[j * e:(j + 1) * e])
+            return self._moe(x, weights, ids, self.slot_of_id[j * e:(j + 1) * e], rt)
         assert self.streamer is not None
         out = self._moe(x, weights, ids, self.streamer.layer_map(j))
         self.streamer.layer_done(j)
@@ -252,6 +263,18 @@ class ExpertCache:
             if self.track_stats:
                 count_valid_ref(miss_id, self.counters, miss_idx)
         return miss_slot, miss_id
+
+    def _read_through(self, j: int, ids: torch.Tensor) -> ReadThrough | None:
+        """Admit layer j's experts of ids [T, k] without filling: the expert GEMVs
+        read the misses from the bank (module doc). None at grouped-GEMM sizes."""
+        # Imported here: CPU tests pick Triton's interpreter before kernels load.
+        from ftserve_kernels.moe_gemv_triton import GEMV_MAX_TOKENS, ReadThrough
+
+        if ids.shape[0] > GEMV_MAX_TOKENS:
+            return None
+        miss_slot, miss_id = self._admission(j, ids, LOOKUPS, MISSES)
+        i, h = self.bank.inter, self.bank.hidden
+        return ReadThrough(self.bank.data, miss_slot, miss_id, 0, 2 * i * h)  # slot row: [w13 | w2]
 
     def _admit(self, j: int, ids: torch.Tensor, lookup_idx: int = LOOKUPS, miss_idx: int = MISSES) -> None:
         miss_slot, miss_id = self._admission(j, ids, lookup_idx, miss_idx)
@@ -282,7 +305,11 @@ class ExpertCache:
             self.counters[which] += n  # a 0-d device add: no host read
 
     def _moe(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-             expert_map: torch.Tensor) -> torch.Tensor:
+             expert_map: torch.Tensor, rt: ReadThrough | None = None) -> torch.Tensor:
+        if rt is not None:
+            from ftserve_kernels.moe_gemv_triton import fused_moe_gemv_triton
+
+            return fused_moe_gemv_triton(x, self.w13, self.w2, weights, ids, expert_map, read_through=rt)
         if x.is_cuda:
             from ftserve_kernels.moe_triton import fused_moe_triton
 
