@@ -37,6 +37,7 @@ from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.engine.request import ReqState
 from ftserve.moe.cache import ExpertCache
+from ftserve_kernels.moe_gemv_triton import GEMV_MAX_TOKENS
 from tools.bench_common import (
     gpu_kernel_seconds,
     markdown_table,
@@ -48,7 +49,6 @@ from tools.bench_common import (
     sync,
     write_json,
 )
-from ftserve_kernels.moe_gemv_triton import GEMV_MAX_TOKENS
 from tools.engine_driver import EngineDriver
 
 MODES = ("resident", "offload", "offload_full")
