@@ -442,6 +442,17 @@ def test_read_through_gemv_equals_fill_then_compute(triton_mods: Any, t: int) ->
     torch.testing.assert_close(got, plain, rtol=0, atol=0)  # same sums as reading the filled slots
 
 
+def test_sweep_uva_smoke_cpu(triton_mods: Any, tmp_path: Path) -> None:
+    """tools/sweep_uva on the CPU (interpreted, tiny shapes): every fill config
+    copies correctly and every read-through config launches."""
+    from tools.sweep_uva import main
+
+    res = main(["--smoke", "--budget-s", "600", "--out", str(tmp_path / "sweep.json")])
+    assert len(res["fill"]) == 4 and all(r["correct"] for r in res["fill"]), res["fill"]
+    assert [r["kernel"] for r in res["read_through"]] == ["gate_up", "down"], res["read_through"]
+    assert all("s" in r for r in res["read_through"]), res["read_through"]
+
+
 def test_bench_smoke_cpu(tmp_path: Path) -> None:
     from tools.bench_moe_cache import main
 

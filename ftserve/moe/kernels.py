@@ -92,6 +92,12 @@ def _fill_rows_capped_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK,
     _fill_rows_body(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS, HOST_SRC, WORD, BLOCK)
 
 
+# One program copies a chunk of this many words (8 bytes each on expert rows: 64 KiB)
+# with 8 warps: 50.2 GB/s from pinned memory on the H200, 91% of cudaMemcpy.
+FILL_BLOCK_WORDS = 8192
+FILL_WARPS = 8
+
+
 def check_bank(bank: torch.Tensor) -> None:
     """What the UVA path needs of a host bank; checked once at start-up, since
     querying pointer attributes has no place inside a captured step."""
@@ -101,11 +107,12 @@ def check_bank(bank: torch.Tensor) -> None:
 
 def fill_rows(bank: torch.Tensor, slots: torch.Tensor, src_ids: torch.Tensor,
               dst_slots: torch.Tensor, *, bank_checked: bool = False,
-              max_programs: int | None = None) -> None:
+              max_programs: int | None = None, block_words: int = FILL_BLOCK_WORDS,
+              num_warps: int = FILL_WARPS) -> None:
     """One launch over the M pairs (src_ids / dst_slots [M] int32 on the slots' device).
     bank [rows, R] (pinned host memory on CUDA, see check_bank) -> slots [S, R], same dtype.
 
-    Uncapped, one program per (pair, 32 KiB chunk): a 9 MiB expert row is ~290
+    Uncapped, one program per (pair, 64 KiB chunk): a 9 MiB expert row is ~144
     programs, so a few misses hold every SM until the copy is done, which is
     what a copy on the critical path wants. ``max_programs`` caps the grid (each
     program walks every max_programs-th chunk): a copy on a side stream that
@@ -120,14 +127,14 @@ def fill_rows(bank: torch.Tensor, slots: torch.Tensor, src_ids: torch.Tensor,
     if host and not bank_checked:
         check_bank(bank)
     src_arg: torch.Tensor | int = bank.data_ptr() if host else bank.view(_WORD[wb])
-    block = min(8192, triton.next_power_of_2(row_words))
+    block = min(block_words, triton.next_power_of_2(row_words))
     chunks = triton.cdiv(row_words, block)
     work = m * chunks
     programs = work if max_programs is None else max(1, min(work, max_programs))
     kernel = _fill_rows_kernel if max_programs is None else _fill_rows_capped_kernel
     kernel[(programs,)](
         src_arg, slots.view(_WORD[wb]), src_ids, dst_slots, row_words, work, chunks,
-        HOST_SRC=host, WORD=_TL_WORD[wb], BLOCK=block, num_warps=8,
+        HOST_SRC=host, WORD=_TL_WORD[wb], BLOCK=block, num_warps=num_warps,
     )
 
 
