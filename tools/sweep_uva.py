@@ -59,8 +59,10 @@ def sweep_fill(bank: torch.Tensor, device: torch.device, reps: int, deadline: fl
             if time.perf_counter() > deadline:
                 return rows_out
             slots.zero_()
-            t = timed(lambda: fill_rows(bank, slots, ids, ids, max_programs=cap, block_words=words,
-                                        num_warps=warps), device, reps)
+            def fn(ids: torch.Tensor = ids, cap: int | None = cap, words: int = words, warps: int = warps) -> None:
+                fill_rows(bank, slots, ids, ids, max_programs=cap, block_words=words, num_warps=warps)
+
+            t = timed(fn, device, reps)
             ok = bool(torch.equal(slots[:rows].cpu(), bank[:rows].cpu()))
             rows_out.append({"rows": rows, "block_words": words, "warps": warps, "cap": cap or 0,
                              "s": t, "gbps": nbytes / t / 1e9, "correct": ok})
