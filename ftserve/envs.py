@@ -59,21 +59,11 @@ def moe_down3d() -> bool:
     return _flag("FTSERVE_MOE_DOWN3D", True)
 
 
-READ_THROUGH_MODES = ("gemv", "split", "off")
-
-
-def moe_read_through() -> str:
-    """FTSERVE_MOE_READ_THROUGH, with an expert-slot cache at decode sizes:
-    ``gemv`` / 1 (default): both expert GEMVs read this step's misses from the
-    host bank themselves (writing the slots as they pass) instead of a fill
-    kernel copying them first; ``split``: the gate/up GEMV reads its part so,
-    while a fill kernel on a side stream copies the down part; ``off`` / 0: the
-    fill kernel copies whole rows, then the GEMVs read the slots."""
-    value = os.environ.get("FTSERVE_MOE_READ_THROUGH", "").strip().lower()
-    mode = {"": "gemv", "1": "gemv", "on": "gemv", "0": "off", "false": "off"}.get(value, value)
-    if mode not in READ_THROUGH_MODES:
-        raise ValueError(f"FTSERVE_MOE_READ_THROUGH={value!r}: expected one of {READ_THROUGH_MODES} (or 1 / 0)")
-    return mode
+def moe_read_through() -> bool:
+    """FTSERVE_MOE_READ_THROUGH (default on): with an expert-slot cache, decode's
+    expert GEMVs read this step's misses from the host bank themselves (writing
+    the slots as they pass) instead of a fill kernel copying them first."""
+    return _flag("FTSERVE_MOE_READ_THROUGH", True)
 
 
 def moe_config_file() -> Path | None:

@@ -23,7 +23,6 @@ the shape and T, else from gemv_configs.default.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -51,7 +50,6 @@ class ReadThrough(NamedTuple):
     miss_id: torch.Tensor  # [M] int32
     w13_col: int
     w2_col: int
-    down: bool = True  # False: only gate/up reads through; w2 is in the slots by the down launch
 
     def args(self, col: int) -> tuple[int, torch.Tensor, torch.Tensor, int, int]:
         return self.bank.data_ptr(), self.miss_slot, self.miss_id, self.miss_slot.numel(), col
@@ -310,7 +308,6 @@ def fused_moe_gemv_triton(
     gate_up_acc: bool | None = None,  # default: on only with FTSERVE_MOE_GATEUP_ACC=1
     configs: tuple[gc.GemvConfig, gc.GemvConfig] | None = None,  # (gate_up, down): wins over block_n
     read_through: ReadThrough | None = None,  # misses read from the host bank (needs expert_map)
-    between: Callable[[], None] | None = None,  # called between the two launches (a stream wait)
 ) -> torch.Tensor:
     """Launch parameters of each kernel: ``configs``, else ``block_n`` over the
     defaults, else the device table's entry (gemv_configs), else the default.
@@ -346,10 +343,7 @@ def fused_moe_gemv_triton(
                     for kind in kinds]
         configs = (cfgs[0], cfgs[1])
     moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through)
-    if between is not None:
-        between()
-    down_rt = read_through if read_through is not None and read_through.down else None
-    moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d, down_rt)
+    moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d, read_through)
     return out
 
 

@@ -440,19 +440,6 @@ def test_read_through_gemv_equals_fill_then_compute(triton_mods: Any, t: int) ->
         assert torch.equal(got_slots[slot], want_slots[slot]), slot
     plain = mg.fused_moe_gemv_triton(x, w13(want_slots), w2(want_slots), w, ids, emap)
     torch.testing.assert_close(got, plain, rtol=0, atol=0)  # same sums as reading the filled slots
-    # Split mode: gate/up reads through, a column fill copies the w2 part first.
-    split_slots = poisoned.clone()
-    mk = sys.modules["ftserve.moe.kernels"]
-    cols = (2 * inter * h, r)
-    mk.fill_rows(bank, split_slots, miss_id, miss_slot, cols=cols)
-    twin = poisoned.clone()
-    fill(bank, twin, miss_id, miss_slot, cols=cols)
-    assert torch.equal(split_slots[:-1].nan_to_num(7.0), twin[:-1].nan_to_num(7.0))  # w13 parts: poisoned
-    rt_split = rt._replace(down=False)
-    got = mg.fused_moe_gemv_triton(x, w13(split_slots), w2(split_slots), w, ids, emap, read_through=rt_split)
-    torch.testing.assert_close(got, plain, rtol=0, atol=0)
-    for slot in used:
-        assert torch.equal(split_slots[slot], want_slots[slot]), slot
 
 
 def test_sweep_uva_smoke_cpu(triton_mods: Any, tmp_path: Path) -> None:

@@ -10,11 +10,10 @@ picks, per forward pass, one of three paths (host shapes only):
              per layer ONE admission kernel maps the selected experts to slots,
              evicting LRU slots not needed now, ``fill_rows`` copies the misses
              from the pinned bank over UVA, then the fused kernel reads slots.
-             At GEMV sizes (T <= GEMV_MAX_TOKENS, ``read_through`` "gemv") there
-             is no fill kernel: the expert GEMVs read the misses from the bank
-             over UVA themselves and write the slots as they go, so the compute
-             runs while the bytes arrive instead of after them ("split": the
-             gate/up GEMV does so while a side-stream fill copies the w2 part).
+             At GEMV sizes (T <= GEMV_MAX_TOKENS, ``read_through``) there is no
+             fill kernel: the expert GEMVs read the misses from the bank over
+             UVA themselves and write the slots as they go, so the compute runs
+             while the bytes arrive instead of after them.
              All device-side and fixed-shape, so it is captured in the decode graph.
              Decode also prefetches (see prefetch below).
 - ``stream`` prefill: whole layers stream into two layer buffers on a copy
@@ -229,7 +228,7 @@ class ExpertCache:
             if self._pf_on and j + 1 < self.num_layers:
                 inv = self._inv_w[j]
                 pred = self._guess(j + 1, x if inv is None else x * inv)  # [T, k] layer j+1's guess
-            rt = self._read_through(j, ids) if self.on_cuda and self.read_through != "off" else None
+            rt = self._read_through(j, ids) if self.on_cuda and self.read_through else None
             if rt is None:
                 self._admit(j, ids, LOOKUPS, MISSES)
             if pred is not None:
@@ -237,7 +236,7 @@ class ExpertCache:
             if j in self._pf_wait:
                 ev, _held = self._pf_wait.pop(j)  # the side stream filled this layer's prefetch
                 torch.cuda.current_stream().wait_event(ev)
-            return self._moe(x, weights, ids, self.slot_of_id[j * e:(j + 1) * e], *(rt or (None, None)))
+            return self._moe(x, weights, ids, self.slot_of_id[j * e:(j + 1) * e], rt)
         assert self.streamer is not None
         out = self._moe(x, weights, ids, self.streamer.layer_map(j))
         self.streamer.layer_done(j)
@@ -265,11 +264,9 @@ class ExpertCache:
                 count_valid_ref(miss_id, self.counters, miss_idx)
         return miss_slot, miss_id
 
-    def _read_through(self, j: int, ids: torch.Tensor) -> tuple[ReadThrough, Any] | None:
-        """Admit layer j's experts of ids [T, k] without a fill first: the expert
-        GEMVs read the misses from the bank (module doc); in ``split`` mode a
-        side-stream fill copies the misses' w2 part meanwhile, and the returned
-        callable makes the down launch wait for it. None at grouped-GEMM sizes."""
+    def _read_through(self, j: int, ids: torch.Tensor) -> ReadThrough | None:
+        """Admit layer j's experts of ids [T, k] without filling: the expert GEMVs
+        read the misses from the bank (module doc). None at grouped-GEMM sizes."""
         # Imported here: CPU tests pick Triton's interpreter before kernels load.
         from ftserve_kernels.moe_gemv_triton import GEMV_MAX_TOKENS, ReadThrough
 
@@ -277,20 +274,7 @@ class ExpertCache:
             return None
         miss_slot, miss_id = self._admission(j, ids, LOOKUPS, MISSES)
         i, h = self.bank.inter, self.bank.hidden
-        split = self.read_through == "split"
-        # A slot row is [w13 | w2]: w13 from element 0, w2 from 2*I*H.
-        rt = ReadThrough(self.bank.data, miss_slot, miss_id, 0, 2 * i * h, down=not split)
-        if not split:
-            return rt, None
-        main = torch.cuda.current_stream()
-        self.pf_stream.wait_stream(main)  # after the admission
-        with torch.cuda.stream(self.pf_stream):
-            fill_rows(self.bank.data, self.slots, miss_id, miss_slot, bank_checked=True,
-                      cols=(2 * i * h, 3 * i * h))
-            ev = torch.cuda.Event()
-            ev.record(self.pf_stream)
-        # miss_* stay alive in rt until the down launch, which waits on ev.
-        return rt, lambda: main.wait_event(ev)
+        return ReadThrough(self.bank.data, miss_slot, miss_id, 0, 2 * i * h)  # slot row: [w13 | w2]
 
     def _admit(self, j: int, ids: torch.Tensor, lookup_idx: int = LOOKUPS, miss_idx: int = MISSES) -> None:
         miss_slot, miss_id = self._admission(j, ids, lookup_idx, miss_idx)
@@ -321,12 +305,11 @@ class ExpertCache:
             self.counters[which] += n  # a 0-d device add: no host read
 
     def _moe(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-             expert_map: torch.Tensor, rt: ReadThrough | None = None, between: Any = None) -> torch.Tensor:
+             expert_map: torch.Tensor, rt: ReadThrough | None = None) -> torch.Tensor:
         if rt is not None:
             from ftserve_kernels.moe_gemv_triton import fused_moe_gemv_triton
 
-            return fused_moe_gemv_triton(x, self.w13, self.w2, weights, ids, expert_map, read_through=rt,
-                                         between=between)
+            return fused_moe_gemv_triton(x, self.w13, self.w2, weights, ids, expert_map, read_through=rt)
         if x.is_cuda:
             from ftserve_kernels.moe_triton import fused_moe_triton
 

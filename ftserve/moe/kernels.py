@@ -27,8 +27,6 @@ Neither reads a device value on the host; shapes depend only on E and M.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -45,20 +43,18 @@ def _word_bytes(row_bytes: int) -> int:
 
 
 def fill_rows_ref(bank: torch.Tensor, slots: torch.Tensor, src_ids: torch.Tensor,
-                  dst_slots: torch.Tensor, cols: tuple[int, int] | None = None) -> None:
-    """slots[dst[i]] = bank[src[i]] where both >= 0 (``cols``: only elements
-    [start, end) of each row). The last slot row is trash: skipped pairs write
-    it, so the shapes stay fixed (no mask indexing)."""
+                  dst_slots: torch.Tensor) -> None:
+    """slots[dst[i]] = bank[src[i]] where both >= 0. The last slot row is trash:
+    skipped pairs write it, so the shapes stay fixed (no mask indexing)."""
     trash = slots.shape[0] - 1
     ok = (src_ids >= 0) & (dst_slots >= 0)  # [M]
-    a, b = cols if cols is not None else (0, bank.shape[1])
-    rows = bank[:, a:b].index_select(0, src_ids.clamp_min(0).long().to(bank.device))  # [M, b - a]
+    rows = bank.index_select(0, src_ids.clamp_min(0).long().to(bank.device))  # [M, R]
     dst = torch.where(ok, dst_slots.long(), trash)  # [M]
-    slots[:, a:b].index_copy_(0, dst, rows.to(slots.device))
+    slots.index_copy_(0, dst, rows.to(slots.device))
 
 
 @triton.jit
-def _fill_rows_body(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, COL0, COL_WORDS, WORK, CHUNKS,
+def _fill_rows_body(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS,
                     HOST_SRC: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr):
     # Work item w = pair * CHUNKS + chunk, for w = this program, + the programs,
     # ... < WORK: one item per program when the grid covers the work, a strided
@@ -77,25 +73,23 @@ def _fill_rows_body(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, COL0, COL_WORD
         dst = tl.load(dst_ptr + i).to(tl.int64)
         if (src >= 0) & (dst >= 0):
             offs = c * BLOCK + tl.arange(0, BLOCK)
-            m = offs < COL_WORDS
-            v = tl.load(src_base + src * ROW_WORDS + COL0 + offs, mask=m)
-            tl.store(slots_ptr + dst * ROW_WORDS + COL0 + offs, v, mask=m)
+            m = offs < ROW_WORDS
+            v = tl.load(src_base + src * ROW_WORDS + offs, mask=m)
+            tl.store(slots_ptr + dst * ROW_WORDS + offs, v, mask=m)
 
 
 @triton.jit
-def _fill_rows_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, COL0, COL_WORDS, WORK, CHUNKS,
+def _fill_rows_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS,
                       HOST_SRC: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr):
-    _fill_rows_body(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, COL0, COL_WORDS, WORK, CHUNKS,
-                    HOST_SRC, WORD, BLOCK)
+    _fill_rows_body(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS, HOST_SRC, WORD, BLOCK)
 
 
 @triton.jit
-def _fill_rows_capped_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, COL0, COL_WORDS, WORK, CHUNKS,
+def _fill_rows_capped_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS,
                              HOST_SRC: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr):
     # The same copy under its own name, so a profile tells the capped side-stream
     # fills (decode prefetch) from the copies on the critical path.
-    _fill_rows_body(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, COL0, COL_WORDS, WORK, CHUNKS,
-                    HOST_SRC, WORD, BLOCK)
+    _fill_rows_body(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS, HOST_SRC, WORD, BLOCK)
 
 
 # One program copies a chunk of this many words (8 bytes each on expert rows: 64 KiB)
@@ -114,7 +108,7 @@ def check_bank(bank: torch.Tensor) -> None:
 def fill_rows(bank: torch.Tensor, slots: torch.Tensor, src_ids: torch.Tensor,
               dst_slots: torch.Tensor, *, bank_checked: bool = False,
               max_programs: int | None = None, block_words: int = FILL_BLOCK_WORDS,
-              num_warps: int = FILL_WARPS, cols: tuple[int, int] | None = None) -> None:
+              num_warps: int = FILL_WARPS) -> None:
     """One launch over the M pairs (src_ids / dst_slots [M] int32 on the slots' device).
     bank [rows, R] (pinned host memory on CUDA, see check_bank) -> slots [S, R], same dtype.
 
@@ -122,30 +116,24 @@ def fill_rows(bank: torch.Tensor, slots: torch.Tensor, src_ids: torch.Tensor,
     programs, so a few misses hold every SM until the copy is done, which is
     what a copy on the critical path wants. ``max_programs`` caps the grid (each
     program walks every max_programs-th chunk): a copy on a side stream that
-    must leave the SMs to the compute it overlaps (decode prefetch). ``cols``
-    copies only elements [start, end) of each row (decode's split read-through:
-    the experts' w2 part)."""
+    must leave the SMs to the compute it overlaps (decode prefetch)."""
     assert bank.dtype == slots.dtype and bank.shape[1] == slots.shape[1]
     m = src_ids.numel()
     if m == 0:
         return
-    esz = bank.element_size()
-    a, b = cols if cols is not None else (0, bank.shape[1])
-    assert 0 <= a < b <= bank.shape[1], cols
-    wb = _word_bytes(math.gcd(bank.shape[1] * esz, a * esz, b * esz))
-    row_words = bank.shape[1] * esz // wb
-    col0, col_words = a * esz // wb, (b - a) * esz // wb
+    wb = _word_bytes(bank.shape[1] * bank.element_size())
+    row_words = bank.shape[1] * bank.element_size() // wb
     host = slots.is_cuda and not bank.is_cuda
     if host and not bank_checked:
         check_bank(bank)
     src_arg: torch.Tensor | int = bank.data_ptr() if host else bank.view(_WORD[wb])
-    block = min(block_words, triton.next_power_of_2(col_words))
-    chunks = triton.cdiv(col_words, block)
+    block = min(block_words, triton.next_power_of_2(row_words))
+    chunks = triton.cdiv(row_words, block)
     work = m * chunks
     programs = work if max_programs is None else max(1, min(work, max_programs))
     kernel = _fill_rows_kernel if max_programs is None else _fill_rows_capped_kernel
     kernel[(programs,)](
-        src_arg, slots.view(_WORD[wb]), src_ids, dst_slots, row_words, col0, col_words, work, chunks,
+        src_arg, slots.view(_WORD[wb]), src_ids, dst_slots, row_words, work, chunks,
         HOST_SRC=host, WORD=_TL_WORD[wb], BLOCK=block, num_warps=num_warps,
     )
 
