@@ -49,6 +49,12 @@ def lm_head_fp32() -> bool:
     return _flag("FTSERVE_LM_HEAD_FP32", False)
 
 
+def lm_head_gemv() -> bool:
+    """FTSERVE_LM_HEAD_GEMV (default off): the Triton GEMV for the lm_head of
+    decode-sized batches instead of cuBLAS."""
+    return _flag("FTSERVE_LM_HEAD_GEMV", False)
+
+
 def moe_gateup_acc() -> bool:
     """FTSERVE_MOE_GATEUP_ACC (default off): the accumulate-style expert gate/up GEMV."""
     return _flag("FTSERVE_MOE_GATEUP_ACC", False)

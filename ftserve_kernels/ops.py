@@ -203,8 +203,13 @@ _MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The lm_head: logits in fp32. With FTSERVE_LM_HEAD_FP32=1 on CUDA the GEMM
     writes fp32 itself (no separate cast launch; the products are accumulated in
-    fp32 either way, only the bf16 rounding of the output is skipped)."""
+    fp32 either way, only the bf16 rounding of the output is skipped). With
+    FTSERVE_LM_HEAD_GEMV=1 decode-sized batches run the Triton GEMV (its tuned
+    table has the lm_head shape) instead of cuBLAS."""
     if (x.is_cuda and x.dtype != torch.float32 and envs.lm_head_fp32()
             and _MM_OUT_DTYPE):
         return torch.mm(x, w.t(), out_dtype=torch.float32)  # type: ignore[call-arg]
+    k = _table(x)
+    if k.gemv is not None and x.shape[0] <= k.gemv_max_rows and envs.lm_head_gemv():
+        return k.gemv(x, w, None)[0].float()  # rounded to x's dtype first, as F.linear's
     return F.linear(x, w).float()

@@ -29,7 +29,8 @@ from tools.decode_variants import (
 
 def _switches() -> dict[str, object]:
     return {"dense_gemv": envs.dense_gemv(), "moe_gateup_acc": envs.moe_gateup_acc(),
-            "lm_head_fp32": envs.lm_head_fp32(), "decode_fusion": envs.decode_fusion(),
+            "lm_head_fp32": envs.lm_head_fp32(), "lm_head_gemv": envs.lm_head_gemv(),
+            "decode_fusion": envs.decode_fusion(),
             "moe_down3d": envs.moe_down3d(), "fused_kv_store": envs.fused_kv_store(), "pdl": envs.pdl()}
 
 
@@ -62,7 +63,7 @@ def test_each_variant_turns_exactly_its_switch(monkeypatch: pytest.MonkeyPatch) 
     variants = default_variants(AttnKernelConfig())
     names = [v.name for v in variants]
     assert names[0] == "baseline" and len(set(names)) == len(names)
-    assert {"DENSE_GEMV=0", "DENSE_GEMV=1", "DENSE_GEMV=norm", "MOE_GATEUP_ACC=1", "LM_HEAD_FP32=1",
+    assert {"DENSE_GEMV=0", "DENSE_GEMV=1", "DENSE_GEMV=norm", "MOE_GATEUP_ACC=1", "LM_HEAD_FP32=1", "LM_HEAD_GEMV=1",
             "FUSED_KV_STORE=0", "PDL=1", "PDL=wait", "PDL=1 DENSE_GEMV=1", "PDL=1 DENSE_GEMV=norm",
             "attn fused_reduce=1", "attn programs_per_sm=2", "attn programs_per_sm=8",
             "attn max_splits=32", "attn max_splits=64"} <= set(names)

@@ -45,14 +45,15 @@ def test_model_on_triton_kernels_matches_torch_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fusion: str, dense_gemv: str
 ) -> None:
     """The decode step (T = 2) runs the decode fusions: norm + router + top-k in
-    one launch, and with FTSERVE_DENSE_GEMV=1 the norm-prologue qkv GEMV and the
-    o_proj GEMV."""
+    one launch, and with FTSERVE_DENSE_GEMV=1 the norm-prologue qkv GEMV, the
+    o_proj GEMV and (FTSERVE_LM_HEAD_GEMV=1) the lm_head GEMV."""
     write_checkpoint("tiny-moe", tmp_path, seed=5, dtype="float32")
     monkeypatch.setenv("FTSERVE_KERNELS", "torch")
     ref = run_steps(tmp_path, TorchAttentionBackend())
     monkeypatch.setenv("FTSERVE_KERNELS", "triton")
     monkeypatch.setenv("FTSERVE_DECODE_FUSION", fusion)
     monkeypatch.setenv("FTSERVE_DENSE_GEMV", dense_gemv)
+    monkeypatch.setenv("FTSERVE_LM_HEAD_GEMV", dense_gemv)
     got = run_steps(tmp_path, TritonAttentionBackend())
     for r, o in zip(ref, got):
         assert o.shape == r.shape and torch.isfinite(o).all()
@@ -126,6 +127,7 @@ def test_gpu_prefill_chunk_graph_replay(tmp_path: Path) -> None:
 DECODE_SWITCHES = [
     {},  # the defaults: norm + route fusion, 3-D MoE down kernel
     {"FTSERVE_DENSE_GEMV": "1", "FTSERVE_MOE_GATEUP_ACC": "1", "FTSERVE_LM_HEAD_FP32": "1"},
+    {"FTSERVE_LM_HEAD_GEMV": "1"},
     {"FTSERVE_DECODE_FUSION": "0", "FTSERVE_MOE_DOWN3D": "0"},  # the unfused kernels
 ]
 
