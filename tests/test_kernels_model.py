@@ -45,20 +45,47 @@ def test_model_on_triton_kernels_matches_torch_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fusion: str, dense_gemv: str
 ) -> None:
     """The decode step (T = 2) runs the decode fusions: norm + router + top-k in
-    one launch, and with FTSERVE_DENSE_GEMV=1 the norm-prologue qkv GEMV, the
-    o_proj GEMV and (FTSERVE_LM_HEAD_GEMV=1) the lm_head GEMV."""
+    one launch, and with FTSERVE_DENSE_GEMV=1 the norm-prologue qkv GEMV and the
+    o_proj GEMV."""
     write_checkpoint("tiny-moe", tmp_path, seed=5, dtype="float32")
     monkeypatch.setenv("FTSERVE_KERNELS", "torch")
     ref = run_steps(tmp_path, TorchAttentionBackend())
     monkeypatch.setenv("FTSERVE_KERNELS", "triton")
     monkeypatch.setenv("FTSERVE_DECODE_FUSION", fusion)
     monkeypatch.setenv("FTSERVE_DENSE_GEMV", dense_gemv)
-    monkeypatch.setenv("FTSERVE_LM_HEAD_GEMV", dense_gemv)
     got = run_steps(tmp_path, TritonAttentionBackend())
     for r, o in zip(ref, got):
         assert o.shape == r.shape and torch.isfinite(o).all()
         err = float((o - r).norm() / r.norm())
         assert err < 1e-4, err
+
+
+@pytest.mark.parametrize("rows,flag,gemv_rows", [(1, "1", [1]), (2, "1", []), (1, "0", [])])
+def test_lm_head_gemv_takes_one_row(monkeypatch: pytest.MonkeyPatch, rows: int, flag: str,
+                                    gemv_rows: list[int]) -> None:
+    """ops.linear_fp32 (the lm_head) runs the Triton GEMV for one row unless
+    FTSERVE_LM_HEAD_GEMV=0, cuBLAS / F.linear otherwise; same logits either way."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    from ftserve_kernels import ops
+
+    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
+    monkeypatch.setenv("FTSERVE_LM_HEAD_GEMV", flag)
+    real = ops._table(torch.empty(0))
+    seen: list[int] = []
+
+    def spy(x: torch.Tensor, *args: object) -> object:
+        seen.append(x.shape[0])
+        return real.gemv(x, *args)
+
+    monkeypatch.setattr(ops, "_table", lambda t: dataclasses.replace(real, gemv=spy))
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(rows, 64, generator=g), torch.randn(300, 64, generator=g)
+    got = ops.linear_fp32(x, w)
+    assert got.dtype == torch.float32 and seen == gemv_rows
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 def test_logits_rows_with_and_without_gathers(tmp_path: Path) -> None:
@@ -127,7 +154,6 @@ def test_gpu_prefill_chunk_graph_replay(tmp_path: Path) -> None:
 DECODE_SWITCHES = [
     {},  # the defaults: norm + route fusion, 3-D MoE down kernel
     {"FTSERVE_DENSE_GEMV": "1", "FTSERVE_MOE_GATEUP_ACC": "1", "FTSERVE_LM_HEAD_FP32": "1"},
-    {"FTSERVE_LM_HEAD_GEMV": "1"},
     {"FTSERVE_DECODE_FUSION": "0", "FTSERVE_MOE_DOWN3D": "0"},  # the unfused kernels
 ]
 

@@ -23,7 +23,7 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_DENSE_GEMV": "linear",
     "FTSERVE_MOE_GATEUP_ACC": "0",
     "FTSERVE_LM_HEAD_FP32": "0",
-    "FTSERVE_LM_HEAD_GEMV": "0",
+    "FTSERVE_LM_HEAD_GEMV": "1",
     "FTSERVE_DECODE_FUSION": "1",
     "FTSERVE_MOE_DOWN3D": "1",
     "FTSERVE_FUSED_KV_STORE": "1",
@@ -53,7 +53,7 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
             for v in ("0", "1", "norm")]
     out.append(Variant("MOE_GATEUP_ACC=1", "moe_gateup_acc", {"FTSERVE_MOE_GATEUP_ACC": "1"}))
     out.append(Variant("LM_HEAD_FP32=1", "lm_head_fp32", {"FTSERVE_LM_HEAD_FP32": "1"}))
-    out.append(Variant("LM_HEAD_GEMV=1", "lm_head_gemv", {"FTSERVE_LM_HEAD_GEMV": "1"}))
+    out.append(Variant("LM_HEAD_GEMV=0", "lm_head_gemv", {"FTSERVE_LM_HEAD_GEMV": "0"}))
     out.append(Variant("FUSED_KV_STORE=0", "fused_kv_store", {"FTSERVE_FUSED_KV_STORE": "0"}))
     out += [Variant(f"PDL={v}", "pdl", {"FTSERVE_PDL": v}) for v in ("1", "wait")]
     # PDL links only Triton kernels: with the cuBLAS GEMVs replaced too. A group
