@@ -201,7 +201,8 @@ def test_read_through_gemv_in_a_graph() -> None:
     the same GEMVs over the filled slots give, eagerly and replayed in a graph
     with new fill lists; every missed slot ends up holding its bank row."""
     from ftserve.moe.kernels import fill_rows
-    from ftserve_kernels.moe_gemv_triton import ReadThrough, fused_moe_gemv_triton
+    from ftserve_kernels.moe_gemv_triton import fused_moe_gemv_triton
+    from ftserve_kernels.moe_read_through import ReadThrough
 
     g = torch.Generator(device="cuda").manual_seed(4)
     h, inter, e, k, s = 2048, 768, 128, 8, 24

@@ -409,6 +409,7 @@ def test_read_through_gemv_equals_fill_then_compute(triton_mods: Any, t: int) ->
     _, mt = triton_mods
     mg = sys.modules["ftserve_kernels.moe_gemv_triton"]
     from ftserve_kernels.moe import fused_moe_ref
+    from ftserve_kernels.moe_read_through import ReadThrough
 
     g = torch.Generator().manual_seed(5)
     h, inter, e, k, s = 32, 16, 8, 4, 7  # 8 experts of layer 1 (ids 8..15), 6 slots + trash
@@ -432,7 +433,7 @@ def test_read_through_gemv_equals_fill_then_compute(triton_mods: Any, t: int) ->
     want = fused_moe_ref(x, w13(want_slots), w2(want_slots), w, emap[ids.long()])
 
     got_slots = poisoned.clone()
-    rt = mg.ReadThrough(bank, miss_slot, miss_id, 0, 2 * inter * h)
+    rt = ReadThrough(bank, miss_slot, miss_id, 0, 2 * inter * h)
     got = mg.fused_moe_gemv_triton(x, w13(got_slots), w2(got_slots), w, ids, emap, read_through=rt)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     used = sorted({int(emap[i]) for i in ids.reshape(-1).tolist()})

@@ -40,7 +40,6 @@ from ftserve.moe.cache import ExpertCache
 from ftserve_kernels.moe_gemv_triton import GEMV_MAX_TOKENS
 from tools.bench_common import (
     gpu_kernel_seconds,
-    markdown_table,
     measure_h2d_gbps,
     overlap_seconds,
     run_section,
@@ -49,6 +48,7 @@ from tools.bench_common import (
     sync,
     write_json,
 )
+from tools.bench_moe_cache_report import render, summarize
 from tools.engine_driver import EngineDriver
 
 MODES = ("resident", "offload", "offload_full")
@@ -294,96 +294,6 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: str, device: torch.
 
             section(f"{mode}_decode_fill", fill_kernel)
     engine.shutdown()
-
-
-# ----------------------------------------------------------------- report
-
-
-def summarize(results: dict[str, Any]) -> dict[str, Any]:
-    gbps = (results.get("limits") or {}).get("h2d", {}).get("h2d_gbps")
-    # Decode copies are SM loads over UVA (device-chosen rows inside the graph), which
-    # peak below cudaMemcpy: the fraction at that rate says how much is the kernel path.
-    uva = (results.get("limits") or {}).get("uva_fill", {}).get("gbps")
-    res = {r["prefix"]: r for r in results.get("resident_prefill") or [] if "prefix" in r}
-    out: dict[str, Any] = {"h2d_gbps": gbps, "uva_gbps": uva, "prefill": [], "decode": []}
-    for mode in ("offload", "offload_full"):
-        for r in results.get(f"{mode}_prefill") or []:
-            if "prefix" not in r:
-                continue
-            row: dict[str, Any] = {"mode": mode, "prefix": r["prefix"], "wall_s": r["wall_s"],
-                                   "experts_streamed": r.get("experts_streamed"),
-                                   "experts_uncached": r.get("experts_uncached")}
-            if gbps and r.get("bytes_needed") is not None:
-                row["pcie_bound_s"] = r["bytes_needed"] / (gbps * 1e9)
-            if r["prefix"] in res:
-                row["resident_s"] = res[r["prefix"]]["wall_s"]
-            floor = max(row.get("pcie_bound_s") or 0.0, row.get("resident_s") or 0.0)
-            if floor > 0:
-                row["ratio_to_bound"] = r["wall_s"] / floor
-                row["ok"] = row["ratio_to_bound"] <= 1.1
-            out["prefill"].append(row)
-        res_dec = {r["batch"]: r for r in results.get("resident_decode") or []}
-        rows = [results.get(f"{mode}_decode{x}") or [] for x in ("", "_prefetch_on", "_fill")]
-        for r in sum(rows, []):
-            name = f"{mode}, prefetch on, fill {r['fill_programs']}" if r.get("ablation") else mode
-            name = f"{name}, {r['variant']}" if r.get("variant") else name
-            same = [x for x in results.get(f"{mode}_decode") or [] if x["batch"] == r["batch"]]
-            prof = r.get("profile") or {}
-            row = {"mode": name, "batch": r["batch"], "tokens_per_s": r["tokens_per_s"],
-                   "prefetch": r.get("prefetch"),
-                   # Same prompts and tokens as the default row (else routing differs).
-                   "same_tokens": same[0].get("tokens") == r.get("tokens") if same else None,
-                   "fill_ms_per_step": prof.get("fill_ms_per_step"),
-                   "fill_overlapped_frac": prof.get("fill_overlapped_frac"),
-                   "hit_rate": r.get("hit_rate"), "copies_per_step": _copies(r),
-                   "resident_tokens_per_s": res_dec.get(r["batch"], {}).get("tokens_per_s")}
-            missed = r.get("missed_bytes_per_step")
-            if gbps and missed:
-                row["pcie_bound_tokens_per_s"] = r["batch"] / (missed / (gbps * 1e9))
-                row["frac_of_pcie_bound"] = r["tokens_per_s"] / row["pcie_bound_tokens_per_s"]
-                if uva:
-                    row["frac_of_uva_bound"] = r["tokens_per_s"] * missed / (uva * 1e9) / r["batch"]
-                row["ok"] = row["frac_of_pcie_bound"] >= 0.9
-                # Without speculation a layer's misses are known only after its router
-                # and the next layer needs their output: only the expert compute can
-                # run beside the copies. The rest of a resident step (attention, norms,
-                # router, lm_head, sampling, host) adds to the copy time, so the most
-                # this row can reach is bound / (bound + that serial time).
-                res_row = res_dec.get(r["batch"])
-                if res_row and res_row.get("expert_ms_per_step") is not None:
-                    serial_s = (res_row["step_ms"] - res_row["expert_ms_per_step"]) / 1e3
-                    bound_s = missed / (gbps * 1e9)
-                    row["serial_ms_per_step"] = serial_s * 1e3
-                    row["ceiling_frac_of_pcie_bound"] = bound_s / (bound_s + serial_s)
-                    row["frac_of_ceiling"] = row["frac_of_pcie_bound"] / row["ceiling_frac_of_pcie_bound"]
-            out["decode"].append(row)
-    return out
-
-
-def _copies(r: dict[str, Any]) -> float | None:
-    if "experts_missed_per_step" not in r:
-        return None
-    return r["experts_missed_per_step"] + r.get("experts_prefetched_per_step", 0.0)
-
-
-def render(summary: dict[str, Any]) -> str:
-    pre = markdown_table(
-        ["mode", "cached", "s / chunk", "experts uncached", "experts streamed", "PCIe bound s", "resident s",
-         "ratio", "ok"],
-        [[r["mode"], r["prefix"], r["wall_s"], r.get("experts_uncached"), r.get("experts_streamed"),
-          r.get("pcie_bound_s"), r.get("resident_s"), r.get("ratio_to_bound"), r.get("ok")]
-         for r in summary["prefill"]])
-    dec = markdown_table(
-        ["mode", "batch", "prefetch", "tok/s", "hit rate", "experts copied / step", "PCIe bound tok/s", "frac",
-         "frac at UVA rate", "ceiling (no speculation)", "of ceiling", "resident tok/s", "fill ms / step",
-         "fill overlapped", "same tokens", "ok"],
-        [[r["mode"], r["batch"], r.get("prefetch"), r["tokens_per_s"], r.get("hit_rate"), r.get("copies_per_step"),
-          r.get("pcie_bound_tokens_per_s"), r.get("frac_of_pcie_bound"), r.get("frac_of_uva_bound"),
-          r.get("ceiling_frac_of_pcie_bound"), r.get("frac_of_ceiling"),
-          r.get("resident_tokens_per_s"), r.get("fill_ms_per_step"), r.get("fill_overlapped_frac"),
-          r.get("same_tokens"), r.get("ok")] for r in summary["decode"]])
-    return (f"pinned H2D: {summary['h2d_gbps']} GB/s, UVA fill kernel: {summary.get('uva_gbps')} GB/s"
-            f"\n\n{pre}\n\n{dec}\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

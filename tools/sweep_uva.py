@@ -5,7 +5,7 @@ cudaMemcpy's pinned host->device rate measured in the same run:
   warps and grid caps, copying 64 expert rows (a prefill-sized fallback / batch-8
   decode) and 3 rows (one layer's misses at batch-1 decode);
 - ``read_through``: decode's expert GEMVs reading a layer's misses themselves
-  (moe_gemv_triton.ReadThrough), gate/up and down apart, over their launch
+  (moe_read_through.ReadThrough), gate/up and down apart, over their launch
   parameters, at batch 1 with 3 of the 8 chosen experts missing; GB/s = the
   missed experts' bytes of that kernel / its time (the hits' HBM reads ride along).
 
@@ -73,6 +73,7 @@ def sweep_read_through(bank: torch.Tensor, device: torch.device, reps: int, dead
                        h: int, inter: int, grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
     from ftserve_kernels import gemv_configs as gc
     from ftserve_kernels import moe_gemv_triton as mg
+    from ftserve_kernels.moe_read_through import ReadThrough
 
     g = torch.Generator(device="cpu").manual_seed(0)
     r = bank.shape[1]
@@ -90,7 +91,7 @@ def sweep_read_through(bank: torch.Tensor, device: torch.device, reps: int, dead
     miss_id = torch.full((TOP_K,), -1, dtype=torch.int32)
     miss_slot[:MISSES] = torch.arange(MISSES, dtype=torch.int32)
     miss_id[:MISSES] = chosen[:MISSES].int()
-    rt = mg.ReadThrough(bank, miss_slot.to(device), miss_id.to(device), 0, 2 * inter * h)
+    rt = ReadThrough(bank, miss_slot.to(device), miss_id.to(device), 0, 2 * inter * h)
     x = torch.randn(1, h, generator=g).to(bank.dtype).to(device)
     act = torch.empty(TOP_K, inter, dtype=bank.dtype, device=device)
     out = torch.empty(1, h, dtype=bank.dtype, device=device)

@@ -65,7 +65,7 @@ from ftserve_kernels import bookkeeping as bk
 from ftserve_kernels.moe import fused_moe_ref
 
 if TYPE_CHECKING:
-    from ftserve_kernels.moe_gemv_triton import ReadThrough
+    from ftserve_kernels.moe_read_through import ReadThrough
 
 LOOKUPS, MISSES, STREAMED, UNCACHED, PREFETCHED = range(5)  # counters (plan_layer: 2, 3)
 
@@ -268,7 +268,8 @@ class ExpertCache:
         """Admit layer j's experts of ids [T, k] without filling: the expert GEMVs
         read the misses from the bank (module doc). None at grouped-GEMM sizes."""
         # Imported here: CPU tests pick Triton's interpreter before kernels load.
-        from ftserve_kernels.moe_gemv_triton import GEMV_MAX_TOKENS, ReadThrough
+        from ftserve_kernels.moe_gemv_triton import GEMV_MAX_TOKENS
+        from ftserve_kernels.moe_read_through import ReadThrough
 
         if ids.shape[0] > GEMV_MAX_TOKENS:
             return None
