@@ -19,6 +19,8 @@ _HELP = {
     "kv_cache_dtype": "auto (= --dtype) | bfloat16 | float16 | float32 | fp8_e4m3 (alias fp8): "
                       "e4m3 codes + a scale per token and KV head, about half the bytes of bf16",
     "attention_backend": "auto | torch | triton",
+    "reasoning_parser": "auto (a chat template with <think> tags: the model's reasoning comes back "
+                        "as reasoning_content) | none (it stays in the content)",
 }
 _TYPES = {"int": int, "float": float, "str": str}
 
@@ -64,6 +66,8 @@ def configs_from_args(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig
         raise ConfigError("--keepalive-interval must be > 0")
     if server.max_body_bytes < 1024:
         raise ConfigError("--max-body-bytes must be at least 1024")
+    if server.reasoning_parser not in ("auto", "none"):
+        raise ConfigError(f"--reasoning-parser must be auto or none, got {server.reasoning_parser!r}")
     return engine, server
 
 

@@ -85,4 +85,7 @@ class ServerConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
     keepalive_interval: float = 5.0  # seconds between SSE keep-alive comments
+    # "auto": a chat template with think tags gets the model's reasoning back as
+    # reasoning_content (server/reasoning.py); "none": it stays in the content.
+    reasoning_parser: str = "auto"
     log_requests: bool = False

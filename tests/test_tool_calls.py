@@ -116,7 +116,7 @@ def test_streamed_choice_sends_calls_whole(tmp_path) -> None:  # type: ignore[no
     assert text.tool_format() == "mistral"  # the demo template renders Mistral-style tools
     parsed = parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
                          "tools": [{"type": "function", "function": {"name": "ls"}}]})
-    st = _ChoiceChunks(parsed, "chatcmpl-1", 0, "m", None, 2, text)  # type: ignore[arg-type]
+    st = _ChoiceChunks(parsed, "chatcmpl-1", 0, "m", None, 2, text, None)  # type: ignore[arg-type]
     assert st.tools is not None
     out = "Sure [TOOL_CALLS] [{\"name\": \"ls\", \"arguments\": {}}]"
     sent = "".join(st.tools.push(out[i:i + 5]) for i in range(0, len(out), 5))

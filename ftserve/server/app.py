@@ -16,7 +16,7 @@ from aiohttp import web
 from ftserve.server.completions import chat_completions, completions, read_json
 from ftserve.server.errors import APIError, Handler, bad_request, error_middleware
 from ftserve.server.metrics import CONTENT_TYPE
-from ftserve.server.protocol import parse_messages, parse_tools
+from ftserve.server.protocol import parse_messages, parse_template_kwargs, parse_tools
 from ftserve.server.state import STATE_KEY, ServerState
 from ftserve.server.text import TemplateError
 
@@ -100,7 +100,7 @@ async def tokenize(request: web.Request) -> web.Response:
             raise bad_request("this model's chat template does not render tools", param="tools")
         try:
             prompt = await asyncio.to_thread(text.render_chat, parse_messages(body), add_gen,
-                                             tools)
+                                             tools, parse_template_kwargs(body))
         except TemplateError as err:
             raise bad_request(f"chat template error: {err}", param="messages") from None
     else:

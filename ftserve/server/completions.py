@@ -11,8 +11,8 @@ import orjson
 from aiohttp import web
 
 from ftserve.engine.messages import TokenLogprob
+from ftserve.server import reasoning, sse, tool_calls
 from ftserve.server import responses as R
-from ftserve.server import sse, tool_calls
 from ftserve.server.errors import APIError, bad_request
 from ftserve.server.generation import EngineRequestError, Generation, Step
 from ftserve.server.protocol import ParsedRequest, parse_chat, parse_completion
@@ -42,12 +42,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         # Rendering a 170k-token conversation is real work: keep it off the loop too.
         prompt = await asyncio.to_thread(
-            text.render_chat, parsed.messages, parsed.add_generation_prompt, parsed.tools
+            text.render_chat, parsed.messages, parsed.add_generation_prompt, parsed.tools,
+            parsed.template_kwargs,
         )
     except TemplateError as err:
         raise bad_request(f"chat template error: {err}", param="messages") from None
     ids = await text.encode_async(prompt, add_special_tokens=False)  # template adds them
-    return await _run(request, state, parsed, ids, arrival, "chatcmpl-")
+    # Reasoning split (server/reasoning.py): None = off, else whether the prompt opened it.
+    think = (reasoning.opens_in_prompt(prompt)
+             if state.cfg.reasoning_parser != "none" and text.marks_reasoning() else None)
+    return await _run(request, state, parsed, ids, arrival, "chatcmpl-", think)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -78,6 +82,7 @@ async def _run(
     ids: list[int],
     arrival: float,
     prefix: str,
+    think: bool | None = None,
 ) -> web.StreamResponse:
     engine, text = state.ready()
     params = parsed.build_params(len(ids), engine.max_model_len, engine.vocab_size)
@@ -91,8 +96,8 @@ async def _run(
             gens.append(Generation(engine, state.tracker, state.metrics, gid, ids,
                                    parsed.choice_params(params, i), detok, arrival))
         if parsed.stream:
-            return await _stream(request, state, parsed, rid, gens, text)
-        return await _collect(state, parsed, rid, gens, text)
+            return await _stream(request, state, parsed, rid, gens, text, think)
+        return await _collect(state, parsed, rid, gens, text, think)
     finally:
         for gen in gens:
             gen.close()  # a cancelled handler (client gone) aborts the engine requests here
@@ -111,7 +116,8 @@ def _usage(gens: list[Generation]) -> dict[str, Any]:
 
 
 async def _collect(
-    state: ServerState, parsed: ParsedRequest, rid: str, gens: list[Generation], text: TextCodec
+    state: ServerState, parsed: ParsedRequest, rid: str, gens: list[Generation], text: TextCodec,
+    think: bool | None,
 ) -> web.Response:
     created = int(time.time())
     choices: list[dict[str, Any]] = []
@@ -135,12 +141,19 @@ async def _collect(
         tok_ids = out_ids if parsed.return_token_ids else None
         prompt_ids = gen.prompt_ids if parsed.return_token_ids else None
         if parsed.kind == "chat":
+            thought = None
+            if think is not None:
+                thought, content = reasoning.split(content, think)
             logprobs = R.chat_logprobs(lps, text.token_text) if parsed.logprobs is not None else None
             body = R.chat_response(rid, created, state.model_name, content, reason,
                                    {}, logprobs, tok_ids, prompt_ids)
             fmt = text.tool_format() if parsed.tools else None
             if fmt is not None:
                 with_tool_calls(body["choices"][0], content, fmt)
+            if thought is not None:
+                message = body["choices"][0]["message"]
+                message["reasoning_content"] = thought
+                message["content"] = message["content"] or None
         else:
             logprobs = (R.completion_logprobs(lps, text.token_text, 0)
                         if parsed.logprobs is not None else None)
@@ -167,15 +180,31 @@ class _ChoiceChunks:
     completions, prompt_token_ids on its first chunk."""
 
     def __init__(self, parsed: ParsedRequest, rid: str, created: int, model: str,
-                 gen: Generation, index: int, text: TextCodec) -> None:
+                 gen: Generation, index: int, text: TextCodec, think: bool | None) -> None:
         self.chat = parsed.kind == "chat"
         self.rid, self.created, self.model, self.index = rid, created, model, index
         self.gen, self.text = gen, text
         self.prompt_ids_pending = parsed.return_token_ids and not self.chat
         self.text_offset = 0
         fmt = text.tool_format() if parsed.tools else None
-        # With tools, content passes through a filter that holds back tool calls.
+        # With tools, content passes through a filter that holds back tool calls;
+        # before it, reasoning is split off where the template marks it.
         self.tools = tool_calls.ToolStream(fmt) if fmt else None
+        self.reasoning = reasoning.ReasoningStream(think) if think is not None and self.chat else None
+
+    def split(self, delta: str) -> tuple[str, str]:
+        """(reasoning, content safe to send) of a step's text."""
+        thought, content = self.reasoning.push(delta) if self.reasoning is not None else ("", delta)
+        return thought, (self.tools.push(content) if self.tools is not None else content)
+
+    def finish(self) -> tuple[str, str, list[dict[str, Any]]]:
+        """(reasoning, content, tool calls) held back until the choice ended."""
+        thought, content = self.reasoning.finish() if self.reasoning is not None else ("", "")
+        if self.tools is None:
+            return thought, content, []
+        content = self.tools.push(content) if content else ""
+        tail, calls = self.tools.finish()
+        return thought, content + tail, calls
 
     def role(self, want_ids: bool) -> dict[str, Any]:
         # The role chunk goes out at once, as OpenAI does, before any token exists.
@@ -186,10 +215,12 @@ class _ChoiceChunks:
         return out
 
     def chunk(self, step_text: str, reason: str | None, lp: list[TokenLogprob] | None,
-              ids: list[int] | None) -> dict[str, Any]:
+              ids: list[int] | None, thought: str = "") -> dict[str, Any]:
         if self.chat:
             lp_obj = R.chat_logprobs(lp, self.text.token_text) if lp else None
-            delta = {"content": step_text} if reason is None else {}
+            delta: dict[str, Any] = {"reasoning_content": thought} if thought else {}
+            if reason is None and (step_text or not thought):
+                delta["content"] = step_text
             return self._indexed(R.chat_chunk(self.rid, self.created, self.model, delta, reason,
                                               lp_obj, ids))
         lp_obj = R.completion_logprobs(lp, self.text.token_text, self.text_offset) if lp else None
@@ -216,11 +247,12 @@ async def _stream(
     rid: str,
     gens: list[Generation],
     text: TextCodec,
+    think: bool | None,
 ) -> web.StreamResponse:
     model, created = state.model_name, int(time.time())
     chat = parsed.kind == "chat"
     want_ids = parsed.return_token_ids
-    streams = [_ChoiceChunks(parsed, rid, created, model, g, i, text) for i, g in enumerate(gens)]
+    streams = [_ChoiceChunks(parsed, rid, created, model, g, i, text, think) for i, g in enumerate(gens)]
     resp = await sse.open_stream(request)
     # Every choice's steps go through one queue, in the order they arrive.
     merged: asyncio.Queue[tuple[int, Step | EngineRequestError]] = asyncio.Queue()
@@ -254,18 +286,17 @@ async def _stream(
             st = streams[index]
             lp = item.logprobs if parsed.logprobs is not None else None
             ids = item.token_ids if want_ids else None
-            step_text = st.tools.push(item.text) if st.tools is not None else item.text
-            if step_text or lp or ids:
-                await resp.write(sse.frame(st.chunk(step_text, None, lp, ids)))
+            thought, step_text = st.split(item.text)
+            if step_text or thought or lp or ids:
+                await resp.write(sse.frame(st.chunk(step_text, None, lp, ids, thought)))
             if item.finish_reason is not None:
                 reason = item.finish_reason
-                if st.tools is not None:
-                    tail, calls = st.tools.finish()
-                    if tail:
-                        await resp.write(sse.frame(st.chunk(tail, None, None, None)))
-                    if calls:
-                        await resp.write(sse.frame(st.calls_chunk(calls)))
-                        reason = "tool_calls"
+                thought, tail, calls = st.finish()
+                if tail or thought:
+                    await resp.write(sse.frame(st.chunk(tail, None, None, None, thought)))
+                if calls:
+                    await resp.write(sse.frame(st.calls_chunk(calls)))
+                    reason = "tool_calls"
                 await resp.write(sse.frame(st.chunk("", reason, None, [] if want_ids else None)))
         if parsed.include_usage and not failed:
             obj = "chat.completion.chunk" if chat else "text_completion"

@@ -44,6 +44,7 @@ class ParsedRequest:
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs
     n: int = 1  # choices: one engine request each, the same prompt (seeds: seed + i)
     tools: list[dict[str, Any]] | None = None  # chat: rendered by the template, calls parsed
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
 
     def build_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
         """Resolve max_tokens against the context window and validate everything."""
@@ -253,8 +254,34 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         call_id = msg.get("tool_call_id")
         if isinstance(call_id, str):
             entry["tool_call_id"] = call_id
+        reasoning = msg.get("reasoning_content")
+        if reasoning is not None:  # an earlier turn's reasoning: templates that show it read it
+            if role != "assistant" or not isinstance(reasoning, str):
+                raise bad_request(f"'{where}.reasoning_content' must be a string on an assistant "
+                                  "message", param=where)
+            entry["reasoning_content"] = reasoning
         out.append(entry)
     return out
+
+
+# Names the server itself passes to the chat template.
+_TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "flatten")
+
+
+def parse_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """chat_template_kwargs: extra variables for the chat template (e.g. Qwen3's
+    enable_thinking)."""
+    value = _get(body, "chat_template_kwargs")
+    if value is _MISSING or value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k.isidentifier() for k in value):
+        raise bad_request("'chat_template_kwargs' must be an object of template variable names",
+                          param="chat_template_kwargs")
+    taken = sorted(set(value) & set(_TEMPLATE_RESERVED))
+    if taken:
+        raise bad_request(f"'chat_template_kwargs' cannot set {', '.join(taken)}: the request's own "
+                          "fields do", param="chat_template_kwargs")
+    return dict(value)
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
@@ -324,6 +351,7 @@ def parse_chat(raw: Any) -> ParsedRequest:
         add_generation_prompt=_bool(body, "add_generation_prompt", True),
         logprobs=logprobs,
         tools=tools,
+        template_kwargs=parse_template_kwargs(body),
         **common,
     )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from ftserve.server import reasoning
 from ftserve.server.tool_calls import Format, format_of
 from ftserve.tokenizer import (
     ChatTemplate,
@@ -40,10 +41,15 @@ class StreamDetokenizer(Protocol):
 
 class TextCodec(Protocol):
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None) -> str: ...
+                    tools: list[dict[str, Any]] | None = None,
+                    extra: dict[str, Any] | None = None) -> str: ...
 
     def tool_format(self) -> Format | None:
         """The tool-call syntax of the chat template (tool_calls.format_of), or None."""
+        ...
+
+    def marks_reasoning(self) -> bool:
+        """Whether the chat template marks reasoning with think tags (reasoning.supported)."""
         ...
 
     async def encode_async(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -93,24 +99,31 @@ class TokenizerCodec:
             # Completions still work; chat requests get a 400 that says why.
             self._template_error = f"this model has no chat template ({err}); use /v1/completions"
         self._tool_format: Format | None = None  # read off the template once
+        self._reasoning = False
         if self._template is not None:
             try:
                 self._tool_format = format_of(self._template.source(tools=True))
+                self._reasoning = any(reasoning.supported(self._template.source(tools=t))
+                                      for t in (False, True))
             except ChatTemplateError:
                 pass
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None) -> str:
+                    tools: list[dict[str, Any]] | None = None,
+                    extra: dict[str, Any] | None = None) -> str:
         if self._template is None:
             raise TemplateError(self._template_error or "no chat template")
         try:
             return self._template.render(messages, add_generation_prompt=add_generation_prompt,
-                                         tools=tools)
+                                         tools=tools, **(extra or {}))
         except ChatTemplateError as err:
             raise TemplateError(str(err)) from None
 
     def tool_format(self) -> Format | None:
         return self._tool_format
+
+    def marks_reasoning(self) -> bool:
+        return self._reasoning
 
     async def encode_async(self, text: str, add_special_tokens: bool) -> list[int]:
         return await self.cache.encode_async(text, add_special_tokens)
