@@ -22,17 +22,24 @@ def greedy(max_tokens: int, **kw: object) -> SamplingParams:
 async def run_requests(
     engine: Engine, reqs: list[tuple[str, list[int], SamplingParams]],
     abort_after: dict[str, int] | None = None, timeout: float = 120.0,
+    start_after: dict[str, str] | None = None,
 ) -> dict[str, list[RequestOutput]]:
-    """Submit all requests, collect every output until each one finishes."""
+    """Submit all requests, collect every output until each one finishes.
+    ``start_after[rid] = other``: submit rid once other's first output arrived."""
     loop = asyncio.get_running_loop()
     outs: dict[str, list[RequestOutput]] = {rid: [] for rid, _, _ in reqs}
     done = asyncio.Event()
     remaining = {rid for rid, _, _ in reqs}
     abort_after = abort_after or {}
+    held = {rid: (ids, params) for rid, ids, params in reqs if rid in (start_after or {})}
 
     def on_outputs(batch: list[RequestOutput]) -> None:
         for o in batch:
             outs[o.request_id].append(o)
+            for rid, trigger in (start_after or {}).items():
+                if trigger == o.request_id and rid in held:
+                    ids, params = held.pop(rid)
+                    engine.submit(GenerateRequest(rid, ids, params, time.monotonic()))
             n = sum(len(x.new_token_ids) for x in outs[o.request_id])
             if o.request_id in abort_after and n >= abort_after[o.request_id]:
                 engine.abort(o.request_id)
@@ -47,7 +54,8 @@ async def run_requests(
     if engine._thread is None:
         engine.start(loop, on_outputs)
     for rid, ids, params in reqs:
-        engine.submit(GenerateRequest(rid, ids, params, time.monotonic()))
+        if rid not in held:
+            engine.submit(GenerateRequest(rid, ids, params, time.monotonic()))
     await asyncio.wait_for(done.wait(), timeout)
     return outs
 

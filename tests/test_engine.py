@@ -110,6 +110,24 @@ def test_second_turn_hits_prefix_cache(engine: Engine) -> None:
     assert_pool_baseline(engine)
 
 
+def test_prompt_pages_shared_once_prefill_is_done(engine: Engine) -> None:
+    """A request that arrives while another with the same prompt decodes reuses
+    that prompt's full pages (published to the prefix cache at the end of the
+    first one's prefill, not at its end), and both still match the reference."""
+    rng = random.Random(12)
+    p = prompt(rng, 37)
+    before = engine.scheduler.counters.published_prompt_pages_total
+    outs = collect(engine, [("first", p, greedy(12)), ("second", p, greedy(5)),
+                            ("third", p + prompt(rng, 6), greedy(5))],
+                   start_after={"second": "first", "third": "second"})
+    want = reference_greedy(engine.runner.model, engine.model_config, p, 12)
+    assert tokens_of(outs["first"]) == want and tokens_of(outs["second"]) == want[:5]
+    assert outs["second"][-1].cached_tokens == 36  # 9 pages of 4; the last token is computed
+    assert outs["third"][-1].cached_tokens == 36  # the shared pages, then its own 6 tokens + 1
+    assert engine.scheduler.counters.published_prompt_pages_total - before >= 9 + 1
+    assert_pool_baseline(engine)
+
+
 def test_abort_everywhere_returns_pool_to_baseline(engine: Engine) -> None:
     rng = random.Random(4)
     reqs = [(f"x{i}", prompt(rng, 30 + 20 * i), greedy(50)) for i in range(6)]
@@ -203,6 +221,50 @@ def test_undone_admission_counts_prompt_once() -> None:
     assert batch is not None and batch.reqs == [b]
     assert s.counters.prompt_tokens_total == 24 + 12
     s.check_integrity()
+
+
+def test_publish_prompt_adopts_exactly_the_requests_pages() -> None:
+    """Scheduler level: at its first token a request's full prompt pages move
+    into the tree under its lock (same page ids, none freed); a request that
+    arrives then reuses them; where the tree already holds more of the prompt
+    (another request published it first), nothing is published."""
+    from ftserve.engine.request import Req
+    from ftserve.engine.sampling_params import SamplingParams
+    from ftserve.engine.scheduler import Scheduler
+
+    s = Scheduler(page_size=4, num_pages=40, max_running=4, max_prefill_length=64,
+                  max_model_len=64, eos_token_ids=[])
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    toks = list(range(10, 31))  # 21 tokens: 5 full pages
+    a, b, c = (Req(n, list(toks), sp, 0.0) for n in "abc")
+    s.add(a)
+    s.add(c)  # prefilled in the same step as a: nothing of the prompt is in the tree yet
+    batch = s.schedule()
+    assert batch is not None and batch.reqs == [a, c]
+    pages_a = list(a.pages)
+    s.commit(batch, [1, 1])
+    assert a.num_tree_pages == 5 and a.pages == pages_a and s.radix.cached_pages == 5
+    assert c.num_tree_pages == 0  # a got there first: c's pages go in at its release
+    assert s.counters.published_prompt_pages_total == 5
+    s.check_integrity()
+    s.add(b)
+    seen_b = False
+    for _ in range(12):
+        batch = s.schedule()
+        if batch is None:
+            break
+        if b in batch.reqs and not seen_b:  # b's prefill: 5 shared pages, one token left
+            seen_b = True
+            assert b.cached_len == b.computed_len == 20 and b.pages[:5] == pages_a[:5]
+        s.commit(batch, [2] * len(batch.reqs))
+        s.check_integrity()
+    assert seen_b
+    for r in (a, b, c):
+        if not r.finished:
+            s.finish(r, "abort")
+    s.check_integrity()
+    assert s.num_pages_used == 0
+    assert s.allocator.num_free + s.radix.cached_pages == s.allocator.num_total
 
 
 def test_pack_tokens_matches_per_token_layout() -> None:

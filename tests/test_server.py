@@ -177,7 +177,8 @@ def test_seed_reproducible_and_sampling_fields(live: Live, client: openai.OpenAI
 def test_n_choices_non_streaming(live: Live, client: openai.OpenAI) -> None:
     """n > 1: one engine request per choice; a seed gives choice i seed + i, so the
     choices differ and the whole response is reproducible; the prompt is counted once."""
-    kw: dict[str, Any] = dict(model="ftserve-demo", messages=MSGS, max_tokens=6, temperature=1.0,
+    msgs = [{"role": "user", "content": "Tell me about " + "a knight and a dragon, " * 8}]
+    kw: dict[str, Any] = dict(model="ftserve-demo", messages=msgs, max_tokens=6, temperature=1.0,
                               seed=99, n=3, extra_body={"ignore_eos": True, "return_token_ids": True})
     _cold(live)
     a = client.chat.completions.create(**kw)
@@ -186,7 +187,11 @@ def test_n_choices_non_streaming(live: Live, client: openai.OpenAI) -> None:
     ids = [c.model_extra["token_ids"] for c in a.choices]
     assert all(len(t) == 6 for t in ids) and len({tuple(t) for t in ids}) > 1
     assert a.usage.completion_tokens == 18
-    single = client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=1)
+    # From a cold cache, choices 1 and 2 start once choice 0 has prefilled and reuse
+    # its full prompt pages (16 tokens each; the last prompt token is always computed).
+    full_pages = (a.usage.prompt_tokens - 1) // 16 * 16
+    assert full_pages > 0 and a.usage.prompt_tokens_details.cached_tokens == full_pages
+    single = client.chat.completions.create(model="ftserve-demo", messages=msgs, max_tokens=1)
     assert a.usage.prompt_tokens == single.usage.prompt_tokens
     _cold(live)
     b = client.chat.completions.create(**kw)

@@ -55,6 +55,7 @@ class SchedulerCounters:
     prefix_hit_tokens_total: int = 0
     preemptions_total: int = 0
     finished_total: int = 0
+    published_prompt_pages_total: int = 0  # prompt pages given to the prefix cache at prefill end
 
 
 class Scheduler:
@@ -282,6 +283,33 @@ class Scheduler:
             req.tree_node = None
         req.pages, req.num_tree_pages, req.computed_len = [], 0, 0
 
+    def _publish_prompt(self, req: Req) -> None:
+        """At the end of its prefill, hand the request's full prompt pages to the
+        prefix cache (it keeps them locked), so requests that arrive while it
+        decodes reuse them: the other choices of an n > 1 request, parallel
+        agents over one conversation. Only when the tree holds nothing of them
+        yet beyond the request's own match: the insert then adopts exactly the
+        request's pages, so no page changes under a page table that a step in
+        flight may still read (where another request got there first, its pages
+        stay and this one's go in at release, as before)."""
+        if not self.enable_prefix_cache or req.tree_node is None:
+            return
+        ps = self.page_size
+        n_full = min(req.computed_len // ps, len(req.pages))
+        if n_full <= req.num_tree_pages:
+            return
+        toks = req.tokens[:n_full * ps]
+        before = self.radix.match_prefix(toks, count_stats=False)
+        if before.num_tokens + before.host_tokens != req.num_tree_pages * ps:
+            return
+        self.radix.insert(toks, req.pages[:n_full])
+        after = self.radix.match_prefix(toks, count_stats=False)
+        assert after.pages == req.pages[:n_full], "the tree adopted other pages than the request's"
+        self.radix.lock(after.node)
+        self.radix.unlock(req.tree_node)
+        req.tree_node, req.num_tree_pages = after.node, n_full
+        self.counters.published_prompt_pages_total += n_full - before.num_tokens // ps
+
     def _pick_victim(self, exclude: Req) -> Req | None:
         for req in reversed(self.running):  # youngest first
             if req is not exclude:
@@ -321,6 +349,7 @@ class Scheduler:
             self.counters.generation_tokens_total += 1
             if req.first_token_time is None:
                 req.first_token_time = now
+                self._publish_prompt(req)
             req.state = ReqState.DECODE
             req.check()
             reason = self._stop_reason(req, tok)
