@@ -215,6 +215,38 @@ def test_update_counts_and_readmit_resets() -> None:
     assert int(s.counts[2].sum()) == 0 and not bool(s.prompt_mask[2].any())
 
 
+def test_logit_bias_forces_and_bans_tokens_per_row() -> None:
+    """Bias is added per slot before the argmax / draw: +100 forces a token (also
+    when sampling), -100 bans the argmax; other rows and released slots are
+    untouched; logprobs stay those of the raw logits."""
+    torch.manual_seed(4)
+    logits = torch.randn(4, V)
+    best = logits.argmax(-1)
+    s = Sampler(V, 4, "cpu")
+    s.admit(0, SamplingParams(temperature=0.0, logit_bias=((7, 100.0),)), [], [])
+    s.admit(1, SamplingParams(temperature=0.0, logit_bias=((int(best[1]), -100.0),)), [], [])
+    s.admit(2, SamplingParams(temperature=0.0), [], [])
+    s.admit(3, SamplingParams(temperature=1.0, seed=3, logit_bias=((9, 100.0),), logprobs=2), [], [])
+    assert s.features.bias
+    out = s.sample(logits, _i64([0, 1, 2, 3]), _i64([0, 0, 0, 0]), torch.zeros(4, dtype=torch.bool))
+    got = out.token_ids
+    assert got[0] == 7 and got[3] == 9 and got[2] == best[2]
+    second = logits[1].clone()
+    second[best[1]] = -1e9
+    assert got[1] == second.argmax() != best[1]
+    assert out.logprobs is not None
+    assert torch.allclose(out.logprobs[3], torch.log_softmax(logits[3], -1)[9])
+    s.release(0)  # a released (or re-admitted) slot loses its bias
+    s.admit(1, SamplingParams(temperature=0.0), [], [])
+    again = _sample(s, logits[:2], [0, 1])
+    assert torch.equal(again, best[:2])
+    with pytest.raises(SamplingParamsError) as bad:
+        SamplingParams(logit_bias=((3, 101.0),)).validate(V)
+    assert bad.value.param == "logit_bias"
+    with pytest.raises(SamplingParamsError):
+        SamplingParams(logit_bias=((V, 1.0),)).validate(V)
+
+
 def test_min_tokens_masks_eos_and_stop_ids() -> None:
     logits = torch.zeros(4, V)
     logits[:, 7] = 10.0  # eos is the favourite

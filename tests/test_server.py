@@ -233,6 +233,23 @@ def test_n_choices_streaming(live: Live) -> None:
     live.wait_idle()
 
 
+def test_logit_bias(live: Live, client: openai.OpenAI) -> None:
+    """logit_bias reaches the sampler: +100 on one token makes greedy decoding
+    write only it, -100 on the unbiased first token keeps it out; bad maps are 400s."""
+    kw: dict[str, Any] = dict(model="ftserve-demo", messages=MSGS, max_tokens=4, temperature=0,
+                              extra_body={"ignore_eos": True, "return_token_ids": True})
+    plain = client.chat.completions.create(**kw).choices[0].model_extra["token_ids"]
+    forced = client.chat.completions.create(**kw, logit_bias={"1234": 100})
+    assert forced.choices[0].model_extra["token_ids"] == [1234] * 4
+    banned = client.chat.completions.create(**kw, logit_bias={str(plain[0]): -100})
+    assert banned.choices[0].model_extra["token_ids"][0] != plain[0]
+    for bad in ({"x": 1}, {"5": 101}, {"5": "high"}, [5], {str(10**9): 1}):
+        status, err = _post(live, "/v1/chat/completions",
+                            {"messages": MSGS, "max_tokens": 1, "logit_bias": bad})
+        assert status == 400 and err["error"]["param"] == "logit_bias", (bad, err)
+    live.wait_idle()
+
+
 def test_stop_token_ids_and_min_tokens(live: Live) -> None:
     base = {"messages": MSGS, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}

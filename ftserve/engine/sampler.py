@@ -16,6 +16,7 @@ Pipeline for one row (the model distribution is ``logits``):
 
     logits --(logprobs: log_softmax of the raw logits, vLLM/OpenAI semantics)
       -> repetition penalty (prompt + generated), presence/frequency (generated)
+      -> + logit_bias (per-slot (token, bias) rows, padded with (0, 0.0))
       -> eos/stop ids -> -inf while the row is below min_tokens
       -> greedy rows: argmax
       -> sampled rows: / temperature -> top-k -> top-p -> min-p -> Gumbel-max
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from ftserve import envs
-from ftserve.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from ftserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 from ftserve_kernels import sampling as ks
 
 # Below this temperature a row samples greedily: logits / T overflows fp32 as
@@ -57,10 +58,11 @@ class SamplerFeatures:
     filtering: bool = False  # some row uses top-k, top-p or min-p
     penalties: bool = False  # some row uses presence/frequency/repetition
     logprobs: bool = False  # some row asked for logprobs
+    bias: bool = False  # some row has a logit_bias
 
     @classmethod
     def all(cls) -> SamplerFeatures:
-        return cls(sampling=True, filtering=True, penalties=True, logprobs=True)
+        return cls(sampling=True, filtering=True, penalties=True, logprobs=True, bias=True)
 
     def union(self, other: SamplerFeatures) -> SamplerFeatures:
         return SamplerFeatures(*(a or b for a, b in zip(dataclasses.astuple(self),
@@ -83,6 +85,7 @@ def _features_of(params: SamplingParams) -> SamplerFeatures:
         filtering=sampled and (params.top_k > 1 or params.top_p < 1.0 or params.min_p > 0.0),
         penalties=params.uses_penalties,
         logprobs=params.logprobs is not None,
+        bias=params.uses_bias,
     )
 
 
@@ -123,6 +126,10 @@ class Sampler:
         # eos/stop ids masked while below min_tokens; [:, n_stops:] is padding.
         self.stop_ids = self._i[:, _NI:]  # [S, M]
         self.token_hash = ks.token_hash_table(vocab_size, self.device)  # [V]
+        # logit_bias rows: (token id, bias) pairs, padded with (0, 0.0), which adds nothing.
+        self.bias_ids = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.int64, device=self.device)  # [S, L]
+        self.bias_vals = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.float32, device=self.device)  # [S, L]
+        self._biased: set[int] = set()  # slots whose bias row is not all zero
         # Allocated on the first request that uses penalties ([S, V] each).
         self.counts: torch.Tensor | None = None  # int32, generated-token counts
         self.prompt_mask: torch.Tensor | None = None  # bool, token in the prompt
@@ -188,6 +195,8 @@ class Sampler:
         stop_row = stops + [0] * (self.max_stop_ids - len(stops))
         self._upload(self._i[slot], [int(not sampled), top_k, lo, hi, len(stops), *stop_row],
                      torch.int64)
+        if params.uses_bias or slot in self._biased:
+            self._set_bias(slot, params.logit_bias)
         if self.counts is not None and self.prompt_mask is not None:
             # Reset even for requests without penalties: update() counts every row.
             self.counts[slot].zero_()
@@ -206,6 +215,17 @@ class Sampler:
             raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
         self._upload(self._f[slot], self._neutral_f(), torch.float32)
         self._upload(self._i[slot], self._neutral_i(), torch.int64)
+        if slot in self._biased:
+            self._set_bias(slot, ())
+
+    def _set_bias(self, slot: int, pairs: Sequence[tuple[int, float]]) -> None:
+        pad = MAX_LOGIT_BIAS - len(pairs)
+        self._upload(self.bias_ids[slot], [t for t, _ in pairs] + [0] * pad, torch.int64)
+        self._upload(self.bias_vals[slot], [float(b) for _, b in pairs] + [0.0] * pad, torch.float32)
+        if pairs:
+            self._biased.add(slot)
+        else:
+            self._biased.discard(slot)
 
     def _neutral_f(self) -> list[float]:
         return [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
@@ -252,6 +272,10 @@ class Sampler:
                 x, self.counts.index_select(0, slots), self.prompt_mask.index_select(0, slots),
                 repetition, presence, frequency,
             )  # [B, V]
+        if f.bias:
+            # Padding pairs add 0.0 to token 0; a token listed twice gets both.
+            x = x.scatter_add(1, self.bias_ids.index_select(0, slots),
+                              self.bias_vals.index_select(0, slots))  # [B, V]
         stop_cols = torch.arange(self.max_stop_ids, device=slots.device)  # [M]
         stop_active = (stop_cols[None, :] < num_stops[:, None]) & min_tokens_active[:, None]
         x = ks.mask_token_ids(x, irow[:, _NI:], stop_active)  # [B, V]

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 # Stop ids travel to the sampler in a fixed-width per-slot row (masked while a
 # request is below min_tokens); the sampler's width leaves room for eos ids.
 MAX_STOP_TOKEN_IDS = 64
+# logit_bias entries per request: a fixed-width per-slot row in the sampler too.
+MAX_LOGIT_BIAS = 300
 
 
 class SamplingParamsError(ValueError):
@@ -32,10 +34,15 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None = off; N = chosen token + N alternatives
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def uses_bias(self) -> bool:
+        return bool(self.logit_bias)
 
     @property
     def uses_penalties(self) -> bool:
@@ -72,7 +79,15 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise SamplingParamsError(
                 "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids are supported")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingParamsError("logit_bias", f"at most {MAX_LOGIT_BIAS} logit_bias entries are supported")
+        for t, b in self.logit_bias:
+            if not -100.0 <= b <= 100.0:
+                raise SamplingParamsError("logit_bias", f"logit_bias for token {t} must be in [-100, 100]")
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:
                     raise SamplingParamsError("stop_token_ids", f"stop token id {t} is out of range")
+            for t, _ in self.logit_bias:
+                if not 0 <= t < vocab_size:
+                    raise SamplingParamsError("logit_bias", f"logit_bias token id {t} is out of range")

@@ -158,11 +158,30 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
         value = _int(body, key, lo, hi)
         if value is not _MISSING:
             out[key] = value
+    bias = _get(body, "logit_bias")
+    if bias is not _MISSING and bias is not None:
+        out["logit_bias"] = _logit_bias(bias)
     out["ignore_eos"] = _bool(body, "ignore_eos", False)
     stop_ids = _get(body, "stop_token_ids")
     if stop_ids is not _MISSING:
         out["stop_token_ids"] = tuple(_token_ids(stop_ids, "stop_token_ids"))
     return out
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """{"<token id>": bias} -> ((id, bias), ...); ranges are validate()'s."""
+    if not isinstance(value, dict):
+        raise bad_request("'logit_bias' must be an object of token id -> bias", param="logit_bias")
+    pairs = []
+    for key, b in value.items():
+        try:
+            tid = int(key)
+        except (TypeError, ValueError):
+            raise bad_request(f"'logit_bias' key {key!r} is not a token id", param="logit_bias") from None
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or b != b:
+            raise bad_request(f"'logit_bias' value for {key!r} must be a number", param="logit_bias")
+        pairs.append((tid, float(b)))
+    return tuple(pairs)
 
 
 def _max_tokens(body: dict[str, Any]) -> int | None:
