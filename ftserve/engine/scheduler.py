@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from ftserve.engine.messages import TokenLogprob
 from ftserve.engine.request import Req, ReqState
 from ftserve.kvcache.allocator import PageAllocator
-from ftserve.kvcache.radix import RadixCache
+from ftserve.kvcache.radix import RadixCache, as_token_array
 
 if TYPE_CHECKING:
     from ftserve.kvcache.host_tier import HostKVTier
@@ -298,7 +298,7 @@ class Scheduler:
         n_full = min(req.computed_len // ps, len(req.pages))
         if n_full <= req.num_tree_pages:
             return
-        toks = req.tokens[:n_full * ps]
+        toks = as_token_array(req.tokens[:n_full * ps])  # converted once for the three walks
         before = self.radix.match_prefix(toks, count_stats=False)
         if before.num_tokens + before.host_tokens != req.num_tree_pages * ps:
             return
