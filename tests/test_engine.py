@@ -111,19 +111,22 @@ def test_second_turn_hits_prefix_cache(engine: Engine) -> None:
 
 
 def test_prompt_pages_shared_once_prefill_is_done(engine: Engine) -> None:
-    """A request that arrives while another with the same prompt decodes reuses
-    that prompt's full pages (published to the prefix cache at the end of the
-    first one's prefill, not at its end), and both still match the reference."""
+    """Requests that arrive while another with the same prompt decodes reuse that
+    prompt's full pages (published to the prefix cache at the end of the first
+    one's prefill, not at its end); one sent at the same time waits for that
+    prefill instead of repeating it; all match the reference."""
     rng = random.Random(12)
     p = prompt(rng, 37)
     before = engine.scheduler.counters.published_prompt_pages_total
     outs = collect(engine, [("first", p, greedy(12)), ("second", p, greedy(5)),
-                            ("third", p + prompt(rng, 6), greedy(5))],
-                   start_after={"second": "first", "third": "second"})
+                            ("third", p + prompt(rng, 6), greedy(5)), ("fourth", p, greedy(3))],
+                   start_after={"second": "first", "third": "second"})  # fourth: with first
     want = reference_greedy(engine.runner.model, engine.model_config, p, 12)
     assert tokens_of(outs["first"]) == want and tokens_of(outs["second"]) == want[:5]
     assert outs["second"][-1].cached_tokens == 36  # 9 pages of 4; the last token is computed
     assert outs["third"][-1].cached_tokens == 36  # the shared pages, then its own 6 tokens + 1
+    # Sent together with first, fourth waited for first's prefill instead of repeating it.
+    assert outs["fourth"][-1].cached_tokens == 36 and tokens_of(outs["fourth"]) == want[:3]
     assert engine.scheduler.counters.published_prompt_pages_total - before >= 9 + 1
     assert_pool_baseline(engine)
 
@@ -223,11 +226,13 @@ def test_undone_admission_counts_prompt_once() -> None:
     s.check_integrity()
 
 
-def test_publish_prompt_adopts_exactly_the_requests_pages() -> None:
-    """Scheduler level: at its first token a request's full prompt pages move
-    into the tree under its lock (same page ids, none freed); a request that
-    arrives then reuses them; where the tree already holds more of the prompt
-    (another request published it first), nothing is published."""
+def test_prompt_sharing_at_the_scheduler() -> None:
+    """Scheduler level (engine/prefix_sharing.py): a request whose prompt another
+    running request is still prefilling waits, and at the leader's first token
+    its full prompt pages move into the tree under its lock (same page ids, none
+    freed); the follower is then admitted onto them. Where the tree already
+    holds more of a prompt than the request matched (another publisher got
+    there first), nothing is published. Integrity is checked after every step."""
     from ftserve.engine.request import Req
     from ftserve.engine.sampling_params import SamplingParams
     from ftserve.engine.scheduler import Scheduler
@@ -236,30 +241,45 @@ def test_publish_prompt_adopts_exactly_the_requests_pages() -> None:
                   max_model_len=64, eos_token_ids=[])
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     toks = list(range(10, 31))  # 21 tokens: 5 full pages
-    a, b, c = (Req(n, list(toks), sp, 0.0) for n in "abc")
+    a, b = Req("a", list(toks), sp, 0.0), Req("b", list(toks) + [7, 8], sp, 0.0)
+    other = Req("o", list(range(100, 110)), sp, 0.0)
     s.add(a)
-    s.add(c)  # prefilled in the same step as a: nothing of the prompt is in the tree yet
+    s.add(b)  # same prompt: waits for a
+    s.add(other)  # queued behind b
     batch = s.schedule()
-    assert batch is not None and batch.reqs == [a, c]
+    assert batch is not None and batch.reqs == [a] and list(s.waiting) == [b, other]
     pages_a = list(a.pages)
-    s.commit(batch, [1, 1])
+    s.commit(batch, [1])
     assert a.num_tree_pages == 5 and a.pages == pages_a and s.radix.cached_pages == 5
-    assert c.num_tree_pages == 0  # a got there first: c's pages go in at its release
     assert s.counters.published_prompt_pages_total == 5
     s.check_integrity()
-    s.add(b)
     seen_b = False
     for _ in range(12):
         batch = s.schedule()
         if batch is None:
             break
-        if b in batch.reqs and not seen_b:  # b's prefill: 5 shared pages, one token left
+        if b in batch.reqs and not seen_b:  # b's prefill: the 5 shared pages, its own 3 tokens
             seen_b = True
             assert b.cached_len == b.computed_len == 20 and b.pages[:5] == pages_a[:5]
         s.commit(batch, [2] * len(batch.reqs))
         s.check_integrity()
-    assert seen_b
-    for r in (a, b, c):
+    assert seen_b and other.num_outputs > 0
+    # Another publisher first: c's own pages are not adopted while the tree has others.
+    c = Req("c", list(range(200, 213)), sp, 0.0)  # 13 tokens: 3 full pages
+    s.add(c)
+    batch = s.schedule()
+    while batch is not None and c not in batch.reqs:
+        s.commit(batch, [3] * len(batch.reqs))
+        batch = s.schedule()
+    assert batch is not None
+    theirs = s.allocator.alloc(3)
+    assert theirs is not None
+    s.radix.insert(c.tokens[:12], theirs)  # as if another request had published them
+    before = s.counters.published_prompt_pages_total
+    s.commit(batch, [3] * len(batch.reqs))
+    assert c.num_tree_pages == 0 and s.counters.published_prompt_pages_total == before
+    s.check_integrity()
+    for r in (a, b, c, other):
         if not r.finished:
             s.finish(r, "abort")
     s.check_integrity()

@@ -19,10 +19,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ftserve.engine import prefix_sharing as sharing
 from ftserve.engine.messages import TokenLogprob
 from ftserve.engine.request import Req, ReqState
 from ftserve.kvcache.allocator import PageAllocator
-from ftserve.kvcache.radix import RadixCache, as_token_array
+from ftserve.kvcache.radix import RadixCache
 
 if TYPE_CHECKING:
     from ftserve.kvcache.host_tier import HostKVTier
@@ -160,6 +161,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.inflight:
                 break  # preempted while its last step is in flight: wait for the commit
+            if self._prefill_leader(req) is not None:
+                break  # its prompt's next pages are being prefilled: wait for them
             self._admit(req)
             n = min(req.remaining_prefill, budget)
             if not self._reserve(req, req.computed_len + n):
@@ -283,32 +286,15 @@ class Scheduler:
             req.tree_node = None
         req.pages, req.num_tree_pages, req.computed_len = [], 0, 0
 
+    def _prefill_leader(self, req: Req) -> Req | None:
+        if not self.enable_prefix_cache:
+            return None
+        return sharing.prefill_leader(self.radix, self.running, req, self.page_size)
+
     def _publish_prompt(self, req: Req) -> None:
-        """At the end of its prefill, hand the request's full prompt pages to the
-        prefix cache (it keeps them locked), so requests that arrive while it
-        decodes reuse them: the other choices of an n > 1 request, parallel
-        agents over one conversation. Only when the tree holds nothing of them
-        yet beyond the request's own match: the insert then adopts exactly the
-        request's pages, so no page changes under a page table that a step in
-        flight may still read (where another request got there first, its pages
-        stay and this one's go in at release, as before)."""
-        if not self.enable_prefix_cache or req.tree_node is None:
-            return
-        ps = self.page_size
-        n_full = min(req.computed_len // ps, len(req.pages))
-        if n_full <= req.num_tree_pages:
-            return
-        toks = as_token_array(req.tokens[:n_full * ps])  # converted once for the three walks
-        before = self.radix.match_prefix(toks, count_stats=False)
-        if before.num_tokens + before.host_tokens != req.num_tree_pages * ps:
-            return
-        self.radix.insert(toks, req.pages[:n_full])
-        after = self.radix.match_prefix(toks, count_stats=False)
-        assert after.pages == req.pages[:n_full], "the tree adopted other pages than the request's"
-        self.radix.lock(after.node)
-        self.radix.unlock(req.tree_node)
-        req.tree_node, req.num_tree_pages = after.node, n_full
-        self.counters.published_prompt_pages_total += n_full - before.num_tokens // ps
+        if self.enable_prefix_cache:
+            self.counters.published_prompt_pages_total += sharing.publish_prompt(
+                self.radix, req, self.page_size)
 
     def _pick_victim(self, exclude: Req) -> Req | None:
         for req in reversed(self.running):  # youngest first

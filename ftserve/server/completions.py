@@ -88,30 +88,19 @@ async def _run(
     params = parsed.build_params(len(ids), engine.max_model_len, engine.vocab_size)
     rid = prefix + uuid.uuid4().hex
     # One engine request per choice (n > 1: ids rid-0, rid-1, ...; the response keeps rid).
-    # Choice 0 goes first; the others once it has answered, i.e. once its prefill is
-    # done and its prompt pages are in the prefix cache (Scheduler._publish_prompt):
-    # they prefill only what is past the last full page, not the whole prompt again.
+    # The engine prefills the shared prompt once: the other choices wait for choice 0's
+    # prefill and reuse its pages (engine/prefix_sharing.py).
     gens: list[Generation] = []
-    rest: asyncio.Task[None] | None = None
     try:
         for i in range(parsed.n):
             detok = text.detokenizer(ids, parsed.stop, parsed.skip_special_tokens)
             gid = rid if parsed.n == 1 else f"{rid}-{i}"
             gens.append(Generation(engine, state.tracker, state.metrics, gid, ids,
-                                   parsed.choice_params(params, i), detok, arrival, submit=i == 0))
-        if parsed.n > 1:
-            async def start_rest() -> None:
-                await gens[0].responded.wait()
-                for g in gens[1:]:
-                    g.start()
-
-            rest = asyncio.create_task(start_rest())
+                                   parsed.choice_params(params, i), detok, arrival))
         if parsed.stream:
             return await _stream(request, state, parsed, rid, gens, text, think)
         return await _collect(state, parsed, rid, gens, text, think)
     finally:
-        if rest is not None:
-            rest.cancel()
         for gen in gens:
             gen.close()  # a cancelled handler (client gone) aborts the engine requests here
 

@@ -76,7 +76,6 @@ class Generation:
         params: SamplingParams,
         detok: StreamDetokenizer,
         arrival_time: float,
-        submit: bool = True,
     ) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -91,17 +90,7 @@ class Generation:
         self._arrival = arrival_time
         self._last_token_time: float | None = None
         self._queue = tracker.open(request_id)
-        self._request: GenerateRequest | None = GenerateRequest(request_id, prompt_ids, params,
-                                                                arrival_time)
-        self.responded = asyncio.Event()  # the engine sent something (the prefill is done)
-        if submit:
-            self.start()
-
-    def start(self) -> None:
-        """Submit to the engine (once; never after close)."""
-        if self._request is not None and not self.finished:
-            self._engine.submit(self._request)
-        self._request = None
+        engine.submit(GenerateRequest(request_id, prompt_ids, params, arrival_time))
 
     @property
     def finished(self) -> bool:
@@ -120,14 +109,10 @@ class Generation:
         """Always called by the handler (finally): frees the engine request if still live."""
         if not self.finished:
             self.finish_reason = "abort"
-            if self._request is None:  # submitted
-                self._engine.abort(self.request_id)
-        self._request = None
+            self._engine.abort(self.request_id)
         self._tracker.close(self.request_id)
-        self.responded.set()
 
     def _consume(self, out: RequestOutput) -> Step:
-        self.responded.set()
         if out.finish_reason == "error":
             self.finish_reason = "error"
             self._tracker.close(self.request_id)
