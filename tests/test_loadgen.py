@@ -323,6 +323,8 @@ REAL = ["--no-progress", "--duration", "3", "--soak", "--abort-rate", "0.3", "--
 
 @pytest.mark.parametrize("profile,extra", [
     ("agentic", ["--sessions", "3", "--system-tokens", "200", "--turn-tokens", "120"]),
+    ("agentic", ["--sessions", "2", "--system-tokens", "200", "--turn-tokens", "120",
+                 "--subagents", "3", "--fanout-fraction", "0.6"]),
     ("shared-prefix", ["--groups", "2", "--prefix-tokens", "300", "--input-tokens", "40",
                        "--concurrency", "3"]),
     ("random", ["--request-rate", "15", "--input-tokens", "80", "--endpoint", "completions"]),
@@ -348,3 +350,17 @@ def test_real_server_profile_soak_passes(ftserve_server: tuple[str, int], profil
     assert len(canaries) >= 3 and len({c["text"] for c in canaries}) == 1 and canaries[0]["text"]
     final = doc["soak"]["final"]
     assert final["ftserve_num_requests_running"] == 0 and final["rss"] > 0
+    if "--subagents" in extra:
+        # Sub-agents sent at once over one conversation: the server prefilled it once,
+        # so each fan-out request found all but its own sub-task cached.
+        recs = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
+        fan = [r for r in recs if r["kind"] == "agentic-fanout" and r["status"] == "ok"
+               and r["prompt_tokens"]]
+        assert len(fan) >= 3, [r["kind"] for r in recs]
+        assert all(r["cached_tokens"] > 0 for r in fan), [(r["prompt_tokens"], r["cached_tokens"]) for r in fan]
+        # The first of a fan-out finds the conversation cached up to the last turn; the
+        # others also find the new turn, which it prefilled for them: a page (16) or more.
+        gains = [b["cached_tokens"] - a["cached_tokens"] for a in fan for b in fan
+                 if (a["session"], a["turn"]) == (b["session"], b["turn"])
+                 and abs(a["prompt_tokens"] - b["prompt_tokens"]) <= 8]
+        assert max(gains) >= 16, [(r["session"], r["turn"], r["prompt_tokens"], r["cached_tokens"]) for r in fan]

@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="agentic: context ceiling (tokens, approximate: the client has no "
                         "tokenizer) before a session restarts; also caps prompt lengths elsewhere")
     g.add_argument("--think-time", type=float, default=0.0, help="agentic: mean think seconds")
+    g.add_argument("--subagents", type=int, default=0,
+                   help="agentic: requests a fan-out turn sends at once (the conversation plus a "
+                        "sub-task each); 0 or 1 = no fan-out")
+    g.add_argument("--fanout-fraction", type=float, default=0.0,
+                   help="agentic: share of turns that fan out to --subagents requests")
     g.add_argument("--groups", type=int, default=4, help="shared-prefix: number of shared prompts")
     g.add_argument("--prefix-tokens", type=int, default=1000, help="shared-prefix: shared prompt length")
     g.add_argument("--input-tokens", type=float, default=256.0,
@@ -113,7 +118,8 @@ def config_from_args(ns: argparse.Namespace, model: str) -> RunConfig:
         profile=ns.profile, seed=ns.seed, model=model, endpoint=ns.endpoint,
         length_dist=ns.length_dist, length_sigma=ns.length_sigma, sessions=ns.sessions,
         system_tokens=ns.system_tokens, turn_tokens=ns.turn_tokens, tool_fraction=ns.tool_fraction,
-        max_context=ns.max_context, think_time_s=ns.think_time, groups=ns.groups,
+        max_context=ns.max_context, think_time_s=ns.think_time, subagents=ns.subagents,
+        fanout_fraction=ns.fanout_fraction, groups=ns.groups,
         prefix_tokens=ns.prefix_tokens, input_tokens=ns.input_tokens,
         request_rate=ns.request_rate, concurrency=ns.concurrency, output_tokens=ns.output_tokens,
         max_output_tokens=ns.max_output_tokens, temperature=ns.temperature,
@@ -144,6 +150,8 @@ def _validate(ns: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error("--request-rate must be > 0")
     if min(ns.sessions, ns.concurrency, ns.groups) < 1:
         p.error("--sessions, --concurrency and --groups must be >= 1")
+    if ns.subagents < 0 or not 0.0 <= ns.fanout_fraction <= 1.0:
+        p.error("--subagents must be >= 0 and --fanout-fraction in [0, 1]")
 
 
 def write_outputs(out: str, cfg: RunConfig, res: RunResult, summary: dict[str, Any],

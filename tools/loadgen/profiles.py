@@ -3,6 +3,9 @@
 - agentic: S closed-loop sessions; every turn resends the whole conversation plus a new user or
   tool message of heavy-tailed length; the assistant's streamed reply is appended; a session that
   would pass --max-context restarts with a fresh conversation; lognormal think time between turns.
+  With --subagents K, a --fanout-fraction share of turns instead sends K requests at once, the
+  conversation so far plus a different short sub-task each (sub-agents fanning out); their
+  replies, joined, become the assistant turn.
 - shared-prefix: G groups, each with its own long system prompt; each request is one group's
   prompt plus a unique question.
 - random: independent prompts; Poisson arrivals at --request-rate, else --concurrency closed loops.
@@ -23,6 +26,7 @@ from tools.loadgen import textgen
 from tools.loadgen.client import RequestRecord, RequestSpec
 
 PROFILES = ("agentic", "shared-prefix", "random")
+SUBTASK_TOKENS = 24  # a fan-out sub-task's estimated length (the ceiling leaves twice this)
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,8 @@ class WorkloadConfig:
     tool_fraction: float = 0.5  # share of turns that are tool outputs (code / JSON)
     max_context: int = 8192  # conversation ceiling in tokens, then the session restarts
     think_time_s: float = 0.0  # mean seconds between a reply and the next turn (lognormal)
+    subagents: int = 0  # > 1: requests sent at once on a fan-out turn
+    fanout_fraction: float = 0.0  # share of turns that fan out
     # shared-prefix
     groups: int = 4
     prefix_tokens: int = 1000
@@ -110,10 +116,11 @@ async def _agentic_session(cfg: WorkloadConfig, issuer: Issuer, sid: int, system
         turn = 0
         while True:
             body = _sampling(cfg, rng)
-            # Leave room for the reply inside the ceiling.
-            body["max_tokens"] = max(1, min(body["max_tokens"], cfg.max_context - int(context)))
-            spec = RequestSpec("chat", {**body, "messages": list(messages)}, "agentic", sid, turn)
-            rec = await issuer.issue(spec)
+            fan = cfg.subagents if cfg.subagents > 1 and rng.random() < cfg.fanout_fraction else 1
+            # Leave room for the reply (and a fan-out's sub-task) inside the ceiling.
+            extra = int(2 * scale * SUBTASK_TOKENS) if fan > 1 else 0
+            body["max_tokens"] = max(1, min(body["max_tokens"], cfg.max_context - int(context) - extra))
+            rec, reply = await _turn(cfg, issuer, rng, body, messages, sid, turn, fan)
             if rec is None:
                 return
             if rec.status == "error":
@@ -123,13 +130,13 @@ async def _agentic_session(cfg: WorkloadConfig, issuer: Issuer, sid: int, system
                 est = sum(textgen.approx_tokens(m["content"]) for m in messages)
                 scale = max(0.25, min(4.0, rec.prompt_tokens / est))
                 context = float(rec.prompt_tokens)
-            reply = rec.text or "(no reply)"
             messages.append({"role": "assistant", "content": reply})
             context += max(rec.output_tokens, scale * textgen.approx_tokens(reply))
             # The ceiling must hold for the next prompt plus its reply; 32 tokens of slack
-            # cover the chat template's per-message overhead.
+            # cover the chat template's per-message overhead (plus a possible sub-task).
             # 0.8: one message's estimate can be ~30% off even after the session's rescaling.
-            room = 0.8 * (cfg.max_context - context - cfg.max_output_tokens - 32)
+            slack = 32 + (2 * scale * SUBTASK_TOKENS if cfg.subagents > 1 else 0)
+            room = 0.8 * (cfg.max_context - context - cfg.max_output_tokens - slack)
             if room < 16:
                 break  # ceiling reached: a fresh conversation
             n = _draw(cfg, rng, cfg.turn_tokens, int(room / scale))
@@ -144,6 +151,29 @@ async def _agentic_session(cfg: WorkloadConfig, issuer: Issuer, sid: int, system
             context += scale * textgen.approx_tokens(content)
             turn += 1
             await _think(cfg, rng)
+
+
+async def _turn(cfg: WorkloadConfig, issuer: Issuer, rng: random.Random, body: dict[str, Any],
+                messages: list[dict[str, str]], sid: int, turn: int,
+                fan: int) -> tuple[RequestRecord | None, str]:
+    """One turn: a request (fan = 1), or ``fan`` sent at once, each the conversation plus its
+    own sub-task. Returns the record the session learns from (the first that did not fail;
+    None once the run stops) and the assistant text to append."""
+    if fan == 1:
+        rec = await issuer.issue(RequestSpec("chat", {**body, "messages": list(messages)},
+                                             "agentic", sid, turn))
+        return rec, (rec.text if rec is not None else "") or "(no reply)"
+    tasks = [textgen.user_turn(rng, SUBTASK_TOKENS) for _ in range(fan)]
+    specs = [RequestSpec("chat", {**body, "messages": [*messages, {"role": "user", "content": t}]},
+                         "agentic-fanout", sid, turn) for t in tasks]
+    recs = await asyncio.gather(*(issuer.issue(spec) for spec in specs))
+    if any(r is None for r in recs):
+        return None, ""
+    ok = [r for r in recs if r is not None and r.status != "error"]
+    first = ok[0] if ok else recs[0]
+    # The sub-agents' answers, joined: what the orchestrating agent would write next.
+    reply = "\n".join(r.text for r in ok if r.text) or "(no reply)"
+    return first, reply
 
 
 def _independent_spec(cfg: WorkloadConfig, i: int, prefixes: list[str]) -> RequestSpec:
