@@ -89,6 +89,9 @@ def assert_error(resp: tuple[int, dict[str, str], Any], status: int,
                     "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}]},
      "messages[0].tool_calls"),
     ({"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MSGS, "modalities": ["text", "audio"]}, "modalities"),
+    ({"messages": MSGS, "audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"messages": MSGS, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
 ])
 def test_bad_fields_name_the_param(live: Live, body: dict[str, Any], param: str) -> None:
     assert_error(call(live, CHAT, {"max_tokens": 1, **body}), 400, param=param)

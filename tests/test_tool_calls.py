@@ -98,6 +98,13 @@ def test_chat_choice_with_tool_calls() -> None:
     assert msg["content"] == "Checking." and msg["role"] == "assistant"
     (call,) = msg["tool_calls"]
     assert call["function"] == {"name": "ls", "arguments": '{"dir": "."}'}
+    two = text + '<tool_call>{"name": "cat", "arguments": {"f": "a"}}</tool_call>'
+    single = {"message": {"role": "assistant", "content": two}, "finish_reason": "stop"}
+    with_tool_calls(single, two, "hermes", parallel=False)  # parallel_tool_calls: false
+    assert [c["function"]["name"] for c in single["message"]["tool_calls"]] == ["ls"]
+    both = {"message": {"role": "assistant", "content": two}, "finish_reason": "stop"}
+    with_tool_calls(both, two, "hermes")
+    assert [c["function"]["name"] for c in both["message"]["tool_calls"]] == ["ls", "cat"]
     plain = {"message": {"role": "assistant", "content": "hi"}, "finish_reason": "length"}
     with_tool_calls(plain, "hi", "hermes")
     assert plain == {"message": {"role": "assistant", "content": "hi"}, "finish_reason": "length"}
@@ -114,8 +121,9 @@ def test_streamed_choice_sends_calls_whole(tmp_path) -> None:  # type: ignore[no
     ckpt = write_checkpoint("tiny-moe", tmp_path / "m", layers=1, seed=0)
     text = make_text_codec(str(ckpt))
     assert text.tool_format() == "mistral"  # the demo template renders Mistral-style tools
-    parsed = parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True,
-                         "tools": [{"type": "function", "function": {"name": "ls"}}]})
+    body = {"messages": [{"role": "user", "content": "x"}], "stream": True,
+            "tools": [{"type": "function", "function": {"name": "ls"}}]}
+    parsed = parse_chat(body)
     st = _ChoiceChunks(parsed, "chatcmpl-1", 0, "m", None, 2, text, None)  # type: ignore[arg-type]
     assert st.tools is not None
     out = "Sure [TOOL_CALLS] [{\"name\": \"ls\", \"arguments\": {}}]"
@@ -123,6 +131,13 @@ def test_streamed_choice_sends_calls_whole(tmp_path) -> None:  # type: ignore[no
     tail, calls = st.tools.finish()
     assert (sent + tail).strip() == "Sure" and [c["function"]["name"] for c in calls] == ["ls"]
     chunk = st.calls_chunk(calls)
+    # parallel_tool_calls false: the stream also sends only the first call.
+    one = _ChoiceChunks(parse_chat({**body, "parallel_tool_calls": False}), "chatcmpl-2", 0, "m",
+                        None, 0, text, None)  # type: ignore[arg-type]
+    assert one.tools is not None
+    twice = 'x [TOOL_CALLS] [{"name": "ls", "arguments": {}}, {"name": "cat", "arguments": {}}]'
+    one.split(twice)
+    assert [c["function"]["name"] for c in one.finish()[2]] == ["ls"]
     (choice,) = chunk["choices"]
     assert choice["index"] == 2 and choice["finish_reason"] is None
     (tc,) = choice["delta"]["tool_calls"]

@@ -151,7 +151,7 @@ async def _collect(
                                    {}, logprobs, tok_ids, prompt_ids)
             fmt = text.tool_format() if parsed.tools else None
             if fmt is not None:
-                with_tool_calls(body["choices"][0], content, fmt)
+                with_tool_calls(body["choices"][0], content, fmt, parsed.parallel_tool_calls)
             if thought is not None:
                 message = body["choices"][0]["message"]
                 message["reasoning_content"] = thought
@@ -167,13 +167,15 @@ async def _collect(
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
-def with_tool_calls(choice: dict[str, Any], content: str, fmt: tool_calls.Format) -> None:
-    """A chat choice whose text holds tool calls: message.tool_calls, the rest as
-    content (null if none), finish_reason "tool_calls". Unchanged otherwise."""
+def with_tool_calls(choice: dict[str, Any], content: str, fmt: tool_calls.Format,
+                    parallel: bool = True) -> None:
+    """A chat choice whose text holds tool calls: message.tool_calls (only the
+    first without ``parallel``), the rest as content (null if none),
+    finish_reason "tool_calls". Unchanged otherwise."""
     parsed = tool_calls.parse(content, fmt)
     if parsed.tool_calls:
         choice["message"] = {"role": "assistant", "content": parsed.content,
-                             "tool_calls": parsed.tool_calls}
+                             "tool_calls": parsed.tool_calls if parallel else parsed.tool_calls[:1]}
         choice["finish_reason"] = "tool_calls"
 
 
@@ -192,6 +194,7 @@ class _ChoiceChunks:
         # With tools, content passes through a filter that holds back tool calls;
         # before it, reasoning is split off where the template marks it.
         self.tools = tool_calls.ToolStream(fmt) if fmt else None
+        self.parallel_tool_calls = parsed.parallel_tool_calls
         self.reasoning = reasoning.ReasoningStream(think) if think is not None and self.chat else None
 
     def split(self, delta: str) -> tuple[str, str]:
@@ -206,7 +209,7 @@ class _ChoiceChunks:
             return thought, content, []
         content = self.tools.push(content) if content else ""
         tail, calls = self.tools.finish()
-        return thought, content + tail, calls
+        return thought, content + tail, calls if self.parallel_tool_calls else calls[:1]
 
     def role(self, want_ids: bool) -> dict[str, Any]:
         # The role chunk goes out at once, as OpenAI does, before any token exists.

@@ -45,6 +45,7 @@ class ParsedRequest:
     n: int = 1  # choices: one engine request each, the same prompt (seeds: seed + i)
     tools: list[dict[str, Any]] | None = None  # chat: rendered by the template, calls parsed
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
+    parallel_tool_calls: bool = True  # False: only the first call the model writes is returned
 
     def build_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
         """Resolve max_tokens against the context window and validate everything."""
@@ -353,7 +354,11 @@ def parse_chat(raw: Any) -> ParsedRequest:
     if _get(body, "functions") is not _MISSING:
         raise unsupported("functions", "(the legacy form) is not supported; use 'tools'")
     tools = parse_tools(body)
-    _bool(body, "parallel_tool_calls", True)  # several calls per turn are always allowed
+    modalities = _get(body, "modalities")
+    if modalities is not _MISSING and modalities is not None and modalities != ["text"]:
+        raise unsupported("modalities", "supports ['text'] only")
+    if _get(body, "audio") not in (_MISSING, None):
+        raise unsupported("audio")
     fmt = _get(body, "response_format")
     if fmt is not _MISSING and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise unsupported("response_format")
@@ -371,6 +376,7 @@ def parse_chat(raw: Any) -> ParsedRequest:
         logprobs=logprobs,
         tools=tools,
         template_kwargs=parse_template_kwargs(body),
+        parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
         **common,
     )
 
