@@ -287,6 +287,34 @@ def test_prompt_sharing_at_the_scheduler() -> None:
     assert s.allocator.num_free + s.radix.cached_pages == s.allocator.num_total
 
 
+def test_follower_proceeds_when_its_leader_goes() -> None:
+    """A request waiting on a leader's prefill is admitted on its own when the
+    leader is aborted mid-prefill."""
+    from ftserve.engine.request import Req
+    from ftserve.engine.sampling_params import SamplingParams
+    from ftserve.engine.scheduler import Scheduler
+
+    s = Scheduler(page_size=4, num_pages=40, max_running=4, max_prefill_length=8,
+                  max_model_len=64, eos_token_ids=[])
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    toks = list(range(10, 40))  # 30 tokens: 4 chunks of 8
+    a, b = Req("a", list(toks), sp, 0.0), Req("b", list(toks), sp, 0.0)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert batch is not None and batch.reqs == [a] and list(s.waiting) == [b]
+    s.commit(batch, [0])  # a non-final chunk: nothing sampled
+    batch = s.schedule()
+    assert batch is not None and batch.reqs == [a]  # b still waits for a
+    s.abort("a")
+    s.commit(batch, [0])
+    batch = s.schedule()
+    # Admitted on its own, onto what a had computed when aborted (its first chunk: an
+    # abort hands computed pages to the prefix cache), not onto a published prompt.
+    assert batch is not None and b in batch.reqs and b.cached_len == 8
+    s.check_integrity()
+
+
 def test_pack_tokens_matches_per_token_layout() -> None:
     """The vectorized packer equals the per-token definition for short (decode)
     and long (chunk) sequences mixed, across page boundaries."""
