@@ -380,7 +380,8 @@ def test_health_and_metrics(live: Live) -> None:
               for line in text.splitlines() if line and not line.startswith("#")}
     for name in ("ftserve_num_requests_running", "ftserve_num_requests_waiting",
                  "ftserve_kv_cache_usage_ratio", "ftserve_kv_pages_used",
-                 "ftserve_kv_pages_cached", "ftserve_prefix_cache_hit_tokens_total"):
+                 "ftserve_kv_pages_cached", "ftserve_prefix_cache_hit_tokens_total",
+                 "ftserve_prefix_published_pages_total"):
         assert name in values, name
     assert values["ftserve_prompt_tokens_total"] > 0
     assert values["ftserve_generation_tokens_total"] >= 3

@@ -47,6 +47,7 @@ class EngineStats:
     kv_host_pages_total: int = 0  # usable host-tier pages (0: no host tier)
     kv_host_pages_cached: int = 0  # host pages holding evicted prefix-cache KV
     kv_host_hit_tokens_total: int = 0  # prompt tokens brought back from the host tier
+    prefix_published_pages_total: int = 0  # prompt pages shared at the end of a prefill
 
     @property
     def kv_usage(self) -> float:
@@ -278,6 +279,7 @@ class EngineCore:
             kv_host_pages_total=s.host_tier.num_total if s.host_tier is not None else 0,
             kv_host_pages_cached=s.radix.host_cached_pages,
             kv_host_hit_tokens_total=s.radix.host_hit_tokens_total,
+            prefix_published_pages_total=c.published_prompt_pages_total,
         )
 
     def _maybe_log_status(self) -> None:

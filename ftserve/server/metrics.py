@@ -52,6 +52,9 @@ class _EngineCollector(Collector):
              stats.prefix_hit_tokens_total),
             ("ftserve_kv_host_hit_tokens", "Prompt tokens restored from the KV host tier.",
              getattr(stats, "kv_host_hit_tokens_total", 0)),
+            ("ftserve_prefix_published_pages",
+             "Prompt pages given to the prefix cache when a prefill ended (shared with "
+             "requests arriving meanwhile).", getattr(stats, "prefix_published_pages_total", 0)),
             ("ftserve_prompt_tokens", "Prompt tokens received.", stats.prompt_tokens_total),
             ("ftserve_generation_tokens", "Tokens generated.", stats.generation_tokens_total),
             ("ftserve_num_preemptions", "Requests preempted to free KV pages.",
