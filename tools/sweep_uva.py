@@ -22,28 +22,9 @@ from typing import Any
 
 import torch
 
-from tools.bench_common import markdown_table, measure_h2d_gbps, say, write_json
+from tools.bench_common import markdown_table, measure_h2d_gbps, median_time, say, write_json
 
 H, INTER, EXPERTS, TOP_K, MISSES = 2048, 768, 128, 8, 3
-
-
-def timed(fn: Any, device: torch.device, reps: int) -> float:
-    """Median seconds of fn() (after one untimed call that also compiles)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def sweep_fill(bank: torch.Tensor, device: torch.device, reps: int, deadline: float,
@@ -62,7 +43,7 @@ def sweep_fill(bank: torch.Tensor, device: torch.device, reps: int, deadline: fl
             def fn(ids: torch.Tensor = ids, cap: int | None = cap, words: int = words, warps: int = warps) -> None:
                 fill_rows(bank, slots, ids, ids, max_programs=cap, block_words=words, num_warps=warps)
 
-            t = timed(fn, device, reps)
+            t = median_time(fn, device, reps)
             ok = bool(torch.equal(slots[:rows].cpu(), bank[:rows].cpu()))
             rows_out.append({"rows": rows, "block_words": words, "warps": warps, "cap": cap or 0,
                              "s": t, "gbps": nbytes / t / 1e9, "correct": ok})
@@ -112,7 +93,7 @@ def sweep_read_through(bank: torch.Tensor, device: torch.device, reps: int, dead
                 def fn(cfg: gc.GemvConfig = cfg, rt: Any = rt) -> None:
                     mg.moe_down_gemv(act, w2, out, weights, flat, TOP_K, cfg, emap, True, rt)
             try:
-                t = timed(fn, device, reps)
+                t = median_time(fn, device, reps)
             except Exception as exc:  # a launch that does not fit is reported, not fatal
                 rows_out.append({"kernel": kind, "config": [bn, bk, warps, stages], "error": repr(exc)[:200]})
                 continue
