@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 
@@ -54,36 +53,12 @@ def test_mistral_calls() -> None:
     assert parse(bad, "mistral").tool_calls == [] and parse(bad, "mistral").content == bad
 
 
-@pytest.mark.parametrize("fmt,text", [
-    ("hermes", 'I will check.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "<x>"}}\n</tool_call>'),
-    ("hermes", "A < B and <tool but no call; <tool_cal"),
-    ("hermes", '<tool_call>{"name": "ls", "arguments": {}}'),  # unfinished: content
-    ("mistral", 'ok [TOOL_CALLS][{"name": "f", "arguments": {"a": [1, 2]}}]'),
-    ("mistral", "prices in [TOOL brackets] stay"),
-])
-def test_stream_matches_whole_parse_for_any_split(fmt: str, text: str) -> None:
-    whole = parse(text, fmt)  # type: ignore[arg-type]
-    rng = random.Random(0)
-    for _ in range(40):
-        cuts = sorted(rng.sample(range(1, len(text)), k=min(6, len(text) - 1)))
-        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
-        ts = ToolStream(fmt)  # type: ignore[arg-type]
-        sent = "".join(ts.push(p) for p in pieces)
-        tail, calls = ts.finish()
-        sent += tail
-        assert [c["function"] for c in calls] == [c["function"] for c in whole.tool_calls]
-        if whole.tool_calls:
-            assert sent.strip() == (whole.content or "")
-        else:
-            assert sent == text  # nothing lost, nothing reordered
-
-
 def test_stream_sends_plain_text_at_once() -> None:
     ts = ToolStream("hermes")
-    assert ts.push("hello world") == "hello world"
-    assert ts.push(" a <to") == " a "  # "<to" could start a call: held
-    assert ts.push("day") == "<today"  # it did not
-    assert ts.finish() == ("", [])
+    assert ts.push("hello world") == ("hello world", [])
+    assert ts.push(" a <to") == (" a ", [])  # "<to" could start a call: held
+    assert ts.push("day") == ("<today", [])  # it did not
+    assert ts.finish() == ("", []) and not ts.called
 
 
 def test_chat_choice_with_tool_calls() -> None:
@@ -110,9 +85,9 @@ def test_chat_choice_with_tool_calls() -> None:
     assert plain == {"message": {"role": "assistant", "content": "hi"}, "finish_reason": "length"}
 
 
-def test_streamed_choice_sends_calls_whole(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The SSE side: content through the filter, then one tool_calls delta with
-    the choice's index, as the openai client assembles it."""
+def test_streamed_choice_sends_calls_as_they_arrive(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The SSE side: content through the filter, then a call's start and its
+    argument fragments as tool_calls deltas with the choice's index."""
     from ftserve.models.checkpoint import write_checkpoint
     from ftserve.server.completions import _ChoiceChunks
     from ftserve.server.protocol import parse_chat
@@ -125,20 +100,20 @@ def test_streamed_choice_sends_calls_whole(tmp_path) -> None:  # type: ignore[no
             "tools": [{"type": "function", "function": {"name": "ls"}}]}
     parsed = parse_chat(body)
     st = _ChoiceChunks(parsed, "chatcmpl-1", 0, "m", None, 2, text, None)  # type: ignore[arg-type]
-    assert st.tools is not None
-    out = "Sure [TOOL_CALLS] [{\"name\": \"ls\", \"arguments\": {}}]"
-    sent = "".join(st.tools.push(out[i:i + 5]) for i in range(0, len(out), 5))
-    tail, calls = st.tools.finish()
-    assert (sent + tail).strip() == "Sure" and [c["function"]["name"] for c in calls] == ["ls"]
-    chunk = st.calls_chunk(calls)
+    out = 'Sure [TOOL_CALLS] [{"name": "ls", "arguments": {"d": 1}}]'
+    parts = [st.split(out[i:i + 5]) for i in range(0, len(out), 5)] + [st.finish()]
+    assert "".join(p[1] for p in parts).strip() == "Sure"
+    deltas = [d for p in parts for d in p[2]]
+    assert deltas[0]["function"] == {"name": "ls", "arguments": ""} and deltas[0]["index"] == 0
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"d": 1}'
+    assert all(set(d) == {"index", "function"} for d in deltas[1:])
+    (choice,) = st.call_chunk(deltas[0])["choices"]
+    assert choice["index"] == 2 and choice["finish_reason"] is None
+    (tc,) = choice["delta"]["tool_calls"]
+    assert tc["index"] == 0 and tc["type"] == "function" and len(tc["id"]) == 9
     # parallel_tool_calls false: the stream also sends only the first call.
     one = _ChoiceChunks(parse_chat({**body, "parallel_tool_calls": False}), "chatcmpl-2", 0, "m",
                         None, 0, text, None)  # type: ignore[arg-type]
-    assert one.tools is not None
     twice = 'x [TOOL_CALLS] [{"name": "ls", "arguments": {}}, {"name": "cat", "arguments": {}}]'
-    one.split(twice)
-    assert [c["function"]["name"] for c in one.finish()[2]] == ["ls"]
-    (choice,) = chunk["choices"]
-    assert choice["index"] == 2 and choice["finish_reason"] is None
-    (tc,) = choice["delta"]["tool_calls"]
-    assert tc["index"] == 0 and tc["type"] == "function" and tc["function"]["arguments"] == "{}"
+    sent = one.split(twice)[2] + one.finish()[2]
+    assert {d["index"] for d in sent} == {0} and [d["function"].get("name") for d in sent] == ["ls", None]

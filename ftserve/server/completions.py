@@ -191,25 +191,26 @@ class _ChoiceChunks:
         self.prompt_ids_pending = parsed.return_token_ids and not self.chat
         self.text_offset = 0
         fmt = text.tool_format() if parsed.tools else None
-        # With tools, content passes through a filter that holds back tool calls;
-        # before it, reasoning is split off where the template marks it.
-        self.tools = tool_calls.ToolStream(fmt) if fmt else None
-        self.parallel_tool_calls = parsed.parallel_tool_calls
+        # With tools, content passes through a filter that turns tool calls into
+        # tool_calls deltas; before it, reasoning is split off where the template marks it.
+        self.tools = tool_calls.ToolStream(fmt, parsed.parallel_tool_calls) if fmt else None
         self.reasoning = reasoning.ReasoningStream(think) if think is not None and self.chat else None
 
-    def split(self, delta: str) -> tuple[str, str]:
-        """(reasoning, content safe to send) of a step's text."""
+    def split(self, delta: str) -> tuple[str, str, list[dict[str, Any]]]:
+        """(reasoning, content safe to send, tool-call deltas) of a step's text."""
         thought, content = self.reasoning.push(delta) if self.reasoning is not None else ("", delta)
-        return thought, (self.tools.push(content) if self.tools is not None else content)
+        if self.tools is None:
+            return thought, content, []
+        return (thought, *self.tools.push(content))
 
     def finish(self) -> tuple[str, str, list[dict[str, Any]]]:
-        """(reasoning, content, tool calls) held back until the choice ended."""
+        """(reasoning, content, tool-call deltas) held back until the choice ended."""
         thought, content = self.reasoning.finish() if self.reasoning is not None else ("", "")
         if self.tools is None:
             return thought, content, []
-        content = self.tools.push(content) if content else ""
-        tail, calls = self.tools.finish()
-        return thought, content + tail, calls if self.parallel_tool_calls else calls[:1]
+        content, deltas = self.tools.push(content) if content else ("", [])
+        tail, more = self.tools.finish()
+        return thought, content + tail, deltas + more
 
     def role(self, want_ids: bool) -> dict[str, Any]:
         # The role chunk goes out at once, as OpenAI does, before any token exists.
@@ -235,9 +236,10 @@ class _ChoiceChunks:
         return self._indexed(R.completion_chunk(self.rid, self.created, self.model, step_text,
                                                 reason, lp_obj, ids, p_ids))
 
-    def calls_chunk(self, calls: list[dict[str, Any]]) -> dict[str, Any]:
-        """The finished choice's tool calls, whole, in one delta."""
-        delta = {"tool_calls": [{"index": j, **c} for j, c in enumerate(calls)]}
+    def call_chunk(self, call_delta: dict[str, Any]) -> dict[str, Any]:
+        """One tool_calls delta: a call's start (index, id, type, name, arguments "")
+        or a fragment of its arguments (index, function.arguments)."""
+        delta = {"tool_calls": [call_delta]}
         return self._indexed(R.chat_chunk(self.rid, self.created, self.model, delta))
 
     def _indexed(self, chunk: dict[str, Any]) -> dict[str, Any]:
@@ -291,16 +293,19 @@ async def _stream(
             st = streams[index]
             lp = item.logprobs if parsed.logprobs is not None else None
             ids = item.token_ids if want_ids else None
-            thought, step_text = st.split(item.text)
+            thought, step_text, deltas = st.split(item.text)
             if step_text or thought or lp or ids:
                 await resp.write(sse.frame(st.chunk(step_text, None, lp, ids, thought)))
+            for d in deltas:
+                await resp.write(sse.frame(st.call_chunk(d)))
             if item.finish_reason is not None:
                 reason = item.finish_reason
-                thought, tail, calls = st.finish()
+                thought, tail, deltas = st.finish()
                 if tail or thought:
                     await resp.write(sse.frame(st.chunk(tail, None, None, None, thought)))
-                if calls:
-                    await resp.write(sse.frame(st.calls_chunk(calls)))
+                for d in deltas:
+                    await resp.write(sse.frame(st.call_chunk(d)))
+                if st.tools is not None and st.tools.called:
                     reason = "tool_calls"
                 await resp.write(sse.frame(st.chunk("", reason, None, [] if want_ids else None)))
         if parsed.include_usage and not failed:

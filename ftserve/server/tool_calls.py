@@ -1,5 +1,5 @@
 """Tool calls in model output: find them, strip them from the content, return
-them as OpenAI ``tool_calls``.
+them as OpenAI ``tool_calls``, whole or streamed.
 
 Which syntax a model writes is read off its chat template (the template renders
 earlier calls the same way the model was trained to write them)::
@@ -7,19 +7,40 @@ earlier calls the same way the model was trained to write them)::
     hermes   (Qwen2.5 / Qwen3, Hermes):  text <tool_call>{"name": ..., "arguments": {...}}</tool_call> ...
     mistral  (Mistral / Mixtral v3+):    text [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
 
-Output whose calls do not parse (bad JSON, no name, cut off by max_tokens) is
-returned as plain content: nothing the model wrote is lost.
+A call's ``arguments`` string is the model's own text of the arguments value
+(an object or array as written, whitespace and escapes kept; a JSON string
+value decoded; ``"{}"`` when there is none; ``"parameters"`` is accepted for
+``"arguments"``, the first of the two counts). Whole (``parse``) and streamed
+(``ToolStream``) output use the same scanner, so the fragments of a streamed
+call put together are exactly the ``arguments`` of the whole response.
+
+Whole output (``parse``) whose calls are not all clean (bad JSON, no name, cut
+off by max_tokens, prose after the calls) is returned as plain content: nothing
+the model wrote is lost.
 
 Streaming (``ToolStream``): content is passed through as it arrives, except the
-tail that could be the start of a call marker; from the marker on, everything is
-held back and parsed when the choice finishes, then sent as one ``tool_calls``
-delta (arguments complete, never a partial JSON string).
+tail that could be the start of the call marker. From the marker on, text is
+held until a call's name is complete; then the call goes out as a first delta
+(index, id, type, name, arguments ""), followed by argument fragments as the
+arguments arrive (an object or array char by char; a string or scalar value in
+one piece once it closed). What happens to output that turns out unclean:
+
+- a call whose name was not sent yet (bad JSON, no name, cut off) and
+  everything after it is sent as content; for the first call that is all the
+  text from the marker on, as if there were no calls (today's whole behaviour);
+- a call whose name was sent stays a call: it is finished with what was sent
+  (cut off by max_tokens: the arguments as far as the model wrote them, maybe
+  not valid JSON; a string arguments value that never closed: none); from a
+  syntax error between its keys on, the rest of the output is content;
+- text after the sent calls that is not the call syntax is content.
+
+So a streamed choice may send both calls and content where the whole response
+would send content only; it never drops text outside a sent call.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import string
 from dataclasses import dataclass
@@ -28,8 +49,11 @@ from typing import Any, Literal
 Format = Literal["hermes", "mistral"]
 
 _MARKERS: dict[str, str] = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_HERMES_CLOSE = "</tool_call>"
 _ALNUM = string.ascii_letters + string.digits
+_WS = " \t\r\n"
+_ARG_KEYS = ("arguments", "parameters")
+_BAD = object()
 
 
 def format_of(template_source: str) -> Format | None:
@@ -53,98 +77,278 @@ class Parsed:
     tool_calls: list[dict[str, Any]]
 
 
-def _call(obj: Any, fmt: Format) -> dict[str, Any] | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            json.loads(args)
-        except json.JSONDecodeError:
-            return None
-        arguments = args
-    else:
-        arguments = json.dumps(args, ensure_ascii=False)
-    return {"id": new_call_id(fmt), "type": "function",
-            "function": {"name": obj["name"], "arguments": arguments}}
-
-
 def parse(text: str, fmt: Format) -> Parsed:
-    """Split ``text`` into content and tool calls; unparseable calls stay content."""
-    marker = _MARKERS[fmt]
-    start = text.find(marker)
-    if start < 0:
+    """Split ``text`` into content and tool calls; unless all calls are clean, it
+    all stays content."""
+    ts = ToolStream(fmt)
+    ts.push(text)
+    ts.finish()
+    if not ts.clean:
         return Parsed(text, [])
-    calls: list[dict[str, Any]] = []
-    if fmt == "hermes":
-        rest = text[start:]
-        bodies = _HERMES_CALL.findall(rest)
-        leftover = _HERMES_CALL.sub("", rest).strip()
-        if not bodies or leftover:  # an unclosed or stray marker: not a clean call list
-            return Parsed(text, [])
-        for body in bodies:
-            try:
-                call = _call(json.loads(body), fmt)
-            except json.JSONDecodeError:
-                call = None
-            if call is None:
-                return Parsed(text, [])
-            calls.append(call)
-    else:
-        try:
-            objs = json.loads(text[start + len(marker):])
-        except json.JSONDecodeError:
-            return Parsed(text, [])
-        for obj in objs if isinstance(objs, list) else [objs]:
-            call = _call(obj, fmt)
-            if call is None:
-                return Parsed(text, [])
-            calls.append(call)
-    content = text[:start].strip()
-    return Parsed(content or None, calls)
+    content = text[:text.find(_MARKERS[fmt])].strip()
+    return Parsed(content or None, ts.calls)
+
+
+def _loads(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return _BAD
+
+
+class _Call:
+    """One call object ``{...}`` scanned a character at a time: its name and
+    where its arguments value lies in the buffer. Keys and values of the top
+    level are checked as they come; nested values only once the object closed."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start  # index of "{" in the buffer
+        self.end: int | None = None  # index after the closing "}"
+        self.depth = 0
+        self.in_str = self.esc = self.in_args = self.bad = False
+        self.phase = "key"
+        self.key: Any = None
+        self.key_at = self.val_at = 0
+        self.name: str | None = None
+        self.args_at: int | None = None  # where the arguments value starts
+        self.args_raw: str | None = None  # its whole text, once it ended
+
+    def feed(self, buf: str, i: int) -> None:
+        c = buf[i]
+        if self.in_str:
+            if self.esc:
+                self.esc = False
+            elif c == "\\":
+                self.esc = True
+            elif c == '"':
+                self.in_str = False
+                if self.depth == 1 and self.phase == "inkey":
+                    self.key, self.phase = _loads(buf[self.key_at:i + 1]), "colon"
+                elif self.depth == 1:
+                    self._value(buf, i + 1)
+            return
+        if self.depth == 0:  # the opening brace
+            self.depth = 1
+            return
+        if self.depth > 1:
+            if c == '"':
+                self.in_str = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 1:
+                    self._value(buf, i + 1)
+            return
+        if self.phase == "scalar":
+            if c not in _WS and c not in ",}":
+                return
+            self._value(buf, i)
+        if c in _WS:
+            return
+        phase = self.phase
+        if phase == "key" and c == '"':
+            self.in_str, self.key_at, self.phase = True, i, "inkey"
+        elif phase == "colon" and c == ":":
+            self.phase = "value"
+        elif phase == "value":
+            self.val_at = i
+            self.in_args = self.key in _ARG_KEYS and self.args_at is None
+            if self.in_args:
+                self.args_at = i
+            if c == '"':
+                self.in_str, self.phase = True, "string"
+            elif c in "{[":
+                self.depth, self.phase = 2, "nested"
+            else:
+                self.phase = "scalar"
+        elif phase == "comma" and c == ",":
+            self.phase = "key"
+        elif phase in ("key", "comma") and c == "}":
+            self.depth, self.end = 0, i + 1
+        else:
+            self.bad = True
+
+    def _value(self, buf: str, end: int) -> None:
+        raw = buf[self.val_at:end]
+        if self.key == "name" and self.name is None:
+            name = _loads(raw)
+            self.name = name if isinstance(name, str) and name else None
+        if self.in_args:
+            self.args_raw, self.in_args = raw, False
+        self.phase = "comma"
+
+    def arguments(self, buf: str, pos: int) -> str:
+        """The arguments as far as they can be sent with ``buf[:pos]`` scanned;
+        only ever grows."""
+        if self.args_raw is not None:
+            if self.args_raw.startswith('"'):
+                text = _loads(self.args_raw)
+                return text if isinstance(text, str) else ""
+            return self.args_raw
+        if self.args_at is not None:
+            return buf[self.args_at:pos] if buf[self.args_at] in "{[" else ""
+        return "{}" if self.end is not None else ""
+
+    def valid(self, buf: str) -> bool:
+        if self.bad or self.end is None or self.name is None:
+            return False
+        if not isinstance(_loads(buf[self.start:self.end]), dict):
+            return False
+        raw = self.args_raw
+        return raw is None or not raw.startswith('"') or _loads(_loads(raw)) is not _BAD
 
 
 class ToolStream:
-    """One streamed choice: ``push`` returns the content safe to send now,
-    ``finish`` parses what was held back."""
+    """One streamed choice. ``push`` and ``finish`` return (content to send now,
+    tool-call deltas to send after it); ``parallel=False`` sends the first call only."""
 
-    def __init__(self, fmt: Format) -> None:
+    def __init__(self, fmt: Format, parallel: bool = True) -> None:
         self.fmt = fmt
+        self.parallel = parallel
         self._marker = _MARKERS[fmt]
-        self._sent = ""  # content already sent
-        self._held = ""  # a possible marker start, or everything from the marker on
-        self._in_call = False
+        self._pre = ""  # before the marker: a held tail that could start it
+        self._buf = ""  # the text from the marker on
+        self._pos = 0  # how far _buf is scanned
+        self._state = "content"
+        self._call: _Call | None = None  # the call being scanned
+        self._from: int | None = 0  # where unsent, not-yet-call text starts (None: inside a sent call)
+        self._sent_args = 0  # how much of the current sent call's arguments went out
+        self._clean = True
+        self._list = False  # mistral: the calls are in a list (else one bare object)
+        self.calls: list[dict[str, Any]] = []  # the calls sent, arguments as sent so far
 
-    def push(self, delta: str) -> str:
-        if self._in_call:
-            self._held += delta
-            return ""
-        text = self._held + delta
-        at = text.find(self._marker)
-        if at >= 0:
-            self._in_call = True
-            self._held = text[at:]
-            return self._emit(text[:at])
-        # Hold back the longest tail that is a prefix of the marker.
-        keep = 0
-        for n in range(min(len(self._marker) - 1, len(text)), 0, -1):
-            if self._marker.startswith(text[-n:]):
-                keep = n
-                break
-        self._held = text[len(text) - keep:] if keep else ""
-        return self._emit(text[:len(text) - keep])
+    @property
+    def called(self) -> bool:
+        """Whether any call was sent."""
+        return bool(self.calls)
+
+    @property
+    def clean(self) -> bool:
+        """After ``finish``: every call parsed whole, nothing but calls after the marker."""
+        return self._clean and bool(self.calls) and self._state in ("next", "done")
+
+    def push(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        if self._state == "plain":
+            return delta, []
+        if self._state == "content":
+            text = self._pre + delta
+            at = text.find(self._marker)
+            if at < 0:  # hold back the longest tail that is a prefix of the marker
+                keep = next((n for n in range(min(len(self._marker) - 1, len(text)), 0, -1)
+                             if self._marker.startswith(text[-n:])), 0)
+                self._pre = text[len(text) - keep:]
+                return text[:len(text) - keep], []
+            self._pre, self._buf, self._pos, self._state = "", text[at:], len(self._marker), "open"
+            head, delta = text[:at], ""
+        else:
+            head = ""
+        self._buf += delta
+        content, deltas = self._scan()
+        return head + content, self._only_first(deltas)
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """(content still to send, tool calls). Without valid calls the held text
-        is content after all."""
-        held, self._held = self._held, ""
-        if not self._in_call:
-            return self._emit(held), []
-        parsed = parse(held, self.fmt)
-        if not parsed.tool_calls:
-            return self._emit(held), []
-        return "", parsed.tool_calls
+        """Whatever is still held: an unsent call's text as content."""
+        if self._state == "content":
+            self._state, pre, self._pre = "plain", self._pre, ""
+            return pre, []
+        if self._state == "plain":
+            return "", []
+        deltas: list[dict[str, Any]] = []
+        if self._call is not None and self._from is None:
+            self._args(deltas)  # a sent call cut off: what arrived of it
+        rest = self._buf[self._from:] if self._from is not None else ""
+        if self._state not in ("next", "done"):
+            self._clean = False
+        if rest.strip() or (self._from is not None and self._state == "obj"):
+            self._clean, self._state = False, "plain"
+            return rest, self._only_first(deltas)
+        return "", self._only_first(deltas)
 
-    def _emit(self, text: str) -> str:
-        self._sent += text
-        return text
+    def _only_first(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return deltas if self.parallel else [d for d in deltas if d["index"] == 0]
+
+    def _fail(self, at: int) -> str:
+        """Unclean from ``at``: all unsent text is content, and so is the rest of the output."""
+        self._clean, self._state = False, "plain"
+        start = self._from if self._from is not None else at
+        self._call = None
+        return self._buf[start:]
+
+    def _literal(self, lit: str) -> bool | None:
+        """Whether _buf at _pos is ``lit`` (consumed); None while it may still be."""
+        got = self._buf[self._pos:self._pos + len(lit)]
+        if got == lit:
+            self._pos += len(lit)
+            return True
+        return None if lit.startswith(got) and len(got) < len(lit) else False
+
+    def _scan(self) -> tuple[str, list[dict[str, Any]]]:
+        buf, deltas = self._buf, []
+        while self._pos < len(buf):
+            c, state = buf[self._pos], self._state
+            if state == "obj":
+                call = self._call
+                assert call is not None
+                call.feed(buf, self._pos)
+                self._pos += 1
+                if call.bad:
+                    return self._fail(self._pos - 1), deltas
+                if call.name is not None and self._from is not None:  # the name is complete: send
+                    self._from = None
+                    self._sent_args = 0
+                    self.calls.append({"id": new_call_id(self.fmt), "type": "function",
+                                       "function": {"name": call.name, "arguments": ""}})
+                    deltas.append({"index": len(self.calls) - 1, **self.calls[-1],
+                                   "function": {"name": call.name, "arguments": ""}})
+                if call.end is not None:
+                    if self._from is not None:  # closed without a name
+                        return self._fail(self._pos), deltas
+                    self._args(deltas)
+                    self._clean = self._clean and call.valid(buf)
+                    self._call, self._from = None, self._pos
+                    self._state = "close" if self.fmt == "hermes" else (
+                        "sep" if self._list else "done")
+                continue
+            if c in _WS:
+                self._pos += 1
+                continue
+            if state in ("open", "list") and c == "{":
+                self._call, self._state = _Call(self._pos), "obj"
+                continue
+            if state == "open" and c == "[" and self.fmt == "mistral":
+                self._pos, self._state, self._list = self._pos + 1, "list", True
+                continue
+            if state == "sep" and c in ",]":
+                self._pos += 1
+                self._state, self._from = ("list" if c == "," else "done"), self._pos
+                continue
+            if state in ("close", "next"):
+                lit = _HERMES_CLOSE if state == "close" else self._marker
+                ok = self._literal(lit)
+                if ok is None:
+                    break
+                if ok:
+                    self._state = "next" if state == "close" else "open"
+                    if state == "close":
+                        self._from = self._pos
+                    continue
+            return self._fail(self._pos), deltas
+        if self._call is not None and self._from is None:
+            self._args(deltas)
+        return "", deltas
+
+    def _args(self, deltas: list[dict[str, Any]]) -> None:
+        """Send what is new of the current sent call's arguments."""
+        assert self._call is not None
+        text = self._call.arguments(self._buf, self._pos)
+        frag, self._sent_args = text[self._sent_args:], len(text)
+        if not frag:
+            return
+        j = len(self.calls) - 1
+        self.calls[j]["function"]["arguments"] += frag
+        last = deltas[-1] if deltas else None
+        if last is not None and last["index"] == j and "id" not in last:
+            last["function"]["arguments"] += frag
+        else:
+            deltas.append({"index": j, "function": {"arguments": frag}})
