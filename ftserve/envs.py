@@ -115,3 +115,22 @@ def fused_kv_store() -> bool:
     pages, one launch fewer per layer (H200 2026-11-30, decode replay 0.678 ->
     0.674 ms, identical tokens). Set 0 for the backend's own store kernel."""
     return _flag("FTSERVE_FUSED_KV_STORE", True)
+
+
+def decode_layer_kernel() -> bool:
+    """FTSERVE_DECODE_LAYER_KERNEL (default off): batch-1 decode runs each MoE
+    layer as one persistent launch with grid barriers between its phases
+    (ftserve_kernels/decode_layer_triton.py) where the layer qualifies
+    (ftserve/models/fused_layer.py)."""
+    return _flag("FTSERVE_DECODE_LAYER_KERNEL", False)
+
+
+def decode_layer_config() -> dict[str, int]:
+    """FTSERVE_DECODE_LAYER_CFG: launch fields of that kernel's LayerConfig as
+    name=int pairs, e.g. "r_qkv=8,r_o=4,num_warps=8,prefetch=0" (tuning runs)."""
+    value = os.environ.get("FTSERVE_DECODE_LAYER_CFG", "")
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        name, _, num = part.partition("=")
+        out[name.strip()] = int(num)
+    return out

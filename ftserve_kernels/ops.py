@@ -102,6 +102,11 @@ def _table(t: torch.Tensor) -> _Kernels:
     return _REF
 
 
+def uses_triton(t: torch.Tensor) -> bool:
+    """Whether ops on ``t`` run the Triton kernels (CUDA, or FTSERVE_KERNELS=triton)."""
+    return _table(t) is not _REF
+
+
 def decode_fusion_enabled() -> bool:
     return envs.decode_fusion()
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ftserve.models import fused_layer
 from ftserve.models.config import ModelConfig
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve.models.layers import Attention, DenseMLP, Embedding, Linear, MoEBlock, RMSNorm
@@ -51,6 +52,8 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if fused_layer.eligible(self, x, batch, cos_sin):  # batch-1 decode: one launch
+            return fused_layer.forward(self, x, residual, batch, cos_sin)
         # The residual stream is carried separately so each norm fuses the add (and,
         # at decode sizes, folds into the next GEMV: see ops.add_rms_norm_linear).
         x, residual = self.self_attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin)

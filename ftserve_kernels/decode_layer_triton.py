@@ -1,0 +1,553 @@
+"""One MoE decoder layer of a batch-1 decode step in one persistent launch.
+
+At batch 1 a layer is nine launches, and each pays its ramp, tail and launch
+gap: about 57 us per layer against a 28 us HBM roofline (BENCHMARKS.md). Here a
+grid of one program per SM walks the layer's phases, with a grid-wide barrier
+between phases instead of a kernel boundary::
+
+    A  every program: s1 = x + r, n1 = rmsnorm(s1); its rows of qkv = n1 . Wqkv
+    B  attention item (kv head, split): q/k norm + rotary of its heads, the
+       token's K/V into its page (the item whose split holds the token), split-K
+       attention; the last split of a kv head to finish combines the splits
+    C  its rows of o = attn . Wo
+    D  every program: s2 = o + s1, n2 = rmsnorm(s2); its rows of the router logits
+    E  every program: softmax top-k of the logits; its (choice, column) pairs of
+       act = SiLU(n2 . W13[e, gate]) * (n2 . W13[e, up])
+    F  its columns of out = sum_j w_j (act_j . W2[e_j])
+
+Each program's rows of a GEMV phase are one contiguous range (bytes balanced
+to a row), streamed in chunks of R rows x all of K with the next chunk's loads
+issued before the current chunk's sums. Weights that do not depend on the
+phase before are loaded before the barrier, and with PREFETCH a phase's whole
+weight share is sent to L2 ahead (``prefetch.global.L2``) while the phases
+before it are latency-bound (attention, norms, top-k): o_proj rows at the end
+of A, the chosen experts' down rows at the end of E.
+
+Barrier: every program adds 1 to a counter (release) and spins until it
+reaches phase x grid (acquire); the last program out of the kernel zeroes the
+counters for the next launch (stream-ordered: all layers share them). All
+programs must be resident at once: the grid is the SM count and each program
+fits on an SM by itself. A spin that lasts MAX_SPIN polls gives up and sets
+the error word (a test checks it) rather than hang.
+
+The CPU interpreter runs programs one after another, so a barrier would never
+open: there PHASE = 0..5 runs one phase per launch and the caller launches six
+times (the same code, checked against the unfused twin). PHASE = -1 is the
+fused kernel. Reads of what other programs wrote in this launch go through L2
+(``.cg``). Rounding follows the unfused path (norm -> dtype, w * normed ->
+dtype, each GEMV output -> dtype, the router logits -> dtype, weighted down
+rows -> dtype before the sum over choices).
+
+Scope (``eligible`` in ftserve/models/fused_layer.py): one token, q/k-normed or
+plain rotary over the full head, no biases, float KV cache, resident experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ftserve_kernels.attention_common import LOG2E, AttnKernelConfig, interpreting, mma, mma_acc
+
+# Sync words: [0] barrier arrivals, [1] programs out, [2] error (a barrier gave
+# up), then one split counter per kv head.
+SYNC_HEAD = 8
+MAX_SPIN = 1 << 22
+PHASES = 6
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """Launch parameters: rows per chunk of each GEMV phase (cols for the down
+    phase), warps, and whether to prefetch into L2."""
+
+    r_qkv: int = 8
+    r_o: int = 4
+    r_gu: int = 4
+    c_down: int = 2
+    num_warps: int = 8
+    num_stages: int = 2
+    attn_block_n: int | None = None  # default: the attention backend's decode tile
+    prefetch: bool = True
+
+
+@triton.jit
+def _grid_sync(sync_ptr, target, SPIN: tl.constexpr):
+    tl.debug_barrier()  # every thread's stores precede the release below
+    tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
+    seen = tl.load(sync_ptr, volatile=True)
+    spins = 0
+    while (seen < target) & (spins < SPIN):
+        seen = tl.load(sync_ptr, volatile=True)
+        spins += 1
+    if spins >= SPIN:
+        tl.atomic_xchg(sync_ptr + 2, 1)
+    tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _prefetch_l2(ptrs, mask, fallback):
+    """Ask L2 for the lines at ``ptrs`` (masked lanes ask for ``fallback``)."""
+    p = tl.where(mask, ptrs, fallback)
+    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [p],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _span(pid, G: tl.constexpr, N):
+    """Program pid's contiguous share [lo, hi) of N items."""
+    return (pid * N) // G, ((pid + 1) * N) // G
+
+
+@triton.jit
+def _tile(w_ptr, rows, hi, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows [R] (masked from hi) of a contiguous [N, K] weight: an [R, BLOCK_K] tile."""
+    k = tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + k[None, :],
+                   mask=(rows < hi)[:, None] & (k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _gemv_span(w_ptr, first, xf, y_ptr, lo, hi, K: tl.constexpr, R: tl.constexpr,
+               CHUNKS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[lo:hi] = W[lo:hi] . x in chunks of R rows; ``first`` is chunk 0's tile,
+    already loaded; each chunk's successor is loaded before its sums."""
+    tile = first
+    for c in tl.static_range(CHUNKS):
+        rows = lo + c * R + tl.arange(0, R)
+        if c + 1 < CHUNKS:
+            nxt = _tile(w_ptr, rows + R, hi, K, BLOCK_K)
+        y = tl.sum(tile.to(tl.float32) * xf[None, :], 1)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < hi)
+        if c + 1 < CHUNKS:
+            tile = nxt
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, lo, hi, K: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                   BLOCK_LINES: tl.constexpr):
+    """Rows [lo, hi) of a contiguous [N, K] bf16/fp16 weight into L2, a 128-byte line per lane."""
+    rows = lo + tl.arange(0, BLOCK_ROWS)
+    lines = tl.arange(0, BLOCK_LINES) * 64
+    m = (rows < hi)[:, None] & (lines < K)[None, :]
+    _prefetch_l2(w_ptr + rows.to(tl.int64)[:, None] * K + lines[None, :], m, w_ptr)
+
+
+@triton.jit
+def _add_norm(x_ptr, r_ptr, w_ptr, eps, H: tl.constexpr, HAS_RES: tl.constexpr,
+              BLOCK_H: tl.constexpr):
+    """(s = x + r in x's dtype, rmsnorm(s) * w in x's dtype), both [BLOCK_H]."""
+    offs = tl.arange(0, BLOCK_H)
+    m = offs < H
+    dt = x_ptr.dtype.element_ty
+    s = tl.load(x_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+    if HAS_RES:
+        r = tl.load(r_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+        s = (s.to(tl.float32) + r.to(tl.float32)).to(dt)
+    sf = s.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(sf * sf, 0) / H + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    n = (w * (sf * inv).to(dt).to(tl.float32)).to(dt)
+    return s, n
+
+
+@triton.jit
+def _norm_rope(src_ptr, w_ptr, cos, sin, eps, NROWS: tl.constexpr, D: tl.constexpr,
+               HALF: tl.constexpr, BLOCK_R: tl.constexpr, QK_NORM: tl.constexpr, dt):
+    """Rows [BLOCK_R, D] at src (NROWS real): per-head RMSNorm (QK_NORM) then
+    neox rotary, as the two halves [BLOCK_R, HALF] in dt."""
+    g = tl.arange(0, BLOCK_R)
+    j = tl.arange(0, HALF)
+    m = (g < NROWS)[:, None]
+    x1 = tl.load(src_ptr + g[:, None] * D + j[None, :], mask=m, other=0.0, cache_modifier=".cg")
+    x2 = tl.load(src_ptr + g[:, None] * D + HALF + j[None, :], mask=m, other=0.0, cache_modifier=".cg")
+    y1 = x1.to(tl.float32)
+    y2 = x2.to(tl.float32)
+    if QK_NORM:
+        rs = tl.rsqrt((tl.sum(y1 * y1, 1) + tl.sum(y2 * y2, 1)) / D + eps)[:, None]
+        w1 = tl.load(w_ptr + j).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + j).to(tl.float32)[None, :]
+        y1 = (w1 * (y1 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        y2 = (w2 * (y2 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    o1 = (y1 * cos[None, :] - y2 * sin[None, :]).to(dt)
+    o2 = (y2 * cos[None, :] + y1 * sin[None, :]).to(dt)
+    return o1, o2
+
+
+@triton.jit
+def _attn_item(
+    it, qkv_s, qn_ptr, kn_ptr, pos_ptr, cs_ptr, loc_ptr, pt_ptr, seq_lens_ptr, kc_ptr, vc_ptr,
+    mid_o, mid_lse, attn_s, sync_ptr, eps, scale_log2, stride_cs, stride_slot, stride_head,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    QK_NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    GROUP: tl.constexpr = HQ // HKV
+    HALF: tl.constexpr = D // 2
+    dt = qkv_s.dtype.element_ty
+    kvh = it // S
+    s = it % S
+    kv_len = tl.load(seq_lens_ptr)
+    cur = kv_len - 1  # this step's token
+    per_split = tl.cdiv(tl.cdiv(kv_len, S), BLOCK_N) * BLOCK_N
+    start = s * per_split
+    end = tl.minimum(start + per_split, kv_len)
+    j = tl.arange(0, HALF)
+    d = tl.arange(0, D)
+    g = tl.arange(0, BLOCK_G)
+    gmask = g < GROUP
+    pos = tl.load(pos_ptr).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * stride_cs + j)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + j)
+    q1, q2 = _norm_rope(qkv_s + kvh * GROUP * D, qn_ptr, cos, sin, eps, GROUP, D, HALF, BLOCK_G,
+                        QK_NORM, dt)  # [G, HALF] each
+    k1, k2 = _norm_rope(qkv_s + (HQ + kvh) * D, kn_ptr, cos, sin, eps, 1, D, HALF, 2,
+                        QK_NORM, dt)  # [2, HALF], row 0 real
+    cty = kc_ptr.dtype.element_ty
+    k1c = tl.sum(k1.to(tl.float32), 0).to(cty)  # [HALF] (row 1 is zeros: exact)
+    k2c = tl.sum(k2.to(tl.float32), 0).to(cty)
+    vc = tl.load(qkv_s + (HQ + HKV + kvh) * D + d, cache_modifier=".cg").to(cty)  # [D]
+    if (cur >= start) & (cur < end):  # the split that holds the token stores its K/V
+        loc = tl.load(loc_ptr).to(tl.int64)
+        dst = loc * stride_slot + kvh * stride_head
+        tl.store(kc_ptr + dst + j, k1c)
+        tl.store(kc_ptr + dst + HALF + j, k2c)
+        tl.store(vc_ptr + dst + d, vc)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    head_off = kvh * stride_head
+    for n0 in range(start, end, BLOCK_N):
+        p_ = n0 + tl.arange(0, BLOCK_N)
+        nmask = p_ < end
+        page = tl.load(pt_ptr + p_ // PAGE_SIZE, mask=nmask, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + p_ % PAGE_SIZE  # [N]
+        is_cur = p_ == cur  # its K/V come from registers (the store above may not be visible)
+        kb = kc_ptr + slot[None, :] * stride_slot + head_off
+        kt1 = tl.load(kb + j[:, None], mask=nmask[None, :], other=0.0)  # [HALF, N]
+        kt2 = tl.load(kb + HALF + j[:, None], mask=nmask[None, :], other=0.0)
+        kt1 = tl.where(is_cur[None, :], k1c[:, None], kt1)
+        kt2 = tl.where(is_cur[None, :], k2c[:, None], kt2)
+        qk = mma_acc(q2, kt2, mma(q1, kt1, UPCAST), UPCAST)  # [G, N]
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk * scale_log2 - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vv = tl.load(vc_ptr + slot[:, None] * stride_slot + head_off + d[None, :],
+                     mask=nmask[:, None], other=0.0)  # [N, D]
+        vv = tl.where(is_cur[:, None], vc[None, :], vv)
+        acc = mma_acc(p.to(vv.dtype), vv, acc * alpha[:, None], UPCAST)
+        m_i = m_new
+    has = l_i > 0.0
+    heads = kvh * GROUP + g
+    tl.store(mid_o + (heads[:, None] * S + s) * D + d[None, :], acc / tl.where(has, l_i, 1.0)[:, None],
+             mask=gmask[:, None])
+    tl.store(mid_lse + heads * S + s, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")),
+             mask=gmask)
+    # The last split of this kv head to finish combines all S (as the split-K kernel's fused reduce).
+    tl.debug_barrier()
+    cnt = sync_ptr + 8 + kvh
+    if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == S - 1:
+        ss = tl.arange(0, BLOCK_S)
+        lse = tl.load(mid_lse + heads[:, None] * S + ss[None, :],
+                      mask=gmask[:, None] & (ss[None, :] < S), other=float("-inf"), cache_modifier=".cg")
+        mx = tl.max(lse, 1)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        tot = tl.sum(tl.exp2(lse - mx[:, None]), 1)
+        o = tl.zeros([BLOCK_G, D], tl.float32)
+        for sj in range(S):
+            lj = tl.load(mid_lse + heads * S + sj, mask=gmask, other=float("-inf"), cache_modifier=".cg")
+            oj = tl.load(mid_o + (heads[:, None] * S + sj) * D + d[None, :], mask=gmask[:, None],
+                         other=0.0, cache_modifier=".cg")
+            o += oj * tl.exp2(lj - mx)[:, None]
+        o = o / tl.where(tot > 0.0, tot, 1.0)[:, None]
+        tl.store(attn_s + heads[:, None] * D + d[None, :], o.to(dt), mask=gmask[:, None])
+        tl.atomic_xchg(cnt, 0)
+
+
+@triton.jit
+def _topk(logits_s, E: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+          BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr):
+    """Softmax top-k of the router logits -> (weights [BLOCK_TK] fp32, ids [BLOCK_TK]
+    int32), ordered by weight, lowest expert first on ties (as route_topk). One
+    rank count over an [E, E] comparison instead of k rounds of max."""
+    e = tl.arange(0, BLOCK_E)
+    em = e < E
+    lg = tl.load(logits_s + e, mask=em, other=float("-inf"), cache_modifier=".cg")
+    p = tl.exp(lg - tl.max(lg, 0))
+    p = tl.where(em, p, 0.0)
+    p = p / tl.sum(p, 0)
+    work = tl.where(em, p, -1.0)
+    beats = (work[None, :] > work[:, None]) | ((work[None, :] == work[:, None]) & (e[None, :] < e[:, None]))
+    rank = tl.sum(beats.to(tl.int32), 1)  # [E]: experts ahead of each
+    kk = tl.arange(0, BLOCK_TK)
+    sel = (rank[None, :] == kk[:, None]) & (kk < TOP_K)[:, None]  # [TK, E]
+    w = tl.sum(tl.where(sel, work[None, :], 0.0), 1)
+    ids = tl.minimum(tl.sum(tl.where(sel, e[None, :], 0), 1), E - 1)
+    if RENORM:
+        w = w / tl.sum(w, 0)
+    return w, ids
+
+
+@triton.jit
+def _pick(vals, kk, j):
+    """vals[j] for a vector of indices j [R] (vals [TK] in registers)."""
+    return tl.sum(tl.where(kk[None, :] == j[:, None], vals[None, :], 0), 1)
+
+
+@triton.jit
+def _decode_layer_kernel(
+    x_ptr, r_ptr, out_ptr, res_ptr,
+    ln1_ptr, wqkv_ptr, qn_ptr, kn_ptr, wo_ptr, ln2_ptr, wg_ptr, w13_ptr, w2_ptr,
+    pos_ptr, cs_ptr, loc_ptr, pt_ptr, seq_lens_ptr, kc_ptr, vc_ptr,
+    qkv_s, s1_s, mid_o, mid_lse, attn_s, o_s, n2_s, logits_s, act_s, topw_s, topi_s, sync_ptr,
+    eps, scale_log2, stride_cs, stride_slot, stride_head,
+    H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, E: tl.constexpr,
+    INTER: tl.constexpr, TOP_K: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
+    HAS_RES: tl.constexpr, QK_NORM: tl.constexpr, RENORM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_QO: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_TK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    R_QKV: tl.constexpr, R_O: tl.constexpr, R_GU: tl.constexpr, C_DN: tl.constexpr,
+    CH_QKV: tl.constexpr, CH_O: tl.constexpr, CH_GU: tl.constexpr, CH_DN: tl.constexpr,
+    BLOCK_SPAN_H: tl.constexpr, BLOCK_SPAN_E: tl.constexpr,
+    PHASE: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, SPIN: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    ALL: tl.constexpr = PHASE < 0
+    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+    QO: tl.constexpr = HQ * D
+    dt = x_ptr.dtype.element_ty
+    kh = tl.arange(0, BLOCK_H)
+    hmask = kh < H
+    # ---- A: s1 = x + r, n1 = norm(s1); qkv rows
+    if ALL or PHASE == 0:
+        lo, hi = _span(pid, G, NQKV)
+        first = _tile(wqkv_ptr, lo + tl.arange(0, R_QKV), hi, H, BLOCK_H)  # before the norm's reads
+        s1, n1 = _add_norm(x_ptr, r_ptr, ln1_ptr, eps, H, HAS_RES, BLOCK_H)
+        if pid == 0:
+            tl.store(s1_s + kh, s1, mask=hmask)
+        _gemv_span(wqkv_ptr, first, n1.to(tl.float32), qkv_s, lo, hi, H, R_QKV, CH_QKV, BLOCK_H)
+        if PREFETCH:  # this program's o_proj rows stream into L2 during attention
+            olo, ohi = _span(pid, G, H)
+            _prefetch_rows(wo_ptr, olo, ohi, QO, BLOCK_SPAN_H, BLOCK_QO // 64)
+        if ALL:
+            _grid_sync(sync_ptr, G, SPIN)
+    # ---- B: attention items (kv head, split), then the split combine
+    if ALL or PHASE == 1:
+        for it in range(pid, HKV * S, G):
+            _attn_item(it, qkv_s, qn_ptr, kn_ptr, pos_ptr, cs_ptr, loc_ptr, pt_ptr, seq_lens_ptr,
+                       kc_ptr, vc_ptr, mid_o, mid_lse, attn_s, sync_ptr, eps, scale_log2, stride_cs,
+                       stride_slot, stride_head, HQ, HKV, D, S, PAGE_SIZE, QK_NORM, BLOCK_G, BLOCK_N,
+                       BLOCK_S, UPCAST)
+        if ALL:
+            _grid_sync(sync_ptr, 2 * G, SPIN)
+    # ---- C: o_proj rows
+    if ALL or PHASE == 2:
+        lo, hi = _span(pid, G, H)
+        first = _tile(wo_ptr, lo + tl.arange(0, R_O), hi, QO, BLOCK_QO)
+        ka = tl.arange(0, BLOCK_QO)
+        a = tl.load(attn_s + ka, mask=ka < QO, other=0.0, cache_modifier=".cg").to(tl.float32)
+        _gemv_span(wo_ptr, first, a, o_s, lo, hi, QO, R_O, CH_O, BLOCK_QO)
+        if ALL:
+            _grid_sync(sync_ptr, 3 * G, SPIN)
+    # ---- D: s2 = o + s1, n2 = norm(s2); router rows
+    if ALL or PHASE == 3:
+        lo, hi = _span(pid, G, E)
+        erows = lo + tl.arange(0, BLOCK_SPAN_E)
+        gt = _tile(wg_ptr, erows, hi, H, BLOCK_H)
+        s2, n2 = _add_norm(o_s, s1_s, ln2_ptr, eps, H, True, BLOCK_H)
+        if pid == 0:
+            tl.store(res_ptr + kh, s2, mask=hmask)
+            tl.store(n2_s + kh, n2, mask=hmask)
+        lg = tl.sum(gt.to(tl.float32) * n2.to(tl.float32)[None, :], 1)
+        tl.store(logits_s + erows, lg.to(dt).to(tl.float32), mask=erows < hi)
+        if ALL:
+            _grid_sync(sync_ptr, 4 * G, SPIN)
+    # ---- E: top-k (every program), then gate/up (choice, column) pairs
+    kk = tl.arange(0, BLOCK_TK)
+    if ALL or PHASE == 4:
+        top_w, top_i = _topk(logits_s, E, TOP_K, RENORM, BLOCK_E, BLOCK_TK)
+        if pid == 0:
+            tl.store(topw_s + kk, top_w)
+            tl.store(topi_s + kk, top_i)
+        xf = tl.load(n2_s + kh, mask=hmask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        lo, hi = _span(pid, G, TOP_K * INTER)
+        f = lo + tl.arange(0, R_GU)
+        e = _pick(top_i, kk, f // INTER).to(tl.int64)
+        goff = e * (2 * INTER * H) + (f % INTER) * H
+        gm = (f < hi)[:, None] & hmask[None, :]
+        g_t = tl.load(w13_ptr + goff[:, None] + kh[None, :], mask=gm, other=0.0)
+        u_t = tl.load(w13_ptr + goff[:, None] + INTER * H + kh[None, :], mask=gm, other=0.0)
+        for c in tl.static_range(CH_GU):
+            if c + 1 < CH_GU:
+                fn = f + R_GU
+                en = _pick(top_i, kk, fn // INTER).to(tl.int64)
+                gn_off = en * (2 * INTER * H) + (fn % INTER) * H
+                gmn = (fn < hi)[:, None] & hmask[None, :]
+                g_n = tl.load(w13_ptr + gn_off[:, None] + kh[None, :], mask=gmn, other=0.0)
+                u_n = tl.load(w13_ptr + gn_off[:, None] + INTER * H + kh[None, :], mask=gmn, other=0.0)
+            hg = tl.sum(g_t.to(tl.float32) * xf[None, :], 1)
+            hu = tl.sum(u_t.to(tl.float32) * xf[None, :], 1)
+            h = hg / (1.0 + tl.exp(-hg)) * hu
+            tl.store(act_s + f, h.to(dt), mask=f < hi)
+            if c + 1 < CH_GU:
+                f = fn
+                g_t = g_n
+                u_t = u_n
+        if ALL:
+            if PREFETCH:  # the chosen experts' down rows of this program's columns
+                clo, chi = _span(pid, G, H)
+                cols = clo + tl.arange(0, BLOCK_SPAN_H)
+                lines = tl.arange(0, BLOCK_I // 64) * 64
+                pm = (cols < chi)[:, None, None] & (kk < TOP_K)[None, :, None] & (lines < INTER)[None, None, :]
+                ptr = (w2_ptr + (top_i.to(tl.int64) * (H * INTER))[None, :, None]
+                       + (cols.to(tl.int64) * INTER)[:, None, None] + lines[None, None, :])
+                _prefetch_l2(ptr, pm, w2_ptr)
+            _grid_sync(sync_ptr, 5 * G, SPIN)
+    # ---- F: down + weighted combine over the k choices, columns
+    if ALL or PHASE == 5:
+        if PHASE == 5:
+            top_w = tl.load(topw_s + kk, cache_modifier=".cg")
+            top_i = tl.load(topi_s + kk, cache_modifier=".cg")
+        lo, hi = _span(pid, G, H)
+        ki = tl.arange(0, BLOCK_I)
+        jm = kk < TOP_K
+        act = tl.load(act_s + kk[:, None] * INTER + ki[None, :], mask=jm[:, None] & (ki < INTER)[None, :],
+                      other=0.0, cache_modifier=".cg").to(tl.float32)  # [TK, I]
+        ebase = (top_i.to(tl.int64) * (H * INTER))[None, :, None]
+        for c in tl.static_range(CH_DN):
+            cols = lo + c * C_DN + tl.arange(0, C_DN)
+            m3 = (cols < hi)[:, None, None] & jm[None, :, None] & (ki < INTER)[None, None, :]
+            w = tl.load(w2_ptr + ebase + (cols.to(tl.int64) * INTER)[:, None, None] + ki[None, None, :],
+                        mask=m3, other=0.0)  # [C, TK, I]
+            y = tl.sum(w.to(tl.float32) * act[None, :, :], 2)  # [C, TK]
+            y = (y * top_w[None, :]).to(dt).to(tl.float32)
+            tl.store(out_ptr + cols, tl.sum(y, 1).to(dt), mask=cols < hi)
+        if ALL:  # the last program out zeroes the counters for the next launch
+            tl.debug_barrier()
+            if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
+                tl.atomic_xchg(sync_ptr, 0)
+                tl.atomic_xchg(sync_ptr + 1, 0)
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    ln1: torch.Tensor  # [H]
+    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    q_norm: torch.Tensor | None  # [D] (Qwen3's per-head norms) or None
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor  # [H, Hq D]
+    ln2: torch.Tensor  # [H]
+    router: torch.Tensor  # [E, H]
+    w13: torch.Tensor  # [E, 2I, H]
+    w2: torch.Tensor  # [E, H, I]
+    num_heads: int
+    num_kv_heads: int
+    top_k: int
+    renormalize: bool
+    eps: float
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    positions: torch.Tensor  # [1] int64
+    cos_sin: torch.Tensor  # [max_pos, D] fp32
+    out_cache_loc: torch.Tensor  # [1] int64
+    page_table: torch.Tensor  # [1, max_pages] int32 (row 0 read)
+    seq_lens: torch.Tensor  # [1] int32, with this token
+    k_cache: torch.Tensor  # [slots, Hkv, D]
+    v_cache: torch.Tensor
+    page_size: int
+    scale: float
+
+
+def _chunks(n: int, grid: int, rows: int) -> int:
+    return triton.cdiv(triton.cdiv(n, grid), rows)
+
+
+def num_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def sync_words(num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """A zeroed sync buffer (see module doc); the kernel leaves it zeroed."""
+    return torch.zeros(SYNC_HEAD + num_kv_heads, dtype=torch.int32, device=device)
+
+
+def decode_layer_triton(
+    x: torch.Tensor,  # [1, H]
+    residual: torch.Tensor | None,  # [1, H]
+    w: LayerWeights,
+    step: StepInputs,
+    sync: torch.Tensor,  # sync_words(...)
+    cfg: LayerConfig | None = None,
+    phased: bool | None = None,  # six launches, no barrier (default: under the interpreter)
+    grid: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (the layer's MoE output [1, H], its residual x + r + attention [1, H])."""
+    cfg = cfg or LayerConfig()
+    t, h = x.shape
+    assert t == 1, "batch-1 decode only"
+    hq, hkv, d = w.num_heads, w.num_kv_heads, w.wqkv.shape[0] // (w.num_heads + 2 * w.num_kv_heads)
+    e, inter = w.w13.shape[0], w.w13.shape[1] // 2
+    for tensor in (x, w.wqkv, w.wo, w.router, w.w13, w.w2, w.ln1, w.ln2):
+        assert tensor.is_contiguous()
+    assert d == triton.next_power_of_2(d) and step.cos_sin.shape[1] == d, "full rotary, power-of-2 head dim"
+    assert step.k_cache.dtype == x.dtype and step.k_cache.stride() == step.v_cache.stride()
+    assert sync.numel() >= SYNC_HEAD + hkv
+    dev = x.device
+    interp = interpreting()
+    phased = interp if phased is None else phased
+    g = grid or num_programs(dev)
+    splits = max(1, g // hkv)
+    f32 = torch.float32
+    out, res = torch.empty_like(x), torch.empty_like(x)
+    qkv_s = torch.empty((hq + 2 * hkv) * d, dtype=x.dtype, device=dev)
+    s1_s, o_s, n2_s = (torch.empty(h, dtype=x.dtype, device=dev) for _ in range(3))
+    mid_o = torch.empty(hq * splits * d, dtype=f32, device=dev)
+    mid_lse = torch.empty(hq * splits, dtype=f32, device=dev)
+    attn_s = torch.empty(hq * d, dtype=x.dtype, device=dev)
+    logits_s = torch.empty(e, dtype=f32, device=dev)
+    block_tk = triton.next_power_of_2(w.top_k)
+    act_s = torch.empty(block_tk * inter, dtype=x.dtype, device=dev)
+    topw_s = torch.empty(block_tk, dtype=f32, device=dev)
+    topi_s = torch.empty(block_tk, dtype=torch.int32, device=dev)
+    qn = w.q_norm if w.q_norm is not None else w.ln1
+    kn = w.k_norm if w.k_norm is not None else w.ln1
+    args = (
+        x, residual if residual is not None else x, out, res,
+        w.ln1, w.wqkv, qn, kn, w.wo, w.ln2, w.router, w.w13, w.w2,
+        step.positions, step.cos_sin, step.out_cache_loc, step.page_table, step.seq_lens,
+        step.k_cache, step.v_cache,
+        qkv_s, s1_s, mid_o, mid_lse, attn_s, o_s, n2_s, logits_s, act_s, topw_s, topi_s, sync,
+        w.eps, step.scale * LOG2E, step.cos_sin.stride(0), step.k_cache.stride(0), step.k_cache.stride(1),
+    )
+    consts = dict(
+        H=h, HQ=hq, HKV=hkv, D=d, E=e, INTER=inter, TOP_K=w.top_k, PAGE_SIZE=step.page_size, G=g, S=splits,
+        HAS_RES=residual is not None, QK_NORM=w.q_norm is not None, RENORM=w.renormalize,
+        BLOCK_H=triton.next_power_of_2(h), BLOCK_QO=triton.next_power_of_2(hq * d),
+        BLOCK_I=max(64, triton.next_power_of_2(inter)), BLOCK_E=triton.next_power_of_2(e), BLOCK_TK=block_tk,
+        BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)), BLOCK_N=cfg.attn_block_n or AttnKernelConfig.for_device(dev, d).decode_block_n,
+        BLOCK_S=triton.next_power_of_2(splits),
+        R_QKV=cfg.r_qkv, R_O=cfg.r_o, R_GU=cfg.r_gu, C_DN=cfg.c_down,
+        # chunks per program: spans are at most cdiv(N, grid) items
+        CH_QKV=_chunks((hq + 2 * hkv) * d, g, cfg.r_qkv), CH_O=_chunks(h, g, cfg.r_o),
+        CH_GU=_chunks(w.top_k * inter, g, cfg.r_gu), CH_DN=_chunks(h, g, cfg.c_down),
+        BLOCK_SPAN_H=triton.next_power_of_2(triton.cdiv(h, g)),
+        BLOCK_SPAN_E=triton.next_power_of_2(triton.cdiv(e, g)),
+        PREFETCH=cfg.prefetch and not interp and dev.type == "cuda", UPCAST=interp, SPIN=MAX_SPIN,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if phased:
+        for phase in range(PHASES):
+            _decode_layer_kernel[(g,)](*args, PHASE=phase, **consts)
+    else:
+        _decode_layer_kernel[(g,)](*args, PHASE=-1, **consts)
+    return out, res
