@@ -549,5 +549,18 @@ def decode_layer_triton(
         for phase in range(PHASES):
             _decode_layer_kernel[(g,)](*args, PHASE=phase, **consts)
     else:
-        _decode_layer_kernel[(g,)](*args, PHASE=-1, **consts)
+        kern = _decode_layer_kernel[(g,)](*args, PHASE=-1, **consts)
+        _LAST["kernel"] = kern
     return out, res
+
+
+_LAST: dict[str, object] = {}
+
+
+def last_compiled() -> dict[str, int] | None:
+    """Registers, spills and shared memory of the last fused launch's compiled
+    kernel (tools/bench_decode_layer_kernel reports them), None before one."""
+    kern = _LAST.get("kernel")
+    if kern is None:
+        return None
+    return {name: int(getattr(kern, name, -1) or 0) for name in ("n_regs", "n_spills", "shared")}

@@ -101,7 +101,7 @@ def test_gpu_decode_layer_kernel_fused(tmp_path: Path, monkeypatch: pytest.Monke
 
     def spy(self: DecoderForCausalLM, batch: object) -> torch.Tensor:
         out = real_forward(self, batch)
-        seen.extend(getattr(layer, "_fused_sync") for layer in self.layers if hasattr(layer, "_fused_sync"))
+        seen.extend(layer._fused_sync for layer in self.layers if hasattr(layer, "_fused_sync"))
         return out
 
     monkeypatch.setattr(DecoderForCausalLM, "forward", spy)

@@ -1,0 +1,169 @@
+"""Batch-1 decode layers at the qwen3-30b-a3b shape: the one-launch layer kernel
+(ftserve_kernels/decode_layer_triton.py) against the unfused layer, as CUDA
+graph replay time per layer and as a fraction of the layer's HBM roofline
+(its bytes over the copy bandwidth measured in the same run).
+
+Usage (CUDA only):
+    python -m tools.bench_decode_layer_kernel --contexts 2048,32768 \
+        --configs "default;prefetch=0;r_qkv=16,r_o=8" --out bench_decode_layer_kernel.json
+
+Each point: ``--layers`` dummy-weight layers (so weights stream from HBM, not
+from an L2 warmed by the layer before), one captured graph of all of them,
+replayed back to back. Every fused config is first checked against the
+unfused layers' output (relative error) and its sync words (zero, no barrier
+timeout); a config that fails is reported and not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from ftserve.kvcache.pool import KVPool
+from ftserve.models.forward_batch import build_forward_batch
+from ftserve.models.loader import load_model
+from ftserve_kernels import decode_layer_triton as dl
+from ftserve_kernels.attention_triton import TritonAttentionBackend
+from tools.bench_common import (
+    env_applied,
+    machine_info,
+    measure_copy_gbps,
+    median_time,
+    say,
+    write_model_config,
+)
+
+PAGE = 16
+
+
+def layer_bytes(cfg: Any, context: int, elem: int = 2) -> int:
+    """Bytes one batch-1 layer reads: attention weights, router, top-k experts, KV."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d * h
+    o = cfg.num_heads * d * h
+    experts = cfg.num_experts_per_tok * 3 * cfg.moe_intermediate_size * h
+    kv = 2 * context * cfg.num_kv_heads * d
+    return (qkv + o + cfg.num_experts * h + experts + kv) * elem
+
+
+def parse_config(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if part == "default":
+            continue
+        name, _, value = part.partition("=")
+        out[name.strip()] = int(value)
+    return out
+
+
+def bench_context(model: Any, cfg: Any, backend: Any, context: int, args: argparse.Namespace,
+                  results: dict[str, Any], deadline: float) -> None:
+    """The unfused layers, then each fused config, at one context length."""
+    device = torch.device("cuda")
+    pages = [list(range(1, context // PAGE + 3))]
+    pool = KVPool(cfg.num_layers, pages[0][-1] + 1, PAGE, cfg.num_kv_heads, cfg.head_dim,
+                  torch.bfloat16, "cuda")
+    for t in (*pool.k, *pool.v):
+        t.normal_(0.0, 1.0)
+    step = build_forward_batch([[11]], [context - 1], pages, pool, backend, is_decode=True)
+    x0 = model.embed_tokens(step.input_ids)
+    roof_us = layer_bytes(cfg, context) / (results["copy_gbps"] * 1e9) * 1e6
+
+    def layers() -> torch.Tensor:
+        x, r = x0, None
+        for layer in model.layers:
+            x, r = layer(x, r, step, model.cos_sin)
+        assert r is not None
+        return x + r
+
+    def graph_of() -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            layers()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = layers()
+        return g, out
+
+    with torch.no_grad(), env_applied({"FTSERVE_DECODE_LAYER_KERNEL": "0"}):
+        ref = layers().float()
+        g, _ = graph_of()
+        t = median_time(g.replay, device, args.iters, warmup=3) / cfg.num_layers
+    point = {"context": context, "config": "unfused", "us_per_layer": t * 1e6,
+             "of_roofline": roof_us / (t * 1e6), "roofline_us": roof_us}
+    results["points"].append(point)
+    say(json.dumps(point))
+    for text in args.configs.split(";"):
+        if time.perf_counter() > deadline:
+            say(f"budget spent: {text} skipped")
+            break
+        env = {"FTSERVE_DECODE_LAYER_KERNEL": "1", "FTSERVE_DECODE_LAYER_CFG": ",".join(
+            f"{k}={v}" for k, v in parse_config(text).items())}
+        point = {"context": context, "config": text}
+        try:
+            with torch.no_grad(), env_applied(env):
+                t0 = time.perf_counter()
+                got = layers().float()
+                torch.cuda.synchronize()
+                point["first_call_s"] = time.perf_counter() - t0
+                point["rel_err"] = float((got - ref).norm() / ref.norm())
+                syncs = [layer._fused_sync.tolist() for layer in model.layers]
+                point["sync_clean"] = all(not any(s) for s in syncs)
+                kern = dl.last_compiled()
+                if kern is not None:
+                    point.update(kern)
+                if point["rel_err"] > 5e-2 or not point["sync_clean"]:
+                    point["failed"] = f"check: err {point['rel_err']:.3g}, sync {syncs[0]}"
+                else:
+                    g, _ = graph_of()
+                    t = median_time(g.replay, device, args.iters, warmup=3) / cfg.num_layers
+                    point.update(us_per_layer=t * 1e6, of_roofline=roof_us / (t * 1e6))
+        except Exception as exc:  # a config that does not compile or launch
+            point["failed"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        results["points"].append(point)
+        say(json.dumps(point))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device("cuda")
+    results: dict[str, Any] = {"machine": machine_info(device), "args": vars(args), "points": []}
+    copy = measure_copy_gbps(device)
+    results["copy_gbps"] = copy["gbps_read_plus_write"]
+    say(f"copy {copy['gbps_read_plus_write']:.0f} GB/s")
+    model_dir = write_model_config(args.preset, tempfile.mkdtemp(prefix="ftserve_dlk_"), layers=args.layers,
+                                   max_position_embeddings=max(args.contexts) + 64)
+    model, cfg = load_model(model_dir, dtype="bfloat16", device="cuda", load_format="dummy")
+    backend = TritonAttentionBackend()
+    deadline = time.perf_counter() + args.budget_s
+    for context in args.contexts:
+        bench_context(model, cfg, backend, context, args, results, deadline)
+        torch.cuda.empty_cache()
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--contexts", type=lambda s: [int(v) for v in s.split(",")], default=[2048, 32768])
+    p.add_argument("--configs", default="default;prefetch=0",
+                   help="';'-separated LayerConfig overrides (name=int, ',' between fields)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--budget-s", type=float, default=150.0)
+    p.add_argument("--out", default="bench_decode_layer_kernel.json")
+    args = p.parse_args(argv)
+    results = run(args)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()
