@@ -64,14 +64,14 @@ class LayerConfig:
     """Launch parameters: rows per chunk of each GEMV phase (cols for the down
     phase), warps, and whether to prefetch into L2."""
 
-    r_qkv: int = 8
-    r_o: int = 4
-    r_gu: int = 4
+    r_qkv: int = 16
+    r_o: int = 16
+    r_gu: int = 16
     c_down: int = 2
-    num_warps: int = 8
+    num_warps: int = 16
     num_stages: int = 2
     attn_block_n: int | None = None  # default: the attention backend's decode tile
-    prefetch: bool = True
+    prefetch: bool = False
 
 
 @triton.jit
@@ -98,6 +98,15 @@ def _prefetch_l2(ptrs, mask, fallback):
 
 
 @triton.jit
+def _stamp(tm_ptr, pid, i: tl.constexpr, TIMING: tl.constexpr):
+    """With TIMING, program pid's %globaltimer (ns) into slot i of its row."""
+    if TIMING:
+        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64,
+                                        is_pure=False, pack=1)
+        tl.store(tm_ptr + pid * 16 + i, now)
+
+
+@triton.jit
 def _span(pid, G: tl.constexpr, N):
     """Program pid's contiguous share [lo, hi) of N items."""
     return (pid * N) // G, ((pid + 1) * N) // G
@@ -112,19 +121,51 @@ def _tile(w_ptr, rows, hi, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_span(w_ptr, first, xf, y_ptr, lo, hi, K: tl.constexpr, R: tl.constexpr,
-               CHUNKS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[lo:hi] = W[lo:hi] . x in chunks of R rows; ``first`` is chunk 0's tile,
-    already loaded; each chunk's successor is loaded before its sums."""
-    tile = first
+def _rows_dot(w_ptr, w_off, rmask, x_ptr, x_off, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+    """[R] fp32: row r of a weight (offset w_off[r]) dotted with x (offset x_off[r]).
+
+    K runs in unrolled BK-wide steps with an [R, BK] fp32 accumulator summed once
+    at the end: with BK = 256 (a warp's width of 16-byte loads) warps split the
+    rows, the loop is loads and FMAs only (no barrier), so every step's loads,
+    and the next chunk's, can be in flight together."""
+    KS: tl.constexpr = (K + BK - 1) // BK
+    k = tl.arange(0, BK)
+    acc = tl.zeros([R, BK], tl.float32)
+    for st in tl.static_range(KS):
+        kk = st * BK + k
+        m = rmask[:, None] & (kk < K)[None, :]
+        w = tl.load(w_ptr + w_off[:, None] + kk[None, :], mask=m, other=0.0)
+        xv = tl.load(x_ptr + x_off[:, None] + kk[None, :], mask=m, other=0.0, cache_modifier=".cg")
+        acc += w.to(tl.float32) * xv.to(tl.float32)
+    return tl.sum(acc, 1, keep_dims=True)  # [R, 1]: stored from this layout, no shared-memory hop
+
+
+@triton.jit
+def _rows_dot2(w_ptr, a_off, b_off, rmask, x_ptr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+    """(_rows_dot of rows a_off, of rows b_off), one shared x: gate and up rows."""
+    KS: tl.constexpr = (K + BK - 1) // BK
+    k = tl.arange(0, BK)
+    acc_a = tl.zeros([R, BK], tl.float32)
+    acc_b = tl.zeros([R, BK], tl.float32)
+    for st in tl.static_range(KS):
+        kk = st * BK + k
+        m = rmask[:, None] & (kk < K)[None, :]
+        wa = tl.load(w_ptr + a_off[:, None] + kk[None, :], mask=m, other=0.0)
+        wb = tl.load(w_ptr + b_off[:, None] + kk[None, :], mask=m, other=0.0)
+        xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
+        acc_a += wa.to(tl.float32) * xv
+        acc_b += wb.to(tl.float32) * xv
+    return tl.sum(acc_a, 1, keep_dims=True), tl.sum(acc_b, 1, keep_dims=True)  # [R, 1] each
+
+
+@triton.jit
+def _gemv_span(w_ptr, x_ptr, y_ptr, lo, hi, K: tl.constexpr, R: tl.constexpr, CHUNKS: tl.constexpr,
+               BK: tl.constexpr):
+    """y[lo:hi] = W[lo:hi] . x (contiguous [N, K] weight), in chunks of R rows."""
     for c in tl.static_range(CHUNKS):
         rows = lo + c * R + tl.arange(0, R)
-        if c + 1 < CHUNKS:
-            nxt = _tile(w_ptr, rows + R, hi, K, BLOCK_K)
-        y = tl.sum(tile.to(tl.float32) * xf[None, :], 1)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < hi)
-        if c + 1 < CHUNKS:
-            tile = nxt
+        y = _rows_dot(w_ptr, rows.to(tl.int64) * K, rows < hi, x_ptr, rows.to(tl.int64) * 0, K, R, BK)
+        tl.store(y_ptr + rows[:, None], y.to(y_ptr.dtype.element_ty), mask=(rows < hi)[:, None])
 
 
 @triton.jit
@@ -184,7 +225,7 @@ def _attn_item(
     mid_o, mid_lse, attn_s, sync_ptr, eps, scale_log2, stride_cs, stride_slot, stride_head,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PAGE_SIZE: tl.constexpr,
     QK_NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    UPCAST: tl.constexpr,
+    BLOCK_GQ: tl.constexpr, UPCAST: tl.constexpr,
 ):
     GROUP: tl.constexpr = HQ // HKV
     HALF: tl.constexpr = D // 2
@@ -253,20 +294,29 @@ def _attn_item(
     tl.debug_barrier()
     cnt = sync_ptr + 8 + kvh
     if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == S - 1:
+        # All S splits of the group's heads, SC splits per (unrolled) step, so the
+        # loads of every step can be in flight together.
+        SC: tl.constexpr = 4
+        gq = tl.arange(0, BLOCK_GQ)
+        hq2 = kvh * GROUP + gq
+        qm = gq < GROUP
         ss = tl.arange(0, BLOCK_S)
-        lse = tl.load(mid_lse + heads[:, None] * S + ss[None, :],
-                      mask=gmask[:, None] & (ss[None, :] < S), other=float("-inf"), cache_modifier=".cg")
+        lse = tl.load(mid_lse + hq2[:, None] * S + ss[None, :], mask=qm[:, None] & (ss < S)[None, :],
+                      other=float("-inf"), cache_modifier=".cg")  # [GQ, S]
         mx = tl.max(lse, 1)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)  # empty sequence: output 0
         tot = tl.sum(tl.exp2(lse - mx[:, None]), 1)
-        o = tl.zeros([BLOCK_G, D], tl.float32)
-        for sj in range(S):
-            lj = tl.load(mid_lse + heads * S + sj, mask=gmask, other=float("-inf"), cache_modifier=".cg")
-            oj = tl.load(mid_o + (heads[:, None] * S + sj) * D + d[None, :], mask=gmask[:, None],
-                         other=0.0, cache_modifier=".cg")
-            o += oj * tl.exp2(lj - mx)[:, None]
+        o = tl.zeros([BLOCK_GQ, D], tl.float32)
+        for c in tl.static_range(BLOCK_S // SC):
+            sj = c * SC + tl.arange(0, SC)
+            m2 = qm[:, None] & (sj < S)[None, :]
+            lj = tl.load(mid_lse + hq2[:, None] * S + sj[None, :], mask=m2, other=float("-inf"),
+                         cache_modifier=".cg")  # [GQ, SC]
+            oj = tl.load(mid_o + (hq2[:, None, None] * S + sj[None, :, None]) * D + d[None, None, :],
+                         mask=m2[:, :, None], other=0.0, cache_modifier=".cg")  # [GQ, SC, D]
+            o += tl.sum(oj * tl.exp2(lj - mx[:, None])[:, :, None], 1)
         o = o / tl.where(tot > 0.0, tot, 1.0)[:, None]
-        tl.store(attn_s + heads[:, None] * D + d[None, :], o.to(dt), mask=gmask[:, None])
+        tl.store(attn_s + hq2[:, None] * D + d[None, :], o.to(dt), mask=qm[:, None])
         tl.atomic_xchg(cnt, 0)
 
 
@@ -305,17 +355,20 @@ def _decode_layer_kernel(
     x_ptr, r_ptr, out_ptr, res_ptr,
     ln1_ptr, wqkv_ptr, qn_ptr, kn_ptr, wo_ptr, ln2_ptr, wg_ptr, w13_ptr, w2_ptr,
     pos_ptr, cs_ptr, loc_ptr, pt_ptr, seq_lens_ptr, kc_ptr, vc_ptr,
-    qkv_s, s1_s, mid_o, mid_lse, attn_s, o_s, n2_s, logits_s, act_s, topw_s, topi_s, sync_ptr,
+    qkv_s, s1_s, n1_s, mid_o, mid_lse, attn_s, o_s, n2_s, logits_s, act_s, part_s, topw_s, topi_s,
+    sync_ptr, tm_ptr,
     eps, scale_log2, stride_cs, stride_slot, stride_head,
     H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, E: tl.constexpr,
     INTER: tl.constexpr, TOP_K: tl.constexpr, PAGE_SIZE: tl.constexpr, G: tl.constexpr, S: tl.constexpr,
     HAS_RES: tl.constexpr, QK_NORM: tl.constexpr, RENORM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_QO: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_GQ: tl.constexpr,
     R_QKV: tl.constexpr, R_O: tl.constexpr, R_GU: tl.constexpr, C_DN: tl.constexpr,
     CH_QKV: tl.constexpr, CH_O: tl.constexpr, CH_GU: tl.constexpr, CH_DN: tl.constexpr,
-    BLOCK_SPAN_H: tl.constexpr, BLOCK_SPAN_E: tl.constexpr,
+    BLOCK_SPAN_H: tl.constexpr, BLOCK_SPAN_E: tl.constexpr, BK: tl.constexpr,
     PHASE: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, SPIN: tl.constexpr,
+    TIMING: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ALL: tl.constexpr = PHASE < 0
@@ -324,37 +377,42 @@ def _decode_layer_kernel(
     dt = x_ptr.dtype.element_ty
     kh = tl.arange(0, BLOCK_H)
     hmask = kh < H
+    _stamp(tm_ptr, pid, 0, TIMING)
     # ---- A: s1 = x + r, n1 = norm(s1); qkv rows
     if ALL or PHASE == 0:
         lo, hi = _span(pid, G, NQKV)
-        first = _tile(wqkv_ptr, lo + tl.arange(0, R_QKV), hi, H, BLOCK_H)  # before the norm's reads
         s1, n1 = _add_norm(x_ptr, r_ptr, ln1_ptr, eps, H, HAS_RES, BLOCK_H)
         if pid == 0:
             tl.store(s1_s + kh, s1, mask=hmask)
-        _gemv_span(wqkv_ptr, first, n1.to(tl.float32), qkv_s, lo, hi, H, R_QKV, CH_QKV, BLOCK_H)
+        tl.store(n1_s + pid * H + kh, n1, mask=hmask)  # this program's copy, read back by K step
+        tl.debug_barrier()
+        _gemv_span(wqkv_ptr, n1_s + pid * H, qkv_s, lo, hi, H, R_QKV, CH_QKV, BK)
         if PREFETCH:  # this program's o_proj rows stream into L2 during attention
             olo, ohi = _span(pid, G, H)
             _prefetch_rows(wo_ptr, olo, ohi, QO, BLOCK_SPAN_H, BLOCK_QO // 64)
         if ALL:
+            _stamp(tm_ptr, pid, 1, TIMING)
             _grid_sync(sync_ptr, G, SPIN)
+            _stamp(tm_ptr, pid, 2, TIMING)
     # ---- B: attention items (kv head, split), then the split combine
     if ALL or PHASE == 1:
         for it in range(pid, HKV * S, G):
             _attn_item(it, qkv_s, qn_ptr, kn_ptr, pos_ptr, cs_ptr, loc_ptr, pt_ptr, seq_lens_ptr,
                        kc_ptr, vc_ptr, mid_o, mid_lse, attn_s, sync_ptr, eps, scale_log2, stride_cs,
                        stride_slot, stride_head, HQ, HKV, D, S, PAGE_SIZE, QK_NORM, BLOCK_G, BLOCK_N,
-                       BLOCK_S, UPCAST)
+                       BLOCK_S, BLOCK_GQ, UPCAST)
         if ALL:
+            _stamp(tm_ptr, pid, 3, TIMING)
             _grid_sync(sync_ptr, 2 * G, SPIN)
+            _stamp(tm_ptr, pid, 4, TIMING)
     # ---- C: o_proj rows
     if ALL or PHASE == 2:
         lo, hi = _span(pid, G, H)
-        first = _tile(wo_ptr, lo + tl.arange(0, R_O), hi, QO, BLOCK_QO)
-        ka = tl.arange(0, BLOCK_QO)
-        a = tl.load(attn_s + ka, mask=ka < QO, other=0.0, cache_modifier=".cg").to(tl.float32)
-        _gemv_span(wo_ptr, first, a, o_s, lo, hi, QO, R_O, CH_O, BLOCK_QO)
+        _gemv_span(wo_ptr, attn_s, o_s, lo, hi, QO, R_O, CH_O, BK)
         if ALL:
+            _stamp(tm_ptr, pid, 5, TIMING)
             _grid_sync(sync_ptr, 3 * G, SPIN)
+            _stamp(tm_ptr, pid, 6, TIMING)
     # ---- D: s2 = o + s1, n2 = norm(s2); router rows
     if ALL or PHASE == 3:
         lo, hi = _span(pid, G, E)
@@ -367,7 +425,9 @@ def _decode_layer_kernel(
         lg = tl.sum(gt.to(tl.float32) * n2.to(tl.float32)[None, :], 1)
         tl.store(logits_s + erows, lg.to(dt).to(tl.float32), mask=erows < hi)
         if ALL:
+            _stamp(tm_ptr, pid, 7, TIMING)
             _grid_sync(sync_ptr, 4 * G, SPIN)
+            _stamp(tm_ptr, pid, 8, TIMING)
     # ---- E: top-k (every program), then gate/up (choice, column) pairs
     kk = tl.arange(0, BLOCK_TK)
     if ALL or PHASE == 4:
@@ -375,30 +435,13 @@ def _decode_layer_kernel(
         if pid == 0:
             tl.store(topw_s + kk, top_w)
             tl.store(topi_s + kk, top_i)
-        xf = tl.load(n2_s + kh, mask=hmask, other=0.0, cache_modifier=".cg").to(tl.float32)
         lo, hi = _span(pid, G, TOP_K * INTER)
-        f = lo + tl.arange(0, R_GU)
-        e = _pick(top_i, kk, f // INTER).to(tl.int64)
-        goff = e * (2 * INTER * H) + (f % INTER) * H
-        gm = (f < hi)[:, None] & hmask[None, :]
-        g_t = tl.load(w13_ptr + goff[:, None] + kh[None, :], mask=gm, other=0.0)
-        u_t = tl.load(w13_ptr + goff[:, None] + INTER * H + kh[None, :], mask=gm, other=0.0)
         for c in tl.static_range(CH_GU):
-            if c + 1 < CH_GU:
-                fn = f + R_GU
-                en = _pick(top_i, kk, fn // INTER).to(tl.int64)
-                gn_off = en * (2 * INTER * H) + (fn % INTER) * H
-                gmn = (fn < hi)[:, None] & hmask[None, :]
-                g_n = tl.load(w13_ptr + gn_off[:, None] + kh[None, :], mask=gmn, other=0.0)
-                u_n = tl.load(w13_ptr + gn_off[:, None] + INTER * H + kh[None, :], mask=gmn, other=0.0)
-            hg = tl.sum(g_t.to(tl.float32) * xf[None, :], 1)
-            hu = tl.sum(u_t.to(tl.float32) * xf[None, :], 1)
-            h = hg / (1.0 + tl.exp(-hg)) * hu
-            tl.store(act_s + f, h.to(dt), mask=f < hi)
-            if c + 1 < CH_GU:
-                f = fn
-                g_t = g_n
-                u_t = u_n
+            f = lo + c * R_GU + tl.arange(0, R_GU)  # (choice, column) pairs
+            e = _pick(top_i, kk, f // INTER).to(tl.int64)
+            goff = e * (2 * INTER * H) + (f % INTER) * H
+            hg, hu = _rows_dot2(w13_ptr, goff, goff + INTER * H, f < hi, n2_s, H, R_GU, BK)
+            tl.store(act_s + f[:, None], (hg / (1.0 + tl.exp(-hg)) * hu).to(dt), mask=(f < hi)[:, None])
         if ALL:
             if PREFETCH:  # the chosen experts' down rows of this program's columns
                 clo, chi = _span(pid, G, H)
@@ -408,27 +451,35 @@ def _decode_layer_kernel(
                 ptr = (w2_ptr + (top_i.to(tl.int64) * (H * INTER))[None, :, None]
                        + (cols.to(tl.int64) * INTER)[:, None, None] + lines[None, None, :])
                 _prefetch_l2(ptr, pm, w2_ptr)
+            _stamp(tm_ptr, pid, 9, TIMING)
             _grid_sync(sync_ptr, 5 * G, SPIN)
+            _stamp(tm_ptr, pid, 10, TIMING)
     # ---- F: down + weighted combine over the k choices, columns
     if ALL or PHASE == 5:
         if PHASE == 5:
             top_w = tl.load(topw_s + kk, cache_modifier=".cg")
             top_i = tl.load(topi_s + kk, cache_modifier=".cg")
         lo, hi = _span(pid, G, H)
-        ki = tl.arange(0, BLOCK_I)
-        jm = kk < TOP_K
-        act = tl.load(act_s + kk[:, None] * INTER + ki[None, :], mask=jm[:, None] & (ki < INTER)[None, :],
-                      other=0.0, cache_modifier=".cg").to(tl.float32)  # [TK, I]
-        ebase = (top_i.to(tl.int64) * (H * INTER))[None, :, None]
+        r = tl.arange(0, C_DN * BLOCK_TK)
+        j = r % BLOCK_TK
+        jm = j < TOP_K
+        e = _pick(top_i, kk, j).to(tl.int64)
+        wj = _pick(top_w, kk, j)
         for c in tl.static_range(CH_DN):
-            cols = lo + c * C_DN + tl.arange(0, C_DN)
-            m3 = (cols < hi)[:, None, None] & jm[None, :, None] & (ki < INTER)[None, None, :]
-            w = tl.load(w2_ptr + ebase + (cols.to(tl.int64) * INTER)[:, None, None] + ki[None, None, :],
-                        mask=m3, other=0.0)  # [C, TK, I]
-            y = tl.sum(w.to(tl.float32) * act[None, :, :], 2)  # [C, TK]
-            y = (y * top_w[None, :]).to(dt).to(tl.float32)
-            tl.store(out_ptr + cols, tl.sum(y, 1).to(dt), mask=cols < hi)
+            col = lo + c * C_DN + r // BLOCK_TK  # rows (column, choice)
+            m = (col < hi) & jm
+            y = _rows_dot(w2_ptr, e * (H * INTER) + col.to(tl.int64) * INTER, m, act_s,
+                          j.to(tl.int64) * INTER, INTER, C_DN * BLOCK_TK, BK)
+            # Each weighted row rounds as the grouped path stores it; summed below.
+            tl.store(part_s + (col * BLOCK_TK + j)[:, None], (y * wj[:, None]).to(dt).to(tl.float32),
+                     mask=m[:, None])
+        tl.debug_barrier()  # this program's partials, read back across its warps
+        cols = lo + tl.arange(0, BLOCK_SPAN_H)
+        pm = (cols < hi)[:, None] & (kk < TOP_K)[None, :]
+        part = tl.load(part_s + cols[:, None] * BLOCK_TK + kk[None, :], mask=pm, other=0.0)
+        tl.store(out_ptr + cols, tl.sum(part, 1).to(dt), mask=cols < hi)
         if ALL:  # the last program out zeroes the counters for the next launch
+            _stamp(tm_ptr, pid, 11, TIMING)
             tl.debug_barrier()
             if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
                 tl.atomic_xchg(sync_ptr, 0)
@@ -490,6 +541,7 @@ def decode_layer_triton(
     cfg: LayerConfig | None = None,
     phased: bool | None = None,  # six launches, no barrier (default: under the interpreter)
     grid: int | None = None,
+    timing: torch.Tensor | None = None,  # int64 [grid, 16]: each program's phase timestamps (fused, CUDA)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (the layer's MoE output [1, H], its residual x + r + attention [1, H])."""
     cfg = cfg or LayerConfig()
@@ -503,6 +555,8 @@ def decode_layer_triton(
     assert step.k_cache.dtype == x.dtype and step.k_cache.stride() == step.v_cache.stride()
     assert sync.numel() >= SYNC_HEAD + hkv
     dev = x.device
+    if timing is None:
+        timing = timing_buffer
     interp = interpreting()
     phased = interp if phased is None else phased
     g = grid or num_programs(dev)
@@ -517,6 +571,8 @@ def decode_layer_triton(
     logits_s = torch.empty(e, dtype=f32, device=dev)
     block_tk = triton.next_power_of_2(w.top_k)
     act_s = torch.empty(block_tk * inter, dtype=x.dtype, device=dev)
+    n1_s = torch.empty(g * h, dtype=x.dtype, device=dev)  # each program's copy of the normed input
+    part_s = torch.empty(h * block_tk, dtype=f32, device=dev)  # weighted down rows, per (column, choice)
     topw_s = torch.empty(block_tk, dtype=f32, device=dev)
     topi_s = torch.empty(block_tk, dtype=torch.int32, device=dev)
     qn = w.q_norm if w.q_norm is not None else w.ln1
@@ -526,7 +582,8 @@ def decode_layer_triton(
         w.ln1, w.wqkv, qn, kn, w.wo, w.ln2, w.router, w.w13, w.w2,
         step.positions, step.cos_sin, step.out_cache_loc, step.page_table, step.seq_lens,
         step.k_cache, step.v_cache,
-        qkv_s, s1_s, mid_o, mid_lse, attn_s, o_s, n2_s, logits_s, act_s, topw_s, topi_s, sync,
+        qkv_s, s1_s, n1_s, mid_o, mid_lse, attn_s, o_s, n2_s, logits_s, act_s, part_s, topw_s, topi_s, sync,
+        timing if timing is not None else sync,
         w.eps, step.scale * LOG2E, step.cos_sin.stride(0), step.k_cache.stride(0), step.k_cache.stride(1),
     )
     consts = dict(
@@ -535,14 +592,15 @@ def decode_layer_triton(
         BLOCK_H=triton.next_power_of_2(h), BLOCK_QO=triton.next_power_of_2(hq * d),
         BLOCK_I=max(64, triton.next_power_of_2(inter)), BLOCK_E=triton.next_power_of_2(e), BLOCK_TK=block_tk,
         BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)), BLOCK_N=cfg.attn_block_n or AttnKernelConfig.for_device(dev, d).decode_block_n,
-        BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_S=max(4, triton.next_power_of_2(splits)), BLOCK_GQ=triton.next_power_of_2(hq // hkv),
         R_QKV=cfg.r_qkv, R_O=cfg.r_o, R_GU=cfg.r_gu, C_DN=cfg.c_down,
         # chunks per program: spans are at most cdiv(N, grid) items
         CH_QKV=_chunks((hq + 2 * hkv) * d, g, cfg.r_qkv), CH_O=_chunks(h, g, cfg.r_o),
         CH_GU=_chunks(w.top_k * inter, g, cfg.r_gu), CH_DN=_chunks(h, g, cfg.c_down),
         BLOCK_SPAN_H=triton.next_power_of_2(triton.cdiv(h, g)),
-        BLOCK_SPAN_E=triton.next_power_of_2(triton.cdiv(e, g)),
+        BLOCK_SPAN_E=triton.next_power_of_2(triton.cdiv(e, g)), BK=min(256, triton.next_power_of_2(h)),
         PREFETCH=cfg.prefetch and not interp and dev.type == "cuda", UPCAST=interp, SPIN=MAX_SPIN,
+        TIMING=timing is not None and not phased,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if phased:
@@ -555,6 +613,9 @@ def decode_layer_triton(
 
 
 _LAST: dict[str, object] = {}
+# Diagnostics hook for tools (bench_decode_layer_kernel --timing): when set, every
+# fused launch writes its programs' phase timestamps here (int64 [grid, 16]).
+timing_buffer: torch.Tensor | None = None
 
 
 def last_compiled() -> dict[str, int] | None:

@@ -61,6 +61,31 @@ def parse_config(text: str) -> dict[str, int]:
     return out
 
 
+STAMPS = ["A work", "A barrier", "B work", "B barrier", "C work", "C barrier", "D work",
+          "D barrier", "E work", "E barrier", "F work"]
+
+
+def phase_times(layers: Any) -> dict[str, float]:
+    """One eager pass with timestamps (the last layer's launch): each phase's work
+    (last program done minus last program released into it) and each barrier
+    (last release minus last arrival), in microseconds."""
+    grid = dl.num_programs(torch.device("cuda"))
+    dl.timing_buffer = torch.zeros(grid, 16, dtype=torch.int64, device="cuda")
+    try:
+        layers()
+        torch.cuda.synchronize()
+        tm = dl.timing_buffer.double()
+    finally:
+        dl.timing_buffer = None
+    latest = tm[:, :12].max(0).values
+    start = float(tm[:, 0].min())
+    out: dict[str, float] = {"first program late": float(latest[0] - start) / 1e3}
+    for i, name in enumerate(STAMPS, start=1):
+        out[name] = float(latest[i] - latest[i - 1]) / 1e3
+    out["total"] = float(latest[11] - start) / 1e3
+    return out
+
+
 def bench_context(model: Any, cfg: Any, backend: Any, context: int, args: argparse.Namespace,
                   results: dict[str, Any], deadline: float) -> None:
     """The unfused layers, then each fused config, at one context length."""
@@ -119,6 +144,8 @@ def bench_context(model: Any, cfg: Any, backend: Any, context: int, args: argpar
                 kern = dl.last_compiled()
                 if kern is not None:
                     point.update(kern)
+                if args.timing:
+                    point["phases_us"] = phase_times(layers)
                 if point["rel_err"] > 5e-2 or not point["sync_clean"]:
                     point["failed"] = f"check: err {point['rel_err']:.3g}, sync {syncs[0]}"
                 else:
@@ -156,6 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--configs", default="default;prefetch=0",
                    help="';'-separated LayerConfig overrides (name=int, ',' between fields)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--timing", action="store_true", help="per-phase times of each fused config (one eager pass)")
     p.add_argument("--budget-s", type=float, default=150.0)
     p.add_argument("--out", default="bench_decode_layer_kernel.json")
     args = p.parse_args(argv)
