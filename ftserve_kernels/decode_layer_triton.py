@@ -70,6 +70,7 @@ class LayerConfig:
     c_down: int = 2
     num_warps: int = 16
     num_stages: int = 2
+    programs_per_sm: int = 1  # all must be resident at once (barriers): registers permitting
     attn_block_n: int | None = None  # default: the attention backend's decode tile
     prefetch: bool = False
 
@@ -559,7 +560,7 @@ def decode_layer_triton(
         timing = timing_buffer
     interp = interpreting()
     phased = interp if phased is None else phased
-    g = grid or num_programs(dev)
+    g = grid or num_programs(dev) * (cfg.programs_per_sm if dev.type == "cuda" else 1)
     splits = max(1, g // hkv)
     f32 = torch.float32
     out, res = torch.empty_like(x), torch.empty_like(x)

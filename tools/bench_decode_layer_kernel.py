@@ -65,11 +65,11 @@ STAMPS = ["A work", "A barrier", "B work", "B barrier", "C work", "C barrier", "
           "D barrier", "E work", "E barrier", "F work"]
 
 
-def phase_times(layers: Any) -> dict[str, float]:
+def phase_times(layers: Any, programs_per_sm: int) -> dict[str, float]:
     """One eager pass with timestamps (the last layer's launch): each phase's work
     (last program done minus last program released into it) and each barrier
     (last release minus last arrival), in microseconds."""
-    grid = dl.num_programs(torch.device("cuda"))
+    grid = dl.num_programs(torch.device("cuda")) * programs_per_sm
     dl.timing_buffer = torch.zeros(grid, 16, dtype=torch.int64, device="cuda")
     try:
         layers()
@@ -145,7 +145,7 @@ def bench_context(model: Any, cfg: Any, backend: Any, context: int, args: argpar
                 if kern is not None:
                     point.update(kern)
                 if args.timing:
-                    point["phases_us"] = phase_times(layers)
+                    point["phases_us"] = phase_times(layers, parse_config(text).get("programs_per_sm", 1))
                 if point["rel_err"] > 5e-2 or not point["sync_clean"]:
                     point["failed"] = f"check: err {point['rel_err']:.3g}, sync {syncs[0]}"
                 else:
