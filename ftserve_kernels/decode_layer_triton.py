@@ -73,6 +73,7 @@ class LayerConfig:
     programs_per_sm: int = 1  # all must be resident at once (barriers): registers permitting
     attn_block_n: int | None = None  # default: the attention backend's decode tile
     prefetch: bool = False
+    x_cg: bool = True  # GEMV inputs through L2 only (.cg); 0: through L1
 
 
 @triton.jit
@@ -122,7 +123,8 @@ def _tile(w_ptr, rows, hi, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot(w_ptr, w_off, rmask, x_ptr, x_off, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+def _rows_dot(w_ptr, w_off, rmask, x_ptr, x_off, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
+              X_CG: tl.constexpr):
     """[R] fp32: row r of a weight (offset w_off[r]) dotted with x (offset x_off[r]).
 
     K runs in unrolled BK-wide steps with an [R, BK] fp32 accumulator summed once
@@ -136,13 +138,17 @@ def _rows_dot(w_ptr, w_off, rmask, x_ptr, x_off, K: tl.constexpr, R: tl.constexp
         kk = st * BK + k
         m = rmask[:, None] & (kk < K)[None, :]
         w = tl.load(w_ptr + w_off[:, None] + kk[None, :], mask=m, other=0.0)
-        xv = tl.load(x_ptr + x_off[:, None] + kk[None, :], mask=m, other=0.0, cache_modifier=".cg")
+        if X_CG:
+            xv = tl.load(x_ptr + x_off[:, None] + kk[None, :], mask=m, other=0.0, cache_modifier=".cg")
+        else:
+            xv = tl.load(x_ptr + x_off[:, None] + kk[None, :], mask=m, other=0.0)
         acc += w.to(tl.float32) * xv.to(tl.float32)
     return tl.sum(acc, 1, keep_dims=True)  # [R, 1]: stored from this layout, no shared-memory hop
 
 
 @triton.jit
-def _rows_dot2(w_ptr, a_off, b_off, rmask, x_ptr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr):
+def _rows_dot2(w_ptr, a_off, b_off, rmask, x_ptr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
+               X_CG: tl.constexpr):
     """(_rows_dot of rows a_off, of rows b_off), one shared x: gate and up rows."""
     KS: tl.constexpr = (K + BK - 1) // BK
     k = tl.arange(0, BK)
@@ -153,7 +159,10 @@ def _rows_dot2(w_ptr, a_off, b_off, rmask, x_ptr, K: tl.constexpr, R: tl.constex
         m = rmask[:, None] & (kk < K)[None, :]
         wa = tl.load(w_ptr + a_off[:, None] + kk[None, :], mask=m, other=0.0)
         wb = tl.load(w_ptr + b_off[:, None] + kk[None, :], mask=m, other=0.0)
-        xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
+        if X_CG:
+            xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
+        else:
+            xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
         acc_a += wa.to(tl.float32) * xv
         acc_b += wb.to(tl.float32) * xv
     return tl.sum(acc_a, 1, keep_dims=True), tl.sum(acc_b, 1, keep_dims=True)  # [R, 1] each
@@ -161,11 +170,11 @@ def _rows_dot2(w_ptr, a_off, b_off, rmask, x_ptr, K: tl.constexpr, R: tl.constex
 
 @triton.jit
 def _gemv_span(w_ptr, x_ptr, y_ptr, lo, hi, K: tl.constexpr, R: tl.constexpr, CHUNKS: tl.constexpr,
-               BK: tl.constexpr):
+               BK: tl.constexpr, X_CG: tl.constexpr):
     """y[lo:hi] = W[lo:hi] . x (contiguous [N, K] weight), in chunks of R rows."""
     for c in tl.static_range(CHUNKS):
         rows = lo + c * R + tl.arange(0, R)
-        y = _rows_dot(w_ptr, rows.to(tl.int64) * K, rows < hi, x_ptr, rows.to(tl.int64) * 0, K, R, BK)
+        y = _rows_dot(w_ptr, rows.to(tl.int64) * K, rows < hi, x_ptr, rows.to(tl.int64) * 0, K, R, BK, X_CG)
         tl.store(y_ptr + rows[:, None], y.to(y_ptr.dtype.element_ty), mask=(rows < hi)[:, None])
 
 
@@ -369,7 +378,7 @@ def _decode_layer_kernel(
     CH_QKV: tl.constexpr, CH_O: tl.constexpr, CH_GU: tl.constexpr, CH_DN: tl.constexpr,
     BLOCK_SPAN_H: tl.constexpr, BLOCK_SPAN_E: tl.constexpr, BK: tl.constexpr,
     PHASE: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, SPIN: tl.constexpr,
-    TIMING: tl.constexpr,
+    TIMING: tl.constexpr, X_CG: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ALL: tl.constexpr = PHASE < 0
@@ -387,7 +396,7 @@ def _decode_layer_kernel(
             tl.store(s1_s + kh, s1, mask=hmask)
         tl.store(n1_s + pid * H + kh, n1, mask=hmask)  # this program's copy, read back by K step
         tl.debug_barrier()
-        _gemv_span(wqkv_ptr, n1_s + pid * H, qkv_s, lo, hi, H, R_QKV, CH_QKV, BK)
+        _gemv_span(wqkv_ptr, n1_s + pid * H, qkv_s, lo, hi, H, R_QKV, CH_QKV, BK, X_CG)
         if PREFETCH:  # this program's o_proj rows stream into L2 during attention
             olo, ohi = _span(pid, G, H)
             _prefetch_rows(wo_ptr, olo, ohi, QO, BLOCK_SPAN_H, BLOCK_QO // 64)
@@ -409,7 +418,7 @@ def _decode_layer_kernel(
     # ---- C: o_proj rows
     if ALL or PHASE == 2:
         lo, hi = _span(pid, G, H)
-        _gemv_span(wo_ptr, attn_s, o_s, lo, hi, QO, R_O, CH_O, BK)
+        _gemv_span(wo_ptr, attn_s, o_s, lo, hi, QO, R_O, CH_O, BK, X_CG)
         if ALL:
             _stamp(tm_ptr, pid, 5, TIMING)
             _grid_sync(sync_ptr, 3 * G, SPIN)
@@ -441,7 +450,7 @@ def _decode_layer_kernel(
             f = lo + c * R_GU + tl.arange(0, R_GU)  # (choice, column) pairs
             e = _pick(top_i, kk, f // INTER).to(tl.int64)
             goff = e * (2 * INTER * H) + (f % INTER) * H
-            hg, hu = _rows_dot2(w13_ptr, goff, goff + INTER * H, f < hi, n2_s, H, R_GU, BK)
+            hg, hu = _rows_dot2(w13_ptr, goff, goff + INTER * H, f < hi, n2_s, H, R_GU, BK, X_CG)
             tl.store(act_s + f[:, None], (hg / (1.0 + tl.exp(-hg)) * hu).to(dt), mask=(f < hi)[:, None])
         if ALL:
             if PREFETCH:  # the chosen experts' down rows of this program's columns
@@ -470,7 +479,7 @@ def _decode_layer_kernel(
             col = lo + c * C_DN + r // BLOCK_TK  # rows (column, choice)
             m = (col < hi) & jm
             y = _rows_dot(w2_ptr, e * (H * INTER) + col.to(tl.int64) * INTER, m, act_s,
-                          j.to(tl.int64) * INTER, INTER, C_DN * BLOCK_TK, BK)
+                          j.to(tl.int64) * INTER, INTER, C_DN * BLOCK_TK, BK, X_CG)
             # Each weighted row rounds as the grouped path stores it; summed below.
             tl.store(part_s + (col * BLOCK_TK + j)[:, None], (y * wj[:, None]).to(dt).to(tl.float32),
                      mask=m[:, None])
@@ -601,7 +610,7 @@ def decode_layer_triton(
         BLOCK_SPAN_H=triton.next_power_of_2(triton.cdiv(h, g)),
         BLOCK_SPAN_E=triton.next_power_of_2(triton.cdiv(e, g)), BK=min(256, triton.next_power_of_2(h)),
         PREFETCH=cfg.prefetch and not interp and dev.type == "cuda", UPCAST=interp, SPIN=MAX_SPIN,
-        TIMING=timing is not None and not phased,
+        TIMING=timing is not None and not phased, X_CG=bool(cfg.x_cg),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if phased:
