@@ -61,19 +61,18 @@ PHASES = 6
 
 @dataclass(frozen=True)
 class LayerConfig:
-    """Launch parameters: rows per chunk of each GEMV phase (cols for the down
-    phase), warps, and whether to prefetch into L2."""
+    """Launch parameters: the K step of each GEMV phase, warps, pipeline stages,
+    programs per SM, and whether to prefetch into L2."""
 
-    r_qkv: int = 16
-    r_o: int = 16
-    r_gu: int = 16
-    c_down: int = 2
+    bk_qkv: int = 128
+    bk_o: int = 512
+    bk_gu: int = 128
+    bk_down: int = 128
     num_warps: int = 16
-    num_stages: int = 2
+    num_stages: int = 3
     programs_per_sm: int = 1  # all must be resident at once (barriers): registers permitting
     attn_block_n: int | None = None  # default: the attention backend's decode tile
     prefetch: bool = False
-    x_cg: bool = True  # GEMV inputs through L2 only (.cg); 0: through L1
 
 
 @triton.jit
@@ -123,59 +122,42 @@ def _tile(w_ptr, rows, hi, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot(w_ptr, w_off, rmask, x_ptr, x_off, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
-              X_CG: tl.constexpr):
-    """[R] fp32: row r of a weight (offset w_off[r]) dotted with x (offset x_off[r]).
+def _span_mma(w_ptr, w_off, rmask, x_ptr, x_col, NX: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
+              BK: tl.constexpr, UPCAST: tl.constexpr):
+    """[ROWS, 16] fp32 = W[rows] . X^T: row r of a weight (offset w_off[r]) against
+    NX input vectors (vector n at x_ptr + n * x_col; columns >= NX are zero).
 
-    K runs in unrolled BK-wide steps with an [R, BK] fp32 accumulator summed once
-    at the end: with BK = 256 (a warp's width of 16-byte loads) warps split the
-    rows, the loop is loads and FMAs only (no barrier), so every step's loads,
-    and the next chunk's, can be in flight together."""
-    KS: tl.constexpr = (K + BK - 1) // BK
+    A program's whole row span is one [ROWS, BK] tile per K step, multiplied on
+    the tensor cores so that the loop is the matmul pattern the compiler
+    pipelines (num_stages async copies into shared memory): the next steps'
+    weights are in flight while this one is summed, in shared memory rather
+    than registers."""
+    n = tl.arange(0, 16)
+    acc = tl.zeros([ROWS, 16], tl.float32)
     k = tl.arange(0, BK)
-    acc = tl.zeros([R, BK], tl.float32)
-    for st in tl.static_range(KS):
-        kk = st * BK + k
-        m = rmask[:, None] & (kk < K)[None, :]
-        w = tl.load(w_ptr + w_off[:, None] + kk[None, :], mask=m, other=0.0)
-        if X_CG:
-            xv = tl.load(x_ptr + x_off[:, None] + kk[None, :], mask=m, other=0.0, cache_modifier=".cg")
-        else:
-            xv = tl.load(x_ptr + x_off[:, None] + kk[None, :], mask=m, other=0.0)
-        acc += w.to(tl.float32) * xv.to(tl.float32)
-    return tl.sum(acc, 1, keep_dims=True)  # [R, 1]: stored from this layout, no shared-memory hop
+    for k0 in range(0, K, BK):
+        kk = k0 + k
+        w = tl.load(w_ptr + w_off[:, None] + kk[None, :], mask=rmask[:, None] & (kk < K)[None, :], other=0.0)
+        xt = tl.load(x_ptr + n[None, :] * x_col + kk[:, None], mask=(kk < K)[:, None] & (n < NX)[None, :],
+                     other=0.0, cache_modifier=".cg")  # [BK, 16]
+        acc = mma_acc(w, xt, acc, UPCAST)
+    return acc
 
 
 @triton.jit
-def _rows_dot2(w_ptr, a_off, b_off, rmask, x_ptr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
-               X_CG: tl.constexpr):
-    """(_rows_dot of rows a_off, of rows b_off), one shared x: gate and up rows."""
-    KS: tl.constexpr = (K + BK - 1) // BK
-    k = tl.arange(0, BK)
-    acc_a = tl.zeros([R, BK], tl.float32)
-    acc_b = tl.zeros([R, BK], tl.float32)
-    for st in tl.static_range(KS):
-        kk = st * BK + k
-        m = rmask[:, None] & (kk < K)[None, :]
-        wa = tl.load(w_ptr + a_off[:, None] + kk[None, :], mask=m, other=0.0)
-        wb = tl.load(w_ptr + b_off[:, None] + kk[None, :], mask=m, other=0.0)
-        if X_CG:
-            xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0, cache_modifier=".cg").to(tl.float32)[None, :]
-        else:
-            xv = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
-        acc_a += wa.to(tl.float32) * xv
-        acc_b += wb.to(tl.float32) * xv
-    return tl.sum(acc_a, 1, keep_dims=True), tl.sum(acc_b, 1, keep_dims=True)  # [R, 1] each
+def _col(acc, j):
+    """acc[r, j[r]] for each row r (j: [ROWS], or a scalar for one column)."""
+    n = tl.arange(0, 16)
+    return tl.sum(tl.where(n[None, :] == j, acc, 0.0), 1)
 
 
 @triton.jit
-def _gemv_span(w_ptr, x_ptr, y_ptr, lo, hi, K: tl.constexpr, R: tl.constexpr, CHUNKS: tl.constexpr,
-               BK: tl.constexpr, X_CG: tl.constexpr):
-    """y[lo:hi] = W[lo:hi] . x (contiguous [N, K] weight), in chunks of R rows."""
-    for c in tl.static_range(CHUNKS):
-        rows = lo + c * R + tl.arange(0, R)
-        y = _rows_dot(w_ptr, rows.to(tl.int64) * K, rows < hi, x_ptr, rows.to(tl.int64) * 0, K, R, BK, X_CG)
-        tl.store(y_ptr + rows[:, None], y.to(y_ptr.dtype.element_ty), mask=(rows < hi)[:, None])
+def _gemv_span(w_ptr, x_ptr, y_ptr, lo, hi, K: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """y[lo:hi] = W[lo:hi] . x for a contiguous [N, K] weight; hi - lo <= ROWS."""
+    rows = lo + tl.arange(0, ROWS)
+    acc = _span_mma(w_ptr, rows.to(tl.int64) * K, rows < hi, x_ptr, 0, 1, K, ROWS, BK, UPCAST)
+    tl.store(y_ptr + rows, _col(acc, 0).to(y_ptr.dtype.element_ty), mask=rows < hi)
 
 
 @triton.jit
@@ -374,11 +356,10 @@ def _decode_layer_kernel(
     BLOCK_H: tl.constexpr, BLOCK_QO: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_GQ: tl.constexpr,
-    R_QKV: tl.constexpr, R_O: tl.constexpr, R_GU: tl.constexpr, C_DN: tl.constexpr,
-    CH_QKV: tl.constexpr, CH_O: tl.constexpr, CH_GU: tl.constexpr, CH_DN: tl.constexpr,
-    BLOCK_SPAN_H: tl.constexpr, BLOCK_SPAN_E: tl.constexpr, BK: tl.constexpr,
+    ROWS_QKV: tl.constexpr, ROWS_GU: tl.constexpr, BLOCK_SPAN_H: tl.constexpr, BLOCK_SPAN_E: tl.constexpr,
+    BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DN: tl.constexpr,
     PHASE: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, SPIN: tl.constexpr,
-    TIMING: tl.constexpr, X_CG: tl.constexpr,
+    TIMING: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ALL: tl.constexpr = PHASE < 0
@@ -396,7 +377,7 @@ def _decode_layer_kernel(
             tl.store(s1_s + kh, s1, mask=hmask)
         tl.store(n1_s + pid * H + kh, n1, mask=hmask)  # this program's copy, read back by K step
         tl.debug_barrier()
-        _gemv_span(wqkv_ptr, n1_s + pid * H, qkv_s, lo, hi, H, R_QKV, CH_QKV, BK, X_CG)
+        _gemv_span(wqkv_ptr, n1_s + pid * H, qkv_s, lo, hi, H, ROWS_QKV, BK_QKV, UPCAST)
         if PREFETCH:  # this program's o_proj rows stream into L2 during attention
             olo, ohi = _span(pid, G, H)
             _prefetch_rows(wo_ptr, olo, ohi, QO, BLOCK_SPAN_H, BLOCK_QO // 64)
@@ -418,7 +399,7 @@ def _decode_layer_kernel(
     # ---- C: o_proj rows
     if ALL or PHASE == 2:
         lo, hi = _span(pid, G, H)
-        _gemv_span(wo_ptr, attn_s, o_s, lo, hi, QO, R_O, CH_O, BK, X_CG)
+        _gemv_span(wo_ptr, attn_s, o_s, lo, hi, QO, BLOCK_SPAN_H, BK_O, UPCAST)
         if ALL:
             _stamp(tm_ptr, pid, 5, TIMING)
             _grid_sync(sync_ptr, 3 * G, SPIN)
@@ -446,12 +427,12 @@ def _decode_layer_kernel(
             tl.store(topw_s + kk, top_w)
             tl.store(topi_s + kk, top_i)
         lo, hi = _span(pid, G, TOP_K * INTER)
-        for c in tl.static_range(CH_GU):
-            f = lo + c * R_GU + tl.arange(0, R_GU)  # (choice, column) pairs
-            e = _pick(top_i, kk, f // INTER).to(tl.int64)
-            goff = e * (2 * INTER * H) + (f % INTER) * H
-            hg, hu = _rows_dot2(w13_ptr, goff, goff + INTER * H, f < hi, n2_s, H, R_GU, BK, X_CG)
-            tl.store(act_s + f[:, None], (hg / (1.0 + tl.exp(-hg)) * hu).to(dt), mask=(f < hi)[:, None])
+        f = lo + tl.arange(0, ROWS_GU)  # (choice, column) pairs
+        e = _pick(top_i, kk, f // INTER).to(tl.int64)
+        goff = e * (2 * INTER * H) + (f % INTER) * H
+        hg = _col(_span_mma(w13_ptr, goff, f < hi, n2_s, 0, 1, H, ROWS_GU, BK_GU, UPCAST), 0)
+        hu = _col(_span_mma(w13_ptr, goff + INTER * H, f < hi, n2_s, 0, 1, H, ROWS_GU, BK_GU, UPCAST), 0)
+        tl.store(act_s + f, (hg / (1.0 + tl.exp(-hg)) * hu).to(dt), mask=f < hi)
         if ALL:
             if PREFETCH:  # the chosen experts' down rows of this program's columns
                 clo, chi = _span(pid, G, H)
@@ -470,19 +451,16 @@ def _decode_layer_kernel(
             top_w = tl.load(topw_s + kk, cache_modifier=".cg")
             top_i = tl.load(topi_s + kk, cache_modifier=".cg")
         lo, hi = _span(pid, G, H)
-        r = tl.arange(0, C_DN * BLOCK_TK)
+        r = tl.arange(0, BLOCK_SPAN_H * BLOCK_TK)  # rows (column, choice)
         j = r % BLOCK_TK
-        jm = j < TOP_K
+        col = lo + r // BLOCK_TK
+        m = (col < hi) & (j < TOP_K)
         e = _pick(top_i, kk, j).to(tl.int64)
-        wj = _pick(top_w, kk, j)
-        for c in tl.static_range(CH_DN):
-            col = lo + c * C_DN + r // BLOCK_TK  # rows (column, choice)
-            m = (col < hi) & jm
-            y = _rows_dot(w2_ptr, e * (H * INTER) + col.to(tl.int64) * INTER, m, act_s,
-                          j.to(tl.int64) * INTER, INTER, C_DN * BLOCK_TK, BK, X_CG)
-            # Each weighted row rounds as the grouped path stores it; summed below.
-            tl.store(part_s + (col * BLOCK_TK + j)[:, None], (y * wj[:, None]).to(dt).to(tl.float32),
-                     mask=m[:, None])
+        acc = _span_mma(w2_ptr, e * (H * INTER) + col.to(tl.int64) * INTER, m, act_s, INTER, TOP_K,
+                        INTER, BLOCK_SPAN_H * BLOCK_TK, BK_DN, UPCAST)  # [rows, choices]
+        y = _col(acc, j[:, None])
+        # Each weighted row rounds as the grouped path stores it; summed over choices below.
+        tl.store(part_s + col * BLOCK_TK + j, (y * _pick(top_w, kk, j)).to(dt).to(tl.float32), mask=m)
         tl.debug_barrier()  # this program's partials, read back across its warps
         cols = lo + tl.arange(0, BLOCK_SPAN_H)
         pm = (cols < hi)[:, None] & (kk < TOP_K)[None, :]
@@ -527,8 +505,12 @@ class StepInputs:
     scale: float
 
 
-def _chunks(n: int, grid: int, rows: int) -> int:
-    return triton.cdiv(triton.cdiv(n, grid), rows)
+def _span_rows(n: int, grid: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(triton.cdiv(n, grid)))
+
+
+def _bk(want: int, k: int) -> int:
+    return min(want, triton.next_power_of_2(k))
 
 
 def num_programs(device: torch.device) -> int:
@@ -603,14 +585,14 @@ def decode_layer_triton(
         BLOCK_I=max(64, triton.next_power_of_2(inter)), BLOCK_E=triton.next_power_of_2(e), BLOCK_TK=block_tk,
         BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)), BLOCK_N=cfg.attn_block_n or AttnKernelConfig.for_device(dev, d).decode_block_n,
         BLOCK_S=max(4, triton.next_power_of_2(splits)), BLOCK_GQ=triton.next_power_of_2(hq // hkv),
-        R_QKV=cfg.r_qkv, R_O=cfg.r_o, R_GU=cfg.r_gu, C_DN=cfg.c_down,
-        # chunks per program: spans are at most cdiv(N, grid) items
-        CH_QKV=_chunks((hq + 2 * hkv) * d, g, cfg.r_qkv), CH_O=_chunks(h, g, cfg.r_o),
-        CH_GU=_chunks(w.top_k * inter, g, cfg.r_gu), CH_DN=_chunks(h, g, cfg.c_down),
-        BLOCK_SPAN_H=triton.next_power_of_2(triton.cdiv(h, g)),
-        BLOCK_SPAN_E=triton.next_power_of_2(triton.cdiv(e, g)), BK=min(256, triton.next_power_of_2(h)),
+        # a program's span of each GEMV phase is at most cdiv(N, grid) rows
+        # (at least 16: tensor-core tiles)
+        ROWS_QKV=_span_rows((hq + 2 * hkv) * d, g), ROWS_GU=_span_rows(w.top_k * inter, g),
+        BLOCK_SPAN_H=_span_rows(h, g), BLOCK_SPAN_E=_span_rows(e, g, 1),
+        BK_QKV=_bk(cfg.bk_qkv, h), BK_O=_bk(cfg.bk_o, hq * d), BK_GU=_bk(cfg.bk_gu, h),
+        BK_DN=_bk(cfg.bk_down, inter),
         PREFETCH=cfg.prefetch and not interp and dev.type == "cuda", UPCAST=interp, SPIN=MAX_SPIN,
-        TIMING=timing is not None and not phased, X_CG=bool(cfg.x_cg),
+        TIMING=timing is not None and not phased,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if phased:
