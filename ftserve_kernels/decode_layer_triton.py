@@ -64,12 +64,14 @@ class LayerConfig:
     """Launch parameters: the K step of each GEMV phase, warps, pipeline stages,
     programs per SM, and whether to prefetch into L2."""
 
-    bk_qkv: int = 128
-    bk_o: int = 512
+    # H200 (tools/bench_decode_layer_kernel --timing): a phase's bandwidth per SM
+    # tracks the bytes each pipeline stage holds; 32 KB stages, 4 deep.
+    bk_qkv: int = 256
+    bk_o: int = 1024
     bk_gu: int = 128
     bk_down: int = 128
-    num_warps: int = 16
-    num_stages: int = 3
+    num_warps: int = 8
+    num_stages: int = 4
     programs_per_sm: int = 1  # all must be resident at once (barriers): registers permitting
     attn_block_n: int | None = None  # default: the attention backend's decode tile
     prefetch: bool = False
@@ -142,6 +144,27 @@ def _span_mma(w_ptr, w_off, rmask, x_ptr, x_col, NX: tl.constexpr, K: tl.constex
                      other=0.0, cache_modifier=".cg")  # [BK, 16]
         acc = mma_acc(w, xt, acc, UPCAST)
     return acc
+
+
+@triton.jit
+def _span_mma2(w_ptr, a_off, b_off, rmask, x_ptr, K: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """(_span_mma of rows a_off, of rows b_off) against one shared x, in one loop
+    (twice the bytes per pipeline stage): gate and up rows."""
+    n = tl.arange(0, 16)
+    acc_a = tl.zeros([ROWS, 16], tl.float32)
+    acc_b = tl.zeros([ROWS, 16], tl.float32)
+    k = tl.arange(0, BK)
+    for k0 in range(0, K, BK):
+        kk = k0 + k
+        m = rmask[:, None] & (kk < K)[None, :]
+        wa = tl.load(w_ptr + a_off[:, None] + kk[None, :], mask=m, other=0.0)
+        wb = tl.load(w_ptr + b_off[:, None] + kk[None, :], mask=m, other=0.0)
+        xt = tl.load(x_ptr + n[None, :] * 0 + kk[:, None], mask=(kk < K)[:, None] & (n < 1)[None, :],
+                     other=0.0, cache_modifier=".cg")  # [BK, 16], x in column 0
+        acc_a = mma_acc(wa, xt, acc_a, UPCAST)
+        acc_b = mma_acc(wb, xt, acc_b, UPCAST)
+    return acc_a, acc_b
 
 
 @triton.jit
@@ -430,8 +453,9 @@ def _decode_layer_kernel(
         f = lo + tl.arange(0, ROWS_GU)  # (choice, column) pairs
         e = _pick(top_i, kk, f // INTER).to(tl.int64)
         goff = e * (2 * INTER * H) + (f % INTER) * H
-        hg = _col(_span_mma(w13_ptr, goff, f < hi, n2_s, 0, 1, H, ROWS_GU, BK_GU, UPCAST), 0)
-        hu = _col(_span_mma(w13_ptr, goff + INTER * H, f < hi, n2_s, 0, 1, H, ROWS_GU, BK_GU, UPCAST), 0)
+        acc_g, acc_u = _span_mma2(w13_ptr, goff, goff + INTER * H, f < hi, n2_s, H, ROWS_GU, BK_GU, UPCAST)
+        hg = _col(acc_g, 0)
+        hu = _col(acc_u, 0)
         tl.store(act_s + f, (hg / (1.0 + tl.exp(-hg)) * hu).to(dt), mask=f < hi)
         if ALL:
             if PREFETCH:  # the chosen experts' down rows of this program's columns
