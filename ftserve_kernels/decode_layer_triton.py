@@ -66,8 +66,8 @@ class LayerConfig:
 
     # H200 (tools/bench_decode_layer_kernel --timing): a phase's bandwidth per SM
     # tracks the bytes each pipeline stage holds; 32 KB stages, 4 deep.
-    bk_qkv: int = 256
-    bk_o: int = 1024
+    bk_qkv: int = 128
+    bk_o: int = 128
     bk_gu: int = 128
     bk_down: int = 128
     num_warps: int = 8
@@ -147,27 +147,6 @@ def _span_mma(w_ptr, w_off, rmask, x_ptr, x_col, NX: tl.constexpr, K: tl.constex
 
 
 @triton.jit
-def _span_mma2(w_ptr, a_off, b_off, rmask, x_ptr, K: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
-               UPCAST: tl.constexpr):
-    """(_span_mma of rows a_off, of rows b_off) against one shared x, in one loop
-    (twice the bytes per pipeline stage): gate and up rows."""
-    n = tl.arange(0, 16)
-    acc_a = tl.zeros([ROWS, 16], tl.float32)
-    acc_b = tl.zeros([ROWS, 16], tl.float32)
-    k = tl.arange(0, BK)
-    for k0 in range(0, K, BK):
-        kk = k0 + k
-        m = rmask[:, None] & (kk < K)[None, :]
-        wa = tl.load(w_ptr + a_off[:, None] + kk[None, :], mask=m, other=0.0)
-        wb = tl.load(w_ptr + b_off[:, None] + kk[None, :], mask=m, other=0.0)
-        xt = tl.load(x_ptr + n[None, :] * 0 + kk[:, None], mask=(kk < K)[:, None] & (n < 1)[None, :],
-                     other=0.0, cache_modifier=".cg")  # [BK, 16], x in column 0
-        acc_a = mma_acc(wa, xt, acc_a, UPCAST)
-        acc_b = mma_acc(wb, xt, acc_b, UPCAST)
-    return acc_a, acc_b
-
-
-@triton.jit
 def _col(acc, j):
     """acc[r, j[r]] for each row r (j: [ROWS], or a scalar for one column)."""
     n = tl.arange(0, 16)
@@ -175,12 +154,21 @@ def _col(acc, j):
 
 
 @triton.jit
-def _gemv_span(w_ptr, x_ptr, y_ptr, lo, hi, K: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
-               UPCAST: tl.constexpr):
-    """y[lo:hi] = W[lo:hi] . x for a contiguous [N, K] weight; hi - lo <= ROWS."""
-    rows = lo + tl.arange(0, ROWS)
-    acc = _span_mma(w_ptr, rows.to(tl.int64) * K, rows < hi, x_ptr, 0, 1, K, ROWS, BK, UPCAST)
-    tl.store(y_ptr + rows, _col(acc, 0).to(y_ptr.dtype.element_ty), mask=rows < hi)
+def _gemv_span(w_ptr, x_ptr, y_ptr, lo, hi, K: tl.constexpr, ROWS: tl.constexpr, SEG: tl.constexpr,
+               BK: tl.constexpr, UPCAST: tl.constexpr):
+    """y[lo:hi] = W[lo:hi] . x for a contiguous [N, K] weight; hi - lo <= ROWS.
+    Each row is cut into SEG segments, tile row (r, s) taking segment s against
+    x's segment s (column s), so the tile has ROWS * SEG rows: 128 keeps both
+    warpgroups of an 8-warp program on the tensor cores."""
+    KS: tl.constexpr = K // SEG
+    rr = tl.arange(0, ROWS * SEG)
+    sg = rr % SEG
+    rows = lo + rr // SEG
+    acc = _span_mma(w_ptr, rows.to(tl.int64) * K + sg * KS, rows < hi, x_ptr, KS, SEG, KS, ROWS * SEG, BK,
+                    UPCAST)
+    y = tl.sum(tl.reshape(_col(acc, sg[:, None]), [ROWS, SEG]), 1)
+    out = lo + tl.arange(0, ROWS)
+    tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=out < hi)
 
 
 @triton.jit
@@ -381,6 +369,7 @@ def _decode_layer_kernel(
     BLOCK_GQ: tl.constexpr,
     ROWS_QKV: tl.constexpr, ROWS_GU: tl.constexpr, BLOCK_SPAN_H: tl.constexpr, BLOCK_SPAN_E: tl.constexpr,
     BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DN: tl.constexpr,
+    SEG_QKV: tl.constexpr, SEG_O: tl.constexpr,
     PHASE: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, SPIN: tl.constexpr,
     TIMING: tl.constexpr,
 ):
@@ -400,7 +389,7 @@ def _decode_layer_kernel(
             tl.store(s1_s + kh, s1, mask=hmask)
         tl.store(n1_s + pid * H + kh, n1, mask=hmask)  # this program's copy, read back by K step
         tl.debug_barrier()
-        _gemv_span(wqkv_ptr, n1_s + pid * H, qkv_s, lo, hi, H, ROWS_QKV, BK_QKV, UPCAST)
+        _gemv_span(wqkv_ptr, n1_s + pid * H, qkv_s, lo, hi, H, ROWS_QKV, SEG_QKV, BK_QKV, UPCAST)
         if PREFETCH:  # this program's o_proj rows stream into L2 during attention
             olo, ohi = _span(pid, G, H)
             _prefetch_rows(wo_ptr, olo, ohi, QO, BLOCK_SPAN_H, BLOCK_QO // 64)
@@ -422,7 +411,7 @@ def _decode_layer_kernel(
     # ---- C: o_proj rows
     if ALL or PHASE == 2:
         lo, hi = _span(pid, G, H)
-        _gemv_span(wo_ptr, attn_s, o_s, lo, hi, QO, BLOCK_SPAN_H, BK_O, UPCAST)
+        _gemv_span(wo_ptr, attn_s, o_s, lo, hi, QO, BLOCK_SPAN_H, SEG_O, BK_O, UPCAST)
         if ALL:
             _stamp(tm_ptr, pid, 5, TIMING)
             _grid_sync(sync_ptr, 3 * G, SPIN)
@@ -450,13 +439,19 @@ def _decode_layer_kernel(
             tl.store(topw_s + kk, top_w)
             tl.store(topi_s + kk, top_i)
         lo, hi = _span(pid, G, TOP_K * INTER)
-        f = lo + tl.arange(0, ROWS_GU)  # (choice, column) pairs
+        # Tile rows: the gate rows of this program's (choice, column) pairs, then their up rows.
+        rr = tl.arange(0, 2 * ROWS_GU)
+        up = rr // ROWS_GU
+        f = lo + rr % ROWS_GU
         e = _pick(top_i, kk, f // INTER).to(tl.int64)
-        goff = e * (2 * INTER * H) + (f % INTER) * H
-        acc_g, acc_u = _span_mma2(w13_ptr, goff, goff + INTER * H, f < hi, n2_s, H, ROWS_GU, BK_GU, UPCAST)
-        hg = _col(acc_g, 0)
-        hu = _col(acc_u, 0)
-        tl.store(act_s + f, (hg / (1.0 + tl.exp(-hg)) * hu).to(dt), mask=f < hi)
+        off = e * (2 * INTER * H) + (up * INTER + f % INTER).to(tl.int64) * H
+        y = tl.reshape(_col(_span_mma(w13_ptr, off, f < hi, n2_s, 0, 1, H, 2 * ROWS_GU, BK_GU, UPCAST), 0),
+                       [2, ROWS_GU])
+        two = tl.arange(0, 2)[:, None]
+        hg = tl.sum(tl.where(two == 0, y, 0.0), 0)
+        hu = tl.sum(tl.where(two == 1, y, 0.0), 0)
+        fo = lo + tl.arange(0, ROWS_GU)
+        tl.store(act_s + fo, (hg / (1.0 + tl.exp(-hg)) * hu).to(dt), mask=fo < hi)
         if ALL:
             if PREFETCH:  # the chosen experts' down rows of this program's columns
                 clo, chi = _span(pid, G, H)
@@ -533,6 +528,14 @@ def _span_rows(n: int, grid: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(triton.cdiv(n, grid)))
 
 
+def _segments(rows: int, k: int) -> int:
+    """Segments per row so a span tile has 128 rows (K must split evenly, 16+ wide)."""
+    seg = max(1, 128 // rows)
+    while seg > 1 and (k % seg or k // seg < 16):
+        seg //= 2
+    return seg
+
+
 def _bk(want: int, k: int) -> int:
     return min(want, triton.next_power_of_2(k))
 
@@ -602,6 +605,8 @@ def decode_layer_triton(
         timing if timing is not None else sync,
         w.eps, step.scale * LOG2E, step.cos_sin.stride(0), step.k_cache.stride(0), step.k_cache.stride(1),
     )
+    seg_qkv = _segments(_span_rows((hq + 2 * hkv) * d, g), h)
+    seg_o = _segments(_span_rows(h, g), hq * d)
     consts = dict(
         H=h, HQ=hq, HKV=hkv, D=d, E=e, INTER=inter, TOP_K=w.top_k, PAGE_SIZE=step.page_size, G=g, S=splits,
         HAS_RES=residual is not None, QK_NORM=w.q_norm is not None, RENORM=w.renormalize,
@@ -613,8 +618,8 @@ def decode_layer_triton(
         # (at least 16: tensor-core tiles)
         ROWS_QKV=_span_rows((hq + 2 * hkv) * d, g), ROWS_GU=_span_rows(w.top_k * inter, g),
         BLOCK_SPAN_H=_span_rows(h, g), BLOCK_SPAN_E=_span_rows(e, g, 1),
-        BK_QKV=_bk(cfg.bk_qkv, h), BK_O=_bk(cfg.bk_o, hq * d), BK_GU=_bk(cfg.bk_gu, h),
-        BK_DN=_bk(cfg.bk_down, inter),
+        BK_QKV=_bk(cfg.bk_qkv, h // seg_qkv), BK_O=_bk(cfg.bk_o, hq * d // seg_o), BK_GU=_bk(cfg.bk_gu, h),
+        BK_DN=_bk(cfg.bk_down, inter), SEG_QKV=seg_qkv, SEG_O=seg_o,
         PREFETCH=cfg.prefetch and not interp and dev.type == "cuda", UPCAST=interp, SPIN=MAX_SPIN,
         TIMING=timing is not None and not phased,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
