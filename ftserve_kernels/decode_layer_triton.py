@@ -75,6 +75,7 @@ class LayerConfig:
     programs_per_sm: int = 1  # all must be resident at once (barriers): registers permitting
     attn_block_n: int | None = None  # default: the attention backend's decode tile
     prefetch: bool = False
+    fixed_topk: bool = False  # timing diagnostic: skip the router's top-k (wrong outputs)
 
 
 @triton.jit
@@ -371,7 +372,7 @@ def _decode_layer_kernel(
     BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DN: tl.constexpr,
     SEG_QKV: tl.constexpr, SEG_O: tl.constexpr,
     PHASE: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, SPIN: tl.constexpr,
-    TIMING: tl.constexpr,
+    TIMING: tl.constexpr, FIXED_TOPK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     ALL: tl.constexpr = PHASE < 0
@@ -434,7 +435,11 @@ def _decode_layer_kernel(
     # ---- E: top-k (every program), then gate/up (choice, column) pairs
     kk = tl.arange(0, BLOCK_TK)
     if ALL or PHASE == 4:
-        top_w, top_i = _topk(logits_s, E, TOP_K, RENORM, BLOCK_E, BLOCK_TK)
+        if FIXED_TOPK:  # timing diagnostic only: experts 0..k-1, wrong outputs
+            top_i = kk
+            top_w = tl.where(kk < TOP_K, 1.0 / TOP_K, 0.0)
+        else:
+            top_w, top_i = _topk(logits_s, E, TOP_K, RENORM, BLOCK_E, BLOCK_TK)
         if pid == 0:
             tl.store(topw_s + kk, top_w)
             tl.store(topi_s + kk, top_i)
@@ -621,7 +626,7 @@ def decode_layer_triton(
         BK_QKV=_bk(cfg.bk_qkv, h // seg_qkv), BK_O=_bk(cfg.bk_o, hq * d // seg_o), BK_GU=_bk(cfg.bk_gu, h),
         BK_DN=_bk(cfg.bk_down, inter), SEG_QKV=seg_qkv, SEG_O=seg_o,
         PREFETCH=cfg.prefetch and not interp and dev.type == "cuda", UPCAST=interp, SPIN=MAX_SPIN,
-        TIMING=timing is not None and not phased,
+        TIMING=timing is not None and not phased, FIXED_TOPK=bool(cfg.fixed_topk),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if phased:
