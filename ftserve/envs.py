@@ -121,9 +121,10 @@ def decode_layer_kernel() -> bool:
     """FTSERVE_DECODE_LAYER_KERNEL (default off): batch-1 decode runs each MoE
     layer as one persistent launch with grid barriers between its phases
     (ftserve_kernels/decode_layer_triton.py) where the layer qualifies
-    (ftserve/models/fused_layer.py). Off: on the H200 (2026-11-30 06:39,
-    tools.bench_decode_layer_kernel, qwen3-30b-a3b shape) it took 82.6 us per
-    layer at 2k context against 61 us unfused (BENCHMARKS.md has the phases)."""
+    (ftserve/models/fused_layer.py). Off: on the H200 (2026-11-30 06:45,
+    tools.bench_decode_layer_kernel, qwen3-30b-a3b shape) it took 63.1 us per
+    layer at 2k context against 61.7 unfused, and 97.8 against 75.8 at 32k
+    (BENCHMARKS.md has the phases)."""
     return _flag("FTSERVE_DECODE_LAYER_KERNEL", False)
 
 
