@@ -11,7 +11,7 @@ import orjson
 from aiohttp import web
 
 from ftserve.engine.messages import TokenLogprob
-from ftserve.server import reasoning, sse, tool_calls
+from ftserve.server import reasoning, sse, tool_calls, tool_choice
 from ftserve.server import responses as R
 from ftserve.server.errors import APIError, bad_request
 from ftserve.server.generation import EngineRequestError, Generation, Step
@@ -47,11 +47,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         )
     except TemplateError as err:
         raise bad_request(f"chat template error: {err}", param="messages") from None
-    ids = await text.encode_async(prompt, add_special_tokens=False)  # template adds them
+    # A forced tool_choice: the start of the call is prompt; the parser reads it first.
+    fmt = text.tool_format()
+    forced = tool_choice.forced_text(fmt, parsed.forced) if parsed.forced and fmt else ""
+    ids = await text.encode_async(prompt + forced, add_special_tokens=False)  # template adds them
     # Reasoning split (server/reasoning.py): None = off, else whether the prompt opened it.
-    think = (reasoning.opens_in_prompt(prompt)
-             if state.cfg.reasoning_parser != "none" and text.marks_reasoning() else None)
-    return await _run(request, state, parsed, ids, arrival, "chatcmpl-", think)
+    # Off under a forced call: the output continues the call, not a reasoning block.
+    think = (reasoning.opens_in_prompt(prompt) if state.cfg.reasoning_parser != "none"
+             and text.marks_reasoning() and not forced else None)
+    return await _run(request, state, parsed, ids, arrival, "chatcmpl-", think, forced)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -83,6 +87,7 @@ async def _run(
     arrival: float,
     prefix: str,
     think: bool | None = None,
+    forced: str = "",
 ) -> web.StreamResponse:
     engine, text = state.ready()
     params = parsed.build_params(len(ids), engine.max_model_len, engine.vocab_size)
@@ -98,8 +103,8 @@ async def _run(
             gens.append(Generation(engine, state.tracker, state.metrics, gid, ids,
                                    parsed.choice_params(params, i), detok, arrival))
         if parsed.stream:
-            return await _stream(request, state, parsed, rid, gens, text, think)
-        return await _collect(state, parsed, rid, gens, text, think)
+            return await _stream(request, state, parsed, rid, gens, text, think, forced)
+        return await _collect(state, parsed, rid, gens, text, think, forced)
     finally:
         for gen in gens:
             gen.close()  # a cancelled handler (client gone) aborts the engine requests here
@@ -119,7 +124,7 @@ def _usage(gens: list[Generation]) -> dict[str, Any]:
 
 async def _collect(
     state: ServerState, parsed: ParsedRequest, rid: str, gens: list[Generation], text: TextCodec,
-    think: bool | None,
+    think: bool | None, forced: str = "",
 ) -> web.Response:
     created = int(time.time())
     choices: list[dict[str, Any]] = []
@@ -143,6 +148,7 @@ async def _collect(
         tok_ids = out_ids if parsed.return_token_ids else None
         prompt_ids = gen.prompt_ids if parsed.return_token_ids else None
         if parsed.kind == "chat":
+            content = forced + content  # parsed with the output; unparsed, it is content too
             thought = None
             if think is not None:
                 thought, content = reasoning.split(content, think)
@@ -184,7 +190,8 @@ class _ChoiceChunks:
     completions, prompt_token_ids on its first chunk."""
 
     def __init__(self, parsed: ParsedRequest, rid: str, created: int, model: str,
-                 gen: Generation, index: int, text: TextCodec, think: bool | None) -> None:
+                 gen: Generation, index: int, text: TextCodec, think: bool | None,
+                 forced: str = "") -> None:
         self.chat = parsed.kind == "chat"
         self.rid, self.created, self.model, self.index = rid, created, model, index
         self.gen, self.text = gen, text
@@ -195,6 +202,9 @@ class _ChoiceChunks:
         # tool_calls deltas; before it, reasoning is split off where the template marks it.
         self.tools = tool_calls.ToolStream(fmt, parsed.parallel_tool_calls) if fmt else None
         self.reasoning = reasoning.ReasoningStream(think) if think is not None and self.chat else None
+        # A forced call's start goes through the filter first: a named call's first
+        # delta is ready before any token; it is never content (it opens with the marker).
+        self.opening = self.tools.push(forced)[1] if self.tools is not None and forced else []
 
     def split(self, delta: str) -> tuple[str, str, list[dict[str, Any]]]:
         """(reasoning, content safe to send, tool-call deltas) of a step's text."""
@@ -255,11 +265,13 @@ async def _stream(
     gens: list[Generation],
     text: TextCodec,
     think: bool | None,
+    forced: str = "",
 ) -> web.StreamResponse:
     model, created = state.model_name, int(time.time())
     chat = parsed.kind == "chat"
     want_ids = parsed.return_token_ids
-    streams = [_ChoiceChunks(parsed, rid, created, model, g, i, text, think) for i, g in enumerate(gens)]
+    streams = [_ChoiceChunks(parsed, rid, created, model, g, i, text, think, forced)
+               for i, g in enumerate(gens)]
     resp = await sse.open_stream(request)
     # Every choice's steps go through one queue, in the order they arrive.
     merged: asyncio.Queue[tuple[int, Step | EngineRequestError]] = asyncio.Queue()
@@ -279,6 +291,8 @@ async def _stream(
         if chat:
             for st in streams:
                 await resp.write(sse.frame(st.role(want_ids)))
+                for d in st.opening:
+                    await resp.write(sse.frame(st.call_chunk(d)))
         failed = False
         while not all(g.finished for g in gens) or not merged.empty():
             try:

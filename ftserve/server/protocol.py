@@ -3,20 +3,20 @@
 Types are checked strictly (a bool is not a number, a string is not a list) so that a
 bad field gets a 400 naming it instead of surfacing later as a 500. Fields we do not
 know are ignored, as OpenAI-compatible servers do; fields we know but cannot honour
-(response_format, a forced tool_choice, n above MAX_CHOICES, ...) get a 400 naming
-the field.
+(response_format, n above MAX_CHOICES, ...) get a 400 naming the field. ``tools``
+and ``tool_choice`` are read by tool_choice.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ftserve.engine.sampling_params import SamplingParams, SamplingParamsError
 from ftserve.server.errors import APIError, bad_request, unsupported
+from ftserve.server.tool_choice import ForcedCall, _tool_calls, forced_call, parse_tools
 
 _MISSING: Any = object()
 _I32 = 2**31 - 1
@@ -46,6 +46,7 @@ class ParsedRequest:
     tools: list[dict[str, Any]] | None = None  # chat: rendered by the template, calls parsed
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
     parallel_tool_calls: bool = True  # False: only the first call the model writes is returned
+    forced: ForcedCall | None = None  # tool_choice "required" or a named function (tool_choice.py)
 
     def build_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
         """Resolve max_tokens against the context window and validate everything."""
@@ -304,56 +305,12 @@ def parse_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return dict(value)
 
 
-def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
-    """An assistant turn's earlier calls, for the template. Arguments arrive as a
-    JSON string; templates (Qwen, Llama, Mistral) expect the object, as vLLM gives it."""
-    if not isinstance(calls, list):
-        raise bad_request(f"'{where}' must be a list", param=where)
-    out = []
-    for i, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad_request(f"'{where}[{i}]' must have a function with a name", param=where)
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                raise bad_request(f"'{where}[{i}].function.arguments' is not valid JSON",
-                                  param=where) from None
-        out.append({"id": call.get("id", ""), "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
-    return out
-
-
-def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """Validated ``tools`` (None: none given, or tool_choice "none")."""
-    tools = _get(body, "tools")
-    choice = _get(body, "tool_choice")
-    if choice not in (_MISSING, None, "auto", "none"):
-        raise unsupported("tool_choice", "supports 'auto' and 'none' only")
-    if tools is _MISSING or tools is None or tools == [] or choice == "none":
-        return None
-    if not isinstance(tools, list):
-        raise bad_request("'tools' must be a list", param="tools")
-    out = []
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if (not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict)
-                or not isinstance(fn.get("name"), str) or not fn["name"]):
-            raise bad_request(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": "
-                              "{\"name\": ...}}", param="tools")
-        if not isinstance(fn.get("parameters", {}), dict):
-            raise bad_request(f"'tools[{i}].function.parameters' must be an object", param="tools")
-        out.append({"type": "function", "function": dict(fn)})
-    return out
-
-
 def parse_chat(raw: Any) -> ParsedRequest:
     body = _require_object(raw)
     if _get(body, "functions") is not _MISSING:
         raise unsupported("functions", "(the legacy form) is not supported; use 'tools'")
     tools = parse_tools(body)
+    forced = forced_call(body, tools)
     modalities = _get(body, "modalities")
     if modalities is not _MISSING and modalities is not None and modalities != ["text"]:
         raise unsupported("modalities", "supports ['text'] only")
@@ -376,7 +333,10 @@ def parse_chat(raw: Any) -> ParsedRequest:
         logprobs=logprobs,
         tools=tools,
         template_kwargs=parse_template_kwargs(body),
-        parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
+        # A named function: only that call, the first, is returned.
+        parallel_tool_calls=(_bool(body, "parallel_tool_calls", True)
+                             and (forced is None or forced.name is None)),
+        forced=forced,
         **common,
     )
 
