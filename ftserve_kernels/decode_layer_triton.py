@@ -50,7 +50,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ftserve_kernels.attention_common import LOG2E, AttnKernelConfig, interpreting, mma, mma_acc
+from ftserve_kernels.attention_common import LOG2E, AttnKernelConfig, interpreting
+from ftserve_kernels.decode_layer_attention import _attn_item
+from ftserve_kernels.decode_layer_parts import (
+    _add_norm,
+    _col,
+    _gemv_span,
+    _grid_sync,
+    _pick,
+    _prefetch_l2,
+    _prefetch_rows,
+    _span,
+    _span_mma,
+    _stamp,
+    _tile,
+    _topk,
+)
 
 # Sync words: [0] barrier arrivals, [1] programs out, [2] error (a barrier gave
 # up), then one split counter per kv head.
@@ -76,290 +91,6 @@ class LayerConfig:
     attn_block_n: int | None = None  # default: the attention backend's decode tile
     prefetch: bool = False
     fixed_topk: bool = False  # timing diagnostic: skip the router's top-k (wrong outputs)
-
-
-@triton.jit
-def _grid_sync(sync_ptr, target, SPIN: tl.constexpr):
-    tl.debug_barrier()  # every thread's stores precede the release below
-    tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
-    seen = tl.load(sync_ptr, volatile=True)
-    spins = 0
-    while (seen < target) & (spins < SPIN):
-        seen = tl.load(sync_ptr, volatile=True)
-        spins += 1
-    if spins >= SPIN:
-        tl.atomic_xchg(sync_ptr + 2, 1)
-    tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _prefetch_l2(ptrs, mask, fallback):
-    """Ask L2 for the lines at ``ptrs`` (masked lanes ask for ``fallback``)."""
-    p = tl.where(mask, ptrs, fallback)
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [p],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _stamp(tm_ptr, pid, i: tl.constexpr, TIMING: tl.constexpr):
-    """With TIMING, program pid's %globaltimer (ns) into slot i of its row."""
-    if TIMING:
-        now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64,
-                                        is_pure=False, pack=1)
-        tl.store(tm_ptr + pid * 16 + i, now)
-
-
-@triton.jit
-def _span(pid, G: tl.constexpr, N):
-    """Program pid's contiguous share [lo, hi) of N items."""
-    return (pid * N) // G, ((pid + 1) * N) // G
-
-
-@triton.jit
-def _tile(w_ptr, rows, hi, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows [R] (masked from hi) of a contiguous [N, K] weight: an [R, BLOCK_K] tile."""
-    k = tl.arange(0, BLOCK_K)
-    return tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + k[None, :],
-                   mask=(rows < hi)[:, None] & (k < K)[None, :], other=0.0)
-
-
-@triton.jit
-def _span_mma(w_ptr, w_off, rmask, x_ptr, x_col, NX: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
-              BK: tl.constexpr, UPCAST: tl.constexpr):
-    """[ROWS, 16] fp32 = W[rows] . X^T: row r of a weight (offset w_off[r]) against
-    NX input vectors (vector n at x_ptr + n * x_col; columns >= NX are zero).
-
-    A program's whole row span is one [ROWS, BK] tile per K step, multiplied on
-    the tensor cores so that the loop is the matmul pattern the compiler
-    pipelines (num_stages async copies into shared memory): the next steps'
-    weights are in flight while this one is summed, in shared memory rather
-    than registers."""
-    n = tl.arange(0, 16)
-    acc = tl.zeros([ROWS, 16], tl.float32)
-    k = tl.arange(0, BK)
-    for k0 in range(0, K, BK):
-        kk = k0 + k
-        w = tl.load(w_ptr + w_off[:, None] + kk[None, :], mask=rmask[:, None] & (kk < K)[None, :], other=0.0)
-        xt = tl.load(x_ptr + n[None, :] * x_col + kk[:, None], mask=(kk < K)[:, None] & (n < NX)[None, :],
-                     other=0.0, cache_modifier=".cg")  # [BK, 16]
-        acc = mma_acc(w, xt, acc, UPCAST)
-    return acc
-
-
-@triton.jit
-def _col(acc, j):
-    """acc[r, j[r]] for each row r (j: [ROWS], or a scalar for one column)."""
-    n = tl.arange(0, 16)
-    return tl.sum(tl.where(n[None, :] == j, acc, 0.0), 1)
-
-
-@triton.jit
-def _gemv_span(w_ptr, x_ptr, y_ptr, lo, hi, K: tl.constexpr, ROWS: tl.constexpr, SEG: tl.constexpr,
-               BK: tl.constexpr, UPCAST: tl.constexpr):
-    """y[lo:hi] = W[lo:hi] . x for a contiguous [N, K] weight; hi - lo <= ROWS.
-    Each row is cut into SEG segments, tile row (r, s) taking segment s against
-    x's segment s (column s), so the tile has ROWS * SEG rows: 128 keeps both
-    warpgroups of an 8-warp program on the tensor cores."""
-    KS: tl.constexpr = K // SEG
-    rr = tl.arange(0, ROWS * SEG)
-    sg = rr % SEG
-    rows = lo + rr // SEG
-    acc = _span_mma(w_ptr, rows.to(tl.int64) * K + sg * KS, rows < hi, x_ptr, KS, SEG, KS, ROWS * SEG, BK,
-                    UPCAST)
-    y = tl.sum(tl.reshape(_col(acc, sg[:, None]), [ROWS, SEG]), 1)
-    out = lo + tl.arange(0, ROWS)
-    tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=out < hi)
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, lo, hi, K: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                   BLOCK_LINES: tl.constexpr):
-    """Rows [lo, hi) of a contiguous [N, K] bf16/fp16 weight into L2, a 128-byte line per lane."""
-    rows = lo + tl.arange(0, BLOCK_ROWS)
-    lines = tl.arange(0, BLOCK_LINES) * 64
-    m = (rows < hi)[:, None] & (lines < K)[None, :]
-    _prefetch_l2(w_ptr + rows.to(tl.int64)[:, None] * K + lines[None, :], m, w_ptr)
-
-
-@triton.jit
-def _add_norm(x_ptr, r_ptr, w_ptr, eps, H: tl.constexpr, HAS_RES: tl.constexpr,
-              BLOCK_H: tl.constexpr):
-    """(s = x + r in x's dtype, rmsnorm(s) * w in x's dtype), both [BLOCK_H]."""
-    offs = tl.arange(0, BLOCK_H)
-    m = offs < H
-    dt = x_ptr.dtype.element_ty
-    s = tl.load(x_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
-    if HAS_RES:
-        r = tl.load(r_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
-        s = (s.to(tl.float32) + r.to(tl.float32)).to(dt)
-    sf = s.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(sf * sf, 0) / H + eps)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    n = (w * (sf * inv).to(dt).to(tl.float32)).to(dt)
-    return s, n
-
-
-@triton.jit
-def _norm_rope(src_ptr, w_ptr, cos, sin, eps, NROWS: tl.constexpr, D: tl.constexpr,
-               HALF: tl.constexpr, BLOCK_R: tl.constexpr, QK_NORM: tl.constexpr, dt):
-    """Rows [BLOCK_R, D] at src (NROWS real): per-head RMSNorm (QK_NORM) then
-    neox rotary, as the two halves [BLOCK_R, HALF] in dt."""
-    g = tl.arange(0, BLOCK_R)
-    j = tl.arange(0, HALF)
-    m = (g < NROWS)[:, None]
-    x1 = tl.load(src_ptr + g[:, None] * D + j[None, :], mask=m, other=0.0, cache_modifier=".cg")
-    x2 = tl.load(src_ptr + g[:, None] * D + HALF + j[None, :], mask=m, other=0.0, cache_modifier=".cg")
-    y1 = x1.to(tl.float32)
-    y2 = x2.to(tl.float32)
-    if QK_NORM:
-        rs = tl.rsqrt((tl.sum(y1 * y1, 1) + tl.sum(y2 * y2, 1)) / D + eps)[:, None]
-        w1 = tl.load(w_ptr + j).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + j).to(tl.float32)[None, :]
-        y1 = (w1 * (y1 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        y2 = (w2 * (y2 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    o1 = (y1 * cos[None, :] - y2 * sin[None, :]).to(dt)
-    o2 = (y2 * cos[None, :] + y1 * sin[None, :]).to(dt)
-    return o1, o2
-
-
-@triton.jit
-def _attn_item(
-    it, qkv_s, qn_ptr, kn_ptr, pos_ptr, cs_ptr, loc_ptr, pt_ptr, seq_lens_ptr, kc_ptr, vc_ptr,
-    mid_o, mid_lse, attn_s, sync_ptr, eps, scale_log2, stride_cs, stride_slot, stride_head,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, S: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    QK_NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_GQ: tl.constexpr, UPCAST: tl.constexpr,
-):
-    GROUP: tl.constexpr = HQ // HKV
-    HALF: tl.constexpr = D // 2
-    dt = qkv_s.dtype.element_ty
-    kvh = it // S
-    s = it % S
-    kv_len = tl.load(seq_lens_ptr)
-    cur = kv_len - 1  # this step's token
-    per_split = tl.cdiv(tl.cdiv(kv_len, S), BLOCK_N) * BLOCK_N
-    start = s * per_split
-    end = tl.minimum(start + per_split, kv_len)
-    j = tl.arange(0, HALF)
-    d = tl.arange(0, D)
-    g = tl.arange(0, BLOCK_G)
-    gmask = g < GROUP
-    pos = tl.load(pos_ptr).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * stride_cs + j)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + j)
-    q1, q2 = _norm_rope(qkv_s + kvh * GROUP * D, qn_ptr, cos, sin, eps, GROUP, D, HALF, BLOCK_G,
-                        QK_NORM, dt)  # [G, HALF] each
-    k1, k2 = _norm_rope(qkv_s + (HQ + kvh) * D, kn_ptr, cos, sin, eps, 1, D, HALF, 2,
-                        QK_NORM, dt)  # [2, HALF], row 0 real
-    cty = kc_ptr.dtype.element_ty
-    k1c = tl.sum(k1.to(tl.float32), 0).to(cty)  # [HALF] (row 1 is zeros: exact)
-    k2c = tl.sum(k2.to(tl.float32), 0).to(cty)
-    vc = tl.load(qkv_s + (HQ + HKV + kvh) * D + d, cache_modifier=".cg").to(cty)  # [D]
-    if (cur >= start) & (cur < end):  # the split that holds the token stores its K/V
-        loc = tl.load(loc_ptr).to(tl.int64)
-        dst = loc * stride_slot + kvh * stride_head
-        tl.store(kc_ptr + dst + j, k1c)
-        tl.store(kc_ptr + dst + HALF + j, k2c)
-        tl.store(vc_ptr + dst + d, vc)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
-    head_off = kvh * stride_head
-    for n0 in range(start, end, BLOCK_N):
-        p_ = n0 + tl.arange(0, BLOCK_N)
-        nmask = p_ < end
-        page = tl.load(pt_ptr + p_ // PAGE_SIZE, mask=nmask, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + p_ % PAGE_SIZE  # [N]
-        is_cur = p_ == cur  # its K/V come from registers (the store above may not be visible)
-        kb = kc_ptr + slot[None, :] * stride_slot + head_off
-        kt1 = tl.load(kb + j[:, None], mask=nmask[None, :], other=0.0)  # [HALF, N]
-        kt2 = tl.load(kb + HALF + j[:, None], mask=nmask[None, :], other=0.0)
-        kt1 = tl.where(is_cur[None, :], k1c[:, None], kt1)
-        kt2 = tl.where(is_cur[None, :], k2c[:, None], kt2)
-        qk = mma_acc(q2, kt2, mma(q1, kt1, UPCAST), UPCAST)  # [G, N]
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk * scale_log2 - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vv = tl.load(vc_ptr + slot[:, None] * stride_slot + head_off + d[None, :],
-                     mask=nmask[:, None], other=0.0)  # [N, D]
-        vv = tl.where(is_cur[:, None], vc[None, :], vv)
-        acc = mma_acc(p.to(vv.dtype), vv, acc * alpha[:, None], UPCAST)
-        m_i = m_new
-    has = l_i > 0.0
-    heads = kvh * GROUP + g
-    tl.store(mid_o + (heads[:, None] * S + s) * D + d[None, :], acc / tl.where(has, l_i, 1.0)[:, None],
-             mask=gmask[:, None])
-    tl.store(mid_lse + heads * S + s, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")),
-             mask=gmask)
-    # The last split of this kv head to finish combines all S (as the split-K kernel's fused reduce).
-    tl.debug_barrier()
-    cnt = sync_ptr + 8 + kvh
-    if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == S - 1:
-        # All S splits of the group's heads, SC splits per (unrolled) step, so the
-        # loads of every step can be in flight together.
-        SC: tl.constexpr = 4
-        gq = tl.arange(0, BLOCK_GQ)
-        hq2 = kvh * GROUP + gq
-        qm = gq < GROUP
-        ss = tl.arange(0, BLOCK_S)
-        lse = tl.load(mid_lse + hq2[:, None] * S + ss[None, :], mask=qm[:, None] & (ss < S)[None, :],
-                      other=float("-inf"), cache_modifier=".cg")  # [GQ, S]
-        mx = tl.max(lse, 1)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)  # empty sequence: output 0
-        tot = tl.sum(tl.exp2(lse - mx[:, None]), 1)
-        o = tl.zeros([BLOCK_GQ, D], tl.float32)
-        for c in tl.static_range(BLOCK_S // SC):
-            sj = c * SC + tl.arange(0, SC)
-            m2 = qm[:, None] & (sj < S)[None, :]
-            lj = tl.load(mid_lse + hq2[:, None] * S + sj[None, :], mask=m2, other=float("-inf"),
-                         cache_modifier=".cg")  # [GQ, SC]
-            oj = tl.load(mid_o + (hq2[:, None, None] * S + sj[None, :, None]) * D + d[None, None, :],
-                         mask=m2[:, :, None], other=0.0, cache_modifier=".cg")  # [GQ, SC, D]
-            o += tl.sum(oj * tl.exp2(lj - mx[:, None])[:, :, None], 1)
-        o = o / tl.where(tot > 0.0, tot, 1.0)[:, None]
-        tl.store(attn_s + hq2[:, None] * D + d[None, :], o.to(dt), mask=qm[:, None])
-        tl.atomic_xchg(cnt, 0)
-
-
-@triton.jit
-def _topk(logits_s, own_s, E: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-          BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr):
-    """Softmax top-k of the router logits -> (weights [BLOCK_TK] fp32, ids [BLOCK_TK]
-    int32), ordered by weight, lowest expert first on ties (as route_topk). One
-    rank count over an [E, E] comparison instead of k rounds of max.
-
-    The logits are read from L2 once, one per thread, and the probabilities go
-    through this program's own row ``own_s`` to reach the comparison's two
-    layouts: read straight into them, every thread of every program would load
-    E / 4 scalars from the same few L2 lines (17 us of contention, H200)."""
-    e = tl.arange(0, BLOCK_E)
-    em = e < E
-    lg = tl.load(logits_s + e, mask=em, other=float("-inf"), cache_modifier=".cg")
-    p = tl.exp(lg - tl.max(lg, 0))
-    p = tl.where(em, p, 0.0)
-    p = p / tl.sum(p, 0)
-    tl.store(own_s + e, tl.where(em, p, -1.0))
-    tl.debug_barrier()
-    wr = tl.load(own_s + e[None, :])  # [1, E]
-    wc = tl.load(own_s + e[:, None])  # [E, 1]
-    beats = (wr > wc) | ((wr == wc) & (e[None, :] < e[:, None]))
-    rank = tl.sum(beats.to(tl.int32), 1)  # [E]: experts ahead of each
-    kk = tl.arange(0, BLOCK_TK)
-    sel = (rank[None, :] == kk[:, None]) & (kk < TOP_K)[:, None]  # [TK, E]
-    w = tl.sum(tl.where(sel, wr, 0.0), 1)
-    ids = tl.minimum(tl.sum(tl.where(sel, e[None, :], 0), 1), E - 1)
-    if RENORM:
-        w = w / tl.sum(w, 0)
-    return w, ids
-
-
-@triton.jit
-def _pick(vals, kk, j):
-    """vals[j] for a vector of indices j [R] (vals [TK] in registers)."""
-    return tl.sum(tl.where(kk[None, :] == j[:, None], vals[None, :], 0), 1)
 
 
 @triton.jit
@@ -537,6 +268,48 @@ class StepInputs:
     scale: float
 
 
+@dataclass(frozen=True)
+class LayerShape:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    inter: int  # expert intermediate size
+    top_k: int
+    page_size: int
+    qk_norm: bool
+    renormalize: bool
+
+
+def launch_constants(shape: LayerShape, cfg: LayerConfig, grid: int, attn_block_n: int, has_residual: bool,
+                     cuda: bool, timing: bool = False) -> dict[str, object]:
+    """The kernel's constexprs and launch options (all but PHASE) for one layer
+    shape on a grid (tests/test_kernels_sm90_compile.py compiles from these)."""
+    h, hq, hkv, d = shape.hidden, shape.num_heads, shape.num_kv_heads, shape.head_dim
+    e, inter, block_tk = shape.num_experts, shape.inter, triton.next_power_of_2(shape.top_k)
+    splits = max(1, grid // hkv)
+    seg_qkv = _segments(_span_rows((hq + 2 * hkv) * d, grid), h)
+    seg_o = _segments(_span_rows(h, grid), hq * d)
+    return dict(
+        H=h, HQ=hq, HKV=hkv, D=d, E=e, INTER=inter, TOP_K=shape.top_k, PAGE_SIZE=shape.page_size, G=grid,
+        S=splits, HAS_RES=has_residual, QK_NORM=shape.qk_norm, RENORM=shape.renormalize,
+        BLOCK_H=triton.next_power_of_2(h), BLOCK_QO=triton.next_power_of_2(hq * d),
+        BLOCK_I=max(64, triton.next_power_of_2(inter)), BLOCK_E=triton.next_power_of_2(e), BLOCK_TK=block_tk,
+        BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)), BLOCK_N=attn_block_n,
+        BLOCK_S=max(4, triton.next_power_of_2(splits)), BLOCK_GQ=triton.next_power_of_2(hq // hkv),
+        # a program's span of each GEMV phase is at most cdiv(N, grid) rows
+        # (at least 16: tensor-core tiles)
+        ROWS_QKV=_span_rows((hq + 2 * hkv) * d, grid), ROWS_GU=_span_rows(shape.top_k * inter, grid),
+        BLOCK_SPAN_H=_span_rows(h, grid), BLOCK_SPAN_E=_span_rows(e, grid, 1),
+        BK_QKV=_bk(cfg.bk_qkv, h // seg_qkv), BK_O=_bk(cfg.bk_o, hq * d // seg_o), BK_GU=_bk(cfg.bk_gu, h),
+        BK_DN=_bk(cfg.bk_down, inter), SEG_QKV=seg_qkv, SEG_O=seg_o,
+        PREFETCH=cfg.prefetch and cuda, UPCAST=not cuda, SPIN=MAX_SPIN,
+        TIMING=timing, FIXED_TOPK=bool(cfg.fixed_topk),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
 def _span_rows(n: int, grid: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(triton.cdiv(n, grid)))
 
@@ -619,25 +392,11 @@ def decode_layer_triton(
         timing if timing is not None else sync,
         w.eps, step.scale * LOG2E, step.cos_sin.stride(0), step.k_cache.stride(0), step.k_cache.stride(1),
     )
-    seg_qkv = _segments(_span_rows((hq + 2 * hkv) * d, g), h)
-    seg_o = _segments(_span_rows(h, g), hq * d)
-    consts = dict(
-        H=h, HQ=hq, HKV=hkv, D=d, E=e, INTER=inter, TOP_K=w.top_k, PAGE_SIZE=step.page_size, G=g, S=splits,
-        HAS_RES=residual is not None, QK_NORM=w.q_norm is not None, RENORM=w.renormalize,
-        BLOCK_H=triton.next_power_of_2(h), BLOCK_QO=triton.next_power_of_2(hq * d),
-        BLOCK_I=max(64, triton.next_power_of_2(inter)), BLOCK_E=triton.next_power_of_2(e), BLOCK_TK=block_tk,
-        BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)), BLOCK_N=cfg.attn_block_n or AttnKernelConfig.for_device(dev, d).decode_block_n,
-        BLOCK_S=max(4, triton.next_power_of_2(splits)), BLOCK_GQ=triton.next_power_of_2(hq // hkv),
-        # a program's span of each GEMV phase is at most cdiv(N, grid) rows
-        # (at least 16: tensor-core tiles)
-        ROWS_QKV=_span_rows((hq + 2 * hkv) * d, g), ROWS_GU=_span_rows(w.top_k * inter, g),
-        BLOCK_SPAN_H=_span_rows(h, g), BLOCK_SPAN_E=_span_rows(e, g, 1),
-        BK_QKV=_bk(cfg.bk_qkv, h // seg_qkv), BK_O=_bk(cfg.bk_o, hq * d // seg_o), BK_GU=_bk(cfg.bk_gu, h),
-        BK_DN=_bk(cfg.bk_down, inter), SEG_QKV=seg_qkv, SEG_O=seg_o,
-        PREFETCH=cfg.prefetch and not interp and dev.type == "cuda", UPCAST=interp, SPIN=MAX_SPIN,
-        TIMING=timing is not None and not phased, FIXED_TOPK=bool(cfg.fixed_topk),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    shape = LayerShape(h, hq, hkv, d, e, inter, w.top_k, step.page_size, w.q_norm is not None,
+                       w.renormalize)
+    block_n = cfg.attn_block_n or AttnKernelConfig.for_device(dev, d).decode_block_n
+    consts = launch_constants(shape, cfg, g, block_n, residual is not None, cuda=dev.type == "cuda" and not interp,
+                              timing=timing is not None and not phased)
     if phased:
         for phase in range(PHASES):
             _decode_layer_kernel[(g,)](*args, PHASE=phase, **consts)

@@ -20,18 +20,18 @@ from ftserve.server.tool_choice import ForcedCall, forced_text
 
 
 def test_forced_text_per_format() -> None:
-    assert forced_text("hermes", ForcedCall("f")) == '<tool_call>\n{"name": "f", "arguments": '
+    assert forced_text("hermes", ForcedCall("f")) == '<tool_call>\n{"name": "f", "arguments":'
     assert forced_text("hermes", ForcedCall()) == '<tool_call>\n{"name": "'
     assert forced_text("mistral", ForcedCall("get_weather")) == (
-        '[TOOL_CALLS] [{"name": "get_weather", "arguments": ')
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments":')
     assert forced_text("mistral", ForcedCall()) == '[TOOL_CALLS] [{"name": "'
     assert forced_text("hermes", ForcedCall('a"b')).startswith('<tool_call>\n{"name": "a\\"b", ')
 
 
 @pytest.mark.parametrize("fmt,call,output,want", [
-    ("hermes", ForcedCall("ls"), '{"dir": "."}}\n</tool_call>', [("ls", '{"dir": "."}')]),
+    ("hermes", ForcedCall("ls"), ' {"dir": "."}}\n</tool_call>', [("ls", '{"dir": "."}')]),
     ("hermes", ForcedCall(), 'ls", "arguments": {}}</tool_call>', [("ls", "{}")]),
-    ("mistral", ForcedCall("f"), '{"a": [1]}}]', [("f", '{"a": [1]}')]),
+    ("mistral", ForcedCall("f"), ' {"a": [1]}}]', [("f", '{"a": [1]}')]),
     ("mistral", ForcedCall(), 'f"}, {"name": "g", "arguments": {}}]', [("f", "{}"), ("g", "{}")]),
 ])
 def test_forced_text_then_output_parses_as_a_call(fmt: Any, call: ForcedCall, output: str,
@@ -165,6 +165,8 @@ def test_named_function_is_forced(live: Any, script: list[str]) -> None:
     assert whole.usage.prompt_tokens == _tokens(live, {"prompt": rendered + forced,
                                                        "add_special_tokens": False})
     assert whole.usage.prompt_tokens > _tokens(live, {"messages": MSGS, "tools": TOOLS})
+    # /tokenize given the same tool_choice counts the forced text too.
+    assert whole.usage.prompt_tokens == _tokens(live, {"messages": MSGS, "tools": TOOLS, "tool_choice": NAMED})
     assert whole.usage.completion_tokens == len(script)
     final = _streamed(client, req)
     (choice,) = final.choices

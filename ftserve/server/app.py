@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from ftserve.server import tool_choice
 from ftserve.server.completions import chat_completions, completions, read_json
 from ftserve.server.errors import APIError, Handler, bad_request, error_middleware
 from ftserve.server.metrics import CONTENT_TYPE
@@ -103,6 +104,10 @@ async def tokenize(request: web.Request) -> web.Response:
                                              tools, parse_template_kwargs(body))
         except TemplateError as err:
             raise bad_request(f"chat template error: {err}", param="messages") from None
+        forced = tool_choice.forced_call(body, tools)
+        fmt = text.tool_format()
+        if forced is not None and fmt is not None:  # the chat endpoint's prompt carries it too
+            prompt += tool_choice.forced_text(fmt, forced)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

@@ -41,13 +41,14 @@ A forced ``tool_choice`` (tool_choice.py) appends the start of a call to the
 prompt, written as the template renders a call (``FORCED_CALL``: the text up to
 the name, then the text between the name and the arguments value)::
 
-    hermes,  named X:   <tool_call>\\n{"name": "X", "arguments": |
+    hermes,  named X:   <tool_call>\\n{"name": "X", "arguments":|
     hermes,  required:  <tool_call>\\n{"name": "|
-    mistral, named X:   [TOOL_CALLS] [{"name": "X", "arguments": |
+    mistral, named X:   [TOOL_CALLS] [{"name": "X", "arguments":|
     mistral, required:  [TOOL_CALLS] [{"name": "|
 
-(``|`` marks the end; ``\\n`` is a newline). Named: up to the arguments value
-(a space after the colon), which the model writes; required: up to the name's
+(``|`` marks the end; ``\\n`` is a newline). Named: up to the colon before the
+arguments value, which the model writes (with its space: a forced trailing
+space would split the model's usual " {" token); required: up to the name's
 opening quote, the model writes the name. The parser is fed that text and then
 the model's, so a call parses as if the model had written all of it.
 """
@@ -64,8 +65,8 @@ Format = Literal["hermes", "mistral"]
 
 _MARKERS: dict[str, str] = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
 # A call's opening up to its name, and from after the name to the arguments value.
-FORCED_CALL: dict[str, tuple[str, str]] = {"hermes": ('<tool_call>\n{"name": ', ', "arguments": '),
-                                           "mistral": ('[TOOL_CALLS] [{"name": ', ', "arguments": ')}
+FORCED_CALL: dict[str, tuple[str, str]] = {"hermes": ('<tool_call>\n{"name": ', ', "arguments":'),
+                                           "mistral": ('[TOOL_CALLS] [{"name": ', ', "arguments":')}
 _HERMES_CLOSE = "</tool_call>"
 _ALNUM = string.ascii_letters + string.digits
 _WS = " \t\r\n"
