@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import urllib.request
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -112,7 +113,11 @@ def script(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         step = await real(self, timeout)
         if step is None:
             return step
-        rest = left.setdefault(id(self), list(pieces))
+        # Keyed by id() and checked by weak reference: a finished generation's id is
+        # reused by a later one, which must start the script afresh.
+        ref, rest = left.get(id(self), (None, []))
+        if ref is None or ref() is not self:
+            ref, rest = left[id(self)] = (weakref.ref(self), list(pieces))
         text = rest.pop(0) if rest else ""
         if step.finish_reason is not None:
             text += "".join(rest)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -164,7 +165,11 @@ def scripted(monkeypatch: pytest.MonkeyPatch) -> None:
         step = await real(self, timeout)
         if step is None:
             return step
-        rest = left.setdefault(id(self), list(SCRIPT))
+        # Keyed by id() and checked by weak reference: a finished generation's id is
+        # reused by a later one, which must start the script afresh.
+        ref, rest = left.get(id(self), (None, []))
+        if ref is None or ref() is not self:
+            ref, rest = left[id(self)] = (weakref.ref(self), list(SCRIPT))
         text = rest.pop(0) if rest else ""
         if step.finish_reason is not None:
             text += "".join(rest)
