@@ -115,3 +115,40 @@ def test_gpu_decode_layer_kernel_fused(tmp_path: Path, monkeypatch: pytest.Monke
     assert err < 3e-2, err
     for r, o in zip(ref_kv, got_kv):
         torch.testing.assert_close(o.float(), r.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_eligible_only_for_batch_one_resident_unobserved_layers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-launch layer is taken only when switched on, for a one-token decode
+    on the Triton kernels and the Triton attention backend, with resident experts
+    and no router hooks; everything else keeps the unfused layer."""
+    from ftserve.models import fused_layer
+
+    write_checkpoint("tiny-moe", tmp_path, seed=5, dtype="float32")
+    model, cfg = load_model(tmp_path, dtype="float32", device="cpu")
+    pool = KVPool(cfg.num_layers, 24, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    layer = model.layers[0]
+    one = build_forward_batch([[7]], [5], [[2, 3]], pool, TritonAttentionBackend(), is_decode=True)
+    two = build_forward_batch([[7], [8]], [5, 5], [[2, 3], [4, 5]], pool, TritonAttentionBackend(), is_decode=True)
+    torch_attn = build_forward_batch([[7]], [5], [[2, 3]], pool, TorchAttentionBackend(), is_decode=True)
+    x1, x2 = torch.zeros(1, cfg.hidden_size), torch.zeros(2, cfg.hidden_size)
+    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
+    monkeypatch.setenv("FTSERVE_DECODE_LAYER_KERNEL", "1")
+    assert fused_layer.eligible(layer, x1, one, model.cos_sin)
+    assert not fused_layer.eligible(layer, x2, two, model.cos_sin)  # two tokens
+    assert not fused_layer.eligible(layer, x1, torch_attn, model.cos_sin)  # another attention backend
+    handle = layer.mlp.gate.register_forward_hook(lambda *a: None)  # someone observes the router
+    assert not fused_layer.eligible(layer, x1, one, model.cos_sin)
+    handle.remove()
+    layer.mlp.expert_compute = lambda x, w, i: x  # an expert cache's slots, not resident weights
+    assert not fused_layer.eligible(layer, x1, one, model.cos_sin)
+    layer.mlp.expert_compute = None
+    fp8 = KVPool(cfg.num_layers, 24, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.float8_e4m3fn, "cpu")
+    fp8_step = build_forward_batch([[7]], [5], [[2, 3]], fp8, TritonAttentionBackend(), is_decode=True)
+    assert not fused_layer.eligible(layer, x1, fp8_step, model.cos_sin)  # fp8 pages and their scales
+    monkeypatch.setenv("FTSERVE_KERNELS", "torch")
+    assert not fused_layer.eligible(layer, x1, one, model.cos_sin)  # the torch reference path
+    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
+    monkeypatch.setenv("FTSERVE_DECODE_LAYER_KERNEL", "0")
+    assert not fused_layer.eligible(layer, x1, one, model.cos_sin)  # switched off
