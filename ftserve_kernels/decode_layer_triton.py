@@ -347,6 +347,7 @@ def decode_layer_triton(
     phased: bool | None = None,  # six launches, no barrier (default: under the interpreter)
     grid: int | None = None,
     timing: torch.Tensor | None = None,  # int64 [grid, 16]: each program's phase timestamps (fused, CUDA)
+    info: dict[str, object] | None = None,  # receives the fused launch's compiled kernel ("kernel")
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (the layer's MoE output [1, H], its residual x + r + attention [1, H])."""
     cfg = cfg or LayerConfig()
@@ -360,8 +361,6 @@ def decode_layer_triton(
     assert step.k_cache.dtype == x.dtype and step.k_cache.stride() == step.v_cache.stride()
     assert sync.numel() >= SYNC_HEAD + hkv
     dev = x.device
-    if timing is None:
-        timing = timing_buffer
     interp = interpreting()
     phased = interp if phased is None else phased
     g = grid or num_programs(dev) * (cfg.programs_per_sm if dev.type == "cuda" else 1)
@@ -402,20 +401,12 @@ def decode_layer_triton(
             _decode_layer_kernel[(g,)](*args, PHASE=phase, **consts)
     else:
         kern = _decode_layer_kernel[(g,)](*args, PHASE=-1, **consts)
-        _LAST["kernel"] = kern
+        if info is not None:
+            info["kernel"] = kern
     return out, res
 
 
-_LAST: dict[str, object] = {}
-# Diagnostics hook for tools (bench_decode_layer_kernel --timing): when set, every
-# fused launch writes its programs' phase timestamps here (int64 [grid, 16]).
-timing_buffer: torch.Tensor | None = None
-
-
-def last_compiled() -> dict[str, int] | None:
-    """Registers, spills and shared memory of the last fused launch's compiled
-    kernel (tools/bench_decode_layer_kernel reports them), None before one."""
-    kern = _LAST.get("kernel")
-    if kern is None:
-        return None
+def compiled_stats(kern: object) -> dict[str, int]:
+    """Registers, spills and shared memory of a compiled fused launch (the
+    ``info["kernel"]`` of decode_layer_triton; tools/bench_decode_layer_kernel)."""
     return {name: int(getattr(kern, name, -1) or 0) for name in ("n_regs", "n_spills", "shared")}

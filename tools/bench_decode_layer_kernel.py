@@ -65,18 +65,19 @@ STAMPS = ["A work", "A barrier", "B work", "B barrier", "C work", "C barrier", "
           "D barrier", "E work", "E barrier", "F work"]
 
 
-def phase_times(layers: Any, programs_per_sm: int) -> dict[str, float]:
+def phase_times(model: Any, layers: Any, programs_per_sm: int) -> dict[str, float]:
     """One eager pass with timestamps (the last layer's launch): each phase's work
     (last program done minus last program released into it) and each barrier
     (last release minus last arrival), in microseconds."""
     grid = dl.num_programs(torch.device("cuda")) * programs_per_sm
-    dl.timing_buffer = torch.zeros(grid, 16, dtype=torch.int64, device="cuda")
+    last = model.layers[-1]
+    last.fused_timing = torch.zeros(grid, 16, dtype=torch.int64, device="cuda")
     try:
         layers()
         torch.cuda.synchronize()
-        tm = dl.timing_buffer.double()
+        tm = last.fused_timing.double()
     finally:
-        dl.timing_buffer = None
+        del last.fused_timing
     latest = tm[:, :12].max(0).values
     start = float(tm[:, 0].min())
     out: dict[str, float] = {"first program late": float(latest[0] - start) / 1e3}
@@ -141,11 +142,11 @@ def bench_context(model: Any, cfg: Any, backend: Any, context: int, args: argpar
                 point["rel_err"] = float((got - ref).norm() / ref.norm())
                 syncs = [layer._fused_sync.tolist() for layer in model.layers]
                 point["sync_clean"] = all(not any(s) for s in syncs)
-                kern = dl.last_compiled()
+                kern = model.layers[0].fused_info.get("kernel")
                 if kern is not None:
-                    point.update(kern)
+                    point.update(dl.compiled_stats(kern))
                 if args.timing:
-                    point["phases_us"] = phase_times(layers, parse_config(text).get("programs_per_sm", 1))
+                    point["phases_us"] = phase_times(model, layers, parse_config(text).get("programs_per_sm", 1))
                 if point["rel_err"] > 5e-2 or not point["sync_clean"]:
                     point["failed"] = f"check: err {point['rel_err']:.3g}, sync {syncs[0]}"
                 else:
@@ -167,6 +168,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = write_model_config(args.preset, tempfile.mkdtemp(prefix="ftserve_dlk_"), layers=args.layers,
                                    max_position_embeddings=max(args.contexts) + 64)
     model, cfg = load_model(model_dir, dtype="bfloat16", device="cuda", load_format="dummy")
+    for layer in model.layers:
+        layer.fused_info = {}  # receives each fused launch's compiled kernel (registers, spills)
     backend = TritonAttentionBackend()
     deadline = time.perf_counter() + args.budget_s
     for context in args.contexts:

@@ -74,4 +74,8 @@ def forward(
         page_size=meta.page_size, scale=scale if scale is not None else attn.head_dim ** -0.5,
     )
     cfg = dataclasses.replace(dl.LayerConfig(), **envs.decode_layer_config())
-    return dl.decode_layer_triton(x, residual, weights, step, sync, cfg)
+    # Diagnostics a tool may hang on the layer (tools/bench_decode_layer_kernel):
+    # a timestamp buffer to fill, and a dict that receives the compiled kernel.
+    return dl.decode_layer_triton(x, residual, weights, step, sync, cfg,
+                                  timing=getattr(layer, "fused_timing", None),
+                                  info=getattr(layer, "fused_info", None))
