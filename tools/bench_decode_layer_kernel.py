@@ -3,7 +3,8 @@
 graph replay time per layer and as a fraction of the layer's HBM roofline
 (its bytes over the copy bandwidth measured in the same run).
 
-Usage (CUDA only):
+Usage (`--smoke`: tiny-moe on the CPU, the fused layer interpreted phase by
+phase, for CI; otherwise CUDA):
     python -m tools.bench_decode_layer_kernel --contexts 2048,32768 \
         --configs "default;prefetch=0;r_qkv=16,r_o=8" --out bench_decode_layer_kernel.json
 
@@ -35,6 +36,7 @@ from tools.bench_common import (
     measure_copy_gbps,
     median_time,
     say,
+    sync,
     write_model_config,
 )
 
@@ -90,10 +92,11 @@ def phase_times(model: Any, layers: Any, programs_per_sm: int) -> dict[str, floa
 def bench_context(model: Any, cfg: Any, backend: Any, context: int, args: argparse.Namespace,
                   results: dict[str, Any], deadline: float) -> None:
     """The unfused layers, then each fused config, at one context length."""
-    device = torch.device("cuda")
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
     pages = [list(range(1, context // PAGE + 3))]
     pool = KVPool(cfg.num_layers, pages[0][-1] + 1, PAGE, cfg.num_kv_heads, cfg.head_dim,
-                  torch.bfloat16, "cuda")
+                  model.embed_tokens.weight.dtype, device)
     for t in (*pool.k, *pool.v):
         t.normal_(0.0, 1.0)
     step = build_forward_batch([[11]], [context - 1], pages, pool, backend, is_decode=True)
@@ -107,7 +110,14 @@ def bench_context(model: Any, cfg: Any, backend: Any, context: int, args: argpar
         assert r is not None
         return x + r
 
-    def graph_of() -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def timed_layers() -> float:
+        """Seconds per layer: graph replay on CUDA, eager calls (interpreted) on the CPU."""
+        if not cuda:
+            return median_time(layers, device, args.iters, warmup=1) / cfg.num_layers
+        g = graph_of()
+        return median_time(g.replay, device, args.iters, warmup=3) / cfg.num_layers
+
+    def graph_of() -> torch.cuda.CUDAGraph:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -115,13 +125,12 @@ def bench_context(model: Any, cfg: Any, backend: Any, context: int, args: argpar
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            out = layers()
-        return g, out
+            layers()
+        return g
 
     with torch.no_grad(), env_applied({"FTSERVE_DECODE_LAYER_KERNEL": "0"}):
         ref = layers().float()
-        g, _ = graph_of()
-        t = median_time(g.replay, device, args.iters, warmup=3) / cfg.num_layers
+        t = timed_layers()
     point = {"context": context, "config": "unfused", "us_per_layer": t * 1e6,
              "of_roofline": roof_us / (t * 1e6), "roofline_us": roof_us}
     results["points"].append(point)
@@ -132,12 +141,14 @@ def bench_context(model: Any, cfg: Any, backend: Any, context: int, args: argpar
             break
         env = {"FTSERVE_DECODE_LAYER_KERNEL": "1", "FTSERVE_DECODE_LAYER_CFG": ",".join(
             f"{k}={v}" for k, v in parse_config(text).items())}
+        if not cuda:
+            env["FTSERVE_KERNELS"] = "triton"  # the interpreter (the unfused reference stays torch)
         point = {"context": context, "config": text}
         try:
             with torch.no_grad(), env_applied(env):
                 t0 = time.perf_counter()
                 got = layers().float()
-                torch.cuda.synchronize()
+                sync(device)
                 point["first_call_s"] = time.perf_counter() - t0
                 point["rel_err"] = float((got - ref).norm() / ref.norm())
                 syncs = [layer._fused_sync.tolist() for layer in model.layers]
@@ -145,13 +156,12 @@ def bench_context(model: Any, cfg: Any, backend: Any, context: int, args: argpar
                 kern = model.layers[0].fused_info.get("kernel")
                 if kern is not None:
                     point.update(dl.compiled_stats(kern))
-                if args.timing:
+                if args.timing and cuda:
                     point["phases_us"] = phase_times(model, layers, parse_config(text).get("programs_per_sm", 1))
                 if point["rel_err"] > 5e-2 or not point["sync_clean"]:
                     point["failed"] = f"check: err {point['rel_err']:.3g}, sync {syncs[0]}"
                 else:
-                    g, _ = graph_of()
-                    t = median_time(g.replay, device, args.iters, warmup=3) / cfg.num_layers
+                    t = timed_layers()
                     point.update(us_per_layer=t * 1e6, of_roofline=roof_us / (t * 1e6))
         except Exception as exc:  # a config that does not compile or launch
             point["failed"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -160,21 +170,25 @@ def bench_context(model: Any, cfg: Any, backend: Any, context: int, args: argpar
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    device = torch.device("cuda")
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here; `--smoke` runs the CPU version")
     results: dict[str, Any] = {"machine": machine_info(device), "args": vars(args), "points": []}
-    copy = measure_copy_gbps(device)
+    copy = measure_copy_gbps(device, nbytes=(64 << 20) if args.smoke else (2 << 30))
     results["copy_gbps"] = copy["gbps_read_plus_write"]
     say(f"copy {copy['gbps_read_plus_write']:.0f} GB/s")
     model_dir = write_model_config(args.preset, tempfile.mkdtemp(prefix="ftserve_dlk_"), layers=args.layers,
                                    max_position_embeddings=max(args.contexts) + 64)
-    model, cfg = load_model(model_dir, dtype="bfloat16", device="cuda", load_format="dummy")
+    model, cfg = load_model(model_dir, dtype="float32" if args.smoke else "bfloat16", device=device,
+                            load_format="dummy")
     for layer in model.layers:
         layer.fused_info = {}  # receives each fused launch's compiled kernel (registers, spills)
     backend = TritonAttentionBackend()
     deadline = time.perf_counter() + args.budget_s
     for context in args.contexts:
         bench_context(model, cfg, backend, context, args, results, deadline)
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return results
 
 
@@ -189,7 +203,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--timing", action="store_true", help="per-phase times of each fused config (one eager pass)")
     p.add_argument("--budget-s", type=float, default=150.0)
     p.add_argument("--out", default="bench_decode_layer_kernel.json")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny-moe on the CPU, the fused layer interpreted phase by phase (<30 s)")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.preset, args.layers, args.contexts, args.iters = "tiny-moe", 2, [40], 1
+        args.configs = "default"
     results = run(args)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
