@@ -103,7 +103,10 @@ def test_bad_json_and_shapes(live: Live) -> None:
     assert_error(call(live, "/v1/completions", {"prompt": [1, "a"]}), 400, param="prompt")
     assert_error(call(live, "/v1/completions", {"prompt": [live.engine.vocab_size]}), 400,
                  param="prompt")
-    assert_error(call(live, "/v1/completions", {"prompt": "x", "echo": True}), 400, param="echo")
+    # echo is supported, but not with logprobs: the engine computes no prompt logprobs.
+    assert_error(call(live, "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}), 400,
+                 param="echo")
+    assert_error(call(live, "/v1/completions", {"prompt": [[1], [1, "a"]]}), 400, param="prompt")
 
 
 def test_unknown_fields_are_ignored(live: Live) -> None:

@@ -11,7 +11,7 @@ import orjson
 from aiohttp import web
 
 from ftserve.engine.messages import TokenLogprob
-from ftserve.server import reasoning, sse, tool_calls, tool_choice
+from ftserve.server import batch, reasoning, sse, tool_calls, tool_choice
 from ftserve.server import responses as R
 from ftserve.server.errors import APIError, bad_request
 from ftserve.server.generation import EngineRequestError, Generation, Step
@@ -55,7 +55,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # Off under a forced call: the output continues the call, not a reasoning block.
     think = (reasoning.opens_in_prompt(prompt) if state.cfg.reasoning_parser != "none"
              and text.marks_reasoning() and not forced else None)
-    return await _run(request, state, parsed, ids, arrival, "chatcmpl-", think, forced)
+    return await _run(request, state, parsed, [ids], arrival, "chatcmpl-", think, forced)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -65,46 +65,45 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.check_model(parsed.model)
     engine, text = state.ready()
     state.check_queue(engine)
-    if parsed.prompt_ids is not None:
-        ids = parsed.prompt_ids
-        bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"prompt token id {bad} is out of range [0, {engine.vocab_size})",
-                              param="prompt")
-    else:
-        assert parsed.prompt_text is not None
-        ids = await text.encode_async(parsed.prompt_text, add_special_tokens=True)
-        if not ids:
-            raise bad_request("the prompt encodes to zero tokens", param="prompt")
-    return await _run(request, state, parsed, ids, arrival, "cmpl-")
+    prompts = await batch.encode_prompts(parsed, engine, text)  # a batch: prompt_index * n + j
+    return await _run(request, state, parsed, prompts, arrival, "cmpl-",
+                      heads=batch.echo_heads(parsed, text))
 
 
 async def _run(
     request: web.Request,
     state: ServerState,
     parsed: ParsedRequest,
-    ids: list[int],
+    prompts: list[list[int]],
     arrival: float,
     prefix: str,
     think: bool | None = None,
     forced: str = "",
+    heads: list[str] | None = None,
 ) -> web.StreamResponse:
     engine, text = state.ready()
-    params = parsed.build_params(len(ids), engine.max_model_len, engine.vocab_size)
+    # Every prompt is checked before anything is submitted (batch.py).
+    params = batch.build_all(parsed, prompts, engine)
     rid = prefix + uuid.uuid4().hex
-    # One engine request per choice (n > 1: ids rid-0, rid-1, ...; the response keeps rid).
-    # The engine prefills the shared prompt once: the other choices wait for choice 0's
-    # prefill and reuse its pages (engine/prefix_sharing.py).
+    # One engine request per choice (more than one: ids rid-0, rid-1, ... in choice order,
+    # prompt_index * n + j; the response keeps rid). The engine prefills a shared prompt
+    # once: the other choices wait for choice 0's prefill and reuse its pages
+    # (engine/prefix_sharing.py).
     gens: list[Generation] = []
+    one = len(prompts) * parsed.n == 1
     try:
-        for i in range(parsed.n):
-            detok = text.detokenizer(ids, parsed.stop, parsed.skip_special_tokens)
-            gid = rid if parsed.n == 1 else f"{rid}-{i}"
-            gens.append(Generation(engine, state.tracker, state.metrics, gid, ids,
-                                   parsed.choice_params(params, i), detok, arrival))
+        for p, ids in enumerate(prompts):
+            for i in range(parsed.n):
+                detok = text.detokenizer(ids, parsed.stop, parsed.skip_special_tokens)
+                gid = rid if one else f"{rid}-{p * parsed.n + i}"
+                gens.append(Generation(engine, state.tracker, state.metrics, gid, ids,
+                                       parsed.choice_params(params[p], i), detok, arrival))
+        # echo: each choice's text starts with its prompt's.
+        per_choice = [h for h in heads for _ in range(parsed.n)] if heads else None
         if parsed.stream:
-            return await _stream(request, state, parsed, rid, gens, text, think, forced)
-        return await _collect(state, parsed, rid, gens, text, think, forced)
+            return await _stream(request, state, parsed, rid, gens, text, think, forced,
+                                 per_choice)
+        return await _collect(state, parsed, rid, gens, text, think, forced, per_choice)
     finally:
         for gen in gens:
             gen.close()  # a cancelled handler (client gone) aborts the engine requests here
@@ -116,15 +115,9 @@ def _engine_error(state: ServerState, err: EngineRequestError) -> APIError:
     return bad_request(str(err), code="request_rejected")
 
 
-def _usage(gens: list[Generation]) -> dict[str, Any]:
-    """The prompt counts once however many choices share it."""
-    return R.usage(gens[0].prompt_tokens, sum(g.completion_tokens for g in gens),
-                   max(g.cached_tokens for g in gens))
-
-
 async def _collect(
     state: ServerState, parsed: ParsedRequest, rid: str, gens: list[Generation], text: TextCodec,
-    think: bool | None, forced: str = "",
+    think: bool | None, forced: str = "", heads: list[str] | None = None,
 ) -> web.Response:
     created = int(time.time())
     choices: list[dict[str, Any]] = []
@@ -163,13 +156,15 @@ async def _collect(
                 message["reasoning_content"] = thought
                 message["content"] = message["content"] or None
         else:
-            logprobs = (R.completion_logprobs(lps, text.token_text, 0)
+            head = heads[index] if heads else ""
+            content = head + content
+            logprobs = (R.completion_logprobs(lps, text.token_text, len(head))
                         if parsed.logprobs is not None else None)
             body = R.completion_response(rid, created, state.model_name, content, reason,
                                          {}, logprobs, tok_ids, prompt_ids)
         choices.append({**body["choices"][0], "index": index})
     body["choices"] = choices
-    body["usage"] = _usage(gens)
+    body["usage"] = batch.usage(gens, parsed.n)
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
@@ -187,16 +182,17 @@ def with_tool_calls(choice: dict[str, Any], content: str, fmt: tool_calls.Format
 
 class _ChoiceChunks:
     """SSE chunks of one choice: its completion text offset (logprobs) and, for
-    completions, prompt_token_ids on its first chunk."""
+    completions, prompt_token_ids and the echoed prompt text on its first chunk."""
 
     def __init__(self, parsed: ParsedRequest, rid: str, created: int, model: str,
                  gen: Generation, index: int, text: TextCodec, think: bool | None,
-                 forced: str = "") -> None:
+                 forced: str = "", head: str = "") -> None:
         self.chat = parsed.kind == "chat"
         self.rid, self.created, self.model, self.index = rid, created, model, index
         self.gen, self.text = gen, text
         self.prompt_ids_pending = parsed.return_token_ids and not self.chat
         self.text_offset = 0
+        self.head = head  # echo: the prompt's text, sent with the first chunk
         fmt = text.tool_format() if parsed.tools else None
         # With tools, content passes through a filter that turns tool calls into
         # tool_calls deltas; before it, reasoning is split off where the template marks it.
@@ -239,6 +235,8 @@ class _ChoiceChunks:
                 delta["content"] = step_text
             return self._indexed(R.chat_chunk(self.rid, self.created, self.model, delta, reason,
                                               lp_obj, ids))
+        if self.head:
+            step_text, self.head, self.text_offset = self.head + step_text, "", len(self.head)
         lp_obj = R.completion_logprobs(lp, self.text.token_text, self.text_offset) if lp else None
         self.text_offset += len(step_text)
         p_ids = self.gen.prompt_ids if self.prompt_ids_pending else None
@@ -266,12 +264,13 @@ async def _stream(
     text: TextCodec,
     think: bool | None,
     forced: str = "",
+    heads: list[str] | None = None,
 ) -> web.StreamResponse:
     model, created = state.model_name, int(time.time())
     chat = parsed.kind == "chat"
     want_ids = parsed.return_token_ids
-    streams = [_ChoiceChunks(parsed, rid, created, model, g, i, text, think, forced)
-               for i, g in enumerate(gens)]
+    streams = [_ChoiceChunks(parsed, rid, created, model, g, i, text, think, forced,
+                             heads[i] if heads else "") for i, g in enumerate(gens)]
     resp = await sse.open_stream(request)
     # Every choice's steps go through one queue, in the order they arrive.
     merged: asyncio.Queue[tuple[int, Step | EngineRequestError]] = asyncio.Queue()
@@ -324,7 +323,7 @@ async def _stream(
                 await resp.write(sse.frame(st.chunk("", reason, None, [] if want_ids else None)))
         if parsed.include_usage and not failed:
             obj = "chat.completion.chunk" if chat else "text_completion"
-            await resp.write(sse.frame(R.usage_chunk(rid, created, model, obj, _usage(gens))))
+            await resp.write(sse.frame(R.usage_chunk(rid, created, model, obj, batch.usage(gens, parsed.n))))
         await resp.write(sse.DONE)
         await resp.write_eof()
     except ConnectionError:

@@ -21,7 +21,7 @@ from ftserve.server.tool_choice import ForcedCall, _tool_calls, forced_call, par
 _MISSING: Any = object()
 _I32 = 2**31 - 1
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_CHOICES = 16  # n: each choice is its own engine request (its own KV and batch slot)
+MAX_CHOICES = 16  # prompts x n: each choice is its own engine request (its own KV and batch slot)
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,8 @@ class ParsedRequest:
     kind: Literal["chat", "completion"]
     model: str | None
     messages: list[dict[str, Any]] | None = None  # chat: {"role", "content"} (+ tool fields)
-    prompt_text: str | None = None  # completion with a string prompt
-    prompt_ids: list[int] | None = None  # completion with token ids
+    prompts: tuple[str | list[int], ...] = ()  # completion: strings or token ids, a batch of 1+
+    echo: bool = False  # completion: each choice's text starts with its prompt's
     add_generation_prompt: bool = True
     stream: bool = False
     include_usage: bool = False
@@ -344,35 +344,47 @@ def parse_chat(raw: Any) -> ParsedRequest:
 # --- completions ---------------------------------------------------------------------
 
 
+def _prompts(body: dict[str, Any]) -> tuple[str | list[int], ...]:
+    """A string, a list of ids, or a batch: a list of strings or a list of id lists."""
+    prompt = _get(body, "prompt")
+    if prompt is _MISSING:
+        raise bad_request("'prompt' is required", param="prompt")
+    if isinstance(prompt, str):
+        return (prompt,)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return tuple(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        batch = tuple(_token_ids(p, "prompt") for p in prompt)
+    else:  # one list of ids; anything else (a mix of strings and lists, ...) is a 400 here
+        batch = (_token_ids(prompt, "prompt"),)
+    empty = next((i for i, ids in enumerate(batch) if not ids), None)
+    if empty is not None:
+        where = f"prompt[{empty}]" if len(batch) > 1 else "prompt"
+        raise bad_request(f"'{where}' must not be empty", param="prompt")
+    return batch
+
+
 def parse_completion(raw: Any) -> ParsedRequest:
     body = _require_object(raw)
-    if _bool(body, "echo", False):
-        raise unsupported("echo")
     if _get(body, "suffix") is not _MISSING:
         raise unsupported("suffix")
     if _int(body, "best_of", lo=1) not in (_MISSING, 1):
         raise unsupported("best_of", "> 1 is not supported")
-    prompt = _get(body, "prompt")
-    if prompt is _MISSING:
-        raise bad_request("'prompt' is required", param="prompt")
-    # A one-element batch is accepted; more than one would need n-way responses.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    text: str | None = None
-    ids: list[int] | None = None
-    if isinstance(prompt, str):
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        raise unsupported("prompt", "batches of more than one prompt are not supported")
-    else:
-        ids = _token_ids(prompt, "prompt")
-        if not ids:
-            raise bad_request("'prompt' must not be empty", param="prompt")
+    prompts = _prompts(body)
+    common = _common(body)
+    if len(prompts) * common["n"] > MAX_CHOICES:
+        raise bad_request(f"{len(prompts)} prompts x n={common['n']} is more than {MAX_CHOICES} "
+                          "choices", param="n" if common["n"] > 1 else "prompt")
     logprobs = _int(body, "logprobs", lo=0, hi=20)
+    echo = _bool(body, "echo", False)
+    if echo and logprobs is not _MISSING:
+        # The engine computes logprobs of sampled tokens only, not of the prompt's.
+        raise unsupported("echo", "with 'logprobs' is not supported: the engine does not "
+                          "compute prompt logprobs")
     return ParsedRequest(
         kind="completion",
-        prompt_text=text,
-        prompt_ids=ids,
+        prompts=prompts,
+        echo=echo,
         logprobs=None if logprobs is _MISSING else logprobs,
-        **_common(body),
+        **common,
     )

@@ -1,0 +1,78 @@
+"""/v1/completions prompt batches and echo, as OpenAI and vLLM do them.
+
+A batch of P prompts with n choices each is P x n engine requests (at most
+MAX_CHOICES); choice index = prompt_index * n + j. Every prompt is encoded and
+validated (ids in range, not empty, fits the context) before any is submitted, so a
+bad batch is a 400 naming the prompt index and leaves nothing running. With
+``echo`` each choice's text starts with its prompt's text (a string prompt as sent,
+token ids decoded). echo with logprobs is refused by the parser: the engine computes
+logprobs of sampled tokens only, never of prompt tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ftserve.engine.sampling_params import SamplingParams
+from ftserve.server import responses as R
+from ftserve.server.errors import APIError, bad_request
+from ftserve.server.generation import Generation
+from ftserve.server.protocol import ParsedRequest
+from ftserve.server.state import EngineAPI
+from ftserve.server.text import TextCodec
+
+
+def _where(index: int, count: int) -> str:
+    return f"prompt[{index}]: " if count > 1 else ""
+
+
+async def encode_prompts(parsed: ParsedRequest, engine: EngineAPI,
+                         text: TextCodec) -> list[list[int]]:
+    """Each prompt of a completion request as token ids, checked; errors name the index."""
+    count = len(parsed.prompts)
+    out: list[list[int]] = []
+    for i, prompt in enumerate(parsed.prompts):
+        if isinstance(prompt, str):
+            ids = await text.encode_async(prompt, add_special_tokens=True)
+            if not ids:
+                raise bad_request(f"{_where(i, count)}the prompt encodes to zero tokens",
+                                  param="prompt")
+        else:
+            ids = prompt
+            bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
+            if bad is not None:
+                raise bad_request(f"{_where(i, count)}prompt token id {bad} is out of range "
+                                  f"[0, {engine.vocab_size})", param="prompt")
+        out.append(ids)
+    return out
+
+
+def echo_heads(parsed: ParsedRequest, text: TextCodec) -> list[str] | None:
+    """With echo: each prompt's text (token ids decoded), else None."""
+    if not parsed.echo:
+        return None
+    return [p if isinstance(p, str) else text.decode(p, parsed.skip_special_tokens)
+            for p in parsed.prompts]
+
+
+def build_all(parsed: ParsedRequest, prompts: list[list[int]],
+              engine: EngineAPI) -> list[SamplingParams]:
+    """Sampling params per prompt; a prompt too long for the context is a 400 naming its index."""
+    out: list[SamplingParams] = []
+    for i, ids in enumerate(prompts):
+        try:
+            out.append(parsed.build_params(len(ids), engine.max_model_len, engine.vocab_size))
+        except APIError as err:
+            if len(prompts) == 1 or err.param != "prompt":
+                raise
+            raise APIError(err.status, _where(i, len(prompts)) + err.message,
+                           err_type=err.err_type, param=err.param, code=err.code) from None
+    return out
+
+
+def usage(gens: list[Generation], n: int) -> dict[str, Any]:
+    """Each prompt counts once however many choices share it; prompts add up."""
+    groups = [gens[i:i + n] for i in range(0, len(gens), n)]
+    return R.usage(sum(g[0].prompt_tokens for g in groups),
+                   sum(g.completion_tokens for g in gens),
+                   sum(max(g.cached_tokens for g in group) for group in groups))

@@ -1,0 +1,186 @@
+"""/v1/completions prompt batches and echo, through the official client against a real
+server (real engine, demo model)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from tests.server_harness import Live, start_live, stop_live
+
+PROMPTS = ["Once upon a time", "The dragon said to the knight", "In a quiet village by the sea"]
+GREEDY: dict[str, Any] = dict(model="ftserve-demo", max_tokens=5, temperature=0, seed=3,
+                              extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[Live]:
+    server = start_live()
+    yield server
+    stop_live(server)
+
+
+@pytest.fixture(scope="module")
+def client(live: Live) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _cold(live: Live) -> None:
+    """Empty the prefix cache: a hit changes prefill shapes, and with random demo
+    weights near-tied logits can then flip a greedy choice."""
+    assert live.engine.reset_prefix_cache()
+
+
+def _singles(live: Live, client: openai.OpenAI, prompts: list[Any]) -> list[Any]:
+    out = []
+    for p in prompts:
+        _cold(live)
+        out.append(client.completions.create(prompt=p, **GREEDY))
+    return out
+
+
+def test_batch_whole(live: Live, client: openai.OpenAI) -> None:
+    singles = _singles(live, client, PROMPTS)
+    _cold(live)
+    r = client.completions.create(prompt=PROMPTS, n=2, **GREEDY)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [s.choices[0].text for s in singles for _ in range(2)]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    # Each prompt counts once (as with n > 1), the prompts add up.
+    assert r.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert r.usage.completion_tokens == 30
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 30
+    # Token-id prompts: the same batch as lists of ids.
+    ids = [[1, 42, 7, 99], [5, 6, 7, 8, 9], [300, 12]]
+    singles = _singles(live, client, ids)
+    _cold(live)
+    r = client.completions.create(prompt=ids, n=2, **GREEDY)
+    assert [c.text for c in r.choices] == [s.choices[0].text for s in singles for _ in range(2)]
+    assert r.usage.prompt_tokens == 11
+    live.wait_idle()
+
+
+def test_batch_streamed(live: Live, client: openai.OpenAI) -> None:
+    singles = _singles(live, client, PROMPTS)
+    _cold(live)
+    stream = client.completions.create(prompt=PROMPTS, n=2, stream=True,
+                                       stream_options={"include_usage": True}, **GREEDY)
+    texts, reasons = [""] * 6, [None] * 6
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage
+            continue
+        (c,) = chunk.choices  # each chunk carries one choice and its index
+        assert reasons[c.index] is None, "nothing after a choice's finish chunk"
+        texts[c.index] += c.text
+        reasons[c.index] = c.finish_reason
+    assert reasons == ["length"] * 6
+    assert texts == [s.choices[0].text for s in singles for _ in range(2)]
+    assert usage is not None and usage.completion_tokens == 30
+    assert usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    live.wait_idle()
+
+
+def test_echo(live: Live, client: openai.OpenAI) -> None:
+    prompt = PROMPTS[1]
+    _cold(live)
+    plain = client.completions.create(prompt=prompt, **GREEDY).choices[0].text
+    _cold(live)
+    r = client.completions.create(prompt=prompt, echo=True, **GREEDY)
+    assert r.choices[0].text == prompt + plain
+    ids = live.call(live.text.encode_async("a cat sat on the mat", False))
+    decoded = live.text.decode(ids)
+    assert "cat sat" in decoded
+    _cold(live)
+    plain = client.completions.create(prompt=ids, **GREEDY).choices[0].text
+    _cold(live)
+    r = client.completions.create(prompt=ids, echo=True, **GREEDY)
+    assert r.choices[0].text == decoded + plain
+    # A batch with n = 2: each choice starts with its own prompt, whole and streamed.
+    batch: list[Any] = [prompt, "Hello"]
+    whole = client.completions.create(prompt=batch, n=2, echo=True, **GREEDY)
+    assert [c.text[:len(batch[c.index // 2])] for c in whole.choices] == [
+        prompt, prompt, "Hello", "Hello"]
+    first: dict[int, str] = {}
+    texts = [""] * 4
+    for chunk in client.completions.create(prompt=batch, n=2, echo=True, stream=True, **GREEDY):
+        (c,) = chunk.choices
+        first.setdefault(c.index, c.text)
+        texts[c.index] += c.text
+    assert [first[i].startswith(batch[i // 2]) for i in range(4)] == [True] * 4
+    assert all(texts[i].startswith(batch[i // 2]) and len(texts[i]) > len(batch[i // 2])
+               for i in range(4))
+    # The engine computes no prompt logprobs: echo with logprobs is a 400 naming echo.
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(prompt=prompt, echo=True, logprobs=1, **GREEDY)
+    assert err.value.param == "echo"
+    live.wait_idle()
+
+
+def test_bad_batches_are_400s_and_submit_nothing(live: Live, client: openai.OpenAI,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    limit, vocab = live.engine.max_model_len, live.engine.vocab_size
+    submitted: list[Any] = []
+    real = live.engine.submit
+    monkeypatch.setattr(live.engine, "submit", lambda req: (submitted.append(req), real(req)))
+    cases: list[tuple[dict[str, Any], str, str | None]] = [
+        ({"prompt": [[1, 2], []]}, "prompt", "prompt[1]"),
+        ({"prompt": [[1, 2], [3, vocab]]}, "prompt", "prompt[1]"),
+        ({"prompt": ["fine", [1, 2]]}, "prompt", None),
+        ({"prompt": [[1, 2], [3, "x"]]}, "prompt", None),
+        ({"prompt": [[5] * 10, [5] * (limit + 3)]}, "prompt", "prompt[1]"),
+        ({"prompt": ["a"] * 9, "n": 2}, "n", None),
+        ({"prompt": ["a"] * 17}, "prompt", None),
+        ({"prompt": "x", "suffix": "y"}, "suffix", None),
+        ({"prompt": ["x", "y"], "best_of": 2}, "best_of", None),
+    ]
+    for extra, param, where in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="ftserve-demo", max_tokens=2,
+                                      **{k: v for k, v in extra.items() if k == "prompt"},
+                                      extra_body={k: v for k, v in extra.items() if k != "prompt"})
+        assert err.value.param == param, (extra, err.value)
+        if where is not None:
+            assert where in err.value.message, err.value.message
+    too_long = [[5] * 10, [5] * 100]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="ftserve-demo", prompt=too_long, max_tokens=limit - 50)
+    assert err.value.code == "context_length_exceeded" and "prompt[1]" in err.value.message
+    assert submitted == []  # nothing reached the engine, not even the valid prompts
+    st = live.wait_idle()
+    assert st.running == st.waiting == 0 and len(live.state.tracker) == 0
+    metrics = asyncio.run(_get(live.url + "/metrics"))
+    assert "ftserve_num_requests_running 0.0" in metrics
+
+
+async def _get(url: str) -> str:
+    async with aiohttp.ClientSession() as s, s.get(url) as resp:
+        return await resp.text()
+
+
+def test_batch_disconnect_aborts_every_choice(live: Live) -> None:
+    """A client that leaves mid-stream frees every prompt's choices."""
+    baseline = live.wait_idle()
+
+    async def go() -> None:
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(live.url + "/v1/completions", json={
+                "prompt": PROMPTS, "n": 2, "max_tokens": 400, "ignore_eos": True,
+                "stream": True})
+            assert resp.status == 200
+            await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 20)
+            st = live.engine.stats()
+            assert st.running + st.waiting >= 2, st
+            resp.close()
+
+    asyncio.run(go())
+    after = live.wait_idle(timeout=10)
+    assert after.kv_pages_used == baseline.kv_pages_used == 0
+    assert len(live.state.tracker) == 0
