@@ -231,6 +231,11 @@ def test_v3_template_matches_mistral_common(turns: list[tuple[str, str]]) -> Non
     msgs = msgs[:-1]
     if any(not m["content"].strip() or m["content"] != m["content"].strip() for m in msgs):
         return  # mistral-common strips/rejects blank and padded messages; HF templates do not
+    if any(special in m["content"] for m in msgs for special in tok.special_tokens):
+        # A control token's text inside a message ("[TOOL_CALLS]") is split out as that
+        # token here, as HF tokenizers do on rendered templates; mistral-common keeps it
+        # text. (Hypothesis draws such strings from the code's own constants.)
+        return
     classes = {"user": UserMessage, "assistant": AssistantMessage}
     req = ChatCompletionRequest(messages=[classes[m["role"]](content=m["content"]) for m in msgs])
     want = ref.encode_chat_completion(req).tokens
