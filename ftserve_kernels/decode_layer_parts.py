@@ -11,6 +11,14 @@ from ftserve_kernels.attention_common import mma_acc
 
 
 @triton.jit
+def _phase_end(sync_ptr, target, tm_ptr, pid, slot: tl.constexpr, TIMING: tl.constexpr, SPIN: tl.constexpr):
+    """The barrier at a phase's end, stamped on arrival (slot) and release (slot + 1)."""
+    _stamp(tm_ptr, pid, slot, TIMING)
+    _grid_sync(sync_ptr, target, SPIN)
+    _stamp(tm_ptr, pid, slot + 1, TIMING)
+
+
+@triton.jit
 def _grid_sync(sync_ptr, target, SPIN: tl.constexpr):
     tl.debug_barrier()  # every thread's stores precede the release below
     tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
@@ -23,14 +31,6 @@ def _grid_sync(sync_ptr, target, SPIN: tl.constexpr):
         tl.atomic_xchg(sync_ptr + 2, 1)
     tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
-
-
-@triton.jit
-def _prefetch_l2(ptrs, mask, fallback):
-    """Ask L2 for the lines at ``ptrs`` (masked lanes ask for ``fallback``)."""
-    p = tl.where(mask, ptrs, fallback)
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [p],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -102,16 +102,6 @@ def _gemv_span(w_ptr, x_ptr, y_ptr, lo, hi, K: tl.constexpr, ROWS: tl.constexpr,
     y = tl.sum(tl.reshape(_col(acc, sg[:, None]), [ROWS, SEG]), 1)
     out = lo + tl.arange(0, ROWS)
     tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=out < hi)
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, lo, hi, K: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-                   BLOCK_LINES: tl.constexpr):
-    """Rows [lo, hi) of a contiguous [N, K] bf16/fp16 weight into L2, a 128-byte line per lane."""
-    rows = lo + tl.arange(0, BLOCK_ROWS)
-    lines = tl.arange(0, BLOCK_LINES) * 64
-    m = (rows < hi)[:, None] & (lines < K)[None, :]
-    _prefetch_l2(w_ptr + rows.to(tl.int64)[:, None] * K + lines[None, :], m, w_ptr)
 
 
 @triton.jit

@@ -16,12 +16,9 @@ between phases instead of a kernel boundary::
     F  its columns of out = sum_j w_j (act_j . W2[e_j])
 
 Each program's rows of a GEMV phase are one contiguous range (bytes balanced
-to a row), streamed in chunks of R rows x all of K with the next chunk's loads
-issued before the current chunk's sums. Weights that do not depend on the
-phase before are loaded before the barrier, and with PREFETCH a phase's whole
-weight share is sent to L2 ahead (``prefetch.global.L2``) while the phases
-before it are latency-bound (attention, norms, top-k): o_proj rows at the end
-of A, the chosen experts' down rows at the end of E.
+to a row), multiplied as one tensor-core tile against x in column 0 (rows cut
+into K segments so the tile has 128 rows): the loop the compiler pipelines
+through shared memory with async copies (decode_layer_parts._span_mma).
 
 Barrier: every program adds 1 to a counter (release) and spins until it
 reaches phase x grid (acquire); the last program out of the kernel zeroes the
@@ -56,10 +53,8 @@ from ftserve_kernels.decode_layer_parts import (
     _add_norm,
     _col,
     _gemv_span,
-    _grid_sync,
+    _phase_end,
     _pick,
-    _prefetch_l2,
-    _prefetch_rows,
     _span,
     _span_mma,
     _stamp,
@@ -77,7 +72,7 @@ PHASES = 6
 @dataclass(frozen=True)
 class LayerConfig:
     """Launch parameters: the K step of each GEMV phase, warps, pipeline stages,
-    programs per SM, and whether to prefetch into L2."""
+    and programs per SM."""
 
     # H200 (tools/bench_decode_layer_kernel --timing): a phase's bandwidth per SM
     # tracks the bytes each pipeline stage holds; 32 KB stages, 4 deep.
@@ -89,7 +84,6 @@ class LayerConfig:
     num_stages: int = 4
     programs_per_sm: int = 1  # all must be resident at once (barriers): registers permitting
     attn_block_n: int | None = None  # default: the attention backend's decode tile
-    prefetch: bool = False
     fixed_topk: bool = False  # timing diagnostic: skip the router's top-k (wrong outputs)
 
 
@@ -110,7 +104,7 @@ def _decode_layer_kernel(
     ROWS_QKV: tl.constexpr, ROWS_GU: tl.constexpr, BLOCK_SPAN_H: tl.constexpr, BLOCK_SPAN_E: tl.constexpr,
     BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DN: tl.constexpr,
     SEG_QKV: tl.constexpr, SEG_O: tl.constexpr,
-    PHASE: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, SPIN: tl.constexpr,
+    PHASE: tl.constexpr, UPCAST: tl.constexpr, SPIN: tl.constexpr,
     TIMING: tl.constexpr, FIXED_TOPK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -130,13 +124,8 @@ def _decode_layer_kernel(
         tl.store(n1_s + pid * H + kh, n1, mask=hmask)  # this program's copy, read back by K step
         tl.debug_barrier()
         _gemv_span(wqkv_ptr, n1_s + pid * H, qkv_s, lo, hi, H, ROWS_QKV, SEG_QKV, BK_QKV, UPCAST)
-        if PREFETCH:  # this program's o_proj rows stream into L2 during attention
-            olo, ohi = _span(pid, G, H)
-            _prefetch_rows(wo_ptr, olo, ohi, QO, BLOCK_SPAN_H, BLOCK_QO // 64)
         if ALL:
-            _stamp(tm_ptr, pid, 1, TIMING)
-            _grid_sync(sync_ptr, G, SPIN)
-            _stamp(tm_ptr, pid, 2, TIMING)
+            _phase_end(sync_ptr, G, tm_ptr, pid, 1, TIMING, SPIN)
     # ---- B: attention items (kv head, split), then the split combine
     if ALL or PHASE == 1:
         for it in range(pid, HKV * S, G):
@@ -145,17 +134,13 @@ def _decode_layer_kernel(
                        stride_slot, stride_head, HQ, HKV, D, S, PAGE_SIZE, QK_NORM, BLOCK_G, BLOCK_N,
                        BLOCK_S, BLOCK_GQ, UPCAST)
         if ALL:
-            _stamp(tm_ptr, pid, 3, TIMING)
-            _grid_sync(sync_ptr, 2 * G, SPIN)
-            _stamp(tm_ptr, pid, 4, TIMING)
+            _phase_end(sync_ptr, 2 * G, tm_ptr, pid, 3, TIMING, SPIN)
     # ---- C: o_proj rows
     if ALL or PHASE == 2:
         lo, hi = _span(pid, G, H)
         _gemv_span(wo_ptr, attn_s, o_s, lo, hi, QO, BLOCK_SPAN_H, SEG_O, BK_O, UPCAST)
         if ALL:
-            _stamp(tm_ptr, pid, 5, TIMING)
-            _grid_sync(sync_ptr, 3 * G, SPIN)
-            _stamp(tm_ptr, pid, 6, TIMING)
+            _phase_end(sync_ptr, 3 * G, tm_ptr, pid, 5, TIMING, SPIN)
     # ---- D: s2 = o + s1, n2 = norm(s2); router rows
     if ALL or PHASE == 3:
         lo, hi = _span(pid, G, E)
@@ -168,9 +153,7 @@ def _decode_layer_kernel(
         lg = tl.sum(gt.to(tl.float32) * n2.to(tl.float32)[None, :], 1)
         tl.store(logits_s + erows, lg.to(dt).to(tl.float32), mask=erows < hi)
         if ALL:
-            _stamp(tm_ptr, pid, 7, TIMING)
-            _grid_sync(sync_ptr, 4 * G, SPIN)
-            _stamp(tm_ptr, pid, 8, TIMING)
+            _phase_end(sync_ptr, 4 * G, tm_ptr, pid, 7, TIMING, SPIN)
     # ---- E: top-k (every program), then gate/up (choice, column) pairs
     kk = tl.arange(0, BLOCK_TK)
     if ALL or PHASE == 4:
@@ -197,17 +180,7 @@ def _decode_layer_kernel(
         fo = lo + tl.arange(0, ROWS_GU)
         tl.store(act_s + fo, (hg / (1.0 + tl.exp(-hg)) * hu).to(dt), mask=fo < hi)
         if ALL:
-            if PREFETCH:  # the chosen experts' down rows of this program's columns
-                clo, chi = _span(pid, G, H)
-                cols = clo + tl.arange(0, BLOCK_SPAN_H)
-                lines = tl.arange(0, BLOCK_I // 64) * 64
-                pm = (cols < chi)[:, None, None] & (kk < TOP_K)[None, :, None] & (lines < INTER)[None, None, :]
-                ptr = (w2_ptr + (top_i.to(tl.int64) * (H * INTER))[None, :, None]
-                       + (cols.to(tl.int64) * INTER)[:, None, None] + lines[None, None, :])
-                _prefetch_l2(ptr, pm, w2_ptr)
-            _stamp(tm_ptr, pid, 9, TIMING)
-            _grid_sync(sync_ptr, 5 * G, SPIN)
-            _stamp(tm_ptr, pid, 10, TIMING)
+            _phase_end(sync_ptr, 5 * G, tm_ptr, pid, 9, TIMING, SPIN)
     # ---- F: down + weighted combine over the k choices, columns
     if ALL or PHASE == 5:
         if PHASE == 5:
@@ -304,7 +277,7 @@ def launch_constants(shape: LayerShape, cfg: LayerConfig, grid: int, attn_block_
         BLOCK_SPAN_H=_span_rows(h, grid), BLOCK_SPAN_E=_span_rows(e, grid, 1),
         BK_QKV=_bk(cfg.bk_qkv, h // seg_qkv), BK_O=_bk(cfg.bk_o, hq * d // seg_o), BK_GU=_bk(cfg.bk_gu, h),
         BK_DN=_bk(cfg.bk_down, inter), SEG_QKV=seg_qkv, SEG_O=seg_o,
-        PREFETCH=cfg.prefetch and cuda, UPCAST=not cuda, SPIN=MAX_SPIN,
+        UPCAST=not cuda, SPIN=MAX_SPIN,
         TIMING=timing, FIXED_TOPK=bool(cfg.fixed_topk),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -344,8 +317,6 @@ def decode_layer_triton(
     step: StepInputs,
     sync: torch.Tensor,  # sync_words(...)
     cfg: LayerConfig | None = None,
-    phased: bool | None = None,  # six launches, no barrier (default: under the interpreter)
-    grid: int | None = None,
     timing: torch.Tensor | None = None,  # int64 [grid, 16]: each program's phase timestamps (fused, CUDA)
     info: dict[str, object] | None = None,  # receives the fused launch's compiled kernel ("kernel")
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,8 +333,8 @@ def decode_layer_triton(
     assert sync.numel() >= SYNC_HEAD + hkv
     dev = x.device
     interp = interpreting()
-    phased = interp if phased is None else phased
-    g = grid or num_programs(dev) * (cfg.programs_per_sm if dev.type == "cuda" else 1)
+    phased = interp  # six launches, no barrier: the interpreter runs programs one by one
+    g = num_programs(dev) * (cfg.programs_per_sm if dev.type == "cuda" else 1)
     splits = max(1, g // hkv)
     f32 = torch.float32
     out, res = torch.empty_like(x), torch.empty_like(x)

@@ -6,8 +6,10 @@ Shared by the server test modules; each module starts one and reuses it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
+import weakref
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -88,3 +90,29 @@ def stop_live(live: Live) -> None:
     live.engine.shutdown()
     live.loop.call_soon_threadsafe(live.loop.stop)
     live.thread.join(10)
+
+
+def script_generations(monkeypatch: Any, pieces: list[str]) -> None:
+    """Replace each generation's step texts with ``pieces`` in order (the rest on
+    its last step): end-to-end tests of output parsing, which a random tiny model
+    never writes. ``pieces`` is read when a generation starts, so a test may refill it."""
+    from ftserve.server.generation import Generation
+
+    real, left = Generation.next, {}
+
+    async def next_(self: Generation, timeout: float | None = None) -> Any:
+        step = await real(self, timeout)
+        if step is None:
+            return step
+        # Keyed by id() and checked by weak reference: a finished generation's id is
+        # reused by a later one, which must start the script afresh.
+        ref, rest = left.get(id(self), (None, []))
+        if ref is None or ref() is not self:
+            ref, rest = left[id(self)] = (weakref.ref(self), list(pieces))
+        text = rest.pop(0) if rest else ""
+        if step.finish_reason is not None:
+            text += "".join(rest)
+            rest.clear()
+        return dataclasses.replace(step, text=text)
+
+    monkeypatch.setattr(Generation, "next", next_)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import urllib.request
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -105,26 +104,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 def script(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Each generation's step texts become the pieces put in the returned list
     (the rest on its last step)."""
-    from ftserve.server.generation import Generation
+    from tests.server_harness import script_generations
 
-    real, left, pieces = Generation.next, {}, []
-
-    async def next_(self: Generation, timeout: float | None = None) -> Any:
-        step = await real(self, timeout)
-        if step is None:
-            return step
-        # Keyed by id() and checked by weak reference: a finished generation's id is
-        # reused by a later one, which must start the script afresh.
-        ref, rest = left.get(id(self), (None, []))
-        if ref is None or ref() is not self:
-            ref, rest = left[id(self)] = (weakref.ref(self), list(pieces))
-        text = rest.pop(0) if rest else ""
-        if step.finish_reason is not None:
-            text += "".join(rest)
-            rest.clear()
-        return dataclasses.replace(step, text=text)
-
-    monkeypatch.setattr(Generation, "next", next_)
+    pieces: list[str] = []
+    script_generations(monkeypatch, pieces)
     return pieces
 
 

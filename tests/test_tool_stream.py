@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -157,26 +156,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 @pytest.fixture
 def scripted(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each generation's step texts become SCRIPT's pieces (the rest on its last step)."""
-    from ftserve.server.generation import Generation
+    from tests.server_harness import script_generations
 
-    real, left = Generation.next, {}
-
-    async def next_(self: Generation, timeout: float | None = None) -> Any:
-        step = await real(self, timeout)
-        if step is None:
-            return step
-        # Keyed by id() and checked by weak reference: a finished generation's id is
-        # reused by a later one, which must start the script afresh.
-        ref, rest = left.get(id(self), (None, []))
-        if ref is None or ref() is not self:
-            ref, rest = left[id(self)] = (weakref.ref(self), list(SCRIPT))
-        text = rest.pop(0) if rest else ""
-        if step.finish_reason is not None:
-            text += "".join(rest)
-            rest.clear()
-        return dataclasses.replace(step, text=text)
-
-    monkeypatch.setattr(Generation, "next", next_)
+    script_generations(monkeypatch, SCRIPT)
 
 
 def test_openai_client_assembles_streamed_calls(live: Any, scripted: None) -> None:

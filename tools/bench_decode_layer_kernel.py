@@ -6,7 +6,7 @@ graph replay time per layer and as a fraction of the layer's HBM roofline
 Usage (`--smoke`: tiny-moe on the CPU, the fused layer interpreted phase by
 phase, for CI; otherwise CUDA):
     python -m tools.bench_decode_layer_kernel --contexts 2048,32768 \
-        --configs "default;prefetch=0;r_qkv=16,r_o=8" --out bench_decode_layer_kernel.json
+        --configs "default;num_stages=3;attn_block_n=128" --out bench_decode_layer_kernel.json
 
 Each point: ``--layers`` dummy-weight layers (so weights stream from HBM, not
 from an L2 warmed by the layer before), one captured graph of all of them,
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--contexts", type=lambda s: [int(v) for v in s.split(",")], default=[2048, 32768])
-    p.add_argument("--configs", default="default;prefetch=0",
+    p.add_argument("--configs", default="default",
                    help="';'-separated LayerConfig overrides (name=int, ',' between fields)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--timing", action="store_true", help="per-phase times of each fused config (one eager pass)")
