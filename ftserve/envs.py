@@ -102,19 +102,11 @@ def pdl() -> int:
     programmatic dependent launch on sm_90+ (ftserve_kernels/pdl.py) and wait
     in-kernel for the kernel before them. 1: each also releases the next one
     right after its wait; 'wait': no early release (the next one is released as
-    this one's programs exit); 'early': the latency-bound kernels release before
-    their wait, the GEMVs after it (pdl.active). Off: on the H200 (2026-11-30 03:05, batch-1
+    this one's programs exit). Off: on the H200 (2026-11-30 03:05, batch-1
     decode graph replay, same tokens) mode 1 took 0.706 ms and 'wait' 0.686 ms
     against 0.677 ms without PDL."""
     value = os.environ.get("FTSERVE_PDL", "0")
-    return {"0": 0, "": 0, "1": 1, "wait": 2, "early": 3}.get(value, 1)
-
-
-def gemv_preload() -> bool:
-    """FTSERVE_GEMV_PRELOAD (default off): one-row dense GEMVs (qkv, o_proj) run
-    the whole-slice kernel (gemv_triton._gemv_slice_kernel), whose programs
-    issue all their weight loads before the PDL wait."""
-    return _flag("FTSERVE_GEMV_PRELOAD", False)
+    return {"0": 0, "": 0, "1": 1, "wait": 2}.get(value, 1)
 
 
 def fused_kv_store() -> bool:

@@ -192,7 +192,7 @@ def decode_attention_triton(
     if fused:
         assert counters is not None and counters.numel() >= bsz * hkv
     ks, vs, stride_ss, fp8 = scale_args(k_cache, k_scale, v_scale)
-    on = pdl.active(q, early=True)
+    on = pdl.active(q)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, out,
         counters if counters is not None else seq_lens,  # unread unless fused

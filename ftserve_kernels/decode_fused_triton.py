@@ -128,7 +128,7 @@ def add_norm_route_triton(
     r = residual if residual is not None else x
     s = summed if summed is not None else normed
     block_h = triton.next_power_of_2(h)
-    on = pdl.active(x, early=True)
+    on = pdl.active(x)
     _add_norm_route_kernel[(triton.cdiv(e, _ROUTE_BLOCK_E),)](
         x, r, norm_w, gate_w, normed, s, logits, weights, ids, counter,
         t, h, e, eps,

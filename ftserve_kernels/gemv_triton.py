@@ -143,44 +143,6 @@ def _gemv_kernel(
         tl.store(y_ptr + 3 * stride_y + cols, (tl.sum(acc3, 1) + bias).to(ydt), mask=nmask & ((cols * 0 + 3) < T))
 
 
-@triton.jit
-def _gemv_slice_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, sum_ptr,
-    N, K, eps, stride_w,
-    HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-):
-    # One row of x (T = 1); each program's whole weight slice [BLOCK_N, K] is one
-    # load, issued before the PDL wait: the weights are no earlier kernel's output,
-    # so under PDL they stream in while the kernel before this one still runs, and
-    # after the wait only x (L2) and the FMAs are left. BLOCK_K = next_power_of_2(K).
-    pid = tl.program_id(0)
-    dt = x_ptr.dtype.element_ty
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
-    nmask = rows < N
-    ks = tl.arange(0, BLOCK_K)
-    kmask = ks < K
-    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + ks[None, :],
-                mask=nmask[:, None] & kmask[None, :], other=0.0)  # [N, K], all in flight at once
-    pdl.enter(PDL)
-    xv = tl.load(x_ptr + ks, mask=kmask, other=0.0)  # [K]
-    if HAS_NORM:  # as _row_inv / _row_in: round(w * round(rmsnorm(round(x + r))))
-        if HAS_RESIDUAL:
-            rv = tl.load(r_ptr + ks, mask=kmask, other=0.0)
-            xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dt)
-            if pid == 0:
-                tl.store(sum_ptr + ks, xv, mask=kmask)
-        xf = xv.to(tl.float32)
-        inv = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
-        normed = (xf * inv).to(dt)
-        nw = tl.load(nw_ptr + ks, mask=kmask, other=0.0)
-        xv = (nw.to(tl.float32) * normed.to(tl.float32)).to(dt)
-    acc = tl.sum(w.to(tl.float32) * xv.to(tl.float32)[None, :], 1)  # [N]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=nmask)
-
-
 def gemv_triton(
     x: torch.Tensor,  # [T, K], T <= GEMV_MAX_ROWS
     w: torch.Tensor,  # [N, K]
@@ -190,7 +152,6 @@ def gemv_triton(
     eps: float = 1e-6,
     block: tuple[int, int] | None = None,  # (BLOCK_N, BLOCK_K) over the default's warps
     config: gc.GemvConfig | None = None,  # all launch parameters; wins over block
-    preload: bool = False,  # one row: the whole-slice kernel (_gemv_slice_kernel)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-> (y [T, N] in x's dtype, x + residual [T, K] or None). Launch: ``config``,
     else ``block``, else the device table's entry (gemv_configs), else the default."""
@@ -206,9 +167,6 @@ def gemv_triton(
     if residual is not None:
         assert residual.stride(-1) == 1
     cuda = x.is_cuda
-    if preload and t == 1:
-        _launch_slice(x, w, bias, norm_w, residual, eps, y, summed)
-        return y, summed
     block_t = triton.next_power_of_2(t)
     # Default (gemv_configs.default): BLOCK_K = 256 bf16 is one warp's width (8 a
     # lane), so warps split the rows and the final K sum stays inside a warp. qkv
@@ -237,25 +195,3 @@ def gemv_triton(
         num_warps=config.num_warps, num_stages=config.num_stages, PDL=on, **pdl.launch(on),
     )
     return y, summed
-
-
-# Weight elements a program of the whole-slice kernel holds (64 KB of bf16 over
-# 8 warps: 64 registers a thread), so two programs fit on an SM beside others.
-SLICE_ELEMS = 32768
-
-
-def _launch_slice(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, norm_w: torch.Tensor | None,
-    residual: torch.Tensor | None, eps: float, y: torch.Tensor, summed: torch.Tensor | None,
-) -> None:
-    n, k = w.shape
-    bk = triton.next_power_of_2(k)
-    bn = max(1, min(triton.next_power_of_2(n), SLICE_ELEMS // bk))
-    on = pdl.active(x)
-    _gemv_slice_kernel[(triton.cdiv(n, bn),)](
-        x, residual if residual is not None else x, norm_w if norm_w is not None else x, w,
-        bias if bias is not None else w, y, summed if summed is not None else y,
-        n, k, eps, w.stride(0),
-        HAS_NORM=norm_w is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=8 if x.is_cuda else 1, PDL=on, **pdl.launch(on),
-    )

@@ -71,7 +71,7 @@ def _launch(
     s2 = summed if summed is not None else out
     if t:
         block_h, block_r, warps = norm_launch_params(h)
-        on = pdl.active(x2, early=True)
+        on = pdl.active(x2)
         _rms_norm_kernel[(triton.cdiv(t, block_r),)](
             x2, r2, w, out, s2, t, h, eps,
             x2.stride(0), r2.stride(0), out.stride(0), s2.stride(0),

@@ -180,16 +180,10 @@ def _gemv_for(x: torch.Tensor, kind: str) -> Callable[..., Any] | None:
     return None
 
 
-def _preload(x: torch.Tensor) -> bool:
-    """FTSERVE_GEMV_PRELOAD: a one-row GEMV loads its whole weight slice before
-    its PDL wait (gemv_triton._gemv_slice_kernel)."""
-    return x.shape[0] == 1 and envs.gemv_preload()
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     gemv = _gemv_for(x, "linear")
     if gemv is not None:
-        return gemv(x, w, b, preload=_preload(x))[0]
+        return gemv(x, w, b)[0]
     return F.linear(x, w, b)
 
 
@@ -199,7 +193,7 @@ def add_rms_norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     gemv = _gemv_for(x, "norm")
     if gemv is not None:
-        y, summed = gemv(x, w, b, norm_w, residual, eps, preload=_preload(x))
+        y, summed = gemv(x, w, b, norm_w, residual, eps)
         return y, (x if summed is None else summed)
     if residual is None:
         return F.linear(rms_norm(x, norm_w, eps), w, b), x

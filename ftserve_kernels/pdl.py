@@ -55,10 +55,7 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off
 @triton.jit
 def enter(PDL: tl.constexpr):
     """Wait for the kernel before this one; in mode 1, then let the next one be
-    scheduled (mode 2: it is released as this kernel's programs exit; mode 3:
-    released first, before the wait, see ``active``)."""
-    if PDL == 3:
-        gdc_launch_dependents()
+    scheduled (mode 2: it is released as this kernel's programs exit)."""
     if PDL:
         gdc_wait()
         if PDL == 1:
@@ -70,20 +67,12 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def active(t: torch.Tensor, early: bool = False) -> int:
-    """The PDL constexpr for launches on ``t``'s device: 0 (off) or envs.pdl()'s
-    mode. In mode 3 (FTSERVE_PDL=early) only kernels launched with ``early``
-    release their dependants before their own wait: the latency-bound ones that
-    read no weights (norms, rotary, attention, routing), so that the next
-    weight-streaming GEMV is scheduled, and its weights are read, while they
-    run; the GEMVs themselves wait, then release (mode 1), which bounds how
-    far ahead of the stream the scheduled kernels get."""
+def active(t: torch.Tensor) -> int:
+    """The PDL constexpr for launches on ``t``'s device: 0 (off) or envs.pdl()'s mode."""
     mode = envs.pdl()
     if not (mode and HAVE_GDC and t.is_cuda and not interpreting()):
         return 0
-    if not _capable(t.device.index if t.device.index is not None else torch.cuda.current_device()):
-        return 0
-    return 1 if mode == 3 and not early else mode
+    return mode if _capable(t.device.index if t.device.index is not None else torch.cuda.current_device()) else 0
 
 
 def launch(on: int) -> dict[str, Any]:

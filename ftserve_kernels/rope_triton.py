@@ -205,7 +205,7 @@ def qk_norm_rotary_triton(
         block_half = triton.next_power_of_2(half)
         block_r = max(16, 4096 // block_half)  # [R, half] tiles of 4k elements, two of them
         grid = (triton.cdiv(t * hq, block_r) + triton.cdiv(t * hk, block_r),)
-        on = pdl.active(q, early=True)
+        on = pdl.active(q)
         _qk_norm_rotary_kernel[grid](
             q, k, qo, ko, q_w, k_w, positions, cos_sin, t, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),

@@ -29,7 +29,6 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_FUSED_KV_STORE": "1",
     "FTSERVE_PDL": "0",
     "FTSERVE_DECODE_LAYER_KERNEL": "0",
-    "FTSERVE_GEMV_PRELOAD": "0",
 }
 
 
@@ -62,17 +61,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     # joined by "+" turns several switches and never enters the combination.
     out += [Variant(f"PDL=1 DENSE_GEMV={v}", "pdl+dense_gemv", {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": v})
             for v in ("1", "norm")]
-    # Early release in the latency-bound kernels, whole-slice GEMVs loading their
-    # weights before the PDL wait (qkv too, on the Triton GEMV with its norm).
-    for pdl_mode in ("early", "1"):
-        out.append(Variant(f"PDL={pdl_mode} DENSE_GEMV=1 GEMV_PRELOAD=1", "pdl+dense_gemv+gemv_preload",
-                           {"FTSERVE_PDL": pdl_mode, "FTSERVE_DENSE_GEMV": "1",
-                            "FTSERVE_GEMV_PRELOAD": "1"}))
-    out.append(Variant("PDL=early", "pdl", {"FTSERVE_PDL": "early"}))
-    out.append(Variant("PDL=early DENSE_GEMV=1", "pdl+dense_gemv",
-                       {"FTSERVE_PDL": "early", "FTSERVE_DENSE_GEMV": "1"}))
-    out.append(Variant("DENSE_GEMV=1 GEMV_PRELOAD=1", "dense_gemv+gemv_preload",
-                       {"FTSERVE_DENSE_GEMV": "1", "FTSERVE_GEMV_PRELOAD": "1"}))
     out.append(Variant("DECODE_LAYER_KERNEL=1", "decode_layer_kernel", {"FTSERVE_DECODE_LAYER_KERNEL": "1"}))
     out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
                        attn={"decode_fused_reduce": fused}))
