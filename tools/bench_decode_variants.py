@@ -150,6 +150,42 @@ def time_replay(b: Bench, batch: Any, reps: int) -> dict[str, Any]:
             "replay_reps": reps}
 
 
+def trace_replay(b: Bench, batch: Any, replays: int = 3) -> dict[str, Any]:
+    """The kernel timeline of the batch's graph replay (profiler, ``replays``
+    back to back; the last one is kept): per kernel its name, device us and the
+    gap since the previous kernel ended (negative: they overlapped, as PDL lets
+    them), so launch gaps and kernel times can be told apart."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ftserve.engine.sampler import SamplerFeatures
+
+    runner = b.drv.runner
+    graphs = runner.graphs
+    runner.prepare_slots(batch.reqs)
+    graphs.replay(batch)
+    g = graphs.graphs[(graphs._padded(len(batch.reqs)), SamplerFeatures())]
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            g.replay()
+        torch.cuda.synchronize()
+    spans = sorted((float(e.time_range.start), float(e.time_range.end), e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not getattr(e, "is_user_annotation", False))
+    per = len(spans) // replays
+    last = spans[-per:] if per else []
+    rows, prev_end = [], None
+    for s, e, name in last:
+        rows.append((name[:70], round(e - s, 2), None if prev_end is None else round(s - prev_end, 2)))
+        prev_end = e if prev_end is None else max(prev_end, e)
+    wall = (last[-1][1] - last[0][0]) if last else 0.0
+    busy = sum(r[1] for r in rows)
+    return {"kernels": rows, "num_kernels": len(rows), "span_us": round(wall, 1),
+            "kernel_us": round(busy, 1), "gap_us": round(sum(r[2] or 0.0 for r in rows), 1)}
+
+
 def eager_kernels(b: Bench, batch: Any) -> dict[str, Any]:
     """Kernels of one eager (graph-less) launch of the batch."""
     runner = b.drv.runner
@@ -187,6 +223,8 @@ def run_variant(b: Bench, v: Variant) -> dict[str, Any]:
             with torch.inference_mode():
                 if drv.runner.graphs is not None and drv.runner.graphs.can_run(len(batch.reqs)):
                     row.update(time_replay(b, batch, args.replay_reps))
+                    if args.trace:
+                        row["replay_trace"] = trace_replay(b, batch)
                 row.update(eager_kernels(b, batch))
         drv.abort_all()
         if row.get("replay_ms") and b.roofline_ms:
@@ -263,6 +301,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", default="", help="comma-separated variant names (baseline always runs)")
     p.add_argument("--min-gain", type=float, default=0.01,
                    help="a knob joins the combination when its replay beats the baseline by this fraction")
+    p.add_argument("--trace", action="store_true",
+                   help="record each variant's kernel timeline of one batch-1 graph replay")
     args = p.parse_args(argv)
     args.dtype, args.device, args.context, args.batches = "bfloat16", "cuda", 2048, [1, 8]
     args.check_steps, args.replay_reps = 16, 200
