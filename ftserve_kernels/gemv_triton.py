@@ -134,13 +134,17 @@ def _gemv_kernel(
     bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
+    # Rounded to x's dtype first, as F.linear's output, also into an fp32 y (the lm_head).
     ydt = y_ptr.dtype.element_ty
-    tl.store(y_ptr + cols, (tl.sum(acc0, 1) + bias).to(ydt), mask=nmask)
+    tl.store(y_ptr + cols, (tl.sum(acc0, 1) + bias).to(dt).to(ydt), mask=nmask)
     if BLOCK_T > 1:
-        tl.store(y_ptr + stride_y + cols, (tl.sum(acc1, 1) + bias).to(ydt), mask=nmask & ((cols * 0 + 1) < T))
+        tl.store(y_ptr + stride_y + cols, (tl.sum(acc1, 1) + bias).to(dt).to(ydt),
+                 mask=nmask & ((cols * 0 + 1) < T))
     if BLOCK_T > 2:
-        tl.store(y_ptr + 2 * stride_y + cols, (tl.sum(acc2, 1) + bias).to(ydt), mask=nmask & ((cols * 0 + 2) < T))
-        tl.store(y_ptr + 3 * stride_y + cols, (tl.sum(acc3, 1) + bias).to(ydt), mask=nmask & ((cols * 0 + 3) < T))
+        tl.store(y_ptr + 2 * stride_y + cols, (tl.sum(acc2, 1) + bias).to(dt).to(ydt),
+                 mask=nmask & ((cols * 0 + 2) < T))
+        tl.store(y_ptr + 3 * stride_y + cols, (tl.sum(acc3, 1) + bias).to(dt).to(ydt),
+                 mask=nmask & ((cols * 0 + 3) < T))
 
 
 def gemv_triton(
@@ -152,15 +156,17 @@ def gemv_triton(
     eps: float = 1e-6,
     block: tuple[int, int] | None = None,  # (BLOCK_N, BLOCK_K) over the default's warps
     config: gc.GemvConfig | None = None,  # all launch parameters; wins over block
+    out_dtype: torch.dtype | None = None,  # y's dtype (values rounded to x's dtype first)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """-> (y [T, N] in x's dtype, x + residual [T, K] or None). Launch: ``config``,
-    else ``block``, else the device table's entry (gemv_configs), else the default."""
+    """-> (y [T, N] in ``out_dtype`` or x's dtype, x + residual [T, K] or None).
+    Launch: ``config``, else ``block``, else the device table's entry
+    (gemv_configs), else the default."""
     t, k = x.shape
     n = w.shape[0]
     assert t <= GEMV_MAX_ROWS and w.shape[1] == k
     assert residual is None or norm_w is not None, "the residual add is part of the norm prologue"
     assert x.stride(-1) == 1 and w.stride(-1) == 1
-    y = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((t, n), dtype=out_dtype or x.dtype, device=x.device)
     summed = torch.empty_like(x) if residual is not None else None
     if t == 0:
         return y, summed

@@ -27,6 +27,9 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
         one launch with FTSERVE_DENSE_GEMV 1 or "norm" at T <= 4 on Triton
     linear_fp32(x [T, K], w [N, K]) -> [T, N] fp32: F.linear(x, w).float(), or one
         cuBLAS mm writing fp32 (torch.mm out_dtype) on CUDA when FTSERVE_LM_HEAD_FP32=1
+    decode_inputs(packed [B, 7] int64, last [S] int64, page_table [R, P] int32,
+                  embed [V, H] | None, flag) -> DecodeInputs: a decode graph's
+        unpacked inputs, page-table rows and embeddings (decode_inputs.py)
 
 Backends are imported once into a table (``_table``); the environment is read
 per call so tests can switch it. FTSERVE_DECODE_FUSION=0 turns the decode-sized
@@ -173,6 +176,19 @@ def add_rms_norm_route(
     return normed, summed, weights, ids
 
 
+def decode_inputs(
+    packed: torch.Tensor, last: torch.Tensor, page_table: torch.Tensor, embed: torch.Tensor | None,
+    flag: int,
+) -> Any:
+    """A decode graph's inputs from its packed rows, one launch on Triton
+    (ftserve_kernels/decode_inputs.py) -> DecodeInputs."""
+    from ftserve_kernels import decode_inputs as di
+
+    if uses_triton(packed):
+        return di.decode_inputs_triton(packed, last, page_table, embed, flag)
+    return di.decode_inputs_ref(packed, last, page_table, embed, flag)
+
+
 def _gemv_for(x: torch.Tensor, kind: str) -> Callable[..., Any] | None:
     k = _table(x)
     if k.gemv is not None and x.shape[0] <= k.gemv_max_rows and dense_gemv_enabled(kind):
@@ -221,5 +237,7 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.mm(x, w.t(), out_dtype=torch.float32)  # type: ignore[call-arg]
     k = _table(x)
     if k.gemv is not None and x.shape[0] <= LM_HEAD_GEMV_MAX_ROWS and envs.lm_head_gemv():
-        return k.gemv(x, w, None)[0].float()  # rounded to x's dtype first, as F.linear's
+        # fp32 logits straight from the kernel (rounded to x's dtype first, as
+        # F.linear's output): no cast launch after the GEMV.
+        return k.gemv(x, w, None, out_dtype=torch.float32)[0]
     return F.linear(x, w).float()

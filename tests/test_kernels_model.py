@@ -76,9 +76,9 @@ def test_lm_head_gemv_takes_one_row(monkeypatch: pytest.MonkeyPatch, rows: int, 
     real = ops._table(torch.empty(0))
     seen: list[int] = []
 
-    def spy(x: torch.Tensor, *args: object) -> object:
+    def spy(x: torch.Tensor, *args: object, **kwargs: object) -> object:
         seen.append(x.shape[0])
-        return real.gemv(x, *args)
+        return real.gemv(x, *args, **kwargs)
 
     monkeypatch.setattr(ops, "_table", lambda t: dataclasses.replace(real, gemv=spy))
     g = torch.Generator().manual_seed(2)
@@ -86,6 +86,13 @@ def test_lm_head_gemv_takes_one_row(monkeypatch: pytest.MonkeyPatch, rows: int, 
     got = ops.linear_fp32(x, w)
     assert got.dtype == torch.float32 and seen == gemv_rows
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    # bf16 weights: the GEMV writes fp32 logits holding bf16-rounded values, as
+    # F.linear(...).float() gives (the sampler reads them without a cast launch).
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    got = ops.linear_fp32(xb, wb)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, got.to(torch.bfloat16).float()), "values are bf16-rounded"
+    torch.testing.assert_close(got, F.linear(xb, wb).float(), rtol=2e-2, atol=2e-2)
 
 
 def test_logits_rows_with_and_without_gathers(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from ftserve.engine.sampler import SampleOutput, SamplerFeatures
 from ftserve.models.forward_batch import AttentionMetadata, ForwardBatch
+from ftserve_kernels import ops
 
 if TYPE_CHECKING:
     from ftserve.engine.runner import ModelRunner
@@ -91,29 +92,28 @@ class DecodeGraphs:
 
     def _forward(self, bs: int) -> SampleOutput:
         r = self.runner
-        g = self.g_in[:bs].t().contiguous()  # [7, bs]
-        input_ids = r._device_inputs(g[0], g[6])
-        seq_lens = g[3].to(torch.int32)
-        slots = g[4] & (MIN_FLAG - 1)
+        # One launch on Triton: the fields, the page-table rows, the embeddings.
+        embed = getattr(r.model, "embed_tokens", None)
+        d = ops.decode_inputs(self.g_in[:bs], r.last_tokens, r.page_table,
+                              None if embed is None else embed.weight, MIN_FLAG)
         attn = AttentionMetadata(
             page_size=r.page_size,
             qo_indptr=self.qo_indptr[:bs + 1],
-            seq_lens=seq_lens,
-            prefix_lens=seq_lens - 1,
-            page_table=r.page_table.index_select(0, slots),
-            out_cache_loc=g[2],
+            seq_lens=d.seq_lens,
+            prefix_lens=d.prefix_lens,
+            page_table=d.page_rows,
+            out_cache_loc=d.out_cache_loc,
             seq_lens_host=[r.max_pages * r.page_size] * bs,  # static upper bound
             prefix_lens_host=[r.max_pages * r.page_size - 1] * bs,
             max_seq_len=r.max_pages * r.page_size,
             max_extend_len=1,
         )
-        fb = ForwardBatch(input_ids, g[1], attn, r.kv_pool, r.attn_backend,
-                          logits_indices=self.logits_indices[:bs], is_decode=True)
+        fb = ForwardBatch(d.input_ids, d.positions, attn, r.kv_pool, r.attn_backend,
+                          logits_indices=self.logits_indices[:bs], is_decode=True,
+                          input_embeds=d.embeds)
         logits = r.model(fb)  # [bs, V]
-        min_active = (g[4] & MIN_FLAG) != 0
-        out = r.sampler.sample(logits, slots, g[5], min_active)
-        r.last_tokens[:bs].copy_(out.token_ids)  # the next step's device-side inputs
-        return out
+        # last_tokens: the next step's device-side inputs
+        return r.sampler.sample(logits, d.slots, d.steps, d.min_active, last=r.last_tokens)
 
     def capture(self) -> None:
         t0 = time.monotonic()

@@ -213,9 +213,8 @@ class ModelRunner:
                                + [int(batch.steps[i] < batch.reqs[i].params.min_tokens)
                                   for i in rows]).view(4, -1)
             logits = logits_all.index_select(0, dev[0])  # [R, V]
-            out = self.sampler.sample(logits, dev[1], dev[2], dev[3].bool())
+            out = self.sampler.sample(logits, dev[1], dev[2], dev[3].bool(), last=self.last_tokens)
             self.sampler.update(dev[1], out.token_ids)
-            self.last_tokens[:len(rows)].copy_(out.token_ids[:len(rows)])
         else:
             fb, slots, steps, min_active = self.build(batch)
             fb.layer_ready = layer_ready
@@ -227,9 +226,8 @@ class ModelRunner:
             if not rows:
                 # A non-final prefill chunk: only the KV matters; no logits, no sync.
                 return Launched(batch, rows, None)
-            out = self.sampler.sample(logits, slots, steps, min_active)
+            out = self.sampler.sample(logits, slots, steps, min_active, last=self.last_tokens)
             self.sampler.update(slots, out.token_ids)
-            self.last_tokens[:len(rows)].copy_(out.token_ids[:len(rows)])
         return Launched(batch, rows, self._copy_out(batch, rows, out))
 
     def _copy_out(self, batch: ScheduledBatch, rows: list[int], out: SampleOutput) -> _HostOut:

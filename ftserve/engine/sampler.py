@@ -18,7 +18,8 @@ Pipeline for one row (the model distribution is ``logits``):
       -> repetition penalty (prompt + generated), presence/frequency (generated)
       -> + logit_bias (per-slot (token, bias) rows, padded with (0, 0.0))
       -> eos/stop ids -> -inf while the row is below min_tokens
-      -> greedy rows: argmax
+      -> greedy rows: argmax (a greedy-only step on Triton: stop mask + argmax
+         in one launch, ftserve_kernels/greedy_triton.py)
       -> sampled rows: / temperature -> top-k -> top-p -> min-p -> Gumbel-max
          with counter-based noise keyed by (seed, step, token)
 
@@ -41,7 +42,13 @@ import torch
 
 from ftserve import envs
 from ftserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
+from ftserve_kernels import ops
 from ftserve_kernels import sampling as ks
+
+try:
+    from ftserve_kernels.greedy_triton import greedy_sample_triton
+except ImportError:  # pragma: no cover - no triton: ops.uses_triton is False too
+    greedy_sample_triton = None
 
 # Below this temperature a row samples greedily: logits / T overflows fp32 as
 # T -> 0, and the draw would be the argmax anyway.
@@ -133,6 +140,9 @@ class Sampler:
         # Allocated on the first request that uses penalties ([S, V] each).
         self.counts: torch.Tensor | None = None  # int32, generated-token counts
         self.prompt_mask: torch.Tensor | None = None  # bool, token in the prompt
+        # Arrival counters of the fused greedy kernel, one per batch row: zero
+        # between launches (its last program per row re-zeroes them).
+        self._greedy_counts = torch.zeros(n, dtype=torch.int32, device=self.device)
 
     @property
     def dummy_slot(self) -> int:
@@ -256,6 +266,23 @@ class Sampler:
         slots: torch.Tensor,  # [B] int64, dummy_slot for padded rows
         steps: torch.Tensor,  # [B] int64, index of the output token being sampled
         min_tokens_active: torch.Tensor,  # [B] bool, below min_tokens: mask eos/stop
+        last: torch.Tensor | None = None,  # [>= B] int64: also receives the tokens
+    ) -> SampleOutput:
+        f = self._features
+        if (f == SamplerFeatures() and greedy_sample_triton is not None and ops.uses_triton(logits)
+                and logits.shape[0] <= self._greedy_counts.numel()):
+            # Greedy rows only: mask, argmax and the copy into ``last`` in one launch.
+            tokens = greedy_sample_triton(logits, slots, min_tokens_active, self._i, _NI,
+                                          self._greedy_counts, last)
+            return SampleOutput(tokens)
+        out = self._sample(logits, slots, steps, min_tokens_active)
+        if last is not None:
+            last[:out.token_ids.shape[0]].copy_(out.token_ids)
+        return out
+
+    def _sample(
+        self, logits: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor,
+        min_tokens_active: torch.Tensor,
     ) -> SampleOutput:
         f = self._features
         raw = logits.float()  # [B, V]
@@ -279,7 +306,7 @@ class Sampler:
         stop_cols = torch.arange(self.max_stop_ids, device=slots.device)  # [M]
         stop_active = (stop_cols[None, :] < num_stops[:, None]) & min_tokens_active[:, None]
         x = ks.mask_token_ids(x, irow[:, _NI:], stop_active)  # [B, V]
-        tokens = x.argmax(dim=-1)  # [B], the greedy choice
+        tokens = x.argmax(dim=-1)  # [B], the greedy choice (greedy_sample_ref, fused)
 
         if f.sampling:
             scaled = x / temperature.clamp_min(MIN_TEMPERATURE)[:, None]  # [B, V]

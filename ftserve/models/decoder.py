@@ -91,7 +91,7 @@ class DecoderForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)  # [T, H]
+        x = batch.input_embeds if batch.input_embeds is not None else self.embed_tokens(batch.input_ids)  # [T, H]
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, batch, self.cos_sin)

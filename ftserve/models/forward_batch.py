@@ -85,6 +85,9 @@ class ForwardBatch:
     # event L (a KV host-tier restore streaming in layer by layer; see
     # HostKVTier.flush). None: the pages are ready.
     layer_ready: list[Any] | None = None
+    # [T, H]: the embedding rows of input_ids, when the caller gathered them
+    # already (the decode graph's fused inputs launch); None: the model embeds.
+    input_embeds: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,108 @@
+"""The fused greedy sampler (ftserve_kernels/greedy_triton.py) against its twin,
+under the Triton interpreter on the CPU (real shapes on the GPU), and the
+Sampler taking it for greedy-only steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftserve.engine.sampler import Sampler, SamplerFeatures
+from ftserve.engine.sampling_params import SamplingParams
+from ftserve_kernels.greedy_triton import greedy_sample_ref, greedy_sample_triton
+
+NI = 5
+
+
+def _itab(stops: dict[int, list[int]], slots: int, m: int) -> torch.Tensor:
+    t = torch.zeros(slots, NI + m, dtype=torch.int64)
+    for slot, ids in stops.items():
+        t[slot, NI - 1] = len(ids)
+        t[slot, NI:NI + len(ids)] = torch.tensor(ids)
+    return t
+
+
+@pytest.mark.parametrize("vocab,block,programs", [(1000, 256, 8), (3001, 128, 5), (77, 1024, 264)])
+def test_greedy_kernel_equals_reference(vocab: int, block: int, programs: int) -> None:
+    g = torch.Generator().manual_seed(vocab)
+    itab = _itab({1: [7, 60], 2: [3, 3, vocab - 1], 4: [0]}, 6, 4)
+    counters = torch.zeros(8, dtype=torch.int32)
+    for trial in range(3):
+        b = 5
+        logits = torch.randn(b, vocab, generator=g)
+        logits[0, 5] = logits[0, vocab // 2] = 50.0  # a tie: the lower index wins
+        logits[1, 7], logits[1, 60], logits[1, 30] = 60.0, 59.0, 58.0  # masked below min_tokens
+        logits[2, vocab - 1], logits[2, 3] = 70.0, 69.0
+        logits[3] = float("-inf")  # nothing finite: index 0, as torch.argmax
+        logits[4, 0] = 80.0
+        slots = torch.tensor([0, 1, 2, 5, 4])
+        active = torch.tensor([False, True, trial != 1, True, trial == 2])
+        last = torch.full((8,), -1, dtype=torch.int64)
+        poisoned = torch.full((4, 4), 7)  # keep the allocator from handing back zeros
+        got = greedy_sample_triton(logits.to(torch.bfloat16 if trial == 0 else torch.float32),
+                                   slots, active, itab, NI, counters, last, block=block,
+                                   target_programs=programs)
+        ref = greedy_sample_ref(logits.to(torch.bfloat16 if trial == 0 else torch.float32),
+                                slots, active, itab, NI)
+        del poisoned
+        assert torch.equal(got, ref), (trial, got, ref)
+        assert torch.equal(last[:b], ref) and torch.equal(last[b:], torch.full((3,), -1))
+        assert int(counters.abs().sum()) == 0, "arrival counters must be left at zero"
+        assert got[1] == 30 if active[1] else got[1] == 7
+
+
+def test_sampler_takes_the_fused_kernel_for_greedy_only_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FTSERVE_KERNELS=triton runs the kernel (interpreted here): same tokens as
+    the torch path, min_tokens masking included, ``last`` filled either way."""
+    import ftserve_kernels.greedy_triton as gt
+
+    calls = []
+    real = gt.greedy_sample_triton
+
+    def counted(*a: object, **k: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("ftserve.engine.sampler.greedy_sample_triton", counted)
+    torch.manual_seed(3)
+    vocab = 300
+    logits = torch.randn(4, vocab)
+    logits[:, 11] = 30.0  # eos: masked while below min_tokens
+    results = {}
+    for kernels in ("torch", "triton"):
+        monkeypatch.setenv("FTSERVE_KERNELS", kernels)
+        s = Sampler(vocab, 4, "cpu")
+        s.admit(0, SamplingParams(temperature=0.0, min_tokens=2), [], [11])
+        s.admit(1, SamplingParams(temperature=0.0), [], [11])
+        assert s.features == SamplerFeatures()
+        last = torch.zeros(5, dtype=torch.int64)
+        out = s.sample(logits, torch.tensor([0, 1, 0, s.dummy_slot]), torch.zeros(4, dtype=torch.int64),
+                       torch.tensor([True, False, False, True]), last=last)
+        results[kernels] = out.token_ids
+        assert torch.equal(last[:4], out.token_ids)
+    assert len(calls) == 1, "the triton run took the fused kernel, the torch run did not"
+    assert torch.equal(results["torch"], results["triton"])
+    assert results["triton"][0] != 11 and results["triton"][1] == 11 and results["triton"][2] == 11
+    # A request with a sampling stage switches the step to the composed path.
+    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
+    s = Sampler(vocab, 4, "cpu")
+    s.admit(0, SamplingParams(temperature=0.7, seed=1), [], [])
+    s.sample(logits[:1], torch.tensor([0]), torch.zeros(1, dtype=torch.int64), torch.tensor([False]))
+    assert len(calls) == 1
+
+
+@pytest.mark.gpu
+def test_greedy_kernel_at_vocab_scale_on_gpu() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    vocab = 151_936
+    itab = _itab({1: [151_643, 151_645]}, 4, 24).cuda()
+    counters = torch.zeros(64, dtype=torch.int32, device="cuda")
+    for b in (1, 8, 64):
+        logits = torch.randn(b, vocab, generator=g, device="cuda").to(torch.bfloat16).float()
+        logits[:, 151_645] = 40.0
+        slots = (torch.arange(b, device="cuda") % 4)
+        active = torch.arange(b, device="cuda") % 3 == 0
+        last = torch.full((64,), -1, dtype=torch.int64, device="cuda")
+        got = greedy_sample_triton(logits, slots, active, itab, NI, counters, last)
+        assert torch.equal(got, greedy_sample_ref(logits, slots, active, itab, NI))
+        assert torch.equal(last[:b], got) and int(counters.abs().sum()) == 0
