@@ -6,6 +6,10 @@
                                  schedule -> runner.step -> commit
     on_outputs(list)  <--- one call_soon_threadsafe per step
 
+Overlap scheduling (step N+1 launched before step N's tokens are read) holds for
+every batch without a constrained request (response_format); a step that samples
+one is read back at once, since the next step's token mask needs its token.
+
 An exception in the engine thread fails every live request with
 finish_reason "error" and marks the engine unhealthy; it never hangs silently.
 """
