@@ -102,7 +102,6 @@ def test_constrained_and_free_requests_in_one_batch(model_dir: str, engine: Engi
         for rid in ("json_greedy", "json_sampled"):
             assert mixed[rid][-1].finish_reason == "stop", rid
             _check(json.loads(tok.decode(tokens_of(mixed[rid]))))
-        assert not eng.scheduler.running and eng._inflight is None
     finally:
         if eng is not engine:
             eng.shutdown()
