@@ -1,4 +1,5 @@
-"""Sampling math on fixed shapes: counter-based noise, penalties, filter masks.
+"""Sampling math on fixed shapes: counter-based noise, penalties, filter masks,
+grammar bitmasks.
 
 Everything here is elementwise, a gather/scatter with fixed index shapes, a
 sort, or a reduction along the vocabulary: no data-dependent shapes and no
@@ -127,6 +128,23 @@ def mask_token_ids(
     of -inf (masked) or 0.0 (padding), added, so duplicates are harmless."""
     add = torch.where(active, NEG_INF, 0.0).to(logits.dtype)  # [B, M]
     return logits.scatter_add(1, ids, add)
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words in one token bitmask row (bit t % 32 of word t // 32 = token t)."""
+    return (vocab_size + 31) // 32
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor,  # [B, V] fp32
+    words: torch.Tensor,  # [B, W] int32, W = mask_words(V); bit set = allowed
+    word_of: torch.Tensor,  # [V] int64, t // 32
+    bit_of: torch.Tensor,  # [V] int32, t % 32
+) -> torch.Tensor:
+    """Logits of tokens whose bit is clear -> -inf. Fixed shapes: a gather of each
+    token's word, a shift, a where; an all-ones row (-1) changes nothing."""
+    bits = (words.index_select(1, word_of) >> bit_of) & 1  # [B, V] int32
+    return torch.where(bits != 0, logits, NEG_INF)
 
 
 def top_k_top_p_keep(

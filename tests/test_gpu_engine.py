@@ -164,6 +164,58 @@ def run_greedy(engine: Engine, prompts: list[list[int]], max_tokens: int) -> lis
 
 
 @pytest.mark.gpu
+def test_constrained_decode_in_graphs_without_hidden_syncs(engine: Engine) -> None:
+    """response_format requests batched with free ones through the captured decode
+    graphs (all-stages variant, grammar-mask stage on): no hidden sync (the masks go
+    up in one non-blocking copy), exactly one read-back per sampling step, each
+    constrained output valid JSON ending with its grammar. (Free requests' tokens
+    next to constrained ones are compared in fp32 on the CPU,
+    tests/test_structured_engine.py: bf16 rows are not batch-size invariant.)"""
+    import json
+
+    import llguidance
+
+    from ftserve.engine.grammar import GrammarMatcher
+    from ftserve.engine.setup import demo_model_dir
+    from ftserve.tokenizer import load_tokenizer
+    from ftserve.tokenizer.grammar_view import grammar_tokenizer
+
+    tok = load_tokenizer(demo_model_dir())
+    vocab = grammar_tokenizer(tok, engine.vocab_size)
+    schema = {"type": "object", "additionalProperties": False, "required": ["id", "tag"],
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                             "tag": {"type": "string", "maxLength": 6}}}
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_flexible": False})
+    rng = random.Random(5)
+    prompts = [[rng.randrange(100, 32000) for _ in range(20 + 5 * i)] for i in range(4)]
+    assert engine.runner.graphs is not None
+    def run(check: bool) -> tuple[CheckedDriver, list[Req]]:
+        engine.scheduler.reset_prefix_cache()
+        drv = CheckedDriver(engine, 0, check)
+        reqs = [drv.add(p, 24) for p in prompts[:2]]
+        for p in prompts[2:]:
+            r = drv.add(p, 80)
+            r.grammar = GrammarMatcher.compile(vocab, grammar)
+            reqs.append(r)
+        drv.until(lambda: all(r.finished for r in reqs))
+        drv.flush()
+        return drv, reqs
+
+    run(check=False)  # compile every kernel shape once
+    drv, reqs = run(check=True)
+    assert engine.sampler.features.grammar
+    for kind, bs, n in drv.log:
+        assert n == (0 if kind == "prefill_chunk" else 1), (kind, bs, n)
+    assert any(kind == "decode" and bs >= 3 for kind, bs, _ in drv.log), drv.log
+    assert all(r.finish_reason == "length" for r in reqs[:2])
+    for r in reqs[2:]:
+        assert r.finish_reason == "stop", r.finish_reason
+        obj = json.loads(tok.decode(r.output_ids))
+        assert set(obj) == {"id", "tag"} and 0 <= obj["id"] <= 99 and len(obj["tag"]) <= 6
+
+
+@pytest.mark.gpu
 def test_cuda_graph_decode_equals_eager(engine: Engine, model_dir: str) -> None:
     eager = make_engine(model_dir, graphs=False)
     try:

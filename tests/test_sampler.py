@@ -434,3 +434,54 @@ def test_update_is_free_until_a_request_uses_penalties() -> None:
     s.admit(1, SamplingParams(temperature=0.0, presence_penalty=1.0), [1, 2], [3])
     s.update(torch.tensor([1]), torch.tensor([7]))
     assert int(s.counts.view(-1, 32)[1, 7]) == 1
+
+
+# -- grammar bitmask stage (response_format) ----------------------------------------
+
+
+def _mask_row(allowed: set[int], vocab: int) -> list[int]:
+    """int32 words of a bitmask with exactly ``allowed`` set (llguidance's layout)."""
+    words = [0] * ks.mask_words(vocab)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return [w - (1 << 32) if w >= 1 << 31 else w for w in words]  # as signed int32
+
+
+def test_bitmask_stage_bans_exactly_the_masked_tokens() -> None:
+    vocab = 70  # three words, the last one partly past the vocabulary
+    rng = torch.Generator().manual_seed(0)
+    allowed = [{0, 31, 32, 63, 69}, set(range(vocab)) - {5, 33, 64}]
+    words = torch.tensor([_mask_row(a, vocab) for a in allowed], dtype=torch.int32)
+    logits = torch.randn(2, vocab, generator=rng)
+    word_of = torch.arange(vocab) // 32
+    bit_of = (torch.arange(vocab) % 32).to(torch.int32)
+    out = ks.apply_token_bitmask(logits, words, word_of, bit_of)
+    for b, a in enumerate(allowed):
+        banned = {t for t in range(vocab) if out[b, t] == float("-inf")}
+        assert banned == set(range(vocab)) - a
+        kept = sorted(a)
+        assert torch.equal(out[b, kept], logits[b, kept])
+
+
+def test_sampler_grammar_rows_constrain_only_their_slots() -> None:
+    s = Sampler(V, 3, "cpu", seed=0)
+    s.admit(0, SamplingParams(temperature=0.0), [], [])
+    s.admit(1, SamplingParams(temperature=1.0, seed=3, logprobs=2,
+                              logit_bias=((4, 100.0),)), [], [], constrained=True)
+    assert s.features.grammar
+    allowed = {2, 9, 17}
+    s.set_grammar_masks(torch.tensor([1], dtype=torch.int32),
+                        torch.tensor([_mask_row(allowed, V)], dtype=torch.int32))
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(1))
+    logits[:, 4] = 50.0  # the free row's argmax; banned (even with its +100 bias) for slot 1
+    for step in range(40):
+        out = s.sample(logits, _i64([0, 1]), _i64([step, step]), torch.zeros(2, dtype=torch.bool))
+        assert int(out.token_ids[0]) == 4
+        assert int(out.token_ids[1]) in allowed
+        # Logprobs stay those of the raw model, as for logit_bias.
+        raw = torch.log_softmax(logits[1], -1)
+        assert out.logprobs is not None
+        assert math.isclose(float(out.logprobs[1]), float(raw[out.token_ids[1]]), rel_tol=1e-5)
+    # The slot's next owner without a grammar samples freely again.
+    s.admit(1, SamplingParams(temperature=0.0), [], [])
+    assert int(_sample(s, logits, [1])[0]) == 4

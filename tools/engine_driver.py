@@ -65,8 +65,10 @@ class EngineDriver:
         if prev is not None:
             self.finish(prev)
         if launched is not None:
-            if launched.out is None:
-                self.finish(launched)  # a non-final chunk: nothing to wait for
+            if launched.out is None or launched.constrained:
+                # A non-final chunk: nothing to wait for; a constrained request's
+                # token must reach its matcher before the next mask (EngineCore._step).
+                self.finish(launched)
             else:
                 self.inflight = launched
         return batch

@@ -13,7 +13,9 @@ Static input, refilled each step by ONE non-blocking copy from pinned memory::
 Padded rows (batch size rounded up to a captured size) read the dummy page
 (slot 0), the dummy page-table row and the dummy sampler slot, so they write
 nowhere real and need no branch. Graphs are captured largest first into one
-memory pool, for two sampler feature sets: greedy-only and everything on.
+memory pool, for two sampler feature sets: greedy-only and everything on (the
+latter includes the grammar-mask stage, which reads the sampler's per-slot mask
+table: the runner rewrites constrained rows in place before each replay).
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@
                                  schedule -> runner.step -> commit
     on_outputs(list)  <--- one call_soon_threadsafe per step
 
+Overlap scheduling (step N+1 launched before step N's tokens are read) holds for
+every batch without a constrained request (response_format); a step that samples
+one is read back at once, since the next step's token mask needs its token.
+
 An exception in the engine thread fails every live request with
 finish_reason "error" and marks the engine unhealthy; it never hangs silently.
 """
@@ -178,7 +182,10 @@ class EngineCore:
 
         With overlap the host plans the next step while the device still runs
         the previous one; a step that samples nothing (a non-final prefill
-        chunk) is committed at once, since there is nothing to wait for.
+        chunk) is committed at once, since there is nothing to wait for, and so
+        is a step that samples a constrained request (see below). An in-flight
+        step therefore never holds a constrained request, so one planned while it
+        runs knows every constrained request's tokens.
         """
         batch = self.scheduler.schedule()
         launched = self.runner.launch(batch) if batch is not None else None
@@ -188,7 +195,12 @@ class EngineCore:
             self._commit(prev)
             stepped += prev.batch.reqs
         if launched is not None:
-            if launched.out is None or not self.overlap:
+            # A step that samples a constrained request (response_format) is read back
+            # at once instead of overlapping the next: the next step's token mask is
+            # computed on the host from this step's token, which the matcher must
+            # have seen first (runner._grammar_masks). Unconstrained requests in the
+            # same batch lose overlap for this step only.
+            if launched.out is None or not self.overlap or launched.constrained:
                 self._commit(launched)
                 stepped += launched.batch.reqs
             else:
@@ -221,6 +233,7 @@ class EngineCore:
                 request_id=req.request_id,
                 new_token_ids=req.pending_ids,
                 finish_reason=req.finish_reason,
+                error=req.error,
                 prompt_tokens=req.prompt_len,
                 cached_tokens=req.cached_len,
                 completion_tokens=req.num_outputs,

@@ -9,8 +9,12 @@ This is the one place that crosses the thread boundary:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ftserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ftserve.engine.grammar import GrammarMatcher
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,9 @@ class GenerateRequest:
     prompt_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.monotonic() when the server received it
+    # response_format: the request's own matcher (one per choice); from submit on,
+    # only the engine thread touches it.
+    grammar: GrammarMatcher | None = None
 
 
 @dataclass(frozen=True)

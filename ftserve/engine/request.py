@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftserve.engine.grammar import GrammarMatcher
 from ftserve.engine.messages import GenerateRequest, TokenLogprob
 from ftserve.engine.sampling_params import SamplingParams
 
@@ -32,6 +33,8 @@ class Req:
     prompt_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    # Constrained decoding (response_format): advanced by every committed token.
+    grammar: GrammarMatcher | None = None
     # Set by the scheduler:
     tokens: list[int] = field(init=False)  # prompt + output
     output_ids: list[int] = field(default_factory=list, init=False)
@@ -50,6 +53,7 @@ class Req:
     inflight_step: int = field(default=-1, init=False)
     inflight_row: int = field(default=-1, init=False)
     finish_reason: str | None = field(default=None, init=False)
+    error: str | None = field(default=None, init=False)  # why, when finish_reason == "error"
     # Outputs produced since the last report (drained by the engine each step).
     pending_ids: list[int] = field(default_factory=list, init=False)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list, init=False)
@@ -65,12 +69,17 @@ class Req:
 
     @classmethod
     def from_message(cls, msg: GenerateRequest) -> Req:
-        return cls(msg.request_id, list(msg.prompt_ids), msg.params, msg.arrival_time)
+        return cls(msg.request_id, list(msg.prompt_ids), msg.params, msg.arrival_time,
+                   msg.grammar)
 
     def check(self) -> None:
         assert 0 <= self.cached_len <= self.computed_len <= len(self.tokens), (
             self.request_id, self.cached_len, self.computed_len, len(self.tokens))
         assert 0 <= self.num_tree_pages <= len(self.pages)
+
+    @property
+    def constrained(self) -> bool:
+        return self.grammar is not None
 
     @property
     def prompt_len(self) -> int:

@@ -10,6 +10,11 @@ updated with only the pages added since the last step:
     row s      = pages of the request in slot s (padded with dummy page 0)
     last row   = all dummy: padded batch rows (CUDA-graph padding) read it
 
+Grammar masks (response_format): before a step that samples a constrained
+request, llguidance computes each such row's token mask on the host into one
+pinned int32 buffer (n mask rows of W words, then the n slots), sent with one non-blocking
+copy and scattered into the sampler's per-slot mask table (``_grammar_masks``).
+
 Device -> host: the sampled tokens, read once per step that samples. That is
 the step's one deliberate sync; a non-final prefill chunk reads nothing.
 """
@@ -25,6 +30,7 @@ import numpy as np
 import torch
 
 from ftserve import envs
+from ftserve.engine.grammar import MaskFiller
 from ftserve.engine.messages import TokenLogprob
 from ftserve.engine.scheduler import ScheduledBatch
 from ftserve.kvcache.pool import KVPool
@@ -100,6 +106,7 @@ class ModelRunner:
                           for _ in range(2)]
         self._out_flip = 0
         self.read_backs = 0  # deliberate device->host reads so far (tests count them)
+        self._masks = MaskFiller()
 
     # ----- host -> device ------------------------------------------------
     def _upload(self, values: list[int] | np.ndarray) -> torch.Tensor:
@@ -121,7 +128,8 @@ class ModelRunner:
             if self._owner[s] is not req:
                 self._owner[s] = req
                 self._synced[s] = 0
-                self.sampler.admit(s, req.params, req.prompt_ids, self.eos_token_ids, req.output_ids)
+                self.sampler.admit(s, req.params, req.prompt_ids, self.eos_token_ids, req.output_ids,
+                                   constrained=req.grammar is not None)
             n = self._synced[s]
             new = req.pages[n:]
             if new:
@@ -132,6 +140,22 @@ class ModelRunner:
         if upd_rows:
             dev = self._upload(np.concatenate(upd_rows + upd_cols + upd_pages)).view(3, -1)
             self.page_table.index_put_((dev[0], dev[1]), dev[2].to(torch.int32))
+
+    def _grammar_masks(self, batch: ScheduledBatch) -> None:
+        """This step's token masks of its constrained rows that sample: computed on the
+        host (each matcher has seen every token its request committed: the engine
+        does not overlap a constrained step with the next), one upload."""
+        reqs = [q for q, s in zip(batch.reqs, batch.samples) if s and q.grammar is not None]
+        if not reqs:
+            return
+        n, w = len(reqs), self.sampler.mask_words
+        host = torch.empty(n * w + n, dtype=torch.int32, pin_memory=self._pin)  # words | slots
+        buf = host.numpy()
+        self._masks.fill([q.grammar for q in reqs], buf[:n * w].reshape(n, w))  # type: ignore[misc]
+        buf[n * w:] = [q.slot for q in reqs]
+        # Pinned: the caching host allocator keeps the block until the copy has run.
+        dev = host.to(self.device, non_blocking=True)
+        self.sampler.set_grammar_masks(dev[n * w:], dev[:n * w].view(n, w))
 
     def build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Eager path: (forward batch, sampler slots, steps, min_tokens_active)."""
@@ -199,6 +223,7 @@ class ModelRunner:
                        and self.kv_host.has_pending_loads)
             layer_ready = self.kv_host.flush(layered=layered)
         self.prepare_slots(batch.reqs)
+        self._grammar_masks(batch)
         rows = [i for i, s in enumerate(batch.samples) if s]
         if decode_graph:
             assert self.graphs is not None
@@ -308,3 +333,8 @@ class Launched:
     batch: ScheduledBatch
     rows: list[int]  # batch rows that sample
     out: _HostOut | None  # None: nothing sampled (non-final prefill chunk)
+
+    @property
+    def constrained(self) -> bool:
+        """Some row that samples has a grammar: its tokens gate the next step's masks."""
+        return any(self.batch.reqs[i].grammar is not None for i in self.rows)

@@ -17,6 +17,9 @@ Pipeline for one row (the model distribution is ``logits``):
     logits --(logprobs: log_softmax of the raw logits, vLLM/OpenAI semantics)
       -> repetition penalty (prompt + generated), presence/frequency (generated)
       -> + logit_bias (per-slot (token, bias) rows, padded with (0, 0.0))
+      -> grammar mask: banned tokens -> -inf (per-slot bitmask rows, [S, ceil(V/32)]
+         int32; all ones for unconstrained slots; constrained rows are rewritten
+         every step from host-built masks: ``set_grammar_masks``)
       -> eos/stop ids -> -inf while the row is below min_tokens
       -> greedy rows: argmax (a greedy-only step on Triton: stop mask + argmax
          in one launch, ftserve_kernels/greedy_triton.py)
@@ -66,10 +69,12 @@ class SamplerFeatures:
     penalties: bool = False  # some row uses presence/frequency/repetition
     logprobs: bool = False  # some row asked for logprobs
     bias: bool = False  # some row has a logit_bias
+    grammar: bool = False  # some row is constrained by a grammar (response_format)
 
     @classmethod
     def all(cls) -> SamplerFeatures:
-        return cls(sampling=True, filtering=True, penalties=True, logprobs=True, bias=True)
+        return cls(sampling=True, filtering=True, penalties=True, logprobs=True, bias=True,
+                   grammar=True)
 
     def union(self, other: SamplerFeatures) -> SamplerFeatures:
         return SamplerFeatures(*(a or b for a, b in zip(dataclasses.astuple(self),
@@ -85,7 +90,7 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None = None  # [B, K] fp32
 
 
-def _features_of(params: SamplingParams) -> SamplerFeatures:
+def _features_of(params: SamplingParams, constrained: bool) -> SamplerFeatures:
     sampled = not params.greedy and params.temperature >= MIN_TEMPERATURE
     return SamplerFeatures(
         sampling=sampled,
@@ -93,6 +98,7 @@ def _features_of(params: SamplingParams) -> SamplerFeatures:
         penalties=params.uses_penalties,
         logprobs=params.logprobs is not None,
         bias=params.uses_bias,
+        grammar=constrained,
     )
 
 
@@ -137,6 +143,13 @@ class Sampler:
         self.bias_ids = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.int64, device=self.device)  # [S, L]
         self.bias_vals = torch.zeros(n, MAX_LOGIT_BIAS, dtype=torch.float32, device=self.device)  # [S, L]
         self._biased: set[int] = set()  # slots whose bias row is not all zero
+        # Grammar masks: bit t % 32 of word t // 32 set = token t allowed; -1 = all ones.
+        self.mask_words = ks.mask_words(vocab_size)
+        self.grammar_mask = torch.full((n, self.mask_words), -1, dtype=torch.int32,
+                                       device=self.device)  # [S, W]
+        self._mask_word = torch.arange(vocab_size, device=self.device) // 32  # [V] int64
+        self._mask_bit = (torch.arange(vocab_size, device=self.device) % 32).to(torch.int32)  # [V]
+        self._constrained: set[int] = set()  # slots whose mask row may not be all ones
         # Allocated on the first request that uses penalties ([S, V] each).
         self.counts: torch.Tensor | None = None  # int32, generated-token counts
         self.prompt_mask: torch.Tensor | None = None  # bool, token in the prompt
@@ -183,16 +196,18 @@ class Sampler:
         prompt_ids: Sequence[int],
         eos_ids: Sequence[int],
         output_ids: Sequence[int] = (),
+        constrained: bool = False,
     ) -> None:
         """Load a request's parameters into ``slot``. ``output_ids`` are tokens it
-        already generated (a preempted request resuming), counted for penalties.
-        Small host -> device copies; not the per-step path."""
+        already generated (a preempted request resuming), counted for penalties;
+        ``constrained``: a grammar masks its tokens (the rows come every step, from
+        ``set_grammar_masks``). Small host -> device copies; not the per-step path."""
         if not 0 <= slot < self.max_slots:
             raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
         stops = list(dict.fromkeys([*params.stop_token_ids, *([] if params.ignore_eos else eos_ids)]))
         if len(stops) > self.max_stop_ids:
             raise ValueError(f"{len(stops)} eos/stop ids exceed max_stop_ids={self.max_stop_ids}")
-        needs = _features_of(params)
+        needs = _features_of(params, constrained)
         self.enable(needs)
         sampled = needs.sampling
         seed = params.seed if params.seed is not None else self._host_rng.getrandbits(64)
@@ -207,6 +222,11 @@ class Sampler:
                      torch.int64)
         if params.uses_bias or slot in self._biased:
             self._set_bias(slot, params.logit_bias)
+        if constrained:
+            self._constrained.add(slot)
+        elif slot in self._constrained:
+            self.grammar_mask[slot].fill_(-1)  # a device fill: no host data, no sync
+            self._constrained.discard(slot)
         if self.counts is not None and self.prompt_mask is not None:
             # Reset even for requests without penalties: update() counts every row.
             self.counts[slot].zero_()
@@ -227,6 +247,16 @@ class Sampler:
         self._upload(self._i[slot], self._neutral_i(), torch.int64)
         if slot in self._biased:
             self._set_bias(slot, ())
+        if slot in self._constrained:
+            self.grammar_mask[slot].fill_(-1)
+            self._constrained.discard(slot)
+
+    def set_grammar_masks(self, slots: torch.Tensor, words: torch.Tensor) -> None:
+        """Write this step's masks of constrained slots: ``words`` [n, W] int32 rows
+        for ``slots`` [n] int32, on the device (one upload, built on the host by
+        grammar.MaskFiller). Stream-ordered before the step's sampling; a
+        fixed-shape scatter of n rows, no sync."""
+        self.grammar_mask.index_copy_(0, slots.long(), words)
 
     def _set_bias(self, slot: int, pairs: Sequence[tuple[int, float]]) -> None:
         pad = MAX_LOGIT_BIAS - len(pairs)
@@ -303,6 +333,11 @@ class Sampler:
             # Padding pairs add 0.0 to token 0; a token listed twice gets both.
             x = x.scatter_add(1, self.bias_ids.index_select(0, slots),
                               self.bias_vals.index_select(0, slots))  # [B, V]
+        if f.grammar:
+            # After the bias, so no bias brings back a token the grammar bans. Rows of
+            # unconstrained slots (and the dummy slot) are all ones: a no-op.
+            x = ks.apply_token_bitmask(x, self.grammar_mask.index_select(0, slots),
+                                       self._mask_word, self._mask_bit)  # [B, V]
         stop_cols = torch.arange(self.max_stop_ids, device=slots.device)  # [M]
         stop_active = (stop_cols[None, :] < num_stops[:, None]) & min_tokens_active[:, None]
         x = ks.mask_token_ids(x, irow[:, _NI:], stop_active)  # [B, V]

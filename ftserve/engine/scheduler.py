@@ -339,8 +339,21 @@ class Scheduler:
             req.state = ReqState.DECODE
             req.check()
             reason = self._stop_reason(req, tok)
+            if req.grammar is not None and reason is None:
+                reason = self._grammar_step(req, tok)
             if reason is not None:
                 self.finish(req, reason)
+
+    def _grammar_step(self, req: Req, tok: int) -> str | None:
+        """Advance a constrained request's matcher: "stop" once its grammar is complete.
+        The token was sampled under the grammar's own mask, so a rejection means the
+        mask did not hold (a bug, or a row where another stage banned every token the
+        grammar allows): the request ends with an error rather than invalid output."""
+        assert req.grammar is not None
+        if not req.grammar.accept(tok):
+            req.error = f"the output left its response_format grammar: {req.grammar.error}"
+            return "error"
+        return "stop" if req.grammar.done else None
 
     def _stop_reason(self, req: Req, tok: int) -> str | None:
         p = req.params

@@ -10,8 +10,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from ftserve.engine.grammar import GrammarMatcher
 from ftserve.engine.messages import TokenLogprob
-from ftserve.server import batch, reasoning, sse, tool_calls, tool_choice
+from ftserve.server import batch, reasoning, response_format, sse, tool_calls, tool_choice
 from ftserve.server import responses as R
 from ftserve.server.errors import APIError, bad_request
 from ftserve.server.generation import EngineRequestError, Generation, Step
@@ -52,9 +53,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     forced = tool_choice.forced_text(fmt, parsed.forced) if parsed.forced and fmt else ""
     ids = await text.encode_async(prompt + forced, add_special_tokens=False)  # template adds them
     # Reasoning split (server/reasoning.py): None = off, else whether the prompt opened it.
-    # Off under a forced call: the output continues the call, not a reasoning block.
+    # Off under a forced call: the output continues the call, not a reasoning block;
+    # off under a JSON response_format: the grammar makes all of the output the JSON.
     think = (reasoning.opens_in_prompt(prompt) if state.cfg.reasoning_parser != "none"
-             and text.marks_reasoning() and not forced else None)
+             and text.marks_reasoning() and not forced and parsed.response_format is None
+             else None)
     return await _run(request, state, parsed, [ids], arrival, "chatcmpl-", think, forced)
 
 
@@ -82,8 +85,14 @@ async def _run(
     heads: list[str] | None = None,
 ) -> web.StreamResponse:
     engine, text = state.ready()
-    # Every prompt is checked before anything is submitted (batch.py).
+    # Every prompt is checked before anything is submitted (batch.py), and so is the
+    # response_format's grammar: one matcher per choice.
     params = batch.build_all(parsed, prompts, engine)
+    grammars: list[GrammarMatcher | None] = [None] * (len(prompts) * parsed.n)
+    if parsed.response_format is not None:
+        vocab = await asyncio.to_thread(text.grammar_tokenizer, engine.vocab_size)
+        grammars = list(await response_format.matchers(parsed.response_format, vocab,
+                                                       len(grammars)))
     rid = prefix + uuid.uuid4().hex
     # One engine request per choice (more than one: ids rid-0, rid-1, ... in choice order,
     # prompt_index * n + j; the response keeps rid). The engine prefills a shared prompt
@@ -97,7 +106,8 @@ async def _run(
                 detok = text.detokenizer(ids, parsed.stop, parsed.skip_special_tokens)
                 gid = rid if one else f"{rid}-{p * parsed.n + i}"
                 gens.append(Generation(engine, state.tracker, state.metrics, gid, ids,
-                                       parsed.choice_params(params[p], i), detok, arrival))
+                                       parsed.choice_params(params[p], i), detok, arrival,
+                                       grammars[p * parsed.n + i]))
         # echo: each choice's text starts with its prompt's.
         per_choice = [h for h in heads for _ in range(parsed.n)] if heads else None
         if parsed.stream:

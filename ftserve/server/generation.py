@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ftserve.engine.grammar import GrammarMatcher
 from ftserve.engine.messages import GenerateRequest, RequestOutput, TokenLogprob
 from ftserve.engine.sampling_params import SamplingParams
 from ftserve.server.metrics import Metrics
@@ -76,6 +77,7 @@ class Generation:
         params: SamplingParams,
         detok: StreamDetokenizer,
         arrival_time: float,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -90,7 +92,7 @@ class Generation:
         self._arrival = arrival_time
         self._last_token_time: float | None = None
         self._queue = tracker.open(request_id)
-        engine.submit(GenerateRequest(request_id, prompt_ids, params, arrival_time))
+        engine.submit(GenerateRequest(request_id, prompt_ids, params, arrival_time, grammar))
 
     @property
     def finished(self) -> bool:

@@ -3,8 +3,8 @@
 Types are checked strictly (a bool is not a number, a string is not a list) so that a
 bad field gets a 400 naming it instead of surfacing later as a 500. Fields we do not
 know are ignored, as OpenAI-compatible servers do; fields we know but cannot honour
-(response_format, n above MAX_CHOICES, ...) get a 400 naming the field. ``tools``
-and ``tool_choice`` are read by tool_choice.py.
+(n above MAX_CHOICES, ...) get a 400 naming the field. ``tools`` and ``tool_choice``
+are read by tool_choice.py, ``response_format`` by response_format.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ftserve.engine.sampling_params import SamplingParams, SamplingParamsError
+from ftserve.server import response_format
 from ftserve.server.errors import APIError, bad_request, unsupported
+from ftserve.server.response_format import ResponseFormat
 from ftserve.server.tool_choice import ForcedCall, _tool_calls, forced_call, parse_tools
 
 _MISSING: Any = object()
@@ -47,6 +49,7 @@ class ParsedRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
     parallel_tool_calls: bool = True  # False: only the first call the model writes is returned
     forced: ForcedCall | None = None  # tool_choice "required" or a named function (tool_choice.py)
+    response_format: ResponseFormat | None = None  # JSON output constraint (response_format.py)
 
     def build_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
         """Resolve max_tokens against the context window and validate everything."""
@@ -316,9 +319,8 @@ def parse_chat(raw: Any) -> ParsedRequest:
         raise unsupported("modalities", "supports ['text'] only")
     if _get(body, "audio") not in (_MISSING, None):
         raise unsupported("audio")
-    fmt = _get(body, "response_format")
-    if fmt is not _MISSING and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise unsupported("response_format")
+    fmt = response_format.parse(body)
+    response_format.check_tools(fmt, tools)
     common = _common(body)
     logprobs: int | None = None
     top = _int(body, "top_logprobs", lo=0, hi=20)
@@ -337,6 +339,7 @@ def parse_chat(raw: Any) -> ParsedRequest:
         parallel_tool_calls=(_bool(body, "parallel_tool_calls", True)
                              and (forced is None or forced.name is None)),
         forced=forced,
+        response_format=fmt,
         **common,
     )
 
@@ -384,6 +387,7 @@ def parse_completion(raw: Any) -> ParsedRequest:
     return ParsedRequest(
         kind="completion",
         prompts=prompts,
+        response_format=response_format.parse(body),
         echo=echo,
         logprobs=None if logprobs is _MISSING else logprobs,
         **common,

@@ -7,7 +7,10 @@ strings all go through ``TextCodec``.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Protocol
+
+import llguidance
 
 from ftserve.server import reasoning
 from ftserve.server.tool_calls import Format, format_of
@@ -21,6 +24,7 @@ from ftserve.tokenizer import (
     chat_template_for,
     load_tokenizer,
 )
+from ftserve.tokenizer.grammar_view import grammar_tokenizer
 
 
 class TemplateError(ValueError):
@@ -66,6 +70,11 @@ class TextCodec(Protocol):
         self, prompt_ids: list[int], stop: tuple[str, ...], skip_special_tokens: bool
     ) -> StreamDetokenizer: ...
 
+    def grammar_tokenizer(self, vocab_size: int) -> llguidance.LLTokenizer:
+        """The grammar library's view of the tokenizer, ``vocab_size`` ids wide (built
+        once; blocking: call it off the event loop)."""
+        ...
+
 
 class _Detok:
     """StreamDetokenizer over the tokenizer package's StreamingDetokenizer."""
@@ -98,6 +107,8 @@ class TokenizerCodec:
         except NoChatTemplateError as err:
             # Completions still work; chat requests get a 400 that says why.
             self._template_error = f"this model has no chat template ({err}); use /v1/completions"
+        self._grammar_tok: llguidance.LLTokenizer | None = None
+        self._grammar_lock = threading.Lock()
         self._tool_format: Format | None = None  # read off the template once
         self._reasoning = False
         if self._template is not None:
@@ -139,6 +150,12 @@ class TokenizerCodec:
     ) -> StreamDetokenizer:
         return _Detok(StreamingDetokenizer(self.tokenizer, stop,
                                            skip_special_tokens=skip_special_tokens))
+
+    def grammar_tokenizer(self, vocab_size: int) -> llguidance.LLTokenizer:
+        with self._grammar_lock:  # worker threads: the first structured requests race
+            if self._grammar_tok is None or self._grammar_tok.vocab_size != vocab_size:
+                self._grammar_tok = grammar_tokenizer(self.tokenizer, vocab_size)
+            return self._grammar_tok
 
 
 def make_text_codec(model_dir: str) -> TextCodec:
