@@ -117,6 +117,13 @@ def fused_kv_store() -> bool:
     return _flag("FTSERVE_FUSED_KV_STORE", True)
 
 
+def decode_qk_fold() -> bool:
+    """FTSERVE_DECODE_QK_FOLD (default on): at decode, Qwen3's per-head q/k norms,
+    the rotary and the KV store run inside the split-K attention launch
+    (TritonAttentionBackend.decode_qk) instead of a launch of their own before it."""
+    return _flag("FTSERVE_DECODE_QK_FOLD", True)
+
+
 def decode_layer_kernel() -> bool:
     """FTSERVE_DECODE_LAYER_KERNEL (default off): batch-1 decode runs each MoE
     layer as one persistent launch with grid barriers between its phases

@@ -6,6 +6,8 @@ Twin: ``paged_attention.paged_attention_ref`` with one query per sequence.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -22,16 +24,36 @@ from ftserve_kernels.attention_common import (
 
 
 @triton.jit
+def _norm_rope_halves(x1, x2, w_ptr, j, cos, sin, eps, D: tl.constexpr, HALF: tl.constexpr, ty):
+    """Per-row RMSNorm over both halves [R, HALF], then neox rotary: the roundings
+    of rope_triton._norm_rotate_rows (normed -> ty, w * normed -> ty, out -> ty)."""
+    rs = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]  # [R, 1]
+    w1 = tl.load(w_ptr + j).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + j).to(tl.float32)[None, :]
+    y1 = (w1 * (x1 * rs).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    y2 = (w2 * (x2 * rs).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    return (y1 * cos - y2 * sin).to(ty), (y2 * cos + y1 * sin).to(ty)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, pt_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, o_ptr, count_ptr,
     ks_ptr, vs_ptr,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_pt, stride_ss,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
     scale_log2,
+    k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, loc_ptr, eps,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+    QK: tl.constexpr,
 ):
+    # QK (decode_attention_qk_triton): q and the new token's k arrive raw (before
+    # the per-head norms and the rotary) and this kernel normalizes and rotates
+    # them itself; the split holding the new token (position kv_len - 1) stores
+    # its K/V into the pages and adds it from registers after its loop, so no
+    # program reads that slot back. Halves [*, D/2] throughout (full rotary).
     pdl.enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -46,10 +68,25 @@ def _decode_split_kernel(
     heads = kvh * GROUP + g
     gmask = g < GROUP
     dmask = d < D
-    q = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=gmask[:, None] & dmask[None, :], other=0.0,
-    )  # [G, D]
+    HALF: tl.constexpr = D // 2
+    hj = tl.arange(0, HALF)
+    if QK:
+        ty = q_ptr.dtype.element_ty
+        p_new = tl.load(pos_ptr + b).to(tl.int64)
+        cos = tl.load(cs_ptr + p_new * stride_cos + hj)[None, :]  # [1, HALF] fp32
+        sin = tl.load(cs_ptr + p_new * stride_cos + HALF + hj)[None, :]
+        q_rows = q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+        q1, q2 = _norm_rope_halves(
+            tl.load(q_rows + hj[None, :], mask=gmask[:, None], other=0.0).to(tl.float32),
+            tl.load(q_rows + HALF + hj[None, :], mask=gmask[:, None], other=0.0).to(tl.float32),
+            qw_ptr, hj, cos, sin, eps, D, HALF, ty)  # [G, HALF] each
+        end = tl.minimum(end, kv_len - 1)  # the new token: after the loop
+        q = q1  # unused (the loop takes the halves)
+    else:
+        q = tl.load(
+            q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=gmask[:, None] & dmask[None, :], other=0.0,
+        )  # [G, D]
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -60,16 +97,22 @@ def _decode_split_kernel(
         nmask = pos < end
         page = tl.load(pt_row + pos // PAGE_SIZE, mask=nmask, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [N]
-        kt = tl.load(
-            kc_ptr + slot[None, :] * stride_cs + head_off + d[:, None],
-            mask=nmask[None, :] & dmask[:, None], other=0.0,
-        )  # [D, N]
-        if FP8:
-            # e4m3 codes -> q's dtype is exact; a key's scale multiplies its whole score column.
-            ksc = tl.load(ks_ptr + slot * stride_ss + kvh, mask=nmask, other=0.0)  # [N]
-            qk = mma(q, kt.to(q.dtype), UPCAST) * ksc[None, :]  # [G, N]
+        if QK:
+            k_rows = kc_ptr + slot[None, :] * stride_cs + head_off
+            kt1 = tl.load(k_rows + hj[:, None], mask=nmask[None, :], other=0.0)  # [HALF, N]
+            kt2 = tl.load(k_rows + HALF + hj[:, None], mask=nmask[None, :], other=0.0)
+            qk = mma(q1, kt1, UPCAST) + mma(q2, kt2, UPCAST)  # [G, N] unscaled scores
         else:
-            qk = mma(q, kt, UPCAST)  # [G, N] unscaled scores
+            kt = tl.load(
+                kc_ptr + slot[None, :] * stride_cs + head_off + d[:, None],
+                mask=nmask[None, :] & dmask[:, None], other=0.0,
+            )  # [D, N]
+            if FP8:
+                # e4m3 codes -> q's dtype is exact; a key's scale multiplies its whole score column.
+                ksc = tl.load(ks_ptr + slot * stride_ss + kvh, mask=nmask, other=0.0)  # [N]
+                qk = mma(q, kt.to(q.dtype), UPCAST) * ksc[None, :]  # [G, N]
+            else:
+                qk = mma(q, kt, UPCAST)  # [G, N] unscaled scores
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)  # log2 domain
         alpha = tl.exp2(m_i - m_new)
@@ -87,6 +130,32 @@ def _decode_split_kernel(
         else:
             acc = mma_acc(p.to(vv.dtype), vv, acc * alpha[:, None], UPCAST)
         m_i = m_new
+    if QK:
+        if (start <= kv_len - 1) & (kv_len - 1 < start + per_split):
+            # The new token: normalize and rotate its k, store K/V into its slot
+            # (what the backend's KV store would do), and add it to this split.
+            k_row = k_ptr + b.to(tl.int64) * stride_kt + kvh * stride_kh
+            k1, k2 = _norm_rope_halves(
+                tl.load(k_row + hj[None, :]).to(tl.float32),
+                tl.load(k_row + HALF + hj[None, :]).to(tl.float32),
+                kw_ptr, hj, cos, sin, eps, D, HALF, ty)  # [1, HALF] each
+            v_new = tl.load(v_ptr + b.to(tl.int64) * stride_vt + kvh * stride_vh + d,
+                            mask=dmask, other=0.0)  # [D]
+            dst = tl.load(loc_ptr + b).to(tl.int64) * stride_cs + head_off
+            cty = kc_ptr.dtype.element_ty
+            tl.store(kc_ptr + dst + hj[None, :], k1.to(cty))
+            tl.store(kc_ptr + dst + HALF + hj[None, :], k2.to(cty))
+            tl.store(vc_ptr + dst + d, v_new.to(vc_ptr.dtype.element_ty), mask=dmask)
+            kf1 = k1.to(cty).to(tl.float32)
+            kf2 = k2.to(cty).to(tl.float32)
+            sc = (tl.sum(q1.to(tl.float32) * kf1, 1) + tl.sum(q2.to(tl.float32) * kf2, 1)) * scale_log2
+            m_new = tl.maximum(m_i, sc)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new)
+            l_i = l_i * alpha + p
+            vf = v_new.to(vc_ptr.dtype.element_ty).to(tl.float32)
+            acc = acc * alpha[:, None] + p.to(ty).to(tl.float32)[:, None] * vf[None, :]
+            m_i = m_new
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -155,6 +224,22 @@ def _decode_reduce_kernel(
     tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
 
+@dataclass(frozen=True)
+class DecodeQK:
+    """The raw inputs of a decode step's per-head q/k norms and rotary, for the
+    split kernel to apply itself (Qwen3; float pages, full rotary): q is passed
+    raw as decode_attention_triton's ``q``."""
+
+    k: torch.Tensor  # [B, Hkv, D] raw (a view of the qkv projection is fine)
+    v: torch.Tensor  # [B, Hkv, D]
+    q_w: torch.Tensor  # [D] q_norm weight
+    k_w: torch.Tensor  # [D] k_norm weight
+    eps: float
+    positions: torch.Tensor  # [B] int64
+    cos_sin: torch.Tensor  # [max_pos, D] fp32, cos | sin halves
+    out_cache_loc: torch.Tensor  # [B] int64, the new token's KV slot
+
+
 def decode_attention_triton(
     q: torch.Tensor,  # [B, Hq, D], one query per sequence
     k_cache: torch.Tensor,  # [slots, Hkv, D]
@@ -169,13 +254,16 @@ def decode_attention_triton(
     counters: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,  # [slots, Hkv] fp32, fp8 caches only
     v_scale: torch.Tensor | None = None,
+    qk: DecodeQK | None = None,
 ) -> torch.Tensor:
     """Split-K decode. With ``cfg.decode_fused_reduce`` the last split program of
     each (sequence, KV head) combines the splits itself (one launch); it needs
     ``counters``: int32, at least B * Hkv entries, zero before the first call and
     left zero after every call (allocated zeroed here when not given). fp8 caches
     (float8_e4m3fn codes) need ``k_scale`` / ``v_scale``; tiles are dequantized in
-    registers."""
+    registers. With ``qk``, ``q`` is raw and the kernel applies the q/k norms and
+    the rotary and stores the new K/V itself (twin: norm_rope.qk_norm_rotary_ref
+    with its kv_store, then this function without ``qk``)."""
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -192,6 +280,13 @@ def decode_attention_triton(
     if fused:
         assert counters is not None and counters.numel() >= bsz * hkv
     ks, vs, stride_ss, fp8 = scale_args(k_cache, k_scale, v_scale)
+    if qk is not None:
+        assert not fp8 and qk.cos_sin.shape[-1] == d and d % 2 == 0 and triton.next_power_of_2(d) == d
+        assert qk.k.stride(-1) == 1 and qk.v.stride(-1) == 1 and qk.cos_sin.stride(-1) == 1
+        qk_args = (qk.k, qk.v, qk.q_w, qk.k_w, qk.positions, qk.cos_sin, qk.out_cache_loc, qk.eps,
+                   qk.k.stride(0), qk.k.stride(1), qk.v.stride(0), qk.v.stride(1), qk.cos_sin.stride(0))
+    else:
+        qk_args = (q, q, q, q, seq_lens, q, seq_lens, 0.0, 0, 0, 0, 0, 0)  # unread
     on = pdl.active(q)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, out,
@@ -202,10 +297,11 @@ def decode_attention_triton(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         scale * LOG2E,
+        *qk_args,
         PAGE_SIZE=page_size, GROUP=group, D=d, BLOCK_D=block_d,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n,
         NUM_SPLITS=num_splits, UPCAST=interpreting(), FUSED_REDUCE=fused,
-        BLOCK_S=triton.next_power_of_2(num_splits), FP8=fp8,
+        BLOCK_S=triton.next_power_of_2(num_splits), FP8=fp8, QK=qk is not None,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
     )
     if fused:

@@ -71,6 +71,7 @@ from ftserve_kernels.attention_common import (  # noqa: F401  (re-exported names
     scale_args,
 )
 from ftserve_kernels.attention_decode_triton import (  # noqa: F401  (re-exported names)
+    DecodeQK,
     _decode_reduce_kernel,
     _decode_split_kernel,
     decode_attention_triton,
@@ -336,6 +337,29 @@ class TritonAttentionBackend:
         if self._counters is None or self._counters.numel() < n or self._counters.device != device:
             self._counters = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         return self._counters
+
+    def decode_qk(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
+        q_w: torch.Tensor, k_w: torch.Tensor, eps: float, cos_sin: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Decode attention from raw q/k [B, H, D]: the split kernel applies the
+        per-head norms and the rotary and stores K/V itself (one launch fewer
+        than qk_norm_rotary + forward). None where it does not apply (not a
+        decode batch, fp8 pages, partial rotary): the caller takes the usual path."""
+        pool = batch.kv_pool
+        d = q.shape[-1]
+        if not batch.is_decode or pool.k_scale is not None or cos_sin.shape[-1] != d:
+            return None
+        meta = batch.attn
+        kc, vc = pool.k[layer], pool.v[layer]
+        cfg = self.cfg or AttnKernelConfig.for_device(q.device, d)
+        splits = self.num_splits(q.shape[0], kc.shape[1], q.device)
+        counters = (self._decode_counters(q.shape[0] * kc.shape[1], q.device)
+                    if cfg.decode_fused_reduce else None)
+        scale = self.scale if self.scale is not None else d ** -0.5
+        qk = DecodeQK(k, v, q_w, k_w, eps, batch.positions, cos_sin, meta.out_cache_loc)
+        return decode_attention_triton(q, kc, vc, meta.page_table, meta.seq_lens, meta.page_size,
+                                       scale, splits, cfg, counters=counters, qk=qk)
 
     def num_splits(self, batch_size: int, num_kv_heads: int, device: torch.device) -> int:
         cfg = self.cfg or AttnKernelConfig.for_device(device, 128)

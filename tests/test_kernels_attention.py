@@ -389,3 +389,101 @@ def test_gpu_decode_fused_reduce_races() -> None:
         torch.cuda.synchronize()
         assert rel_err(out, two) < 1e-3
     assert int(counters.abs().sum()) == 0
+
+
+def _rope_table(max_pos: int, d: int) -> torch.Tensor:
+    inv = 1.0 / (10000.0 ** (torch.arange(0, d // 2, dtype=torch.float64) / (d // 2)))
+    ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=1).float()  # [max_pos, d]: cos | sin
+
+
+@pytest.mark.parametrize("dtype,splits,fused", [(torch.float32, 1, False), (torch.float32, 3, False),
+                                                (torch.float32, 8, True), (torch.bfloat16, 5, False)])
+def test_decode_qk_fold_matches_norm_rotary_then_attention(dtype: torch.dtype, splits: int,
+                                                          fused: bool) -> None:
+    """DecodeQK: the split kernel normalizes and rotates raw q/k itself and stores
+    K/V: same pages as qk_norm_rotary_ref's store, same output as attention over
+    its rotated q. Prefixes 0, 16, 39 put the new token alone in its split, in
+    the first split and in a later one."""
+    from ftserve_kernels.attention_common import AttnKernelConfig
+    from ftserve_kernels.attention_decode_triton import DecodeQK
+    from ftserve_kernels.norm_rope import qk_norm_rotary_ref
+
+    prefix, d, hq, hkv, page = [0, 16, 39], 32, 8, 2, 4
+    pool, tables, q, k, v = make_case([1, 1, 1], prefix, hq, hkv, d, page, dtype, DEVICE, seed=splits)
+    ref_pool = KVPool(1, pool.num_pages, page, hkv, d, dtype, DEVICE)
+    ref_pool.k.copy_(pool.k)
+    ref_pool.v.copy_(pool.v)
+    g = torch.Generator().manual_seed(11)
+    q_w = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype)
+    k_w = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype)
+    cos_sin = _rope_table(64, d)
+    toks = [[1]] * 3
+    fb = build_forward_batch(toks, prefix, tables, pool, TorchAttentionBackend(), is_decode=True)
+    meta = fb.attn
+    cfg = AttnKernelConfig(decode_fused_reduce=fused)
+    qo, _ = qk_norm_rotary_ref(q, k, q_w, k_w, 1e-6, fb.positions, cos_sin,
+                               (ref_pool.k[0], ref_pool.v[0], v, meta.out_cache_loc))
+    ref = at.decode_attention_triton(qo, ref_pool.k[0], ref_pool.v[0], meta.page_table, meta.seq_lens,
+                                     page, d**-0.5, splits, cfg=cfg)
+    out = torch.full_like(q, float("nan"))
+    before_k = pool.k.clone()
+    qk = DecodeQK(k, v, q_w, k_w, 1e-6, fb.positions, cos_sin, meta.out_cache_loc)
+    at.decode_attention_triton(q, pool.k[0], pool.v[0], meta.page_table, meta.seq_lens, page,
+                               d**-0.5, splits, cfg=cfg, out=out, qk=qk)
+    # K as the reference stores it, up to the norm's summation order (an fp32 ulp,
+    # or a bf16 rounding flip); V exactly; nothing else written.
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(pool.k.nan_to_num(7.0), ref_pool.k.nan_to_num(7.0), **tol)
+    assert torch.equal(pool.v.nan_to_num(7.0), ref_pool.v.nan_to_num(7.0))
+    loc = meta.out_cache_loc
+    assert not torch.equal(pool.k[0, loc], before_k[0, loc])
+    pool.k[0, loc] = before_k[0, loc]
+    assert torch.equal(pool.k.nan_to_num(7.0), before_k.nan_to_num(7.0)), "a write outside the new slots"
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2), rel_err(out, ref)
+
+
+def test_backend_decode_qk_applies_to_decode_only() -> None:
+    pool, tables, q, k, v = make_case([1, 2], [5, 3], 4, 2, 32, 4, torch.float32, DEVICE)
+    backend = at.TritonAttentionBackend()
+    w = torch.ones(32)
+    fb = build_forward_batch([[1], [1, 1]], [5, 3], tables, pool, backend, is_decode=False)
+    assert backend.decode_qk(q, k, v, 0, fb, w, w, 1e-6, _rope_table(16, 32)) is None
+    fb = build_forward_batch([[1], [1]], [5, 3], tables, pool, backend, is_decode=True)
+    assert backend.decode_qk(q[:2], k[:2], v[:2], 0, fb, w, w, 1e-6, _rope_table(16, 16)) is None  # partial rotary
+    assert backend.decode_qk(q[:2], k[:2], v[:2], 0, fb, w, w, 1e-6, _rope_table(16, 32)) is not None
+
+
+@pytest.mark.gpu
+def test_gpu_decode_qk_fold_real_shape() -> None:
+    """qwen3-30b-a3b heads (32 q, 4 kv, d 128), bf16, contexts to 3,000 at the
+    backend's own split count: the fold against qk_norm_rotary + attention."""
+    from ftserve_kernels.attention_decode_triton import DecodeQK
+    from ftserve_kernels.rope_triton import qk_norm_rotary_triton
+
+    prefix, d, page = [3000, 17, 1024, 64], 128, 16
+    pool, tables, q, k, v = make_case([1] * 4, prefix, 32, 4, d, page, torch.bfloat16, "cuda", seed=3)
+    ref_pool = KVPool(1, pool.num_pages, page, 4, d, torch.bfloat16, "cuda")
+    ref_pool.k.copy_(pool.k)
+    ref_pool.v.copy_(pool.v)
+    g = torch.Generator().manual_seed(1)
+    q_w = (1 + 0.2 * torch.randn(d, generator=g)).to(torch.bfloat16).cuda()
+    k_w = (1 + 0.2 * torch.randn(d, generator=g)).to(torch.bfloat16).cuda()
+    cos_sin = _rope_table(4096, d).cuda()
+    backend = at.TritonAttentionBackend()
+    fb = build_forward_batch([[1]] * 4, prefix, tables, pool, backend, is_decode=True)
+    meta = fb.attn
+    qo, _ = qk_norm_rotary_triton(q, k, q_w, k_w, 1e-6, fb.positions, cos_sin,
+                                  (ref_pool.k[0], ref_pool.v[0], v, meta.out_cache_loc))
+    splits = backend.num_splits(4, 4, q.device)
+    ref = at.decode_attention_triton(qo, ref_pool.k[0], ref_pool.v[0], meta.page_table,
+                                     meta.seq_lens, page, d**-0.5, splits)
+    out = torch.full_like(q, float("nan"))
+    at.decode_attention_triton(q, pool.k[0], pool.v[0], meta.page_table, meta.seq_lens, page, d**-0.5,
+                               splits, out=out,
+                               qk=DecodeQK(k, v, q_w, k_w, 1e-6, fb.positions, cos_sin, meta.out_cache_loc))
+    torch.cuda.synchronize()
+    torch.testing.assert_close(pool.k.nan_to_num(7.0), ref_pool.k.nan_to_num(7.0), rtol=2e-2, atol=2e-2)
+    assert torch.equal(pool.v.nan_to_num(7.0), ref_pool.v.nan_to_num(7.0))
+    assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2, rel_err(out, ref)

@@ -44,7 +44,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
              warps: int = 4, stages: int = 3) -> None:
         # Optional features default off; a name the kernel lacks is dropped.
         consts = {k: v for k, v in ({"HAS_MAP": False, "FP8": False, "PDL": False, "READ_THROUGH": False,
-                                     "BLOCK_M": 1} | consts).items() if k in fn.arg_names}
+                                     "BLOCK_M": 1, "QK": False} | consts).items() if k in fn.arg_names}
         types = {"map_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "bank": "i64",
                  "miss_slot_ptr": "*i32", "miss_id_ptr": "*i32"} | types
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -89,6 +89,13 @@ def _compile_all() -> dict[str, dict[str, Any]]:
              dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
                   BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=fused,
                   BLOCK_S=64), cfg.decode_warps, cfg.decode_stages)
+    # Raw q/k in, the q/k norms, the rotary and the KV store inside (DecodeQK).
+    comp("decode_split_qk", at._decode_split_kernel,
+         attn | {"k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "pos_ptr": "*i64",
+                 "cs_ptr": "*fp32", "loc_ptr": "*i64", "eps": "fp32"},
+         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
+              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False,
+              BLOCK_S=64, QK=True), cfg.decode_warps, cfg.decode_stages)
     # fp8 e4m3 KV pages (codes + per-token scales): store, decode and extend.
     fp8 = "*fp8e4nv"
     comp("store_kv_fp8", at._store_kv_kernel,
@@ -239,7 +246,8 @@ def test_kernels_compile_for_sm90() -> None:
     for name in ("decode_split_pdl", "decode_reduce_pdl", "rms_norm_pdl", "qk_norm_rotary_store"):
         # Their every load reads an earlier kernel's output: none may move above the wait.
         assert results[name]["loads_before_wait"] == 0, (name, results[name])
-    for name in ("extend", "decode_split", "moe_gate_up_T1", "moe_gate_up_T8192", "decode_layer"):
+    for name in ("extend", "decode_split", "decode_split_qk", "moe_gate_up_T1", "moe_gate_up_T8192",
+                 "decode_layer"):
         assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"
 
 

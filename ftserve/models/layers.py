@@ -101,6 +101,15 @@ class Attention(nn.Module):
         if batch.layer_ready is not None:  # this layer's pages may still be streaming in
             torch.cuda.current_stream().wait_event(batch.layer_ready[self.layer_idx])
         stored = False
+        fold = getattr(batch.attn_backend, "decode_qk", None)
+        if (self.q_norm is not None and self.k_norm is not None and fold is not None
+                and batch.is_decode and envs.decode_qk_fold()):
+            # The q/k norms, the rotary and the KV store inside the decode attention
+            # launch (TritonAttentionBackend.decode_qk), where it applies.
+            out = fold(q, k, v, self.layer_idx, batch, self.q_norm.weight, self.k_norm.weight,
+                       self.q_norm.eps, cos_sin)
+            if out is not None:
+                return ops.linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
         if self.q_norm is not None and self.k_norm is not None:
             # One kernel for both per-head norms and the rotary (three on the unfused
             # path), and with FTSERVE_FUSED_KV_STORE the KV store too.
