@@ -29,6 +29,7 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_FUSED_KV_STORE": "1",
     "FTSERVE_PDL": "0",
     "FTSERVE_DECODE_LAYER_KERNEL": "0",
+    "FTSERVE_DECODE_QK_FOLD": "1",
 }
 
 
@@ -50,6 +51,7 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     pps = base_attn.decode_programs_per_sm
     fused = not base_attn.decode_fused_reduce
     out = [Variant("baseline")]
+    out.append(Variant("DECODE_QK_FOLD=0", "decode_qk_fold", {"FTSERVE_DECODE_QK_FOLD": "0"}))
     out += [Variant(f"DENSE_GEMV={v}", "dense_gemv", {"FTSERVE_DENSE_GEMV": v})
             for v in ("0", "1", "norm")]
     out.append(Variant("MOE_GATEUP_ACC=1", "moe_gateup_acc", {"FTSERVE_MOE_GATEUP_ACC": "1"}))
