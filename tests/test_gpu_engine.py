@@ -204,7 +204,7 @@ def test_constrained_decode_in_graphs_without_hidden_syncs(engine: Engine) -> No
 
     run(check=False)  # compile every kernel shape once
     drv, reqs = run(check=True)
-    assert engine.sampler.features.grammar
+    assert engine.runner.sampler.features.grammar
     for kind, bs, n in drv.log:
         assert n == (0 if kind == "prefill_chunk" else 1), (kind, bs, n)
     assert any(kind == "decode" and bs >= 3 for kind, bs, _ in drv.log), drv.log
