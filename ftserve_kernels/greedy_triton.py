@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftserve_kernels.sampling import mask_token_ids
+from ftserve_kernels.sampling import _argmax_combine, mask_token_ids
 
 
 def greedy_sample_ref(
@@ -39,13 +39,6 @@ def greedy_sample_ref(
     cols = torch.arange(irow.shape[1] - ni, device=logits.device)  # [M]
     active = (cols[None, :] < num_stops[:, None]) & min_active[:, None]
     return mask_token_ids(logits.float(), irow[:, ni:], active).argmax(dim=-1)
-
-
-@triton.jit
-def _first_max(v1, i1, v2, i2):
-    """Larger value wins; on equal values the lower index (torch.argmax rule)."""
-    take1 = (v1 > v2) | ((v1 == v2) & (i1 < i2))
-    return tl.where(take1, v1, v2), tl.where(take1, i1, i2)
 
 
 @triton.jit
@@ -75,7 +68,7 @@ def _greedy_kernel(
         take = (v > best_v) & ok  # strict: a lane's indices grow, the first maximum stays
         best_v = tl.where(take, v, best_v)
         best_i = tl.where(take, idx, best_i)
-    m, first = tl.reduce((best_v, best_i), 0, _first_max)
+    m, first = tl.reduce((best_v, best_i), 0, _argmax_combine)
     tl.store(part_v_ptr + row * NUM_CHUNKS + c, m)
     tl.store(part_i_ptr + row * NUM_CHUNKS + c, first)
     # Every thread's stores precede the barrier, the barrier the release by the
@@ -88,7 +81,7 @@ def _greedy_kernel(
         pv = tl.load(part_v_ptr + row * NUM_CHUNKS + cc, mask=cm, other=float("-inf"),
                      cache_modifier=".cg")
         pi = tl.load(part_i_ptr + row * NUM_CHUNKS + cc, mask=cm, other=0, cache_modifier=".cg")
-        _, tok = tl.reduce((pv, pi), 0, _first_max)
+        _, tok = tl.reduce((pv, pi), 0, _argmax_combine)
         tl.store(out_ptr + row, tok.to(tl.int64))
         if HAS_LAST:
             tl.store(last_ptr + row, tok.to(tl.int64))

@@ -14,6 +14,10 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("FTSERVE_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_ftserve_cache"))
 
+# The `live` (demo server, one per module) and `client` (openai) fixtures; a
+# module that needs another server defines its own `live`, which wins.
+pytest_plugins = ["tests.server_harness"]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():

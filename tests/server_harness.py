@@ -10,10 +10,12 @@ import dataclasses
 import threading
 import time
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import openai
+import pytest
 import uvloop
 
 from ftserve.config import EngineConfig, ServerConfig
@@ -116,3 +118,21 @@ def script_generations(monkeypatch: Any, pieces: list[str]) -> None:
         return dataclasses.replace(step, text=text)
 
     monkeypatch.setattr(Generation, "next", next_)
+
+
+def openai_client(live: Live) -> openai.OpenAI:
+    """The official client against ``live``, no retries (a failure shows as it is)."""
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[Live]:
+    """The demo server on TEST_ENGINE, one per test module that imports this fixture."""
+    server = start_live()
+    yield server
+    stop_live(server)
+
+
+@pytest.fixture(scope="module")
+def client(live: Live) -> openai.OpenAI:
+    return openai_client(live)

@@ -4,30 +4,19 @@ server (real engine, demo model)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
-from tests.server_harness import Live, start_live, stop_live
+from tests.server_harness import Live
 
 PROMPTS = ["Once upon a time", "The dragon said to the knight", "In a quiet village by the sea"]
 GREEDY: dict[str, Any] = dict(model="ftserve-demo", max_tokens=5, temperature=0, seed=3,
                               extra_body={"ignore_eos": True})
 
 
-@pytest.fixture(scope="module")
-def live() -> Iterator[Live]:
-    server = start_live()
-    yield server
-    stop_live(server)
-
-
-@pytest.fixture(scope="module")
-def client(live: Live) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def _cold(live: Live) -> None:

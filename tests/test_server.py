@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -17,16 +16,6 @@ from tests.server_harness import TEST_ENGINE, Live, start_live, stop_live
 MSGS = [{"role": "user", "content": "Tell me a story about a dragon."}]
 
 
-@pytest.fixture(scope="module")
-def live() -> Iterator[Live]:
-    server = start_live()
-    yield server
-    stop_live(server)
-
-
-@pytest.fixture(scope="module")
-def client(live: Live) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 async def _sse_events(url: str, body: dict[str, Any]) -> list[bytes]:

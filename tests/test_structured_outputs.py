@@ -6,13 +6,12 @@ output valid JSON), whole and streamed, n=2, chat and completions; bad formats a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
-from tests.server_harness import Live, start_live, stop_live
+from tests.server_harness import Live
 
 MSGS = [{"role": "user", "content": "Describe a user account as JSON."}]
 # Bounded (string lengths, integer range, item count, no extra keys): every output
@@ -102,16 +101,6 @@ def test_json_prefix_check_itself() -> None:
         assert not is_json_prefix(bad), bad
 
 
-@pytest.fixture(scope="module")
-def live() -> Iterator[Live]:
-    server = start_live()
-    yield server
-    stop_live(server)
-
-
-@pytest.fixture(scope="module")
-def client(live: Live) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def test_json_object_whole(live: Live, client: openai.OpenAI) -> None:
