@@ -34,6 +34,7 @@ from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.engine.request import Req, ReqState
 from ftserve.engine.runner import Launched
+from ftserve.engine.sampler import SamplerFeatures
 from ftserve.engine.scheduler import ScheduledBatch
 from tools.bench_common import write_model_config
 from tools.engine_driver import EngineDriver
@@ -230,6 +231,49 @@ def test_cuda_graph_decode_equals_eager(engine: Engine, model_dir: str) -> None:
             for i, (g, e) in enumerate(zip(with_graphs, without)):
                 assert g == e, f"batch {bs} request {i}: graph {g} != eager {e}"
     finally:
+        eager.shutdown()
+
+
+@pytest.mark.gpu
+def test_sampled_decode_graph_variants_equal_eager(engine: Engine, model_dir: str) -> None:
+    """Seeded sampled requests (temperature; top-p) batched with greedy ones replay
+    the smallest sampler variant covering the batch (cuda_graph.sampler_variant):
+    the same tokens as the eager engine, and a greedy batch after them replays the
+    greedy graph again (the stage set is the step's, not every admitted one's)."""
+    from ftserve.engine import cuda_graph
+    from ftserve.engine.sampling_params import SamplingParams
+
+    eager = make_engine(model_dir, graphs=False)
+    used: list[object] = []
+    real = cuda_graph.sampler_variant
+
+    def spy(need: object) -> object:
+        v = real(need)  # type: ignore[arg-type]
+        used.append(v)
+        return v
+
+    try:
+        eager.runner.model.load_state_dict(engine.runner.model.state_dict())
+        rng = random.Random(9)
+        prompts = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 60))] for _ in range(4)]
+        params = [None, SamplingParams(temperature=0.8, seed=11), None,
+                  SamplingParams(temperature=0.7, top_p=0.9, seed=12)]
+
+        def run(eng: Engine, which: list[int]) -> list[list[int]]:
+            drv = EngineDriver(eng)
+            reqs = [drv.add(prompts[i], 12, params[i]) for i in which]
+            drv.run_all()
+            return [list(r.output_ids) for r in reqs]
+
+        cuda_graph.sampler_variant = spy  # type: ignore[assignment]
+        mixed = run(engine, [0, 1, 2, 3])
+        assert mixed == run(eager, [0, 1, 2, 3])
+        assert SamplerFeatures(sampling=True, filtering=True) in used
+        used.clear()
+        assert run(engine, [0, 2]) == run(eager, [0, 2])
+        assert used and all(v == SamplerFeatures() for v in used), used
+    finally:
+        cuda_graph.sampler_variant = real  # type: ignore[assignment]
         eager.shutdown()
 
 

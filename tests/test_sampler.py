@@ -3,6 +3,7 @@ min_tokens, logprobs, and (GPU) CUDA-graph capture without host syncs."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from collections.abc import Iterator
@@ -485,3 +486,53 @@ def test_sampler_grammar_rows_constrain_only_their_slots() -> None:
     # The slot's next owner without a grammar samples freely again.
     s.admit(1, SamplingParams(temperature=0.0), [], [])
     assert int(_sample(s, logits, [1])[0]) == 4
+
+
+def test_features_of_is_the_union_of_the_batch_rows() -> None:
+    s = Sampler(V, 6, "cpu")
+    s.admit(0, SamplingParams(temperature=0.0), [], [])
+    s.admit(1, SamplingParams(temperature=0.7, seed=1), [], [])
+    s.admit(2, SamplingParams(temperature=0.7, top_p=0.9, seed=2), [], [])
+    s.admit(3, SamplingParams(temperature=0.0, logprobs=2), [], [])
+    assert s.features_of([0, s.dummy_slot]) == SamplerFeatures()
+    assert s.features_of([0, 1]) == SamplerFeatures(sampling=True)
+    assert s.features_of([1, 2]) == SamplerFeatures(sampling=True, filtering=True)
+    assert s.features_of([0, 3]) == SamplerFeatures(logprobs=True)
+    s.release(2)
+    assert s.features_of([1, 2]) == SamplerFeatures(sampling=True)
+    assert s.features.covers(SamplerFeatures(sampling=True, filtering=True, logprobs=True))
+    for bits in range(1 << len(dataclasses.fields(SamplerFeatures))):
+        assert SamplerFeatures.from_bits(bits).bits == bits
+
+
+def test_a_step_runs_only_its_rows_stages_with_the_same_tokens() -> None:
+    """Rows that need fewer stages than the sampler has enabled: running the
+    step's own union (or the smallest captured variant over it) draws exactly
+    the tokens of every stage on."""
+    from ftserve.engine.cuda_graph import SAMPLER_VARIANTS, sampler_variant
+
+    torch.manual_seed(4)
+    logits = torch.randn(5, V)
+    s = Sampler(V, 6, "cpu")
+    s.admit(0, SamplingParams(temperature=0.0), [], [])
+    s.admit(1, SamplingParams(temperature=0.9, seed=3), [], [])
+    s.admit(2, SamplingParams(temperature=0.9, seed=4), [], [])
+    s.admit(5, SamplingParams(temperature=1.1, top_k=3, presence_penalty=0.5, logprobs=1,
+                              logit_bias=((4, 5.0),)), [1, 2], [])  # enables every other stage
+    slots = [0, 1, 2, s.dummy_slot, 0]
+    steps = [3, 5, 0, 0, 1]
+    need = s.features_of(slots)
+    assert need == SamplerFeatures(sampling=True)
+    everything = _sample(s, logits, slots, steps)
+    for f in (need, sampler_variant(need), s.features):
+        got = s.sample(logits, _i64(slots), _i64(steps), torch.zeros(5, dtype=torch.bool), features=f)
+        assert torch.equal(got.token_ids, everything), f
+    greedy = s.sample(logits[:1], _i64([0]), _i64([0]), torch.zeros(1, dtype=torch.bool),
+                      features=s.features_of([0]))
+    assert greedy.token_ids.item() == logits[0].argmax().item()
+    for bits in range(1 << len(dataclasses.fields(SamplerFeatures))):
+        want = SamplerFeatures.from_bits(bits)
+        v = sampler_variant(want)
+        assert v in SAMPLER_VARIANTS and v.covers(want)
+    assert sampler_variant(SamplerFeatures()) == SamplerFeatures()
+    assert sampler_variant(SamplerFeatures(sampling=True)) == SamplerFeatures(sampling=True)

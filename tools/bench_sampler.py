@@ -3,9 +3,9 @@
 
     python -m tools.bench_sampler --out bench_sampler.json
 
-The engine captures two graph variants per batch size: greedy-only and every
-stage on (``cuda_graph.ALL_FEATURES``); once any request samples, every step
-replays the second. This times ``Sampler.sample`` over [B, V] fp32 logits
+The engine captures a graph per batch size for each stage set in
+``cuda_graph.SAMPLER_VARIANTS`` and replays the smallest that covers the
+step's rows. This times ``Sampler.sample`` over [B, V] fp32 logits
 (V = 151,936, Qwen3's vocabulary) for each stage set below at B = 1, 8, 64,
 each captured once in a graph and replayed back to back (median us per replay),
 next to the greedy fast path, so the cost of each stage is visible.
@@ -30,7 +30,7 @@ SETS = {
     "temperature + top-p/top-k/min-p": SamplerFeatures(sampling=True, filtering=True),
     "+ penalties": SamplerFeatures(sampling=True, filtering=True, penalties=True),
     "+ logprobs": SamplerFeatures(sampling=True, filtering=True, penalties=True, logprobs=True),
-    "all stages (the engine's second graph)": SamplerFeatures.all(),
+    "all stages": SamplerFeatures.all(),
 }
 
 

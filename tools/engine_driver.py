@@ -9,6 +9,7 @@ steps the caller asks for. tools/engine_measure.py holds what is timed with it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import time
 
@@ -46,9 +47,12 @@ class EngineDriver:
         rng = rng or self.rng
         return [rng.randrange(100, self.vocab - 1) for _ in range(n)]
 
-    def add(self, prompt: list[int], max_tokens: int) -> Req:
+    def add(self, prompt: list[int], max_tokens: int, params: SamplingParams | None = None) -> Req:
+        """A request for ``prompt``: greedy, ``max_tokens`` tokens ignoring eos,
+        unless ``params`` says otherwise (max_tokens and ignore_eos are applied to it)."""
         self._n += 1
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = dataclasses.replace(params or SamplingParams(temperature=0.0),
+                                     max_tokens=max_tokens, ignore_eos=True)
         req = Req(f"bench-{self._n}", list(prompt), params, time.monotonic())
         why = self.sched.validate(req)
         if why is not None:

@@ -20,6 +20,7 @@ table: the runner rewrites constrained rows in place before each replay).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -40,6 +41,23 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 MIN_FLAG = 1 << 62
 ALL_FEATURES = SamplerFeatures.all()
+# The sampler stage sets captured per batch size, smallest first; a step replays
+# the first that covers its rows' needs (Sampler.features_of). On the H200 at
+# Qwen3's vocabulary (tools/bench_sampler, 2026-12-01) one step's sampler took,
+# at B = 1 / 64: greedy 19 / 16 us, temperature 128 / 265, + top-k/top-p/min-p
+# 272 / 1,690, every stage 419 / 2,445: before these variants, one sampled
+# request anywhere made every later step pay the last row.
+SAMPLER_VARIANTS = (
+    SamplerFeatures(),
+    SamplerFeatures(sampling=True),
+    SamplerFeatures(sampling=True, filtering=True),
+    ALL_FEATURES,
+)
+
+
+def sampler_variant(need: SamplerFeatures) -> SamplerFeatures:
+    """The smallest captured sampler stage set that runs every stage in ``need``."""
+    return next(v for v in SAMPLER_VARIANTS if v.covers(need))
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -120,7 +138,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         t0 = time.monotonic()
         r = self.runner
-        feature_sets = [SamplerFeatures(), ALL_FEATURES]
+        feature_sets = SAMPLER_VARIANTS
         self._fill_dummy()
         with torch.inference_mode():
             for feats in feature_sets:
@@ -128,7 +146,7 @@ class DecodeGraphs:
                     for bs in sorted(self.sizes, reverse=True):
                         self._capture_one(bs, feats)
                 log.info("captured %d decode graphs (%s)", len(self.sizes),
-                         "greedy" if feats == SamplerFeatures() else "all sampler stages")
+                         ", ".join(k for k, on in dataclasses.asdict(feats).items() if on) or "greedy")
         torch.cuda.synchronize()
         log.info("CUDA graphs for batch sizes %s captured in %.1f s", self.sizes, time.monotonic() - t0)
 
@@ -162,7 +180,7 @@ class DecodeGraphs:
         h_in = self.h_in[self._flip]
         h_in[:pbs] = torch.tensor(rows, dtype=torch.int64)
         self.g_in[:pbs].copy_(h_in[:pbs], non_blocking=True)
-        feats = SamplerFeatures() if r.sampler.features == SamplerFeatures() else ALL_FEATURES
+        feats = sampler_variant(r.sampler.features_of(req.slot for req in batch.reqs))
         self.graphs[(pbs, feats)].replay()
         out = self.outputs[(pbs, feats)]
         if r.sampler.features.penalties:

@@ -238,7 +238,8 @@ class ModelRunner:
                                + [int(batch.steps[i] < batch.reqs[i].params.min_tokens)
                                   for i in rows]).view(4, -1)
             logits = logits_all.index_select(0, dev[0])  # [R, V]
-            out = self.sampler.sample(logits, dev[1], dev[2], dev[3].bool(), last=self.last_tokens)
+            out = self.sampler.sample(logits, dev[1], dev[2], dev[3].bool(), last=self.last_tokens,
+                                      features=self.sampler.features_of(q.slot for q in sreqs))
             self.sampler.update(dev[1], out.token_ids)
         else:
             fb, slots, steps, min_active = self.build(batch)
@@ -251,7 +252,8 @@ class ModelRunner:
             if not rows:
                 # A non-final prefill chunk: only the KV matters; no logits, no sync.
                 return Launched(batch, rows, None)
-            out = self.sampler.sample(logits, slots, steps, min_active, last=self.last_tokens)
+            out = self.sampler.sample(logits, slots, steps, min_active, last=self.last_tokens,
+                                      features=self.sampler.features_of(batch.reqs[i].slot for i in rows))
             self.sampler.update(slots, out.token_ids)
         return Launched(batch, rows, self._copy_out(batch, rows, out))
 

@@ -26,11 +26,13 @@ Pipeline for one row (the model distribution is ``logits``):
       -> sampled rows: / temperature -> top-k -> top-p -> min-p -> Gumbel-max
          with counter-based noise keyed by (seed, step, token)
 
-Which stages run is a host-side ``SamplerFeatures`` value that only grows as
-requests needing a stage are admitted (or ``enable`` forces it). Disabled
-stages would be exact no-ops for every admitted row, so skipping them changes
-no result; a graph runner keys its captured graphs on ``features`` and
-recaptures (or runs the sampler eagerly) when it changes.
+Which stages exist is a host-side ``SamplerFeatures`` value that only grows as
+requests needing a stage are admitted (or ``enable`` forces it: their state,
+e.g. the penalty counts, is allocated then). Which stages a step runs is the
+union of what its own rows need (``features_of``, passed to ``sample``): a
+stage is an exact no-op on a row that does not need it, so skipping it changes
+no result. A graph runner captures a few stage sets and replays the smallest
+that covers the step (cuda_graph.SAMPLER_VARIANTS).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +81,18 @@ class SamplerFeatures:
     def union(self, other: SamplerFeatures) -> SamplerFeatures:
         return SamplerFeatures(*(a or b for a, b in zip(dataclasses.astuple(self),
                                                         dataclasses.astuple(other))))
+
+    def covers(self, other: SamplerFeatures) -> bool:
+        """Every stage ``other`` runs, this runs too."""
+        return all(a or not b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other)))
+
+    @property
+    def bits(self) -> int:
+        return sum(1 << i for i, on in enumerate(dataclasses.astuple(self)) if on)
+
+    @classmethod
+    def from_bits(cls, bits: int) -> SamplerFeatures:
+        return cls(*(bool(bits >> i & 1) for i in range(len(dataclasses.fields(cls)))))
 
 
 @dataclass
@@ -156,6 +170,9 @@ class Sampler:
         # Arrival counters of the fused greedy kernel, one per batch row: zero
         # between launches (its last program per row re-zeroes them).
         self._greedy_counts = torch.zeros(n, dtype=torch.int32, device=self.device)
+        # The stages each slot's request needs (SamplerFeatures.bits; 0 = greedy),
+        # so a step runs only what its own rows need (features_of).
+        self._slot_bits = [0] * n
 
     @property
     def dummy_slot(self) -> int:
@@ -209,6 +226,7 @@ class Sampler:
             raise ValueError(f"{len(stops)} eos/stop ids exceed max_stop_ids={self.max_stop_ids}")
         needs = _features_of(params, constrained)
         self.enable(needs)
+        self._slot_bits[slot] = needs.bits
         sampled = needs.sampling
         seed = params.seed if params.seed is not None else self._host_rng.getrandbits(64)
         lo, hi = ks.split_seed(seed)
@@ -245,11 +263,21 @@ class Sampler:
             raise ValueError(f"slot {slot} out of range [0, {self.max_slots})")
         self._upload(self._f[slot], self._neutral_f(), torch.float32)
         self._upload(self._i[slot], self._neutral_i(), torch.int64)
+        self._slot_bits[slot] = 0
         if slot in self._biased:
             self._set_bias(slot, ())
         if slot in self._constrained:
             self.grammar_mask[slot].fill_(-1)
             self._constrained.discard(slot)
+
+    def features_of(self, slots: Iterable[int]) -> SamplerFeatures:
+        """The stages a step over these slots needs: the union of their requests'
+        (the dummy slot needs none). A stage a row does not need is an exact no-op
+        on it, so running only these gives the same tokens as every stage on."""
+        bits = 0
+        for slot in slots:
+            bits |= self._slot_bits[slot]
+        return SamplerFeatures.from_bits(bits)
 
     def set_grammar_masks(self, slots: torch.Tensor, words: torch.Tensor) -> None:
         """Write this step's masks of constrained slots: ``words`` [n, W] int32 rows
@@ -297,24 +325,25 @@ class Sampler:
         steps: torch.Tensor,  # [B] int64, index of the output token being sampled
         min_tokens_active: torch.Tensor,  # [B] bool, below min_tokens: mask eos/stop
         last: torch.Tensor | None = None,  # [>= B] int64: also receives the tokens
+        features: SamplerFeatures | None = None,  # this call's stages (features_of); None: all enabled
     ) -> SampleOutput:
-        f = self._features
+        f = self._features if features is None else features
+        assert self._features.covers(f), "a stage that was never enabled (its state is missing)"
         if (f == SamplerFeatures() and greedy_sample_triton is not None and ops.uses_triton(logits)
                 and logits.shape[0] <= self._greedy_counts.numel()):
             # Greedy rows only: mask, argmax and the copy into ``last`` in one launch.
             tokens = greedy_sample_triton(logits, slots, min_tokens_active, self._i, _NI,
                                           self._greedy_counts, last)
             return SampleOutput(tokens)
-        out = self._sample(logits, slots, steps, min_tokens_active)
+        out = self._sample(logits, slots, steps, min_tokens_active, f)
         if last is not None:
             last[:out.token_ids.shape[0]].copy_(out.token_ids)
         return out
 
     def _sample(
         self, logits: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor,
-        min_tokens_active: torch.Tensor,
+        min_tokens_active: torch.Tensor, f: SamplerFeatures,
     ) -> SampleOutput:
-        f = self._features
         raw = logits.float()  # [B, V]
 
         frow = self._f.index_select(0, slots)  # [B, 6]
