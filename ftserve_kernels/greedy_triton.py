@@ -1,6 +1,9 @@
 """Greedy sampling in one launch: the stop-id mask and the argmax over the
-vocabulary, and the token written where the next decode step reads it.
-Twin: ``greedy_sample_ref`` (the sampler's composition of the same stages).
+vocabulary, and the token written where the next decode step reads it; with
+``ftab`` also temperature sampling (no filters, penalties, bias, grammar or
+logprobs): rows that sample take the Gumbel-max of logits / temperature with
+the sampler's counter-based noise (ftserve_kernels/sampling.py), greedy rows
+the plain argmax. Twin: ``greedy_sample_ref`` (the sampler's composition).
 
 A greedy-only step (no temperature, filters, penalties, bias or logprobs in
 any admitted request) spent ~30 us of a 0.67 ms batch-1 decode step on the
@@ -23,36 +26,66 @@ import torch
 import triton
 import triton.language as tl
 
-from ftserve_kernels.sampling import _argmax_combine, mask_token_ids
+from ftserve_kernels.sampling import (
+    _GOLDEN_TL,
+    _SALT_TL,
+    _argmax_combine,
+    _mix32_tl,
+    gumbel_argmax_ref,
+    mask_token_ids,
+    row_keys,
+    token_hash_table,
+)
 
 
 def greedy_sample_ref(
     logits: torch.Tensor,  # [B, V]
     slots: torch.Tensor,  # [B] int64: rows of itab
     min_active: torch.Tensor,  # [B] bool: mask the slot's stop ids
-    itab: torch.Tensor,  # [S, ni + M] int64: column ni - 1 = number of stop ids, then the ids
+    itab: torch.Tensor,  # [S, ni + M] int64: greedy, top_k, seed_lo, seed_hi, n_stops | stop ids
     ni: int,
+    ftab: torch.Tensor | None = None,  # [S, >= 1] fp32, column 0 = temperature: sample
+    steps: torch.Tensor | None = None,  # [B] int64, with ftab: the output index
+    min_temperature: float = 1e-6,
 ) -> torch.Tensor:
     """-> tokens [B] int64."""
     irow = itab.index_select(0, slots)  # [B, ni + M]
     num_stops = irow[:, ni - 1]
     cols = torch.arange(irow.shape[1] - ni, device=logits.device)  # [M]
     active = (cols[None, :] < num_stops[:, None]) & min_active[:, None]
-    return mask_token_ids(logits.float(), irow[:, ni:], active).argmax(dim=-1)
+    x = mask_token_ids(logits.float(), irow[:, ni:], active)  # [B, V]
+    tokens = x.argmax(dim=-1)
+    if ftab is None:
+        return tokens
+    assert steps is not None
+    temperature = ftab.index_select(0, slots)[:, 0]
+    k1, k2 = row_keys(irow[:, 2], irow[:, 3], steps)
+    hashes = token_hash_table(logits.shape[1], logits.device)
+    drawn = gumbel_argmax_ref(x / temperature.clamp_min(min_temperature)[:, None], k1, k2, hashes)
+    return torch.where(irow[:, 0] != 0, tokens, drawn)
 
 
 @triton.jit
 def _greedy_kernel(
     logits_ptr, slots_ptr, min_ptr, itab_ptr, part_v_ptr, part_i_ptr, count_ptr, out_ptr, last_ptr,
-    vocab, stride_row, stride_itab, chunk,
+    ftab_ptr, steps_ptr, min_temperature,
+    vocab, stride_row, stride_itab, stride_ftab, chunk,
     NI: tl.constexpr, NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_LAST: tl.constexpr,
+    HAS_LAST: tl.constexpr, SAMPLING: tl.constexpr,
 ):
     row = tl.program_id(0)
     c = tl.program_id(1)
-    itab_row = itab_ptr + tl.load(slots_ptr + row) * stride_itab
+    slot = tl.load(slots_ptr + row)
+    itab_row = itab_ptr + slot * stride_itab
     masked = tl.load(min_ptr + row) != 0
     n_stops = tl.load(itab_row + NI - 1)
+    draw = False
+    if SAMPLING:  # this row's keys, as sampling.row_keys
+        draw = tl.load(itab_row) == 0  # column 0: greedy
+        temp = tl.maximum(tl.load(ftab_ptr + slot * stride_ftab), min_temperature)
+        step = tl.load(steps_ptr + row).to(tl.uint32)
+        k1 = _mix32_tl(tl.load(itab_row + 2).to(tl.uint32) ^ _mix32_tl(step ^ _GOLDEN_TL))
+        k2 = _mix32_tl(tl.load(itab_row + 3).to(tl.uint32) ^ _mix32_tl(k1 ^ _SALT_TL))
     lane = tl.arange(0, BLOCK)
     best_v = tl.full((BLOCK,), float("-inf"), tl.float32)
     best_i = tl.full((BLOCK,), 0, tl.int32)
@@ -65,6 +98,12 @@ def _greedy_kernel(
         if masked:
             for j in range(n_stops):
                 v = tl.where(idx == tl.load(itab_row + NI + j), float("-inf"), v)
+        if SAMPLING:
+            if draw:  # + Gumbel noise of (keys, token), as _gumbel_argmax_kernel
+                th = _mix32_tl(idx.to(tl.uint32) ^ tl.full((BLOCK,), _GOLDEN_TL, tl.uint32))
+                h = _mix32_tl(_mix32_tl(th ^ k1) ^ k2)
+                u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+                v = tl.math.div_rn(v, temp) - tl.log(-tl.log(u))
         take = (v > best_v) & ok  # strict: a lane's indices grow, the first maximum stays
         best_v = tl.where(take, v, best_v)
         best_i = tl.where(take, idx, best_i)
@@ -96,13 +135,18 @@ def greedy_sample_triton(
     ni: int,
     counters: torch.Tensor,  # [>= B] int32, zero (and left zero)
     last: torch.Tensor | None = None,  # [>= B] int64: also gets the tokens
+    ftab: torch.Tensor | None = None,  # [S, >= 1] fp32, contiguous: temperature sampling
+    steps: torch.Tensor | None = None,  # [B] int64, with ftab
+    min_temperature: float = 1e-6,
     block: int = 1024,
     target_programs: int = 264,
 ) -> torch.Tensor:
-    """Same tokens as greedy_sample_ref (finite logits): [B] int64. Shapes
-    depend only on (B, V): graph-capturable."""
+    """Same tokens as greedy_sample_ref (finite logits; sampled rows up to the
+    fp32 log rounding gumbel_argmax_triton has too): [B] int64. Shapes depend
+    only on (B, V): graph-capturable."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and itab.is_contiguous() and counters.numel() >= rows
+    assert ftab is None or (ftab.is_contiguous() and steps is not None)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
@@ -115,9 +159,10 @@ def greedy_sample_triton(
     _greedy_kernel[(rows, num_chunks)](
         logits, slots, min_active, itab, part_v, part_i, counters, out,
         last if last is not None else out,
-        vocab, logits.stride(0), itab.stride(0), chunk,
+        ftab if ftab is not None else logits, steps if steps is not None else slots, min_temperature,
+        vocab, logits.stride(0), itab.stride(0), ftab.stride(0) if ftab is not None else 0, chunk,
         NI=ni, NUM_CHUNKS=num_chunks, BLOCK=block, BLOCK_C=triton.next_power_of_2(num_chunks),
-        HAS_LAST=last is not None, num_warps=4,
+        HAS_LAST=last is not None, SAMPLING=ftab is not None, num_warps=4,
     )
     return out
 

@@ -196,6 +196,7 @@ if triton is not None:
     _C1_TL = tl.constexpr(_C1)
     _C2_TL = tl.constexpr(_C2)
     _GOLDEN_TL = tl.constexpr(GOLDEN)
+    _SALT_TL = tl.constexpr(SALT)
 
     @triton.jit
     def _mix32_tl(x):

@@ -51,6 +51,33 @@ def test_greedy_kernel_equals_reference(vocab: int, block: int, programs: int) -
         assert got[1] == 30 if active[1] else got[1] == 7
 
 
+def test_temperature_mode_equals_reference() -> None:
+    """With ftab: sampled rows take the Gumbel-max of logits / T with the
+    sampler's (seed, step, token) noise, greedy rows the argmax; stop masks too."""
+    from ftserve_kernels import sampling as ks
+
+    g = torch.Generator().manual_seed(9)
+    itab = _itab({1: [7, 60], 3: [5]}, 6, 4)
+    itab[:, 0] = torch.tensor([1, 0, 0, 1, 0, 1])  # column 0: greedy
+    for slot in range(6):
+        itab[slot, 2], itab[slot, 3] = ks.split_seed(1000 + 77 * slot)
+    ftab = torch.ones(6, 6)
+    ftab[:, 0] = torch.tensor([1.0, 0.7, 1.3, 1.0, 1e-9, 1.0])  # slot 4: clamped to 1e-6
+    counters = torch.zeros(8, dtype=torch.int32)
+    for trial in range(6):
+        vocab = 3001 if trial % 2 else 500
+        logits = 2 * torch.randn(5, vocab, generator=g)
+        slots = torch.tensor([0, 1, 2, 4, 3])
+        active = torch.tensor([False, True, False, False, True])
+        steps = torch.randint(0, 1 << 20, (5,), generator=g)
+        got = greedy_sample_triton(logits, slots, active, itab, NI, counters, None, ftab, steps,
+                                   block=256, target_programs=8)
+        ref = greedy_sample_ref(logits, slots, active, itab, NI, ftab, steps)
+        assert torch.equal(got, ref), (trial, got, ref)
+        assert got[1] not in (7, 60)
+        assert int(counters.abs().sum()) == 0
+
+
 def test_sampler_takes_the_fused_kernel_for_greedy_only_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """FTSERVE_KERNELS=triton runs the kernel (interpreted here): same tokens as
     the torch path, min_tokens masking included, ``last`` filled either way."""
@@ -83,12 +110,20 @@ def test_sampler_takes_the_fused_kernel_for_greedy_only_steps(monkeypatch: pytes
     assert len(calls) == 1, "the triton run took the fused kernel, the torch run did not"
     assert torch.equal(results["torch"], results["triton"])
     assert results["triton"][0] != 11 and results["triton"][1] == 11 and results["triton"][2] == 11
-    # A request with a sampling stage switches the step to the composed path.
-    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
-    s = Sampler(vocab, 4, "cpu")
-    s.admit(0, SamplingParams(temperature=0.7, seed=1), [], [])
-    s.sample(logits[:1], torch.tensor([0]), torch.zeros(1, dtype=torch.int64), torch.tensor([False]))
-    assert len(calls) == 1
+    # Temperature alone takes it too, with the composed path's draws; a filter
+    # (top-p) switches the step to the composed path.
+    draws = {}
+    for kernels in ("torch", "triton"):
+        monkeypatch.setenv("FTSERVE_KERNELS", kernels)
+        s = Sampler(vocab, 4, "cpu")
+        s.admit(0, SamplingParams(temperature=0.7, seed=1), [], [])
+        s.admit(1, SamplingParams(temperature=0.0), [], [])
+        draws[kernels] = s.sample(logits[:3] * 0.1, torch.tensor([0, 1, 0]), torch.tensor([0, 0, 9]),
+                                  torch.zeros(3, dtype=torch.bool)).token_ids
+    assert len(calls) == 2 and torch.equal(draws["torch"], draws["triton"])
+    s.admit(2, SamplingParams(temperature=0.7, top_p=0.5, seed=1), [], [])
+    s.sample(logits[:1], torch.tensor([2]), torch.zeros(1, dtype=torch.int64), torch.tensor([False]))
+    assert len(calls) == 2
 
 
 @pytest.mark.gpu
@@ -106,3 +141,26 @@ def test_greedy_kernel_at_vocab_scale_on_gpu() -> None:
         got = greedy_sample_triton(logits, slots, active, itab, NI, counters, last)
         assert torch.equal(got, greedy_sample_ref(logits, slots, active, itab, NI))
         assert torch.equal(last[:b], got) and int(counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_temperature_mode_equals_the_composed_sampler_on_gpu() -> None:
+    """Sampler at Qwen3's vocabulary on the GPU: temperature-only steps (one
+    launch) draw what the composed path (filters on but neutral, Gumbel-max
+    kernel) draws for the same seeds and steps."""
+    vocab, dev = 151_936, torch.device("cuda")
+    s = Sampler(vocab, 64, dev, seed=0)
+    for slot in range(64):
+        s.admit(slot, SamplingParams(temperature=0.0 if slot % 4 == 0 else 0.6 + slot / 64, seed=slot),
+                [], [151_645])
+    s.enable(SamplerFeatures(sampling=True, filtering=True))
+    g = torch.Generator(device=dev).manual_seed(1)
+    for b in (1, 8, 64):
+        logits = 3 * torch.randn(b, vocab, generator=g, device=dev)
+        slots = torch.arange(b, device=dev)
+        steps = torch.randint(0, 1000, (b,), device=dev, generator=g)
+        active = torch.arange(b, device=dev) % 3 == 0
+        fused = s.sample(logits, slots, steps, active, features=SamplerFeatures(sampling=True))
+        composed = s.sample(logits, slots, steps, active,
+                            features=SamplerFeatures(sampling=True, filtering=True))
+        assert torch.equal(fused.token_ids, composed.token_ids), b

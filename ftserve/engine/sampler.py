@@ -21,8 +21,8 @@ Pipeline for one row (the model distribution is ``logits``):
          int32; all ones for unconstrained slots; constrained rows are rewritten
          every step from host-built masks: ``set_grammar_masks``)
       -> eos/stop ids -> -inf while the row is below min_tokens
-      -> greedy rows: argmax (a greedy-only step on Triton: stop mask + argmax
-         in one launch, ftserve_kernels/greedy_triton.py)
+      -> greedy rows: argmax (a step of greedy rows, or of temperature alone, on
+         Triton: stop mask + argmax / Gumbel-max in one launch, greedy_triton.py)
       -> sampled rows: / temperature -> top-k -> top-p -> min-p -> Gumbel-max
          with counter-based noise keyed by (seed, step, token)
 
@@ -93,6 +93,10 @@ class SamplerFeatures:
     @classmethod
     def from_bits(cls, bits: int) -> SamplerFeatures:
         return cls(*(bool(bits >> i & 1) for i in range(len(dataclasses.fields(cls)))))
+
+
+# Stage sets greedy_triton runs in one launch.
+_FUSED = (SamplerFeatures(), SamplerFeatures(sampling=True))
 
 
 @dataclass
@@ -329,11 +333,15 @@ class Sampler:
     ) -> SampleOutput:
         f = self._features if features is None else features
         assert self._features.covers(f), "a stage that was never enabled (its state is missing)"
-        if (f == SamplerFeatures() and greedy_sample_triton is not None and ops.uses_triton(logits)
+        if (f in _FUSED and greedy_sample_triton is not None and ops.uses_triton(logits)
                 and logits.shape[0] <= self._greedy_counts.numel()):
-            # Greedy rows only: mask, argmax and the copy into ``last`` in one launch.
+            # Greedy rows, or temperature alone: the stop mask, the argmax (of logits
+            # / T + Gumbel noise on sampled rows) and the copy into ``last``, one launch.
+            sampled = f.sampling
             tokens = greedy_sample_triton(logits, slots, min_tokens_active, self._i, _NI,
-                                          self._greedy_counts, last)
+                                          self._greedy_counts, last,
+                                          self._f if sampled else None, steps if sampled else None,
+                                          MIN_TEMPERATURE)
             return SampleOutput(tokens)
         out = self._sample(logits, slots, steps, min_tokens_active, f)
         if last is not None:
