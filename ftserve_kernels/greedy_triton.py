@@ -35,6 +35,7 @@ from ftserve_kernels.sampling import (
     mask_token_ids,
     row_keys,
     token_hash_table,
+    vocab_chunks,
 )
 
 
@@ -150,10 +151,7 @@ def greedy_sample_triton(
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    blocks = triton.cdiv(vocab, block)
-    num_chunks = max(1, min(blocks, triton.cdiv(target_programs, rows)))
-    chunk = triton.cdiv(blocks, num_chunks) * block
-    num_chunks = triton.cdiv(vocab, chunk)
+    chunk, num_chunks = vocab_chunks(rows, vocab, block, target_programs)
     part_v = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     part_i = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     _greedy_kernel[(rows, num_chunks)](

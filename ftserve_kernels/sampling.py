@@ -247,6 +247,15 @@ if triton is not None:
         tl.store(best_i_ptr + row * NUM_CHUNKS + c, first)
 
 
+def vocab_chunks(rows: int, vocab: int, block: int, target_programs: int) -> tuple[int, int]:
+    """(chunk, chunks per row): BLOCK-aligned vocabulary chunks, about
+    target_programs programs over all rows, so a short batch still fills the GPU."""
+    blocks = triton.cdiv(vocab, block)
+    num_chunks = max(1, min(blocks, triton.cdiv(target_programs, rows)))
+    chunk = triton.cdiv(blocks, num_chunks) * block
+    return chunk, triton.cdiv(vocab, chunk)
+
+
 def gumbel_argmax_triton(
     scores: torch.Tensor,  # [B, V] fp32
     k1: torch.Tensor,  # [B] int64
@@ -259,10 +268,7 @@ def gumbel_argmax_triton(
     assert triton is not None, "triton is not installed"
     scores = scores.contiguous()
     rows, vocab = scores.shape
-    blocks = triton.cdiv(vocab, block)
-    num_chunks = max(1, min(blocks, triton.cdiv(target_programs, rows)))
-    chunk = triton.cdiv(blocks, num_chunks) * block
-    num_chunks = triton.cdiv(vocab, chunk)
+    chunk, num_chunks = vocab_chunks(rows, vocab, block, target_programs)
     best_v = torch.empty(rows, num_chunks, dtype=torch.float32, device=scores.device)
     best_i = torch.empty(rows, num_chunks, dtype=torch.int32, device=scores.device)
     _gumbel_argmax_kernel[(rows, num_chunks)](
