@@ -350,16 +350,25 @@ class TritonAttentionBackend:
         d = q.shape[-1]
         if not batch.is_decode or pool.k_scale is not None or cos_sin.shape[-1] != d:
             return None
+        qk = DecodeQK(k, v, q_w, k_w, eps, batch.positions, cos_sin, batch.attn.out_cache_loc)
+        return self._decode(q, pool.k[layer], pool.v[layer], batch, None, None, qk)
+
+    def _decode(
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: ForwardBatch,
+        ks: torch.Tensor | None, vs: torch.Tensor | None, qk: DecodeQK | None = None,
+    ) -> torch.Tensor:
+        """Split-K decode attention over this layer's pages at the backend's
+        split count and config (forward's decode path, and decode_qk's)."""
         meta = batch.attn
-        kc, vc = pool.k[layer], pool.v[layer]
-        cfg = self.cfg or AttnKernelConfig.for_device(q.device, d)
+        cfg = self.cfg or AttnKernelConfig.for_device(q.device, q.shape[-1])
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         splits = self.num_splits(q.shape[0], kc.shape[1], q.device)
         counters = (self._decode_counters(q.shape[0] * kc.shape[1], q.device)
                     if cfg.decode_fused_reduce else None)
-        scale = self.scale if self.scale is not None else d ** -0.5
-        qk = DecodeQK(k, v, q_w, k_w, eps, batch.positions, cos_sin, meta.out_cache_loc)
-        return decode_attention_triton(q, kc, vc, meta.page_table, meta.seq_lens, meta.page_size,
-                                       scale, splits, cfg, counters=counters, qk=qk)
+        return decode_attention_triton(
+            q, kc, vc, meta.page_table, meta.seq_lens, meta.page_size, scale, splits, cfg,
+            counters=counters, k_scale=ks, v_scale=vs, qk=qk,
+        )
 
     def num_splits(self, batch_size: int, num_kv_heads: int, device: torch.device) -> int:
         cfg = self.cfg or AttnKernelConfig.for_device(device, 128)
@@ -388,13 +397,7 @@ class TritonAttentionBackend:
         # KV head once for all its query heads, far cheaper than 64-row extend tiles.
         if batch.is_decode or (bound is None and meta.max_extend_len == 1):
             assert q.shape[0] == meta.num_seqs, "decode batches carry one token per sequence"
-            splits = self.num_splits(q.shape[0], kc.shape[1], q.device)
-            counters = (self._decode_counters(q.shape[0] * kc.shape[1], q.device)
-                        if cfg.decode_fused_reduce else None)
-            return decode_attention_triton(
-                q, kc, vc, meta.page_table, meta.seq_lens, meta.page_size, scale, splits, cfg,
-                counters=counters, k_scale=ks, v_scale=vs,
-            )
+            return self._decode(q, kc, vc, batch, ks, vs)
         return extend_attention_triton(
             q, kc, vc, meta.page_table, meta.qo_indptr, meta.prefix_lens,
             bound if bound is not None else meta.max_extend_len, meta.page_size, scale, cfg,

@@ -13,9 +13,11 @@ Static input, refilled each step by ONE non-blocking copy from pinned memory::
 Padded rows (batch size rounded up to a captured size) read the dummy page
 (slot 0), the dummy page-table row and the dummy sampler slot, so they write
 nowhere real and need no branch. Graphs are captured largest first into one
-memory pool, for two sampler feature sets: greedy-only and everything on (the
-latter includes the grammar-mask stage, which reads the sampler's per-slot mask
-table: the runner rewrites constrained rows in place before each replay).
+memory pool, for each sampler stage set of SAMPLER_VARIANTS (greedy,
+temperature, + filters, everything; a step replays the smallest that covers
+its rows). The everything set includes the grammar-mask stage, which reads the
+sampler's per-slot mask table: the runner rewrites constrained rows in place
+before each replay.
 """
 
 from __future__ import annotations
@@ -138,10 +140,9 @@ class DecodeGraphs:
     def capture(self) -> None:
         t0 = time.monotonic()
         r = self.runner
-        feature_sets = SAMPLER_VARIANTS
         self._fill_dummy()
         with torch.inference_mode():
-            for feats in feature_sets:
+            for feats in SAMPLER_VARIANTS:
                 with r.sampler.forced_features(feats):  # capture exactly this stage set
                     for bs in sorted(self.sizes, reverse=True):
                         self._capture_one(bs, feats)
