@@ -126,27 +126,6 @@ def decode_qk_fold() -> bool:
     return _flag("FTSERVE_DECODE_QK_FOLD", True)
 
 
-def l2_prefetch() -> frozenset[str]:
-    """FTSERVE_L2_PREFETCH (default off): which weights a decode step of at most 8
-    rows prefetches into L2 from a side stream (ftserve/models/l2_prefetch.py),
-    as letters: "o" this layer's o_proj and router weights while attention runs,
-    "q" the next layer's qkv weight while the router and experts run; "0" or
-    empty: none."""
-    value = os.environ.get("FTSERVE_L2_PREFETCH", "0")
-    return frozenset(c for c in value if c in "oq")
-
-
-def l2_prefetch_mode() -> str:
-    """FTSERVE_L2_PREFETCH_MODE (default line): how that kernel fetches
-    (ftserve_kernels/l2_prefetch.py): line, line_last, bulk or load."""
-    from ftserve_kernels.l2_prefetch import MODES
-
-    value = os.environ.get("FTSERVE_L2_PREFETCH_MODE", "line")
-    if value not in MODES:
-        raise ValueError(f"FTSERVE_L2_PREFETCH_MODE={value!r}: expected one of {', '.join(MODES)}")
-    return value
-
-
 def decode_layer_kernel() -> bool:
     """FTSERVE_DECODE_LAYER_KERNEL (default off): batch-1 decode runs each MoE
     layer as one persistent launch with grid barriers between its phases

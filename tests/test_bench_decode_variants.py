@@ -32,8 +32,7 @@ def _switches() -> dict[str, object]:
             "lm_head_fp32": envs.lm_head_fp32(), "lm_head_gemv": envs.lm_head_gemv(),
             "decode_fusion": envs.decode_fusion(),
             "moe_down3d": envs.moe_down3d(), "fused_kv_store": envs.fused_kv_store(), "pdl": envs.pdl(),
-            "decode_layer_kernel": envs.decode_layer_kernel(), "decode_qk_fold": envs.decode_qk_fold(),
-            "l2_prefetch": envs.l2_prefetch(), "l2_prefetch_mode": envs.l2_prefetch_mode()}
+            "decode_layer_kernel": envs.decode_layer_kernel(), "decode_qk_fold": envs.decode_qk_fold()}
 
 
 def test_default_env_is_what_envs_reads_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:

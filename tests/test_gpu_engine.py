@@ -306,33 +306,6 @@ def test_pdl_graph_decode_equals_default(engine: Engine, model_dir: str, dense: 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["line", "line_last", "bulk", "load"])
-def test_l2_prefetch_decode_equals_default(engine: Engine, model_dir: str, mode: str,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_L2_PREFETCH=oq (ftserve/models/l2_prefetch.py): decode graphs with the
-    side-stream prefetch branches give the default engine's greedy tokens bit for
-    bit (a prefetch changes no value), and the engine stays free of hidden syncs."""
-    rng = random.Random(5)
-    prompts = {bs: [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 60))] for _ in range(bs)]
-               for bs in (1, 3, 8)}
-    want = {bs: run_greedy(engine, p, 16) for bs, p in prompts.items()}
-    monkeypatch.setenv("FTSERVE_L2_PREFETCH", "oq")
-    monkeypatch.setenv("FTSERVE_L2_PREFETCH_MODE", mode)
-    fetching = make_engine(model_dir)  # graphs captured with the prefetch branches
-    try:
-        fetching.runner.model.load_state_dict(engine.runner.model.state_dict())
-        for bs, p in prompts.items():
-            assert run_greedy(fetching, p, 16) == want[bs], f"batch {bs}"
-        pf = fetching.runner.model.prefetch
-        assert {point for _, point in pf._tables} == {"o", "q"}, "both prefetch points ran"
-        scenario(fetching, seed=0, check=False)
-        drv = scenario(fetching, seed=1, check=True)
-        assert all(n == (0 if kind == "prefill_chunk" else 1) for kind, _, n in drv.log), drv.log
-    finally:
-        fetching.shutdown()
-
-
-@pytest.mark.gpu
 def test_cuda_bf16_logits_track_cpu_fp32(engine: Engine) -> None:
     with torch.inference_mode():
         _compare_logits(engine)

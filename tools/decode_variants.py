@@ -30,8 +30,6 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_PDL": "0",
     "FTSERVE_DECODE_LAYER_KERNEL": "0",
     "FTSERVE_DECODE_QK_FOLD": "1",
-    "FTSERVE_L2_PREFETCH": "0",
-    "FTSERVE_L2_PREFETCH_MODE": "line",
 }
 
 
@@ -54,12 +52,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     fused = not base_attn.decode_fused_reduce
     out = [Variant("baseline")]
     out.append(Variant("DECODE_QK_FOLD=0", "decode_qk_fold", {"FTSERVE_DECODE_QK_FOLD": "0"}))
-    # Side-stream L2 prefetch of the next weights (ftserve/models/l2_prefetch.py):
-    # points, then the fetch mode with both points on.
-    out += [Variant(f"L2_PREFETCH={v}", "l2_prefetch", {"FTSERVE_L2_PREFETCH": v}) for v in ("o", "q", "oq")]
-    out += [Variant(f"L2_PREFETCH=oq MODE={m}", "l2_prefetch+l2_prefetch_mode",
-                    {"FTSERVE_L2_PREFETCH": "oq", "FTSERVE_L2_PREFETCH_MODE": m})
-            for m in ("line_last", "bulk", "load")]
     out += [Variant(f"DENSE_GEMV={v}", "dense_gemv", {"FTSERVE_DENSE_GEMV": v})
             for v in ("0", "1", "norm")]
     out.append(Variant("MOE_GATEUP_ACC=1", "moe_gateup_acc", {"FTSERVE_MOE_GATEUP_ACC": "1"}))

@@ -16,7 +16,6 @@ from torch import nn
 from ftserve.models import fused_layer
 from ftserve.models.config import ModelConfig
 from ftserve.models.forward_batch import ForwardBatch
-from ftserve.models.l2_prefetch import WeightPrefetch
 from ftserve.models.layers import Attention, DenseMLP, Embedding, Linear, MoEBlock, RMSNorm
 from ftserve_kernels import ops
 
@@ -49,32 +48,22 @@ class DecoderLayer(nn.Module):
             )
         else:
             self.mlp = DenseMLP(h, cfg.intermediate_size, cfg.mlp_bias, dtype)
-        # Set by DecoderForCausalLM: the model-wide L2 prefetch (ftserve/models/l2_prefetch.py).
-        self.prefetch: WeightPrefetch | None = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if fused_layer.eligible(self, x, batch, cos_sin):  # batch-1 decode: one launch
             return fused_layer.forward(self, x, residual, batch, cos_sin)
-        pf = self.prefetch
         # The residual stream is carried separately so each norm fuses the add (and,
         # at decode sizes, folds into the next GEMV: see ops.add_rms_norm_linear).
-        x, residual = self.self_attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin,
-                                                  after_qkv=pf.after_qkv if pf is not None else None)
-        if pf is not None:
-            pf.after_attention(self.self_attn.layer_idx)
+        x, residual = self.self_attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin)
         if isinstance(self.mlp, MoEBlock):
             # Norm, router and top-k in one launch at decode sizes (see MoEBlock.norm_route).
             x, summed, weights, ids = self.mlp.norm_route(x, residual, self.post_attention_layernorm)
             assert summed is not None
-            out = self.mlp.compute_experts(x, weights, ids)
-        else:
-            x, summed = self.post_attention_layernorm.forward_add(x, residual)
-            out = self.mlp(x)
-        if pf is not None:
-            pf.join()
-        return out, summed
+            return self.mlp.compute_experts(x, weights, ids), summed
+        x, residual = self.post_attention_layernorm.forward_add(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -89,9 +78,6 @@ class DecoderForCausalLM(nn.Module):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
-        self.prefetch = WeightPrefetch(list(self.layers))
-        for layer in self.layers:
-            layer.prefetch = self.prefetch
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         # Filled by init_buffers() after materialization; fp32 whatever the model dtype.
@@ -107,7 +93,6 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = batch.input_embeds if batch.input_embeds is not None else self.embed_tokens(batch.input_ids)  # [T, H]
         residual: torch.Tensor | None = None
-        self.prefetch.begin(x, batch.is_decode)
         for layer in self.layers:
             x, residual = layer(x, residual, batch, self.cos_sin)
         assert residual is not None

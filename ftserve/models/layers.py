@@ -83,15 +83,12 @@ class Attention(nn.Module):
 
     def forward_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
-        cos_sin: torch.Tensor, after_qkv: Callable[[int], None] | None = None,
+        cos_sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """attention(norm(x + residual)), x + residual (x when residual is None); the
-        norm folds into the qkv GEMV at decode sizes (ops.add_rms_norm_linear).
-        ``after_qkv(layer_idx)`` runs once the qkv GEMV is launched (L2 prefetch)."""
+        norm folds into the qkv GEMV at decode sizes (ops.add_rms_norm_linear)."""
         qkv, summed = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps,
                                               self.qkv_proj.weight, self.qkv_proj.bias)
-        if after_qkv is not None:
-            after_qkv(self.layer_idx)
         return self.attend(qkv, batch, cos_sin), summed
 
     def attend(self, qkv: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
