@@ -51,8 +51,10 @@ from ftserve_kernels import ops
 from ftserve_kernels import sampling as ks
 
 try:
+    from ftserve_kernels.filter_triton import filter_cuts_triton
     from ftserve_kernels.greedy_triton import greedy_sample_triton
 except ImportError:  # pragma: no cover - no triton: ops.uses_triton is False too
+    filter_cuts_triton = None  # type: ignore[assignment]
     greedy_sample_triton = None
 
 # Below this temperature a row samples greedily: logits / T overflows fp32 as
@@ -382,12 +384,17 @@ class Sampler:
 
         if f.sampling:
             scaled = x / temperature.clamp_min(MIN_TEMPERATURE)[:, None]  # [B, V]
-            if f.filtering:
-                keep = ks.top_k_top_p_keep(scaled, top_k, top_p)
-                keep = keep & ks.min_p_keep(scaled, min_p)  # [B, V]
-                scaled = torch.where(keep, scaled, ks.NEG_INF)
             k1, k2 = ks.row_keys(seed_lo, seed_hi, steps)  # [B] each
-            drawn = gumbel_argmax(scaled, k1, k2, self.token_hash)  # [B]
+            if f.filtering and filter_cuts_triton is not None and ops.uses_triton(scaled):
+                # Sort-free: each row's kept prefix as a cut the draw applies in registers.
+                cuts = filter_cuts_triton(scaled, top_k, top_p, min_p)
+                drawn = ks.gumbel_argmax_triton(scaled, k1, k2, cuts=cuts)  # [B]
+            else:
+                if f.filtering:
+                    keep = ks.top_k_top_p_keep(scaled, top_k, top_p)
+                    keep = keep & ks.min_p_keep(scaled, min_p)  # [B, V]
+                    scaled = torch.where(keep, scaled, ks.NEG_INF)
+                drawn = gumbel_argmax(scaled, k1, k2, self.token_hash)  # [B]
             tokens = torch.where(greedy != 0, tokens, drawn)
 
         if not f.logprobs:
