@@ -133,9 +133,9 @@ def _filter_cuts_kernel(
     k = tl.load(top_k_ptr + row).to(tl.int64)
     p = tl.load(top_p_ptr + row).to(tl.float32)
     # 1. max and the softmax normalizer (online: rescale the sum when the max grows).
-    m = float("-inf")
-    z = 0.0
-    kmax = NEG_KEY_TL
+    m = tl.full([], float("-inf"), tl.float32)
+    z = tl.zeros([], tl.float32)
+    kmax = tl.full([], NEG_KEY_TL, tl.int32)
     for off in range(0, V, BLOCK):
         idx = off + tl.arange(0, BLOCK)
         s = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf"))
@@ -146,15 +146,19 @@ def _filter_cuts_kernel(
         kmax = tl.maximum(kmax, tl.max(tl.where(idx < V, _keys(s), NEG_KEY_TL), 0))
     top = kmax.to(tl.int64) + 1  # every F is 0 above the max key
     # 2. top-k: the k-th largest key and how many of its ties are in.
-    cut = NEG_KEY_TL + tl.zeros([], tl.int64)
-    ties_in = 0.0
-    ties_all = 0.0
-    zk = z
-    mk_gt = 0.0  # mass strictly above the top-k cut score (over the kept set)
+    # Loop-carried and branch-assigned values are tensors from the start (compiled
+    # Triton wants one type per variable; a Python 0.0 is a constexpr).
+    f0 = tl.zeros([], tl.float32)
+    nokey = NEG_KEY_TL + tl.zeros([], tl.int64)
+    cut = nokey
+    ties_in = f0
+    ties_all = f0
+    zk = z + f0
+    mk_gt = f0  # mass strictly above the top-k cut score (over the kept set)
+    vf = V * 1.0 + f0
     if k < V:
         lo, hi, c_lo, c_hi, m_lo, m_hi = _search(
-            row_ptr, V, NEG_KEY_TL + tl.zeros([], tl.int64), top, V * 1.0, 0.0, z, 0.0,
-            NEG_KEY_TL - 1, m, k.to(tl.float32), False, WAYS, BLOCK)
+            row_ptr, V, nokey, top, vf, f0, zk, f0, NEG_KEY_TL - 1, m, k.to(tl.float32), False, WAYS, BLOCK)
         cut = lo
         ties_all = c_lo - c_hi
         ties_in = k.to(tl.float32) - c_hi
@@ -167,11 +171,10 @@ def _filter_cuts_kernel(
         if k < V:
             # keys > cut only (the cut's own ties are handled below); F(cut) = zk >= target.
             lo, hi, c_lo, c_hi, m_lo, m_hi = _search(
-                row_ptr, V, cut, top, k.to(tl.float32), 0.0, zk, 0.0, cut, m, target, True, WAYS, BLOCK)
+                row_ptr, V, cut, top, k.to(tl.float32), f0, zk, f0, cut, m, target, True, WAYS, BLOCK)
         else:
             lo, hi, c_lo, c_hi, m_lo, m_hi = _search(
-                row_ptr, V, NEG_KEY_TL + tl.zeros([], tl.int64), top, V * 1.0, 0.0, z, 0.0,
-                NEG_KEY_TL - 1, m, target, True, WAYS, BLOCK)
+                row_ptr, V, nokey, top, vf, f0, zk, f0, NEG_KEY_TL - 1, m, target, True, WAYS, BLOCK)
         ev = tl.exp(_value(lo) - m)
         if (k < V) & (lo == cut):
             # The crossing is inside the top-k cut's kept ties.
@@ -184,11 +187,11 @@ def _filter_cuts_kernel(
             ties_all = n_ties
             ties_in = tl.minimum(tl.maximum(need, 1.0), n_ties)
     # 4. the id of the last kept tie, when not all are kept.
-    cut_id = V
+    cut_id = V + tl.zeros([], tl.int32)
     if ties_in < ties_all:
         want = ties_in
-        seen = 0.0
-        found = V
+        seen = f0
+        found = V + tl.zeros([], tl.int32)
         for off in range(0, V, BLOCK):
             idx = off + tl.arange(0, BLOCK)
             s = tl.load(row_ptr + idx, mask=idx < V, other=float("-inf"))

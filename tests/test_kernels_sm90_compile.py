@@ -173,6 +173,18 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     comp("rms_norm_pdl_wait", nt._rms_norm_kernel,  # FTSERVE_PDL=wait: no early release
          {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "eps": "fp32"},
          dict(HAS_RESIDUAL=True, BLOCK_R=4, BLOCK_H=2048, PDL=2), 8)
+    from ftserve_kernels import filter_triton as ft
+    from ftserve_kernels import sampling as ks
+
+    comp("filter_cuts", ft._filter_cuts_kernel,
+         {"scaled_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32",
+          "cut_key_ptr": "*i32", "cut_id_ptr": "*i32", "floor_ptr": "*fp32"},
+         dict(WAYS=16, BLOCK=1024), 8)
+    for cut in (False, True):
+        comp("gumbel_argmax" + ("_cut" if cut else ""), ks._gumbel_argmax_kernel,
+             {"scores_ptr": "*fp32", "k1_ptr": "*i64", "k2_ptr": "*i64", "best_v_ptr": "*fp32",
+              "best_i_ptr": "*i32", "cut_key_ptr": "*i32", "cut_id_ptr": "*i32", "floor_ptr": "*fp32"},
+             dict(NUM_CHUNKS=148, BLOCK=1024, HAS_CUT=cut))
     comp("rotary", rt._rotary_kernel,
          {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "pos_ptr": "*i64", "cs_ptr": "*fp32"},
          dict(HQ=32, HK=4, D=128, HALF=64, BLOCK_HQ=32, BLOCK_HK=4, BLOCK_HALF=64, BLOCK_D=1))

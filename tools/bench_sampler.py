@@ -59,20 +59,26 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_sampler.json")
     p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--top-k", type=int, default=0, help="every row's top_k (0 = off)")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--logit-scale", type=float, default=1.0,
+                   help="logits = scale * N(0, 1): larger is more peaked (a smaller nucleus)")
     args = p.parse_args()
     dev = torch.device("cuda")
     batches = [int(b) for b in args.batches.split(",")]
     sampler = Sampler(VOCAB, max(batches), dev, seed=0)
     for slot in range(max(batches)):
-        sampler.admit(slot, SamplingParams(temperature=0.8, top_p=0.95, seed=slot), list(range(50)), [2])
+        sampler.admit(slot, SamplingParams(temperature=args.temperature, top_p=0.95, top_k=args.top_k, seed=slot),
+                      list(range(50)), [2])
     g = torch.Generator(device=dev).manual_seed(0)
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "vocab": VOCAB, "rows": {}}
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "vocab": VOCAB, "args": vars(args),
+                           "rows": {}}
     print(f"| stages | {' | '.join(f'B={b} us' for b in batches)} |")
     print(f"|---|{'---|' * len(batches)}")
     for name, feats in SETS.items():
         row = {}
         for b in batches:
-            logits = torch.randn(b, VOCAB, device=dev, generator=g)
+            logits = torch.randn(b, VOCAB, device=dev, generator=g) * args.logit_scale
             slots = torch.arange(b, device=dev)
             steps = torch.zeros(b, dtype=torch.int64, device=dev)
             active = torch.zeros(b, dtype=torch.bool, device=dev)
