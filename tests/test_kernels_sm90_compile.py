@@ -176,10 +176,10 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     from ftserve_kernels import filter_triton as ft
     from ftserve_kernels import sampling as ks
 
-    comp("filter_cuts", ft._filter_cuts_kernel,
-         {"scaled_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32",
-          "cut_key_ptr": "*i32", "cut_id_ptr": "*i32", "floor_ptr": "*fp32"},
-         dict(WAYS=16, BLOCK=1024), 8)
+    comp("filter_cuts", ft._cuts_kernel,
+         {"scaled_ptr": "*fp32", "cand_ptr": "*i64", "top_k_ptr": "*i64", "top_p_ptr": "*fp32",
+          "min_p_ptr": "*fp32", "cut_key_ptr": "*i32", "cut_id_ptr": "*i32", "floor_ptr": "*fp32"},
+         dict(K=ft.SHORT_K))
     for cut in (False, True):
         comp("gumbel_argmax" + ("_cut" if cut else ""), ks._gumbel_argmax_kernel,
              {"scores_ptr": "*fp32", "k1_ptr": "*i64", "k2_ptr": "*i64", "best_v_ptr": "*fp32",

@@ -496,7 +496,10 @@ def test_features_of_is_the_union_of_the_batch_rows() -> None:
     s.admit(3, SamplingParams(temperature=0.0, logprobs=2), [], [])
     assert s.features_of([0, s.dummy_slot]) == SamplerFeatures()
     assert s.features_of([0, 1]) == SamplerFeatures(sampling=True)
-    assert s.features_of([1, 2]) == SamplerFeatures(sampling=True, filtering=True)
+    # top-p without a short top-k needs the whole sorted vocabulary; with one, not.
+    assert s.features_of([1, 2]) == SamplerFeatures(sampling=True, filtering=True, wide_filter=True)
+    s.admit(4, SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.1, seed=4), [], [])
+    assert s.features_of([1, 4]) == SamplerFeatures(sampling=True, filtering=True)
     assert s.features_of([0, 3]) == SamplerFeatures(logprobs=True)
     s.release(2)
     assert s.features_of([1, 2]) == SamplerFeatures(sampling=True)

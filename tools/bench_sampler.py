@@ -27,9 +27,12 @@ VOCAB = 151_936
 SETS = {
     "greedy (fused)": SamplerFeatures(),
     "temperature": SamplerFeatures(sampling=True),
-    "temperature + top-p/top-k/min-p": SamplerFeatures(sampling=True, filtering=True),
-    "+ penalties": SamplerFeatures(sampling=True, filtering=True, penalties=True),
-    "+ logprobs": SamplerFeatures(sampling=True, filtering=True, penalties=True, logprobs=True),
+    "temperature + top-k (<= 256) / top-p / min-p, sort-free": SamplerFeatures(sampling=True, filtering=True),
+    "temperature + top-p alone or a long top-k (sorted)": SamplerFeatures(sampling=True, filtering=True,
+                                                                           wide_filter=True),
+    "+ penalties": SamplerFeatures(sampling=True, filtering=True, penalties=True, wide_filter=True),
+    "+ logprobs": SamplerFeatures(sampling=True, filtering=True, penalties=True, logprobs=True,
+                                  wide_filter=True),
     "all stages": SamplerFeatures.all(),
 }
 
@@ -59,7 +62,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_sampler.json")
     p.add_argument("--batches", default="1,8,64")
-    p.add_argument("--top-k", type=int, default=0, help="every row's top_k (0 = off)")
+    p.add_argument("--top-k", type=int, default=20, help="every row's top_k (0 = off)")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--logit-scale", type=float, default=1.0,
                    help="logits = scale * N(0, 1): larger is more peaked (a smaller nucleus)")

@@ -57,6 +57,8 @@ except ImportError:  # pragma: no cover - no triton: ops.uses_triton is False to
     filter_cuts_triton = None  # type: ignore[assignment]
     greedy_sample_triton = None
 
+SHORT_K = 256  # filter_triton.SHORT_K (that module needs triton; this one does not)
+
 # Below this temperature a row samples greedily: logits / T overflows fp32 as
 # T -> 0, and the draw would be the argmax anyway.
 MIN_TEMPERATURE = 1e-6
@@ -74,11 +76,15 @@ class SamplerFeatures:
     logprobs: bool = False  # some row asked for logprobs
     bias: bool = False  # some row has a logit_bias
     grammar: bool = False  # some row is constrained by a grammar (response_format)
+    # Some filtering row needs the whole sorted vocabulary: top-p without a top-k
+    # of at most filter_triton.SHORT_K, or a longer top-k. Without it, filtering
+    # runs sort-free (filter_triton) where the kernels are Triton.
+    wide_filter: bool = False
 
     @classmethod
     def all(cls) -> SamplerFeatures:
         return cls(sampling=True, filtering=True, penalties=True, logprobs=True, bias=True,
-                   grammar=True)
+                   grammar=True, wide_filter=True)
 
     def union(self, other: SamplerFeatures) -> SamplerFeatures:
         return SamplerFeatures(*(a or b for a, b in zip(dataclasses.astuple(self),
@@ -110,15 +116,19 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None = None  # [B, K] fp32
 
 
-def _features_of(params: SamplingParams, constrained: bool) -> SamplerFeatures:
+def _features_of(params: SamplingParams, constrained: bool, vocab_size: int) -> SamplerFeatures:
     sampled = not params.greedy and params.temperature >= MIN_TEMPERATURE
+    filtering = sampled and (params.top_k > 1 or params.top_p < 1.0 or params.min_p > 0.0)
+    top_k = params.top_k if 0 < params.top_k < vocab_size else 0  # 0: off
+    short_k = 0 < top_k <= SHORT_K
     return SamplerFeatures(
         sampling=sampled,
-        filtering=sampled and (params.top_k > 1 or params.top_p < 1.0 or params.min_p > 0.0),
+        filtering=filtering,
         penalties=params.uses_penalties,
         logprobs=params.logprobs is not None,
         bias=params.uses_bias,
         grammar=constrained,
+        wide_filter=filtering and (top_k > SHORT_K or (params.top_p < 1.0 and not short_k)),
     )
 
 
@@ -230,7 +240,7 @@ class Sampler:
         stops = list(dict.fromkeys([*params.stop_token_ids, *([] if params.ignore_eos else eos_ids)]))
         if len(stops) > self.max_stop_ids:
             raise ValueError(f"{len(stops)} eos/stop ids exceed max_stop_ids={self.max_stop_ids}")
-        needs = _features_of(params, constrained)
+        needs = _features_of(params, constrained, self.vocab_size)
         self.enable(needs)
         self._slot_bits[slot] = needs.bits
         sampled = needs.sampling
@@ -385,8 +395,10 @@ class Sampler:
         if f.sampling:
             scaled = x / temperature.clamp_min(MIN_TEMPERATURE)[:, None]  # [B, V]
             k1, k2 = ks.row_keys(seed_lo, seed_hi, steps)  # [B] each
-            if f.filtering and filter_cuts_triton is not None and ops.uses_triton(scaled):
-                # Sort-free: each row's kept prefix as a cut the draw applies in registers.
+            if (f.filtering and not f.wide_filter and filter_cuts_triton is not None
+                    and ops.uses_triton(scaled)):
+                # Sort-free (every row's top-k is short): each row's kept prefix as a
+                # cut the draw applies in registers.
                 cuts = filter_cuts_triton(scaled, top_k, top_p, min_p)
                 drawn = ks.gumbel_argmax_triton(scaled, k1, k2, cuts=cuts)  # [B]
             else:
