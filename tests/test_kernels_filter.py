@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from ftserve_kernels import sampling as ks
-from ftserve_kernels.filter_triton import apply_cuts_ref, filter_cuts_triton, float_keys, tie_broken_keys
+from ftserve_kernels.filter_triton import (
+    apply_cuts_ref,
+    filter_cuts_triton,
+    float_keys,
+    tie_broken_keys,
+)
 
 
 def _reference(scaled: torch.Tensor, k: torch.Tensor, p: torch.Tensor, mp: torch.Tensor) -> torch.Tensor:
