@@ -255,9 +255,10 @@ def test_sampled_decode_graph_variants_equal_eager(engine: Engine, model_dir: st
     try:
         eager.runner.model.load_state_dict(engine.runner.model.state_dict())
         rng = random.Random(9)
-        prompts = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 60))] for _ in range(4)]
+        prompts = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 60))] for _ in range(5)]
         params = [None, SamplingParams(temperature=0.8, seed=11), None,
-                  SamplingParams(temperature=0.7, top_p=0.9, seed=12)]
+                  SamplingParams(temperature=0.7, top_p=0.9, seed=12),  # top-p alone: the sort
+                  SamplingParams(temperature=0.6, top_p=0.95, top_k=20, seed=13)]  # sort-free
 
         def run(eng: Engine, which: list[int]) -> list[list[int]]:
             drv = EngineDriver(eng)
@@ -268,7 +269,10 @@ def test_sampled_decode_graph_variants_equal_eager(engine: Engine, model_dir: st
         cuda_graph.sampler_variant = spy  # type: ignore[assignment]
         mixed = run(engine, [0, 1, 2, 3])
         assert mixed == run(eager, [0, 1, 2, 3])
-        assert SamplerFeatures(sampling=True, filtering=True) in used
+        assert SamplerFeatures(sampling=True, filtering=True, wide_filter=True) in used
+        used.clear()
+        assert run(engine, [0, 1, 4]) == run(eager, [0, 1, 4])
+        assert SamplerFeatures(sampling=True, filtering=True) in used, used
         used.clear()
         assert run(engine, [0, 2]) == run(eager, [0, 2])
         assert used and all(v == SamplerFeatures() for v in used), used
