@@ -69,10 +69,10 @@ def greedy_sample_ref(
 @triton.jit
 def _greedy_kernel(
     logits_ptr, slots_ptr, min_ptr, itab_ptr, part_v_ptr, part_i_ptr, count_ptr, out_ptr, last_ptr,
-    ftab_ptr, steps_ptr, min_temperature,
+    ftab_ptr, steps_ptr, min_temperature, cut_key_ptr, cut_id_ptr, floor_ptr,
     vocab, stride_row, stride_itab, stride_ftab, chunk,
     NI: tl.constexpr, NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_LAST: tl.constexpr, SAMPLING: tl.constexpr,
+    HAS_LAST: tl.constexpr, SAMPLING: tl.constexpr, HAS_CUT: tl.constexpr,
 ):
     row = tl.program_id(0)
     c = tl.program_id(1)
@@ -87,6 +87,10 @@ def _greedy_kernel(
         step = tl.load(steps_ptr + row).to(tl.uint32)
         k1 = _mix32_tl(tl.load(itab_row + 2).to(tl.uint32) ^ _mix32_tl(step ^ _GOLDEN_TL))
         k2 = _mix32_tl(tl.load(itab_row + 3).to(tl.uint32) ^ _mix32_tl(k1 ^ _SALT_TL))
+        if HAS_CUT:  # filter_triton's cut of this row's scores (top-k / top-p / min-p)
+            cut_key = tl.load(cut_key_ptr + row)
+            cut_id = tl.load(cut_id_ptr + row)
+            floor = tl.load(floor_ptr + row)
     lane = tl.arange(0, BLOCK)
     best_v = tl.full((BLOCK,), float("-inf"), tl.float32)
     best_i = tl.full((BLOCK,), 0, tl.int32)
@@ -104,7 +108,13 @@ def _greedy_kernel(
                 th = _mix32_tl(idx.to(tl.uint32) ^ tl.full((BLOCK,), _GOLDEN_TL, tl.uint32))
                 h = _mix32_tl(_mix32_tl(th ^ k1) ^ k2)
                 u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-                v = tl.math.div_rn(v, temp) - tl.log(-tl.log(u))
+                v = tl.math.div_rn(v, temp)
+                if HAS_CUT:
+                    b = (v + 0.0).to(tl.int32, bitcast=True)
+                    key = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)  # filter_triton's float keys
+                    kept = ((key > cut_key) | ((key == cut_key) & (idx <= cut_id))) & (v >= floor)
+                    v = tl.where(kept, v, float("-inf"))
+                v = v - tl.log(-tl.log(u))
         take = (v > best_v) & ok  # strict: a lane's indices grow, the first maximum stays
         best_v = tl.where(take, v, best_v)
         best_i = tl.where(take, idx, best_i)
@@ -141,13 +151,16 @@ def greedy_sample_triton(
     min_temperature: float = 1e-6,
     block: int = 1024,
     target_programs: int = 264,
+    cuts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Same tokens as greedy_sample_ref (finite logits; sampled rows up to the
-    fp32 log rounding gumbel_argmax_triton has too): [B] int64. Shapes depend
-    only on (B, V): graph-capturable."""
+    fp32 log rounding gumbel_argmax_triton has too): [B] int64. ``cuts`` (with
+    ftab; filter_triton.filter_cuts_triton's): sampled rows draw only from the
+    tokens their cut keeps. Shapes depend only on (B, V): graph-capturable."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and itab.is_contiguous() and counters.numel() >= rows
     assert ftab is None or (ftab.is_contiguous() and steps is not None)
+    assert cuts is None or ftab is not None, "a cut filters sampled rows: it needs ftab"
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
@@ -158,9 +171,10 @@ def greedy_sample_triton(
         logits, slots, min_active, itab, part_v, part_i, counters, out,
         last if last is not None else out,
         ftab if ftab is not None else logits, steps if steps is not None else slots, min_temperature,
+        *(cuts if cuts is not None else (part_i, part_i, part_v)),  # unread without cuts
         vocab, logits.stride(0), itab.stride(0), ftab.stride(0) if ftab is not None else 0, chunk,
         NI=ni, NUM_CHUNKS=num_chunks, BLOCK=block, BLOCK_C=triton.next_power_of_2(num_chunks),
-        HAS_LAST=last is not None, SAMPLING=ftab is not None, num_warps=4,
+        HAS_LAST=last is not None, SAMPLING=ftab is not None, HAS_CUT=cuts is not None, num_warps=4,
     )
     return out
 

@@ -215,20 +215,14 @@ if triton is not None:
 
     @triton.jit
     def _gumbel_argmax_kernel(
-        scores_ptr, k1_ptr, k2_ptr, best_v_ptr, best_i_ptr, cut_key_ptr, cut_id_ptr, floor_ptr,
+        scores_ptr, k1_ptr, k2_ptr, best_v_ptr, best_i_ptr,
         vocab, stride_row, chunk,
-        NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, HAS_CUT: tl.constexpr,
+        NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        # HAS_CUT: only tokens the row's filter cut keeps (filter_triton: score above
-        # the cut's, or equal to it with id <= cut_id, and >= the min-p floor).
         row = tl.program_id(0)
         c = tl.program_id(1)
         k1 = tl.load(k1_ptr + row).to(tl.uint32)
         k2 = tl.load(k2_ptr + row).to(tl.uint32)
-        if HAS_CUT:
-            cut_key = tl.load(cut_key_ptr + row)
-            cut_id = tl.load(cut_id_ptr + row)
-            floor = tl.load(floor_ptr + row)
         lane = tl.arange(0, BLOCK)
         best_v = tl.full((BLOCK,), float("-inf"), tl.float32)
         best_i = tl.full((BLOCK,), 0, tl.int32)  # not tl.zeros: see the reduce below
@@ -238,11 +232,6 @@ if triton is not None:
             ok = idx < vocab
             s = tl.load(scores_ptr + row.to(tl.int64) * stride_row + idx, mask=ok,
                         other=float("-inf"))
-            if HAS_CUT:
-                b = (s + 0.0).to(tl.int32, bitcast=True)
-                key = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)  # filter_triton.float_keys
-                kept = ((key > cut_key) | ((key == cut_key) & (idx <= cut_id))) & (s >= floor)
-                s = tl.where(kept, s, float("-inf"))
             th = _mix32_tl(idx.to(tl.uint32) ^ tl.full((BLOCK,), _GOLDEN_TL, tl.uint32))
             h = _mix32_tl(_mix32_tl(th ^ k1) ^ k2)
             u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
@@ -273,11 +262,8 @@ def gumbel_argmax_triton(
     k2: torch.Tensor,  # [B] int64
     block: int = 1024,
     target_programs: int = 512,
-    cuts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Same draw as gumbel_argmax_ref (up to fp32 log rounding): [B] int64.
-    ``cuts`` (filter_triton.filter_cuts_triton's): scores outside each row's cut
-    count as -inf, the draw of gumbel_argmax_ref over the filtered scores.
     Shapes depend only on (B, V), so it is graph-capturable."""
     assert triton is not None, "triton is not installed"
     scores = scores.contiguous()
@@ -285,10 +271,9 @@ def gumbel_argmax_triton(
     chunk, num_chunks = vocab_chunks(rows, vocab, block, target_programs)
     best_v = torch.empty(rows, num_chunks, dtype=torch.float32, device=scores.device)
     best_i = torch.empty(rows, num_chunks, dtype=torch.int32, device=scores.device)
-    cut_key, cut_id, floor = cuts if cuts is not None else (best_i, best_i, best_v)  # unread without
     _gumbel_argmax_kernel[(rows, num_chunks)](
-        scores, k1.contiguous(), k2.contiguous(), best_v, best_i, cut_key, cut_id, floor,
-        vocab, scores.stride(0), chunk, NUM_CHUNKS=num_chunks, BLOCK=block, HAS_CUT=cuts is not None,
+        scores, k1.contiguous(), k2.contiguous(), best_v, best_i,
+        vocab, scores.stride(0), chunk, NUM_CHUNKS=num_chunks, BLOCK=block,
     )
     pick = best_v.argmax(dim=-1, keepdim=True)  # [B, 1], first chunk on ties
     return best_i.gather(1, pick).squeeze(1).to(torch.int64)

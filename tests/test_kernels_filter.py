@@ -8,12 +8,10 @@ import pytest
 import torch
 
 from ftserve_kernels import sampling as ks
-from ftserve_kernels.filter_triton import (
-    apply_cuts_ref,
-    filter_cuts_triton,
-    float_keys,
-    tie_broken_keys,
-)
+from ftserve_kernels.filter_triton import apply_cuts_ref, filter_cuts_triton, float_keys
+from ftserve_kernels.greedy_triton import greedy_sample_triton
+
+NI = 5
 
 
 def _reference(scaled: torch.Tensor, k: torch.Tensor, p: torch.Tensor, mp: torch.Tensor) -> torch.Tensor:
@@ -23,39 +21,124 @@ def _reference(scaled: torch.Tensor, k: torch.Tensor, p: torch.Tensor, mp: torch
 def _rows(vocab: int, seed: int, device: str = "cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     rows = [torch.randn(vocab, generator=g) * 3.0,  # peaked
-            torch.randn(vocab, generator=g) * 0.05,  # flat: a big nucleus
+            torch.randn(vocab, generator=g) * 0.05,  # flat
             torch.randint(-3, 4, (vocab,), generator=g).float(),  # ties everywhere
-            torch.full((vocab,), 1.5),  # all tied
+            torch.full((vocab,), 1.5),  # all tied: the cut's ties run past the candidates
             torch.randn(vocab, generator=g) * 2.0]
-    rows[4][: vocab // 2] = float("-inf")  # half masked (grammar, stop ids)
+    rows[4][: vocab // 2] = float("-inf")  # half masked
     rows[0][7] = -0.0
     rows[0][8] = 0.0  # equal scores, different bits
+    rows[0][[3, 5]] = 30.0  # stop ids 3 and 5 of slot 0 on top (masked below min_tokens)
     return torch.stack(rows).to(device)
 
 
-CASES = [  # (top_k, top_p, min_p) per row
-    [(3, 1.0, 0.0), (40, 1.0, 0.0), (5, 1.0, 0.0), (7, 1.0, 0.0), (20, 1.0, 0.0)],  # top-k
+def _tables(cases: list[tuple[int, float, float]], vocab: int, temps: list[float],
+            device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """itab [S, NI + 4] (greedy, top_k, seed lo/hi, n_stops | stops) and ftab [S, 6]
+    (temperature, top_p, min_p, ...) for one slot per case; slot 0 stops at 3 and 5."""
+    b = len(cases)
+    itab = torch.zeros(b + 1, NI + 4, dtype=torch.int64)
+    ftab = torch.ones(b + 1, 6)
+    for i, ((k, p, mp), t) in enumerate(zip(cases, temps)):
+        itab[i, 1] = k if k > 0 else vocab
+        itab[i, 2] = 100 + i
+        ftab[i, :3] = torch.tensor([t, p, mp])
+    itab[0, NI - 1] = 2
+    itab[0, NI:NI + 2] = torch.tensor([3, 5])
+    return itab.to(device), ftab.to(device)
+
+
+def _scaled(logits: torch.Tensor, itab: torch.Tensor, ftab: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """The sampler's scores: the stop mask on active rows, then / temperature."""
+    b = logits.shape[0]
+    cols = torch.arange(itab.shape[1] - NI, device=logits.device)
+    stop_active = (cols[None, :] < itab[:b, NI - 1][:, None]) & active[:, None]
+    x = ks.mask_token_ids(logits, itab[:b, NI:], stop_active)
+    return x / ftab[:b, 0].clamp_min(1e-6)[:, None]
+
+
+CASES = [  # (top_k, top_p, min_p) per row; 0 = off
+    [(3, 1.0, 0.0), (40, 1.0, 0.0), (5, 1.0, 0.0), (256, 1.0, 0.0), (20, 1.0, 0.0)],  # top-k
     # Rows 2 and 3 are tied: their top_p sits between two multiples of a tie's mass
     # (at an exact multiple the float rounding of the cumsum decides, as in torch).
-    [(256, 0.9, 0.0), (256, 0.95, 0.0), (100, 0.5037, 0.0), (256, 0.3037, 0.0), (200, 0.8, 0.0)],  # top-p
+    [(256, 0.9, 0.0), (256, 0.95, 0.0), (100, 0.5037, 0.0), (256, 0.3037, 0.0), (200, 0.8, 0.0)],
     [(20, 0.95, 0.0), (50, 0.8, 0.05), (9, 0.6, 0.0), (4, 0.9, 0.0), (30, 0.7, 0.1)],  # both
-    [(0, 1.0, 0.1), (0, 1.0, 0.0), (1, 1.0, 0.5), (0, 1.0, 0.0), (1, 0.2, 0.0)],  # min-p, k=1, off
-    [(256, 1.0, 0.0), (255, 0.99, 0.0), (256, 0.999, 0.02), (256, 0.9037, 0.0), (64, 0.9, 0.0)],  # long k
+    [(0, 1.0, 0.1), (0, 1.0, 0.0), (1, 1.0, 0.5), (7, 1.0, 0.0), (1, 0.2, 0.0)],  # min-p, k=1, off
 ]
+TEMPS = [0.6, 1.0, 0.7, 1.3, 0.9]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("vocab", [1000, 3001, 200])
+@pytest.mark.parametrize("vocab", [1000, 200])
 def test_cuts_keep_what_the_sort_keeps(case: int, vocab: int) -> None:
-    scaled = _rows(vocab, seed=case + vocab)
-    k = torch.tensor([min(c[0], vocab) if c[0] > 0 else vocab for c in CASES[case]])
-    p = torch.tensor([c[1] for c in CASES[case]])
-    mp = torch.tensor([c[2] for c in CASES[case]])
-    cut_key, cut_id, floor = filter_cuts_triton(scaled, k, p, mp)
+    logits = _rows(vocab, seed=case + vocab)
+    cases = [(min(k, vocab), p, mp) for k, p, mp in CASES[case]]
+    itab, ftab = _tables(cases, vocab, TEMPS)
+    slots = torch.arange(5)
+    active = torch.tensor([case % 2 == 0, True, False, True, False])  # slot 0 masks its stops
+    cut_key, cut_id, floor = filter_cuts_triton(logits, slots, active, itab, NI, ftab, block=128)
+    scaled = _scaled(logits, itab, ftab, active)
     got = apply_cuts_ref(scaled, cut_key, cut_id, floor)
-    want = _reference(scaled, k, p, mp)
-    for r in range(scaled.shape[0]):
+    want = _reference(scaled, itab[:5, 1], ftab[:5, 1], ftab[:5, 2])
+    for r in range(5):
         assert torch.equal(got[r], want[r]), (case, r, int(got[r].sum()), int(want[r].sum()))
+
+
+def test_the_fused_draw_under_cuts_equals_the_filtered_reference_draw() -> None:
+    vocab = 1000
+    logits = _rows(vocab, seed=4)
+    itab, ftab = _tables(CASES[2], vocab, TEMPS)
+    itab[2, 0] = 1  # a greedy row among them: the argmax of the masked logits
+    slots = torch.tensor([0, 1, 2, 3, 4])
+    active = torch.tensor([True, False, False, True, False])
+    cuts = filter_cuts_triton(logits, slots, active, itab, NI, ftab)
+    scaled = _scaled(logits, itab, ftab, active)
+    filtered = torch.where(_reference(scaled, itab[:5, 1], ftab[:5, 1], ftab[:5, 2]), scaled, ks.NEG_INF)
+    table = ks.token_hash_table(vocab, "cpu")
+    counters = torch.zeros(8, dtype=torch.int32)
+    for step in range(6):
+        steps = torch.full((5,), step, dtype=torch.int64)
+        got = greedy_sample_triton(logits, slots, active, itab, NI, counters, ftab=ftab, steps=steps,
+                                   block=256, target_programs=8, cuts=cuts)
+        k1, k2 = ks.row_keys(itab[:5, 2], itab[:5, 3], steps)
+        want = ks.gumbel_argmax_ref(filtered, k1, k2, table)
+        want[2] = (scaled[2] * ftab[2, 0]).argmax()
+        assert torch.equal(got, want), step
+        assert int(counters.abs().sum()) == 0
+
+
+def test_sampler_filtering_on_triton_equals_the_sorting_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's sampler with FTSERVE_KERNELS=triton (the interpreter here, CUDA
+    in service) draws what the torch path (sort, mask, Gumbel) draws, for a step
+    of short filters (the fused path) and one with a top-p alone (the sort)."""
+    from ftserve.engine.sampler import Sampler, SamplerFeatures
+    from ftserve.engine.sampling_params import SamplingParams
+
+    vocab = 700
+    params = [SamplingParams(temperature=0.6, top_p=0.95, top_k=20, seed=1, min_tokens=3, stop_token_ids=(4,)),
+              SamplingParams(temperature=1.0, top_k=100, top_p=0.9, seed=2),
+              SamplingParams(temperature=0.8, min_p=0.1, seed=3),
+              SamplingParams(temperature=0.0),  # greedy next to sampled rows
+              SamplingParams(temperature=0.9, seed=6),  # no filter next to filtered rows
+              SamplingParams(temperature=1.3, top_k=5, seed=4),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=7)]  # top-p alone: wide
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(len(params), vocab, generator=g) * 2.5
+    logits[0, 4] = 20.0  # the stop id on top, masked below min_tokens
+    out = {}
+    for kernels in ("torch", "triton"):
+        monkeypatch.setenv("FTSERVE_KERNELS", kernels)
+        s = Sampler(vocab, 8, "cpu")
+        for slot, sp in enumerate(params):
+            s.admit(slot, sp, [], [4] if slot == 0 else [])
+        assert s.features_of(range(6)) == SamplerFeatures(sampling=True, filtering=True)
+        assert s.features_of(range(7)).wide_filter
+        out[kernels] = [s.sample(logits[:n], torch.arange(n), torch.full((n,), step, dtype=torch.int64),
+                                 torch.tensor([step < 3] + [False] * (n - 1)),
+                                 features=s.features_of(range(n))).token_ids.tolist()
+                        for step in range(4) for n in (6, 7)]
+    assert out["triton"] == out["torch"]
+    assert all(row[0] != 4 for row in out["torch"][:6])  # masked while below min_tokens
 
 
 def test_the_sampler_and_the_kernel_agree_on_short_k() -> None:
@@ -70,80 +153,35 @@ def test_float_keys_order_like_the_floats() -> None:
     keys = float_keys(x)
     assert keys[3] == keys[4]
     assert bool((keys[1:] >= keys[:-1]).all()) and len(set(keys.tolist())) == len(x) - 1
-    tied = tie_broken_keys(torch.tensor([[1.0, 2.0, 1.0, -0.0, 0.0]]))
-    assert tied[0].argsort(descending=True).tolist() == [1, 0, 2, 3, 4]  # ties by id
-
-
-def test_draw_under_cuts_equals_the_filtered_reference_draw() -> None:
-    vocab = 1000
-    scaled = _rows(vocab, seed=4)
-    k = torch.tensor([20, 256, 9, 4, 30])
-    p = torch.tensor([0.95, 0.8, 0.6, 0.9, 0.7])
-    mp = torch.tensor([0.0, 0.05, 0.0, 0.0, 0.1])
-    cuts = filter_cuts_triton(scaled, k, p, mp)
-    filtered = torch.where(_reference(scaled, k, p, mp), scaled, ks.NEG_INF)
-    table = ks.token_hash_table(vocab, "cpu")
-    for step in range(6):
-        k1, k2 = ks.row_keys(torch.arange(5, dtype=torch.int64) + 11, torch.zeros(5, dtype=torch.int64),
-                             torch.full((5,), step, dtype=torch.int64))
-        got = ks.gumbel_argmax_triton(scaled, k1, k2, block=256, target_programs=8, cuts=cuts)
-        assert torch.equal(got, ks.gumbel_argmax_ref(filtered, k1, k2, table)), step
-
-
-def test_sampler_filtering_on_triton_equals_the_sorting_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine's sampler with FTSERVE_KERNELS=triton (the interpreter here, CUDA
-    in service) draws what the torch path (sort, mask, Gumbel) draws."""
-    from ftserve.engine.sampler import Sampler, SamplerFeatures
-    from ftserve.engine.sampling_params import SamplingParams
-
-    vocab = 700
-    params = [SamplingParams(temperature=0.6, top_p=0.95, top_k=20, seed=1),
-              SamplingParams(temperature=1.0, top_k=100, top_p=0.9, seed=2),
-              SamplingParams(temperature=0.8, min_p=0.1, seed=3),
-              SamplingParams(temperature=0.0),  # greedy next to sampled rows
-              SamplingParams(temperature=0.9, seed=6),  # no filter next to filtered rows
-              SamplingParams(temperature=1.3, top_k=5, seed=4)]
-    g = torch.Generator().manual_seed(8)
-    logits = torch.randn(len(params), vocab, generator=g) * 2.5
-    out = {}
-    for kernels in ("torch", "triton"):
-        monkeypatch.setenv("FTSERVE_KERNELS", kernels)
-        s = Sampler(vocab, 8, "cpu")
-        for slot, sp in enumerate(params):
-            s.admit(slot, sp, [], [])
-        slots = torch.arange(len(params), dtype=torch.int64)
-        out[kernels] = [s.sample(logits, slots, torch.full((len(params),), step, dtype=torch.int64),
-                                 torch.zeros(len(params), dtype=torch.bool)).token_ids.tolist()
-                        for step in range(4)]
-    assert out["triton"] == out["torch"]
-    assert s.features_of(range(len(params))) == SamplerFeatures(sampling=True, filtering=True)
-    s.admit(5, SamplingParams(temperature=1.0, top_p=0.9, seed=7), [], [])  # top-p alone: wide
-    assert s.features_of([0, 5]).wide_filter and not s.features_of([0, 1, 2]).wide_filter
 
 
 @pytest.mark.gpu
 def test_cuts_at_the_real_vocabulary_on_the_gpu() -> None:
-    """Qwen3's 151,936-token vocabulary, a batch of 8 mixed rows and settings;
-    outputs poisoned before the run (torch.empty buffers are refilled)."""
+    """Qwen3's 151,936-token vocabulary, a batch of 8 mixed rows and settings."""
     vocab = 151_936
     g = torch.Generator().manual_seed(21)
     rows = torch.randn(8, vocab, generator=g)
     rows *= torch.tensor([4.0, 0.02, 1.0, 2.5, 6.0, 0.5, 3.0, 1.5])[:, None]  # peaked .. flat
     rows[5, ::3] = float("-inf")
     rows[6] = rows[6].round()  # many ties
-    scaled = rows.cuda()
-    k = torch.tensor([20, 256, 50, 1, 100, 256, 40, vocab]).cuda()
-    p = torch.tensor([0.95, 0.95, 0.8, 1.0, 0.9, 0.99, 0.7, 1.0]).cuda()
-    mp = torch.tensor([0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0, 0.2]).cuda()
+    rows[7] = 0.25  # all tied: the full-row tie scan
+    logits = rows.cuda()
+    cases = [(20, 0.95, 0.0), (256, 0.95, 0.0), (50, 0.8, 0.05), (1, 1.0, 0.0), (100, 0.9, 0.0),
+             (256, 0.99, 0.0), (40, 0.7, 0.0), (200, 1.0, 0.2)]
+    itab, ftab = _tables(cases, vocab, [0.6, 1.0, 0.7, 1.3, 0.9, 0.8, 1.1, 1.0], "cuda")
+    slots = torch.arange(8, device="cuda")
+    active = torch.tensor([True] + [False] * 7, device="cuda")
     poison = torch.full((3, 8), 7, dtype=torch.int32, device="cuda")
     del poison
-    cut_key, cut_id, floor = filter_cuts_triton(scaled, k, p, mp)
-    got = apply_cuts_ref(scaled, cut_key, cut_id, floor)
-    want = _reference(scaled, k, p, mp)
+    cuts = filter_cuts_triton(logits, slots, active, itab, NI, ftab)
+    scaled = _scaled(logits, itab, ftab, active)
+    want = _reference(scaled, itab[:8, 1], ftab[:8, 1], ftab[:8, 2])
+    got = apply_cuts_ref(scaled, *cuts)
     for r in range(8):
         assert torch.equal(got[r], want[r]), (r, int(got[r].sum()), int(want[r].sum()))
     table = ks.token_hash_table(vocab, "cuda")
-    k1, k2 = ks.row_keys(torch.arange(8, device="cuda") + 3, torch.zeros(8, dtype=torch.int64, device="cuda"),
-                         torch.full((8,), 2, dtype=torch.int64, device="cuda"))
-    drawn = ks.gumbel_argmax_triton(scaled, k1, k2, cuts=(cut_key, cut_id, floor))
+    steps = torch.full((8,), 2, dtype=torch.int64, device="cuda")
+    counters = torch.zeros(8, dtype=torch.int32, device="cuda")
+    drawn = greedy_sample_triton(logits, slots, active, itab, NI, counters, ftab=ftab, steps=steps, cuts=cuts)
+    k1, k2 = ks.row_keys(itab[:8, 2], itab[:8, 3], steps)
     assert torch.equal(drawn, ks.gumbel_argmax_ref(torch.where(want, scaled, ks.NEG_INF), k1, k2, table))

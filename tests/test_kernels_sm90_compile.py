@@ -174,17 +174,21 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "eps": "fp32"},
          dict(HAS_RESIDUAL=True, BLOCK_R=4, BLOCK_H=2048, PDL=2), 8)
     from ftserve_kernels import filter_triton as ft
-    from ftserve_kernels import sampling as ks
+    from ftserve_kernels import greedy_triton as gt
 
     comp("filter_cuts", ft._cuts_kernel,
-         {"scaled_ptr": "*fp32", "cand_ptr": "*i64", "top_k_ptr": "*i64", "top_p_ptr": "*fp32",
-          "min_p_ptr": "*fp32", "cut_key_ptr": "*i32", "cut_id_ptr": "*i32", "floor_ptr": "*fp32"},
-         dict(K=ft.SHORT_K))
+         {"logits_ptr": "*fp32", "cand_ptr": "*i64", "slots_ptr": "*i64", "min_ptr": "*i1",
+          "itab_ptr": "*i64", "ftab_ptr": "*fp32", "cut_key_ptr": "*i32", "cut_id_ptr": "*i32",
+          "floor_ptr": "*fp32", "min_temperature": "fp32"},
+         dict(NI=5, C=512, BLOCK=1024))
     for cut in (False, True):
-        comp("gumbel_argmax" + ("_cut" if cut else ""), ks._gumbel_argmax_kernel,
-             {"scores_ptr": "*fp32", "k1_ptr": "*i64", "k2_ptr": "*i64", "best_v_ptr": "*fp32",
-              "best_i_ptr": "*i32", "cut_key_ptr": "*i32", "cut_id_ptr": "*i32", "floor_ptr": "*fp32"},
-             dict(NUM_CHUNKS=148, BLOCK=1024, HAS_CUT=cut))
+        comp("greedy_sample" + ("_cut" if cut else ""), gt._greedy_kernel,
+             {"logits_ptr": "*fp32", "slots_ptr": "*i64", "min_ptr": "*i1", "itab_ptr": "*i64",
+              "part_v_ptr": "*fp32", "part_i_ptr": "*i32", "count_ptr": "*i32", "out_ptr": "*i64",
+              "last_ptr": "*i64", "ftab_ptr": "*fp32", "steps_ptr": "*i64", "min_temperature": "fp32",
+              "cut_key_ptr": "*i32", "cut_id_ptr": "*i32", "floor_ptr": "*fp32"},
+             dict(NI=5, NUM_CHUNKS=148, BLOCK=1024, BLOCK_C=256, HAS_LAST=True, SAMPLING=True,
+                  HAS_CUT=cut))
     comp("rotary", rt._rotary_kernel,
          {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "pos_ptr": "*i64", "cs_ptr": "*fp32"},
          dict(HQ=32, HK=4, D=128, HALF=64, BLOCK_HQ=32, BLOCK_HK=4, BLOCK_HALF=64, BLOCK_D=1))

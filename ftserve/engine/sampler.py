@@ -103,8 +103,8 @@ class SamplerFeatures:
         return cls(*(bool(bits >> i & 1) for i in range(len(dataclasses.fields(cls)))))
 
 
-# Stage sets greedy_triton runs in one launch.
-_FUSED = (SamplerFeatures(), SamplerFeatures(sampling=True))
+# Stage sets greedy_triton runs in one launch (the short filters: after filter_triton's).
+_FUSED = (SamplerFeatures(), SamplerFeatures(sampling=True), SamplerFeatures(sampling=True, filtering=True))
 
 
 @dataclass
@@ -349,11 +349,18 @@ class Sampler:
                 and logits.shape[0] <= self._greedy_counts.numel()):
             # Greedy rows, or temperature alone: the stop mask, the argmax (of logits
             # / T + Gumbel noise on sampled rows) and the copy into ``last``, one launch.
+            # With short top-k / top-p / min-p filters: a top-k of the logits and one
+            # small launch first find each row's cut, which the draw applies
+            # (filter_triton; no sort of the vocabulary).
             sampled = f.sampling
+            cuts = None
+            if f.filtering:
+                cuts = filter_cuts_triton(logits.float(), slots, min_tokens_active, self._i, _NI, self._f,
+                                          MIN_TEMPERATURE)
             tokens = greedy_sample_triton(logits, slots, min_tokens_active, self._i, _NI,
                                           self._greedy_counts, last,
                                           self._f if sampled else None, steps if sampled else None,
-                                          MIN_TEMPERATURE)
+                                          MIN_TEMPERATURE, cuts=cuts)
             return SampleOutput(tokens)
         out = self._sample(logits, slots, steps, min_tokens_active, f)
         if last is not None:
@@ -394,19 +401,12 @@ class Sampler:
 
         if f.sampling:
             scaled = x / temperature.clamp_min(MIN_TEMPERATURE)[:, None]  # [B, V]
+            if f.filtering:
+                keep = ks.top_k_top_p_keep(scaled, top_k, top_p)
+                keep = keep & ks.min_p_keep(scaled, min_p)  # [B, V]
+                scaled = torch.where(keep, scaled, ks.NEG_INF)
             k1, k2 = ks.row_keys(seed_lo, seed_hi, steps)  # [B] each
-            if (f.filtering and not f.wide_filter and filter_cuts_triton is not None
-                    and ops.uses_triton(scaled)):
-                # Sort-free (every row's top-k is short): each row's kept prefix as a
-                # cut the draw applies in registers.
-                cuts = filter_cuts_triton(scaled, top_k, top_p, min_p)
-                drawn = ks.gumbel_argmax_triton(scaled, k1, k2, cuts=cuts)  # [B]
-            else:
-                if f.filtering:
-                    keep = ks.top_k_top_p_keep(scaled, top_k, top_p)
-                    keep = keep & ks.min_p_keep(scaled, min_p)  # [B, V]
-                    scaled = torch.where(keep, scaled, ks.NEG_INF)
-                drawn = gumbel_argmax(scaled, k1, k2, self.token_hash)  # [B]
+            drawn = gumbel_argmax(scaled, k1, k2, self.token_hash)  # [B]
             tokens = torch.where(greedy != 0, tokens, drawn)
 
         if not f.logprobs:
