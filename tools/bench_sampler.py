@@ -27,7 +27,8 @@ VOCAB = 151_936
 SETS = {
     "greedy (fused)": SamplerFeatures(),
     "temperature": SamplerFeatures(sampling=True),
-    "temperature + top-k (<= 256) / top-p / min-p, sort-free": SamplerFeatures(sampling=True, filtering=True),
+    "temperature + top-k (<= 256) / top-p / min-p (sort-free, fused)": SamplerFeatures(sampling=True,
+                                                                               filtering=True),
     "temperature + top-p alone or a long top-k (sorted)": SamplerFeatures(sampling=True, filtering=True,
                                                                            wide_filter=True),
     "+ penalties": SamplerFeatures(sampling=True, filtering=True, penalties=True, wide_filter=True),
