@@ -27,7 +27,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from ftserve.engine.cuda_graph import capture_graph
@@ -69,6 +68,13 @@ class PrefillGraphs:
         self.off["last"] = self.off["slot"] + s
         self.size = self.off["last"] + s
         self.p_in = torch.zeros(self.size, dtype=torch.int64, device=runner.device)
+        # Two pinned staging copies of p_in, alternating; each one's event says when
+        # its last copy has run, so it is refilled only then (a query, not a wait;
+        # one still in flight falls back to a fresh pinned block).
+        pin = runner.device.type == "cuda"
+        self._stage = [torch.zeros(self.size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._stage_done: list[torch.cuda.Event | None] = [None, None]
+        self._flip = 0
         self.backends = {b: TritonAttentionBackend(extend_token_bound=b) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -122,7 +128,13 @@ class PrefillGraphs:
     def _fill(self, batch: ScheduledBatch | None, bucket: int) -> None:
         """Pack the step into p_in with one copy (batch None: an all-padding step)."""
         r = self.runner
-        buf = np.zeros(self.size, dtype=np.int64)  # padding: token 0 -> dummy slot 0
+        self._flip ^= 1
+        done = self._stage_done[self._flip]
+        host = self._stage[self._flip]
+        if done is not None and not done.query():
+            host = torch.empty_like(host, pin_memory=r.device.type == "cuda")  # still being copied
+        buf = host.numpy()
+        buf[:] = 0  # padding: token 0 -> dummy slot 0
         o = self.off
         buf[o["slot"]:o["last"]] = r.sink_row  # empty sequences read the dummy row
         if batch is not None:
@@ -137,10 +149,10 @@ class PrefillGraphs:
             buf[o["pre"]:o["pre"] + k] = batch.prefix_lens
             buf[o["slot"]:o["slot"] + k] = [req.slot for req in batch.reqs]
             buf[o["last"]:o["last"] + k] = last
-        host = torch.from_numpy(buf)
-        if r.device.type == "cuda":
-            host = host.pin_memory()
         self.p_in.copy_(host, non_blocking=True)
+        if r.device.type == "cuda" and host is self._stage[self._flip]:
+            ev = self._stage_done[self._flip] = self._stage_done[self._flip] or torch.cuda.Event()
+            ev.record()
 
     def replay(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the step's forward; returns static logits [max_seqs, V] (row i =

@@ -91,7 +91,8 @@ class ModelRunner:
             max_running + 1, self.max_pages, dtype=torch.int32, device=device)
         # Which request owns each slot's rows (page table, sampler) and how many
         # of its pages the device row already holds.
-        self._owner: list[Req | None] = [None] * max_running
+        self._owner: list[Req | None] = [None] * max_running  # whose pages each slot's table row mirrors
+        self._admitted: list[Req | None] = [None] * max_running  # whose parameters each sampler slot holds
         self._synced: list[int] = [0] * max_running
         self._pin = device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
@@ -120,6 +121,23 @@ class ModelRunner:
 
     def prepare_slots(self, reqs: list[Req]) -> None:
         """Admit new owners to the sampler and mirror newly added pages."""
+        self.mirror_pages(reqs)
+        self.admit_slots(reqs)
+
+    def admit_slots(self, reqs: list[Req]) -> None:
+        """Load new owners' sampling parameters into their sampler slots (a few
+        small uploads). Only sampling reads them: a prefill step does this after
+        launching its forward, so the GPU does not wait for it."""
+        for req in reqs:
+            s = req.slot
+            if self._admitted[s] is not req:
+                self._admitted[s] = req
+                self.sampler.admit(s, req.params, req.prompt_ids, self.eos_token_ids, req.output_ids,
+                                   constrained=req.grammar is not None)
+
+    def mirror_pages(self, reqs: list[Req]) -> None:
+        """Copy the pages added to each request since the last step into the device
+        page table (one upload): the forward reads them."""
         upd_rows: list[np.ndarray] = []
         upd_cols: list[np.ndarray] = []
         upd_pages: list[np.ndarray] = []
@@ -128,8 +146,6 @@ class ModelRunner:
             if self._owner[s] is not req:
                 self._owner[s] = req
                 self._synced[s] = 0
-                self.sampler.admit(s, req.params, req.prompt_ids, self.eos_token_ids, req.output_ids,
-                                   constrained=req.grammar is not None)
             n = self._synced[s]
             new = req.pages[n:]
             if new:
@@ -222,17 +238,20 @@ class ModelRunner:
             layered = (envs.kv_layered_restore() and not decode_graph
                        and self.kv_host.has_pending_loads)
             layer_ready = self.kv_host.flush(layered=layered)
-        self.prepare_slots(batch.reqs)
-        self._grammar_masks(batch)
+        self.mirror_pages(batch.reqs)
         rows = [i for i, s in enumerate(batch.samples) if s]
         if decode_graph:
             assert self.graphs is not None
+            self.admit_slots(batch.reqs)  # the graph samples: parameters first
+            self._grammar_masks(batch)
             out = self.graphs.replay(batch)
         elif (layer_ready is None and self.prefill_graphs is not None
               and self.prefill_graphs.can_run(batch)):
             logits_all = self.prefill_graphs.replay(batch)  # [max_seqs, V], row i = reqs[i]
             if not rows:
                 return Launched(batch, rows, None)
+            self.admit_slots(batch.reqs)  # behind the forward on the stream, before sampling
+            self._grammar_masks(batch)
             sreqs = [batch.reqs[i] for i in rows]
             dev = self._upload(rows + [q.slot for q in sreqs] + [batch.steps[i] for i in rows]
                                + [int(batch.steps[i] < batch.reqs[i].params.min_tokens)
@@ -252,6 +271,8 @@ class ModelRunner:
             if not rows:
                 # A non-final prefill chunk: only the KV matters; no logits, no sync.
                 return Launched(batch, rows, None)
+            self.admit_slots(batch.reqs)
+            self._grammar_masks(batch)
             out = self.sampler.sample(logits, slots, steps, min_active, last=self.last_tokens,
                                       features=self.sampler.features_of(batch.reqs[i].slot for i in rows))
             self.sampler.update(slots, out.token_ids)
