@@ -14,8 +14,8 @@ Padded rows (batch size rounded up to a captured size) read the dummy page
 (slot 0), the dummy page-table row and the dummy sampler slot, so they write
 nowhere real and need no branch. Graphs are captured largest first into one
 memory pool, for each sampler stage set of SAMPLER_VARIANTS (greedy,
-temperature, + filters, everything; a step replays the smallest that covers
-its rows). The everything set includes the grammar-mask stage, which reads the
+temperature, + short filters, + any filter, everything; a step replays the
+smallest that covers its rows). The everything set includes the grammar-mask stage, which reads the
 sampler's per-slot mask table: the runner rewrites constrained rows in place
 before each replay.
 """
@@ -46,9 +46,10 @@ ALL_FEATURES = SamplerFeatures.all()
 # The sampler stage sets captured per batch size, smallest first; a step replays
 # the first that covers its rows' needs (Sampler.features_of). On the H200 at
 # Qwen3's vocabulary (tools/bench_sampler, 2026-12-01) one step's sampler took,
-# at B = 1 / 64: greedy 19 / 16 us, temperature 128 / 265, + top-k/top-p/min-p
-# 272 / 1,690, every stage 419 / 2,445: before these variants, one sampled
-# request anywhere made every later step pay the last row.
+# at B = 1 / 64: greedy 16 / 16 us, temperature 16 / 50, + top-k <= 256 with
+# top-p/min-p (sort-free) 70 / 231, + top-p alone (sorted) 295 / 1,660, every
+# stage 439 / 2,409: before these variants, one sampled request anywhere made
+# every later step pay the last row.
 SAMPLER_VARIANTS = (
     SamplerFeatures(),
     SamplerFeatures(sampling=True),
