@@ -141,6 +141,47 @@ def test_sampler_filtering_on_triton_equals_the_sorting_path(monkeypatch: pytest
     assert all(row[0] != 4 for row in out["torch"][:6])  # masked while below min_tokens
 
 
+@pytest.mark.parametrize("filtering", [False, True])
+def test_composed_stages_with_the_fused_draw_equal_the_torch_path(filtering: bool,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Penalties, logit bias and logprobs (the composed stages) on Triton end in
+    greedy_triton's one launch (argmax, temperature, Gumbel draw, the copy into
+    ``last``): the tokens, logprobs and ``last`` of the torch path."""
+    from ftserve.engine.sampler import Sampler
+    from ftserve.engine.sampling_params import SamplingParams
+
+    vocab = 600
+    top_p = 0.9 if filtering else 1.0
+    params = [SamplingParams(temperature=0.8, top_p=top_p, presence_penalty=0.7, seed=1, logprobs=2),
+              SamplingParams(temperature=0.0, frequency_penalty=0.5, logit_bias=((3, 5.0),)),
+              SamplingParams(temperature=1.1, top_p=top_p, min_p=0.05 if filtering else 0.0,
+                             repetition_penalty=1.3, seed=2, min_tokens=2, stop_token_ids=(9,)),
+              SamplingParams(temperature=0.7, seed=3, logit_bias=((11, -100.0), (12, 4.0)))]
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(len(params), vocab, generator=g) * 2.0
+    logits[2, 9] = 15.0  # the stop id on top: masked below min_tokens
+    out = {}
+    for kernels in ("torch", "triton"):
+        monkeypatch.setenv("FTSERVE_KERNELS", kernels)
+        s = Sampler(vocab, 6, "cpu")
+        for slot, sp in enumerate(params):
+            s.admit(slot, sp, list(range(slot, 40, 3)), [9] if slot == 2 else [])
+        feats = s.features_of(range(len(params)))
+        assert feats.penalties and feats.bias and feats.logprobs and feats.filtering == filtering
+        rows = []
+        for step in range(4):
+            last = torch.full((8,), -1, dtype=torch.int64)
+            o = s.sample(logits, torch.arange(len(params)), torch.full((len(params),), step, dtype=torch.int64),
+                         torch.tensor([False, False, step < 2, False]), last=last, features=feats)
+            s.update(torch.arange(len(params)), o.token_ids)
+            assert torch.equal(last[:len(params)], o.token_ids) and bool((last[len(params):] == -1).all())
+            assert o.logprobs is not None
+            rows.append((o.token_ids.tolist(), [round(v, 5) for v in o.logprobs.tolist()]))
+        out[kernels] = rows
+    assert out["triton"] == out["torch"]
+    assert all(toks[2] != 9 for toks, _ in out["torch"][:2])
+
+
 def test_the_sampler_and_the_kernel_agree_on_short_k() -> None:
     from ftserve.engine import sampler
     from ftserve_kernels import filter_triton

@@ -110,8 +110,8 @@ def test_sampler_takes_the_fused_kernel_for_greedy_only_steps(monkeypatch: pytes
     assert len(calls) == 1, "the triton run took the fused kernel, the torch run did not"
     assert torch.equal(results["torch"], results["triton"])
     assert results["triton"][0] != 11 and results["triton"][1] == 11 and results["triton"][2] == 11
-    # Temperature alone takes it too, with the composed path's draws; a filter
-    # (top-p) switches the step to the composed path.
+    # Temperature alone takes it too, with the composed path's draws; a top-p
+    # alone (the sorting filter) runs the composed stages, then ends in it.
     draws = {}
     for kernels in ("torch", "triton"):
         monkeypatch.setenv("FTSERVE_KERNELS", kernels)
@@ -122,8 +122,9 @@ def test_sampler_takes_the_fused_kernel_for_greedy_only_steps(monkeypatch: pytes
                                   torch.zeros(3, dtype=torch.bool)).token_ids
     assert len(calls) == 2 and torch.equal(draws["torch"], draws["triton"])
     s.admit(2, SamplingParams(temperature=0.7, top_p=0.5, seed=1), [], [])
+    assert s.features_of([2]).wide_filter
     s.sample(logits[:1], torch.tensor([2]), torch.zeros(1, dtype=torch.int64), torch.tensor([False]))
-    assert len(calls) == 2
+    assert len(calls) == 3
 
 
 @pytest.mark.gpu
@@ -164,3 +165,15 @@ def test_temperature_mode_equals_the_composed_sampler_on_gpu() -> None:
         composed = s.sample(logits, slots, steps, active,
                             features=SamplerFeatures(sampling=True, filtering=True))
         assert torch.equal(fused.token_ids, composed.token_ids), b
+        # The Gumbel-max kernel of the unfused composition, on the masked scores.
+        from ftserve_kernels import sampling as ks
+        from ftserve_kernels.greedy_triton import greedy_sample_ref
+
+        irow = s._i.index_select(0, slots)
+        x = greedy_sample_ref(logits, slots, active, s._i, 5)  # the masked argmax (greedy rows)
+        cols = torch.arange(irow.shape[1] - 5, device=dev)
+        masked = ks.mask_token_ids(logits, irow[:, 5:], (cols[None, :] < irow[:, 4:5]) & active[:, None])
+        temp = s._f.index_select(0, slots)[:, 0].clamp_min(1e-6)
+        k1, k2 = ks.row_keys(irow[:, 2], irow[:, 3], steps)
+        drawn = ks.gumbel_argmax_triton(masked / temp[:, None], k1, k2)
+        assert torch.equal(fused.token_ids, torch.where(irow[:, 0] != 0, x, drawn)), b

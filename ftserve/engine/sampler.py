@@ -362,15 +362,23 @@ class Sampler:
                                           self._f if sampled else None, steps if sampled else None,
                                           MIN_TEMPERATURE, cuts=cuts)
             return SampleOutput(tokens)
-        out = self._sample(logits, slots, steps, min_tokens_active, f)
-        if last is not None:
+        fused_draw = (greedy_sample_triton is not None and ops.uses_triton(logits)
+                      and logits.shape[0] <= self._greedy_counts.numel())
+        out = self._sample(logits, slots, steps, min_tokens_active, f, last if fused_draw else None,
+                           fused_draw)
+        if last is not None and not fused_draw:
             last[:out.token_ids.shape[0]].copy_(out.token_ids)
         return out
 
     def _sample(
         self, logits: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor,
-        min_tokens_active: torch.Tensor, f: SamplerFeatures,
+        min_tokens_active: torch.Tensor, f: SamplerFeatures, last: torch.Tensor | None = None,
+        fused_draw: bool = False,
     ) -> SampleOutput:
+        """The composed stages. ``fused_draw``: the argmax, the temperature and the
+        Gumbel draw (and the copy into ``last``) run as greedy_triton's one launch
+        over the penalized, biased, masked and filtered logits; the same tokens:
+        a filter always keeps a row's argmax, and x / T is -inf where x is."""
         raw = logits.float()  # [B, V]
 
         frow = self._f.index_select(0, slots)  # [B, 6]
@@ -394,9 +402,22 @@ class Sampler:
             # unconstrained slots (and the dummy slot) are all ones: a no-op.
             x = ks.apply_token_bitmask(x, self.grammar_mask.index_select(0, slots),
                                        self._mask_word, self._mask_bit)  # [B, V]
+        if fused_draw and not f.filtering:
+            # The launch masks the stop ids itself and samples the rows that sample.
+            tokens = greedy_sample_triton(x, slots, min_tokens_active, self._i, _NI, self._greedy_counts,
+                                          last, self._f if f.sampling else None,
+                                          steps if f.sampling else None, MIN_TEMPERATURE)
+            return self._logprobs(raw, tokens, f)
         stop_cols = torch.arange(self.max_stop_ids, device=slots.device)  # [M]
         stop_active = (stop_cols[None, :] < num_stops[:, None]) & min_tokens_active[:, None]
         x = ks.mask_token_ids(x, irow[:, _NI:], stop_active)  # [B, V]
+        if fused_draw:  # filtering: the filters' keep mask, then the one launch
+            scaled = x / temperature.clamp_min(MIN_TEMPERATURE)[:, None]  # [B, V]
+            keep = ks.top_k_top_p_keep(scaled, top_k, top_p) & ks.min_p_keep(scaled, min_p)  # [B, V]
+            tokens = greedy_sample_triton(torch.where(keep, x, ks.NEG_INF), slots, min_tokens_active,
+                                          self._i, _NI, self._greedy_counts, last, self._f, steps,
+                                          MIN_TEMPERATURE)
+            return self._logprobs(raw, tokens, f)
         tokens = x.argmax(dim=-1)  # [B], the greedy choice (greedy_sample_ref, fused)
 
         if f.sampling:
@@ -409,6 +430,9 @@ class Sampler:
             drawn = gumbel_argmax(scaled, k1, k2, self.token_hash)  # [B]
             tokens = torch.where(greedy != 0, tokens, drawn)
 
+        return self._logprobs(raw, tokens, f)
+
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, f: SamplerFeatures) -> SampleOutput:
         if not f.logprobs:
             return SampleOutput(tokens)
         logp = torch.log_softmax(raw, dim=-1)  # [B, V], the raw model distribution
