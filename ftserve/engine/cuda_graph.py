@@ -47,8 +47,8 @@ ALL_FEATURES = SamplerFeatures.all()
 # the first that covers its rows' needs (Sampler.features_of). On the H200 at
 # Qwen3's vocabulary (tools/bench_sampler, 2026-12-01) one step's sampler took,
 # at B = 1 / 64: greedy 16 / 16 us, temperature 16 / 50, + top-k <= 256 with
-# top-p/min-p (sort-free) 70 / 231, + top-p alone (sorted) 295 / 1,660, every
-# stage 439 / 2,409: before these variants, one sampled request anywhere made
+# top-p/min-p (sort-free) 70 / 234, + top-p alone (sorted) 191 / 1,565, every
+# stage 336 / 2,323: before these variants, one sampled request anywhere made
 # every later step pay the last row.
 SAMPLER_VARIANTS = (
     SamplerFeatures(),
