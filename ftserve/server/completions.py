@@ -90,9 +90,8 @@ async def _run(
     params = batch.build_all(parsed, prompts, engine)
     grammars: list[GrammarMatcher | None] = [None] * (len(prompts) * parsed.n)
     if parsed.response_format is not None:
-        vocab = await asyncio.to_thread(text.grammar_tokenizer, engine.vocab_size)
-        grammars = list(await response_format.matchers(parsed.response_format, vocab,
-                                                       len(grammars)))
+        grammars = list(await response_format.matchers(parsed.response_format, text,
+                                                       engine.vocab_size, len(grammars)))
     rid = prefix + uuid.uuid4().hex
     # One engine request per choice (more than one: ids rid-0, rid-1, ... in choice order,
     # prompt_index * n + j; the response keeps rid). The engine prefills a shared prompt

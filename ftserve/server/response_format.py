@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
 
 from ftserve.engine.grammar import GrammarMatcher
 from ftserve.server.errors import bad_request
+
+if TYPE_CHECKING:
+    from ftserve.server.text import TextCodec
 
 PARAM = "response_format"
 # Applied before the schema's own "x-guidance" options, so a schema can override them.
@@ -99,12 +102,12 @@ def check_tools(fmt: ResponseFormat | None, tools: list[dict[str, Any]] | None) 
                           "tool calls", param=PARAM)
 
 
-async def matchers(fmt: ResponseFormat, tokenizer: llguidance.LLTokenizer,
+async def matchers(fmt: ResponseFormat, text: TextCodec, vocab_size: int,
                    n: int) -> list[GrammarMatcher]:
-    """n fresh matchers of ``fmt`` (one per choice), compiled off the event loop (a
-    large schema takes a while); a grammar the library rejects is a 400."""
+    """n fresh matchers of ``fmt`` (one per choice), off the event loop (compiling a
+    large schema takes a while; the codec keeps compiled grammars); a grammar the
+    library rejects is a 400."""
     try:
-        first = await asyncio.to_thread(GrammarMatcher.compile, tokenizer, fmt.grammar)
+        return await asyncio.to_thread(text.grammar_matchers, fmt.grammar, vocab_size, n)
     except ValueError as err:
         raise bad_request(f"'{PARAM}' cannot be used: {err}", param=PARAM) from None
-    return [first] + [first.copy() for _ in range(n - 1)]

@@ -8,10 +8,12 @@ strings all go through ``TextCodec``.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import Any, Protocol
 
 import llguidance
 
+from ftserve.engine.grammar import GrammarMatcher
 from ftserve.server import reasoning
 from ftserve.server.tool_calls import Format, format_of
 from ftserve.tokenizer import (
@@ -25,6 +27,11 @@ from ftserve.tokenizer import (
     load_tokenizer,
 )
 from ftserve.tokenizer.grammar_view import grammar_tokenizer
+
+# Compiled grammars kept per codec (a JSON schema's compiled matcher is a few
+# hundred KB at most; compiling one takes ~1 ms for a small schema at a 32k
+# vocabulary, more for large schemas and vocabularies).
+GRAMMAR_CACHE_SIZE = 64
 
 
 class TemplateError(ValueError):
@@ -75,6 +82,12 @@ class TextCodec(Protocol):
         once; blocking: call it off the event loop)."""
         ...
 
+    def grammar_matchers(self, grammar: str, vocab_size: int, n: int) -> list[GrammarMatcher]:
+        """``n`` fresh matchers of ``grammar``, copies of one compiled per grammar (a
+        bounded cache: agents send the same schema every turn). ValueError when
+        the library rejects the grammar. Blocking: call it off the event loop."""
+        ...
+
 
 class _Detok:
     """StreamDetokenizer over the tokenizer package's StreamingDetokenizer."""
@@ -109,6 +122,7 @@ class TokenizerCodec:
             self._template_error = f"this model has no chat template ({err}); use /v1/completions"
         self._grammar_tok: llguidance.LLTokenizer | None = None
         self._grammar_lock = threading.Lock()
+        self._grammars: OrderedDict[str, GrammarMatcher] = OrderedDict()  # grammar -> its start
         self._tool_format: Format | None = None  # read off the template once
         self._reasoning = False
         if self._template is not None:
@@ -155,7 +169,22 @@ class TokenizerCodec:
         with self._grammar_lock:  # worker threads: the first structured requests race
             if self._grammar_tok is None or self._grammar_tok.vocab_size != vocab_size:
                 self._grammar_tok = grammar_tokenizer(self.tokenizer, vocab_size)
+                self._grammars.clear()  # compiled against the old view
             return self._grammar_tok
+
+    def grammar_matchers(self, grammar: str, vocab_size: int, n: int) -> list[GrammarMatcher]:
+        vocab = self.grammar_tokenizer(vocab_size)
+        with self._grammar_lock:
+            start = self._grammars.get(grammar)
+            if start is not None:
+                self._grammars.move_to_end(grammar)
+        if start is None:
+            start = GrammarMatcher.compile(vocab, grammar)  # outside the lock: it may take a while
+        with self._grammar_lock:  # the cached start is only ever copied, one thread at a time
+            self._grammars[grammar] = start
+            while len(self._grammars) > GRAMMAR_CACHE_SIZE:
+                self._grammars.popitem(last=False)  # least recently used
+            return [start.copy() for _ in range(n)]
 
 
 def make_text_codec(model_dir: str) -> TextCodec:
