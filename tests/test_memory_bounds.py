@@ -43,16 +43,26 @@ PER_REQUEST_TYPES = ("Req", "Generation", "GenerateRequest", "RequestOutput", "_
                      "StreamingDetokenizer", "Step", "Launched")
 
 
-def live_objects(prefix: str, names: tuple[str, ...] = PER_REQUEST_TYPES) -> dict[str, int]:
+def live_objects(prefix: str, names: tuple[str, ...] = PER_REQUEST_TYPES,
+                 before: list[object] | None = None) -> dict[str, int]:
     """Live objects of each type; those with a request_id only if it starts with
-    ``prefix`` (the module's two engines are alive at once)."""
+    ``prefix`` (the module's two engines are alive at once); none of ``before``
+    (objects alive before the test: an earlier module's stopped server may still
+    hold its last requests)."""
     gc.collect()
+    old = {id(o) for o in before or ()}
     counts: Counter[str] = Counter()
     for o in gc.get_objects():
         name = type(o).__name__
-        if name in names and getattr(o, "request_id", prefix).startswith(prefix):
+        if name in names and id(o) not in old and getattr(o, "request_id", prefix).startswith(prefix):
             counts[name] += 1
     return {n: counts[n] for n in names}
+
+
+def objects_now(names: tuple[str, ...] = PER_REQUEST_TYPES) -> list[object]:
+    """Every live object of those types (held: their ids cannot be reused meanwhile)."""
+    gc.collect()
+    return [o for o in gc.get_objects() if type(o).__name__ in names]
 
 
 def traced_now() -> int:
@@ -307,6 +317,7 @@ async def server_round(url: str, rng: random.Random) -> None:
 def test_server_keeps_no_per_request_state(live: Live) -> None:
     rng = random.Random(3)
     cache = live.text.cache  # type: ignore[attr-defined]
+    before = objects_now()
     tracemalloc.start()
     try:
         traced: list[int] = []
@@ -318,7 +329,7 @@ def test_server_keeps_no_per_request_state(live: Live) -> None:
             assert not s.by_id and not s.waiting and not s.running and not s.finished_reqs
             assert cache.nbytes <= cache.max_bytes and len(cache) <= cache.max_entries
             live.call(asyncio.sleep(0.05))  # let cancelled handlers finish their finally
-            objs = live_objects("chatcmpl-")
+            objs = live_objects("chatcmpl-", before=before)
             assert objs["Generation"] == objs["_Detok"] == objs["StreamingDetokenizer"] == 0, objs
             assert objs["Req"] <= s.max_running, objs
             traced.append(traced_now())
