@@ -40,6 +40,8 @@ FRAGMENTS = [
     "👩\u200d💻", "🎉🎉", ",", ".", "!", "?", "'s", "123", "4567", "[INST]", "[/INST]", "</s>", "<s>",
     "[IN", "ST]", "</", "s>", "<|im_start|>", "<|im_end|>", "def f(x):", "    return x", "café",
     "\u00a0", "ü", "ß", "—", "\r\n", "<0x0A>", "▁", "Ġ",
+    # special-token texts as the server escapes them in messages (base.LITERAL_MARK), a bare mark
+    "<\ue000|im_end|>", "[\ue000INST]", "<\ue000/s>", "\ue000",
 ]
 text_st = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=6), max_size=14).map("".join)
 message_st = st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=10).map(" ".join) | text_st

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import llguidance
@@ -53,7 +54,11 @@ class StreamDetokenizer(Protocol):
 class TextCodec(Protocol):
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None = None,
-                    extra: dict[str, Any] | None = None) -> str: ...
+                    extra: dict[str, Any] | None = None) -> str:
+        """The prompt text. Special-token text the client wrote (in messages, tools,
+        template kwargs) is escaped so that it encodes as text, never as the token
+        (Tokenizer.escape_special); only the template's own markup makes specials."""
+        ...
 
     def tool_format(self) -> Format | None:
         """The tool-call syntax of the chat template (tool_calls.format_of), or None."""
@@ -138,9 +143,10 @@ class TokenizerCodec:
                     extra: dict[str, Any] | None = None) -> str:
         if self._template is None:
             raise TemplateError(self._template_error or "no chat template")
+        esc = self.tokenizer.escape_special
         try:
-            return self._template.render(messages, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, **(extra or {}))
+            return self._template.render(_escaped(messages, esc), add_generation_prompt=add_generation_prompt,
+                                         tools=_escaped(tools, esc), **_escaped(extra or {}, esc))
         except ChatTemplateError as err:
             raise TemplateError(str(err)) from None
 
@@ -185,6 +191,17 @@ class TokenizerCodec:
             while len(self._grammars) > GRAMMAR_CACHE_SIZE:
                 self._grammars.popitem(last=False)  # least recently used
             return [start.copy() for _ in range(n)]
+
+
+def _escaped(value: Any, escape: Callable[[str], str]) -> Any:
+    """Every string inside ``value`` (dicts, lists) escaped, but not dict keys or roles."""
+    if isinstance(value, str):
+        return escape(value)
+    if isinstance(value, dict):
+        return {k: v if k == "role" else _escaped(v, escape) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v, escape) for v in value]
+    return value
 
 
 def make_text_codec(model_dir: str) -> TextCodec:

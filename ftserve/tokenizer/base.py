@@ -15,6 +15,17 @@ non-whitespace character, where the vocabulary has no token spanning the two):
 
 which is what the incremental cache builds on; it still verifies every splice.
 
+Literal special-token text. A chat message may contain the text of a control
+token ("<|im_end|>"); parsed as the token it would forge a turn boundary. The
+server escapes message text with ``escape_special`` (LITERAL_MARK after the
+token text's first character); the encoders split the text at each escaped
+occurrence and drop the mark, so the pieces are encoded separately and none
+holds the whole token text::
+
+    "say <\uE000|im_end|> now"  ->  encode("say <") + encode_continuation("|im_end|> now")
+
+Text without the mark encodes exactly as before.
+
 Decoding is defined here once, from raw token bytes, so that the streaming detokenizer
 and `decode` agree byte for byte: bytes are joined and decoded as UTF-8 with U+FFFD for
 invalid sequences (Python's "replace" rule), and when the backend strips the dummy-prefix
@@ -27,6 +38,8 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+
+LITERAL_MARK = "\uE000"  # a private-use character: escape_special's mark
 
 
 class Tokenizer(ABC):
@@ -49,11 +62,11 @@ class Tokenizer(ABC):
 
     # -- backend hooks -------------------------------------------------------------------
     @abstractmethod
-    def encode_body(self, text: str) -> list[int]:
+    def _encode_body(self, text: str) -> list[int]:
         """Ids of `text` at the start of a document, without added special ids."""
 
     @abstractmethod
-    def encode_continuation(self, text: str) -> list[int]:
+    def _encode_continuation(self, text: str) -> list[int]:
         """Ids of `text` when it continues earlier text at a safe cut point."""
 
     @abstractmethod
@@ -69,6 +82,56 @@ class Tokenizer(ABC):
         """True for an ordinary vocabulary piece (not special, not a raw byte token)."""
 
     # -- shared behaviour ----------------------------------------------------------------
+    def encode_body(self, text: str) -> list[int]:
+        """Ids of `text` at the start of a document, without added special ids
+        (escaped special-token text stays text: see the module docstring)."""
+        return self._encode_split(text, at_start=True)
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Ids of `text` when it continues earlier text at a safe cut point."""
+        return self._encode_split(text, at_start=False)
+
+    def _encode_split(self, text: str, at_start: bool) -> list[int]:
+        if LITERAL_MARK not in text or self._escaped_re() is None:
+            return self._encode_body(text) if at_start else self._encode_continuation(text)
+        ids: list[int] = []
+        pos = 0
+        for m in self._escaped_re().finditer(text):  # type: ignore[union-attr]
+            cut = m.start() + 1  # the mark's position: the piece ends before it
+            piece = text[pos:cut]
+            ids += self._encode_body(piece) if at_start and pos == 0 else self._encode_continuation(piece)
+            pos = cut + 1
+        rest = text[pos:]
+        if rest:
+            ids += self._encode_body(rest) if at_start and pos == 0 else self._encode_continuation(rest)
+        return ids
+
+    def escape_special(self, text: str) -> str:
+        """`text` with LITERAL_MARK after the first character of every special-token
+        text in it, so that encoding keeps it text (one-character tokens stay as
+        they are: there is nothing to split)."""
+        pat = self._special_text_re()
+        if pat is None:
+            return text
+        return pat.sub(lambda m: m.group()[0] + LITERAL_MARK + m.group()[1:], text)
+
+    def _special_text_re(self) -> re.Pattern[str] | None:
+        pat = getattr(self, "_special_text_pat", False)
+        if pat is False:
+            texts = sorted((t for t in self.special_tokens if len(t) > 1), key=len, reverse=True)
+            pat = re.compile("|".join(map(re.escape, texts))) if texts else None
+            self._special_text_pat = pat
+        return pat  # type: ignore[return-value]
+
+    def _escaped_re(self) -> re.Pattern[str] | None:
+        pat = getattr(self, "_escaped_pat", False)
+        if pat is False:
+            texts = sorted((t for t in self.special_tokens if len(t) > 1), key=len, reverse=True)
+            pat = (re.compile("|".join(re.escape(t[0] + LITERAL_MARK + t[1:]) for t in texts))
+                   if texts else None)
+            self._escaped_pat = pat
+        return pat  # type: ignore[return-value]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         body = self.encode_body(text)
         if not add_special_tokens:

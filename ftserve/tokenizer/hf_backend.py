@@ -106,10 +106,10 @@ class HFTokenizer(Tokenizer):
         self.special_prefix = tuple(full[:start])
         self.special_suffix = tuple(full[start + len(probe) :])
 
-    def encode_body(self, text: str) -> list[int]:
+    def _encode_body(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def encode_continuation(self, text: str) -> list[int]:
+    def _encode_continuation(self, text: str) -> list[int]:
         return self._cont.encode(text, add_special_tokens=False).ids
 
     def id_to_piece(self, token_id: int) -> str:

@@ -146,10 +146,10 @@ class SentencePieceTokenizer(Tokenizer):
     def _encode_plain(self, text: str, first: bool) -> list[int]:
         return (self.sp if first else self._sp_cont).encode(text)
 
-    def encode_body(self, text: str) -> list[int]:
+    def _encode_body(self, text: str) -> list[int]:
         return self._segments(text, at_start=True)
 
-    def encode_continuation(self, text: str) -> list[int]:
+    def _encode_continuation(self, text: str) -> list[int]:
         return self._segments(text, at_start=False)
 
     def id_to_piece(self, token_id: int) -> str:
