@@ -50,7 +50,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise bad_request(f"chat template error: {err}", param="messages") from None
     # A forced tool_choice: the start of the call is prompt; the parser reads it first.
     fmt = text.tool_format()
-    forced = tool_choice.forced_text(fmt, parsed.forced) if parsed.forced and fmt else ""
+    forced = tool_choice.forced_text(fmt, parsed.forced, text.escape_special) if parsed.forced and fmt else ""
     ids = await text.encode_async(prompt + forced, add_special_tokens=False)  # template adds them
     # Reasoning split (server/reasoning.py): None = off, else whether the prompt opened it.
     # Off under a forced call: the output continues the call, not a reasoning block;

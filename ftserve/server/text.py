@@ -60,6 +60,11 @@ class TextCodec(Protocol):
         (Tokenizer.escape_special); only the template's own markup makes specials."""
         ...
 
+    def escape_special(self, text: str) -> str:
+        """Client text spliced into a prompt outside the template: control-token text
+        in it encodes as text (Tokenizer.escape_special)."""
+        ...
+
     def tool_format(self) -> Format | None:
         """The tool-call syntax of the chat template (tool_calls.format_of), or None."""
         ...
@@ -149,6 +154,9 @@ class TokenizerCodec:
                                          tools=_escaped(tools, esc), **_escaped(extra or {}, esc))
         except ChatTemplateError as err:
             raise TemplateError(str(err)) from None
+
+    def escape_special(self, text: str) -> str:
+        return self.tokenizer.escape_special(text)
 
     def tool_format(self) -> Format | None:
         return self._tool_format

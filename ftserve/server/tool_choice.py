@@ -24,6 +24,7 @@ naming ``tool_choice``).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,12 +42,13 @@ class ForcedCall:
     name: str | None = None
 
 
-def forced_text(fmt: Format, call: ForcedCall) -> str:
-    """The text appended to the prompt to force ``call`` in syntax ``fmt``."""
+def forced_text(fmt: Format, call: ForcedCall, escape: Callable[[str], str] = str) -> str:
+    """The text appended to the prompt to force ``call`` in syntax ``fmt``; ``escape``
+    (TextCodec.escape_special) keeps control-token text in the client's name text."""
     opening, to_args = FORCED_CALL[fmt]
     if call.name is None:
         return opening + '"'
-    return opening + json.dumps(call.name, ensure_ascii=False) + to_args
+    return opening + escape(json.dumps(call.name, ensure_ascii=False)) + to_args
 
 
 def forced_call(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> ForcedCall | None:
