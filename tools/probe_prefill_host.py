@@ -43,7 +43,8 @@ def main() -> None:
 
     pg = r.prefill_graphs
     assert pg is not None
-    r.prepare_slots = timed("prepare_slots", r.prepare_slots)
+    r.mirror_pages = timed("mirror_pages", r.mirror_pages)
+    r.admit_slots = timed("admit_slots (after the forward is queued)", r.admit_slots)
     pg._fill = timed("prefill_graph._fill", pg._fill)
     for b, g in pg.graphs.items():
         g.replay = timed(f"graph.replay[{b}]", g.replay)
