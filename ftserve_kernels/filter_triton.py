@@ -39,7 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-SHORT_K = 256  # a row with a longer top-k (or top-p without a top-k) is "wide"
+from ftserve_kernels.sampling import SHORT_K  # a row with a longer top-k (or top-p alone) is "wide"
+
 NEG_KEY = -(2**31)  # below every float's key: "no cut"
 NEG_KEY_TL = tl.constexpr(NEG_KEY)
 

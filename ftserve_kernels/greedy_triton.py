@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftserve_kernels.filter_triton import _float_key
 from ftserve_kernels.sampling import (
     _GOLDEN_TL,
     _SALT_TL,
@@ -110,8 +111,7 @@ def _greedy_kernel(
                 u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
                 v = tl.math.div_rn(v, temp)
                 if HAS_CUT:
-                    b = (v + 0.0).to(tl.int32, bitcast=True)
-                    key = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)  # filter_triton's float keys
+                    key = _float_key(v)
                     kept = ((key > cut_key) | ((key == cut_key) & (idx <= cut_id))) & (v >= floor)
                     v = tl.where(kept, v, float("-inf"))
                 v = v - tl.log(-tl.log(u))

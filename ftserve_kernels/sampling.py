@@ -38,6 +38,9 @@ SALT = 0x85EBCA6B
 _C1 = 0x7FEB352D
 _C2 = 0x846CA68B
 NEG_INF = float("-inf")
+# Longest top-k that filters without sorting the vocabulary (filter_triton; the
+# sampler's wide_filter stage above it).
+SHORT_K = 256
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

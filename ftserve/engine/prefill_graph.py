@@ -70,10 +70,10 @@ class PrefillGraphs:
         self.p_in = torch.zeros(self.size, dtype=torch.int64, device=runner.device)
         # Two pinned staging copies of p_in, alternating; each one's event says when
         # its last copy has run, so it is refilled only then (a query, not a wait;
-        # one still in flight falls back to a fresh pinned block).
+        # one still in flight falls back to a fresh pinned block). CPU: no events.
         pin = runner.device.type == "cuda"
         self._stage = [torch.zeros(self.size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._stage_done: list[torch.cuda.Event | None] = [None, None]
+        self._stage_done = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._flip = 0
         self.backends = {b: TritonAttentionBackend(extend_token_bound=b) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -129,10 +129,10 @@ class PrefillGraphs:
         """Pack the step into p_in with one copy (batch None: an all-padding step)."""
         r = self.runner
         self._flip ^= 1
-        done = self._stage_done[self._flip]
+        done = self._stage_done[self._flip] if self._stage_done is not None else None
         host = self._stage[self._flip]
-        if done is not None and not done.query():
-            host = torch.empty_like(host, pin_memory=r.device.type == "cuda")  # still being copied
+        if done is not None and not done.query():  # an unrecorded event counts as done
+            host = torch.empty_like(host, pin_memory=True)  # still being copied
         buf = host.numpy()
         buf[:] = 0  # padding: token 0 -> dummy slot 0
         o = self.off
@@ -150,9 +150,8 @@ class PrefillGraphs:
             buf[o["slot"]:o["slot"] + k] = [req.slot for req in batch.reqs]
             buf[o["last"]:o["last"] + k] = last
         self.p_in.copy_(host, non_blocking=True)
-        if r.device.type == "cuda" and host is self._stage[self._flip]:
-            ev = self._stage_done[self._flip] = self._stage_done[self._flip] or torch.cuda.Event()
-            ev.record()
+        if done is not None and host is self._stage[self._flip]:
+            done.record()
 
     def replay(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the step's forward; returns static logits [max_seqs, V] (row i =

@@ -135,6 +135,12 @@ class ModelRunner:
                 self.sampler.admit(s, req.params, req.prompt_ids, self.eos_token_ids, req.output_ids,
                                    constrained=req.grammar is not None)
 
+    def _sampling_inputs(self, batch: ScheduledBatch) -> None:
+        """What sampling reads and the forward does not: new owners' parameters and
+        the constrained rows' masks."""
+        self.admit_slots(batch.reqs)
+        self._grammar_masks(batch)
+
     def mirror_pages(self, reqs: list[Req]) -> None:
         """Copy the pages added to each request since the last step into the device
         page table (one upload): the forward reads them."""
@@ -242,16 +248,14 @@ class ModelRunner:
         rows = [i for i, s in enumerate(batch.samples) if s]
         if decode_graph:
             assert self.graphs is not None
-            self.admit_slots(batch.reqs)  # the graph samples: parameters first
-            self._grammar_masks(batch)
+            self._sampling_inputs(batch)  # the graph samples: parameters first
             out = self.graphs.replay(batch)
         elif (layer_ready is None and self.prefill_graphs is not None
               and self.prefill_graphs.can_run(batch)):
             logits_all = self.prefill_graphs.replay(batch)  # [max_seqs, V], row i = reqs[i]
             if not rows:
                 return Launched(batch, rows, None)
-            self.admit_slots(batch.reqs)  # behind the forward on the stream, before sampling
-            self._grammar_masks(batch)
+            self._sampling_inputs(batch)  # behind the forward on the stream, before sampling
             sreqs = [batch.reqs[i] for i in rows]
             dev = self._upload(rows + [q.slot for q in sreqs] + [batch.steps[i] for i in rows]
                                + [int(batch.steps[i] < batch.reqs[i].params.min_tokens)
@@ -271,8 +275,7 @@ class ModelRunner:
             if not rows:
                 # A non-final prefill chunk: only the KV matters; no logits, no sync.
                 return Launched(batch, rows, None)
-            self.admit_slots(batch.reqs)
-            self._grammar_masks(batch)
+            self._sampling_inputs(batch)
             out = self.sampler.sample(logits, slots, steps, min_active, last=self.last_tokens,
                                       features=self.sampler.features_of(batch.reqs[i].slot for i in rows))
             self.sampler.update(slots, out.token_ids)

@@ -57,7 +57,7 @@ except ImportError:  # pragma: no cover - no triton: ops.uses_triton is False to
     filter_cuts_triton = None  # type: ignore[assignment]
     greedy_sample_triton = None
 
-SHORT_K = 256  # filter_triton.SHORT_K (that module needs triton; this one does not)
+SHORT_K = ks.SHORT_K
 
 # Below this temperature a row samples greedily: logits / T overflows fp32 as
 # T -> 0, and the draw would be the argmax anyway.
@@ -345,8 +345,9 @@ class Sampler:
     ) -> SampleOutput:
         f = self._features if features is None else features
         assert self._features.covers(f), "a stage that was never enabled (its state is missing)"
-        if (f in _FUSED and greedy_sample_triton is not None and ops.uses_triton(logits)
-                and logits.shape[0] <= self._greedy_counts.numel()):
+        fusable = (greedy_sample_triton is not None and ops.uses_triton(logits)
+                   and logits.shape[0] <= self._greedy_counts.numel())
+        if f in _FUSED and fusable:
             # Greedy rows, or temperature alone: the stop mask, the argmax (of logits
             # / T + Gumbel noise on sampled rows) and the copy into ``last``, one launch.
             # With short top-k / top-p / min-p filters: a top-k of the logits and one
@@ -362,11 +363,8 @@ class Sampler:
                                           self._f if sampled else None, steps if sampled else None,
                                           MIN_TEMPERATURE, cuts=cuts)
             return SampleOutput(tokens)
-        fused_draw = (greedy_sample_triton is not None and ops.uses_triton(logits)
-                      and logits.shape[0] <= self._greedy_counts.numel())
-        out = self._sample(logits, slots, steps, min_tokens_active, f, last if fused_draw else None,
-                           fused_draw)
-        if last is not None and not fused_draw:
+        out = self._sample(logits, slots, steps, min_tokens_active, f, last if fusable else None, fusable)
+        if last is not None and not fusable:
             last[:out.token_ids.shape[0]].copy_(out.token_ids)
         return out
 
@@ -402,22 +400,19 @@ class Sampler:
             # unconstrained slots (and the dummy slot) are all ones: a no-op.
             x = ks.apply_token_bitmask(x, self.grammar_mask.index_select(0, slots),
                                        self._mask_word, self._mask_bit)  # [B, V]
-        if fused_draw and not f.filtering:
-            # The launch masks the stop ids itself and samples the rows that sample.
+        stop_cols = torch.arange(self.max_stop_ids, device=slots.device)  # [M]
+        stop_active = (stop_cols[None, :] < num_stops[:, None]) & min_tokens_active[:, None]
+        if fused_draw:
+            if f.filtering:  # the filters see the stop mask (the launch repeats it: a no-op)
+                x = ks.mask_token_ids(x, irow[:, _NI:], stop_active)  # [B, V]
+                scaled = x / temperature.clamp_min(MIN_TEMPERATURE)[:, None]  # [B, V]
+                keep = ks.top_k_top_p_keep(scaled, top_k, top_p) & ks.min_p_keep(scaled, min_p)  # [B, V]
+                x = torch.where(keep, x, ks.NEG_INF)
             tokens = greedy_sample_triton(x, slots, min_tokens_active, self._i, _NI, self._greedy_counts,
                                           last, self._f if f.sampling else None,
                                           steps if f.sampling else None, MIN_TEMPERATURE)
             return self._logprobs(raw, tokens, f)
-        stop_cols = torch.arange(self.max_stop_ids, device=slots.device)  # [M]
-        stop_active = (stop_cols[None, :] < num_stops[:, None]) & min_tokens_active[:, None]
         x = ks.mask_token_ids(x, irow[:, _NI:], stop_active)  # [B, V]
-        if fused_draw:  # filtering: the filters' keep mask, then the one launch
-            scaled = x / temperature.clamp_min(MIN_TEMPERATURE)[:, None]  # [B, V]
-            keep = ks.top_k_top_p_keep(scaled, top_k, top_p) & ks.min_p_keep(scaled, min_p)  # [B, V]
-            tokens = greedy_sample_triton(torch.where(keep, x, ks.NEG_INF), slots, min_tokens_active,
-                                          self._i, _NI, self._greedy_counts, last, self._f, steps,
-                                          MIN_TEMPERATURE)
-            return self._logprobs(raw, tokens, f)
         tokens = x.argmax(dim=-1)  # [B], the greedy choice (greedy_sample_ref, fused)
 
         if f.sampling:

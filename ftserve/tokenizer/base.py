@@ -35,6 +35,7 @@ word piece that starts with one.
 
 from __future__ import annotations
 
+import functools
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -92,45 +93,36 @@ class Tokenizer(ABC):
         return self._encode_split(text, at_start=False)
 
     def _encode_split(self, text: str, at_start: bool) -> list[int]:
-        if LITERAL_MARK not in text or self._escaped_re() is None:
+        pats = self._special_patterns
+        if LITERAL_MARK not in text or pats is None:
             return self._encode_body(text) if at_start else self._encode_continuation(text)
+        # Pieces end right before each escaped occurrence's mark and resume after it.
+        cuts = [m.start() + 1 for m in pats[1].finditer(text)]
+        pieces = [text[a:b] for a, b in zip([0] + [c + 1 for c in cuts], cuts + [len(text)])]
         ids: list[int] = []
-        pos = 0
-        for m in self._escaped_re().finditer(text):  # type: ignore[union-attr]
-            cut = m.start() + 1  # the mark's position: the piece ends before it
-            piece = text[pos:cut]
-            ids += self._encode_body(piece) if at_start and pos == 0 else self._encode_continuation(piece)
-            pos = cut + 1
-        rest = text[pos:]
-        if rest:
-            ids += self._encode_body(rest) if at_start and pos == 0 else self._encode_continuation(rest)
+        for i, piece in enumerate(pieces):
+            if piece:
+                ids += self._encode_body(piece) if at_start and i == 0 else self._encode_continuation(piece)
         return ids
 
     def escape_special(self, text: str) -> str:
         """`text` with LITERAL_MARK after the first character of every special-token
         text in it, so that encoding keeps it text (one-character tokens stay as
         they are: there is nothing to split)."""
-        pat = self._special_text_re()
-        if pat is None:
+        pats = self._special_patterns
+        if pats is None:
             return text
-        return pat.sub(lambda m: m.group()[0] + LITERAL_MARK + m.group()[1:], text)
+        return pats[0].sub(lambda m: m.group()[0] + LITERAL_MARK + m.group()[1:], text)
 
-    def _special_text_re(self) -> re.Pattern[str] | None:
-        pat = getattr(self, "_special_text_pat", False)
-        if pat is False:
-            texts = sorted((t for t in self.special_tokens if len(t) > 1), key=len, reverse=True)
-            pat = re.compile("|".join(map(re.escape, texts))) if texts else None
-            self._special_text_pat = pat
-        return pat  # type: ignore[return-value]
-
-    def _escaped_re(self) -> re.Pattern[str] | None:
-        pat = getattr(self, "_escaped_pat", False)
-        if pat is False:
-            texts = sorted((t for t in self.special_tokens if len(t) > 1), key=len, reverse=True)
-            pat = (re.compile("|".join(re.escape(t[0] + LITERAL_MARK + t[1:]) for t in texts))
-                   if texts else None)
-            self._escaped_pat = pat
-        return pat  # type: ignore[return-value]
+    @functools.cached_property
+    def _special_patterns(self) -> tuple[re.Pattern[str], re.Pattern[str]] | None:
+        """(special-token texts, the same texts escaped), longest first; None if no
+        special token has two characters or more."""
+        texts = sorted((t for t in self.special_tokens if len(t) > 1), key=len, reverse=True)
+        if not texts:
+            return None
+        return (re.compile("|".join(map(re.escape, texts))),
+                re.compile("|".join(re.escape(t[0] + LITERAL_MARK + t[1:]) for t in texts)))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         body = self.encode_body(text)
