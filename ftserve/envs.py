@@ -35,6 +35,22 @@ def decode_fusion() -> bool:
     return _flag("FTSERVE_DECODE_FUSION", True)
 
 
+def decode_oproj_route() -> bool:
+    """FTSERVE_DECODE_OPROJ_ROUTE (default on; needs FTSERVE_DECODE_FUSION): at
+    one decode row the o_proj GEMV also does that fusion's residual add, norm,
+    router and top-k (decode_fused_triton.oproj_add_norm_route_triton), one
+    launch instead of two."""
+    return _flag("FTSERVE_DECODE_OPROJ_ROUTE", True)
+
+
+def decode_down_norm() -> bool:
+    """FTSERVE_DECODE_DOWN_NORM (default on): at decode GEMV sizes the MoE down
+    kernel also adds the residual and applies the next layer's input norm (or
+    the final norm) in its epilogue (moe_gemv_triton._add_then_norm_last), one
+    launch fewer per layer."""
+    return _flag("FTSERVE_DECODE_DOWN_NORM", True)
+
+
 def dense_gemv() -> str:
     """FTSERVE_DENSE_GEMV (default 'linear'): Triton GEMV for tiny batches instead
     of cuBLAS: 0 = nowhere, 1 = everywhere, 'linear' = o_proj only, 'norm' = qkv

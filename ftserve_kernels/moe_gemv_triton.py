@@ -23,6 +23,7 @@ the shape and T, else from gemv_configs.default.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -201,10 +202,11 @@ def _gemv_down_combine3d_kernel(
     a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, H, INTER,
     stride_at, stride_we, stride_wn, stride_ot,
     bank, miss_slot_ptr, miss_id_ptr, M, bank_col,
+    res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, eps, stride_rt,
     TOP_K: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr, K_STEPS: tl.constexpr,
     READ_THROUGH: tl.constexpr, BLOCK_M: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, NORM_NEXT: tl.constexpr = False, BLOCK_H: tl.constexpr = 16,
 ):
     pdl.enter(PDL)  # the ids / activations come from the kernel before
     # As _gemv_down_combine_kernel, with the k choices as a third tile axis: the
@@ -257,7 +259,49 @@ def _gemv_down_combine3d_kernel(
     # Same rounding and fixed-order fp32 sum of the k choices as the 2-D kernel.
     y = (acc * wt[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # [KP, N]
     out = tl.sum(y, 0)  # [N]
-    tl.store(out_ptr + t * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=nmask)
+    if NORM_NEXT:
+        _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, H, eps,
+                            stride_rt, out_ptr.dtype.element_ty, BLOCK_H)
+    else:
+        tl.store(out_ptr + t * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, H, eps,
+                        stride_rt, dt, BLOCK_H: tl.constexpr):
+    """The next layer's input norm as the down kernel's epilogue: each program
+    stores its columns of s = round(round(out) + residual) (fused_add_rms_norm's
+    sum); the last program of the grid to arrive norms every row of s (from L2)
+    as fused_add_rms_norm rounds it, and re-zeroes the counter."""
+    res = tl.load(res_ptr + t * stride_rt + cols, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(sum_ptr + t * stride_rt + cols, (out.to(dt).to(tl.float32) + res).to(dt), mask=nmask)
+    # Every thread's stores precede the barrier, the barrier the release by the
+    # atomic; the winner's acquire precedes its (L2, .cg) loads.
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) * tl.num_programs(1) - 1:
+        hh = tl.arange(0, BLOCK_H)
+        hmask = hh < H
+        nw = tl.load(nw_ptr + hh, mask=hmask, other=0.0).to(tl.float32)
+        for r in range(tl.num_programs(0)):
+            sv = tl.load(sum_ptr + r * stride_rt + hh, mask=hmask, other=0.0, cache_modifier=".cg")
+            sv = sv.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(sv * sv, 0) / H + eps)
+            tl.store(normed_ptr + r * stride_rt + hh, (nw * (sv * rstd).to(dt).to(tl.float32)).to(dt),
+                     mask=hmask)
+        tl.atomic_xchg(cnt_ptr, 0)
+
+
+@dataclass(frozen=True)
+class NormNext:
+    """The next layer's input norm, folded into the down kernel (its epilogue):
+    the MoE output is added to ``residual`` and the sum normed with ``weight``;
+    ``counter`` is one int32 the caller owns, zero between launches."""
+
+    residual: torch.Tensor  # [T, H]
+    weight: torch.Tensor  # [H]
+    eps: float
+    counter: torch.Tensor  # [1] int32
 
 
 def fused_moe_gemv_triton(
@@ -276,12 +320,45 @@ def fused_moe_gemv_triton(
     """Launch parameters of each kernel: ``configs``, else ``block_n`` over the
     defaults, else the device table's entry (gemv_configs), else the default.
     ``read_through`` runs the default kernels (gate/up, 3-D down), the ones that have it."""
+    out = torch.empty_like(x)  # [T, H]
+    _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, out, expert_map, block_n, down3d, gate_up_acc,
+                    configs, read_through)
+    return out
+
+
+def fused_moe_add_norm_gemv_triton(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k] fp32
+    topk_ids: torch.Tensor,  # [T, k] int32
+    norm_next: NormNext,
+    configs: tuple[gc.GemvConfig, gc.GemvConfig] | None = None,  # (gate_up, down)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_moe_gemv_triton with the next layer's input norm folded into the
+    3-D down kernel's epilogue (``_add_then_norm_last``)
+    -> (rms_norm(out + residual) [T, H], out + residual [T, H]), as
+    ops.fused_add_rms_norm of the MoE output rounds them."""
+    normed, summed = torch.empty_like(x), torch.empty_like(x)
+    _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, normed, None, None, True, None, configs, None,
+                    norm_next, summed)
+    return normed, summed
+
+
+def _fused_moe_gemv(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, out: torch.Tensor, expert_map: torch.Tensor | None,
+    block_n: tuple[int, int] | None, down3d: bool | None, gate_up_acc: bool | None,
+    configs: tuple[gc.GemvConfig, gc.GemvConfig] | None, read_through: ReadThrough | None,
+    norm_next: NormNext | None = None, summed: torch.Tensor | None = None,
+) -> None:
+    """Both launches into ``out`` (with ``norm_next``: the normed rows, and the
+    sums into ``summed``)."""
     t, h = x.shape
     inter = w13.shape[1] // 2
     k = topk_ids.shape[1]
-    out = torch.empty_like(x)  # [T, H]
     if t == 0:
-        return out
+        return
     assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1
     ids = topk_ids.reshape(-1)  # [N]
     weights = topk_weights.reshape(-1)  # [N]
@@ -307,8 +384,8 @@ def fused_moe_gemv_triton(
                     for kind in kinds]
         configs = (cfgs[0], cfgs[1])
     moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through)
-    moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d, read_through)
-    return out
+    outs = (out, summed) if norm_next is not None and summed is not None else None
+    moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d, read_through, norm_next, outs)
 
 
 def moe_gate_up_gemv(
@@ -355,6 +432,8 @@ def moe_down_gemv(
     expert_map: torch.Tensor | None = None,
     down3d: bool = True,  # _gemv_down_combine3d_kernel instead of _gemv_down_combine_kernel
     read_through: ReadThrough | None = None,  # the 3-D kernel only
+    norm_next: NormNext | None = None,  # the 3-D kernel only: writes ``outs`` instead of ``out``
+    outs: tuple[torch.Tensor, torch.Tensor] | None = None,  # (normed, summed) [T, H] each
 ) -> None:
     """The down + combine kernel alone (tools/tune_gemv times it on its own)."""
     t, h = out.shape
@@ -368,9 +447,19 @@ def moe_down_gemv(
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **pdl.launch(on))
     grid = (t, triton.cdiv(h, cfg.block_n))
     if down3d:
+        if norm_next is not None:
+            assert outs is not None and norm_next.residual.shape == out.shape
+            assert norm_next.residual.stride() == outs[0].stride() == outs[1].stride() == (h, 1)
+            assert norm_next.counter.dtype == torch.int32 and norm_next.weight.is_contiguous()
+            norm_args = (norm_next.residual, norm_next.weight, outs[1], outs[0], norm_next.counter,
+                         norm_next.eps, h)
+        else:
+            norm_args = (out, out, out, out, ids, 0.0, 0)  # unread
         _gemv_down_combine3d_kernel[grid](*args, *_read_through_args(read_through, ids, w2, "w2_col"),
-                                          K_STEPS=triton.cdiv(inter, cfg.block_k),
+                                          *norm_args, K_STEPS=triton.cdiv(inter, cfg.block_k),
+                                          NORM_NEXT=norm_next is not None,
+                                          BLOCK_H=triton.next_power_of_2(h),
                                           **_read_through_consts(read_through), **consts)
     else:
-        assert read_through is None, "the 2-D down kernel has no read-through"
+        assert read_through is None and norm_next is None, "the 2-D down kernel has neither"
         _gemv_down_combine_kernel[grid](*args, **consts)

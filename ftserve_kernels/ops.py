@@ -20,11 +20,20 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
         -> (normed [T, H], x + residual | None, weights [T, k] fp32, ids [T, k] int32):
         the (fused-add) norm, the router linear and route_topk; one launch on Triton
         for decode-sized T (decode_fused_triton), the composition otherwise
+    linear_add_rms_norm_route(x [T, K], w [H, K], b | None, residual [T, H], norm_w [H], eps,
+                              gate_w [E, H], top_k, renormalize, counter [1] int32)
+        -> add_rms_norm_route(linear(x, w, b), residual, ...): o_proj folded in too, one
+        launch on Triton for one row with FTSERVE_DECODE_OPROJ_ROUTE (decode_fused_triton)
+    fused_moe_add_rms_norm(x, w13, w2, weights, ids, residual [T, H], norm_w [H], eps, counter)
+        -> fused_add_rms_norm(fused_moe(...), residual, norm_w, eps): the next layer's input
+        norm in the MoE down launch's epilogue where ``moe_folds_next_norm(x)`` (Triton GEMV
+        sizes, FTSERVE_DECODE_DOWN_NORM), the composition otherwise
     linear(x [T, K], w [N, K], b [N] | None) -> [T, N]: F.linear, or the Triton GEMV
         for T <= 4 when FTSERVE_DENSE_GEMV is 1 or "linear" (gemv_triton)
     add_rms_norm_linear(x [T, H], residual [T, H] | None, norm_w [H], eps, w [N, H], b | None)
         -> (linear(norm(x + residual)) [T, N], x + residual (x when residual is None)):
-        one launch with FTSERVE_DENSE_GEMV 1 or "norm" at T <= 4 on Triton
+        one launch with FTSERVE_DENSE_GEMV 1 or "norm" at T <= 4 on Triton; ``prenormed``:
+        x is already the normed sum (the layer before folded the norm), same GEMV choice
     linear_fp32(x [T, K], w [N, K]) -> [T, N] fp32: F.linear(x, w).float(), or one
         cuBLAS mm writing fp32 (torch.mm out_dtype) on CUDA when FTSERVE_LM_HEAD_FP32=1
     decode_inputs(packed [B, 7] int64, last [S] int64, page_table [R, P] int32,
@@ -63,6 +72,11 @@ class _Kernels:
     # (x, residual, norm_w, eps, gate_w, top_k, renorm, counter) -> 4 tensors; None: compose
     add_norm_route: Callable[..., Any] | None
     fused_max_tokens: int
+    # (x, w, b, residual, norm_w, eps, gate_w, top_k, renorm, counter) -> 4 tensors, one row; None: compose
+    oproj_route: Callable[..., Any] | None = None
+    # (x, w13, w2, weights, ids, NormNext) -> (normed, summed), up to moe_gemv_tokens rows; None: compose
+    moe_add_norm: Callable[..., Any] | None = None
+    moe_gemv_tokens: int = 0
     # (x, w, bias, norm_w, residual, eps) -> (y, summed | None); None: F.linear
     gemv: Callable[..., Any] | None = None
     gemv_max_rows: int = 0
@@ -82,6 +96,7 @@ def _triton_table() -> _Kernels:
     try:
         from ftserve_kernels import decode_fused_triton as df
         from ftserve_kernels import gemv_triton as gv
+        from ftserve_kernels import moe_gemv_triton as mg
         from ftserve_kernels import moe_triton as mt
         from ftserve_kernels import norm_triton as nt
         from ftserve_kernels import rope_triton as rt
@@ -92,6 +107,8 @@ def _triton_table() -> _Kernels:
         rotary=rt.rotary_triton, qk_norm_rotary=rt.qk_norm_rotary_triton,
         route_topk=mt.route_topk_triton, fused_moe=mt.fused_moe_triton,
         add_norm_route=df.add_norm_route_triton, fused_max_tokens=df.FUSED_MAX_TOKENS,
+        oproj_route=df.oproj_add_norm_route_triton,
+        moe_add_norm=mg.fused_moe_add_norm_gemv_triton, moe_gemv_tokens=mg.GEMV_MAX_TOKENS,
         gemv=gv.gemv_triton, gemv_max_rows=gv.GEMV_MAX_ROWS,
     )
 
@@ -176,6 +193,43 @@ def add_rms_norm_route(
     return normed, summed, weights, ids
 
 
+def moe_folds_next_norm(x: torch.Tensor) -> bool:
+    """Whether fused_moe_add_rms_norm runs as one kernel pair at x's size (the
+    decoder folds the next layer's norm into the MoE only then: elsewhere the
+    norm stays where it was, after the logits rows are picked)."""
+    k = _table(x)
+    return k.moe_add_norm is not None and x.shape[0] <= k.moe_gemv_tokens and envs.decode_down_norm()
+
+
+def fused_moe_add_rms_norm(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
+    counter: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    k = _table(x)
+    if moe_folds_next_norm(x) and k.moe_add_norm is not None:
+        from ftserve_kernels.moe_gemv_triton import NormNext
+
+        nn = NormNext(residual.contiguous(), norm_w, eps, counter)
+        return k.moe_add_norm(x, w13, w2, topk_weights, topk_ids, nn)
+    return k.fused_add_rms_norm(k.fused_moe(x, w13, w2, topk_weights, topk_ids), residual, norm_w, eps)
+
+
+def linear_add_rms_norm_route(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor,
+    norm_w: torch.Tensor, eps: float, gate_w: torch.Tensor, top_k: int, renormalize: bool,
+    counter: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    k = _table(x)
+    if (k.oproj_route is not None and x.shape[0] == 1 and decode_fusion_enabled()
+            and envs.decode_oproj_route()):
+        return k.oproj_route(x, w, b, residual, norm_w, eps, gate_w, top_k, renormalize, counter)
+    normed, summed, weights, ids = add_rms_norm_route(linear(x, w, b), residual, norm_w, eps, gate_w,
+                                                      top_k, renormalize, counter)
+    assert summed is not None
+    return normed, summed, weights, ids
+
+
 def decode_inputs(
     packed: torch.Tensor, last: torch.Tensor, page_table: torch.Tensor, embed: torch.Tensor | None,
     flag: int,
@@ -205,9 +259,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
 
 def add_rms_norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
-    w: torch.Tensor, b: torch.Tensor | None,
+    w: torch.Tensor, b: torch.Tensor | None, prenormed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     gemv = _gemv_for(x, "norm")
+    if prenormed:  # x is already norm(x' + residual): the same kernel choice, no norm
+        assert residual is not None
+        return (gemv(x, w, b)[0] if gemv is not None else F.linear(x, w, b)), residual
     if gemv is not None:
         y, summed = gemv(x, w, b, norm_w, residual, eps)
         return y, (x if summed is None else summed)

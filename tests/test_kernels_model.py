@@ -60,6 +60,37 @@ def test_model_on_triton_kernels_matches_torch_path(
         assert err < 1e-4, err
 
 
+@pytest.mark.parametrize("oproj_route", ["1", "0"])
+def test_one_row_decode_on_triton_matches_torch_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, oproj_route: str
+) -> None:
+    """A one-sequence decode step (batch-1 decode: o_proj, norm, router and
+    top-k in one launch unless FTSERVE_DECODE_OPROJ_ROUTE=0) against the torch path."""
+    write_checkpoint("tiny-moe", tmp_path, seed=6, dtype="float32")
+
+    def run(backend: AttentionBackend) -> list[torch.Tensor]:
+        model, cfg = load_model(tmp_path, dtype="float32", device="cpu")
+        pool = KVPool(cfg.num_layers, 16, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+        toks = torch.randint(3, cfg.vocab_size, (11,), generator=torch.Generator().manual_seed(1)).tolist()
+        pages = [list(range(1, 5))]
+        outs = []
+        for new, prefix in ((toks[:10], 0), (toks[10:], 10)):
+            batch = build_forward_batch([new], [prefix], pages, pool, backend, is_decode=len(new) == 1)
+            with torch.no_grad():
+                outs.append(model(batch))
+        return outs
+
+    monkeypatch.setenv("FTSERVE_KERNELS", "torch")
+    ref = run(TorchAttentionBackend())
+    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
+    monkeypatch.setenv("FTSERVE_DECODE_OPROJ_ROUTE", oproj_route)
+    got = run(TritonAttentionBackend())
+    for r, o in zip(ref, got):
+        assert o.shape == r.shape and torch.isfinite(o).all()
+        err = float((o - r).norm() / r.norm())
+        assert err < 1e-4, err
+
+
 @pytest.mark.parametrize("rows,flag,gemv_rows", [(1, "1", [1]), (2, "1", []), (1, "0", [])])
 def test_lm_head_gemv_takes_one_row(monkeypatch: pytest.MonkeyPatch, rows: int, flag: str,
                                     gemv_rows: list[int]) -> None:

@@ -106,7 +106,7 @@ def bench_context(model: Any, cfg: Any, backend: Any, context: int, args: argpar
     def layers() -> torch.Tensor:
         x, r = x0, None
         for layer in model.layers:
-            x, r = layer(x, r, step, model.cos_sin)
+            x, r, _ = layer(x, r, step, model.cos_sin)
         assert r is not None
         return x + r
 

@@ -32,7 +32,8 @@ _DIV16 = ("H", "K", "N", "E", "INTER", "bank_col")
 
 
 def _compile(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int) -> dict[str, Any]:
-    consts = {k: v for k, v in ({"HAS_MAP": False, "PDL": False, "READ_THROUGH": False, "BLOCK_M": 1}
+    consts = {k: v for k, v in ({"HAS_MAP": False, "PDL": False, "READ_THROUGH": False, "BLOCK_M": 1,
+                                 "NORM_NEXT": False, "BLOCK_H": 16}
                                 | consts).items() if k in fn.arg_names}
     types = {"map_ptr": "*i32", "bank": "i64", "miss_slot_ptr": "*i32", "miss_id_ptr": "*i32"} | types
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -89,6 +90,11 @@ def compile_all() -> dict[str, dict[str, Any]]:
     out["moe_down3d"] = _compile(mg._gemv_down_combine3d_kernel, moe,
                                  dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True,
                                       K_STEPS=3), 8)
+    out["moe_down3d_norm"] = _compile(  # the next layer's input norm in the epilogue
+        mg._gemv_down_combine3d_kernel, moe | {"res_ptr": bf, "nw_ptr": bf, "sum_ptr": bf, "normed_ptr": bf,
+                                               "cnt_ptr": i32, "eps": "fp32"},
+        dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=4, BLOCK_K=128, EVEN_K=True, K_STEPS=6, NORM_NEXT=True,
+             BLOCK_H=2048), 8)
     # Read-through (moe/cache.py): this step's expert-cache misses read from the host bank.
     rt = dict(READ_THROUGH=True, BLOCK_M=8, HAS_MAP=True)
     out["moe_gate_up_rt"] = _compile(mg._gemv_gate_up_kernel, moe,
@@ -103,6 +109,13 @@ def compile_all() -> dict[str, dict[str, Any]]:
         df._add_norm_route_kernel, route,
         dict(HAS_RESIDUAL=True, TOP_K=8, RENORM=True, BLOCK_E=4, BLOCK_H=2048, BLOCK_EALL=128,
              BLOCK_K=8), 1)
+    oproj = {"a_ptr": bf, "w_ptr": bf, "b_ptr": bf, "h_ptr": bf, "nw_ptr": bf, "g_ptr": bf,
+             "sum_ptr": bf, "normed_ptr": bf, "part_ptr": "*fp32", "ss_ptr": "*fp32",
+             "w_out_ptr": "*fp32", "ids_out_ptr": i32, "cnt_ptr": i32, "eps": "fp32"}
+    out["oproj_route"] = _compile(  # the o_proj table entry's launch (8 x 512, 8 warps)
+        df._oproj_route_kernel, oproj,
+        dict(HAS_BIAS=False, TOP_K=8, RENORM=True, BLOCK_N=8, BLOCK_K=512, K_STEPS=8, EVEN_K=True,
+             BLOCK_EALL=128, BLOCK_P=256, CHUNK_P=32, BLOCK_TK=8, BLOCK_H=2048), 8)
     g = {"x_ptr": bf, "r_ptr": bf, "nw_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf,
          "sum_ptr": bf, "eps": "fp32"}
     for t in (1, 2, 4):  # the default blocks gemv_triton picks at each row count

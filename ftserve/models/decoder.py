@@ -50,20 +50,32 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(h, cfg.intermediate_size, cfg.mlp_bias, dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cos_sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if fused_layer.eligible(self, x, batch, cos_sin):  # batch-1 decode: one launch
-            return fused_layer.forward(self, x, residual, batch, cos_sin)
+        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cos_sin: torch.Tensor,
+        normed: bool = False, next_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """-> (x, residual, normed): the block's output and the running sum; with
+        ``normed`` (in or out) x is already ``norm(x' + residual)``, the norm
+        after the layer (``next_norm``: the next layer's input norm or the final
+        one) having been folded into the layer before's last launch."""
+        if not normed and fused_layer.eligible(self, x, batch, cos_sin):  # batch-1 decode: one launch
+            return (*fused_layer.forward(self, x, residual, batch, cos_sin), False)
         # The residual stream is carried separately so each norm fuses the add (and,
         # at decode sizes, folds into the next GEMV: see ops.add_rms_norm_linear).
-        x, residual = self.self_attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin)
+        attn = self.self_attn
         if isinstance(self.mlp, MoEBlock):
-            # Norm, router and top-k in one launch at decode sizes (see MoEBlock.norm_route).
-            x, summed, weights, ids = self.mlp.norm_route(x, residual, self.post_attention_layernorm)
+            # o_proj, norm, router and top-k in one launch at one decode row, the last
+            # three at decode sizes (see MoEBlock.norm_route).
+            heads, residual = attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin,
+                                                project=False, normed=normed)
+            x, summed, weights, ids = self.mlp.norm_route(heads, residual, self.post_attention_layernorm,
+                                                          attn.o_proj)
             assert summed is not None
-            return self.mlp.compute_experts(x, weights, ids), summed
+            if next_norm is not None and self.mlp.folds_next_norm(x):
+                return (*self.mlp.compute_experts_norm(x, weights, ids, summed, next_norm), True)
+            return self.mlp.compute_experts(x, weights, ids), summed, False
+        x, residual = attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin, normed=normed)
         x, residual = self.post_attention_layernorm.forward_add(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x), residual, False
 
 
 class DecoderForCausalLM(nn.Module):
@@ -93,8 +105,13 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = batch.input_embeds if batch.input_embeds is not None else self.embed_tokens(batch.input_ids)  # [T, H]
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch, self.cos_sin)
+        normed = False
+        n = len(self.layers)
+        for i, layer in enumerate(self.layers):
+            # Where the layer can, it applies the norm after it (the next layer's, or
+            # the final one) in its last launch: x then arrives normed.
+            after = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm
+            x, residual, normed = layer(x, residual, batch, self.cos_sin, normed, after)
         assert residual is not None
         rows = batch.logits_indices
         if rows is not None and not (batch.is_decode and rows.shape[0] == x.shape[0]):
@@ -102,8 +119,10 @@ class DecoderForCausalLM(nn.Module):
             # batch whose every token is a logits row selects all of them in order (the
             # last token of each one-token sequence): skip the two gathers.
             x = x.index_select(0, batch.logits_indices)  # [B, H]
-            residual = residual.index_select(0, batch.logits_indices)
-        x, _ = self.norm.forward_add(x, residual)
+            if not normed:
+                residual = residual.index_select(0, batch.logits_indices)
+        if not normed:
+            x, _ = self.norm.forward_add(x, residual)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return ops.linear_fp32(x, head)  # [B or T, V] fp32
 

@@ -1,0 +1,106 @@
+"""Device time per launch of the batch-1 decode fusions against the kernels
+they replace, at the qwen3-30b-a3b shape (bf16, random weights): each
+candidate is captured 10 times back to back in one CUDA graph and replayed,
+so a time includes one in-graph launch gap, as in the decode step.
+
+    python -m tools.probe_decode_fusions [OUT.json]
+
+Rows: o_proj (the Triton GEMV at its table launch) and the fused norm + route
+kernel, against ``_oproj_route_kernel`` (decode_fused_triton) at several
+launches; the MoE down kernel and the input norm, against the down kernel with
+the norm in its epilogue (moe_gemv_triton); qkv on cuBLAS and on the GEMV.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ftserve_kernels import decode_fused_triton as df
+from ftserve_kernels import gemv_configs as gc
+from ftserve_kernels import gemv_triton as gv
+from ftserve_kernels import moe_gemv_triton as mg
+from ftserve_kernels import norm_triton as nt
+
+H, Q, KV, E, TOP_K, INTER = 2048, 4096, 512, 128, 8, 768
+CHAIN = 10
+
+
+def per_launch_us(fn: Callable[[], Any], reps: int = 50) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(CHAIN):
+            fn()
+    for _ in range(3):
+        g.replay()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+    ev[0].record()
+    for e in ev[1:]:
+        g.replay()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in zip(ev, ev[1:])) * 1e3 / CHAIN
+
+
+def main() -> None:
+    dev, bf = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device=dev) * scale).to(bf)
+
+    a, r = rnd(1, Q), rnd(1, H)
+    wo, gw, nw = rnd(H, Q, scale=Q**-0.5), rnd(E, H, scale=H**-0.5), 1 + rnd(H, scale=0.1)
+    wqkv = rnd(Q + 2 * KV, H, scale=H**-0.5)
+    w13, w2 = rnd(E, 2 * INTER, H, scale=H**-0.5), rnd(E, H, INTER, scale=INTER**-0.5)
+    cnt = torch.zeros(1, dtype=torch.int32, device=dev)
+    weights = torch.full((1, TOP_K), 1.0 / TOP_K, device=dev)
+    ids = torch.randperm(E, device=dev)[:TOP_K].to(torch.int32)[None, :]
+    x = rnd(1, H)
+    rows: dict[str, float] = {}
+
+    def row(name: str, fn: Callable[[], Any]) -> None:
+        rows[name] = us = per_launch_us(fn)
+        print(f"{name}: {us:.2f} us", flush=True)
+
+    row("o_proj gemv (table)", lambda: gv.gemv_triton(a, wo))
+    row("add_norm_route", lambda: df.add_norm_route_triton(x, r, nw, 1e-6, gw, TOP_K, True, cnt))
+    row("o_proj + add_norm_route", lambda: df.add_norm_route_triton(gv.gemv_triton(a, wo)[0], r, nw, 1e-6, gw,
+                                                                    TOP_K, True, cnt))
+    row("oproj_route (table)", lambda: df.oproj_add_norm_route_triton(a, wo, None, r, nw, 1e-6, gw, TOP_K, True,
+                                                                      cnt))
+    for bn in (8, 16, 32):
+        for bk, warps in ((512, 8), (256, 4), (512, 4)):
+            cfg = gc.GemvConfig(bn, bk, warps, 3)
+            row(f"oproj_route bn={bn} bk={bk} w={warps}", lambda cfg=cfg: df.oproj_add_norm_route_triton(
+                a, wo, None, r, nw, 1e-6, gw, TOP_K, True, cnt, cfg))
+            row(f"o_proj gemv bn={bn} bk={bk} w={warps}", lambda cfg=cfg: gv.gemv_triton(a, wo, config=cfg))
+    row("fused_add_rms_norm", lambda: nt.fused_add_rms_norm_triton(x, r, nw, 1e-6))
+    row("moe gemv (gate/up + down)", lambda: mg.fused_moe_gemv_triton(x, w13, w2, weights, ids))
+    row("moe gemv + fused_add_rms_norm", lambda: nt.fused_add_rms_norm_triton(
+        mg.fused_moe_gemv_triton(x, w13, w2, weights, ids), r, nw, 1e-6))
+    row("moe gemv, norm in the down epilogue", lambda: mg.fused_moe_add_norm_gemv_triton(
+        x, w13, w2, weights, ids, mg.NormNext(r, nw, 1e-6, cnt)))
+    row("qkv cuBLAS", lambda: F.linear(x, wqkv))
+    row("qkv gemv (default launch)", lambda: gv.gemv_triton(x, wqkv))
+    for bn, bk, warps in ((8, 512, 8), (16, 256, 8), (8, 256, 4), (16, 512, 8)):
+        cfg = gc.GemvConfig(bn, bk, warps, 3)
+        row(f"qkv gemv bn={bn} bk={bk} w={warps}", lambda cfg=cfg: gv.gemv_triton(x, wqkv, config=cfg))
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows_us": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
