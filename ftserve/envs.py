@@ -35,14 +35,6 @@ def decode_fusion() -> bool:
     return _flag("FTSERVE_DECODE_FUSION", True)
 
 
-def decode_oproj_route() -> bool:
-    """FTSERVE_DECODE_OPROJ_ROUTE (default on; needs FTSERVE_DECODE_FUSION): at
-    one decode row the o_proj GEMV also does that fusion's residual add, norm,
-    router and top-k (decode_fused_triton.oproj_add_norm_route_triton), one
-    launch instead of two."""
-    return _flag("FTSERVE_DECODE_OPROJ_ROUTE", True)
-
-
 def decode_down_norm() -> bool:
     """FTSERVE_DECODE_DOWN_NORM (default on): at decode GEMV sizes the MoE down
     kernel also adds the residual and applies the next layer's input norm (or

@@ -20,10 +20,6 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
         -> (normed [T, H], x + residual | None, weights [T, k] fp32, ids [T, k] int32):
         the (fused-add) norm, the router linear and route_topk; one launch on Triton
         for decode-sized T (decode_fused_triton), the composition otherwise
-    linear_add_rms_norm_route(x [T, K], w [H, K], b | None, residual [T, H], norm_w [H], eps,
-                              gate_w [E, H], top_k, renormalize, counter [1] int32)
-        -> add_rms_norm_route(linear(x, w, b), residual, ...): o_proj folded in too, one
-        launch on Triton for one row with FTSERVE_DECODE_OPROJ_ROUTE (decode_fused_triton)
     fused_moe_add_rms_norm(x, w13, w2, weights, ids, residual [T, H], norm_w [H], eps, counter)
         -> fused_add_rms_norm(fused_moe(...), residual, norm_w, eps): the next layer's input
         norm in the MoE down launch's epilogue where ``moe_folds_next_norm(x)`` (Triton GEMV
@@ -72,8 +68,6 @@ class _Kernels:
     # (x, residual, norm_w, eps, gate_w, top_k, renorm, counter) -> 4 tensors; None: compose
     add_norm_route: Callable[..., Any] | None
     fused_max_tokens: int
-    # (x, w, b, residual, norm_w, eps, gate_w, top_k, renorm, counter) -> 4 tensors, one row; None: compose
-    oproj_route: Callable[..., Any] | None = None
     # (x, w13, w2, weights, ids, NormNext) -> (normed, summed), up to moe_gemv_tokens rows; None: compose
     moe_add_norm: Callable[..., Any] | None = None
     moe_gemv_tokens: int = 0
@@ -107,7 +101,6 @@ def _triton_table() -> _Kernels:
         rotary=rt.rotary_triton, qk_norm_rotary=rt.qk_norm_rotary_triton,
         route_topk=mt.route_topk_triton, fused_moe=mt.fused_moe_triton,
         add_norm_route=df.add_norm_route_triton, fused_max_tokens=df.FUSED_MAX_TOKENS,
-        oproj_route=df.oproj_add_norm_route_triton,
         moe_add_norm=mg.fused_moe_add_norm_gemv_triton, moe_gemv_tokens=mg.GEMV_MAX_TOKENS,
         gemv=gv.gemv_triton, gemv_max_rows=gv.GEMV_MAX_ROWS,
     )
@@ -213,21 +206,6 @@ def fused_moe_add_rms_norm(
         nn = NormNext(residual.contiguous(), norm_w, eps, counter)
         return k.moe_add_norm(x, w13, w2, topk_weights, topk_ids, nn)
     return k.fused_add_rms_norm(k.fused_moe(x, w13, w2, topk_weights, topk_ids), residual, norm_w, eps)
-
-
-def linear_add_rms_norm_route(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor,
-    norm_w: torch.Tensor, eps: float, gate_w: torch.Tensor, top_k: int, renormalize: bool,
-    counter: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    k = _table(x)
-    if (k.oproj_route is not None and x.shape[0] == 1 and decode_fusion_enabled()
-            and envs.decode_oproj_route()):
-        return k.oproj_route(x, w, b, residual, norm_w, eps, gate_w, top_k, renormalize, counter)
-    normed, summed, weights, ids = add_rms_norm_route(linear(x, w, b), residual, norm_w, eps, gate_w,
-                                                      top_k, renormalize, counter)
-    assert summed is not None
-    return normed, summed, weights, ids
 
 
 def decode_inputs(

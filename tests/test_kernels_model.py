@@ -60,12 +60,13 @@ def test_model_on_triton_kernels_matches_torch_path(
         assert err < 1e-4, err
 
 
-@pytest.mark.parametrize("oproj_route", ["1", "0"])
+@pytest.mark.parametrize("down_norm", ["1", "0"])
 def test_one_row_decode_on_triton_matches_torch_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, oproj_route: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, down_norm: str
 ) -> None:
-    """A one-sequence decode step (batch-1 decode: o_proj, norm, router and
-    top-k in one launch unless FTSERVE_DECODE_OPROJ_ROUTE=0) against the torch path."""
+    """A one-sequence decode step (batch-1 decode: each layer's MoE down kernel
+    applies the next layer's input norm, and the last one the final norm,
+    unless FTSERVE_DECODE_DOWN_NORM=0) against the torch path."""
     write_checkpoint("tiny-moe", tmp_path, seed=6, dtype="float32")
 
     def run(backend: AttentionBackend) -> list[torch.Tensor]:
@@ -83,7 +84,7 @@ def test_one_row_decode_on_triton_matches_torch_path(
     monkeypatch.setenv("FTSERVE_KERNELS", "torch")
     ref = run(TorchAttentionBackend())
     monkeypatch.setenv("FTSERVE_KERNELS", "triton")
-    monkeypatch.setenv("FTSERVE_DECODE_OPROJ_ROUTE", oproj_route)
+    monkeypatch.setenv("FTSERVE_DECODE_DOWN_NORM", down_norm)
     got = run(TritonAttentionBackend())
     for r, o in zip(ref, got):
         assert o.shape == r.shape and torch.isfinite(o).all()

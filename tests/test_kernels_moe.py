@@ -26,7 +26,6 @@ if DEVICE == "cpu":
             importlib.reload(sys.modules[_name])
 
 from ftserve_kernels import decode_fused_triton as df  # noqa: E402
-from ftserve_kernels import gemv_configs as gv_configs  # noqa: E402
 from ftserve_kernels import moe_align_triton as ma  # noqa: E402
 from ftserve_kernels import moe_configs as mc  # noqa: E402
 from ftserve_kernels import moe_triton as mt  # noqa: E402
@@ -552,123 +551,6 @@ def test_ops_norm_route_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
         ops._triton_table.cache_clear()
 
 
-def oproj_route_ref(
-    a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, r: torch.Tensor, nw: torch.Tensor,
-    gw: torch.Tensor, k: int, renorm: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """o_proj, then the composition the fused route replaces."""
-    return norm_route_ref(torch.nn.functional.linear(a, w, b), r, nw, gw, k, renorm)
-
-
-@pytest.mark.parametrize("h,bias,renorm", [(48, False, True), (300, True, False)])
-def test_oproj_add_norm_route_matches_composition(h: int, bias: bool, renorm: bool) -> None:
-    """One launch = o_proj + residual add + RMSNorm + router + top-k for one row.
-    H = 300 at 8 columns a program is 38 programs: more than one chunk of the
-    last program's sum over the programs' shares, not a power of two; K = 40
-    is not a multiple of the K step; E = 10 not a power of two. Two launches
-    share the counter: the first must leave it at zero."""
-    g = torch.Generator().manual_seed(h)
-    kdim, e, k = 40, 10, 3
-    a = torch.randn(1, kdim, generator=g).to(DEVICE)
-    w = (torch.randn(h, kdim, generator=g) / kdim**0.5).to(DEVICE)
-    b = torch.randn(h, generator=g).to(DEVICE) if bias else None
-    r = torch.randn(1, h, generator=g).to(DEVICE)
-    nw = (1 + 0.1 * torch.randn(h, generator=g)).to(DEVICE)
-    gw = torch.randn(e, h, generator=g).to(DEVICE)
-    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    ref = oproj_route_ref(a, w, b, r, nw, gw, k, renorm)
-    cfg = gv_configs.GemvConfig(8, 16, 4, 1)
-    for _ in range(2):
-        got = df.oproj_add_norm_route_triton(a, w, b, r, nw, 1e-6, gw, k, renorm, counter, cfg)
-        assert int(counter.cpu()[0]) == 0
-        assert ref[1] is not None
-        torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
-        assert got[3].dtype == torch.int32 and torch.equal(got[3], ref[3])
-        torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6)
-
-
-def test_oproj_route_ties_take_the_lowest_expert() -> None:
-    """Equal router logits: the ranked top-k keeps the k-rounds order (lowest
-    index first), as the reference's fused route does."""
-    h, kdim, e, k = 16, 16, 8, 3
-    a = torch.zeros(1, kdim, device=DEVICE)
-    w = torch.zeros(h, kdim, device=DEVICE)
-    r = torch.ones(1, h, device=DEVICE)
-    nw = torch.ones(h, device=DEVICE)
-    gw = torch.zeros(e, h, device=DEVICE)
-    gw[[1, 4, 6]] = 1.0  # three tied winners
-    gw[[0, 3]] = 0.5  # two tied runners-up
-    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    got = df.oproj_add_norm_route_triton(a, w, None, r, nw, 1e-6, gw, k, False, counter,
-                                         gv_configs.GemvConfig(8, 16, 4, 1))
-    assert got[3].tolist() == [[1, 4, 6]]
-    got = df.oproj_add_norm_route_triton(a, w, None, r, nw, 1e-6, gw, 5, False, counter,
-                                         gv_configs.GemvConfig(8, 16, 4, 1))
-    assert got[3].tolist() == [[1, 4, 6, 0, 3]]
-    ref = oproj_route_ref(a, w, None, r, nw, gw, 5, False)
-    torch.testing.assert_close(got[2], ref[2])
-
-
-def test_oproj_route_bf16_rounds_like_the_reference() -> None:
-    """bf16: the sum is o_proj's bf16 output plus the residual in bf16 (exact on
-    CUDA); the normed row and the chosen mass agree to bf16 rounding (the fused
-    logits skip the rounding of the normed row)."""
-    g = torch.Generator().manual_seed(12)
-    kdim, h, e, k = 64, 64, 16, 4
-    a = torch.randn(1, kdim, generator=g).bfloat16().to(DEVICE)
-    w = (torch.randn(h, kdim, generator=g) / kdim**0.5).bfloat16().to(DEVICE)
-    r = torch.randn(1, h, generator=g).bfloat16().to(DEVICE)
-    nw = (1 + 0.1 * torch.randn(h, generator=g)).bfloat16().to(DEVICE)
-    gw = (torch.randn(e, h, generator=g) / h**0.5).bfloat16().to(DEVICE)
-    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    got = df.oproj_add_norm_route_triton(a, w, None, r, nw, 1e-6, gw, k, True, counter)
-    ref = oproj_route_ref(a, w, None, r, nw, gw, k, True)
-    assert ref[1] is not None
-    tol = 0 if DEVICE == "cuda" else 2e-2  # the interpreter's bf16 casts truncate
-    torch.testing.assert_close(got[1], ref[1], rtol=tol, atol=tol)
-    torch.testing.assert_close(got[0], ref[0], rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(got[2].sum(1), ref[2].sum(1))
-    assert (got[3].sort(1).values == ref[3].sort(1).values).float().mean() >= 0.75
-
-
-def test_ops_oproj_route_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ops.linear_add_rms_norm_route: the one launch at one row on Triton, the
-    composition at two rows and with FTSERVE_DECODE_OPROJ_ROUTE=0 or
-    FTSERVE_DECODE_FUSION=0; all agree."""
-    g = torch.Generator().manual_seed(6)
-    kdim, e, k, h = 24, 8, 2, 32
-    w = torch.randn(h, kdim, generator=g).to(DEVICE)
-    nw = torch.ones(h).to(DEVICE)
-    gw = torch.randn(e, h, generator=g).to(DEVICE)
-    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    calls: list[int] = []
-    real = df.oproj_add_norm_route_triton
-
-    def counting(*args: object) -> object:
-        calls.append(1)
-        return real(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(df, "oproj_add_norm_route_triton", counting)
-    ops._triton_table.cache_clear()
-    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
-    try:
-        for t, route, fusion, fused in [(1, "1", "1", True), (2, "1", "1", False), (1, "0", "1", False),
-                                        (1, "1", "0", False)]:
-            monkeypatch.setenv("FTSERVE_DECODE_OPROJ_ROUTE", route)
-            monkeypatch.setenv("FTSERVE_DECODE_FUSION", fusion)
-            a = torch.randn(t, kdim, generator=g).to(DEVICE)
-            r = torch.randn(t, h, generator=g).to(DEVICE)
-            n0 = len(calls)
-            got = ops.linear_add_rms_norm_route(a, w, None, r, nw, 1e-6, gw, k, True, counter)
-            assert (len(calls) > n0) == fused
-            ref = oproj_route_ref(a, w, None, r, nw, gw, k, True)
-            assert torch.equal(got[3], ref[3])
-            torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
-    finally:
-        ops._triton_table.cache_clear()
-
-
 def test_decode_gemv_kernels_compile_for_sm90() -> None:
     """The decode GEMV kernels (MoE gate/up and down variants, norm + route, dense
     GEMV at 1, 2, 4 rows) compile for sm_90 at the qwen3-30b shapes without
@@ -696,7 +578,7 @@ def test_decode_gemv_kernels_compile_for_sm90() -> None:
     assert not {k: v["error"] for k, v in res.items() if "error" in v}
     for name, r in res.items():
         assert r["local"] in (0, -1), f"{name} spills registers: {r}"
-    for name in ("moe_gate_up_acc_n8", "moe_down3d", "gemv_o_T1", "gemv_o_T1_pdl", "oproj_route"):
+    for name in ("moe_gate_up_acc_n8", "moe_down3d", "gemv_o_T1", "gemv_o_T1_pdl"):
         n = res[name]["loads_before_first_use"]
         assert n == -1 or n >= 8, f"{name}: only {n} loads issued before the first FMA"
     for name, r in res.items():  # FTSERVE_PDL: the wait and release exactly where compiled in
@@ -841,51 +723,6 @@ def test_gpu_add_norm_route_qwen3_shape_graph(t: int) -> None:
         # whose probabilities agree to rounding; the MoE sum does not depend on order).
         same = out[3].sort(dim=1).values == ref[3].sort(dim=1).values
         assert same.float().mean() >= 0.9
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_oproj_route_qwen3_shape_graph() -> None:
-    """o_proj 2048 x 4096 + route (E=128, k=8) at the table's launch: sync-free,
-    capturable, replays agree with the composition (the same experts up to
-    near-tie swaps, the same chosen mass), and the counter is zero after each."""
-    g = torch.Generator(device="cuda").manual_seed(4)
-    kdim, e, k, h = 4096, 128, 8, 2048
-    a = torch.randn(1, kdim, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(h, kdim, device="cuda", generator=g) / kdim**0.5).bfloat16()
-    r = torch.randn(1, h, device="cuda", generator=g).bfloat16()
-    nw = (1 + 0.1 * torch.randn(h, device="cuda", generator=g)).bfloat16()
-    gw = (torch.randn(e, h, device="cuda", generator=g) / h**0.5).bfloat16()
-    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-    df.oproj_add_norm_route_triton(a, w, None, r, nw, 1e-6, gw, k, True, counter)  # compile
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        df.oproj_add_norm_route_triton(a, w, None, r, nw, 1e-6, gw, k, True, counter)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = df.oproj_add_norm_route_triton(a, w, None, r, nw, 1e-6, gw, k, True, counter)
-    agree = []
-    for seed in range(1, 9):
-        torch.manual_seed(seed)
-        a.copy_(torch.randn(1, kdim, device="cuda"))
-        for t in out:
-            t.fill_(-1 if t.dtype == torch.int32 else float("nan"))
-        graph.replay()
-        ref = oproj_route_ref(a, w, None, r, nw, gw, k, True)
-        torch.cuda.synchronize()
-        assert int(counter.item()) == 0
-        # o's K order is the GEMV's, not cuBLAS's: the sum can differ by a bf16 ulp.
-        assert ref[1] is not None
-        torch.testing.assert_close(out[1], ref[1], rtol=1e-2, atol=1e-2)
-        torch.testing.assert_close(out[0], ref[0], rtol=1e-2, atol=1e-2)
-        probs = torch.softmax(torch.nn.functional.linear(ref[0], gw).float(), dim=-1)
-        torch.testing.assert_close(probs.gather(1, out[3].long()).sum(), probs.gather(1, ref[3].long()).sum(),
-                                   rtol=2e-2, atol=1e-4)
-        agree.append((out[3].sort(dim=1).values == ref[3].sort(dim=1).values).float().mean().item())
-    assert sum(agree) / len(agree) >= 0.9, agree
 
 
 @pytest.mark.gpu

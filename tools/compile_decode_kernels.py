@@ -109,13 +109,6 @@ def compile_all() -> dict[str, dict[str, Any]]:
         df._add_norm_route_kernel, route,
         dict(HAS_RESIDUAL=True, TOP_K=8, RENORM=True, BLOCK_E=4, BLOCK_H=2048, BLOCK_EALL=128,
              BLOCK_K=8), 1)
-    oproj = {"a_ptr": bf, "w_ptr": bf, "b_ptr": bf, "h_ptr": bf, "nw_ptr": bf, "g_ptr": bf,
-             "sum_ptr": bf, "normed_ptr": bf, "part_ptr": "*fp32", "ss_ptr": "*fp32",
-             "w_out_ptr": "*fp32", "ids_out_ptr": i32, "cnt_ptr": i32, "eps": "fp32"}
-    out["oproj_route"] = _compile(  # the o_proj table entry's launch (8 x 512, 8 warps)
-        df._oproj_route_kernel, oproj,
-        dict(HAS_BIAS=False, TOP_K=8, RENORM=True, BLOCK_N=8, BLOCK_K=512, K_STEPS=8, EVEN_K=True,
-             BLOCK_EALL=128, BLOCK_P=256, CHUNK_P=32, BLOCK_TK=8, BLOCK_H=2048), 8)
     g = {"x_ptr": bf, "r_ptr": bf, "nw_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf,
          "sum_ptr": bf, "eps": "fp32"}
     for t in (1, 2, 4):  # the default blocks gemv_triton picks at each row count

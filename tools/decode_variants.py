@@ -30,7 +30,6 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_PDL": "0",
     "FTSERVE_DECODE_LAYER_KERNEL": "0",
     "FTSERVE_DECODE_QK_FOLD": "1",
-    "FTSERVE_DECODE_OPROJ_ROUTE": "1",
     "FTSERVE_DECODE_DOWN_NORM": "1",
 }
 
@@ -54,10 +53,7 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     fused = not base_attn.decode_fused_reduce
     out = [Variant("baseline")]
     out.append(Variant("DECODE_QK_FOLD=0", "decode_qk_fold", {"FTSERVE_DECODE_QK_FOLD": "0"}))
-    out.append(Variant("DECODE_OPROJ_ROUTE=0", "decode_oproj_route", {"FTSERVE_DECODE_OPROJ_ROUTE": "0"}))
     out.append(Variant("DECODE_DOWN_NORM=0", "decode_down_norm", {"FTSERVE_DECODE_DOWN_NORM": "0"}))
-    out.append(Variant("DECODE_OPROJ_ROUTE=0 DECODE_DOWN_NORM=0", "oproj_route+down_norm",
-                       {"FTSERVE_DECODE_OPROJ_ROUTE": "0", "FTSERVE_DECODE_DOWN_NORM": "0"}))
     out += [Variant(f"DENSE_GEMV={v}", "dense_gemv", {"FTSERVE_DENSE_GEMV": v})
             for v in ("0", "1", "norm")]
     out.append(Variant("MOE_GATEUP_ACC=1", "moe_gateup_acc", {"FTSERVE_MOE_GATEUP_ACC": "1"}))

@@ -61,19 +61,15 @@ class DecoderLayer(nn.Module):
             return (*fused_layer.forward(self, x, residual, batch, cos_sin), False)
         # The residual stream is carried separately so each norm fuses the add (and,
         # at decode sizes, folds into the next GEMV: see ops.add_rms_norm_linear).
-        attn = self.self_attn
+        x, residual = self.self_attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin,
+                                                  normed=normed)
         if isinstance(self.mlp, MoEBlock):
-            # o_proj, norm, router and top-k in one launch at one decode row, the last
-            # three at decode sizes (see MoEBlock.norm_route).
-            heads, residual = attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin,
-                                                project=False, normed=normed)
-            x, summed, weights, ids = self.mlp.norm_route(heads, residual, self.post_attention_layernorm,
-                                                          attn.o_proj)
+            # Norm, router and top-k in one launch at decode sizes (see MoEBlock.norm_route).
+            x, summed, weights, ids = self.mlp.norm_route(x, residual, self.post_attention_layernorm)
             assert summed is not None
             if next_norm is not None and self.mlp.folds_next_norm(x):
                 return (*self.mlp.compute_experts_norm(x, weights, ids, summed, next_norm), True)
             return self.mlp.compute_experts(x, weights, ids), summed, False
-        x, residual = attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin, normed=normed)
         x, residual = self.post_attention_layernorm.forward_add(x, residual)
         return self.mlp(x), residual, False
 

@@ -83,28 +83,18 @@ class Attention(nn.Module):
 
     def forward_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
-        cos_sin: torch.Tensor, project: bool = True, normed: bool = False,
+        cos_sin: torch.Tensor, normed: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """attention(norm(x + residual)), x + residual (x when residual is None); the
         norm folds into the qkv GEMV at decode sizes (ops.add_rms_norm_linear).
-        ``project=False``: the heads' output [T, q] before o_proj (for a caller
-        that folds o_proj into its own launch). ``normed``: the layer before
-        already applied ``norm`` (x is norm(x' + residual), residual that sum)."""
+        ``normed``: the layer before already applied ``norm`` (x is
+        norm(x' + residual), residual that sum)."""
         qkv, summed = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps,
                                               self.qkv_proj.weight, self.qkv_proj.bias, prenormed=normed)
-        heads = self.attend_heads(qkv, batch, cos_sin)
-        return (self.project(heads) if project else heads), summed
+        return self.attend(qkv, batch, cos_sin), summed
 
     def attend(self, qkv: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
         """qkv [T, q + 2kv] -> o_proj(attention) [T, H]."""
-        return self.project(self.attend_heads(qkv, batch, cos_sin))
-
-    def project(self, heads: torch.Tensor) -> torch.Tensor:
-        """o_proj: [T, q] -> [T, H]."""
-        return ops.linear(heads, self.o_proj.weight, self.o_proj.bias)
-
-    def attend_heads(self, qkv: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
-        """qkv [T, q + 2kv] -> attention over the pages [T, q], before o_proj."""
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D], a view of qkv
@@ -121,7 +111,7 @@ class Attention(nn.Module):
             out = fold(q, k, v, self.layer_idx, batch, self.q_norm.weight, self.k_norm.weight,
                        self.q_norm.eps, cos_sin)
             if out is not None:
-                return out.reshape(t, self.q_size)
+                return ops.linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
         if self.q_norm is not None and self.k_norm is not None:
             # One kernel for both per-head norms and the rotary (three on the unfused
             # path), and with FTSERVE_FUSED_KV_STORE the KV store too.
@@ -137,7 +127,7 @@ class Attention(nn.Module):
             out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch, kv_stored=True)
         else:
             out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch)  # [T, Hq, D]
-        return out.reshape(t, self.q_size)
+        return ops.linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)  # [T, H]
 
 
 class DenseMLP(nn.Module):
@@ -189,21 +179,11 @@ class MoEBlock(nn.Module):
         self._route_counter: torch.Tensor | None = None
 
     def norm_route(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, o_proj: Linear | None = None,
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """``norm`` (fused with the residual add when given), then route: one launch
-        at decode sizes on Triton. With ``o_proj``, ``x`` is the attention heads'
-        output and the projection comes first, in the same launch at one decode
-        row (ops.linear_add_rms_norm_route).
-        -> (normed [T, H], x + residual or None, weights, ids)."""
-        observed = bool(self.gate._forward_hooks or self.gate._forward_pre_hooks)
-        if o_proj is not None:
-            if residual is not None and not observed:
-                return ops.linear_add_rms_norm_route(x, o_proj.weight, o_proj.bias, residual, norm.weight,
-                                                     norm.eps, self.gate.weight, self.top_k,
-                                                     self.renormalize, self._counter(x))
-            x = ops.linear(x, o_proj.weight, o_proj.bias)
-        if observed:
+        at decode sizes on Triton. -> (normed [T, H], x + residual or None, weights, ids)."""
+        if self.gate._forward_hooks or self.gate._forward_pre_hooks:
             # Someone observes the router (tests, bench_engine's expert count): call
             # the modules, unfused, so the hooks see the logits.
             if residual is None:
