@@ -29,7 +29,7 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
     add_rms_norm_linear(x [T, H], residual [T, H] | None, norm_w [H], eps, w [N, H], b | None)
         -> (linear(norm(x + residual)) [T, N], x + residual (x when residual is None)):
         one launch with FTSERVE_DENSE_GEMV 1 or "norm" at T <= 4 on Triton; ``prenormed``:
-        x is already the normed sum (the layer before folded the norm), same GEMV choice
+        x is already the normed sum (the layer before folded the norm): ``linear(x, w, b)``
     linear_fp32(x [T, K], w [N, K]) -> [T, N] fp32: F.linear(x, w).float(), or one
         cuBLAS mm writing fp32 (torch.mm out_dtype) on CUDA when FTSERVE_LM_HEAD_FP32=1
     decode_inputs(packed [B, 7] int64, last [S] int64, page_table [R, P] int32,
@@ -239,10 +239,10 @@ def add_rms_norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
     w: torch.Tensor, b: torch.Tensor | None, prenormed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    gemv = _gemv_for(x, "norm")
-    if prenormed:  # x is already norm(x' + residual): the same kernel choice, no norm
+    if prenormed:  # x is already norm(x' + residual): a plain linear (ops.linear's kernel choice)
         assert residual is not None
-        return (gemv(x, w, b)[0] if gemv is not None else F.linear(x, w, b)), residual
+        return linear(x, w, b), residual
+    gemv = _gemv_for(x, "norm")
     if gemv is not None:
         y, summed = gemv(x, w, b, norm_w, residual, eps)
         return y, (x if summed is None else summed)

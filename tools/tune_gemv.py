@@ -68,7 +68,7 @@ from tools.tune_gemv_space import (  # noqa: F401  (re-exported names)
     refinements,
 )
 
-DEFAULT_PROBLEMS = ("gate_up", "down", "qkv", "o_proj", "lm_head")  # the kernels decode runs
+DEFAULT_PROBLEMS = ("gate_up", "down", "qkv", "qkv_prenormed", "o_proj", "lm_head")  # the kernels decode runs
 TOKENS = (1, 2)
 REPLAYS = 20
 MIN_GAIN = 0.02

@@ -78,6 +78,9 @@ PROBLEMS: dict[str, Problem] = {p.name: p for p in (
     Problem("gate_up", "moe_gate_up", QWEN3_MOE),
     Problem("down", "moe_down", QWEN3_MOE),
     Problem("qkv", "dense_norm", (5120, 2048)),
+    # qkv of the layers after the first when the MoE down kernel applied their norm
+    # (FTSERVE_DECODE_DOWN_NORM): a plain GEMV, the launch FTSERVE_DENSE_GEMV=norm takes.
+    Problem("qkv_prenormed", "dense", (5120, 2048)),
     Problem("o_proj", "dense", (2048, 4096)),
     Problem("gate_up_acc", "moe_gate_up_acc", QWEN3_MOE),
     Problem("down2d", "moe_down2d", QWEN3_MOE),
