@@ -204,6 +204,28 @@ class MoEBlock(nn.Module):
         logits = self.gate(x)  # [T, E]
         return ops.route_topk(logits, self.top_k, self.renormalize)  # [T, k] fp32, [T, k] int32
 
+    def routes_in_experts(self, x: torch.Tensor) -> bool:
+        """Whether norm_route_experts takes the top-k inside the expert launch at
+        x's size (resident experts, no observer on the router)."""
+        return (self.expert_compute is None and not (self.gate._forward_hooks or self.gate._forward_pre_hooks)
+                and ops.moe_routes_in_experts(x))
+
+    def norm_route_experts(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, next_norm: RMSNorm | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The block from the attention output where routes_in_experts(x): the norm
+        and the router logits (one launch), then the experts, whose gate/up kernel
+        takes the softmax top-k itself, with ``next_norm`` in the down kernel where
+        folds_next_norm. -> (out or normed, summed, normed?) as DecoderLayer.forward."""
+        normed, summed, logits = ops.add_rms_norm_router_logits(x, residual, norm.weight, norm.eps,
+                                                                self.gate.weight)
+        assert summed is not None
+        if next_norm is not None and self.folds_next_norm(normed):
+            return (*ops.fused_moe_routed_add_rms_norm(normed, self.w13, self.w2, logits, self.top_k,
+                                                       self.renormalize, summed, next_norm.weight,
+                                                       next_norm.eps, self._counter(x)), True)
+        return ops.fused_moe_routed(normed, self.w13, self.w2, logits, self.top_k, self.renormalize), summed, False
+
     def folds_next_norm(self, x: torch.Tensor) -> bool:
         """Whether compute_experts_norm folds the norm into the expert launches at
         x's size (the resident experts only: an expert cache computes its own)."""
