@@ -403,15 +403,12 @@ def fused_moe_routed_gemv_triton(
     w13: torch.Tensor,  # [E, 2I, H]
     w2: torch.Tensor,  # [E, H, I]
     routing: Routing,
-    norm_next: NormNext | None = None,
     configs: tuple[gc.GemvConfig, gc.GemvConfig] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """The MoE from the router's logits: the gate/up kernel takes the softmax
-    top-k itself (no route-kernel tail). -> out [T, H]; with ``norm_next``
-    (normed, summed) as fused_moe_add_norm_gemv_triton."""
+    top-k itself (no route-kernel tail). -> out [T, H] (with the next norm:
+    fused_moe_add_norm_gemv_triton's ``routing``)."""
     weights, ids = routed_weights_ids(routing)
-    if norm_next is not None:
-        return fused_moe_add_norm_gemv_triton(x, w13, w2, weights, ids, norm_next, configs, routing)
     out = torch.empty_like(x)
     _fused_moe_gemv(x, w13, w2, weights, ids, out, None, None, None, False, configs, None, None, None, routing)
     return out

@@ -80,7 +80,7 @@ class _Kernels:
     moe_gemv_tokens: int = 0
     # (x, residual, norm_w, eps, gate_w) -> (normed, summed, logits); None: compose
     norm_logits: Callable[..., Any] | None = None
-    # (x, w13, w2, Routing, NormNext | None) -> out | (normed, summed); None: route_topk + fused_moe
+    # (x, w13, w2, Routing) -> out; None: route_topk + fused_moe (moe_add_norm takes routing= too)
     moe_routed: Callable[..., Any] | None = None
     # (x, w, bias, norm_w, residual, eps) -> (y, summed | None); None: F.linear
     gemv: Callable[..., Any] | None = None
@@ -249,9 +249,7 @@ def fused_moe_routed(
     if moe_routes_in_experts(x) and k.moe_routed is not None:
         from ftserve_kernels.moe_gemv_triton import Routing
 
-        out = k.moe_routed(x, w13, w2, Routing(logits.contiguous(), top_k, renormalize))
-        assert isinstance(out, torch.Tensor)
-        return out
+        return k.moe_routed(x, w13, w2, Routing(logits.contiguous(), top_k, renormalize))
     return k.fused_moe(x, w13, w2, *k.route_topk(logits, top_k, renormalize))
 
 
@@ -260,12 +258,12 @@ def fused_moe_routed_add_rms_norm(
     residual: torch.Tensor, norm_w: torch.Tensor, eps: float, counter: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     k = _table(x)
-    if moe_routes_in_experts(x) and moe_folds_next_norm(x) and k.moe_routed is not None:
-        from ftserve_kernels.moe_gemv_triton import NormNext, Routing
+    if moe_routes_in_experts(x) and moe_folds_next_norm(x) and k.moe_add_norm is not None:
+        from ftserve_kernels.moe_gemv_triton import NormNext, Routing, routed_weights_ids
 
-        normed, summed = k.moe_routed(x, w13, w2, Routing(logits.contiguous(), top_k, renormalize),
-                                      NormNext(residual.contiguous(), norm_w, eps, counter))
-        return normed, summed
+        routing = Routing(logits.contiguous(), top_k, renormalize)
+        return k.moe_add_norm(x, w13, w2, *routed_weights_ids(routing),
+                              NormNext(residual.contiguous(), norm_w, eps, counter), routing=routing)
     return fused_moe_add_rms_norm(x, w13, w2, *k.route_topk(logits, top_k, renormalize), residual, norm_w, eps,
                                   counter)
 

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,22 @@ from ftserve_kernels import moe_triton as mt  # noqa: E402
 from ftserve_kernels import ops  # noqa: E402
 from ftserve_kernels.moe import fused_moe_ref, route_topk_ref  # noqa: E402
 from tools import tune_moe as tune  # noqa: E402
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str,
+                when: Callable[[dict[str, Any]], bool] | None = None) -> list[int]:
+    """Wrap ``module.name`` so each call (whose keyword arguments ``when``
+    accepts) appends to the returned list; clear ops' kernel table after."""
+    calls: list[int] = []
+    real = getattr(module, name)
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        if when is None or when(kwargs):
+            calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -226,14 +243,7 @@ def test_ops_moe_add_norm_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(DEVICE)
     w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(DEVICE)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    calls: list[int] = []
-    real = mg.fused_moe_add_norm_gemv_triton
-
-    def counting(*args: object) -> object:
-        calls.append(1)
-        return real(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(mg, "fused_moe_add_norm_gemv_triton", counting)
+    calls = count_calls(monkeypatch, mg, "fused_moe_add_norm_gemv_triton")
     ops._triton_table.cache_clear()
     try:
         for kernels, t, flag, fused in [("triton", 1, "1", True), ("triton", mg.GEMV_MAX_TOKENS + 1, "1", False),
@@ -566,14 +576,7 @@ def test_ops_norm_route_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     nw = torch.ones(h).to(DEVICE)
     gw = torch.randn(e, h, generator=g).to(DEVICE)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    calls: list[int] = []
-    real = df.add_norm_route_triton
-
-    def counting(*args: object) -> object:
-        calls.append(1)
-        return real(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(df, "add_norm_route_triton", counting)
+    calls = count_calls(monkeypatch, df, "add_norm_route_triton")
     ops._triton_table.cache_clear()
     monkeypatch.setenv("FTSERVE_KERNELS", "triton")
     try:
@@ -605,14 +608,9 @@ def test_ops_moe_routed_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(DEVICE)
     w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(DEVICE)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    calls: list[int] = []
-    real = mg.fused_moe_routed_gemv_triton
-
-    def counting(*args: object) -> object:
-        calls.append(1)
-        return real(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(mg, "fused_moe_routed_gemv_triton", counting)
+    routed = count_calls(monkeypatch, mg, "fused_moe_routed_gemv_triton")
+    routed_norm = count_calls(monkeypatch, mg, "fused_moe_add_norm_gemv_triton",
+                              lambda kw: kw.get("routing") is not None)
     ops._triton_table.cache_clear()
     try:
         for kernels, t, flag, fused in [("triton", 1, "1", True), ("triton", 2, "1", True),
@@ -629,11 +627,12 @@ def test_ops_moe_routed_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
             torch.testing.assert_close(normed, ref_n, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(logits, torch.nn.functional.linear(ref_n, gw), rtol=1e-5, atol=1e-5)
             ref_moe = fused_moe_ref(normed, w13, w2, *route_topk_ref(logits, k, True))
-            n0 = len(calls)
+            n0 = len(routed) + len(routed_norm)
             out = ops.fused_moe_routed(normed, w13, w2, logits, k, True)
             torch.testing.assert_close(out, ref_moe, rtol=1e-4, atol=1e-4)
             n2, s2 = ops.fused_moe_routed_add_rms_norm(normed, w13, w2, logits, k, True, summed, nw, 1e-6, counter)
-            assert (len(calls) - n0 == 2) == fused and (len(calls) == n0) == (not fused)
+            n = len(routed) + len(routed_norm)
+            assert (n - n0 == 2) == fused and (n == n0) == (not fused)
             torch.testing.assert_close(s2, ref_moe + summed, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(n2, rms_norm_ref(ref_moe + summed, nw, 1e-6), rtol=1e-4, atol=1e-4)
     finally:

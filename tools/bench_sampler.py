@@ -38,7 +38,10 @@ SETS = {
 }
 
 
-def replay_us(fn: Any, reps: int = 100) -> float:
+def replay_us(fn: Any, reps: int = 100, chain: int = 1) -> float:
+    """Median device us of ``fn`` replayed in a CUDA graph; with ``chain`` > 1 the
+    graph holds that many calls back to back and the time is per call (one
+    in-graph launch gap each, as in a decode step)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -47,7 +50,8 @@ def replay_us(fn: Any, reps: int = 100) -> float:
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
+        for _ in range(chain):
+            fn()
     for _ in range(5):
         g.replay()
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
@@ -56,7 +60,7 @@ def replay_us(fn: Any, reps: int = 100) -> float:
         g.replay()
         e.record()
     torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in zip(ev, ev[1:])) * 1e3
+    return statistics.median(a.elapsed_time(b) for a, b in zip(ev, ev[1:])) * 1e3 / chain
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ norm in its epilogue (moe_gemv_triton); qkv on cuBLAS and on the GEMV.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -26,30 +25,10 @@ from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import gemv_triton as gv
 from ftserve_kernels import moe_gemv_triton as mg
 from ftserve_kernels import norm_triton as nt
+from tools.bench_sampler import replay_us
 
 H, Q, KV, E, TOP_K, INTER = 2048, 4096, 512, 128, 8, 768  # qwen3-30b-a3b
 CHAIN = 10
-
-
-def per_launch_us(fn: Callable[[], Any], reps: int = 50) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CHAIN):
-            fn()
-    for _ in range(3):
-        g.replay()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-    ev[0].record()
-    for e in ev[1:]:
-        g.replay()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in zip(ev, ev[1:])) * 1e3 / CHAIN
 
 
 def main() -> None:
@@ -69,7 +48,7 @@ def main() -> None:
     rows: dict[str, float] = {}
 
     def row(name: str, fn: Callable[[], Any]) -> None:
-        rows[name] = us = per_launch_us(fn)
+        rows[name] = us = replay_us(fn, reps=50, chain=CHAIN)
         print(f"{name}: {us:.2f} us", flush=True)
 
     row("fused_add_rms_norm", lambda: nt.fused_add_rms_norm_triton(x, r, nw, 1e-6))

@@ -183,7 +183,7 @@ class MoEBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """``norm`` (fused with the residual add when given), then route: one launch
         at decode sizes on Triton. -> (normed [T, H], x + residual or None, weights, ids)."""
-        if self.gate._forward_hooks or self.gate._forward_pre_hooks:
+        if self._router_observed():
             # Someone observes the router (tests, bench_engine's expert count): call
             # the modules, unfused, so the hooks see the logits.
             if residual is None:
@@ -207,8 +207,12 @@ class MoEBlock(nn.Module):
     def routes_in_experts(self, x: torch.Tensor) -> bool:
         """Whether norm_route_experts takes the top-k inside the expert launch at
         x's size (resident experts, no observer on the router)."""
-        return (self.expert_compute is None and not (self.gate._forward_hooks or self.gate._forward_pre_hooks)
-                and ops.moe_routes_in_experts(x))
+        return self.expert_compute is None and not self._router_observed() and ops.moe_routes_in_experts(x)
+
+    def _router_observed(self) -> bool:
+        """Hooks on the router (tests, bench_engine's expert count): the unfused
+        path calls the modules so they see the logits."""
+        return bool(self.gate._forward_hooks or self.gate._forward_pre_hooks)
 
     def norm_route_experts(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, next_norm: RMSNorm | None,
