@@ -44,15 +44,6 @@ def decode_down_norm() -> bool:
     return _flag("FTSERVE_DECODE_DOWN_NORM", True)
 
 
-def decode_route_in_experts() -> bool:
-    """FTSERVE_DECODE_ROUTE_IN_EXPERTS (default off, not yet measured on a GPU):
-    at decode sizes the norm + router launch only writes the router logits, and
-    each expert gate/up program takes the softmax top-k itself
-    (moe_gemv_triton.Routing), instead of the route kernel's last program (an
-    atomic and a serial top-k before the experts can start)."""
-    return _flag("FTSERVE_DECODE_ROUTE_IN_EXPERTS", False)
-
-
 def dense_gemv() -> str:
     """FTSERVE_DENSE_GEMV (default 'linear'): Triton GEMV for tiny batches instead
     of cuBLAS: 0 = nowhere, 1 = everywhere, 'linear' = o_proj only, 'norm' = qkv

@@ -42,7 +42,7 @@ def _add_norm_route_kernel(
     stride_x, stride_r, stride_n, stride_s, stride_g,
     HAS_RESIDUAL: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_EALL: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr, WITH_TOPK: tl.constexpr = True,
+    PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
@@ -70,15 +70,6 @@ def _add_norm_route_kernel(
         # Rounded like the reference's router output (a linear in x's dtype).
         logit = logit.to(x_ptr.dtype.element_ty).to(tl.float32)
         tl.store(logits_ptr + t * E + rows_e, logit, mask=emask)
-    if WITH_TOPK:
-        _last_program_topk(logits_ptr, w_out_ptr, ids_out_ptr, cnt_ptr, T, E, TOP_K, RENORM, BLOCK_EALL,
-                           BLOCK_K)
-
-
-@triton.jit
-def _last_program_topk(logits_ptr, w_out_ptr, ids_out_ptr, cnt_ptr, T, E, TOP_K: tl.constexpr,
-                       RENORM: tl.constexpr, BLOCK_EALL: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The last program to arrive: softmax + top-k of every row of the logits."""
     # Every thread's logits store precedes the barrier, the barrier precedes the
     # release by the atomic; the winner's acquire precedes its (L2, .cg) loads.
     tl.debug_barrier()
@@ -109,21 +100,6 @@ def _last_program_topk(logits_ptr, w_out_ptr, ids_out_ptr, cnt_ptr, T, E, TOP_K:
         tl.atomic_xchg(cnt_ptr, 0)
 
 
-def add_norm_router_logits_triton(
-    x: torch.Tensor,  # [T, H]
-    residual: torch.Tensor | None,  # [T, H] or None
-    norm_w: torch.Tensor,  # [H]
-    eps: float,
-    gate_w: torch.Tensor,  # [E, H] router weight
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """add_norm_route_triton without its last program: the router logits are the
-    output (for the expert gate/up kernel to take its own top-k: moe_gemv_triton's
-    ``Routing``) -> (normed [T, H], x + residual or None, logits [T, E] fp32
-    holding x's-dtype-rounded values)."""
-    normed, summed, logits, _, _ = _add_norm_route(x, residual, norm_w, eps, gate_w, 1, False, None)
-    return normed, summed, logits
-
-
 def add_norm_route_triton(
     x: torch.Tensor,  # [T, H]
     residual: torch.Tensor | None,  # [T, H] or None (plain RMSNorm, no sum returned)
@@ -135,37 +111,26 @@ def add_norm_route_triton(
     counter: torch.Tensor,  # [1] int32, zero; left zero
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """-> (normed [T, H], x + residual [T, H] or None, weights [T, k] fp32, ids [T, k] int32)."""
-    assert counter.dtype == torch.int32 and counter.device == x.device
-    normed, summed, _, weights, ids = _add_norm_route(x, residual, norm_w, eps, gate_w, top_k, renormalize,
-                                                      counter)
-    return normed, summed, weights, ids
-
-
-def _add_norm_route(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, gate_w: torch.Tensor,
-    top_k: int, renormalize: bool, counter: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The launch; without ``counter`` no top-k (the logits are the output).
-    -> (normed, summed, logits, weights, ids)."""
     t, h = x.shape
     e = gate_w.shape[0]
     assert t <= FUSED_MAX_TOKENS, "decode-sized batches only: every program loops over the rows"
     assert x.stride(-1) == 1 and gate_w.stride(-1) == 1 and norm_w.is_contiguous()
+    assert counter.dtype == torch.int32 and counter.device == x.device
     normed = torch.empty_like(x)  # [T, H]
     summed = torch.empty_like(x) if residual is not None else None
     weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
-    logits = torch.empty((t, e), dtype=torch.float32, device=x.device)  # [T, E] scratch or the output
     if t == 0:
-        return normed, summed, logits, weights, ids
+        return normed, summed, weights, ids
     if residual is not None:
         assert residual.stride(-1) == 1
+    logits = torch.empty((t, e), dtype=torch.float32, device=x.device)  # [T, E] scratch
     r = residual if residual is not None else x
     s = summed if summed is not None else normed
     block_h = triton.next_power_of_2(h)
     on = pdl.active(x)
     _add_norm_route_kernel[(triton.cdiv(e, _ROUTE_BLOCK_E),)](
-        x, r, norm_w, gate_w, normed, s, logits, weights, ids, counter if counter is not None else ids,
+        x, r, norm_w, gate_w, normed, s, logits, weights, ids, counter,
         t, h, e, eps,
         x.stride(0), r.stride(0), normed.stride(0), s.stride(0), gate_w.stride(0),
         HAS_RESIDUAL=residual is not None, TOP_K=top_k, RENORM=renormalize,
@@ -176,6 +141,6 @@ def _add_norm_route(
         # the last program pays k times. 32 one-warp programs still issue the whole
         # 0.5 MB router weight at once (16 KB each). Wider rows would spill: 4 warps.
         BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if block_h <= 2048 else 4,
-        PDL=on, WITH_TOPK=counter is not None, **pdl.launch(on),
+        PDL=on, **pdl.launch(on),
     )
-    return normed, summed, logits, weights, ids
+    return normed, summed, weights, ids

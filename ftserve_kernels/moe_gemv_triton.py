@@ -44,51 +44,18 @@ GEMV_MAX_TOKENS = 2  # fused_moe_triton's default switch point (tokens, not pair
 
 
 @triton.jit
-def _routed_expert(logits_ptr, w_ptr, ids_ptr, pair, E, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-                   BLOCK_E: tl.constexpr, first):
-    """The expert of (token, choice) ``pair`` from the token's router logits:
-    softmax, then the expert whose rank is the choice (rank = the experts above
-    it, a higher p or an equal p at a lower index: route_topk's order, lowest
-    index first on ties). ``first`` (one program per pair) stores the id and its
-    weight (renormalized over the top k) for the down kernel."""
-    t = pair // TOP_K
-    j = pair % TOP_K
-    ee = tl.arange(0, BLOCK_E)
-    em = ee < E
-    lg = tl.load(logits_ptr + t * E + ee, mask=em, other=float("-inf"))
-    p = tl.exp(lg - tl.max(lg, 0))
-    p = tl.where(em, p, 0.0)
-    pw = tl.where(em, p / tl.sum(p, 0), -1.0)  # [E]
-    above = (pw[None, :] > pw[:, None]) | ((pw[None, :] == pw[:, None]) & (ee[None, :] < ee[:, None]))
-    rank = tl.sum(above.to(tl.int32), 1)  # [E]
-    e = tl.minimum(tl.sum(tl.where(rank == j, ee, 0), 0), E - 1)  # in bounds on NaN rows
-    w = tl.sum(tl.where(rank == j, pw, 0.0), 0)
-    if RENORM:
-        w = w / tl.sum(tl.where(rank < TOP_K, pw, 0.0), 0)
-    tl.store(ids_ptr + pair, e, mask=first)
-    tl.store(w_ptr + pair, w, mask=first)
-    return e
-
-
-@triton.jit
 def _gemv_gate_up_kernel(
     x_ptr, w_ptr, out_ptr, ids_ptr, map_ptr, H, INTER,
     stride_xt, stride_we, stride_wn, stride_ot,
     bank, miss_slot_ptr, miss_id_ptr, M, bank_col,
-    logits_ptr, topw_ptr, E,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr,
     READ_THROUGH: tl.constexpr, BLOCK_M: tl.constexpr,
-    PDL: tl.constexpr, ROUTE: tl.constexpr = False, RENORM: tl.constexpr = False,
-    BLOCK_E: tl.constexpr = 16,
+    PDL: tl.constexpr,
 ):
     pdl.enter(PDL)  # the ids / activations come from the kernel before
     pair = tl.program_id(0)
-    if ROUTE:  # the top-k here, from the router logits (``Routing``): ids and weights are outputs
-        e = _routed_expert(logits_ptr, topw_ptr, ids_ptr, pair, E, TOP_K, RENORM, BLOCK_E,
-                           tl.program_id(1) == 0)
-    else:
-        e = tl.load(ids_ptr + pair)
+    e = tl.load(ids_ptr + pair)
     if HAS_MAP:  # expert -> row of w (an expert-slot cache)
         e = tl.load(map_ptr + e)
     e = e.to(tl.int64)
@@ -326,17 +293,6 @@ def _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_pt
 
 
 @dataclass(frozen=True)
-class Routing:
-    """The softmax top-k taken inside the gate/up kernel (``_routed_expert``),
-    from the router's logits, instead of by the route kernel's last program;
-    the gate/up programs write the ids and weights the down kernel reads."""
-
-    logits: torch.Tensor  # [T, E] fp32
-    top_k: int
-    renormalize: bool
-
-
-@dataclass(frozen=True)
 class NormNext:
     """The next layer's input norm, folded into the down kernel (its epilogue):
     the MoE output is added to ``residual`` and the sum normed with ``weight``;
@@ -370,13 +326,6 @@ def fused_moe_gemv_triton(
     return out
 
 
-def routed_weights_ids(routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-    """The [T, k] weights (fp32) and ids (int32) buffers the gate/up kernel fills."""
-    t, dev = routing.logits.shape[0], routing.logits.device
-    return (torch.empty((t, routing.top_k), dtype=torch.float32, device=dev),
-            torch.empty((t, routing.top_k), dtype=torch.int32, device=dev))
-
-
 def fused_moe_add_norm_gemv_triton(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2I, H]
@@ -385,33 +334,15 @@ def fused_moe_add_norm_gemv_triton(
     topk_ids: torch.Tensor,  # [T, k] int32
     norm_next: NormNext,
     configs: tuple[gc.GemvConfig, gc.GemvConfig] | None = None,  # (gate_up, down)
-    routing: Routing | None = None,  # the top-k in the gate/up kernel: pass routed_weights_ids()
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fused_moe_gemv_triton with the next layer's input norm folded into the
     3-D down kernel's epilogue (``_add_then_norm_last``)
     -> (rms_norm(out + residual) [T, H], out + residual [T, H]), as
-    ops.fused_add_rms_norm of the MoE output rounds them. With ``routing`` the
-    gate/up kernel takes the top-k itself and fills topk_weights / topk_ids."""
+    ops.fused_add_rms_norm of the MoE output rounds them."""
     normed, summed = torch.empty_like(x), torch.empty_like(x)
     _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, normed, None, None, True, None, configs, None,
-                    norm_next, summed, routing)
+                    norm_next, summed)
     return normed, summed
-
-
-def fused_moe_routed_gemv_triton(
-    x: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2I, H]
-    w2: torch.Tensor,  # [E, H, I]
-    routing: Routing,
-    configs: tuple[gc.GemvConfig, gc.GemvConfig] | None = None,
-) -> torch.Tensor:
-    """The MoE from the router's logits: the gate/up kernel takes the softmax
-    top-k itself (no route-kernel tail). -> out [T, H] (with the next norm:
-    fused_moe_add_norm_gemv_triton's ``routing``)."""
-    weights, ids = routed_weights_ids(routing)
-    out = torch.empty_like(x)
-    _fused_moe_gemv(x, w13, w2, weights, ids, out, None, None, None, False, configs, None, None, None, routing)
-    return out
 
 
 def _fused_moe_gemv(
@@ -420,11 +351,9 @@ def _fused_moe_gemv(
     block_n: tuple[int, int] | None, down3d: bool | None, gate_up_acc: bool | None,
     configs: tuple[gc.GemvConfig, gc.GemvConfig] | None, read_through: ReadThrough | None,
     norm_next: NormNext | None = None, summed: torch.Tensor | None = None,
-    routing: Routing | None = None,
 ) -> None:
     """Both launches into ``out`` (with ``norm_next``: the normed rows, and the
-    sums into ``summed``; with ``routing`` the gate/up kernel fills topk_weights
-    and topk_ids)."""
+    sums into ``summed``)."""
     t, h = x.shape
     inter = w13.shape[1] // 2
     k = topk_ids.shape[1]
@@ -434,11 +363,8 @@ def _fused_moe_gemv(
     ids = topk_ids.reshape(-1)  # [N]
     weights = topk_weights.reshape(-1)  # [N]
     if weights.dtype != torch.float32 or weights.stride(0) != 1:
-        assert routing is None, "routing writes the weights in place: pass routed_weights_ids()"
         weights = weights.float().contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)  # [N, I]
-    if routing is not None:
-        gate_up_acc = False
     if gate_up_acc is None:
         gate_up_acc = envs.moe_gateup_acc()
     if down3d is None:
@@ -457,7 +383,7 @@ def _fused_moe_gemv(
             cfgs = [gc.pick(gc.moe_key(kind, e, h, inter, k), t, x.device) or gc.default(kind, cuda)
                     for kind in kinds]
         configs = (cfgs[0], cfgs[1])
-    moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through, routing, weights)
+    moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through)
     outs = (out, summed) if norm_next is not None and summed is not None else None
     moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d, read_through, norm_next, outs)
 
@@ -472,8 +398,6 @@ def moe_gate_up_gemv(
     expert_map: torch.Tensor | None = None,
     acc: bool = False,  # _gemv_gate_up_acc_kernel instead of _gemv_gate_up_kernel
     read_through: ReadThrough | None = None,  # _gemv_gate_up_kernel only
-    routing: Routing | None = None,  # _gemv_gate_up_kernel only: ids and ``weights`` are written
-    weights: torch.Tensor | None = None,  # [T*k] fp32 out, with ``routing``
 ) -> None:
     """The gate/up kernel alone (tools/tune_gemv times it on its own)."""
     h = x.shape[1]
@@ -489,16 +413,8 @@ def moe_gate_up_gemv(
     if not acc:
         args += _read_through_args(read_through, ids, w13, "w13_col")
         extra.update(_read_through_consts(read_through))
-        if routing is not None:
-            lg = routing.logits
-            assert weights is not None and lg.dtype == torch.float32 and lg.is_contiguous()
-            assert lg.shape[0] * top_k == pairs
-            args += (lg, weights, lg.shape[1])
-            extra.update(ROUTE=True, RENORM=routing.renormalize, BLOCK_E=triton.next_power_of_2(lg.shape[1]))
-        else:
-            args += (x, ids, 0)  # unread
     else:
-        assert read_through is None and routing is None, "the accumulate-style kernel has neither"
+        assert read_through is None, "the accumulate-style kernel has no read-through"
     on = pdl.active(x)
     kernel[grid](*args, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  EVEN_K=h % cfg.block_k == 0, HAS_MAP=expert_map is not None,

@@ -24,13 +24,6 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
         -> fused_add_rms_norm(fused_moe(...), residual, norm_w, eps): the next layer's input
         norm in the MoE down launch's epilogue where ``moe_folds_next_norm(x)`` (Triton GEMV
         sizes, FTSERVE_DECODE_DOWN_NORM), the composition otherwise
-    add_rms_norm_router_logits(x, residual | None, norm_w, eps, gate_w [E, H])
-        -> (normed, x + residual | None, router logits [T, E] fp32): add_rms_norm_route
-        without the top-k (one launch on Triton at decode sizes)
-    fused_moe_routed(x, w13, w2, logits [T, E] fp32, top_k, renormalize) -> [T, H], and
-    fused_moe_routed_add_rms_norm(..., residual, norm_w, eps, counter) -> (normed, summed):
-        route_topk(logits) then fused_moe (+ the norm), the top-k taken by the expert
-        gate/up kernel itself where ``moe_routes_in_experts(x)`` (FTSERVE_DECODE_ROUTE_IN_EXPERTS)
     linear(x [T, K], w [N, K], b [N] | None) -> [T, N]: F.linear, or the Triton GEMV
         for T <= 4 when FTSERVE_DENSE_GEMV is 1 or "linear" (gemv_triton)
     add_rms_norm_linear(x [T, H], residual [T, H] | None, norm_w [H], eps, w [N, H], b | None)
@@ -78,10 +71,6 @@ class _Kernels:
     # (x, w13, w2, weights, ids, NormNext) -> (normed, summed), up to moe_gemv_tokens rows; None: compose
     moe_add_norm: Callable[..., Any] | None = None
     moe_gemv_tokens: int = 0
-    # (x, residual, norm_w, eps, gate_w) -> (normed, summed, logits); None: compose
-    norm_logits: Callable[..., Any] | None = None
-    # (x, w13, w2, Routing) -> out; None: route_topk + fused_moe (moe_add_norm takes routing= too)
-    moe_routed: Callable[..., Any] | None = None
     # (x, w, bias, norm_w, residual, eps) -> (y, summed | None); None: F.linear
     gemv: Callable[..., Any] | None = None
     gemv_max_rows: int = 0
@@ -113,7 +102,6 @@ def _triton_table() -> _Kernels:
         route_topk=mt.route_topk_triton, fused_moe=mt.fused_moe_triton,
         add_norm_route=df.add_norm_route_triton, fused_max_tokens=df.FUSED_MAX_TOKENS,
         moe_add_norm=mg.fused_moe_add_norm_gemv_triton, moe_gemv_tokens=mg.GEMV_MAX_TOKENS,
-        norm_logits=df.add_norm_router_logits_triton, moe_routed=mg.fused_moe_routed_gemv_triton,
         gemv=gv.gemv_triton, gemv_max_rows=gv.GEMV_MAX_ROWS,
     )
 
@@ -218,54 +206,6 @@ def fused_moe_add_rms_norm(
         nn = NormNext(residual.contiguous(), norm_w, eps, counter)
         return k.moe_add_norm(x, w13, w2, topk_weights, topk_ids, nn)
     return k.fused_add_rms_norm(k.fused_moe(x, w13, w2, topk_weights, topk_ids), residual, norm_w, eps)
-
-
-def moe_routes_in_experts(x: torch.Tensor) -> bool:
-    """Whether the MoE block at x's size takes its top-k inside the expert gate/up
-    kernel (add_rms_norm_router_logits, then fused_moe_routed*): decode sizes on
-    Triton with FTSERVE_DECODE_ROUTE_IN_EXPERTS."""
-    k = _table(x)
-    return (k.moe_routed is not None and x.shape[0] <= min(k.fused_max_tokens, k.moe_gemv_tokens)
-            and decode_fusion_enabled() and envs.decode_route_in_experts())
-
-
-def add_rms_norm_router_logits(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, gate_w: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    k = _table(x)
-    if k.norm_logits is not None and x.shape[0] <= k.fused_max_tokens and decode_fusion_enabled():
-        return k.norm_logits(x, residual, norm_w, eps, gate_w)
-    if residual is None:
-        normed, summed = k.rms_norm(x, norm_w, eps), None
-    else:
-        normed, summed = k.fused_add_rms_norm(x, residual, norm_w, eps)
-    return normed, summed, F.linear(normed, gate_w).float()
-
-
-def fused_moe_routed(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
-) -> torch.Tensor:
-    k = _table(x)
-    if moe_routes_in_experts(x) and k.moe_routed is not None:
-        from ftserve_kernels.moe_gemv_triton import Routing
-
-        return k.moe_routed(x, w13, w2, Routing(logits.contiguous(), top_k, renormalize))
-    return k.fused_moe(x, w13, w2, *k.route_topk(logits, top_k, renormalize))
-
-
-def fused_moe_routed_add_rms_norm(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
-    residual: torch.Tensor, norm_w: torch.Tensor, eps: float, counter: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    k = _table(x)
-    if moe_routes_in_experts(x) and moe_folds_next_norm(x) and k.moe_add_norm is not None:
-        from ftserve_kernels.moe_gemv_triton import NormNext, Routing, routed_weights_ids
-
-        routing = Routing(logits.contiguous(), top_k, renormalize)
-        return k.moe_add_norm(x, w13, w2, *routed_weights_ids(routing),
-                              NormNext(residual.contiguous(), norm_w, eps, counter), routing=routing)
-    return fused_moe_add_rms_norm(x, w13, w2, *k.route_topk(logits, top_k, renormalize), residual, norm_w, eps,
-                                  counter)
 
 
 def decode_inputs(

@@ -192,45 +192,6 @@ def test_fused_moe_add_norm_matches_composition(t: int, dtype: torch.dtype) -> N
             torch.testing.assert_close(normed, ref_n, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("t,renorm,norm", [(1, True, False), (2, False, True), (2, True, True)])
-def test_moe_routed_in_gate_up_matches_route_then_moe(t: int, renorm: bool, norm: bool) -> None:
-    """The softmax top-k taken by the gate/up programs from the router logits
-    (Routing) picks route_topk's experts in its order, writes its weights, and
-    the MoE output (with the norm epilogue or without) matches; E = 12 is not a
-    power of two, and two logits tie (the lower index first)."""
-    from ftserve_kernels import moe_gemv_triton as mg
-    from ftserve_kernels.norm_rope import fused_add_rms_norm_ref
-
-    g = torch.Generator().manual_seed(20 + t)
-    e, k, h, inter = 12, 3, 40, 24
-    x = torch.randn(t, h, generator=g).to(DEVICE)
-    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(DEVICE)
-    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(DEVICE)
-    logits = torch.randn(t, e, generator=g)
-    logits[0, 7] = logits[0, 2] = logits[0].max() + 1  # a tie for the first choice
-    logits = logits.to(DEVICE)
-    ref_w, ref_ids = route_topk_ref(logits, k, renorm)
-    routing = mg.Routing(logits, k, renorm)
-    if norm:
-        r = torch.randn(t, h, generator=g).to(DEVICE)
-        nw = (1 + 0.1 * torch.randn(h, generator=g)).to(DEVICE)
-        counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-        weights, ids = mg.routed_weights_ids(routing)
-        got = mg.fused_moe_add_norm_gemv_triton(x, w13, w2, weights, ids, mg.NormNext(r, nw, 1e-6, counter),
-                                                routing=routing)
-        ref = fused_add_rms_norm_ref(fused_moe_ref(x, w13, w2, ref_w, ref_ids), r, nw, 1e-6)
-        assert int(counter.cpu()[0]) == 0
-        for a, b in zip(got, ref):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-        assert ids.tolist()[0][:2] == [2, 7]  # torch.topk leaves the order of ties open
-        assert torch.equal(ids.sort(1).values, ref_ids.sort(1).values)
-        torch.testing.assert_close(weights.sort(1).values, ref_w.sort(1).values, rtol=1e-5, atol=1e-6)
-    else:
-        out = mg.fused_moe_routed_gemv_triton(x, w13, w2, routing)
-        assert isinstance(out, torch.Tensor)
-        assert rel_err(out, fused_moe_ref(x, w13, w2, ref_w, ref_ids)) < 1e-4
-
-
 def test_ops_moe_add_norm_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """ops.fused_moe_add_rms_norm folds the norm at GEMV sizes on Triton (and
     moe_folds_next_norm says so), composes past them, with
@@ -593,52 +554,6 @@ def test_ops_norm_route_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
         ops._triton_table.cache_clear()
 
 
-def test_ops_moe_routed_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_DECODE_ROUTE_IN_EXPERTS: norm + router logits in one launch, then
-    the experts taking their own top-k (with and without the next norm), at
-    decode sizes on Triton; the composition past them, with the switch off and
-    on the torch path; all agree with route_topk + fused_moe."""
-    from ftserve_kernels import moe_gemv_triton as mg
-    from ftserve_kernels.norm_rope import fused_add_rms_norm_ref, rms_norm_ref
-
-    g = torch.Generator().manual_seed(9)
-    e, k, h, inter = 6, 2, 32, 16
-    nw = (1 + 0.1 * torch.randn(h, generator=g)).to(DEVICE)
-    gw = torch.randn(e, h, generator=g).to(DEVICE)
-    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(DEVICE)
-    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(DEVICE)
-    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    routed = count_calls(monkeypatch, mg, "fused_moe_routed_gemv_triton")
-    routed_norm = count_calls(monkeypatch, mg, "fused_moe_add_norm_gemv_triton",
-                              lambda kw: kw.get("routing") is not None)
-    ops._triton_table.cache_clear()
-    try:
-        for kernels, t, flag, fused in [("triton", 1, "1", True), ("triton", 2, "1", True),
-                                        ("triton", df.FUSED_MAX_TOKENS + 1, "1", False),
-                                        ("triton", 1, "0", False), ("torch", 1, "1", False)]:
-            monkeypatch.setenv("FTSERVE_KERNELS", kernels)
-            monkeypatch.setenv("FTSERVE_DECODE_ROUTE_IN_EXPERTS", flag)
-            x = torch.randn(t, h, generator=g).to(DEVICE)
-            r = torch.randn(t, h, generator=g).to(DEVICE)
-            assert ops.moe_routes_in_experts(x) == fused
-            normed, summed, logits = ops.add_rms_norm_router_logits(x, r, nw, 1e-6, gw)
-            ref_n, ref_s = fused_add_rms_norm_ref(x, r, nw, 1e-6)
-            assert summed is not None
-            torch.testing.assert_close(normed, ref_n, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(logits, torch.nn.functional.linear(ref_n, gw), rtol=1e-5, atol=1e-5)
-            ref_moe = fused_moe_ref(normed, w13, w2, *route_topk_ref(logits, k, True))
-            n0 = len(routed) + len(routed_norm)
-            out = ops.fused_moe_routed(normed, w13, w2, logits, k, True)
-            torch.testing.assert_close(out, ref_moe, rtol=1e-4, atol=1e-4)
-            n2, s2 = ops.fused_moe_routed_add_rms_norm(normed, w13, w2, logits, k, True, summed, nw, 1e-6, counter)
-            n = len(routed) + len(routed_norm)
-            assert (n - n0 == 2) == fused and (n == n0) == (not fused)
-            torch.testing.assert_close(s2, ref_moe + summed, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(n2, rms_norm_ref(ref_moe + summed, nw, 1e-6), rtol=1e-4, atol=1e-4)
-    finally:
-        ops._triton_table.cache_clear()
-
-
 def test_decode_gemv_kernels_compile_for_sm90() -> None:
     """The decode GEMV kernels (MoE gate/up and down variants, norm + route, dense
     GEMV at 1, 2, 4 rows) compile for sm_90 at the qwen3-30b shapes without
@@ -677,8 +592,6 @@ def test_decode_gemv_kernels_compile_for_sm90() -> None:
     assert res["add_norm_route_pdl"]["loads_before_wait"] >= 2, res["add_norm_route_pdl"]
     for name in ("moe_gate_up_pdl", "moe_down3d_pdl"):
         assert res[name]["loads_before_wait"] == 0, (name, res[name])
-    # The top-k inside the gate/up kernel (Routing) keeps its weight loads 16 bytes wide too.
-    assert res["moe_gate_up_route"]["v4_loads"] >= res["moe_gate_up"]["v4_loads"] > 0
     for name in ("moe_gate_up", "moe_down3d"):  # read-through keeps the weight loads 16 bytes wide
         plain, rt = res[name]["v4_loads"], res[name + "_rt"]["v4_loads"]
         assert plain > 0 and rt >= plain, (name, plain, rt)  # one load from the slot or the bank
@@ -813,54 +726,6 @@ def test_gpu_add_norm_route_qwen3_shape_graph(t: int) -> None:
         # whose probabilities agree to rounding; the MoE sum does not depend on order).
         same = out[3].sort(dim=1).values == ref[3].sort(dim=1).values
         assert same.float().mean() >= 0.9
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_moe_routed_qwen3_shape_graph() -> None:
-    """E=128, k=8, H=2048, I=768, one row, the table's launches: router logits,
-    then the experts taking their own top-k (with the next norm), captured in a
-    graph: each replay equals route_topk + the same kernels on the same logits
-    (the experts' order is the route kernel's), and the counter ends at zero."""
-    from ftserve_kernels import moe_gemv_triton as mg
-
-    g = torch.Generator(device="cuda").manual_seed(7)
-    e, k, h, inter = 128, 8, 2048, 768
-    x = torch.randn(1, h, device="cuda", generator=g).bfloat16()
-    r = torch.randn(1, h, device="cuda", generator=g).bfloat16()
-    nw = (1 + 0.1 * torch.randn(h, device="cuda", generator=g)).bfloat16()
-    gw = (torch.randn(e, h, device="cuda", generator=g) / h**0.5).bfloat16()
-    w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h**0.5).bfloat16()
-    w2 = (torch.randn(e, h, inter, device="cuda", generator=g) / inter**0.5).bfloat16()
-    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-    route_cnt = torch.zeros(1, dtype=torch.int32, device="cuda")
-
-    def step() -> tuple[torch.Tensor, ...]:
-        normed, _, logits = df.add_norm_router_logits_triton(x, r, nw, 1e-6, gw)
-        routing = mg.Routing(logits, k, True)
-        weights, ids = mg.routed_weights_ids(routing)
-        out = mg.fused_moe_add_norm_gemv_triton(normed, w13, w2, weights, ids,
-                                                mg.NormNext(r, nw, 1e-6, counter), routing=routing)
-        return (*out, weights, ids, normed)
-
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = step()
-    for seed in (1, 2, 3):
-        torch.manual_seed(seed)
-        x.copy_(torch.randn(1, h, device="cuda"))
-        graph.replay()
-        normed = got[4]
-        ref_w, ref_ids = df.add_norm_route_triton(x, r, nw, 1e-6, gw, k, True, route_cnt)[2:]
-        ref = mg.fused_moe_add_norm_gemv_triton(normed, w13, w2, ref_w, ref_ids, mg.NormNext(r, nw, 1e-6, counter))
-        torch.cuda.synchronize()
-        assert int(counter.item()) == 0
-        assert torch.equal(got[3], ref_ids)
-        torch.testing.assert_close(got[2], ref_w, rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(got[0], ref[0], rtol=1e-2, atol=1e-2)
-        torch.testing.assert_close(got[1], ref[1], rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.gpu

@@ -44,8 +44,8 @@ def _compile_all() -> dict[str, dict[str, Any]]:
              warps: int = 4, stages: int = 3) -> None:
         # Optional features default off; a name the kernel lacks is dropped.
         consts = {k: v for k, v in ({"HAS_MAP": False, "FP8": False, "PDL": False, "READ_THROUGH": False,
-                                     "BLOCK_M": 1, "QK": False, "NORM_NEXT": False, "BLOCK_H": 16,
-                                     "ROUTE": False, "RENORM": False, "BLOCK_E": 16} | consts).items()
+                                     "BLOCK_M": 1, "QK": False, "NORM_NEXT": False, "BLOCK_H": 16}
+                                    | consts).items()
                   if k in fn.arg_names}
         types = {"map_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "bank": "i64",
                  "miss_slot_ptr": "*i32", "miss_id_ptr": "*i32"} | types

@@ -33,8 +33,7 @@ _DIV16 = ("H", "K", "N", "E", "INTER", "bank_col")
 
 def _compile(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int) -> dict[str, Any]:
     consts = {k: v for k, v in ({"HAS_MAP": False, "PDL": False, "READ_THROUGH": False, "BLOCK_M": 1,
-                                 "NORM_NEXT": False, "BLOCK_H": 16, "ROUTE": False, "RENORM": False,
-                                 "BLOCK_E": 16}
+                                 "NORM_NEXT": False, "BLOCK_H": 16}
                                 | consts).items() if k in fn.arg_names}
     types = {"map_ptr": "*i32", "bank": "i64", "miss_slot_ptr": "*i32", "miss_id_ptr": "*i32"} | types
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
@@ -91,9 +90,6 @@ def compile_all() -> dict[str, dict[str, Any]]:
     out["moe_down3d"] = _compile(mg._gemv_down_combine3d_kernel, moe,
                                  dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True,
                                       K_STEPS=3), 8)
-    out["moe_gate_up_route"] = _compile(  # the top-k from the router logits (Routing)
-        mg._gemv_gate_up_kernel, moe | {"logits_ptr": "*fp32", "topw_ptr": "*fp32"},
-        dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True, ROUTE=True, RENORM=True, BLOCK_E=128), 8)
     out["moe_down3d_norm"] = _compile(  # the next layer's input norm in the epilogue
         mg._gemv_down_combine3d_kernel, moe | {"res_ptr": bf, "nw_ptr": bf, "sum_ptr": bf, "normed_ptr": bf,
                                                "cnt_ptr": i32, "eps": "fp32"},

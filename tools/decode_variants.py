@@ -31,7 +31,6 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_DECODE_LAYER_KERNEL": "0",
     "FTSERVE_DECODE_QK_FOLD": "1",
     "FTSERVE_DECODE_DOWN_NORM": "1",
-    "FTSERVE_DECODE_ROUTE_IN_EXPERTS": "0",
 }
 
 
@@ -55,8 +54,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     out = [Variant("baseline")]
     out.append(Variant("DECODE_QK_FOLD=0", "decode_qk_fold", {"FTSERVE_DECODE_QK_FOLD": "0"}))
     out.append(Variant("DECODE_DOWN_NORM=0", "decode_down_norm", {"FTSERVE_DECODE_DOWN_NORM": "0"}))
-    out.append(Variant("DECODE_ROUTE_IN_EXPERTS=1", "decode_route_in_experts",
-                       {"FTSERVE_DECODE_ROUTE_IN_EXPERTS": "1"}))
     out += [Variant(f"DENSE_GEMV={v}", "dense_gemv", {"FTSERVE_DENSE_GEMV": v})
             for v in ("0", "1", "norm")]
     out.append(Variant("MOE_GATEUP_ACC=1", "moe_gateup_acc", {"FTSERVE_MOE_GATEUP_ACC": "1"}))

@@ -64,8 +64,6 @@ class DecoderLayer(nn.Module):
         x, residual = self.self_attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin,
                                                   normed=normed)
         if isinstance(self.mlp, MoEBlock):
-            if self.mlp.routes_in_experts(x):  # the top-k inside the expert launch
-                return self.mlp.norm_route_experts(x, residual, self.post_attention_layernorm, next_norm)
             # Norm, router and top-k in one launch at decode sizes (see MoEBlock.norm_route).
             x, summed, weights, ids = self.mlp.norm_route(x, residual, self.post_attention_layernorm)
             assert summed is not None

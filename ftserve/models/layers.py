@@ -183,7 +183,7 @@ class MoEBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """``norm`` (fused with the residual add when given), then route: one launch
         at decode sizes on Triton. -> (normed [T, H], x + residual or None, weights, ids)."""
-        if self._router_observed():
+        if self.gate._forward_hooks or self.gate._forward_pre_hooks:
             # Someone observes the router (tests, bench_engine's expert count): call
             # the modules, unfused, so the hooks see the logits.
             if residual is None:
@@ -203,32 +203,6 @@ class MoEBlock(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.gate(x)  # [T, E]
         return ops.route_topk(logits, self.top_k, self.renormalize)  # [T, k] fp32, [T, k] int32
-
-    def routes_in_experts(self, x: torch.Tensor) -> bool:
-        """Whether norm_route_experts takes the top-k inside the expert launch at
-        x's size (resident experts, no observer on the router)."""
-        return self.expert_compute is None and not self._router_observed() and ops.moe_routes_in_experts(x)
-
-    def _router_observed(self) -> bool:
-        """Hooks on the router (tests, bench_engine's expert count): the unfused
-        path calls the modules so they see the logits."""
-        return bool(self.gate._forward_hooks or self.gate._forward_pre_hooks)
-
-    def norm_route_experts(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, next_norm: RMSNorm | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """The block from the attention output where routes_in_experts(x): the norm
-        and the router logits (one launch), then the experts, whose gate/up kernel
-        takes the softmax top-k itself, with ``next_norm`` in the down kernel where
-        folds_next_norm. -> (out or normed, summed, normed?) as DecoderLayer.forward."""
-        normed, summed, logits = ops.add_rms_norm_router_logits(x, residual, norm.weight, norm.eps,
-                                                                self.gate.weight)
-        assert summed is not None
-        if next_norm is not None and self.folds_next_norm(normed):
-            return (*ops.fused_moe_routed_add_rms_norm(normed, self.w13, self.w2, logits, self.top_k,
-                                                       self.renormalize, summed, next_norm.weight,
-                                                       next_norm.eps, self._counter(x)), True)
-        return ops.fused_moe_routed(normed, self.w13, self.w2, logits, self.top_k, self.renormalize), summed, False
 
     def folds_next_norm(self, x: torch.Tensor) -> bool:
         """Whether compute_experts_norm folds the norm into the expert launches at
