@@ -44,6 +44,14 @@ def decode_down_norm() -> bool:
     return _flag("FTSERVE_DECODE_DOWN_NORM", True)
 
 
+def decode_input_norm() -> bool:
+    """FTSERVE_DECODE_INPUT_NORM (default on): a decode step applies the first
+    layer's input norm where it gathers the embedding rows (the decode graph's
+    inputs launch, or one launch for both in an eager step), so layer 0's qkv
+    is a plain GEMV like the later layers', and no norm launch of its own runs."""
+    return _flag("FTSERVE_DECODE_INPUT_NORM", True)
+
+
 def dense_gemv() -> str:
     """FTSERVE_DENSE_GEMV (default 'linear'): Triton GEMV for tiny batches instead
     of cuBLAS: 0 = nowhere, 1 = everywhere, 'linear' = o_proj only, 'norm' = qkv

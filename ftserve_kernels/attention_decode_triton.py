@@ -156,12 +156,14 @@ def _decode_split_kernel(
             vf = v_new.to(vc_ptr.dtype.element_ty).to(tl.float32)
             acc = acc * alpha[:, None] + p.to(ty).to(tl.float32)[:, None] * vf[None, :]
             m_i = m_new
-    has = l_i > 0.0
+    has = l_i > 0.0  # false only for an empty split (a row max contributes p = 1)
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    # An empty split (most of them at short contexts) stores only its -inf lse:
+    # the combines below never read its partial output.
     tl.store(
         mid_o_ptr + b * stride_mob + heads[:, None] * stride_moh + s * stride_mos + d[None, :],
-        out, mask=gmask[:, None] & dmask[None, :],
+        out, mask=gmask[:, None] & dmask[None, :] & has[:, None],
     )
     tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + s, lse, mask=gmask)
     if FUSED_REDUCE:
@@ -188,9 +190,9 @@ def _decode_split_kernel(
                                 mask=gmask, other=float("-inf"), cache_modifier=".cg")
                 o_j = tl.load(
                     mid_o_ptr + b * stride_mob + heads[:, None] * stride_moh + j * stride_mos
-                    + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0,
-                    cache_modifier=".cg",
-                )  # [G, D]
+                    + d[None, :], mask=gmask[:, None] & dmask[None, :] & (lse_j > float("-inf"))[:, None],
+                    other=0.0, cache_modifier=".cg",
+                )  # [G, D]; an empty split's was never stored
                 o_acc += o_j * tl.exp2(lse_j - m)[:, None]
             res = o_acc / tl.where(tot > 0.0, tot, 1.0)[:, None]
             tl.store(o_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -218,8 +220,8 @@ def _decode_reduce_kernel(
     tot = tl.sum(w, 0)
     o = tl.load(
         mid_o_ptr + b * stride_mob + h * stride_moh + s[:, None] * stride_mos + d[None, :],
-        mask=smask[:, None] & (d[None, :] < D), other=0.0,
-    )  # [S, D]
+        mask=(smask & (lse > float("-inf")))[:, None] & (d[None, :] < D), other=0.0,
+    )  # [S, D]; empty splits' were never stored (and are not read: no traffic)
     out = tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
     tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 

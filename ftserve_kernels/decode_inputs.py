@@ -10,8 +10,13 @@ table rows' gather, the embedding); one program per (sequence, page-table
 block) does it all::
 
     program (b, 0):   input_ids[b] = last[src] if src >= 0 else id; the scalar
-                      fields; embeds[b] = embedding row of input_ids[b]
+                      fields; embeds[b] = embedding row of input_ids[b]; with a
+                      norm, normed[b] = the first layer's input norm of that row
     program (b, j):   page_rows[b, block j - 1] = page_table[slot_b, block j - 1]
+
+``embed_rms_norm_triton`` is the same row work for the eager decode path (ids
+already on the device), one program per token through the same helper at the
+same launch shape, so a graph step and an eager step agree to the bit.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from ftserve_kernels.norm_rope import rms_norm_ref
 
 
 @dataclass
@@ -35,11 +42,28 @@ class DecodeInputs:
     min_active: torch.Tensor  # [B] bool, below min_tokens
     page_rows: torch.Tensor  # [B, max_pages] int32, page_table[slots]
     embeds: torch.Tensor | None  # [B, H], embedding rows of input_ids (None: no table given)
+    normed: torch.Tensor | None = None  # [B, H], rms_norm(embeds) (None: no norm given)
+
+
+@dataclass(frozen=True)
+class InputNorm:
+    """The first layer's input RMSNorm, applied where the embedding rows are gathered."""
+
+    weight: torch.Tensor  # [H]
+    eps: float
+
+
+def embed_rms_norm_ref(
+    ids: torch.Tensor, embed: torch.Tensor, norm: InputNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (embedding rows [T, H], rms_norm of them [T, H])."""
+    rows = embed.index_select(0, ids)
+    return rows, rms_norm_ref(rows, norm.weight, norm.eps)
 
 
 def decode_inputs_ref(
     packed: torch.Tensor, last: torch.Tensor, page_table: torch.Tensor, embed: torch.Tensor | None,
-    flag: int,
+    flag: int, norm: InputNorm | None = None,
 ) -> DecodeInputs:
     g = packed.t()  # [7, B]
     src = g[6]
@@ -47,19 +71,48 @@ def decode_inputs_ref(
     ids = torch.where(src >= 0, prev, g[0])
     seq = g[3].to(torch.int32)
     slots = g[4] & (flag - 1)
+    assert norm is None or embed is not None, "the input norm applies to the embedding rows"
+    embeds = None if embed is None else embed.index_select(0, ids)
     return DecodeInputs(
         ids, g[1].contiguous(), g[2].contiguous(), seq, seq - 1, slots, g[5].contiguous(),
-        (g[4] & flag) != 0, page_table.index_select(0, slots),
-        None if embed is None else embed.index_select(0, ids),
+        (g[4] & flag) != 0, page_table.index_select(0, slots), embeds,
+        None if norm is None or embeds is None else rms_norm_ref(embeds, norm.weight, norm.eps),
     )
 
 
 @triton.jit
+def _embed_norm_row(emb_ptr, tok, stride_emb, out_ptr, normed_ptr, nw_ptr, hidden, eps,
+                    HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Copy embedding row ``tok`` to out_ptr; with HAS_NORM also write its RMSNorm
+    to normed_ptr, rounded as norm_rope.rms_norm_ref (normed -> dtype, then
+    w * normed -> dtype). The second pass re-reads the row (L1/L2)."""
+    h = tl.arange(0, BLOCK_H)
+    row = emb_ptr + tok.to(tl.int64) * stride_emb
+    ssq = tl.zeros([BLOCK_H], tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        m = h0 + h < hidden
+        v = tl.load(row + h0 + h, mask=m, other=0.0)
+        tl.store(out_ptr + h0 + h, v, mask=m)
+        vf = v.to(tl.float32)
+        ssq += vf * vf
+    if HAS_NORM:
+        dt = emb_ptr.dtype.element_ty
+        inv = tl.rsqrt(tl.sum(ssq, 0) / hidden + eps)
+        for h0 in range(0, hidden, BLOCK_H):
+            m = h0 + h < hidden
+            vf = tl.load(row + h0 + h, mask=m, other=0.0).to(tl.float32)
+            w = tl.load(nw_ptr + h0 + h, mask=m, other=0.0).to(tl.float32)
+            y = w * (vf * inv).to(dt).to(tl.float32)
+            tl.store(normed_ptr + h0 + h, y.to(dt), mask=m)
+
+
+@triton.jit
 def _decode_inputs_kernel(
-    packed_ptr, last_ptr, pt_ptr, emb_ptr,
+    packed_ptr, last_ptr, pt_ptr, emb_ptr, nw_ptr, normed_ptr,
     ids_ptr, pos_ptr, loc_ptr, seq_ptr, pre_ptr, slot_ptr, step_ptr, min_ptr, rows_ptr, out_emb_ptr,
-    max_pages, hidden, stride_pt, stride_rows, stride_emb, stride_out_emb,
-    FLAG: tl.constexpr, HAS_EMB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+    max_pages, hidden, eps, stride_pt, stride_rows, stride_emb, stride_out_emb,
+    FLAG: tl.constexpr, HAS_EMB: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     b = tl.program_id(0)
     j = tl.program_id(1)
@@ -81,11 +134,9 @@ def _decode_inputs_kernel(
         tl.store(step_ptr + b, tl.load(row + 5))
         tl.store(min_ptr + b, ((packed_slot & FLAG) != 0).to(tl.int8))
         if HAS_EMB:
-            h = tl.arange(0, BLOCK_H)
-            for h0 in range(0, hidden, BLOCK_H):
-                m = h0 + h < hidden
-                v = tl.load(emb_ptr + tok * stride_emb + h0 + h, mask=m)
-                tl.store(out_emb_ptr + b.to(tl.int64) * stride_out_emb + h0 + h, v, mask=m)
+            out = b.to(tl.int64) * stride_out_emb
+            _embed_norm_row(emb_ptr, tok, stride_emb, out_emb_ptr + out, normed_ptr + out, nw_ptr,
+                            hidden, eps, HAS_NORM, BLOCK_H)
     else:
         p = (j - 1) * BLOCK_P + tl.arange(0, BLOCK_P)
         m = p < max_pages
@@ -93,11 +144,18 @@ def _decode_inputs_kernel(
         tl.store(rows_ptr + b.to(tl.int64) * stride_rows + p, v, mask=m)
 
 
+def _row_launch(hidden: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) of a row's embedding + norm work: one shape for both
+    kernels, so their sums of squares reduce in the same order."""
+    return min(2048, triton.next_power_of_2(hidden)), 4
+
+
 def decode_inputs_triton(
     packed: torch.Tensor, last: torch.Tensor, page_table: torch.Tensor, embed: torch.Tensor | None,
-    flag: int, block_p: int = 1024,
+    flag: int, norm: InputNorm | None = None, block_p: int = 1024,
 ) -> DecodeInputs:
     """As decode_inputs_ref; fixed shapes (B, max_pages, H): graph-capturable."""
+    assert norm is None or embed is not None, "the input norm applies to the embedding rows"
     assert packed.is_contiguous() and packed.shape[1] == 7 and page_table.stride(1) == 1
     bsz, dev = packed.shape[0], packed.device
     max_pages = page_table.shape[1]
@@ -110,17 +168,48 @@ def decode_inputs_triton(
         torch.empty(bsz, max_pages, **i32),
         None if embed is None else torch.empty(bsz, embed.shape[1], dtype=embed.dtype, device=dev),
     )
+    if norm is not None:
+        out.normed = torch.empty_like(out.embeds)
     if bsz == 0:
         return out
     hidden = embed.shape[1] if embed is not None else 1
     emb_out = out.embeds if out.embeds is not None else out.page_rows
+    block_h, warps = _row_launch(hidden)
     _decode_inputs_kernel[(bsz, 1 + triton.cdiv(max_pages, block_p))](
         packed, last, page_table, embed if embed is not None else page_table,
+        norm.weight if norm is not None else page_table,
+        out.normed if out.normed is not None else emb_out,
         out.input_ids, out.positions, out.out_cache_loc, out.seq_lens, out.prefix_lens, out.slots,
         out.steps, out.min_active.view(torch.int8), out.page_rows, emb_out,
-        max_pages, hidden, page_table.stride(0), out.page_rows.stride(0),
+        max_pages, hidden, norm.eps if norm is not None else 0.0,
+        page_table.stride(0), out.page_rows.stride(0),
         embed.stride(0) if embed is not None else 0, emb_out.stride(0),
-        FLAG=flag, HAS_EMB=embed is not None, BLOCK_P=block_p,
-        BLOCK_H=min(2048, triton.next_power_of_2(hidden)), num_warps=4,
+        FLAG=flag, HAS_EMB=embed is not None, HAS_NORM=norm is not None, BLOCK_P=block_p,
+        BLOCK_H=block_h, num_warps=warps,
     )
     return out
+
+
+@triton.jit
+def _embed_norm_kernel(ids_ptr, emb_ptr, nw_ptr, out_ptr, normed_ptr, hidden, eps, stride_emb, stride_out,
+                       BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    out = t.to(tl.int64) * stride_out
+    _embed_norm_row(emb_ptr, tl.load(ids_ptr + t), stride_emb, out_ptr + out, normed_ptr + out, nw_ptr,
+                    hidden, eps, True, BLOCK_H)
+
+
+def embed_rms_norm_triton(
+    ids: torch.Tensor, embed: torch.Tensor, norm: InputNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As embed_rms_norm_ref; the rows of decode_inputs_triton's embeds / normed."""
+    t, hidden = ids.shape[0], embed.shape[1]
+    assert embed.stride(1) == 1 and ids.is_contiguous()
+    rows = torch.empty((t, hidden), dtype=embed.dtype, device=embed.device)
+    normed = torch.empty_like(rows)
+    if t == 0:
+        return rows, normed
+    block_h, warps = _row_launch(hidden)
+    _embed_norm_kernel[(t,)](ids, embed, norm.weight, rows, normed, hidden, norm.eps, embed.stride(0),
+                             rows.stride(0), BLOCK_H=block_h, num_warps=warps)
+    return rows, normed

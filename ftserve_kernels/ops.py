@@ -33,8 +33,11 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
     linear_fp32(x [T, K], w [N, K]) -> [T, N] fp32: F.linear(x, w).float(), or one
         cuBLAS mm writing fp32 (torch.mm out_dtype) on CUDA when FTSERVE_LM_HEAD_FP32=1
     decode_inputs(packed [B, 7] int64, last [S] int64, page_table [R, P] int32,
-                  embed [V, H] | None, flag) -> DecodeInputs: a decode graph's
-        unpacked inputs, page-table rows and embeddings (decode_inputs.py)
+                  embed [V, H] | None, flag, norm: InputNorm | None) -> DecodeInputs: a
+        decode graph's unpacked inputs, page-table rows, embeddings and (with
+        ``norm``) their first-layer input norm (decode_inputs.py)
+    embed_rms_norm(ids [T], embed [V, H], norm: InputNorm) -> (rows [T, H], normed [T, H]):
+        the same row work for an eager decode step
 
 Backends are imported once into a table (``_table``); the environment is read
 per call so tests can switch it. FTSERVE_DECODE_FUSION=0 turns the decode-sized
@@ -210,15 +213,26 @@ def fused_moe_add_rms_norm(
 
 def decode_inputs(
     packed: torch.Tensor, last: torch.Tensor, page_table: torch.Tensor, embed: torch.Tensor | None,
-    flag: int,
+    flag: int, norm: Any = None,
 ) -> Any:
     """A decode graph's inputs from its packed rows, one launch on Triton
-    (ftserve_kernels/decode_inputs.py) -> DecodeInputs."""
+    (ftserve_kernels/decode_inputs.py) -> DecodeInputs; with ``norm`` (an
+    InputNorm) also the first layer's input norm of the embedding rows."""
     from ftserve_kernels import decode_inputs as di
 
     if uses_triton(packed):
-        return di.decode_inputs_triton(packed, last, page_table, embed, flag)
-    return di.decode_inputs_ref(packed, last, page_table, embed, flag)
+        return di.decode_inputs_triton(packed, last, page_table, embed, flag, norm)
+    return di.decode_inputs_ref(packed, last, page_table, embed, flag, norm)
+
+
+def embed_rms_norm(ids: torch.Tensor, embed: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding rows [T, H], their first-layer input norm [T, H]): one launch on
+    Triton, the same row work as decode_inputs' (so eager and graph decode agree)."""
+    from ftserve_kernels import decode_inputs as di
+
+    if uses_triton(embed):
+        return di.embed_rms_norm_triton(ids, embed, norm)
+    return di.embed_rms_norm_ref(ids, embed, norm)
 
 
 def _gemv_for(x: torch.Tensor, kind: str) -> Callable[..., Any] | None:

@@ -6,6 +6,7 @@ an extend chunk over the cached prefix, and a decode step (GEMV MoE path)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -81,6 +82,10 @@ def test_one_row_decode_on_triton_matches_torch_path(
                 outs.append(model(batch))
         return outs
 
+    from ftserve_kernels import decode_inputs as di
+    from ftserve_kernels import norm_triton as nt
+    from ftserve_kernels import ops
+
     monkeypatch.setenv("FTSERVE_KERNELS", "torch")
     ref = run(TorchAttentionBackend())
     monkeypatch.setenv("FTSERVE_KERNELS", "triton")
@@ -88,7 +93,20 @@ def test_one_row_decode_on_triton_matches_torch_path(
     # The one-row lm_head GEMV over the whole vocabulary is slow in the interpreter
     # (test_lm_head_gemv_takes_one_row covers it): cuBLAS / F.linear here.
     monkeypatch.setenv("FTSERVE_LM_HEAD_GEMV", "0")
-    got = run(TritonAttentionBackend())
+    # Layer 0's input norm runs with the embedding gather at decode (one launch
+    # for both), not as a norm launch of its own; prefill keeps the norm launch.
+    calls: dict[str, int] = {"embed_norm": 0, "rms_norm": 0}
+    for mod, name, key in ((di, "embed_rms_norm_triton", "embed_norm"), (nt, "rms_norm_triton", "rms_norm")):
+        def counting(*a: Any, _real: Any = getattr(mod, name), _key: str = key, **kw: Any) -> Any:
+            calls[_key] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(mod, name, counting)
+    ops._triton_table.cache_clear()
+    try:
+        got = run(TritonAttentionBackend())
+    finally:
+        ops._triton_table.cache_clear()
+    assert calls == {"embed_norm": 1, "rms_norm": 1}, calls
     for r, o in zip(ref, got):
         assert o.shape == r.shape and torch.isfinite(o).all()
         err = float((o - r).norm() / r.norm())

@@ -31,6 +31,7 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_DECODE_LAYER_KERNEL": "0",
     "FTSERVE_DECODE_QK_FOLD": "1",
     "FTSERVE_DECODE_DOWN_NORM": "1",
+    "FTSERVE_DECODE_INPUT_NORM": "1",
 }
 
 
@@ -54,6 +55,7 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     out = [Variant("baseline")]
     out.append(Variant("DECODE_QK_FOLD=0", "decode_qk_fold", {"FTSERVE_DECODE_QK_FOLD": "0"}))
     out.append(Variant("DECODE_DOWN_NORM=0", "decode_down_norm", {"FTSERVE_DECODE_DOWN_NORM": "0"}))
+    out.append(Variant("DECODE_INPUT_NORM=0", "decode_input_norm", {"FTSERVE_DECODE_INPUT_NORM": "0"}))
     out += [Variant(f"DENSE_GEMV={v}", "dense_gemv", {"FTSERVE_DENSE_GEMV": v})
             for v in ("0", "1", "norm")]
     out.append(Variant("MOE_GATEUP_ACC=1", "moe_gateup_acc", {"FTSERVE_MOE_GATEUP_ACC": "1"}))

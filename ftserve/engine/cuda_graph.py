@@ -117,9 +117,13 @@ class DecodeGraphs:
     def _forward(self, bs: int) -> SampleOutput:
         r = self.runner
         # One launch on Triton: the fields, the page-table rows, the embeddings.
+        # With the first layer's input norm too, where the model takes it (as
+        # its eager decode step does: the same rows to the bit).
         embed = getattr(r.model, "embed_tokens", None)
+        first_norm = getattr(r.model, "decode_input_norm", None)
         d = ops.decode_inputs(self.g_in[:bs], r.last_tokens, r.page_table,
-                              None if embed is None else embed.weight, MIN_FLAG)
+                              None if embed is None else embed.weight, MIN_FLAG,
+                              first_norm() if embed is not None and first_norm is not None else None)
         attn = AttentionMetadata(
             page_size=r.page_size,
             qo_indptr=self.qo_indptr[:bs + 1],
@@ -134,7 +138,7 @@ class DecodeGraphs:
         )
         fb = ForwardBatch(d.input_ids, d.positions, attn, r.kv_pool, r.attn_backend,
                           logits_indices=self.logits_indices[:bs], is_decode=True,
-                          input_embeds=d.embeds)
+                          input_embeds=d.embeds, input_normed=d.normed)
         logits = r.model(fb)  # [bs, V]
         # last_tokens: the next step's device-side inputs
         return r.sampler.sample(logits, d.slots, d.steps, d.min_active, last=r.last_tokens)

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ftserve import envs
 from ftserve.models import fused_layer
 from ftserve.models.config import ModelConfig
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve.models.layers import Attention, DenseMLP, Embedding, Linear, MoEBlock, RMSNorm
 from ftserve_kernels import ops
+from ftserve_kernels.decode_inputs import InputNorm
 
 Index = tuple[int | slice, ...]
 
@@ -97,11 +99,31 @@ class DecoderForCausalLM(nn.Module):
     def init_buffers(self) -> None:
         self.cos_sin.copy_(self.config.rope_cos_sin())
 
+    def decode_input_norm(self) -> InputNorm | None:
+        """The first layer's input norm, for a decode step to apply where it
+        gathers the embedding rows (ops.decode_inputs in the graph, embed_rms_norm
+        eagerly): layer 0 then starts from a normed x, as the later layers do at
+        decode sizes, and its qkv is a plain GEMV. None where layer 0 may run as
+        one persistent launch (FTSERVE_DECODE_LAYER_KERNEL), which norms itself,
+        or with FTSERVE_DECODE_INPUT_NORM=0."""
+        if not envs.decode_input_norm() or envs.decode_layer_kernel() or not len(self.layers):
+            return None
+        norm = self.layers[0].input_layernorm
+        return InputNorm(norm.weight, norm.eps)
+
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = batch.input_embeds if batch.input_embeds is not None else self.embed_tokens(batch.input_ids)  # [T, H]
+        x, normed_in = batch.input_embeds, batch.input_normed  # [T, H] each, or None
+        if x is None:
+            first = self.decode_input_norm() if batch.is_decode else None
+            if first is not None:
+                x, normed_in = ops.embed_rms_norm(batch.input_ids, self.embed_tokens.weight, first)
+            else:
+                x = self.embed_tokens(batch.input_ids)
         residual: torch.Tensor | None = None
         normed = False
+        if normed_in is not None:  # layer 0's input norm is applied: x is the residual stream
+            x, residual, normed = normed_in, x, True
         n = len(self.layers)
         for i, layer in enumerate(self.layers):
             # Where the layer can, it applies the norm after it (the next layer's, or

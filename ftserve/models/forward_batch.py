@@ -88,6 +88,9 @@ class ForwardBatch:
     # [T, H]: the embedding rows of input_ids, when the caller gathered them
     # already (the decode graph's fused inputs launch); None: the model embeds.
     input_embeds: torch.Tensor | None = None
+    # [T, H]: the first layer's input norm of input_embeds, when the caller
+    # applied it too (DecoderForCausalLM.decode_input_norm); None: layer 0 norms.
+    input_normed: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
