@@ -47,7 +47,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
-    QK: tl.constexpr,
+    QK: tl.constexpr, MIN_SPLIT: tl.constexpr = 0,
 ):
     # QK (decode_attention_qk_triton): q and the new token's k arrive raw (before
     # the per-head norms and the rotary) and this kernel normalizes and rotates
@@ -60,7 +60,9 @@ def _decode_split_kernel(
     s = tl.program_id(2)
     kv_len = tl.load(seq_lens_ptr + b)
     # Splits are BLOCK_N-aligned; trailing splits of a short sequence are empty.
-    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # At least MIN_SPLIT tokens a split (a multiple of BLOCK_N): at short contexts
+    # fewer, longer splits, and less for the combine to read.
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
     start = s * per_split
     end = tl.minimum(start + per_split, kv_len)
     g = tl.arange(0, BLOCK_G)
@@ -185,7 +187,8 @@ def _decode_split_kernel(
             m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence (graph padding): output 0
             tot = tl.sum(tl.exp2(lse_all - m[:, None]), 1)  # [G]
             o_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-            for j in range(NUM_SPLITS):
+            n_used = tl.minimum(tl.cdiv(kv_len, tl.maximum(per_split, 1)), NUM_SPLITS)
+            for j in range(n_used):  # the splits with tokens (the rest add exactly 0)
                 lse_j = tl.load(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + j,
                                 mask=gmask, other=float("-inf"), cache_modifier=".cg")
                 o_j = tl.load(
@@ -304,6 +307,7 @@ def decode_attention_triton(
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n,
         NUM_SPLITS=num_splits, UPCAST=interpreting(), FUSED_REDUCE=fused,
         BLOCK_S=triton.next_power_of_2(num_splits), FP8=fp8, QK=qk is not None,
+        MIN_SPLIT=triton.cdiv(cfg.decode_min_split, cfg.decode_block_n) * cfg.decode_block_n,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
     )
     if fused:
