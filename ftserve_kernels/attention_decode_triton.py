@@ -39,7 +39,7 @@ def _norm_rope_halves(x1, x2, w_ptr, j, cos, sin, eps, D: tl.constexpr, HALF: tl
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, pt_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, o_ptr, count_ptr,
     ks_ptr, vs_ptr,
-    stride_qt, stride_qh, stride_cs, stride_ch, stride_pt, stride_ss,
+    stride_qt, stride_qh, stride_cs, stride_ch, stride_pt, stride_ss, max_pages,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
     scale_log2,
     k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, loc_ptr, eps,
@@ -47,24 +47,33 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
-    QK: tl.constexpr, MIN_SPLIT: tl.constexpr = 0,
+    QK: tl.constexpr,
 ):
     # QK (decode_attention_qk_triton): q and the new token's k arrive raw (before
     # the per-head norms and the rotary) and this kernel normalizes and rotates
     # them itself; the split holding the new token (position kv_len - 1) stores
     # its K/V into the pages and adds it from registers after its loop, so no
     # program reads that slot back. Halves [*, D/2] throughout (full rotary).
+    #
+    # Tiles of BLOCK_N cached tokens go to the splits round robin: split s takes
+    # tiles s, s + NUM_SPLITS, ... So a split's first tile does not depend on
+    # the sequence length, and its page entries are loaded alongside it; at
+    # short contexts most splits hold one tile (or none). With QK the new token
+    # goes to split n_tiles % NUM_SPLITS, one with a tile fewer than the splits
+    # before it (at short contexts an otherwise empty one, which then runs
+    # beside the tile splits instead of after its own tile).
     pdl.enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
+    pt_row = pt_ptr + b.to(tl.int64) * stride_pt
+    pos0 = s * BLOCK_N + tl.arange(0, BLOCK_N)
+    page0 = tl.load(pt_row + pos0 // PAGE_SIZE, mask=pos0 // PAGE_SIZE < max_pages, other=0)
     kv_len = tl.load(seq_lens_ptr + b)
-    # Splits are BLOCK_N-aligned; trailing splits of a short sequence are empty.
-    # At least MIN_SPLIT tokens a split (a multiple of BLOCK_N): at short contexts
-    # fewer, longer splits, and less for the combine to read.
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
-    start = s * per_split
-    end = tl.minimum(start + per_split, kv_len)
+    n_cached = kv_len
+    if QK:
+        n_cached = kv_len - 1  # the new token is added from registers
+    n_tiles = tl.cdiv(n_cached, BLOCK_N)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
@@ -82,7 +91,6 @@ def _decode_split_kernel(
             tl.load(q_rows + hj[None, :], mask=gmask[:, None], other=0.0).to(tl.float32),
             tl.load(q_rows + HALF + hj[None, :], mask=gmask[:, None], other=0.0).to(tl.float32),
             qw_ptr, hj, cos, sin, eps, D, HALF, ty)  # [G, HALF] each
-        end = tl.minimum(end, kv_len - 1)  # the new token: after the loop
         q = q1  # unused (the loop takes the halves)
     else:
         q = tl.load(
@@ -92,12 +100,13 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    pt_row = pt_ptr + b.to(tl.int64) * stride_pt
     head_off = kvh * stride_ch
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        nmask = pos < end
-        page = tl.load(pt_row + pos // PAGE_SIZE, mask=nmask, other=0)
+    for t in range(s, n_tiles, NUM_SPLITS):
+        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = pos < n_cached
+        in_first = pos < (s + 1) * BLOCK_N  # the first tile's entries are loaded already
+        page = tl.where(in_first, page0,
+                        tl.load(pt_row + pos // PAGE_SIZE, mask=nmask & ~in_first, other=0))  # [N]
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [N]
         if QK:
             k_rows = kc_ptr + slot[None, :] * stride_cs + head_off
@@ -133,7 +142,7 @@ def _decode_split_kernel(
             acc = mma_acc(p.to(vv.dtype), vv, acc * alpha[:, None], UPCAST)
         m_i = m_new
     if QK:
-        if (start <= kv_len - 1) & (kv_len - 1 < start + per_split):
+        if (s == n_tiles % NUM_SPLITS) & (kv_len > 0):
             # The new token: normalize and rotate its k, store K/V into its slot
             # (what the backend's KV store would do), and add it to this split.
             k_row = k_ptr + b.to(tl.int64) * stride_kt + kvh * stride_kh
@@ -187,8 +196,8 @@ def _decode_split_kernel(
             m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence (graph padding): output 0
             tot = tl.sum(tl.exp2(lse_all - m[:, None]), 1)  # [G]
             o_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-            n_used = tl.minimum(tl.cdiv(kv_len, tl.maximum(per_split, 1)), NUM_SPLITS)
-            for j in range(n_used):  # the splits with tokens (the rest add exactly 0)
+            n_used = tl.minimum(n_tiles + 1, NUM_SPLITS)  # + the new token's split
+            for j in range(n_used):  # the splits that may hold tokens (the rest add exactly 0)
                 lse_j = tl.load(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + j,
                                 mask=gmask, other=float("-inf"), cache_modifier=".cg")
                 o_j = tl.load(
@@ -298,7 +307,7 @@ def decode_attention_triton(
         counters if counters is not None else seq_lens,  # unread unless fused
         ks, vs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
-        stride_ss,
+        stride_ss, page_table.shape[1],
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         scale * LOG2E,
@@ -307,7 +316,6 @@ def decode_attention_triton(
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n,
         NUM_SPLITS=num_splits, UPCAST=interpreting(), FUSED_REDUCE=fused,
         BLOCK_S=triton.next_power_of_2(num_splits), FP8=fp8, QK=qk is not None,
-        MIN_SPLIT=triton.cdiv(cfg.decode_min_split, cfg.decode_block_n) * cfg.decode_block_n,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
     )
     if fused:

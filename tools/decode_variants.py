@@ -70,13 +70,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     out.append(Variant("DECODE_LAYER_KERNEL=1", "decode_layer_kernel", {"FTSERVE_DECODE_LAYER_KERNEL": "1"}))
     out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
                        attn={"decode_fused_reduce": fused}))
-    for n in (256, 512):  # fewer, longer splits at short contexts (2k: 8 or 4 instead of 32)
-        if n == base_attn.decode_min_split:
-            continue
-        out.append(Variant(f"attn min_split={n}", "attn_min_split", attn={"decode_min_split": n}))
-        if not base_attn.decode_fused_reduce:  # and the last split program combining them
-            out.append(Variant(f"attn min_split={n} fused_reduce=1", "attn_min_split+fused",
-                               attn={"decode_min_split": n, "decode_fused_reduce": True}))
     for factor in (0.5, 2.0):
         n = max(1, round(pps * factor))
         if n != pps:
