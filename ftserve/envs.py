@@ -126,6 +126,17 @@ def pdl() -> int:
     return {"0": 0, "": 0, "1": 1, "wait": 2}.get(value, 1)
 
 
+def pdl_pairs() -> bool:
+    """FTSERVE_PDL_PAIRS (default off until measured): programmatic dependent
+    launch for two pairs of decode kernels only, where the second streams
+    weights it can read before the first finishes (ftserve_kernels/pdl.py):
+    the attention split reduce -> o_proj (a one-row GEMV that loads its whole
+    weight slice, then waits), and the MoE gate/up -> the 3-D MoE down (its
+    expert weight tiles, then the wait). The first kernel of each pair releases
+    its dependant as it starts; every other launch is as without PDL."""
+    return _flag("FTSERVE_PDL_PAIRS", False)
+
+
 def fused_kv_store() -> bool:
     """FTSERVE_FUSED_KV_STORE (default on): for q/k-normed models (Qwen3) with a
     float KV cache, the q/k norm + rotary launch also stores K and V into their

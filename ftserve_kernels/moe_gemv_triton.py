@@ -32,6 +32,7 @@ import triton.language as tl
 from ftserve import envs
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
+from ftserve_kernels.attention_common import interpreting
 from ftserve_kernels.moe_read_through import (
     ReadThrough,
     _bank_rows,
@@ -41,6 +42,7 @@ from ftserve_kernels.moe_read_through import (
 )
 
 GEMV_MAX_TOKENS = 2  # fused_moe_triton's default switch point (tokens, not pairs)
+PRELOAD_STEPS = 4  # K steps the 3-D down kernel can hold before its PDL wait
 
 
 @triton.jit
@@ -51,8 +53,9 @@ def _gemv_gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr,
     READ_THROUGH: tl.constexpr, BLOCK_M: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, RELEASE: tl.constexpr = False,
 ):
+    pdl.release(RELEASE)  # the down kernel after it may start loading its weights (pdl.pairs)
     pdl.enter(PDL)  # the ids / activations come from the kernel before
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair)
@@ -207,8 +210,14 @@ def _gemv_down_combine3d_kernel(
     EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr, K_STEPS: tl.constexpr,
     READ_THROUGH: tl.constexpr, BLOCK_M: tl.constexpr,
     PDL: tl.constexpr, NORM_NEXT: tl.constexpr = False, BLOCK_H: tl.constexpr = 16,
+    PRELOAD: tl.constexpr = False,
 ):
-    pdl.enter(PDL)  # the ids / activations come from the kernel before
+    # PRELOAD (a PDL pair, pdl.pairs): the ids and routing weights come from the
+    # route kernel, complete before the gate/up kernel started, so this kernel
+    # reads them and loads all K_STEPS (<= 4) weight tiles while gate/up runs,
+    # and waits only before the activations. Otherwise it waits first.
+    if not PRELOAD:
+        pdl.enter(PDL)  # the ids / activations come from the kernel before
     # As _gemv_down_combine_kernel, with the k choices as a third tile axis: the
     # weight tile is [KP, N, K] and each choice's act row loads once as [KP, K]
     # (the 2-D kernel loaded it N times into registers, a second full-size tile
@@ -234,6 +243,18 @@ def _gemv_down_combine3d_kernel(
                   + bank_col + tile)
         from_host = (src >= 0)[:, None, None]  # [KP, 1, 1]
     acc = tl.zeros([BLOCK_KP, BLOCK_N], tl.float32)
+    if PRELOAD:
+        tl.static_assert(K_STEPS <= 4 and not READ_THROUGH)
+        b0 = tl.load(b_ptrs, mask=bmask & (offs_k < INTER)[None, None, :], other=0.0)
+        if K_STEPS > 1:
+            b1 = tl.load(b_ptrs + BLOCK_K, mask=bmask & (offs_k < INTER - BLOCK_K)[None, None, :], other=0.0)
+        if K_STEPS > 2:
+            b2 = tl.load(b_ptrs + 2 * BLOCK_K, mask=bmask & (offs_k < INTER - 2 * BLOCK_K)[None, None, :],
+                         other=0.0)
+        if K_STEPS > 3:
+            b3 = tl.load(b_ptrs + 3 * BLOCK_K, mask=bmask & (offs_k < INTER - 3 * BLOCK_K)[None, None, :],
+                         other=0.0)
+        pdl.enter(PDL)  # now the gate/up kernel's activations
     # Unrolled (K_STEPS = cdiv(I, BLOCK_K), 3 at I = 768): the steps' loads are
     # independent, so they can all be in flight at once (one memory round trip per
     # program, not three; these loads are not cp.async-pipelined).
@@ -246,7 +267,16 @@ def _gemv_down_combine3d_kernel(
             kmask = offs_k < INTER - k0
             av = tl.load(a_ptrs, mask=jmask[:, None] & kmask[None, :], other=0.0)
             m3 = bmask & kmask[None, None, :]
-        if READ_THROUGH:
+        if PRELOAD:
+            if step == 0:
+                b = b0
+            elif step == 1:
+                b = b1
+            elif step == 2:
+                b = b2
+            else:
+                b = b3
+        elif READ_THROUGH:
             b = tl.load(tl.where(from_host, h_ptrs, b_ptrs), mask=m3, other=0.0)
             tl.store(b_ptrs, b, mask=m3 & from_host)
             h_ptrs += BLOCK_K
@@ -383,9 +413,13 @@ def _fused_moe_gemv(
             cfgs = [gc.pick(gc.moe_key(kind, e, h, inter, k), t, x.device) or gc.default(kind, cuda)
                     for kind in kinds]
         configs = (cfgs[0], cfgs[1])
-    moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through)
+    # PDL pair (pdl.pairs): the 3-D down kernel loads its expert weights while
+    # the gate/up kernel still runs (not with the host bank: misses are written as read).
+    paired = down3d and read_through is None and not gate_up_acc and pdl.pairs(x)
+    moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through, paired)
     outs = (out, summed) if norm_next is not None and summed is not None else None
-    moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d, read_through, norm_next, outs)
+    moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d, read_through, norm_next, outs,
+                  preload=paired)
 
 
 def moe_gate_up_gemv(
@@ -398,6 +432,7 @@ def moe_gate_up_gemv(
     expert_map: torch.Tensor | None = None,
     acc: bool = False,  # _gemv_gate_up_acc_kernel instead of _gemv_gate_up_kernel
     read_through: ReadThrough | None = None,  # _gemv_gate_up_kernel only
+    release: bool = False,  # let the down kernel after it start early (pdl.pairs)
 ) -> None:
     """The gate/up kernel alone (tools/tune_gemv times it on its own)."""
     h = x.shape[1]
@@ -416,6 +451,8 @@ def moe_gate_up_gemv(
     else:
         assert read_through is None, "the accumulate-style kernel has no read-through"
     on = pdl.active(x)
+    if not acc and release:
+        extra["RELEASE"] = True
     kernel[grid](*args, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  EVEN_K=h % cfg.block_k == 0, HAS_MAP=expert_map is not None,
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **extra, **pdl.launch(on))
@@ -434,16 +471,27 @@ def moe_down_gemv(
     read_through: ReadThrough | None = None,  # the 3-D kernel only
     norm_next: NormNext | None = None,  # the 3-D kernel only: writes ``outs`` instead of ``out``
     outs: tuple[torch.Tensor, torch.Tensor] | None = None,  # (normed, summed) [T, H] each
+    preload: bool = False,  # 3-D kernel: weight tiles before the PDL wait (pdl.pairs)
 ) -> None:
-    """The down + combine kernel alone (tools/tune_gemv times it on its own)."""
+    """The down + combine kernel alone (tools/tune_gemv times it on its own).
+    With ``preload`` the 3-D kernel launches with the PDL attribute and loads
+    all of its weight tiles (at most PRELOAD_STEPS K steps: block_k grows to
+    fit) before it waits for the gate/up kernel's activations."""
     t, h = out.shape
     inter = act.shape[1]
     emap = expert_map if expert_map is not None else ids
     args = (act, w2, out, weights, ids, emap, h, inter,
             act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))
     on = pdl.active(act)
+    block_k = cfg.block_k
+    if preload:
+        assert down3d and read_through is None and not on
+        # Wait (then release: the next kernel is launched without the attribute
+        # anyway); the interpreter has no PDL and runs the same loads unlinked.
+        on = 0 if interpreting() else 1
+        block_k = max(block_k, triton.next_power_of_2(triton.cdiv(inter, PRELOAD_STEPS)))
     consts = dict(TOP_K=top_k, BLOCK_KP=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n,
-                  BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, HAS_MAP=expert_map is not None,
+                  BLOCK_K=block_k, EVEN_K=inter % block_k == 0, HAS_MAP=expert_map is not None,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **pdl.launch(on))
     grid = (t, triton.cdiv(h, cfg.block_n))
     if down3d:
@@ -456,8 +504,8 @@ def moe_down_gemv(
         else:
             norm_args = (out, out, out, out, ids, 0.0, 0)  # unread
         _gemv_down_combine3d_kernel[grid](*args, *_read_through_args(read_through, ids, w2, "w2_col"),
-                                          *norm_args, K_STEPS=triton.cdiv(inter, cfg.block_k),
-                                          NORM_NEXT=norm_next is not None,
+                                          *norm_args, K_STEPS=triton.cdiv(inter, block_k),
+                                          NORM_NEXT=norm_next is not None, PRELOAD=preload,
                                           BLOCK_H=triton.next_power_of_2(h),
                                           **_read_through_consts(read_through), **consts)
     else:

@@ -22,6 +22,14 @@ records the programmatic edges, so the decode CUDA graphs keep them.
 Off unless FTSERVE_PDL=1 or =wait (ftserve/envs.py; wait: no early release),
 and only on CUDA devices of compute capability 9.0 or newer; never under the
 Triton interpreter (inline PTX). Measured slower on the H200 so far (envs.py).
+
+``pairs`` (FTSERVE_PDL_PAIRS) links only two pairs, where the dependant has a
+weight stream to start early: the first kernel calls ``release`` as it starts
+(it is itself launched as usual, so everything before it is complete), and the
+second, launched with the attribute, loads its weights, then ``enter``s::
+
+    reduce / gate-up:  [release | work ............ ]
+    o_proj / down:       (scheduled) [weights ...| wait | x, FMAs ]
 """
 
 from __future__ import annotations
@@ -62,6 +70,14 @@ def enter(PDL: tl.constexpr):
             gdc_launch_dependents()
 
 
+@triton.jit
+def release(ON: tl.constexpr):
+    """Let the next kernel (launched with the PDL attribute) be scheduled now;
+    harmless when none is. For the first kernel of a PDL pair (``pairs``)."""
+    if ON:
+        gdc_launch_dependents()
+
+
 @functools.lru_cache(maxsize=16)
 def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
@@ -73,6 +89,15 @@ def active(t: torch.Tensor) -> int:
     if not (mode and HAVE_GDC and t.is_cuda and not interpreting()):
         return 0
     return mode if _capable(t.device.index if t.device.index is not None else torch.cuda.current_device()) else 0
+
+
+def pairs(t: torch.Tensor) -> bool:
+    """Whether the PDL pairs (envs.pdl_pairs) apply to launches on ``t``'s device:
+    sm_90+, Triton with gdc, not interpreted, and the all-kernel mode off (it
+    already links every decode kernel)."""
+    if not (envs.pdl_pairs() and HAVE_GDC and t.is_cuda and not interpreting()) or envs.pdl():
+        return False
+    return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def launch(on: int) -> dict[str, Any]:

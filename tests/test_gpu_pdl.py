@@ -91,3 +91,84 @@ def test_pdl_chain_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.cuda.synchronize()
         for i, (a, b) in enumerate(zip(outs, ref)):
             assert torch.equal(a, b), f"output {i} differs with PDL (graph replay)"
+
+
+def _pairs_chain(g: torch.Generator) -> Callable[[], list[torch.Tensor]]:
+    """Batch 1 at qwen3-30b-a3b widths through both PDL pairs (pdl.pairs): split-K
+    attention (its reduce releases) -> o_proj (ops.linear after the release),
+    norm + router, the experts (gate/up releases, the 3-D down preloads), with
+    and without the next norm in the down kernel."""
+    from ftserve_kernels import ops
+    from ftserve_kernels.attention_decode_triton import decode_attention_triton
+    from ftserve_kernels.decode_fused_triton import add_norm_route_triton
+    from ftserve_kernels.moe_gemv_triton import (
+        NormNext,
+        fused_moe_add_norm_gemv_triton,
+        fused_moe_gemv_triton,
+    )
+
+    dev, bf = "cuda", torch.bfloat16
+    h, hq, hkv, d, e, k, inter = 2048, 32, 4, 128, 128, 8, 768
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(bf).to(dev)
+
+    res = rnd(1, h)
+    q = rnd(1, hq, d)
+    norm_w = (1 + 0.1 * torch.randn(h, generator=g)).to(bf).to(dev)
+    w_o = rnd(h, hq * d, scale=0.02)
+    gate = rnd(e, h, scale=0.05)
+    w13, w2 = rnd(e, 2 * inter, h, scale=0.02), rnd(e, h, inter, scale=0.02)
+    page, ctx = 16, 2048
+    table = torch.randperm(512, generator=g)[: ctx // page].view(1, -1).to(torch.int32).to(dev)
+    kc, vc = rnd(512 * page, hkv, d), rnd(512 * page, hkv, d)
+    seq_lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
+    counters = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(2)]
+
+    def run() -> list[torch.Tensor]:
+        attn = decode_attention_triton(q, kc, vc, table, seq_lens, page, d ** -0.5, 128)
+        o = ops.linear(attn.view(1, hq * d), w_o, None, after_release=True)
+        n2, s2, wts, ids = add_norm_route_triton(o, res, norm_w, 1e-6, gate, k, True, counters[0])
+        out = fused_moe_gemv_triton(n2, w13, w2, wts, ids)
+        n3, s3 = fused_moe_add_norm_gemv_triton(n2, w13, w2, wts, ids, NormNext(s2, norm_w, 1e-6, counters[1]))
+        return [attn, o, n2, s2, wts, ids, out, n3, s3]
+
+    return run
+
+
+def test_pdl_pairs_eager_equals_graph_and_unpaired(monkeypatch: pytest.MonkeyPatch) -> None:
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL needs sm_90")
+    g = torch.Generator().manual_seed(9)
+    run = _pairs_chain(g)
+    monkeypatch.setenv("FTSERVE_PDL_PAIRS", "0")
+    plain = [r.clone() for r in run()]
+    monkeypatch.setenv("FTSERVE_PDL_PAIRS", "1")
+    assert pdl.pairs(plain[0]), "the PDL pairs should be on for this test"
+    _poison()
+    ref = [r.clone() for r in run()]
+    for i, (a, b) in enumerate(zip(ref, plain)):  # other sum orders (the slice GEMV, wider K steps)
+        if a.is_floating_point():
+            assert torch.isfinite(a).all(), i
+            torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2, msg=f"output {i}")
+        else:
+            assert torch.equal(a, b), i
+    for _ in range(3):
+        _poison()
+        for i, (a, b) in enumerate(zip(run(), ref)):
+            assert torch.equal(a, b), f"output {i} differs between eager runs"
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    for _ in range(5):
+        for o in outs:
+            o.fill_(-7 if not o.is_floating_point() else float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (a, b) in enumerate(zip(outs, ref)):
+            assert torch.equal(a, b), f"output {i} differs in graph replay"

@@ -44,8 +44,8 @@ def _compile_all() -> dict[str, dict[str, Any]]:
              warps: int = 4, stages: int = 3) -> None:
         # Optional features default off; a name the kernel lacks is dropped.
         consts = {k: v for k, v in ({"HAS_MAP": False, "FP8": False, "PDL": False, "READ_THROUGH": False,
-                                     "BLOCK_M": 1, "QK": False, "NORM_NEXT": False, "BLOCK_H": 16}
-                                    | consts).items()
+                                     "BLOCK_M": 1, "QK": False, "NORM_NEXT": False, "BLOCK_H": 16,
+                                     "RELEASE": False, "PRELOAD": False} | consts).items()
                   if k in fn.arg_names}
         types = {"map_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "bank": "i64",
                  "miss_slot_ptr": "*i32", "miss_id_ptr": "*i32"} | types
@@ -146,6 +146,19 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True), 8, 2)
     comp("moe_gemv_down", mg._gemv_down_combine_kernel, gemv,
          dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True), 8, 2)
+    # FTSERVE_PDL_PAIRS (pdl.pairs): gate/up releases its dependant as it starts; the
+    # 3-D down kernel loads its weight tiles, then waits; the whole-slice GEMV too.
+    comp("moe_gemv_gate_up_release", mg._gemv_gate_up_kernel, gemv,
+         dict(TOP_K=8, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, RELEASE=True), 16, 3)
+    down3 = gemv | {"res_ptr": bf, "nw_ptr": bf, "sum_ptr": bf, "normed_ptr": bf, "cnt_ptr": i32,
+                    "eps": "fp32"}
+    comp("moe_gemv_down3d_preload_pdl", mg._gemv_down_combine3d_kernel, down3,
+         dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=4, BLOCK_K=256, EVEN_K=True, K_STEPS=3, PDL=1,
+              NORM_NEXT=True, BLOCK_H=2048, PRELOAD=True), 8, 2)
+    from ftserve_kernels import gemv_triton as gv
+
+    comp("gemv_slice_pdl", gv._gemv_slice_kernel, {"x_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf},
+         dict(HAS_BIAS=False, BLOCK_N=8, BLOCK_K=4096, PDL=1), 8, 1)
     if "HAS_MAP" in mt._moe_gate_up_kernel.arg_names:  # expert -> slot indirection
         comp("moe_gate_up_mapped", mt._moe_gate_up_kernel, moe,
              dict(TOP_K=8, HAS_MAP=True, **common), c.num_warps, c.num_stages)
@@ -169,6 +182,8 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          cfg.decode_warps, cfg.decode_stages)
     comp("decode_reduce_pdl", at._decode_reduce_kernel, attn,
          dict(NUM_SPLITS=64, BLOCK_S=64, D=128, BLOCK_D=128, PDL=True), 4, 1)
+    comp("decode_reduce_release", at._decode_reduce_kernel, attn,  # FTSERVE_PDL_PAIRS
+         dict(NUM_SPLITS=64, BLOCK_S=64, D=128, BLOCK_D=128, RELEASE=True), 4, 1)
     comp("rms_norm_pdl", nt._rms_norm_kernel,
          {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "eps": "fp32"},
          dict(HAS_RESIDUAL=True, BLOCK_R=4, BLOCK_H=2048, PDL=True), 8)
@@ -259,11 +274,15 @@ def test_kernels_compile_for_sm90() -> None:
         pdl = name.endswith("_pdl") or name == "qk_norm_rotary_store"
         if name.endswith("_pdl_wait"):
             assert r["pdl_wait"] and not r["pdl_release"], (name, r)
+        elif name.endswith("_release"):  # the first kernel of a PDL pair: released, no wait
+            assert r["pdl_release"] and not r["pdl_wait"], (name, r)
         else:
             assert r["pdl_wait"] == r["pdl_release"] == pdl, (name, r)
     for name in ("decode_split_pdl", "decode_reduce_pdl", "rms_norm_pdl", "qk_norm_rotary_store"):
         # Their every load reads an earlier kernel's output: none may move above the wait.
         assert results[name]["loads_before_wait"] == 0, (name, results[name])
+    for name in ("moe_gemv_down3d_preload_pdl", "gemv_slice_pdl"):  # their weights load before the wait
+        assert results[name]["loads_before_wait"] > 0, (name, results[name])
     for name in ("extend", "decode_split", "decode_split_qk", "moe_gate_up_T1", "moe_gate_up_T8192",
                  "decode_layer"):
         assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"
