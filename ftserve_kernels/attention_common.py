@@ -98,6 +98,7 @@ class AttnKernelConfig:
     extend_pack_gqa: bool = False  # one program per KV head x (BLOCK_M / GROUP) tokens
     decode_programs_per_sm: int = 4  # split-K target: (B * Hkv * splits) ~ this x SMs
     decode_fused_reduce: bool = False  # last split program combines (one launch, counters)
+    decode_round_robin: bool = False  # tiles dealt to the splits in turn (attention_decode_triton)
 
     @staticmethod
     def for_device(device: torch.device, head_dim: int) -> AttnKernelConfig:

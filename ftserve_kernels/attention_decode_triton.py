@@ -47,7 +47,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
-    QK: tl.constexpr,
+    QK: tl.constexpr, ROUND_ROBIN: tl.constexpr = False, TILE_STEP: tl.constexpr = 1,
 ):
     # QK (decode_attention_qk_triton): q and the new token's k arrive raw (before
     # the per-head norms and the rotary) and this kernel normalizes and rotates
@@ -55,25 +55,32 @@ def _decode_split_kernel(
     # its K/V into the pages and adds it from registers after its loop, so no
     # program reads that slot back. Halves [*, D/2] throughout (full rotary).
     #
-    # Tiles of BLOCK_N cached tokens go to the splits round robin: split s takes
-    # tiles s, s + NUM_SPLITS, ... So a split's first tile does not depend on
-    # the sequence length, and its page entries are loaded alongside it; at
-    # short contexts most splits hold one tile (or none). With QK the new token
-    # goes to split n_tiles % NUM_SPLITS, one with a tile fewer than the splits
-    # before it (at short contexts an otherwise empty one, which then runs
-    # beside the tile splits instead of after its own tile).
+    # Which tiles of BLOCK_N cached tokens a split takes: by default a contiguous
+    # range of them, ranges sized from the sequence length (trailing splits of a
+    # short sequence are empty), the new token in the split whose range holds its
+    # position. ROUND_ROBIN (AttnKernelConfig.decode_round_robin; TILE_STEP =
+    # NUM_SPLITS): split s takes tiles s, s + NUM_SPLITS, ..., so its first tile
+    # does not depend on the sequence length and its page entries load alongside
+    # it, and the new token goes to split n_tiles % NUM_SPLITS, one with a tile
+    # fewer than the splits before it (at short contexts an otherwise empty one,
+    # which then runs beside the tile splits instead of after its own tile).
     pdl.enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     pt_row = pt_ptr + b.to(tl.int64) * stride_pt
-    pos0 = s * BLOCK_N + tl.arange(0, BLOCK_N)
-    page0 = tl.load(pt_row + pos0 // PAGE_SIZE, mask=pos0 // PAGE_SIZE < max_pages, other=0)
+    if ROUND_ROBIN:
+        pos0 = s * BLOCK_N + tl.arange(0, BLOCK_N)
+        page0 = tl.load(pt_row + pos0 // PAGE_SIZE, mask=pos0 // PAGE_SIZE < max_pages, other=0)
     kv_len = tl.load(seq_lens_ptr + b)
-    n_cached = kv_len
-    if QK:
-        n_cached = kv_len - 1  # the new token is added from registers
-    n_tiles = tl.cdiv(n_cached, BLOCK_N)
+    if ROUND_ROBIN:
+        start = s * BLOCK_N
+        end = kv_len
+    else:
+        # Splits are BLOCK_N-aligned; trailing splits of a short sequence are empty.
+        per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = s * per_split
+        end = tl.minimum(start + per_split, kv_len)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
@@ -91,6 +98,7 @@ def _decode_split_kernel(
             tl.load(q_rows + hj[None, :], mask=gmask[:, None], other=0.0).to(tl.float32),
             tl.load(q_rows + HALF + hj[None, :], mask=gmask[:, None], other=0.0).to(tl.float32),
             qw_ptr, hj, cos, sin, eps, D, HALF, ty)  # [G, HALF] each
+        end = tl.minimum(end, kv_len - 1)  # the new token: after the loop
         q = q1  # unused (the loop takes the halves)
     else:
         q = tl.load(
@@ -101,12 +109,15 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     head_off = kvh * stride_ch
-    for t in range(s, n_tiles, NUM_SPLITS):
-        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = pos < n_cached
-        in_first = pos < (s + 1) * BLOCK_N  # the first tile's entries are loaded already
-        page = tl.where(in_first, page0,
-                        tl.load(pt_row + pos // PAGE_SIZE, mask=nmask & ~in_first, other=0))  # [N]
+    for n0 in range(start, end, TILE_STEP * BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        nmask = pos < end
+        if ROUND_ROBIN:
+            in_first = pos < (s + 1) * BLOCK_N  # the first tile's entries are loaded already
+            page = tl.where(in_first, page0,
+                            tl.load(pt_row + pos // PAGE_SIZE, mask=nmask & ~in_first, other=0))  # [N]
+        else:
+            page = tl.load(pt_row + pos // PAGE_SIZE, mask=nmask, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [N]
         if QK:
             k_rows = kc_ptr + slot[None, :] * stride_cs + head_off
@@ -142,7 +153,11 @@ def _decode_split_kernel(
             acc = mma_acc(p.to(vv.dtype), vv, acc * alpha[:, None], UPCAST)
         m_i = m_new
     if QK:
-        if (s == n_tiles % NUM_SPLITS) & (kv_len > 0):
+        if ROUND_ROBIN:  # the split after the last tile's, in turn
+            new_here = (s == tl.cdiv(kv_len - 1, BLOCK_N) % NUM_SPLITS) & (kv_len > 0)
+        else:
+            new_here = (start <= kv_len - 1) & (kv_len - 1 < start + per_split)
+        if new_here:
             # The new token: normalize and rotate its k, store K/V into its slot
             # (what the backend's KV store would do), and add it to this split.
             k_row = k_ptr + b.to(tl.int64) * stride_kt + kvh * stride_kh
@@ -196,8 +211,10 @@ def _decode_split_kernel(
             m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence (graph padding): output 0
             tot = tl.sum(tl.exp2(lse_all - m[:, None]), 1)  # [G]
             o_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-            n_used = tl.minimum(n_tiles + 1, NUM_SPLITS)  # + the new token's split
-            for j in range(n_used):  # the splits that may hold tokens (the rest add exactly 0)
+            n_used = NUM_SPLITS
+            if ROUND_ROBIN:  # only the splits that may hold tokens (the rest add exactly 0)
+                n_used = tl.minimum(tl.cdiv(kv_len, BLOCK_N) + 1, NUM_SPLITS)
+            for j in range(n_used):
                 lse_j = tl.load(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + j,
                                 mask=gmask, other=float("-inf"), cache_modifier=".cg")
                 o_j = tl.load(
@@ -217,9 +234,8 @@ def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, o_ptr,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr, RELEASE: tl.constexpr = False,
+    PDL: tl.constexpr,
 ):
-    pdl.release(RELEASE)  # the o_proj after it may start loading its weights (pdl.pairs)
     pdl.enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -317,6 +333,7 @@ def decode_attention_triton(
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n,
         NUM_SPLITS=num_splits, UPCAST=interpreting(), FUSED_REDUCE=fused,
         BLOCK_S=triton.next_power_of_2(num_splits), FP8=fp8, QK=qk is not None,
+        ROUND_ROBIN=cfg.decode_round_robin, TILE_STEP=num_splits if cfg.decode_round_robin else 1,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
     )
     if fused:
@@ -326,6 +343,6 @@ def decode_attention_triton(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), D=d, BLOCK_D=block_d,
-        num_warps=4, PDL=on, RELEASE=pdl.pairs(q), **pdl.launch(on),
+        num_warps=4, PDL=on, **pdl.launch(on),
     )
     return out

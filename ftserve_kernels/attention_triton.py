@@ -4,14 +4,15 @@ Twins of ``paged_attention.store_kv_ref`` / ``paged_attention_ref``. Shapes as i
 ``paged_attention.py``; the cache is one layer of the pool ``[slots, Hkv, D]``
 (last dim contiguous), ``slot = page * page_size + offset``.
 
-Decode (one query per sequence) deals every sequence's KV range out to a fixed
-number of splits, tile by tile, so one 100k-token request still fills the GPU::
+Decode (one query per sequence) splits every sequence's KV range into a fixed
+number of chunks so one 100k-token request still fills the GPU::
 
-    seq b tiles:  | 0 | 1 | .. | S-1 | S | S+1 | .. |    tile t -> split t % S
-                  partial (o, lse) per split  ->  reduce kernel  ->  o[b, h]
+    seq b:  |-- split 0 --|-- split 1 --| ... |-- split S-1 --|   (S fixed per batch size)
+             partial (o, lse) per split  ->  reduce kernel  ->  o[b, h]
 
-(S fixed per batch size; a split's first tile is known before the sequence
-length is, so its page entries load alongside it.)
+(``AttnKernelConfig.decode_round_robin`` deals the KV tiles out in turn
+instead, tile t to split t % S: a split's first tile is then known before the
+sequence length is, so its page entries load alongside it.)
 
 Each split program serves all query heads of one KV head (GQA), so K/V are read
 once per KV head. Split boundaries come from ``seq_lens`` on the device: the grid

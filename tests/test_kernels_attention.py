@@ -194,20 +194,26 @@ def test_decode_split_counts_agree(splits: int) -> None:
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
-def test_decode_fused_reduce_matches_two_kernels(splits: int) -> None:
+@pytest.mark.parametrize("round_robin", [False, True])
+def test_decode_fused_reduce_matches_two_kernels(splits: int, round_robin: bool) -> None:
     """decode_fused_reduce: the last split program combines; same answer as the
     reduce kernel, counters left at zero, and a second call (reused counters)
-    agrees. Includes an empty (padding) sequence, which must give zeros."""
+    agrees. Includes an empty (padding) sequence, which must give zeros. With
+    decode_round_robin the tiles go to the splits in turn: the same answer as
+    contiguous splits, to fp32 rounding."""
     pool, tables, q, k, v = make_case([1, 1, 1], [50, 4, 0], 8, 2, 32, 8, torch.float32, DEVICE)
     fb = build_forward_batch([[1], [1], [1]], [50, 4, 0], tables, pool, TorchAttentionBackend(),
                              is_decode=True)
     at.store_kv_triton(pool.k[0], pool.v[0], k, v, fb.attn.out_cache_loc)
     seq_lens = fb.attn.seq_lens.clone()
     seq_lens[2] = 0
-    base = at.AttnKernelConfig.for_device(torch.device(DEVICE), 32)
+    plain = at.AttnKernelConfig.for_device(torch.device(DEVICE), 32)
+    base = at.AttnKernelConfig(**{**plain.__dict__, "decode_round_robin": round_robin})
     fused = at.AttnKernelConfig(**{**base.__dict__, "decode_fused_reduce": True})
     args = (q, pool.k[0], pool.v[0], fb.attn.page_table, seq_lens, 8, 32**-0.5, splits)
     two = at.decode_attention_triton(*args, base)
+    assert rel_err(two[:2], at.decode_attention_triton(*args, plain)[:2]) < 1e-5
+    assert torch.equal(two[2], torch.zeros_like(two[2]))
     counters = torch.zeros(6, dtype=torch.int32, device=DEVICE)
     for _ in range(2):
         one = torch.full_like(q, float("nan"))
@@ -399,13 +405,14 @@ def _rope_table(max_pos: int, d: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype,splits,fused", [(torch.float32, 1, False), (torch.float32, 3, False),
                                                 (torch.float32, 8, True), (torch.bfloat16, 5, False)])
+@pytest.mark.parametrize("round_robin", [False, True])
 def test_decode_qk_fold_matches_norm_rotary_then_attention(dtype: torch.dtype, splits: int,
-                                                          fused: bool) -> None:
+                                                          fused: bool, round_robin: bool) -> None:
     """DecodeQK: the split kernel normalizes and rotates raw q/k itself and stores
     K/V: same pages as qk_norm_rotary_ref's store, same output as attention over
-    its rotated q. The new token goes to split n_tiles % splits: prefixes 0, 16
-    and 39 (16-token tiles) put it alone in its split, or (1 and 3 splits) in a
-    split that also holds tiles."""
+    its rotated q. Prefixes 0, 16, 39 put the new token alone in its split, in
+    the first split and in a later one (round robin: split n_tiles % splits,
+    alone in it or, with one split, beside the tiles)."""
     from ftserve_kernels.attention_common import AttnKernelConfig
     from ftserve_kernels.attention_decode_triton import DecodeQK
     from ftserve_kernels.norm_rope import qk_norm_rotary_ref
@@ -422,7 +429,7 @@ def test_decode_qk_fold_matches_norm_rotary_then_attention(dtype: torch.dtype, s
     toks = [[1]] * 3
     fb = build_forward_batch(toks, prefix, tables, pool, TorchAttentionBackend(), is_decode=True)
     meta = fb.attn
-    cfg = AttnKernelConfig(decode_fused_reduce=fused)
+    cfg = AttnKernelConfig(decode_fused_reduce=fused, decode_round_robin=round_robin)
     qo, _ = qk_norm_rotary_ref(q, k, q_w, k_w, 1e-6, fb.positions, cos_sin,
                                (ref_pool.k[0], ref_pool.v[0], v, meta.out_cache_loc))
     ref = at.decode_attention_triton(qo, ref_pool.k[0], ref_pool.v[0], meta.page_table, meta.seq_lens,

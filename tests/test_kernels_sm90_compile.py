@@ -45,7 +45,8 @@ def _compile_all() -> dict[str, dict[str, Any]]:
         # Optional features default off; a name the kernel lacks is dropped.
         consts = {k: v for k, v in ({"HAS_MAP": False, "FP8": False, "PDL": False, "READ_THROUGH": False,
                                      "BLOCK_M": 1, "QK": False, "NORM_NEXT": False, "BLOCK_H": 16,
-                                     "RELEASE": False, "PRELOAD": False} | consts).items()
+                                     "RELEASE": False, "PRELOAD": False, "ROUND_ROBIN": False,
+                                     "TILE_STEP": 1} | consts).items()
                   if k in fn.arg_names}
         types = {"map_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "bank": "i64",
                  "miss_slot_ptr": "*i32", "miss_id_ptr": "*i32"} | types
@@ -98,6 +99,12 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
               BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False,
               BLOCK_S=64, QK=True), cfg.decode_warps, cfg.decode_stages)
+    comp("decode_split_qk_rr", at._decode_split_kernel,  # AttnKernelConfig.decode_round_robin
+         attn | {"k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "pos_ptr": "*i64",
+                 "cs_ptr": "*fp32", "loc_ptr": "*i64", "eps": "fp32"},
+         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
+              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False,
+              BLOCK_S=64, QK=True, ROUND_ROBIN=True, TILE_STEP=64), cfg.decode_warps, cfg.decode_stages)
     # fp8 e4m3 KV pages (codes + per-token scales): store, decode and extend.
     fp8 = "*fp8e4nv"
     comp("store_kv_fp8", at._store_kv_kernel,
@@ -283,7 +290,8 @@ def test_kernels_compile_for_sm90() -> None:
         assert results[name]["loads_before_wait"] == 0, (name, results[name])
     for name in ("moe_gemv_down3d_preload_pdl", "gemv_slice_pdl"):  # their weights load before the wait
         assert results[name]["loads_before_wait"] > 0, (name, results[name])
-    for name in ("extend", "decode_split", "decode_split_qk", "moe_gate_up_T1", "moe_gate_up_T8192",
+    for name in ("extend", "decode_split", "decode_split_qk", "decode_split_qk_rr", "moe_gate_up_T1",
+                 "moe_gate_up_T8192",
                  "decode_layer"):
         assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"
 

@@ -72,6 +72,8 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     out.append(Variant("DECODE_LAYER_KERNEL=1", "decode_layer_kernel", {"FTSERVE_DECODE_LAYER_KERNEL": "1"}))
     out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
                        attn={"decode_fused_reduce": fused}))
+    rr = not base_attn.decode_round_robin
+    out.append(Variant(f"attn round_robin={int(rr)}", "attn_round_robin", attn={"decode_round_robin": rr}))
     for factor in (0.5, 2.0):
         n = max(1, round(pps * factor))
         if n != pps:
