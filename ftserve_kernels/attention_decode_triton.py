@@ -234,8 +234,9 @@ def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, o_ptr,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, RELEASE: tl.constexpr = False,
 ):
+    pdl.release(RELEASE)  # the o_proj after it may start loading its weights (pdl.pairs)
     pdl.enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -343,6 +344,6 @@ def decode_attention_triton(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), D=d, BLOCK_D=block_d,
-        num_warps=4, PDL=on, **pdl.launch(on),
+        num_warps=4, PDL=on, RELEASE=pdl.pairs(q), **pdl.launch(on),
     )
     return out
