@@ -121,7 +121,10 @@ def pdl() -> int:
     right after its wait; 'wait': no early release (the next one is released as
     this one's programs exit). Off: on the H200 (2026-11-30 03:05, batch-1
     decode graph replay, same tokens) mode 1 took 0.706 ms and 'wait' 0.686 ms
-    against 0.677 ms without PDL."""
+    against 0.677 ms without PDL; 2026-12-01 18:47, 0.671 and 0.611 against
+    0.601. Since then (not yet measured) the one-row attention GEMVs take the
+    whole-slice kernel and the MoE down kernel loads its weights before its
+    wait whenever PDL is on, as in FTSERVE_PDL_PAIRS."""
     value = os.environ.get("FTSERVE_PDL", "0")
     return {"0": 0, "": 0, "1": 1, "wait": 2}.get(value, 1)
 

@@ -175,6 +175,9 @@ def _gemv_slice_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
 # Weight elements a program of the whole-slice kernel holds: 64 KB of bf16 over
 # 8 warps, 64 registers a thread.
 SLICE_ELEMS = 32768
+# Largest weight (elements) it takes: the attention projections (qkv 10.5M, o_proj
+# 8.4M at qwen3-30b-a3b) fit in one wave; the lm_head keeps its tuned launch.
+SLICE_MAX_WEIGHT = 1 << 25
 
 
 def gemv_slice_pdl(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -204,14 +207,18 @@ def gemv_triton(
     block: tuple[int, int] | None = None,  # (BLOCK_N, BLOCK_K) over the default's warps
     config: gc.GemvConfig | None = None,  # all launch parameters; wins over block
     out_dtype: torch.dtype | None = None,  # y's dtype (values rounded to x's dtype first)
-    after_release: bool = False,  # one plain row after a releasing kernel: gemv_slice_pdl (pdl.pairs)
+    after_release: bool = False,  # x from a kernel that releases early (pdl.pairs): gemv_slice_pdl
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-> (y [T, N] in ``out_dtype`` or x's dtype, x + residual [T, K] or None).
     Launch: ``config``, else ``block``, else the device table's entry
     (gemv_configs), else the default."""
     t, k = x.shape
-    if (after_release and t == 1 and norm_w is None and out_dtype in (None, x.dtype) and config is None
-            and block is None and triton.next_power_of_2(k) <= SLICE_ELEMS and pdl.pairs(x)):
+    # A PDL dependant (after a releasing kernel in a pdl.pairs pair, or any with
+    # FTSERVE_PDL on) of one plain row and an attention-sized weight loads its
+    # whole slice before the wait.
+    if (t == 1 and norm_w is None and out_dtype in (None, x.dtype) and config is None and block is None
+            and triton.next_power_of_2(k) <= SLICE_ELEMS and w.shape[0] * k <= SLICE_MAX_WEIGHT
+            and ((after_release and pdl.pairs(x)) or pdl.active(x) > 0)):
         return gemv_slice_pdl(x, w, bias), None
     n = w.shape[0]
     assert t <= GEMV_MAX_ROWS and w.shape[1] == k

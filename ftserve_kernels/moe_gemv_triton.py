@@ -42,7 +42,7 @@ from ftserve_kernels.moe_read_through import (
 )
 
 GEMV_MAX_TOKENS = 2  # fused_moe_triton's default switch point (tokens, not pairs)
-PRELOAD_STEPS = 4  # K steps the 3-D down kernel can hold before its PDL wait
+PRELOAD_STEPS = 8  # K steps the 3-D down kernel can hold before its PDL wait
 
 
 @triton.jit
@@ -212,10 +212,10 @@ def _gemv_down_combine3d_kernel(
     PDL: tl.constexpr, NORM_NEXT: tl.constexpr = False, BLOCK_H: tl.constexpr = 16,
     PRELOAD: tl.constexpr = False,
 ):
-    # PRELOAD (a PDL pair, pdl.pairs): the ids and routing weights come from the
-    # route kernel, complete before the gate/up kernel started, so this kernel
-    # reads them and loads all K_STEPS (<= 4) weight tiles while gate/up runs,
-    # and waits only before the activations. Otherwise it waits first.
+    # PRELOAD (PDL: pdl.pairs or FTSERVE_PDL): the ids come from the route
+    # kernel, complete before the gate/up kernel released this one, so this
+    # kernel reads them and loads all K_STEPS (<= 8) weight tiles while gate/up
+    # runs, and waits only before the activations. Otherwise it waits first.
     if not PRELOAD:
         pdl.enter(PDL)  # the ids / activations come from the kernel before
     # As _gemv_down_combine_kernel, with the k choices as a third tile axis: the
@@ -243,17 +243,23 @@ def _gemv_down_combine3d_kernel(
                   + bank_col + tile)
         from_host = (src >= 0)[:, None, None]  # [KP, 1, 1]
     acc = tl.zeros([BLOCK_KP, BLOCK_N], tl.float32)
-    if PRELOAD:
-        tl.static_assert(K_STEPS <= 4 and not READ_THROUGH)
-        b0 = tl.load(b_ptrs, mask=bmask & (offs_k < INTER)[None, None, :], other=0.0)
+    if PRELOAD:  # every step's tile, as the loop below would load it (the same sums)
+        tl.static_assert(K_STEPS <= 8 and not READ_THROUGH)
+        b0 = _w_tile(b_ptrs, 0, bmask, offs_k, INTER, BLOCK_K)
         if K_STEPS > 1:
-            b1 = tl.load(b_ptrs + BLOCK_K, mask=bmask & (offs_k < INTER - BLOCK_K)[None, None, :], other=0.0)
+            b1 = _w_tile(b_ptrs, 1, bmask, offs_k, INTER, BLOCK_K)
         if K_STEPS > 2:
-            b2 = tl.load(b_ptrs + 2 * BLOCK_K, mask=bmask & (offs_k < INTER - 2 * BLOCK_K)[None, None, :],
-                         other=0.0)
+            b2 = _w_tile(b_ptrs, 2, bmask, offs_k, INTER, BLOCK_K)
         if K_STEPS > 3:
-            b3 = tl.load(b_ptrs + 3 * BLOCK_K, mask=bmask & (offs_k < INTER - 3 * BLOCK_K)[None, None, :],
-                         other=0.0)
+            b3 = _w_tile(b_ptrs, 3, bmask, offs_k, INTER, BLOCK_K)
+        if K_STEPS > 4:
+            b4 = _w_tile(b_ptrs, 4, bmask, offs_k, INTER, BLOCK_K)
+        if K_STEPS > 5:
+            b5 = _w_tile(b_ptrs, 5, bmask, offs_k, INTER, BLOCK_K)
+        if K_STEPS > 6:
+            b6 = _w_tile(b_ptrs, 6, bmask, offs_k, INTER, BLOCK_K)
+        if K_STEPS > 7:
+            b7 = _w_tile(b_ptrs, 7, bmask, offs_k, INTER, BLOCK_K)
         pdl.enter(PDL)  # now the gate/up kernel's activations
     # Unrolled (K_STEPS = cdiv(I, BLOCK_K), 3 at I = 768): the steps' loads are
     # independent, so they can all be in flight at once (one memory round trip per
@@ -274,8 +280,16 @@ def _gemv_down_combine3d_kernel(
                 b = b1
             elif step == 2:
                 b = b2
-            else:
+            elif step == 3:
                 b = b3
+            elif step == 4:
+                b = b4
+            elif step == 5:
+                b = b5
+            elif step == 6:
+                b = b6
+            else:
+                b = b7
         elif READ_THROUGH:
             b = tl.load(tl.where(from_host, h_ptrs, b_ptrs), mask=m3, other=0.0)
             tl.store(b_ptrs, b, mask=m3 & from_host)
@@ -294,6 +308,13 @@ def _gemv_down_combine3d_kernel(
                             stride_rt, out_ptr.dtype.element_ty, BLOCK_H)
     else:
         tl.store(out_ptr + t * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _w_tile(b_ptrs, step: tl.constexpr, bmask, offs_k, INTER, BLOCK_K: tl.constexpr):
+    """K step ``step``'s weight tile [KP, N, K] of the 3-D down kernel (masked past I)."""
+    return tl.load(b_ptrs + step * BLOCK_K, mask=bmask & (offs_k < INTER - step * BLOCK_K)[None, None, :],
+                   other=0.0)
 
 
 @triton.jit
@@ -413,13 +434,17 @@ def _fused_moe_gemv(
             cfgs = [gc.pick(gc.moe_key(kind, e, h, inter, k), t, x.device) or gc.default(kind, cuda)
                     for kind in kinds]
         configs = (cfgs[0], cfgs[1])
-    # PDL pair (pdl.pairs): the 3-D down kernel loads its expert weights while
-    # the gate/up kernel still runs (not with the host bank: misses are written as read).
-    paired = down3d and read_through is None and not gate_up_acc and pdl.pairs(x)
-    moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through, paired)
+    # Under PDL (a pdl.pairs pair, or every decode kernel with FTSERVE_PDL) the 3-D
+    # down kernel loads its expert weights while the gate/up kernel still runs
+    # (not with the host bank: its misses are written as they are read). In a
+    # pair the gate/up kernel, launched as usual, releases it as it starts; with
+    # FTSERVE_PDL it is itself a dependant, and releases after its own wait.
+    preload = down3d and read_through is None and not gate_up_acc and (pdl.pairs(x) or pdl.active(x) > 0)
+    moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through,
+                     release=preload and pdl.pairs(x))
     outs = (out, summed) if norm_next is not None and summed is not None else None
     moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d, read_through, norm_next, outs,
-                  preload=paired)
+                  preload=preload)
 
 
 def moe_gate_up_gemv(
@@ -485,10 +510,11 @@ def moe_down_gemv(
     on = pdl.active(act)
     block_k = cfg.block_k
     if preload:
-        assert down3d and read_through is None and not on
-        # Wait (then release: the next kernel is launched without the attribute
-        # anyway); the interpreter has no PDL and runs the same loads unlinked.
-        on = 0 if interpreting() else 1
+        assert down3d and read_through is None
+        # Wait, then release (under FTSERVE_PDL the next kernel is a dependant
+        # too; in a pair it is launched as usual); the interpreter has no PDL and
+        # runs the same loads unlinked.
+        on = 0 if interpreting() else (on or 1)
         block_k = max(block_k, triton.next_power_of_2(triton.cdiv(inter, PRELOAD_STEPS)))
     consts = dict(TOP_K=top_k, BLOCK_KP=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n,
                   BLOCK_K=block_k, EVEN_K=inter % block_k == 0, HAS_MAP=expert_map is not None,

@@ -136,15 +136,20 @@ def _pairs_chain(g: torch.Generator) -> Callable[[], list[torch.Tensor]]:
     return run
 
 
-def test_pdl_pairs_eager_equals_graph_and_unpaired(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("switch", ["FTSERVE_PDL_PAIRS", "FTSERVE_PDL"])
+def test_pdl_preloads_eager_equals_graph_and_unlinked(monkeypatch: pytest.MonkeyPatch, switch: str) -> None:
+    """The pairs, or every kernel linked (FTSERVE_PDL=1, with the same preloads):
+    eager runs over poisoned memory and graph replays over poisoned outputs give
+    the same bits, and the values of the unlinked launches to rounding."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs sm_90")
     g = torch.Generator().manual_seed(9)
     run = _pairs_chain(g)
     monkeypatch.setenv("FTSERVE_PDL_PAIRS", "0")
+    monkeypatch.setenv("FTSERVE_PDL", "0")
     plain = [r.clone() for r in run()]
-    monkeypatch.setenv("FTSERVE_PDL_PAIRS", "1")
-    assert pdl.pairs(plain[0]), "the PDL pairs should be on for this test"
+    monkeypatch.setenv(switch, "1")
+    assert pdl.pairs(plain[0]) or pdl.active(plain[0]) == 1, "PDL should be on for this test"
     _poison()
     ref = [r.clone() for r in run()]
     for i, (a, b) in enumerate(zip(ref, plain)):  # other sum orders (the slice GEMV, wider K steps)

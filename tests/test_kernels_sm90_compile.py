@@ -160,8 +160,8 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     down3 = gemv | {"res_ptr": bf, "nw_ptr": bf, "sum_ptr": bf, "normed_ptr": bf, "cnt_ptr": i32,
                     "eps": "fp32"}
     comp("moe_gemv_down3d_preload_pdl", mg._gemv_down_combine3d_kernel, down3,
-         dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=4, BLOCK_K=256, EVEN_K=True, K_STEPS=3, PDL=1,
-              NORM_NEXT=True, BLOCK_H=2048, PRELOAD=True), 8, 2)
+         dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=4, BLOCK_K=128, EVEN_K=True, K_STEPS=6, PDL=1,
+              NORM_NEXT=True, BLOCK_H=2048, PRELOAD=True), 8, 2)  # the H200 table's batch-1 tiles
     from ftserve_kernels import gemv_triton as gv
 
     comp("gemv_slice_pdl", gv._gemv_slice_kernel, {"x_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf},
