@@ -68,10 +68,10 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
-    pt_row = pt_ptr + b.to(tl.int64) * stride_pt
     if ROUND_ROBIN:
         pos0 = s * BLOCK_N + tl.arange(0, BLOCK_N)
-        page0 = tl.load(pt_row + pos0 // PAGE_SIZE, mask=pos0 // PAGE_SIZE < max_pages, other=0)
+        page0 = tl.load(pt_ptr + b.to(tl.int64) * stride_pt + pos0 // PAGE_SIZE,
+                        mask=pos0 // PAGE_SIZE < max_pages, other=0)
     kv_len = tl.load(seq_lens_ptr + b)
     if ROUND_ROBIN:
         start = s * BLOCK_N
@@ -108,6 +108,7 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    pt_row = pt_ptr + b.to(tl.int64) * stride_pt
     head_off = kvh * stride_ch
     for n0 in range(start, end, TILE_STEP * BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
