@@ -94,12 +94,14 @@ def test_pdl_chain_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _pairs_chain(g: torch.Generator) -> Callable[[], list[torch.Tensor]]:
-    """Batch 1 at qwen3-30b-a3b widths through both PDL pairs (pdl.pairs): split-K
-    attention (its reduce releases) -> o_proj (ops.linear after the release),
-    norm + router, the experts (gate/up releases, the 3-D down preloads), with
-    and without the next norm in the down kernel."""
+    """Batch 1 at qwen3-30b-a3b widths, one decode layer's launches as the model
+    makes them: the prenormed qkv GEMV, split-K attention from raw q/k (DecodeQK,
+    its first KV tile read ahead under FTSERVE_PDL) whose reduce releases
+    o_proj (ops.linear after the release: a PDL pair), norm + router, the
+    experts (gate/up releases, the 3-D down preloads: the other pair), with and
+    without the next norm in the down kernel."""
     from ftserve_kernels import ops
-    from ftserve_kernels.attention_decode_triton import decode_attention_triton
+    from ftserve_kernels.attention_decode_triton import DecodeQK, decode_attention_triton
     from ftserve_kernels.decode_fused_triton import add_norm_route_triton
     from ftserve_kernels.moe_gemv_triton import (
         NormNext,
@@ -113,8 +115,10 @@ def _pairs_chain(g: torch.Generator) -> Callable[[], list[torch.Tensor]]:
     def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * scale).to(bf).to(dev)
 
-    res = rnd(1, h)
-    q = rnd(1, hq, d)
+    res, xn = rnd(1, h), rnd(1, h)
+    w_qkv = rnd((hq + 2 * hkv) * d, h, scale=0.02)
+    q_w = (1 + 0.1 * torch.randn(d, generator=g)).to(bf).to(dev)
+    k_w = (1 + 0.1 * torch.randn(d, generator=g)).to(bf).to(dev)
     norm_w = (1 + 0.1 * torch.randn(h, generator=g)).to(bf).to(dev)
     w_o = rnd(h, hq * d, scale=0.02)
     gate = rnd(e, h, scale=0.05)
@@ -123,15 +127,24 @@ def _pairs_chain(g: torch.Generator) -> Callable[[], list[torch.Tensor]]:
     table = torch.randperm(512, generator=g)[: ctx // page].view(1, -1).to(torch.int32).to(dev)
     kc, vc = rnd(512 * page, hkv, d), rnd(512 * page, hkv, d)
     seq_lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
+    positions = seq_lens.long() - 1
+    loc = table[:, -1].long() * page + page - 1  # the new token's slot (position ctx - 1)
+    ang = torch.arange(ctx)[:, None] / 10000.0 ** (torch.arange(d // 2) / (d // 2))[None, :]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], 1).float().to(dev)  # [ctx, d]
     counters = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(2)]
 
     def run() -> list[torch.Tensor]:
-        attn = decode_attention_triton(q, kc, vc, table, seq_lens, page, d ** -0.5, 128)
+        qkv = ops.linear(xn, w_qkv, None)  # a PDL dependant under FTSERVE_PDL
+        qh, kh, vh = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        qk = DecodeQK(kh.view(1, hkv, d), vh.view(1, hkv, d), q_w, k_w, 1e-6, positions, cos_sin, loc,
+                      pages_quiet=True)
+        attn = decode_attention_triton(qh.view(1, hq, d), kc, vc, table, seq_lens, page, d ** -0.5, 128,
+                                       qk=qk)
         o = ops.linear(attn.view(1, hq * d), w_o, None, after_release=True)
         n2, s2, wts, ids = add_norm_route_triton(o, res, norm_w, 1e-6, gate, k, True, counters[0])
         out = fused_moe_gemv_triton(n2, w13, w2, wts, ids)
         n3, s3 = fused_moe_add_norm_gemv_triton(n2, w13, w2, wts, ids, NormNext(s2, norm_w, 1e-6, counters[1]))
-        return [attn, o, n2, s2, wts, ids, out, n3, s3]
+        return [qkv, attn, o, n2, s2, wts, ids, out, n3, s3]
 
     return run
 
@@ -152,12 +165,13 @@ def test_pdl_preloads_eager_equals_graph_and_unlinked(monkeypatch: pytest.Monkey
     assert pdl.pairs(plain[0]) or pdl.active(plain[0]) == 1, "PDL should be on for this test"
     _poison()
     ref = [r.clone() for r in run()]
-    for i, (a, b) in enumerate(zip(ref, plain)):  # other sum orders (the slice GEMV, wider K steps)
-        if a.is_floating_point():
-            assert torch.isfinite(a).all(), i
-            torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2, msg=f"output {i}")
-        else:
-            assert torch.equal(a, b), i
+    # Against the unlinked launches: the slice GEMVs sum in another order, so to
+    # rounding, and only up to the router (a near tie may pick another expert after).
+    for i, (a, b) in enumerate(zip(ref[:3], plain[:3])):
+        assert torch.isfinite(a).all(), i
+        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2, msg=f"output {i}")
+    for a in ref:
+        assert not a.is_floating_point() or torch.isfinite(a).all()
     for _ in range(3):
         _poison()
         for i, (a, b) in enumerate(zip(run(), ref)):
