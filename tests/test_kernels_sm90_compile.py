@@ -36,6 +36,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     from ftserve_kernels import moe_triton as mt
     from ftserve_kernels import norm_triton as nt
     from ftserve_kernels import rope_triton as rt
+    from tools.compile_decode_kernels import constexpr_defaults
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     results: dict[str, dict[str, Any]] = {}
@@ -43,10 +44,9 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     def comp(name: str, fn: Any, types: dict[str, str], consts: dict[str, Any],
              warps: int = 4, stages: int = 3) -> None:
         # Optional features default off; a name the kernel lacks is dropped.
+        # (constexpr_defaults: the constexprs a kernel defaults stay constants.)
         consts = {k: v for k, v in ({"HAS_MAP": False, "FP8": False, "PDL": False, "READ_THROUGH": False,
-                                     "BLOCK_M": 1, "QK": False, "NORM_NEXT": False, "BLOCK_H": 16,
-                                     "RELEASE": False, "PRELOAD": False, "ROUND_ROBIN": False,
-                                     "TILE_STEP": 1} | consts).items()
+                                     "BLOCK_M": 1, "QK": False} | constexpr_defaults(fn) | consts).items()
                   if k in fn.arg_names}
         types = {"map_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "bank": "i64",
                  "miss_slot_ptr": "*i32", "miss_id_ptr": "*i32"} | types

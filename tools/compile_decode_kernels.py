@@ -31,10 +31,17 @@ from ftserve_kernels import moe_gemv_triton as mg
 _DIV16 = ("H", "K", "N", "E", "INTER", "bank_col")
 
 
+def constexpr_defaults(fn: Any) -> dict[str, Any]:
+    """A kernel's constexpr parameters that have defaults, at those defaults: a
+    harness that names only what it changes still compiles them as constants
+    (a name left out would become a runtime argument, and both branches of
+    every ``if`` on it would be compiled)."""
+    return {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+
+
 def _compile(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int) -> dict[str, Any]:
-    consts = {k: v for k, v in ({"HAS_MAP": False, "PDL": False, "READ_THROUGH": False, "BLOCK_M": 1,
-                                 "NORM_NEXT": False, "BLOCK_H": 16}
-                                | consts).items() if k in fn.arg_names}
+    consts = {k: v for k, v in ({"HAS_MAP": False, "PDL": False, "READ_THROUGH": False, "BLOCK_M": 1}
+                                | constexpr_defaults(fn) | consts).items() if k in fn.arg_names}
     types = {"map_ptr": "*i32", "bank": "i64", "miss_slot_ptr": "*i32", "miss_id_ptr": "*i32"} | types
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
