@@ -38,7 +38,7 @@ def decode_fusion() -> bool:
 def decode_down_norm() -> bool:
     """FTSERVE_DECODE_DOWN_NORM (default on): at decode GEMV sizes the MoE down
     kernel also adds the residual and applies the next layer's input norm (or
-    the final norm) in its epilogue (moe_gemv_triton._add_then_norm_last), one
+    the final norm) in its epilogue (moe_down_gemv_triton._add_then_norm_last), one
     launch fewer per layer. H200 (tools.bench_decode_variants, 2026-12-01 17:23
     UTC): batch-1 graph replay 0.606 ms with it, 0.614 without, same tokens."""
     return _flag("FTSERVE_DECODE_DOWN_NORM", True)

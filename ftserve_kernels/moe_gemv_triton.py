@@ -15,15 +15,15 @@ grouped path takes over past ``GEMV_MAX_TOKENS``. The combine adds the k
 choices in a fixed order in fp32: the output is deterministic. Rounding
 follows the grouped path: act and each weighted down row round to x's dtype.
 
-Launch parameters of each kernel (block_n, block_k, warps, stages) come from
-this GPU's table in gemv_configs (written by tools/tune_gemv.py) where it has
-the shape and T, else from gemv_configs.default.
+The down kernels live in moe_down_gemv_triton.py. Launch parameters of each
+kernel (block_n, block_k, warps, stages) come from this GPU's table in
+gemv_configs (written by tools/tune_gemv.py) where it has the shape and T,
+else from gemv_configs.default.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -32,7 +32,7 @@ import triton.language as tl
 from ftserve import envs
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
-from ftserve_kernels.attention_common import interpreting
+from ftserve_kernels.moe_down_gemv_triton import NormNext, moe_down_gemv
 from ftserve_kernels.moe_read_through import (
     ReadThrough,
     _bank_rows,
@@ -42,7 +42,6 @@ from ftserve_kernels.moe_read_through import (
 )
 
 GEMV_MAX_TOKENS = 2  # fused_moe_triton's default switch point (tokens, not pairs)
-PRELOAD_STEPS = 8  # K steps the 3-D down kernel can hold before its PDL wait
 
 
 @triton.jit
@@ -153,206 +152,6 @@ def _gemv_gate_up_acc_kernel(
     h = sg / (1.0 + tl.exp(-sg)) * su  # SiLU(gate) * up, [N]
     tl.store(out_ptr + pair.to(tl.int64) * stride_ot + offs_n, h.to(out_ptr.dtype.element_ty),
              mask=nmask)
-
-
-@triton.jit
-def _gemv_down_combine_kernel(
-    a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, H, INTER,
-    stride_at, stride_we, stride_wn, stride_ot,
-    TOP_K: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl.enter(PDL)  # the ids / activations come from the kernel before
-    # Rows r = j * BLOCK_N + n: column n of choice j. All k choices' weight rows load
-    # as one [KP * N, K] tile per step, so each step has k times the bytes in flight
-    # (these loads are not cp.async-pipelined: only concurrency hides latency).
-    t = tl.program_id(0).to(tl.int64)
-    r = tl.arange(0, BLOCK_KP * BLOCK_N)
-    j = r // BLOCK_N
-    offs_n = tl.program_id(1) * BLOCK_N + r % BLOCK_N  # [R]
-    rmask = (j < TOP_K) & (offs_n < H)
-    pair = t * TOP_K + j  # [R]
-    e = tl.load(ids_ptr + pair, mask=rmask, other=0)
-    if HAS_MAP:
-        e = tl.load(map_ptr + e, mask=rmask, other=0)
-    e = e.to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    b_ptrs = w_ptr + (e * stride_we + offs_n * stride_wn)[:, None] + offs_k[None, :]  # [R, K]
-    a_ptrs = a_ptr + (pair * stride_at)[:, None] + offs_k[None, :]  # [R, K], k distinct rows
-    acc = tl.zeros([BLOCK_KP * BLOCK_N], tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):
-        if EVEN_K:
-            m2 = rmask[:, None]
-        else:
-            m2 = rmask[:, None] & (offs_k[None, :] < INTER - k0)
-        av = tl.load(a_ptrs, mask=m2, other=0.0)
-        b = tl.load(b_ptrs, mask=m2, other=0.0)
-        acc += tl.sum(b.to(tl.float32) * av.to(tl.float32), 1)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    wt = tl.load(weights_ptr + pair, mask=rmask, other=0.0)  # [R]
-    # Round each weighted row as the grouped path stores it, then sum the k choices
-    # in fp32 in a fixed order: deterministic.
-    y = (acc * wt).to(out_ptr.dtype.element_ty).to(tl.float32)
-    out = tl.sum(tl.reshape(y, [BLOCK_KP, BLOCK_N]), 0)  # [N]
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + t * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
-
-
-@triton.jit
-def _gemv_down_combine3d_kernel(
-    a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, H, INTER,
-    stride_at, stride_we, stride_wn, stride_ot,
-    bank, miss_slot_ptr, miss_id_ptr, M, bank_col,
-    res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, eps, stride_rt,
-    TOP_K: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr, K_STEPS: tl.constexpr,
-    READ_THROUGH: tl.constexpr, BLOCK_M: tl.constexpr,
-    PDL: tl.constexpr, NORM_NEXT: tl.constexpr = False, BLOCK_H: tl.constexpr = 16,
-    PRELOAD: tl.constexpr = False,
-):
-    # PRELOAD (PDL: pdl.pairs or FTSERVE_PDL): the ids come from the route
-    # kernel, complete before the gate/up kernel released this one, so this
-    # kernel reads them and loads all K_STEPS (<= 8) weight tiles while gate/up
-    # runs, and waits only before the activations. Otherwise it waits first.
-    if not PRELOAD:
-        pdl.enter(PDL)  # the ids / activations come from the kernel before
-    # As _gemv_down_combine_kernel, with the k choices as a third tile axis: the
-    # weight tile is [KP, N, K] and each choice's act row loads once as [KP, K]
-    # (the 2-D kernel loaded it N times into registers, a second full-size tile
-    # that halved the programs an SM could hold, and so the bytes in flight).
-    t = tl.program_id(0).to(tl.int64)
-    jj = tl.arange(0, BLOCK_KP)  # [KP]
-    jmask = jj < TOP_K
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
-    nmask = cols < H
-    pair = t * TOP_K + jj  # [KP]
-    e = tl.load(ids_ptr + pair, mask=jmask, other=0)
-    if HAS_MAP:
-        e = tl.load(map_ptr + e, mask=jmask, other=0)
-    e = e.to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    tile = (cols * stride_wn)[None, :, None] + offs_k[None, None, :]  # [1, N, K] within a row
-    b_ptrs = w_ptr + (e * stride_we)[:, None, None] + tile  # [KP, N, K]
-    a_ptrs = a_ptr + (pair * stride_at)[:, None] + offs_k[None, :]  # [KP, K]
-    bmask = jmask[:, None, None] & nmask[None, :, None]  # [KP, N, 1]
-    if READ_THROUGH:  # as in the gate/up kernel, per choice
-        src = _miss_source(e[:, None], miss_slot_ptr, miss_id_ptr, M, BLOCK_M)  # [KP]
-        h_ptrs = (_bank_rows(bank, w_ptr.dtype.element_ty) + (tl.maximum(src, 0) * stride_we)[:, None, None]
-                  + bank_col + tile)
-        from_host = (src >= 0)[:, None, None]  # [KP, 1, 1]
-    acc = tl.zeros([BLOCK_KP, BLOCK_N], tl.float32)
-    if PRELOAD:  # every step's tile, as the loop below would load it (the same sums)
-        tl.static_assert(K_STEPS <= 8 and not READ_THROUGH)
-        b0 = _w_tile(b_ptrs, 0, bmask, offs_k, INTER, BLOCK_K)
-        if K_STEPS > 1:
-            b1 = _w_tile(b_ptrs, 1, bmask, offs_k, INTER, BLOCK_K)
-        if K_STEPS > 2:
-            b2 = _w_tile(b_ptrs, 2, bmask, offs_k, INTER, BLOCK_K)
-        if K_STEPS > 3:
-            b3 = _w_tile(b_ptrs, 3, bmask, offs_k, INTER, BLOCK_K)
-        if K_STEPS > 4:
-            b4 = _w_tile(b_ptrs, 4, bmask, offs_k, INTER, BLOCK_K)
-        if K_STEPS > 5:
-            b5 = _w_tile(b_ptrs, 5, bmask, offs_k, INTER, BLOCK_K)
-        if K_STEPS > 6:
-            b6 = _w_tile(b_ptrs, 6, bmask, offs_k, INTER, BLOCK_K)
-        if K_STEPS > 7:
-            b7 = _w_tile(b_ptrs, 7, bmask, offs_k, INTER, BLOCK_K)
-        pdl.enter(PDL)  # now the gate/up kernel's activations
-    # Unrolled (K_STEPS = cdiv(I, BLOCK_K), 3 at I = 768): the steps' loads are
-    # independent, so they can all be in flight at once (one memory round trip per
-    # program, not three; these loads are not cp.async-pipelined).
-    for step in tl.static_range(K_STEPS):
-        k0 = step * BLOCK_K
-        if EVEN_K:
-            av = tl.load(a_ptrs, mask=jmask[:, None], other=0.0)
-            m3 = bmask
-        else:
-            kmask = offs_k < INTER - k0
-            av = tl.load(a_ptrs, mask=jmask[:, None] & kmask[None, :], other=0.0)
-            m3 = bmask & kmask[None, None, :]
-        if PRELOAD:
-            if step == 0:
-                b = b0
-            elif step == 1:
-                b = b1
-            elif step == 2:
-                b = b2
-            elif step == 3:
-                b = b3
-            elif step == 4:
-                b = b4
-            elif step == 5:
-                b = b5
-            elif step == 6:
-                b = b6
-            else:
-                b = b7
-        elif READ_THROUGH:
-            b = tl.load(tl.where(from_host, h_ptrs, b_ptrs), mask=m3, other=0.0)
-            tl.store(b_ptrs, b, mask=m3 & from_host)
-            h_ptrs += BLOCK_K
-        else:
-            b = tl.load(b_ptrs, mask=m3, other=0.0)
-        acc += tl.sum(b.to(tl.float32) * av.to(tl.float32)[:, None, :], 2)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    wt = tl.load(weights_ptr + pair, mask=jmask, other=0.0)  # [KP]
-    # Same rounding and fixed-order fp32 sum of the k choices as the 2-D kernel.
-    y = (acc * wt[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # [KP, N]
-    out = tl.sum(y, 0)  # [N]
-    if NORM_NEXT:
-        _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, H, eps,
-                            stride_rt, out_ptr.dtype.element_ty, BLOCK_H)
-    else:
-        tl.store(out_ptr + t * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=nmask)
-
-
-@triton.jit
-def _w_tile(b_ptrs, step: tl.constexpr, bmask, offs_k, INTER, BLOCK_K: tl.constexpr):
-    """K step ``step``'s weight tile [KP, N, K] of the 3-D down kernel (masked past I)."""
-    return tl.load(b_ptrs + step * BLOCK_K, mask=bmask & (offs_k < INTER - step * BLOCK_K)[None, None, :],
-                   other=0.0)
-
-
-@triton.jit
-def _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, H, eps,
-                        stride_rt, dt, BLOCK_H: tl.constexpr):
-    """The next layer's input norm as the down kernel's epilogue: each program
-    stores its columns of s = round(round(out) + residual) (fused_add_rms_norm's
-    sum); the last program of the grid to arrive norms every row of s (from L2)
-    as fused_add_rms_norm rounds it, and re-zeroes the counter."""
-    res = tl.load(res_ptr + t * stride_rt + cols, mask=nmask, other=0.0).to(tl.float32)
-    tl.store(sum_ptr + t * stride_rt + cols, (out.to(dt).to(tl.float32) + res).to(dt), mask=nmask)
-    # Every thread's stores precede the barrier, the barrier the release by the
-    # atomic; the winner's acquire precedes its (L2, .cg) loads.
-    tl.debug_barrier()
-    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) * tl.num_programs(1) - 1:
-        hh = tl.arange(0, BLOCK_H)
-        hmask = hh < H
-        nw = tl.load(nw_ptr + hh, mask=hmask, other=0.0).to(tl.float32)
-        for r in range(tl.num_programs(0)):
-            sv = tl.load(sum_ptr + r * stride_rt + hh, mask=hmask, other=0.0, cache_modifier=".cg")
-            sv = sv.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(sv * sv, 0) / H + eps)
-            tl.store(normed_ptr + r * stride_rt + hh, (nw * (sv * rstd).to(dt).to(tl.float32)).to(dt),
-                     mask=hmask)
-        tl.atomic_xchg(cnt_ptr, 0)
-
-
-@dataclass(frozen=True)
-class NormNext:
-    """The next layer's input norm, folded into the down kernel (its epilogue):
-    the MoE output is added to ``residual`` and the sum normed with ``weight``;
-    ``counter`` is one int32 the caller owns, zero between launches."""
-
-    residual: torch.Tensor  # [T, H]
-    weight: torch.Tensor  # [H]
-    eps: float
-    counter: torch.Tensor  # [1] int32
 
 
 def fused_moe_gemv_triton(
@@ -481,59 +280,3 @@ def moe_gate_up_gemv(
     kernel[grid](*args, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  EVEN_K=h % cfg.block_k == 0, HAS_MAP=expert_map is not None,
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **extra, **pdl.launch(on))
-
-
-def moe_down_gemv(
-    act: torch.Tensor,  # [T*k, I]
-    w2: torch.Tensor,  # [E, H, I]
-    out: torch.Tensor,  # [T, H] out: the weighted sum over the k choices
-    weights: torch.Tensor,  # [T*k] fp32, contiguous
-    ids: torch.Tensor,  # [T*k] int32
-    top_k: int,
-    cfg: gc.GemvConfig,
-    expert_map: torch.Tensor | None = None,
-    down3d: bool = True,  # _gemv_down_combine3d_kernel instead of _gemv_down_combine_kernel
-    read_through: ReadThrough | None = None,  # the 3-D kernel only
-    norm_next: NormNext | None = None,  # the 3-D kernel only: writes ``outs`` instead of ``out``
-    outs: tuple[torch.Tensor, torch.Tensor] | None = None,  # (normed, summed) [T, H] each
-    preload: bool = False,  # 3-D kernel: weight tiles before the PDL wait (pdl.pairs)
-) -> None:
-    """The down + combine kernel alone (tools/tune_gemv times it on its own).
-    With ``preload`` the 3-D kernel launches with the PDL attribute and loads
-    all of its weight tiles (at most PRELOAD_STEPS K steps: block_k grows to
-    fit) before it waits for the gate/up kernel's activations."""
-    t, h = out.shape
-    inter = act.shape[1]
-    emap = expert_map if expert_map is not None else ids
-    args = (act, w2, out, weights, ids, emap, h, inter,
-            act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))
-    on = pdl.active(act)
-    block_k = cfg.block_k
-    if preload:
-        assert down3d and read_through is None
-        # Wait, then release (under FTSERVE_PDL the next kernel is a dependant
-        # too; in a pair it is launched as usual); the interpreter has no PDL and
-        # runs the same loads unlinked.
-        on = 0 if interpreting() else (on or 1)
-        block_k = max(block_k, triton.next_power_of_2(triton.cdiv(inter, PRELOAD_STEPS)))
-    consts = dict(TOP_K=top_k, BLOCK_KP=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n,
-                  BLOCK_K=block_k, EVEN_K=inter % block_k == 0, HAS_MAP=expert_map is not None,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **pdl.launch(on))
-    grid = (t, triton.cdiv(h, cfg.block_n))
-    if down3d:
-        if norm_next is not None:
-            assert outs is not None and norm_next.residual.shape == out.shape
-            assert norm_next.residual.stride() == outs[0].stride() == outs[1].stride() == (h, 1)
-            assert norm_next.counter.dtype == torch.int32 and norm_next.weight.is_contiguous()
-            norm_args = (norm_next.residual, norm_next.weight, outs[1], outs[0], norm_next.counter,
-                         norm_next.eps, h)
-        else:
-            norm_args = (out, out, out, out, ids, 0.0, 0)  # unread
-        _gemv_down_combine3d_kernel[grid](*args, *_read_through_args(read_through, ids, w2, "w2_col"),
-                                          *norm_args, K_STEPS=triton.cdiv(inter, block_k),
-                                          NORM_NEXT=norm_next is not None, PRELOAD=preload,
-                                          BLOCK_H=triton.next_power_of_2(h),
-                                          **_read_through_consts(read_through), **consts)
-    else:
-        assert read_through is None and norm_next is None, "the 2-D down kernel has neither"
-        _gemv_down_combine_kernel[grid](*args, **consts)

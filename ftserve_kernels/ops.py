@@ -204,7 +204,7 @@ def fused_moe_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     k = _table(x)
     if moe_folds_next_norm(x) and k.moe_add_norm is not None:
-        from ftserve_kernels.moe_gemv_triton import NormNext
+        from ftserve_kernels.moe_down_gemv_triton import NormNext
 
         nn = NormNext(residual.contiguous(), norm_w, eps, counter)
         return k.moe_add_norm(x, w13, w2, topk_weights, topk_ids, nn)

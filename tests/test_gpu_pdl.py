@@ -103,8 +103,8 @@ def _pairs_chain(g: torch.Generator) -> Callable[[], list[torch.Tensor]]:
     from ftserve_kernels import ops
     from ftserve_kernels.attention_decode_triton import DecodeQK, decode_attention_triton
     from ftserve_kernels.decode_fused_triton import add_norm_route_triton
+    from ftserve_kernels.moe_down_gemv_triton import NormNext
     from ftserve_kernels.moe_gemv_triton import (
-        NormNext,
         fused_moe_add_norm_gemv_triton,
         fused_moe_gemv_triton,
     )

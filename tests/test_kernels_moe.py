@@ -165,6 +165,7 @@ def test_fused_moe_add_norm_matches_composition(t: int, dtype: torch.dtype) -> N
     the normed rows equal fused_add_rms_norm of the MoE output (fp32: to float
     rounding; bf16: the rounding points are the composition's). H = 40 is not a
     power of two; two launches share the counter, which must end at zero."""
+    from ftserve_kernels import moe_down_gemv_triton as md
     from ftserve_kernels import moe_gemv_triton as mg
     from ftserve_kernels.norm_rope import fused_add_rms_norm_ref
 
@@ -181,7 +182,7 @@ def test_fused_moe_add_norm_matches_composition(t: int, dtype: torch.dtype) -> N
     ref_n, ref_s = fused_add_rms_norm_ref(moe, r, nw, 1e-6)
     for _ in range(2):
         normed, summed = mg.fused_moe_add_norm_gemv_triton(x, w13, w2, weights, ids,
-                                                           mg.NormNext(r, nw, 1e-6, counter))
+                                                           md.NormNext(r, nw, 1e-6, counter))
         assert int(counter.cpu()[0]) == 0
         if dtype == torch.float32:
             torch.testing.assert_close(summed, ref_s, rtol=1e-6, atol=1e-6)
@@ -201,7 +202,7 @@ def test_moe_down_preload_matches(t: int, inter: int, block_k: int, norm: bool) 
     that (block_k grows: 72 / 8 = 9 steps -> 16-wide ones); I a multiple of the
     step or not, with and without the next norm."""
     from ftserve_kernels import gemv_configs as gc
-    from ftserve_kernels import moe_gemv_triton as mg
+    from ftserve_kernels import moe_down_gemv_triton as md
     from ftserve_kernels.norm_rope import fused_add_rms_norm_ref
 
     g = torch.Generator().manual_seed(inter)
@@ -218,14 +219,14 @@ def test_moe_down_preload_matches(t: int, inter: int, block_k: int, norm: bool) 
         out = torch.full((t, h), float("nan"), device=DEVICE)
         both = (torch.full_like(out, float("nan")), torch.full_like(out, float("nan")))
         counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-        mg.moe_down_gemv(act, w2, out, weights, ids, k, cfg, norm_next=mg.NormNext(r, nw, 1e-6, counter) if norm
+        md.moe_down_gemv(act, w2, out, weights, ids, k, cfg, norm_next=md.NormNext(r, nw, 1e-6, counter) if norm
                          else None, outs=both if norm else None, preload=preload)
         outs.append(list(both) if norm else [out])
         assert int(counter.cpu()[0]) == 0
     rows = torch.einsum("pi,phi->ph", act, w2[ids.long()]) * weights[:, None]  # [T*k, H]
     moe = rows.view(t, k, h).sum(1)
     ref = list(fused_add_rms_norm_ref(moe, r, nw, 1e-6)) if norm else [moe]
-    same_steps = -(-inter // block_k) <= mg.PRELOAD_STEPS
+    same_steps = -(-inter // block_k) <= md.PRELOAD_STEPS
     for a, b, want in zip(*outs, ref):
         assert torch.isfinite(a).all()
         if same_steps:

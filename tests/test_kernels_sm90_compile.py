@@ -32,6 +32,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     from ftserve_kernels import attention_triton as at
     from ftserve_kernels import bookkeeping as bk
     from ftserve_kernels import moe_align_triton as ma
+    from ftserve_kernels import moe_down_gemv_triton as md
     from ftserve_kernels import moe_gemv_triton as mg
     from ftserve_kernels import moe_triton as mt
     from ftserve_kernels import norm_triton as nt
@@ -157,7 +158,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
             "ids_ptr": i32}
     comp("moe_gemv_gate_up", mg._gemv_gate_up_kernel, gemv,
          dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True), 8, 2)
-    comp("moe_gemv_down", mg._gemv_down_combine_kernel, gemv,
+    comp("moe_gemv_down", md._gemv_down_combine_kernel, gemv,
          dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True), 8, 2)
     # FTSERVE_PDL_PAIRS (pdl.pairs): gate/up releases its dependant as it starts; the
     # 3-D down kernel loads its weight tiles, then waits; the whole-slice GEMV too.
@@ -165,7 +166,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          dict(TOP_K=8, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, RELEASE=True), 16, 3)
     down3 = gemv | {"res_ptr": bf, "nw_ptr": bf, "sum_ptr": bf, "normed_ptr": bf, "cnt_ptr": i32,
                     "eps": "fp32"}
-    comp("moe_gemv_down3d_preload_pdl", mg._gemv_down_combine3d_kernel, down3,
+    comp("moe_gemv_down3d_preload_pdl", md._gemv_down_combine3d_kernel, down3,
          dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=4, BLOCK_K=128, EVEN_K=True, K_STEPS=6, PDL=1,
               NORM_NEXT=True, BLOCK_H=2048, PRELOAD=True), 8, 2)  # the H200 table's batch-1 tiles
     from ftserve_kernels import gemv_triton as gv

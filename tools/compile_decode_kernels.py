@@ -25,6 +25,7 @@ from triton.compiler import ASTSource
 
 from ftserve_kernels import decode_fused_triton as df
 from ftserve_kernels import gemv_triton as gv
+from ftserve_kernels import moe_down_gemv_triton as md
 from ftserve_kernels import moe_gemv_triton as mg
 
 # Integer arguments the launch specializes as multiples of 16 at the real shapes.
@@ -94,11 +95,11 @@ def compile_all() -> dict[str, dict[str, Any]]:
         out[f"moe_gate_up_acc_n{bn}"] = _compile(
             mg._gemv_gate_up_acc_kernel, moe,
             dict(TOP_K=8, BLOCK_N=bn, BLOCK_K=256, EVEN_K=True, K_STEPS=8), 8)
-    out["moe_down3d"] = _compile(mg._gemv_down_combine3d_kernel, moe,
+    out["moe_down3d"] = _compile(md._gemv_down_combine3d_kernel, moe,
                                  dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True,
                                       K_STEPS=3), 8)
     out["moe_down3d_norm"] = _compile(  # the next layer's input norm in the epilogue
-        mg._gemv_down_combine3d_kernel, moe | {"res_ptr": bf, "nw_ptr": bf, "sum_ptr": bf, "normed_ptr": bf,
+        md._gemv_down_combine3d_kernel, moe | {"res_ptr": bf, "nw_ptr": bf, "sum_ptr": bf, "normed_ptr": bf,
                                                "cnt_ptr": i32, "eps": "fp32"},
         dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=4, BLOCK_K=128, EVEN_K=True, K_STEPS=6, NORM_NEXT=True,
              BLOCK_H=2048), 8)
@@ -106,7 +107,7 @@ def compile_all() -> dict[str, dict[str, Any]]:
     rt = dict(READ_THROUGH=True, BLOCK_M=8, HAS_MAP=True)
     out["moe_gate_up_rt"] = _compile(mg._gemv_gate_up_kernel, moe,
                                      dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True, **rt), 8)
-    out["moe_down3d_rt"] = _compile(mg._gemv_down_combine3d_kernel, moe,
+    out["moe_down3d_rt"] = _compile(md._gemv_down_combine3d_kernel, moe,
                                     dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True,
                                          K_STEPS=3, **rt), 8)
     route = {"x_ptr": bf, "r_ptr": bf, "nw_ptr": bf, "g_ptr": bf, "normed_ptr": bf, "sum_ptr": bf,
@@ -143,7 +144,7 @@ def compile_all() -> dict[str, dict[str, Any]]:
              BLOCK_K=8, PDL=True), 1)
     out["moe_gate_up_pdl"] = _compile(mg._gemv_gate_up_kernel, moe,
                                       dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True, PDL=True), 8)
-    out["moe_down3d_pdl"] = _compile(mg._gemv_down_combine3d_kernel, moe,
+    out["moe_down3d_pdl"] = _compile(md._gemv_down_combine3d_kernel, moe,
                                      dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True,
                                           K_STEPS=3, PDL=True), 8)
     return out

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import gemv_triton as gv
+from ftserve_kernels import moe_down_gemv_triton as md
 from ftserve_kernels import moe_gemv_triton as mg
 from ftserve_kernels import norm_triton as nt
 from tools.bench_sampler import replay_us
@@ -56,7 +57,7 @@ def main() -> None:
     row("moe gemv + fused_add_rms_norm", lambda: nt.fused_add_rms_norm_triton(
         mg.fused_moe_gemv_triton(x, w13, w2, weights, ids), r, nw, 1e-6))
     row("moe gemv, norm in the down epilogue", lambda: mg.fused_moe_add_norm_gemv_triton(
-        x, w13, w2, weights, ids, mg.NormNext(r, nw, 1e-6, cnt)))
+        x, w13, w2, weights, ids, md.NormNext(r, nw, 1e-6, cnt)))
     row("qkv cuBLAS", lambda: F.linear(x, wqkv))
     row("qkv gemv (default launch)", lambda: gv.gemv_triton(x, wqkv))
     for bn, bk, warps in ((8, 512, 8), (16, 256, 8), (8, 256, 4), (16, 512, 8)):

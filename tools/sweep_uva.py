@@ -53,6 +53,7 @@ def sweep_fill(bank: torch.Tensor, device: torch.device, reps: int, deadline: fl
 def sweep_read_through(bank: torch.Tensor, device: torch.device, reps: int, deadline: float,
                        h: int, inter: int, grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
     from ftserve_kernels import gemv_configs as gc
+    from ftserve_kernels import moe_down_gemv_triton as md
     from ftserve_kernels import moe_gemv_triton as mg
     from ftserve_kernels.moe_read_through import ReadThrough
 
@@ -91,7 +92,7 @@ def sweep_read_through(bank: torch.Tensor, device: torch.device, reps: int, dead
                     mg.moe_gate_up_gemv(x, w13, act, flat, TOP_K, cfg, emap, False, rt)
             else:
                 def fn(cfg: gc.GemvConfig = cfg, rt: Any = rt) -> None:
-                    mg.moe_down_gemv(act, w2, out, weights, flat, TOP_K, cfg, emap, True, rt)
+                    md.moe_down_gemv(act, w2, out, weights, flat, TOP_K, cfg, emap, True, rt)
             try:
                 t = median_time(fn, device, reps)
             except Exception as exc:  # a launch that does not fit is reported, not fatal

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import gemv_triton as gv
+from ftserve_kernels import moe_down_gemv_triton as md
 from ftserve_kernels import moe_gemv_triton as mg
 from ftserve_kernels.gemv_configs import GemvConfig
 from ftserve_kernels.moe import fused_moe_ref, route_topk_ref
@@ -117,7 +118,7 @@ class MoeCase:
 
     def _down(self, cfg: GemvConfig, route: int) -> None:
         weights, ids = self.routes[route]
-        mg.moe_down_gemv(self.act, self.w2, self.out, weights, ids, self.problem.shape[1], cfg,
+        md.moe_down_gemv(self.act, self.w2, self.out, weights, ids, self.problem.shape[1], cfg,
                          down3d=self.down_kind == "moe_down")
 
     def measure(self, cfg: GemvConfig) -> float:
