@@ -238,9 +238,10 @@ def _fused_moe_gemv(
     # (not with the host bank: its misses are written as they are read). In a
     # pair the gate/up kernel, launched as usual, releases it as it starts; with
     # FTSERVE_PDL it is itself a dependant, and releases after its own wait.
-    preload = down3d and read_through is None and not gate_up_acc and (pdl.pairs(x) or pdl.active(x) > 0)
+    paired = pdl.pairs(x)
+    preload = down3d and read_through is None and not gate_up_acc and (paired or pdl.active(x) > 0)
     moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through,
-                     release=preload and pdl.pairs(x))
+                     release=preload and paired)
     outs = (out, summed) if norm_next is not None and summed is not None else None
     moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d, read_through, norm_next, outs,
                   preload=preload)

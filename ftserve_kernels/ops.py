@@ -247,7 +247,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, after_relea
     early (the attention reduce before o_proj; pdl.pairs)."""
     gemv = _gemv_for(x, "linear")
     if gemv is not None:
-        return gemv(x, w, b, after_release=after_release)[0] if after_release else gemv(x, w, b)[0]
+        return gemv(x, w, b, after_release=after_release)[0]
     return F.linear(x, w, b)
 
 

@@ -91,21 +91,23 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
+def _can_link(t: torch.Tensor) -> bool:
+    """Launches on ``t``'s device can use PDL: CUDA sm_90+, Triton with gdc, not interpreted."""
+    if not (HAVE_GDC and t.is_cuda and not interpreting()):
+        return False
+    return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
 def active(t: torch.Tensor) -> int:
     """The PDL constexpr for launches on ``t``'s device: 0 (off) or envs.pdl()'s mode."""
     mode = envs.pdl()
-    if not (mode and HAVE_GDC and t.is_cuda and not interpreting()):
-        return 0
-    return mode if _capable(t.device.index if t.device.index is not None else torch.cuda.current_device()) else 0
+    return mode if mode and _can_link(t) else 0
 
 
 def pairs(t: torch.Tensor) -> bool:
-    """Whether the PDL pairs (envs.pdl_pairs) apply to launches on ``t``'s device:
-    sm_90+, Triton with gdc, not interpreted, and the all-kernel mode off (it
-    already links every decode kernel)."""
-    if not (envs.pdl_pairs() and HAVE_GDC and t.is_cuda and not interpreting()) or envs.pdl():
-        return False
-    return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    """Whether the PDL pairs (envs.pdl_pairs) apply to launches on ``t``'s device;
+    not with the all-kernel mode on (it already links every decode kernel)."""
+    return envs.pdl_pairs() and not envs.pdl() and _can_link(t)
 
 
 def launch(on: int) -> dict[str, Any]:

@@ -283,9 +283,9 @@ def test_ops_dense_gemv_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
     calls: list[int] = []
 
-    def counting(*args: object) -> object:
+    def counting(*args: object, **kwargs: object) -> object:
         calls.append(1)
-        return gemv_triton(*args)  # type: ignore[arg-type]
+        return gemv_triton(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(gv, "gemv_triton", counting)
     ops._triton_table.cache_clear()

@@ -103,6 +103,12 @@ class SamplerFeatures:
         return cls(*(bool(bits >> i & 1) for i in range(len(dataclasses.fields(cls)))))
 
 
+def _filter_keep(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor) -> torch.Tensor:
+    """[B, V] bool: the tokens top-k, top-p and min-p keep of the temperature-scaled logits."""
+    return ks.top_k_top_p_keep(scaled, top_k, top_p) & ks.min_p_keep(scaled, min_p)
+
+
 # Stage sets greedy_triton runs in one launch (the short filters: after filter_triton's).
 _FUSED = (SamplerFeatures(), SamplerFeatures(sampling=True), SamplerFeatures(sampling=True, filtering=True))
 
@@ -406,8 +412,7 @@ class Sampler:
             if f.filtering:  # the filters see the stop mask (the launch repeats it: a no-op)
                 x = ks.mask_token_ids(x, irow[:, _NI:], stop_active)  # [B, V]
                 scaled = x / temperature.clamp_min(MIN_TEMPERATURE)[:, None]  # [B, V]
-                keep = ks.top_k_top_p_keep(scaled, top_k, top_p) & ks.min_p_keep(scaled, min_p)  # [B, V]
-                x = torch.where(keep, x, ks.NEG_INF)
+                x = torch.where(_filter_keep(scaled, top_k, top_p, min_p), x, ks.NEG_INF)
             tokens = greedy_sample_triton(x, slots, min_tokens_active, self._i, _NI, self._greedy_counts,
                                           last, self._f if f.sampling else None,
                                           steps if f.sampling else None, MIN_TEMPERATURE)
@@ -418,9 +423,7 @@ class Sampler:
         if f.sampling:
             scaled = x / temperature.clamp_min(MIN_TEMPERATURE)[:, None]  # [B, V]
             if f.filtering:
-                keep = ks.top_k_top_p_keep(scaled, top_k, top_p)
-                keep = keep & ks.min_p_keep(scaled, min_p)  # [B, V]
-                scaled = torch.where(keep, scaled, ks.NEG_INF)
+                scaled = torch.where(_filter_keep(scaled, top_k, top_p, min_p), scaled, ks.NEG_INF)
             k1, k2 = ks.row_keys(seed_lo, seed_hi, steps)  # [B] each
             drawn = gumbel_argmax(scaled, k1, k2, self.token_hash)  # [B]
             tokens = torch.where(greedy != 0, tokens, drawn)
