@@ -21,8 +21,10 @@ from tools.decode_variants import (
     backend_for,
     combine_best,
     default_variants,
+    parse_variant,
     render_table,
     score_ms,
+    select_variants,
     should_skip,
 )
 
@@ -88,6 +90,29 @@ def test_programs_per_sm_variants_skip_the_baseline_value() -> None:
                                                                decode_fused_reduce=True))]
     assert [n for n in names if n.startswith("attn")] == ["attn fused_reduce=0", "attn round_robin=1",
                                                           "attn programs_per_sm=2", "attn max_splits=1"]
+
+
+def test_ad_hoc_variants_parse_attn_fields_and_switches() -> None:
+    base = AttnKernelConfig()
+    v = parse_variant("attn decode_block_n=128 decode_round_robin=1", base)
+    assert v.attn == {"decode_block_n": 128, "decode_round_robin": True} and not v.env
+    assert v.group == v.name  # never excludes a named knob in the combination
+    w = parse_variant("FTSERVE_PDL=1 FTSERVE_DENSE_GEMV=norm", base)
+    assert w.env == {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": "norm"} and not w.attn
+    for bad in ("attn", "attn decode_block_m=64", "attn decode_block_n=big", "FTSERVE_NOPE=1", "PDL"):
+        with pytest.raises(ValueError, match="variant"):
+            parse_variant(bad, base)
+
+
+def test_select_variants_keeps_the_baseline_first_then_the_order_given() -> None:
+    base = AttnKernelConfig()
+    named = default_variants(base)
+    picked = select_variants(named, "attn decode_warps=8, DECODE_QK_FOLD=0,baseline, attn decode_warps=8", base)
+    assert [v.name for v in picked] == ["baseline", "attn decode_warps=8", "DECODE_QK_FOLD=0"]
+    assert picked[2] is next(v for v in named if v.name == "DECODE_QK_FOLD=0")
+    assert picked[1].attn == {"decode_warps": 8}
+    with pytest.raises(ValueError, match="no_such"):
+        select_variants(named, "no_such", base)
 
 
 def test_backend_for_replaces_only_the_config() -> None:

@@ -4,15 +4,15 @@
     python -m tools.bench_decode_variants --smoke --out /tmp/variants.json    # CPU, tiny-moe
 
 The engine is built once (qwen3-30b-a3b cut to --layers, dummy bf16 weights, as
-tools/bench_engine builds it) and one 2,048-token prompt is prefilled into the
-prefix cache. Then, for each variant (an FTSERVE_* kernel switch from
+tools/bench_engine builds it) and one --context-token prompt (2,048 by default) is
+prefilled into the prefix cache. Then, for each variant (an FTSERVE_* kernel switch from
 ftserve/envs.py, or a field of the Triton attention backend's AttnKernelConfig):
 
     1. set the variant's environment (every switch set explicitly, so the
        caller's environment does not leak in) and attention config;
     2. re-capture the decode CUDA graphs: kernels are chosen while a graph is
        captured, so a switch flipped after the build changes nothing until then;
-    3. greedy-decode 16 tokens after the 2,048-token prompt and compare them to
+    3. greedy-decode 16 tokens after the prompt and compare them to
        the baseline's (a mismatch is reported, the variant is still timed);
     4. time the batch-1 graph alone (back-to-back replays, one CUDA event per
        replay, median), profile the kernels of one eager step, and measure the
@@ -63,6 +63,7 @@ from tools.decode_variants import (
     default_variants,
     render_table,
     score_ms,
+    select_variants,
     should_skip,
 )
 from tools.engine_driver import EngineDriver, build
@@ -298,16 +299,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--budget-s", type=float, default=None, help="whole-run limit (default 120; smoke 60)")
-    p.add_argument("--only", default="", help="comma-separated variant names (baseline always runs)")
+    p.add_argument("--only", default="", help="comma-separated variants (baseline always runs): names from "
+                   "tools/decode_variants.default_variants, or ad hoc 'attn decode_block_n=128 decode_warps=8' "
+                   "(AttnKernelConfig fields) / 'FTSERVE_PDL=1' (switches)")
     p.add_argument("--min-gain", type=float, default=0.01,
                    help="a knob joins the combination when its replay beats the baseline by this fraction")
     p.add_argument("--trace", action="store_true",
                    help="record each variant's kernel timeline of one batch-1 graph replay")
+    p.add_argument("--context", type=int, default=2048,
+                   help="tokens of the cached prompt the decode steps attend over (H200 runs)")
     args = p.parse_args(argv)
-    args.dtype, args.device, args.context, args.batches = "bfloat16", "cuda", 2048, [1, 8]
+    if args.context < 16:
+        raise SystemExit(f"--context {args.context}: at least 16 tokens")
+    args.dtype, args.device, args.batches = "bfloat16", "cuda", [1, 8]
     args.check_steps, args.replay_reps = 16, 200
     args.decode_warmup, args.decode_steps, args.tail = 4, 64, 16
-    args.chunk, args.max_len, args.kv_tokens = 2048, 4096, 1 << 17
+    # Room for the prompt and the decode steps after it; KV for the batch-8 rows
+    # (they share the prompt's pages through the prefix cache).
+    args.chunk, args.max_len = 2048, max(4096, args.context + 2048)
+    args.kv_tokens = max(1 << 17, 2 * args.max_len)
     if args.smoke:
         args.preset, args.layers, args.dtype, args.device = "tiny-moe", 2, "float32", "cpu"
         args.context, args.batches, args.chunk, args.max_len, args.kv_tokens = 160, [1, 3], 64, 1024, 8192
@@ -347,12 +357,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if run_section(results, "base_prefill", lambda: prefill_base(drv, base, device)) is not None:
                 variants = default_variants(base_attn)
                 if args.only:
-                    keep = {s.strip() for s in args.only.split(",")} | {"baseline"}
-                    unknown = keep - {v.name for v in variants}
-                    if unknown:
-                        raise SystemExit(f"unknown variants {sorted(unknown)}; known: "
-                                         f"{', '.join(v.name for v in variants)}")
-                    variants = [v for v in variants if v.name in keep]
+                    try:
+                        variants = select_variants(variants, args.only, base_attn)
+                    except ValueError as err:
+                        raise SystemExit(f"{err}; named variants: {', '.join(v.name for v in variants)}") from None
                 measure(b, variants, results, deadline)
         finally:
             runner.attn_backend = backend

@@ -87,6 +87,48 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     return out
 
 
+def parse_variant(name: str, base_attn: AttnKernelConfig) -> Variant:
+    """An ad-hoc variant from its name: ``attn FIELD=VALUE [FIELD=VALUE ...]``
+    (AttnKernelConfig fields, ints or 0/1 for flags) or ``FTSERVE_NAME=VALUE
+    [FTSERVE_NAME=VALUE ...]`` (switches laid over DEFAULT_ENV). Its group is
+    its name, so it never excludes another in the combination."""
+    words = name.split()
+    attn_fields = {f.name: f for f in dataclasses.fields(AttnKernelConfig)}
+    if words and words[0] == "attn":
+        attn: dict[str, Any] = {}
+        for word in words[1:] or ["?"]:
+            key, sep, value = word.partition("=")
+            if not sep or key not in attn_fields:
+                raise ValueError(f"variant {name!r}: {word!r} is not FIELD=VALUE of an "
+                                 f"AttnKernelConfig field ({', '.join(attn_fields)})")
+            kind = type(getattr(base_attn, key))
+            try:
+                attn[key] = bool(int(value)) if kind is bool else kind(value)
+            except ValueError:
+                raise ValueError(f"variant {name!r}: {key} takes a {kind.__name__}, not {value!r}") from None
+        return Variant(name, name, attn=attn)
+    env: dict[str, str] = {}
+    for word in words or ["?"]:
+        key, sep, value = word.partition("=")
+        if not sep or key not in DEFAULT_ENV:
+            raise ValueError(f"variant {name!r}: {word!r} is neither a known variant nor "
+                             f"FTSERVE_NAME=VALUE of a switch in DEFAULT_ENV")
+        env[key] = value
+    return Variant(name, name, env)
+
+
+def select_variants(variants: Sequence[Variant], only: str, base_attn: AttnKernelConfig) -> list[Variant]:
+    """The baseline, then the comma-separated names of ``only`` in their order:
+    each one of ``variants`` or an ad-hoc one (parse_variant). ValueError names
+    the one that is neither."""
+    by_name = {v.name: v for v in variants}
+    out = [by_name["baseline"]]
+    for name in (n.strip() for n in only.split(",")):
+        if name and name != "baseline" and name not in {v.name for v in out}:
+            out.append(by_name[name] if name in by_name else parse_variant(name, base_attn))
+    return out
+
+
 def score_ms(row: Mapping[str, Any]) -> float | None:
     """What a variant is ranked by: the graph replay time of one batch-1 step;
     without graphs (CPU), the engine's batch-1 step time."""
