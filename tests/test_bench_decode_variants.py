@@ -96,9 +96,11 @@ def test_ad_hoc_variants_parse_attn_fields_and_switches() -> None:
     base = AttnKernelConfig()
     v = parse_variant("attn decode_block_n=128 decode_round_robin=1", base)
     assert v.attn == {"decode_block_n": 128, "decode_round_robin": True} and not v.env
-    assert v.group == v.name  # never excludes a named knob in the combination
+    assert v.group == "attn:decode_block_n+decode_round_robin"  # "+": never combined
+    assert parse_variant("attn decode_block_n=32", base).group == "attn:decode_block_n"
     w = parse_variant("FTSERVE_PDL=1 FTSERVE_DENSE_GEMV=norm", base)
     assert w.env == {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": "norm"} and not w.attn
+    assert w.group == "env:FTSERVE_DENSE_GEMV+FTSERVE_PDL"
     for bad in ("attn", "attn decode_block_m=64", "attn decode_block_n=big", "FTSERVE_NOPE=1", "PDL"):
         with pytest.raises(ValueError, match="variant"):
             parse_variant(bad, base)

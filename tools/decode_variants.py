@@ -90,8 +90,10 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
 def parse_variant(name: str, base_attn: AttnKernelConfig) -> Variant:
     """An ad-hoc variant from its name: ``attn FIELD=VALUE [FIELD=VALUE ...]``
     (AttnKernelConfig fields, ints or 0/1 for flags) or ``FTSERVE_NAME=VALUE
-    [FTSERVE_NAME=VALUE ...]`` (switches laid over DEFAULT_ENV). Its group is
-    its name, so it never excludes another in the combination."""
+    [FTSERVE_NAME=VALUE ...]`` (switches laid over DEFAULT_ENV). Its group
+    names what it turns ("attn:decode_block_n", "env:FTSERVE_PDL"), so ad-hoc
+    options of one field exclude each other in the combination, and one that
+    turns several ("+" in the group) never enters it."""
     words = name.split()
     attn_fields = {f.name: f for f in dataclasses.fields(AttnKernelConfig)}
     if words and words[0] == "attn":
@@ -106,7 +108,7 @@ def parse_variant(name: str, base_attn: AttnKernelConfig) -> Variant:
                 attn[key] = bool(int(value)) if kind is bool else kind(value)
             except ValueError:
                 raise ValueError(f"variant {name!r}: {key} takes a {kind.__name__}, not {value!r}") from None
-        return Variant(name, name, attn=attn)
+        return Variant(name, "attn:" + "+".join(sorted(attn)), attn=attn)
     env: dict[str, str] = {}
     for word in words or ["?"]:
         key, sep, value = word.partition("=")
@@ -114,7 +116,7 @@ def parse_variant(name: str, base_attn: AttnKernelConfig) -> Variant:
             raise ValueError(f"variant {name!r}: {word!r} is neither a known variant nor "
                              f"FTSERVE_NAME=VALUE of a switch in DEFAULT_ENV")
         env[key] = value
-    return Variant(name, name, env)
+    return Variant(name, "env:" + "+".join(sorted(env)), env)
 
 
 def select_variants(variants: Sequence[Variant], only: str, base_attn: AttnKernelConfig) -> list[Variant]:
