@@ -122,22 +122,14 @@ def pdl() -> int:
     this one's programs exit). Off: on the H200 (2026-11-30 03:05, batch-1
     decode graph replay, same tokens) mode 1 took 0.706 ms and 'wait' 0.686 ms
     against 0.677 ms without PDL; 2026-12-01 18:47, 0.671 and 0.611 against
-    0.601. Since then (not yet measured) the one-row attention GEMVs take the
-    whole-slice kernel and the MoE down kernel loads its weights before its
-    wait whenever PDL is on, as in FTSERVE_PDL_PAIRS."""
+    0.601; 2026-12-01 (python -m tools.bench_decode_variants --trace), with
+    the dependants then loading all their weights or their first KV tile
+    before the wait, 0.690 and 0.644 against 0.594: those preloads were
+    removed, and so was FTSERVE_PDL_PAIRS (two linked pairs only, 0.612 ms).
+    Left is the first form: only the GEMV's first weight tile and the norm +
+    router launch's weights load before the wait."""
     value = os.environ.get("FTSERVE_PDL", "0")
     return {"0": 0, "": 0, "1": 1, "wait": 2}.get(value, 1)
-
-
-def pdl_pairs() -> bool:
-    """FTSERVE_PDL_PAIRS (default off until measured): programmatic dependent
-    launch for two pairs of decode kernels only, where the second streams
-    weights it can read before the first finishes (ftserve_kernels/pdl.py):
-    the attention split reduce -> o_proj (a one-row GEMV that loads its whole
-    weight slice, then waits), and the MoE gate/up -> the 3-D MoE down (its
-    expert weight tiles, then the wait). The first kernel of each pair releases
-    its dependant as it starts; every other launch is as without PDL."""
-    return _flag("FTSERVE_PDL_PAIRS", False)
 
 
 def fused_kv_store() -> bool:

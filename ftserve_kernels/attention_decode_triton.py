@@ -48,7 +48,6 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
     QK: tl.constexpr, ROUND_ROBIN: tl.constexpr = False, TILE_STEP: tl.constexpr = 1,
-    PRELOAD: tl.constexpr = False,
 ):
     # QK (decode_attention_qk_triton): q and the new token's k arrive raw (before
     # the per-head norms and the rotary) and this kernel normalizes and rotates
@@ -65,14 +64,7 @@ def _decode_split_kernel(
     # it, and the new token goes to split n_tiles % NUM_SPLITS, one with a tile
     # fewer than the splits before it (at short contexts an otherwise empty one,
     # which then runs beside the tile splits instead of after its own tile).
-    #
-    # PRELOAD (QK, a PDL launch, cached pages that no kernel of this step writes:
-    # DecodeQK.pages_quiet): the sequence length, the page entries and the K/V
-    # of the split's first tile are read before the PDL wait, while the qkv GEMV
-    # before this kernel still runs; only q and the new token's k / v (its
-    # outputs) come after. The same tiles and sums as without.
-    if not PRELOAD:
-        pdl.enter(PDL)
+    pdl.enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -96,22 +88,6 @@ def _decode_split_kernel(
     dmask = d < D
     HALF: tl.constexpr = D // 2
     hj = tl.arange(0, HALF)
-    if PRELOAD:
-        tl.static_assert(QK and not FP8)
-        f_end = tl.minimum(end, kv_len - 1)  # the loop's end below
-        f_pos = start + tl.arange(0, BLOCK_N)
-        f_mask = f_pos < f_end
-        if ROUND_ROBIN:
-            f_page = page0
-        else:
-            f_page = tl.load(pt_ptr + b.to(tl.int64) * stride_pt + f_pos // PAGE_SIZE, mask=f_mask, other=0)
-        f_slot = f_page.to(tl.int64) * PAGE_SIZE + f_pos % PAGE_SIZE  # [N]
-        f_rows = kc_ptr + f_slot[None, :] * stride_cs + kvh * stride_ch
-        f_k1 = tl.load(f_rows + hj[:, None], mask=f_mask[None, :], other=0.0)  # [HALF, N]
-        f_k2 = tl.load(f_rows + HALF + hj[:, None], mask=f_mask[None, :], other=0.0)
-        f_v = tl.load(vc_ptr + f_slot[:, None] * stride_cs + kvh * stride_ch + d[None, :],
-                      mask=f_mask[:, None] & dmask[None, :], other=0.0)  # [N, D]
-        pdl.enter(PDL)  # now q and the new token's k / v
     if QK:
         ty = q_ptr.dtype.element_ty
         p_new = tl.load(pos_ptr + b).to(tl.int64)
@@ -132,21 +108,9 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    loop_start = start
-    if PRELOAD:
-        if start < f_end:  # the first tile from registers, as the loop below would take it
-            qk = mma(q1, f_k1, UPCAST) + mma(q2, f_k2, UPCAST)  # [G, N] unscaled scores
-            qk = tl.where(f_mask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk * scale_log2 - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = mma_acc(p.to(f_v.dtype), f_v, acc * alpha[:, None], UPCAST)
-            m_i = m_new
-        loop_start = start + TILE_STEP * BLOCK_N
     pt_row = pt_ptr + b.to(tl.int64) * stride_pt
     head_off = kvh * stride_ch
-    for n0 in range(loop_start, end, TILE_STEP * BLOCK_N):
+    for n0 in range(start, end, TILE_STEP * BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         nmask = pos < end
         if ROUND_ROBIN:
@@ -271,9 +235,8 @@ def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, o_ptr,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr, RELEASE: tl.constexpr = False,
+    PDL: tl.constexpr,
 ):
-    pdl.release(RELEASE)  # the o_proj after it may start loading its weights (pdl.pairs)
     pdl.enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -307,10 +270,6 @@ class DecodeQK:
     positions: torch.Tensor  # [B] int64
     cos_sin: torch.Tensor  # [max_pos, D] fp32, cos | sin halves
     out_cache_loc: torch.Tensor  # [B] int64, the new token's KV slot
-    # No kernel of this step before this launch writes the layer's cached pages
-    # (no KV restore streaming in): under PDL the split programs read their
-    # first tile before the wait (PRELOAD).
-    pages_quiet: bool = False
 
 
 def decode_attention_triton(
@@ -328,7 +287,6 @@ def decode_attention_triton(
     k_scale: torch.Tensor | None = None,  # [slots, Hkv] fp32, fp8 caches only
     v_scale: torch.Tensor | None = None,
     qk: DecodeQK | None = None,
-    preload: bool | None = None,  # with qk: the first tile before the PDL wait; None: qk.pages_quiet under PDL
 ) -> torch.Tensor:
     """Split-K decode. With ``cfg.decode_fused_reduce`` the last split program of
     each (sequence, KV head) combines the splits itself (one launch); it needs
@@ -362,7 +320,6 @@ def decode_attention_triton(
     else:
         qk_args = (q, q, q, q, seq_lens, q, seq_lens, 0.0, 0, 0, 0, 0, 0)  # unread
     on = pdl.active(q)
-    preload = qk is not None and (qk.pages_quiet and on > 0 if preload is None else preload)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, out,
         counters if counters is not None else seq_lens,  # unread unless fused
@@ -378,7 +335,6 @@ def decode_attention_triton(
         NUM_SPLITS=num_splits, UPCAST=interpreting(), FUSED_REDUCE=fused,
         BLOCK_S=triton.next_power_of_2(num_splits), FP8=fp8, QK=qk is not None,
         ROUND_ROBIN=cfg.decode_round_robin, TILE_STEP=num_splits if cfg.decode_round_robin else 1,
-        PRELOAD=preload,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
     )
     if fused:
@@ -388,6 +344,6 @@ def decode_attention_triton(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), D=d, BLOCK_D=block_d,
-        num_warps=4, PDL=on, RELEASE=pdl.pairs(q), **pdl.launch(on),
+        num_warps=4, PDL=on, **pdl.launch(on),
     )
     return out

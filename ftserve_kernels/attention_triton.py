@@ -354,8 +354,7 @@ class TritonAttentionBackend:
         d = q.shape[-1]
         if not batch.is_decode or pool.k_scale is not None or cos_sin.shape[-1] != d:
             return None
-        qk = DecodeQK(k, v, q_w, k_w, eps, batch.positions, cos_sin, batch.attn.out_cache_loc,
-                      pages_quiet=batch.layer_ready is None)
+        qk = DecodeQK(k, v, q_w, k_w, eps, batch.positions, cos_sin, batch.attn.out_cache_loc)
         return self._decode(q, pool.k[layer], pool.v[layer], batch, None, None, qk)
 
     def _decode(

@@ -30,7 +30,6 @@ import triton.language as tl
 
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
-from ftserve_kernels.attention_common import interpreting
 
 GEMV_MAX_ROWS = 4  # rows per launch: every program holds all of them
 
@@ -148,55 +147,6 @@ def _gemv_kernel(
                  mask=nmask & ((cols * 0 + 3) < T))
 
 
-@triton.jit
-def _gemv_slice_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w,
-                       HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr):
-    # One row of x. Each program's whole weight slice [BLOCK_N, K] is one load,
-    # issued before the PDL wait: launched as the second kernel of a PDL pair
-    # (pdl.pairs), it streams its weights while the kernel before it still runs;
-    # after the wait only x (L2) and the FMAs are left. BLOCK_K = next_power_of_2(K).
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
-    nmask = rows < N
-    ks = tl.arange(0, BLOCK_K)
-    kmask = ks < K
-    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + ks[None, :],
-                mask=nmask[:, None] & kmask[None, :], other=0.0)  # [N, K], all in flight at once
-    pdl.enter(PDL)  # then the kernel before has finished and x is written
-    xv = tl.load(x_ptr + ks, mask=kmask, other=0.0).to(tl.float32)  # [K]
-    acc = tl.sum(w.to(tl.float32) * xv[None, :], 1)  # [N]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rows, mask=nmask, other=0.0).to(tl.float32)
-    # Rounded to x's dtype first, as F.linear's output (and _gemv_kernel's).
-    tl.store(y_ptr + rows, acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=nmask)
-
-
-# Weight elements a program of the whole-slice kernel holds: 64 KB of bf16 over
-# 8 warps, 64 registers a thread.
-SLICE_ELEMS = 32768
-# Largest weight (elements) it takes: the attention projections (qkv 10.5M, o_proj
-# 8.4M at qwen3-30b-a3b) fit in one wave; the lm_head keeps its tuned launch.
-SLICE_MAX_WEIGHT = 1 << 25
-
-
-def gemv_slice_pdl(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y [1, N] = x [1, K] . w^T (+ bias) by the whole-slice kernel, launched
-    with the PDL attribute (the second kernel of a pair: pdl.pairs; CUDA sm_90+;
-    the interpreter runs it unlinked)."""
-    n, k = w.shape
-    assert x.shape == (1, k) and x.stride(-1) == 1 and w.stride(-1) == 1
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    bk = triton.next_power_of_2(k)
-    bn = max(1, min(triton.next_power_of_2(n), SLICE_ELEMS // bk))
-    _gemv_slice_kernel[(triton.cdiv(n, bn),)](
-        x, w, bias if bias is not None else w, y, n, k, w.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=8 if x.is_cuda else 1,
-        PDL=0 if interpreting() else 1, **pdl.launch(0 if interpreting() else 1),
-    )
-    return y
-
-
 def gemv_triton(
     x: torch.Tensor,  # [T, K], T <= GEMV_MAX_ROWS
     w: torch.Tensor,  # [N, K]
@@ -207,19 +157,11 @@ def gemv_triton(
     block: tuple[int, int] | None = None,  # (BLOCK_N, BLOCK_K) over the default's warps
     config: gc.GemvConfig | None = None,  # all launch parameters; wins over block
     out_dtype: torch.dtype | None = None,  # y's dtype (values rounded to x's dtype first)
-    after_release: bool = False,  # x from a kernel that releases early (pdl.pairs): gemv_slice_pdl
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-> (y [T, N] in ``out_dtype`` or x's dtype, x + residual [T, K] or None).
     Launch: ``config``, else ``block``, else the device table's entry
     (gemv_configs), else the default."""
     t, k = x.shape
-    # A PDL dependant (after a releasing kernel in a pdl.pairs pair, or any with
-    # FTSERVE_PDL on) of one plain row and an attention-sized weight loads its
-    # whole slice before the wait.
-    if (t == 1 and norm_w is None and out_dtype in (None, x.dtype) and config is None and block is None
-            and triton.next_power_of_2(k) <= SLICE_ELEMS and w.shape[0] * k <= SLICE_MAX_WEIGHT
-            and ((after_release and pdl.pairs(x)) or pdl.active(x) > 0)):
-        return gemv_slice_pdl(x, w, bias), None
     n = w.shape[0]
     assert t <= GEMV_MAX_ROWS and w.shape[1] == k
     assert residual is None or norm_w is not None, "the residual add is part of the norm prologue"

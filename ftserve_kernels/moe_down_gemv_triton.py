@@ -5,9 +5,8 @@ moe_gemv_triton's two launches; twin: ``moe.fused_moe_ref``)::
              = sum_j  round(weight[t, j] * (act[t*k + j] . W2[e_{t,j}, cols]))
 
 The 3-D kernel takes the k choices as a tile axis; it can fold the next
-layer's input norm into its epilogue (``NormNext``) and, under PDL, load its
-weight tiles before its wait (``preload``). The combine adds the k choices in
-a fixed order in fp32: deterministic.
+layer's input norm into its epilogue (``NormNext``). The combine adds the k
+choices in a fixed order in fp32: deterministic.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import triton.language as tl
 
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
-from ftserve_kernels.attention_common import interpreting
 from ftserve_kernels.moe_read_through import (
     ReadThrough,
     _bank_rows,
@@ -28,8 +26,6 @@ from ftserve_kernels.moe_read_through import (
     _read_through_args,
     _read_through_consts,
 )
-
-PRELOAD_STEPS = 8  # K steps the 3-D down kernel can hold before its PDL wait
 
 
 @triton.jit
@@ -87,14 +83,8 @@ def _gemv_down_combine3d_kernel(
     EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr, K_STEPS: tl.constexpr,
     READ_THROUGH: tl.constexpr, BLOCK_M: tl.constexpr,
     PDL: tl.constexpr, NORM_NEXT: tl.constexpr = False, BLOCK_H: tl.constexpr = 16,
-    PRELOAD: tl.constexpr = False,
 ):
-    # PRELOAD (PDL: pdl.pairs or FTSERVE_PDL): the ids come from the route
-    # kernel, complete before the gate/up kernel released this one, so this
-    # kernel reads them and loads all K_STEPS (<= 8) weight tiles while gate/up
-    # runs, and waits only before the activations. Otherwise it waits first.
-    if not PRELOAD:
-        pdl.enter(PDL)  # the ids / activations come from the kernel before
+    pdl.enter(PDL)  # the ids / activations come from the kernel before
     # As _gemv_down_combine_kernel, with the k choices as a third tile axis: the
     # weight tile is [KP, N, K] and each choice's act row loads once as [KP, K]
     # (the 2-D kernel loaded it N times into registers, a second full-size tile
@@ -120,24 +110,6 @@ def _gemv_down_combine3d_kernel(
                   + bank_col + tile)
         from_host = (src >= 0)[:, None, None]  # [KP, 1, 1]
     acc = tl.zeros([BLOCK_KP, BLOCK_N], tl.float32)
-    if PRELOAD:  # every step's tile, as the loop below would load it (the same sums)
-        tl.static_assert(K_STEPS <= 8 and not READ_THROUGH)
-        b0 = _w_tile(b_ptrs, 0, bmask, offs_k, INTER, BLOCK_K)
-        if K_STEPS > 1:
-            b1 = _w_tile(b_ptrs, 1, bmask, offs_k, INTER, BLOCK_K)
-        if K_STEPS > 2:
-            b2 = _w_tile(b_ptrs, 2, bmask, offs_k, INTER, BLOCK_K)
-        if K_STEPS > 3:
-            b3 = _w_tile(b_ptrs, 3, bmask, offs_k, INTER, BLOCK_K)
-        if K_STEPS > 4:
-            b4 = _w_tile(b_ptrs, 4, bmask, offs_k, INTER, BLOCK_K)
-        if K_STEPS > 5:
-            b5 = _w_tile(b_ptrs, 5, bmask, offs_k, INTER, BLOCK_K)
-        if K_STEPS > 6:
-            b6 = _w_tile(b_ptrs, 6, bmask, offs_k, INTER, BLOCK_K)
-        if K_STEPS > 7:
-            b7 = _w_tile(b_ptrs, 7, bmask, offs_k, INTER, BLOCK_K)
-        pdl.enter(PDL)  # now the gate/up kernel's activations
     # Unrolled (K_STEPS = cdiv(I, BLOCK_K), 3 at I = 768): the steps' loads are
     # independent, so they can all be in flight at once (one memory round trip per
     # program, not three; these loads are not cp.async-pipelined).
@@ -150,24 +122,7 @@ def _gemv_down_combine3d_kernel(
             kmask = offs_k < INTER - k0
             av = tl.load(a_ptrs, mask=jmask[:, None] & kmask[None, :], other=0.0)
             m3 = bmask & kmask[None, None, :]
-        if PRELOAD:
-            if step == 0:
-                b = b0
-            elif step == 1:
-                b = b1
-            elif step == 2:
-                b = b2
-            elif step == 3:
-                b = b3
-            elif step == 4:
-                b = b4
-            elif step == 5:
-                b = b5
-            elif step == 6:
-                b = b6
-            else:
-                b = b7
-        elif READ_THROUGH:
+        if READ_THROUGH:
             b = tl.load(tl.where(from_host, h_ptrs, b_ptrs), mask=m3, other=0.0)
             tl.store(b_ptrs, b, mask=m3 & from_host)
             h_ptrs += BLOCK_K
@@ -185,13 +140,6 @@ def _gemv_down_combine3d_kernel(
                             stride_rt, out_ptr.dtype.element_ty, BLOCK_H)
     else:
         tl.store(out_ptr + t * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=nmask)
-
-
-@triton.jit
-def _w_tile(b_ptrs, step: tl.constexpr, bmask, offs_k, INTER, BLOCK_K: tl.constexpr):
-    """K step ``step``'s weight tile [KP, N, K] of the 3-D down kernel (masked past I)."""
-    return tl.load(b_ptrs + step * BLOCK_K, mask=bmask & (offs_k < INTER - step * BLOCK_K)[None, None, :],
-                   other=0.0)
 
 
 @triton.jit
@@ -245,28 +193,16 @@ def moe_down_gemv(
     read_through: ReadThrough | None = None,  # the 3-D kernel only
     norm_next: NormNext | None = None,  # the 3-D kernel only: writes ``outs`` instead of ``out``
     outs: tuple[torch.Tensor, torch.Tensor] | None = None,  # (normed, summed) [T, H] each
-    preload: bool = False,  # 3-D kernel: weight tiles before the PDL wait (pdl.pairs)
 ) -> None:
-    """The down + combine kernel alone (tools/tune_gemv times it on its own).
-    With ``preload`` the 3-D kernel launches with the PDL attribute and loads
-    all of its weight tiles (at most PRELOAD_STEPS K steps: block_k grows to
-    fit) before it waits for the gate/up kernel's activations."""
+    """The down + combine kernel alone (tools/tune_gemv times it on its own)."""
     t, h = out.shape
     inter = act.shape[1]
     emap = expert_map if expert_map is not None else ids
     args = (act, w2, out, weights, ids, emap, h, inter,
             act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))
     on = pdl.active(act)
-    block_k = cfg.block_k
-    if preload:
-        assert down3d and read_through is None
-        # Wait, then release (under FTSERVE_PDL the next kernel is a dependant
-        # too; in a pair it is launched as usual); the interpreter has no PDL and
-        # runs the same loads unlinked.
-        on = 0 if interpreting() else (on or 1)
-        block_k = max(block_k, triton.next_power_of_2(triton.cdiv(inter, PRELOAD_STEPS)))
     consts = dict(TOP_K=top_k, BLOCK_KP=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n,
-                  BLOCK_K=block_k, EVEN_K=inter % block_k == 0, HAS_MAP=expert_map is not None,
+                  BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, HAS_MAP=expert_map is not None,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **pdl.launch(on))
     grid = (t, triton.cdiv(h, cfg.block_n))
     if down3d:
@@ -279,8 +215,8 @@ def moe_down_gemv(
         else:
             norm_args = (out, out, out, out, ids, 0.0, 0)  # unread
         _gemv_down_combine3d_kernel[grid](*args, *_read_through_args(read_through, ids, w2, "w2_col"),
-                                          *norm_args, K_STEPS=triton.cdiv(inter, block_k),
-                                          NORM_NEXT=norm_next is not None, PRELOAD=preload,
+                                          *norm_args, K_STEPS=triton.cdiv(inter, cfg.block_k),
+                                          NORM_NEXT=norm_next is not None,
                                           BLOCK_H=triton.next_power_of_2(h),
                                           **_read_through_consts(read_through), **consts)
     else:

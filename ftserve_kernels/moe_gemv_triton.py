@@ -52,9 +52,8 @@ def _gemv_gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr,
     READ_THROUGH: tl.constexpr, BLOCK_M: tl.constexpr,
-    PDL: tl.constexpr, RELEASE: tl.constexpr = False,
+    PDL: tl.constexpr,
 ):
-    pdl.release(RELEASE)  # the down kernel after it may start loading its weights (pdl.pairs)
     pdl.enter(PDL)  # the ids / activations come from the kernel before
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair)
@@ -233,18 +232,9 @@ def _fused_moe_gemv(
             cfgs = [gc.pick(gc.moe_key(kind, e, h, inter, k), t, x.device) or gc.default(kind, cuda)
                     for kind in kinds]
         configs = (cfgs[0], cfgs[1])
-    # Under PDL (a pdl.pairs pair, or every decode kernel with FTSERVE_PDL) the 3-D
-    # down kernel loads its expert weights while the gate/up kernel still runs
-    # (not with the host bank: its misses are written as they are read). In a
-    # pair the gate/up kernel, launched as usual, releases it as it starts; with
-    # FTSERVE_PDL it is itself a dependant, and releases after its own wait.
-    paired = pdl.pairs(x)
-    preload = down3d and read_through is None and not gate_up_acc and (paired or pdl.active(x) > 0)
-    moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through,
-                     release=preload and paired)
+    moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through)
     outs = (out, summed) if norm_next is not None and summed is not None else None
-    moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d, read_through, norm_next, outs,
-                  preload=preload)
+    moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d, read_through, norm_next, outs)
 
 
 def moe_gate_up_gemv(
@@ -257,7 +247,6 @@ def moe_gate_up_gemv(
     expert_map: torch.Tensor | None = None,
     acc: bool = False,  # _gemv_gate_up_acc_kernel instead of _gemv_gate_up_kernel
     read_through: ReadThrough | None = None,  # _gemv_gate_up_kernel only
-    release: bool = False,  # let the down kernel after it start early (pdl.pairs)
 ) -> None:
     """The gate/up kernel alone (tools/tune_gemv times it on its own)."""
     h = x.shape[1]
@@ -276,8 +265,6 @@ def moe_gate_up_gemv(
     else:
         assert read_through is None, "the accumulate-style kernel has no read-through"
     on = pdl.active(x)
-    if not acc and release:
-        extra["RELEASE"] = True
     kernel[grid](*args, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  EVEN_K=h % cfg.block_k == 0, HAS_MAP=expert_map is not None,
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **extra, **pdl.launch(on))

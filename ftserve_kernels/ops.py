@@ -242,12 +242,10 @@ def _gemv_for(x: torch.Tensor, kind: str) -> Callable[..., Any] | None:
     return None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, after_release: bool = False) -> torch.Tensor:
-    """``after_release``: x comes from a kernel that releases its PDL dependant
-    early (the attention reduce before o_proj; pdl.pairs)."""
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     gemv = _gemv_for(x, "linear")
     if gemv is not None:
-        return gemv(x, w, b, after_release=after_release)[0]
+        return gemv(x, w, b)[0]
     return F.linear(x, w, b)
 
 

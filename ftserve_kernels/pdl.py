@@ -11,33 +11,19 @@ has completed and its writes are visible::
     A:  [wait | work ................ ]
     B:          (scheduled) [own loads | wait ....| work ......... ]
 
-What a dependant may do before its wait follows from when it is released.
-``enter`` waits, then releases the next kernel, so a kernel launched with the
-attribute is released by its predecessor P only after P's own wait, i.e. once
-everything before P has completed (a P launched without the attribute, as the
-first kernel of a pair, started only after that anyway, so it may ``release``
-as it starts). Hence, before its wait, a dependant may read what any kernel
-before P wrote (weights; the MoE down kernel the route kernel's expert ids;
-the split attention kernel the step's inputs and the cached KV pages) but
-nothing P writes, and it writes nothing. A kernel launched without the
-attribute (cuBLAS, torch ops) waits for full completion as always, so the
-ordering of the stream is kept. The released kernel's programs can only take
-SM room the running one's last wave leaves (all of its programs are placed
-by then). Stream capture records the programmatic edges, so the decode CUDA
-graphs keep them.
+Every kernel compiled with ``PDL=True`` calls ``enter`` before its first read
+of anything an earlier kernel wrote, and before any write; a kernel launched
+without the attribute (cuBLAS, torch ops) waits for full completion as always,
+so the ordering of the stream is kept. ``enter`` also releases the next kernel
+right after the wait: its programs can only take SM room this kernel's last
+wave leaves (all of this kernel's programs are placed by then). Stream capture
+records the programmatic edges, so the decode CUDA graphs keep them.
 
 Off unless FTSERVE_PDL=1 or =wait (ftserve/envs.py; wait: no early release),
 and only on CUDA devices of compute capability 9.0 or newer; never under the
-Triton interpreter (inline PTX). Measured slower on the H200 so far (envs.py),
-before the dependants had more than a first weight tile to load early.
-
-``pairs`` (FTSERVE_PDL_PAIRS) links only two pairs, where the dependant has a
-weight stream to start early: the first kernel calls ``release`` as it starts
-(it is itself launched as usual, so everything before it is complete), and the
-second, launched with the attribute, loads its weights, then ``enter``s::
-
-    reduce / gate-up:  [release | work ............ ]
-    o_proj / down:       (scheduled) [weights ...| wait | x, FMAs ]
+Triton interpreter (inline PTX). Measured slower on the H200 (envs.py), also
+when the dependants loaded all their weights (or their first KV tile) before
+the wait; those longer preloads were removed.
 """
 
 from __future__ import annotations
@@ -78,14 +64,6 @@ def enter(PDL: tl.constexpr):
             gdc_launch_dependents()
 
 
-@triton.jit
-def release(ON: tl.constexpr):
-    """Let the next kernel (launched with the PDL attribute) be scheduled now;
-    harmless when none is. For the first kernel of a PDL pair (``pairs``)."""
-    if ON:
-        gdc_launch_dependents()
-
-
 @functools.lru_cache(maxsize=16)
 def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
@@ -102,12 +80,6 @@ def active(t: torch.Tensor) -> int:
     """The PDL constexpr for launches on ``t``'s device: 0 (off) or envs.pdl()'s mode."""
     mode = envs.pdl()
     return mode if mode and _can_link(t) else 0
-
-
-def pairs(t: torch.Tensor) -> bool:
-    """Whether the PDL pairs (envs.pdl_pairs) apply to launches on ``t``'s device;
-    not with the all-kernel mode on (it already links every decode kernel)."""
-    return envs.pdl_pairs() and not envs.pdl() and _can_link(t)
 
 
 def launch(on: int) -> dict[str, Any]:

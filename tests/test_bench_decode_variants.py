@@ -35,8 +35,7 @@ def _switches() -> dict[str, object]:
             "decode_fusion": envs.decode_fusion(),
             "moe_down3d": envs.moe_down3d(), "fused_kv_store": envs.fused_kv_store(), "pdl": envs.pdl(),
             "decode_layer_kernel": envs.decode_layer_kernel(), "decode_qk_fold": envs.decode_qk_fold(),
-            "decode_down_norm": envs.decode_down_norm(), "decode_input_norm": envs.decode_input_norm(),
-            "pdl_pairs": envs.pdl_pairs()}
+            "decode_down_norm": envs.decode_down_norm(), "decode_input_norm": envs.decode_input_norm()}
 
 
 def test_default_env_is_what_envs_reads_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -193,49 +193,6 @@ def test_fused_moe_add_norm_matches_composition(t: int, dtype: torch.dtype) -> N
             torch.testing.assert_close(normed, ref_n, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("t,inter,block_k,norm", [(1, 24, 8, False), (2, 40, 16, True), (1, 64, 8, True),
-                                                   (1, 72, 8, False)])
-def test_moe_down_preload_matches(t: int, inter: int, block_k: int, norm: bool) -> None:
-    """The 3-D down kernel with its weight tiles loaded before the PDL wait
-    (linked only on a GPU) computes what it computes without, to the bit while
-    its K steps fit (<= 8: the same tiles and sums), and within rounding past
-    that (block_k grows: 72 / 8 = 9 steps -> 16-wide ones); I a multiple of the
-    step or not, with and without the next norm."""
-    from ftserve_kernels import gemv_configs as gc
-    from ftserve_kernels import moe_down_gemv_triton as md
-    from ftserve_kernels.norm_rope import fused_add_rms_norm_ref
-
-    g = torch.Generator().manual_seed(inter)
-    e, k, h = 6, 3, 40
-    act = torch.randn(t * k, inter, generator=g).to(DEVICE)
-    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(DEVICE)
-    weights, ids = route_topk_ref(torch.randn(t, e, generator=g).to(DEVICE), k, True)
-    weights, ids = weights.reshape(-1).contiguous(), ids.reshape(-1).contiguous()
-    r = torch.randn(t, h, generator=g).to(DEVICE)
-    nw = (1 + 0.1 * torch.randn(h, generator=g)).to(DEVICE)
-    cfg = gc.GemvConfig(block_n=8, block_k=block_k, num_warps=4, num_stages=1)
-    outs = []
-    for preload in (False, True):
-        out = torch.full((t, h), float("nan"), device=DEVICE)
-        both = (torch.full_like(out, float("nan")), torch.full_like(out, float("nan")))
-        counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-        md.moe_down_gemv(act, w2, out, weights, ids, k, cfg, norm_next=md.NormNext(r, nw, 1e-6, counter) if norm
-                         else None, outs=both if norm else None, preload=preload)
-        outs.append(list(both) if norm else [out])
-        assert int(counter.cpu()[0]) == 0
-    rows = torch.einsum("pi,phi->ph", act, w2[ids.long()]) * weights[:, None]  # [T*k, H]
-    moe = rows.view(t, k, h).sum(1)
-    ref = list(fused_add_rms_norm_ref(moe, r, nw, 1e-6)) if norm else [moe]
-    same_steps = -(-inter // block_k) <= md.PRELOAD_STEPS
-    for a, b, want in zip(*outs, ref):
-        assert torch.isfinite(a).all()
-        if same_steps:
-            assert torch.equal(a, b)
-        else:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(b, want, rtol=1e-4, atol=1e-4)
-
-
 def test_ops_moe_add_norm_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """ops.fused_moe_add_rms_norm folds the norm at GEMV sizes on Triton (and
     moe_folds_next_norm says so), composes past them, with

@@ -106,12 +106,6 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
               BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False,
               BLOCK_S=64, QK=True, ROUND_ROBIN=True, TILE_STEP=64), cfg.decode_warps, cfg.decode_stages)
-    comp("decode_split_qk_preload_pdl", at._decode_split_kernel,  # FTSERVE_PDL: the first tile before the wait
-         attn | {"k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "pos_ptr": "*i64",
-                 "cs_ptr": "*fp32", "loc_ptr": "*i64", "eps": "fp32"},
-         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
-              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False,
-              BLOCK_S=64, QK=True, PDL=1, PRELOAD=True), cfg.decode_warps, cfg.decode_stages)
     # fp8 e4m3 KV pages (codes + per-token scales): store, decode and extend.
     fp8 = "*fp8e4nv"
     comp("store_kv_fp8", at._store_kv_kernel,
@@ -160,19 +154,6 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True), 8, 2)
     comp("moe_gemv_down", md._gemv_down_combine_kernel, gemv,
          dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True), 8, 2)
-    # FTSERVE_PDL_PAIRS (pdl.pairs): gate/up releases its dependant as it starts; the
-    # 3-D down kernel loads its weight tiles, then waits; the whole-slice GEMV too.
-    comp("moe_gemv_gate_up_release", mg._gemv_gate_up_kernel, gemv,
-         dict(TOP_K=8, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, RELEASE=True), 16, 3)
-    down3 = gemv | {"res_ptr": bf, "nw_ptr": bf, "sum_ptr": bf, "normed_ptr": bf, "cnt_ptr": i32,
-                    "eps": "fp32"}
-    comp("moe_gemv_down3d_preload_pdl", md._gemv_down_combine3d_kernel, down3,
-         dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=4, BLOCK_K=128, EVEN_K=True, K_STEPS=6, PDL=1,
-              NORM_NEXT=True, BLOCK_H=2048, PRELOAD=True), 8, 2)  # the H200 table's batch-1 tiles
-    from ftserve_kernels import gemv_triton as gv
-
-    comp("gemv_slice_pdl", gv._gemv_slice_kernel, {"x_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf},
-         dict(HAS_BIAS=False, BLOCK_N=8, BLOCK_K=4096, PDL=1), 8, 1)
     if "HAS_MAP" in mt._moe_gate_up_kernel.arg_names:  # expert -> slot indirection
         comp("moe_gate_up_mapped", mt._moe_gate_up_kernel, moe,
              dict(TOP_K=8, HAS_MAP=True, **common), c.num_warps, c.num_stages)
@@ -196,8 +177,6 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          cfg.decode_warps, cfg.decode_stages)
     comp("decode_reduce_pdl", at._decode_reduce_kernel, attn,
          dict(NUM_SPLITS=64, BLOCK_S=64, D=128, BLOCK_D=128, PDL=True), 4, 1)
-    comp("decode_reduce_release", at._decode_reduce_kernel, attn,  # FTSERVE_PDL_PAIRS
-         dict(NUM_SPLITS=64, BLOCK_S=64, D=128, BLOCK_D=128, RELEASE=True), 4, 1)
     comp("rms_norm_pdl", nt._rms_norm_kernel,
          {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "eps": "fp32"},
          dict(HAS_RESIDUAL=True, BLOCK_R=4, BLOCK_H=2048, PDL=True), 8)
@@ -288,19 +267,13 @@ def test_kernels_compile_for_sm90() -> None:
         pdl = name.endswith("_pdl") or name == "qk_norm_rotary_store"
         if name.endswith("_pdl_wait"):
             assert r["pdl_wait"] and not r["pdl_release"], (name, r)
-        elif name.endswith("_release"):  # the first kernel of a PDL pair: released, no wait
-            assert r["pdl_release"] and not r["pdl_wait"], (name, r)
         else:
             assert r["pdl_wait"] == r["pdl_release"] == pdl, (name, r)
     for name in ("decode_split_pdl", "decode_reduce_pdl", "rms_norm_pdl", "qk_norm_rotary_store"):
         # Their every load reads an earlier kernel's output: none may move above the wait.
         assert results[name]["loads_before_wait"] == 0, (name, results[name])
-    for name in ("moe_gemv_down3d_preload_pdl", "gemv_slice_pdl", "decode_split_qk_preload_pdl"):
-        # their weights (or the first KV tile) load before the wait
-        assert results[name]["loads_before_wait"] > 0, (name, results[name])
     for name in ("extend", "decode_split", "decode_split_qk", "decode_split_qk_rr", "moe_gate_up_T1",
-                 "moe_gate_up_T8192",
-                 "decode_layer"):
+                 "moe_gate_up_T8192", "decode_layer"):
         assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"
 
 

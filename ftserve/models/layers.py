@@ -110,9 +110,8 @@ class Attention(nn.Module):
             # launch (TritonAttentionBackend.decode_qk), where it applies.
             out = fold(q, k, v, self.layer_idx, batch, self.q_norm.weight, self.k_norm.weight,
                        self.q_norm.eps, cos_sin)
-            if out is not None:  # the split reduce releases o_proj early (pdl.pairs)
-                return ops.linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias,
-                                  after_release=True)
+            if out is not None:
+                return ops.linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
         if self.q_norm is not None and self.k_norm is not None:
             # One kernel for both per-head norms and the rotary (three on the unfused
             # path), and with FTSERVE_FUSED_KV_STORE the KV store too.
@@ -128,8 +127,7 @@ class Attention(nn.Module):
             out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch, kv_stored=True)
         else:
             out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch)  # [T, Hq, D]
-        return ops.linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias,
-                          after_release=batch.is_decode)  # [T, H]
+        return ops.linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)  # [T, H]
 
 
 class DenseMLP(nn.Module):
