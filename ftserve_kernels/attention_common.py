@@ -91,14 +91,19 @@ class AttnKernelConfig:
     extend_block_n: int = 64
     extend_warps: int = 4
     extend_stages: int = 3
+    # Decode split kernel, batch-1 graph replay at 2k / 32k context (H200,
+    # 2026-12-01, tools.bench_decode_variants --trace [--context 32768]): 3
+    # stages 0.595 / 0.775 ms; 2 stages 0.588 / 0.717 (the split kernel 29.8 ->
+    # 22.6 us at 32k); 2 stages + round robin 0.585 / 0.707; 1 stage 0.591 /
+    # 0.742; 2 stages with 128-token tiles 0.593 / 0.712, with 32 0.587 / 0.734.
     decode_block_n: int = 64
     decode_warps: int = 4
-    decode_stages: int = 3
+    decode_stages: int = 2
     max_splits: int = 128
     extend_pack_gqa: bool = False  # one program per KV head x (BLOCK_M / GROUP) tokens
     decode_programs_per_sm: int = 4  # split-K target: (B * Hkv * splits) ~ this x SMs
     decode_fused_reduce: bool = False  # last split program combines (one launch, counters)
-    decode_round_robin: bool = False  # tiles dealt to the splits in turn (attention_decode_triton)
+    decode_round_robin: bool = True  # tiles dealt to the splits in turn (attention_decode_triton)
 
     @staticmethod
     def for_device(device: torch.device, head_dim: int) -> AttnKernelConfig:

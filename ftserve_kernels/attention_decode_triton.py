@@ -55,11 +55,11 @@ def _decode_split_kernel(
     # its K/V into the pages and adds it from registers after its loop, so no
     # program reads that slot back. Halves [*, D/2] throughout (full rotary).
     #
-    # Which tiles of BLOCK_N cached tokens a split takes: by default a contiguous
-    # range of them, ranges sized from the sequence length (trailing splits of a
-    # short sequence are empty), the new token in the split whose range holds its
-    # position. ROUND_ROBIN (AttnKernelConfig.decode_round_robin; TILE_STEP =
-    # NUM_SPLITS): split s takes tiles s, s + NUM_SPLITS, ..., so its first tile
+    # Which tiles of BLOCK_N cached tokens a split takes: without ROUND_ROBIN a
+    # contiguous range of them, ranges sized from the sequence length (trailing
+    # splits of a short sequence are empty), the new token in the split whose
+    # range holds its position. ROUND_ROBIN (AttnKernelConfig.decode_round_robin,
+    # the default; TILE_STEP = NUM_SPLITS): split s takes tiles s, s + NUM_SPLITS, ..., so its first tile
     # does not depend on the sequence length and its page entries load alongside
     # it, and the new token goes to split n_tiles % NUM_SPLITS, one with a tile
     # fewer than the splits before it (at short contexts an otherwise empty one,

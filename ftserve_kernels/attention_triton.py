@@ -10,9 +10,10 @@ number of chunks so one 100k-token request still fills the GPU::
     seq b:  |-- split 0 --|-- split 1 --| ... |-- split S-1 --|   (S fixed per batch size)
              partial (o, lse) per split  ->  reduce kernel  ->  o[b, h]
 
-(``AttnKernelConfig.decode_round_robin`` deals the KV tiles out in turn
-instead, tile t to split t % S: a split's first tile is then known before the
-sequence length is, so its page entries load alongside it.)
+By default (``AttnKernelConfig.decode_round_robin``) the KV tiles are dealt
+out in turn rather than in contiguous ranges, tile t to split t % S: a split's
+first tile is then known before the sequence length is, so its page entries
+load alongside it.
 
 Each split program serves all query heads of one KV head (GQA), so K/V are read
 once per KV head. Split boundaries come from ``seq_lens`` on the device: the grid

@@ -87,7 +87,7 @@ def test_each_variant_turns_exactly_its_switch(monkeypatch: pytest.MonkeyPatch) 
 def test_programs_per_sm_variants_skip_the_baseline_value() -> None:
     names = [v.name for v in default_variants(AttnKernelConfig(decode_programs_per_sm=1, max_splits=2,
                                                                decode_fused_reduce=True))]
-    assert [n for n in names if n.startswith("attn")] == ["attn fused_reduce=0", "attn round_robin=1",
+    assert [n for n in names if n.startswith("attn")] == ["attn fused_reduce=0", "attn round_robin=0",
                                                           "attn programs_per_sm=2", "attn max_splits=1"]
 
 

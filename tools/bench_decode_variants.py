@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from ftserve.engine.request import ReqState
 from ftserve_kernels.attention_common import AttnKernelConfig
 from tools.bench_common import (
     decode_step_bytes,
@@ -70,6 +71,10 @@ from tools.engine_driver import EngineDriver, build
 from tools.engine_measure import bench_decode, prefill_base
 
 TOP_KERNELS = 12
+# A batch-1 greedy decode graph starts with the inputs launch and ends with
+# the greedy sampler's (trace_engine cuts the engine's timeline at them).
+FIRST_GRAPH_KERNEL = "_decode_inputs_kernel"
+LAST_GRAPH_KERNELS = ("_greedy_kernel",)
 
 
 @dataclass
@@ -187,6 +192,53 @@ def trace_replay(b: Bench, batch: Any, replays: int = 3) -> dict[str, Any]:
             "kernel_us": round(busy, 1), "gap_us": round(sum(r[2] or 0.0 for r in rows), 1)}
 
 
+def trace_engine(b: Bench, steps: int = 8, warmup: int = 4) -> dict[str, Any]:
+    """The GPU timeline of the engine's own batch-1 decode loop (overlapped,
+    as it serves): every CUDA op of ``steps`` steps under the profiler, cut
+    into steps at each graph's first kernel. Per step: its period, the time
+    inside its graph (first to last kernel), and what lies between two graphs
+    (the copies and kernels outside them, and the idle gaps), so the engine's
+    cost over a bare replay can be told apart. Medians over the whole steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    drv = b.drv
+    req = drv.add(b.base, max_tokens=warmup + steps + 16)
+    for _ in range(10 * (warmup + steps) + 100):
+        if req.state is ReqState.DECODE and len(req.output_ids) >= warmup:
+            break
+        drv.step()
+    drv.flush()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            drv.step()
+        drv.flush()
+        torch.cuda.synchronize()
+    drv.abort_all()
+    ops = sorted((float(e.time_range.start), float(e.time_range.end), e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA
+                 and not getattr(e, "is_user_annotation", False))
+    starts = [i for i, (_, _, name) in enumerate(ops) if name.startswith(FIRST_GRAPH_KERNEL)]
+    periods, inside, between = [], [], []
+    for i, j in zip(starts, starts[1:]):
+        step = ops[i:j]
+        ends = [k for k, (_, _, name) in enumerate(step) if name.startswith(LAST_GRAPH_KERNELS)]
+        last_in = ends[-1] if ends else len(step) - 1
+        periods.append(ops[j][0] - step[0][0])
+        inside.append(step[last_in][1] - step[0][0])
+        rows, prev_end = [], step[last_in][1]
+        for s, e, name in step[last_in + 1:] + [ops[j]]:
+            rows.append((name[:70], round(e - s, 2), round(s - prev_end, 2)))
+            prev_end = max(prev_end, e)
+        between.append(rows)
+    if not periods:
+        return {"error": f"no two graph steps found ({len(ops)} CUDA ops)"}
+    return {"steps": len(periods), "period_us": round(statistics.median(periods), 1),
+            "graph_us": round(statistics.median(inside), 1),
+            "between_us": round(statistics.median(p - g for p, g in zip(periods, inside)), 1),
+            "between_last": between[-1]}
+
+
 def eager_kernels(b: Bench, batch: Any) -> dict[str, Any]:
     """Kernels of one eager (graph-less) launch of the batch."""
     runner = b.drv.runner
@@ -228,6 +280,14 @@ def run_variant(b: Bench, v: Variant) -> dict[str, Any]:
                         row["replay_trace"] = trace_replay(b, batch)
                 row.update(eager_kernels(b, batch))
         drv.abort_all()
+        if args.trace and b.device.type == "cuda" and drv.runner.graphs is not None:
+            try:
+                row["engine_trace"] = et = trace_engine(b)
+            except Exception as exc:  # noqa: BLE001 - a diagnostic; the variant's numbers stand
+                row["engine_trace"] = et = {"error": f"{type(exc).__name__}: {exc}"}
+                drv.abort_all()
+            say(f"  engine loop: period {et.get('period_us')} us, in the graph {et.get('graph_us')}, "
+                f"between graphs {et.get('between_us')}")
         if row.get("replay_ms") and b.roofline_ms:
             row["replay_frac_of_roofline"] = b.roofline_ms / row["replay_ms"]
         for bs in args.batches:
