@@ -149,6 +149,15 @@ def decode_qk_fold() -> bool:
     return _flag("FTSERVE_DECODE_QK_FOLD", True)
 
 
+def step_copy_kernel() -> bool:
+    """FTSERVE_STEP_COPY_KERNEL (default on): a decode step's input words go to
+    the device, and its sampled tokens to pinned host memory, through a small
+    kernel reading / writing the pinned buffer over UVA
+    (bookkeeping.copy_host_words) rather than as copy-engine memcpys. Only
+    where a CUDA tensor is involved."""
+    return _flag("FTSERVE_STEP_COPY_KERNEL", True)
+
+
 def decode_layer_kernel() -> bool:
     """FTSERVE_DECODE_LAYER_KERNEL (default off): batch-1 decode runs each MoE
     layer as one persistent launch with grid barriers between its phases

@@ -35,7 +35,8 @@ def _switches() -> dict[str, object]:
             "decode_fusion": envs.decode_fusion(),
             "moe_down3d": envs.moe_down3d(), "fused_kv_store": envs.fused_kv_store(), "pdl": envs.pdl(),
             "decode_layer_kernel": envs.decode_layer_kernel(), "decode_qk_fold": envs.decode_qk_fold(),
-            "decode_down_norm": envs.decode_down_norm(), "decode_input_norm": envs.decode_input_norm()}
+            "decode_down_norm": envs.decode_down_norm(), "decode_input_norm": envs.decode_input_norm(),
+            "step_copy_kernel": envs.step_copy_kernel()}
 
 
 def test_default_env_is_what_envs_reads_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -215,3 +215,64 @@ def test_gpu_expert_fill_from_pinned_host_in_graph() -> None:
         for i, s in zip(ids, slots_out.tolist()):
             if i >= 0:
                 assert torch.equal(cache[s].cpu(), bank[i]), (i, s)
+
+
+@pytest.mark.parametrize("n", [1, 7, 2500])
+def test_host_words_kernel_both_ways(n: int) -> None:
+    """The step-copy kernel moves every word, either side given as a bare
+    address (the pinned side's UVA pointer on a GPU; here, under the
+    interpreter, a host tensor's), and nothing past n; on CUDA for real."""
+    g = torch.Generator().manual_seed(n)
+    words = torch.randint(-(1 << 62), 1 << 62, (n,), dtype=torch.int64, generator=g)
+    if DEVICE == "cuda":
+        host, dev = words.pin_memory(), torch.full((n + 3,), -7, dtype=torch.int64, device="cuda")
+        bk.copy_host_words(host, dev[:n])
+        back = torch.full((n + 3,), -9, dtype=torch.int64).pin_memory()
+        bk.copy_host_words(dev[:n], back[:n])
+        torch.cuda.synchronize()
+        assert torch.equal(dev[:n].cpu(), words) and (dev[n:] == -7).all()
+        assert torch.equal(back[:n], words) and (back[n:] == -9).all()
+        return
+    block = min(1024, 1 << (n - 1).bit_length())
+    dst = torch.full((n + 3,), -7, dtype=torch.int64)
+    bk._host_words_kernel[(1,)](words.data_ptr(), dst, n, HOST_SRC=True, BLOCK=block)
+    assert torch.equal(dst[:n], words) and (dst[n:] == -7).all()
+    back = torch.full((n + 3,), -9, dtype=torch.int64)
+    bk._host_words_kernel[(1,)](dst, back.data_ptr(), n, HOST_SRC=False, BLOCK=block)
+    assert torch.equal(back[:n], words) and (back[n:] == -9).all()
+
+
+def test_copy_host_words_checks_its_arguments() -> None:
+    with pytest.raises(AssertionError):
+        bk.copy_host_words(torch.zeros(4, dtype=torch.int32), torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(AssertionError):
+        bk.copy_host_words(torch.zeros(4, dtype=torch.int64), torch.zeros(5, dtype=torch.int64))
+    a, b = torch.arange(4), torch.zeros(4, dtype=torch.int64)
+    bk.copy_host_words(a, b)  # host to host: the plain copy
+    assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_step_copies_stay_stream_ordered() -> None:
+    """Input words written on the host, a kernel reading them, device work,
+    tokens stored back over UVA, an event: after the event the host sees the
+    tokens of *this* step, across many steps with alternating buffers (as the
+    decode graphs and the runner use them), without a device sync."""
+    n = 9
+    h_in = [torch.zeros(n, dtype=torch.int64).pin_memory() for _ in range(2)]
+    h_out = [torch.zeros(n, dtype=torch.int64).pin_memory() for _ in range(2)]
+    g_in = torch.zeros(n, dtype=torch.int64, device="cuda")
+    pending = []
+    for step in range(40):
+        h_in[step % 2].copy_(torch.arange(n) + 1000 * step)
+        bk.copy_host_words(h_in[step % 2], g_in)
+        out = g_in * 3 + 1  # the step's "tokens"
+        bk.copy_host_words(out, h_out[step % 2])
+        event = torch.cuda.Event()
+        event.record()
+        pending.append((step, event))
+        if len(pending) == 2:  # read one step late, as the overlap scheduler does
+            s, ev = pending.pop(0)
+            ev.synchronize()
+            assert h_out[s % 2].tolist() == [(i + 1000 * s) * 3 + 1 for i in range(n)], s

@@ -33,6 +33,7 @@ import torch
 from ftserve.engine.sampler import SampleOutput, SamplerFeatures
 from ftserve.models.forward_batch import AttentionMetadata, ForwardBatch
 from ftserve_kernels import ops
+from ftserve_kernels.bookkeeping import copy_host_words
 
 if TYPE_CHECKING:
     from ftserve.engine.runner import ModelRunner
@@ -186,7 +187,7 @@ class DecodeGraphs:
         self._flip ^= 1
         h_in = self.h_in[self._flip]
         h_in[:pbs] = torch.tensor(rows, dtype=torch.int64)
-        self.g_in[:pbs].copy_(h_in[:pbs], non_blocking=True)
+        copy_host_words(h_in[:pbs], self.g_in[:pbs])  # a kernel, not a copy-engine memcpy
         feats = sampler_variant(r.sampler.features_of(req.slot for req in batch.reqs))
         self.graphs[(pbs, feats)].replay()
         out = self.outputs[(pbs, feats)]

@@ -41,6 +41,7 @@ from ftserve.models.forward_batch import (
     PackedTokens,
     pack_tokens,
 )
+from ftserve_kernels.bookkeeping import copy_host_words
 
 if TYPE_CHECKING:
     from ftserve.engine.cuda_graph import DecodeGraphs
@@ -299,7 +300,7 @@ class ModelRunner:
             # alternate: step N's is read (collect) before step N+2 rewrites it.
             self._out_flip ^= 1
             host = self._out_host[self._out_flip][:n]
-            host.copy_(out.token_ids[:n], non_blocking=True)
+            copy_host_words(out.token_ids[:n], host)  # a kernel storing over UVA where on CUDA
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
