@@ -154,7 +154,10 @@ def step_copy_kernel() -> bool:
     the device, and its sampled tokens to pinned host memory, through a small
     kernel reading / writing the pinned buffer over UVA
     (bookkeeping.copy_host_words) rather than as copy-engine memcpys. Only
-    where a CUDA tensor is involved."""
+    where a CUDA tensor is involved. On (H200, 2026-12-01, batch 1, the engine
+    loop's GPU timeline from tools.bench_decode_variants --trace): 11.5 us
+    between two decode graphs at 2k context against 17.3 with the memcpys,
+    12.2 against 18.1 at 32k."""
     return _flag("FTSERVE_STEP_COPY_KERNEL", True)
 
 

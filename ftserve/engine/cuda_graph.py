@@ -1,7 +1,10 @@
 """CUDA-graph decode: one captured graph per padded batch size, replayed with
 one call.
 
-Static input, refilled each step by ONE non-blocking copy from pinned memory::
+Static input, refilled each step by ONE non-blocking copy from pinned memory
+(on CUDA a one-program kernel reading the pinned rows over UVA,
+bookkeeping.copy_host_words, so no copy-engine transfer sits between two
+graphs)::
 
     g_in [max_bs, 7] int64, one row per sequence: input_id, position,
         out_cache_loc, seq_len, sampler slot (+ min_tokens flag in bit 62), step,
