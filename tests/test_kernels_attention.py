@@ -223,6 +223,39 @@ def test_decode_fused_reduce_matches_two_kernels(splits: int, round_robin: bool)
         assert torch.equal(one[2], torch.zeros_like(one[2]))
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("fold", [False, True])
+def test_decode_page_ahead_gives_the_same_bits(splits: int, fold: bool) -> None:
+    """decode_page_ahead (round robin): each tile's page entries load one
+    iteration early; the same tiles in the same order, so the same bits, on
+    the plain and the q/k-folding paths, with several tiles a split."""
+    from ftserve_kernels.attention_decode_triton import DecodeQK
+
+    prefix, d, page = [70, 4, 33], 32, 4
+    pool, tables, q, k, v = make_case([1, 1, 1], prefix, 8, 2, d, page, torch.float32, DEVICE, seed=splits)
+    fb = build_forward_batch([[1]] * 3, prefix, tables, pool, TorchAttentionBackend(), is_decode=True)
+    meta = fb.attn
+    base = at.AttnKernelConfig.for_device(torch.device(DEVICE), d)
+    assert base.decode_round_robin and 2 * splits * base.decode_block_n <= prefix[0]  # two tiles or more a split
+    ahead = at.AttnKernelConfig(**{**base.__dict__, "decode_page_ahead": True})
+    outs = []
+    for cfg in (base, ahead):
+        kc, vc = pool.k[0].clone(), pool.v[0].clone()
+        out = torch.full_like(q, float("nan"))
+        qk = None
+        if fold:
+            w = torch.ones(d)
+            qk = DecodeQK(k, v, w, w, 1e-6, fb.positions, _rope_table(128, d), meta.out_cache_loc)
+        else:
+            at.store_kv_triton(kc, vc, k, v, meta.out_cache_loc)
+        at.decode_attention_triton(q, kc, vc, meta.page_table, meta.seq_lens, page, d**-0.5, splits,
+                                   cfg=cfg, out=out, qk=qk)
+        outs.append((out, kc, vc))
+    assert torch.isfinite(outs[0][0]).all()
+    for a, b in zip(*outs):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
 def test_backend_decode_fused_reduce() -> None:
     cfg = at.AttnKernelConfig.for_device(torch.device(DEVICE), 32)
     be = at.TritonAttentionBackend(cfg=at.AttnKernelConfig(**{**cfg.__dict__,
