@@ -231,12 +231,14 @@ def test_decode_page_ahead_gives_the_same_bits(splits: int, fold: bool) -> None:
     the plain and the q/k-folding paths, with several tiles a split."""
     from ftserve_kernels.attention_decode_triton import DecodeQK
 
-    prefix, d, page = [70, 4, 33], 32, 4
+    d, page = 32, 4
+    base = at.AttnKernelConfig.for_device(torch.device(DEVICE), d)
+    bn = base.decode_block_n
+    prefix = [4 * bn + 6, 4, 2 * bn + 1]  # up to 5 tiles: two or more a split
+    assert base.decode_round_robin
     pool, tables, q, k, v = make_case([1, 1, 1], prefix, 8, 2, d, page, torch.float32, DEVICE, seed=splits)
     fb = build_forward_batch([[1]] * 3, prefix, tables, pool, TorchAttentionBackend(), is_decode=True)
     meta = fb.attn
-    base = at.AttnKernelConfig.for_device(torch.device(DEVICE), d)
-    assert base.decode_round_robin and 2 * splits * base.decode_block_n <= prefix[0]  # two tiles or more a split
     ahead = at.AttnKernelConfig(**{**base.__dict__, "decode_page_ahead": True})
     outs = []
     for cfg in (base, ahead):
@@ -245,7 +247,8 @@ def test_decode_page_ahead_gives_the_same_bits(splits: int, fold: bool) -> None:
         qk = None
         if fold:
             w = torch.ones(d)
-            qk = DecodeQK(k, v, w, w, 1e-6, fb.positions, _rope_table(128, d), meta.out_cache_loc)
+            w = w.to(DEVICE)
+            qk = DecodeQK(k, v, w, w, 1e-6, fb.positions, _rope_table(8 * bn, d).to(DEVICE), meta.out_cache_loc)
         else:
             at.store_kv_triton(kc, vc, k, v, meta.out_cache_loc)
         at.decode_attention_triton(q, kc, vc, meta.page_table, meta.seq_lens, page, d**-0.5, splits,
