@@ -6,6 +6,7 @@ before it is written: poisoned buffers make that visible)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -59,18 +60,6 @@ def _poison() -> None:
     """Fill the allocator's free blocks with NaN so a read ahead of its producer shows."""
     junk = torch.full((64 << 20,), float("nan"), dtype=torch.float32, device="cuda")
     del junk
-
-
-def test_pdl_chain_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("PDL needs sm_90")
-    g = torch.Generator().manual_seed(5)
-    run = _chain(g)
-    monkeypatch.setenv("FTSERVE_PDL", "0")
-    ref = [r.clone() for r in run()]
-    monkeypatch.setenv("FTSERVE_PDL", "1")
-    assert pdl.active(ref[0]), "PDL should be on for this test"
-    _assert_eager_and_replays_equal(run, ref)
 
 
 def _assert_eager_and_replays_equal(run: Callable[[], list[torch.Tensor]], ref: list[torch.Tensor]) -> None:
@@ -151,14 +140,15 @@ def _decode_qk_chain(g: torch.Generator) -> Callable[[], list[torch.Tensor]]:
     return run
 
 
-def test_pdl_decode_qk_chain_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The model's batch-1 launches (DecodeQK attention, the down kernel with
-    the next norm) linked by FTSERVE_PDL=1: the bits of the unlinked launches,
-    eagerly over poisoned memory and in graph replays over poisoned outputs."""
+@pytest.mark.parametrize("chain,seed", [(_chain, 5), (_decode_qk_chain, 9)], ids=["layer", "decode_qk"])
+def test_pdl_chain_bit_identical(monkeypatch: pytest.MonkeyPatch, chain: Callable[..., Any], seed: int) -> None:
+    """A decode layer's launches linked by FTSERVE_PDL=1 (the plain chain, and the
+    model's batch-1 order: DecodeQK attention, the down kernel with the next
+    norm): the bits of the unlinked launches, eagerly over poisoned memory and in
+    graph replays over poisoned outputs."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs sm_90")
-    g = torch.Generator().manual_seed(9)
-    run = _decode_qk_chain(g)
+    run = chain(torch.Generator().manual_seed(seed))
     monkeypatch.setenv("FTSERVE_PDL", "0")
     ref = [r.clone() for r in run()]
     monkeypatch.setenv("FTSERVE_PDL", "1")

@@ -156,6 +156,13 @@ def time_replay(b: Bench, batch: Any, reps: int) -> dict[str, Any]:
             "replay_reps": reps}
 
 
+def cuda_spans(prof: Any) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every CUDA op a profiler recorded, in start order."""
+    return sorted((float(e.time_range.start), float(e.time_range.end), e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA
+                  and not getattr(e, "is_user_annotation", False))
+
+
 def trace_replay(b: Bench, batch: Any, replays: int = 3) -> dict[str, Any]:
     """The kernel timeline of the batch's graph replay (profiler, ``replays``
     back to back; the last one is kept): per kernel its name, device us and the
@@ -177,9 +184,7 @@ def trace_replay(b: Bench, batch: Any, replays: int = 3) -> dict[str, Any]:
         for _ in range(replays):
             g.replay()
         torch.cuda.synchronize()
-    spans = sorted((float(e.time_range.start), float(e.time_range.end), e.name) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA
-                   and not getattr(e, "is_user_annotation", False))
+    spans = cuda_spans(prof)
     per = len(spans) // replays
     last = spans[-per:] if per else []
     rows, prev_end = [], None
@@ -215,9 +220,7 @@ def trace_engine(b: Bench, steps: int = 8, warmup: int = 4) -> dict[str, Any]:
         drv.flush()
         torch.cuda.synchronize()
     drv.abort_all()
-    ops = sorted((float(e.time_range.start), float(e.time_range.end), e.name) for e in prof.events()
-                 if e.device_type == torch.autograd.DeviceType.CUDA
-                 and not getattr(e, "is_user_annotation", False))
+    ops = cuda_spans(prof)
     starts = [i for i, (_, _, name) in enumerate(ops) if name.startswith(FIRST_GRAPH_KERNEL)]
     periods, inside, between = [], [], []
     for i, j in zip(starts, starts[1:]):
