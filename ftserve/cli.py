@@ -11,17 +11,6 @@ from typing import Any
 
 from ftserve.config import ConfigError, EngineConfig, ServerConfig
 
-_HELP = {
-    "model": "checkpoint dir (HF layout); omitted = embedded demo model with random weights",
-    "device": "auto | cpu | cuda | cuda:N",
-    "load_format": "auto | safetensors | dummy",
-    "dtype": "auto | bfloat16 | float16 | float32",
-    "kv_cache_dtype": "auto (= --dtype) | bfloat16 | float16 | float32 | fp8_e4m3 (alias fp8): "
-                      "e4m3 codes + a scale per token and KV head, about half the bytes of bf16",
-    "attention_backend": "auto | torch | triton",
-    "reasoning_parser": "auto (a chat template with <think> tags: the model's reasoning comes back "
-                        "as reasoning_content) | none (it stays in the content)",
-}
 _TYPES = {"int": int, "float": float, "str": str}
 
 
@@ -37,12 +26,15 @@ def _add_config_flags(group: argparse._ArgumentGroup, cls: type) -> None:
     """One flag per field of a frozen config dataclass, so a new field is never forgotten."""
     for f in dataclasses.fields(cls):
         flag, dest = _flag_dest(f)
+        text = f.metadata["help"]  # every field has one (config._opt)
         if f.type == "bool":
-            group.add_argument(flag, dest=dest, action="store_true", help=_HELP.get(f.name))
+            group.add_argument(flag, dest=dest, action="store_true", help=text)
             continue
         base = str(f.type).replace(" | None", "")
+        if f.default is not None and not text.startswith(f"{f.default} "):
+            text += f" (default: {f.default})"
         group.add_argument(flag, dest=dest, type=_TYPES.get(base, str), default=f.default,
-                           help=_HELP.get(f.name, f"default: {f.default}"))
+                           help=text)
 
 
 def _config_from(cls: type, args: argparse.Namespace) -> Any:
@@ -66,6 +58,12 @@ def configs_from_args(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig
         raise ConfigError("--keepalive-interval must be > 0")
     if server.max_body_bytes < 1024:
         raise ConfigError("--max-body-bytes must be at least 1024")
+    if server.drain_timeout < 0:
+        raise ConfigError("--drain-timeout must be >= 0")
+    if server.api_key is not None and not server.api_key.strip():
+        raise ConfigError("--api-key is empty: give a key, or omit the flag to serve without auth")
+    if server.served_model_name is not None and not server.served_model_name.strip():
+        raise ConfigError("--served-model-name is empty: give a name, or omit the flag")
     if server.reasoning_parser not in ("auto", "none"):
         raise ConfigError(f"--reasoning-parser must be auto or none, got {server.reasoning_parser!r}")
     return engine, server

@@ -6,7 +6,17 @@ validation errors name the flag to change.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _opt(default: Any, help: str) -> Any:
+    """A config field whose help text is its --flag's (cli.py prints the default after it)."""
+    return field(default=default, metadata={"help": help})
+
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
 class ConfigError(ValueError):
@@ -15,30 +25,39 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # checkpoint dir; None = embedded demo model
-    load_format: str = "auto"  # auto | safetensors | dummy
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    # fp8_e4m3 (alias fp8): e4m3 codes + one fp32 scale per token and KV head, ~half of bf16.
-    kv_cache_dtype: str = "auto"  # auto (= the model dtype) | bfloat16 | float16 | float32 | fp8_e4m3
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    page_size: int = 16
-    num_pages: int | None = None  # KV pool pages (incl. the dummy page)
-    kv_cache_tokens: int | None = None  # alternative to num_pages
-    memory_ratio: float = 0.9  # of total device memory: weights + activations + KV (CUDA)
-    max_prefill_length: int = 4096  # tokens per prefill chunk per step
-    max_running_requests: int = 64
-    max_model_len: int | None = None  # None = the model's limit
-    attention_backend: str = "auto"  # auto | torch | triton
-    cuda_graph_max_bs: int = 64  # 0 disables CUDA graphs
-    cuda_graph_prefill: bool = True  # also capture prefill steps per token budget (CUDA)
-    enable_prefix_cache: bool = True
-    overlap_schedule: bool = True  # plan step N+1 while step N runs on the device
-    seed: int = 0
-    status_log_interval: float = 10.0  # seconds between one-line status logs; 0 = off
-    moe_cache_size: int | None = None  # expert slots in VRAM (offload mode); None = resident
-    moe_cache_auto: bool = False  # offload mode, slots sized from --memory-ratio
-    kv_host_pages: int | None = None  # host-tier KV pages (pinned); None = no host tier
-    kv_host_gib: float | None = None  # alternative to kv_host_pages, in GiB of host memory
+    model: str | None = _opt(None, "checkpoint dir (HF layout: config.json, *.safetensors, tokenizer "
+                                   "files); omitted = the embedded demo model (random weights)")
+    load_format: str = _opt("auto", "auto (safetensors, or dummy for the demo) | safetensors | dummy "
+                                    "(random weights of the checkpoint's shapes)")
+    dtype: str = _opt("auto", "auto (bfloat16 on CUDA, float32 on the CPU) | bfloat16 | float16 | float32")
+    kv_cache_dtype: str = _opt("auto", "auto (= --dtype) | bfloat16 | float16 | float32 | fp8_e4m3 "
+                                       "(alias fp8): e4m3 codes + a scale per token and KV head, about "
+                                       "half the bytes of bf16")
+    device: str = _opt("auto", "auto (cuda if available) | cpu | cuda | cuda:N")
+    page_size: int = _opt(16, "tokens per KV page (a power of two)")
+    num_pages: int | None = _opt(None, "KV pool size in pages, including the dummy page (default: "
+                                       "from --memory-ratio on CUDA, 65,536 tokens on the CPU)")
+    kv_cache_tokens: int | None = _opt(None, "KV pool size in tokens (instead of --num-pages)")
+    memory_ratio: float = _opt(0.9, "share of the GPU's memory for weights, activations, decode "
+                                    "workspace and the KV pool")
+    max_prefill_length: int = _opt(4096, "prompt tokens per prefill chunk (per engine step)")
+    max_running_requests: int = _opt(64, "requests decoding at once; more wait in the queue")
+    max_model_len: int | None = _opt(None, "tokens per request, prompt + output (default: the model's "
+                                           "position limit, or the KV pool if smaller)")
+    attention_backend: str = _opt("auto", "auto (triton on CUDA, torch on the CPU) | torch | triton")
+    cuda_graph_max_bs: int = _opt(64, "largest decode batch replayed as a CUDA graph; 0 disables "
+                                      "decode and prefill graphs")
+    cuda_graph_prefill: bool = _opt(True, "do not capture prefill steps as CUDA graphs")
+    enable_prefix_cache: bool = _opt(True, "no radix prefix cache (every prompt is prefilled in full)")
+    overlap_schedule: bool = _opt(True, "do not plan step N+1 while step N runs on the device")
+    seed: int = _opt(0, "seeds dummy weights and the sampling of requests that give no seed")
+    status_log_interval: float = _opt(10.0, "seconds between one-line status logs; 0 = off")
+    moe_cache_size: int | None = _opt(None, "offload mode: every expert in pinned host memory, this "
+                                            "many expert slots in VRAM (global across layers)")
+    moe_cache_auto: bool = _opt(False, "offload mode with the slot count sized from --memory-ratio")
+    kv_host_pages: int | None = _opt(None, "host-tier KV pages (pinned host memory) for the prefix "
+                                           "cache's evicted pages")
+    kv_host_gib: float | None = _opt(None, "host-tier size in GiB (instead of --kv-host-pages)")
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -51,6 +70,18 @@ class EngineConfig:
             raise ConfigError("--memory-ratio must be in (0, 1]")
         if self.num_pages is not None and self.num_pages < 2:
             raise ConfigError("--num-pages must be at least 2")
+        if self.num_pages is not None and self.kv_cache_tokens is not None:
+            raise ConfigError("give --num-pages or --kv-cache-tokens, not both")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise ConfigError("--kv-cache-tokens must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError("--max-model-len must be at least 1 (omit it for the model's limit)")
+        if self.cuda_graph_max_bs < 0:
+            raise ConfigError("--cuda-graph-max-bs must be >= 0 (0 disables CUDA graphs)")
+        if self.status_log_interval < 0:
+            raise ConfigError("--status-log-interval must be >= 0 (0 turns the status log off)")
+        if not _DEVICE.fullmatch(self.device):
+            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ConfigError("--dtype must be auto, bfloat16, float16 or float32")
         if self.kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8"):
@@ -77,15 +108,14 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None  # default: the model dir's name
-    api_key: str | None = None
-    max_queued_requests: int = 256
-    max_body_bytes: int = 32 * 1024 * 1024
-    drain_timeout: float = 30.0  # seconds SIGTERM waits for in-flight requests
-    keepalive_interval: float = 5.0  # seconds between SSE keep-alive comments
-    # "auto": a chat template with think tags gets the model's reasoning back as
-    # reasoning_content (server/reasoning.py); "none": it stays in the content.
-    reasoning_parser: str = "auto"
-    log_requests: bool = False
+    host: str = _opt("127.0.0.1", "address to listen on")
+    port: int = _opt(8000, "port to listen on")
+    served_model_name: str | None = _opt(None, "model name in the API (default: the model dir's name)")
+    api_key: str | None = _opt(None, "require Authorization: Bearer <key> on every route but /health and /metrics")
+    max_queued_requests: int = _opt(256, "waiting requests beyond which new ones get 503 + Retry-After")
+    max_body_bytes: int = _opt(32 * 1024 * 1024, "largest request body accepted (413 above)")
+    drain_timeout: float = _opt(30.0, "seconds SIGTERM waits for in-flight requests before aborting them")
+    keepalive_interval: float = _opt(5.0, "seconds between SSE keep-alive comments on a quiet stream")
+    reasoning_parser: str = _opt("auto", "auto (a chat template with <think> tags: the model's reasoning "
+                                         "comes back as reasoning_content) | none (it stays in the content)")
+    log_requests: bool = _opt(False, "log every HTTP request (aiohttp's access log)")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import io
 import json
 import os
@@ -21,14 +23,14 @@ from typing import Any
 import pytest
 
 from ftserve.cli import build_parser, configs_from_args, main
-from ftserve.config import EngineConfig
+from ftserve.config import ConfigError, EngineConfig, ServerConfig
 from ftserve.server.chat_client import ChatClient, chat_loop
 
 
 def test_every_engine_field_has_a_flag() -> None:
     args = build_parser().parse_args([
         "serve", "--model", "/m", "--load-format", "dummy", "--dtype", "float32",
-        "--device", "cpu", "--page-size", "32", "--num-pages", "100", "--kv-cache-tokens", "999",
+        "--device", "cpu", "--page-size", "32", "--num-pages", "100",
         "--memory-ratio", "0.5", "--max-prefill-length", "64", "--max-running-requests", "3",
         "--max-model-len", "77", "--attention-backend", "torch", "--cuda-graph-max-bs", "0",
         "--disable-prefix-cache", "--seed", "9", "--status-log-interval", "0",
@@ -38,7 +40,7 @@ def test_every_engine_field_has_a_flag() -> None:
     ])
     engine, server = configs_from_args(args)
     assert engine == EngineConfig(model="/m", load_format="dummy", dtype="float32", device="cpu",
-                                  page_size=32, num_pages=100, kv_cache_tokens=999,
+                                  page_size=32, num_pages=100,
                                   memory_ratio=0.5, max_prefill_length=64,
                                   max_running_requests=3, max_model_len=77,
                                   attention_backend="torch", cuda_graph_max_bs=0,
@@ -53,6 +55,45 @@ def test_every_engine_field_has_a_flag() -> None:
 def test_bad_flag_names_itself(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--page-size", "3"]) == 2
     assert "--page-size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--max-model-len", "0"], "--max-model-len"),  # 0 used to mean "the model's limit"
+    (["--kv-cache-tokens", "0"], "--kv-cache-tokens"),
+    (["--num-pages", "64", "--kv-cache-tokens", "1000"], "--kv-cache-tokens"),  # which one wins?
+    (["--cuda-graph-max-bs", "-1"], "--cuda-graph-max-bs"),
+    (["--status-log-interval", "-1"], "--status-log-interval"),
+    (["--device", "tpu"], "--device"),
+    (["--device", "cuda:x"], "--device"),
+    (["--drain-timeout", "-1"], "--drain-timeout"),
+    (["--api-key", ""], "--api-key"),  # an unset $KEY must not serve without auth silently
+    (["--api-key", "  "], "--api-key"),
+    (["--served-model-name", ""], "--served-model-name"),
+])
+def test_bad_values_fail_before_loading(argv: list[str], named: str) -> None:
+    """Rejected when the flags are read, before any model load, with the flag to change
+    (main prints the message and exits 2: test_bad_flag_names_itself)."""
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        configs_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_good_edge_values_pass() -> None:
+    args = build_parser().parse_args(["serve", "--device", "cuda:1", "--cuda-graph-max-bs", "0",
+                                      "--status-log-interval", "0", "--drain-timeout", "0"])
+    engine, server = configs_from_args(args)
+    assert (engine.device, engine.cuda_graph_max_bs, server.drain_timeout) == ("cuda:1", 0, 0.0)
+
+
+def test_every_flag_explains_itself() -> None:
+    """Each flag's help is its own sentence (from the config field), with the default."""
+    parser = build_parser()
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    flags = [a for a in serve._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) == len(dataclasses.fields(EngineConfig)) + len(dataclasses.fields(ServerConfig))
+    for a in flags:
+        assert a.help and not a.help.startswith("default:"), a.option_strings
+        if a.default not in (None, False):
+            assert str(a.default) in a.help, (a.option_strings, a.help)
 
 
 @dataclass
