@@ -102,7 +102,9 @@ async def _run(
     try:
         for p, ids in enumerate(prompts):
             for i in range(parsed.n):
-                detok = text.detokenizer(ids, parsed.stop, parsed.skip_special_tokens)
+                detok = text.detokenizer(ids, parsed.stop, parsed.skip_special_tokens,
+                                         include_stop=parsed.include_stop,
+                                         continues=parsed.kind == "completion")
                 gid = rid if one else f"{rid}-{p * parsed.n + i}"
                 gens.append(Generation(engine, state.tracker, state.metrics, gid, ids,
                                        parsed.choice_params(params[p], i), detok, arrival,
@@ -154,7 +156,7 @@ async def _collect(
             thought = None
             if think is not None:
                 thought, content = reasoning.split(content, think)
-            logprobs = R.chat_logprobs(lps, text.token_text) if parsed.logprobs is not None else None
+            logprobs = R.chat_logprobs(lps, text.token_text, text.token_bytes) if parsed.logprobs is not None else None
             body = R.chat_response(rid, created, state.model_name, content, reason,
                                    {}, logprobs, tok_ids, prompt_ids)
             fmt = text.tool_format() if parsed.tools else None
@@ -167,7 +169,8 @@ async def _collect(
         else:
             head = heads[index] if heads else ""
             content = head + content
-            logprobs = (R.completion_logprobs(lps, text.token_text, len(head))
+            logprobs = (R.completion_logprobs(lps, text.token_text,
+                                              _offsets(parsed, gen, text))
                         if parsed.logprobs is not None else None)
             body = R.completion_response(rid, created, state.model_name, content, reason,
                                          {}, logprobs, tok_ids, prompt_ids)
@@ -175,6 +178,12 @@ async def _collect(
     body["choices"] = choices
     body["usage"] = batch.usage(gens, parsed.n)
     return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+def _offsets(parsed: ParsedRequest, gen: Generation, text: TextCodec) -> R.TextOffsets:
+    """A completion choice's text_offset counter: its tokens detokenized as its text is."""
+    return R.TextOffsets(text.detokenizer(gen.prompt_ids, (), parsed.skip_special_tokens,
+                                          continues=True))
 
 
 def with_tool_calls(choice: dict[str, Any], content: str, fmt: tool_calls.Format,
@@ -190,8 +199,8 @@ def with_tool_calls(choice: dict[str, Any], content: str, fmt: tool_calls.Format
 
 
 class _ChoiceChunks:
-    """SSE chunks of one choice: its completion text offset (logprobs) and, for
-    completions, prompt_token_ids and the echoed prompt text on its first chunk."""
+    """SSE chunks of one choice: for completions, its text offsets (logprobs),
+    prompt_token_ids and the echoed prompt text on its first chunk."""
 
     def __init__(self, parsed: ParsedRequest, rid: str, created: int, model: str,
                  gen: Generation, index: int, text: TextCodec, think: bool | None,
@@ -200,8 +209,9 @@ class _ChoiceChunks:
         self.rid, self.created, self.model, self.index = rid, created, model, index
         self.gen, self.text = gen, text
         self.prompt_ids_pending = parsed.return_token_ids and not self.chat
-        self.text_offset = 0
         self.head = head  # echo: the prompt's text, sent with the first chunk
+        self.offsets = (_offsets(parsed, gen, text)
+                        if not self.chat and parsed.logprobs is not None else None)
         fmt = text.tool_format() if parsed.tools else None
         # With tools, content passes through a filter that turns tool calls into
         # tool_calls deltas; before it, reasoning is split off where the template marks it.
@@ -238,16 +248,16 @@ class _ChoiceChunks:
     def chunk(self, step_text: str, reason: str | None, lp: list[TokenLogprob] | None,
               ids: list[int] | None, thought: str = "") -> dict[str, Any]:
         if self.chat:
-            lp_obj = R.chat_logprobs(lp, self.text.token_text) if lp else None
+            lp_obj = R.chat_logprobs(lp, self.text.token_text, self.text.token_bytes) if lp else None
             delta: dict[str, Any] = {"reasoning_content": thought} if thought else {}
             if reason is None and (step_text or not thought):
                 delta["content"] = step_text
             return self._indexed(R.chat_chunk(self.rid, self.created, self.model, delta, reason,
                                               lp_obj, ids))
         if self.head:
-            step_text, self.head, self.text_offset = self.head + step_text, "", len(self.head)
-        lp_obj = R.completion_logprobs(lp, self.text.token_text, self.text_offset) if lp else None
-        self.text_offset += len(step_text)
+            step_text, self.head = self.head + step_text, ""
+        lp_obj = (R.completion_logprobs(lp, self.text.token_text, self.offsets)
+                  if lp and self.offsets is not None else None)
         p_ids = self.gen.prompt_ids if self.prompt_ids_pending else None
         self.prompt_ids_pending = False
         return self._indexed(R.completion_chunk(self.rid, self.created, self.model, step_text,

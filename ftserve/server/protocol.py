@@ -39,6 +39,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     stop: tuple[str, ...] = ()
+    include_stop: bool = False  # include_stop_str_in_output (vLLM): the text ends with the stop
     max_tokens: int | None = None  # None = whatever context remains (chat) / 16 (completion)
     logprobs: int | None = None  # alternatives per token; None = no logprobs
     return_token_ids: bool = False
@@ -216,6 +217,7 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
         "stream": stream,
         "include_usage": include_usage,
         "stop": _stop(body),
+        "include_stop": _bool(body, "include_stop_str_in_output", False),
         "max_tokens": _max_tokens(body),
         "return_token_ids": _bool(body, "return_token_ids", False),
         "skip_special_tokens": _bool(body, "skip_special_tokens", True),

@@ -11,8 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ftserve.engine.messages import TokenLogprob
+from ftserve.server.text import StreamDetokenizer
 
 TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -24,37 +26,50 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def chat_logprobs(items: list[TokenLogprob], token_text: TokenText) -> dict[str, Any]:
-    content = []
-    for item in items:
-        text = token_text(item.token_id)
-        content.append(
-            {
-                "token": text,
-                "logprob": item.logprob,
-                "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [
-                    {"token": (t := token_text(tid)), "logprob": lp, "bytes": list(t.encode("utf-8"))}
-                    for tid, lp in item.top
-                ],
-            }
-        )
-    return {"content": content}
+def chat_logprobs(items: list[TokenLogprob], token_text: TokenText,
+                  token_bytes: TokenBytes) -> dict[str, Any]:
+    """``bytes`` are the token's own bytes, not those of ``token``: a byte token's
+    ``token`` is U+FFFD, and the bytes are how a client puts the character together."""
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        return {"token": token_text(tid), "logprob": lp, "bytes": list(token_bytes(tid))}
+
+    return {"content": [{**entry(item.token_id, item.logprob),
+                         "top_logprobs": [entry(tid, lp) for tid, lp in item.top]}
+                        for item in items]}
+
+
+class TextOffsets:
+    """Where each generated token's text starts in a completion choice's text.
+
+    A token's own text is not what it adds to the choice's text: a skipped special
+    token adds nothing, a byte token adds part of a character (the character counts
+    once its last byte arrives), and a stream's chunks lag behind the text a stop
+    string holds back. So the tokens go through a detokenizer of their own (no stop
+    strings), one at a time, and a token's offset is the text it had before it.
+    """
+
+    def __init__(self, detok: StreamDetokenizer) -> None:
+        self._detok = detok
+        self._pos = 0  # no echo: the parser refuses it with logprobs
+
+    def of(self, token_ids: list[int]) -> list[int]:
+        out = []
+        for t in token_ids:
+            out.append(self._pos)
+            self._pos += len(self._detok.push([t]))
+        return out
 
 
 def completion_logprobs(
-    items: list[TokenLogprob], token_text: TokenText, text_offset: int
+    items: list[TokenLogprob], token_text: TokenText, offsets: TextOffsets
 ) -> dict[str, Any]:
-    """Legacy completions format; ``text_offset`` is where this batch of tokens starts."""
-    tokens, lps, tops, offsets = [], [], [], []
-    for item in items:
-        text = token_text(item.token_id)
-        tokens.append(text)
-        lps.append(item.logprob)
-        tops.append({token_text(tid): lp for tid, lp in item.top})
-        offsets.append(text_offset)
-        text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+    """Legacy completions format; ``offsets`` has seen the choice's earlier tokens."""
+    return {
+        "tokens": [token_text(item.token_id) for item in items],
+        "token_logprobs": [item.logprob for item in items],
+        "top_logprobs": [{token_text(tid): lp for tid, lp in item.top} for item in items],
+        "text_offset": offsets.of([item.token_id for item in items]),
+    }
 
 
 def chat_chunk(

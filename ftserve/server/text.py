@@ -83,9 +83,18 @@ class TextCodec(Protocol):
         """One token as text, for logprobs."""
         ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes, for logprobs (part of a character, for a byte token)."""
+        ...
+
     def detokenizer(
-        self, prompt_ids: list[int], stop: tuple[str, ...], skip_special_tokens: bool
-    ) -> StreamDetokenizer: ...
+        self, prompt_ids: list[int], stop: tuple[str, ...], skip_special_tokens: bool,
+        *, include_stop: bool = False, continues: bool = False,
+    ) -> StreamDetokenizer:
+        """``include_stop``: the text ends with the stop string rather than before it.
+        ``continues``: the output continues the prompt's text (a completion), so its
+        first token keeps a word-start space when the prompt has any text."""
+        ...
 
     def grammar_tokenizer(self, vocab_size: int) -> llguidance.LLTokenizer:
         """The grammar library's view of the tokenizer, ``vocab_size`` ids wide (built
@@ -171,13 +180,25 @@ class TokenizerCodec:
         return self.tokenizer.decode(token_ids, skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        # A model's padded embedding rows past the tokenizer's vocabulary have no text,
+        # and one can still be sampled or be among the top logprobs.
+        if not 0 <= token_id < self.tokenizer.vocab_size:
+            return b""
+        return self.tokenizer.token_bytes(token_id)
 
     def detokenizer(
-        self, prompt_ids: list[int], stop: tuple[str, ...], skip_special_tokens: bool
+        self, prompt_ids: list[int], stop: tuple[str, ...], skip_special_tokens: bool,
+        *, include_stop: bool = False, continues: bool = False,
     ) -> StreamDetokenizer:
+        special = self.tokenizer.special_ids
+        has_text = continues and any(t not in special and self.token_bytes(t) for t in prompt_ids)
         return _Detok(StreamingDetokenizer(self.tokenizer, stop,
-                                           skip_special_tokens=skip_special_tokens))
+                                           skip_special_tokens=skip_special_tokens,
+                                           include_stop_str_in_output=include_stop,
+                                           continues_text=has_text))
 
     def grammar_tokenizer(self, vocab_size: int) -> llguidance.LLTokenizer:
         with self._grammar_lock:  # worker threads: the first structured requests race

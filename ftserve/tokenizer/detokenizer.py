@@ -40,6 +40,7 @@ class StreamingDetokenizer:
         *,
         skip_special_tokens: bool = True,
         include_stop_str_in_output: bool = False,
+        continues_text: bool = False,
     ) -> None:
         self.tok = tokenizer
         self.stop_strings = tuple(s for s in stop if s)
@@ -47,7 +48,10 @@ class StreamingDetokenizer:
         self.include_stop = include_stop_str_in_output
         self._special = tokenizer.special_ids if skip_special_tokens else frozenset()
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._at_start = True  # no token has produced bytes yet
+        # No token has produced bytes yet. ``continues_text``: the ids follow text (a
+        # completion prompt), so the first token keeps the word-start space a one-shot
+        # decode of these ids alone would strip ("is" + " Paris", not "isParis").
+        self._at_start = not continues_text
         self._held = ""  # decoded text withheld: it may begin a stop string
         self.stop: str | None = None  # set once a stop string matched
         self.num_tokens = 0
