@@ -45,6 +45,14 @@ def test_models_reports_real_context(live: Live, client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == ["ftserve-demo"]
     assert models[0].model_extra["max_model_len"] == live.engine.max_model_len
+    # GET /v1/models/{model} (client.models.retrieve) was a 404 "not found" route.
+    one = client.models.retrieve("ftserve-demo")
+    assert one.id == "ftserve-demo" and one.object == "model"
+    assert one.model_extra["max_model_len"] == live.engine.max_model_len
+    for other in ("gpt-4", "org/name"):  # a served name may hold "/"
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve(other)
+        assert missing.value.code == "model_not_found"
 
 
 def test_chat_non_streaming_usage(live: Live, client: openai.OpenAI) -> None:
@@ -351,6 +359,22 @@ def test_tokenize_detokenize(live: Live) -> None:
     assert tok["max_model_len"] == live.engine.max_model_len
     _, det = _post(live, "/detokenize", {"tokens": tok["tokens"]})
     assert det["prompt"].endswith("Hello world, héllo")
+
+
+def test_developer_role_is_a_system_message(live: Live, client: openai.OpenAI) -> None:
+    """OpenAI's "developer" role (the system role of newer models) reaches a template
+    that knows only "system" as a system message: this one raised "unknown role",
+    Qwen's would drop the message without a word."""
+    msgs = [{"role": "user", "content": "hi"}]
+    as_system = _post(live, "/tokenize", {"messages": [{"role": "system", "content": "Be brief."},
+                                                       *msgs]})[1]["tokens"]
+    status, as_dev = _post(live, "/tokenize", {"messages": [
+        {"role": "developer", "content": "Be brief."}, *msgs]})
+    assert status == 200 and as_dev["tokens"] == as_system
+    r = client.chat.completions.create(
+        model="ftserve-demo", max_tokens=1,
+        messages=[{"role": "developer", "content": "Be brief."}, *msgs])  # type: ignore[list-item]
+    assert r.usage.prompt_tokens == len(as_system)
 
 
 def test_health_and_metrics(live: Live) -> None:

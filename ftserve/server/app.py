@@ -1,6 +1,6 @@
 """The aiohttp application: routes, auth and error middlewares.
 
-    POST /v1/chat/completions  POST /v1/completions  GET /v1/models
+    POST /v1/chat/completions  POST /v1/completions  GET /v1/models  GET /v1/models/{model}
     GET /health  GET /metrics  POST /tokenize  POST /detokenize  POST /reset_prefix_cache
 """
 
@@ -25,6 +25,7 @@ ROUTES: tuple[tuple[str, str], ...] = (
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model}"),
     ("GET", "/health"),
     ("GET", "/metrics"),
     ("POST", "/tokenize"),
@@ -49,10 +50,9 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     return await handler(request)
 
 
-async def models(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
+def _model_card(state: ServerState) -> dict[str, Any]:
     engine, _ = state.ready()
-    card = {
+    return {
         "id": state.model_name,
         "object": "model",
         "created": int(time.time()),
@@ -64,7 +64,17 @@ async def models(request: web.Request) -> web.Response:
         "kv_capacity_tokens": {"device": int(engine.summary.get("kv_tokens", 0)),
                                "host": int(engine.summary.get("kv_host_tokens", 0))},
     }
-    return _json({"object": "list", "data": [card]})
+
+
+async def models(request: web.Request) -> web.Response:
+    return _json({"object": "list", "data": [_model_card(request.app[STATE_KEY])]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: the card of the served model (OpenAI's retrieve)."""
+    state = request.app[STATE_KEY]
+    state.check_model(request.match_info["model"])
+    return _json(_model_card(state))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -147,6 +157,7 @@ def make_app(state: ServerState) -> web.Application:
         "/v1/chat/completions": chat_completions,
         "/v1/completions": completions,
         "/v1/models": models,
+        "/v1/models/{model}": model,
         "/health": health,
         "/metrics": metrics,
         "/tokenize": tokenize,
@@ -154,5 +165,6 @@ def make_app(state: ServerState) -> web.Application:
         "/reset_prefix_cache": reset_prefix_cache,
     }
     for method, path in ROUTES:
-        app.router.add_route(method, path, handlers[path])
+        # A served name may hold "/" (--served-model-name org/model): match across it.
+        app.router.add_route(method, path.replace("{model}", "{model:.+}"), handlers[path])
     return app
