@@ -143,6 +143,9 @@ def test_api_key(live: Live) -> None:
     ok = call(live, "/v1/models", method="GET", base=base, raw=b"",
               headers={"Authorization": "Bearer sekret"})
     assert ok[0] == 200
+    # The auth scheme is case-insensitive (RFC 7235): "bearer" was a 401.
+    assert call(live, "/v1/models", method="GET", base=base, raw=b"",
+                headers={"Authorization": "bearer sekret"})[0] == 200
     assert call(live, "/health", method="GET", base=base, raw=b"")[0] == 200
 
 

@@ -116,7 +116,7 @@ class ServerState:
     def authorized(self, header: str | None) -> bool:
         if self.cfg.api_key is None:
             return True
-        if not header or not header.startswith("Bearer "):
+        if not header or header[:7].lower() != "bearer ":  # the scheme is case-insensitive
             return False
         return hmac.compare_digest(header[7:].strip().encode(), self.cfg.api_key.encode())
 
