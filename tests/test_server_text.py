@@ -52,9 +52,10 @@ def _word_id(live: Live, word: str) -> int:
 
 
 def test_completion_text_continues_the_prompt(live: Live, client: openai.OpenAI) -> None:
-    """A completion's first token keeps its word-start space: prompt + text is the
-    text the model wrote, as vLLM returns it (the space was dropped, giving
-    "The capital of France isParis"). A chat reply still starts without it."""
+    """After prompt text the first token keeps its word-start space: prompt + text is
+    the text the model wrote, as vLLM returns it (the space was dropped, giving
+    "The capital of France isParis"). After a control token (BOS alone, the chat
+    template's [/INST]) the output starts a text and has none."""
     paris = _word_id(live, "Paris")
     kw: dict[str, Any] = dict(model="ftserve-demo", max_tokens=2, temperature=0,
                               logit_bias={str(paris): 100}, extra_body={"ignore_eos": True})

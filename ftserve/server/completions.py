@@ -103,8 +103,7 @@ async def _run(
         for p, ids in enumerate(prompts):
             for i in range(parsed.n):
                 detok = text.detokenizer(ids, parsed.stop, parsed.skip_special_tokens,
-                                         include_stop=parsed.include_stop,
-                                         continues=parsed.kind == "completion")
+                                         parsed.include_stop)
                 gid = rid if one else f"{rid}-{p * parsed.n + i}"
                 gens.append(Generation(engine, state.tracker, state.metrics, gid, ids,
                                        parsed.choice_params(params[p], i), detok, arrival,
@@ -182,8 +181,7 @@ async def _collect(
 
 def _offsets(parsed: ParsedRequest, gen: Generation, text: TextCodec) -> R.TextOffsets:
     """A completion choice's text_offset counter: its tokens detokenized as its text is."""
-    return R.TextOffsets(text.detokenizer(gen.prompt_ids, (), parsed.skip_special_tokens,
-                                          continues=True))
+    return R.TextOffsets(text.detokenizer(gen.prompt_ids, (), parsed.skip_special_tokens))
 
 
 def with_tool_calls(choice: dict[str, Any], content: str, fmt: tool_calls.Format,

@@ -89,11 +89,12 @@ class TextCodec(Protocol):
 
     def detokenizer(
         self, prompt_ids: list[int], stop: tuple[str, ...], skip_special_tokens: bool,
-        *, include_stop: bool = False, continues: bool = False,
+        include_stop: bool = False,
     ) -> StreamDetokenizer:
-        """``include_stop``: the text ends with the stop string rather than before it.
-        ``continues``: the output continues the prompt's text (a completion), so its
-        first token keeps a word-start space when the prompt has any text."""
+        """The output's text as it continues ``prompt_ids``: after text, its first token
+        keeps a word-start space ("is" + " Paris"); after a control token ("[/INST]",
+        BOS) it starts a text and loses it. ``include_stop``: the text ends with the
+        stop string rather than before it."""
         ...
 
     def grammar_tokenizer(self, vocab_size: int) -> llguidance.LLTokenizer:
@@ -198,14 +199,17 @@ class TokenizerCodec:
 
     def detokenizer(
         self, prompt_ids: list[int], stop: tuple[str, ...], skip_special_tokens: bool,
-        *, include_stop: bool = False, continues: bool = False,
+        include_stop: bool = False,
     ) -> StreamDetokenizer:
-        special = self.tokenizer.special_ids
-        has_text = continues and any(t not in special and self.token_bytes(t) for t in prompt_ids)
+        # As vLLM's prompt-primed detokenizer has it; one rule for both endpoints, so a
+        # chat reply is the raw completion of its rendered prompt.
+        last = prompt_ids[-1] if prompt_ids else None
+        after_text = (last is not None and last not in self.tokenizer.special_ids
+                      and bool(self.token_bytes(last)))
         return _Detok(StreamingDetokenizer(self.tokenizer, stop,
                                            skip_special_tokens=skip_special_tokens,
                                            include_stop_str_in_output=include_stop,
-                                           continues_text=has_text))
+                                           continues_text=after_text))
 
     def grammar_tokenizer(self, vocab_size: int) -> llguidance.LLTokenizer:
         with self._grammar_lock:  # worker threads: the first structured requests race

@@ -49,8 +49,8 @@ class StreamingDetokenizer:
         self._special = tokenizer.special_ids if skip_special_tokens else frozenset()
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         # No token has produced bytes yet. ``continues_text``: the ids follow text (a
-        # completion prompt), so the first token keeps the word-start space a one-shot
-        # decode of these ids alone would strip ("is" + " Paris", not "isParis").
+        # prompt ending in text), so the first token keeps the word-start space a
+        # one-shot decode of these ids alone would strip ("is" + " Paris", not "isParis").
         self._at_start = not continues_text
         self._held = ""  # decoded text withheld: it may begin a stop string
         self.stop: str | None = None  # set once a stop string matched
