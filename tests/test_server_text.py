@@ -140,6 +140,23 @@ def test_completion_text_offset_indexes_the_text(live: Live) -> None:
     live.wait_idle()
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(live: Live) -> None:
+    """Legacy completions list the sampled token among the alternatives even when it
+    is not one of the top ``logprobs`` (here: forced by logit_bias, which logprobs do
+    not see), as OpenAI does; the entry was missing."""
+    rome = _word_id(live, "Rome")
+    base: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 1,
+                            "ignore_eos": True}
+    free = _post(live, "/v1/completions", base)["choices"][0]["logprobs"]
+    forced = _post(live, "/v1/completions", {**base, "logit_bias": {str(rome): 100}})
+    lp = forced["choices"][0]["logprobs"]
+    assert lp["tokens"] == [" Rome"] * 3, lp["tokens"]
+    assert list(free["top_logprobs"][0]) != [" Rome"]  # Rome is not the model's own top-1
+    for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        assert top[tok] == val and 1 <= len(top) <= 2, top
+    live.wait_idle()
+
+
 def test_include_stop_str_in_output(live: Live) -> None:
     """vLLM's include_stop_str_in_output: the text ends with the stop string instead of
     before it (finish_reason "stop" either way). It was ignored as an unknown field."""

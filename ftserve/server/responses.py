@@ -63,11 +63,19 @@ class TextOffsets:
 def completion_logprobs(
     items: list[TokenLogprob], token_text: TokenText, offsets: TextOffsets
 ) -> dict[str, Any]:
-    """Legacy completions format; ``offsets`` has seen the choice's earlier tokens."""
+    """Legacy completions format; ``offsets`` has seen the choice's earlier tokens.
+    Each ``top_logprobs`` entry also holds the sampled token (OpenAI: up to
+    logprobs + 1 entries): a temperature draw, a logit_bias or a grammar can pick a
+    token outside the top ``logprobs``."""
+    tops = []
+    for item in items:
+        top = {token_text(tid): lp for tid, lp in item.top}
+        top.setdefault(token_text(item.token_id), item.logprob)
+        tops.append(top)
     return {
         "tokens": [token_text(item.token_id) for item in items],
         "token_logprobs": [item.logprob for item in items],
-        "top_logprobs": [{token_text(tid): lp for tid, lp in item.top} for item in items],
+        "top_logprobs": tops,
         "text_offset": offsets.of([item.token_id for item in items]),
     }
 
