@@ -377,6 +377,37 @@ def test_developer_role_is_a_system_message(live: Live, client: openai.OpenAI) -
     assert r.usage.prompt_tokens == len(as_system)
 
 
+def test_continue_final_message(live: Live, client: openai.OpenAI) -> None:
+    """vLLM's continue_final_message: the last assistant message is the start of the
+    reply, so the prompt ends right after its text (no end-of-turn) and the model
+    continues it; without the flag the message is a finished turn."""
+    start = "The capital of France is"
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": start}]
+    status, cont = _post(live, "/tokenize", {"messages": msgs, "continue_final_message": True})
+    assert status == 200
+    closed = _post(live, "/tokenize", {"messages": msgs, "add_generation_prompt": False})[1]
+    assert _post(live, "/detokenize", {"tokens": cont["tokens"]})[1]["prompt"].endswith(start)
+    assert closed["tokens"][:len(cont["tokens"])] == cont["tokens"]
+    assert len(closed["tokens"]) > len(cont["tokens"])  # the end-of-turn the flag leaves out
+    paris = live.text.tokenizer.encode("is Paris", add_special_tokens=False)[-1]  # type: ignore[attr-defined]
+    r = client.chat.completions.create(
+        model="ftserve-demo", messages=msgs, max_tokens=2, temperature=0,  # type: ignore[arg-type]
+        logit_bias={str(paris): 100}, extra_body={"continue_final_message": True})
+    assert r.usage is not None and r.usage.prompt_tokens == cont["count"]
+    assert r.choices[0].message.content == " Paris Paris"  # continues the text: its space kept
+    for body, why in (
+        ({"messages": msgs[:1]}, "the last message is the user's"),
+        ({"messages": [*msgs[:1], {"role": "assistant", "content": ""}]}, "nothing to continue"),
+        ({"messages": msgs, "add_generation_prompt": True}, "both"),
+        ({"messages": msgs, "continue_final_message": "yes"}, "not a boolean"),
+        ({"messages": msgs, "response_format": {"type": "json_object"}}, "a format"),
+    ):
+        status, err = _post(live, "/v1/chat/completions",
+                            {"continue_final_message": True, "max_tokens": 1, **body})
+        assert status == 400 and err["error"]["param"] == "continue_final_message", (why, err)
+    live.wait_idle()
+
+
 def test_health_and_metrics(live: Live) -> None:
     async def go() -> tuple[int, str]:
         async with aiohttp.ClientSession() as s:

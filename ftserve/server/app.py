@@ -17,7 +17,12 @@ from ftserve.server import tool_choice
 from ftserve.server.completions import chat_completions, completions, read_json
 from ftserve.server.errors import APIError, Handler, bad_request, error_middleware
 from ftserve.server.metrics import CONTENT_TYPE
-from ftserve.server.protocol import parse_messages, parse_template_kwargs, parse_tools
+from ftserve.server.protocol import (
+    parse_continuation,
+    parse_messages,
+    parse_template_kwargs,
+    parse_tools,
+)
 from ftserve.server.state import STATE_KEY, ServerState
 from ftserve.server.text import TemplateError
 
@@ -102,16 +107,14 @@ async def tokenize(request: web.Request) -> web.Response:
     if not isinstance(special_flag, bool):
         raise bad_request("'add_special_tokens' must be a boolean", param="add_special_tokens")
     if "messages" in body:
-        add_gen = body.get("add_generation_prompt", True)
-        if not isinstance(add_gen, bool):
-            raise bad_request("'add_generation_prompt' must be a boolean",
-                              param="add_generation_prompt")
+        messages = parse_messages(body)
+        add_gen, cont = parse_continuation(body, messages)
         tools = parse_tools(body)  # counted in the prompt, as the chat endpoint renders them
         if tools and text.tool_format() is None:
             raise bad_request("this model's chat template does not render tools", param="tools")
         try:
-            prompt = await asyncio.to_thread(text.render_chat, parse_messages(body), add_gen,
-                                             tools, parse_template_kwargs(body))
+            prompt = await asyncio.to_thread(text.render_chat, messages, add_gen,
+                                             tools, parse_template_kwargs(body), cont)
         except TemplateError as err:
             raise bad_request(f"chat template error: {err}", param="messages") from None
         forced = tool_choice.forced_call(body, tools)

@@ -44,7 +44,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         # Rendering a 170k-token conversation is real work: keep it off the loop too.
         prompt = await asyncio.to_thread(
             text.render_chat, parsed.messages, parsed.add_generation_prompt, parsed.tools,
-            parsed.template_kwargs,
+            parsed.template_kwargs, parsed.continue_final,
         )
     except TemplateError as err:
         raise bad_request(f"chat template error: {err}", param="messages") from None

@@ -36,6 +36,9 @@ class ParsedRequest:
     prompts: tuple[str | list[int], ...] = ()  # completion: strings or token ids, a batch of 1+
     echo: bool = False  # completion: each choice's text starts with its prompt's
     add_generation_prompt: bool = True
+    # continue_final_message (vLLM): the last message is an assistant's start, left open
+    # for the model to continue (no end-of-turn after it, no generation prompt).
+    continue_final: bool = False
     stream: bool = False
     include_usage: bool = False
     stop: tuple[str, ...] = ()
@@ -290,6 +293,23 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def parse_continuation(body: dict[str, Any], messages: list[dict[str, Any]]) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message). Continuing needs a last
+    assistant message with text; add_generation_prompt then defaults to false."""
+    cont = _bool(body, "continue_final_message", False)
+    add_gen = _bool(body, "add_generation_prompt", not cont)
+    if cont:
+        last = messages[-1]
+        if add_gen:
+            raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be "
+                              "true", param="continue_final_message")
+        if last["role"] != "assistant" or not last["content"] or last.get("tool_calls"):
+            raise bad_request("'continue_final_message' needs the last message to be an assistant "
+                              "message with text content (the start of the reply)",
+                              param="continue_final_message")
+    return add_gen, cont
+
+
 # Names the server itself passes to the chat template.
 _TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "flatten")
 
@@ -330,10 +350,19 @@ def parse_chat(raw: Any) -> ParsedRequest:
         logprobs = 0 if top is _MISSING else top
     elif top is not _MISSING and top > 0:
         raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    messages = parse_messages(body)
+    add_gen, cont = parse_continuation(body, messages)
+    if cont and forced is not None:
+        raise bad_request("'continue_final_message' cannot be combined with a forced 'tool_choice'",
+                          param="continue_final_message")
+    if cont and fmt is not None:
+        raise bad_request("'continue_final_message' cannot be combined with 'response_format': "
+                          "the format constrains the whole reply", param="continue_final_message")
     return ParsedRequest(
         kind="chat",
-        messages=parse_messages(body),
-        add_generation_prompt=_bool(body, "add_generation_prompt", True),
+        messages=messages,
+        add_generation_prompt=add_gen,
+        continue_final=cont,
         logprobs=logprobs,
         tools=tools,
         template_kwargs=parse_template_kwargs(body),

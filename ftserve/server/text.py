@@ -54,8 +54,9 @@ class StreamDetokenizer(Protocol):
 class TextCodec(Protocol):
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None = None,
-                    extra: dict[str, Any] | None = None) -> str:
-        """The prompt text. Special-token text the client wrote (in messages, tools,
+                    extra: dict[str, Any] | None = None, continue_final: bool = False) -> str:
+        """The prompt text; ``continue_final``: it ends right after the last message's
+        content (an assistant's start for the model to continue), not its end-of-turn. Special-token text the client wrote (in messages, tools,
         template kwargs) is escaped so that it encodes as text, never as the token
         (Tokenizer.escape_special); only the template's own markup makes specials."""
         ...
@@ -157,7 +158,7 @@ class TokenizerCodec:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None = None,
-                    extra: dict[str, Any] | None = None) -> str:
+                    extra: dict[str, Any] | None = None, continue_final: bool = False) -> str:
         if self._template is None:
             raise TemplateError(self._template_error or "no chat template")
         esc = self.tokenizer.escape_special
@@ -167,10 +168,20 @@ class TokenizerCodec:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m
                         for m in messages]
         try:
-            return self._template.render(_escaped(messages, esc), add_generation_prompt=add_generation_prompt,
-                                         tools=_escaped(tools, esc), **_escaped(extra or {}, esc))
+            prompt = self._template.render(_escaped(messages, esc), add_generation_prompt=add_generation_prompt,
+                                           tools=_escaped(tools, esc), **_escaped(extra or {}, esc))
         except ChatTemplateError as err:
             raise TemplateError(str(err)) from None
+        if not continue_final:
+            return prompt
+        # Cut after the final message's own text: what follows it is the template's
+        # end-of-turn markup. A template that rewrites that text cannot be continued.
+        start = esc(messages[-1]["content"])
+        cut = prompt.rfind(start)
+        if not start or cut < 0:
+            raise TemplateError("the chat template does not render the final assistant message's "
+                                "content as written, so it cannot be continued")
+        return prompt[:cut + len(start)]
 
     def escape_special(self, text: str) -> str:
         return self.tokenizer.escape_special(text)
