@@ -429,6 +429,10 @@ def test_health_and_metrics(live: Live) -> None:
         assert name in values, name
     assert values["ftserve_prompt_tokens_total"] > 0
     assert values["ftserve_generation_tokens_total"] >= 3
+    # By finish reason, one per choice; the start-up warm-up request is not counted.
+    finished = {r: values[f'ftserve_requests_finished_total{{reason="{r}"}}']
+                for r in ("stop", "length", "abort", "error")}
+    assert finished["length"] >= 1 and finished["error"] == 0, finished
     for hist in ("ftserve_time_to_first_token_seconds", "ftserve_inter_token_latency_seconds",
                  "ftserve_e2e_request_latency_seconds", "ftserve_request_queue_time_seconds"):
         assert values[hist + "_count"] >= 1, hist

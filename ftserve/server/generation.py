@@ -111,12 +111,14 @@ class Generation:
         """Always called by the handler (finally): frees the engine request if still live."""
         if not self.finished:
             self.finish_reason = "abort"
+            self._metrics.finished.labels("abort").inc()
             self._engine.abort(self.request_id)
         self._tracker.close(self.request_id)
 
     def _consume(self, out: RequestOutput) -> Step:
         if out.finish_reason == "error":
             self.finish_reason = "error"
+            self._metrics.finished.labels("error").inc()
             self._tracker.close(self.request_id)
             raise EngineRequestError(out.error or "the engine could not run this request")
         now = time.monotonic()
@@ -139,6 +141,7 @@ class Generation:
         self.finish_reason = reason
         self._tracker.close(self.request_id)
         self._metrics.e2e.observe(now - self._arrival)
+        self._metrics.finished.labels(reason or "stop").inc()
 
     def _observe(self, out: RequestOutput, now: float) -> None:
         if not out.new_token_ids:

@@ -9,7 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -81,6 +87,14 @@ class Metrics:
             "ftserve_e2e_request_latency_seconds", "Arrival to finish.",
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
+        # One count per finished choice; reason: stop | length | abort (client gone,
+        # drain timeout) | error (the engine could not run it).
+        self.finished = Counter(
+            "ftserve_requests_finished", "Finished requests (one per choice), by finish reason.",
+            ["reason"], registry=self.registry,
+        )
+        for reason in ("stop", "length", "abort", "error"):
+            self.finished.labels(reason)  # present at 0 from the start, as scrapers expect
         self.queue_time = Histogram(
             "ftserve_request_queue_time_seconds", "Arrival to first scheduled.",
             buckets=_LATENCY_BUCKETS, registry=self.registry,
