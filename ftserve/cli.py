@@ -64,6 +64,8 @@ def configs_from_args(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig
         raise ConfigError("--api-key is empty: give a key, or omit the flag to serve without auth")
     if server.served_model_name is not None and not server.served_model_name.strip():
         raise ConfigError("--served-model-name is empty: give a name, or omit the flag")
+    if server.generation_config not in ("auto", "none"):
+        raise ConfigError(f"--generation-config must be auto or none, got {server.generation_config!r}")
     if server.reasoning_parser not in ("auto", "none"):
         raise ConfigError(f"--reasoning-parser must be auto or none, got {server.reasoning_parser!r}")
     return engine, server

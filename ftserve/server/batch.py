@@ -55,13 +55,15 @@ def echo_heads(parsed: ParsedRequest, text: TextCodec) -> list[str] | None:
             for p in parsed.prompts]
 
 
-def build_all(parsed: ParsedRequest, prompts: list[list[int]],
-              engine: EngineAPI) -> list[SamplingParams]:
-    """Sampling params per prompt; a prompt too long for the context is a 400 naming its index."""
+def build_all(parsed: ParsedRequest, prompts: list[list[int]], engine: EngineAPI,
+              defaults: dict[str, Any] | None = None) -> list[SamplingParams]:
+    """Sampling params per prompt (``defaults``: the checkpoint's, for fields the request
+    leaves out); a prompt too long for the context is a 400 naming its index."""
     out: list[SamplingParams] = []
     for i, ids in enumerate(prompts):
         try:
-            out.append(parsed.build_params(len(ids), engine.max_model_len, engine.vocab_size))
+            out.append(parsed.build_params(len(ids), engine.max_model_len, engine.vocab_size,
+                                           defaults))
         except APIError as err:
             if len(prompts) == 1 or err.param != "prompt":
                 raise

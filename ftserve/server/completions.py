@@ -87,7 +87,7 @@ async def _run(
     engine, text = state.ready()
     # Every prompt is checked before anything is submitted (batch.py), and so is the
     # response_format's grammar: one matcher per choice.
-    params = batch.build_all(parsed, prompts, engine)
+    params = batch.build_all(parsed, prompts, engine, state.sampling_defaults)
     grammars: list[GrammarMatcher | None] = [None] * (len(prompts) * parsed.n)
     if parsed.response_format is not None:
         grammars = list(await response_format.matchers(parsed.response_format, text,

@@ -55,8 +55,10 @@ class ParsedRequest:
     forced: ForcedCall | None = None  # tool_choice "required" or a named function (tool_choice.py)
     response_format: ResponseFormat | None = None  # JSON output constraint (response_format.py)
 
-    def build_params(self, prompt_len: int, max_model_len: int, vocab_size: int) -> SamplingParams:
-        """Resolve max_tokens against the context window and validate everything."""
+    def build_params(self, prompt_len: int, max_model_len: int, vocab_size: int,
+                     defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Resolve max_tokens against the context window and validate everything.
+        ``defaults`` (generation_defaults.py) fill the sampling fields the request left out."""
         if prompt_len >= max_model_len:
             raise context_length_error(prompt_len, self.max_tokens or 0, max_model_len, self.kind)
         room = max_model_len - prompt_len
@@ -66,7 +68,8 @@ class ParsedRequest:
             max_tokens = self.max_tokens
             if prompt_len + max_tokens > max_model_len:
                 raise context_length_error(prompt_len, max_tokens, max_model_len, self.kind)
-        params = SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling)
+        params = SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs,
+                                **{**(defaults or {}), **self.sampling})
         try:
             params.validate(vocab_size)
         except SamplingParamsError as err:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import os
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -18,8 +19,11 @@ from ftserve.config import ServerConfig
 from ftserve.engine.messages import GenerateRequest, RequestOutput
 from ftserve.server.errors import APIError, overloaded
 from ftserve.server.generation import Tracker
+from ftserve.server.generation_defaults import sampling_defaults
 from ftserve.server.metrics import Metrics
 from ftserve.server.text import TextCodec
+
+log = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "ftserve-demo"
 
@@ -62,10 +66,16 @@ class ServerState:
         self.metrics = Metrics(self._stats)
         self.draining = False
         self.load_error: str | None = None
+        self._checkpoint_sampling: dict[str, Any] = {}  # generation_config.json's, set by attach
 
     def attach(self, engine: EngineAPI, text: TextCodec, loop: asyncio.AbstractEventLoop) -> None:
         """Runs on the loop: from here on outputs flow to the tracker once per engine step."""
         self.text = text
+        self._checkpoint_sampling = sampling_defaults(engine.model_dir)
+        if self.sampling_defaults:
+            log.info("sampling defaults from the checkpoint's generation_config.json, for "
+                     "fields a request leaves out: %s (--generation-config none: neutral)",
+                     ", ".join(f"{k} {v}" for k, v in self.sampling_defaults.items()))
         engine.start(loop, self.tracker.on_outputs)
         self.engine = engine
 
@@ -76,6 +86,11 @@ class ServerState:
         other.__dict__.update(self.__dict__)
         other.cfg = cfg
         return other
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """What fills the sampling fields a request leaves out (--generation-config)."""
+        return self._checkpoint_sampling if self.cfg.generation_config == "auto" else {}
 
     def _stats(self) -> Any | None:
         return None if self.engine is None else self.engine.stats()
