@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -87,3 +88,55 @@ def reference_greedy(model: torch.nn.Module, mcfg: object, prompt: list[int], n:
         out.append(tok)
         seq.append(tok)
     return out
+
+
+def make_context_sensitive(model: torch.nn.Module, gain: float = 20.0) -> None:
+    """Scale the attention output projections so greedy tokens depend on the context.
+
+    Dummy weights (N(0, 0.02) projections, N(0, 1) embeddings) leave attention a
+    tiny term next to the residual: the tiny models' greedy token is then a
+    function of the last input token alone, and a test comparing tokens with the
+    reference cannot see KV read from the wrong pages. With the gain, swapping
+    two earlier prompt tokens changes most of the following greedy tokens.
+    """
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("self_attn.o_proj.weight"):
+                p.mul_(gain)
+
+
+class _Direct:
+    """Stands in for the event loop when the test thread runs the engine's steps."""
+
+    def call_soon_threadsafe(self, fn: Callable[..., None], *args: object) -> None:
+        fn(*args)
+
+
+def drive(engine: Engine, reqs: list[tuple[str, list[int], SamplingParams]],
+          abort_at_step: dict[str, int] | None = None,
+          max_steps: int = 10_000) -> dict[str, list[RequestOutput]]:
+    """Run requests on the calling thread (no engine thread), step by step: all
+    are submitted before the first step, so the schedule is the same every run.
+    ``abort_at_step[rid] = k``: abort rid just before step k (0-based)."""
+    assert engine._thread is None, "drive() runs an engine whose thread never started"
+    outs: dict[str, list[RequestOutput]] = {rid: [] for rid, _, _ in reqs}
+
+    def on_outputs(batch: list[RequestOutput]) -> None:
+        for o in batch:
+            assert not (outs[o.request_id] and outs[o.request_id][-1].finished), (
+                f"{o.request_id} reported after it finished")
+            outs[o.request_id].append(o)
+
+    engine._loop, engine._on_outputs = _Direct(), on_outputs  # type: ignore[assignment]
+    for rid, ids, params in reqs:
+        engine.submit(GenerateRequest(rid, ids, params, time.monotonic()))
+    pending = dict(abort_at_step or {})
+    for step in range(max_steps):
+        for rid in [r for r, k in pending.items() if k == step]:
+            engine.abort(rid)
+            pending.pop(rid)
+        engine._drain_inbox(block=False)
+        if not (engine.scheduler.has_work or engine._inflight is not None or pending):
+            return outs
+        engine._step()
+    raise AssertionError(f"requests still running after {max_steps} steps")

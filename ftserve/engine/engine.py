@@ -189,6 +189,8 @@ class EngineCore:
         """
         batch = self.scheduler.schedule()
         launched = self.runner.launch(batch) if batch is not None else None
+        if self.check_integrity and batch is not None:
+            self.runner.check_page_rows(batch.reqs)
         stepped: list[Req] = []
         prev, self._inflight = self._inflight, None
         if prev is not None:

@@ -45,6 +45,10 @@ class Req:
     cached_len: int = field(default=0, init=False)  # prefix-cache hit at first admission
     computed_len: int = field(default=0, init=False)  # tokens whose KV is in pages
     slot: int = field(default=-1, init=False)  # sampler row, -1 when not admitted
+    # Bumped at every admission (Scheduler._admit). A preempted request that is
+    # admitted again may get its old slot back with other pages: the runner keys
+    # its per-slot mirrors (page-table row, sampler parameters) on (req, admissions).
+    admissions: int = field(default=0, init=False)
     num_preemptions: int = field(default=0, init=False)
     # Overlap scheduling: the latest launched step holding this request whose
     # results are not committed yet (-1: none), and the request's row in that

@@ -90,10 +90,13 @@ class ModelRunner:
         self.sink_row = max_running
         self.page_table = torch.zeros(  # [max_running + 1, max_pages]
             max_running + 1, self.max_pages, dtype=torch.int32, device=device)
-        # Which request owns each slot's rows (page table, sampler) and how many
-        # of its pages the device row already holds.
-        self._owner: list[Req | None] = [None] * max_running  # whose pages each slot's table row mirrors
-        self._admitted: list[Req | None] = [None] * max_running  # whose parameters each sampler slot holds
+        # Which admission of which request owns each slot's rows (page table,
+        # sampler) and how many of its pages the device row already holds. Keyed
+        # on (req, req.admissions), not req alone: a preempted request admitted
+        # again can take its old slot back with other pages (and its sampler row
+        # counted a token the preemption dropped), so both rows must be rebuilt.
+        self._owner: list[tuple[Req, int] | None] = [None] * max_running  # whose pages each table row mirrors
+        self._admitted: list[tuple[Req, int] | None] = [None] * max_running  # whose parameters each sampler slot holds
         self._synced: list[int] = [0] * max_running
         self._pin = device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
@@ -130,9 +133,9 @@ class ModelRunner:
         small uploads). Only sampling reads them: a prefill step does this after
         launching its forward, so the GPU does not wait for it."""
         for req in reqs:
-            s = req.slot
-            if self._admitted[s] is not req:
-                self._admitted[s] = req
+            s, key = req.slot, (req, req.admissions)
+            if self._admitted[s] != key:  # Req compares by identity (eq=False)
+                self._admitted[s] = key
                 self.sampler.admit(s, req.params, req.prompt_ids, self.eos_token_ids, req.output_ids,
                                    constrained=req.grammar is not None)
 
@@ -149,9 +152,9 @@ class ModelRunner:
         upd_cols: list[np.ndarray] = []
         upd_pages: list[np.ndarray] = []
         for req in reqs:
-            s = req.slot
-            if self._owner[s] is not req:
-                self._owner[s] = req
+            s, key = req.slot, (req, req.admissions)
+            if self._owner[s] != key:
+                self._owner[s] = key
                 self._synced[s] = 0
             n = self._synced[s]
             new = req.pages[n:]
@@ -163,6 +166,14 @@ class ModelRunner:
         if upd_rows:
             dev = self._upload(np.concatenate(upd_rows + upd_cols + upd_pages)).view(3, -1)
             self.page_table.index_put_((dev[0], dev[1]), dev[2].to(torch.int32))
+
+    def check_page_rows(self, reqs: list[Req]) -> None:
+        """Each request's device page-table row starts with its host pages (a
+        device read: for integrity checks in tests, never the step path)."""
+        for req in reqs:
+            row = self.page_table[req.slot, :len(req.pages)].tolist()
+            assert row == req.pages, (
+                f"{req.request_id}: device page-table row {row} != host pages {req.pages}")
 
     def _grammar_masks(self, batch: ScheduledBatch) -> None:
         """This step's token masks of its constrained rows that sample: computed on the

@@ -244,6 +244,7 @@ class Scheduler:
         else:
             req.pages, req.num_tree_pages, req.computed_len = [], 0, 0
         req.slot = self.free_slots.pop()
+        req.admissions += 1
         req.state = ReqState.PREFILL
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
