@@ -84,3 +84,26 @@ def test_resumed_request_recounts_its_penalties(model_dir: str) -> None:
         alone = drive(make_engine(model_dir, **cfg), [(rid, p, params)])
         assert tokens_of(outs[rid]) == tokens_of(alone[rid]), rid
     assert_baseline(eng)
+
+
+def test_resume_below_the_first_prefix_hit(model_dir: str) -> None:
+    """A request admitted onto a cached prefix (cached_len 8), preempted, and
+    resumed after that prefix was evicted restarts from token 0: its computed_len
+    drops below cached_len, which the integrity check must accept (it failed the
+    engine there), and the tokens stay those of a full recompute."""
+    rng = random.Random(0)
+    base = [rng.randrange(10, VOCAB_HI) for _ in range(8)]
+    ps = [[rng.randrange(10, VOCAB_HI) for _ in range(14)],
+          [rng.randrange(10, VOCAB_HI) for _ in range(18)],
+          base + [rng.randrange(10, VOCAB_HI) for _ in range(9)]]
+    eng = make_engine(model_dir, num_pages=12, max_running_requests=3, max_prefill_length=8)
+    drive(eng, [("w", base, greedy(1))])  # base's 2 pages go to the prefix cache
+    reqs = [(f"r{i}", p, greedy(m)) for i, (p, m) in enumerate(zip(ps, [9, 23, 9]))]
+    outs = drive(eng, reqs)
+    assert outs["r2"][-1].cached_tokens == 8
+    assert eng.scheduler.counters.preemptions_total > 0
+    for rid, p, params in reqs:
+        got = tokens_of(outs[rid])
+        assert got == reference_greedy(eng.runner.model, eng.model_config, p, params.max_tokens)[:len(got)]
+        assert outs[rid][-1].finish_reason == "length"
+    assert_baseline(eng)

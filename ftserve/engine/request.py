@@ -4,6 +4,9 @@
     KV:       [ cached (prefix hit) | computed here ]  not yet computed
               0             cached_len        computed_len        len(tokens)
 
+(After a preemption the request may resume on a shorter prefix hit than its
+first, so computed_len can then restart below cached_len.)
+
 Pages: ``pages[i]`` holds tokens [i * page_size, (i + 1) * page_size).
 ``pages[:num_tree_pages]`` belong to the radix tree (locked through
 ``tree_node`` while the request lives); the rest are private to the request.
@@ -77,7 +80,11 @@ class Req:
                    msg.grammar)
 
     def check(self) -> None:
-        assert 0 <= self.cached_len <= self.computed_len <= len(self.tokens), (
+        # cached_len is the prefix hit of the first admission (what usage reports);
+        # a preempted request can resume on less of that prefix (evicted meanwhile)
+        # and recompute it, so only until a preemption does computed_len bound it.
+        bound = self.computed_len if self.num_preemptions == 0 else self.prompt_len
+        assert 0 <= self.cached_len <= bound and self.computed_len <= len(self.tokens), (
             self.request_id, self.cached_len, self.computed_len, len(self.tokens))
         assert 0 <= self.num_tree_pages <= len(self.pages)
 
