@@ -1,6 +1,8 @@
 """Engine correctness on the CPU (float32): exact greedy equality with a plain
 full-recompute decode, across batching, chunking, prefix hits, preemption and
-aborts; plus pool accounting after every scenario."""
+aborts; plus pool accounting after every scenario. The model is made
+context-sensitive (engine_util.make_context_sensitive) so that equality means
+the KV was right, not only the last token."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.engine.setup import build_engine
-from tests.engine_util import collect, greedy, reference_greedy, tokens_of
+from tests.engine_util import collect, greedy, make_context_sensitive, reference_greedy, tokens_of
 
 VOCAB_HI = 32000
 
@@ -32,6 +34,7 @@ def make_engine(model_dir: str, **kw: object) -> Engine:
     base.update(kw)
     eng = build_engine(EngineConfig(**base))  # type: ignore[arg-type]
     eng.check_integrity = True
+    make_context_sensitive(eng.runner.model)  # else greedy tokens cannot see wrong KV
     return eng
 
 
