@@ -107,3 +107,21 @@ def test_resume_below_the_first_prefix_hit(model_dir: str) -> None:
         assert got == reference_greedy(eng.runner.model, eng.model_config, p, params.max_tokens)[:len(got)]
         assert outs[rid][-1].finish_reason == "length"
     assert_baseline(eng)
+
+
+def test_two_partial_prefills_cannot_wedge_the_pool(model_dir: str) -> None:
+    """r1 gets what r0's last chunk leaves of the step's budget (10 of 39 tokens);
+    while that step is in flight r1 is skipped and r2 admitted with a full chunk.
+    Once r0 ends, the two partly prefilled requests hold all 11 usable pages and
+    neither chunk fits, with no decoder left to free any: no step could be
+    planned again (the engine spun without progress). The older one now preempts
+    the younger, and every request ends with the reference tokens."""
+    eng = make_engine(model_dir, num_pages=12, max_running_requests=3, max_prefill_length=16)
+    ps = prompts(1, [6, 39, 40])
+    reqs = [(f"r{i}", p, greedy(m)) for i, (p, m) in enumerate(zip(ps, [6, 2, 2]))]
+    outs = drive(eng, reqs, max_steps=500)
+    assert eng.scheduler.counters.preemptions_total > 0
+    for rid, p, params in reqs:
+        assert tokens_of(outs[rid]) == reference_greedy(eng.runner.model, eng.model_config, p,
+                                                        params.max_tokens), rid
+    assert_baseline(eng)

@@ -149,15 +149,22 @@ class Scheduler:
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.max_prefill_length
         chunks: list[tuple[Req, int]] = []  # (request, new tokens this step)
+        stalled = False
         for req in [r for r in self.running if r.state is ReqState.PREFILL and not r.inflight]:
             if budget <= 0:
                 break
+            if req.state is not ReqState.PREFILL:
+                continue  # preempted just now for an older one
             n = min(req.remaining_prefill, budget)
-            if not self._reserve(req, req.computed_len + n):
+            if not self._reserve_prefill(req, req.computed_len + n):
+                # The rest are held by decoders, which free them as they finish or
+                # preempt. Admit nobody behind it: a newcomer with a smaller first
+                # chunk would take the pages this request waits for.
+                stalled = True
                 break
             chunks.append((req, n))
             budget -= n
-        while budget > 0 and self.waiting and self.free_slots:
+        while not stalled and budget > 0 and self.waiting and self.free_slots:
             req = self.waiting[0]
             if req.inflight:
                 break  # preempted while its last step is in flight: wait for the commit
@@ -224,6 +231,21 @@ class Scheduler:
         if pages is None:
             return False
         req.pages.extend(pages)
+        return True
+
+    def _reserve_prefill(self, req: Req, num_tokens: int) -> bool:
+        """_reserve for a running prefill, preempting younger prefilling requests
+        while the pool is short. Without that, two partly prefilled requests (one
+        admitted while the other's chunk was in flight) can hold the whole pool
+        with no decoder left to preempt either: no step could be planned again.
+        The oldest prefilling request can thus always go on once no decoder
+        holds pages (its whole context fits the pool: max_model_len)."""
+        while not self._reserve(req, num_tokens):
+            younger = self.running[self.running.index(req) + 1:]
+            victim = next((r for r in reversed(younger) if r.state is ReqState.PREFILL), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
         return True
 
     def _admit(self, req: Req) -> None:
