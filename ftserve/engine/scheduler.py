@@ -6,6 +6,12 @@ requests, at most ``max_prefill_length`` new tokens in all) or a decode step
 two alternate, so a long prompt never stalls running streams for more than one
 chunk.
 
+Preemption (KV back to the prefix cache, the request to the front of the
+queue): a decode short of pages preempts the youngest running request; a
+prefill short of pages preempts younger prefilling requests only, and while it
+waits for decoders to free pages nobody new is admitted. So the oldest request
+can always go on and the pool never wedges.
+
 All state here is host state; the scheduler never reads the device. It plans
 every sequence length, page and chunk, which the runner turns into device
 metadata with one copy.
