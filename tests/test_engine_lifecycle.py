@@ -169,3 +169,33 @@ def test_mixed_soak_with_aborts_returns_to_baseline(model_dir: str) -> None:
         eng._drain_inbox(block=False)
         assert_baseline(eng)
     assert eng.scheduler.counters.preemptions_total > 0 and checked > 0
+
+
+def test_a_stuck_scheduler_is_logged_once_and_does_not_spin(
+        model_dir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """With work queued, nothing in flight and no plannable step (a scheduler bug: the
+    pool wedge above hung every client with the engine thread at 100% CPU and
+    nothing in the log), the loop logs the stall once and naps between tries; a
+    step that plans again clears it. The stall is forced here: the real wedge is fixed."""
+    import time
+
+    import ftserve.engine.engine as engine_mod
+    from ftserve.engine.messages import GenerateRequest
+
+    eng = make_engine(model_dir)
+    monkeypatch.setattr(engine_mod, "STALL_LOG_S", 0.05)
+    plan = eng.scheduler.schedule
+    monkeypatch.setattr(eng.scheduler, "schedule", lambda: None)  # nothing can be planned
+    eng.submit(GenerateRequest("r0", [5, 6, 7], greedy(2), time.monotonic()))
+    eng._drain_inbox(block=False)
+    t0, tries = time.monotonic(), 0
+    with caplog.at_level("ERROR", logger="ftserve.engine.engine"):
+        while time.monotonic() - t0 < 0.2:
+            eng._step()
+            tries += 1
+    stuck = [r for r in caplog.records if "scheduler is stuck" in r.getMessage()]
+    assert len(stuck) == 1 and "1 waiting" in stuck[0].getMessage(), caplog.text
+    assert tries < 0.2 / engine_mod.STALL_NAP_S + 1  # napped, not spun
+    monkeypatch.setattr(eng.scheduler, "schedule", plan)  # plannable again: runs to the end
+    eng._step()
+    assert eng._stalled_since is None

@@ -71,6 +71,8 @@ class _Call:
 
 
 _STOP = object()
+STALL_LOG_S = 5.0  # no plannable step for this long: logged as a stuck scheduler
+STALL_NAP_S = 0.0005  # the loop's nap per unplannable iteration (no 100% spin)
 
 
 class EngineCore:
@@ -93,6 +95,12 @@ class EngineCore:
         self._stats = self._make_stats()
         self._last_status = time.monotonic()
         self._last_counts = (0, 0)
+        # Since when no step could be planned although requests wait or run and none
+        # is in flight (None: progress). Briefly normal (a host-tier page move still
+        # landing); for long it is a scheduler bug that would hang every client, so
+        # it is logged once per stall and the loop naps instead of spinning.
+        self._stalled_since: float | None = None
+        self._stall_logged = False
 
     # ----- called from any thread ------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop, on_outputs: OutputCallback) -> None:
@@ -193,6 +201,10 @@ class EngineCore:
             self.runner.check_page_rows(batch.reqs)
         stepped: list[Req] = []
         prev, self._inflight = self._inflight, None
+        if batch is None and prev is None and self.scheduler.has_work:
+            self._stalled()
+        else:
+            self._stalled_since, self._stall_logged = None, False
         if prev is not None:
             self._commit(prev)
             stepped += prev.batch.reqs
@@ -296,6 +308,21 @@ class EngineCore:
             kv_host_hit_tokens_total=s.radix.host_hit_tokens_total,
             prefix_published_pages_total=c.published_prompt_pages_total,
         )
+
+    def _stalled(self) -> None:
+        """No step could be planned and nothing is in flight, with work queued."""
+        now = time.monotonic()
+        if self._stalled_since is None:
+            self._stalled_since = now
+        elif not self._stall_logged and now - self._stalled_since > STALL_LOG_S:
+            self._stall_logged = True
+            s = self.scheduler
+            log.error("no engine step could be planned for %.0f s with %d running and %d waiting "
+                      "requests (%d KV pages free, %d held by the prefix cache): the scheduler is "
+                      "stuck; those requests will not progress",
+                      now - self._stalled_since, len(s.running), len(s.waiting),
+                      s.allocator.num_free, s.radix.evictable_pages)
+        time.sleep(STALL_NAP_S)
 
     def _maybe_log_status(self) -> None:
         if self.status_log_interval <= 0:
