@@ -64,6 +64,14 @@ def configs_from_args(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig
         raise ConfigError("--api-key is empty: give a key, or omit the flag to serve without auth")
     if server.served_model_name is not None and not server.served_model_name.strip():
         raise ConfigError("--served-model-name is empty: give a name, or omit the flag")
+    if server.chat_template is not None:
+        from ftserve.server.text import chat_template_text
+        from ftserve.tokenizer import ChatTemplate, ChatTemplateError
+
+        try:  # compiled now: a typo fails here, not on every chat request
+            ChatTemplate(chat_template_text(server.chat_template)).compile()
+        except (OSError, ChatTemplateError) as err:
+            raise ConfigError(f"--chat-template: {err}") from None
     if server.generation_config not in ("auto", "none"):
         raise ConfigError(f"--generation-config must be auto or none, got {server.generation_config!r}")
     if server.reasoning_parser not in ("auto", "none"):

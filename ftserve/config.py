@@ -118,6 +118,8 @@ class ServerConfig:
     keepalive_interval: float = _opt(5.0, "seconds between SSE keep-alive comments on a quiet stream")
     reasoning_parser: str = _opt("auto", "auto (a chat template with <think> tags: the model's reasoning "
                                          "comes back as reasoning_content) | none (it stays in the content)")
+    chat_template: str | None = _opt(None, "a jinja chat template, as a file or as the template text "
+                                           "itself, used instead of the checkpoint's")
     generation_config: str = _opt("auto", "auto (the checkpoint's generation_config.json sampling "
                                           "defaults, e.g. temperature / top_p / top_k, fill the fields "
                                           "a request leaves out) | none (neutral: temperature 1, no "

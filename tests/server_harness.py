@@ -70,7 +70,7 @@ class Live:
 
 def start_live(engine_cfg: EngineConfig = TEST_ENGINE,
                server_cfg: ServerConfig = TEST_SERVER) -> Live:
-    engine, text = load_engine(engine_cfg)
+    engine, text = load_engine(engine_cfg, server_cfg.chat_template)
     loop = uvloop.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="test-server-loop", daemon=True)
     thread.start()

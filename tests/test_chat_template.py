@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +111,51 @@ def test_matches_transformers_apply_chat_template() -> None:
         if not isinstance(ref_ids, list):  # BatchEncoding in transformers 5
             ref_ids = ref_ids["input_ids"]
         assert ours.encode(text, add_special_tokens=False) == list(ref_ids)
+
+
+# --- --chat-template ---------------------------------------------------------------
+
+OVERRIDE = ("{% for m in messages %}<<{{ m.role }}>>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<<assistant>>{% endif %}")
+
+
+def test_chat_template_flag_replaces_the_checkpoints(tmp_path: Path) -> None:
+    """--chat-template FILE (or the template text itself) is what the chat endpoint and
+    /tokenize render with; the demo checkpoint's own is Mistral-style."""
+    import asyncio
+    import dataclasses
+
+    import aiohttp
+
+    from tests.server_harness import TEST_SERVER, start_live, stop_live
+
+    path = tmp_path / "template.jinja"
+    path.write_text(OVERRIDE)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    for value in (str(path), OVERRIDE):
+        live = start_live(server_cfg=dataclasses.replace(TEST_SERVER, chat_template=value))
+        try:
+            async def go(url: str) -> str:
+                async with aiohttp.ClientSession() as s:
+                    async with s.post(url + "/tokenize", json={"messages": msgs}) as r:
+                        ids = (await r.json())["tokens"]
+                    async with s.post(url + "/detokenize", json={"tokens": ids}) as r:
+                        return (await r.json())["prompt"]
+
+            assert asyncio.run(go(live.url)) == "<<system>>Be brief.\n<<user>>hi\n<<assistant>>"
+            live.wait_idle()
+        finally:
+            stop_live(live)
+
+
+@pytest.mark.parametrize("value, says", [
+    ("/no/such/template.jinja", "No such file"),
+    ("{% for m in messages %}{{ m.content }", "does not compile"),
+])
+def test_chat_template_flag_fails_at_start_up(value: str, says: str) -> None:
+    from ftserve.cli import build_parser, configs_from_args
+    from ftserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--chat-template") as err:
+        configs_from_args(build_parser().parse_args(["serve", "--chat-template", value]))
+    assert says in str(err.value)

@@ -50,12 +50,14 @@ async def start_http(state: ServerState, host: str, port: int) -> RunningServer:
     return RunningServer(state, runner, site, site.port)
 
 
-def load_engine(engine_cfg: EngineConfig) -> tuple[Any, TextCodec]:
-    """Blocking: run in a worker thread while the HTTP server already answers 503."""
+def load_engine(engine_cfg: EngineConfig,
+                chat_template: str | None = None) -> tuple[Any, TextCodec]:
+    """Blocking: run in a worker thread while the HTTP server already answers 503.
+    ``chat_template`` (--chat-template) replaces the checkpoint's."""
     from ftserve.engine.engine import Engine
 
     engine = Engine.from_config(engine_cfg)
-    return engine, make_text_codec(engine.model_dir)
+    return engine, make_text_codec(engine.model_dir, chat_template)
 
 
 async def warm_up(state: ServerState) -> None:
@@ -124,7 +126,7 @@ async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     log.info("listening on http://%s:%d; loading the model (health answers 503 until ready)",
              server_cfg.host, server.port)
-    load = asyncio.ensure_future(asyncio.to_thread(load_engine, engine_cfg))
+    load = asyncio.ensure_future(asyncio.to_thread(load_engine, engine_cfg, server_cfg.chat_template))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if not load.done():  # signalled while loading: nothing to drain

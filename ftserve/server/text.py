@@ -131,13 +131,16 @@ class TokenizerCodec:
     """TextCodec for a model directory: its tokenizer, chat template and a shared
     incremental cache (agentic clients resend the whole conversation every turn)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None) -> None:
+        """``chat_template`` (--chat-template: a file or the text) replaces the checkpoint's."""
         self.tokenizer = tokenizer
         self.cache = IncrementalTokenizer(tokenizer)
         self._template: ChatTemplate | None = None
         self._template_error: str | None = None
         try:
-            self._template = chat_template_for(tokenizer)
+            self._template = (chat_template_for(tokenizer) if chat_template is None else
+                              ChatTemplate(chat_template_text(chat_template), tokenizer.bos_token,
+                                           tokenizer.eos_token))
         except NoChatTemplateError as err:
             # Completions still work; chat requests get a 400 that says why.
             self._template_error = f"this model has no chat template ({err}); use /v1/completions"
@@ -255,5 +258,14 @@ def _escaped(value: Any, escape: Callable[[str], str]) -> Any:
     return value
 
 
-def make_text_codec(model_dir: str) -> TextCodec:
-    return TokenizerCodec(load_tokenizer(model_dir))
+def chat_template_text(value: str) -> str:
+    """--chat-template's value: the text of the file it names, or itself when it is
+    template text (holds "{{" or "{%"); OSError for a missing file."""
+    if "{{" in value or "{%" in value:
+        return value
+    with open(value, encoding="utf-8") as f:
+        return f.read()
+
+
+def make_text_codec(model_dir: str, chat_template: str | None = None) -> TextCodec:
+    return TokenizerCodec(load_tokenizer(model_dir), chat_template)

@@ -109,6 +109,11 @@ class ChatTemplate:
         """The template text used with (truthy ``tools``) or without tools."""
         return select_template(self._sources, tools)
 
+    def compile(self) -> None:
+        """Compile every template now (ChatTemplateError on a syntax error)."""
+        for tools in (None, True):
+            self._template(tools)
+
     def _template(self, tools: object) -> jinja2.Template:
         source = select_template(self._sources, tools)
         t = self._compiled.get(source)
