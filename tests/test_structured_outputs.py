@@ -228,3 +228,83 @@ def test_bad_response_format_is_400_and_nothing_runs(live: Live, client: openai.
     monkeypatch.undo()
     st = live.wait_idle()
     assert st.running == 0 and st.waiting == 0
+
+
+# --- the other servers' fields: regex, choice, grammar, schema ------------------------
+
+CONSTRAINTS: list[tuple[str, dict[str, Any], str]] = [
+    # (why, extra body, a regex the whole output must match)
+    ("vLLM regex", {"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2}"}}, r"[0-9]{3}-[a-z]{2}"),
+    ("vLLM choice", {"structured_outputs": {"choice": ["yes", "no", "a \"quoted\"\nline"]}},
+     r'yes|no|a "quoted"\nline'),
+    ("vLLM GBNF grammar", {"structured_outputs": {
+        "grammar": 'root ::= ("ab" | "cd") ("ab" | "cd") "!"'}}, r"(ab|cd)(ab|cd)!"),
+    ("vLLM Lark grammar", {"structured_outputs": {"grammar": 'start: "x" /[0-9]{2}/ "."'}},
+     r"x[0-9]{2}\."),
+    ("legacy guided_regex", {"guided_regex": r"(red|blue)-[0-9]"}, r"(red|blue)-[0-9]"),
+    ("legacy guided_choice", {"guided_choice": ["alpha", "beta"]}, r"alpha|beta"),
+    ("llama.cpp grammar", {"grammar": 'root ::= "<" [a-c] [a-c] ">"'}, r"<[a-c][a-c]>"),
+]
+
+
+@pytest.mark.parametrize("why, extra, pattern", CONSTRAINTS, ids=[c[0] for c in CONSTRAINTS])
+def test_regex_choice_and_grammar_constrain_the_output(live: Live, client: openai.OpenAI, why: str,
+                                                       extra: dict[str, Any], pattern: str) -> None:
+    """The random model writes gibberish; only the constraint makes each output match,
+    whole and streamed, and the output ends ("stop") where the grammar is complete."""
+    import re
+
+    r = client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=40,
+                                       temperature=1.0, seed=5, n=2, extra_body=extra)
+    for c in r.choices:
+        assert c.finish_reason == "stop" and re.fullmatch(pattern, c.message.content), (why, c)
+    text = "".join(ch.choices[0].text for ch in client.completions.create(
+        model="ftserve-demo", prompt="x", max_tokens=40, temperature=0.8, seed=6, stream=True,
+        extra_body=extra))
+    assert re.fullmatch(pattern, text), (why, text)
+    live.wait_idle()
+
+
+def test_json_schema_from_other_fields(live: Live, client: openai.OpenAI) -> None:
+    for extra in ({"structured_outputs": {"json": SCHEMA}}, {"guided_json": json.dumps(SCHEMA)},
+                  {"json_schema": SCHEMA}, {"structured_outputs": {"json_object": True}}):
+        bare = "json_object" in extra.get("structured_outputs", {})  # unbounded: greedy ends it
+        r = client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=200,
+                                           temperature=0.0 if bare else 1.0, seed=7, extra_body=extra)
+        assert r.choices[0].finish_reason == "stop", extra
+        value = json.loads(r.choices[0].message.content)
+        if bare:
+            assert isinstance(value, dict)
+        else:
+            validate(value, SCHEMA)
+    live.wait_idle()
+
+
+BAD_OTHER: list[tuple[str, dict[str, Any], str]] = [
+    ("two constraints", {"response_format": {"type": "json_object"}, "guided_regex": "a"},
+     "guided_regex"),
+    ("two in structured_outputs", {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+     "structured_outputs"),
+    ("unknown structured_outputs key", {"structured_outputs": {"structural_tag": "x"}},
+     "structured_outputs"),
+    ("bad regex", {"guided_regex": "(("}, "guided_regex"),
+    ("empty choice", {"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ("choice of non-strings", {"guided_choice": ["a", 1]}, "guided_choice"),
+    ("bad GBNF", {"grammar": 'root ::= ("ab" | '}, "grammar"),
+    ("bad Lark", {"guided_grammar": 'start: "a" ('}, "guided_grammar"),
+    ("schema text not JSON", {"guided_json": "{nope"}, "guided_json"),
+    ("with tools", {"guided_regex": "a", "tools": _TOOLS}, "guided_regex"),
+]
+
+
+@pytest.mark.parametrize("why, extra, param", BAD_OTHER, ids=[b[0] for b in BAD_OTHER])
+def test_bad_constraint_fields_are_400s_naming_them(live: Live, client: openai.OpenAI,
+                                                    monkeypatch: pytest.MonkeyPatch, why: str,
+                                                    extra: dict[str, Any], param: str) -> None:
+    submitted: list[Any] = []
+    monkeypatch.setattr(live.engine, "submit", submitted.append)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=4,
+                                       extra_body=extra)
+    assert info.value.body["param"] == param, (why, info.value.body)
+    assert submitted == []
