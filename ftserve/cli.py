@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -50,6 +51,10 @@ def configs_from_args(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig
     engine: EngineConfig = _config_from(EngineConfig, a)
     server: ServerConfig = _config_from(ServerConfig, a)
     engine.validate()
+    if engine.model is not None and not os.path.isdir(engine.model):
+        raise ConfigError(f"--model {engine.model!r} is not a directory: ftserve serves local "
+                          "checkpoint directories (config.json, *.safetensors, tokenizer files) "
+                          "and downloads nothing; fetch the checkpoint first and pass its folder")
     if not 0 <= server.port < 65536:
         raise ConfigError("--port must be in [0, 65535]")
     if server.max_queued_requests < 0:

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,9 +28,9 @@ from ftserve.config import ConfigError, EngineConfig, ServerConfig
 from ftserve.server.chat_client import ChatClient, chat_loop
 
 
-def test_every_engine_field_has_a_flag() -> None:
+def test_every_engine_field_has_a_flag(tmp_path: Path) -> None:
     args = build_parser().parse_args([
-        "serve", "--model", "/m", "--load-format", "dummy", "--dtype", "float32",
+        "serve", "--model", str(tmp_path), "--load-format", "dummy", "--dtype", "float32",
         "--device", "cpu", "--page-size", "32", "--num-pages", "100",
         "--memory-ratio", "0.5", "--max-prefill-length", "64", "--max-running-requests", "3",
         "--max-model-len", "77", "--attention-backend", "torch", "--cuda-graph-max-bs", "0",
@@ -39,7 +40,7 @@ def test_every_engine_field_has_a_flag() -> None:
         "--max-queued-requests", "5",
     ])
     engine, server = configs_from_args(args)
-    assert engine == EngineConfig(model="/m", load_format="dummy", dtype="float32", device="cpu",
+    assert engine == EngineConfig(model=str(tmp_path), load_format="dummy", dtype="float32", device="cpu",
                                   page_size=32, num_pages=100,
                                   memory_ratio=0.5, max_prefill_length=64,
                                   max_running_requests=3, max_model_len=77,
@@ -69,6 +70,7 @@ def test_bad_flag_names_itself(capsys: pytest.CaptureFixture[str]) -> None:
     (["--api-key", ""], "--api-key"),  # an unset $KEY must not serve without auth silently
     (["--api-key", "  "], "--api-key"),
     (["--served-model-name", ""], "--served-model-name"),
+    (["--model", "Qwen/Qwen3-30B-A3B"], "downloads nothing"),  # a hub id: no such folder
 ])
 def test_bad_values_fail_before_loading(argv: list[str], named: str) -> None:
     """Rejected when the flags are read, before any model load, with the flag to change
