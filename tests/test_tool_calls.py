@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from ftserve.server.tool_calls import ToolStream, format_of, parse
+from ftserve.server.tool_calls import ToolStream, format_of, param_types, parse
+
+CODER_TEMPLATE = Path(__file__).parent / "templates" / "qwen3_coder.jinja"
 
 
 def test_format_from_the_template() -> None:
     assert format_of("{% for t in tools %}...<tool_call>\n{{ t | tojson }}</tool_call>") == "hermes"
     assert format_of("{{ '[TOOL_CALLS]' + calls | tojson }}") == "mistral"
     assert format_of("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    # Qwen3-Coder's template holds <tool_call> too: its <function= / <parameter= decide.
+    assert format_of(CODER_TEMPLATE.read_text()) == "qwen3_coder"
+    assert format_of("<tool_call>\n<function=x>\n</function>") == "hermes"  # no <parameter=
 
 
 def test_hermes_calls_and_content() -> None:
@@ -117,3 +124,122 @@ def test_streamed_choice_sends_calls_as_they_arrive(tmp_path) -> None:  # type: 
     twice = 'x [TOOL_CALLS] [{"name": "ls", "arguments": {}}, {"name": "cat", "arguments": {}}]'
     sent = one.split(twice)[2] + one.finish()[2]
     assert {d["index"] for d in sent} == {0} and [d["function"].get("name") for d in sent] == ["ls", None]
+
+
+# ------------------------------------------------------------- qwen3_coder
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "temp": {"type": "number"},
+        "metric": {"type": "boolean"}, "opts": {"type": "object"}, "hours": {"type": "array"},
+        "note": {"type": ["string", "null"]}, "limit": {"anyOf": [{"type": "integer"},
+                                                                  {"type": "null"}]}}}}}
+TYPES = param_types([WEATHER, {"type": "function", "function": {"name": "now"}}])
+
+
+def _xml(name: str, **params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def _args(text: str) -> list[tuple[str, Any]]:
+    p = parse(text, "qwen3_coder", TYPES)
+    assert p.tool_calls, text
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in p.tool_calls]
+
+
+def test_qwen3_coder_calls_and_content() -> None:
+    one = _xml("get_weather", city="Paris", days="3")
+    p = parse(one, "qwen3_coder", TYPES)
+    assert p.content is None
+    (call,) = p.tool_calls
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    # arguments: the typed parameters in the order written, as JSON object text
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}
+    several = "Let me check both.\n\n" + one + "\n" + _xml("now") + "\n" + _xml("get_weather", city="Rome")
+    p = parse(several, "qwen3_coder", TYPES)
+    assert p.content == "Let me check both."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in p.tool_calls] == [
+        ("get_weather", '{"city": "Paris", "days": 3}'), ("now", "{}"),
+        ("get_weather", '{"city": "Rome"}')]
+    assert len({c["id"] for c in p.tool_calls}) == 3
+
+
+def test_qwen3_coder_string_values_are_raw_text() -> None:
+    code = 'def f(x):\n    return "</p>" + x\n\n# {"not": json}\\n'
+    (call,) = _args(_xml("get_weather", city=code))  # one leading, one trailing newline are markup
+    assert call == ("get_weather", {"city": code})
+    assert _args(_xml("get_weather", city="\nParis\n")) == [("get_weather", {"city": "\nParis\n"})]
+    assert _args(_xml("get_weather", city="")) == [("get_weather", {"city": ""})]
+    assert _args(_xml("get_weather", city="42")) == [("get_weather", {"city": "42"})]
+    # No newline around the value at all: still the value.
+    tight = "<tool_call><function=get_weather><parameter=city>Oslo</parameter></function></tool_call>"
+    assert _args(tight) == [("get_weather", {"city": "Oslo"})]
+    (c,) = parse(_xml("get_weather", city='é "q"\t'), "qwen3_coder", TYPES).tool_calls
+    assert c["function"]["arguments"] == '{"city": "é \\"q\\"\\t"}'  # JSON-escaped, not ASCII-escaped
+
+
+@pytest.mark.parametrize("param,raw,want", [
+    ("days", "3", 3), ("days", " 7 ", 7), ("days", "3.5", 3.5), ("days", "three", "three"),
+    ("days", "NaN", "NaN"), ("days", "1e999", "1e999"), ("days", "true", "true"),
+    ("temp", "-1.25", -1.25), ("temp", "2e3", 2000.0), ("temp", "warm", "warm"),
+    ("metric", "true", True), ("metric", "False", False), ("metric", "TRUE", True),
+    ("metric", "yes", "yes"), ("metric", "1", "1"),
+    ("opts", '{"a": [1, {"b": null}]}', {"a": [1, {"b": None}]}), ("opts", "[1]", "[1]"),
+    ("opts", "{'a': 1}", "{'a': 1}"),
+    ("hours", "[1, 2,\n 3]", [1, 2, 3]), ("hours", '{"a": 1}', '{"a": 1}'), ("hours", "[1,", "[1,"),
+    ("note", "null", "null"),  # a type list with "string": the text as written
+    ("limit", "5", 5), ("limit", "null", None), ("limit", "x", "x"),
+    ("unknown", "5", "5"), ("unknown", '{"a": 1}', '{"a": 1}'),  # not in the schema: the text
+])
+def test_qwen3_coder_values_are_typed_by_the_schema(param: str, raw: str, want: Any) -> None:
+    ((_, args),) = _args(_xml("get_weather", **{param: raw}))
+    assert args == {param: want} and type(args[param]) is type(want)
+
+
+def test_qwen3_coder_untyped_without_schemas() -> None:
+    # A function the request did not offer, or no types given: every value is text.
+    assert _args(_xml("other", days="3")) == [("other", {"days": "3"})]
+    (c,) = parse(_xml("get_weather", days="3"), "qwen3_coder").tool_calls
+    assert c["function"]["arguments"] == '{"days": "3"}'
+
+
+@pytest.mark.parametrize("text", [
+    "no calls at all, just <b>tags</b> and <function=x>",
+    _xml("get_weather", city="Paris")[:-len("</tool_call>")],  # cut off: no </tool_call>
+    _xml("get_weather", city="Paris").replace("</function>\n", ""),  # no </function>
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",  # cut off in a value
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>",
+    "<tool_call>\n<function=>\n</function>\n</tool_call>",  # empty name
+    "<tool_call>\n<function=get\nweather>\n</function>\n</tool_call>",  # a newline in the name
+    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>",  # hermes JSON
+    "<tool_call>\n<function=now>\nhello\n</function>\n</tool_call>",  # garbage in the call
+    _xml("now") + "\nand then more prose",
+    _xml("now") + "\n<tool_call>\n<function=now>",  # the second call cut off
+])
+def test_qwen3_coder_anything_unclean_stays_content(text: str) -> None:
+    p = parse(text, "qwen3_coder", TYPES)
+    assert p.content == text and p.tool_calls == []
+
+
+def test_template_calls_parse_back() -> None:
+    """An earlier call rendered by the template is what the parser reads back, typed."""
+    from ftserve.server.tool_choice import _tool_calls
+    from ftserve.tokenizer.chat_template import ChatTemplate
+
+    args = {"city": "Paris\nFrance", "days": 3, "metric": False, "opts": {"u": [1, "x"]},
+            "hours": [9, 17], "temp": 21.5}
+    calls = _tool_calls([{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps(args)}}, {"id": "c2", "type": "function",
+        "function": {"name": "now", "arguments": "{}"}}], "messages[1].tool_calls")
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    prompt = ChatTemplate(CODER_TEMPLATE.read_text()).render(msgs, add_generation_prompt=True,
+                                                             tools=[WEATHER])
+    assert "<tool_response>\nsunny\n</tool_response>" in prompt
+    turn = prompt.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    p = parse(turn, "qwen3_coder", TYPES)
+    assert p.content == "Checking."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in p.tool_calls] == [("get_weather", args), ("now", {})]

@@ -15,7 +15,7 @@ import pytest
 
 from ftserve.server.errors import APIError
 from ftserve.server.protocol import parse_chat
-from ftserve.server.tool_calls import ToolStream, parse
+from ftserve.server.tool_calls import parse, tool_stream
 from ftserve.server.tool_choice import ForcedCall, forced_text
 
 
@@ -26,6 +26,11 @@ def test_forced_text_per_format() -> None:
         '[TOOL_CALLS] [{"name": "get_weather", "arguments":')
     assert forced_text("mistral", ForcedCall()) == '[TOOL_CALLS] [{"name": "'
     assert forced_text("hermes", ForcedCall('a"b')).startswith('<tool_call>\n{"name": "a\\"b", ')
+    # qwen3_coder: the name is bare text; "required" stops before "=", the model writes "=name>".
+    assert forced_text("qwen3_coder", ForcedCall("get_weather")) == "<tool_call>\n<function=get_weather>\n"
+    assert forced_text("qwen3_coder", ForcedCall()) == "<tool_call>\n<function"
+    assert forced_text("qwen3_coder", ForcedCall("x<|im_end|>"), lambda t: t.upper()) == (
+        "<tool_call>\n<function=X<|IM_END|>>\n")  # the client's name goes through escape
 
 
 @pytest.mark.parametrize("fmt,call,output,want", [
@@ -33,6 +38,10 @@ def test_forced_text_per_format() -> None:
     ("hermes", ForcedCall(), 'ls", "arguments": {}}</tool_call>', [("ls", "{}")]),
     ("mistral", ForcedCall("f"), ' {"a": [1]}}]', [("f", '{"a": [1]}')]),
     ("mistral", ForcedCall(), 'f"}, {"name": "g", "arguments": {}}]', [("f", "{}"), ("g", "{}")]),
+    ("qwen3_coder", ForcedCall("ls"), "<parameter=dir>\n.\n</parameter>\n</function>\n</tool_call>",
+     [("ls", '{"dir": "."}')]),
+    ("qwen3_coder", ForcedCall(), "=ls>\n</function>\n</tool_call>\n<tool_call>\n<function=cat>\n"
+     "<parameter=f>\na\n</parameter>\n</function>\n</tool_call>", [("ls", "{}"), ("cat", '{"f": "a"}')]),
 ])
 def test_forced_text_then_output_parses_as_a_call(fmt: Any, call: ForcedCall, output: str,
                                                   want: list[tuple[str, str]]) -> None:
@@ -40,7 +49,7 @@ def test_forced_text_then_output_parses_as_a_call(fmt: Any, call: ForcedCall, ou
     whole = parse(text, fmt)
     assert whole.content is None
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole.tool_calls] == want
-    ts = ToolStream(fmt)
+    ts = tool_stream(fmt)
     sent, calls = ts.push(forced_text(fmt, call)), []
     assert sent[0] == ""  # the forced text is never content
     outs = [sent] + [ts.push(ch) for ch in output] + [ts.finish()]

@@ -13,7 +13,13 @@ from typing import Any
 import openai
 import pytest
 
-from ftserve.server.tool_calls import ToolStream, parse
+from ftserve.server.tool_calls import param_types, parse, tool_stream
+
+# qwen3_coder values are typed by the request's tools; the JSON formats ignore these.
+TYPES = param_types([{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "metric": {"type": "boolean"}, "opts": {"type": "object"},
+                                     "hours": {"type": "array"}}}}}])
 
 CLEAN = [
     ("hermes", 'Let me look.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py", '
@@ -27,6 +33,16 @@ CLEAN = [
     ("mistral", 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                 '{"name": "now"}]'),
     ("mistral", '[TOOL_CALLS] {"name": "f", "arguments": {"a": [1, 2]}}'),
+    ("qwen3_coder", 'Both, then.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSão '
+                    '"Paulo"\n</param\n<tool_call>\n\n</parameter>\n<parameter=days>\n3\n'
+                    '</parameter>\n<parameter=opts>\n{"u": [1, "}"]}\n</parameter>\n'
+                    '<parameter=metric>\nTrue\n</parameter>\n<parameter=extra>\n[1]\n</parameter>'
+                    '\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n</function>\n'
+                    '</tool_call>\n'),
+    ("qwen3_coder", '<tool_call><function=get_weather><parameter=hours>[9, 17]</parameter>'
+                    '<parameter=city>a</parameter></function></tool_call>'
+                    '<tool_call>\n<function=get_weather>\n<parameter=city>\n\n</parameter>\n'
+                    '</function>\n</tool_call>'),
 ]
 PLAIN = [  # no call is ever sent: all of it is content, streamed or not
     ("hermes", "A < B and <tool but no call; <tool_cal"),
@@ -37,6 +53,11 @@ PLAIN = [  # no call is ever sent: all of it is content, streamed or not
     ("mistral", "prices in [TOOL brackets] stay"),
     ("mistral", "[TOOL_CALLS] nope"),
     ("mistral", "[TOOL_CALLS][]"),
+    ("qwen3_coder", "a < b, <tool_call is not one; <function=x> neither; <tool_cal"),
+    ("qwen3_coder", "<tool_call>\n<function=>\n</function>\n</tool_call>"),
+    ("qwen3_coder", "<tool_call>\n<function=a\nb>\n</function>\n</tool_call>"),
+    ("qwen3_coder", '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'),
+    ("qwen3_coder", "<tool_call>\n<functi"),
 ]
 # A call whose name went out stays a call; what is not part of it is content.
 BROKEN = [  # (fmt, text, [(name, arguments)], content)
@@ -50,12 +71,27 @@ BROKEN = [  # (fmt, text, [(name, arguments)], content)
     ("hermes", '<tool_call>{"name": "q", "arguments": "{\\"a\\": ', [("q", "")], ""),
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "argu',
      [("f", '{"a": 1}'), ("g", "")], ""),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+     [("get_weather", '{"city": "Par')], ""),  # cut off in a string: what arrived of it
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</para",
+     [("get_weather", '{"city": "Paris\\n</para')], ""),  # the held tail too
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nA\n</parameter>\n"
+                    "<parameter=days>\n3", [("get_weather", '{"city": "A"')], ""),  # typed: not sent
+    ("qwen3_coder", "<tool_call>\n<function=now>\n</tool_call>", [("now", "")], "</tool_call>"),
+    ("qwen3_coder", "<tool_call>\n<function=now>\n</function>\nhello",
+     [("now", "{}")], "hello"),
+    ("qwen3_coder", "<tool_call>\n<function=now>\n</function>\n</tool_call> and then more prose",
+     [("now", "{}")], " and then more prose"),
+    ("qwen3_coder", "<tool_call>\n<function=now>\n</function>\n</tool_call>\n<tool_call>oops",
+     [("now", "{}")], "\n<tool_call>oops"),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=>\nx\n</parameter>",
+     [("get_weather", "")], ">\nx\n</parameter>"),
 ]
 
 
 def _run(fmt: str, pieces: list[str], parallel: bool = True) -> tuple[str, list[dict[str, Any]]]:
     """Content sent and calls as a client assembles them, checking delta shapes."""
-    ts = ToolStream(fmt, parallel)  # type: ignore[arg-type]
+    ts = tool_stream(fmt, parallel, TYPES)  # type: ignore[arg-type]
     content, calls = "", []
     for out in [ts.push(p) for p in pieces] + [ts.finish()]:
         content += out[0]
@@ -89,7 +125,7 @@ def _fn(calls: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("fmt,text", CLEAN)
 def test_clean_calls_stream_as_the_whole_parse(fmt: str, text: str) -> None:
-    whole = parse(text, fmt)  # type: ignore[arg-type]
+    whole = parse(text, fmt, TYPES)  # type: ignore[arg-type]
     assert whole.tool_calls
     for pieces in _splits(text):
         content, calls = _run(fmt, pieces)
@@ -108,11 +144,33 @@ def test_arguments_are_the_model_text() -> None:
     assert _fn(parse(CLEAN[0][1], "hermes").tool_calls)[1] == ("grep", '{"q": "x"}')
 
 
-def test_parallel_false_streams_the_first_call_only() -> None:
-    fmt, text = CLEAN[4]
+@pytest.mark.parametrize("fmt,text,first,before", [
+    (*CLEAN[4], ("get_weather", '{"city": "Paris"}'), "Sure."),
+    (*CLEAN[6], ("get_weather", '{"city": "São \\"Paulo\\"\\n</param\\n<tool_call>\\n", "days": 3, '
+                                '"opts": {"u": [1, "}"]}, "metric": true, "extra": "[1]"}'),
+     "Both, then."),
+])
+def test_parallel_false_streams_the_first_call_only(fmt: str, text: str, first: tuple[str, str],
+                                                    before: str) -> None:
+    assert _fn(parse(text, fmt, TYPES).tool_calls)[0] == first  # type: ignore[arg-type]
     for pieces in _splits(text):
         content, calls = _run(fmt, pieces, parallel=False)
-        assert _fn(calls) == [("get_weather", '{"city": "Paris"}')] and content.strip() == "Sure."
+        assert _fn(calls) == [first] and content.strip() == before
+
+
+def test_qwen3_coder_sends_the_name_then_string_text_as_it_arrives() -> None:
+    ts = tool_stream("qwen3_coder", types=TYPES)
+    assert ts.push("Hi <tool_call>\n<function=get_wea") == ("Hi ", [])  # the name is not whole
+    (start,) = ts.push("ther>\n")[1]
+    assert start["function"] == {"name": "get_weather", "arguments": ""} and start["index"] == 0
+    assert ts.push("<parameter=city>\nPa")[1] == [{"index": 0, "function": {"arguments": '{"city": "Pa'}}]
+    assert ts.push("ris\n")[1] == [{"index": 0, "function": {"arguments": "ris"}}]  # "\n" held
+    assert ts.push("</param")[1] == []
+    assert ts.push("eter>\n<parameter=days>\n1")[1] == [{"index": 0, "function": {"arguments": '"'}}]
+    assert ts.push("2\n</parameter>\n</function>")[1] == [
+        {"index": 0, "function": {"arguments": ', "days": 12}'}}]  # typed: key and value at once
+    assert ts.push("\n</tool_call>") == ("", []) and ts.finish() == ("", [])
+    assert ts.clean and ts.calls[0]["function"]["arguments"] == '{"city": "Paris", "days": 12}'
 
 
 @pytest.mark.parametrize("fmt,text", PLAIN)
@@ -125,7 +183,7 @@ def test_no_call_sent_means_all_content(fmt: str, text: str) -> None:
 @pytest.mark.parametrize("fmt,text,want,content", BROKEN)
 def test_a_sent_call_is_finished_with_what_parsed(fmt: str, text: str,
                                                   want: list[tuple[str, str]], content: str) -> None:
-    whole = parse(text, fmt)  # type: ignore[arg-type]
+    whole = parse(text, fmt, TYPES)  # type: ignore[arg-type]
     assert whole.tool_calls == [] and whole.content == text  # not streamed: all content
     for pieces in _splits(text):
         got, calls = _run(fmt, pieces)

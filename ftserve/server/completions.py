@@ -132,6 +132,7 @@ async def _collect(
     created = int(time.time())
     choices: list[dict[str, Any]] = []
     body: dict[str, Any] = {}
+    types = tool_calls.param_types(parsed.tools)  # qwen3_coder values are typed by these
     for index, gen in enumerate(gens):  # the engine runs them all at once; read in turn
         pieces: list[str] = []
         out_ids: list[int] = []
@@ -160,7 +161,8 @@ async def _collect(
                                    {}, logprobs, tok_ids, prompt_ids)
             fmt = text.tool_format() if parsed.tools else None
             if fmt is not None:
-                with_tool_calls(body["choices"][0], content, fmt, parsed.parallel_tool_calls)
+                with_tool_calls(body["choices"][0], content, fmt, parsed.parallel_tool_calls,
+                                types)
             if thought is not None:
                 message = body["choices"][0]["message"]
                 message["reasoning_content"] = thought
@@ -185,11 +187,12 @@ def _offsets(parsed: ParsedRequest, gen: Generation, text: TextCodec) -> R.TextO
 
 
 def with_tool_calls(choice: dict[str, Any], content: str, fmt: tool_calls.Format,
-                    parallel: bool = True) -> None:
+                    parallel: bool = True, types: tool_calls.ParamTypes | None = None) -> None:
     """A chat choice whose text holds tool calls: message.tool_calls (only the
     first without ``parallel``), the rest as content (null if none),
-    finish_reason "tool_calls". Unchanged otherwise."""
-    parsed = tool_calls.parse(content, fmt)
+    finish_reason "tool_calls". Unchanged otherwise. ``types``: the request's
+    tools' parameter types (tool_calls.param_types)."""
+    parsed = tool_calls.parse(content, fmt, types)
     if parsed.tool_calls:
         choice["message"] = {"role": "assistant", "content": parsed.content,
                              "tool_calls": parsed.tool_calls if parallel else parsed.tool_calls[:1]}
@@ -202,7 +205,8 @@ class _ChoiceChunks:
 
     def __init__(self, parsed: ParsedRequest, rid: str, created: int, model: str,
                  gen: Generation, index: int, text: TextCodec, think: bool | None,
-                 forced: str = "", head: str = "") -> None:
+                 forced: str = "", head: str = "",
+                 types: tool_calls.ParamTypes | None = None) -> None:
         self.chat = parsed.kind == "chat"
         self.rid, self.created, self.model, self.index = rid, created, model, index
         self.gen, self.text = gen, text
@@ -213,7 +217,7 @@ class _ChoiceChunks:
         fmt = text.tool_format() if parsed.tools else None
         # With tools, content passes through a filter that turns tool calls into
         # tool_calls deltas; before it, reasoning is split off where the template marks it.
-        self.tools = tool_calls.ToolStream(fmt, parsed.parallel_tool_calls) if fmt else None
+        self.tools = tool_calls.tool_stream(fmt, parsed.parallel_tool_calls, types) if fmt else None
         self.reasoning = reasoning.ReasoningStream(think) if think is not None and self.chat else None
         # A forced call's start goes through the filter first: a named call's first
         # delta is ready before any token; it is never content (it opens with the marker).
@@ -286,8 +290,9 @@ async def _stream(
     model, created = state.model_name, int(time.time())
     chat = parsed.kind == "chat"
     want_ids = parsed.return_token_ids
+    types = tool_calls.param_types(parsed.tools)  # qwen3_coder values are typed by these
     streams = [_ChoiceChunks(parsed, rid, created, model, g, i, text, think, forced,
-                             heads[i] if heads else "") for i, g in enumerate(gens)]
+                             heads[i] if heads else "", types) for i, g in enumerate(gens)]
     resp = await sse.open_stream(request)
     # Every choice's steps go through one queue, in the order they arrive.
     merged: asyncio.Queue[tuple[int, Step | EngineRequestError]] = asyncio.Queue()

@@ -4,8 +4,17 @@ them as OpenAI ``tool_calls``, whole or streamed.
 Which syntax a model writes is read off its chat template (the template renders
 earlier calls the same way the model was trained to write them)::
 
-    hermes   (Qwen2.5 / Qwen3, Hermes):  text <tool_call>{"name": ..., "arguments": {...}}</tool_call> ...
-    mistral  (Mistral / Mixtral v3+):    text [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
+    hermes       (Qwen2.5 / Qwen3, Hermes):  text <tool_call>{"name": ..., "arguments": {...}}</tool_call> ...
+    mistral      (Mistral / Mixtral v3+):    text [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
+    qwen3_coder  (Qwen3-Coder):              text <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE
+                                             \\n</parameter>\\n</function>\\n</tool_call> ...
+
+A qwen3_coder template also holds ``<tool_call>``; its ``<function=`` and
+``<parameter=`` markers decide. That format writes no JSON: its scanner,
+``XmlToolStream``, and how it types values by the tools' schemas are in
+tool_calls_xml.py. What follows on ``arguments`` and on how a stream sends them
+is about the JSON formats (tool_calls_xml.py says what it means there); the
+contract for unclean output, whole and streamed, holds for all three.
 
 A call's ``arguments`` string is the model's own text of the arguments value
 (an object or array as written, whitespace and escapes kept; a JSON string
@@ -37,20 +46,9 @@ one piece once it closed). What happens to output that turns out unclean:
 So a streamed choice may send both calls and content where the whole response
 would send content only; it never drops text outside a sent call.
 
-A forced ``tool_choice`` (tool_choice.py) appends the start of a call to the
-prompt, written as the template renders a call (``FORCED_CALL``: the text up to
-the name, then the text between the name and the arguments value)::
-
-    hermes,  named X:   <tool_call>\\n{"name": "X", "arguments":|
-    hermes,  required:  <tool_call>\\n{"name": "|
-    mistral, named X:   [TOOL_CALLS] [{"name": "X", "arguments":|
-    mistral, required:  [TOOL_CALLS] [{"name": "|
-
-(``|`` marks the end; ``\\n`` is a newline). Named: up to the colon before the
-arguments value, which the model writes (with its space: a forced trailing
-space would split the model's usual " {" token); required: up to the name's
-opening quote, the model writes the name. The parser is fed that text and then
-the model's, so a call parses as if the model had written all of it.
+A forced ``tool_choice`` puts the start of a call in the prompt (tool_choice.py,
+``FORCED_CALL``); the parser is fed that text and then the model's, so a call
+parses as if the model had written all of it.
 """
 
 from __future__ import annotations
@@ -59,14 +57,19 @@ import json
 import secrets
 import string
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
-Format = Literal["hermes", "mistral"]
+from ftserve.server.tool_calls_xml import ParamTypes, XmlToolStream, param_types
 
-_MARKERS: dict[str, str] = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
-# A call's opening up to its name, and from after the name to the arguments value.
-FORCED_CALL: dict[str, tuple[str, str]] = {"hermes": ('<tool_call>\n{"name": ', ', "arguments":'),
-                                           "mistral": ('[TOOL_CALLS] [{"name": ', ', "arguments":')}
+Format = Literal["hermes", "mistral", "qwen3_coder"]
+
+__all__ = ["CallStream", "Format", "ParamTypes", "Parsed",
+           "ToolStream", "format_of", "new_call_id", "param_types", "parse", "tool_stream"]
+
+_MARKERS: dict[str, str] = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]",
+                            "qwen3_coder": "<tool_call>"}
+
+
 _HERMES_CLOSE = "</tool_call>"
 _ALNUM = string.ascii_letters + string.digits
 _WS = " \t\r\n"
@@ -76,6 +79,8 @@ _BAD = object()
 
 def format_of(template_source: str) -> Format | None:
     """The call syntax a chat template renders, or None (no tool support)."""
+    if "<function=" in template_source and "<parameter=" in template_source:
+        return "qwen3_coder"  # before hermes: these templates hold <tool_call> too
     for fmt, marker in _MARKERS.items():
         if marker in template_source:
             return fmt  # type: ignore[return-value]
@@ -95,10 +100,34 @@ class Parsed:
     tool_calls: list[dict[str, Any]]
 
 
-def parse(text: str, fmt: Format) -> Parsed:
+class CallStream(Protocol):
+    """One streamed choice's tool-call filter: ToolStream or XmlToolStream."""
+
+    calls: list[dict[str, Any]]
+
+    @property
+    def called(self) -> bool: ...
+
+    @property
+    def clean(self) -> bool: ...
+
+    def push(self, delta: str) -> tuple[str, list[dict[str, Any]]]: ...
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]: ...
+
+
+def tool_stream(fmt: Format, parallel: bool = True, types: ParamTypes | None = None) -> CallStream:
+    """The filter for one streamed choice in syntax ``fmt``; ``types`` (param_types
+    of the request's tools) types qwen3_coder values, which the model writes untyped."""
+    if fmt == "qwen3_coder":
+        return XmlToolStream(parallel, types)
+    return ToolStream(fmt, parallel)
+
+
+def parse(text: str, fmt: Format, types: ParamTypes | None = None) -> Parsed:
     """Split ``text`` into content and tool calls; unless all calls are clean, it
     all stays content."""
-    ts = ToolStream(fmt)
+    ts = tool_stream(fmt, types=types)
     ts.push(text)
     ts.finish()
     if not ts.clean:
@@ -222,6 +251,7 @@ class ToolStream:
     tool-call deltas to send after it); ``parallel=False`` sends the first call only."""
 
     def __init__(self, fmt: Format, parallel: bool = True) -> None:
+        assert fmt != "qwen3_coder", "XmlToolStream scans that format (tool_stream)"
         self.fmt = fmt
         self.parallel = parallel
         self._marker = _MARKERS[fmt]

@@ -5,11 +5,11 @@
 offer the tools (they are not rendered); "required" and a named function
 (``{"type": "function", "function": {"name": "X"}}``) force a call without
 constrained decoding: the start of a call in the template's syntax
-(tool_calls.FORCED_CALL) is appended to the rendered prompt, so the model
+(FORCED_CALL) is appended to the rendered prompt, so the model
 continues it. That text is prompt (counted in prompt_tokens), and the tool-call
 parser reads it followed by the model's output:
 
-- "required" forces the opening up to the name's opening quote: the model
+- "required" forces the opening up to the name: the model
   writes the name, its arguments and possibly further calls;
 - a named function forces the opening, the name and the start of the
   arguments: the model writes the arguments; only that (first) call is returned;
@@ -19,6 +19,25 @@ parser reads it followed by the model's output:
 
 Forcing needs ``tools``, and a named function must be one of them (else a 400
 naming ``tool_choice``).
+
+The forced text per syntax, as the template renders a call (``FORCED_CALL``)::
+
+    hermes,      named X:   <tool_call>\\n{"name": "X", "arguments":|
+    hermes,      required:  <tool_call>\\n{"name": "|
+    mistral,     named X:   [TOOL_CALLS] [{"name": "X", "arguments":|
+    mistral,     required:  [TOOL_CALLS] [{"name": "|
+    qwen3_coder, named X:   <tool_call>\\n<function=X>\\n|
+    qwen3_coder, required:  <tool_call>\\n<function|
+
+(``|`` marks the end; ``\\n`` is a newline). Named: up to the colon before the
+arguments value, which the model writes (with its space: a forced trailing
+space would split the model's usual " {" token); qwen3_coder has no JSON: up
+to the newline the template writes after ``<function=X>``, which a Qwen
+tokenizer joins to the ">". Required: up to the name's opening quote, the
+model writes the name; qwen3_coder: up to ``<function``, so the model writes
+"=name>" (a forced "=" would split its usual "=name" piece). The parser is fed
+that text and then the model's, so a call parses as if the model had written
+all of it.
 """
 
 from __future__ import annotations
@@ -29,7 +48,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftserve.server.errors import bad_request
-from ftserve.server.tool_calls import FORCED_CALL, Format
+from ftserve.server.tool_calls import Format
+
+
+@dataclass(frozen=True)
+class CallStart:
+    """A call's opening as the template writes it, cut where a forced tool_choice
+    ends (the module docstring shows each)."""
+
+    required: str  # "required": up to where the model writes the name
+    before_name: str  # named: up to the name
+    after_name: str  # named: from after the name to the arguments
+    json_name: bool = True  # the name is written as a JSON string
+
+
+FORCED_CALL: dict[str, CallStart] = {
+    "hermes": CallStart('<tool_call>\n{"name": "', '<tool_call>\n{"name": ', ', "arguments":'),
+    "mistral": CallStart('[TOOL_CALLS] [{"name": "', '[TOOL_CALLS] [{"name": ', ', "arguments":'),
+    "qwen3_coder": CallStart("<tool_call>\n<function", "<tool_call>\n<function=", ">\n",
+                             json_name=False),
+}
 
 _CHOICE_SHAPE = ('\'tool_choice\' must be "auto", "none", "required" or '
                  '{"type": "function", "function": {"name": ...}}')
@@ -45,10 +83,11 @@ class ForcedCall:
 def forced_text(fmt: Format, call: ForcedCall, escape: Callable[[str], str] = str) -> str:
     """The text appended to the prompt to force ``call`` in syntax ``fmt``; ``escape``
     (TextCodec.escape_special) keeps control-token text in the client's name text."""
-    opening, to_args = FORCED_CALL[fmt]
+    start = FORCED_CALL[fmt]
     if call.name is None:
-        return opening + '"'
-    return opening + escape(json.dumps(call.name, ensure_ascii=False)) + to_args
+        return start.required
+    name = json.dumps(call.name, ensure_ascii=False) if start.json_name else call.name
+    return start.before_name + escape(name) + start.after_name
 
 
 def forced_call(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> ForcedCall | None:

@@ -1,0 +1,334 @@
+"""Qwen3-Coder's XML-style tool calls (format "qwen3_coder" in tool_calls.py)::
+
+    text <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    <parameter=days>
+    3
+    </parameter>
+    </function>
+    </tool_call> <tool_call>...</tool_call> ...
+
+The model writes no JSON: a parameter's value is the raw text between
+``<parameter=NAME>`` and ``</parameter>``, less one leading and one trailing
+newline, and may span lines. It is typed by that parameter's JSON schema in the
+request's ``tools`` (``param_types``): "string" keeps the text; "integer" and
+"number" make a JSON number of it if it is one; "boolean" true/false from
+"true"/"false" in any case; "null" None from "null"; "object" and "array" the
+parsed JSON if it parses as that kind. Anything else stays the text: a schema
+whose type list includes "string" (the text is always a valid string, and it
+is what the model wrote), a parameter the schema does not name, a function the
+request did not offer, and a value that does not convert. A call's
+``arguments`` is then ``json.dumps`` of the typed parameters in the order
+written (duplicates kept as written).
+
+``XmlToolStream`` keeps tool_calls.py's contract (see its docstring) with the
+same public face as ``ToolStream``; ``tool_calls.parse`` runs it over a whole
+response, so streamed fragments put together are the whole ``arguments``.
+What the contract's terms mean here:
+
+- a call's name is complete at the ``>`` of ``<function=NAME>``; then its
+  first delta goes out;
+- arguments go out as the parameters arrive: a string value's key with its
+  opening quote once the value starts, then its text (JSON-escaped) as it
+  arrives, except a held tail that could start ``\\n</parameter>``; any other
+  value with its key in one piece once ``</parameter>`` came; the closing
+  ``}`` (``{}`` when there were none) at ``</function>``;
+- a call cut off (max_tokens) keeps what was sent, plus what arrived of a
+  string value (its held tail included); a typed value that never closed is
+  not sent;
+- anything other than the syntax above (a missing ``</function>`` or
+  ``</tool_call>``, a name holding ``<`` or a newline, an empty name, prose
+  between or after calls) is a syntax error: whole output is all content, and
+  a stream turns it and the rest into content per tool_calls.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from collections.abc import Callable, Mapping
+from typing import Any
+
+MARKER = "<tool_call>"
+_CLOSE = "</tool_call>"
+_FUNC, _FUNC_END = "<function=", "</function>"
+_PARAM, _PARAM_END = "<parameter=", "</parameter>"
+_VALUE_ENDS = ("\n" + _PARAM_END, _PARAM_END)  # a value's end, with its newline or without
+_WS = " \t\r\n"
+_BAD = object()
+
+# function name -> parameter name -> the JSON schema types it may take (in schema order)
+ParamTypes = Mapping[str, Mapping[str, tuple[str, ...]]]
+
+
+def _schema_types(schema: Any) -> tuple[str, ...]:
+    if not isinstance(schema, Mapping):
+        return ()
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return (kind,)
+    if isinstance(kind, list):
+        return tuple(k for k in kind if isinstance(k, str))
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            return tuple(k for sub in schema[key] for k in _schema_types(sub))
+    return ()
+
+
+def param_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, tuple[str, ...]]]:
+    """The parameter types of each offered function, from validated ``tools``
+    (tool_choice.parse_tools): what ``typed`` converts a raw value by."""
+    out: dict[str, dict[str, tuple[str, ...]]] = {}
+    for tool in tools or []:
+        fn = tool["function"]
+        props = (fn.get("parameters") or {}).get("properties")
+        out[fn["name"]] = ({k: _schema_types(v) for k, v in props.items()}
+                           if isinstance(props, Mapping) else {})
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(name)  # NaN / Infinity: not JSON, whatever Python's json accepts
+
+
+def _json(raw: str) -> Any:
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        return _BAD
+
+
+def _number(raw: str) -> Any:
+    v = _json(raw)
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return v if ok else _BAD
+
+
+def _of_kind(kind: type) -> Callable[[str], Any]:
+    def convert(raw: str) -> Any:
+        v = _json(raw)
+        return v if isinstance(v, kind) else _BAD
+    return convert
+
+
+_CONVERT: dict[str, Callable[[str], Any]] = {
+    "integer": _number,  # a model writing 3.0 for an integer still meant a number
+    "number": _number,
+    "boolean": lambda raw: {"true": True, "false": False}.get(raw.lower(), _BAD),
+    "null": lambda raw: None if raw == "null" else _BAD,
+    "object": _of_kind(dict),
+    "array": _of_kind(list),
+}
+
+
+def typed(raw: str, types: tuple[str, ...]) -> Any:
+    """A parameter's raw text as the value its schema types make of it (the text
+    itself when none applies)."""
+    if not types or "string" in types:
+        return raw
+    for kind in types:
+        value = _CONVERT.get(kind, lambda _: _BAD)(raw.strip())
+        if value is not _BAD:
+            return value
+    return raw
+
+
+def _held(text: str, literals: tuple[str, ...]) -> int:
+    """The length of the longest tail of ``text`` that could start one of ``literals``."""
+    longest = max(len(lit) for lit in literals) - 1
+    return next((n for n in range(min(longest, len(text)), 0, -1)
+                 if any(lit.startswith(text[-n:]) for lit in literals)), 0)
+
+
+def _escaped(text: str) -> str:
+    """``text`` as it sits inside a JSON string; escaping is per character, so the
+    pieces of a value escaped one by one join into the whole value escaped."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+class XmlToolStream:
+    """One streamed choice of a qwen3_coder model. ``push`` and ``finish`` return
+    (content to send now, tool-call deltas to send after it); ``parallel=False``
+    sends the first call only; ``types`` (param_types) types the values."""
+
+    def __init__(self, parallel: bool = True, types: ParamTypes | None = None) -> None:
+        self.parallel = parallel
+        self._types: ParamTypes = types or {}
+        self._pre = ""  # before the marker: a held tail that could start it
+        self._buf = ""  # the text from the marker on
+        self._pos = 0  # how far _buf is scanned
+        self._state = "content"
+        self._from: int | None = 0  # where unsent, not-yet-call text starts (None: inside a sent call)
+        self._clean = True
+        self._name_at = 0  # where the function or parameter name being read starts
+        self._param = ""  # the parameter whose value is being read
+        self._val_at = 0  # where its value starts
+        self._val_sent = 0  # how far into _buf a string value's text went out
+        self._params = 0  # how many parameters the current call has sent
+        self.calls: list[dict[str, Any]] = []  # the calls sent, arguments as sent so far
+
+    @property
+    def called(self) -> bool:
+        """Whether any call was sent."""
+        return bool(self.calls)
+
+    @property
+    def clean(self) -> bool:
+        """After ``finish``: every call parsed whole, nothing but calls after the marker."""
+        return self._clean and bool(self.calls) and self._state == "next"
+
+    def push(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        if self._state == "plain":
+            return delta, []
+        head = ""
+        if self._state == "content":
+            text = self._pre + delta
+            at = text.find(MARKER)
+            if at < 0:
+                keep = _held(text, (MARKER,))
+                self._pre = text[len(text) - keep:]
+                return text[:len(text) - keep], []
+            self._pre, self._buf, self._pos, self._state = "", text[at:], len(MARKER), "open"
+            head, delta = text[:at], ""
+        self._buf += delta
+        content, deltas = self._scan()
+        return head + content, self._only_first(deltas)
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """Whatever is still held: an unsent call's text as content, a sent call's
+        string value as far as it arrived."""
+        if self._state == "content":
+            self._state, pre, self._pre = "plain", self._pre, ""
+            return pre, []
+        if self._state == "plain":
+            return "", []
+        deltas: list[dict[str, Any]] = []
+        if self._state == "value" and self._is_string():
+            self._send(deltas, _escaped(self._buf[self._val_sent:]))
+        rest = self._buf[self._from:] if self._from is not None else ""
+        if self._state != "next":
+            self._clean = False
+        if rest.strip():
+            self._clean, self._state = False, "plain"
+            return rest, self._only_first(deltas)
+        return "", self._only_first(deltas)
+
+    def _only_first(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return deltas if self.parallel else [d for d in deltas if d["index"] == 0]
+
+    def _fail(self, at: int) -> str:
+        """Unclean from ``at``: all unsent text is content, and so is the rest of the output."""
+        self._clean, self._state = False, "plain"
+        return self._buf[self._from if self._from is not None else at:]
+
+    def _expect(self, *literals: str) -> str | None:
+        """The literal _buf holds at _pos (consumed); "" while it may still become
+        one; None when it cannot."""
+        got = self._buf[self._pos:self._pos + max(map(len, literals))]
+        for lit in literals:
+            if got.startswith(lit):
+                self._pos += len(lit)
+                return lit
+        return "" if any(lit.startswith(got) for lit in literals) else None
+
+    def _scan(self) -> tuple[str, list[dict[str, Any]]]:
+        buf, deltas = self._buf, []
+        while self._pos < len(buf):
+            state, c = self._state, buf[self._pos]
+            if state in ("name", "pname"):  # up to ">"
+                if c in "<\n":
+                    return self._fail(self._pos), deltas
+                self._pos += 1
+                if c == ">":
+                    name = buf[self._name_at:self._pos - 1]
+                    if not name:
+                        return self._fail(self._pos - 1), deltas
+                    if state == "name":
+                        self._start_call(name, deltas)
+                    else:
+                        self._param, self._state = name, "vstart"
+                continue
+            if state == "vstart":  # the value's own leading newline is markup
+                if c == "\n":
+                    self._pos += 1
+                self._val_at = self._val_sent = self._pos
+                self._state = "value"
+                if self._is_string():
+                    self._send(deltas, self._key() + '"')
+                continue
+            if state == "value":
+                if not self._value(deltas):
+                    break
+                continue
+            if c in _WS:
+                self._pos += 1
+                continue
+            options = {"open": (_FUNC,), "params": (_PARAM, _FUNC_END),
+                       "close": (_CLOSE,), "next": (MARKER,)}[state]
+            lit = self._expect(*options)
+            if lit is None:
+                return self._fail(self._pos), deltas
+            if lit == "":
+                break
+            if lit in (_FUNC, _PARAM):
+                self._name_at, self._state = self._pos, "name" if lit == _FUNC else "pname"
+            elif lit == _FUNC_END:
+                self._send(deltas, "}" if self._params else "{}")
+                self._state = "close"
+            elif lit == _CLOSE:
+                self._state, self._from = "next", self._pos
+            else:
+                self._state = "open"
+        return "", deltas
+
+    def _start_call(self, name: str, deltas: list[dict[str, Any]]) -> None:
+        self._from, self._params, self._state = None, 0, "params"
+        self.calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
+                           "function": {"name": name, "arguments": ""}})
+        deltas.append({"index": len(self.calls) - 1, **self.calls[-1],
+                       "function": {"name": name, "arguments": ""}})
+
+    def _is_string(self) -> bool:
+        types = self._types.get(self.calls[-1]["function"]["name"], {}).get(self._param, ())
+        return not types or "string" in types
+
+    def _key(self) -> str:
+        self._params += 1
+        return ("{" if self._params == 1 else ", ") + json.dumps(self._param, ensure_ascii=False) + ": "
+
+    def _value(self, deltas: list[dict[str, Any]]) -> bool:
+        """Read the current value as far as _buf goes; whether it ended."""
+        buf = self._buf
+        end = buf.find(_PARAM_END, self._pos)
+        if end < 0:  # next time, search only where the end tag may begin
+            self._pos = max(self._val_at, len(buf) - len(_PARAM_END) + 1)
+            if self._is_string():
+                safe = len(buf) - _held(buf[self._val_sent:], _VALUE_ENDS)
+                self._send(deltas, _escaped(buf[self._val_sent:safe]))
+                self._val_sent = safe
+            return False
+        raw = buf[self._val_at:end]
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        if self._is_string():
+            self._send(deltas, _escaped(raw[self._val_sent - self._val_at:]) + '"')
+        else:
+            types = self._types[self.calls[-1]["function"]["name"]][self._param]
+            self._send(deltas, self._key() + json.dumps(typed(raw, types), ensure_ascii=False))
+        self._pos, self._state = end + len(_PARAM_END), "params"
+        return True
+
+    def _send(self, deltas: list[dict[str, Any]], frag: str) -> None:
+        """Send ``frag`` of the current call's arguments."""
+        if not frag:
+            return
+        j = len(self.calls) - 1
+        self.calls[j]["function"]["arguments"] += frag
+        last = deltas[-1] if deltas else None
+        if last is not None and last["index"] == j and "id" not in last:
+            last["function"]["arguments"] += frag
+        else:
+            deltas.append({"index": j, "function": {"arguments": frag}})

@@ -1,0 +1,187 @@
+"""Qwen3-Coder's XML-style tool calls end to end (ftserve/server/tool_calls_xml.py):
+a real server given a Qwen3-Coder-style chat template (--chat-template), whose
+engine steps are scripted to write calls, read with the official openai client,
+streamed and not, with tool_choice auto, a named function and "required"."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from ftserve.server.protocol import parse_chat
+from ftserve.server.tool_choice import ForcedCall, forced_text
+
+TEMPLATE = Path(__file__).parent / "templates" / "qwen3_coder.jinja"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "metric": {"type": "boolean"}}}}},
+         {"type": "function", "function": {"name": "now"}}]
+# A finished turn with a call and its result: the template renders both.
+MSGS = [{"role": "user", "content": "Time?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+        {"role": "user", "content": "Weather in São Paulo and Rome?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+CALLS = ["Checking", " both.\n<tool", "_call>\n<func", "tion=get_weather>\n<param", "eter=city>\nSão",
+         " Paulo\n</parameter>\n<parameter=days>\n", "3\n</parameter>\n<parameter=metric>\nfalse",
+         "\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n",
+         "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>"]
+WANT = [("get_weather", '{"city": "São Paulo", "days": 3, "metric": false}'),
+        ("get_weather", '{"city": "Rome"}')]
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from ftserve.models.checkpoint import write_checkpoint
+    from tests.server_harness import TEST_ENGINE, TEST_SERVER, start_live, stop_live
+
+    ckpt = write_checkpoint("tiny-moe", tmp_path_factory.mktemp("coder") / "m", layers=1, seed=0)
+    server = start_live(dataclasses.replace(TEST_ENGINE, model=str(ckpt)),
+                        dataclasses.replace(TEST_SERVER, chat_template=str(TEMPLATE)))
+    try:
+        yield server
+    finally:
+        stop_live(server)
+
+
+@pytest.fixture
+def script(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Each generation's step texts become the pieces put in the returned list."""
+    from tests.server_harness import script_generations
+
+    pieces: list[str] = []
+    script_generations(monkeypatch, pieces)
+    return pieces
+
+
+def _client(live: Any) -> openai.OpenAI:
+    from tests.server_harness import openai_client
+
+    return openai_client(live)
+
+
+def _req(max_tokens: int, **kw: Any) -> dict[str, Any]:
+    return {"model": "ftserve-demo", "tools": TOOLS, "messages": MSGS, "max_tokens": max_tokens,
+            "temperature": 0, "extra_body": {"ignore_eos": True}, **kw}
+
+
+def _streamed(client: openai.OpenAI, req: dict[str, Any]) -> Any:
+    with client.chat.completions.stream(**req) as stream:  # the client's own assembly
+        for _ in stream:
+            pass
+        return stream.get_final_completion()
+
+
+def _calls(message: Any) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+
+def test_chat_with_tools_returns_the_calls(live: Any, script: list[str]) -> None:
+    assert live.text.tool_format() == "qwen3_coder"
+    script[:] = CALLS
+    client = _client(live)
+    req = _req(len(CALLS))
+    whole = client.chat.completions.create(**req)
+    (choice,) = whole.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking both."
+    assert _calls(choice.message) == WANT and len({c.id for c in choice.message.tool_calls}) == 2
+    chunks = list(client.chat.completions.create(**req, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == "get_weather" and deltas[0].function.arguments == ""
+    first_args = [d.function.arguments for d in deltas if d.index == 0][1:]
+    assert len(first_args) > 3 and "".join(first_args) == WANT[0][1]  # fragments as they came
+    final = _streamed(client, req)
+    (choice,) = final.choices
+    assert choice.finish_reason == "tool_calls" and (choice.message.content or "").strip() == "Checking both."
+    assert _calls(choice.message) == WANT
+    one = _streamed(client, {**req, "parallel_tool_calls": False}).choices[0]
+    assert _calls(one.message) == WANT[:1] and one.finish_reason == "tool_calls"
+    single = client.chat.completions.create(**req, parallel_tool_calls=False).choices[0]
+    assert _calls(single.message) == WANT[:1]
+    # Without tools the same output is plain content.
+    plain = client.chat.completions.create(**{**req, "tools": None, "messages": MSGS[-1:]})
+    assert plain.choices[0].message.content == "".join(CALLS) and not plain.choices[0].message.tool_calls
+    live.wait_idle()
+
+
+def _tokens(live: Any, body: dict[str, Any]) -> int:
+    req = urllib.request.Request(live.url + "/tokenize", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())["count"]
+
+
+def _prompt_tokens(live: Any, forced: str) -> int:
+    """What the prompt with ``forced`` appended counts; /tokenize agrees."""
+    messages = parse_chat({"messages": MSGS}).messages  # earlier calls' arguments as objects
+    assert messages is not None
+    rendered = live.text.render_chat(messages, True, TOOLS, {})
+    return _tokens(live, {"prompt": rendered + forced, "add_special_tokens": False})
+
+
+def test_named_function_is_forced(live: Any, script: list[str]) -> None:
+    # The model continues after "<function=get_weather>\n"; a second call is dropped.
+    script[:] = ["<parameter=city>\nPa", "ris\n</parameter>\n<parameter=days>\n2\n</parameter>\n",
+                 "</function>\n</tool_call>\n<tool_call>\n<function=now>\n</function>\n</tool_call>"]
+    client = _client(live)
+    req = _req(len(script), tool_choice=NAMED)
+    want = [("get_weather", '{"city": "Paris", "days": 2}')]
+    whole = client.chat.completions.create(**req)
+    (choice,) = whole.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert _calls(choice.message) == want
+    forced = forced_text("qwen3_coder", ForcedCall("get_weather"))
+    assert forced == "<tool_call>\n<function=get_weather>\n"
+    assert whole.usage.prompt_tokens == _prompt_tokens(live, forced)  # the forced text is prompt
+    assert whole.usage.prompt_tokens == _tokens(live, {"messages": MSGS, "tools": TOOLS,
+                                                       "tool_choice": NAMED})
+    final = _streamed(client, req)
+    assert _calls(final.choices[0].message) == want
+    assert final.choices[0].finish_reason == "tool_calls"
+    # The name is in the prompt: its delta comes right after the role chunk.
+    chunks = list(client.chat.completions.create(**req, stream=True))
+    first = chunks[1].choices[0].delta.tool_calls[0]
+    assert first.function.name == "get_weather" and first.id and first.function.arguments == ""
+    assert not any(c.choices and c.choices[0].delta.content for c in chunks)
+    live.wait_idle()
+
+
+def test_required_lets_the_model_name_the_calls(live: Any, script: list[str]) -> None:
+    script[:] = ["=now>\n</function>\n</tool_call>\n", "<tool_call>\n<function=get_weather>\n",
+                 "<parameter=days>\n", "5\n</parameter>\n</function>\n</tool_call>"]
+    client = _client(live)
+    req = _req(len(script), tool_choice="required")
+    want = [("now", "{}"), ("get_weather", '{"days": 5}')]
+    whole = client.chat.completions.create(**req)
+    assert _calls(whole.choices[0].message) == want and whole.choices[0].message.content is None
+    assert whole.usage.prompt_tokens == _prompt_tokens(live, forced_text("qwen3_coder", ForcedCall()))
+    final = _streamed(client, req)
+    assert _calls(final.choices[0].message) == want
+    assert final.choices[0].finish_reason == "tool_calls"
+    one = client.chat.completions.create(**req, parallel_tool_calls=False)
+    assert _calls(one.choices[0].message) == want[:1]
+    assert json.loads(want[1][1]) == {"days": 5}  # typed by the schema: an integer
+    live.wait_idle()
+
+
+def test_unparseable_forced_output_is_content_with_the_forced_text(live: Any,
+                                                                   script: list[str]) -> None:
+    script[:] = [" oops", " no call"]
+    client = _client(live)
+    req = _req(len(script), tool_choice="required")
+    forced = forced_text("qwen3_coder", ForcedCall())
+    (choice,) = client.chat.completions.create(**req).choices
+    assert choice.message.content == forced + " oops no call" and not choice.message.tool_calls
+    assert choice.finish_reason == "length"
+    chunks = [c for c in client.chat.completions.create(**req, stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == forced + " oops no call"
+    assert not any(c.choices[0].delta.tool_calls for c in chunks)
+    live.wait_idle()
