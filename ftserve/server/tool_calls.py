@@ -63,13 +63,12 @@ from ftserve.server.tool_calls_xml import ParamTypes, XmlToolStream, param_types
 
 Format = Literal["hermes", "mistral", "qwen3_coder"]
 
+# The XML format's names are re-exported: callers deal with tool calls through this module.
 __all__ = ["CallStream", "Format", "ParamTypes", "Parsed",
            "ToolStream", "format_of", "new_call_id", "param_types", "parse", "tool_stream"]
 
 _MARKERS: dict[str, str] = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]",
                             "qwen3_coder": "<tool_call>"}
-
-
 _HERMES_CLOSE = "</tool_call>"
 _ALNUM = string.ascii_letters + string.digits
 _WS = " \t\r\n"

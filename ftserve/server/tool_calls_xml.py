@@ -287,6 +287,7 @@ class XmlToolStream:
 
     def _start_call(self, name: str, deltas: list[dict[str, Any]]) -> None:
         self._from, self._params, self._state = None, 0, "params"
+        # The id tool_calls.new_call_id gives hermes (that module imports this one).
         self.calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
                            "function": {"name": name, "arguments": ""}})
         deltas.append({"index": len(self.calls) - 1, **self.calls[-1],
