@@ -1,7 +1,10 @@
 """KV host tier on the CPU: page moves carry the right KV both ways, host LRU,
 randomized operation sequences with integrity and content checks after every
 operation (both tiers), and the real engine resuming a conversation whose
-prefix was pushed out to the host tier with identical greedy output."""
+prefix was pushed out to the host tier with identical greedy output. The
+engine's model is made context-sensitive (engine_util.make_context_sensitive):
+on plain dummy weights the greedy token depends on the last input token alone,
+so restored pages holding the wrong KV (or none) would not change the tokens."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from ftserve.kvcache.allocator import PageAllocator
 from ftserve.kvcache.host_tier import HostKVTier
 from ftserve.kvcache.pool import KVPool
 from ftserve.kvcache.radix import RadixCache
-from tests.engine_util import collect, greedy, reference_greedy, tokens_of
+from tests.engine_util import collect, greedy, make_context_sensitive, reference_greedy, tokens_of
 
 PS = 2  # page size of the radix-level tests
 
@@ -244,6 +247,7 @@ def make_engine(model_dir: str, **kw: object) -> Engine:
     base.update(kw)
     eng = build_engine(EngineConfig(**base))  # type: ignore[arg-type]
     eng.check_integrity = True
+    make_context_sensitive(eng.runner.model)  # else greedy tokens cannot see wrong KV
     return eng
 
 
