@@ -2,9 +2,11 @@
 
 Triton kernels (store, split-K decode, extend) against the torch twins, which
 quantize and dequantize the same way; page moves carry the scales; the pool's
-memory plan counts them; and the real engine (tiny-moe, dummy weights) with an
-fp8 KV cache stays close to an fp32 one: logits within a stated bound, most
-greedy tokens identical (the fraction is printed and floored).
+memory plan counts them; and the real engine (tiny-moe, dummy weights made
+context-sensitive with engine_util.make_context_sensitive, so that wrong KV
+moves the tokens) with an fp8 KV cache stays close to an fp32 one: logits
+within a stated bound, most greedy tokens identical (the fraction is printed
+and floored).
 """
 
 from __future__ import annotations
@@ -300,6 +302,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def make_engine(model_dir: str, **kw: object):  # type: ignore[no-untyped-def]
     from ftserve.config import EngineConfig
     from ftserve.engine.setup import build_engine
+    from tests.engine_util import make_context_sensitive
 
     base = dict(model=model_dir, load_format="dummy", device="cpu", dtype="float32",
                 page_size=4, num_pages=512, max_prefill_length=32, max_running_requests=16,
@@ -307,6 +310,7 @@ def make_engine(model_dir: str, **kw: object):  # type: ignore[no-untyped-def]
     base.update(kw)
     eng = build_engine(EngineConfig(**base))  # type: ignore[arg-type]
     eng.check_integrity = True
+    make_context_sensitive(eng.runner.model)  # else greedy tokens cannot see wrong KV
     return eng
 
 
@@ -326,9 +330,17 @@ def chunked_logits(model: torch.nn.Module, mcfg: object, tokens: list[int], spli
 
 def test_engine_fp8_kv_accuracy(model_dir: str) -> None:
     """Same weights, KV in fp32 vs fp8 e4m3: logits of the same prompts within
-    1% (relative L2; measured ~4e-4 on tiny-moe) and not identical (the fp8 path
-    really ran); greedy continuations of 16 prompts x 8 tokens agree on at least
-    90% of the tokens (counted up to each prompt's first divergence; measured 100%)."""
+    3% (relative L2) and not identical (the fp8 path really ran); greedy
+    continuations of 16 prompts x 8 tokens agree on at least 75% of the tokens
+    (counted up to each prompt's first divergence).
+
+    The bounds are for the context-sensitive model (make_engine): there the
+    attention output, and so the fp8 rounding of K and V, really moves the
+    logits. Measured: 1.1e-2 and 85% (109/128). On plain dummy weights it was
+    4e-4 and 100%, but there KV read with another layer's scales (a real bug,
+    TorchAttentionBackend taking pool.scales(0) for every layer) still gave
+    4e-3 and 100% and passed the old 1%/90% bounds; on this model it gives
+    8.1e-2 and 59% and fails both."""
     import random
 
     from tests.engine_util import collect, greedy, tokens_of
@@ -349,7 +361,7 @@ def test_engine_fp8_kv_accuracy(model_dir: str) -> None:
             got = chunked_logits(model, mcfg, seq, len(p), FP8)
             errs.append(rel_err(got, ref))
         print(f"fp8 vs fp32 KV logits: relative L2 error max {max(errs):.2e}")
-        assert 0.0 < max(errs) < 1e-2
+        assert 0.0 < max(errs) < 3e-2
         reqs = [(f"r{i}", p, greedy(8)) for i, p in enumerate(prompts)]
         o32, o8 = collect(e32, reqs), collect(e8, reqs)
         same = total = 0
@@ -358,7 +370,7 @@ def test_engine_fp8_kv_accuracy(model_dir: str) -> None:
             same += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
             total += len(a)
         print(f"fp8 vs fp32 KV greedy tokens identical: {same}/{total} = {same / total:.3f}")
-        assert same / total >= 0.9
+        assert same / total >= 0.75
         e8.scheduler.check_integrity()
     finally:
         e32.shutdown()
