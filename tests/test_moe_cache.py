@@ -29,11 +29,13 @@ if not torch.cuda.is_available():
 from ftserve.config import ConfigError, EngineConfig  # noqa: E402
 from ftserve.engine.engine import Engine  # noqa: E402
 from ftserve.moe.cache import ExpertCache  # noqa: E402
+from tests.engine_util import make_context_sensitive  # noqa: E402
 from tools.bench_common import write_model_config  # noqa: E402
 from tools.engine_driver import EngineDriver  # noqa: E402
 
 LAYERS, E, K = 3, 16, 4  # tiny-moe: 16 experts, top-4
 TOTAL = LAYERS * E
+EXPERT_GAIN = 100.0  # see make_experts_matter
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,32 @@ def make_engine(model_dir: str, load_format: str = "dummy", **kw: Any) -> Engine
     cfg = EngineConfig(model=model_dir, load_format=load_format, device="cpu", dtype="float32",
                        page_size=16, num_pages=256, max_prefill_length=64, max_running_requests=4,
                        cuda_graph_max_bs=0, status_log_interval=0.0, **kw)
-    return build_engine(cfg)
+    eng = build_engine(cfg)
+    if load_format == "dummy":  # else greedy tokens cannot see wrong experts on prompt tokens
+        make_context_sensitive(eng.runner.model)
+        make_experts_matter(eng.runner.model)
+    return eng
+
+
+def make_experts_matter(model: torch.nn.Module, gain: float = EXPERT_GAIN) -> None:
+    """Scale every expert's down projection (resident: the parameter; offload:
+    the bank, which the block's w2 views), then refill the expert cache.
+
+    Dummy experts (N(0, 0.02)) add a tiny term to the residual (MoE output
+    ~0.006 per token against a residual of ~8): with the wrong experts for every
+    token of every streamed prefill, all greedy tokens of
+    test_offload_equals_resident stayed the same. With the gain (MoE output ~7%
+    of the residual) and the attention gain of make_context_sensitive (so prompt
+    tokens reach the output through their KV), wrong experts on the prompt
+    tokens before a chunk's last one change the tokens."""
+    from ftserve.moe.banks import moe_blocks
+
+    with torch.no_grad():
+        for block in moe_blocks(model):
+            block.w2.mul_(gain)
+    cache = getattr(model, "expert_cache", None)
+    if cache is not None:
+        cache.reset()  # the slots hold copies of the old bank rows
 
 
 def cache_of(engine: Engine) -> ExpertCache:
