@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 from typing import Any
 
 import aiohttp
@@ -293,15 +294,25 @@ def test_stop_string_trims_and_aborts(live: Live) -> None:
 
 
 def test_prefix_cache_hits_and_reset(live: Live) -> None:
-    msgs = [{"role": "user", "content": "word " * 120}]
-    body = {"messages": msgs, "max_tokens": 1}
+    """A prefix-cache hit serves the cold run's greedy tokens (the demo model is
+    context-sensitive, see start_live: tokens read from wrong cached KV differ)."""
+    words = "read write file path tool call result error test patch the a of and to in".split()
+    rng = random.Random(4)
+    msgs = [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(120))}]
+    body = {"messages": msgs, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    _cold(live)
     _, first = _post(live, "/v1/chat/completions", body)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     _, second = _post(live, "/v1/chat/completions", body)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 100
+    assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
     status, reset = _post(live, "/reset_prefix_cache", {})
     assert status == 200 and reset == {"success": True}
     _, third = _post(live, "/v1/chat/completions", body)
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert third["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    live.wait_idle()
 
 
 TOOLS = [{"type": "function", "function": {
