@@ -11,32 +11,10 @@ import random
 
 import pytest
 
-from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
-from ftserve.engine.setup import build_engine
-from tests.engine_util import drive, greedy, make_context_sensitive, reference_greedy, tokens_of
-
-VOCAB_HI = 32000
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from ftserve.models.checkpoint import write_checkpoint
-
-    out = tmp_path_factory.mktemp("tiny-moe")
-    write_checkpoint("tiny-moe", out, config_only=True)
-    return str(out)
-
-
-def make_engine(model_dir: str, **kw: object) -> Engine:
-    base = dict(model=model_dir, load_format="dummy", device="cpu", dtype="float32",
-                page_size=4, num_pages=512, max_prefill_length=64, max_running_requests=16,
-                status_log_interval=0.0)
-    base.update(kw)
-    eng = build_engine(EngineConfig(**base))  # type: ignore[arg-type]
-    eng.check_integrity = True
-    make_context_sensitive(eng.runner.model)
-    return eng
+from tests.engine_util import drive, greedy, reference_greedy, tokens_of
+from tests.test_engine import VOCAB_HI, make_engine
+from tests.test_engine import model_dir as model_dir  # the module's tiny-moe checkpoint fixture
 
 
 def prompts(seed: int, lens: list[int]) -> list[list[int]]:
