@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from ftserve.server.tool_calls_xml import ParamTypes, XmlToolStream, param_types
+from ftserve.server.tool_stream_base import MarkedStream
 
 Format = Literal["hermes", "mistral", "qwen3_coder"]
 
@@ -245,75 +246,25 @@ class _Call:
         return raw is None or not raw.startswith('"') or _loads(_loads(raw)) is not _BAD
 
 
-class ToolStream:
-    """One streamed choice. ``push`` and ``finish`` return (content to send now,
-    tool-call deltas to send after it); ``parallel=False`` sends the first call only."""
+class ToolStream(MarkedStream):
+    """One streamed choice of a JSON call syntax (hermes, mistral)."""
+
+    DONE = ("next", "done")
 
     def __init__(self, fmt: Format, parallel: bool = True) -> None:
         assert fmt != "qwen3_coder", "XmlToolStream scans that format (tool_stream)"
+        super().__init__(_MARKERS[fmt], parallel)
         self.fmt = fmt
-        self.parallel = parallel
-        self._marker = _MARKERS[fmt]
-        self._pre = ""  # before the marker: a held tail that could start it
-        self._buf = ""  # the text from the marker on
-        self._pos = 0  # how far _buf is scanned
-        self._state = "content"
         self._call: _Call | None = None  # the call being scanned
-        self._from: int | None = 0  # where unsent, not-yet-call text starts (None: inside a sent call)
         self._sent_args = 0  # how much of the current sent call's arguments went out
-        self._clean = True
         self._list = False  # mistral: the calls are in a list (else one bare object)
-        self.calls: list[dict[str, Any]] = []  # the calls sent, arguments as sent so far
 
-    @property
-    def called(self) -> bool:
-        """Whether any call was sent."""
-        return bool(self.calls)
-
-    @property
-    def clean(self) -> bool:
-        """After ``finish``: every call parsed whole, nothing but calls after the marker."""
-        return self._clean and bool(self.calls) and self._state in ("next", "done")
-
-    def push(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
-        if self._state == "plain":
-            return delta, []
-        if self._state == "content":
-            text = self._pre + delta
-            at = text.find(self._marker)
-            if at < 0:  # hold back the longest tail that is a prefix of the marker
-                keep = next((n for n in range(min(len(self._marker) - 1, len(text)), 0, -1)
-                             if self._marker.startswith(text[-n:])), 0)
-                self._pre = text[len(text) - keep:]
-                return text[:len(text) - keep], []
-            self._pre, self._buf, self._pos, self._state = "", text[at:], len(self._marker), "open"
-            head, delta = text[:at], ""
-        else:
-            head = ""
-        self._buf += delta
-        content, deltas = self._scan()
-        return head + content, self._only_first(deltas)
-
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """Whatever is still held: an unsent call's text as content."""
-        if self._state == "content":
-            self._state, pre, self._pre = "plain", self._pre, ""
-            return pre, []
-        if self._state == "plain":
-            return "", []
-        deltas: list[dict[str, Any]] = []
+    def _flush(self, deltas: list[dict[str, Any]]) -> None:
         if self._call is not None and self._from is None:
             self._args(deltas)  # a sent call cut off: what arrived of it
-        rest = self._buf[self._from:] if self._from is not None else ""
-        if self._state not in ("next", "done"):
-            self._clean = False
-        if rest.strip() or (self._from is not None and self._state == "obj"):
-            self._clean, self._state = False, "plain"
-            return rest, self._only_first(deltas)
-        return "", self._only_first(deltas)
 
-    def _only_first(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return deltas if self.parallel else [d for d in deltas if d["index"] == 0]
+    def _unsent_call_open(self) -> bool:
+        return self._from is not None and self._state == "obj"
 
     def _fail(self, at: int) -> str:
         """Unclean from ``at``: all unsent text is content, and so is the rest of the output."""
@@ -390,12 +341,4 @@ class ToolStream:
         assert self._call is not None
         text = self._call.arguments(self._buf, self._pos)
         frag, self._sent_args = text[self._sent_args:], len(text)
-        if not frag:
-            return
-        j = len(self.calls) - 1
-        self.calls[j]["function"]["arguments"] += frag
-        last = deltas[-1] if deltas else None
-        if last is not None and last["index"] == j and "id" not in last:
-            last["function"]["arguments"] += frag
-        else:
-            deltas.append({"index": j, "function": {"arguments": frag}})
+        self._send_args(deltas, frag)

@@ -53,6 +53,8 @@ import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ftserve.server.tool_stream_base import MarkedStream, held
+
 MARKER = "<tool_call>"
 _CLOSE = "</tool_call>"
 _FUNC, _FUNC_END = "<function=", "</function>"
@@ -137,88 +139,27 @@ def typed(raw: str, types: tuple[str, ...]) -> Any:
     return raw
 
 
-def _held(text: str, literals: tuple[str, ...]) -> int:
-    """The length of the longest tail of ``text`` that could start one of ``literals``."""
-    longest = max(len(lit) for lit in literals) - 1
-    return next((n for n in range(min(longest, len(text)), 0, -1)
-                 if any(lit.startswith(text[-n:]) for lit in literals)), 0)
-
-
 def _escaped(text: str) -> str:
     """``text`` as it sits inside a JSON string; escaping is per character, so the
     pieces of a value escaped one by one join into the whole value escaped."""
     return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
-class XmlToolStream:
-    """One streamed choice of a qwen3_coder model. ``push`` and ``finish`` return
-    (content to send now, tool-call deltas to send after it); ``parallel=False``
-    sends the first call only; ``types`` (param_types) types the values."""
+class XmlToolStream(MarkedStream):
+    """One streamed choice of a qwen3_coder model; ``types`` (param_types) types the values."""
 
     def __init__(self, parallel: bool = True, types: ParamTypes | None = None) -> None:
-        self.parallel = parallel
+        super().__init__(MARKER, parallel)
         self._types: ParamTypes = types or {}
-        self._pre = ""  # before the marker: a held tail that could start it
-        self._buf = ""  # the text from the marker on
-        self._pos = 0  # how far _buf is scanned
-        self._state = "content"
-        self._from: int | None = 0  # where unsent, not-yet-call text starts (None: inside a sent call)
-        self._clean = True
         self._name_at = 0  # where the function or parameter name being read starts
         self._param = ""  # the parameter whose value is being read
         self._val_at = 0  # where its value starts
         self._val_sent = 0  # how far into _buf a string value's text went out
         self._params = 0  # how many parameters the current call has sent
-        self.calls: list[dict[str, Any]] = []  # the calls sent, arguments as sent so far
 
-    @property
-    def called(self) -> bool:
-        """Whether any call was sent."""
-        return bool(self.calls)
-
-    @property
-    def clean(self) -> bool:
-        """After ``finish``: every call parsed whole, nothing but calls after the marker."""
-        return self._clean and bool(self.calls) and self._state == "next"
-
-    def push(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
-        if self._state == "plain":
-            return delta, []
-        head = ""
-        if self._state == "content":
-            text = self._pre + delta
-            at = text.find(MARKER)
-            if at < 0:
-                keep = _held(text, (MARKER,))
-                self._pre = text[len(text) - keep:]
-                return text[:len(text) - keep], []
-            self._pre, self._buf, self._pos, self._state = "", text[at:], len(MARKER), "open"
-            head, delta = text[:at], ""
-        self._buf += delta
-        content, deltas = self._scan()
-        return head + content, self._only_first(deltas)
-
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """Whatever is still held: an unsent call's text as content, a sent call's
-        string value as far as it arrived."""
-        if self._state == "content":
-            self._state, pre, self._pre = "plain", self._pre, ""
-            return pre, []
-        if self._state == "plain":
-            return "", []
-        deltas: list[dict[str, Any]] = []
-        if self._state == "value" and self._is_string():
-            self._send(deltas, _escaped(self._buf[self._val_sent:]))
-        rest = self._buf[self._from:] if self._from is not None else ""
-        if self._state != "next":
-            self._clean = False
-        if rest.strip():
-            self._clean, self._state = False, "plain"
-            return rest, self._only_first(deltas)
-        return "", self._only_first(deltas)
-
-    def _only_first(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return deltas if self.parallel else [d for d in deltas if d["index"] == 0]
+    def _flush(self, deltas: list[dict[str, Any]]) -> None:
+        if self._state == "value" and self._is_string():  # a string value as far as it arrived
+            self._send_args(deltas, _escaped(self._buf[self._val_sent:]))
 
     def _fail(self, at: int) -> str:
         """Unclean from ``at``: all unsent text is content, and so is the rest of the output."""
@@ -258,7 +199,7 @@ class XmlToolStream:
                 self._val_at = self._val_sent = self._pos
                 self._state = "value"
                 if self._is_string():
-                    self._send(deltas, self._key() + '"')
+                    self._send_args(deltas, self._key() + '"')
                 continue
             if state == "value":
                 if not self._value(deltas):
@@ -277,7 +218,7 @@ class XmlToolStream:
             if lit in (_FUNC, _PARAM):
                 self._name_at, self._state = self._pos, "name" if lit == _FUNC else "pname"
             elif lit == _FUNC_END:
-                self._send(deltas, "}" if self._params else "{}")
+                self._send_args(deltas, "}" if self._params else "{}")
                 self._state = "close"
             elif lit == _CLOSE:
                 self._state, self._from = "next", self._pos
@@ -308,28 +249,16 @@ class XmlToolStream:
         if end < 0:  # next time, search only where the end tag may begin
             self._pos = max(self._val_at, len(buf) - len(_PARAM_END) + 1)
             if self._is_string():
-                safe = len(buf) - _held(buf[self._val_sent:], _VALUE_ENDS)
-                self._send(deltas, _escaped(buf[self._val_sent:safe]))
+                safe = len(buf) - held(buf[self._val_sent:], _VALUE_ENDS)
+                self._send_args(deltas, _escaped(buf[self._val_sent:safe]))
                 self._val_sent = safe
             return False
         raw = buf[self._val_at:end]
         raw = raw[:-1] if raw.endswith("\n") else raw
         if self._is_string():
-            self._send(deltas, _escaped(raw[self._val_sent - self._val_at:]) + '"')
+            self._send_args(deltas, _escaped(raw[self._val_sent - self._val_at:]) + '"')
         else:
             types = self._types[self.calls[-1]["function"]["name"]][self._param]
-            self._send(deltas, self._key() + json.dumps(typed(raw, types), ensure_ascii=False))
+            self._send_args(deltas, self._key() + json.dumps(typed(raw, types), ensure_ascii=False))
         self._pos, self._state = end + len(_PARAM_END), "params"
         return True
-
-    def _send(self, deltas: list[dict[str, Any]], frag: str) -> None:
-        """Send ``frag`` of the current call's arguments."""
-        if not frag:
-            return
-        j = len(self.calls) - 1
-        self.calls[j]["function"]["arguments"] += frag
-        last = deltas[-1] if deltas else None
-        if last is not None and last["index"] == j and "id" not in last:
-            last["function"]["arguments"] += frag
-        else:
-            deltas.append({"index": j, "function": {"arguments": frag}})
