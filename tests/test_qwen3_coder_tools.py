@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,8 @@ import pytest
 
 from ftserve.server.protocol import parse_chat
 from ftserve.server.tool_choice import ForcedCall, forced_text
+from tests.test_tool_choice import _assert_name_first, _calls, _streamed, _tokens
+from tests.test_tool_choice import script as script  # the scripted-generations fixture
 
 TEMPLATE = Path(__file__).parent / "templates" / "qwen3_coder.jinja"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": {
@@ -52,16 +53,6 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         stop_live(server)
 
 
-@pytest.fixture
-def script(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Each generation's step texts become the pieces put in the returned list."""
-    from tests.server_harness import script_generations
-
-    pieces: list[str] = []
-    script_generations(monkeypatch, pieces)
-    return pieces
-
-
 def _client(live: Any) -> openai.OpenAI:
     from tests.server_harness import openai_client
 
@@ -71,17 +62,6 @@ def _client(live: Any) -> openai.OpenAI:
 def _req(max_tokens: int, **kw: Any) -> dict[str, Any]:
     return {"model": "ftserve-demo", "tools": TOOLS, "messages": MSGS, "max_tokens": max_tokens,
             "temperature": 0, "extra_body": {"ignore_eos": True}, **kw}
-
-
-def _streamed(client: openai.OpenAI, req: dict[str, Any]) -> Any:
-    with client.chat.completions.stream(**req) as stream:  # the client's own assembly
-        for _ in stream:
-            pass
-        return stream.get_final_completion()
-
-
-def _calls(message: Any) -> list[tuple[str, str]]:
-    return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
 
 def test_chat_with_tools_returns_the_calls(live: Any, script: list[str]) -> None:
@@ -112,13 +92,6 @@ def test_chat_with_tools_returns_the_calls(live: Any, script: list[str]) -> None
     live.wait_idle()
 
 
-def _tokens(live: Any, body: dict[str, Any]) -> int:
-    req = urllib.request.Request(live.url + "/tokenize", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.loads(resp.read())["count"]
-
-
 def _prompt_tokens(live: Any, forced: str) -> int:
     """What the prompt with ``forced`` appended counts; /tokenize agrees."""
     messages = parse_chat({"messages": MSGS}).messages  # earlier calls' arguments as objects
@@ -146,11 +119,7 @@ def test_named_function_is_forced(live: Any, script: list[str]) -> None:
     final = _streamed(client, req)
     assert _calls(final.choices[0].message) == want
     assert final.choices[0].finish_reason == "tool_calls"
-    # The name is in the prompt: its delta comes right after the role chunk.
-    chunks = list(client.chat.completions.create(**req, stream=True))
-    first = chunks[1].choices[0].delta.tool_calls[0]
-    assert first.function.name == "get_weather" and first.id and first.function.arguments == ""
-    assert not any(c.choices and c.choices[0].delta.content for c in chunks)
+    _assert_name_first(client, req, "get_weather")  # the name is in the prompt
     live.wait_idle()
 
 

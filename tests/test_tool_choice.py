@@ -147,6 +147,15 @@ def _calls(message: Any) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
 
+def _assert_name_first(client: openai.OpenAI, req: dict[str, Any], name: str) -> None:
+    """Streamed, a named call's first delta (the name, from the prompt) comes right
+    after the role chunk, and no content at all."""
+    chunks = list(client.chat.completions.create(**req, stream=True))
+    first = chunks[1].choices[0].delta.tool_calls[0]
+    assert first.function.name == name and first.id and first.function.arguments == ""
+    assert not any(c.choices and c.choices[0].delta.content for c in chunks)
+
+
 def test_named_function_is_forced(live: Any, script: list[str]) -> None:
     assert live.text.tool_format() == "mistral"
     script[:] = ['{"ci', 'ty": "Pa', 'ris"}', '}, {"name": "now"}]']  # a second call: dropped
@@ -169,11 +178,7 @@ def test_named_function_is_forced(live: Any, script: list[str]) -> None:
     (choice,) = final.choices
     assert choice.finish_reason == "tool_calls" and not (choice.message.content or "").strip()
     assert _calls(choice.message) == [("get_weather", '{"city": "Paris"}')]
-    # Streamed: the call's first delta (its name) comes right after the role chunk.
-    chunks = list(client.chat.completions.create(**req, stream=True))
-    first = chunks[1].choices[0].delta.tool_calls[0]
-    assert first.function.name == "get_weather" and first.id and first.function.arguments == ""
-    assert not any(c.choices and c.choices[0].delta.content for c in chunks)
+    _assert_name_first(client, req, "get_weather")
     live.wait_idle()
 
 
