@@ -49,6 +49,7 @@ def test_models_reports_real_context(live: Live, client: openai.OpenAI) -> None:
     # GET /v1/models/{model} (client.models.retrieve) was a 404 "not found" route.
     one = client.models.retrieve("ftserve-demo")
     assert one.id == "ftserve-demo" and one.object == "model"
+    assert one.created == models[0].created == live.state.created  # fixed, not the call's time
     assert one.model_extra["max_model_len"] == live.engine.max_model_len
     for other in ("gpt-4", "org/name"):  # a served name may hold "/"
         with pytest.raises(openai.NotFoundError) as missing:

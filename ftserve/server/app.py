@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import orjson
@@ -60,7 +59,7 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     return {
         "id": state.model_name,
         "object": "model",
-        "created": int(time.time()),
+        "created": state.created,
         "owned_by": "ftserve",
         "root": engine.model_dir,
         "max_model_len": engine.max_model_len,

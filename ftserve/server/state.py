@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -66,6 +67,7 @@ class ServerState:
         self.metrics = Metrics(self._stats)
         self.draining = False
         self.load_error: str | None = None
+        self.created = int(time.time())  # the model card's "created": fixed for the process
         self._checkpoint_sampling: dict[str, Any] = {}  # generation_config.json's, set by attach
 
     def attach(self, engine: EngineAPI, text: TextCodec, loop: asyncio.AbstractEventLoop) -> None:
