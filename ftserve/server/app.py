@@ -1,6 +1,7 @@
 """The aiohttp application: routes, auth and error middlewares.
 
     POST /v1/chat/completions  POST /v1/completions  GET /v1/models  GET /v1/models/{model}
+    POST /v1/messages  POST /v1/messages/count_tokens  (Anthropic's API: anthropic_api.py)
     GET /health  GET /metrics  POST /tokenize  POST /detokenize  POST /reset_prefix_cache
 """
 
@@ -13,8 +14,15 @@ import orjson
 from aiohttp import web
 
 from ftserve.server import tool_choice
+from ftserve.server.anthropic_api import count_tokens, messages
 from ftserve.server.completions import chat_completions, completions, read_json
-from ftserve.server.errors import APIError, Handler, bad_request, error_middleware
+from ftserve.server.errors import (
+    ANTHROPIC_PREFIX,
+    APIError,
+    Handler,
+    bad_request,
+    error_middleware,
+)
 from ftserve.server.metrics import CONTENT_TYPE
 from ftserve.server.protocol import (
     parse_continuation,
@@ -28,6 +36,8 @@ from ftserve.server.text import TemplateError
 ROUTES: tuple[tuple[str, str], ...] = (
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
     ("GET", "/v1/models"),
     ("GET", "/v1/models/{model}"),
     ("GET", "/health"),
@@ -46,10 +56,14 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = request.app[STATE_KEY]
+    # Anthropic's clients send the key as x-api-key; on its routes that header counts too.
+    anthropic = request.path.startswith(ANTHROPIC_PREFIX)
+    x_api_key = request.headers.get("x-api-key") if anthropic else None
     if request.path not in _OPEN_PATHS and not state.authorized(
-        request.headers.get("Authorization")
+        request.headers.get("Authorization"), x_api_key
     ):
-        raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+        how = "'x-api-key: <key>' or " if anthropic else ""
+        raise APIError(401, f"invalid or missing API key (send {how}'Authorization: Bearer <key>')",
                        code="invalid_api_key")
     return await handler(request)
 
@@ -158,6 +172,8 @@ def make_app(state: ServerState) -> web.Application:
     handlers: dict[str, Handler] = {
         "/v1/chat/completions": chat_completions,
         "/v1/completions": completions,
+        "/v1/messages": messages,
+        "/v1/messages/count_tokens": count_tokens,
         "/v1/models": models,
         "/v1/models/{model}": model,
         "/health": health,

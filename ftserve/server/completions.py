@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -14,6 +15,7 @@ from ftserve.engine.grammar import GrammarMatcher
 from ftserve.engine.messages import TokenLogprob
 from ftserve.server import batch, reasoning, response_format, sse, tool_calls, tool_choice
 from ftserve.server import responses as R
+from ftserve.server.chat_output import ChatOutputFilter
 from ftserve.server.errors import APIError, bad_request
 from ftserve.server.generation import EngineRequestError, Generation, Step
 from ftserve.server.protocol import ParsedRequest, parse_chat, parse_completion
@@ -29,13 +31,17 @@ async def read_json(request: web.Request) -> Any:
         raise bad_request(f"invalid JSON body: {err}") from None
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    arrival = time.monotonic()
-    state = request.app[STATE_KEY]
-    parsed = parse_chat(await read_json(request))
-    state.check_model(parsed.model)
-    engine, text = state.ready()
-    state.check_queue(engine)
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's prompt as the engine gets it (what count_tokens counts)."""
+
+    ids: list[int]  # the rendered conversation and the forced call's start, if any
+    think: bool | None  # reasoning split: None = off, else whether the prompt opened it
+    forced: str  # the forced tool_choice's start of a call, in the prompt (tool_choice.py)
+
+
+async def chat_prompt(state: ServerState, text: TextCodec, parsed: ParsedRequest) -> ChatPrompt:
+    """Render and encode a chat request (the OpenAI and the Anthropic routes share it)."""
     assert parsed.messages is not None
     if parsed.tools and text.tool_format() is None:
         raise bad_request("this model's chat template does not render tools, so it cannot "
@@ -58,7 +64,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     think = (reasoning.opens_in_prompt(prompt) if state.cfg.reasoning_parser != "none"
              and text.marks_reasoning() and not forced and parsed.response_format is None
              else None)
-    return await _run(request, state, parsed, [ids], arrival, "chatcmpl-", think, forced)
+    return ChatPrompt(ids, think, forced)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    arrival = time.monotonic()
+    state = request.app[STATE_KEY]
+    parsed = parse_chat(await read_json(request))
+    state.check_model(parsed.model)
+    engine, text = state.ready()
+    state.check_queue(engine)
+    cp = await chat_prompt(state, text, parsed)
+    return await _run(request, state, parsed, [cp.ids], arrival, "chatcmpl-", cp.think, cp.forced)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -119,7 +136,7 @@ async def _run(
             gen.close()  # a cancelled handler (client gone) aborts the engine requests here
 
 
-def _engine_error(state: ServerState, err: EngineRequestError) -> APIError:
+def engine_error(state: ServerState, err: EngineRequestError) -> APIError:
     if state.health_problem() is not None:
         return APIError(503, str(err), err_type="server_error", code="unavailable")
     return bad_request(str(err), code="request_rejected")
@@ -146,7 +163,7 @@ async def _collect(
                 if step.logprobs:
                     lps.extend(step.logprobs)
         except EngineRequestError as err:
-            raise _engine_error(state, err) from None
+            raise engine_error(state, err) from None
         content = "".join(pieces)
         reason = gen.finish_reason or "stop"
         tok_ids = out_ids if parsed.return_token_ids else None
@@ -217,27 +234,19 @@ class _ChoiceChunks:
         fmt = text.tool_format() if parsed.tools else None
         # With tools, content passes through a filter that turns tool calls into
         # tool_calls deltas; before it, reasoning is split off where the template marks it.
-        self.tools = tool_calls.tool_stream(fmt, parsed.parallel_tool_calls, types) if fmt else None
-        self.reasoning = reasoning.ReasoningStream(think) if think is not None and self.chat else None
-        # A forced call's start goes through the filter first: a named call's first
-        # delta is ready before any token; it is never content (it opens with the marker).
-        self.opening = self.tools.push(forced)[1] if self.tools is not None and forced else []
+        self.filter = ChatOutputFilter(fmt, parsed.parallel_tool_calls, types,
+                                       think if self.chat else None, forced)
+        self.tools = self.filter.tools
+        # A forced call's start: a named call's first delta is ready before any token.
+        self.opening = self.filter.opening
 
     def split(self, delta: str) -> tuple[str, str, list[dict[str, Any]]]:
         """(reasoning, content safe to send, tool-call deltas) of a step's text."""
-        thought, content = self.reasoning.push(delta) if self.reasoning is not None else ("", delta)
-        if self.tools is None:
-            return thought, content, []
-        return (thought, *self.tools.push(content))
+        return self.filter.push(delta)
 
     def finish(self) -> tuple[str, str, list[dict[str, Any]]]:
         """(reasoning, content, tool-call deltas) held back until the choice ended."""
-        thought, content = self.reasoning.finish() if self.reasoning is not None else ("", "")
-        if self.tools is None:
-            return thought, content, []
-        content, deltas = self.tools.push(content) if content else ("", [])
-        tail, more = self.tools.finish()
-        return thought, content + tail, deltas + more
+        return self.filter.finish()
 
     def role(self, want_ids: bool) -> dict[str, Any]:
         # The role chunk goes out at once, as OpenAI does, before any token exists.
@@ -322,7 +331,7 @@ async def _stream(
                 await resp.write(sse.KEEPALIVE)  # long prefill: keep proxies and clients patient
                 continue
             if isinstance(item, EngineRequestError):
-                await resp.write(sse.frame(_engine_error(state, item).to_dict()))
+                await resp.write(sse.frame(engine_error(state, item).to_dict()))
                 failed = True
                 break
             st = streams[index]

@@ -1,6 +1,8 @@
 """OpenAI-style error objects and the middleware that guarantees every failure is one.
 
-Every non-2xx answer has the body ``{"error": {"message", "type", "param", "code"}}``.
+Every non-2xx answer has the body ``{"error": {"message", "type", "param", "code"}}``;
+on Anthropic's routes (under ``ANTHROPIC_PREFIX``) it is Anthropic's
+``{"type": "error", "error": {"type", "message"}}`` instead (``anthropic_type``).
 Bad input must never become a 500: handlers raise ``APIError`` for anything the
 client did wrong, and the middleware turns stray aiohttp HTTP exceptions (404 route,
 405 method, 413 body) into the same shape.
@@ -17,6 +19,9 @@ from aiohttp import web
 log = logging.getLogger("ftserve.server")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# The Anthropic Messages API's routes (anthropic_api.py): their errors take its shape.
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 class APIError(Exception):
@@ -50,10 +55,26 @@ class APIError(Exception):
             }
         }
 
-    def response(self) -> web.Response:
+    def anthropic_type(self) -> str:
+        """Anthropic's error type for this error. A full queue is its 529
+        "overloaded_error" (anthropic_status); a server that cannot serve at all
+        (loading, draining, engine stopped) stays a 503 "api_error"."""
+        if self.code == "overloaded":
+            return "overloaded_error"
+        return {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                413: "request_too_large", 429: "rate_limit_error"}.get(
+            self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+
+    def anthropic_status(self) -> int:
+        return 529 if self.code == "overloaded" else self.status
+
+    def to_anthropic(self) -> dict[str, object]:
+        return {"type": "error", "error": {"type": self.anthropic_type(), "message": self.message}}
+
+    def response(self, anthropic: bool = False) -> web.Response:
         return web.Response(
-            status=self.status,
-            body=orjson.dumps(self.to_dict()),
+            status=self.anthropic_status() if anthropic else self.status,
+            body=orjson.dumps(self.to_anthropic() if anthropic else self.to_dict()),
             content_type="application/json",
             headers=self.headers,
         )
@@ -91,16 +112,17 @@ def _from_http_exception(exc: web.HTTPException) -> APIError:
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    anthropic = request.path.startswith(ANTHROPIC_PREFIX)
     try:
         return await handler(request)
     except APIError as err:
-        return err.response()
+        return err.response(anthropic)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _from_http_exception(exc).response()
+        return _from_http_exception(exc).response(anthropic)
     except Exception:
-        # A bug on our side; the client still gets an OpenAI error object, and the
-        # traceback goes to the log where it can be fixed.
+        # A bug on our side; the client still gets an error object of its API, and
+        # the traceback goes to the log where it can be fixed.
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return APIError(500, "internal server error", err_type="server_error").response()
+        return APIError(500, "internal server error", err_type="server_error").response(anthropic)

@@ -85,6 +85,7 @@ class Generation:
         self.cached_tokens = 0
         self.completion_tokens = 0
         self.finish_reason: str | None = None
+        self.stop_string: str | None = None  # the stop string that ended it, if one did
         self._engine = engine
         self._tracker = tracker
         self._metrics = metrics
@@ -131,6 +132,7 @@ class Generation:
             # Stop string: the engine keeps generating until told, so tell it now.
             if not out.finished:
                 self._engine.abort(self.request_id)
+            self.stop_string = self._detok.matched
             self._finish("stop", now)
         elif out.finished:
             text += self._detok.finish()

@@ -1,4 +1,5 @@
-"""Server-sent events: ``data: <json>\\n\\n`` frames, ``: keep-alive`` comments, ``[DONE]``."""
+"""Server-sent events: ``data: <json>\\n\\n`` frames, ``: keep-alive`` comments, ``[DONE]``
+(OpenAI's streams); named ``event: <name>`` frames and ``ping`` events (Anthropic's)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ DONE = b"data: [DONE]\n\n"
 
 def frame(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def event(obj: dict[str, Any]) -> bytes:
+    """An Anthropic stream event: named by its ``type``, which its data repeats."""
+    return b"event: " + obj["type"].encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+
+
+PING = event({"type": "ping"})
 
 
 async def open_stream(request: web.Request) -> web.StreamResponse:

@@ -130,12 +130,17 @@ class ServerState:
         if waiting >= self.cfg.max_queued_requests:
             raise overloaded(f"too many queued requests ({waiting}); retry later")
 
-    def authorized(self, header: str | None) -> bool:
+    def authorized(self, header: str | None, x_api_key: str | None = None) -> bool:
+        """``header``: Authorization (Bearer); ``x_api_key``: the x-api-key header, which
+        Anthropic's clients send (app.py passes it on those routes only)."""
         if self.cfg.api_key is None:
+            return True
+        key = self.cfg.api_key.encode()
+        if x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode(), key):
             return True
         if not header or header[:7].lower() != "bearer ":  # the scheme is case-insensitive
             return False
-        return hmac.compare_digest(header[7:].strip().encode(), self.cfg.api_key.encode())
+        return hmac.compare_digest(header[7:].strip().encode(), key)
 
 
 STATE_KEY: web.AppKey[ServerState] = web.AppKey("ftserve_state", ServerState)

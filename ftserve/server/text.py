@@ -41,6 +41,7 @@ class TemplateError(ValueError):
 
 class StreamDetokenizer(Protocol):
     stopped: bool  # a stop string matched; the text returned so far is trimmed before it
+    matched: str | None  # which stop string matched (None: none did)
 
     def push(self, token_ids: list[int]) -> str:
         """Feed new ids; return the text that is now safe to emit."""
@@ -72,6 +73,11 @@ class TextCodec(Protocol):
 
     def marks_reasoning(self) -> bool:
         """Whether the chat template marks reasoning with think tags (reasoning.supported)."""
+        ...
+
+    def template_reads(self, name: str) -> bool:
+        """Whether the chat template's source names the variable ``name`` (e.g. Qwen3's
+        enable_thinking), with or without tools."""
         ...
 
     async def encode_async(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -120,6 +126,10 @@ class _Detok:
     def stopped(self) -> bool:
         return self._inner.stopped
 
+    @property
+    def matched(self) -> str | None:
+        return self._inner.stop
+
     def push(self, token_ids: list[int]) -> str:
         return self._inner.feed(token_ids).text
 
@@ -150,10 +160,11 @@ class TokenizerCodec:
         self._tool_format: Format | None = None  # read off the template once
         self._reasoning = False
         self._developer_role = False  # the template renders "developer" messages itself
+        self._sources: list[str] = []
         if self._template is not None:
             try:
                 self._tool_format = format_of(self._template.source(tools=True))
-                sources = [self._template.source(tools=t) for t in (False, True)]
+                sources = self._sources = [self._template.source(tools=t) for t in (False, True)]
                 self._reasoning = any(reasoning.supported(src) for src in sources)
                 self._developer_role = any("developer" in src for src in sources)
             except ChatTemplateError:
@@ -194,6 +205,9 @@ class TokenizerCodec:
 
     def marks_reasoning(self) -> bool:
         return self._reasoning
+
+    def template_reads(self, name: str) -> bool:
+        return any(name in src for src in self._sources)
 
     async def encode_async(self, text: str, add_special_tokens: bool) -> list[int]:
         return await self.cache.encode_async(text, add_special_tokens)
