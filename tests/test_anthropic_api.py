@@ -181,6 +181,14 @@ def test_tool_use_round_trip(live: Live, client: anthropic.Anthropic, script: li
     # The history (tool_use, tool_result, text) renders as its OpenAI twin does.
     assert client.messages.count_tokens(model=MODEL, messages=HISTORY, tools=TOOLS).input_tokens == (
         _tokenize(live, {"messages": OPENAI_HISTORY, "tools": OPENAI_TOOLS}))
+    # A failed call's result: templates have no error flag, the text says so.
+    failed = [*HISTORY[:2], {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True,
+         "content": [{"type": "text", "text": "no such city"}]}]}]
+    assert client.messages.count_tokens(model=MODEL, messages=failed, tools=TOOLS).input_tokens == (
+        _tokenize(live, {"messages": [*OPENAI_HISTORY[:2], {"role": "tool", "tool_call_id": "toolu_1",
+                                                            "content": "Error: no such city"}],
+                         "tools": OPENAI_TOOLS}))
     script[:] = ["Checking. ", '[TOOL_CALLS] [{"name": "get_weather", ',
                  '"arguments": {"city": "Ro', 'me"}}, {"name": "now", "arguments": {}}]']
     req = {"model": MODEL, "max_tokens": len(script), "messages": HISTORY, "tools": TOOLS,
@@ -293,6 +301,11 @@ def test_api_key_from_x_api_key_or_bearer(live: Live) -> None:
         headers = {} if key is None else {"x-api-key": key}
         _anthropic_error(call(live, "/v1/messages/count_tokens", {"messages": USER}, base=base,
                               headers=headers), 401, "authentication_error")
+    # x-api-key is what Anthropic's clients send (this client version sends the api_key
+    # as a bearer token: both must work).
+    status, _, body = call(live, "/v1/messages/count_tokens", {"messages": USER}, base=base,
+                           headers={"x-api-key": "sekret"})
+    assert status == 200 and body["input_tokens"] > 0, body
     with pytest.raises(anthropic.AuthenticationError):
         _client(live, base, "wrong").messages.count_tokens(model=MODEL, messages=USER)
     assert _client(live, base, "sekret").messages.count_tokens(model=MODEL, messages=USER).input_tokens > 0

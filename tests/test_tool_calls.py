@@ -68,28 +68,29 @@ def test_stream_sends_plain_text_at_once() -> None:
     assert ts.finish() == ("", []) and not ts.called
 
 
-def test_chat_choice_with_tool_calls() -> None:
-    from ftserve.server.completions import with_tool_calls
+def test_whole_output_with_tool_calls() -> None:
+    from ftserve.server.chat_output import split_whole
 
     text = 'Checking.\n<tool_call>{"name": "ls", "arguments": {"dir": "."}}</tool_call>'
-    choice = {"index": 1, "message": {"role": "assistant", "content": text}, "logprobs": None,
-              "finish_reason": "stop"}
-    with_tool_calls(choice, text, "hermes")
-    assert choice["finish_reason"] == "tool_calls" and choice["index"] == 1
-    msg = choice["message"]
-    assert msg["content"] == "Checking." and msg["role"] == "assistant"
-    (call,) = msg["tool_calls"]
+    out = split_whole(text, "hermes", True, None, None)
+    assert out.content == "Checking." and out.thought is None
+    (call,) = out.calls
     assert call["function"] == {"name": "ls", "arguments": '{"dir": "."}'}
     two = text + '<tool_call>{"name": "cat", "arguments": {"f": "a"}}</tool_call>'
-    single = {"message": {"role": "assistant", "content": two}, "finish_reason": "stop"}
-    with_tool_calls(single, two, "hermes", parallel=False)  # parallel_tool_calls: false
-    assert [c["function"]["name"] for c in single["message"]["tool_calls"]] == ["ls"]
-    both = {"message": {"role": "assistant", "content": two}, "finish_reason": "stop"}
-    with_tool_calls(both, two, "hermes")
-    assert [c["function"]["name"] for c in both["message"]["tool_calls"]] == ["ls", "cat"]
-    plain = {"message": {"role": "assistant", "content": "hi"}, "finish_reason": "length"}
-    with_tool_calls(plain, "hi", "hermes")
-    assert plain == {"message": {"role": "assistant", "content": "hi"}, "finish_reason": "length"}
+    single = split_whole(two, "hermes", False, None, None)  # parallel_tool_calls: false
+    assert [c["function"]["name"] for c in single.calls] == ["ls"]
+    both = split_whole(two, "hermes", True, None, None)
+    assert [c["function"]["name"] for c in both.calls] == ["ls", "cat"]
+    assert split_whole("hi", "hermes", True, None, None).calls == []
+    assert split_whole("hi", "hermes", True, None, None).content == "hi"
+    # Reasoning first, then calls in what remains; the forced text is parsed with the output.
+    mixed = split_whole('a</think>\n\n<tool_call>{"name": "ls"}</tool_call>', "hermes", True,
+                        None, True)
+    assert mixed.thought == "a" and mixed.content is None and len(mixed.calls) == 1
+    forced = split_whole('ls"}</tool_call>', "hermes", True, None, None, '<tool_call>\n{"name": "')
+    assert [c["function"]["name"] for c in forced.calls] == ["ls"]
+    bad = split_whole('oops', "hermes", True, None, None, '<tool_call>\n{"name": "')
+    assert bad.calls == [] and bad.content == '<tool_call>\n{"name": "oops'
 
 
 def test_streamed_choice_sends_calls_as_they_arrive(tmp_path) -> None:  # type: ignore[no-untyped-def]

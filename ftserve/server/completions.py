@@ -15,7 +15,7 @@ from ftserve.engine.grammar import GrammarMatcher
 from ftserve.engine.messages import TokenLogprob
 from ftserve.server import batch, reasoning, response_format, sse, tool_calls, tool_choice
 from ftserve.server import responses as R
-from ftserve.server.chat_output import ChatOutputFilter
+from ftserve.server.chat_output import ChatOutputFilter, split_whole
 from ftserve.server.errors import APIError, bad_request
 from ftserve.server.generation import EngineRequestError, Generation, Step
 from ftserve.server.protocol import ParsedRequest, parse_chat, parse_completion
@@ -169,20 +169,18 @@ async def _collect(
         tok_ids = out_ids if parsed.return_token_ids else None
         prompt_ids = gen.prompt_ids if parsed.return_token_ids else None
         if parsed.kind == "chat":
-            content = forced + content  # parsed with the output; unparsed, it is content too
-            thought = None
-            if think is not None:
-                thought, content = reasoning.split(content, think)
-            logprobs = R.chat_logprobs(lps, text.token_text, text.token_bytes) if parsed.logprobs is not None else None
-            body = R.chat_response(rid, created, state.model_name, content, reason,
-                                   {}, logprobs, tok_ids, prompt_ids)
+            # Reasoning split off, then calls (only if all parse clean): chat_output.py.
             fmt = text.tool_format() if parsed.tools else None
-            if fmt is not None:
-                with_tool_calls(body["choices"][0], content, fmt, parsed.parallel_tool_calls,
-                                types)
-            if thought is not None:
-                message = body["choices"][0]["message"]
-                message["reasoning_content"] = thought
+            out = split_whole(content, fmt, parsed.parallel_tool_calls, types, think, forced)
+            logprobs = R.chat_logprobs(lps, text.token_text, text.token_bytes) if parsed.logprobs is not None else None
+            body = R.chat_response(rid, created, state.model_name, out.content, reason,
+                                   {}, logprobs, tok_ids, prompt_ids)
+            message = body["choices"][0]["message"]
+            if out.calls:
+                message["tool_calls"] = out.calls
+                body["choices"][0]["finish_reason"] = "tool_calls"
+            if out.thought is not None:
+                message["reasoning_content"] = out.thought
                 message["content"] = message["content"] or None
         else:
             head = heads[index] if heads else ""
@@ -201,19 +199,6 @@ async def _collect(
 def _offsets(parsed: ParsedRequest, gen: Generation, text: TextCodec) -> R.TextOffsets:
     """A completion choice's text_offset counter: its tokens detokenized as its text is."""
     return R.TextOffsets(text.detokenizer(gen.prompt_ids, (), parsed.skip_special_tokens))
-
-
-def with_tool_calls(choice: dict[str, Any], content: str, fmt: tool_calls.Format,
-                    parallel: bool = True, types: tool_calls.ParamTypes | None = None) -> None:
-    """A chat choice whose text holds tool calls: message.tool_calls (only the
-    first without ``parallel``), the rest as content (null if none),
-    finish_reason "tool_calls". Unchanged otherwise. ``types``: the request's
-    tools' parameter types (tool_calls.param_types)."""
-    parsed = tool_calls.parse(content, fmt, types)
-    if parsed.tool_calls:
-        choice["message"] = {"role": "assistant", "content": parsed.content,
-                             "tool_calls": parsed.tool_calls if parallel else parsed.tool_calls[:1]}
-        choice["finish_reason"] = "tool_calls"
 
 
 class _ChoiceChunks:

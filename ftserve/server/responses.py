@@ -143,7 +143,7 @@ def chat_response(
     rid: str,
     created: int,
     model: str,
-    text: str,
+    text: str | None,
     finish_reason: str,
     use: dict[str, Any],
     logprobs: dict[str, Any] | None,
