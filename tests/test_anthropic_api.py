@@ -137,6 +137,30 @@ def test_stop_sequences(live: Live, client: anthropic.Anthropic) -> None:
     live.wait_idle()
 
 
+def test_max_tokens_past_the_context_window_gets_the_room_left(live: Live,
+                                                                client: anthropic.Anthropic) -> None:
+    limit = live.engine.max_model_len
+    words = 400
+    while True:  # a prompt that leaves a few tokens of room
+        messages = [{"role": "user", "content": "word " * words}]
+        counted = client.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+        if limit - counted <= 8:
+            break
+        words += max(1, (limit - counted - 6) // 2)
+    room = limit - counted
+    assert room > 0
+    req = {"model": MODEL, "max_tokens": 100, "messages": messages,
+           "extra_body": {**GREEDY, "ignore_eos": True}}
+    whole = client.messages.create(**req)
+    assert whole.stop_reason == "model_context_window_exceeded"
+    assert whole.usage.output_tokens == room
+    streamed, _ = _streamed(client, **req)
+    _same(whole, streamed)
+    # Within the window, max_tokens is what stops it.
+    assert client.messages.create(**{**req, "max_tokens": room}).stop_reason == "max_tokens"
+    live.wait_idle()
+
+
 def test_system_prompt_and_count_tokens(live: Live, client: anthropic.Anthropic) -> None:
     system = "You are terse. Answer in one word."
     counted = client.messages.count_tokens(model=MODEL, messages=USER, system=system).input_tokens

@@ -13,8 +13,10 @@ Anthropic's content blocks, in this order::
     tool_use {id: "toolu_...", name, input}   each call, input the parsed arguments
 
 stop_reason: "tool_use" when calls came back (unless max_tokens cut one off),
-"max_tokens", "stop_sequence" (with the ``stop_sequence`` that matched), else
-"end_turn". usage: ``input_tokens`` are the prompt tokens the prefix cache did
+"max_tokens", "model_context_window_exceeded" (max_tokens is a ceiling here:
+a reply that would not fit the context window gets the room left, and this
+when it fills it), "stop_sequence" (with the ``stop_sequence`` that matched),
+else "end_turn". usage: ``input_tokens`` are the prompt tokens the prefix cache did
 not hold, ``cache_read_input_tokens`` those it did (Anthropic's split: the
 prompt is their sum), ``cache_creation_input_tokens`` 0 (caching costs nothing).
 
@@ -30,6 +32,7 @@ strips it (tool_calls.parse).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -72,14 +75,21 @@ async def messages(request: web.Request) -> web.StreamResponse:
     state.check_queue(engine)
     parsed = req.for_template(text)
     prompt = await chat_prompt(state, text, parsed)
+    # max_tokens is a ceiling, as Anthropic's newer models take it (agents ask for 32k
+    # every turn): a reply that would pass the context window gets what room is left
+    # and, if it fills it, stop_reason "model_context_window_exceeded".
+    room = engine.max_model_len - len(prompt.ids)
+    window = parsed.max_tokens is not None and 0 < room < parsed.max_tokens
+    if window:
+        parsed = dataclasses.replace(parsed, max_tokens=room)
     (params,) = batch.build_all(parsed, [prompt.ids], engine, state.sampling_defaults)
     rid = "msg_" + uuid.uuid4().hex
     detok = text.detokenizer(prompt.ids, parsed.stop, parsed.skip_special_tokens)
     gen = Generation(engine, state.tracker, state.metrics, rid, prompt.ids, params, detok, arrival)
     try:
         if parsed.stream:
-            return await _stream(request, state, parsed, prompt, rid, gen)
-        return await _whole(state, parsed, prompt, rid, gen)
+            return await _stream(request, state, parsed, prompt, rid, gen, window)
+        return await _whole(state, parsed, prompt, rid, gen, window)
     finally:
         gen.close()  # a cancelled handler (client gone) aborts the engine request here
 
@@ -90,10 +100,12 @@ def _usage(gen: Generation) -> dict[str, int]:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-def _stop_reason(gen: Generation, called: bool, complete: bool) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence). ``complete``: every call sent parsed whole."""
+def _stop_reason(gen: Generation, called: bool, complete: bool,
+                 window: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence). ``complete``: every call sent parsed whole;
+    ``window``: max_tokens was cut to the room the context window left."""
     if gen.finish_reason == "length" and not (called and complete):
-        return "max_tokens", None
+        return ("model_context_window_exceeded" if window else "max_tokens"), None
     if called:
         return "tool_use", None
     if gen.stop_string is not None:
@@ -117,7 +129,7 @@ def _fmt(state: ServerState, parsed: ParsedRequest) -> tool_calls.Format | None:
 
 
 async def _whole(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt, rid: str,
-                 gen: Generation) -> web.Response:
+                 gen: Generation, window: bool) -> web.Response:
     pieces: list[str] = []
     try:
         while not gen.finished:
@@ -137,7 +149,7 @@ async def _whole(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt, 
         args = call["function"]["arguments"]
         blocks.append({"type": "tool_use", "id": _tool_id(), "name": call["function"]["name"],
                        "input": json.loads(args) if args else {}})
-    stop = _stop_reason(gen, bool(out.calls), True)
+    stop = _stop_reason(gen, bool(out.calls), True, window)
     return _json(_message(rid, state.model_name, blocks, stop, _usage(gen)))
 
 
@@ -200,7 +212,8 @@ class _Blocks:
 
 
 async def _stream(request: web.Request, state: ServerState, parsed: ParsedRequest,
-                  prompt: ChatPrompt, rid: str, gen: Generation) -> web.StreamResponse:
+                  prompt: ChatPrompt, rid: str, gen: Generation,
+                  window: bool) -> web.StreamResponse:
     model = state.model_name
     filt = ChatOutputFilter(_fmt(state, parsed), parsed.parallel_tool_calls,
                             tool_calls.param_types(parsed.tools), prompt.think, prompt.forced)
@@ -234,7 +247,8 @@ async def _stream(request: web.Request, state: ServerState, parsed: ParsedReques
                 await send(blocks.finish())
                 tools = filt.tools
                 called = tools is not None and tools.called
-                reason, seq = _stop_reason(gen, called, tools is not None and tools.clean)
+                reason, seq = _stop_reason(gen, called, tools is not None and tools.clean,
+                                           window)
                 await send([{"type": "message_delta",
                              "delta": {"stop_reason": reason, "stop_sequence": seq},
                              "usage": _usage(gen)},
