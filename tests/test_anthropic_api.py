@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,68 @@ def _blocks(message: Any) -> list[tuple[Any, ...]]:
         else:
             out.append((b.type, b.name, b.input))
     return out
+
+
+# ----------------------------------------------------------------- blocks
+
+
+def _assemble(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Content blocks from stream events, as a client puts them together."""
+    blocks: list[dict[str, Any]] = []
+    json_of: dict[int, str] = {}
+    open_at: int | None = None
+    for ev in events:
+        if ev["type"] == "content_block_start":
+            assert open_at is None and ev["index"] == len(blocks)
+            open_at = ev["index"]
+            blocks.append(dict(ev["content_block"]))
+        elif ev["type"] == "content_block_delta":
+            assert ev["index"] == open_at
+            d, b = ev["delta"], blocks[ev["index"]]
+            if d["type"] == "text_delta":
+                b["text"] += d["text"]
+            elif d["type"] == "thinking_delta":
+                b["thinking"] += d["thinking"]
+            else:
+                json_of[ev["index"]] = json_of.get(ev["index"], "") + d["partial_json"]
+        else:
+            assert ev == {"type": "content_block_stop", "index": open_at}
+            open_at = None
+    assert open_at is None
+    for i, raw in json_of.items():
+        blocks[i]["input"] = json.loads(raw)
+    return blocks
+
+
+OUTPUTS = [  # (output, the prompt opened reasoning, tools given)
+    ("Plain text, no tools.", False, False),
+    ("  padded text \n", False, True),
+    ("Checking. [TOOL_CALLS] [{\"name\": \"ls\", \"arguments\": {\"d\": [1, 2]}}]", False, True),
+    ("a plan\n</think>\n\nThe answer.  ", True, False),
+    ("plan</think>\n\n[TOOL_CALLS] [{\"name\": \"ls\", \"arguments\": {}}, "
+     "{\"name\": \"cat\", \"arguments\": {\"f\": \"x y\"}}]", True, True),
+    ("cut off while thinking", True, True),
+]
+
+
+@pytest.mark.parametrize("output,think,tools", OUTPUTS)
+def test_stream_blocks_equal_whole_blocks_at_every_cut(output: str, think: bool,
+                                                       tools: bool) -> None:
+    from ftserve.server.anthropic_api import StreamBlocks, whole_blocks
+    from ftserve.server.chat_output import ChatOutputFilter, split_whole
+
+    fmt = "mistral" if tools else None
+
+    def norm(blocks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in b.items() if k != "id"} for b in blocks]
+
+    want = norm(whole_blocks(split_whole(output, fmt, True, None, think)))
+    assert want  # every case has some block
+    for cut in range(len(output) + 1):
+        filt, blocks = ChatOutputFilter(fmt, True, None, think), StreamBlocks()
+        events = [*blocks.push(*filt.push(output[:cut])), *blocks.push(*filt.push(output[cut:])),
+                  *blocks.push(*filt.finish()), *blocks.finish()]
+        assert norm(_assemble(events)) == want, cut
 
 
 # ----------------------------------------------------------------- text

@@ -43,7 +43,7 @@ from aiohttp import web
 
 from ftserve.server import batch, sse, tool_calls
 from ftserve.server.anthropic_protocol import parse_messages_request
-from ftserve.server.chat_output import ChatOutputFilter, split_whole
+from ftserve.server.chat_output import ChatOutputFilter, WholeOutput, split_whole
 from ftserve.server.completions import ChatPrompt, chat_prompt, engine_error, read_json
 from ftserve.server.generation import EngineRequestError, Generation
 from ftserve.server.protocol import ParsedRequest
@@ -128,6 +128,20 @@ def _fmt(state: ServerState, parsed: ParsedRequest) -> tool_calls.Format | None:
     return state.text.tool_format() if parsed.tools else None
 
 
+def whole_blocks(out: WholeOutput) -> list[dict[str, Any]]:
+    """A whole reply's content blocks: thinking, text, then each call."""
+    blocks: list[dict[str, Any]] = []
+    if out.thought:
+        blocks.append({"type": "thinking", "thinking": out.thought, "signature": ""})
+    if out.content:
+        blocks.append({"type": "text", "text": out.content})
+    for call in out.calls:
+        args = call["function"]["arguments"]
+        blocks.append({"type": "tool_use", "id": _tool_id(), "name": call["function"]["name"],
+                       "input": json.loads(args) if args else {}})
+    return blocks
+
+
 async def _whole(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt, rid: str,
                  gen: Generation, window: bool) -> web.Response:
     pieces: list[str] = []
@@ -140,20 +154,12 @@ async def _whole(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt, 
         raise engine_error(state, err) from None
     out = split_whole("".join(pieces), _fmt(state, parsed), parsed.parallel_tool_calls,
                       tool_calls.param_types(parsed.tools), prompt.think, prompt.forced)
-    blocks: list[dict[str, Any]] = []
-    if out.thought:
-        blocks.append({"type": "thinking", "thinking": out.thought, "signature": ""})
-    if out.content:
-        blocks.append({"type": "text", "text": out.content})
-    for call in out.calls:
-        args = call["function"]["arguments"]
-        blocks.append({"type": "tool_use", "id": _tool_id(), "name": call["function"]["name"],
-                       "input": json.loads(args) if args else {}})
+    blocks = whole_blocks(out)
     stop = _stop_reason(gen, bool(out.calls), True, window)
     return _json(_message(rid, state.model_name, blocks, stop, _usage(gen)))
 
 
-class _Blocks:
+class StreamBlocks:
     """A stream's content blocks: which one is open, and the events that open,
     extend and close them. Whitespace after text is held until more text comes:
     if a call comes instead it is dropped, as the whole response strips it."""
@@ -217,7 +223,7 @@ async def _stream(request: web.Request, state: ServerState, parsed: ParsedReques
     model = state.model_name
     filt = ChatOutputFilter(_fmt(state, parsed), parsed.parallel_tool_calls,
                             tool_calls.param_types(parsed.tools), prompt.think, prompt.forced)
-    blocks = _Blocks()
+    blocks = StreamBlocks()
     resp = await sse.open_stream(request)
 
     async def send(events: list[Event]) -> None:
