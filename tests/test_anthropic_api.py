@@ -452,6 +452,38 @@ def test_ping_before_a_slow_step(live: Live, monkeypatch: pytest.MonkeyPatch) ->
     live.wait_idle()
 
 
+def test_engine_error_mid_stream_is_an_error_event(live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ftserve.server.generation import EngineRequestError, Generation
+
+    real = Generation.next
+    calls = {"n": 0}
+
+    async def failing(self: Generation, timeout: float | None = None) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            self.close()  # what an engine failure leaves: the request gone
+            raise EngineRequestError("the engine could not run this request")
+        return await real(self, timeout)
+
+    monkeypatch.setattr(Generation, "next", failing)
+
+    async def go() -> bytes:
+        async with aiohttp.ClientSession() as s, s.post(live.url + "/v1/messages", json={
+                "model": MODEL, "messages": USER, "max_tokens": 5, "stream": True,
+                "ignore_eos": True}) as resp:
+            return await resp.read()
+
+    frames = [f for f in asyncio.run(go()).decode().split("\n\n") if f]
+    names = [f.split("\n")[0][7:] for f in frames]
+    assert names[0] == "message_start" and names[-1] == "error" and "message_stop" not in names
+    err = json.loads(frames[-1].split("\n")[1][6:])
+    assert err["type"] == "error" and err["error"]["message"] == "the engine could not run this request"
+    with pytest.raises(anthropic.APIStatusError):
+        calls["n"] = 0
+        _streamed(_client(live), model=MODEL, max_tokens=5, messages=USER)
+    live.wait_idle()
+
+
 # ----------------------------------------------------------------- thinking
 
 
