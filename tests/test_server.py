@@ -389,6 +389,15 @@ def test_developer_role_is_a_system_message(live: Live, client: openai.OpenAI) -
     assert r.usage.prompt_tokens == len(as_system)
 
 
+def test_text_parts_join_with_newlines(live: Live) -> None:
+    """A message's text parts render as one text, joined by newlines (as vLLM does)."""
+    parts = [{"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two."}]
+    as_parts = _post(live, "/tokenize", {"messages": [{"role": "user", "content": parts}]})
+    as_text = _post(live, "/tokenize", {"messages": [
+        {"role": "user", "content": "Part one.\nPart two."}]})
+    assert as_parts[0] == 200 and as_parts[1]["tokens"] == as_text[1]["tokens"]
+
+
 def test_continue_final_message(live: Live, client: openai.OpenAI) -> None:
     """vLLM's continue_final_message: the last assistant message is the start of the
     reply, so the prompt ends right after its text (no end-of-turn) and the model

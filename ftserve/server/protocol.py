@@ -253,7 +253,9 @@ def _content_text(content: Any, where: str) -> str:
             if not isinstance(text, str):
                 raise bad_request(f"'{where}.content[].text' must be a string", param=where)
             parts.append(text)
-        return "".join(parts)
+        # Joined by newlines, as vLLM joins them and as Anthropic text blocks are joined
+        # (anthropic_protocol.py): the same conversation renders the same either way.
+        return "\n".join(parts)
     raise bad_request(f"'{where}.content' must be a string or a list of text parts", param=where)
 
 
