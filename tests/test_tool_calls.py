@@ -11,6 +11,7 @@ import pytest
 from ftserve.server.tool_calls import ToolStream, format_of, param_types, parse
 
 CODER_TEMPLATE = Path(__file__).parent / "templates" / "qwen3_coder.jinja"
+LLAMA_TEMPLATE = Path(__file__).parent / "templates" / "llama3_json.jinja"
 
 
 def test_format_from_the_template() -> None:
@@ -20,6 +21,15 @@ def test_format_from_the_template() -> None:
     # Qwen3-Coder's template holds <tool_call> too: its <function= / <parameter= decide.
     assert format_of(CODER_TEMPLATE.read_text()) == "qwen3_coder"
     assert format_of("<tool_call>\n<function=x>\n</function>") == "hermes"  # no <parameter=
+    # Llama 3: header tokens and a JSON call ("parameters") or the python tag.
+    assert format_of(LLAMA_TEMPLATE.read_text()) == "llama3"
+    head = "<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    assert format_of(head + "<|python_tag|>{{ call }}") == "llama3"
+    assert format_of(head + "{{ m.content }}<|eot_id|>") is None  # renders no calls
+    assert format_of('{"name": "f", "parameters": {}}') is None  # no Llama header
+    # A Llama fine-tune speaking hermes stays hermes; the others never read as llama3.
+    assert format_of(head + '<tool_call>{"name": "f", "parameters": {}}</tool_call>') == "hermes"
+    assert format_of(CODER_TEMPLATE.read_text()) == "qwen3_coder"
 
 
 def test_hermes_calls_and_content() -> None:
@@ -244,3 +254,35 @@ def test_template_calls_parse_back() -> None:
     assert p.content == "Checking."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
             for c in p.tool_calls] == [("get_weather", args), ("now", {})]
+
+
+@pytest.mark.parametrize("text,want", [
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', [("get_weather", '{"city": "Paris"}')]),
+    ('<|python_tag|>{"name": "now", "parameters": {}}', [("now", "{}")]),
+    ('\n <|python_tag|> {"name": "f", "arguments": {"a": [1]}}\n', [("f", '{"a": [1]}')]),
+    ('{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {"y": "; {"}}',
+     [("a", '{"x": 1}'), ("b", '{"y": "; {"}')]),
+    ('{"name": "a"};{"name": "b"} ;  {"name": "c", "parameters": {}}', [("a", "{}"), ("b", "{}"), ("c", "{}")]),
+])
+def test_llama3_calls(text: str, want: list[tuple[str, str]]) -> None:
+    p = parse(text, "llama3")
+    assert p.content is None  # the calls are the whole message
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in p.tool_calls] == want
+    assert all(c["id"].startswith("call_") for c in p.tool_calls)
+
+
+@pytest.mark.parametrize("text", [
+    "It is sunny.",
+    'Let me check: {"name": "get_weather", "parameters": {}}',  # text first: no call
+    '<|python_tag|> print("hi")',  # the tag, then not JSON
+    '{"name": "f", "parameters": {"city": Paris}}',  # bad JSON
+    '{"parameters": {}}',  # no name
+    '{"name": "f", "parameters": {"a": 1}',  # cut off by max_tokens
+    '{"name": "f"} and some prose',
+    '{"name": "f"}; ',  # a separator and no call after it
+    '{"name": "f"}; {"oops": 1}',
+    "   ",
+])
+def test_llama3_anything_unclean_stays_content(text: str) -> None:
+    p = parse(text, "llama3")
+    assert p.content == text and p.tool_calls == []

@@ -29,6 +29,8 @@ def test_forced_text_per_format() -> None:
     # qwen3_coder: the name is bare text; "required" stops before "=", the model writes "=name>".
     assert forced_text("qwen3_coder", ForcedCall("get_weather")) == "<tool_call>\n<function=get_weather>\n"
     assert forced_text("qwen3_coder", ForcedCall()) == "<tool_call>\n<function"
+    assert forced_text("llama3", ForcedCall("f")) == '{"name": "f", "parameters":'
+    assert forced_text("llama3", ForcedCall()) == '{"name": "'
     assert forced_text("qwen3_coder", ForcedCall("x<|im_end|>"), lambda t: t.upper()) == (
         "<tool_call>\n<function=X<|IM_END|>>\n")  # the client's name goes through escape
 
@@ -42,6 +44,8 @@ def test_forced_text_per_format() -> None:
      [("ls", '{"dir": "."}')]),
     ("qwen3_coder", ForcedCall(), "=ls>\n</function>\n</tool_call>\n<tool_call>\n<function=cat>\n"
      "<parameter=f>\na\n</parameter>\n</function>\n</tool_call>", [("ls", "{}"), ("cat", '{"f": "a"}')]),
+    ("llama3", ForcedCall("ls"), ' {"dir": "."}}', [("ls", '{"dir": "."}')]),
+    ("llama3", ForcedCall(), 'ls", "parameters": {}}; {"name": "cat"}', [("ls", "{}"), ("cat", "{}")]),
 ])
 def test_forced_text_then_output_parses_as_a_call(fmt: Any, call: ForcedCall, output: str,
                                                   want: list[tuple[str, str]]) -> None:

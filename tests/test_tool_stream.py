@@ -43,6 +43,9 @@ CLEAN = [
                     '<parameter=city>a</parameter></function></tool_call>'
                     '<tool_call>\n<function=get_weather>\n<parameter=city>\n\n</parameter>\n'
                     '</function>\n</tool_call>'),
+    ("llama3", ' <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", '
+               '"n": [1, {"x": "}; {"}]}}; {"name": "now"};{"name": "t", "arguments": {}}\n'),
+    ("llama3", '{"parameters": {"a": "é"}, "name": "late"}'),
 ]
 PLAIN = [  # no call is ever sent: all of it is content, streamed or not
     ("hermes", "A < B and <tool but no call; <tool_cal"),
@@ -58,6 +61,13 @@ PLAIN = [  # no call is ever sent: all of it is content, streamed or not
     ("qwen3_coder", "<tool_call>\n<function=a\nb>\n</function>\n</tool_call>"),
     ("qwen3_coder", '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'),
     ("qwen3_coder", "<tool_call>\n<functi"),
+    ("llama3", 'Sure: {"name": "now", "parameters": {}}'),  # text first
+    ("llama3", "  <|python"),  # the start of the tag, then the end
+    ("llama3", "<|python_tag|>import os"),
+    ("llama3", '\n{"name": 5}'),
+    ("llama3", '{"parameters": {}}'),
+    ("llama3", "<{not the tag"),
+    ("llama3", "\n\n"),
 ]
 # A call whose name went out stays a call; what is not part of it is content.
 BROKEN = [  # (fmt, text, [(name, arguments)], content)
@@ -86,6 +96,10 @@ BROKEN = [  # (fmt, text, [(name, arguments)], content)
      [("now", "{}")], "\n<tool_call>oops"),
     ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=>\nx\n</parameter>",
      [("get_weather", "")], ">\nx\n</parameter>"),
+    ("llama3", '{"name": "ls", "parameters": {"dir": "sr', [("ls", '{"dir": "sr')], ""),
+    ("llama3", '{"name": "ls"} and then prose', [("ls", "{}")], " and then prose"),
+    ("llama3", '{"name": "a"}; {"oops": 1}', [("a", "{}")], '; {"oops": 1}'),
+    ("llama3", '{"name": "a"};', [("a", "{}")], ";"),
 ]
 
 
@@ -149,6 +163,7 @@ def test_arguments_are_the_model_text() -> None:
     (*CLEAN[6], ("get_weather", '{"city": "São \\"Paulo\\"\\n</param\\n<tool_call>\\n", "days": 3, '
                                 '"opts": {"u": [1, "}"]}, "metric": true, "extra": "[1]"}'),
      "Both, then."),
+    (*CLEAN[8], ("get_weather", '{"city": "Paris", "n": [1, {"x": "}; {"}]}'), ""),
 ])
 def test_parallel_false_streams_the_first_call_only(fmt: str, text: str, first: tuple[str, str],
                                                     before: str) -> None:

@@ -27,7 +27,7 @@ class ChatOutputFilter:
                  forced: str = "") -> None:
         self.tools = tool_calls.tool_stream(fmt, parallel, types) if fmt else None
         self.reasoning = reasoning.ReasoningStream(think) if think is not None else None
-        # The forced text is never content (it opens with the call marker).
+        # The forced text is never content (it opens a call in the syntax of fmt).
         self.opening = self.tools.push(forced)[1] if self.tools is not None and forced else []
 
     def push(self, delta: str) -> tuple[str, str, list[dict[str, Any]]]:

@@ -8,13 +8,16 @@ earlier calls the same way the model was trained to write them)::
     mistral      (Mistral / Mixtral v3+):    text [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]
     qwen3_coder  (Qwen3-Coder):              text <tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE
                                              \\n</parameter>\\n</function>\\n</tool_call> ...
+    llama3       (Llama 3.1 / 3.2 / 3.3):    <|python_tag|>{"name": ..., "parameters": {...}}; {...}
 
 A qwen3_coder template also holds ``<tool_call>``; its ``<function=`` and
 ``<parameter=`` markers decide. That format writes no JSON: its scanner,
 ``XmlToolStream``, and how it types values by the tools' schemas are in
-tool_calls_xml.py. What follows on ``arguments`` and on how a stream sends them
-is about the JSON formats (tool_calls_xml.py says what it means there); the
-contract for unclean output, whole and streamed, holds for all three.
+tool_calls_xml.py. llama3 has no marker: a call is there only when the output
+starts with one (tool_calls_llama.py says how a stream decides). What follows
+on ``arguments`` and on how a stream sends them is about the JSON formats
+(tool_calls_xml.py says what it means there); the contract for unclean
+output, whole and streamed, holds for all four.
 
 A call's ``arguments`` string is the model's own text of the arguments value
 (an object or array as written, whitespace and escapes kept; a JSON string
@@ -59,17 +62,18 @@ import string
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from ftserve.server.tool_calls_llama import is_llama3, opening
 from ftserve.server.tool_calls_xml import ParamTypes, XmlToolStream, param_types
 from ftserve.server.tool_stream_base import MarkedStream
 
-Format = Literal["hermes", "mistral", "qwen3_coder"]
+Format = Literal["hermes", "mistral", "qwen3_coder", "llama3"]
 
 # The XML format's names are re-exported: callers deal with tool calls through this module.
 __all__ = ["CallStream", "Format", "ParamTypes", "Parsed",
            "ToolStream", "format_of", "new_call_id", "param_types", "parse", "tool_stream"]
 
 _MARKERS: dict[str, str] = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]",
-                            "qwen3_coder": "<tool_call>"}
+                            "qwen3_coder": "<tool_call>"}  # llama3 has none
 _HERMES_CLOSE = "</tool_call>"
 _ALNUM = string.ascii_letters + string.digits
 _WS = " \t\r\n"
@@ -84,7 +88,7 @@ def format_of(template_source: str) -> Format | None:
     for fmt, marker in _MARKERS.items():
         if marker in template_source:
             return fmt  # type: ignore[return-value]
-    return None
+    return "llama3" if is_llama3(template_source) else None
 
 
 def new_call_id(fmt: Format) -> str:
@@ -132,6 +136,8 @@ def parse(text: str, fmt: Format, types: ParamTypes | None = None) -> Parsed:
     ts.finish()
     if not ts.clean:
         return Parsed(text, [])
+    if fmt == "llama3":  # the calls are the whole output: before them only whitespace / the tag
+        return Parsed(None, ts.calls)
     content = text[:text.find(_MARKERS[fmt])].strip()
     return Parsed(content or None, ts.calls)
 
@@ -247,17 +253,29 @@ class _Call:
 
 
 class ToolStream(MarkedStream):
-    """One streamed choice of a JSON call syntax (hermes, mistral)."""
+    """One streamed choice of a JSON call syntax (hermes, mistral, llama3)."""
 
     DONE = ("next", "done")
 
     def __init__(self, fmt: Format, parallel: bool = True) -> None:
         assert fmt != "qwen3_coder", "XmlToolStream scans that format (tool_stream)"
-        super().__init__(_MARKERS[fmt], parallel)
+        super().__init__(_MARKERS.get(fmt, ""), parallel)
         self.fmt = fmt
         self._call: _Call | None = None  # the call being scanned
         self._sent_args = 0  # how much of the current sent call's arguments went out
         self._list = False  # mistral: the calls are in a list (else one bare object)
+
+    def _start(self, text: str) -> tuple[int, int] | None:
+        if self.fmt != "llama3":
+            return super()._start(text)
+        at = opening(text)
+        if at == "content":
+            self._state = "plain"
+        # The buffer keeps the held prefix: an unclean first call gives it back as content.
+        return (0, at) if isinstance(at, int) else None
+
+    def _hold(self, text: str) -> int:
+        return len(text) if self.fmt == "llama3" else super()._hold(text)  # all of it: undecided
 
     def _flush(self, deltas: list[dict[str, Any]]) -> None:
         if self._call is not None and self._from is None:
@@ -316,6 +334,10 @@ class ToolStream(MarkedStream):
                 continue
             if state == "open" and c == "[" and self.fmt == "mistral":
                 self._pos, self._state, self._list = self._pos + 1, "list", True
+                continue
+            if state == "done" and c == ";" and self.fmt == "llama3":
+                # _from stays before the ";": if no call follows, it is content.
+                self._pos, self._state = self._pos + 1, "open"
                 continue
             if state == "sep" and c in ",]":
                 self._pos += 1

@@ -28,6 +28,8 @@ The forced text per syntax, as the template renders a call (``FORCED_CALL``)::
     mistral,     required:  [TOOL_CALLS] [{"name": "|
     qwen3_coder, named X:   <tool_call>\\n<function=X>\\n|
     qwen3_coder, required:  <tool_call>\\n<function|
+    llama3,      named X:   {"name": "X", "parameters":|
+    llama3,      required:  {"name": "|
 
 (``|`` marks the end; ``\\n`` is a newline). Named: up to the colon before the
 arguments value, which the model writes (with its space: a forced trailing
@@ -35,7 +37,9 @@ space would split the model's usual " {" token); qwen3_coder has no JSON: up
 to the newline the template writes after ``<function=X>``, which a Qwen
 tokenizer joins to the ">". Required: up to the name's opening quote, the
 model writes the name; qwen3_coder: up to ``<function``, so the model writes
-"=name>" (a forced "=" would split its usual "=name" piece). The parser is fed
+"=name>" (a forced "=" would split its usual "=name" piece). llama3 is
+forced without ``<|python_tag|>``: Llama templates write a custom tool's
+call as bare JSON, with "parameters". The parser is fed
 that text and then the model's, so a call parses as if the model had written
 all of it.
 """
@@ -67,6 +71,7 @@ FORCED_CALL: dict[str, CallStart] = {
     "mistral": CallStart('[TOOL_CALLS] [{"name": "', '[TOOL_CALLS] [{"name": ', ', "arguments":'),
     "qwen3_coder": CallStart("<tool_call>\n<function", "<tool_call>\n<function=", ">\n",
                              json_name=False),
+    "llama3": CallStart('{"name": "', '{"name": ', ', "parameters":'),
 }
 
 _CHOICE_SHAPE = ('\'tool_choice\' must be "auto", "none", "required" or '

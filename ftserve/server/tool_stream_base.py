@@ -55,12 +55,13 @@ class MarkedStream:
         head = ""
         if self._state == "content":
             text = self._pre + delta
-            at = text.find(self._marker)
-            if at < 0:
-                keep = held(text, (self._marker,))
+            found = self._start(text)
+            if found is None:
+                keep = self._hold(text) if self._state == "content" else 0
                 self._pre = text[len(text) - keep:]
                 return text[:len(text) - keep], []
-            self._pre, self._buf, self._pos, self._state = "", text[at:], len(self._marker), "open"
+            at, body = found
+            self._pre, self._buf, self._pos, self._state = "", text[at:], body - at, "open"
             head, delta = text[:at], ""
         self._buf += delta
         content, deltas = self._scan()
@@ -99,6 +100,17 @@ class MarkedStream:
 
     def _only_first(self, deltas: Deltas) -> Deltas:
         return deltas if self.parallel else [d for d in deltas if d["index"] == 0]
+
+    def _start(self, text: str) -> tuple[int, int] | None:
+        """Where the call syntax starts in the content held so far, ``text``: (where
+        the scanned buffer begins, where scanning begins), or None while it has not.
+        A subclass may decide here that all of the output is content (state "plain")."""
+        at = text.find(self._marker)
+        return None if at < 0 else (at, at + len(self._marker))
+
+    def _hold(self, text: str) -> int:
+        """How long a tail of ``text`` (no call start in it) to hold back."""
+        return held(text, (self._marker,))
 
     def _scan(self) -> tuple[str, Deltas]:
         raise NotImplementedError
