@@ -27,13 +27,14 @@ from tools.loadgen.stats import format_table, summarize
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tools.loadgen",
-        description="Agentic multi-turn load and soak tests for OpenAI-compatible servers.",
+        description="Agentic multi-turn load and soak tests for OpenAI-compatible servers "
+                    "(and Anthropic's Messages API).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     a = p.add_argument
     a("--url", default="http://127.0.0.1:8000", help="server base URL")
     a("--model", default=None, help="model name (default: first of GET /v1/models)")
-    a("--api-key", default=None, help="sent as a Bearer token")
+    a("--api-key", default=None, help="sent as a Bearer token (as x-api-key on /v1/messages)")
     a("--profile", choices=PROFILES, default="agentic")
     a("--seed", type=int, default=0, help="all generated content derives from it")
     g = p.add_argument_group("bounds and phases")
@@ -66,8 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random/shared-prefix: Poisson req/s (default: closed loop)")
     g.add_argument("--concurrency", type=int, default=8,
                    help="random/shared-prefix: closed-loop workers, or the in-flight cap with a rate")
-    g.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
-                   help="random/shared-prefix API (agentic always uses chat)")
+    g.add_argument("--endpoint", choices=("chat", "completions", "messages"), default="chat",
+                   help="API: chat = /v1/chat/completions, messages = Anthropic's /v1/messages "
+                        "(every profile), completions = /v1/completions (random/shared-prefix; "
+                        "agentic then uses chat)")
     g.add_argument("--output-tokens", type=float, default=64.0, help="mean max_tokens per request")
     g.add_argument("--max-output-tokens", type=int, default=1024)
     g.add_argument("--length-dist", choices=("lognormal", "pareto", "fixed"), default="lognormal")

@@ -1,9 +1,11 @@
-"""Streaming OpenAI client: one request, timed chunk by chunk.
+"""Streaming client (OpenAI chat / completions, Anthropic messages): one request, timed chunk by
+chunk.
 
 Timings use ``time.perf_counter()``; a record's ``start`` is relative to the run's t0 so records
 from one run share a clock. TTFT is the arrival of the first chunk that carries text; each later
 text chunk adds one inter-token latency (as vLLM's benchmark does: a chunk that carries several
-tokens counts once).
+tokens counts once). On /v1/messages a "chunk" is a content_block_delta carrying text, thinking or
+tool input; only text goes into the record's ``text``.
 """
 
 from __future__ import annotations
@@ -16,13 +18,18 @@ from typing import Any
 
 import aiohttp
 
+from tools.loadgen import anthropic
+from tools.loadgen.anthropic import StreamError
+
 
 @dataclass
 class RequestSpec:
     """What to send. ``abort_after_chunks`` > 0 closes the stream after that many text chunks."""
 
-    endpoint: str  # "chat" | "completions"
-    body: dict[str, Any]  # messages or prompt, plus sampling fields; stream fields are added
+    endpoint: str  # "chat" | "completions" | "messages"
+    # OpenAI messages or prompt, plus sampling fields; stream fields are added, and for
+    # "messages" the chat body is converted (anthropic.messages_body)
+    body: dict[str, Any]
     kind: str  # profile name or "canary"
     session: int = -1
     turn: int = -1
@@ -79,6 +86,8 @@ def _path(endpoint: str) -> str:
         return "/v1/chat/completions"
     if endpoint == "completions":
         return "/v1/completions"
+    if endpoint == "messages":
+        return "/v1/messages"
     raise ValueError(f"unknown endpoint {endpoint!r}")
 
 
@@ -86,6 +95,60 @@ def _delta_text(choice: dict[str, Any]) -> str:
     if "delta" in choice:
         return (choice.get("delta") or {}).get("content") or ""
     return choice.get("text") or ""
+
+
+class _OpenAIReader:
+    """OpenAI chunks: each choice that carries text is one timed piece; ``data: [DONE]`` ends."""
+
+    end = "data: [DONE]"
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def feed(self, payload: bytes, rec: RequestRecord) -> list[tuple[str, str]]:
+        if payload == b"[DONE]":
+            self.done = True
+            return []
+        obj = json.loads(payload)
+        if "error" in obj:
+            err = obj["error"]
+            raise StreamError(err.get("message", str(err)) if isinstance(err, dict) else str(err))
+        usage = obj.get("usage")
+        if usage:
+            rec.prompt_tokens = usage.get("prompt_tokens")
+            rec.output_tokens = usage.get("completion_tokens") or 0
+            rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        pieces = []
+        for choice in obj.get("choices") or []:
+            if choice.get("finish_reason"):
+                rec.finish_reason = choice["finish_reason"]
+            text = _delta_text(choice)
+            if text:
+                pieces.append((text, text))
+        return pieces
+
+
+class _MessagesReader:
+    """Anthropic events: each content_block_delta that carries something is one timed piece;
+    usage comes with message_delta, as OpenAI's comes last; message_stop ends."""
+
+    end = "event: message_stop"
+
+    def __init__(self) -> None:
+        self.state = anthropic.StreamState()
+
+    @property
+    def done(self) -> bool:
+        return self.state.done
+
+    def feed(self, payload: bytes, rec: RequestRecord) -> list[tuple[str, str]]:
+        got = self.state.feed(json.loads(payload))
+        if self.state.usage is not None:
+            u = self.state.usage
+            rec.prompt_tokens, rec.cached_tokens, rec.output_tokens = (
+                u.prompt_tokens, u.cached_tokens, u.output_tokens)
+            rec.finish_reason = self.state.finish_reason
+        return [got] if got else []
 
 
 async def send(
@@ -98,9 +161,16 @@ async def send(
     headers: dict[str, str] | None = None,
 ) -> RequestRecord:
     """Send one streaming request and time it. Never raises except on task cancellation."""
-    body = dict(spec.body)
+    reader: _OpenAIReader | _MessagesReader
+    if spec.endpoint == "messages":
+        # A body the conversion cannot express is a profile bug: raised, not recorded.
+        body = anthropic.messages_body(spec.body)
+        reader = _MessagesReader()
+    else:
+        body = dict(spec.body)
+        body["stream_options"] = {"include_usage": True}
+        reader = _OpenAIReader()
     body["stream"] = True
-    body["stream_options"] = {"include_usage": True}
     start = time.perf_counter()
     rec = RequestRecord(spec.kind, spec.session, spec.turn, phase, start - t0)
     pieces: list[str] = []
@@ -114,33 +184,11 @@ async def send(
                     detail = (await resp.text())[:300]
                     rec.status, rec.error_kind, rec.error = "error", f"http_{resp.status}", detail
                     return rec
-                done = False
                 async for raw in resp.content:
                     line = raw.strip()
                     if not line.startswith(b"data:"):
-                        continue  # blank separators and ": keep-alive" comments
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        done = True
-                        break
-                    obj = json.loads(payload)
-                    if "error" in obj:
-                        err = obj["error"]
-                        msg = err.get("message", str(err)) if isinstance(err, dict) else str(err)
-                        rec.status, rec.error_kind, rec.error = "error", "stream_error", msg
-                        return rec
-                    usage = obj.get("usage")
-                    if usage:
-                        rec.prompt_tokens = usage.get("prompt_tokens")
-                        rec.output_tokens = usage.get("completion_tokens") or 0
-                        details = usage.get("prompt_tokens_details") or {}
-                        rec.cached_tokens = details.get("cached_tokens")
-                    for choice in obj.get("choices") or []:
-                        if choice.get("finish_reason"):
-                            rec.finish_reason = choice["finish_reason"]
-                        text = _delta_text(choice)
-                        if not text:
-                            continue
+                        continue  # blank separators, "event:" names, ": keep-alive" comments
+                    for _piece, text in reader.feed(line[5:].strip(), rec):
                         now = time.perf_counter()
                         if chunks == 0:
                             rec.ttft = now - start
@@ -156,11 +204,13 @@ async def send(
                             rec.status = "aborted"
                             resp.close()
                             break
-                    if rec.status == "aborted":
+                    if rec.status == "aborted" or reader.done:
                         break
-                if rec.status == "ok" and not done:
+                if rec.status == "ok" and not reader.done:
                     rec.status, rec.error_kind = "error", "stream_truncated"
-                    rec.error = "stream ended without data: [DONE]"
+                    rec.error = f"stream ended without {reader.end}"
+    except StreamError as e:
+        rec.status, rec.error_kind, rec.error = "error", "stream_error", str(e)
     except TimeoutError:
         rec.status, rec.error_kind, rec.error = "error", "timeout", f"no completion in {timeout_s}s"
     except aiohttp.ClientError as e:

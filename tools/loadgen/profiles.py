@@ -34,7 +34,8 @@ class WorkloadConfig:
     profile: str = "agentic"
     seed: int = 0
     model: str = ""
-    endpoint: str = "chat"  # chat | completions (random / shared-prefix only)
+    # chat | messages (Anthropic) | completions (random / shared-prefix only; agentic sends chat)
+    endpoint: str = "chat"
     length_dist: str = "lognormal"  # lognormal | pareto | fixed
     length_sigma: float = 1.0
     # agentic
@@ -69,6 +70,11 @@ class Issuer(Protocol):
     async def issue(self, spec: RequestSpec) -> RequestRecord | None:
         """Send ``spec``; None once the run is stopping (the profile should return)."""
         ...
+
+
+def _chat_endpoint(cfg: WorkloadConfig) -> str:
+    """Where a conversation goes: /v1/messages when asked, else chat completions."""
+    return "messages" if cfg.endpoint == "messages" else "chat"
 
 
 def _sampling(cfg: WorkloadConfig, rng: random.Random) -> dict[str, Any]:
@@ -160,11 +166,11 @@ async def _turn(cfg: WorkloadConfig, issuer: Issuer, rng: random.Random, body: d
     own sub-task. Returns the record the session learns from (the first that did not fail;
     None once the run stops) and the assistant text to append."""
     if fan == 1:
-        rec = await issuer.issue(RequestSpec("chat", {**body, "messages": list(messages)},
+        rec = await issuer.issue(RequestSpec(_chat_endpoint(cfg), {**body, "messages": list(messages)},
                                              "agentic", sid, turn))
         return rec, (rec.text if rec is not None else "") or "(no reply)"
     tasks = [textgen.user_turn(rng, SUBTASK_TOKENS) for _ in range(fan)]
-    specs = [RequestSpec("chat", {**body, "messages": [*messages, {"role": "user", "content": t}]},
+    specs = [RequestSpec(_chat_endpoint(cfg), {**body, "messages": [*messages, {"role": "user", "content": t}]},
                          "agentic-fanout", sid, turn) for t in tasks]
     recs = await asyncio.gather(*(issuer.issue(spec) for spec in specs))
     if any(r is None for r in recs):
@@ -186,7 +192,7 @@ def _independent_spec(cfg: WorkloadConfig, i: int, prefixes: list[str]) -> Reque
         system, question = prefixes[group], textgen.user_turn(rng, n)
     else:
         system, question = "", textgen.user_turn(rng, n)
-    if cfg.endpoint == "chat":
+    if cfg.endpoint != "completions":
         msgs = ([{"role": "system", "content": system}] if system else [])
         body["messages"] = [*msgs, {"role": "user", "content": question}]
     else:

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from tools.loadgen import anthropic
 from tools.loadgen.client import Cancelled, RequestRecord, RequestSpec, send
 from tools.loadgen.profiles import WorkloadConfig, build
 from tools.loadgen.soak import KV_USAGE, RUNNING, SoakConfig, SoakMonitor
@@ -70,6 +71,7 @@ class Runner:
         self._stop = asyncio.Event()
         self._abort_rng = random.Random(f"{cfg.workload.seed}:abort")
         self._headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+        self._messages_headers = anthropic.headers(cfg.api_key)
         self._session: aiohttp.ClientSession | None = None
         self.soak = SoakMonitor(cfg.url, cfg.soak, self.t0) if cfg.soak else None
         self.measure_start = self.t0 + cfg.warmup_s
@@ -100,8 +102,9 @@ class Runner:
         assert self._session is not None
         self.inflight += 1
         try:
+            headers = self._messages_headers if spec.endpoint == "messages" else self._headers
             rec = await send(self._session, self.cfg.url, spec, self.t0, phase,
-                             self.cfg.request_timeout_s, self._headers)
+                             self.cfg.request_timeout_s, headers)
         except Cancelled as c:
             self._record(c.record)
             return None
