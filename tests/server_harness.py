@@ -12,6 +12,7 @@ import time
 import weakref
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import openai
@@ -95,6 +96,16 @@ def start_live(engine_cfg: EngineConfig = TEST_ENGINE,
 
     server = asyncio.run_coroutine_threadsafe(boot(), loop).result(120)
     return Live(loop, thread, engine, text, state, server, [])
+
+
+def template_server(tmp_path_factory: pytest.TempPathFactory, template: Path) -> Live:
+    """A one-layer tiny-moe server whose chat template is ``template`` (--chat-template):
+    for the tool-call syntaxes the demo's own template does not write."""
+    from ftserve.models.checkpoint import write_checkpoint
+
+    ckpt = write_checkpoint("tiny-moe", tmp_path_factory.mktemp(template.stem) / "m", layers=1, seed=0)
+    return start_live(dataclasses.replace(TEST_ENGINE, model=str(ckpt)),
+                      dataclasses.replace(TEST_SERVER, chat_template=str(template)))
 
 
 def stop_live(live: Live) -> None:

@@ -5,17 +5,16 @@ streamed and not, with tool_choice auto, a named function and "required"."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
-import openai
 import pytest
 
 from ftserve.server.protocol import parse_chat
 from ftserve.server.tool_choice import ForcedCall, forced_text
+from tests.server_harness import openai_client, stop_live, template_server
 from tests.test_tool_choice import _assert_name_first, _calls, _streamed, _tokens
 from tests.test_tool_choice import script as script  # the scripted-generations fixture
 
@@ -37,22 +36,11 @@ WANT = [("get_weather", '{"city": "Paris", "days": 3}'), ("get_weather", '{"city
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from ftserve.models.checkpoint import write_checkpoint
-    from tests.server_harness import TEST_ENGINE, TEST_SERVER, start_live, stop_live
-
-    ckpt = write_checkpoint("tiny-moe", tmp_path_factory.mktemp("llama") / "m", layers=1, seed=0)
-    server = start_live(dataclasses.replace(TEST_ENGINE, model=str(ckpt)),
-                        dataclasses.replace(TEST_SERVER, chat_template=str(TEMPLATE)))
+    server = template_server(tmp_path_factory, TEMPLATE)
     try:
         yield server
     finally:
         stop_live(server)
-
-
-def _client(live: Any) -> openai.OpenAI:
-    from tests.server_harness import openai_client
-
-    return openai_client(live)
 
 
 def _req(max_tokens: int, **kw: Any) -> dict[str, Any]:
@@ -71,7 +59,7 @@ def test_history_renders_calls_as_json(live: Any) -> None:
 
 def test_chat_with_tools_returns_the_calls(live: Any, script: list[str]) -> None:
     script[:] = CALLS
-    client = _client(live)
+    client = openai_client(live)
     req = _req(len(CALLS))
     (choice,) = client.chat.completions.create(**req).choices
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -93,7 +81,7 @@ def test_chat_with_tools_returns_the_calls(live: Any, script: list[str]) -> None
 
 def test_text_before_json_is_content(live: Any, script: list[str]) -> None:
     script[:] = ["  Sure", ': {"name": "now", "parameters": {}}']
-    client = _client(live)
+    client = openai_client(live)
     req = _req(len(script))
     (choice,) = client.chat.completions.create(**req).choices
     assert choice.message.content == "".join(script) and not choice.message.tool_calls
@@ -106,7 +94,7 @@ def test_text_before_json_is_content(live: Any, script: list[str]) -> None:
 def test_named_function_is_forced(live: Any, script: list[str]) -> None:
     # The model continues after '{"name": "get_weather", "parameters":'; a second call is dropped.
     script[:] = [' {"city": "Pa', 'ris"}}', '; {"name": "now", "parameters": {}}']
-    client = _client(live)
+    client = openai_client(live)
     req = _req(len(script), tool_choice=NAMED)
     want = [("get_weather", '{"city": "Paris"}')]
     whole = client.chat.completions.create(**req)
@@ -124,7 +112,7 @@ def test_named_function_is_forced(live: Any, script: list[str]) -> None:
 
 def test_required_lets_the_model_name_the_calls(live: Any, script: list[str]) -> None:
     script[:] = ['now", "parameters": {}}; ', '{"name": "get_weather", "parameters": {"days": 5}}']
-    client = _client(live)
+    client = openai_client(live)
     req = _req(len(script), tool_choice="required")
     want = [("now", "{}"), ("get_weather", '{"days": 5}')]
     whole = client.chat.completions.create(**req)

@@ -5,17 +5,16 @@ streamed and not, with tool_choice auto, a named function and "required"."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 
 from ftserve.server.protocol import parse_chat
 from ftserve.server.tool_choice import ForcedCall, forced_text
+from tests.server_harness import openai_client, stop_live, template_server
 from tests.test_tool_choice import _assert_name_first, _calls, _streamed, _tokens
 from tests.test_tool_choice import script as script  # the scripted-generations fixture
 
@@ -41,22 +40,11 @@ WANT = [("get_weather", '{"city": "São Paulo", "days": 3, "metric": false}'),
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from ftserve.models.checkpoint import write_checkpoint
-    from tests.server_harness import TEST_ENGINE, TEST_SERVER, start_live, stop_live
-
-    ckpt = write_checkpoint("tiny-moe", tmp_path_factory.mktemp("coder") / "m", layers=1, seed=0)
-    server = start_live(dataclasses.replace(TEST_ENGINE, model=str(ckpt)),
-                        dataclasses.replace(TEST_SERVER, chat_template=str(TEMPLATE)))
+    server = template_server(tmp_path_factory, TEMPLATE)
     try:
         yield server
     finally:
         stop_live(server)
-
-
-def _client(live: Any) -> openai.OpenAI:
-    from tests.server_harness import openai_client
-
-    return openai_client(live)
 
 
 def _req(max_tokens: int, **kw: Any) -> dict[str, Any]:
@@ -67,7 +55,7 @@ def _req(max_tokens: int, **kw: Any) -> dict[str, Any]:
 def test_chat_with_tools_returns_the_calls(live: Any, script: list[str]) -> None:
     assert live.text.tool_format() == "qwen3_coder"
     script[:] = CALLS
-    client = _client(live)
+    client = openai_client(live)
     req = _req(len(CALLS))
     whole = client.chat.completions.create(**req)
     (choice,) = whole.choices
@@ -104,7 +92,7 @@ def test_named_function_is_forced(live: Any, script: list[str]) -> None:
     # The model continues after "<function=get_weather>\n"; a second call is dropped.
     script[:] = ["<parameter=city>\nPa", "ris\n</parameter>\n<parameter=days>\n2\n</parameter>\n",
                  "</function>\n</tool_call>\n<tool_call>\n<function=now>\n</function>\n</tool_call>"]
-    client = _client(live)
+    client = openai_client(live)
     req = _req(len(script), tool_choice=NAMED)
     want = [("get_weather", '{"city": "Paris", "days": 2}')]
     whole = client.chat.completions.create(**req)
@@ -126,7 +114,7 @@ def test_named_function_is_forced(live: Any, script: list[str]) -> None:
 def test_required_lets_the_model_name_the_calls(live: Any, script: list[str]) -> None:
     script[:] = ["=now>\n</function>\n</tool_call>\n", "<tool_call>\n<function=get_weather>\n",
                  "<parameter=days>\n", "5\n</parameter>\n</function>\n</tool_call>"]
-    client = _client(live)
+    client = openai_client(live)
     req = _req(len(script), tool_choice="required")
     want = [("now", "{}"), ("get_weather", '{"days": 5}')]
     whole = client.chat.completions.create(**req)
@@ -144,7 +132,7 @@ def test_required_lets_the_model_name_the_calls(live: Any, script: list[str]) ->
 def test_unparseable_forced_output_is_content_with_the_forced_text(live: Any,
                                                                    script: list[str]) -> None:
     script[:] = [" oops", " no call"]
-    client = _client(live)
+    client = openai_client(live)
     req = _req(len(script), tool_choice="required")
     forced = forced_text("qwen3_coder", ForcedCall())
     (choice,) = client.chat.completions.create(**req).choices
