@@ -108,6 +108,20 @@ def template_server(tmp_path_factory: pytest.TempPathFactory, template: Path) ->
                       dataclasses.replace(TEST_SERVER, chat_template=str(template)))
 
 
+def template_live(template: Path) -> Any:
+    """A module's ``live`` fixture: template_server over ``template``, stopped after
+    the module (``live = template_live(TEMPLATE)`` at module level)."""
+    @pytest.fixture(scope="module")
+    def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+        server = template_server(tmp_path_factory, template)
+        try:
+            yield server
+        finally:
+            stop_live(server)
+
+    return live
+
+
 def stop_live(live: Live) -> None:
     for srv in [*live.extra, live.server]:
         live.call(srv.runner.cleanup())

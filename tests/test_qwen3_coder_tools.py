@@ -6,15 +6,12 @@ streamed and not, with tool_choice auto, a named function and "required"."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from ftserve.server.protocol import parse_chat
 from ftserve.server.tool_choice import ForcedCall, forced_text
-from tests.server_harness import openai_client, stop_live, template_server
+from tests.server_harness import openai_client, template_live
 from tests.test_tool_choice import _assert_name_first, _calls, _streamed, _tokens
 from tests.test_tool_choice import script as script  # the scripted-generations fixture
 
@@ -38,13 +35,7 @@ WANT = [("get_weather", '{"city": "São Paulo", "days": 3, "metric": false}'),
         ("get_weather", '{"city": "Rome"}')]
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    server = template_server(tmp_path_factory, TEMPLATE)
-    try:
-        yield server
-    finally:
-        stop_live(server)
+live = template_live(TEMPLATE)  # a server over this module's chat template
 
 
 def _req(max_tokens: int, **kw: Any) -> dict[str, Any]:
