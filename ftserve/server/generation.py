@@ -85,7 +85,6 @@ class Generation:
         self.cached_tokens = 0
         self.completion_tokens = 0
         self.finish_reason: str | None = None
-        self.stop_string: str | None = None  # the stop string that ended it, if one did
         self._engine = engine
         self._tracker = tracker
         self._metrics = metrics
@@ -98,6 +97,11 @@ class Generation:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the output, if one did."""
+        return self._detok.matched
 
     async def next(self, timeout: float | None = None) -> Step | None:
         """The next step, or None if nothing arrived within ``timeout`` seconds."""
@@ -132,7 +136,6 @@ class Generation:
             # Stop string: the engine keeps generating until told, so tell it now.
             if not out.finished:
                 self._engine.abort(self.request_id)
-            self.stop_string = self._detok.matched
             self._finish("stop", now)
         elif out.finished:
             text += self._detok.finish()

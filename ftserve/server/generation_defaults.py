@@ -18,14 +18,10 @@ from ftserve.engine.sampling_params import SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
 
-# generation_config.json key -> SamplingParams field, each read as this type.
-_FIELDS: dict[str, tuple[str, type]] = {
-    "temperature": ("temperature", float),
-    "top_p": ("top_p", float),
-    "top_k": ("top_k", int),
-    "min_p": ("min_p", float),
-    "repetition_penalty": ("repetition_penalty", float),
-}
+# The generation_config.json keys read, each the SamplingParams field of that name
+# and read as this type.
+_FIELDS: dict[str, type] = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                            "repetition_penalty": float}
 
 
 def sampling_defaults(model_dir: str) -> dict[str, Any]:
@@ -41,13 +37,13 @@ def sampling_defaults(model_dir: str) -> dict[str, Any]:
     if not isinstance(cfg, dict) or cfg.get("do_sample") is False:
         return {}
     out: dict[str, Any] = {}
-    for key, (field, kind) in _FIELDS.items():
+    for key, kind in _FIELDS.items():
         value = cfg.get(key)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         if kind is int and value != int(value):
             continue
-        candidate = {**out, field: kind(value)}
+        candidate = {**out, key: kind(value)}
         try:
             SamplingParams(**candidate).validate()
         except SamplingParamsError as err:

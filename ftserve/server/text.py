@@ -159,14 +159,12 @@ class TokenizerCodec:
         self._grammars: OrderedDict[str, GrammarMatcher] = OrderedDict()  # grammar -> its start
         self._tool_format: Format | None = None  # read off the template once
         self._reasoning = False
-        self._developer_role = False  # the template renders "developer" messages itself
         self._sources: list[str] = []
         if self._template is not None:
             try:
                 self._tool_format = format_of(self._template.source(tools=True))
                 sources = self._sources = [self._template.source(tools=t) for t in (False, True)]
                 self._reasoning = any(reasoning.supported(src) for src in sources)
-                self._developer_role = any("developer" in src for src in sources)
             except ChatTemplateError:
                 pass
 
@@ -176,7 +174,7 @@ class TokenizerCodec:
         if self._template is None:
             raise TemplateError(self._template_error or "no chat template")
         esc = self.tokenizer.escape_special
-        if not self._developer_role:
+        if not self.template_reads("developer"):
             # OpenAI's "developer" role is the system role of newer models; a template
             # that never names it would raise on it or, like Qwen's, drop it silently.
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m
