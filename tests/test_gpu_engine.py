@@ -36,6 +36,7 @@ from ftserve.engine.request import Req, ReqState
 from ftserve.engine.runner import Launched
 from ftserve.engine.sampler import SamplerFeatures
 from ftserve.engine.scheduler import ScheduledBatch
+from tests.engine_util import make_context_sensitive
 from tools.bench_common import write_model_config
 from tools.engine_driver import EngineDriver
 
@@ -68,6 +69,9 @@ def make_engine(model_dir: str, device: str = "cuda", graphs: bool = True) -> En
 def engine(model_dir: str) -> Iterator[Engine]:
     eng = make_engine(model_dir)
     assert eng.runner.graphs is not None, "CUDA graphs must be on for this test"
+    # Else greedy tokens cannot see wrong KV; engines built from this one copy
+    # its weights (load_state_dict), gain included.
+    make_context_sensitive(eng.runner.model)
     yield eng
     eng.shutdown()
 

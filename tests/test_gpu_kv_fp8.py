@@ -27,6 +27,7 @@ from ftserve_kernels.paged_attention import (
     quantize_fp8_ref,
     store_kv_ref,
 )
+from tests.engine_util import make_context_sensitive
 from tests.test_gpu_engine import CHUNK, SCALE, run_greedy, scenario
 from tools.bench_common import write_model_config
 
@@ -174,10 +175,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def make_engine(model_dir: str, kv: str) -> Engine:
     from ftserve.engine.setup import build_engine
 
-    return build_engine(EngineConfig(
+    eng = build_engine(EngineConfig(
         model=model_dir, load_format="dummy", device=DEV, dtype="bfloat16", kv_cache_dtype=kv,
         attention_backend="triton", page_size=16, num_pages=1024, max_prefill_length=CHUNK,
         max_running_requests=8, cuda_graph_max_bs=8, status_log_interval=0.0))
+    make_context_sensitive(eng.runner.model)  # else greedy tokens cannot see wrong KV
+    return eng
 
 
 def test_engine_fp8_no_hidden_syncs_and_close_to_bf16(model_dir: str) -> None:

@@ -19,6 +19,7 @@ from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.kvcache.host_tier import HostKVTier
 from ftserve.kvcache.pool import KVPool
+from tests.engine_util import make_context_sensitive
 from tests.test_gpu_engine import CHUNK, SCALE, CheckedDriver, sync_is_error
 from tools.bench_common import write_model_config
 
@@ -39,6 +40,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     )
     eng = build_engine(cfg)
     assert eng.runner.graphs is not None and eng.runner.kv_host is not None
+    make_context_sensitive(eng.runner.model)  # else greedy tokens cannot see wrong KV
     yield eng
     eng.shutdown()
 

@@ -27,6 +27,7 @@ import torch
 from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.moe.cache import ExpertCache
+from tests.engine_util import make_context_sensitive
 from tests.test_gpu_engine import CHUNK, SCALE, run_greedy, scenario
 from tools.bench_common import write_model_config
 
@@ -72,6 +73,8 @@ def copy_weights(src: Engine, dst: Engine) -> None:
 @pytest.fixture(scope="module")
 def resident(model_dir: str) -> Iterator[Engine]:
     eng = make_engine(model_dir, None)
+    # Else greedy tokens cannot see wrong KV; offload engines copy these weights.
+    make_context_sensitive(eng.runner.model)
     yield eng
     eng.shutdown()
 

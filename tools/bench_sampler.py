@@ -29,6 +29,8 @@ SETS = {
     "temperature": SamplerFeatures(sampling=True),
     "temperature + top-k (<= 256) / top-p / min-p (sort-free, fused)": SamplerFeatures(sampling=True,
                                                                                filtering=True),
+    "short filters + penalties (fused: Qwen3-Coder's defaults)": SamplerFeatures(
+        sampling=True, filtering=True, penalties=True),
     "temperature + top-p alone or a long top-k (sorted)": SamplerFeatures(sampling=True, filtering=True,
                                                                            wide_filter=True),
     "+ penalties": SamplerFeatures(sampling=True, filtering=True, penalties=True, wide_filter=True),

@@ -58,6 +58,7 @@ SAMPLER_VARIANTS = (
     SamplerFeatures(),
     SamplerFeatures(sampling=True),
     SamplerFeatures(sampling=True, filtering=True),
+    SamplerFeatures(sampling=True, filtering=True, penalties=True),
     SamplerFeatures(sampling=True, filtering=True, wide_filter=True),
     ALL_FEATURES,
 )

@@ -53,8 +53,10 @@ from ftserve_kernels import sampling as ks
 try:
     from ftserve_kernels.filter_triton import filter_cuts_triton
     from ftserve_kernels.greedy_triton import greedy_sample_triton
+    from ftserve_kernels.penalties_triton import apply_penalties_triton
 except ImportError:  # pragma: no cover - no triton: ops.uses_triton is False too
     filter_cuts_triton = None  # type: ignore[assignment]
+    apply_penalties_triton = None  # type: ignore[assignment]
     greedy_sample_triton = None
 
 SHORT_K = ks.SHORT_K
@@ -109,8 +111,10 @@ def _filter_keep(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return ks.top_k_top_p_keep(scaled, top_k, top_p) & ks.min_p_keep(scaled, min_p)
 
 
-# Stage sets greedy_triton runs in one launch (the short filters: after filter_triton's).
-_FUSED = (SamplerFeatures(), SamplerFeatures(sampling=True), SamplerFeatures(sampling=True, filtering=True))
+# Stage sets greedy_triton runs in one launch (the short filters: after filter_triton's;
+# penalties: after penalties_triton's one launch).
+_FUSED = frozenset(SamplerFeatures(sampling=s, filtering=f, penalties=p)
+                   for s in (False, True) for f in (False, True) for p in (False, True) if s or not f)
 
 
 @dataclass
@@ -359,7 +363,11 @@ class Sampler:
             # With short top-k / top-p / min-p filters: a top-k of the logits and one
             # small launch first find each row's cut, which the draw applies
             # (filter_triton; no sort of the vocabulary).
+            # Penalties first, as the composed path: one launch over the slots' rows.
             sampled = f.sampling
+            if f.penalties:
+                assert self.counts is not None and self.prompt_mask is not None
+                logits = apply_penalties_triton(logits, slots, self.counts, self.prompt_mask, self._f)
             cuts = None
             if f.filtering:
                 cuts = filter_cuts_triton(logits.float(), slots, min_tokens_active, self._i, _NI, self._f,
