@@ -61,6 +61,12 @@ def dense_gemv() -> str:
     return os.environ.get("FTSERVE_DENSE_GEMV", "linear")
 
 
+def radix_select() -> bool:
+    """FTSERVE_RADIX_SELECT (default on): the sort-free filters find each row's
+    candidates with select_triton's radix select instead of torch.topk."""
+    return _flag("FTSERVE_RADIX_SELECT", True)
+
+
 def lm_head_fp32() -> bool:
     """FTSERVE_LM_HEAD_FP32 (default off): the lm_head writes fp32 logits itself."""
     return _flag("FTSERVE_LM_HEAD_FP32", False)

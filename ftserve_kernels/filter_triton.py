@@ -13,8 +13,9 @@ the cut's score, and the tokens scoring exactly that whose id is at most id::
     order:  s0 > s1 > s2 = s2' = s2'' > s3 ...      cut = (s2, id of s2')
     kept:   s0   s1   s2   s2'                        (ties kept in id order)
 
-1. ``torch.topk`` of the raw logits, C = SHORT_K + M per row (M = the stop-id
-   columns, which may mask some of them): a radix select, not a sort;
+1. the C = SHORT_K + M best raw logits per row (M = the stop-id columns, which
+   may mask some of them): select_triton's radix select (torch.topk with
+   FTSERVE_RADIX_SELECT=0), not a sort;
 2. ``filter_cuts_triton``, one program per row: the candidates' scores as the
    reference computes them (stop mask, then / temperature), packed with their
    ids into int64 keys whose order is (score desc, id asc), ``tl.sort``-ed;
@@ -39,7 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ftserve import envs
 from ftserve_kernels.sampling import SHORT_K  # a row with a longer top-k (or top-p alone) is "wide"
+from ftserve_kernels.select_triton import top_candidates_ref, top_candidates_triton
 
 NEG_KEY = -(2**31)  # below every float's key: "no cut"
 NEG_KEY_TL = tl.constexpr(NEG_KEY)
@@ -174,7 +177,8 @@ def filter_cuts_triton(
     if rows == 0:
         return cut_key, cut_id, floor
     n = num_candidates(vocab, itab.shape[1] - ni)
-    cand = logits.topk(n, dim=-1, sorted=False).indices  # [B, n] int64
+    select = top_candidates_triton if envs.radix_select() else top_candidates_ref
+    cand = select(logits, n)  # [B, n] int64
     _cuts_kernel[(rows,)](
         logits, cand, slots, min_active, itab, ftab, cut_key, cut_id, floor, min_temperature,
         vocab, n, logits.stride(0), cand.stride(0), itab.stride(0), ftab.stride(0),
