@@ -63,7 +63,8 @@ def dense_gemv() -> str:
 
 def radix_select() -> bool:
     """FTSERVE_RADIX_SELECT (default on): the sort-free filters find each row's
-    candidates with select_triton's radix select instead of torch.topk."""
+    candidates with select_triton's radix select instead of torch.topk at
+    batches up to filter_triton.RADIX_MAX_ROWS (where it is faster)."""
     return _flag("FTSERVE_RADIX_SELECT", True)
 
 

@@ -39,11 +39,12 @@ def _check(logits: torch.Tensor, ids: torch.Tensor, n: int) -> None:
         assert bool((row[left_out] <= vals.min()).all()), f"row {r}: a better token left out"
 
 
-@pytest.mark.parametrize(("vocab", "n", "block", "programs"),
-                         [(3000, 272, 256, 16), (1500, 20, 128, 6), (700, 699, 128, 3), (4097, 1, 1024, 132)])
-def test_select_equals_topk(vocab: int, n: int, block: int, programs: int) -> None:
+@pytest.mark.parametrize(("vocab", "n", "block", "programs", "bits"),
+                         [(3000, 272, 256, 16, 8), (1500, 20, 128, 6, 4), (700, 699, 128, 3, 8),
+                          (4097, 1, 1024, 132, 8)])
+def test_select_equals_topk(vocab: int, n: int, block: int, programs: int, bits: int) -> None:
     logits = _rows(vocab, seed=vocab)
-    ids = top_candidates_triton(logits, n, block=block, target_programs=programs)
+    ids = top_candidates_triton(logits, n, block=block, target_programs=programs, bits=bits)
     assert ids.shape == (logits.shape[0], n) and ids.dtype == torch.int64
     _check(logits, ids, n)
 
