@@ -30,12 +30,19 @@ from typing import Any
 
 import torch
 
+from ftserve.engine.sampling_params import SamplingParams
 from tools.bench_common import physical_limits, run_section, say, start_run, timed, write_json
 from tools.bench_engine_report import check_targets, render_markdown
 from tools.engine_driver import EngineDriver, build
 from tools.engine_measure import bench_decode, bench_prefill, prefill_base
 
 SECTIONS = ("limits", "cold", "cached", "decode", "hf")
+# --decode-sampling: the generation_config.json settings of Qwen3 and Qwen3-Coder.
+DECODE_SAMPLING = {
+    "greedy": None,
+    "qwen3": SamplingParams(temperature=0.6, top_p=0.95, top_k=20),
+    "qwen3-coder": SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),
+}
 
 
 # ----------------------------------------------------------------- transformers peer
@@ -118,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"subset of {','.join(SECTIONS)}")
     p.add_argument("--batches", dest="batches_arg", default=None, help="decode batch sizes, e.g. 1,8 (default 1,8,32,64)")
     p.add_argument("--contexts", dest="contexts_arg", default=None, help="decode contexts, e.g. 2048 (default 2048,32768)")
+    p.add_argument("--decode-sampling", default="greedy", choices=sorted(DECODE_SAMPLING),
+                   help="the decode requests' sampling settings (a model card's recommended ones)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip sections that would start after this many seconds (default 330; smoke 50)")
     args = p.parse_args(argv)
@@ -182,12 +191,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for bs in args.batches:
                     r = section(f"decode_{ctx}_{bs}", lambda c=ctx, b=bs: bench_decode(
                         drv, device, mcfg, limits, base, c, b, args.decode_warmup, args.decode_steps,
-                        args.tail))
+                        args.tail, DECODE_SAMPLING[args.decode_sampling]))
                     drv.abort_all()
                     if r is not None:
                         rows.append(r)
                         results.pop(f"decode_{ctx}_{bs}")
             results["decode"] = rows
+            results["decode_sampling"] = args.decode_sampling
         engine.shutdown()
         del drv, engine
         if device.type == "cuda":

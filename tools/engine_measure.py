@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ftserve.engine.request import ReqState
+from ftserve.engine.sampling_params import SamplingParams
 from ftserve.engine.scheduler import ScheduledBatch
 from tools.bench_common import (
     decode_step_bytes,
@@ -212,8 +213,10 @@ def _time_decode_device(drv: EngineDriver, batch: ScheduledBatch, device: torch.
 
 def bench_decode(drv: EngineDriver, device: torch.device, mcfg: Any, limits: dict[str, Any],
                  base: list[int], context: int, batch_size: int, warmup: int, steps: int,
-                 tail: int) -> dict[str, Any]:
-    reqs = [drv.add(base[:context - tail] + drv.tokens(tail), max_tokens=warmup + 4 * steps + 8)
+                 tail: int, params: SamplingParams | None = None) -> dict[str, Any]:
+    """``params``: the requests' sampling (None: greedy)."""
+    reqs = [drv.add(base[:context - tail] + drv.tokens(tail), max_tokens=warmup + 4 * steps + 8,
+                    params=params)
             for _ in range(batch_size)]
     prefill_steps = 0
     while any(r.state is not ReqState.DECODE for r in reqs):
