@@ -243,7 +243,8 @@ def test_sampled_decode_graph_variants_equal_eager(engine: Engine, model_dir: st
     """Seeded sampled requests (temperature; top-p) batched with greedy ones replay
     the smallest sampler variant covering the batch (cuda_graph.sampler_variant):
     the same tokens as the eager engine, and a greedy batch after them replays the
-    greedy graph again (the stage set is the step's, not every admitted one's)."""
+    greedy graph again (the stage set is the step's, not every admitted one's).
+    Penalized rows replay the penalties variant, whose graph counts the tokens."""
     from ftserve.engine import cuda_graph
     from ftserve.engine.sampling_params import SamplingParams
 
@@ -259,10 +260,13 @@ def test_sampled_decode_graph_variants_equal_eager(engine: Engine, model_dir: st
     try:
         eager.runner.model.load_state_dict(engine.runner.model.state_dict())
         rng = random.Random(9)
-        prompts = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 60))] for _ in range(5)]
+        prompts = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 60))] for _ in range(7)]
         params = [None, SamplingParams(temperature=0.8, seed=11), None,
                   SamplingParams(temperature=0.7, top_p=0.9, seed=12),  # top-p alone: the sort
-                  SamplingParams(temperature=0.6, top_p=0.95, top_k=20, seed=13)]  # sort-free
+                  SamplingParams(temperature=0.6, top_p=0.95, top_k=20, seed=13),  # sort-free
+                  # Qwen3-Coder's defaults: penalties, counted inside the graph
+                  SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05, seed=14),
+                  SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=1.0)]
 
         def run(eng: Engine, which: list[int]) -> list[list[int]]:
             drv = EngineDriver(eng)
@@ -280,6 +284,12 @@ def test_sampled_decode_graph_variants_equal_eager(engine: Engine, model_dir: st
         used.clear()
         assert run(engine, [0, 2]) == run(eager, [0, 2])
         assert used and all(v == SamplerFeatures() for v in used), used
+        used.clear()
+        assert run(engine, [5, 6, 1]) == run(eager, [5, 6, 1])
+        assert SamplerFeatures(sampling=True, filtering=True, penalties=True) in used, used
+        used.clear()
+        assert run(engine, [0, 6]) == run(eager, [0, 6])  # greedy + a penalized greedy row
+        assert SamplerFeatures(sampling=True, filtering=True, penalties=True) in used, used
     finally:
         cuda_graph.sampler_variant = real  # type: ignore[assignment]
         eager.shutdown()

@@ -26,6 +26,7 @@ before each replay.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -64,6 +65,7 @@ SAMPLER_VARIANTS = (
 )
 
 
+@functools.cache
 def sampler_variant(need: SamplerFeatures) -> SamplerFeatures:
     """The smallest captured sampler stage set that runs every stage in ``need``."""
     return next(v for v in SAMPLER_VARIANTS if v.covers(need))
@@ -146,7 +148,12 @@ class DecodeGraphs:
                           input_embeds=d.embeds, input_normed=d.normed)
         logits = r.model(fb)  # [bs, V]
         # last_tokens: the next step's device-side inputs
-        return r.sampler.sample(logits, d.slots, d.steps, d.min_active, last=r.last_tokens)
+        out = r.sampler.sample(logits, d.slots, d.steps, d.min_active, last=r.last_tokens)
+        # The penalty counts of a penalized variant's rows (padded rows count into
+        # the dummy slot, which never reads them). Steps of other variants hold no
+        # row that reads its counts, and admit() resets a row it hands out.
+        r.sampler.update(d.slots, out.token_ids)
+        return out
 
     def capture(self) -> None:
         t0 = time.monotonic()
@@ -194,7 +201,4 @@ class DecodeGraphs:
         copy_host_words(h_in[:pbs], self.g_in[:pbs])  # a kernel, not a copy-engine memcpy
         feats = sampler_variant(r.sampler.features_of(req.slot for req in batch.reqs))
         self.graphs[(pbs, feats)].replay()
-        out = self.outputs[(pbs, feats)]
-        if r.sampler.features.penalties:
-            r.sampler.update(self.g_in[:bs, 4] & (MIN_FLAG - 1), out.token_ids[:bs])
-        return out
+        return self.outputs[(pbs, feats)]
