@@ -50,11 +50,12 @@ MIN_FLAG = 1 << 62
 ALL_FEATURES = SamplerFeatures.all()
 # The sampler stage sets captured per batch size, smallest first; a step replays
 # the first that covers its rows' needs (Sampler.features_of). On the H200 at
-# Qwen3's vocabulary (tools/bench_sampler, 2026-12-01) one step's sampler took,
-# at B = 1 / 64: greedy 16 / 16 us, temperature 16 / 50, + top-k <= 256 with
-# top-p/min-p (sort-free) 70 / 234, + top-p alone (sorted) 191 / 1,565, every
-# stage 336 / 2,323: before these variants, one sampled request anywhere made
-# every later step pay the last row.
+# Qwen3's vocabulary (tools/bench_sampler, 2026-12-02) one step's sampler took,
+# at B = 1 / 64: greedy 11 / 16 us, temperature 15 / 50, + top-k <= 256 with
+# top-p/min-p (sort-free) 34 / 234, + penalties 37 / 290 (Qwen3-Coder's
+# defaults; they ran the last row before), + top-p alone (sorted) 192 / 1,565,
+# every stage 335 / 2,327: before these variants, one sampled request anywhere
+# made every later step pay the last row.
 SAMPLER_VARIANTS = (
     SamplerFeatures(),
     SamplerFeatures(sampling=True),
