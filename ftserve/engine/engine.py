@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ftserve.engine import prompt_logprobs as prompt_lp
 from ftserve.engine.messages import GenerateRequest, RequestOutput
 from ftserve.engine.request import Req
 from ftserve.engine.runner import Launched, ModelRunner
@@ -243,6 +244,9 @@ class EngineCore:
             if not req.pending_ids and not req.finished:
                 continue
             req.finish_reported = req.finished
+            # The first output carries the prompt logprobs: its prompt is computed.
+            prompt_lps = (prompt_lp.collect(req) if req.wants_prompt_logprobs and req.num_outputs > 0
+                          else None)
             outs.append(RequestOutput(
                 request_id=req.request_id,
                 new_token_ids=req.pending_ids,
@@ -252,6 +256,7 @@ class EngineCore:
                 cached_tokens=req.cached_len,
                 completion_tokens=req.num_outputs,
                 logprobs=req.pending_logprobs or None,
+                prompt_logprobs=prompt_lps,
                 first_scheduled_time=req.first_scheduled_time,
                 first_token_time=req.first_token_time,
                 finished_time=req.finished_time,

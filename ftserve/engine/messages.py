@@ -33,6 +33,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token_id, logprob) alternatives, best first
+    rank: int | None = None  # prompt logprobs: 1 + the tokens scoring above it
 
 
 @dataclass
@@ -47,6 +48,9 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     completion_tokens: int = 0  # total generated so far
     logprobs: list[TokenLogprob] | None = None
+    # params.prompt_logprobs, on the request's first output: one per prompt token,
+    # None for the first (nothing before it), else the token given the ones before.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # Timings (seconds, monotonic clock); set when known.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

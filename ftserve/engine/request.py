@@ -64,6 +64,11 @@ class Req:
     # Outputs produced since the last report (drained by the engine each step).
     pending_ids: list[int] = field(default_factory=list, init=False)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list, init=False)
+    # params.prompt_logprobs: the runner's device->host copies of the prompt
+    # logprobs, one per prefill chunk (PromptLogprobPart), until the first output
+    # carries them; then prompt_logprobs_sent.
+    prompt_logprob_parts: list[Any] = field(default_factory=list, init=False)
+    prompt_logprobs_sent: bool = field(default=False, init=False)
     # Timings (time.monotonic()).
     first_scheduled_time: float | None = field(default=None, init=False)
     first_token_time: float | None = field(default=None, init=False)
@@ -87,6 +92,11 @@ class Req:
         assert 0 <= self.cached_len <= bound and self.computed_len <= len(self.tokens), (
             self.request_id, self.cached_len, self.computed_len, len(self.tokens))
         assert 0 <= self.num_tree_pages <= len(self.pages)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prefill chunks still compute prompt logprobs."""
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
     @property
     def constrained(self) -> bool:

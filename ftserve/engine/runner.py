@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ftserve import envs
+from ftserve.engine import prompt_logprobs as prompt_lp
 from ftserve.engine.grammar import MaskFiller
 from ftserve.engine.messages import TokenLogprob
 from ftserve.engine.scheduler import ScheduledBatch
@@ -191,17 +192,22 @@ class ModelRunner:
         dev = host.to(self.device, non_blocking=True)
         self.sampler.set_grammar_masks(dev[n * w:], dev[:n * w].view(n, w))
 
-    def build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Eager path: (forward batch, sampler slots, steps, min_tokens_active)."""
+    def build(self, batch: ScheduledBatch, prompt: prompt_lp.Plan | None = None,
+              ) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Eager path: (forward batch, sampler slots, steps, min_tokens_active).
+        With ``prompt``, the forward's logits rows are the sampled ones, then the
+        plan's rows."""
         ps = self.page_size
         ids, pos, locs, indptr, seq_lens, last = token_layout(batch, ps)
         rows = [i for i, s in enumerate(batch.samples) if s]
         t, b, r = len(ids), len(batch.reqs), len(rows)
+        n_pl = prompt.count if prompt is not None else 0
         src = np.array(batch.src_rows, dtype=np.int64) if batch.src_rows else np.full(t, -1)
         small = (indptr + seq_lens + list(batch.prefix_lens)
                  + [q.slot for q in batch.reqs] + [last[i] for i in rows]
                  + [batch.reqs[i].slot for i in rows] + [batch.steps[i] for i in rows]
-                 + [int(batch.steps[i] < batch.reqs[i].params.min_tokens) for i in rows])
+                 + [int(batch.steps[i] < batch.reqs[i].params.min_tokens) for i in rows]
+                 + (prompt.rows if prompt is not None else []))
         dev = self._upload(np.concatenate([ids, src, pos, locs, np.array(small, dtype=np.int64)]))
         o = 0
 
@@ -214,6 +220,8 @@ class ModelRunner:
         qo_indptr, d_seq, d_pre = take(b + 1), take(b), take(b)
         d_slots, logits_idx = take(b), take(r)
         s_slots, s_steps, s_min = take(r), take(r), take(r)
+        if n_pl:
+            logits_idx = torch.cat([logits_idx, take(n_pl)])
         if batch.src_rows and max(batch.src_rows) >= 0:
             input_ids = self._device_inputs(host_ids, src_rows)
         else:
@@ -258,11 +266,12 @@ class ModelRunner:
             layer_ready = self.kv_host.flush(layered=layered)
         self.mirror_pages(batch.reqs)
         rows = [i for i, s in enumerate(batch.samples) if s]
+        prompt = prompt_lp.plan(batch)  # rows of prompt logprobs: the eager path
         if decode_graph:
             assert self.graphs is not None
             self._sampling_inputs(batch)  # the graph samples: parameters first
             out = self.graphs.replay(batch)
-        elif (layer_ready is None and self.prefill_graphs is not None
+        elif (layer_ready is None and self.prefill_graphs is not None and prompt is None
               and self.prefill_graphs.can_run(batch)):
             logits_all = self.prefill_graphs.replay(batch)  # [max_seqs, V], row i = reqs[i]
             if not rows:
@@ -277,9 +286,14 @@ class ModelRunner:
                                       features=self.sampler.features_of(q.slot for q in sreqs))
             self.sampler.update(dev[1], out.token_ids)
         else:
-            fb, slots, steps, min_active = self.build(batch)
+            fb, slots, steps, min_active = self.build(batch, prompt)
             fb.layer_ready = layer_ready
-            logits = self.model(fb)  # [R, V] fp32 (unused for a non-final chunk)
+            logits = self.model(fb)  # [R (+ P), V] fp32 (unused for a non-final chunk)
+            if prompt is not None:
+                r = len(rows)
+                targets = self._upload(prompt.targets)  # [P]
+                prompt_lp.hand_off(prompt, prompt_lp.table(logits[r:], targets, prompt.top_k), self._pin)
+                logits = logits[:r]
             if layer_ready:
                 # Every move is done before the step ends, also if some layer
                 # never waited (later steps rely on the stream order alone).

@@ -34,6 +34,10 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None  # None = off; N = chosen token + N alternatives
+    # None = off; N: each prompt token's logprob given the tokens before it, and
+    # the N best alternatives there (completions echo + logprobs, vLLM's
+    # prompt_logprobs). Such a request computes its whole prompt (no prefix-cache hit).
+    prompt_logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     @property
@@ -74,6 +78,8 @@ class SamplingParams:
             raise SamplingParamsError("repetition_penalty", "repetition_penalty must be in (0, 2]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise SamplingParamsError("top_logprobs", "top_logprobs must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise SamplingParamsError("prompt_logprobs", "prompt_logprobs must be in [0, 20]")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise SamplingParamsError("seed", "seed must fit in 64 bits")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:

@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A prompt-logprobs request's prefill chunks take at most this many tokens: each
+# holds [tokens, vocab] fp32 logits (155 MB at Qwen3's 151,936 tokens).
+PROMPT_LOGPROBS_CHUNK = 256
+
 
 @dataclass
 class ScheduledBatch:
@@ -161,7 +165,7 @@ class Scheduler:
                 break
             if req.state is not ReqState.PREFILL:
                 continue  # preempted just now for an older one
-            n = min(req.remaining_prefill, budget)
+            n = min(req.remaining_prefill, budget, self._chunk_cap(req))
             if not self._reserve_prefill(req, req.computed_len + n):
                 # The rest are held by decoders, which free them as they finish or
                 # preempt. Admit nobody behind it: a newcomer with a smaller first
@@ -174,10 +178,10 @@ class Scheduler:
             req = self.waiting[0]
             if req.inflight:
                 break  # preempted while its last step is in flight: wait for the commit
-            if self._prefill_leader(req) is not None:
+            if not req.wants_prompt_logprobs and self._prefill_leader(req) is not None:
                 break  # its prompt's next pages are being prefilled: wait for them
             self._admit(req)
-            n = min(req.remaining_prefill, budget)
+            n = min(req.remaining_prefill, budget, self._chunk_cap(req))
             if not self._reserve(req, req.computed_len + n):
                 # Admission matched pages but the chunk does not fit yet: undo.
                 self._release(req, keep_kv=True)
@@ -196,6 +200,12 @@ class Scheduler:
             prefix_lens=[req.computed_len for req in reqs],
             samples=[req.computed_len + n == len(req.tokens) for req, n in chunks],
             steps=[req.num_outputs for req in reqs])
+
+    @staticmethod
+    def _chunk_cap(req: Req) -> int:
+        """A chunk's most new tokens for ``req``: a prompt-logprobs chunk takes the
+        logits of every token ([n, vocab] fp32), so it is cut to PROMPT_LOGPROBS_CHUNK."""
+        return PROMPT_LOGPROBS_CHUNK if req.wants_prompt_logprobs else 1 << 62
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         reqs: list[Req] = []
@@ -257,8 +267,9 @@ class Scheduler:
     def _admit(self, req: Req) -> None:
         """Take a sampler slot and match the prefix cache (the caller checked a
         slot is free)."""
-        if self.enable_prefix_cache:
+        if self.enable_prefix_cache and not req.wants_prompt_logprobs:
             # Keep at least one token to compute: its logits give the next token.
+            # (Prompt logprobs need the logits of every prompt token: no hit.)
             match = self.radix.match_prefix(req.tokens[:len(req.tokens) - 1])
             # Host-tier hit: device pages are allocated now and the load runs
             # before this step's forward; those tokens count as cached.
