@@ -106,10 +106,75 @@ def test_echo(live: Live, client: openai.OpenAI) -> None:
     assert [first[i].startswith(batch[i // 2]) for i in range(4)] == [True] * 4
     assert all(texts[i].startswith(batch[i // 2]) and len(texts[i]) > len(batch[i // 2])
                for i in range(4))
-    # The engine computes no prompt logprobs: echo with logprobs is a 400 naming echo.
-    with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(prompt=prompt, echo=True, logprobs=1, **GREEDY)
-    assert err.value.param == "echo"
+    live.wait_idle()
+
+
+def test_echo_with_logprobs_scores_the_prompt(live: Live, client: openai.OpenAI) -> None:
+    """echo + logprobs (how lm-evaluation-harness scores a continuation): the
+    choice's logprobs cover the prompt tokens, then the generated ones. Checked
+    against the engine's own sampled-token logprob: the logprob the prompt gets
+    at position i equals what greedy decoding gave that token there."""
+    ids = live.call(live.text.encode_async("The dragon said to the knight", False))
+    kw: dict[str, Any] = dict(model="ftserve-demo", temperature=0, logprobs=2)
+    _cold(live)
+    first = client.completions.create(prompt=ids, max_tokens=1, **kw,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    (g,) = first.choices[0].model_extra["token_ids"]
+    want = first.choices[0].logprobs.token_logprobs[0]
+    _cold(live)
+    r = client.completions.create(prompt=ids + [g], max_tokens=2, echo=True, **kw,
+                                  extra_body={"ignore_eos": True})
+    c = r.choices[0]
+    lp = c.logprobs
+    n = len(ids) + 1
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n + 2
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(x, float) and x <= 0.0 for x in lp.token_logprobs[1:])
+    assert lp.tokens[len(ids)] == live.text.token_text(g)
+    assert abs(lp.token_logprobs[len(ids)] - want) < 1e-4, (lp.token_logprobs[len(ids)], want)
+    # The greedy token is the best: the top entry at its position is itself.
+    top = lp.top_logprobs[len(ids)]
+    assert max(top, key=top.get) == lp.tokens[len(ids)] and 1 <= len(top) <= 3
+    # Offsets walk the echoed text: the prompt's tokens, then the generated ones.
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset[n] == len(live.text.decode(ids + [g])) <= len(c.text)
+    assert r.usage.prompt_tokens == n and r.usage.completion_tokens == 2
+    # Streamed: the first chunk carries the prompt's part; the parts add up the same.
+    _cold(live)
+    streamed: list[Any] = []
+    for chunk in client.completions.create(prompt=ids + [g], max_tokens=2, echo=True, stream=True, **kw,
+                                           extra_body={"ignore_eos": True}):
+        for ch in chunk.choices:
+            if ch.logprobs is not None:
+                streamed.extend(ch.logprobs.token_logprobs)
+    assert len(streamed) == n + 2 and streamed[0] is None
+    assert all(abs(a - b) < 1e-5 for a, b in zip(streamed[1:], lp.token_logprobs[1:]))
+    live.wait_idle()
+
+
+def test_vllm_prompt_logprobs(live: Live, client: openai.OpenAI) -> None:
+    """vLLM's prompt_logprobs field, on completions and chat: per prompt token
+    (None first) token id -> logprob, rank, decoded token, for the token itself
+    and its best alternatives."""
+    ids = live.call(live.text.encode_async("a cat sat on the mat", False))
+    r = client.completions.create(model="ftserve-demo", prompt=ids, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    pl = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(pl) == len(ids) and pl[0] is None
+    for tid, entry in zip(ids[1:], pl[1:]):
+        own = entry[str(tid)]
+        assert own["decoded_token"] == live.text.token_text(tid) and own["rank"] >= 1
+        assert 1 <= len(entry) <= 3 and own["logprob"] <= 0.0
+        best = min(entry.values(), key=lambda e: e["rank"])
+        assert best["rank"] == 1 and best["logprob"] >= own["logprob"] - 1e-6
+    chat = client.chat.completions.create(model="ftserve-demo", max_tokens=1, temperature=0,
+                                          messages=[{"role": "user", "content": "hi"}],
+                                          extra_body={"prompt_logprobs": 0})
+    cpl = chat.choices[0].model_extra["prompt_logprobs"]
+    assert len(cpl) == chat.usage.prompt_tokens and cpl[0] is None
+    assert all(len(e) == 1 for e in cpl[1:])  # 0 alternatives: the token alone
+    assert "prompt_logprobs" not in client.completions.create(
+        model="ftserve-demo", prompt=ids, max_tokens=1).choices[0].model_extra
     live.wait_idle()
 
 

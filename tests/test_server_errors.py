@@ -103,9 +103,11 @@ def test_bad_json_and_shapes(live: Live) -> None:
     assert_error(call(live, "/v1/completions", {"prompt": [1, "a"]}), 400, param="prompt")
     assert_error(call(live, "/v1/completions", {"prompt": [live.engine.vocab_size]}), 400,
                  param="prompt")
-    # echo is supported, but not with logprobs: the engine computes no prompt logprobs.
-    assert_error(call(live, "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}), 400,
-                 param="echo")
+    # vLLM's prompt_logprobs: in range, and not streamed (echo + logprobs streams them).
+    assert_error(call(live, "/v1/completions", {"prompt": "x", "prompt_logprobs": 21}), 400,
+                 param="prompt_logprobs")
+    assert_error(call(live, CHAT, {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                                   "prompt_logprobs": 1}), 400, param="prompt_logprobs")
     assert_error(call(live, "/v1/completions", {"prompt": [[1], [1, "a"]]}), 400, param="prompt")
 
 
@@ -310,7 +312,7 @@ FIELDS = st.sampled_from([
     "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "ignore_eos",
     "min_tokens", "n", "stream", "stream_options", "tools", "response_format",
-    "return_token_ids", "echo", "best_of", "suffix", "add_generation_prompt",
+    "return_token_ids", "echo", "best_of", "suffix", "add_generation_prompt", "prompt_logprobs",
 ])
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bot", 3]),
                                   "content": JSON | st.text(max_size=10)})

@@ -5,8 +5,8 @@ MAX_CHOICES); choice index = prompt_index * n + j. Every prompt is encoded and
 validated (ids in range, not empty, fits the context) before any is submitted, so a
 bad batch is a 400 naming the prompt index and leaves nothing running. With
 ``echo`` each choice's text starts with its prompt's text (a string prompt as sent,
-token ids decoded). echo with logprobs is refused by the parser: the engine computes
-logprobs of sampled tokens only, never of prompt tokens.
+token ids decoded); with ``logprobs`` too, the choice's logprobs start with the
+prompt's tokens (the engine's prompt logprobs; the first token has none).
 """
 
 from __future__ import annotations

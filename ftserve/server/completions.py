@@ -154,10 +154,13 @@ async def _collect(
         pieces: list[str] = []
         out_ids: list[int] = []
         lps: list[TokenLogprob] = []
+        prompt_lps: list[TokenLogprob | None] | None = None
         try:
             while not gen.finished:
                 step = await gen.next()
                 assert step is not None
+                if step.prompt_logprobs is not None:
+                    prompt_lps = step.prompt_logprobs
                 pieces.append(step.text)
                 out_ids.extend(step.token_ids)
                 if step.logprobs:
@@ -186,19 +189,32 @@ async def _collect(
             head = heads[index] if heads else ""
             content = head + content
             logprobs = (R.completion_logprobs(lps, text.token_text,
-                                              _offsets(parsed, gen, text))
+                                              _offsets(parsed, gen, text, len(head)))
                         if parsed.logprobs is not None else None)
+            if parsed.echo_logprobs and prompt_lps is not None:
+                logprobs = R.join_logprobs(_echo_part(parsed, gen, text, prompt_lps), logprobs)
             body = R.completion_response(rid, created, state.model_name, content, reason,
                                          {}, logprobs, tok_ids, prompt_ids)
-        choices.append({**body["choices"][0], "index": index})
+        choice = {**body["choices"][0], "index": index}
+        if parsed.prompt_logprobs is not None and prompt_lps is not None:
+            choice["prompt_logprobs"] = R.vllm_prompt_logprobs(gen.prompt_ids, prompt_lps, text.token_text)
+        choices.append(choice)
     body["choices"] = choices
     body["usage"] = batch.usage(gens, parsed.n)
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
-def _offsets(parsed: ParsedRequest, gen: Generation, text: TextCodec) -> R.TextOffsets:
-    """A completion choice's text_offset counter: its tokens detokenized as its text is."""
-    return R.TextOffsets(text.detokenizer(gen.prompt_ids, (), parsed.skip_special_tokens))
+def _offsets(parsed: ParsedRequest, gen: Generation, text: TextCodec, start: int = 0) -> R.TextOffsets:
+    """A completion choice's text_offset counter: its tokens detokenized as its text is,
+    from ``start`` (echo: the length of the prompt's text before them)."""
+    return R.TextOffsets(text.detokenizer(gen.prompt_ids, (), parsed.skip_special_tokens), start)
+
+
+def _echo_part(parsed: ParsedRequest, gen: Generation, text: TextCodec,
+               prompt_lps: list[TokenLogprob | None]) -> dict[str, Any]:
+    """echo + logprobs: the prompt tokens' logprobs, offsets into their decoded text."""
+    offsets = R.TextOffsets(text.detokenizer([], (), parsed.skip_special_tokens))
+    return R.echo_logprobs(gen.prompt_ids, prompt_lps, text.token_text, offsets)
 
 
 class _ChoiceChunks:
@@ -214,7 +230,9 @@ class _ChoiceChunks:
         self.gen, self.text = gen, text
         self.prompt_ids_pending = parsed.return_token_ids and not self.chat
         self.head = head  # echo: the prompt's text, sent with the first chunk
-        self.offsets = (_offsets(parsed, gen, text)
+        self.echo_logprobs = parsed.echo_logprobs
+        self.parsed = parsed
+        self.offsets = (_offsets(parsed, gen, text, len(head))
                         if not self.chat and parsed.logprobs is not None else None)
         fmt = text.tool_format() if parsed.tools else None
         # With tools, content passes through a filter that turns tool calls into
@@ -242,7 +260,8 @@ class _ChoiceChunks:
         return out
 
     def chunk(self, step_text: str, reason: str | None, lp: list[TokenLogprob] | None,
-              ids: list[int] | None, thought: str = "") -> dict[str, Any]:
+              ids: list[int] | None, thought: str = "",
+              prompt_lps: list[TokenLogprob | None] | None = None) -> dict[str, Any]:
         if self.chat:
             lp_obj = R.chat_logprobs(lp, self.text.token_text, self.text.token_bytes) if lp else None
             delta: dict[str, Any] = {"reasoning_content": thought} if thought else {}
@@ -254,6 +273,8 @@ class _ChoiceChunks:
             step_text, self.head = self.head + step_text, ""
         lp_obj = (R.completion_logprobs(lp, self.text.token_text, self.offsets)
                   if lp and self.offsets is not None else None)
+        if self.echo_logprobs and prompt_lps is not None:  # the first chunk, with the prompt's text
+            lp_obj = R.join_logprobs(_echo_part(self.parsed, self.gen, self.text, prompt_lps), lp_obj)
         p_ids = self.gen.prompt_ids if self.prompt_ids_pending else None
         self.prompt_ids_pending = False
         return self._indexed(R.completion_chunk(self.rid, self.created, self.model, step_text,
@@ -324,7 +345,8 @@ async def _stream(
             ids = item.token_ids if want_ids else None
             thought, step_text, deltas = st.split(item.text)
             if step_text or thought or lp or ids:
-                await resp.write(sse.frame(st.chunk(step_text, None, lp, ids, thought)))
+                await resp.write(sse.frame(st.chunk(step_text, None, lp, ids, thought,
+                                                    item.prompt_logprobs)))
             for d in deltas:
                 await resp.write(sse.frame(st.call_chunk(d)))
             if item.finish_reason is not None:

@@ -64,6 +64,8 @@ class Step:
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
     finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    # The first step of a request with prompt logprobs: one per prompt token (None first).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Generation:
@@ -140,7 +142,7 @@ class Generation:
         elif out.finished:
             text += self._detok.finish()
             self._finish("stop" if out.finish_reason == "stop" else out.finish_reason, now)
-        return Step(text, new_ids, out.logprobs, self.finish_reason)
+        return Step(text, new_ids, out.logprobs, self.finish_reason, out.prompt_logprobs)
 
     def _finish(self, reason: str | None, now: float) -> None:
         self.finish_reason = reason

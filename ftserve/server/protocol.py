@@ -45,6 +45,9 @@ class ParsedRequest:
     include_stop: bool = False  # include_stop_str_in_output (vLLM): the text ends with the stop
     max_tokens: int | None = None  # None = whatever context remains (chat) / 16 (completion)
     logprobs: int | None = None  # alternatives per token; None = no logprobs
+    # vLLM's prompt_logprobs: alternatives per prompt token, returned as the
+    # choice's "prompt_logprobs" (non-streamed responses); None = off.
+    prompt_logprobs: int | None = None
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs
@@ -69,12 +72,25 @@ class ParsedRequest:
             if prompt_len + max_tokens > max_model_len:
                 raise context_length_error(prompt_len, max_tokens, max_model_len, self.kind)
         params = SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs,
+                                prompt_logprobs=self.engine_prompt_logprobs,
                                 **{**(defaults or {}), **self.sampling})
         try:
             params.validate(vocab_size)
         except SamplingParamsError as err:
             raise bad_request(str(err), param=err.param) from None
         return params
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """Completions echo + logprobs: choice.logprobs starts with the prompt's tokens."""
+        return self.echo and self.logprobs is not None
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the engine computes (None: no prompt logprobs)."""
+        wanted = [k for k in (self.logprobs if self.echo_logprobs else None, self.prompt_logprobs)
+                  if k is not None]
+        return max(wanted) if wanted else None
 
     def choice_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """Choice ``index`` of n: a given seed becomes seed + index (wrapped to 64 bits),
@@ -229,7 +245,18 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
         "skip_special_tokens": _bool(body, "skip_special_tokens", True),
         "sampling": _sampling(body),
         "n": 1 if n is _MISSING else n,
+        "prompt_logprobs": _prompt_logprobs(body, stream),
     }
+
+
+def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
+    k = _int(body, "prompt_logprobs", lo=0, hi=20)
+    if k is _MISSING or k is None:
+        return None
+    if stream:
+        raise unsupported("prompt_logprobs", "is not supported with 'stream': true (completions "
+                          "give the prompt's logprobs in a stream with 'echo' and 'logprobs')")
+    return k
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -415,11 +442,7 @@ def parse_completion(raw: Any) -> ParsedRequest:
         raise bad_request(f"{len(prompts)} prompts x n={common['n']} is more than {MAX_CHOICES} "
                           "choices", param="n" if common["n"] > 1 else "prompt")
     logprobs = _int(body, "logprobs", lo=0, hi=20)
-    echo = _bool(body, "echo", False)
-    if echo and logprobs is not _MISSING:
-        # The engine computes logprobs of sampled tokens only, not of the prompt's.
-        raise unsupported("echo", "with 'logprobs' is not supported: the engine does not "
-                          "compute prompt logprobs")
+    echo = _bool(body, "echo", False)  # with logprobs: the prompt's too (engine prompt_logprobs)
     return ParsedRequest(
         kind="completion",
         prompts=prompts,

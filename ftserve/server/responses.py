@@ -48,9 +48,9 @@ class TextOffsets:
     strings), one at a time, and a token's offset is the text it had before it.
     """
 
-    def __init__(self, detok: StreamDetokenizer) -> None:
+    def __init__(self, detok: StreamDetokenizer, start: int = 0) -> None:
         self._detok = detok
-        self._pos = 0  # no echo: the parser refuses it with logprobs
+        self._pos = start  # echo: the generated tokens start after the prompt's text
 
     def of(self, token_ids: list[int]) -> list[int]:
         out = []
@@ -78,6 +78,53 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets.of([item.token_id for item in items]),
     }
+
+
+def echo_logprobs(
+    prompt_ids: list[int], items: list[TokenLogprob | None], token_text: TokenText,
+    offsets: TextOffsets,
+) -> dict[str, Any]:
+    """The prompt's part of a completion choice's logprobs under echo (OpenAI's
+    legacy format: the first token has no logprob and no alternatives)."""
+    tops: list[dict[str, float] | None] = []
+    for tid, item in zip(prompt_ids, items):
+        if item is None:
+            tops.append(None)
+            continue
+        top = {token_text(t): lp for t, lp in item.top}
+        top.setdefault(token_text(tid), item.logprob)
+        tops.append(top)
+    return {
+        "tokens": [token_text(t) for t in prompt_ids],
+        "token_logprobs": [None if item is None else item.logprob for item in items],
+        "top_logprobs": tops,
+        "text_offset": offsets.of(prompt_ids),
+    }
+
+
+def join_logprobs(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str, Any]:
+    """Two parts of a completion choice's logprobs, one after the other."""
+    if tail is None:
+        return head
+    return {key: head[key] + tail[key] for key in head}
+
+
+def vllm_prompt_logprobs(
+    prompt_ids: list[int], items: list[TokenLogprob | None], token_text: TokenText,
+) -> list[dict[str, dict[str, Any]] | None]:
+    """A choice's "prompt_logprobs" as vLLM gives them: per prompt token (None for
+    the first), token id (a string) -> logprob, rank and decoded token, for the
+    prompt's own token and its best alternatives."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for tid, item in zip(prompt_ids, items):
+        if item is None:
+            out.append(None)
+            continue
+        entry = {str(tid): {"logprob": item.logprob, "rank": item.rank, "decoded_token": token_text(tid)}}
+        for rank, (t, lp) in enumerate(item.top, start=1):
+            entry.setdefault(str(t), {"logprob": lp, "rank": rank, "decoded_token": token_text(t)})
+        out.append(entry)
+    return out
 
 
 def chat_chunk(
