@@ -64,20 +64,13 @@ def test_select_at_the_real_vocabulary_on_the_gpu() -> None:
     rows = torch.cat([_rows(vocab, seed=5), torch.randn(2, vocab) * 10.0]).cuda()
     ids = top_candidates_triton(rows, n)
     _check(rows.cpu(), ids.cpu(), n)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        top_candidates_triton(rows, n)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = top_candidates_triton(rows, n)
+    from ftserve.engine.cuda_graph import capture_graph
+    from tests.test_gpu_engine import sync_is_error
+
+    graph, out = capture_graph(lambda: top_candidates_triton(rows, n), None)
     fresh = torch.randn(8, vocab, device="cuda") * 4.0
     rows.copy_(fresh)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_is_error(True):
         graph.replay()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     _check(fresh.cpu(), out.cpu(), n)

@@ -23,17 +23,22 @@ from ftserve_kernels.paged_attention import TorchAttentionBackend
 from tests.engine_util import collect, greedy, make_context_sensitive, reference_greedy, tokens_of
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+def make_engine(tmp_path_factory: pytest.TempPathFactory, num_pages: int, max_prefill_length: int) -> Engine:
     from ftserve.models.checkpoint import write_checkpoint
 
     out = tmp_path_factory.mktemp("tiny-moe")
     write_checkpoint("tiny-moe", out, config_only=True)
     eng = build_engine(EngineConfig(model=str(out), load_format="dummy", device="cpu", dtype="float32",
-                                    page_size=4, num_pages=512, max_prefill_length=300,
+                                    page_size=4, num_pages=num_pages, max_prefill_length=max_prefill_length,
                                     max_running_requests=4, status_log_interval=0.0))
     eng.check_integrity = True
     make_context_sensitive(eng.runner.model)
+    return eng
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    eng = make_engine(tmp_path_factory, num_pages=512, max_prefill_length=300)
     yield eng
     eng.shutdown()
 
@@ -100,15 +105,7 @@ def test_preempted_before_its_first_token(tmp_path_factory: pytest.TempPathFacto
     """A small pool: a decoding request preempts the prompt-logprobs one in the
     middle of its prefill; it recomputes its chunks, and each position comes out
     once, right."""
-    from ftserve.models.checkpoint import write_checkpoint
-
-    out = tmp_path_factory.mktemp("tiny-moe-small")
-    write_checkpoint("tiny-moe", out, config_only=True)
-    eng = build_engine(EngineConfig(model=str(out), load_format="dummy", device="cpu", dtype="float32",
-                                    page_size=4, num_pages=300, max_prefill_length=64,
-                                    max_running_requests=4, status_log_interval=0.0))
-    eng.check_integrity = True
-    make_context_sensitive(eng.runner.model)
+    eng = make_engine(tmp_path_factory, num_pages=300, max_prefill_length=64)
     seen: list[tuple[str, int]] = []
     real = eng.scheduler._preempt
 
