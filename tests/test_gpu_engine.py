@@ -329,19 +329,26 @@ def test_cuda_bf16_logits_track_cpu_fp32(engine: Engine) -> None:
         _compare_logits(engine)
 
 
+def cpu_twin(engine: Engine) -> torch.nn.Module:
+    """The engine's model on the CPU in fp32, with the same weights."""
+    from ftserve.models.loader import build_model
+
+    cpu_model = build_model(engine.model_config, torch.float32, torch.device("cpu"))
+    gpu_params = dict(engine.runner.model.named_parameters())
+    for name, p in cpu_model.named_parameters():
+        p.copy_(gpu_params[name].float().cpu())
+    return cpu_model
+
+
 def _compare_logits(engine: Engine) -> None:
     from ftserve.kvcache.pool import KVPool
     from ftserve.models.forward_batch import build_forward_batch
-    from ftserve.models.loader import build_model
     from ftserve_kernels.attention_triton import TritonAttentionBackend
     from ftserve_kernels.paged_attention import TorchAttentionBackend
 
     gpu_model = engine.runner.model
     cfg = engine.model_config
-    cpu_model = build_model(cfg, torch.float32, torch.device("cpu"))
-    gpu_params = dict(gpu_model.named_parameters())
-    for name, p in cpu_model.named_parameters():
-        p.copy_(gpu_params[name].float().cpu())
+    cpu_model = cpu_twin(engine)
     rng = random.Random(11)
     prompt = [rng.randrange(100, 32000) for _ in range(100)]
     pages = list(range(1, 8))  # 7 pages x 16 slots >= 100 tokens
@@ -362,6 +369,48 @@ def _compare_logits(engine: Engine) -> None:
     assert cos.min() > 0.99, f"worst row cosine {cos.min():.4f}"
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean()
     assert agree >= 0.9, f"top-1 agreement {agree:.2f}"
+
+
+@pytest.mark.gpu
+def test_prompt_logprobs_without_hidden_syncs(engine: Engine) -> None:
+    """A prompt-logprobs request (three chunks of PROMPT_LOGPROBS_CHUNK) beside an
+    ordinary one: its non-final chunks still read nothing back, its logprobs
+    track the CPU fp32 model's, and the ordinary request's tokens equal a run
+    without it."""
+    from ftserve.engine import prompt_logprobs as prompt_lp
+    from ftserve.engine.sampling_params import SamplingParams
+    from ftserve.engine.scheduler import PROMPT_LOGPROBS_CHUNK
+    from ftserve.kvcache.pool import KVPool
+    from ftserve.models.forward_batch import build_forward_batch
+    from ftserve_kernels.paged_attention import TorchAttentionBackend
+
+    def run(seed: int, check: bool) -> tuple[CheckedDriver, Req, Req]:
+        drv = CheckedDriver(engine, seed, check)
+        lp = drv.add(drv.tokens(2 * PROMPT_LOGPROBS_CHUNK + 40), 2,
+                     SamplingParams(temperature=0.0, prompt_logprobs=3))
+        other = drv.add(drv.tokens(60), 4)
+        drv.until(lambda: lp.finished and other.finished)
+        return drv, lp, other
+
+    run(0, check=False)  # compile the shapes
+    drv, lp, other = run(1, check=True)
+    for kind, bs, n in drv.log:
+        assert n == (0 if kind == "prefill_chunk" else 1), (kind, bs, n)
+    assert sum(k == "prefill_chunk" for k, _, _ in drv.log) >= 2
+    assert run_greedy(engine, [other.prompt_ids], 4) == [list(other.output_ids)]
+    got = prompt_lp.collect(lp)
+    prompt = lp.prompt_ids
+    cfg = engine.model_config
+    pages = (len(prompt) + 15) // 16
+    pool = KVPool(cfg.num_layers, pages + 1, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    with torch.inference_mode():
+        ref = torch.log_softmax(cpu_twin(engine)(build_forward_batch(
+            [prompt], [0], [list(range(1, pages + 1))], pool, TorchAttentionBackend(), all_logits=True)), -1)
+    want = torch.tensor([float(ref[p - 1, prompt[p]]) for p in range(1, len(prompt))])
+    have = torch.tensor([got[p].logprob for p in range(1, len(prompt))])  # type: ignore[union-attr]
+    assert got[0] is None and float((have - want).abs().max()) < 0.1, float((have - want).abs().max())
+    top1 = [got[p].top[0][0] == int(ref[p - 1].argmax()) for p in range(1, len(prompt))]  # type: ignore[union-attr]
+    assert sum(top1) / len(top1) >= 0.9
 
 
 # ----------------------------------------------------------------- CPU: the benchmark itself
