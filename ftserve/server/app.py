@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions  POST /v1/completions  GET /v1/models  GET /v1/models/{model}
     POST /v1/messages  POST /v1/messages/count_tokens  (Anthropic's API: anthropic_api.py)
+    POST /v1/responses  (OpenAI's Responses API, stateless: responses_api.py)
     GET /health  GET /metrics  POST /tokenize  POST /detokenize  POST /reset_prefix_cache
 """
 
@@ -30,6 +31,7 @@ from ftserve.server.protocol import (
     parse_template_kwargs,
     parse_tools,
 )
+from ftserve.server.responses_api import responses
 from ftserve.server.state import STATE_KEY, ServerState
 from ftserve.server.text import TemplateError
 
@@ -38,6 +40,7 @@ ROUTES: tuple[tuple[str, str], ...] = (
     ("POST", "/v1/completions"),
     ("POST", "/v1/messages"),
     ("POST", "/v1/messages/count_tokens"),
+    ("POST", "/v1/responses"),
     ("GET", "/v1/models"),
     ("GET", "/v1/models/{model}"),
     ("GET", "/health"),
@@ -174,6 +177,7 @@ def make_app(state: ServerState) -> web.Application:
         "/v1/completions": completions,
         "/v1/messages": messages,
         "/v1/messages/count_tokens": count_tokens,
+        "/v1/responses": responses,
         "/v1/models": models,
         "/v1/models/{model}": model,
         "/health": health,
