@@ -13,6 +13,7 @@ import pytest
 
 from tests.server_harness import Live
 from tests.test_anthropic_api import OPENAI_HISTORY, OPENAI_TOOLS, USER, _tokenize
+from tests.test_anthropic_thinking import think_live as think_live  # the thinking-template server
 from tests.test_server_errors import call
 from tests.test_tool_choice import script as script  # the scripted-generations fixture
 
@@ -276,3 +277,31 @@ def test_unknown_model_and_long_input(live: Live, client: openai.OpenAI) -> None
     with pytest.raises(openai.BadRequestError) as bad:
         client.responses.create(model=MODEL, input="word " * 600, max_output_tokens=2)
     assert "maximum context length" in bad.value.message
+
+
+# ----------------------------------------------------------------- reasoning
+
+
+def test_reasoning_items(think_live: Live, script: list[str]) -> None:
+    """A Qwen3-style thinking template: the reasoning comes back as a reasoning
+    item, and an earlier turn's reasoning item is that turn's reasoning_content."""
+    client = openai.OpenAI(base_url=think_live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    script[:] = ["plan it", "\n</think>", "\n\nThe answer."]
+    req = {"model": MODEL, "input": USER[0]["content"], "max_output_tokens": len(script),
+           "temperature": 0, "extra_body": EXTRA}
+    whole = client.responses.create(**req)
+    assert _items(whole) == [("reasoning", "plan it\n"), ("message", "The answer.")]
+    streamed, events = _streamed(client, **req)
+    _same(whole, streamed)
+    assert [e.delta for e in events if e.type == "response.reasoning_text.delta"] == ["plan it", "\n"]
+    turn = [{"role": "user", "content": USER[0]["content"]},
+            {"type": "reasoning", "id": "rs_1", "summary": [],
+             "content": [{"type": "reasoning_text", "text": "It is warm."}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]},
+            {"role": "user", "content": "And Rome?"}]
+    twin = [*USER, {"role": "assistant", "content": "Sunny.", "reasoning_content": "It is warm."},
+            {"role": "user", "content": "And Rome?"}]
+    script[:] = ["ok"]
+    r = client.responses.create(model=MODEL, input=turn, max_output_tokens=1, temperature=0, extra_body=EXTRA)
+    assert r.usage.input_tokens == _tokenize(think_live, {"messages": twin})
+    think_live.wait_idle()
