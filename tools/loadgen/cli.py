@@ -67,9 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random/shared-prefix: Poisson req/s (default: closed loop)")
     g.add_argument("--concurrency", type=int, default=8,
                    help="random/shared-prefix: closed-loop workers, or the in-flight cap with a rate")
-    g.add_argument("--endpoint", choices=("chat", "completions", "messages"), default="chat",
-                   help="API: chat = /v1/chat/completions, messages = Anthropic's /v1/messages "
-                        "(every profile), completions = /v1/completions (random/shared-prefix; "
+    g.add_argument("--endpoint", choices=("chat", "completions", "messages", "responses"), default="chat",
+                   help="API: chat = /v1/chat/completions, messages = Anthropic's /v1/messages, "
+                        "responses = OpenAI's /v1/responses (both: every profile), completions = /v1/completions (random/shared-prefix; "
                         "agentic then uses chat)")
     g.add_argument("--output-tokens", type=float, default=64.0, help="mean max_tokens per request")
     g.add_argument("--max-output-tokens", type=int, default=1024)

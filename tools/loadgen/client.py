@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from tools.loadgen import anthropic
+from tools.loadgen import anthropic, openai_responses
 from tools.loadgen.anthropic import StreamError
 
 
@@ -26,7 +26,7 @@ from tools.loadgen.anthropic import StreamError
 class RequestSpec:
     """What to send. ``abort_after_chunks`` > 0 closes the stream after that many text chunks."""
 
-    endpoint: str  # "chat" | "completions" | "messages"
+    endpoint: str  # "chat" | "completions" | "messages" | "responses"
     # OpenAI messages or prompt, plus sampling fields; stream fields are added, and for
     # "messages" the chat body is converted (anthropic.messages_body)
     body: dict[str, Any]
@@ -88,6 +88,8 @@ def _path(endpoint: str) -> str:
         return "/v1/completions"
     if endpoint == "messages":
         return "/v1/messages"
+    if endpoint == "responses":
+        return "/v1/responses"
     raise ValueError(f"unknown endpoint {endpoint!r}")
 
 
@@ -130,12 +132,14 @@ class _OpenAIReader:
 
 class _MessagesReader:
     """Anthropic events: each content_block_delta that carries something is one timed piece;
-    usage comes with message_delta, as OpenAI's comes last; message_stop ends."""
+    usage comes with message_delta, as OpenAI's comes last; message_stop ends. With
+    ``responses``, the Responses API's events: each delta is a piece; response.completed
+    (or response.incomplete) carries the usage and ends."""
 
-    end = "event: message_stop"
-
-    def __init__(self) -> None:
-        self.state = anthropic.StreamState()
+    def __init__(self, responses: bool = False) -> None:
+        self.state: anthropic.StreamState | openai_responses.StreamState = (
+            openai_responses.StreamState() if responses else anthropic.StreamState())
+        self.end = "event: response.completed" if responses else "event: message_stop"
 
     @property
     def done(self) -> bool:
@@ -166,6 +170,9 @@ async def send(
         # A body the conversion cannot express is a profile bug: raised, not recorded.
         body = anthropic.messages_body(spec.body)
         reader = _MessagesReader()
+    elif spec.endpoint == "responses":
+        body = openai_responses.responses_body(spec.body)
+        reader = _MessagesReader(responses=True)
     else:
         body = dict(spec.body)
         body["stream_options"] = {"include_usage": True}

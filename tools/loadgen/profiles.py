@@ -34,7 +34,7 @@ class WorkloadConfig:
     profile: str = "agentic"
     seed: int = 0
     model: str = ""
-    # chat | messages (Anthropic) | completions (random / shared-prefix only; agentic sends chat)
+    # chat | messages (Anthropic) | responses (OpenAI's Responses API) | completions (random / shared-prefix only; agentic sends chat)
     endpoint: str = "chat"
     length_dist: str = "lognormal"  # lognormal | pareto | fixed
     length_sigma: float = 1.0
@@ -73,8 +73,9 @@ class Issuer(Protocol):
 
 
 def _chat_endpoint(cfg: WorkloadConfig) -> str:
-    """Where a conversation goes: /v1/messages when asked, else chat completions."""
-    return "messages" if cfg.endpoint == "messages" else "chat"
+    """Where a conversation goes: /v1/messages or /v1/responses when asked, else chat
+    completions."""
+    return cfg.endpoint if cfg.endpoint in ("messages", "responses") else "chat"
 
 
 def _sampling(cfg: WorkloadConfig, rng: random.Random) -> dict[str, Any]:
