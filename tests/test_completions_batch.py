@@ -152,6 +152,32 @@ def test_echo_with_logprobs_scores_the_prompt(live: Live, client: openai.OpenAI)
     live.wait_idle()
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(live: Live, client: openai.OpenAI) -> None:
+    """OpenAI's legacy scoring call: echo, logprobs, max_tokens 0. The prompt comes
+    back with its logprobs and nothing is generated (whole and streamed); without
+    echo, max_tokens 0 is a 400."""
+    ids = live.call(live.text.encode_async("The dragon said to the knight", False))
+    kw: dict[str, Any] = dict(model="ftserve-demo", prompt=ids, echo=True, logprobs=1, temperature=0)
+    one = client.completions.create(max_tokens=1, **kw).choices[0]
+    r = client.completions.create(max_tokens=0, **kw)
+    c = r.choices[0]
+    assert c.text == live.text.decode(ids) and c.finish_reason == "length"
+    assert c.logprobs.tokens == one.logprobs.tokens[:len(ids)]
+    assert c.logprobs.token_logprobs[0] is None
+    assert all(abs(a - b) < 1e-5 for a, b in zip(c.logprobs.token_logprobs[1:], one.logprobs.token_logprobs[1:len(ids)]))
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    chunks = list(client.completions.create(max_tokens=0, stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    lps = [x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs]
+    assert text == c.text and lps == c.logprobs.token_logprobs
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="ftserve-demo", prompt=ids, max_tokens=0)
+    assert err.value.param == "max_tokens"
+    live.wait_idle()
+
+
 def test_vllm_prompt_logprobs(live: Live, client: openai.OpenAI) -> None:
     """vLLM's prompt_logprobs field, on completions and chat: per prompt token
     (None first) token id -> logprob, rank, decoded token, for the token itself

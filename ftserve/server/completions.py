@@ -169,6 +169,8 @@ async def _collect(
             raise engine_error(state, err) from None
         content = "".join(pieces)
         reason = gen.finish_reason or "stop"
+        if parsed.score_only:  # echo with max_tokens 0: the prompt alone, no token
+            content, lps, out_ids, reason = "", [], [], "length"
         tok_ids = out_ids if parsed.return_token_ids else None
         prompt_ids = gen.prompt_ids if parsed.return_token_ids else None
         if parsed.kind == "chat":
@@ -200,7 +202,7 @@ async def _collect(
             choice["prompt_logprobs"] = R.vllm_prompt_logprobs(gen.prompt_ids, prompt_lps, text.token_text)
         choices.append(choice)
     body["choices"] = choices
-    body["usage"] = batch.usage(gens, parsed.n)
+    body["usage"] = batch.usage(gens, parsed.n, not parsed.score_only)
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
@@ -344,7 +346,9 @@ async def _stream(
             lp = item.logprobs if parsed.logprobs is not None else None
             ids = item.token_ids if want_ids else None
             thought, step_text, deltas = st.split(item.text)
-            if step_text or thought or lp or ids:
+            if parsed.score_only:  # echo with max_tokens 0: the prompt alone, no token
+                step_text, lp, ids = "", None, None
+            if step_text or thought or lp or ids or (parsed.score_only and st.head):
                 await resp.write(sse.frame(st.chunk(step_text, None, lp, ids, thought,
                                                     item.prompt_logprobs)))
             for d in deltas:
@@ -352,6 +356,8 @@ async def _stream(
             if item.finish_reason is not None:
                 reason = item.finish_reason
                 thought, tail, deltas = st.finish()
+                if parsed.score_only:
+                    reason, tail = "length", ""
                 if tail or thought:
                     await resp.write(sse.frame(st.chunk(tail, None, None, None, thought)))
                 for d in deltas:
@@ -361,7 +367,8 @@ async def _stream(
                 await resp.write(sse.frame(st.chunk("", reason, None, [] if want_ids else None)))
         if parsed.include_usage and not failed:
             obj = "chat.completion.chunk" if chat else "text_completion"
-            await resp.write(sse.frame(R.usage_chunk(rid, created, model, obj, batch.usage(gens, parsed.n))))
+            await resp.write(sse.frame(R.usage_chunk(rid, created, model, obj,
+                                                     batch.usage(gens, parsed.n, not parsed.score_only))))
         await resp.write(sse.DONE)
         await resp.write_eof()
     except ConnectionError:

@@ -48,6 +48,9 @@ class ParsedRequest:
     # vLLM's prompt_logprobs: alternatives per prompt token, returned as the
     # choice's "prompt_logprobs" (non-streamed responses); None = off.
     prompt_logprobs: int | None = None
+    # Completions echo with max_tokens 0 (OpenAI's legacy scoring call): the engine runs
+    # one token (max_tokens 1), which the response leaves out.
+    score_only: bool = False
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs
@@ -430,6 +433,18 @@ def _prompts(body: dict[str, Any]) -> tuple[str | list[int], ...]:
     return batch
 
 
+def _score_only(body: dict[str, Any]) -> bool:
+    """max_tokens 0: allowed with echo only (score the prompt, generate nothing)."""
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    value = body.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value != 0:
+        return False
+    if not _bool(body, "echo", False):
+        raise bad_request(f"'{key}' must be at least 1 (0 only with 'echo': true, to score the "
+                          "prompt)", param=key)
+    return True
+
+
 def parse_completion(raw: Any) -> ParsedRequest:
     body = _require_object(raw)
     if _get(body, "suffix") is not _MISSING:
@@ -437,7 +452,12 @@ def parse_completion(raw: Any) -> ParsedRequest:
     if _int(body, "best_of", lo=1) not in (_MISSING, 1):
         raise unsupported("best_of", "> 1 is not supported")
     prompts = _prompts(body)
+    score_only = _score_only(body)
+    if score_only:
+        body = {k: v for k, v in body.items() if k not in ("max_tokens", "max_completion_tokens")}
     common = _common(body)
+    if score_only:
+        common["max_tokens"] = 1
     if len(prompts) * common["n"] > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n={common['n']} is more than {MAX_CHOICES} "
                           "choices", param="n" if common["n"] > 1 else "prompt")
@@ -446,6 +466,7 @@ def parse_completion(raw: Any) -> ParsedRequest:
     return ParsedRequest(
         kind="completion",
         prompts=prompts,
+        score_only=score_only,
         response_format=response_format.parse(body),
         echo=echo,
         logprobs=None if logprobs is _MISSING else logprobs,
