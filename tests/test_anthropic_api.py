@@ -257,6 +257,24 @@ def test_repeated_conversation_reads_the_prefix_cache(live: Live, client: anthro
     live.wait_idle()
 
 
+def test_structured_output_format(live: Live, client: anthropic.Anthropic) -> None:
+    """output_config.format (and the beta's output_format): the reply's text is JSON
+    of the schema, whole and streamed."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+              "required": ["city"], "additionalProperties": False}
+    for extra in ({"output_config": {"format": {"type": "json_schema", "schema": schema}}},
+                  {"output_format": {"type": "json_schema", "schema": schema}}):
+        req = {"model": MODEL, "max_tokens": 40, "messages": USER, "extra_body": {**GREEDY, **extra}}
+        whole = client.messages.create(**req)
+        ((kind, text),) = _blocks(whole)
+        obj = json.loads(text)
+        assert kind == "text" and set(obj) == {"city"} and isinstance(obj["city"], str)
+        assert whole.stop_reason == "end_turn"
+        streamed, _ = _streamed(client, **req)
+        _same(whole, streamed)
+    live.wait_idle()
+
+
 # ----------------------------------------------------------------- tools
 
 
@@ -346,6 +364,10 @@ def _anthropic_error(resp: tuple[int, dict[str, str], Any], status: int, kind: s
     ({"max_tokens": 3, "messages": USER, "thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
     ({"max_tokens": 3, "messages": USER, "mcp_servers": [{"url": "x"}]}, "mcp_servers"),
     ({"max_tokens": 3, "messages": USER, "temperature": "hot"}, "temperature"),
+    ({"max_tokens": 3, "messages": USER, "output_config": {"format": {"type": "xml"}}},
+     "output_config.format"),
+    ({"max_tokens": 3, "messages": USER, "output_format": {"type": "json_schema", "schema": {"type": 3}}},
+     "output_format"),
 ])
 def test_bad_fields_are_400_naming_them(live: Live, body: dict[str, Any], field: str) -> None:
     message = _anthropic_error(call(live, "/v1/messages", {"model": MODEL, **body}), 400,

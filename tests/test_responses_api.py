@@ -263,6 +263,8 @@ def test_forced_tool_choice(live: Live, client: openai.OpenAI, script: list[str]
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "tool_choice": "required"}, "tool_choice"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": 3}}}},
+     "text.format"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
 ])
 def test_bad_fields_are_400_naming_them(live: Live, body: dict[str, Any], field: str) -> None:

@@ -41,10 +41,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ftserve.server import batch, sse, tool_calls
-from ftserve.server.anthropic_protocol import parse_messages_request
+from ftserve.server import batch, response_format, sse, tool_calls
+from ftserve.server.anthropic_protocol import chat_names, parse_messages_request
 from ftserve.server.chat_output import ChatOutputFilter, WholeOutput, split_whole
 from ftserve.server.completions import ChatPrompt, chat_prompt, engine_error, read_json
+from ftserve.server.errors import APIError, renamed
 from ftserve.server.generation import EngineRequestError, Generation
 from ftserve.server.protocol import ParsedRequest
 from ftserve.server.state import STATE_KEY, ServerState
@@ -85,7 +86,14 @@ async def messages(request: web.Request) -> web.StreamResponse:
     (params,) = batch.build_all(parsed, [prompt.ids], engine, state.sampling_defaults)
     rid = "msg_" + uuid.uuid4().hex
     detok = text.detokenizer(prompt.ids, parsed.stop, parsed.skip_special_tokens)
-    gen = Generation(engine, state.tracker, state.metrics, rid, prompt.ids, params, detok, arrival)
+    grammar = None  # output_config.format: the output constraint
+    if parsed.response_format is not None:
+        try:
+            (grammar,) = await response_format.matchers(parsed.response_format, text, engine.vocab_size, 1)
+        except APIError as err:  # a schema the grammar library refuses
+            raise renamed(err, chat_names(req.format_name)) from None
+    gen = Generation(engine, state.tracker, state.metrics, rid, prompt.ids, params, detok, arrival,
+                     grammar)
     try:
         if parsed.stream:
             return await _stream(request, state, parsed, prompt, rid, gen, window)

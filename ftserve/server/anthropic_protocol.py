@@ -23,6 +23,9 @@ reasoning and sampling are those of /v1/chat/completions::
     tool_choice auto / any / tool / none  -> "auto" / "required" / the named function /
                                              "none"; disable_parallel_tool_use ->
                                              parallel_tool_calls false
+    output_config.format {type: json_schema, schema} (or the beta's output_format)
+                                          -> response_format json_schema: the reply's
+                                             text is constrained to the schema
     thinking enabled / disabled           -> chat_template_kwargs.enable_thinking true /
                                              false, where the template reads it (Qwen3);
                                              adaptive or absent: the template's default.
@@ -43,7 +46,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ftserve.server.errors import APIError, bad_request, unsupported
+from ftserve.server.errors import APIError, bad_request, renamed, unsupported
 from ftserve.server.protocol import ParsedRequest, parse_chat
 from ftserve.server.text import TextCodec
 
@@ -63,6 +66,7 @@ class MessagesRequest:
 
     chat: ParsedRequest
     thinking: bool | None  # thinking enabled / disabled; None: the template's default
+    format_name: str = "output_config.format"  # the structured-output field the client sent
 
     def for_template(self, text: TextCodec) -> ParsedRequest:
         """The chat request with ``thinking`` as enable_thinking, where the template reads it."""
@@ -255,9 +259,7 @@ def parse_messages_request(raw: Any, count_only: bool = False) -> MessagesReques
     for key in _REFUSED:
         if raw.get(key) is not None:
             raise unsupported(key)
-    fmt = raw.get("output_config")
-    if isinstance(fmt, dict) and fmt.get("format") is not None:
-        raise unsupported("output_config.format")
+    fmt, fmt_name = _output_format(raw)
     if raw.get("messages") is None:
         raise bad_request("'messages' is required", param="messages")
     chat: dict[str, Any] = {"messages": _messages(raw["messages"])}
@@ -287,19 +289,32 @@ def parse_messages_request(raw: Any, count_only: bool = False) -> MessagesReques
         chat["tools"] = _tools(raw["tools"])
     if raw.get("tool_choice") is not None:
         chat["tool_choice"], chat["parallel_tool_calls"] = _tool_choice(raw["tool_choice"])
+    if fmt is not None:
+        chat["response_format"] = fmt
     thinking = _thinking(raw.get("thinking"))
     try:
         parsed = parse_chat(chat)
     except APIError as err:
-        raise _renamed(err) from None
-    return MessagesRequest(parsed, thinking)
+        raise renamed(err, chat_names(fmt_name)) from None
+    return MessagesRequest(parsed, thinking, fmt_name)
 
 
-def _renamed(err: APIError) -> APIError:
-    """An error parse_chat raised, naming the field as the client sent it."""
-    name = _OPENAI_NAMES.get(err.param or "")
-    if name is None:
-        return err
-    message = err.message.replace(f"'{err.param}'", f"'{name}'")
-    return APIError(err.status, message, err_type=err.err_type, param=name, code=err.code,
-                    headers=err.headers)
+def _output_format(raw: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """Structured outputs: output_config.format (or the beta's output_format)
+    {type: json_schema, schema} -> chat's response_format; and the field's name."""
+    config = raw.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise bad_request("'output_config' must be an object", param="output_config")
+    name, fmt = "output_config.format", (config or {}).get("format")
+    if fmt is None and raw.get("output_format") is not None:
+        name, fmt = "output_format", raw["output_format"]
+    if fmt is None:
+        return None, name
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad_request(f"'{name}' must be {{type: json_schema, schema: {{...}}}}", param=name)
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}, name
+
+
+def chat_names(format_name: str) -> dict[str, str]:
+    """Chat field -> the name this request's client sent it under."""
+    return {**_OPENAI_NAMES, "response_format": format_name}

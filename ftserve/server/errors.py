@@ -126,3 +126,14 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         # the traceback goes to the log where it can be fixed.
         log.exception("unhandled error in %s %s", request.method, request.path)
         return APIError(500, "internal server error", err_type="server_error").response(anthropic)
+
+
+def renamed(err: APIError, names: dict[str, str]) -> APIError:
+    """An error the chat path raised about a field another API spells otherwise
+    (``names``: chat field -> the client's), naming it as the client sent it."""
+    name = names.get(err.param or "")
+    if name is None:
+        return err
+    message = err.message.replace(f"'{err.param}'", f"'{name}'")
+    return APIError(err.status, message, err_type=err.err_type, param=name, code=err.code,
+                    headers=err.headers)

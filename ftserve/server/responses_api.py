@@ -39,9 +39,10 @@ from aiohttp import web
 from ftserve.server import batch, response_format, sse, tool_calls
 from ftserve.server.chat_output import ChatOutputFilter, WholeOutput, split_whole
 from ftserve.server.completions import ChatPrompt, chat_prompt, engine_error, read_json
+from ftserve.server.errors import APIError, renamed
 from ftserve.server.generation import EngineRequestError, Generation
 from ftserve.server.protocol import ParsedRequest
-from ftserve.server.responses_protocol import parse_responses_request
+from ftserve.server.responses_protocol import RENAMED, parse_responses_request
 from ftserve.server.state import STATE_KEY, ServerState
 
 Item = dict[str, Any]
@@ -65,7 +66,10 @@ async def responses(request: web.Request) -> web.StreamResponse:
     detok = text.detokenizer(prompt.ids, parsed.stop, parsed.skip_special_tokens)
     grammar = None  # text.format json_schema / json_object: the output constraint
     if parsed.response_format is not None:
-        (grammar,) = await response_format.matchers(parsed.response_format, text, engine.vocab_size, 1)
+        try:
+            (grammar,) = await response_format.matchers(parsed.response_format, text, engine.vocab_size, 1)
+        except APIError as err:  # a schema the grammar library refuses
+            raise renamed(err, RENAMED) from None
     gen = Generation(engine, state.tracker, state.metrics, rid, prompt.ids, params, detok, arrival,
                      grammar)
     shell = _Shell(rid, int(time.time()), state.model_name, parsed, params.max_tokens)

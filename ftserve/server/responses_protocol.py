@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ftserve.server.errors import APIError, bad_request, unsupported
+from ftserve.server.errors import APIError, bad_request, renamed, unsupported
 from ftserve.server.protocol import ParsedRequest, parse_chat
 
 _ROLES = ("user", "system", "developer", "assistant")
@@ -52,7 +52,7 @@ _PASSED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "to
            "repetition_penalty")
 _REFUSED = ("previous_response_id", "conversation", "prompt", "background")
 # parse_chat names the chat fields the translation wrote; the client sent these.
-_RENAMED = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+RENAMED = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
 
 def _str(value: Any, where: str) -> str:
@@ -240,13 +240,4 @@ def parse_responses_request(raw: Any) -> ParsedRequest:
     try:
         return parse_chat(chat)
     except APIError as err:
-        raise _renamed(err) from None
-
-
-def _renamed(err: APIError) -> APIError:
-    name = _RENAMED.get(err.param or "")
-    if name is None:
-        return err
-    message = err.message.replace(f"'{err.param}'", f"'{name}'")
-    return APIError(err.status, message, err_type=err.err_type, param=name, code=err.code,
-                    headers=err.headers)
+        raise renamed(err, RENAMED) from None
