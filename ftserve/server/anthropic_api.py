@@ -41,11 +41,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ftserve.server import batch, response_format, sse, tool_calls
+from ftserve.server import chat_routes, sse
 from ftserve.server.anthropic_protocol import chat_names, parse_messages_request
-from ftserve.server.chat_output import ChatOutputFilter, WholeOutput, split_whole
+from ftserve.server.chat_output import WholeOutput
 from ftserve.server.completions import ChatPrompt, chat_prompt, engine_error, read_json
-from ftserve.server.errors import APIError, renamed
 from ftserve.server.generation import EngineRequestError, Generation
 from ftserve.server.protocol import ParsedRequest
 from ftserve.server.state import STATE_KEY, ServerState
@@ -83,17 +82,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     window = parsed.max_tokens is not None and 0 < room < parsed.max_tokens
     if window:
         parsed = dataclasses.replace(parsed, max_tokens=room)
-    (params,) = batch.build_all(parsed, [prompt.ids], engine, state.sampling_defaults)
     rid = "msg_" + uuid.uuid4().hex
-    detok = text.detokenizer(prompt.ids, parsed.stop, parsed.skip_special_tokens)
-    grammar = None  # output_config.format: the output constraint
-    if parsed.response_format is not None:
-        try:
-            (grammar,) = await response_format.matchers(parsed.response_format, text, engine.vocab_size, 1)
-        except APIError as err:  # a schema the grammar library refuses
-            raise renamed(err, chat_names(req.format_name)) from None
-    gen = Generation(engine, state.tracker, state.metrics, rid, prompt.ids, params, detok, arrival,
-                     grammar)
+    gen = await chat_routes.start(state, parsed, prompt, rid, arrival, chat_names(req.format_name))
     try:
         if parsed.stream:
             return await _stream(request, state, parsed, prompt, rid, gen, window)
@@ -131,11 +121,6 @@ def _message(rid: str, model: str, content: list[dict[str, Any]], stop: tuple[st
             "content": content, "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
 
-def _fmt(state: ServerState, parsed: ParsedRequest) -> tool_calls.Format | None:
-    assert state.text is not None
-    return state.text.tool_format() if parsed.tools else None
-
-
 def whole_blocks(out: WholeOutput) -> list[dict[str, Any]]:
     """A whole reply's content blocks: thinking, text, then each call."""
     blocks: list[dict[str, Any]] = []
@@ -152,30 +137,20 @@ def whole_blocks(out: WholeOutput) -> list[dict[str, Any]]:
 
 async def _whole(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt, rid: str,
                  gen: Generation, window: bool) -> web.Response:
-    pieces: list[str] = []
-    try:
-        while not gen.finished:
-            step = await gen.next()
-            assert step is not None
-            pieces.append(step.text)
-    except EngineRequestError as err:
-        raise engine_error(state, err) from None
-    out = split_whole("".join(pieces), _fmt(state, parsed), parsed.parallel_tool_calls,
-                      tool_calls.param_types(parsed.tools), prompt.think, prompt.forced)
+    out = await chat_routes.whole_output(state, parsed, prompt, gen)
     blocks = whole_blocks(out)
     stop = _stop_reason(gen, bool(out.calls), True, window)
     return _json(_message(rid, state.model_name, blocks, stop, _usage(gen)))
 
 
-class StreamBlocks:
+class StreamBlocks(chat_routes.StreamShaper):
     """A stream's content blocks: which one is open, and the events that open,
-    extend and close them. Whitespace after text is held until more text comes:
-    if a call comes instead it is dropped, as the whole response strips it."""
+    extend and close them."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.index = -1
         self.kind: str | None = None  # the open block's type
-        self._ws = ""  # held whitespace of the text
 
     def _open(self, block: dict[str, Any]) -> list[Event]:
         events = self.close()
@@ -193,44 +168,26 @@ class StreamBlocks:
     def _delta(self, delta: dict[str, Any]) -> Event:
         return {"type": "content_block_delta", "index": self.index, "delta": delta}
 
-    def push(self, thought: str, content: str, deltas: list[dict[str, Any]]) -> list[Event]:
-        events: list[Event] = []
-        if thought:
-            if self.kind != "thinking":
-                events += self._open({"type": "thinking", "thinking": "", "signature": ""})
-            events.append(self._delta({"type": "thinking_delta", "thinking": thought}))
-        text = self._ws + content
-        body = text.rstrip()
-        self._ws = text[len(body):]
-        if body:
-            events += self.text(body)
-        for d in deltas:
-            if "id" in d:  # a call's start: its name; held whitespace before it is dropped
-                self._ws = ""
-                events += self._open({"type": "tool_use", "id": _tool_id(),
-                                      "name": d["function"]["name"], "input": {}})
-            frag = d["function"].get("arguments", "")
-            if frag:
-                events.append(self._delta({"type": "input_json_delta", "partial_json": frag}))
-        return events
+    def thought(self, text: str) -> list[Event]:
+        events = self._open({"type": "thinking", "thinking": "", "signature": ""}) if self.kind != "thinking" else []
+        return [*events, self._delta({"type": "thinking_delta", "thinking": text})]
 
     def text(self, body: str) -> list[Event]:
         events = self._open({"type": "text", "text": ""}) if self.kind != "text" else []
         return [*events, self._delta({"type": "text_delta", "text": body})]
 
-    def finish(self) -> list[Event]:
-        """The held whitespace (no call followed it) and the last block's stop."""
-        events = self.text(self._ws) if self._ws else []
-        self._ws = ""
-        return events + self.close()
+    def call_start(self, call_id: str, name: str) -> list[Event]:
+        return self._open({"type": "tool_use", "id": _tool_id(), "name": name, "input": {}})
+
+    def call_args(self, frag: str) -> list[Event]:
+        return [self._delta({"type": "input_json_delta", "partial_json": frag})]
 
 
 async def _stream(request: web.Request, state: ServerState, parsed: ParsedRequest,
                   prompt: ChatPrompt, rid: str, gen: Generation,
                   window: bool) -> web.StreamResponse:
     model = state.model_name
-    filt = ChatOutputFilter(_fmt(state, parsed), parsed.parallel_tool_calls,
-                            tool_calls.param_types(parsed.tools), prompt.think, prompt.forced)
+    filt = chat_routes.output_filter(state, parsed, prompt)
     blocks = StreamBlocks()
     resp = await sse.open_stream(request)
 

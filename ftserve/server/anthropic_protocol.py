@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ftserve.server.errors import APIError, bad_request, renamed, unsupported
-from ftserve.server.protocol import ParsedRequest, parse_chat
+from ftserve.server.protocol import ParsedRequest, parse_chat, text_parts
 from ftserve.server.text import TextCodec
 
 _ROLES = ("user", "assistant")
@@ -84,21 +84,7 @@ def _str(value: Any, where: str) -> str:
 
 def _text_blocks(value: Any, where: str) -> str:
     """A string, or a list of text blocks joined by newlines."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise bad_request(f"'{where}' must be a string or a list of text blocks", param=where)
-    parts = []
-    for j, block in enumerate(value):
-        at = f"{where}[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind in ("image", "document"):
-            raise unsupported(f"{at}.type", f"{kind!r} is not supported: this server's model "
-                              "reads text only")
-        if kind != "text":
-            raise bad_request(f"'{at}' must be a text block", param=at)
-        parts.append(_str(block.get("text"), f"{at}.text"))
-    return "\n".join(parts)
+    return text_parts(value, where, ("text",), ("image", "document"))
 
 
 def _user(content: list[Any], where: str) -> list[dict[str, Any]]:

@@ -84,6 +84,7 @@ class Generation:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.prompt_tokens = len(prompt_ids)
+        self.params = params
         self.cached_tokens = 0
         self.completion_tokens = 0
         self.finish_reason: str | None = None

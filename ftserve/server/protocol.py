@@ -262,6 +262,31 @@ def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
     return k
 
 
+def text_parts(value: Any, where: str, kinds: tuple[str, ...], media: tuple[str, ...]) -> str:
+    """A string, or a list of text parts (``type`` in ``kinds``, each with ``text``)
+    joined by newlines; a part of a type in ``media`` is a 400 saying the model reads
+    text only (the Anthropic and Responses routes' content)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad_request(f"'{where}' must be a string or a list of text parts", param=where)
+    texts = []
+    for j, part in enumerate(value):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in media:
+            raise unsupported(f"{at}.type", f"{kind!r} is not supported: this server's model "
+                              "reads text only")
+        if kind not in kinds:
+            raise bad_request(f"'{at}.type' must be one of {', '.join(kinds)}; got {kind!r}",
+                              param=f"{at}.type")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad_request(f"'{at}.text' must be a string", param=f"{at}.text")
+        texts.append(text)
+    return "\n".join(texts)
+
+
 def _require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")

@@ -33,13 +33,11 @@ import time
 import uuid
 from typing import Any
 
-import orjson
 from aiohttp import web
 
-from ftserve.server import batch, response_format, sse, tool_calls
-from ftserve.server.chat_output import ChatOutputFilter, WholeOutput, split_whole
+from ftserve.server import chat_routes, sse
+from ftserve.server.chat_output import WholeOutput
 from ftserve.server.completions import ChatPrompt, chat_prompt, engine_error, read_json
-from ftserve.server.errors import APIError, renamed
 from ftserve.server.generation import EngineRequestError, Generation
 from ftserve.server.protocol import ParsedRequest
 from ftserve.server.responses_protocol import RENAMED, parse_responses_request
@@ -61,18 +59,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
     engine, text = state.ready()
     state.check_queue(engine)
     prompt = await chat_prompt(state, text, parsed)
-    (params,) = batch.build_all(parsed, [prompt.ids], engine, state.sampling_defaults)
     rid = _id("resp")
-    detok = text.detokenizer(prompt.ids, parsed.stop, parsed.skip_special_tokens)
-    grammar = None  # text.format json_schema / json_object: the output constraint
-    if parsed.response_format is not None:
-        try:
-            (grammar,) = await response_format.matchers(parsed.response_format, text, engine.vocab_size, 1)
-        except APIError as err:  # a schema the grammar library refuses
-            raise renamed(err, RENAMED) from None
-    gen = Generation(engine, state.tracker, state.metrics, rid, prompt.ids, params, detok, arrival,
-                     grammar)
-    shell = _Shell(rid, int(time.time()), state.model_name, parsed, params.max_tokens)
+    gen = await chat_routes.start(state, parsed, prompt, rid, arrival, RENAMED)
+    shell = _Shell(rid, int(time.time()), state.model_name, parsed, gen.params.max_tokens)
     try:
         if parsed.stream:
             return await _stream(request, state, parsed, prompt, shell, gen)
@@ -120,11 +109,6 @@ def _status(gen: Generation, called: bool, complete: bool) -> str:
     return "incomplete" if gen.finish_reason == "length" and not (called and complete) else "completed"
 
 
-def _fmt(state: ServerState, parsed: ParsedRequest) -> tool_calls.Format | None:
-    assert state.text is not None
-    return state.text.tool_format() if parsed.tools else None
-
-
 def _reasoning(item_id: str, text: str) -> Item:
     return {"type": "reasoning", "id": item_id, "summary": [], "status": "completed",
             "content": [{"type": "reasoning_text", "text": text}]}
@@ -156,31 +140,20 @@ def whole_items(out: WholeOutput) -> list[Item]:
 
 async def _whole(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt, shell: _Shell,
                  gen: Generation) -> web.Response:
-    pieces: list[str] = []
-    try:
-        while not gen.finished:
-            step = await gen.next()
-            assert step is not None
-            pieces.append(step.text)
-    except EngineRequestError as err:
-        raise engine_error(state, err) from None
-    out = split_whole("".join(pieces), _fmt(state, parsed), parsed.parallel_tool_calls,
-                      tool_calls.param_types(parsed.tools), prompt.think, prompt.forced)
-    body = shell.body(whole_items(out), _status(gen, bool(out.calls), True), _usage(gen))
-    return web.Response(body=orjson.dumps(body), content_type="application/json")
+    out = await chat_routes.whole_output(state, parsed, prompt, gen)
+    return chat_routes.json_response(shell.body(whole_items(out), _status(gen, bool(out.calls), True),
+                                                _usage(gen)))
 
 
-class StreamItems:
+class StreamItems(chat_routes.StreamShaper):
     """A stream's output items: which one is open, what it holds so far, and the
-    events that open, extend and close them. Whitespace after text is held until
-    more text comes: if a call comes instead it is dropped, as the whole
-    response strips it."""
+    events that open, extend and close them."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.items: list[Item] = []  # closed and open items, in output order
         self.kind: str | None = None  # the open item's type
         self._text = ""  # the open item's text (or arguments) so far
-        self._ws = ""  # held whitespace of the message
 
     @property
     def _index(self) -> int:
@@ -223,43 +196,27 @@ class StreamItems:
         return {"type": kind, "item_id": self.items[-1]["id"], "output_index": self._index,
                 "delta": delta, **extra}
 
-    def push(self, thought: str, content: str, deltas: list[dict[str, Any]]) -> list[Event]:
-        events: list[Event] = []
-        if thought:
-            if self.kind != "reasoning":
-                events += self._open({"type": "reasoning", "id": _id("rs"), "summary": [],
-                                      "content": [], "status": "in_progress"})
-            events.append(self._delta("response.reasoning_text.delta", thought, content_index=0))
-        text = self._ws + content
-        body = text.rstrip()
-        self._ws = text[len(body):]
-        if body:
-            events += self.text(body)
-        for d in deltas:
-            if "id" in d:  # a call's start: its name; held whitespace before it is dropped
-                self._ws = ""
-                events += self._open(_call(_id("fc"), d["id"], d["function"]["name"], "",
-                                           "in_progress"))
-            frag = d["function"].get("arguments", "")
-            if frag:
-                events.append(self._delta("response.function_call_arguments.delta", frag))
-        return events
+    def thought(self, text: str) -> list[Event]:
+        events = []
+        if self.kind != "reasoning":
+            events = self._open({"type": "reasoning", "id": _id("rs"), "summary": [], "content": [],
+                                 "status": "in_progress"})
+        return [*events, self._delta("response.reasoning_text.delta", text, content_index=0)]
 
     def text(self, body: str) -> list[Event]:
         events = self._open(_message(_id("msg"), None, "in_progress")) if self.kind != "message" else []
         return [*events, self._delta("response.output_text.delta", body, content_index=0, logprobs=[])]
 
-    def finish(self) -> list[Event]:
-        """The held whitespace (no call followed it) and the last item's done events."""
-        events = self.text(self._ws) if self._ws else []
-        self._ws = ""
-        return events + self.close()
+    def call_start(self, call_id: str, name: str) -> list[Event]:
+        return self._open(_call(_id("fc"), call_id, name, "", "in_progress"))
+
+    def call_args(self, frag: str) -> list[Event]:
+        return [self._delta("response.function_call_arguments.delta", frag)]
 
 
 async def _stream(request: web.Request, state: ServerState, parsed: ParsedRequest,
                   prompt: ChatPrompt, shell: _Shell, gen: Generation) -> web.StreamResponse:
-    filt = ChatOutputFilter(_fmt(state, parsed), parsed.parallel_tool_calls,
-                            tool_calls.param_types(parsed.tools), prompt.think, prompt.forced)
+    filt = chat_routes.output_filter(state, parsed, prompt)
     items = StreamItems()
     resp = await sse.open_stream(request)
     seq = 0

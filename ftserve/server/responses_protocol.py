@@ -44,7 +44,7 @@ import json
 from typing import Any
 
 from ftserve.server.errors import APIError, bad_request, renamed, unsupported
-from ftserve.server.protocol import ParsedRequest, parse_chat
+from ftserve.server.protocol import ParsedRequest, parse_chat, text_parts
 
 _ROLES = ("user", "system", "developer", "assistant")
 _PASSED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "top_k", "min_p",
@@ -62,23 +62,7 @@ def _str(value: Any, where: str) -> str:
 
 
 def _parts(value: Any, where: str, kinds: tuple[str, ...]) -> str:
-    """A string, or text parts (of ``kinds``) joined by newlines."""
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise bad_request(f"'{where}' must be a string or a list of content parts", param=where)
-    texts = []
-    for j, part in enumerate(value):
-        at = f"{where}[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_image", "input_file", "input_audio"):
-            raise unsupported(f"{at}.type", f"{kind!r} is not supported: this server's model "
-                              "reads text only")
-        if kind not in kinds:
-            raise bad_request(f"'{at}.type' must be one of {', '.join(kinds)}; got {kind!r}",
-                              param=f"{at}.type")
-        texts.append(_str(part.get("text"), f"{at}.text"))
-    return "\n".join(texts)
+    return text_parts(value, where, kinds, ("input_image", "input_file", "input_audio"))
 
 
 def _reasoning_text(item: dict[str, Any], where: str) -> str:

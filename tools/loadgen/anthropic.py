@@ -45,7 +45,7 @@ def headers(api_key: str | None) -> dict[str, str]:
     return h
 
 
-def _text(content: Any) -> str:
+def content_text(content: Any) -> str:
     """OpenAI content: a string, or a list of {type: text, text} parts."""
     if content is None:
         return ""
@@ -59,13 +59,13 @@ def _blocks(msg: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     role = msg["role"]
     if role == "tool":
         return "user", [{"type": "tool_result", "tool_use_id": msg["tool_call_id"],
-                         "content": _text(msg.get("content"))}]
+                         "content": content_text(msg.get("content"))}]
     if role == "user":
-        return "user", [{"type": "text", "text": _text(msg.get("content"))}]
+        return "user", [{"type": "text", "text": content_text(msg.get("content"))}]
     if role != "assistant":
         raise ValueError(f"no Anthropic form for role {role!r}")
     blocks: list[dict[str, Any]] = []
-    text = _text(msg.get("content"))
+    text = content_text(msg.get("content"))
     if text:
         blocks.append({"type": "text", "text": text})
     for call in msg.get("tool_calls") or []:
@@ -102,7 +102,7 @@ def messages_body(body: dict[str, Any]) -> dict[str, Any]:
     msgs: list[dict[str, Any]] = []
     for m in body["messages"]:
         if m["role"] in ("system", "developer"):
-            system.append(_text(m.get("content")))
+            system.append(content_text(m.get("content")))
             continue
         role, blocks = _blocks(m)
         if msgs and msgs[-1]["role"] == role:

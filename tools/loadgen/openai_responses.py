@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tools.loadgen.anthropic import StreamError, Usage
+from tools.loadgen.anthropic import StreamError, Usage, content_text
 
 # Fields with the same name and meaning in both APIs (top_k, ignore_eos, seed, stop: ftserve's
 # extensions, which its /v1/responses accepts too).
@@ -31,27 +31,18 @@ _DELTAS = ("response.output_text.delta", "response.reasoning_text.delta",
            "response.function_call_arguments.delta")
 
 
-def _text(content: Any) -> str:
-    """OpenAI content: a string, or a list of {type: text, text} parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-
-
 def _items(msg: dict[str, Any]) -> list[dict[str, Any]]:
     role = msg["role"]
     if role == "tool":
         return [{"type": "function_call_output", "call_id": msg["tool_call_id"],
-                 "output": _text(msg.get("content"))}]
+                 "output": content_text(msg.get("content"))}]
     if role == "user":
         return [{"type": "message", "role": "user",
-                 "content": [{"type": "input_text", "text": _text(msg.get("content"))}]}]
+                 "content": [{"type": "input_text", "text": content_text(msg.get("content"))}]}]
     if role != "assistant":
         raise ValueError(f"no Responses form for role {role!r}")
     items: list[dict[str, Any]] = []
-    text = _text(msg.get("content"))
+    text = content_text(msg.get("content"))
     if text:
         items.append({"type": "message", "role": "assistant",
                       "content": [{"type": "output_text", "text": text}]})
@@ -77,7 +68,7 @@ def responses_body(body: dict[str, Any]) -> dict[str, Any]:
     items: list[dict[str, Any]] = []
     for m in body["messages"]:
         if m["role"] in ("system", "developer"):
-            system.append(_text(m.get("content")))
+            system.append(content_text(m.get("content")))
         else:
             items.extend(_items(m))
     if system:

@@ -1,0 +1,115 @@
+"""What the routes that run another API over the chat path share (Anthropic's
+/v1/messages: anthropic_api.py; OpenAI's /v1/responses: responses_api.py): one
+``Generation`` for a rendered chat request, with its output constraint, and its
+output split whole or as a stream (chat_output.py) for the route to dress."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from ftserve.server import batch, response_format, tool_calls
+from ftserve.server.chat_output import ChatOutputFilter, WholeOutput, split_whole
+from ftserve.server.completions import ChatPrompt, engine_error
+from ftserve.server.errors import APIError, renamed
+from ftserve.server.generation import EngineRequestError, Generation
+from ftserve.server.protocol import ParsedRequest
+from ftserve.server.state import ServerState
+
+Event = dict[str, Any]
+
+
+async def start(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt, rid: str,
+                arrival: float, names: dict[str, str]) -> Generation:
+    """The request's Generation (submitted). ``names``: chat field -> the client's
+    name, for an output constraint the grammar library refuses."""
+    engine, text = state.ready()
+    (params,) = batch.build_all(parsed, [prompt.ids], engine, state.sampling_defaults)
+    grammar = None
+    if parsed.response_format is not None:
+        try:
+            (grammar,) = await response_format.matchers(parsed.response_format, text, engine.vocab_size, 1)
+        except APIError as err:
+            raise renamed(err, names) from None
+    detok = text.detokenizer(prompt.ids, parsed.stop, parsed.skip_special_tokens)
+    return Generation(engine, state.tracker, state.metrics, rid, prompt.ids, params, detok, arrival,
+                      grammar)
+
+
+def _fmt(state: ServerState, parsed: ParsedRequest) -> tool_calls.Format | None:
+    assert state.text is not None
+    return state.text.tool_format() if parsed.tools else None
+
+
+async def whole_output(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt,
+                       gen: Generation) -> WholeOutput:
+    """Wait for the whole output and split it (reasoning, text, calls)."""
+    pieces: list[str] = []
+    try:
+        while not gen.finished:
+            step = await gen.next()
+            assert step is not None
+            pieces.append(step.text)
+    except EngineRequestError as err:
+        raise engine_error(state, err) from None
+    return split_whole("".join(pieces), _fmt(state, parsed), parsed.parallel_tool_calls,
+                       tool_calls.param_types(parsed.tools), prompt.think, prompt.forced)
+
+
+def output_filter(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt) -> ChatOutputFilter:
+    """The filter that splits a stream's steps as whole_output splits the whole."""
+    return ChatOutputFilter(_fmt(state, parsed), parsed.parallel_tool_calls,
+                            tool_calls.param_types(parsed.tools), prompt.think, prompt.forced)
+
+
+def json_response(obj: object) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), content_type="application/json")
+
+
+class StreamShaper:
+    """Turns a stream filter's pieces (reasoning, text, call deltas) into a route's
+    events; a route implements the hooks (thought, text, call_start, call_args,
+    close). Whitespace after text is held until more text comes: if a call comes
+    instead it is dropped, as the whole response strips it."""
+
+    def __init__(self) -> None:
+        self._ws = ""  # held whitespace of the text
+
+    def push(self, thought: str, content: str, deltas: list[dict[str, Any]]) -> list[Event]:
+        events = self.thought(thought) if thought else []
+        text = self._ws + content
+        body = text.rstrip()
+        self._ws = text[len(body):]
+        if body:
+            events += self.text(body)
+        for d in deltas:
+            if "id" in d:  # a call's start: its name; held whitespace before it is dropped
+                self._ws = ""
+                events += self.call_start(d["id"], d["function"]["name"])
+            frag = d["function"].get("arguments", "")
+            if frag:
+                events += self.call_args(frag)
+        return events
+
+    def finish(self) -> list[Event]:
+        """The held whitespace (no call followed it) and the last part's closing events."""
+        events = self.text(self._ws) if self._ws else []
+        self._ws = ""
+        return events + self.close()
+
+    def thought(self, text: str) -> list[Event]:
+        raise NotImplementedError
+
+    def text(self, body: str) -> list[Event]:
+        raise NotImplementedError
+
+    def call_start(self, call_id: str, name: str) -> list[Event]:
+        raise NotImplementedError
+
+    def call_args(self, frag: str) -> list[Event]:
+        raise NotImplementedError
+
+    def close(self) -> list[Event]:
+        raise NotImplementedError
