@@ -89,6 +89,30 @@ def test_prompt_logprobs_over_chunks_next_to_other_requests(engine: Engine) -> N
     assert not engine.scheduler.running and engine.scheduler.num_pages_used == 0
 
 
+def test_several_share_one_steps_rows(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three prompt-logprobs requests at once: a step computes at most
+    PROMPT_LOGPROBS_CHUNK rows of logits, all requests together, and each gets its own."""
+    from ftserve.engine import prompt_logprobs as prompt_lp
+
+    rows: list[int] = []
+    real = prompt_lp.plan
+
+    def spy(batch: object) -> object:
+        plan = real(batch)  # type: ignore[arg-type]
+        if plan is not None:
+            rows.append(plan.count)
+        return plan
+
+    monkeypatch.setattr(prompt_lp, "plan", spy)
+    rng = random.Random(3)
+    prompts = {f"p{i}": [rng.randrange(10, 32000) for _ in range(150 + 40 * i)] for i in range(3)}
+    outs = collect(engine, [(rid, p, greedy(2, prompt_logprobs=1)) for rid, p in prompts.items()])
+    assert rows and max(rows) <= PROMPT_LOGPROBS_CHUNK, rows
+    assert sum(rows) == sum(len(p) - 1 for p in prompts.values())
+    for rid, p in prompts.items():
+        check(engine, outs[rid], p, 1)
+
+
 def test_a_cached_prefix_is_computed_again(engine: Engine) -> None:
     rng = random.Random(1)
     p = [rng.randrange(10, 32000) for _ in range(90)]

@@ -36,8 +36,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A prompt-logprobs request's prefill chunks take at most this many tokens: each
-# holds [tokens, vocab] fp32 logits (155 MB at Qwen3's 151,936 tokens).
+# A prefill step computes prompt logprobs for at most this many tokens, all its
+# requests together: they hold [tokens, vocab] fp32 logits (155 MB at Qwen3's
+# 151,936 tokens).
 PROMPT_LOGPROBS_CHUNK = 256
 
 
@@ -158,6 +159,7 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.max_prefill_length
+        logit_rows = PROMPT_LOGPROBS_CHUNK  # the step's prompt-logprob tokens, all requests together
         chunks: list[tuple[Req, int]] = []  # (request, new tokens this step)
         stalled = False
         for req in [r for r in self.running if r.state is ReqState.PREFILL and not r.inflight]:
@@ -165,7 +167,9 @@ class Scheduler:
                 break
             if req.state is not ReqState.PREFILL:
                 continue  # preempted just now for an older one
-            n = min(req.remaining_prefill, budget, self._chunk_cap(req))
+            n = min(req.remaining_prefill, budget, logit_rows if req.wants_prompt_logprobs else budget)
+            if n == 0:
+                continue  # this step's prompt-logprob rows are taken: the next step
             if not self._reserve_prefill(req, req.computed_len + n):
                 # The rest are held by decoders, which free them as they finish or
                 # preempt. Admit nobody behind it: a newcomer with a smaller first
@@ -174,14 +178,17 @@ class Scheduler:
                 break
             chunks.append((req, n))
             budget -= n
+            logit_rows -= n if req.wants_prompt_logprobs else 0
         while not stalled and budget > 0 and self.waiting and self.free_slots:
             req = self.waiting[0]
             if req.inflight:
                 break  # preempted while its last step is in flight: wait for the commit
+            if req.wants_prompt_logprobs and logit_rows == 0:
+                break  # this step's prompt-logprob rows are taken: admitted next step
             if not req.wants_prompt_logprobs and self._prefill_leader(req) is not None:
                 break  # its prompt's next pages are being prefilled: wait for them
             self._admit(req)
-            n = min(req.remaining_prefill, budget, self._chunk_cap(req))
+            n = min(req.remaining_prefill, budget, logit_rows if req.wants_prompt_logprobs else budget)
             if not self._reserve(req, req.computed_len + n):
                 # Admission matched pages but the chunk does not fit yet: undo.
                 self._release(req, keep_kv=True)
@@ -191,6 +198,7 @@ class Scheduler:
             self._count_admission(req)
             chunks.append((req, n))
             budget -= n
+            logit_rows -= n if req.wants_prompt_logprobs else 0
         if not chunks:
             return None
         reqs = [req for req, _ in chunks]
@@ -200,12 +208,6 @@ class Scheduler:
             prefix_lens=[req.computed_len for req in reqs],
             samples=[req.computed_len + n == len(req.tokens) for req, n in chunks],
             steps=[req.num_outputs for req in reqs])
-
-    @staticmethod
-    def _chunk_cap(req: Req) -> int:
-        """A chunk's most new tokens for ``req``: a prompt-logprobs chunk takes the
-        logits of every token ([n, vocab] fp32), so it is cut to PROMPT_LOGPROBS_CHUNK."""
-        return PROMPT_LOGPROBS_CHUNK if req.wants_prompt_logprobs else 1 << 62
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         reqs: list[Req] = []
