@@ -14,7 +14,8 @@ on the device, and ``Part`` starts its copy into pinned host memory behind an
 event. Nothing reads it until the request's first output: the step that samples
 that token syncs later in stream order, so a non-final chunk stays sync-free.
 The scheduler gives such a request no prefix-cache hit (a hit would skip the
-logits of the cached tokens) and cuts its chunks to PROMPT_LOGPROBS_CHUNK.
+logits of the cached tokens) and gives a step at most PROMPT_LOGPROBS_CHUNK such
+tokens, all requests together.
 """
 
 from __future__ import annotations
