@@ -146,6 +146,7 @@ def test_text_whole_and_streamed_are_the_chat_reply(live: Live, client: openai.O
     whole = client.responses.create(**req)
     assert whole.object == "response" and whole.model == MODEL and whole.id.startswith("resp_")
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.output[-1].status == "incomplete"  # the item the limit cut off
     assert whole.usage.output_tokens == 6 and whole.usage.total_tokens == whole.usage.input_tokens + 6
     status, _, chat = call(live, "/v1/chat/completions", {
         "messages": USER, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
@@ -163,6 +164,7 @@ def test_text_whole_and_streamed_are_the_chat_reply(live: Live, client: openai.O
     stop = whole.output_text.strip()[-3:]
     done = client.responses.create(**{**req, "max_output_tokens": 50, "extra_body": {**EXTRA, "stop": [stop]}})
     assert done.status == "completed" and done.incomplete_details is None
+    assert done.output[-1].status == "completed"
     assert done.usage.output_tokens < 50
     live.wait_idle()
 

@@ -95,9 +95,13 @@ class StreamShaper:
 
     def finish(self) -> list[Event]:
         """The held whitespace (no call followed it) and the last part's closing events."""
+        return self.flush() + self.close()
+
+    def flush(self) -> list[Event]:
+        """The held whitespace: no call followed it."""
         events = self.text(self._ws) if self._ws else []
         self._ws = ""
-        return events + self.close()
+        return events
 
     def thought(self, text: str) -> list[Event]:
         raise NotImplementedError

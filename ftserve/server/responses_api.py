@@ -141,8 +141,10 @@ def whole_items(out: WholeOutput) -> list[Item]:
 async def _whole(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt, shell: _Shell,
                  gen: Generation) -> web.Response:
     out = await chat_routes.whole_output(state, parsed, prompt, gen)
-    return chat_routes.json_response(shell.body(whole_items(out), _status(gen, bool(out.calls), True),
-                                                _usage(gen)))
+    items, status = whole_items(out), _status(gen, bool(out.calls), True)
+    if status == "incomplete" and items:
+        items[-1]["status"] = "incomplete"  # the item max_output_tokens cut off
+    return chat_routes.json_response(shell.body(items, status, _usage(gen)))
 
 
 class StreamItems(chat_routes.StreamShaper):
@@ -154,6 +156,7 @@ class StreamItems(chat_routes.StreamShaper):
         self.items: list[Item] = []  # closed and open items, in output order
         self.kind: str | None = None  # the open item's type
         self._text = ""  # the open item's text (or arguments) so far
+        self.last_status = "completed"  # "incomplete": the last item was cut off
 
     @property
     def _index(self) -> int:
@@ -163,7 +166,7 @@ class StreamItems(chat_routes.StreamShaper):
         events = self.close()
         self.items.append(item)
         self.kind, self._text = item["type"], ""
-        events.append({"type": "response.output_item.added", "output_index": self._index, "item": item})
+        events.append({"type": "response.output_item.added", "output_index": self._index, "item": dict(item)})
         if item["type"] == "message":
             events.append({"type": "response.content_part.added", "item_id": item["id"],
                            "output_index": self._index, "content_index": 0,
@@ -187,9 +190,16 @@ class StreamItems(chat_routes.StreamShaper):
         else:
             done = _call(item["id"], item["call_id"], item["name"], self._text or "{}")
             events = [{"type": "response.function_call_arguments.done", **ref, "arguments": done["arguments"]}]
+        done["status"] = item.get("status") if item.get("status") == "incomplete" else "completed"
         self.items[-1] = done
         self.kind = None
         return [*events, {"type": "response.output_item.done", "output_index": at, "item": done}]
+
+    def finish(self) -> list[Event]:
+        events = self.flush()
+        if self.kind is not None:
+            self.items[-1]["status"] = self.last_status  # close() keeps it: the last item's
+        return events + self.close()
 
     def _delta(self, kind: str, delta: str, **extra: Any) -> Event:
         self._text += delta
@@ -249,10 +259,11 @@ async def _stream(request: web.Request, state: ServerState, parsed: ParsedReques
             await send(items.push(*filt.push(step.text)))
             if step.finish_reason is not None:
                 await send(items.push(*filt.finish()))
-                await send(items.finish())
                 tools = filt.tools
                 status = _status(gen, tools is not None and tools.called,
                                  tools is not None and tools.clean)
+                items.last_status = status
+                await send(items.finish())
                 kind = "response.completed" if status == "completed" else "response.incomplete"
                 await send([{"type": kind, "response": shell.body(items.items, status, _usage(gen))}])
         await resp.write_eof()
