@@ -309,3 +309,37 @@ def test_reasoning_items(think_live: Live, script: list[str]) -> None:
     r = client.responses.create(model=MODEL, input=turn, max_output_tokens=1, temperature=0, extra_body=EXTRA)
     assert r.usage.input_tokens == _tokenize(think_live, {"messages": twin})
     think_live.wait_idle()
+
+
+def test_codex_shaped_history_becomes_chat_messages() -> None:
+    """Codex's turn shape (store false): reasoning, then calls, then their outputs;
+    consecutive calls join one assistant message, the reasoning its reasoning_content;
+    reasoning with no assistant turn after it is dropped."""
+    from ftserve.server.responses_protocol import parse_responses_request
+
+    parsed = parse_responses_request({
+        "model": MODEL, "instructions": "Be brief.", "store": False, "stream": True,
+        "reasoning": {"effort": "medium", "summary": "auto"}, "include": ["reasoning.encrypted_content"],
+        "text": {"verbosity": "low"}, "parallel_tool_calls": False, "tools": TOOLS,
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix it"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "look first"}],
+             "encrypted_content": None},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call", "call_id": "c2", "name": "now", "arguments": ""},
+            {"type": "function_call_output", "call_id": "c1", "output": "cold"},
+            {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "noon"}]},
+            {"type": "reasoning", "id": "rs_2", "summary": []},
+            {"role": "user", "content": "thanks"},
+        ]})
+    assert parsed.stream and not parsed.parallel_tool_calls and parsed.response_format is None
+    assert parsed.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "fix it"},
+        {"role": "assistant", "content": "", "reasoning_content": "look first", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+            {"id": "c2", "type": "function", "function": {"name": "now", "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "cold"},
+        {"role": "tool", "tool_call_id": "c2", "content": "noon"},
+        {"role": "user", "content": "thanks"},
+    ]
