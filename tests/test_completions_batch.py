@@ -178,6 +178,32 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(live: Live, client: open
     live.wait_idle()
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(live: Live, client: openai.OpenAI) -> None:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens run, on completions
+    (echo shows what ran) and chat; -1 is the context's length; 0 is a 400."""
+    ids = live.call(live.text.encode_async("Once upon a time in a land far away there lived a king", False))
+    assert len(ids) > 6
+    _cold(live)
+    cut = client.completions.create(prompt=ids, echo=True, **{**GREEDY, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": 5}})
+    _cold(live)
+    tail = client.completions.create(prompt=ids[-5:], **GREEDY)
+    assert cut.usage.prompt_tokens == 5 and tail.usage.prompt_tokens == 5
+    head = live.text.decode(ids[-5:])
+    assert cut.choices[0].text == head + tail.choices[0].text
+    whole = client.completions.create(prompt=ids, **{**GREEDY, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": -1}})
+    assert whole.usage.prompt_tokens == len(ids)
+    chat = client.chat.completions.create(model="ftserve-demo", max_tokens=1, temperature=0,
+                                          messages=[{"role": "user", "content": "tell me " * 20}],
+                                          extra_body={"truncate_prompt_tokens": 7})
+    assert chat.usage.prompt_tokens == 7
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(prompt=ids, **{**GREEDY, "extra_body": {"truncate_prompt_tokens": 0}})
+    assert err.value.param == "truncate_prompt_tokens"
+    live.wait_idle()
+
+
 def test_vllm_prompt_logprobs(live: Live, client: openai.OpenAI) -> None:
     """vLLM's prompt_logprobs field, on completions and chat: per prompt token
     (None first) token id -> logprob, rank, decoded token, for the token itself

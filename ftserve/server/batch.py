@@ -47,12 +47,23 @@ async def encode_prompts(parsed: ParsedRequest, engine: EngineAPI,
     return out
 
 
-def echo_heads(parsed: ParsedRequest, text: TextCodec) -> list[str] | None:
-    """With echo: each prompt's text (token ids decoded), else None."""
+def truncate(parsed: ParsedRequest, ids: list[int], max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: max_model_len)."""
+    k = parsed.truncate_prompt_tokens
+    if k is None:
+        return ids
+    k = max_model_len if k == -1 else k
+    return ids[-k:] if len(ids) > k else ids
+
+
+def echo_heads(parsed: ParsedRequest, text: TextCodec, prompts: list[list[int]],
+               full_lens: list[int]) -> list[str] | None:
+    """With echo: each prompt's text, else None. A string prompt as sent, unless
+    truncate_prompt_tokens cut it (``full_lens``: the lengths before); token ids decoded."""
     if not parsed.echo:
         return None
-    return [p if isinstance(p, str) else text.decode(p, parsed.skip_special_tokens)
-            for p in parsed.prompts]
+    return [p if isinstance(p, str) and len(ids) == n else text.decode(ids, parsed.skip_special_tokens)
+            for p, ids, n in zip(parsed.prompts, prompts, full_lens)]
 
 
 def build_all(parsed: ParsedRequest, prompts: list[list[int]], engine: EngineAPI,

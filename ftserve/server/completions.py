@@ -75,7 +75,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine, text = state.ready()
     state.check_queue(engine)
     cp = await chat_prompt(state, text, parsed)
-    return await _run(request, state, parsed, [cp.ids], arrival, "chatcmpl-", cp.think, cp.forced)
+    ids = batch.truncate(parsed, cp.ids, engine.max_model_len)  # the end stays: think, forced
+    return await _run(request, state, parsed, [ids], arrival, "chatcmpl-", cp.think, cp.forced)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -86,8 +87,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine, text = state.ready()
     state.check_queue(engine)
     prompts = await batch.encode_prompts(parsed, engine, text)  # a batch: prompt_index * n + j
+    full_lens = [len(p) for p in prompts]
+    prompts = [batch.truncate(parsed, p, engine.max_model_len) for p in prompts]
     return await _run(request, state, parsed, prompts, arrival, "cmpl-",
-                      heads=batch.echo_heads(parsed, text))
+                      heads=batch.echo_heads(parsed, text, prompts, full_lens))
 
 
 async def _run(

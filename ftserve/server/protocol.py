@@ -51,6 +51,9 @@ class ParsedRequest:
     # Completions echo with max_tokens 0 (OpenAI's legacy scoring call): the engine runs
     # one token (max_tokens 1), which the response leaves out.
     score_only: bool = False
+    # vLLM's truncate_prompt_tokens: keep the prompt's last k tokens (-1: as many as
+    # the context holds); None = the whole prompt.
+    truncate_prompt_tokens: int | None = None
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs
@@ -249,7 +252,18 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
         "sampling": _sampling(body),
         "n": 1 if n is _MISSING else n,
         "prompt_logprobs": _prompt_logprobs(body, stream),
+        "truncate_prompt_tokens": _truncate(body),
     }
+
+
+def _truncate(body: dict[str, Any]) -> int | None:
+    k = _int(body, "truncate_prompt_tokens", lo=-1, hi=_I32)
+    if k is _MISSING or k is None:
+        return None
+    if k == 0:
+        raise bad_request("'truncate_prompt_tokens' must be -1 (the context's length) or at least 1",
+                          param="truncate_prompt_tokens")
+    return k
 
 
 def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
