@@ -104,6 +104,26 @@ def test_openai_client_streaming(client: openai.OpenAI) -> None:
     assert chunks[-2].choices[0].finish_reason == "length"
 
 
+def test_continuous_usage_stats(client: openai.OpenAI) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so
+    far; the counts only grow, and the last chunk's are the final ones."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    for stream in (client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=4,
+                                                  stream=True, stream_options=opts,  # type: ignore[arg-type]
+                                                  extra_body={"ignore_eos": True}),
+                   client.completions.create(model="ftserve-demo", prompt="Once upon", max_tokens=4,
+                                             stream=True, stream_options=opts,  # type: ignore[arg-type]
+                                             extra_body={"ignore_eos": True})):
+        chunks = list(stream)
+        assert all(c.usage is not None for c in chunks)
+        done = [c.usage.completion_tokens for c in chunks]
+        assert done == sorted(done) and done[-1] == 4 and done[0] <= 1
+        assert len({c.usage.prompt_tokens for c in chunks}) == 1
+    plain = list(client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=2, stream=True,
+                                                extra_body={"ignore_eos": True}))
+    assert all(c.usage is None for c in plain)
+
+
 def test_return_token_ids_round_trip(live: Live) -> None:
     body = {"messages": MSGS, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}

@@ -327,13 +327,18 @@ async def _stream(
             assert step is not None
             merged.put_nowait((index, step))
 
+    async def send(chunk: dict[str, Any]) -> None:
+        if parsed.continuous_usage:  # vLLM's continuous_usage_stats: the counts so far, every chunk
+            chunk["usage"] = batch.usage(gens, parsed.n, not parsed.score_only)
+        await resp.write(sse.frame(chunk))
+
     pumps = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
     try:
         if chat:
             for st in streams:
-                await resp.write(sse.frame(st.role(want_ids)))
+                await send(st.role(want_ids))
                 for d in st.opening:
-                    await resp.write(sse.frame(st.call_chunk(d)))
+                    await send(st.call_chunk(d))
         failed = False
         while not all(g.finished for g in gens) or not merged.empty():
             try:
@@ -352,22 +357,21 @@ async def _stream(
             if parsed.score_only:  # echo with max_tokens 0: the prompt alone, no token
                 step_text, lp, ids = "", None, None
             if step_text or thought or lp or ids or (parsed.score_only and st.head):
-                await resp.write(sse.frame(st.chunk(step_text, None, lp, ids, thought,
-                                                    item.prompt_logprobs)))
+                await send(st.chunk(step_text, None, lp, ids, thought, item.prompt_logprobs))
             for d in deltas:
-                await resp.write(sse.frame(st.call_chunk(d)))
+                await send(st.call_chunk(d))
             if item.finish_reason is not None:
                 reason = item.finish_reason
                 thought, tail, deltas = st.finish()
                 if parsed.score_only:
                     reason, tail = "length", ""
                 if tail or thought:
-                    await resp.write(sse.frame(st.chunk(tail, None, None, None, thought)))
+                    await send(st.chunk(tail, None, None, None, thought))
                 for d in deltas:
-                    await resp.write(sse.frame(st.call_chunk(d)))
+                    await send(st.call_chunk(d))
                 if st.tools is not None and st.tools.called:
                     reason = "tool_calls"
-                await resp.write(sse.frame(st.chunk("", reason, None, [] if want_ids else None)))
+                await send(st.chunk("", reason, None, [] if want_ids else None))
         if parsed.include_usage and not failed:
             obj = "chat.completion.chunk" if chat else "text_completion"
             await resp.write(sse.frame(R.usage_chunk(rid, created, model, obj,

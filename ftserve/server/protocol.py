@@ -41,6 +41,7 @@ class ParsedRequest:
     continue_final: bool = False
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
     stop: tuple[str, ...] = ()
     include_stop: bool = False  # include_stop_str_in_output (vLLM): the text ends with the stop
     max_tokens: int | None = None  # None = whatever context remains (chat) / 16 (completion)
@@ -232,7 +233,7 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     n = _int(body, "n", lo=1, hi=MAX_CHOICES)
     stream = _bool(body, "stream", False)
     options = _get(body, "stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if options is not _MISSING and options is not None:
         if not isinstance(options, dict):
             raise bad_request("'stream_options' must be an object", param="stream_options")
@@ -240,10 +241,12 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
             raise bad_request("'stream_options' is only allowed when 'stream' is true",
                               param="stream_options")
         include_usage = _bool(options, "include_usage", False)
+        continuous = _bool(options, "continuous_usage_stats", False)
     return {
         "model": None if model is _MISSING else model,
         "stream": stream,
         "include_usage": include_usage,
+        "continuous_usage": continuous,
         "stop": _stop(body),
         "include_stop": _bool(body, "include_stop_str_in_output", False),
         "max_tokens": _max_tokens(body),
