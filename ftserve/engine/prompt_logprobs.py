@@ -10,9 +10,11 @@ token, which the sampler handles)::
 
 The model returns those rows after the sampled ones (ForwardBatch.logits_indices);
 ``table`` turns them into [P, 2 + 2K] (logprob, rank, K top ids, K top logprobs)
-on the device, and ``Part`` starts its copy into pinned host memory behind an
-event. Nothing reads it until the request's first output: the step that samples
-that token syncs later in stream order, so a non-final chunk stays sync-free.
+on the device, and ``hand_off`` starts its copy into pinned host memory. Nothing
+reads it until the request's first output, which comes after the read-back of
+the step that sampled that token: that step is later on the same stream than
+every chunk's copy, so the copies are done, and a non-final chunk stays
+sync-free (no event, no wait of its own).
 The scheduler gives such a request no prefix-cache hit (a hit would skip the
 logits of the cached tokens) and gives a step at most PROMPT_LOGPROBS_CHUNK such
 tokens, all requests together.
@@ -85,7 +87,6 @@ class Part:
 
     first: int  # the position of the first row (it predicts prompt token first + 1)
     host: torch.Tensor  # [rows, 2 + 2K] float64, pinned on CUDA
-    event: torch.cuda.Event | None
 
 
 def hand_off(step_plan: Plan, packed: torch.Tensor, pin: bool) -> None:
@@ -93,13 +94,9 @@ def hand_off(step_plan: Plan, packed: torch.Tensor, pin: bool) -> None:
     request its part; no wait here."""
     host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=pin)
     host.copy_(packed, non_blocking=True)
-    event = None
-    if packed.is_cuda:
-        event = torch.cuda.Event()
-        event.record()
     o = 0
     for req, first, n in step_plan.spans:
-        req.prompt_logprob_parts.append(Part(first, host[o:o + n], event))
+        req.prompt_logprob_parts.append(Part(first, host[o:o + n]))
         o += n
 
 
@@ -107,13 +104,11 @@ def collect(req: Req) -> list[TokenLogprob | None]:
     """The request's prompt logprobs from its parts (a recomputed chunk after a
     preemption gives the same positions again; the last copy counts): one per
     prompt token, None for the first. Called with its first output, after that
-    step's sync, so the copies are done."""
+    step's read-back, so the copies are done (see the module)."""
     k = req.params.prompt_logprobs
     assert k is not None
     out: list[TokenLogprob | None] = [None] * req.prompt_len
     for part in req.prompt_logprob_parts:
-        if part.event is not None:
-            part.event.synchronize()  # already complete: an older event than the step's
         k_max = (part.host.shape[1] - 2) // 2
         for j, row in enumerate(part.host.tolist()):
             pos = part.first + j + 1

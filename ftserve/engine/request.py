@@ -65,7 +65,7 @@ class Req:
     pending_ids: list[int] = field(default_factory=list, init=False)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list, init=False)
     # params.prompt_logprobs: the runner's device->host copies of the prompt
-    # logprobs, one per prefill chunk (PromptLogprobPart), until the first output
+    # logprobs, one per prefill chunk (prompt_logprobs.Part), until the first output
     # carries them; then prompt_logprobs_sent.
     prompt_logprob_parts: list[Any] = field(default_factory=list, init=False)
     prompt_logprobs_sent: bool = field(default=False, init=False)

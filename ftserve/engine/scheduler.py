@@ -162,12 +162,22 @@ class Scheduler:
         logit_rows = PROMPT_LOGPROBS_CHUNK  # the step's prompt-logprob tokens, all requests together
         chunks: list[tuple[Req, int]] = []  # (request, new tokens this step)
         stalled = False
+
+        def room(req: Req) -> int:
+            return min(req.remaining_prefill, budget, logit_rows if req.wants_prompt_logprobs else budget)
+
+        def take(req: Req, n: int) -> None:
+            nonlocal budget, logit_rows
+            chunks.append((req, n))
+            budget -= n
+            logit_rows -= n if req.wants_prompt_logprobs else 0
+
         for req in [r for r in self.running if r.state is ReqState.PREFILL and not r.inflight]:
             if budget <= 0:
                 break
             if req.state is not ReqState.PREFILL:
                 continue  # preempted just now for an older one
-            n = min(req.remaining_prefill, budget, logit_rows if req.wants_prompt_logprobs else budget)
+            n = room(req)
             if n == 0:
                 continue  # this step's prompt-logprob rows are taken: the next step
             if not self._reserve_prefill(req, req.computed_len + n):
@@ -176,9 +186,7 @@ class Scheduler:
                 # chunk would take the pages this request waits for.
                 stalled = True
                 break
-            chunks.append((req, n))
-            budget -= n
-            logit_rows -= n if req.wants_prompt_logprobs else 0
+            take(req, n)
         while not stalled and budget > 0 and self.waiting and self.free_slots:
             req = self.waiting[0]
             if req.inflight:
@@ -188,7 +196,7 @@ class Scheduler:
             if not req.wants_prompt_logprobs and self._prefill_leader(req) is not None:
                 break  # its prompt's next pages are being prefilled: wait for them
             self._admit(req)
-            n = min(req.remaining_prefill, budget, logit_rows if req.wants_prompt_logprobs else budget)
+            n = room(req)
             if not self._reserve(req, req.computed_len + n):
                 # Admission matched pages but the chunk does not fit yet: undo.
                 self._release(req, keep_kv=True)
@@ -196,9 +204,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._count_admission(req)
-            chunks.append((req, n))
-            budget -= n
-            logit_rows -= n if req.wants_prompt_logprobs else 0
+            take(req, n)
         if not chunks:
             return None
         reqs = [req for req, _ in chunks]

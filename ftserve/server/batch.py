@@ -83,10 +83,9 @@ def build_all(parsed: ParsedRequest, prompts: list[list[int]], engine: EngineAPI
     return out
 
 
-def usage(gens: list[Generation], n: int, generated: bool = True) -> dict[str, Any]:
-    """Each prompt counts once however many choices share it; prompts add up.
-    ``generated`` False: a score-only request (echo, max_tokens 0) returns no token."""
+def usage(gens: list[Generation], n: int) -> dict[str, Any]:
+    """Each prompt counts once however many choices share it; prompts add up."""
     groups = [gens[i:i + n] for i in range(0, len(gens), n)]
     return R.usage(sum(g[0].prompt_tokens for g in groups),
-                   sum(g.completion_tokens for g in gens) if generated else 0,
+                   sum(g.completion_tokens for g in gens),
                    sum(max(g.cached_tokens for g in group) for group in groups))

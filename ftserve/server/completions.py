@@ -127,7 +127,7 @@ async def _run(
                 gid = rid if one else f"{rid}-{p * parsed.n + i}"
                 gens.append(Generation(engine, state.tracker, state.metrics, gid, ids,
                                        parsed.choice_params(params[p], i), detok, arrival,
-                                       grammars[p * parsed.n + i]))
+                                       grammars[p * parsed.n + i], parsed.score_only))
         # echo: each choice's text starts with its prompt's.
         per_choice = [h for h in heads for _ in range(parsed.n)] if heads else None
         if parsed.stream:
@@ -172,8 +172,6 @@ async def _collect(
             raise engine_error(state, err) from None
         content = "".join(pieces)
         reason = gen.finish_reason or "stop"
-        if parsed.score_only:  # echo with max_tokens 0: the prompt alone, no token
-            content, lps, out_ids, reason = "", [], [], "length"
         tok_ids = out_ids if parsed.return_token_ids else None
         prompt_ids = gen.prompt_ids if parsed.return_token_ids else None
         if parsed.kind == "chat":
@@ -205,7 +203,7 @@ async def _collect(
             choice["prompt_logprobs"] = R.vllm_prompt_logprobs(gen.prompt_ids, prompt_lps, text.token_text)
         choices.append(choice)
     body["choices"] = choices
-    body["usage"] = batch.usage(gens, parsed.n, not parsed.score_only)
+    body["usage"] = batch.usage(gens, parsed.n)
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
@@ -235,7 +233,6 @@ class _ChoiceChunks:
         self.gen, self.text = gen, text
         self.prompt_ids_pending = parsed.return_token_ids and not self.chat
         self.head = head  # echo: the prompt's text, sent with the first chunk
-        self.echo_logprobs = parsed.echo_logprobs
         self.parsed = parsed
         self.offsets = (_offsets(parsed, gen, text, len(head))
                         if not self.chat and parsed.logprobs is not None else None)
@@ -278,7 +275,7 @@ class _ChoiceChunks:
             step_text, self.head = self.head + step_text, ""
         lp_obj = (R.completion_logprobs(lp, self.text.token_text, self.offsets)
                   if lp and self.offsets is not None else None)
-        if self.echo_logprobs and prompt_lps is not None:  # the first chunk, with the prompt's text
+        if self.parsed.echo_logprobs and prompt_lps is not None:  # the first chunk, with the prompt's text
             lp_obj = R.join_logprobs(_echo_part(self.parsed, self.gen, self.text, prompt_lps), lp_obj)
         p_ids = self.gen.prompt_ids if self.prompt_ids_pending else None
         self.prompt_ids_pending = False
@@ -329,7 +326,7 @@ async def _stream(
 
     async def send(chunk: dict[str, Any]) -> None:
         if parsed.continuous_usage:  # vLLM's continuous_usage_stats: the counts so far, every chunk
-            chunk["usage"] = batch.usage(gens, parsed.n, not parsed.score_only)
+            chunk["usage"] = batch.usage(gens, parsed.n)
         await resp.write(sse.frame(chunk))
 
     pumps = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
@@ -354,17 +351,13 @@ async def _stream(
             lp = item.logprobs if parsed.logprobs is not None else None
             ids = item.token_ids if want_ids else None
             thought, step_text, deltas = st.split(item.text)
-            if parsed.score_only:  # echo with max_tokens 0: the prompt alone, no token
-                step_text, lp, ids = "", None, None
-            if step_text or thought or lp or ids or (parsed.score_only and st.head):
+            if step_text or thought or lp or ids or st.head:  # st.head: echo's prompt, first
                 await send(st.chunk(step_text, None, lp, ids, thought, item.prompt_logprobs))
             for d in deltas:
                 await send(st.call_chunk(d))
             if item.finish_reason is not None:
                 reason = item.finish_reason
                 thought, tail, deltas = st.finish()
-                if parsed.score_only:
-                    reason, tail = "length", ""
                 if tail or thought:
                     await send(st.chunk(tail, None, None, None, thought))
                 for d in deltas:
@@ -375,7 +368,7 @@ async def _stream(
         if parsed.include_usage and not failed:
             obj = "chat.completion.chunk" if chat else "text_completion"
             await resp.write(sse.frame(R.usage_chunk(rid, created, model, obj,
-                                                     batch.usage(gens, parsed.n, not parsed.score_only))))
+                                                     batch.usage(gens, parsed.n))))
         await resp.write(sse.DONE)
         await resp.write_eof()
     except ConnectionError:

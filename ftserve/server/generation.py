@@ -80,7 +80,10 @@ class Generation:
         detok: StreamDetokenizer,
         arrival_time: float,
         grammar: GrammarMatcher | None = None,
+        score_only: bool = False,
     ) -> None:
+        """``score_only``: the request scores its prompt (completions echo with
+        max_tokens 0): the engine runs one token, which no step shows or counts."""
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.prompt_tokens = len(prompt_ids)
@@ -94,6 +97,7 @@ class Generation:
         self._detok = detok
         self._arrival = arrival_time
         self._last_token_time: float | None = None
+        self._score_only = score_only
         self._queue = tracker.open(request_id)
         engine.submit(GenerateRequest(request_id, prompt_ids, params, arrival_time, grammar))
 
@@ -132,6 +136,10 @@ class Generation:
         now = time.monotonic()
         self.cached_tokens = out.cached_tokens
         self._observe(out, now)
+        if self._score_only:
+            if out.finished:
+                self._finish("length", now)  # cut at its one token, which is dropped
+            return Step("", [], None, self.finish_reason, out.prompt_logprobs)
         new_ids = list(out.new_token_ids)
         self.completion_tokens += len(new_ids)
         text = self._detok.push(new_ids)
