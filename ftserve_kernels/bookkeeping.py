@@ -377,18 +377,31 @@ def copy_rows(
 
 
 @triton.jit
-def _host_words_kernel(src, dst, n, HOST_SRC: tl.constexpr, BLOCK: tl.constexpr):
+def _host_words_kernel(src, dst, n, parity_ptr, pair_stride, HOST_SRC: tl.constexpr, BLOCK: tl.constexpr,
+                       PAIRED: tl.constexpr = False, FLIP: tl.constexpr = False):
     # The pinned side arrives as an int64 address (UVA), as in _copy_blocks_kernel.
+    # PAIRED: it is a pair of buffers, pair_stride words apart, and the device
+    # word at parity_ptr (0 or 1) picks one; FLIP then toggles that word.
     if HOST_SRC:
         sp = src.to(tl.pointer_type(tl.int64))
         dp = dst
     else:
         sp = src
         dp = dst.to(tl.pointer_type(tl.int64))
+    if PAIRED:
+        side = tl.load(parity_ptr)
+        if HOST_SRC:
+            sp += side.to(tl.int64) * pair_stride
+        else:
+            dp += side.to(tl.int64) * pair_stride
     for off in range(0, n, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         m = offs < n
         tl.store(dp + offs, tl.load(sp + offs, mask=m), mask=m)
+    if FLIP:
+        # One program: every thread read the side before any thread writes it.
+        tl.debug_barrier()
+        tl.store(parity_ptr, 1 - side)
 
 
 def copy_host_words_ref(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -421,5 +434,50 @@ def copy_host_words(src: torch.Tensor, dst: torch.Tensor) -> None:
         return
     _host_words_kernel[(1,)](
         host.data_ptr() if host_src else src, dst if host_src else host.data_ptr(), n,
+        dst if host_src else src, 0,  # parity: unread
         HOST_SRC=host_src, BLOCK=min(1024, triton.next_power_of_2(n)), num_warps=1,
+    )
+
+
+def copy_host_words_paired_ref(src: torch.Tensor, dst: torch.Tensor, parity: torch.Tensor,
+                               flip: bool = False) -> None:
+    """The twin of copy_host_words_paired (host code: it reads ``parity``)."""
+    side = int(parity.reshape(-1)[0])
+    if src.dim() == 2:
+        dst.copy_(src[side], non_blocking=True)
+    else:
+        dst[side].copy_(src, non_blocking=True)
+    if flip:
+        parity.fill_(1 - side)
+
+
+def paired_copies_supported(device: torch.device) -> bool:
+    """Whether copy_host_words_paired runs as a kernel there: what lets a CUDA
+    graph move a step's words itself (the memcpy cannot follow a device word)."""
+    return device.type == "cuda" and envs.step_copy_kernel() and not interpreting()
+
+
+def copy_host_words_paired(src: torch.Tensor, dst: torch.Tensor, parity: torch.Tensor,
+                           flip: bool = False) -> None:
+    """copy_host_words where the pinned side is a pair of buffers, [2, n] (rows
+    contiguous), and a device word picks the row: ``parity`` [1] int32, 0 or 1,
+    read by the kernel (no host sync: the copy can sit inside a CUDA graph whose
+    steps alternate between the two rows). ``flip`` toggles the word after the
+    copy. The decode graphs start with the input copy and end with the tokens'
+    copy + flip, so step N uses row N % 2 (the host writes and reads the same row).
+    Off CUDA the twin (it reads the word on the host)."""
+    pair, other = (src, dst) if src.dim() == 2 else (dst, src)
+    assert src.dtype == dst.dtype == torch.int64 and pair.shape[0] == 2 and other.dim() == 1
+    assert pair.shape[1] == other.numel() and pair.stride(1) == 1 and other.is_contiguous()
+    assert parity.dtype == torch.int32 and parity.numel() == 1 and parity.device == other.device
+    if not (other.is_cuda and paired_copies_supported(other.device)):
+        copy_host_words_paired_ref(src, dst, parity, flip)
+        return
+    assert pair.is_pinned(), "the pair is pinned host memory, the other side a CUDA tensor"
+    n = other.numel()
+    host_src = pair is src
+    _host_words_kernel[(1,)](
+        pair.data_ptr() if host_src else src, dst if host_src else pair.data_ptr(), n, parity,
+        pair.stride(0), HOST_SRC=host_src, BLOCK=min(1024, triton.next_power_of_2(max(n, 1))),
+        PAIRED=True, FLIP=flip, num_warps=1,
     )

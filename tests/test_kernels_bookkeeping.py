@@ -235,10 +235,10 @@ def test_host_words_kernel_both_ways(n: int) -> None:
         return
     block = min(1024, 1 << (n - 1).bit_length())
     dst = torch.full((n + 3,), -7, dtype=torch.int64)
-    bk._host_words_kernel[(1,)](words.data_ptr(), dst, n, HOST_SRC=True, BLOCK=block)
+    bk._host_words_kernel[(1,)](words.data_ptr(), dst, n, dst, 0, HOST_SRC=True, BLOCK=block)
     assert torch.equal(dst[:n], words) and (dst[n:] == -7).all()
     back = torch.full((n + 3,), -9, dtype=torch.int64)
-    bk._host_words_kernel[(1,)](dst, back.data_ptr(), n, HOST_SRC=False, BLOCK=block)
+    bk._host_words_kernel[(1,)](dst, back.data_ptr(), n, dst, 0, HOST_SRC=False, BLOCK=block)
     assert torch.equal(back[:n], words) and (back[n:] == -9).all()
 
 
@@ -276,3 +276,94 @@ def test_gpu_step_copies_stay_stream_ordered() -> None:
             s, ev = pending.pop(0)
             ev.synchronize()
             assert h_out[s % 2].tolist() == [(i + 1000 * s) * 3 + 1 for i in range(n)], s
+
+
+@pytest.mark.parametrize("side", [0, 1])
+@pytest.mark.parametrize("n", [1, 7, 1500])
+def test_paired_host_words_kernel_follows_the_device_word(side: int, n: int) -> None:
+    """The paired step copy reads (or writes) the row of the pair that the
+    parity word names, nothing past n and nothing of the other row; FLIP
+    toggles the word. Under the interpreter the pair is a host tensor given
+    by address, as its pinned UVA pointer is on a GPU."""
+    if DEVICE == "cuda":
+        pytest.skip("the CUDA run is test_gpu_paired_step_copies_in_a_graph")
+    g = torch.Generator().manual_seed(n + side)
+    pair = torch.randint(-(1 << 62), 1 << 62, (2, n + 5), dtype=torch.int64, generator=g)
+    block = min(1024, 1 << (max(n, 1) - 1).bit_length())
+    parity = torch.tensor([side], dtype=torch.int32)
+    dst = torch.full((n + 3,), -7, dtype=torch.int64)
+    bk._host_words_kernel[(1,)](pair.data_ptr(), dst, n, parity, pair.stride(0), HOST_SRC=True,
+                                BLOCK=block, PAIRED=True)
+    assert torch.equal(dst[:n], pair[side, :n]) and (dst[n:] == -7).all()
+    assert parity.item() == side  # no FLIP: the word stays
+    before = pair.clone()
+    words = torch.arange(n, dtype=torch.int64) * 3 - 11
+    bk._host_words_kernel[(1,)](words, pair.data_ptr(), n, parity, pair.stride(0), HOST_SRC=False,
+                                BLOCK=block, PAIRED=True, FLIP=True)
+    assert torch.equal(pair[side, :n], words) and torch.equal(pair[side, n:], before[side, n:])
+    assert torch.equal(pair[1 - side], before[1 - side])
+    assert parity.item() == 1 - side
+
+
+def test_copy_host_words_paired_twin_and_checks() -> None:
+    """Off CUDA the paired copy is its twin: the parity word read on the host,
+    the row copied, the word toggled with flip; bad shapes are refused."""
+    pair = torch.zeros(2, 4, dtype=torch.int64)
+    parity = torch.zeros(1, dtype=torch.int32)
+    for step in range(4):
+        words = torch.arange(4) + 10 * step
+        bk.copy_host_words_paired(words, pair, parity, flip=True)
+        assert torch.equal(pair[step % 2], words) and parity.item() == (step + 1) % 2
+        back = torch.zeros(4, dtype=torch.int64)
+        bk.copy_host_words_paired(pair, back, torch.tensor([step % 2], dtype=torch.int32))
+        assert torch.equal(back, words)
+    with pytest.raises(AssertionError):
+        bk.copy_host_words_paired(torch.zeros(4, dtype=torch.int64), torch.zeros(3, 4, dtype=torch.int64), parity)
+    with pytest.raises(AssertionError):
+        bk.copy_host_words_paired(torch.zeros(5, dtype=torch.int64), pair, parity)
+    with pytest.raises(AssertionError):
+        bk.copy_host_words_paired(torch.zeros(4, dtype=torch.int64), pair, parity.long())
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_paired_step_copies_in_a_graph() -> None:
+    """The decode graphs' pattern: one captured graph reads its input words
+    from the pinned row the device word names, computes, writes its tokens to
+    the same row of the output pair and toggles the word; the host writes
+    step N's inputs into row N % 2 and reads its tokens there one step late,
+    with no sync but the events."""
+    n = 9
+    h_in = torch.zeros(2, n, dtype=torch.int64).pin_memory()
+    h_out = torch.zeros(2, n, dtype=torch.int64).pin_memory()
+    g_in = torch.zeros(n, dtype=torch.int64, device="cuda")
+    parity = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def step_fn() -> None:
+        bk.copy_host_words_paired(h_in, g_in, parity)
+        out = g_in * 3 + 1  # the step's "tokens"
+        bk.copy_host_words_paired(out, h_out, parity, flip=True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step_fn()
+        step_fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step_fn()
+    parity.zero_()
+    pending = []
+    for step in range(40):
+        h_in[step % 2].copy_(torch.arange(n) + 1000 * step)
+        graph.replay()
+        event = torch.cuda.Event()
+        event.record()
+        pending.append((step, event))
+        if len(pending) == 2:  # read one step late, as the overlap scheduler does
+            st, ev = pending.pop(0)
+            ev.synchronize()
+            assert h_out[st % 2].tolist() == [(i + 1000 * st) * 3 + 1 for i in range(n)], st
+    torch.cuda.synchronize()
+    assert parity.item() == 0  # 40 flips

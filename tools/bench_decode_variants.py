@@ -73,7 +73,7 @@ from tools.engine_measure import bench_decode, prefill_base
 TOP_KERNELS = 12
 # A batch-1 greedy decode graph starts with the inputs launch and ends with
 # the greedy sampler's (trace_engine cuts the engine's timeline at them).
-FIRST_GRAPH_KERNEL = "_decode_inputs_kernel"
+FIRST_GRAPH_KERNEL = "_decode_inputs_kernel"  # after the input copy where the graph holds it
 LAST_GRAPH_KERNELS = ("_greedy_kernel",)
 
 
@@ -140,8 +140,7 @@ def time_replay(b: Bench, batch: Any, reps: int) -> dict[str, Any]:
     runner = b.drv.runner
     graphs = runner.graphs
     runner.prepare_slots(batch.reqs)
-    graphs.replay(batch)  # fills the static inputs for this batch
-    g = graphs.graphs[(graphs._padded(len(batch.reqs)), SamplerFeatures())]
+    g = graphs.prime(batch, SamplerFeatures())  # the batch's words in both staging rows
     for _ in range(5):
         g.replay()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
@@ -151,6 +150,7 @@ def time_replay(b: Bench, batch: Any, reps: int) -> dict[str, Any]:
         g.replay()
         ev.record()
     torch.cuda.synchronize()
+    graphs.resync()
     ms = [a.elapsed_time(e) for a, e in zip(events, events[1:])]
     return {"replay_ms": statistics.median(ms), "replay_ms_min": min(ms), "replay_ms_max": max(ms),
             "replay_reps": reps}
@@ -175,8 +175,7 @@ def trace_replay(b: Bench, batch: Any, replays: int = 3) -> dict[str, Any]:
     runner = b.drv.runner
     graphs = runner.graphs
     runner.prepare_slots(batch.reqs)
-    graphs.replay(batch)
-    g = graphs.graphs[(graphs._padded(len(batch.reqs)), SamplerFeatures())]
+    g = graphs.prime(batch, SamplerFeatures())
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
@@ -184,6 +183,7 @@ def trace_replay(b: Bench, batch: Any, replays: int = 3) -> dict[str, Any]:
         for _ in range(replays):
             g.replay()
         torch.cuda.synchronize()
+    graphs.resync()
     spans = cuda_spans(prof)
     per = len(spans) // replays
     last = spans[-per:] if per else []

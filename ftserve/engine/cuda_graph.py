@@ -1,10 +1,14 @@
 """CUDA-graph decode: one captured graph per padded batch size, replayed with
 one call.
 
-Static input, refilled each step by ONE non-blocking copy from pinned memory
-(on CUDA a one-program kernel reading the pinned rows over UVA,
-bookkeeping.copy_host_words, so no copy-engine transfer sits between two
-graphs)::
+Static input, refilled each step by ONE copy from pinned memory: a
+one-program kernel reading the pinned rows over UVA (bookkeeping), the graph's
+first node. The pinned rows are a pair that alternates between steps, and a
+device word picks the row (copy_host_words_paired); the graph's last node
+stores the sampled tokens into the same row of a pinned output pair and toggles
+the word. So a decode step is one graph launch, with nothing between two
+graphs (H200, batch 1: 11 us of copies and gaps did sit there). Where the
+kernel cannot run (FTSERVE_STEP_COPY_KERNEL=0) the copies stay outside::
 
     g_in [max_bs, 7] int64, one row per sequence: input_id, position,
         out_cache_loc, seq_len, sampler slot (+ min_tokens flag in bit 62), step,
@@ -37,7 +41,11 @@ import torch
 from ftserve.engine.sampler import SampleOutput, SamplerFeatures
 from ftserve.models.forward_batch import AttentionMetadata, ForwardBatch
 from ftserve_kernels import ops
-from ftserve_kernels.bookkeeping import copy_host_words
+from ftserve_kernels.bookkeeping import (
+    copy_host_words,
+    copy_host_words_paired,
+    paired_copies_supported,
+)
 
 if TYPE_CHECKING:
     from ftserve.engine.runner import ModelRunner
@@ -103,9 +111,15 @@ class DecodeGraphs:
         self.sizes = graph_batch_sizes(max_bs)
         dev = self.device
         self.g_in = torch.zeros(max_bs, 7, dtype=torch.int64, device=dev)
-        # Two pinned staging buffers, alternating: with overlap scheduling the
-        # copy out of one may still be queued while the next step is planned.
-        self.h_in = [torch.zeros(max_bs, 7, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        # Two pinned staging rows, alternating: with overlap scheduling the copy
+        # out of one may still be queued while the next step is planned. With
+        # in-graph copies the graph reads row `parity` and writes its tokens to
+        # row `parity` of h_out, then toggles the word; the host's `_flip` is the
+        # same count of replays mod 2 (resync() sets both to 0).
+        self.in_graph_io = paired_copies_supported(dev)
+        self.h_in = torch.zeros(2, max_bs * 7, dtype=torch.int64, pin_memory=True)
+        self.h_out = torch.zeros(2, max_bs, dtype=torch.int64, pin_memory=True)
+        self.parity = torch.zeros(1, dtype=torch.int32, device=dev)
         self._flip = 0
         self.qo_indptr = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=dev)
@@ -124,6 +138,8 @@ class DecodeGraphs:
 
     def _forward(self, bs: int) -> SampleOutput:
         r = self.runner
+        if self.in_graph_io:
+            copy_host_words_paired(self.h_in[:, :bs * 7], self.g_in[:bs].view(-1), self.parity)
         # One launch on Triton: the fields, the page-table rows, the embeddings.
         # With the first layer's input norm too, where the model takes it (as
         # its eager decode step does: the same rows to the bit).
@@ -154,6 +170,8 @@ class DecodeGraphs:
         # the dummy slot, which never reads them). Steps of other variants hold no
         # row that reads its counts, and admit() resets a row it hands out.
         r.sampler.update(d.slots, out.token_ids)
+        if self.in_graph_io:  # the tokens to the host, and the next step's row
+            copy_host_words_paired(out.token_ids[:bs], self.h_out[:, :bs], self.parity, flip=True)
         return out
 
     def capture(self) -> None:
@@ -168,7 +186,15 @@ class DecodeGraphs:
                 log.info("captured %d decode graphs (%s)", len(self.sizes),
                          ", ".join(k for k, on in dataclasses.asdict(feats).items() if on) or "greedy")
         torch.cuda.synchronize()
+        self.resync()  # the warm-up runs toggled the word
         log.info("CUDA graphs for batch sizes %s captured in %.1f s", self.sizes, time.monotonic() - t0)
+
+    def resync(self) -> None:
+        """Device word and host count back to row 0, stream-ordered. For a caller
+        that replayed graphs itself (benchmarks, after their replays ran): each
+        replay toggles the word behind the host's back."""
+        self.parity.zero_()
+        self._flip = 0
 
     def _capture_one(self, bs: int, feats: SamplerFeatures) -> None:
         graph, out = capture_graph(lambda: self._forward(bs), self.pool)
@@ -176,13 +202,17 @@ class DecodeGraphs:
         self.outputs[(bs, feats)] = out
 
     def _fill_dummy(self) -> None:
-        r = self.runner
-        self.g_in.zero_()
-        self.g_in[:, 3].fill_(1)  # seq_len 1 over the dummy page
-        self.g_in[:, 4].fill_(r.sink_row)
-        self.g_in[:, 6].fill_(-1)
+        """Every row a padded one (also both staging rows: the warm-up runs
+        before capture copy them in)."""
+        rows = torch.zeros(self.max_bs, 7, dtype=torch.int64)
+        rows[:, 3] = 1  # seq_len 1 over the dummy page
+        rows[:, 4] = self.runner.sink_row
+        rows[:, 6] = -1
+        self.h_in.copy_(rows.view(1, -1).expand(2, -1))
+        self.g_in.copy_(self.h_in[0].view(self.max_bs, 7))
 
-    def replay(self, batch: ScheduledBatch) -> SampleOutput:
+    def _rows(self, batch: ScheduledBatch) -> tuple[int, torch.Tensor]:
+        """-> (padded batch size, the step's input words [pbs * 7])."""
         r = self.runner
         bs = len(batch.reqs)
         pbs = self._padded(bs)
@@ -194,12 +224,31 @@ class DecodeGraphs:
             rows.append((toks[0], p, req.pages[p // ps] * ps + p % ps, p + 1,
                          req.slot | flag, step, src))
         rows.extend([(0, 0, 0, 1, r.sink_row, 0, -1)] * (pbs - bs))
-        # This buffer was last used two steps ago; the engine has read back
-        # that step's tokens since, which waited for its copy.
+        return pbs, torch.tensor(rows, dtype=torch.int64).view(-1)
+
+    def replay(self, batch: ScheduledBatch) -> tuple[SampleOutput, torch.Tensor | None]:
+        """-> (the graph's static output, the pinned row its tokens land in, or
+        None where the caller copies them out)."""
+        r = self.runner
+        pbs, words = self._rows(batch)
+        # This row was last used two steps ago; the engine has read back that
+        # step's tokens since, which waited for its graph (or copy).
+        side = self._flip
         self._flip ^= 1
-        h_in = self.h_in[self._flip]
-        h_in[:pbs] = torch.tensor(rows, dtype=torch.int64)
-        copy_host_words(h_in[:pbs], self.g_in[:pbs])  # a kernel, not a copy-engine memcpy
+        self.h_in[side, :words.numel()] = words
+        if not self.in_graph_io:
+            copy_host_words(self.h_in[side, :words.numel()], self.g_in[:pbs].view(-1))
         feats = sampler_variant(r.sampler.features_of(req.slot for req in batch.reqs))
         self.graphs[(pbs, feats)].replay()
-        return self.outputs[(pbs, feats)]
+        host = self.h_out[side, :len(batch.reqs)] if self.in_graph_io else None
+        return self.outputs[(pbs, feats)], host
+
+    def prime(self, batch: ScheduledBatch, feats: SamplerFeatures | None = None) -> torch.cuda.CUDAGraph:
+        """For benchmarks that replay one graph back to back: the batch's words
+        in both staging rows (and g_in), and the graph (the greedy one unless
+        ``feats``). Call resync() once those replays are done."""
+        torch.cuda.synchronize()
+        pbs, words = self._rows(batch)
+        self.h_in[:, :words.numel()] = words
+        self.g_in[:pbs].view(-1).copy_(words)
+        return self.graphs[(pbs, feats if feats is not None else SamplerFeatures())]

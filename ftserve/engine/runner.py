@@ -270,7 +270,8 @@ class ModelRunner:
         if decode_graph:
             assert self.graphs is not None
             self._sampling_inputs(batch)  # the graph samples: parameters first
-            out = self.graphs.replay(batch)
+            out, graph_host = self.graphs.replay(batch)
+            return Launched(batch, rows, self._copy_out(batch, rows, out, graph_host))
         elif (layer_ready is None and self.prefill_graphs is not None and prompt is None
               and self.prefill_graphs.can_run(batch)):
             logits_all = self.prefill_graphs.replay(batch)  # [max_seqs, V], row i = reqs[i]
@@ -307,8 +308,10 @@ class ModelRunner:
             self.sampler.update(slots, out.token_ids)
         return Launched(batch, rows, self._copy_out(batch, rows, out))
 
-    def _copy_out(self, batch: ScheduledBatch, rows: list[int], out: SampleOutput) -> _HostOut:
-        """Start the device->host copy of the sampled tokens (and logprobs if asked)."""
+    def _copy_out(self, batch: ScheduledBatch, rows: list[int], out: SampleOutput,
+                  graph_host: torch.Tensor | None = None) -> _HostOut:
+        """Start the device->host copy of the sampled tokens (and logprobs if
+        asked); ``graph_host``: the pinned row a decode graph stored them in."""
         n = len(rows)
         want = out.logprobs is not None and any(
             batch.reqs[i].params.logprobs is not None for i in rows)
@@ -320,6 +323,8 @@ class ModelRunner:
                                dim=1)  # [n, 2 + 2K]
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=self._pin)
             host.copy_(packed, non_blocking=True)
+        elif graph_host is not None:
+            host = graph_host[:n]  # the graph's last node stored them (cuda_graph)
         else:
             # Tokens only: straight into a persistent pinned buffer. Two of them
             # alternate: step N's is read (collect) before step N+2 rewrites it.
