@@ -36,12 +36,16 @@ GEMV_MAX_ROWS = 4  # rows per launch: every program holds all of them
 
 @triton.jit
 def _row_in(x_ptr, r_ptr, nw_ptr, t, T, stride_x, stride_r, kk, kmask, inv, dtype,
-            HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+            HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_PARTS: tl.constexpr = False):
     """Row t's input chunk as an fp32 tile shaped like the weight tile (kk [N, BK]
     repeats one K chunk down the rows: the loads hit L1, and the tile needs no
-    layout conversion, so no shared memory and no barrier in the K loop)."""
+    layout conversion, so no shared memory and no barrier in the K loop).
+    HAS_PARTS: w * x unrounded (the row's 1/rms scales the dot at the end)."""
     m = kmask & ((kk * 0 + t) < T)
     xv = tl.load(x_ptr + t * stride_x + kk, mask=m, other=0.0)
+    if HAS_PARTS:
+        nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0)
+        return nw.to(tl.float32) * xv.to(tl.float32)
     if HAS_NORM:
         if HAS_RESIDUAL:
             rv = tl.load(r_ptr + t * stride_r + kk, mask=m, other=0.0)
@@ -72,6 +76,18 @@ def _row_inv(x_ptr, r_ptr, sum_ptr, t, T, K, eps, stride_x, stride_r, stride_s, 
 
 
 @triton.jit
+def _row_scale(parts_ptr, t, T, P, K, eps, HAS_PARTS: tl.constexpr, BLOCK_P: tl.constexpr):
+    """1 / rms of row t from its P partial sums of squares (added in a fixed
+    order: every program gets the same value); 1 without parts."""
+    scale = 1.0
+    if HAS_PARTS:
+        pp = tl.arange(0, BLOCK_P)
+        part = tl.load(parts_ptr + t * P + pp, mask=(pp < P) & ((pp * 0 + t) < T), other=0.0)
+        scale = tl.rsqrt(tl.sum(part, 0) / K + eps)
+    return scale
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, sum_ptr,
     T, N, K, eps,
@@ -79,7 +95,12 @@ def _gemv_kernel(
     HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KALL: tl.constexpr,
     EVEN_K: tl.constexpr, K_STEPS: tl.constexpr, PDL: tl.constexpr,
+    parts_ptr=None, P=1, HAS_PARTS: tl.constexpr = False, BLOCK_P: tl.constexpr = 1,
 ):
+    # HAS_PARTS: x is the residual sum s of a norm the layer before left pending
+    # (its programs' partial sums of squares in parts [T, P]): the K loop takes
+    # nw * s unrounded, and the row's 1/rms, known only from all the parts,
+    # scales the dot at the end (those loads wait behind the weights, not before).
     # Rows are unrolled (BLOCK_T in 1, 2, 4), each with its own [N, BK] fp32
     # accumulator summed over K once at the end: the K loop is loads and FMAs only.
     pid = tl.program_id(0)
@@ -121,29 +142,33 @@ def _gemv_kernel(
         else:
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask, other=0.0).to(tl.float32)
         acc0 += w * _row_in(x_ptr, r_ptr, nw_ptr, 0, T, stride_x, stride_r, kk, kmask, inv0, dt,
-                            HAS_NORM, HAS_RESIDUAL)
+                            HAS_NORM, HAS_RESIDUAL, HAS_PARTS)
         if BLOCK_T > 1:
             acc1 += w * _row_in(x_ptr, r_ptr, nw_ptr, 1, T, stride_x, stride_r, kk, kmask, inv1, dt,
-                                HAS_NORM, HAS_RESIDUAL)
+                                HAS_NORM, HAS_RESIDUAL, HAS_PARTS)
         if BLOCK_T > 2:
             acc2 += w * _row_in(x_ptr, r_ptr, nw_ptr, 2, T, stride_x, stride_r, kk, kmask, inv2, dt,
-                                HAS_NORM, HAS_RESIDUAL)
+                                HAS_NORM, HAS_RESIDUAL, HAS_PARTS)
             acc3 += w * _row_in(x_ptr, r_ptr, nw_ptr, 3, T, stride_x, stride_r, kk, kmask, inv3, dt,
-                                HAS_NORM, HAS_RESIDUAL)
+                                HAS_NORM, HAS_RESIDUAL, HAS_PARTS)
         w_ptrs += BLOCK_K
     bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
     # Rounded to x's dtype first, as F.linear's output, also into an fp32 y (the lm_head).
     ydt = y_ptr.dtype.element_ty
-    tl.store(y_ptr + cols, (tl.sum(acc0, 1) + bias).to(dt).to(ydt), mask=nmask)
+    sc0 = _row_scale(parts_ptr, 0, T, P, K, eps, HAS_PARTS, BLOCK_P)
+    tl.store(y_ptr + cols, (tl.sum(acc0, 1) * sc0 + bias).to(dt).to(ydt), mask=nmask)
     if BLOCK_T > 1:
-        tl.store(y_ptr + stride_y + cols, (tl.sum(acc1, 1) + bias).to(dt).to(ydt),
+        sc1 = _row_scale(parts_ptr, 1, T, P, K, eps, HAS_PARTS, BLOCK_P)
+        tl.store(y_ptr + stride_y + cols, (tl.sum(acc1, 1) * sc1 + bias).to(dt).to(ydt),
                  mask=nmask & ((cols * 0 + 1) < T))
     if BLOCK_T > 2:
-        tl.store(y_ptr + 2 * stride_y + cols, (tl.sum(acc2, 1) + bias).to(dt).to(ydt),
+        sc2 = _row_scale(parts_ptr, 2, T, P, K, eps, HAS_PARTS, BLOCK_P)
+        sc3 = _row_scale(parts_ptr, 3, T, P, K, eps, HAS_PARTS, BLOCK_P)
+        tl.store(y_ptr + 2 * stride_y + cols, (tl.sum(acc2, 1) * sc2 + bias).to(dt).to(ydt),
                  mask=nmask & ((cols * 0 + 2) < T))
-        tl.store(y_ptr + 3 * stride_y + cols, (tl.sum(acc3, 1) + bias).to(dt).to(ydt),
+        tl.store(y_ptr + 3 * stride_y + cols, (tl.sum(acc3, 1) * sc3 + bias).to(dt).to(ydt),
                  mask=nmask & ((cols * 0 + 3) < T))
 
 
@@ -157,14 +182,20 @@ def gemv_triton(
     block: tuple[int, int] | None = None,  # (BLOCK_N, BLOCK_K) over the default's warps
     config: gc.GemvConfig | None = None,  # all launch parameters; wins over block
     out_dtype: torch.dtype | None = None,  # y's dtype (values rounded to x's dtype first)
+    parts: torch.Tensor | None = None,  # [T, P] fp32: x is s of a pending norm (norm_w, eps)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-> (y [T, N] in ``out_dtype`` or x's dtype, x + residual [T, K] or None).
-    Launch: ``config``, else ``block``, else the device table's entry
-    (gemv_configs), else the default."""
+    With ``parts``: y = rms_norm(x) . W^T with the norm unrounded, 1/rms from the
+    sum of ``parts`` (a pending norm, moe_down_gemv_triton.NormNext deferred);
+    the launch is the plain GEMV's. Launch: ``config``, else ``block``, else the
+    device table's entry (gemv_configs), else the default."""
     t, k = x.shape
     n = w.shape[0]
     assert t <= GEMV_MAX_ROWS and w.shape[1] == k
     assert residual is None or norm_w is not None, "the residual add is part of the norm prologue"
+    if parts is not None:
+        assert norm_w is not None and residual is None and parts.dtype == torch.float32
+        assert parts.shape[0] == t and parts.is_contiguous()
     assert x.stride(-1) == 1 and w.stride(-1) == 1
     y = torch.empty((t, n), dtype=out_dtype or x.dtype, device=x.device)
     summed = torch.empty_like(x) if residual is not None else None
@@ -179,12 +210,13 @@ def gemv_triton(
     # (N = 5120, K = 2048): 320 programs of 16 rows (64 KB, 53 registers on sm_90);
     # o_proj (N = 2048, K = 4096): 256 programs of 8 rows (64 KB, 80 registers).
     # 4 rows of 16 would take 255 registers: 8. Tuned per device: tools/tune_gemv.py.
-    kind = "dense_norm" if norm_w is not None else "dense"
+    prologue = norm_w is not None and parts is None  # the norm's own sum first
+    kind = "dense_norm" if prologue else "dense"
     if config is None:
         if block is not None:
             config = dataclasses.replace(gc.default(kind, cuda, n, t), block_n=block[0], block_k=block[1])
         else:
-            config = (gc.pick(gc.dense_key(norm_w is not None, n, k), block_t, x.device)
+            config = (gc.pick(gc.dense_key(prologue, n, k), block_t, x.device)
                       or gc.default(kind, cuda, n, t))
     bn, bk = config.block_n, min(config.block_k, triton.next_power_of_2(k))
     r = residual if residual is not None else x
@@ -195,9 +227,11 @@ def gemv_triton(
         x, r, nw, w, bias if bias is not None else w, y, s,
         t, n, k, eps,
         x.stride(0), r.stride(0), w.stride(0), y.stride(0), s.stride(0),
-        HAS_NORM=norm_w is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        HAS_NORM=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_T=block_t, BLOCK_N=bn, BLOCK_K=bk,
         BLOCK_KALL=triton.next_power_of_2(k), EVEN_K=k % bk == 0, K_STEPS=triton.cdiv(k, bk),
         num_warps=config.num_warps, num_stages=config.num_stages, PDL=on, **pdl.launch(on),
+        **({} if parts is None else dict(parts_ptr=parts, P=parts.shape[1], HAS_PARTS=True,
+                                         BLOCK_P=triton.next_power_of_2(parts.shape[1]))),
     )
     return y, summed

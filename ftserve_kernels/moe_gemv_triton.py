@@ -32,7 +32,7 @@ import triton.language as tl
 from ftserve import envs
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
-from ftserve_kernels.moe_down_gemv_triton import NormNext, moe_down_gemv
+from ftserve_kernels.moe_down_gemv_triton import NormNext, moe_down_gemv, norm_parts
 from ftserve_kernels.moe_read_through import (
     ReadThrough,
     _bank_rows,
@@ -187,8 +187,20 @@ def fused_moe_add_norm_gemv_triton(
     """fused_moe_gemv_triton with the next layer's input norm folded into the
     3-D down kernel's epilogue (``_add_then_norm_last``)
     -> (rms_norm(out + residual) [T, H], out + residual [T, H]), as
-    ops.fused_add_rms_norm of the MoE output rounds them."""
-    normed, summed = torch.empty_like(x), torch.empty_like(x)
+    ops.fused_add_rms_norm of the MoE output rounds them. With
+    ``norm_next.deferred`` the first is the pending norm's partial sums of
+    squares instead, [T, P] fp32 (``_add_then_part``)."""
+    summed = torch.empty_like(x)
+    if norm_next.deferred:
+        if configs is None:
+            configs = _configs(x, w13, topk_ids, None, None, envs.moe_gateup_acc(), True)
+        p = norm_parts(x.shape[1], configs[1])
+        parts = torch.empty((x.shape[0], p), dtype=torch.float32, device=x.device)
+        # ``out`` only gives the rows' shape and rounding dtype here (the kernel stores the sums)
+        _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, summed, None, None, True, None, configs, None,
+                        norm_next, summed, parts)
+        return parts, summed
+    normed = torch.empty_like(x)
     _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, normed, None, None, True, None, configs, None,
                     norm_next, summed)
     return normed, summed
@@ -200,9 +212,10 @@ def _fused_moe_gemv(
     block_n: tuple[int, int] | None, down3d: bool | None, gate_up_acc: bool | None,
     configs: tuple[gc.GemvConfig, gc.GemvConfig] | None, read_through: ReadThrough | None,
     norm_next: NormNext | None = None, summed: torch.Tensor | None = None,
+    parts: torch.Tensor | None = None,
 ) -> None:
     """Both launches into ``out`` (with ``norm_next``: the normed rows, and the
-    sums into ``summed``)."""
+    sums into ``summed``; deferred: the partial sums of squares into ``parts``)."""
     t, h = x.shape
     inter = w13.shape[1] // 2
     k = topk_ids.shape[1]
@@ -221,20 +234,33 @@ def _fused_moe_gemv(
     if read_through is not None:
         assert expert_map is not None, "read-through resolves misses by slot"
         gate_up_acc, down3d = False, True
-    kinds = ("moe_gate_up_acc" if gate_up_acc else "moe_gate_up", "moe_down" if down3d else "moe_down2d")
     if configs is None:
-        cuda = x.is_cuda
-        if block_n is not None:
-            cfgs = [dataclasses.replace(gc.default(kind, cuda), block_n=bn) for kind, bn in zip(kinds, block_n)]
-        else:
-            # The model's expert count, not the rows of w13 (an expert-slot cache holds fewer).
-            e = expert_map.shape[0] if expert_map is not None else w13.shape[0]
-            cfgs = [gc.pick(gc.moe_key(kind, e, h, inter, k), t, x.device) or gc.default(kind, cuda)
-                    for kind in kinds]
-        configs = (cfgs[0], cfgs[1])
+        configs = _configs(x, w13, topk_ids, expert_map, block_n, gate_up_acc, down3d)
     moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through)
-    outs = (out, summed) if norm_next is not None and summed is not None else None
+    outs = None
+    if norm_next is not None and summed is not None:
+        outs = (parts if parts is not None else out, summed)
     moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d, read_through, norm_next, outs)
+
+
+def _configs(
+    x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
+    block_n: tuple[int, int] | None, gate_up_acc: bool, down3d: bool,
+) -> tuple[gc.GemvConfig, gc.GemvConfig]:
+    """(gate/up, down) launch parameters: ``block_n`` over the defaults, else
+    this device's table entry, else the defaults."""
+    t, h = x.shape
+    inter, k = w13.shape[1] // 2, topk_ids.shape[1]
+    kinds = ("moe_gate_up_acc" if gate_up_acc else "moe_gate_up", "moe_down" if down3d else "moe_down2d")
+    cuda = x.is_cuda
+    if block_n is not None:
+        cfgs = [dataclasses.replace(gc.default(kind, cuda), block_n=bn) for kind, bn in zip(kinds, block_n)]
+    else:
+        # The model's expert count, not the rows of w13 (an expert-slot cache holds fewer).
+        e = expert_map.shape[0] if expert_map is not None else w13.shape[0]
+        cfgs = [gc.pick(gc.moe_key(kind, e, h, inter, k), t, x.device) or gc.default(kind, cuda)
+                for kind in kinds]
+    return cfgs[0], cfgs[1]
 
 
 def moe_gate_up_gemv(

@@ -197,17 +197,37 @@ def moe_folds_next_norm(x: torch.Tensor) -> bool:
     return k.moe_add_norm is not None and x.shape[0] <= k.moe_gemv_tokens and envs.decode_down_norm()
 
 
+@dataclass(frozen=True)
+class PendingNorm:
+    """An RMSNorm the layer before left pending (fused_moe_add_rms_norm with
+    ``defer``): x is the residual sum s itself, ``parts`` [T, P] fp32 the
+    partial sums of squares of each row (they add up to sum(s * s)); the qkv
+    GEMV applies the norm (add_rms_norm_linear)."""
+
+    parts: torch.Tensor
+
+
+def moe_defers_next_norm(x: torch.Tensor) -> bool:
+    """Whether fused_moe_add_rms_norm(defer=True) leaves the norm pending at x's
+    size: the down kernel folds it and the GEMV that applies it runs there."""
+    return moe_folds_next_norm(x) and envs.decode_defer_norm() and _gemv_for(x, "linear") is not None
+
+
 def fused_moe_add_rms_norm(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
-    counter: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    counter: torch.Tensor, defer: bool = False,
+) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+    """-> (the normed rows, or with ``defer`` where moe_defers_next_norm(x) a
+    PendingNorm of them; the sum MoE(x) + residual)."""
     k = _table(x)
     if moe_folds_next_norm(x) and k.moe_add_norm is not None:
         from ftserve_kernels.moe_down_gemv_triton import NormNext
 
-        nn = NormNext(residual.contiguous(), norm_w, eps, counter)
-        return k.moe_add_norm(x, w13, w2, topk_weights, topk_ids, nn)
+        pending = defer and moe_defers_next_norm(x)
+        nn = NormNext(residual.contiguous(), norm_w, eps, counter, deferred=pending)
+        first, summed = k.moe_add_norm(x, w13, w2, topk_weights, topk_ids, nn)
+        return (PendingNorm(first) if pending else first), summed
     return k.fused_add_rms_norm(k.fused_moe(x, w13, w2, topk_weights, topk_ids), residual, norm_w, eps)
 
 
@@ -251,8 +271,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
 
 def add_rms_norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
-    w: torch.Tensor, b: torch.Tensor | None, prenormed: bool = False,
+    w: torch.Tensor, b: torch.Tensor | None, prenormed: bool | PendingNorm = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(prenormed, PendingNorm):  # x is the sum s; the GEMV applies the norm
+        gemv = _gemv_for(x, "linear")
+        assert gemv is not None and residual is not None, "moe_defers_next_norm said it would run"
+        return gemv(x, w, b, norm_w, None, eps, parts=prenormed.parts)[0], residual
     if prenormed:  # x is already norm(x' + residual): a plain linear (ops.linear's kernel choice)
         assert residual is not None
         return linear(x, w, b), residual

@@ -61,13 +61,15 @@ def test_model_on_triton_kernels_matches_torch_path(
         assert err < 1e-4, err
 
 
-@pytest.mark.parametrize("down_norm", ["1", "0"])
+@pytest.mark.parametrize("down_norm,defer", [("1", "1"), ("1", "0"), ("0", "1")])
 def test_one_row_decode_on_triton_matches_torch_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, down_norm: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, down_norm: str, defer: str
 ) -> None:
     """A one-sequence decode step (batch-1 decode: each layer's MoE down kernel
     applies the next layer's input norm, and the last one the final norm,
-    unless FTSERVE_DECODE_DOWN_NORM=0) against the torch path."""
+    unless FTSERVE_DECODE_DOWN_NORM=0; with FTSERVE_DECODE_DEFER_NORM the next
+    layer's qkv GEMV applies it from the down kernel's partial sums) against
+    the torch path."""
     write_checkpoint("tiny-moe", tmp_path, seed=6, dtype="float32")
 
     def run(backend: AttentionBackend) -> list[torch.Tensor]:
@@ -90,6 +92,15 @@ def test_one_row_decode_on_triton_matches_torch_path(
     ref = run(TorchAttentionBackend())
     monkeypatch.setenv("FTSERVE_KERNELS", "triton")
     monkeypatch.setenv("FTSERVE_DECODE_DOWN_NORM", down_norm)
+    monkeypatch.setenv("FTSERVE_DECODE_DEFER_NORM", defer)
+    deferred = {"parts": 0}
+    real_gemv = ops.add_rms_norm_linear
+
+    def watching(*a: Any, **kw: Any) -> Any:
+        deferred["parts"] += isinstance(kw.get("prenormed"), ops.PendingNorm)
+        return real_gemv(*a, **kw)
+
+    monkeypatch.setattr(ops, "add_rms_norm_linear", watching)
     # The one-row lm_head GEMV over the whole vocabulary is slow in the interpreter
     # (test_lm_head_gemv_takes_one_row covers it): cuBLAS / F.linear here.
     monkeypatch.setenv("FTSERVE_LM_HEAD_GEMV", "0")
@@ -107,6 +118,8 @@ def test_one_row_decode_on_triton_matches_torch_path(
     finally:
         ops._triton_table.cache_clear()
     assert calls == {"embed_norm": 1, "rms_norm": 1}, calls
+    # tiny-moe's layers after the first take the pending norm, where it is on
+    assert (deferred["parts"] > 0) == (down_norm == "1" and defer == "1"), deferred
     for r, o in zip(ref, got):
         assert o.shape == r.shape and torch.isfinite(o).all()
         err = float((o - r).norm() / r.norm())

@@ -193,6 +193,46 @@ def test_fused_moe_add_norm_matches_composition(t: int, dtype: torch.dtype) -> N
             torch.testing.assert_close(normed, ref_n, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("t,dtype", [(1, torch.float32), (2, torch.float32), (1, torch.bfloat16)])
+def test_deferred_norm_parts_then_the_gemv_applies_it(t: int, dtype: torch.dtype) -> None:
+    """A deferred NormNext: the down kernel stores the sums (as the folded norm
+    does) and per column program a partial sum of squares that add up to the
+    row's; the GEMV given those parts computes linear(rms_norm(sum)) (the norm
+    unrounded: fp32 to float rounding, bf16 within its tolerance). The counter
+    is not touched."""
+    from ftserve_kernels import gemv_triton as gv
+    from ftserve_kernels import moe_down_gemv_triton as md
+    from ftserve_kernels import moe_gemv_triton as mg
+    from ftserve_kernels.norm_rope import fused_add_rms_norm_ref
+
+    g = torch.Generator().manual_seed(10 + t)
+    e, k, h, inter, n = 6, 3, 40, 24, 24
+    x = torch.randn(t, h, generator=g).to(dtype).to(DEVICE)
+    r = torch.randn(t, h, generator=g).to(dtype).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(h, generator=g)).to(dtype).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(dtype).to(DEVICE)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(dtype).to(DEVICE)
+    wq = (torch.randn(n, h, generator=g) / h**0.5).to(dtype).to(DEVICE)
+    weights, ids = route_topk_ref(torch.randn(t, e, generator=g).to(DEVICE), k, True)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    moe = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids)
+    ref_n, ref_s = fused_add_rms_norm_ref(moe, r, nw, 1e-6)
+    parts, summed = mg.fused_moe_add_norm_gemv_triton(x, w13, w2, weights, ids,
+                                                      md.NormNext(r, nw, 1e-6, counter, deferred=True))
+    assert int(counter.cpu()[0]) == 0
+    assert parts.dtype == torch.float32 and parts.shape[0] == t and parts.shape[1] > 1
+    tol = 1e-6 if dtype == torch.float32 else (0 if DEVICE == "cuda" else 2e-2)
+    torch.testing.assert_close(summed, ref_s, rtol=tol, atol=tol)
+    torch.testing.assert_close(parts.sum(1), summed.float().pow(2).sum(1), rtol=1e-5, atol=1e-5)
+    y, none = gv.gemv_triton(summed, wq, None, nw, None, 1e-6, parts=parts)
+    assert none is None and y.dtype == dtype
+    ref_y = torch.nn.functional.linear(ref_n, wq)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, ref_y, rtol=1e-5, atol=1e-5)
+    else:
+        assert rel_err(y.float(), ref_y.float()) < 2e-2
+
+
 def test_ops_moe_add_norm_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """ops.fused_moe_add_rms_norm folds the norm at GEMV sizes on Triton (and
     moe_folds_next_norm says so), composes past them, with

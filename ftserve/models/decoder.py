@@ -53,12 +53,14 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cos_sin: torch.Tensor,
-        normed: bool = False, next_norm: RMSNorm | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        normed: bool | ops.PendingNorm = False, next_norm: RMSNorm | None = None, defer: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool | ops.PendingNorm]:
         """-> (x, residual, normed): the block's output and the running sum; with
         ``normed`` (in or out) x is already ``norm(x' + residual)``, the norm
         after the layer (``next_norm``: the next layer's input norm or the final
-        one) having been folded into the layer before's last launch."""
+        one) having been folded into the layer before's last launch. ``defer``
+        (next_norm is a layer's, whose qkv can apply it): the norm may come out
+        pending instead, an ops.PendingNorm with x = residual = the sum."""
         if not normed and fused_layer.eligible(self, x, batch, cos_sin):  # batch-1 decode: one launch
             return (*fused_layer.forward(self, x, residual, batch, cos_sin), False)
         # The residual stream is carried separately so each norm fuses the add (and,
@@ -70,7 +72,10 @@ class DecoderLayer(nn.Module):
             x, summed, weights, ids = self.mlp.norm_route(x, residual, self.post_attention_layernorm)
             assert summed is not None
             if next_norm is not None and self.mlp.folds_next_norm(x):
-                return (*self.mlp.compute_experts_norm(x, weights, ids, summed, next_norm), True)
+                out, summed = self.mlp.compute_experts_norm(x, weights, ids, summed, next_norm, defer)
+                if isinstance(out, ops.PendingNorm):
+                    return summed, summed, out
+                return out, summed, True
             return self.mlp.compute_experts(x, weights, ids), summed, False
         x, residual = self.post_attention_layernorm.forward_add(x, residual)
         return self.mlp(x), residual, False
@@ -129,7 +134,7 @@ class DecoderForCausalLM(nn.Module):
             # Where the layer can, it applies the norm after it (the next layer's, or
             # the final one) in its last launch: x then arrives normed.
             after = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm
-            x, residual, normed = layer(x, residual, batch, self.cos_sin, normed, after)
+            x, residual, normed = layer(x, residual, batch, self.cos_sin, normed, after, defer=i + 1 < n)
         assert residual is not None
         rows = batch.logits_indices
         if rows is not None and not (batch.is_decode and rows.shape[0] == x.shape[0]):

@@ -83,12 +83,12 @@ class Attention(nn.Module):
 
     def forward_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
-        cos_sin: torch.Tensor, normed: bool = False,
+        cos_sin: torch.Tensor, normed: bool | ops.PendingNorm = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """attention(norm(x + residual)), x + residual (x when residual is None); the
         norm folds into the qkv GEMV at decode sizes (ops.add_rms_norm_linear).
         ``normed``: the layer before already applied ``norm`` (x is
-        norm(x' + residual), residual that sum)."""
+        norm(x' + residual), residual that sum), or left it pending (x is the sum)."""
         qkv, summed = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps,
                                               self.qkv_proj.weight, self.qkv_proj.bias, prenormed=normed)
         return self.attend(qkv, batch, cos_sin), summed
@@ -211,14 +211,15 @@ class MoEBlock(nn.Module):
 
     def compute_experts_norm(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, residual: torch.Tensor,
-        norm: RMSNorm,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        norm: RMSNorm, defer: bool = False,
+    ) -> tuple[torch.Tensor | ops.PendingNorm, torch.Tensor]:
         """norm.forward_add(compute_experts(x, ...), residual), the norm inside the
-        down launch where folds_next_norm(x). -> (normed [T, H], summed [T, H])."""
+        down launch where folds_next_norm(x). -> (normed [T, H], summed [T, H]);
+        with ``defer`` the norm may be left pending (ops.fused_moe_add_rms_norm)."""
         if self.expert_compute is not None:
             return norm.forward_add(self.expert_compute(x, topk_weights, topk_ids), residual)
         return ops.fused_moe_add_rms_norm(x, self.w13, self.w2, topk_weights, topk_ids, residual,
-                                          norm.weight, norm.eps, self._counter(x))
+                                          norm.weight, norm.eps, self._counter(x), defer)
 
     def compute_experts(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
