@@ -76,14 +76,14 @@ def _row_inv(x_ptr, r_ptr, sum_ptr, t, T, K, eps, stride_x, stride_r, stride_s, 
 
 
 @triton.jit
-def _row_scale(parts_ptr, t, T, P, K, eps, HAS_PARTS: tl.constexpr, BLOCK_P: tl.constexpr):
-    """1 / rms of row t from its P partial sums of squares (added in a fixed
-    order: every program gets the same value); 1 without parts."""
+def _row_scale(parts, t, K, eps, HAS_PARTS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """1 / rms of row t from its partial sums of squares (``parts`` [BLOCK_T,
+    BLOCK_P], loaded at the kernel's start; added in a fixed order, so every
+    program gets the same value); 1 without parts."""
     scale = 1.0
     if HAS_PARTS:
-        pp = tl.arange(0, BLOCK_P)
-        part = tl.load(parts_ptr + t * P + pp, mask=(pp < P) & ((pp * 0 + t) < T), other=0.0)
-        scale = tl.rsqrt(tl.sum(part, 0) / K + eps)
+        tt = tl.arange(0, BLOCK_T)
+        scale = tl.rsqrt(tl.sum(tl.sum(tl.where(tt[:, None] == t, parts, 0.0), 1), 0) / K + eps)
     return scale
 
 
@@ -100,7 +100,8 @@ def _gemv_kernel(
     # HAS_PARTS: x is the residual sum s of a norm the layer before left pending
     # (its programs' partial sums of squares in parts [T, P]): the K loop takes
     # nw * s unrounded, and the row's 1/rms, known only from all the parts,
-    # scales the dot at the end (those loads wait behind the weights, not before).
+    # scales the dot at the end (the parts load first, in flight beside the
+    # weights: loaded at the end it was an L2 round trip after the loop).
     # Rows are unrolled (BLOCK_T in 1, 2, 4), each with its own [N, BK] fp32
     # accumulator summed over K once at the end: the K loop is loads and FMAs only.
     pid = tl.program_id(0)
@@ -116,6 +117,12 @@ def _gemv_kernel(
         kk_first = offs_k[None, :] + zero_n
         w_first = tl.load(w_ptrs, mask=nmask[:, None] & (kk_first < K), other=0.0)
     pdl.enter(PDL)
+    parts = 0.0
+    if HAS_PARTS:  # in flight beside the weights; summed only at the end
+        tt = tl.arange(0, BLOCK_T)
+        pp = tl.arange(0, BLOCK_P)
+        parts = tl.load(parts_ptr + tt[:, None] * P + pp[None, :],
+                        mask=(tt[:, None] < T) & (pp[None, :] < P), other=0.0)
     inv0 = _row_inv(x_ptr, r_ptr, sum_ptr, 0, T, K, eps, stride_x, stride_r, stride_s, pid, dt,
                     HAS_NORM, HAS_RESIDUAL, BLOCK_KALL)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -157,15 +164,15 @@ def _gemv_kernel(
         bias = tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
     # Rounded to x's dtype first, as F.linear's output, also into an fp32 y (the lm_head).
     ydt = y_ptr.dtype.element_ty
-    sc0 = _row_scale(parts_ptr, 0, T, P, K, eps, HAS_PARTS, BLOCK_P)
+    sc0 = _row_scale(parts, 0, K, eps, HAS_PARTS, BLOCK_T)
     tl.store(y_ptr + cols, (tl.sum(acc0, 1) * sc0 + bias).to(dt).to(ydt), mask=nmask)
     if BLOCK_T > 1:
-        sc1 = _row_scale(parts_ptr, 1, T, P, K, eps, HAS_PARTS, BLOCK_P)
+        sc1 = _row_scale(parts, 1, K, eps, HAS_PARTS, BLOCK_T)
         tl.store(y_ptr + stride_y + cols, (tl.sum(acc1, 1) * sc1 + bias).to(dt).to(ydt),
                  mask=nmask & ((cols * 0 + 1) < T))
     if BLOCK_T > 2:
-        sc2 = _row_scale(parts_ptr, 2, T, P, K, eps, HAS_PARTS, BLOCK_P)
-        sc3 = _row_scale(parts_ptr, 3, T, P, K, eps, HAS_PARTS, BLOCK_P)
+        sc2 = _row_scale(parts, 2, K, eps, HAS_PARTS, BLOCK_T)
+        sc3 = _row_scale(parts, 3, K, eps, HAS_PARTS, BLOCK_T)
         tl.store(y_ptr + 2 * stride_y + cols, (tl.sum(acc2, 1) * sc2 + bias).to(dt).to(ydt),
                  mask=nmask & ((cols * 0 + 2) < T))
         tl.store(y_ptr + 3 * stride_y + cols, (tl.sum(acc3, 1) * sc3 + bias).to(dt).to(ydt),
