@@ -36,16 +36,12 @@ GEMV_MAX_ROWS = 4  # rows per launch: every program holds all of them
 
 @triton.jit
 def _row_in(x_ptr, r_ptr, nw_ptr, t, T, stride_x, stride_r, kk, kmask, inv, dtype,
-            HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_PARTS: tl.constexpr = False):
+            HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """Row t's input chunk as an fp32 tile shaped like the weight tile (kk [N, BK]
     repeats one K chunk down the rows: the loads hit L1, and the tile needs no
-    layout conversion, so no shared memory and no barrier in the K loop).
-    HAS_PARTS: w * x unrounded (the row's 1/rms scales the dot at the end)."""
+    layout conversion, so no shared memory and no barrier in the K loop)."""
     m = kmask & ((kk * 0 + t) < T)
     xv = tl.load(x_ptr + t * stride_x + kk, mask=m, other=0.0)
-    if HAS_PARTS:
-        nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0)
-        return nw.to(tl.float32) * xv.to(tl.float32)
     if HAS_NORM:
         if HAS_RESIDUAL:
             rv = tl.load(r_ptr + t * stride_r + kk, mask=m, other=0.0)
@@ -97,11 +93,11 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr, K_STEPS: tl.constexpr, PDL: tl.constexpr,
     parts_ptr=None, P=1, HAS_PARTS: tl.constexpr = False, BLOCK_P: tl.constexpr = 1,
 ):
-    # HAS_PARTS: x is the residual sum s of a norm the layer before left pending
-    # (its programs' partial sums of squares in parts [T, P]): the K loop takes
-    # nw * s unrounded, and the row's 1/rms, known only from all the parts,
-    # scales the dot at the end (the parts load first, in flight beside the
-    # weights: loaded at the end it was an L2 round trip after the loop).
+    # HAS_PARTS: x is w * s of a norm the layer before left pending (s the
+    # residual sum; its programs' partial sums of squares of s in parts [T, P]):
+    # the K loop is the plain GEMV's, and the row's 1/rms, known only from all
+    # the parts, scales the dot at the end (the parts load first, in flight
+    # beside the weights: loaded at the end it was an L2 round trip after the loop).
     # Rows are unrolled (BLOCK_T in 1, 2, 4), each with its own [N, BK] fp32
     # accumulator summed over K once at the end: the K loop is loads and FMAs only.
     pid = tl.program_id(0)
@@ -149,15 +145,15 @@ def _gemv_kernel(
         else:
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask, other=0.0).to(tl.float32)
         acc0 += w * _row_in(x_ptr, r_ptr, nw_ptr, 0, T, stride_x, stride_r, kk, kmask, inv0, dt,
-                            HAS_NORM, HAS_RESIDUAL, HAS_PARTS)
+                            HAS_NORM, HAS_RESIDUAL)
         if BLOCK_T > 1:
             acc1 += w * _row_in(x_ptr, r_ptr, nw_ptr, 1, T, stride_x, stride_r, kk, kmask, inv1, dt,
-                                HAS_NORM, HAS_RESIDUAL, HAS_PARTS)
+                                HAS_NORM, HAS_RESIDUAL)
         if BLOCK_T > 2:
             acc2 += w * _row_in(x_ptr, r_ptr, nw_ptr, 2, T, stride_x, stride_r, kk, kmask, inv2, dt,
-                                HAS_NORM, HAS_RESIDUAL, HAS_PARTS)
+                                HAS_NORM, HAS_RESIDUAL)
             acc3 += w * _row_in(x_ptr, r_ptr, nw_ptr, 3, T, stride_x, stride_r, kk, kmask, inv3, dt,
-                                HAS_NORM, HAS_RESIDUAL, HAS_PARTS)
+                                HAS_NORM, HAS_RESIDUAL)
         w_ptrs += BLOCK_K
     bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
@@ -189,11 +185,11 @@ def gemv_triton(
     block: tuple[int, int] | None = None,  # (BLOCK_N, BLOCK_K) over the default's warps
     config: gc.GemvConfig | None = None,  # all launch parameters; wins over block
     out_dtype: torch.dtype | None = None,  # y's dtype (values rounded to x's dtype first)
-    parts: torch.Tensor | None = None,  # [T, P] fp32: x is s of a pending norm (norm_w, eps)
+    parts: torch.Tensor | None = None,  # [T, P] fp32: x is w * s of a pending norm (eps)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-> (y [T, N] in ``out_dtype`` or x's dtype, x + residual [T, K] or None).
-    With ``parts``: y = rms_norm(x) . W^T with the norm unrounded, 1/rms from the
-    sum of ``parts`` (a pending norm, moe_down_gemv_triton.NormNext deferred);
+    With ``parts``: y = (x . W^T) / rms(s), 1/rms from the sum of ``parts`` (x =
+    w * s: a pending norm, moe_down_gemv_triton.NormNext deferred);
     the launch is the plain GEMV's. Launch: ``config``, else ``block``, else the
     device table's entry (gemv_configs), else the default."""
     t, k = x.shape
@@ -201,7 +197,7 @@ def gemv_triton(
     assert t <= GEMV_MAX_ROWS and w.shape[1] == k
     assert residual is None or norm_w is not None, "the residual add is part of the norm prologue"
     if parts is not None:
-        assert norm_w is not None and residual is None and parts.dtype == torch.float32
+        assert norm_w is None and residual is None and parts.dtype == torch.float32
         assert parts.shape[0] == t and parts.is_contiguous()
     assert x.stride(-1) == 1 and w.stride(-1) == 1
     y = torch.empty((t, n), dtype=out_dtype or x.dtype, device=x.device)

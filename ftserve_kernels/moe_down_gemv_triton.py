@@ -83,7 +83,7 @@ def _gemv_down_combine3d_kernel(
     EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr, K_STEPS: tl.constexpr,
     READ_THROUGH: tl.constexpr, BLOCK_M: tl.constexpr,
     PDL: tl.constexpr, NORM_NEXT: tl.constexpr = False, BLOCK_H: tl.constexpr = 16,
-    NORM_DEFER: tl.constexpr = False,
+    NORM_DEFER: tl.constexpr = False, part_ptr=None,
 ):
     pdl.enter(PDL)  # the ids / activations come from the kernel before
     # As _gemv_down_combine_kernel, with the k choices as a third tile axis: the
@@ -137,7 +137,8 @@ def _gemv_down_combine3d_kernel(
     y = (acc * wt[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # [KP, N]
     out = tl.sum(y, 0)  # [N]
     if NORM_NEXT and NORM_DEFER:
-        _add_then_part(out, t, cols, nmask, res_ptr, sum_ptr, normed_ptr, stride_rt, out_ptr.dtype.element_ty)
+        _add_then_part(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, part_ptr, stride_rt,
+                       out_ptr.dtype.element_ty)
     elif NORM_NEXT:
         _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, H, eps,
                             stride_rt, out_ptr.dtype.element_ty, BLOCK_H)
@@ -172,14 +173,17 @@ def _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_pt
 
 
 @triton.jit
-def _add_then_part(out, t, cols, nmask, res_ptr, sum_ptr, part_ptr, stride_rt, dt):
+def _add_then_part(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, scaled_ptr, part_ptr, stride_rt, dt):
     """The next layer's input norm left pending (NormNext.deferred): each program
-    stores its columns of s = round(round(out) + residual) and their sum of
-    squares, parts[t, program]; the GEMV that reads s adds the parts up itself
-    (gemv_triton, HAS_PARTS). No counter, no last program."""
+    stores its columns of s = round(round(out) + residual), of round(w * s), and
+    their sum of squares of s, parts[t, program]; the GEMV that reads w * s adds
+    the parts up itself and scales its dot by 1/rms (gemv_triton, HAS_PARTS). No
+    counter, no last program."""
     res = tl.load(res_ptr + t * stride_rt + cols, mask=nmask, other=0.0).to(tl.float32)
     sv = (out.to(dt).to(tl.float32) + res).to(dt)
     tl.store(sum_ptr + t * stride_rt + cols, sv, mask=nmask)
+    nw = tl.load(nw_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(scaled_ptr + t * stride_rt + cols, (nw * sv.to(tl.float32)).to(dt), mask=nmask)
     sf = tl.where(nmask, sv.to(tl.float32), 0.0)
     tl.store(part_ptr + t * tl.num_programs(1) + tl.program_id(1), tl.sum(sf * sf, 0))
 
@@ -195,9 +199,9 @@ class NormNext:
     """The next layer's input norm, folded into the down kernel (its epilogue):
     the MoE output is added to ``residual`` and the sum normed with ``weight``;
     ``counter`` is one int32 the caller owns, zero between launches.
-    ``deferred``: the kernel leaves the norm pending instead, the sum and its
-    partial sums of squares ([T, norm_parts] fp32, in place of the normed
-    rows), for a consumer that applies it (gemv_triton's ``parts``)."""
+    ``deferred``: the kernel leaves the norm pending instead: the sum, weight *
+    sum in place of the normed rows, and the partial sums of squares ([T,
+    norm_parts] fp32), for a consumer that applies it (gemv_triton's ``parts``)."""
 
     residual: torch.Tensor  # [T, H]
     weight: torch.Tensor  # [H]
@@ -218,7 +222,7 @@ def moe_down_gemv(
     down3d: bool = True,  # _gemv_down_combine3d_kernel instead of _gemv_down_combine_kernel
     read_through: ReadThrough | None = None,  # the 3-D kernel only
     norm_next: NormNext | None = None,  # the 3-D kernel only: writes ``outs`` instead of ``out``
-    outs: tuple[torch.Tensor, torch.Tensor] | None = None,  # (normed, summed) [T, H] each
+    outs: tuple[torch.Tensor, ...] | None = None,  # (normed, summed) [T, H] each (+ parts: deferred)
 ) -> None:
     """The down + combine kernel alone (tools/tune_gemv times it on its own)."""
     t, h = out.shape
@@ -234,12 +238,11 @@ def moe_down_gemv(
     if down3d:
         if norm_next is not None:
             assert outs is not None and norm_next.residual.shape == out.shape
-            assert norm_next.residual.stride() == outs[1].stride() == (h, 1)
+            assert norm_next.residual.stride() == outs[0].stride() == outs[1].stride() == (h, 1)
+            assert (len(outs) == 3) == norm_next.deferred
             if norm_next.deferred:
-                assert outs[0].shape == (t, grid[1]) and outs[0].dtype == torch.float32
-                assert outs[0].is_contiguous()
-            else:
-                assert outs[0].stride() == (h, 1)
+                assert outs[2].shape == (t, grid[1]) and outs[2].dtype == torch.float32
+                assert outs[2].is_contiguous()
             assert norm_next.counter.dtype == torch.int32 and norm_next.weight.is_contiguous()
             norm_args = (norm_next.residual, norm_next.weight, outs[1], outs[0], norm_next.counter,
                          norm_next.eps, h)
@@ -249,6 +252,7 @@ def moe_down_gemv(
                                           *norm_args, K_STEPS=triton.cdiv(inter, cfg.block_k),
                                           NORM_NEXT=norm_next is not None,
                                           NORM_DEFER=norm_next is not None and norm_next.deferred,
+                                          part_ptr=outs[2] if outs is not None and len(outs) == 3 else None,
                                           BLOCK_H=triton.next_power_of_2(h),
                                           **_read_through_consts(read_through), **consts)
     else:

@@ -183,27 +183,23 @@ def fused_moe_add_norm_gemv_triton(
     topk_ids: torch.Tensor,  # [T, k] int32
     norm_next: NormNext,
     configs: tuple[gc.GemvConfig, gc.GemvConfig] | None = None,  # (gate_up, down)
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """fused_moe_gemv_triton with the next layer's input norm folded into the
     3-D down kernel's epilogue (``_add_then_norm_last``)
-    -> (rms_norm(out + residual) [T, H], out + residual [T, H]), as
+    -> (rms_norm(out + residual) [T, H], out + residual [T, H], None), as
     ops.fused_add_rms_norm of the MoE output rounds them. With
-    ``norm_next.deferred`` the first is the pending norm's partial sums of
-    squares instead, [T, P] fp32 (``_add_then_part``)."""
-    summed = torch.empty_like(x)
+    ``norm_next.deferred`` the norm is left pending: (weight * (out + residual),
+    out + residual, the partial sums of squares [T, P] fp32) (``_add_then_part``)."""
+    normed, summed = torch.empty_like(x), torch.empty_like(x)
+    parts = None
     if norm_next.deferred:
         if configs is None:
             configs = _configs(x, w13, topk_ids, None, None, envs.moe_gateup_acc(), True)
         p = norm_parts(x.shape[1], configs[1])
         parts = torch.empty((x.shape[0], p), dtype=torch.float32, device=x.device)
-        # ``out`` only gives the rows' shape and rounding dtype here (the kernel stores the sums)
-        _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, summed, None, None, True, None, configs, None,
-                        norm_next, summed, parts)
-        return parts, summed
-    normed = torch.empty_like(x)
     _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, normed, None, None, True, None, configs, None,
-                    norm_next, summed)
-    return normed, summed
+                    norm_next, summed, parts)
+    return normed, summed, parts
 
 
 def _fused_moe_gemv(
@@ -239,7 +235,7 @@ def _fused_moe_gemv(
     moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through)
     outs = None
     if norm_next is not None and summed is not None:
-        outs = (parts if parts is not None else out, summed)
+        outs = (out, summed) if parts is None else (out, summed, parts)
     moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d, read_through, norm_next, outs)
 
 

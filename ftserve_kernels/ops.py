@@ -200,10 +200,11 @@ def moe_folds_next_norm(x: torch.Tensor) -> bool:
 @dataclass(frozen=True)
 class PendingNorm:
     """An RMSNorm the layer before left pending (fused_moe_add_rms_norm with
-    ``defer``): x is the residual sum s itself, ``parts`` [T, P] fp32 the
-    partial sums of squares of each row (they add up to sum(s * s)); the qkv
-    GEMV applies the norm (add_rms_norm_linear)."""
+    ``defer``): x is the residual sum s itself, ``scaled`` = round(weight * s),
+    ``parts`` [T, P] fp32 the partial sums of squares of each row of s (they add
+    up to sum(s * s)); the qkv GEMV applies the 1/rms (add_rms_norm_linear)."""
 
+    scaled: torch.Tensor
     parts: torch.Tensor
 
 
@@ -226,8 +227,8 @@ def fused_moe_add_rms_norm(
 
         pending = defer and moe_defers_next_norm(x)
         nn = NormNext(residual.contiguous(), norm_w, eps, counter, deferred=pending)
-        first, summed = k.moe_add_norm(x, w13, w2, topk_weights, topk_ids, nn)
-        return (PendingNorm(first) if pending else first), summed
+        first, summed, parts = k.moe_add_norm(x, w13, w2, topk_weights, topk_ids, nn)
+        return (first if parts is None else PendingNorm(first, parts)), summed
     return k.fused_add_rms_norm(k.fused_moe(x, w13, w2, topk_weights, topk_ids), residual, norm_w, eps)
 
 
@@ -276,7 +277,7 @@ def add_rms_norm_linear(
     if isinstance(prenormed, PendingNorm):  # x is the sum s; the GEMV applies the norm
         gemv = _gemv_for(x, "linear")
         assert gemv is not None and residual is not None, "moe_defers_next_norm said it would run"
-        return gemv(x, w, b, norm_w, None, eps, parts=prenormed.parts)[0], residual
+        return gemv(prenormed.scaled, w, b, None, None, eps, parts=prenormed.parts)[0], residual
     if prenormed:  # x is already norm(x' + residual): a plain linear (ops.linear's kernel choice)
         assert residual is not None
         return linear(x, w, b), residual

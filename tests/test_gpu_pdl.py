@@ -134,7 +134,7 @@ def _decode_qk_chain(g: torch.Generator) -> Callable[[], list[torch.Tensor]]:
         o = ops.linear(attn.view(1, hq * d), w_o, None)
         n2, s2, wts, ids = add_norm_route_triton(o, res, norm_w, 1e-6, gate, k, True, counters[0])
         out = fused_moe_gemv_triton(n2, w13, w2, wts, ids)
-        n3, s3 = fused_moe_add_norm_gemv_triton(n2, w13, w2, wts, ids, NormNext(s2, norm_w, 1e-6, counters[1]))
+        n3, s3, _ = fused_moe_add_norm_gemv_triton(n2, w13, w2, wts, ids, NormNext(s2, norm_w, 1e-6, counters[1]))
         return [qkv, attn, o, n2, s2, wts, ids, out, n3, s3]
 
     return run

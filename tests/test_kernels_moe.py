@@ -181,8 +181,9 @@ def test_fused_moe_add_norm_matches_composition(t: int, dtype: torch.dtype) -> N
     moe = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids)
     ref_n, ref_s = fused_add_rms_norm_ref(moe, r, nw, 1e-6)
     for _ in range(2):
-        normed, summed = mg.fused_moe_add_norm_gemv_triton(x, w13, w2, weights, ids,
-                                                           md.NormNext(r, nw, 1e-6, counter))
+        normed, summed, none = mg.fused_moe_add_norm_gemv_triton(x, w13, w2, weights, ids,
+                                                                 md.NormNext(r, nw, 1e-6, counter))
+        assert none is None
         assert int(counter.cpu()[0]) == 0
         if dtype == torch.float32:
             torch.testing.assert_close(summed, ref_s, rtol=1e-6, atol=1e-6)
@@ -217,14 +218,15 @@ def test_deferred_norm_parts_then_the_gemv_applies_it(t: int, dtype: torch.dtype
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     moe = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids)
     ref_n, ref_s = fused_add_rms_norm_ref(moe, r, nw, 1e-6)
-    parts, summed = mg.fused_moe_add_norm_gemv_triton(x, w13, w2, weights, ids,
-                                                      md.NormNext(r, nw, 1e-6, counter, deferred=True))
-    assert int(counter.cpu()[0]) == 0
+    scaled, summed, parts = mg.fused_moe_add_norm_gemv_triton(x, w13, w2, weights, ids,
+                                                              md.NormNext(r, nw, 1e-6, counter, deferred=True))
+    assert int(counter.cpu()[0]) == 0 and parts is not None
     assert parts.dtype == torch.float32 and parts.shape[0] == t and parts.shape[1] > 1
     tol = 1e-6 if dtype == torch.float32 else (0 if DEVICE == "cuda" else 2e-2)
     torch.testing.assert_close(summed, ref_s, rtol=tol, atol=tol)
     torch.testing.assert_close(parts.sum(1), summed.float().pow(2).sum(1), rtol=1e-5, atol=1e-5)
-    y, none = gv.gemv_triton(summed, wq, None, nw, None, 1e-6, parts=parts)
+    torch.testing.assert_close(scaled, (nw.float() * summed.float()).to(dtype), rtol=tol, atol=tol)
+    y, none = gv.gemv_triton(scaled, wq, None, None, None, 1e-6, parts=parts)
     assert none is None and y.dtype == dtype
     ref_y = torch.nn.functional.linear(ref_n, wq)
     if dtype == torch.float32:
