@@ -48,6 +48,32 @@ def test_stream_equals_split_at_every_cut(text: str, opened: bool, thought: str 
             assert (got_r if st.reasoned else None, got_c) == (thought, content), (cut, second)
 
 
+def test_stream_counts_the_tokens_of_the_reasoning() -> None:
+    """Tokens count as reasoning while the block is open and in the push that
+    closes it (the tags' tokens with it); held whitespace before a block that
+    never opens, and everything after the close, do not."""
+    st = ReasoningStream(False)
+    for piece in ("<think>", "\nplan", " it", "\n</think>", "\n\n", "The", " answer."):
+        st.push(piece, 1)
+    assert st.tokens == 4
+    st = ReasoningStream(True)  # the prompt opened it
+    for piece in ("plan", "</th", "ink>", "\n", "done"):
+        st.push(piece, 1)
+    assert st.tokens == 3
+    st = ReasoningStream(False)
+    for piece in (" ", "The", " answer"):  # no block at all
+        st.push(piece, 1)
+    assert st.tokens == 0 and not st.reasoned
+    st = ReasoningStream(False)
+    st.push("<think>a</think>b", 5)  # one push that opens, closes and goes on
+    st.push(" c", 1)
+    assert st.tokens == 5
+    st = ReasoningStream(True)
+    st.push("cut off while", 2)
+    st.push("", 1)  # a token the detokenizer still holds: inside the block
+    assert st.tokens == 3
+
+
 def test_stream_sends_plain_content_at_once() -> None:
     st = ReasoningStream(False)
     assert st.push("<th") == ("", "")  # could still open reasoning
@@ -138,15 +164,25 @@ def test_reasoning_content_when_the_prompt_opens_thinking(live: Any, client: ope
     r = client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=10, temperature=0)
     msg = r.choices[0].message
     assert msg.model_extra.get("reasoning_content") == raw and msg.content is None
+    # Every output token is reasoning (the block never closes): usage says so.
+    assert r.usage.completion_tokens == 10
+    assert r.usage.completion_tokens_details.reasoning_tokens == 10
     stream = client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=10,
-                                            temperature=0, stream=True)
-    thought, content = [], []
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    thought, content, usage = [], [], None
     for chunk in stream:
         if chunk.choices:
             delta = chunk.choices[0].delta
             thought.append((delta.model_extra or {}).get("reasoning_content") or "")
             content.append(delta.content or "")
+        if chunk.usage is not None:
+            usage = chunk.usage
     assert "".join(thought) == raw and "".join(content) == ""
+    assert usage is not None and usage.completion_tokens_details.reasoning_tokens == 10
+    resp = client.responses.create(model="ftserve-demo", input=MSGS[0]["content"], max_output_tokens=10,
+                                   temperature=0)
+    assert resp.usage.output_tokens_details.reasoning_tokens == resp.usage.output_tokens == 10
 
 
 def test_chat_template_kwargs_turn_thinking_off(live: Any, client: openai.OpenAI) -> None:
@@ -156,6 +192,7 @@ def test_chat_template_kwargs_turn_thinking_off(live: Any, client: openai.OpenAI
                                        temperature=0, extra_body=kwargs)
     msg = r.choices[0].message
     assert msg.content == raw and (msg.model_extra or {}).get("reasoning_content") is None
+    assert r.usage.completion_tokens_details.reasoning_tokens == 0  # the template marks it; none here
     # The two prompts differ by the empty think block the kwarg renders.
     _, on = _post(live, "/tokenize", {"messages": MSGS})
     _, off = _post(live, "/tokenize", {"messages": MSGS, **kwargs})

@@ -86,6 +86,9 @@ def build_all(parsed: ParsedRequest, prompts: list[list[int]], engine: EngineAPI
 def usage(gens: list[Generation], n: int) -> dict[str, Any]:
     """Each prompt counts once however many choices share it; prompts add up."""
     groups = [gens[i:i + n] for i in range(0, len(gens), n)]
-    return R.usage(sum(g[0].prompt_tokens for g in groups),
-                   sum(g.completion_tokens for g in gens),
-                   sum(max(g.cached_tokens for g in group) for group in groups))
+    use = R.usage(sum(g[0].prompt_tokens for g in groups),
+                  sum(g.completion_tokens for g in gens),
+                  sum(max(g.cached_tokens for g in group) for group in groups))
+    if any(g.tracks_reasoning for g in gens):  # the template marks reasoning: count its tokens
+        use["completion_tokens_details"] = {"reasoning_tokens": sum(g.reasoning_tokens for g in gens)}
+    return use

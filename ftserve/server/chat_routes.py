@@ -35,7 +35,7 @@ async def start(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt, r
             raise renamed(err, names) from None
     detok = text.detokenizer(prompt.ids, parsed.stop, parsed.skip_special_tokens)
     return Generation(engine, state.tracker, state.metrics, rid, prompt.ids, params, detok, arrival,
-                      grammar)
+                      grammar, think=prompt.think)
 
 
 def _fmt(state: ServerState, parsed: ParsedRequest) -> tool_calls.Format | None:

@@ -127,7 +127,7 @@ async def _run(
                 gid = rid if one else f"{rid}-{p * parsed.n + i}"
                 gens.append(Generation(engine, state.tracker, state.metrics, gid, ids,
                                        parsed.choice_params(params[p], i), detok, arrival,
-                                       grammars[p * parsed.n + i], parsed.score_only))
+                                       grammars[p * parsed.n + i], parsed.score_only, think))
         # echo: each choice's text starts with its prompt's.
         per_choice = [h for h in heads for _ in range(parsed.n)] if heads else None
         if parsed.stream:

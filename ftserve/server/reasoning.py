@@ -42,7 +42,9 @@ def _tail_prefix(text: str, tag: str) -> int:
 class ReasoningStream:
     """One choice's text, pushed as it arrives: ``push`` returns the (reasoning,
     content) safe to send now, holding back what could be the start of a tag;
-    ``finish`` flushes the rest."""
+    ``finish`` flushes the rest. ``tokens``: the output tokens that were
+    reasoning, given per push (a push that ends inside the reasoning, or
+    closes it, counts its tokens: the tags' own tokens are reasoning too)."""
 
     def __init__(self, open_at_start: bool) -> None:
         # start: may still open with <think>; think: inside reasoning;
@@ -50,8 +52,17 @@ class ReasoningStream:
         self._state = "think" if open_at_start else "start"
         self._held = ""
         self.reasoned = open_at_start  # any reasoning at all (else reasoning_content is null)
+        self.tokens = 0
 
-    def push(self, delta: str) -> tuple[str, str]:
+    def push(self, delta: str, num_tokens: int = 0) -> tuple[str, str]:
+        before = self._state
+        thought, content = self._push(delta)
+        closed_now = before in ("start", "think") and self._state in ("after", "content") and self.reasoned
+        if self._state == "think" or closed_now:
+            self.tokens += num_tokens
+        return thought, content
+
+    def _push(self, delta: str) -> tuple[str, str]:
         text = self._held + delta
         self._held = ""
         reasoning = ""

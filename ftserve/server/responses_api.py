@@ -13,8 +13,8 @@ order::
 status "incomplete" (incomplete_details.reason "max_output_tokens") when the
 output hit max_output_tokens, unless every call was complete; else "completed".
 usage: ``input_tokens`` is the prompt, ``input_tokens_details.cached_tokens``
-the part the prefix cache held; ``output_tokens_details.reasoning_tokens`` is 0
-(the engine does not count the reasoning block's tokens apart).
+the part the prefix cache held; ``output_tokens_details.reasoning_tokens`` the
+output tokens inside the reasoning block, its tags included (Generation counts them).
 
 Streamed, the events are the Responses API's, each with a ``sequence_number``:
 ``response.created`` and ``response.in_progress`` once the first step arrived
@@ -101,7 +101,7 @@ class _Shell:
 def _usage(gen: Generation) -> dict[str, Any]:
     cached = min(gen.cached_tokens, gen.prompt_tokens)
     return {"input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": gen.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": gen.completion_tokens, "output_tokens_details": {"reasoning_tokens": gen.reasoning_tokens},
             "total_tokens": gen.prompt_tokens + gen.completion_tokens}
 
 
