@@ -7,6 +7,7 @@ import importlib
 import os
 import random
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -263,19 +264,26 @@ def test_gpu_step_copies_stay_stream_ordered() -> None:
     h_in = [torch.zeros(n, dtype=torch.int64).pin_memory() for _ in range(2)]
     h_out = [torch.zeros(n, dtype=torch.int64).pin_memory() for _ in range(2)]
     g_in = torch.zeros(n, dtype=torch.int64, device="cuda")
-    pending = []
+    pending: list[tuple[int, Any]] = []
     for step in range(40):
         h_in[step % 2].copy_(torch.arange(n) + 1000 * step)
         bk.copy_host_words(h_in[step % 2], g_in)
         out = g_in * 3 + 1  # the step's "tokens"
         bk.copy_host_words(out, h_out[step % 2])
-        event = torch.cuda.Event()
-        event.record()
-        pending.append((step, event))
-        if len(pending) == 2:  # read one step late, as the overlap scheduler does
-            s, ev = pending.pop(0)
-            ev.synchronize()
-            assert h_out[s % 2].tolist() == [(i + 1000 * s) * 3 + 1 for i in range(n)], s
+        _read_one_step_late(pending, step, h_out, n)
+
+
+def _read_one_step_late(pending: list[tuple[int, Any]], step: int, h_out: Any, n: int) -> None:
+    """An event after step ``step``; the step before's tokens checked behind
+    its event, as the overlap scheduler reads them (tokens = 3 * input + 1,
+    inputs = i + 1000 * step)."""
+    event = torch.cuda.Event()
+    event.record()
+    pending.append((step, event))
+    if len(pending) == 2:
+        s, ev = pending.pop(0)
+        ev.synchronize()
+        assert h_out[s % 2].tolist() == [(i + 1000 * s) * 3 + 1 for i in range(n)], s
 
 
 @pytest.mark.parametrize("side", [0, 1])
@@ -348,16 +356,10 @@ def test_gpu_paired_step_copies_in_a_graph() -> None:
 
     graph, _ = capture_graph(step_fn, None)
     parity.zero_()  # the warm-up runs toggled it
-    pending = []
+    pending: list[tuple[int, Any]] = []
     for step in range(40):
         h_in[step % 2].copy_(torch.arange(n) + 1000 * step)
         graph.replay()
-        event = torch.cuda.Event()
-        event.record()
-        pending.append((step, event))
-        if len(pending) == 2:  # read one step late, as the overlap scheduler does
-            st, ev = pending.pop(0)
-            ev.synchronize()
-            assert h_out[st % 2].tolist() == [(i + 1000 * st) * 3 + 1 for i in range(n)], st
+        _read_one_step_late(pending, step, h_out, n)
     torch.cuda.synchronize()
     assert parity.item() == 0  # 40 flips
