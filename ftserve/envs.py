@@ -48,8 +48,9 @@ def decode_defer_norm() -> bool:
     """FTSERVE_DECODE_DEFER_NORM (default on): where the MoE down kernel folds
     the next layer's input norm (FTSERVE_DECODE_DOWN_NORM) and that layer's qkv
     runs on the Triton GEMV, the norm is left pending: each down program stores
-    its columns' sum of squares and the qkv GEMV adds them up and scales its dot
-    by 1/rms at the end (the normed row is never rounded to bf16 on its own).
+    its columns of weight * sum and their sum of squares, and the qkv GEMV adds
+    those up and scales its dot by 1/rms at the end (the normed row is never
+    rounded to bf16 on its own).
     Without it the down kernel's last program norms the whole row, a serial
     tail (1.9 us a layer on the H200, 2026-12-01). H200, 2026-12-02, 32k
     context, batch 1: replay 0.694 ms with it, 0.701 without (down 8.5 us

@@ -247,7 +247,7 @@ class DecodeGraphs:
         """For benchmarks that replay one graph back to back: the batch's words
         in both staging rows (and g_in), and the graph (the greedy one unless
         ``feats``). Call resync() once those replays are done."""
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # both rows are rewritten: no graph in flight may still read one
         pbs, words = self._rows(batch)
         self.h_in[:, :words.numel()] = words
         self.g_in[:pbs].view(-1).copy_(words)
