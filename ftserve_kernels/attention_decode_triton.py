@@ -255,14 +255,18 @@ def _decode_reduce_kernel(
     d = tl.arange(0, BLOCK_D)
     smask = s < NUM_SPLITS
     lse = tl.load(mid_lse_ptr + b * stride_mlb + h * stride_mlh + s, mask=smask, other=float("-inf"))
+    # Loaded beside the lse, not masked by it: one L2 round trip, not two in a
+    # chain. Empty splits' rows were never stored (whatever the buffer held,
+    # maybe NaN): where() drops them, as a mask would have.
+    o = tl.load(
+        mid_o_ptr + b * stride_mob + h * stride_moh + s[:, None] * stride_mos + d[None, :],
+        mask=smask[:, None] & (d[None, :] < D), other=0.0,
+    )  # [S, D]
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence (graph padding): output 0
     w = tl.exp2(lse - m)  # [S]
     tot = tl.sum(w, 0)
-    o = tl.load(
-        mid_o_ptr + b * stride_mob + h * stride_moh + s[:, None] * stride_mos + d[None, :],
-        mask=(smask & (lse > float("-inf")))[:, None] & (d[None, :] < D), other=0.0,
-    )  # [S, D]; empty splits' were never stored (and are not read: no traffic)
+    o = tl.where((lse > float("-inf"))[:, None], o, 0.0)
     out = tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
     tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 

@@ -34,6 +34,7 @@ The caller must size S so that S - (distinct hits) >= misses of any call
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -455,6 +456,30 @@ def paired_copies_supported(device: torch.device) -> bool:
     """Whether copy_host_words_paired runs as a kernel there: what lets a CUDA
     graph move a step's words itself (the memcpy cannot follow a device word)."""
     return device.type == "cuda" and envs.step_copy_kernel() and not interpreting()
+
+
+@dataclass(frozen=True)
+class StagedRows:
+    """A pinned pair of int64 rows, ``pair`` [2, n] (words contiguous within a
+    row), and the device word that picks the row a step uses (``parity`` [1]
+    int32, 0 or 1): copy_host_words_paired's layout, for a kernel inside a
+    decode graph to read its step's words from, or store its tokens into, over
+    UVA itself (decode_inputs, greedy_triton) instead of a copy kernel."""
+
+    pair: torch.Tensor
+    parity: torch.Tensor
+
+    def __post_init__(self) -> None:
+        assert self.pair.dtype == torch.int64 and self.pair.dim() == 2 and self.pair.shape[0] == 2
+        assert self.pair.stride(1) == 1 and self.parity.dtype == torch.int32 and self.parity.numel() == 1
+
+    def host_row(self) -> torch.Tensor:
+        """The row the word picks, read on the host (the twins': a sync on CUDA)."""
+        return self.pair[int(self.parity.reshape(-1)[0])]
+
+    def address(self) -> int:
+        """The pair's first word as an int64 address (pinned: valid on the device)."""
+        return self.pair.data_ptr()
 
 
 def copy_host_words_paired(src: torch.Tensor, dst: torch.Tensor, parity: torch.Tensor,

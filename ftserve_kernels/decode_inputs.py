@@ -14,6 +14,11 @@ block) does it all::
                       norm, normed[b] = the first layer's input norm of that row
     program (b, j):   page_rows[b, block j - 1] = page_table[slot_b, block j - 1]
 
+With ``staged`` (bookkeeping.StagedRows) the rows are read straight from the
+pinned pair, row ``parity`` of it, over UVA: a decode graph then needs no copy
+kernel in front of this one (H200, batch 1: that kernel was 2.5 us and a gap
+of every step).
+
 ``embed_rms_norm_triton`` is the same row work for the eager decode path (ids
 already on the device), one program per token through the same helper at the
 same launch shape, so a graph step and an eager step agree to the bit.
@@ -27,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftserve_kernels.bookkeeping import StagedRows
 from ftserve_kernels.norm_rope import rms_norm_ref
 
 
@@ -63,8 +69,12 @@ def embed_rms_norm_ref(
 
 def decode_inputs_ref(
     packed: torch.Tensor, last: torch.Tensor, page_table: torch.Tensor, embed: torch.Tensor | None,
-    flag: int, norm: InputNorm | None = None,
+    flag: int, norm: InputNorm | None = None, staged: StagedRows | None = None,
 ) -> DecodeInputs:
+    """``staged``: the rows are its picked row's first B * 7 words, not ``packed``
+    (which gives only B and the device)."""
+    if staged is not None:
+        packed = staged.host_row()[:packed.numel()].view(packed.shape).to(packed.device)
     g = packed.t()  # [7, B]
     src = g[6]
     prev = last.index_select(0, src.clamp(min=0))  # [B]
@@ -111,12 +121,17 @@ def _decode_inputs_kernel(
     packed_ptr, last_ptr, pt_ptr, emb_ptr, nw_ptr, normed_ptr,
     ids_ptr, pos_ptr, loc_ptr, seq_ptr, pre_ptr, slot_ptr, step_ptr, min_ptr, rows_ptr, out_emb_ptr,
     max_pages, hidden, eps, stride_pt, stride_rows, stride_emb, stride_out_emb,
+    parity_ptr, pair_stride,
     FLAG: tl.constexpr, HAS_EMB: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, STAGED: tl.constexpr,
 ):
     b = tl.program_id(0)
     j = tl.program_id(1)
-    row = packed_ptr + b * 7
+    if STAGED:  # packed_ptr: the pinned pair's int64 address; the device word picks the row
+        side = tl.load(parity_ptr).to(tl.int64)
+        row = packed_ptr.to(tl.pointer_type(tl.int64)) + side * pair_stride + b * 7
+    else:
+        row = packed_ptr + b * 7
     packed_slot = tl.load(row + 4)
     slot = packed_slot & (FLAG - 1)
     if j == 0:
@@ -152,11 +167,15 @@ def _row_launch(hidden: int) -> tuple[int, int]:
 
 def decode_inputs_triton(
     packed: torch.Tensor, last: torch.Tensor, page_table: torch.Tensor, embed: torch.Tensor | None,
-    flag: int, norm: InputNorm | None = None, block_p: int = 1024,
+    flag: int, norm: InputNorm | None = None, block_p: int = 1024, staged: StagedRows | None = None,
 ) -> DecodeInputs:
-    """As decode_inputs_ref; fixed shapes (B, max_pages, H): graph-capturable."""
+    """As decode_inputs_ref; fixed shapes (B, max_pages, H): graph-capturable.
+    With ``staged`` the kernel reads the words from the pinned pair itself and
+    ``packed`` is not read."""
     assert norm is None or embed is not None, "the input norm applies to the embedding rows"
     assert packed.is_contiguous() and packed.shape[1] == 7 and page_table.stride(1) == 1
+    if staged is not None:
+        assert staged.pair.shape[1] >= packed.numel() and staged.parity.device == packed.device
     bsz, dev = packed.shape[0], packed.device
     max_pages = page_table.shape[1]
     i64 = dict(dtype=torch.int64, device=dev)
@@ -176,7 +195,7 @@ def decode_inputs_triton(
     emb_out = out.embeds if out.embeds is not None else out.page_rows
     block_h, warps = _row_launch(hidden)
     _decode_inputs_kernel[(bsz, 1 + triton.cdiv(max_pages, block_p))](
-        packed, last, page_table, embed if embed is not None else page_table,
+        packed if staged is None else staged.address(), last, page_table, embed if embed is not None else page_table,
         norm.weight if norm is not None else page_table,
         out.normed if out.normed is not None else emb_out,
         out.input_ids, out.positions, out.out_cache_loc, out.seq_lens, out.prefix_lens, out.slots,
@@ -184,8 +203,9 @@ def decode_inputs_triton(
         max_pages, hidden, norm.eps if norm is not None else 0.0,
         page_table.stride(0), out.page_rows.stride(0),
         embed.stride(0) if embed is not None else 0, emb_out.stride(0),
+        staged.parity if staged is not None else packed, staged.pair.stride(0) if staged is not None else 0,
         FLAG=flag, HAS_EMB=embed is not None, HAS_NORM=norm is not None, BLOCK_P=block_p,
-        BLOCK_H=block_h, num_warps=warps,
+        BLOCK_H=block_h, STAGED=staged is not None, num_warps=warps,
     )
     return out
 

@@ -15,6 +15,10 @@ scatter, a cast, the argmax's two-pass reduction, a copy). Here::
 
 The last program is found with an arrival counter per row (zero between
 launches; the last program re-zeroes it), as attention's fused reduce does.
+With ``host_out`` (bookkeeping.StagedRows) the last program of each row also
+stores the token into the picked row of a pinned pair over UVA, and the last
+row to finish toggles the word (a second counter, ``counters[B]``; one row
+needs none): a decode graph then needs no copy kernel after this one.
 Ties go to the lowest index, as torch.argmax. Rows below their min_tokens
 mask their slot's eos/stop ids to -inf first; the loop over them runs only on
 such rows. NaN logits are skipped here, where torch.argmax would pick them.
@@ -26,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftserve_kernels.bookkeeping import StagedRows
 from ftserve_kernels.filter_triton import _float_key
 from ftserve_kernels.sampling import (
     _GOLDEN_TL,
@@ -72,8 +77,10 @@ def _greedy_kernel(
     logits_ptr, slots_ptr, min_ptr, itab_ptr, part_v_ptr, part_i_ptr, count_ptr, out_ptr, last_ptr,
     ftab_ptr, steps_ptr, min_temperature, cut_key_ptr, cut_id_ptr, floor_ptr,
     vocab, stride_row, stride_itab, stride_ftab, chunk,
+    host_ptr, parity_ptr, pair_stride,
     NI: tl.constexpr, NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_LAST: tl.constexpr, SAMPLING: tl.constexpr, HAS_CUT: tl.constexpr,
+    HOST_OUT: tl.constexpr = False, ONE_ROW: tl.constexpr = True,
 ):
     row = tl.program_id(0)
     c = tl.program_id(1)
@@ -136,6 +143,20 @@ def _greedy_kernel(
         if HAS_LAST:
             tl.store(last_ptr + row, tok.to(tl.int64))
         tl.atomic_xchg(count_ptr + row, 0)
+        if HOST_OUT:
+            # The token into row `side` of the pinned pair. The word flips once
+            # every row has stored: each row's read of it precedes its release
+            # below, the flipper's acquire follows them all.
+            side = tl.load(parity_ptr)
+            hp = host_ptr.to(tl.pointer_type(tl.int64)) + side.to(tl.int64) * pair_stride
+            tl.store(hp + row, tok.to(tl.int64))
+            if ONE_ROW:
+                tl.store(parity_ptr, 1 - side)
+            else:
+                rows_ptr = count_ptr + tl.num_programs(0)
+                if tl.atomic_add(rows_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+                    tl.store(parity_ptr, 1 - side)
+                    tl.atomic_xchg(rows_ptr, 0)
 
 
 def greedy_sample_triton(
@@ -152,13 +173,20 @@ def greedy_sample_triton(
     block: int = 1024,
     target_programs: int = 264,
     cuts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    host_out: StagedRows | None = None,
 ) -> torch.Tensor:
     """Same tokens as greedy_sample_ref (finite logits; sampled rows up to the
     fp32 log rounding gumbel_argmax_triton has too): [B] int64. ``cuts`` (with
     ftab; filter_triton.filter_cuts_triton's): sampled rows draw only from the
-    tokens their cut keeps. Shapes depend only on (B, V): graph-capturable."""
+    tokens their cut keeps. ``host_out``: the tokens also go to its picked row's
+    first B words, and the word toggles (copy_host_words_paired(..., flip=True)
+    in the same launch); counters then needs B + 1 entries where B > 1. Shapes
+    depend only on (B, V): graph-capturable."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and itab.is_contiguous() and counters.numel() >= rows
+    if host_out is not None:
+        assert host_out.pair.shape[1] >= rows and host_out.parity.device == logits.device
+        assert rows == 1 or counters.numel() > rows, "the rows' own counter follows theirs"
     assert ftab is None or (ftab.is_contiguous() and steps is not None)
     assert cuts is None or ftab is not None, "a cut filters sampled rows: it needs ftab"
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -173,8 +201,12 @@ def greedy_sample_triton(
         ftab if ftab is not None else logits, steps if steps is not None else slots, min_temperature,
         *(cuts if cuts is not None else (part_i, part_i, part_v)),  # unread without cuts
         vocab, logits.stride(0), itab.stride(0), ftab.stride(0) if ftab is not None else 0, chunk,
+        host_out.address() if host_out is not None else 0,
+        host_out.parity if host_out is not None else counters,
+        host_out.pair.stride(0) if host_out is not None else 0,
         NI=ni, NUM_CHUNKS=num_chunks, BLOCK=block, BLOCK_C=triton.next_power_of_2(num_chunks),
-        HAS_LAST=last is not None, SAMPLING=ftab is not None, HAS_CUT=cuts is not None, num_warps=4,
+        HAS_LAST=last is not None, SAMPLING=ftab is not None, HAS_CUT=cuts is not None,
+        HOST_OUT=host_out is not None, ONE_ROW=rows == 1, num_warps=4,
     )
     return out
 

@@ -33,9 +33,10 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
     linear_fp32(x [T, K], w [N, K]) -> [T, N] fp32: F.linear(x, w).float(), or one
         cuBLAS mm writing fp32 (torch.mm out_dtype) on CUDA when FTSERVE_LM_HEAD_FP32=1
     decode_inputs(packed [B, 7] int64, last [S] int64, page_table [R, P] int32,
-                  embed [V, H] | None, flag, norm: InputNorm | None) -> DecodeInputs: a
+                  embed [V, H] | None, flag, norm: InputNorm | None, staged=None) -> DecodeInputs: a
         decode graph's unpacked inputs, page-table rows, embeddings and (with
-        ``norm``) their first-layer input norm (decode_inputs.py)
+        ``norm``) their first-layer input norm (decode_inputs.py); ``staged``: the
+        rows are read from a pinned pair (bookkeeping.StagedRows) instead of ``packed``
     embed_rms_norm(ids [T], embed [V, H], norm: InputNorm) -> (rows [T, H], normed [T, H]):
         the same row work for an eager decode step
 
@@ -234,16 +235,17 @@ def fused_moe_add_rms_norm(
 
 def decode_inputs(
     packed: torch.Tensor, last: torch.Tensor, page_table: torch.Tensor, embed: torch.Tensor | None,
-    flag: int, norm: Any = None,
+    flag: int, norm: Any = None, staged: Any = None,
 ) -> Any:
     """A decode graph's inputs from its packed rows, one launch on Triton
     (ftserve_kernels/decode_inputs.py) -> DecodeInputs; with ``norm`` (an
-    InputNorm) also the first layer's input norm of the embedding rows."""
+    InputNorm) also the first layer's input norm of the embedding rows; with
+    ``staged`` (a bookkeeping.StagedRows) the rows come from its pinned pair."""
     from ftserve_kernels import decode_inputs as di
 
     if uses_triton(packed):
-        return di.decode_inputs_triton(packed, last, page_table, embed, flag, norm)
-    return di.decode_inputs_ref(packed, last, page_table, embed, flag, norm)
+        return di.decode_inputs_triton(packed, last, page_table, embed, flag, norm, staged=staged)
+    return di.decode_inputs_ref(packed, last, page_table, embed, flag, norm, staged=staged)
 
 
 def embed_rms_norm(ids: torch.Tensor, embed: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:

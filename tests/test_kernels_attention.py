@@ -279,6 +279,35 @@ def test_decode_empty_sequence_gives_zeros() -> None:
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+def test_decode_reduce_drops_the_rows_of_empty_splits() -> None:
+    """The reduce kernel reads every split's partial row beside its lse (one
+    round trip): the rows of empty splits (lse -inf) were never stored and may
+    hold anything, NaN included, and must not reach the output."""
+    from ftserve_kernels.attention_decode_triton import _decode_reduce_kernel
+
+    g = torch.Generator().manual_seed(5)
+    b, h, s, d = 2, 3, 8, 16
+    mid_o = torch.randn(b, h, s, d, generator=g)
+    mid_lse = torch.randn(b, h, s, generator=g) * 3
+    empty = torch.rand(b, h, s, generator=g) < 0.5
+    empty[1, 2] = True  # a row with no split at all (graph padding): zeros
+    mid_lse[empty] = float("-inf")
+    want_o = mid_o.clone()
+    mid_o[empty] = float("nan")
+    w = torch.exp2(mid_lse - mid_lse.amax(-1, keepdim=True).nan_to_num(neginf=0.0))  # [b, h, s]
+    want = (want_o * w[..., None]).sum(2) / w.sum(-1, keepdim=True).clamp_min(1e-30)
+    want[1, 2] = 0.0
+    out = torch.full((b, h, d), float("nan"), device=DEVICE)
+    mid_o, mid_lse = mid_o.to(DEVICE), mid_lse.to(DEVICE)
+    _decode_reduce_kernel[(b, h)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1), NUM_SPLITS=s, BLOCK_S=s, D=d, BLOCK_D=d, PDL=False,
+    )
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_backend_num_splits_depends_on_batch_size_only() -> None:
     be = at.TritonAttentionBackend()
     dev = torch.device(DEVICE)

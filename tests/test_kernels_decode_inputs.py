@@ -66,6 +66,45 @@ def test_decode_inputs_equal_reference(
     assert got.slots.tolist() == [0, 3, 5, 2, 5]
 
 
+@pytest.mark.parametrize("side", [0, 1])
+def test_decode_inputs_read_the_staged_row(side: int) -> None:
+    """With ``staged`` the kernel reads the row of the pair that the device word
+    picks (over UVA on CUDA; a plain address under the interpreter), not
+    ``packed``; the twin reads the word on the host. Each equals its own plain
+    call on that row's words, to the bit."""
+    from ftserve_kernels.bookkeeping import StagedRows
+
+    g = torch.Generator().manual_seed(side)
+    bsz, vocab, hidden = 3, 40, 24
+    page_table = torch.randint(0, 1000, (4, 9), generator=g, dtype=torch.int32)
+    last = torch.randint(0, vocab, (4,), generator=g)
+    embed = torch.randn(vocab, hidden, generator=g).to(torch.bfloat16)
+    norm = InputNorm((1 + 0.2 * torch.randn(hidden, generator=g)).to(torch.bfloat16), 1e-6)
+
+    def rows(seed: int) -> torch.Tensor:
+        r = torch.Generator().manual_seed(seed)
+        return torch.stack([
+            torch.randint(0, vocab, (bsz,), generator=r), torch.randint(0, 90, (bsz,), generator=r),
+            torch.randint(0, 900, (bsz,), generator=r), torch.randint(1, 90, (bsz,), generator=r),
+            torch.tensor([0, 2 | MIN_FLAG, 3]), torch.randint(0, 9, (bsz,), generator=r),
+            torch.tensor([-1, 1, -1]),
+        ], dim=1).contiguous()
+
+    # Two different rows, wider than the batch (the graph's pair is max_bs wide).
+    pair = torch.full((2, 7 * bsz + 5), -7, dtype=torch.int64)
+    pair[0, :7 * bsz] = rows(10).view(-1)
+    pair[1, :7 * bsz] = rows(11).view(-1)
+    staged = StagedRows(pair[:, :7 * bsz], torch.tensor([side], dtype=torch.int32))
+    decoy = torch.zeros(bsz, 7, dtype=torch.int64)  # shape only: never read
+    packed = pair[side, :7 * bsz].view(bsz, 7).clone()
+    for fn in (decode_inputs_triton, decode_inputs_ref):
+        want = fn(packed, last, page_table, embed, MIN_FLAG, norm)
+        got = fn(decoy, last, page_table, embed, MIN_FLAG, norm, staged=staged)
+        for f in dataclasses.fields(want):
+            assert torch.equal(getattr(got, f.name), getattr(want, f.name)), (fn.__name__, f.name)
+    assert int(staged.parity) == side, "reading a row leaves the word alone"
+
+
 def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     packed = torch.tensor([[4, 1, 17, 2, 1, 0, -1]])
     pt = torch.arange(12, dtype=torch.int32).view(3, 4)

@@ -9,6 +9,7 @@ import torch
 
 from ftserve.engine.sampler import Sampler, SamplerFeatures
 from ftserve.engine.sampling_params import SamplingParams
+from ftserve_kernels.bookkeeping import StagedRows
 from ftserve_kernels.greedy_triton import greedy_sample_ref, greedy_sample_triton
 
 NI = 5
@@ -49,6 +50,37 @@ def test_greedy_kernel_equals_reference(vocab: int, block: int, programs: int) -
         assert torch.equal(last[:b], ref) and torch.equal(last[b:], torch.full((3,), -1))
         assert int(counters.abs().sum()) == 0, "arrival counters must be left at zero"
         assert got[1] == 30 if active[1] else got[1] == 7
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_greedy_kernel_stores_the_tokens_into_the_staged_row(rows: int) -> None:
+    """host_out: the tokens also land in the row of the pair that the word
+    picks (the rest of the pair untouched) and the word toggles once per
+    launch, after every row stored; all counters are left at zero. Two launches
+    use the two rows in turn."""
+    from ftserve_kernels.bookkeeping import StagedRows
+
+    g = torch.Generator().manual_seed(rows)
+    vocab = 700
+    itab = _itab({}, 4, 2)
+    counters = torch.zeros(rows + 1, dtype=torch.int32)
+    pair = torch.full((2, 6), -5, dtype=torch.int64)
+    parity = torch.zeros(1, dtype=torch.int32)
+    staged = StagedRows(pair[:, :rows], parity)
+    slots = torch.arange(rows)
+    active = torch.zeros(rows, dtype=torch.bool)
+    got = []
+    for launch in range(2):
+        logits = torch.randn(rows, vocab, generator=g)
+        tokens = greedy_sample_triton(logits, slots, active, itab, NI, counters, block=128,
+                                      target_programs=6, host_out=staged)
+        assert torch.equal(tokens, greedy_sample_ref(logits, slots, active, itab, NI))
+        assert torch.equal(pair[launch, :rows], tokens), launch
+        assert int(parity) == 1 - launch, "the word toggles once a launch"
+        assert int(counters.abs().sum()) == 0
+        got.append(tokens)
+    assert torch.equal(pair[:, rows:], torch.full((2, 6 - rows), -5)), "only the batch's words are written"
+    assert torch.equal(pair[0, :rows], got[0]) and torch.equal(pair[1, :rows], got[1])
 
 
 def test_temperature_mode_equals_reference() -> None:
@@ -106,8 +138,16 @@ def test_sampler_takes_the_fused_kernel_for_greedy_only_steps(monkeypatch: pytes
         out = s.sample(logits, torch.tensor([0, 1, 0, s.dummy_slot]), torch.zeros(4, dtype=torch.int64),
                        torch.tensor([True, False, False, True]), last=last)
         results[kernels] = out.token_ids
-        assert torch.equal(last[:4], out.token_ids)
-    assert len(calls) == 1, "the triton run took the fused kernel, the torch run did not"
+        assert torch.equal(last[:4], out.token_ids) and not out.on_host
+        # A host_out row: the fused kernel fills it and says so; the torch path
+        # leaves it to the caller (on_host False, the row untouched).
+        pair = torch.full((2, 4), -1, dtype=torch.int64)
+        staged = StagedRows(pair, torch.zeros(1, dtype=torch.int32))
+        out = s.sample(logits, torch.tensor([0, 1, 0, s.dummy_slot]), torch.zeros(4, dtype=torch.int64),
+                       torch.tensor([True, False, False, True]), host_out=staged)
+        assert out.on_host == (kernels == "triton")
+        assert torch.equal(pair[0], out.token_ids if out.on_host else torch.full((4,), -1))
+    assert len(calls) == 2, "the triton runs took the fused kernel, the torch runs did not"
     assert torch.equal(results["torch"], results["triton"])
     assert results["triton"][0] != 11 and results["triton"][1] == 11 and results["triton"][2] == 11
     # Temperature alone takes it too, with the composed path's draws; a top-p
@@ -120,11 +160,11 @@ def test_sampler_takes_the_fused_kernel_for_greedy_only_steps(monkeypatch: pytes
         s.admit(1, SamplingParams(temperature=0.0), [], [])
         draws[kernels] = s.sample(logits[:3] * 0.1, torch.tensor([0, 1, 0]), torch.tensor([0, 0, 9]),
                                   torch.zeros(3, dtype=torch.bool)).token_ids
-    assert len(calls) == 2 and torch.equal(draws["torch"], draws["triton"])
+    assert len(calls) == 3 and torch.equal(draws["torch"], draws["triton"])
     s.admit(2, SamplingParams(temperature=0.7, top_p=0.5, seed=1), [], [])
     assert s.features_of([2]).wide_filter
     s.sample(logits[:1], torch.tensor([2]), torch.zeros(1, dtype=torch.int64), torch.tensor([False]))
-    assert len(calls) == 3
+    assert len(calls) == 4
 
 
 @pytest.mark.gpu
@@ -177,3 +217,61 @@ def test_temperature_mode_equals_the_composed_sampler_on_gpu() -> None:
         k1, k2 = ks.row_keys(irow[:, 2], irow[:, 3], steps)
         drawn = ks.gumbel_argmax_triton(masked / temp[:, None], k1, k2)
         assert torch.equal(fused.token_ids, torch.where(irow[:, 0] != 0, x, drawn)), b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 3])
+def test_gpu_staged_step_io_in_a_graph(n: int) -> None:
+    """A greedy decode graph's I/O without copy kernels: the inputs launch reads
+    the pinned row the device word names (over UVA), the greedy kernel stores
+    the tokens into the same row of the output pair and toggles the word. The
+    host writes step N's words into row N % 2 and reads its tokens there one
+    step late, with no sync but the events (tokens = 3 * input + 1)."""
+    from typing import Any
+
+    from ftserve.engine.cuda_graph import MIN_FLAG, capture_graph
+    from ftserve_kernels import ops
+
+    dev = torch.device("cuda")
+    vocab = 130_000
+    h_in = torch.zeros(2, 7 * n, dtype=torch.int64).pin_memory()
+    h_out = torch.zeros(2, n, dtype=torch.int64).pin_memory()
+    parity = torch.zeros(1, dtype=torch.int32, device=dev)
+    decoy = torch.zeros(n, 7, dtype=torch.int64, device=dev)
+    last = torch.zeros(n, dtype=torch.int64, device=dev)
+    page_table = torch.zeros(n, 4, dtype=torch.int32, device=dev)
+    itab = _itab({}, n, 2).to(dev)
+    counters = torch.zeros(n + 1, dtype=torch.int32, device=dev)
+    cols = torch.arange(vocab, device=dev)
+
+    def step_fn() -> torch.Tensor:
+        d = ops.decode_inputs(decoy, last, page_table, None, MIN_FLAG, staged=StagedRows(h_in, parity))
+        logits = (cols[None, :] == (3 * d.input_ids + 1)[:, None]).float()  # [n, V]
+        return greedy_sample_triton(logits, d.slots, d.min_active, itab, NI, counters, last,
+                                    host_out=StagedRows(h_out, parity))
+
+    def words(step: int) -> torch.Tensor:
+        w = torch.zeros(n, 7, dtype=torch.int64)
+        w[:, 0] = torch.arange(n) + 1000 * step  # the host's input ids
+        w[:, 3] = 1
+        w[:, 4] = torch.arange(n)  # sampler slots
+        w[:, 6] = -1
+        return w.view(-1)
+
+    h_in.copy_(words(0).expand(2, -1))
+    graph, _ = capture_graph(step_fn, None)
+    torch.cuda.synchronize()
+    parity.zero_()  # the warm-up runs toggled it
+    pending: list[tuple[int, Any]] = []
+    for step in range(40):
+        h_in[step % 2].copy_(words(step))
+        graph.replay()
+        event = torch.cuda.Event()
+        event.record()
+        pending.append((step, event))
+        if len(pending) == 2:
+            s, ev = pending.pop(0)
+            ev.synchronize()
+            assert h_out[s % 2].tolist() == [(i + 1000 * s) * 3 + 1 for i in range(n)], s
+    torch.cuda.synchronize()
+    assert parity.item() == 0 and int(counters.abs().sum()) == 0  # 40 flips

@@ -1,14 +1,16 @@
 """CUDA-graph decode: one captured graph per padded batch size, replayed with
 one call.
 
-Static input, refilled each step by ONE copy from pinned memory: a
-one-program kernel reading the pinned rows over UVA (bookkeeping), the graph's
-first node. The pinned rows are a pair that alternates between steps, and a
-device word picks the row (copy_host_words_paired); the graph's last node
-stores the sampled tokens into the same row of a pinned output pair and toggles
-the word. So a decode step is one graph launch, with nothing between two
-graphs (H200, batch 1: 11 us of copies and gaps did sit there). Where the
-kernel cannot run (FTSERVE_STEP_COPY_KERNEL=0) the copies stay outside::
+Static input, refilled each step from pinned memory over UVA: the graph's
+first node (the decode inputs kernel) reads the step's words from a pinned
+row itself. The pinned rows are a pair that alternates between steps, and a
+device word picks the row (bookkeeping.StagedRows); the greedy kernel stores
+the sampled tokens into the same row of a pinned output pair and toggles the
+word (the sampler's other stage sets end with a copy kernel that does it,
+copy_host_words_paired). So a decode step is one graph launch, with nothing
+between two graphs (H200, batch 1: 11 us of copies and gaps did sit there),
+and no copy kernel inside a greedy one. Where UVA kernels cannot run
+(FTSERVE_STEP_COPY_KERNEL=0) the copies stay outside, into g_in::
 
     g_in [max_bs, 7] int64, one row per sequence: input_id, position,
         out_cache_loc, seq_len, sampler slot (+ min_tokens flag in bit 62), step,
@@ -42,6 +44,7 @@ from ftserve.engine.sampler import SampleOutput, SamplerFeatures
 from ftserve.models.forward_batch import AttentionMetadata, ForwardBatch
 from ftserve_kernels import ops
 from ftserve_kernels.bookkeeping import (
+    StagedRows,
     copy_host_words,
     copy_host_words_paired,
     paired_copies_supported,
@@ -138,16 +141,17 @@ class DecodeGraphs:
 
     def _forward(self, bs: int) -> SampleOutput:
         r = self.runner
-        if self.in_graph_io:
-            copy_host_words_paired(self.h_in[:, :bs * 7], self.g_in[:bs].view(-1), self.parity)
         # One launch on Triton: the fields, the page-table rows, the embeddings.
         # With the first layer's input norm too, where the model takes it (as
-        # its eager decode step does: the same rows to the bit).
+        # its eager decode step does: the same rows to the bit). With in-graph
+        # I/O it reads the step's words from the pinned row itself.
         embed = getattr(r.model, "embed_tokens", None)
         first_norm = getattr(r.model, "decode_input_norm", None)
+        staged_in = StagedRows(self.h_in[:, :bs * 7], self.parity) if self.in_graph_io else None
         d = ops.decode_inputs(self.g_in[:bs], r.last_tokens, r.page_table,
                               None if embed is None else embed.weight, MIN_FLAG,
-                              first_norm() if embed is not None and first_norm is not None else None)
+                              first_norm() if embed is not None and first_norm is not None else None,
+                              staged=staged_in)
         attn = AttentionMetadata(
             page_size=r.page_size,
             qo_indptr=self.qo_indptr[:bs + 1],
@@ -164,13 +168,16 @@ class DecodeGraphs:
                           logits_indices=self.logits_indices[:bs], is_decode=True,
                           input_embeds=d.embeds, input_normed=d.normed)
         logits = r.model(fb)  # [bs, V]
-        # last_tokens: the next step's device-side inputs
-        out = r.sampler.sample(logits, d.slots, d.steps, d.min_active, last=r.last_tokens)
+        # last_tokens: the next step's device-side inputs. The greedy kernel, where
+        # it runs, also stores the tokens into the pinned row and toggles the word.
+        staged_out = StagedRows(self.h_out[:, :bs], self.parity) if self.in_graph_io else None
+        out = r.sampler.sample(logits, d.slots, d.steps, d.min_active, last=r.last_tokens,
+                               host_out=staged_out)
         # The penalty counts of a penalized variant's rows (padded rows count into
         # the dummy slot, which never reads them). Steps of other variants hold no
         # row that reads its counts, and admit() resets a row it hands out.
         r.sampler.update(d.slots, out.token_ids)
-        if self.in_graph_io:  # the tokens to the host, and the next step's row
+        if self.in_graph_io and not out.on_host:  # the tokens to the host, and the next step's row
             copy_host_words_paired(out.token_ids[:bs], self.h_out[:, :bs], self.parity, flip=True)
         return out
 

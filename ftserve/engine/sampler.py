@@ -43,6 +43,7 @@ import functools
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,6 +51,9 @@ from ftserve import envs
 from ftserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 from ftserve_kernels import ops
 from ftserve_kernels import sampling as ks
+
+if TYPE_CHECKING:
+    from ftserve_kernels.bookkeeping import StagedRows
 
 try:
     from ftserve_kernels.filter_triton import filter_cuts_triton
@@ -131,6 +135,7 @@ class SampleOutput:
     logprobs: torch.Tensor | None = None  # [B] fp32, log_softmax(raw logits)[token]
     top_ids: torch.Tensor | None = None  # [B, K] int64, best first
     top_logprobs: torch.Tensor | None = None  # [B, K] fp32
+    on_host: bool = False  # the tokens are in Sampler.sample's host_out row already
 
 
 def _features_of(params: SamplingParams, constrained: bool, vocab_size: int) -> SamplerFeatures:
@@ -200,9 +205,9 @@ class Sampler:
         # Allocated on the first request that uses penalties ([S, V] each).
         self.counts: torch.Tensor | None = None  # int32, generated-token counts
         self.prompt_mask: torch.Tensor | None = None  # bool, token in the prompt
-        # Arrival counters of the fused greedy kernel, one per batch row: zero
-        # between launches (its last program per row re-zeroes them).
-        self._greedy_counts = torch.zeros(n, dtype=torch.int32, device=self.device)
+        # Arrival counters of the fused greedy kernel, one per batch row and one
+        # for the rows (its host_out): zero between launches (the kernel re-zeroes them).
+        self._greedy_counts = torch.zeros(n + 1, dtype=torch.int32, device=self.device)
         # The stages each slot's request needs (SamplerFeatures.bits; 0 = greedy),
         # so a step runs only what its own rows need (features_of).
         self._slot_bits = [0] * n
@@ -359,11 +364,16 @@ class Sampler:
         min_tokens_active: torch.Tensor,  # [B] bool, below min_tokens: mask eos/stop
         last: torch.Tensor | None = None,  # [>= B] int64: also receives the tokens
         features: SamplerFeatures | None = None,  # this call's stages (features_of); None: all enabled
+        host_out: StagedRows | None = None,
     ) -> SampleOutput:
+        """``host_out``: where the greedy kernel gives the tokens, it also stores
+        them into the picked row of that pinned pair and toggles its word
+        (greedy_triton); the output's ``on_host`` says whether it did, and if
+        not the caller copies them."""
         f = self._features if features is None else features
         assert self._features.covers(f), "a stage that was never enabled (its state is missing)"
         fusable = (greedy_sample_triton is not None and ops.uses_triton(logits)
-                   and logits.shape[0] <= self._greedy_counts.numel())
+                   and logits.shape[0] < self._greedy_counts.numel())
         if f in _FUSED and fusable:
             # Greedy rows, or temperature alone: the stop mask, the argmax (of logits
             # / T + Gumbel noise on sampled rows) and the copy into ``last``, one launch.
@@ -382,9 +392,10 @@ class Sampler:
             tokens = greedy_sample_triton(logits, slots, min_tokens_active, self._i, _NI,
                                           self._greedy_counts, last,
                                           self._f if sampled else None, steps if sampled else None,
-                                          MIN_TEMPERATURE, cuts=cuts)
-            return SampleOutput(tokens)
-        out = self._sample(logits, slots, steps, min_tokens_active, f, last if fusable else None, fusable)
+                                          MIN_TEMPERATURE, cuts=cuts, host_out=host_out)
+            return SampleOutput(tokens, on_host=host_out is not None)
+        out = self._sample(logits, slots, steps, min_tokens_active, f, last if fusable else None, fusable,
+                           host_out if fusable else None)
         if last is not None and not fusable:
             last[:out.token_ids.shape[0]].copy_(out.token_ids)
         return out
@@ -392,7 +403,7 @@ class Sampler:
     def _sample(
         self, logits: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor,
         min_tokens_active: torch.Tensor, f: SamplerFeatures, last: torch.Tensor | None = None,
-        fused_draw: bool = False,
+        fused_draw: bool = False, host_out: StagedRows | None = None,
     ) -> SampleOutput:
         """The composed stages. ``fused_draw``: the argmax, the temperature and the
         Gumbel draw (and the copy into ``last``) run as greedy_triton's one launch
@@ -430,8 +441,11 @@ class Sampler:
                 x = torch.where(_filter_keep(scaled, top_k, top_p, min_p), x, ks.NEG_INF)
             tokens = greedy_sample_triton(x, slots, min_tokens_active, self._i, _NI, self._greedy_counts,
                                           last, self._f if f.sampling else None,
-                                          steps if f.sampling else None, MIN_TEMPERATURE)
-            return self._logprobs(raw, tokens, f)
+                                          steps if f.sampling else None, MIN_TEMPERATURE,
+                                          host_out=host_out)
+            out = self._logprobs(raw, tokens, f)
+            out.on_host = host_out is not None
+            return out
         x = ks.mask_token_ids(x, irow[:, _NI:], stop_active)  # [B, V]
         tokens = x.argmax(dim=-1)  # [B], the greedy choice (greedy_sample_ref, fused)
 
