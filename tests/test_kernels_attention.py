@@ -225,10 +225,12 @@ def test_decode_fused_reduce_matches_two_kernels(splits: int, round_robin: bool)
 
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("fold", [False, True])
-def test_decode_page_ahead_gives_the_same_bits(splits: int, fold: bool) -> None:
+@pytest.mark.parametrize("field", ["decode_page_ahead", "decode_v_early"])
+def test_decode_load_order_gives_the_same_bits(splits: int, fold: bool, field: str) -> None:
     """decode_page_ahead (round robin): each tile's page entries load one
-    iteration early; the same tiles in the same order, so the same bits, on
-    the plain and the q/k-folding paths, with several tiles a split."""
+    iteration early; decode_v_early: the V tile loads beside the K tile. The
+    same tiles in the same order, so the same bits, on the plain and the
+    q/k-folding paths, with several tiles a split."""
     from ftserve_kernels.attention_decode_triton import DecodeQK
 
     d, page = 32, 4
@@ -239,7 +241,8 @@ def test_decode_page_ahead_gives_the_same_bits(splits: int, fold: bool) -> None:
     pool, tables, q, k, v = make_case([1, 1, 1], prefix, 8, 2, d, page, torch.float32, DEVICE, seed=splits)
     fb = build_forward_batch([[1]] * 3, prefix, tables, pool, TorchAttentionBackend(), is_decode=True)
     meta = fb.attn
-    ahead = at.AttnKernelConfig(**{**base.__dict__, "decode_page_ahead": True})
+    base = at.AttnKernelConfig(**{**base.__dict__, field: False})
+    ahead = at.AttnKernelConfig(**{**base.__dict__, field: True})
     outs = []
     for cfg in (base, ahead):
         kc, vc = pool.k[0].clone(), pool.v[0].clone()

@@ -548,6 +548,30 @@ def test_add_norm_route_matches_composition(t: int, residual: bool, renorm: bool
         torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6)
 
 
+def test_add_norm_route_ties_and_nan_rows() -> None:
+    """Equal logits go lowest index first (each top-k round is one (value,
+    index) reduction); a NaN row (graph padding garbage) still gives ids in
+    [0, E), and the real rows beside it are unaffected."""
+    g = torch.Generator().manual_seed(3)
+    e, k, h = 12, 4, 32
+    x = torch.randn(3, h, generator=g)
+    x[1] = float("nan")
+    nw = torch.ones(h)
+    gw = torch.randn(e, h, generator=g) * 0.01
+    gw[9] = gw[5] = gw[2] = x[0] * 3  # three equal, largest logits for row 0
+    gw[7] = x[0] * 2
+    x, nw, gw = x.to(DEVICE), nw.to(DEVICE), gw.to(DEVICE)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    _, _, w, ids = df.add_norm_route_triton(x, None, nw, 1e-6, gw, k, False, counter)
+    ids, w = ids.cpu(), w.cpu()
+    assert ids[0].tolist() == [2, 5, 9, 7], ids[0]
+    assert w[0, 0] == w[0, 1] == w[0, 2] and w[0, 2] > w[0, 3]
+    assert bool(((ids >= 0) & (ids < e)).all())
+    ref = norm_route_ref(x[2:], None, nw, gw, k, False)
+    assert torch.equal(ids[2], ref[3][0].cpu())
+    assert int(counter.cpu()[0]) == 0
+
+
 def test_add_norm_route_bf16_rounds_like_the_reference() -> None:
     """bf16: the sum is the exact bf16 sum (on CUDA); the normed rows and the
     routing weights agree with the composition to bf16 rounding."""
