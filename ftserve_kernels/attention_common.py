@@ -107,8 +107,6 @@ class AttnKernelConfig:
     # With round robin: each tile's page entries load one iteration ahead. H200
     # batch-1 replay (2026-12-01 20:44): 32k 0.703 -> 0.697 ms, 2k 0.581 either way.
     decode_page_ahead: bool = True
-    # The V tile's load issued right after K's, before the scores (same bits).
-    decode_v_early: bool = False
 
     @staticmethod
     def for_device(device: torch.device, head_dim: int) -> AttnKernelConfig:

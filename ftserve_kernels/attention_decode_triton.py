@@ -48,7 +48,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
     QK: tl.constexpr, ROUND_ROBIN: tl.constexpr = False, TILE_STEP: tl.constexpr = 1,
-    PAGE_AHEAD: tl.constexpr = False, V_EARLY: tl.constexpr = False,
+    PAGE_AHEAD: tl.constexpr = False,
 ):
     # QK (decode_attention_qk_triton): q and the new token's k arrive raw (before
     # the per-head norms and the rotary) and this kernel normalizes and rotates
@@ -131,13 +131,6 @@ def _decode_split_kernel(
         else:
             page = tl.load(pt_row + pos // PAGE_SIZE, mask=nmask, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [N]
-        if V_EARLY:
-            # V issued beside K, before the scores wait for K: the warps issue in
-            # order, so a V load after the scores is one more round trip a tile.
-            vv = tl.load(
-                vc_ptr + slot[:, None] * stride_cs + head_off + d[None, :],
-                mask=nmask[:, None] & dmask[None, :], other=0.0,
-            )  # [N, D]
         if QK:
             k_rows = kc_ptr + slot[None, :] * stride_cs + head_off
             kt1 = tl.load(k_rows + hj[:, None], mask=nmask[None, :], other=0.0)  # [HALF, N]
@@ -159,11 +152,10 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk * scale_log2 - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if not V_EARLY:
-            vv = tl.load(
-                vc_ptr + slot[:, None] * stride_cs + head_off + d[None, :],
-                mask=nmask[:, None] & dmask[None, :], other=0.0,
-            )  # [N, D]
+        vv = tl.load(
+            vc_ptr + slot[:, None] * stride_cs + head_off + d[None, :],
+            mask=nmask[:, None] & dmask[None, :], other=0.0,
+        )  # [N, D]
         if FP8:
             # Scale V rows (not p): values keep their own magnitude, safe in fp16 too.
             vsc = tl.load(vs_ptr + slot * stride_ss + kvh, mask=nmask, other=0.0)  # [N]
@@ -263,18 +255,14 @@ def _decode_reduce_kernel(
     d = tl.arange(0, BLOCK_D)
     smask = s < NUM_SPLITS
     lse = tl.load(mid_lse_ptr + b * stride_mlb + h * stride_mlh + s, mask=smask, other=float("-inf"))
-    # Loaded beside the lse, not masked by it: one L2 round trip, not two in a
-    # chain. Empty splits' rows were never stored (whatever the buffer held,
-    # maybe NaN): where() drops them, as a mask would have.
-    o = tl.load(
-        mid_o_ptr + b * stride_mob + h * stride_moh + s[:, None] * stride_mos + d[None, :],
-        mask=smask[:, None] & (d[None, :] < D), other=0.0,
-    )  # [S, D]
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence (graph padding): output 0
     w = tl.exp2(lse - m)  # [S]
     tot = tl.sum(w, 0)
-    o = tl.where((lse > float("-inf"))[:, None], o, 0.0)
+    o = tl.load(
+        mid_o_ptr + b * stride_mob + h * stride_moh + s[:, None] * stride_mos + d[None, :],
+        mask=(smask & (lse > float("-inf")))[:, None] & (d[None, :] < D), other=0.0,
+    )  # [S, D]; empty splits' were never stored (and are not read: no traffic)
     out = tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
     tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
@@ -358,7 +346,7 @@ def decode_attention_triton(
         NUM_SPLITS=num_splits, UPCAST=interpreting(), FUSED_REDUCE=fused,
         BLOCK_S=triton.next_power_of_2(num_splits), FP8=fp8, QK=qk is not None,
         ROUND_ROBIN=cfg.decode_round_robin, TILE_STEP=num_splits if cfg.decode_round_robin else 1,
-        PAGE_AHEAD=cfg.decode_round_robin and cfg.decode_page_ahead, V_EARLY=cfg.decode_v_early,
+        PAGE_AHEAD=cfg.decode_round_robin and cfg.decode_page_ahead,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
     )
     if fused:

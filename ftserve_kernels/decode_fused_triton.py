@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from ftserve_kernels import pdl
-from ftserve_kernels.sampling import _argmax_combine
 
 # Rows one launch handles. Each program loops over them, one L2 round trip for x
 # and r per row, so the fusion pays only while a few rows' latency stays below
@@ -88,10 +87,9 @@ def _add_norm_route_kernel(
             wsel = tl.zeros([BLOCK_K], tl.float32)
             isel = tl.zeros([BLOCK_K], tl.int32)
             for i in tl.static_range(TOP_K):
-                # The max and its lowest index in one (value, index) reduction: a
-                # max, then a min over the ties, was two shuffle chains a round.
-                best, idx = tl.reduce((work, e), 0, _argmax_combine)
-                idx = tl.minimum(tl.maximum(idx, 0), E - 1)  # NaN rows (graph padding garbage): ids in bounds
+                best = tl.max(work, 0)
+                idx = tl.min(tl.where(work == best, e, BLOCK_EALL), 0)  # lowest index on ties
+                idx = tl.minimum(idx, E - 1)  # NaN rows (graph padding garbage): ids stay in bounds
                 wsel = tl.where(kk == i, best, wsel)
                 isel = tl.where(kk == i, idx, isel)
                 work = tl.where(e == idx, -2.0, work)

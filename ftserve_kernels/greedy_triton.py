@@ -148,7 +148,7 @@ def _greedy_kernel(
             # every row has stored: each row's read of it precedes its release
             # below, the flipper's acquire follows them all.
             side = tl.load(parity_ptr)
-            hp = host_ptr.to(tl.pointer_type(tl.int64)) + side.to(tl.int64) * pair_stride
+            hp = host_ptr.to(tl.int64).to(tl.pointer_type(tl.int64)) + side.to(tl.int64) * pair_stride
             tl.store(hp + row, tok.to(tl.int64))
             if ONE_ROW:
                 tl.store(parity_ptr, 1 - side)
