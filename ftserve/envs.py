@@ -60,6 +60,16 @@ def decode_defer_norm() -> bool:
     return _flag("FTSERVE_DECODE_DEFER_NORM", True)
 
 
+def route_block_e() -> int:
+    """FTSERVE_ROUTE_BLOCK_E (default 4): router experts per program of the fused
+    norm + router + top-k kernel (decode_fused_triton): E / it one-warp programs,
+    each streaming that many router rows (a power of two)."""
+    value = int(os.environ.get("FTSERVE_ROUTE_BLOCK_E", "4") or 4)
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"FTSERVE_ROUTE_BLOCK_E={value}: a power of two, at least 1")
+    return value
+
+
 def decode_input_norm() -> bool:
     """FTSERVE_DECODE_INPUT_NORM (default on): a decode step applies the first
     layer's input norm where it gathers the embedding rows (the decode graph's

@@ -26,13 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ftserve import envs
 from ftserve_kernels import pdl
 
 # Rows one launch handles. Each program loops over them, one L2 round trip for x
 # and r per row, so the fusion pays only while a few rows' latency stays below
 # the two launches it saves.
 FUSED_MAX_TOKENS = 4
-_ROUTE_BLOCK_E = 4  # experts per program: 32 programs of 16 KB at E = 128, H = 2048
 
 
 @triton.jit
@@ -129,12 +129,13 @@ def add_norm_route_triton(
     s = summed if summed is not None else normed
     block_h = triton.next_power_of_2(h)
     on = pdl.active(x)
-    _add_norm_route_kernel[(triton.cdiv(e, _ROUTE_BLOCK_E),)](
+    block_e = envs.route_block_e()  # default 4: 32 programs of 16 KB at E = 128, H = 2048
+    _add_norm_route_kernel[(triton.cdiv(e, block_e),)](
         x, r, norm_w, gate_w, normed, s, logits, weights, ids, counter,
         t, h, e, eps,
         x.stride(0), r.stride(0), normed.stride(0), s.stride(0), gate_w.stride(0),
         HAS_RESIDUAL=residual is not None, TOP_K=top_k, RENORM=renormalize,
-        BLOCK_E=_ROUTE_BLOCK_E, BLOCK_H=block_h, BLOCK_EALL=triton.next_power_of_2(e),
+        BLOCK_E=block_e, BLOCK_H=block_h, BLOCK_EALL=triton.next_power_of_2(e),
         # One warp: every reduction (the norm, the dot, the winner's softmax and k
         # rounds of max) stays in shuffles; with 4 warps each went through shared
         # memory and a barrier (47 in the sm_90 PTX, 6 at one warp), a serial tail

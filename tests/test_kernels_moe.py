@@ -548,6 +548,26 @@ def test_add_norm_route_matches_composition(t: int, residual: bool, renorm: bool
         torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("block_e", ["1", "2", "8"])
+def test_add_norm_route_experts_per_program(block_e: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FTSERVE_ROUTE_BLOCK_E: other program widths, the same routing (E = 10 is
+    no multiple of 4 or 8)."""
+    monkeypatch.setenv("FTSERVE_ROUTE_BLOCK_E", block_e)
+    g = torch.Generator().manual_seed(int(block_e))
+    e, k, h = 10, 3, 48
+    x, r = (torch.randn(2, h, generator=g).to(DEVICE) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(h, generator=g)).to(DEVICE)
+    gw = torch.randn(e, h, generator=g).to(DEVICE)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    got = df.add_norm_route_triton(x, r, nw, 1e-6, gw, k, True, counter)
+    ref = norm_route_ref(x, r, nw, gw, k, True)
+    assert torch.equal(got[3], ref[3]) and int(counter.cpu()[0]) == 0
+    torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6)
+    monkeypatch.setenv("FTSERVE_ROUTE_BLOCK_E", "3")
+    with pytest.raises(ValueError, match="power of two"):
+        df.add_norm_route_triton(x, r, nw, 1e-6, gw, k, True, counter)
+
+
 def test_add_norm_route_ties_and_nan_rows() -> None:
     """Equal logits go lowest index first (each top-k round is one (value,
     index) reduction); a NaN row (graph padding garbage) still gives ids in
