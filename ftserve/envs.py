@@ -61,10 +61,13 @@ def decode_defer_norm() -> bool:
 
 
 def route_block_e() -> int:
-    """FTSERVE_ROUTE_BLOCK_E (default 4): router experts per program of the fused
+    """FTSERVE_ROUTE_BLOCK_E (default 1): router experts per program of the fused
     norm + router + top-k kernel (decode_fused_triton): E / it one-warp programs,
-    each streaming that many router rows (a power of two)."""
-    value = int(os.environ.get("FTSERVE_ROUTE_BLOCK_E", "4") or 4)
+    each streaming that many router rows (a power of two). H200, 2026-12-02,
+    batch-1 replay (tools.bench_decode_variants --trace): the kernel took 6.3 us
+    a layer at 4 (32 programs of 16 KB), 5.8 at 2, 5.4 at 1, 29 at 8; replay
+    2k 0.577 / 0.574 / 0.570 ms at 4 / 2 / 1, 32k 0.696 / 0.690 at 4 / 1."""
+    value = int(os.environ.get("FTSERVE_ROUTE_BLOCK_E", "1") or 1)
     if value < 1 or value & (value - 1):
         raise ValueError(f"FTSERVE_ROUTE_BLOCK_E={value}: a power of two, at least 1")
     return value

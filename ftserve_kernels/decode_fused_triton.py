@@ -15,7 +15,8 @@ launch instead of three (norm, cuBLAS GEMV, top-k)::
 
 Every program recomputes the norm: a [T, H] row from L2 is cheaper than a
 launch. The router weight ([E, H], 0.5 MB on Qwen3-30B) is split over
-E / BLOCK_E programs so enough SMs stream it. The counter is one int32 that
+E / BLOCK_E programs so enough SMs stream it (one row a program by default:
+FTSERVE_ROUTE_BLOCK_E). The counter is one int32 that
 the caller owns, zero between launches; launches that share it must be
 stream-ordered (they are: one engine stream). Sync-free and capturable.
 """
@@ -129,7 +130,7 @@ def add_norm_route_triton(
     s = summed if summed is not None else normed
     block_h = triton.next_power_of_2(h)
     on = pdl.active(x)
-    block_e = envs.route_block_e()  # default 4: 32 programs of 16 KB at E = 128, H = 2048
+    block_e = envs.route_block_e()  # default 1: 128 programs of 4 KB at E = 128, H = 2048
     _add_norm_route_kernel[(triton.cdiv(e, block_e),)](
         x, r, norm_w, gate_w, normed, s, logits, weights, ids, counter,
         t, h, e, eps,
