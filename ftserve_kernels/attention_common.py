@@ -107,6 +107,8 @@ class AttnKernelConfig:
     # With round robin: each tile's page entries load one iteration ahead. H200
     # batch-1 replay (2026-12-01 20:44): 32k 0.703 -> 0.697 ms, 2k 0.581 either way.
     decode_page_ahead: bool = True
+    # Head columns one decode reduce program combines (0: the whole head).
+    decode_reduce_block_d: int = 0
 
     @staticmethod
     def for_device(device: torch.device, head_dim: int) -> AttnKernelConfig:

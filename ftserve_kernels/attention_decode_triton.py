@@ -248,11 +248,13 @@ def _decode_reduce_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    # Program (b, h, c) combines columns [c * BLOCK_D, (c + 1) * BLOCK_D) of head
+    # h (BLOCK_D < D: more, smaller programs; each one weighs the splits itself).
     pdl.enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     smask = s < NUM_SPLITS
     lse = tl.load(mid_lse_ptr + b * stride_mlb + h * stride_mlh + s, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -351,11 +353,13 @@ def decode_attention_triton(
     )
     if fused:
         return out
-    _decode_reduce_kernel[(bsz, hq)](
+    # Columns a reduce program combines: the whole head, or decode_reduce_block_d.
+    block_r = min(block_d, triton.next_power_of_2(cfg.decode_reduce_block_d)) if cfg.decode_reduce_block_d else block_d
+    _decode_reduce_kernel[(bsz, hq, triton.cdiv(d, block_r))](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), D=d, BLOCK_D=block_d,
+        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), D=d, BLOCK_D=block_r,
         num_warps=4, PDL=on, **pdl.launch(on),
     )
     return out

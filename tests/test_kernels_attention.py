@@ -259,6 +259,23 @@ def test_decode_page_ahead_gives_the_same_bits(splits: int, fold: bool) -> None:
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
 
 
+def test_decode_reduce_block_d_splits_the_head() -> None:
+    """decode_reduce_block_d: reduce programs of part of a head each; the same
+    attention as whole-head programs."""
+    d, page = 32, 4
+    base = at.AttnKernelConfig.for_device(torch.device(DEVICE), d)
+    pool, tables, q, k, v = make_case([1, 1], [37, 5], 4, 2, d, page, torch.float32, DEVICE, seed=3)
+    fb = build_forward_batch([[1]] * 2, [37, 5], tables, pool, TorchAttentionBackend(), is_decode=True)
+    at.store_kv_triton(pool.k[0], pool.v[0], k, v, fb.attn.out_cache_loc)
+    outs = []
+    for block in (0, 16, 8):
+        cfg = at.AttnKernelConfig(**{**base.__dict__, "decode_reduce_block_d": block})
+        outs.append(at.decode_attention_triton(q, pool.k[0], pool.v[0], fb.attn.page_table, fb.attn.seq_lens,
+                                               page, d**-0.5, 4, cfg=cfg, out=torch.full_like(q, float("nan"))))
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=1e-6, atol=1e-6)
+
+
 def test_backend_decode_fused_reduce() -> None:
     cfg = at.AttnKernelConfig.for_device(torch.device(DEVICE), 32)
     be = at.TritonAttentionBackend(cfg=at.AttnKernelConfig(**{**cfg.__dict__,
@@ -296,15 +313,16 @@ def test_decode_reduce_drops_the_rows_of_empty_splits() -> None:
     w = torch.exp2(mid_lse - mid_lse.amax(-1, keepdim=True).nan_to_num(neginf=0.0))  # [b, h, s]
     want = (want_o * w[..., None]).sum(2) / w.sum(-1, keepdim=True).clamp_min(1e-30)
     want[1, 2] = 0.0
-    out = torch.full((b, h, d), float("nan"), device=DEVICE)
     mid_o, mid_lse = mid_o.to(DEVICE), mid_lse.to(DEVICE)
-    _decode_reduce_kernel[(b, h)](
-        mid_o, mid_lse, out,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1), NUM_SPLITS=s, BLOCK_S=s, D=d, BLOCK_D=d, PDL=False,
-    )
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-6)
+    for block_d in (d, d // 2):  # the whole head a program, or half of it
+        out = torch.full((b, h, d), float("nan"), device=DEVICE)
+        _decode_reduce_kernel[(b, h, d // block_d)](
+            mid_o, mid_lse, out,
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1), NUM_SPLITS=s, BLOCK_S=s, D=d, BLOCK_D=block_d, PDL=False,
+        )
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_backend_num_splits_depends_on_batch_size_only() -> None:
