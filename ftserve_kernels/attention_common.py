@@ -107,8 +107,13 @@ class AttnKernelConfig:
     # With round robin: each tile's page entries load one iteration ahead. H200
     # batch-1 replay (2026-12-01 20:44): 32k 0.703 -> 0.697 ms, 2k 0.581 either way.
     decode_page_ahead: bool = True
-    # Head columns one decode reduce program combines (0: the whole head).
-    decode_reduce_block_d: int = 0
+    # Head columns one decode reduce program combines (0: the whole head). H200
+    # batch-1 replay (2026-12-02 05:28, tools.bench_decode_variants --trace): the
+    # reduce took 2.63 / 2.89 us a layer at 2k / 32k with whole heads (32 programs
+    # at batch 1), 2.13 / 2.32 with 32 columns (128 programs); replay 2k 0.570 ->
+    # 0.567 ms, 32k 0.689 -> 0.685. The sums over the splits run in another
+    # order, so greedy tokens can differ from whole-head programs' (2k did at 16 steps).
+    decode_reduce_block_d: int = 32
 
     @staticmethod
     def for_device(device: torch.device, head_dim: int) -> AttnKernelConfig:
