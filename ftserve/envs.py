@@ -73,13 +73,6 @@ def route_block_e() -> int:
     return value
 
 
-def gemv_parts_step() -> int:
-    """FTSERVE_GEMV_PARTS_STEP (default -1): in the GEMV that applies a pending
-    norm (gemv_triton with parts), the K step after which the rows' 1/rms is
-    taken from the parts; -1 after the loop (a variant to measure)."""
-    return int(os.environ.get("FTSERVE_GEMV_PARTS_STEP", "-1") or -1)
-
-
 def decode_input_norm() -> bool:
     """FTSERVE_DECODE_INPUT_NORM (default on): a decode step applies the first
     layer's input norm where it gathers the embedding rows (the decode graph's

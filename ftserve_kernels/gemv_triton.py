@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ftserve import envs
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
 
@@ -93,7 +92,6 @@ def _gemv_kernel(
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KALL: tl.constexpr,
     EVEN_K: tl.constexpr, K_STEPS: tl.constexpr, PDL: tl.constexpr,
     parts_ptr=None, P=1, HAS_PARTS: tl.constexpr = False, BLOCK_P: tl.constexpr = 1,
-    SCALE_STEP: tl.constexpr = -1,
 ):
     # HAS_PARTS: x is w * s of a norm the layer before left pending (s the
     # residual sum; its programs' partial sums of squares of s in parts [T, P]):
@@ -135,13 +133,6 @@ def _gemv_kernel(
                         HAS_NORM, HAS_RESIDUAL, BLOCK_KALL)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    # With parts, the rows' 1/rms after K step SCALE_STEP (its loads issued, the
-    # parts arrived by then) or, at -1, after the loop (FTSERVE_GEMV_PARTS_STEP).
-    MID: tl.constexpr = HAS_PARTS and SCALE_STEP >= 0 and SCALE_STEP < K_STEPS
-    sc0 = 1.0
-    sc1 = 1.0
-    sc2 = 1.0
-    sc3 = 1.0
     # Unrolled (K_STEPS = cdiv(K, BLOCK_K)): the steps' loads are independent and
     # the body has no barrier, so the compiler can issue them ahead.
     for step in tl.static_range(K_STEPS):
@@ -164,30 +155,20 @@ def _gemv_kernel(
             acc3 += w * _row_in(x_ptr, r_ptr, nw_ptr, 3, T, stride_x, stride_r, kk, kmask, inv3, dt,
                                 HAS_NORM, HAS_RESIDUAL)
         w_ptrs += BLOCK_K
-        if MID and step == SCALE_STEP:
-            sc0 = _row_scale(parts, 0, K, eps, HAS_PARTS, BLOCK_T)
-            if BLOCK_T > 1:
-                sc1 = _row_scale(parts, 1, K, eps, HAS_PARTS, BLOCK_T)
-            if BLOCK_T > 2:
-                sc2 = _row_scale(parts, 2, K, eps, HAS_PARTS, BLOCK_T)
-                sc3 = _row_scale(parts, 3, K, eps, HAS_PARTS, BLOCK_T)
-    if not MID:
-        sc0 = _row_scale(parts, 0, K, eps, HAS_PARTS, BLOCK_T)
-        if BLOCK_T > 1:
-            sc1 = _row_scale(parts, 1, K, eps, HAS_PARTS, BLOCK_T)
-        if BLOCK_T > 2:
-            sc2 = _row_scale(parts, 2, K, eps, HAS_PARTS, BLOCK_T)
-            sc3 = _row_scale(parts, 3, K, eps, HAS_PARTS, BLOCK_T)
     bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
     # Rounded to x's dtype first, as F.linear's output, also into an fp32 y (the lm_head).
     ydt = y_ptr.dtype.element_ty
+    sc0 = _row_scale(parts, 0, K, eps, HAS_PARTS, BLOCK_T)
     tl.store(y_ptr + cols, (tl.sum(acc0, 1) * sc0 + bias).to(dt).to(ydt), mask=nmask)
     if BLOCK_T > 1:
+        sc1 = _row_scale(parts, 1, K, eps, HAS_PARTS, BLOCK_T)
         tl.store(y_ptr + stride_y + cols, (tl.sum(acc1, 1) * sc1 + bias).to(dt).to(ydt),
                  mask=nmask & ((cols * 0 + 1) < T))
     if BLOCK_T > 2:
+        sc2 = _row_scale(parts, 2, K, eps, HAS_PARTS, BLOCK_T)
+        sc3 = _row_scale(parts, 3, K, eps, HAS_PARTS, BLOCK_T)
         tl.store(y_ptr + 2 * stride_y + cols, (tl.sum(acc2, 1) * sc2 + bias).to(dt).to(ydt),
                  mask=nmask & ((cols * 0 + 2) < T))
         tl.store(y_ptr + 3 * stride_y + cols, (tl.sum(acc3, 1) * sc3 + bias).to(dt).to(ydt),
@@ -254,7 +235,6 @@ def gemv_triton(
         BLOCK_KALL=triton.next_power_of_2(k), EVEN_K=k % bk == 0, K_STEPS=triton.cdiv(k, bk),
         num_warps=config.num_warps, num_stages=config.num_stages, PDL=on, **pdl.launch(on),
         **({} if parts is None else dict(parts_ptr=parts, P=parts.shape[1], HAS_PARTS=True,
-                                         BLOCK_P=triton.next_power_of_2(parts.shape[1]),
-                                         SCALE_STEP=envs.gemv_parts_step())),
+                                         BLOCK_P=triton.next_power_of_2(parts.shape[1]))),
     )
     return y, summed

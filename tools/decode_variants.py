@@ -35,7 +35,6 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_DECODE_INPUT_NORM": "1",
     "FTSERVE_STEP_COPY_KERNEL": "1",
     "FTSERVE_ROUTE_BLOCK_E": "1",
-    "FTSERVE_GEMV_PARTS_STEP": "-1",
 }
 
 
