@@ -28,6 +28,10 @@ from ftserve.models.forward_batch import build_forward_batch  # noqa: E402
 from ftserve_kernels import attention_triton as at  # noqa: E402
 from ftserve_kernels.paged_attention import TorchAttentionBackend, paged_attention_ref  # noqa: E402
 
+# fp32 attention against the torch twin: the interpreter's dots are
+# fp32; on the GPU tl.dot takes fp32 operands as TF32 (10-bit mantissas).
+FP32_TOL = 1e-4 if DEVICE == "cpu" else 3e-3
+
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
@@ -174,7 +178,7 @@ def test_decode_matches_reference(dtype: torch.dtype, is_decode: bool) -> None:
     )
     assert torch.equal(pool.k.nan_to_num(7.0), ref_pool.k.nan_to_num(7.0))
     assert torch.isfinite(out).all()
-    assert rel_err(out, ref) < (1e-4 if dtype == torch.float32 else 2e-2)
+    assert rel_err(out, ref) < (FP32_TOL if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
@@ -190,7 +194,7 @@ def test_decode_split_counts_agree(splits: int) -> None:
     )
     ref = paged_attention_ref(q, pool.k[0], pool.v[0], fb.attn.page_table, [0, 1, 2],
                               fb.attn.seq_lens_host, 8, 32**-0.5)
-    assert rel_err(out, ref) < 1e-4
+    assert rel_err(out, ref) < FP32_TOL
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
@@ -282,7 +286,7 @@ def test_backend_decode_fused_reduce() -> None:
                                                              "decode_fused_reduce": True}))
     out, ref, _, _ = run_both([1, 1, 1], [0, 16, 39], hq=8, hkv=2, d=32, page_size=4,
                               dtype=torch.float32, device=DEVICE, is_decode=True, backend=be)
-    assert rel_err(out, ref) < 1e-4
+    assert rel_err(out, ref) < FP32_TOL
 
 
 def test_decode_empty_sequence_gives_zeros() -> None:
@@ -505,9 +509,9 @@ def test_decode_qk_fold_matches_norm_rotary_then_attention(dtype: torch.dtype, s
     ref_pool.k.copy_(pool.k)
     ref_pool.v.copy_(pool.v)
     g = torch.Generator().manual_seed(11)
-    q_w = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype)
-    k_w = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype)
-    cos_sin = _rope_table(64, d)
+    q_w = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE)
+    k_w = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE)
+    cos_sin = _rope_table(64, d).to(DEVICE)
     toks = [[1]] * 3
     fb = build_forward_batch(toks, prefix, tables, pool, TorchAttentionBackend(), is_decode=True)
     meta = fb.attn
@@ -531,18 +535,19 @@ def test_decode_qk_fold_matches_norm_rotary_then_attention(dtype: torch.dtype, s
     pool.k[0, loc] = before_k[0, loc]
     assert torch.equal(pool.k.nan_to_num(7.0), before_k.nan_to_num(7.0)), "a write outside the new slots"
     assert torch.isfinite(out).all()
-    assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2), rel_err(out, ref)
+    assert rel_err(out, ref) < ((1e-5 if DEVICE == "cpu" else FP32_TOL) if dtype == torch.float32 else 2e-2), rel_err(out, ref)
 
 
 def test_backend_decode_qk_applies_to_decode_only() -> None:
     pool, tables, q, k, v = make_case([1, 2], [5, 3], 4, 2, 32, 4, torch.float32, DEVICE)
     backend = at.TritonAttentionBackend()
-    w = torch.ones(32)
+    w = torch.ones(32, device=DEVICE)
     fb = build_forward_batch([[1], [1, 1]], [5, 3], tables, pool, backend, is_decode=False)
-    assert backend.decode_qk(q, k, v, 0, fb, w, w, 1e-6, _rope_table(16, 32)) is None
+    assert backend.decode_qk(q, k, v, 0, fb, w, w, 1e-6, _rope_table(16, 32).to(DEVICE)) is None
     fb = build_forward_batch([[1], [1]], [5, 3], tables, pool, backend, is_decode=True)
-    assert backend.decode_qk(q[:2], k[:2], v[:2], 0, fb, w, w, 1e-6, _rope_table(16, 16)) is None  # partial rotary
-    assert backend.decode_qk(q[:2], k[:2], v[:2], 0, fb, w, w, 1e-6, _rope_table(16, 32)) is not None
+    half = _rope_table(16, 16).to(DEVICE)  # partial rotary
+    assert backend.decode_qk(q[:2], k[:2], v[:2], 0, fb, w, w, 1e-6, half) is None
+    assert backend.decode_qk(q[:2], k[:2], v[:2], 0, fb, w, w, 1e-6, _rope_table(16, 32).to(DEVICE)) is not None
 
 
 @pytest.mark.gpu
