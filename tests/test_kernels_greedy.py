@@ -15,6 +15,11 @@ from ftserve_kernels.greedy_triton import greedy_sample_ref, greedy_sample_trito
 NI = 5
 
 
+# The tests without the gpu mark build CPU tensors for the Triton interpreter
+# (conftest sets it where no GPU is): a CUDA machine runs the gpu-marked ones.
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="an interpreter test: CPU tensors")
+
+
 def _itab(stops: dict[int, list[int]], slots: int, m: int) -> torch.Tensor:
     t = torch.zeros(slots, NI + m, dtype=torch.int64)
     for slot, ids in stops.items():
@@ -23,6 +28,7 @@ def _itab(stops: dict[int, list[int]], slots: int, m: int) -> torch.Tensor:
     return t
 
 
+@interpreter_only
 @pytest.mark.parametrize("vocab,block,programs", [(1000, 256, 8), (3001, 128, 5), (77, 1024, 264)])
 def test_greedy_kernel_equals_reference(vocab: int, block: int, programs: int) -> None:
     g = torch.Generator().manual_seed(vocab)
@@ -52,6 +58,7 @@ def test_greedy_kernel_equals_reference(vocab: int, block: int, programs: int) -
         assert got[1] == 30 if active[1] else got[1] == 7
 
 
+@interpreter_only
 @pytest.mark.parametrize("rows", [1, 3])
 def test_greedy_kernel_stores_the_tokens_into_the_staged_row(rows: int) -> None:
     """host_out: the tokens also land in the row of the pair that the word
@@ -83,6 +90,7 @@ def test_greedy_kernel_stores_the_tokens_into_the_staged_row(rows: int) -> None:
     assert torch.equal(pair[0, :rows], got[0]) and torch.equal(pair[1, :rows], got[1])
 
 
+@interpreter_only
 def test_temperature_mode_equals_reference() -> None:
     """With ftab: sampled rows take the Gumbel-max of logits / T with the
     sampler's (seed, step, token) noise, greedy rows the argmax; stop masks too."""
@@ -110,6 +118,7 @@ def test_temperature_mode_equals_reference() -> None:
         assert int(counters.abs().sum()) == 0
 
 
+@interpreter_only
 def test_sampler_takes_the_fused_kernel_for_greedy_only_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """FTSERVE_KERNELS=triton runs the kernel (interpreted here): same tokens as
     the torch path, min_tokens masking included, ``last`` filled either way."""
