@@ -1,10 +1,12 @@
-"""Helpers for driving a real Engine from tests (thread + asyncio loop)."""
+"""Helpers for driving a real Engine from tests (thread + asyncio loop), and
+for checking a decode graph's step words as the engine reads them."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -140,3 +142,16 @@ def drive(engine: Engine, reqs: list[tuple[str, list[int], SamplingParams]],
             return outs
         engine._step()
     raise AssertionError(f"requests still running after {max_steps} steps")
+
+
+def read_one_step_late(pending: list[tuple[int, Any]], step: int, h_out: Any, n: int) -> None:
+    """An event after step ``step``; the step before's tokens checked behind
+    its event, as the overlap scheduler reads them (tokens = 3 * input + 1,
+    inputs = i + 1000 * step, in row step % 2 of the pinned pair ``h_out``)."""
+    event = torch.cuda.Event()
+    event.record()
+    pending.append((step, event))
+    if len(pending) == 2:
+        s, ev = pending.pop(0)
+        ev.synchronize()
+        assert h_out[s % 2].tolist() == [(i + 1000 * s) * 3 + 1 for i in range(n)], s

@@ -20,6 +20,7 @@ if DEVICE == "cpu":
         importlib.reload(sys.modules["ftserve_kernels.bookkeeping"])
 
 from ftserve_kernels import bookkeeping as bk  # noqa: E402
+from tests.engine_util import read_one_step_late  # noqa: E402
 
 
 def check_maps(slot_of_id: torch.Tensor, id_of_slot: torch.Tensor) -> None:
@@ -270,20 +271,7 @@ def test_gpu_step_copies_stay_stream_ordered() -> None:
         bk.copy_host_words(h_in[step % 2], g_in)
         out = g_in * 3 + 1  # the step's "tokens"
         bk.copy_host_words(out, h_out[step % 2])
-        _read_one_step_late(pending, step, h_out, n)
-
-
-def _read_one_step_late(pending: list[tuple[int, Any]], step: int, h_out: Any, n: int) -> None:
-    """An event after step ``step``; the step before's tokens checked behind
-    its event, as the overlap scheduler reads them (tokens = 3 * input + 1,
-    inputs = i + 1000 * step)."""
-    event = torch.cuda.Event()
-    event.record()
-    pending.append((step, event))
-    if len(pending) == 2:
-        s, ev = pending.pop(0)
-        ev.synchronize()
-        assert h_out[s % 2].tolist() == [(i + 1000 * s) * 3 + 1 for i in range(n)], s
+        read_one_step_late(pending, step, h_out, n)
 
 
 @pytest.mark.parametrize("side", [0, 1])
@@ -360,6 +348,6 @@ def test_gpu_paired_step_copies_in_a_graph() -> None:
     for step in range(40):
         h_in[step % 2].copy_(torch.arange(n) + 1000 * step)
         graph.replay()
-        _read_one_step_late(pending, step, h_out, n)
+        read_one_step_late(pending, step, h_out, n)
     torch.cuda.synchronize()
     assert parity.item() == 0  # 40 flips
