@@ -126,6 +126,14 @@ def moe_read_through() -> bool:
     return _flag("FTSERVE_MOE_READ_THROUGH", True)
 
 
+def gemv_entries() -> str:
+    """FTSERVE_GEMV_ENTRY: GEMV launch entries laid over the device table, for
+    in-context tuning runs (tools.bench_decode_variants): ``KEY@T=BN.BK.W.S``
+    joined by ";", KEY the table key with "+" for its commas, e.g.
+    "dense:N=2048+K=4096@1=4.512.8.3" (gemv_configs.parse_entries)."""
+    return os.environ.get("FTSERVE_GEMV_ENTRY", "")
+
+
 def moe_config_file() -> Path | None:
     """FTSERVE_MOE_CONFIG_FILE: a MoE tile table (tools/tune_moe.py output) used
     instead of the packaged ftserve_kernels/configs/moe_<device>.json."""

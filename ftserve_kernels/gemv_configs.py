@@ -22,7 +22,9 @@ An entry applies only to the T it was tuned at (for the dense kernel the row
 block next_power_of_2(T), which is what the kernel specializes on): these
 kernels' registers and grid scale with T, so a neighbour's entry is no safe
 guess; any other T, shape or kind takes the kernel's default (``default``,
-exactly the launch used before tables existed). Tables are read on CUDA only;
+exactly the launch used before tables existed). FTSERVE_GEMV_ENTRY lays single
+entries over the table (``parse_entries``: a tuning run's variants, in the
+step itself rather than alone as tools/tune_gemv times them). Tables are read on CUDA only;
 the interpreter keeps its small tiles. A table that exists but does not parse,
 names an unknown kind or holds unknown fields is an error naming the file
 (same policy as moe_configs: a silently ignored table hides the slow default).
@@ -140,17 +142,39 @@ def table_for(device_index: int, override: str | None) -> Table:
     return tables.table_for(device_index, override, "gemv", _WHAT, _entry)
 
 
+def parse_entries(text: str) -> Table:
+    """FTSERVE_GEMV_ENTRY's entries -> a table: ``KEY@T=BN.BK.W.S`` joined by
+    ";", KEY a table key with "+" for its commas (a comma-free form, so a
+    variant list can hold it). ValueError names the entry that does not parse."""
+    out: Table = {}
+    for item in filter(None, (p.strip() for p in text.split(";"))):
+        key, at, rest = item.partition("@")
+        t, eq, fields = rest.partition("=")
+        try:
+            if not (at and eq):
+                raise ValueError("not KEY@T=BN.BK.W.S")
+            key = key.replace("+", ",")
+            parse_key(key)
+            config = GemvConfig(*(int(v) for v in fields.split(".")))
+            out.setdefault(key, {})[int(t)] = config
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"FTSERVE_GEMV_ENTRY entry {item!r}: {e}") from None
+    return out
+
+
 def pick(key: str, tokens: int, device: torch.device) -> GemvConfig | None:
     """The table entry for ``key`` at ``tokens`` (host ints, never data), or
-    None: the caller launches its default. None off CUDA."""
+    None: the caller launches its default. FTSERVE_GEMV_ENTRY's entries win
+    over the table's. None off CUDA."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     path = envs.gemv_config_file()
-    return _pick(key, tokens, index, str(path) if path is not None else None)
+    return _pick(key, tokens, index, str(path) if path is not None else None, envs.gemv_entries())
 
 
 @functools.lru_cache(maxsize=512)
-def _pick(key: str, tokens: int, device_index: int, override: str | None) -> GemvConfig | None:
+def _pick(key: str, tokens: int, device_index: int, override: str | None, entries: str) -> GemvConfig | None:
     # Cached: asked once per GEMV launch (several per layer per step).
-    return table_for(device_index, override).get(key, {}).get(tokens)
+    laid = parse_entries(entries).get(key, {}).get(tokens)
+    return laid if laid is not None else table_for(device_index, override).get(key, {}).get(tokens)

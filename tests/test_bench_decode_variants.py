@@ -105,6 +105,11 @@ def test_ad_hoc_variants_parse_attn_fields_and_switches() -> None:
     w = parse_variant("FTSERVE_PDL=1 FTSERVE_DENSE_GEMV=norm", base)
     assert w.env == {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": "norm"} and not w.attn
     assert w.group == "env:FTSERVE_DENSE_GEMV+FTSERVE_PDL"
+    # A GEMV launch entry in its comma-free form survives the list's commas.
+    entry = "FTSERVE_GEMV_ENTRY=dense:N=2048+K=4096@1=4.512.8.3"
+    picked = select_variants(default_variants(base), f"{entry},FTSERVE_PDL=1", base)
+    assert [v.name for v in picked] == ["baseline", entry, "FTSERVE_PDL=1"]
+    assert picked[1].env == {"FTSERVE_GEMV_ENTRY": "dense:N=2048+K=4096@1=4.512.8.3"}
     for bad in ("attn", "attn decode_block_m=64", "attn decode_block_n=big", "FTSERVE_NOPE=1", "PDL"):
         with pytest.raises(ValueError, match="variant"):
             parse_variant(bad, base)

@@ -76,6 +76,31 @@ def test_table_lookup_via_env_is_exact_in_t(tmp_path: Path, monkeypatch: pytest.
     assert gc.table_file_name("NVIDIA H200") == "gemv_NVIDIA_H200.json"
 
 
+def test_env_entries_lay_over_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FTSERVE_GEMV_ENTRY: comma-free entries (KEY@T=BN.BK.W.S, "+" for the key's
+    commas) win over the table's at their key and T only; a bad one is an
+    error naming it."""
+    dense_key = gc.dense_key(False, 48, 64)
+    gu_key = gc.moe_key("moe_gate_up", 8, 64, 32, 2)
+    a, b = GemvConfig(32, 256, 4, 3), GemvConfig(4, 128, 2, 1)
+    path = _write(tmp_path / "t.json", {dense_key: {"1": a.to_dict(), "2": a.to_dict()}})
+    monkeypatch.setenv("FTSERVE_GEMV_CONFIG_FILE", path)
+    entries = f"{dense_key.replace(',', '+')}@1=4.128.2.1; {gu_key.replace(',', '+')}@2=32.256.4.3"
+    assert "," not in entries
+    assert gc.parse_entries(entries) == {dense_key: {1: b}, gu_key: {2: a}}
+    monkeypatch.setenv("FTSERVE_GEMV_ENTRY", entries)
+    assert gc.pick(dense_key, 1, CUDA0) == b  # the entry over the table's
+    assert gc.pick(dense_key, 2, CUDA0) == a  # the table's, another T
+    assert gc.pick(gu_key, 2, CUDA0) == a and gc.pick(gu_key, 1, CUDA0) is None
+    assert gc.pick(dense_key, 1, torch.device("cpu")) is None
+    for bad, needle in [("dense:N=48+K=64@1=4.128.2", "num_stages"), ("dense:N=48+K=64=4.128.2.1", "KEY@T"),
+                        ("dense_fp8:N=8+K=8@1=4.128.2.1", "unknown GEMV kernel kind"),
+                        ("dense:N=48+K=64@1=12.128.2.1", "power of two")]:
+        with pytest.raises(ValueError, match="FTSERVE_GEMV_ENTRY entry") as err:
+            gc.parse_entries(bad)
+        assert needle in str(err.value), (bad, str(err.value))
+
+
 @pytest.mark.parametrize("content,needle", [
     ("{not json", "JSONDecodeError"),
     ('{"table": {}}', "KeyError"),

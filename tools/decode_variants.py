@@ -35,6 +35,7 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_DECODE_INPUT_NORM": "1",
     "FTSERVE_STEP_COPY_KERNEL": "1",
     "FTSERVE_ROUTE_BLOCK_E": "1",
+    "FTSERVE_GEMV_ENTRY": "",
 }
 
 
