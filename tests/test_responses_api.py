@@ -268,6 +268,10 @@ def test_forced_tool_choice(live: Live, client: openai.OpenAI, script: list[str]
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": 3}}}},
      "text.format"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": "x", "include": "reasoning.encrypted_content"}, "include"),
+    ({"input": "x", "top_logprobs": 3}, "top_logprobs"),
+    ({"input": "x", "top_logprobs": -1}, "top_logprobs"),
 ])
 def test_bad_fields_are_400_naming_them(live: Live, body: dict[str, Any], field: str) -> None:
     status, _, out = call(live, "/v1/responses", {"model": MODEL, **body})

@@ -31,9 +31,12 @@ Stateless: nothing is stored, so ``previous_response_id`` (and ``conversation``)
 is a 400, and ``store`` is accepted and ignored (agents such as Codex send the
 whole conversation each turn with ``store: false``). Images, files and the hosted
 tools (web search, file search, code interpreter, MCP, ...) are a 400: the
-models served are text-only and the server runs no tools. ``reasoning``,
-``include``, ``metadata``, ``truncation`` "disabled", ``user`` and other
-unknown fields are ignored. As ftserve extensions, ``top_k``, ``min_p``,
+models served are text-only and the server runs no tools. ``include`` must be a
+list of strings: "message.output_text.logprobs" (and ``top_logprobs`` above 0)
+is a 400, as output-text logprobs are not returned; the other values name
+outputs this server never makes ("reasoning.encrypted_content": the reasoning
+comes back as plain text) and are accepted. ``reasoning``, ``metadata``,
+``truncation`` "disabled", ``user`` and other unknown fields are ignored. As ftserve extensions, ``top_k``, ``min_p``,
 ``seed``, ``stop``, ``ignore_eos``, ``min_tokens`` and the penalties pass
 through with their /v1/chat/completions meaning.
 """
@@ -51,6 +54,7 @@ _PASSED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "to
            "seed", "stop", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
            "repetition_penalty")
 _REFUSED = ("previous_response_id", "conversation", "prompt", "background")
+_LOGPROBS = "message.output_text.logprobs"
 # parse_chat names the chat fields the translation wrote; the client sent these.
 RENAMED = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
@@ -190,9 +194,27 @@ def _text_format(text: Any) -> dict[str, Any] | None:
                       param="text.format")
 
 
+def _check_include(include: Any, top_logprobs: Any) -> None:
+    """``include`` and ``top_logprobs``: a clear 400 where they ask for output-text
+    logprobs (not returned here: silently empty arrays would mislead)."""
+    if include is not None:
+        if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
+            raise bad_request("'include' must be a list of strings", param="include")
+        if _LOGPROBS in include:
+            raise unsupported("include", f"{_LOGPROBS!r} is not supported: the Responses route "
+                              "returns no logprobs (/v1/chat/completions does)")
+    if top_logprobs is not None:
+        if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or top_logprobs < 0:
+            raise bad_request("'top_logprobs' must be a non-negative integer", param="top_logprobs")
+        if top_logprobs > 0:
+            raise unsupported("top_logprobs", "is not supported: the Responses route returns no "
+                              "logprobs (/v1/chat/completions does)")
+
+
 def parse_responses_request(raw: Any) -> ParsedRequest:
     if not isinstance(raw, dict):
         raise bad_request("request body must be a JSON object")
+    _check_include(raw.get("include"), raw.get("top_logprobs"))
     for key in _REFUSED:
         if raw.get(key) is not None:
             raise unsupported(key, "is not supported: this server stores nothing (send the "
