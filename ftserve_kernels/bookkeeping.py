@@ -488,9 +488,10 @@ def copy_host_words_paired(src: torch.Tensor, dst: torch.Tensor, parity: torch.T
     contiguous), and a device word picks the row: ``parity`` [1] int32, 0 or 1,
     read by the kernel (no host sync: the copy can sit inside a CUDA graph whose
     steps alternate between the two rows). ``flip`` toggles the word after the
-    copy. The decode graphs start with the input copy and end with the tokens'
-    copy + flip, so step N uses row N % 2 (the host writes and reads the same row).
-    Off CUDA the twin (it reads the word on the host)."""
+    copy. Step N of the decode graphs uses row N % 2 (the host writes and reads
+    the same row): their inputs launch reads its words from the row itself
+    (StagedRows), and a graph whose greedy kernel does not store the tokens
+    ends with this copy + flip. Off CUDA the twin (it reads the word on the host)."""
     pair, other = (src, dst) if src.dim() == 2 else (dst, src)
     assert src.dtype == dst.dtype == torch.int64 and pair.shape[0] == 2 and other.dim() == 1
     assert pair.shape[1] == other.numel() and pair.stride(1) == 1 and other.is_contiguous()

@@ -73,7 +73,7 @@ from tools.engine_measure import bench_decode, prefill_base
 TOP_KERNELS = 12
 # A batch-1 greedy decode graph starts with the inputs launch and ends with
 # the greedy sampler's (trace_engine cuts the engine's timeline at them).
-FIRST_GRAPH_KERNEL = "_decode_inputs_kernel"  # after the input copy where the graph holds it
+FIRST_GRAPH_KERNEL = "_decode_inputs_kernel"
 LAST_GRAPH_KERNELS = ("_greedy_kernel",)
 
 

@@ -177,8 +177,8 @@ class DecodeGraphs:
         # the dummy slot, which never reads them). Steps of other variants hold no
         # row that reads its counts, and admit() resets a row it hands out.
         r.sampler.update(d.slots, out.token_ids)
-        if self.in_graph_io and not out.on_host:  # the tokens to the host, and the next step's row
-            copy_host_words_paired(out.token_ids[:bs], self.h_out[:, :bs], self.parity, flip=True)
+        if staged_out is not None and not out.on_host:  # the tokens to the host, and the next step's row
+            copy_host_words_paired(out.token_ids[:bs], staged_out.pair, staged_out.parity, flip=True)
         return out
 
     def capture(self) -> None:

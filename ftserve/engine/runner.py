@@ -324,7 +324,7 @@ class ModelRunner:
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=self._pin)
             host.copy_(packed, non_blocking=True)
         elif graph_host is not None:
-            host = graph_host[:n]  # the graph's last node stored them (cuda_graph)
+            host = graph_host[:n]  # the graph stored them there itself (cuda_graph)
         else:
             # Tokens only: straight into a persistent pinned buffer. Two of them
             # alternate: step N's is read (collect) before step N+2 rewrites it.
