@@ -73,16 +73,6 @@ def route_block_e() -> int:
     return value
 
 
-def decode_defer_final_norm() -> bool:
-    """FTSERVE_DECODE_DEFER_FINAL_NORM (default off): the final norm is left
-    pending as the layers' input norms are (FTSERVE_DECODE_DEFER_NORM), where
-    the lm_head is the one-row Triton GEMV: the last layer's down kernel
-    stores weight * sum and its sums of squares like every other layer's, and
-    the lm_head GEMV scales its dots by 1/rms at the end, instead of the down
-    kernel's last program norming the whole row (its serial tail)."""
-    return _flag("FTSERVE_DECODE_DEFER_FINAL_NORM", False)
-
-
 def decode_input_norm() -> bool:
     """FTSERVE_DECODE_INPUT_NORM (default on): a decode step applies the first
     layer's input norm where it gathers the embedding rows (the decode graph's

@@ -107,10 +107,6 @@ class AttnKernelConfig:
     # With round robin: each tile's page entries load one iteration ahead. H200
     # batch-1 replay (2026-12-01 20:44): 32k 0.703 -> 0.697 ms, 2k 0.581 either way.
     decode_page_ahead: bool = True
-    # With round robin: a split's first tile of K/V is loaded before q (and its
-    # norms and rotary), so the two latency chains overlap (the tile's loads
-    # wait only for the page entries and the length).
-    decode_first_tile_early: bool = False
     # Head columns one decode reduce program combines (0: the whole head). H200
     # batch-1 replay (2026-12-02 05:28, tools.bench_decode_variants --trace): the
     # reduce took 2.63 / 2.89 us a layer at 2k / 32k with whole heads (32 programs

@@ -36,73 +36,6 @@ def _norm_rope_halves(x1, x2, w_ptr, j, cos, sin, eps, D: tl.constexpr, HALF: tl
 
 
 @triton.jit
-def _load_k_tile(kc_ptr, ks_ptr, slot, nmask, stride_cs, stride_ss, head_off, kvh, hj, d, dmask,
-                 HALF: tl.constexpr, QK: tl.constexpr, FP8: tl.constexpr):
-    """A tile's keys -> (kt [D, N], its halves kt1, kt2 [HALF, N] (QK), fp8 scales [N])."""
-    if QK:
-        k_rows = kc_ptr + slot[None, :] * stride_cs + head_off
-        kt1 = tl.load(k_rows + hj[:, None], mask=nmask[None, :], other=0.0)  # [HALF, N]
-        kt2 = tl.load(k_rows + HALF + hj[:, None], mask=nmask[None, :], other=0.0)
-        kt = kt1  # unused
-    else:
-        kt = tl.load(
-            kc_ptr + slot[None, :] * stride_cs + head_off + d[:, None],
-            mask=nmask[None, :] & dmask[:, None], other=0.0,
-        )  # [D, N]
-        kt1 = kt  # unused
-        kt2 = kt
-    ksc = 0.0
-    if FP8:
-        ksc = tl.load(ks_ptr + slot * stride_ss + kvh, mask=nmask, other=0.0)  # [N]
-    return kt, kt1, kt2, ksc
-
-
-@triton.jit
-def _load_v_tile(vc_ptr, vs_ptr, slot, nmask, stride_cs, stride_ss, head_off, kvh, d, dmask,
-                 FP8: tl.constexpr):
-    """A tile's values -> (vv [N, D], fp8 scales [N])."""
-    vv = tl.load(
-        vc_ptr + slot[:, None] * stride_cs + head_off + d[None, :],
-        mask=nmask[:, None] & dmask[None, :], other=0.0,
-    )  # [N, D]
-    vsc = 0.0
-    if FP8:
-        vsc = tl.load(vs_ptr + slot * stride_ss + kvh, mask=nmask, other=0.0)  # [N]
-    return vv, vsc
-
-
-@triton.jit
-def _scores_step(q, q1, q2, kt, kt1, kt2, ksc, nmask, m_i, l_i, scale_log2,
-                 UPCAST: tl.constexpr, QK: tl.constexpr, FP8: tl.constexpr):
-    """One tile's scores into the online softmax -> (m_i, l_i, p [G, N], alpha
-    [G]: the accumulator's rescale, applied in _values_step)."""
-    if QK:
-        qk = mma(q1, kt1, UPCAST) + mma(q2, kt2, UPCAST)  # [G, N] unscaled scores
-    elif FP8:
-        # e4m3 codes -> q's dtype is exact; a key's scale multiplies its whole score column.
-        qk = mma(q, kt.to(q.dtype), UPCAST) * ksc[None, :]  # [G, N]
-    else:
-        qk = mma(q, kt, UPCAST)  # [G, N] unscaled scores
-    qk = tl.where(nmask[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)  # log2 domain
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk * scale_log2 - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return m_new, l_i, p, alpha
-
-
-@triton.jit
-def _values_step(p, alpha, vv, vsc, acc, q, UPCAST: tl.constexpr, FP8: tl.constexpr):
-    """acc * alpha + p @ V for one tile."""
-    if FP8:
-        # Scale V rows (not p): values keep their own magnitude, safe in fp16 too.
-        vd = (vv.to(tl.float32) * vsc[:, None]).to(q.dtype)  # [N, D]
-        return mma_acc(p.to(q.dtype), vd, acc * alpha[:, None], UPCAST)
-    else:
-        return mma_acc(p.to(vv.dtype), vv, acc * alpha[:, None], UPCAST)
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, pt_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, o_ptr, count_ptr,
     ks_ptr, vs_ptr,
@@ -115,7 +48,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
     QK: tl.constexpr, ROUND_ROBIN: tl.constexpr = False, TILE_STEP: tl.constexpr = 1,
-    PAGE_AHEAD: tl.constexpr = False, FIRST_EARLY: tl.constexpr = False,
+    PAGE_AHEAD: tl.constexpr = False,
 ):
     # QK (decode_attention_qk_triton): q and the new token's k arrive raw (before
     # the per-head norms and the rotary) and this kernel normalizes and rotates
@@ -149,8 +82,6 @@ def _decode_split_kernel(
         per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
         start = s * per_split
         end = tl.minimum(start + per_split, kv_len)
-    if QK:
-        end = tl.minimum(end, kv_len - 1)  # the new token: after the loop
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
@@ -158,25 +89,6 @@ def _decode_split_kernel(
     dmask = d < D
     HALF: tl.constexpr = D // 2
     hj = tl.arange(0, HALF)
-    pt_row = pt_ptr + b.to(tl.int64) * stride_pt
-    head_off = kvh * stride_ch
-    if FIRST_EARLY:
-        # The first tile's K and V go in flight before q is loaded, normed and
-        # rotated: they wait only for the page entries and the length, loaded
-        # first, not for the q chain (AttnKernelConfig.decode_first_tile_early).
-        tl.static_assert(ROUND_ROBIN)
-        nmask0 = pos0 < end
-        slot0 = page0.to(tl.int64) * PAGE_SIZE + pos0 % PAGE_SIZE
-        kt_0, kt1_0, kt2_0, ksc_0 = _load_k_tile(kc_ptr, ks_ptr, slot0, nmask0, stride_cs, stride_ss,
-                                                 head_off, kvh, hj, d, dmask, HALF, QK, FP8)
-        vv_0, vsc_0 = _load_v_tile(vc_ptr, vs_ptr, slot0, nmask0, stride_cs, stride_ss, head_off, kvh,
-                                   d, dmask, FP8)
-        if PAGE_AHEAD:  # the loop below starts at the split's second tile: its entries
-            pos_second = pos0 + TILE_STEP * BLOCK_N
-            page_next = tl.load(pt_row + pos_second // PAGE_SIZE, mask=pos_second < end, other=0)
-    elif PAGE_AHEAD:
-        tl.static_assert(ROUND_ROBIN)
-        page_next = page0
     if QK:
         ty = q_ptr.dtype.element_ty
         p_new = tl.load(pos_ptr + b).to(tl.int64)
@@ -187,25 +99,22 @@ def _decode_split_kernel(
             tl.load(q_rows + hj[None, :], mask=gmask[:, None], other=0.0).to(tl.float32),
             tl.load(q_rows + HALF + hj[None, :], mask=gmask[:, None], other=0.0).to(tl.float32),
             qw_ptr, hj, cos, sin, eps, D, HALF, ty)  # [G, HALF] each
-        q = q1  # unused (the tiles take the halves)
+        end = tl.minimum(end, kv_len - 1)  # the new token: after the loop
+        q = q1  # unused (the loop takes the halves)
     else:
         q = tl.load(
             q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
             mask=gmask[:, None] & dmask[None, :], other=0.0,
         )  # [G, D]
-        q1 = q  # unused (QK only)
-        q2 = q
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    loop_start = start
-    if FIRST_EARLY:
-        if start < end:  # the tile holds tokens (else its loads were all masked off)
-            m_i, l_i, p, alpha = _scores_step(q, q1, q2, kt_0, kt1_0, kt2_0, ksc_0, nmask0, m_i, l_i,
-                                              scale_log2, UPCAST, QK, FP8)
-            acc = _values_step(p, alpha, vv_0, vsc_0, acc, q, UPCAST, FP8)
-        loop_start = start + TILE_STEP * BLOCK_N
-    for n0 in range(loop_start, end, TILE_STEP * BLOCK_N):
+    pt_row = pt_ptr + b.to(tl.int64) * stride_pt
+    head_off = kvh * stride_ch
+    if PAGE_AHEAD:
+        tl.static_assert(ROUND_ROBIN)
+        page_next = page0
+    for n0 in range(start, end, TILE_STEP * BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         nmask = pos < end
         if PAGE_AHEAD:
@@ -222,13 +131,39 @@ def _decode_split_kernel(
         else:
             page = tl.load(pt_row + pos // PAGE_SIZE, mask=nmask, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [N]
-        kt, kt1, kt2, ksc = _load_k_tile(kc_ptr, ks_ptr, slot, nmask, stride_cs, stride_ss, head_off,
-                                         kvh, hj, d, dmask, HALF, QK, FP8)
-        m_i, l_i, p, alpha = _scores_step(q, q1, q2, kt, kt1, kt2, ksc, nmask, m_i, l_i, scale_log2,
-                                          UPCAST, QK, FP8)
-        vv, vsc = _load_v_tile(vc_ptr, vs_ptr, slot, nmask, stride_cs, stride_ss, head_off, kvh,
-                               d, dmask, FP8)
-        acc = _values_step(p, alpha, vv, vsc, acc, q, UPCAST, FP8)
+        if QK:
+            k_rows = kc_ptr + slot[None, :] * stride_cs + head_off
+            kt1 = tl.load(k_rows + hj[:, None], mask=nmask[None, :], other=0.0)  # [HALF, N]
+            kt2 = tl.load(k_rows + HALF + hj[:, None], mask=nmask[None, :], other=0.0)
+            qk = mma(q1, kt1, UPCAST) + mma(q2, kt2, UPCAST)  # [G, N] unscaled scores
+        else:
+            kt = tl.load(
+                kc_ptr + slot[None, :] * stride_cs + head_off + d[:, None],
+                mask=nmask[None, :] & dmask[:, None], other=0.0,
+            )  # [D, N]
+            if FP8:
+                # e4m3 codes -> q's dtype is exact; a key's scale multiplies its whole score column.
+                ksc = tl.load(ks_ptr + slot * stride_ss + kvh, mask=nmask, other=0.0)  # [N]
+                qk = mma(q, kt.to(q.dtype), UPCAST) * ksc[None, :]  # [G, N]
+            else:
+                qk = mma(q, kt, UPCAST)  # [G, N] unscaled scores
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)  # log2 domain
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk * scale_log2 - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vv = tl.load(
+            vc_ptr + slot[:, None] * stride_cs + head_off + d[None, :],
+            mask=nmask[:, None] & dmask[None, :], other=0.0,
+        )  # [N, D]
+        if FP8:
+            # Scale V rows (not p): values keep their own magnitude, safe in fp16 too.
+            vsc = tl.load(vs_ptr + slot * stride_ss + kvh, mask=nmask, other=0.0)  # [N]
+            vd = (vv.to(tl.float32) * vsc[:, None]).to(q.dtype)  # [N, D]
+            acc = mma_acc(p.to(q.dtype), vd, acc * alpha[:, None], UPCAST)
+        else:
+            acc = mma_acc(p.to(vv.dtype), vv, acc * alpha[:, None], UPCAST)
+        m_i = m_new
     if QK:
         if ROUND_ROBIN:  # the split after the last tile's, in turn
             new_here = (s == tl.cdiv(kv_len - 1, BLOCK_N) % NUM_SPLITS) & (kv_len > 0)
@@ -414,7 +349,6 @@ def decode_attention_triton(
         BLOCK_S=triton.next_power_of_2(num_splits), FP8=fp8, QK=qk is not None,
         ROUND_ROBIN=cfg.decode_round_robin, TILE_STEP=num_splits if cfg.decode_round_robin else 1,
         PAGE_AHEAD=cfg.decode_round_robin and cfg.decode_page_ahead,
-        FIRST_EARLY=cfg.decode_round_robin and cfg.decode_first_tile_early,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
     )
     if fused:

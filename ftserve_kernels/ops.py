@@ -302,44 +302,18 @@ _MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 LM_HEAD_GEMV_MAX_ROWS = 1
 
 
-def _lm_head_mm_fp32(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype != torch.float32 and envs.lm_head_fp32() and _MM_OUT_DTYPE
-
-
-def _lm_head_gemv(x: torch.Tensor) -> Callable[..., Any] | None:
-    k = _table(x)
-    if k.gemv is not None and x.shape[0] <= LM_HEAD_GEMV_MAX_ROWS and envs.lm_head_gemv():
-        return k.gemv
-    return None
-
-
-def lm_head_takes_pending(x: torch.Tensor) -> bool:
-    """Whether linear_fp32 applies a pending final norm at x's size (the
-    one-row lm_head GEMV, FTSERVE_DECODE_DEFER_FINAL_NORM): the decoder then
-    lets the last layer leave its norm pending, as moe_defers_next_norm says."""
-    return (envs.decode_defer_final_norm() and moe_defers_next_norm(x) and not _lm_head_mm_fp32(x)
-            and _lm_head_gemv(x) is not None)
-
-
-def linear_fp32(x: torch.Tensor, w: torch.Tensor, pending: PendingNorm | None = None,
-                eps: float = 0.0) -> torch.Tensor:
+def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The lm_head: logits in fp32. With FTSERVE_LM_HEAD_FP32=1 on CUDA the GEMM
     writes fp32 itself (no separate cast launch; the products are accumulated in
     fp32 either way, only the bf16 rounding of the output is skipped). Otherwise
     a single row (batch-1 decode) runs the Triton GEMV unless
-    FTSERVE_LM_HEAD_GEMV=0 (its tuned table has the lm_head shape). With
-    ``pending`` (where lm_head_takes_pending said so; x is then the sum s) the
-    GEMV applies the final norm itself, eps its epsilon."""
-    if pending is not None:
-        gemv = _lm_head_gemv(x)
-        assert gemv is not None and not _lm_head_mm_fp32(x), "lm_head_takes_pending said it would run"
-        return gemv(pending.scaled, w, None, None, None, eps, out_dtype=torch.float32,
-                    parts=pending.parts)[0]
-    if _lm_head_mm_fp32(x):
+    FTSERVE_LM_HEAD_GEMV=0 (its tuned table has the lm_head shape)."""
+    if (x.is_cuda and x.dtype != torch.float32 and envs.lm_head_fp32()
+            and _MM_OUT_DTYPE):
         return torch.mm(x, w.t(), out_dtype=torch.float32)  # type: ignore[call-arg]
-    gemv = _lm_head_gemv(x)
-    if gemv is not None:
+    k = _table(x)
+    if k.gemv is not None and x.shape[0] <= LM_HEAD_GEMV_MAX_ROWS and envs.lm_head_gemv():
         # fp32 logits straight from the kernel (rounded to x's dtype first, as
         # F.linear's output): no cast launch after the GEMV.
-        return gemv(x, w, None, out_dtype=torch.float32)[0]
+        return k.gemv(x, w, None, out_dtype=torch.float32)[0]
     return F.linear(x, w).float()

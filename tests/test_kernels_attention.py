@@ -263,49 +263,6 @@ def test_decode_page_ahead_gives_the_same_bits(splits: int, fold: bool) -> None:
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
 
 
-@pytest.mark.parametrize("splits", [1, 2, 4])
-@pytest.mark.parametrize("fold", [False, True])
-@pytest.mark.parametrize("ahead", [False, True])
-def test_decode_first_tile_early_gives_the_same_bits(splits: int, fold: bool, ahead: bool) -> None:
-    """decode_first_tile_early (round robin): a split's first K/V tile is loaded
-    before q is; the same tiles in the same order, so the same bits, with and
-    without page ahead, on the plain and the q/k-folding paths, with several
-    tiles a split, one-tile splits and splits that hold no tile (4 splits over
-    a 4-token sequence)."""
-    from ftserve_kernels.attention_decode_triton import DecodeQK
-
-    d, page = 32, 4
-    base = at.AttnKernelConfig.for_device(torch.device(DEVICE), d)
-    base = at.AttnKernelConfig(**{**base.__dict__, "decode_page_ahead": ahead})
-    bn = base.decode_block_n
-    prefix = [4 * bn + 6, 4, 2 * bn + 1, bn - 1]
-    assert base.decode_round_robin and not base.decode_first_tile_early
-    pool, tables, q, k, v = make_case([1] * 4, prefix, 8, 2, d, page, torch.float32, DEVICE, seed=splits)
-    fb = build_forward_batch([[1]] * 4, prefix, tables, pool, TorchAttentionBackend(), is_decode=True)
-    meta = fb.attn
-    early = at.AttnKernelConfig(**{**base.__dict__, "decode_first_tile_early": True})
-    outs = []
-    for cfg in (base, early):
-        kc, vc = pool.k[0].clone(), pool.v[0].clone()
-        out = torch.full_like(q, float("nan"))
-        qk = None
-        if fold:
-            w = torch.linspace(0.5, 1.5, d).to(DEVICE)
-            qk = DecodeQK(k, v, w, w, 1e-6, fb.positions, _rope_table(8 * bn, d).to(DEVICE), meta.out_cache_loc)
-        else:
-            at.store_kv_triton(kc, vc, k, v, meta.out_cache_loc)
-        at.decode_attention_triton(q, kc, vc, meta.page_table, meta.seq_lens, page, d**-0.5, splits,
-                                   cfg=cfg, out=out, qk=qk)
-        outs.append((out, kc, vc))
-    assert torch.isfinite(outs[0][0]).all()
-    if not fold:
-        ref = paged_attention_ref(q, outs[0][1], outs[0][2], meta.page_table, list(range(5)),
-                                  meta.seq_lens_host, page, d**-0.5)
-        assert rel_err(outs[1][0], ref) < FP32_TOL
-    for a, b in zip(*outs):
-        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
-
-
 def test_decode_reduce_block_d_splits_the_head() -> None:
     """decode_reduce_block_d: reduce programs of part of a head each; the same
     attention as whole-head programs."""

@@ -126,55 +126,6 @@ def test_one_row_decode_on_triton_matches_torch_path(
         assert err < 1e-4, err
 
 
-@pytest.mark.parametrize("final", ["1", "0"])
-def test_final_norm_left_pending_for_the_lm_head(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, final: str
-) -> None:
-    """FTSERVE_DECODE_DEFER_FINAL_NORM: at one decode row the last layer's down
-    kernel leaves the final norm pending and the one-row lm_head GEMV applies it;
-    the logits match the torch path's either way. A small vocabulary keeps the
-    lm_head GEMV quick in the interpreter."""
-    write_checkpoint("tiny-moe", tmp_path, seed=7, dtype="float32", overrides={"vocab_size": 512})
-
-    def run(backend: AttentionBackend) -> list[torch.Tensor]:
-        model, cfg = load_model(tmp_path, dtype="float32", device="cpu")
-        pool = KVPool(cfg.num_layers, 16, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-        toks = torch.randint(3, cfg.vocab_size, (11,), generator=torch.Generator().manual_seed(4)).tolist()
-        pages = [list(range(1, 5))]
-        outs = []
-        for new, prefix in ((toks[:10], 0), (toks[10:], 10)):
-            batch = build_forward_batch([new], [prefix], pages, pool, backend, is_decode=len(new) == 1)
-            with torch.no_grad():
-                outs.append(model(batch))
-        return outs
-
-    from ftserve_kernels import ops
-
-    monkeypatch.setenv("FTSERVE_KERNELS", "torch")
-    ref = run(TorchAttentionBackend())
-    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
-    monkeypatch.setenv("FTSERVE_LM_HEAD_GEMV", "1")
-    monkeypatch.setenv("FTSERVE_DECODE_DEFER_FINAL_NORM", final)
-    seen: list[bool] = []
-    real = ops.linear_fp32
-
-    def watching(x: torch.Tensor, w: torch.Tensor, pending: Any = None, eps: float = 0.0) -> Any:
-        seen.append(isinstance(pending, ops.PendingNorm))
-        return real(x, w, pending=pending, eps=eps)
-
-    monkeypatch.setattr(ops, "linear_fp32", watching)
-    ops._triton_table.cache_clear()
-    try:
-        got = run(TritonAttentionBackend())
-    finally:
-        ops._triton_table.cache_clear()
-    assert seen == [False, final == "1"], seen  # the prefill's lm_head never takes it
-    for r, o in zip(ref, got):
-        assert o.shape == r.shape and torch.isfinite(o).all()
-        err = float((o - r).norm() / r.norm())
-        assert err < 1e-4, err
-
-
 @pytest.mark.parametrize("rows,flag,gemv_rows", [(1, "1", [1]), (2, "1", []), (1, "0", [])])
 def test_lm_head_gemv_takes_one_row(monkeypatch: pytest.MonkeyPatch, rows: int, flag: str,
                                     gemv_rows: list[int]) -> None:

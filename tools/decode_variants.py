@@ -32,7 +32,6 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_DECODE_QK_FOLD": "1",
     "FTSERVE_DECODE_DOWN_NORM": "1",
     "FTSERVE_DECODE_DEFER_NORM": "1",
-    "FTSERVE_DECODE_DEFER_FINAL_NORM": "0",
     "FTSERVE_DECODE_INPUT_NORM": "1",
     "FTSERVE_STEP_COPY_KERNEL": "1",
     "FTSERVE_ROUTE_BLOCK_E": "1",
@@ -61,8 +60,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     out.append(Variant("DECODE_QK_FOLD=0", "decode_qk_fold", {"FTSERVE_DECODE_QK_FOLD": "0"}))
     out.append(Variant("DECODE_DOWN_NORM=0", "decode_down_norm", {"FTSERVE_DECODE_DOWN_NORM": "0"}))
     out.append(Variant("DECODE_DEFER_NORM=0", "decode_defer_norm", {"FTSERVE_DECODE_DEFER_NORM": "0"}))
-    out.append(Variant("DECODE_DEFER_FINAL_NORM=1", "decode_defer_final_norm",
-                       {"FTSERVE_DECODE_DEFER_FINAL_NORM": "1"}))
     out.append(Variant("DECODE_INPUT_NORM=0", "decode_input_norm", {"FTSERVE_DECODE_INPUT_NORM": "0"}))
     # The engine's step copies: its b1 / b8 step rates and engine trace change, not the replay.
     out.append(Variant("STEP_COPY_KERNEL=0", "step_copy_kernel", {"FTSERVE_STEP_COPY_KERNEL": "0"}))

@@ -59,9 +59,8 @@ class DecoderLayer(nn.Module):
         ``normed`` (in or out) x is already ``norm(x' + residual)``, the norm
         after the layer (``next_norm``: the next layer's input norm or the final
         one) having been folded into the layer before's last launch. ``defer``
-        (next_norm is a layer's, whose qkv can apply it, or the final one where
-        ops.lm_head_takes_pending): the norm may come out pending instead, an
-        ops.PendingNorm with x = residual = the sum."""
+        (next_norm is a layer's, whose qkv can apply it): the norm may come out
+        pending instead, an ops.PendingNorm with x = residual = the sum."""
         if not normed and fused_layer.eligible(self, x, batch, cos_sin):  # batch-1 decode: one launch
             return (*fused_layer.forward(self, x, residual, batch, cos_sin), False)
         # The residual stream is carried separately so each norm fuses the add (and,
@@ -131,21 +130,13 @@ class DecoderForCausalLM(nn.Module):
         if normed_in is not None:  # layer 0's input norm is applied: x is the residual stream
             x, residual, normed = normed_in, x, True
         n = len(self.layers)
-        rows = batch.logits_indices
-        # The final norm may be left pending too, for the lm_head GEMV to apply,
-        # where every row is a logits row (no gather between the two).
-        final_defer = (batch.is_decode and (rows is None or rows.shape[0] == x.shape[0])
-                       and ops.lm_head_takes_pending(x))
         for i, layer in enumerate(self.layers):
             # Where the layer can, it applies the norm after it (the next layer's, or
             # the final one) in its last launch: x then arrives normed.
             after = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm
-            x, residual, normed = layer(x, residual, batch, self.cos_sin, normed, after,
-                                        defer=i + 1 < n or final_defer)
+            x, residual, normed = layer(x, residual, batch, self.cos_sin, normed, after, defer=i + 1 < n)
         assert residual is not None
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if isinstance(normed, ops.PendingNorm):
-            return ops.linear_fp32(x, head, pending=normed, eps=self.norm.eps)  # [B, V] fp32
+        rows = batch.logits_indices
         if rows is not None and not (batch.is_decode and rows.shape[0] == x.shape[0]):
             # Norm is per row, so selecting first skips the norm of unused rows. A decode
             # batch whose every token is a logits row selects all of them in order (the
@@ -155,6 +146,7 @@ class DecoderForCausalLM(nn.Module):
                 residual = residual.index_select(0, batch.logits_indices)
         if not normed:
             x, _ = self.norm.forward_add(x, residual)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return ops.linear_fp32(x, head)  # [B or T, V] fp32
 
     def ignorable_checkpoint_names(self) -> set[str]:
