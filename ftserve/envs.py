@@ -73,6 +73,26 @@ def route_block_e() -> int:
     return value
 
 
+def decode_route_in_oproj() -> bool:
+    """FTSERVE_DECODE_ROUTE_IN_OPROJ (default off): at one decode row, a MoE
+    layer's o_proj launch also computes its router logits (times rms, from
+    weights folded once: ftserve_kernels/oproj_route_triton.py) and their top-k,
+    and leaves the post-attention norm pending for the expert gate/up launch,
+    which also weighs the chosen experts: no norm + route launch. The logits
+    are not rounded through the normed row, so near-ties may pick other
+    experts than the unfused path."""
+    return _flag("FTSERVE_DECODE_ROUTE_IN_OPROJ", False)
+
+
+def oproj_route_block_e() -> int:
+    """FTSERVE_OPROJ_ROUTE_BLOCK_E (default 2): router rows per program of the
+    o_proj + route launch (FTSERVE_DECODE_ROUTE_IN_OPROJ); a power of two."""
+    value = int(os.environ.get("FTSERVE_OPROJ_ROUTE_BLOCK_E", "2"))
+    if value < 1 or value & (value - 1):
+        raise ValueError(f"FTSERVE_OPROJ_ROUTE_BLOCK_E must be a power of two >= 1, got {value}")
+    return value
+
+
 def decode_input_norm() -> bool:
     """FTSERVE_DECODE_INPUT_NORM (default on): a decode step applies the first
     layer's input norm where it gathers the embedding rows (the decode graph's

@@ -24,6 +24,7 @@ else from gemv_configs.default.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -44,6 +45,19 @@ from ftserve_kernels.moe_read_through import (
 GEMV_MAX_TOKENS = 2  # fused_moe_triton's default switch point (tokens, not pairs)
 
 
+@dataclass(frozen=True)
+class RouteParts:
+    """One row's routing as oproj_route_triton leaves it: x (the gate/up input)
+    is w * s of the post-attention norm left pending, ``parts`` [1, P] the
+    partial sums of squares of s, ``pre_sel`` [1, k] the chosen experts'
+    logits times rms(s); the gate/up launch writes their weights (softmax over
+    the k) into the topk_weights it is given."""
+
+    parts: torch.Tensor  # [1, P] fp32
+    pre_sel: torch.Tensor  # [1, k] fp32
+    eps: float
+
+
 @triton.jit
 def _gemv_gate_up_kernel(
     x_ptr, w_ptr, out_ptr, ids_ptr, map_ptr, H, INTER,
@@ -53,10 +67,20 @@ def _gemv_gate_up_kernel(
     EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr,
     READ_THROUGH: tl.constexpr, BLOCK_M: tl.constexpr,
     PDL: tl.constexpr,
+    parts_ptr=None, P=1, eps=0.0, sel_ptr=None, wout_ptr=None,
+    HAS_PARTS: tl.constexpr = False, BLOCK_P: tl.constexpr = 1, BLOCK_TK: tl.constexpr = 1,
 ):
+    # HAS_PARTS (RouteParts; one row): x is w * s of a norm left pending (the
+    # partial sums of squares of s in parts [P]); the dots are scaled by 1/rms
+    # at the end, as gemv_triton's. Program (0, 0) also turns the chosen
+    # experts' pre-logits (logits * rms, oproj_route_triton) into their
+    # weights: the softmax of round(pre / rms) over the k, for the down kernel.
     pdl.enter(PDL)  # the ids / activations come from the kernel before
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair)
+    if HAS_PARTS:  # in flight beside the weights; summed only at the end
+        pp = tl.arange(0, BLOCK_P)
+        parts = tl.load(parts_ptr + pp, mask=pp < P, other=0.0)
     if HAS_MAP:  # expert -> row of w (an expert-slot cache)
         e = tl.load(map_ptr + e)
     e = e.to(tl.int64)
@@ -98,6 +122,17 @@ def _gemv_gate_up_kernel(
         acc_u += tl.sum(u.to(tl.float32) * xv[None, :], 1)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
+    if HAS_PARTS:
+        inv = tl.rsqrt(tl.sum(parts, 0) / H + eps)
+        acc_g = acc_g * inv
+        acc_u = acc_u * inv
+        if (pair == 0) & (tl.program_id(1) == 0):
+            kk = tl.arange(0, BLOCK_TK)
+            km = kk < TOP_K
+            lg = tl.load(sel_ptr + kk, mask=km, other=0.0) * inv
+            lg = tl.where(km, lg.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+            p = tl.exp(lg - tl.max(lg, 0))
+            tl.store(wout_ptr + kk, p / tl.sum(p, 0), mask=km)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) * up, [N]
     tl.store(out_ptr + pair.to(tl.int64) * stride_ot + offs_n, h.to(out_ptr.dtype.element_ty),
              mask=nmask)
@@ -183,6 +218,7 @@ def fused_moe_add_norm_gemv_triton(
     topk_ids: torch.Tensor,  # [T, k] int32
     norm_next: NormNext,
     configs: tuple[gc.GemvConfig, gc.GemvConfig] | None = None,  # (gate_up, down)
+    route: RouteParts | None = None,  # x is pending: gate/up applies it and writes topk_weights
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """fused_moe_gemv_triton with the next layer's input norm folded into the
     3-D down kernel's epilogue (``_add_then_norm_last``)
@@ -198,7 +234,7 @@ def fused_moe_add_norm_gemv_triton(
         p = norm_parts(x.shape[1], configs[1])
         parts = torch.empty((x.shape[0], p), dtype=torch.float32, device=x.device)
     _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, normed, None, None, True, None, configs, None,
-                    norm_next, summed, parts)
+                    norm_next, summed, parts, route)
     return normed, summed, parts
 
 
@@ -208,7 +244,7 @@ def _fused_moe_gemv(
     block_n: tuple[int, int] | None, down3d: bool | None, gate_up_acc: bool | None,
     configs: tuple[gc.GemvConfig, gc.GemvConfig] | None, read_through: ReadThrough | None,
     norm_next: NormNext | None = None, summed: torch.Tensor | None = None,
-    parts: torch.Tensor | None = None,
+    parts: torch.Tensor | None = None, route: RouteParts | None = None,
 ) -> None:
     """Both launches into ``out`` (with ``norm_next``: the normed rows, and the
     sums into ``summed``; deferred: the partial sums of squares into ``parts``)."""
@@ -220,6 +256,10 @@ def _fused_moe_gemv(
     assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1
     ids = topk_ids.reshape(-1)  # [N]
     weights = topk_weights.reshape(-1)  # [N]
+    if route is not None:  # gate/up writes them
+        assert weights.dtype == torch.float32 and weights.data_ptr() == topk_weights.data_ptr()
+        assert not gate_up_acc and expert_map is None and read_through is None and t == 1
+        gate_up_acc = False
     if weights.dtype != torch.float32 or weights.stride(0) != 1:
         weights = weights.float().contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)  # [N, I]
@@ -232,7 +272,8 @@ def _fused_moe_gemv(
         gate_up_acc, down3d = False, True
     if configs is None:
         configs = _configs(x, w13, topk_ids, expert_map, block_n, gate_up_acc, down3d)
-    moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through)
+    moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through,
+                     route, weights if route is not None else None)
     outs = None
     if norm_next is not None and summed is not None:
         outs = (out, summed) if parts is None else (out, summed, parts)
@@ -269,6 +310,8 @@ def moe_gate_up_gemv(
     expert_map: torch.Tensor | None = None,
     acc: bool = False,  # _gemv_gate_up_acc_kernel instead of _gemv_gate_up_kernel
     read_through: ReadThrough | None = None,  # _gemv_gate_up_kernel only
+    route: RouteParts | None = None,  # _gemv_gate_up_kernel only, one row: x is pending
+    weights_out: torch.Tensor | None = None,  # [k] fp32, with route: the experts' weights
 ) -> None:
     """The gate/up kernel alone (tools/tune_gemv times it on its own)."""
     h = x.shape[1]
@@ -284,8 +327,14 @@ def moe_gate_up_gemv(
     if not acc:
         args += _read_through_args(read_through, ids, w13, "w13_col")
         extra.update(_read_through_consts(read_through))
+        if route is not None:
+            assert weights_out is not None and route.parts.shape[0] == 1 and pairs == top_k
+            p = route.parts.shape[1]
+            extra.update(parts_ptr=route.parts, P=p, eps=route.eps, sel_ptr=route.pre_sel,
+                         wout_ptr=weights_out, HAS_PARTS=True, BLOCK_P=triton.next_power_of_2(p),
+                         BLOCK_TK=triton.next_power_of_2(top_k))
     else:
-        assert read_through is None, "the accumulate-style kernel has no read-through"
+        assert read_through is None and route is None, "the accumulate-style kernel has neither"
     on = pdl.active(x)
     kernel[grid](*args, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  EVEN_K=h % cfg.block_k == 0, HAS_MAP=expert_map is not None,

@@ -233,6 +233,43 @@ def fused_moe_add_rms_norm(
     return k.fused_add_rms_norm(k.fused_moe(x, w13, w2, topk_weights, topk_ids), residual, norm_w, eps)
 
 
+def oproj_route_applies(a: torch.Tensor) -> bool:
+    """Whether a MoE layer's o_proj may take its router at a's size (one decode
+    row on the Triton kernels, FTSERVE_DECODE_ROUTE_IN_OPROJ): the experts then
+    run as the GEMV pair that folds the next norm (moe_folds_next_norm)."""
+    return (envs.decode_route_in_oproj() and a.shape[0] == 1 and uses_triton(a)
+            and moe_folds_next_norm(a))
+
+
+def oproj_route(a: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None, residual: torch.Tensor,
+                norm_w: torch.Tensor, folded: Any, top_k: int, counter: torch.Tensor) -> Any:
+    """o_proj + the router's logits and top-k, the post-attention norm left
+    pending (oproj_route_triton; where oproj_route_applies) -> OprojRoute."""
+    from ftserve_kernels.oproj_route_triton import oproj_route_triton
+
+    return oproj_route_triton(a, o_w, o_b, residual, norm_w, folded, top_k, counter,
+                              block_e=envs.oproj_route_block_e())
+
+
+def fused_moe_routed(
+    route: Any, route_eps: float, w13: torch.Tensor, w2: torch.Tensor, norm_w: torch.Tensor, eps: float,
+    counter: torch.Tensor, defer: bool = False,
+) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+    """fused_moe_add_rms_norm for a row oproj_route routed: the gate/up launch
+    applies the pending post-attention norm and writes the experts' weights."""
+    from ftserve_kernels.moe_down_gemv_triton import NormNext
+    from ftserve_kernels.moe_gemv_triton import RouteParts
+
+    k = _table(route.scaled)
+    assert k.moe_add_norm is not None, "oproj_route_applies said the GEMV pair runs"
+    weights = torch.empty(route.ids.shape, dtype=torch.float32, device=route.ids.device)
+    pending = defer and moe_defers_next_norm(route.scaled)
+    nn = NormNext(route.summed, norm_w, eps, counter, deferred=pending)
+    first, summed, parts = k.moe_add_norm(route.scaled, w13, w2, weights, route.ids, nn,
+                                          route=RouteParts(route.parts, route.pre_sel, route_eps))
+    return (first if parts is None else PendingNorm(first, parts)), summed
+
+
 def decode_inputs(
     packed: torch.Tensor, last: torch.Tensor, page_table: torch.Tensor, embed: torch.Tensor | None,
     flag: int, norm: Any = None, staged: Any = None,

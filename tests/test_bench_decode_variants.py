@@ -36,6 +36,8 @@ def _switches() -> dict[str, object]:
             "moe_down3d": envs.moe_down3d(), "fused_kv_store": envs.fused_kv_store(), "pdl": envs.pdl(),
             "decode_layer_kernel": envs.decode_layer_kernel(), "decode_qk_fold": envs.decode_qk_fold(),
             "decode_down_norm": envs.decode_down_norm(), "decode_defer_norm": envs.decode_defer_norm(),
+            "decode_route_in_oproj": envs.decode_route_in_oproj(),
+            "oproj_route_block_e": envs.oproj_route_block_e(),
             "decode_input_norm": envs.decode_input_norm(),
             "step_copy_kernel": envs.step_copy_kernel()}
 

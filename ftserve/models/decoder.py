@@ -20,6 +20,7 @@ from ftserve.models.forward_batch import ForwardBatch
 from ftserve.models.layers import Attention, DenseMLP, Embedding, Linear, MoEBlock, RMSNorm
 from ftserve_kernels import ops
 from ftserve_kernels.decode_inputs import InputNorm
+from ftserve_kernels.oproj_route_triton import FoldedRouter, fold_router
 
 Index = tuple[int | slice, ...]
 
@@ -50,6 +51,7 @@ class DecoderLayer(nn.Module):
             )
         else:
             self.mlp = DenseMLP(h, cfg.intermediate_size, cfg.mlp_bias, dtype)
+        self._folded: FoldedRouter | None = None  # folded_router()
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cos_sin: torch.Tensor,
@@ -63,10 +65,26 @@ class DecoderLayer(nn.Module):
         pending instead, an ops.PendingNorm with x = residual = the sum."""
         if not normed and fused_layer.eligible(self, x, batch, cos_sin):  # batch-1 decode: one launch
             return (*fused_layer.forward(self, x, residual, batch, cos_sin), False)
-        # The residual stream is carried separately so each norm fuses the add (and,
-        # at decode sizes, folds into the next GEMV: see ops.add_rms_norm_linear).
-        x, residual = self.self_attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin,
-                                                  normed=normed)
+        if next_norm is not None and self._routes_in_oproj(x):
+            # One decode row: o_proj also routes, the experts weigh (no route launch).
+            a, summed = self.self_attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin,
+                                                    normed=normed, project=False)
+            folded = self.folded_router()
+            if folded is not None:
+                assert isinstance(self.mlp, MoEBlock)
+                o_proj, post = self.self_attn.o_proj, self.post_attention_layernorm
+                route = ops.oproj_route(a, o_proj.weight, o_proj.bias, summed, post.weight, folded,
+                                        self.mlp.top_k, self.mlp._counter(a))
+                out, summed = self.mlp.compute_experts_routed(route, post.eps, next_norm, defer)
+                if isinstance(out, ops.PendingNorm):
+                    return summed, summed, out
+                return out, summed, True
+            x, residual = ops.linear(a, self.self_attn.o_proj.weight, self.self_attn.o_proj.bias), summed
+        else:
+            # The residual stream is carried separately so each norm fuses the add (and,
+            # at decode sizes, folds into the next GEMV: see ops.add_rms_norm_linear).
+            x, residual = self.self_attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin,
+                                                      normed=normed)
         if isinstance(self.mlp, MoEBlock):
             # Norm, router and top-k in one launch at decode sizes (see MoEBlock.norm_route).
             x, summed, weights, ids = self.mlp.norm_route(x, residual, self.post_attention_layernorm)
@@ -79,6 +97,27 @@ class DecoderLayer(nn.Module):
             return self.mlp.compute_experts(x, weights, ids), summed, False
         x, residual = self.post_attention_layernorm.forward_add(x, residual)
         return self.mlp(x), residual, False
+
+    def _routes_in_oproj(self, x: torch.Tensor) -> bool:
+        mlp = self.mlp
+        return (isinstance(mlp, MoEBlock) and mlp.renormalize and mlp.expert_compute is None
+                and not mlp.observed() and ops.oproj_route_applies(x))
+
+    def folded_router(self) -> FoldedRouter | None:
+        """The router folded through o_proj and the post-attention norm
+        (oproj_route_triton.fold_router), folded again when a weight changed;
+        None while a CUDA graph is being captured and there is none yet (the
+        capture's warm-up runs fold it first)."""
+        assert isinstance(self.mlp, MoEBlock)
+        ws = (self.mlp.gate.weight, self.post_attention_layernorm.weight, self.self_attn.o_proj.weight)
+        bias = self.self_attn.o_proj.bias
+        f = self._folded
+        if f is None or f.versions != tuple(w._version for w in ws + (() if bias is None else (bias,))):
+            if ws[0].is_cuda and torch.cuda.is_current_stream_capturing():
+                return None
+            with torch.no_grad():
+                f = self._folded = fold_router(*ws, bias)
+        return f
 
 
 class DecoderForCausalLM(nn.Module):

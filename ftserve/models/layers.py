@@ -14,6 +14,7 @@ from torch import nn
 from ftserve import envs
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve_kernels import ops
+from ftserve_kernels.oproj_route_triton import OprojRoute
 
 # Signature of the MoE expert-compute hook: (x [T, H], topk_weights [T, k] fp32,
 # topk_ids [T, k] int32) -> [T, H]. See MoEBlock.
@@ -83,18 +84,21 @@ class Attention(nn.Module):
 
     def forward_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
-        cos_sin: torch.Tensor, normed: bool | ops.PendingNorm = False,
+        cos_sin: torch.Tensor, normed: bool | ops.PendingNorm = False, project: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """attention(norm(x + residual)), x + residual (x when residual is None); the
         norm folds into the qkv GEMV at decode sizes (ops.add_rms_norm_linear).
         ``normed``: the layer before already applied ``norm`` (x is
-        norm(x' + residual), residual that sum), or left it pending (x is the sum)."""
+        norm(x' + residual), residual that sum), or left it pending (x is the sum).
+        ``project=False``: the attention output before o_proj [T, q]."""
         qkv, summed = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps,
                                               self.qkv_proj.weight, self.qkv_proj.bias, prenormed=normed)
-        return self.attend(qkv, batch, cos_sin), summed
+        return self.attend(qkv, batch, cos_sin, project), summed
 
-    def attend(self, qkv: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
-        """qkv [T, q + 2kv] -> o_proj(attention) [T, H]."""
+    def attend(self, qkv: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor,
+               project: bool = True) -> torch.Tensor:
+        """qkv [T, q + 2kv] -> o_proj(attention) [T, H] (without ``project``: the
+        attention [T, q])."""
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D], a view of qkv
@@ -111,7 +115,7 @@ class Attention(nn.Module):
             out = fold(q, k, v, self.layer_idx, batch, self.q_norm.weight, self.k_norm.weight,
                        self.q_norm.eps, cos_sin)
             if out is not None:
-                return ops.linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)
+                return self._project(out.reshape(t, self.q_size), project)
         if self.q_norm is not None and self.k_norm is not None:
             # One kernel for both per-head norms and the rotary (three on the unfused
             # path), and with FTSERVE_FUSED_KV_STORE the KV store too.
@@ -127,7 +131,10 @@ class Attention(nn.Module):
             out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch, kv_stored=True)
         else:
             out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch)  # [T, Hq, D]
-        return ops.linear(out.reshape(t, self.q_size), self.o_proj.weight, self.o_proj.bias)  # [T, H]
+        return self._project(out.reshape(t, self.q_size), project)  # [T, H]
+
+    def _project(self, out: torch.Tensor, project: bool) -> torch.Tensor:
+        return ops.linear(out, self.o_proj.weight, self.o_proj.bias) if project else out
 
 
 class DenseMLP(nn.Module):
@@ -183,7 +190,7 @@ class MoEBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """``norm`` (fused with the residual add when given), then route: one launch
         at decode sizes on Triton. -> (normed [T, H], x + residual or None, weights, ids)."""
-        if self.gate._forward_hooks or self.gate._forward_pre_hooks:
+        if self.observed():
             # Someone observes the router (tests, bench_engine's expert count): call
             # the modules, unfused, so the hooks see the logits.
             if residual is None:
@@ -220,6 +227,20 @@ class MoEBlock(nn.Module):
             return norm.forward_add(self.expert_compute(x, topk_weights, topk_ids), residual)
         return ops.fused_moe_add_rms_norm(x, self.w13, self.w2, topk_weights, topk_ids, residual,
                                           norm.weight, norm.eps, self._counter(x), defer)
+
+    def observed(self) -> bool:
+        """Someone hooks the router (tests, bench_engine's expert count): it must run as a module."""
+        return bool(self.gate._forward_hooks or self.gate._forward_pre_hooks)
+
+    def compute_experts_routed(
+        self, route: OprojRoute, route_eps: float, norm: RMSNorm, defer: bool = False,
+    ) -> tuple[torch.Tensor | ops.PendingNorm, torch.Tensor]:
+        """compute_experts_norm for one row routed by o_proj (ops.oproj_route): the
+        gate/up launch applies the post-attention norm left pending (eps
+        ``route_eps``) and weighs the chosen experts; the down launch adds the
+        residual and folds ``norm`` (pending with ``defer``, as there)."""
+        return ops.fused_moe_routed(route, route_eps, self.w13, self.w2, norm.weight, norm.eps,
+                                    self._counter(route.scaled), defer)
 
     def compute_experts(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
