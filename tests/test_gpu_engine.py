@@ -324,6 +324,37 @@ def test_pdl_graph_decode_equals_default(engine: Engine, model_dir: str, dense: 
 
 
 @pytest.mark.gpu
+def test_routed_oproj_graph_decode_equals_eager(engine: Engine, model_dir: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """FTSERVE_DECODE_ROUTE_IN_OPROJ (one decode row: o_proj routes, the experts
+    weigh): graphs decode the same greedy tokens as eager steps. Routing sees
+    logits rounded otherwise than the unfused path, so the tokens are compared
+    within the switch, not against the default. The graphs are captured again
+    after the weights are copied in: the folded router derives from them."""
+    monkeypatch.setenv("FTSERVE_DECODE_ROUTE_IN_OPROJ", "1")
+    rng = random.Random(13)
+    prompts = {bs: [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 60))] for _ in range(bs)]
+               for bs in (1, 3)}
+    eager = make_engine(model_dir, graphs=False)
+    try:
+        eager.runner.model.load_state_dict(engine.runner.model.state_dict())
+        want = {bs: run_greedy(eager, p, 16) for bs, p in prompts.items()}
+    finally:
+        eager.shutdown()
+    graphed = make_engine(model_dir)
+    try:
+        graphed.runner.model.load_state_dict(engine.runner.model.state_dict())
+        assert graphed.runner.graphs is not None
+        graphed.runner.graphs.capture()
+        for bs, p in prompts.items():
+            assert run_greedy(graphed, p, 16) == want[bs], f"batch {bs}"
+        layers = graphed.runner.model.layers
+        assert all(layer._folded is not None for layer in layers)  # the batch-1 steps routed in o_proj
+    finally:
+        graphed.shutdown()
+
+
+@pytest.mark.gpu
 def test_cuda_bf16_logits_track_cpu_fp32(engine: Engine) -> None:
     with torch.inference_mode():
         _compare_logits(engine)

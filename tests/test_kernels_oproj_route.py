@@ -25,6 +25,8 @@ from ftserve_kernels.moe_gemv_triton import RouteParts, fused_moe_add_norm_gemv_
 from ftserve_kernels.paged_attention import TorchAttentionBackend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The model test builds a CPU model for the Triton interpreter.
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="an interpreter test: CPU tensors")
 
 
 def _case(e: int, h: int, q: int, seed: int, bias: bool) -> dict[str, Any]:
@@ -124,6 +126,7 @@ def test_gate_up_applies_the_pending_norm_and_weighs_the_experts() -> None:
     torch.testing.assert_close(normed, ref_normed, rtol=1e-4, atol=1e-5)
 
 
+@interpreter_only
 @pytest.mark.parametrize("defer", ["1", "0"])
 def test_one_row_decode_routed_by_o_proj_matches_torch_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, defer: str
@@ -174,3 +177,36 @@ def test_one_row_decode_routed_by_o_proj_matches_torch_path(
         assert o.shape == r.shape and torch.isfinite(o).all()
         err = float((o - r).norm() / r.norm())
         assert err < 1e-4, err
+
+
+@pytest.mark.gpu
+def test_gpu_oproj_route_at_the_real_shape() -> None:
+    """qwen3-30b-a3b's layer shape in bf16 (E 128, H 2048, q 4096, k 8), outputs
+    poisoned first: the o_proj rows and the pending norm within bf16 rounding of
+    the twin, the pre-logits within fp32 summation order, and the ids the
+    twin's wherever the pre-logits around the k-th are not near-tied."""
+    e, h, q, k = 128, 2048, 4096, 8
+    g = torch.Generator(device="cuda").manual_seed(12)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    a, o_w, r = rnd(1, q), rnd(h, q, scale=q**-0.5), rnd(1, h)
+    nw, gate = (1.0 + rnd(h, scale=0.1).float()).to(torch.bfloat16), rnd(e, h, scale=h**-0.5)
+    folded = orr.fold_router(gate, nw, o_w)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    ref = orr.oproj_route_ref(a, o_w, None, r, nw, folded, k)
+    for block_e in (1, 2, 4):
+        torch.cuda.synchronize()
+        got = orr.oproj_route_triton(a, o_w, None, r, nw, folded, k, counter, block_e=block_e)
+        torch.cuda.synchronize()
+        assert counter.item() == 0
+        for name in ("summed", "scaled"):
+            x, y = getattr(got, name).float(), getattr(ref, name).float()
+            assert float((x - y).norm() / y.norm()) < 1e-2, name
+        torch.testing.assert_close(got.parts.sum(-1, keepdim=True), ref.parts, rtol=2e-2, atol=1e-3)
+        torch.testing.assert_close(got.pre_sel, ref.pre_sel, rtol=1e-3, atol=1e-3)
+        pre = a.float() @ folded.r_o.float().t() + r.float() @ folded.r_r.float().t()
+        top = torch.topk(pre, k + 1).values[0]
+        if float(top[k - 1] - top[k]) > 1e-3:  # no near-tie at the boundary
+            assert set(got.ids[0].tolist()) == set(ref.ids[0].tolist())
