@@ -74,14 +74,20 @@ def route_block_e() -> int:
 
 
 def decode_route_in_oproj() -> bool:
-    """FTSERVE_DECODE_ROUTE_IN_OPROJ (default off): at one decode row, a MoE
+    """FTSERVE_DECODE_ROUTE_IN_OPROJ (default on): at one decode row, a MoE
     layer's o_proj launch also computes its router logits (times rms, from
-    weights folded once: ftserve_kernels/oproj_route_triton.py) and their top-k,
-    and leaves the post-attention norm pending for the expert gate/up launch,
-    which also weighs the chosen experts: no norm + route launch. The logits
-    are not rounded through the normed row, so near-ties may pick other
-    experts than the unfused path."""
-    return _flag("FTSERVE_DECODE_ROUTE_IN_OPROJ", False)
+    weights folded at load: ftserve_kernels/oproj_route_triton.py) and their
+    top-k, and leaves the post-attention norm pending for the expert gate/up
+    launch, which also weighs the chosen experts: no norm + route launch.
+    H200, 2026-12-02, batch-1 graph replay (tools.bench_decode_variants
+    --trace): 2k 0.563 -> 0.546 ms, 32k 0.680 -> 0.663 (o_proj 6.0 -> 7.9 us,
+    gate/up 14.3 -> 16.3, the 5.5 us route launch and its gap gone). The
+    logits are not rounded through the normed row, so near-ties may pick
+    other experts than the unfused path (greedy tokens differ from it after a
+    few steps, within bf16 tolerance). Folded tensors: 1.5 MB a layer at
+    qwen3-30b-a3b's shape; after changing weights in place with graphs
+    captured, call the model's refresh_derived()."""
+    return _flag("FTSERVE_DECODE_ROUTE_IN_OPROJ", True)
 
 
 def oproj_route_block_e() -> int:

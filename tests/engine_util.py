@@ -105,6 +105,9 @@ def make_context_sensitive(model: torch.nn.Module, gain: float = 20.0) -> None:
         for name, p in model.named_parameters():
             if name.endswith("self_attn.o_proj.weight"):
                 p.mul_(gain)
+    refresh = getattr(model, "refresh_derived", None)
+    if refresh is not None:  # the folded routers the captured graphs read
+        refresh()
 
 
 class _Direct:

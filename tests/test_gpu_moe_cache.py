@@ -76,9 +76,13 @@ def _same_norm_rounding() -> Iterator[None]:
     fused_add_rms_norm rounds it; the resident layers at 1-2 rows would leave it
     pending (FTSERVE_DECODE_DEFER_NORM: the norm unrounded inside the qkv GEMV),
     a different rounding that flips a near-tied greedy token now and then (seen
-    on the H200, 2026-12-02: batch 3, one token of 16). Here both round alike."""
+    on the H200, 2026-12-02: batch 3, one token of 16). Here both round alike;
+    and both route through the norm + route launch (at one row the resident
+    layers would route in o_proj, FTSERVE_DECODE_ROUTE_IN_OPROJ: logits
+    rounded otherwise)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("FTSERVE_DECODE_DEFER_NORM", "0")
+    mp.setenv("FTSERVE_DECODE_ROUTE_IN_OPROJ", "0")
     yield
     mp.undo()
 

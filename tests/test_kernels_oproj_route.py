@@ -210,3 +210,29 @@ def test_gpu_oproj_route_at_the_real_shape() -> None:
         top = torch.topk(pre, k + 1).values[0]
         if float(top[k - 1] - top[k]) > 1e-3:  # no near-tie at the boundary
             assert set(got.ids[0].tolist()) == set(ref.ids[0].tolist())
+
+
+def test_refresh_derived_refolds_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading folds every MoE layer's router; a weight changed in place and
+    refresh_derived() (or load_state_dict, through its hook) refold into the
+    same tensors, which captured graphs read."""
+    monkeypatch.setenv("FTSERVE_DECODE_ROUTE_IN_OPROJ", "1")
+    write_checkpoint("tiny-moe", tmp_path, seed=10, dtype="float32")
+    model, _ = load_model(tmp_path, dtype="float32", device="cpu")
+    layer = model.layers[0]
+    f = layer._folded
+    assert f is not None and all(lay._folded is not None for lay in model.layers)
+    ptr = f.r_o.data_ptr()
+    with torch.no_grad():
+        layer.self_attn.o_proj.weight.mul_(3.0)
+    model.refresh_derived()
+    g = layer._folded
+    assert g.r_o.data_ptr() == ptr
+    torch.testing.assert_close(g.r_o, orr.fold_router(layer.mlp.gate.weight, layer.post_attention_layernorm.weight,
+                                                      layer.self_attn.o_proj.weight).r_o)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["layers.0.mlp.gate.weight"].mul_(-1.0)
+    model.load_state_dict(state)
+    h = layer._folded
+    assert h.r_o.data_ptr() == ptr and h.versions != g.versions
+    torch.testing.assert_close(h.r_r, layer.mlp.gate.weight * layer.post_attention_layernorm.weight[None, :])

@@ -32,7 +32,7 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_DECODE_QK_FOLD": "1",
     "FTSERVE_DECODE_DOWN_NORM": "1",
     "FTSERVE_DECODE_DEFER_NORM": "1",
-    "FTSERVE_DECODE_ROUTE_IN_OPROJ": "0",
+    "FTSERVE_DECODE_ROUTE_IN_OPROJ": "1",
     "FTSERVE_OPROJ_ROUTE_BLOCK_E": "2",
     "FTSERVE_DECODE_INPUT_NORM": "1",
     "FTSERVE_STEP_COPY_KERNEL": "1",
@@ -62,8 +62,8 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     out.append(Variant("DECODE_QK_FOLD=0", "decode_qk_fold", {"FTSERVE_DECODE_QK_FOLD": "0"}))
     out.append(Variant("DECODE_DOWN_NORM=0", "decode_down_norm", {"FTSERVE_DECODE_DOWN_NORM": "0"}))
     out.append(Variant("DECODE_DEFER_NORM=0", "decode_defer_norm", {"FTSERVE_DECODE_DEFER_NORM": "0"}))
-    out.append(Variant("DECODE_ROUTE_IN_OPROJ=1", "decode_route_in_oproj",
-                       {"FTSERVE_DECODE_ROUTE_IN_OPROJ": "1"}))
+    out.append(Variant("DECODE_ROUTE_IN_OPROJ=0", "decode_route_in_oproj",
+                       {"FTSERVE_DECODE_ROUTE_IN_OPROJ": "0"}))
     out.append(Variant("DECODE_INPUT_NORM=0", "decode_input_norm", {"FTSERVE_DECODE_INPUT_NORM": "0"}))
     # The engine's step copies: its b1 / b8 step rates and engine trace change, not the replay.
     out.append(Variant("STEP_COPY_KERNEL=0", "step_copy_kernel", {"FTSERVE_STEP_COPY_KERNEL": "0"}))

@@ -116,7 +116,14 @@ class DecoderLayer(nn.Module):
             if ws[0].is_cuda and torch.cuda.is_current_stream_capturing():
                 return None
             with torch.no_grad():
-                f = self._folded = fold_router(*ws, bias)
+                new = fold_router(*ws, bias)
+                if f is not None:  # in place: captured graphs read these tensors
+                    f.r_o.copy_(new.r_o)
+                    f.r_r.copy_(new.r_r)
+                    if f.r_b is not None and new.r_b is not None:
+                        f.r_b.copy_(new.r_b)
+                    new = FoldedRouter(f.r_o, f.r_r, f.r_b, new.versions)
+                f = self._folded = new
         return f
 
 
@@ -142,6 +149,21 @@ class DecoderForCausalLM(nn.Module):
     @torch.no_grad()
     def init_buffers(self) -> None:
         self.cos_sin.copy_(self.config.rope_cos_sin())
+        # Weights loaded into the model afterwards refresh what is derived from them.
+        self.register_load_state_dict_post_hook(lambda module, keys: module.refresh_derived())
+
+    def refresh_derived(self) -> None:
+        """Derive again, in place, the tensors computed from the weights (the
+        routers folded through o_proj, FTSERVE_DECODE_ROUTE_IN_OPROJ), for the
+        layers that route so; and fold them first where none is yet (at load,
+        so memory planning counts them). Call after changing weights in place
+        once CUDA graphs are captured: the graphs read these tensors, and only
+        an eager step would notice the change by itself."""
+        if not envs.decode_route_in_oproj():
+            return
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoEBlock) and layer.mlp.renormalize and layer.mlp.expert_compute is None:
+                layer.folded_router()
 
     def decode_input_norm(self) -> InputNorm | None:
         """The first layer's input norm, for a decode step to apply where it

@@ -89,6 +89,7 @@ def load_model(
         fill_dummy(model, seed)
     else:
         raise ValueError(f"load_format must be safetensors or dummy, got {load_format!r}")
+    model.refresh_derived()
     return model, cfg
 
 
