@@ -95,6 +95,19 @@ def oproj_route_ref(
 
 
 @triton.jit
+def _dot_rows(acc, w_ptrs, x_ptr, rmask, zero, offs_k, n, STEPS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [R, BK] + W[rows, :n] * x[:n], chunk by chunk (x's chunk repeated down
+    the rows, as gemv_triton's loop: L1 hits, no layout conversion)."""
+    for step in tl.static_range(STEPS):
+        kk = step * BLOCK_K + offs_k[None, :] + zero  # [R, BK]
+        kmask = kk < n
+        w = tl.load(w_ptrs, mask=rmask[:, None] & kmask, other=0.0).to(tl.float32)
+        acc += w * tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
 def _oproj_route_kernel(
     a_ptr, wo_ptr, bo_ptr, r_ptr, nw_ptr, ro_ptr, rr_ptr, rb_ptr,
     z_ptr, scaled_ptr, parts_ptr, pre_ptr, sel_ptr, ids_ptr, cnt_ptr,
@@ -112,18 +125,11 @@ def _oproj_route_kernel(
         emask = rows < E
         zero_e = tl.zeros([BLOCK_E, 1], tl.int32)
         acc_e = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
-        ro_ptrs = ro_ptr + rows.to(tl.int64)[:, None] * stride_ro + offs_k[None, :]
-        for step in tl.static_range(K_STEPS):
-            ke = step * BLOCK_K + offs_k[None, :] + zero_e
-            we = tl.load(ro_ptrs, mask=emask[:, None] & (ke < K), other=0.0).to(tl.float32)
-            acc_e += we * tl.load(a_ptr + ke, mask=ke < K, other=0.0).to(tl.float32)
-            ro_ptrs += BLOCK_K
-        rr_ptrs = rr_ptr + rows.to(tl.int64)[:, None] * stride_rr + offs_k[None, :]
-        for step in tl.static_range(N_STEPS):
-            ke = step * BLOCK_K + offs_k[None, :] + zero_e
-            we = tl.load(rr_ptrs, mask=emask[:, None] & (ke < N), other=0.0).to(tl.float32)
-            acc_e += we * tl.load(r_ptr + ke, mask=ke < N, other=0.0).to(tl.float32)
-            rr_ptrs += BLOCK_K
+        row_off = rows.to(tl.int64)[:, None]
+        acc_e = _dot_rows(acc_e, ro_ptr + row_off * stride_ro + offs_k[None, :], a_ptr, emask, zero_e,
+                          offs_k, K, K_STEPS, BLOCK_K)
+        acc_e = _dot_rows(acc_e, rr_ptr + row_off * stride_rr + offs_k[None, :], r_ptr, emask, zero_e,
+                          offs_k, N, N_STEPS, BLOCK_K)
         pre = tl.sum(acc_e, 1)
         if HAS_BIAS:
             pre += tl.load(rb_ptr + rows, mask=emask, other=0.0)
@@ -156,15 +162,9 @@ def _oproj_route_kernel(
         q = pid - PE
         cols = q * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = cols < N
-        zero_n = tl.zeros([BLOCK_N, 1], tl.int32)  # broadcasts a K chunk down the rows
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        w_ptrs = wo_ptr + cols.to(tl.int64)[:, None] * stride_wo + offs_k[None, :]
-        for step in tl.static_range(K_STEPS):
-            kk = step * BLOCK_K + offs_k[None, :] + zero_n  # [N, BK]
-            kmask = kk < K
-            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask, other=0.0).to(tl.float32)
-            acc += w * tl.load(a_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-            w_ptrs += BLOCK_K
+        acc = _dot_rows(tl.zeros([BLOCK_N, BLOCK_K], tl.float32),
+                        wo_ptr + cols.to(tl.int64)[:, None] * stride_wo + offs_k[None, :], a_ptr, nmask,
+                        tl.zeros([BLOCK_N, 1], tl.int32), offs_k, K, K_STEPS, BLOCK_K)
         o = tl.sum(acc, 1)
         if HAS_BIAS:
             o += tl.load(bo_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
@@ -187,8 +187,9 @@ def oproj_route_triton(
     top_k: int,
     counter: torch.Tensor,  # [1] int32, zero; left zero
     block_e: int = 2,  # router rows a program
-    config: gc.GemvConfig | None = None,  # the o_proj rows' launch (default: o_proj's table entry)
 ) -> OprojRoute:
+    """-> OprojRoute. The o_proj rows launch as gemv_triton launches o_proj
+    (this device's table entry for the shape, else the default)."""
     t, k = a.shape
     h = o_w.shape[0]
     e = folded.r_o.shape[0]
@@ -196,8 +197,7 @@ def oproj_route_triton(
     assert a.stride(-1) == 1 and o_w.stride(-1) == 1 and residual.stride(-1) == 1 and norm_w.is_contiguous()
     assert folded.r_o.shape == (e, k) and folded.r_r.shape == (e, h) and counter.dtype == torch.int32
     assert (o_b is None) == (folded.r_b is None), "folded with o_proj's bias iff it has one"
-    if config is None:  # o_proj's own launch (gemv_triton's choice for this shape)
-        config = gc.pick(gc.dense_key(False, h, k), 1, a.device) or gc.default("dense", a.is_cuda, h, 1)
+    config = gc.pick(gc.dense_key(False, h, k), 1, a.device) or gc.default("dense", a.is_cuda, h, 1)
     bn, bk = config.block_n, min(config.block_k, triton.next_power_of_2(k))
     pe = triton.cdiv(e, block_e)
     pn = triton.cdiv(h, bn)

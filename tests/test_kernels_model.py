@@ -61,6 +61,22 @@ def test_model_on_triton_kernels_matches_torch_path(
         assert err < 1e-4, err
 
 
+def prefill_then_decode(path: Path, backend: AttentionBackend, token_seed: int) -> list[torch.Tensor]:
+    """One sequence of a float32 checkpoint: the logits of a 10-token prefill,
+    then of one decode step over it (the one-row decode path)."""
+    model, cfg = load_model(path, dtype="float32", device="cpu")
+    pool = KVPool(cfg.num_layers, 16, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(token_seed)
+    toks = torch.randint(3, cfg.vocab_size, (11,), generator=gen).tolist()
+    outs = []
+    for new, prefix in ((toks[:10], 0), (toks[10:], 10)):
+        batch = build_forward_batch([new], [prefix], [list(range(1, 5))], pool, backend,
+                                    is_decode=len(new) == 1)
+        with torch.no_grad():
+            outs.append(model(batch))
+    return outs
+
+
 @pytest.mark.parametrize("down_norm,defer", [("1", "1"), ("1", "0"), ("0", "1")])
 def test_one_row_decode_on_triton_matches_torch_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, down_norm: str, defer: str
@@ -73,16 +89,7 @@ def test_one_row_decode_on_triton_matches_torch_path(
     write_checkpoint("tiny-moe", tmp_path, seed=6, dtype="float32")
 
     def run(backend: AttentionBackend) -> list[torch.Tensor]:
-        model, cfg = load_model(tmp_path, dtype="float32", device="cpu")
-        pool = KVPool(cfg.num_layers, 16, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-        toks = torch.randint(3, cfg.vocab_size, (11,), generator=torch.Generator().manual_seed(1)).tolist()
-        pages = [list(range(1, 5))]
-        outs = []
-        for new, prefix in ((toks[:10], 0), (toks[10:], 10)):
-            batch = build_forward_batch([new], [prefix], pages, pool, backend, is_decode=len(new) == 1)
-            with torch.no_grad():
-                outs.append(model(batch))
-        return outs
+        return prefill_then_decode(tmp_path, backend, token_seed=1)
 
     from ftserve_kernels import decode_inputs as di
     from ftserve_kernels import norm_triton as nt

@@ -12,9 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftserve.kvcache.pool import KVPool
 from ftserve.models.checkpoint import write_checkpoint
-from ftserve.models.forward_batch import AttentionBackend, build_forward_batch
+from ftserve.models.forward_batch import AttentionBackend
 from ftserve.models.loader import load_model
 from ftserve_kernels import oproj_route_triton as orr
 from ftserve_kernels import ops
@@ -23,6 +22,7 @@ from ftserve_kernels.moe import fused_moe_ref
 from ftserve_kernels.moe_down_gemv_triton import NormNext
 from ftserve_kernels.moe_gemv_triton import RouteParts, fused_moe_add_norm_gemv_triton
 from ftserve_kernels.paged_attention import TorchAttentionBackend
+from tests.test_kernels_model import prefill_then_decode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The model test builds a CPU model for the Triton interpreter.
@@ -137,16 +137,7 @@ def test_one_row_decode_routed_by_o_proj_matches_torch_path(
     write_checkpoint("tiny-moe", tmp_path, seed=8, dtype="float32")
 
     def run(backend: AttentionBackend) -> list[torch.Tensor]:
-        model, cfg = load_model(tmp_path, dtype="float32", device="cpu")
-        pool = KVPool(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
-        toks = torch.randint(3, cfg.vocab_size, (11,), generator=torch.Generator().manual_seed(9)).tolist()
-        outs = []
-        for new, prefix in ((toks[:10], 0), (toks[10:], 10)):
-            batch = build_forward_batch([new], [prefix], [list(range(1, 5))], pool, backend,
-                                        is_decode=len(new) == 1)
-            with torch.no_grad():
-                outs.append(model(batch))
-        return outs
+        return prefill_then_decode(tmp_path, backend, token_seed=9)
 
     monkeypatch.setenv("FTSERVE_KERNELS", "torch")
     ref = run(TorchAttentionBackend())

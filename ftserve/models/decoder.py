@@ -98,10 +98,15 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm.forward_add(x, residual)
         return self.mlp(x), residual, False
 
-    def _routes_in_oproj(self, x: torch.Tensor) -> bool:
+    def router_foldable(self) -> bool:
+        """A resident MoE layer whose expert weights are the softmax of the chosen
+        logits: its o_proj can route (folded_router)."""
         mlp = self.mlp
-        return (isinstance(mlp, MoEBlock) and mlp.renormalize and mlp.expert_compute is None
-                and not mlp.observed() and ops.oproj_route_applies(x))
+        return isinstance(mlp, MoEBlock) and mlp.renormalize and mlp.expert_compute is None
+
+    def _routes_in_oproj(self, x: torch.Tensor) -> bool:
+        return (self.router_foldable() and not self.mlp.observed()  # type: ignore[union-attr]
+                and ops.oproj_route_applies(x))
 
     def folded_router(self) -> FoldedRouter | None:
         """The router folded through o_proj and the post-attention norm
@@ -120,7 +125,7 @@ class DecoderLayer(nn.Module):
                 if f is not None:  # in place: captured graphs read these tensors
                     f.r_o.copy_(new.r_o)
                     f.r_r.copy_(new.r_r)
-                    if f.r_b is not None and new.r_b is not None:
+                    if f.r_b is not None:  # o_proj has a bias (then both have one)
                         f.r_b.copy_(new.r_b)
                     new = FoldedRouter(f.r_o, f.r_r, f.r_b, new.versions)
                 f = self._folded = new
@@ -162,7 +167,7 @@ class DecoderForCausalLM(nn.Module):
         if not envs.decode_route_in_oproj():
             return
         for layer in self.layers:
-            if isinstance(layer.mlp, MoEBlock) and layer.mlp.renormalize and layer.mlp.expert_compute is None:
+            if layer.router_foldable():
                 layer.folded_router()
 
     def decode_input_norm(self) -> InputNorm | None:
