@@ -140,25 +140,6 @@ def moe_gateup_acc() -> bool:
     return _flag("FTSERVE_MOE_GATEUP_ACC", False)
 
 
-def moe_gateup_unroll() -> bool:
-    """FTSERVE_MOE_GATEUP_UNROLL (default off): the expert gate/up GEMV's K loop
-    unrolled into [N, BK] accumulators summed once after it (moe_gemv_triton)."""
-    return _flag("FTSERVE_MOE_GATEUP_UNROLL", False)
-
-
-def moe_gateup_parts_first() -> bool:
-    """FTSERVE_MOE_GATEUP_PARTS_FIRST (default off): with the post-attention norm
-    left pending (the router inside o_proj), the gate/up GEMV sums its parts
-    into 1/rms before its K loop instead of after it."""
-    return _flag("FTSERVE_MOE_GATEUP_PARTS_FIRST", False)
-
-
-def moe_down_acc() -> bool:
-    """FTSERVE_MOE_DOWN_ACC (default off): the 3-D expert down GEMV accumulates
-    [k, N, BK] products and sums over K once after its loop (moe_down_gemv_triton)."""
-    return _flag("FTSERVE_MOE_DOWN_ACC", False)
-
-
 def moe_down3d() -> bool:
     """FTSERVE_MOE_DOWN3D (default on): the expert down GEMV with the k choices as a tile axis."""
     return _flag("FTSERVE_MOE_DOWN3D", True)

@@ -77,7 +77,9 @@ def _row_scale(parts, t, K, eps, HAS_PARTS: tl.constexpr, BLOCK_T: tl.constexpr)
     BLOCK_P], loaded at the kernel's start; added in a fixed order, so every
     program gets the same value); 1 without parts."""
     scale = 1.0
-    if HAS_PARTS:
+    if HAS_PARTS and BLOCK_T == 1:  # [N, P], every row the same parts: [N]
+        scale = tl.rsqrt(tl.sum(parts, 1) / K + eps)
+    elif HAS_PARTS:
         tt = tl.arange(0, BLOCK_T)
         scale = tl.rsqrt(tl.sum(tl.sum(tl.where(tt[:, None] == t, parts, 0.0), 1), 0) / K + eps)
     return scale
@@ -114,7 +116,13 @@ def _gemv_kernel(
         w_first = tl.load(w_ptrs, mask=nmask[:, None] & (kk_first < K), other=0.0)
     pdl.enter(PDL)
     parts = 0.0
-    if HAS_PARTS:  # in flight beside the weights; summed only at the end
+    if HAS_PARTS and BLOCK_T == 1:
+        # One row: its parts loaded down the N rows of the weight tile's layout
+        # ([N, P], L1 hits), so the sum at the end stays inside each warp (no
+        # shared memory, no barrier on the tail) and lands in the dots' layout.
+        pp = tl.arange(0, BLOCK_P)
+        parts = tl.load(parts_ptr + pp[None, :] + zero_n, mask=(pp[None, :] + zero_n) < P, other=0.0)
+    elif HAS_PARTS:  # in flight beside the weights; summed only at the end
         tt = tl.arange(0, BLOCK_T)
         pp = tl.arange(0, BLOCK_P)
         parts = tl.load(parts_ptr + tt[:, None] * P + pp[None, :],

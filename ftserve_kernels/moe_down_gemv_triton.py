@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ftserve import envs
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
 from ftserve_kernels.moe_read_through import (
@@ -84,7 +83,7 @@ def _gemv_down_combine3d_kernel(
     EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr, K_STEPS: tl.constexpr,
     READ_THROUGH: tl.constexpr, BLOCK_M: tl.constexpr,
     PDL: tl.constexpr, NORM_NEXT: tl.constexpr = False, BLOCK_H: tl.constexpr = 16,
-    NORM_DEFER: tl.constexpr = False, part_ptr=None, ACC_K: tl.constexpr = False,
+    NORM_DEFER: tl.constexpr = False, part_ptr=None,
 ):
     pdl.enter(PDL)  # the ids / activations come from the kernel before
     # As _gemv_down_combine_kernel, with the k choices as a third tile axis: the
@@ -104,57 +103,25 @@ def _gemv_down_combine3d_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     tile = (cols * stride_wn)[None, :, None] + offs_k[None, None, :]  # [1, N, K] within a row
     b_ptrs = w_ptr + (e * stride_we)[:, None, None] + tile  # [KP, N, K]
-    if ACC_K:
-        # Each choice's act chunk loaded down the N rows of its tile ([KP, N, K],
-        # L1 hits): the weight tile's own layout, so no step converts one.
-        a_ptrs = (a_ptr + (pair * stride_at)[:, None, None] + offs_k[None, None, :]
-                  + tl.zeros([1, BLOCK_N, 1], tl.int64))
-        amask = jmask[:, None, None] & (tl.zeros([1, BLOCK_N, 1], tl.int32) == 0)  # [KP, N, 1]
-    else:
-        a_ptrs = a_ptr + (pair * stride_at)[:, None] + offs_k[None, :]  # [KP, K]
-        amask = jmask[:, None]
+    a_ptrs = a_ptr + (pair * stride_at)[:, None] + offs_k[None, :]  # [KP, K]
     bmask = jmask[:, None, None] & nmask[None, :, None]  # [KP, N, 1]
     if READ_THROUGH:  # as in the gate/up kernel, per choice
         src = _miss_source(e[:, None], miss_slot_ptr, miss_id_ptr, M, BLOCK_M)  # [KP]
         h_ptrs = (_bank_rows(bank, w_ptr.dtype.element_ty) + (tl.maximum(src, 0) * stride_we)[:, None, None]
                   + bank_col + tile)
         from_host = (src >= 0)[:, None, None]  # [KP, 1, 1]
-    # What the epilogue reads besides the sums, loaded first: after the loop
-    # each was one more memory round trip on the kernel's tail (and the loads
-    # after a store could not move above it: the pointers may alias).
-    wt = tl.load(weights_ptr + pair, mask=jmask, other=0.0)  # [KP]
-    if NORM_NEXT:
-        res = tl.load(res_ptr + t * stride_rt + cols, mask=nmask, other=0.0).to(tl.float32)
-        if NORM_DEFER:
-            nw = tl.load(nw_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_KP, BLOCK_N], tl.float32)
     # Unrolled (K_STEPS = cdiv(I, BLOCK_K), 3 at I = 768): the steps' loads are
-    # independent, so they can all be in flight at once (these loads are not
-    # cp.async-pipelined). ACC_K: a [KP, N, K] accumulator summed over K once
-    # after the loop, so no step waits on a cross-warp sum (a barrier, which no
-    # later step's loads move above) before the next step's loads issue.
-    if ACC_K:
-        acc3 = tl.zeros([BLOCK_KP, BLOCK_N, BLOCK_K], tl.float32)
-        # 0 * each operand, so ptxas issues their loads here, beside the first
-        # weights, instead of sinking them to their use after the loop.
-        early = wt[:, None] * 0.0  # [KP, 1]
-        if NORM_NEXT:
-            early += res[None, :] * 0.0
-            if NORM_DEFER:
-                early += nw[None, :] * 0.0
-        acc3 += early[:, :, None]
-    else:
-        acc = tl.zeros([BLOCK_KP, BLOCK_N], tl.float32)
+    # independent, so they can all be in flight at once (one memory round trip per
+    # program, not three; these loads are not cp.async-pipelined).
     for step in tl.static_range(K_STEPS):
         k0 = step * BLOCK_K
         if EVEN_K:
-            av = tl.load(a_ptrs, mask=amask, other=0.0)
+            av = tl.load(a_ptrs, mask=jmask[:, None], other=0.0)
             m3 = bmask
         else:
             kmask = offs_k < INTER - k0
-            if ACC_K:
-                av = tl.load(a_ptrs, mask=amask & kmask[None, None, :], other=0.0)
-            else:
-                av = tl.load(a_ptrs, mask=amask & kmask[None, :], other=0.0)
+            av = tl.load(a_ptrs, mask=jmask[:, None] & kmask[None, :], other=0.0)
             m3 = bmask & kmask[None, None, :]
         if READ_THROUGH:
             b = tl.load(tl.where(from_host, h_ptrs, b_ptrs), mask=m3, other=0.0)
@@ -162,35 +129,31 @@ def _gemv_down_combine3d_kernel(
             h_ptrs += BLOCK_K
         else:
             b = tl.load(b_ptrs, mask=m3, other=0.0)
-        if ACC_K:
-            acc3 += b.to(tl.float32) * av.to(tl.float32)
-        else:
-            acc += tl.sum(b.to(tl.float32) * av.to(tl.float32)[:, None, :], 2)
+        acc += tl.sum(b.to(tl.float32) * av.to(tl.float32)[:, None, :], 2)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if ACC_K:
-        acc = tl.sum(acc3, 2)  # [KP, N]
+    wt = tl.load(weights_ptr + pair, mask=jmask, other=0.0)  # [KP]
     # Same rounding and fixed-order fp32 sum of the k choices as the 2-D kernel.
     y = (acc * wt[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # [KP, N]
     out = tl.sum(y, 0)  # [N]
     if NORM_NEXT and NORM_DEFER:
-        _add_then_part(out, t, cols, nmask, res, nw, sum_ptr, normed_ptr, part_ptr, stride_rt,
+        _add_then_part(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, part_ptr, stride_rt,
                        out_ptr.dtype.element_ty)
     elif NORM_NEXT:
-        _add_then_norm_last(out, t, cols, nmask, res, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, H, eps,
+        _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, H, eps,
                             stride_rt, out_ptr.dtype.element_ty, BLOCK_H)
     else:
         tl.store(out_ptr + t * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
-def _add_then_norm_last(out, t, cols, nmask, res, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, H, eps,
+def _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, H, eps,
                         stride_rt, dt, BLOCK_H: tl.constexpr):
     """The next layer's input norm as the down kernel's epilogue: each program
     stores its columns of s = round(round(out) + residual) (fused_add_rms_norm's
-    sum; ``res`` the residual's columns, fp32); the last program of the grid to
-    arrive norms every row of s (from L2) as fused_add_rms_norm rounds it, and
-    re-zeroes the counter."""
+    sum); the last program of the grid to arrive norms every row of s (from L2)
+    as fused_add_rms_norm rounds it, and re-zeroes the counter."""
+    res = tl.load(res_ptr + t * stride_rt + cols, mask=nmask, other=0.0).to(tl.float32)
     tl.store(sum_ptr + t * stride_rt + cols, (out.to(dt).to(tl.float32) + res).to(dt), mask=nmask)
     # Every thread's stores precede the barrier, the barrier the release by the
     # atomic; the winner's acquire precedes its (L2, .cg) loads.
@@ -210,15 +173,16 @@ def _add_then_norm_last(out, t, cols, nmask, res, nw_ptr, sum_ptr, normed_ptr, c
 
 
 @triton.jit
-def _add_then_part(out, t, cols, nmask, res, nw, sum_ptr, scaled_ptr, part_ptr, stride_rt, dt):
+def _add_then_part(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, scaled_ptr, part_ptr, stride_rt, dt):
     """The next layer's input norm left pending (NormNext.deferred): each program
     stores its columns of s = round(round(out) + residual), of round(w * s), and
     their sum of squares of s, parts[t, program]; the GEMV that reads w * s adds
     the parts up itself and scales its dot by 1/rms (gemv_triton, HAS_PARTS). No
-    counter, no last program. ``res`` and ``nw``: the residual's and the norm
-    weight's columns, fp32."""
+    counter, no last program."""
+    res = tl.load(res_ptr + t * stride_rt + cols, mask=nmask, other=0.0).to(tl.float32)
     sv = (out.to(dt).to(tl.float32) + res).to(dt)
     tl.store(sum_ptr + t * stride_rt + cols, sv, mask=nmask)
+    nw = tl.load(nw_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
     tl.store(scaled_ptr + t * stride_rt + cols, (nw * sv.to(tl.float32)).to(dt), mask=nmask)
     sf = tl.where(nmask, sv.to(tl.float32), 0.0)
     tl.store(part_ptr + t * tl.num_programs(1) + tl.program_id(1), tl.sum(sf * sf, 0))
@@ -289,7 +253,7 @@ def moe_down_gemv(
                                           NORM_NEXT=norm_next is not None,
                                           NORM_DEFER=norm_next is not None and norm_next.deferred,
                                           part_ptr=outs[2] if outs is not None and len(outs) == 3 else None,
-                                          BLOCK_H=triton.next_power_of_2(h), ACC_K=envs.moe_down_acc(),
+                                          BLOCK_H=triton.next_power_of_2(h),
                                           **_read_through_consts(read_through), **consts)
     else:
         assert read_through is None and norm_next is None, "the 2-D down kernel has neither"

@@ -162,24 +162,16 @@ def _oproj_route_kernel(
         q = pid - PE
         cols = q * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = cols < N
-        # The epilogue's operands first, entering the accumulator as 0 * v so
-        # that ptxas issues their loads beside the weights' instead of sinking
-        # them to their use (two more memory round trips on the tail: the
-        # weight's load could not move above the store before it).
-        res = tl.load(r_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
-        nw = tl.load(nw_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
-        early = res * 0.0 + nw * 0.0
-        if HAS_BIAS:
-            bias = tl.load(bo_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
-            early += bias * 0.0
-        acc = _dot_rows(tl.zeros([BLOCK_N, BLOCK_K], tl.float32) + early[:, None],
+        acc = _dot_rows(tl.zeros([BLOCK_N, BLOCK_K], tl.float32),
                         wo_ptr + cols.to(tl.int64)[:, None] * stride_wo + offs_k[None, :], a_ptr, nmask,
                         tl.zeros([BLOCK_N, 1], tl.int32), offs_k, K, K_STEPS, BLOCK_K)
         o = tl.sum(acc, 1)
         if HAS_BIAS:
-            o += bias
+            o += tl.load(bo_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
+        res = tl.load(r_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
         sv = (o.to(dt).to(tl.float32) + res).to(dt)
         tl.store(z_ptr + cols, sv, mask=nmask)
+        nw = tl.load(nw_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
         tl.store(scaled_ptr + cols, (nw * sv.to(tl.float32)).to(dt), mask=nmask)
         sf = tl.where(nmask, sv.to(tl.float32), 0.0)
         tl.store(parts_ptr + q, tl.sum(sf * sf, 0))

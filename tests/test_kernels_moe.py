@@ -159,21 +159,15 @@ def test_fused_moe_matches_reference(t: int, gemv: bool | None) -> None:
     assert rel_err(out, ref) < 1e-4
 
 
-@pytest.mark.parametrize("acc", ["0", "1"])
 @pytest.mark.parametrize("t,dtype", [(1, torch.float32), (2, torch.float32), (2, torch.bfloat16)])
-def test_fused_moe_add_norm_matches_composition(
-    t: int, dtype: torch.dtype, acc: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_fused_moe_add_norm_matches_composition(t: int, dtype: torch.dtype) -> None:
     """The next layer's input norm in the down kernel's epilogue: the sums and
     the normed rows equal fused_add_rms_norm of the MoE output (fp32: to float
     rounding; bf16: the rounding points are the composition's). H = 40 is not a
-    power of two; two launches share the counter, which must end at zero. Both
-    ways of summing the down kernel's K steps (FTSERVE_MOE_DOWN_ACC)."""
+    power of two; two launches share the counter, which must end at zero."""
     from ftserve_kernels import moe_down_gemv_triton as md
     from ftserve_kernels import moe_gemv_triton as mg
     from ftserve_kernels.norm_rope import fused_add_rms_norm_ref
-
-    monkeypatch.setenv("FTSERVE_MOE_DOWN_ACC", acc)
 
     g = torch.Generator().manual_seed(t)
     e, k, h, inter = 6, 3, 40, 24
@@ -200,22 +194,17 @@ def test_fused_moe_add_norm_matches_composition(
             torch.testing.assert_close(normed, ref_n, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("acc", ["0", "1"])
 @pytest.mark.parametrize("t,dtype", [(1, torch.float32), (2, torch.float32), (1, torch.bfloat16)])
-def test_deferred_norm_parts_then_the_gemv_applies_it(
-    t: int, dtype: torch.dtype, acc: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_deferred_norm_parts_then_the_gemv_applies_it(t: int, dtype: torch.dtype) -> None:
     """A deferred NormNext: the down kernel stores the sums (as the folded norm
     does) and per column program a partial sum of squares that add up to the
     row's; the GEMV given those parts computes linear(rms_norm(sum)) (the norm
     unrounded: fp32 to float rounding, bf16 within its tolerance). The counter
-    is not touched. Both ways of summing the down kernel's K steps."""
+    is not touched."""
     from ftserve_kernels import gemv_triton as gv
     from ftserve_kernels import moe_down_gemv_triton as md
     from ftserve_kernels import moe_gemv_triton as mg
     from ftserve_kernels.norm_rope import fused_add_rms_norm_ref
-
-    monkeypatch.setenv("FTSERVE_MOE_DOWN_ACC", acc)
 
     g = torch.Generator().manual_seed(10 + t)
     e, k, h, inter, n = 6, 3, 40, 24, 24
@@ -291,24 +280,15 @@ def test_fused_moe_gemv_odd_top_k() -> None:
     assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-4
 
 
-@pytest.mark.parametrize("down3d,gate_up_acc,flags", [
-    (False, False, ""), (True, False, ""), (True, True, ""),
-    (True, False, "FTSERVE_MOE_GATEUP_UNROLL FTSERVE_MOE_DOWN_ACC"),
-])
+@pytest.mark.parametrize("down3d,gate_up_acc", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("t,k,bn", [(1, 3, None), (2, 8, (16, 8)), (2, 2, (16, 4))])
 def test_gemv_down_variants(
-    down3d: bool, gate_up_acc: bool, flags: str, t: int, k: int, bn: tuple[int, int] | None,
-    monkeypatch: pytest.MonkeyPatch,
+    down3d: bool, gate_up_acc: bool, t: int, k: int, bn: tuple[int, int] | None
 ) -> None:
-    """The GEMV kernel variants (down: 3-D tile over the choices or 2-D, its K
-    sums per step or once (MOE_DOWN_ACC); gate/up: per-step sums, unrolled into
-    tile accumulators (MOE_GATEUP_UNROLL) or the accumulate-style kernel), odd k
-    (padded choice axis), H and I not multiples of the blocks, through an
-    expert map, in bf16."""
+    """The GEMV kernel variants (down: 3-D tile over the choices or 2-D; gate/up:
+    per-step sums or tile accumulators), odd k (padded choice axis), H and I not
+    multiples of the blocks, through an expert map, in bf16."""
     from ftserve_kernels.moe_gemv_triton import fused_moe_gemv_triton
-
-    for flag in flags.split():
-        monkeypatch.setenv(flag, "1")
 
     g = torch.Generator().manual_seed(k)
     e, h, inter = 9, 36, 40
@@ -688,8 +668,7 @@ def test_decode_gemv_kernels_compile_for_sm90() -> None:
     assert not {k: v["error"] for k, v in res.items() if "error" in v}
     for name, r in res.items():
         assert r["local"] in (0, -1), f"{name} spills registers: {r}"
-    for name in ("moe_gate_up_acc_n8", "moe_down3d", "gemv_o_T1", "gemv_o_T1_pdl", "moe_gate_up_unroll_parts",
-                 "moe_down3d_defer_acc", "oproj_route"):
+    for name in ("moe_gate_up_acc_n8", "moe_down3d", "gemv_o_T1", "gemv_o_T1_pdl"):
         n = res[name]["loads_before_first_use"]
         assert n == -1 or n >= 8, f"{name}: only {n} loads issued before the first FMA"
     for name, r in res.items():  # FTSERVE_PDL: the wait and release exactly where compiled in

@@ -27,7 +27,6 @@ from ftserve_kernels import decode_fused_triton as df
 from ftserve_kernels import gemv_triton as gv
 from ftserve_kernels import moe_down_gemv_triton as md
 from ftserve_kernels import moe_gemv_triton as mg
-from ftserve_kernels import oproj_route_triton as orr
 
 # Integer arguments the launch specializes as multiples of 16 at the real shapes.
 _DIV16 = ("H", "K", "N", "E", "INTER", "bank_col")
@@ -77,17 +76,12 @@ def _compile(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int)
             res["regs"] = int(word[4:])
         if word.startswith("LOCAL:"):
             res["local"] = int(word[6:])
-    lines = sass.splitlines()
     n = 0
-    for line in lines:
+    for line in sass.splitlines():
         if " FFMA" in line:
             break
         n += " LDG" in line
     res["loads_before_first_use"] = n
-    # Loads after the last FMA: epilogue operands fetched only once the sums are
-    # done, each a memory round trip on the kernel's tail.
-    last = max((i for i, line in enumerate(lines) if " FFMA" in line), default=len(lines))
-    res["loads_after_last_fma"] = sum(" LDG" in line for line in lines[last:])
     return res
 
 
@@ -104,26 +98,6 @@ def compile_all() -> dict[str, dict[str, Any]]:
     out["moe_down3d"] = _compile(md._gemv_down_combine3d_kernel, moe,
                                  dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True,
                                       K_STEPS=3), 8)
-    # FTSERVE_MOE_GATEUP_UNROLL + PARTS_FIRST at the table's batch-1 tile, the
-    # norm left pending by the routed o_proj (RouteParts).
-    out["moe_gate_up_unroll_parts"] = _compile(
-        mg._gemv_gate_up_kernel, moe | {"parts_ptr": "*fp32", "sel_ptr": "*fp32", "wout_ptr": "*fp32",
-                                        "eps": "fp32"},
-        dict(TOP_K=8, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, HAS_PARTS=True, BLOCK_P=256, BLOCK_TK=8,
-             K_STEPS=8, PARTS_FIRST=True), 16)
-    # FTSERVE_MOE_DOWN_ACC, the next layer's norm left pending (the table's batch-1 tile).
-    out["moe_down3d_defer_acc"] = _compile(
-        md._gemv_down_combine3d_kernel, moe | {"res_ptr": bf, "nw_ptr": bf, "sum_ptr": bf, "normed_ptr": bf,
-                                               "cnt_ptr": i32, "eps": "fp32", "part_ptr": "*fp32"},
-        dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=4, BLOCK_K=128, EVEN_K=True, K_STEPS=6, NORM_NEXT=True,
-             NORM_DEFER=True, BLOCK_H=2048, ACC_K=True), 8)
-    out["oproj_route"] = _compile(
-        orr._oproj_route_kernel,
-        {"a_ptr": bf, "wo_ptr": bf, "bo_ptr": bf, "r_ptr": bf, "nw_ptr": bf, "ro_ptr": bf, "rr_ptr": bf,
-         "rb_ptr": "*fp32", "z_ptr": bf, "scaled_ptr": bf, "parts_ptr": "*fp32", "pre_ptr": "*fp32",
-         "sel_ptr": "*fp32", "ids_ptr": i32, "cnt_ptr": i32},
-        dict(HAS_BIAS=False, TOP_K=8, BLOCK_N=8, BLOCK_K=512, K_STEPS=8, N_STEPS=4, BLOCK_E=2,
-             BLOCK_EALL=128, BLOCK_TK=8), 8)
     out["moe_down3d_norm"] = _compile(  # the next layer's input norm in the epilogue
         md._gemv_down_combine3d_kernel, moe | {"res_ptr": bf, "nw_ptr": bf, "sum_ptr": bf, "normed_ptr": bf,
                                                "cnt_ptr": i32, "eps": "fp32"},

@@ -22,9 +22,6 @@ from tools.bench_common import markdown_table
 DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_DENSE_GEMV": "linear",
     "FTSERVE_MOE_GATEUP_ACC": "0",
-    "FTSERVE_MOE_GATEUP_UNROLL": "0",
-    "FTSERVE_MOE_GATEUP_PARTS_FIRST": "0",
-    "FTSERVE_MOE_DOWN_ACC": "0",
     "FTSERVE_LM_HEAD_FP32": "0",
     "FTSERVE_LM_HEAD_GEMV": "1",
     "FTSERVE_DECODE_FUSION": "1",
@@ -73,10 +70,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     out += [Variant(f"DENSE_GEMV={v}", "dense_gemv", {"FTSERVE_DENSE_GEMV": v})
             for v in ("0", "1", "norm")]
     out.append(Variant("MOE_GATEUP_ACC=1", "moe_gateup_acc", {"FTSERVE_MOE_GATEUP_ACC": "1"}))
-    out.append(Variant("MOE_GATEUP_UNROLL=1", "moe_gateup_unroll", {"FTSERVE_MOE_GATEUP_UNROLL": "1"}))
-    out.append(Variant("MOE_GATEUP_PARTS_FIRST=1", "moe_gateup_parts_first",
-                       {"FTSERVE_MOE_GATEUP_PARTS_FIRST": "1"}))
-    out.append(Variant("MOE_DOWN_ACC=1", "moe_down_acc", {"FTSERVE_MOE_DOWN_ACC": "1"}))
     out.append(Variant("LM_HEAD_FP32=1", "lm_head_fp32", {"FTSERVE_LM_HEAD_FP32": "1"}))
     out.append(Variant("LM_HEAD_GEMV=0", "lm_head_gemv", {"FTSERVE_LM_HEAD_GEMV": "0"}))
     out.append(Variant("FUSED_KV_STORE=0", "fused_kv_store", {"FTSERVE_FUSED_KV_STORE": "0"}))
@@ -99,9 +92,9 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
             out.append(Variant(f"attn programs_per_sm={n}", "attn_programs_per_sm",
                                attn={"decode_programs_per_sm": n}))
     # At batch 1 the split count sits at the max_splits cap (H200: 132 SMs x 4
-    # programs over 4 KV heads > 128), so only a lower cap changes it there.
-    for n in sorted({base_attn.max_splits // 4, base_attn.max_splits // 2}):
-        if 1 <= n < base_attn.max_splits:
+    # programs over 4 KV heads > 64), so only another cap changes it there.
+    for n in sorted({base_attn.max_splits // 4, base_attn.max_splits // 2, base_attn.max_splits * 2}):
+        if 1 <= n != base_attn.max_splits:
             out.append(Variant(f"attn max_splits={n}", "attn_max_splits", attn={"max_splits": n}))
     return out
 
