@@ -99,11 +99,13 @@ class AttnKernelConfig:
     decode_block_n: int = 64
     decode_warps: int = 4
     decode_stages: int = 2
-    # At batch 1 (and 2) the split count is this cap. H200 batch-1 replay at 2k
-    # (2026-12-02, tools.bench_decode_variants --trace): 128 splits 0.548 ms (the
-    # split kernel 5.92 us a layer: 512 programs, ~380 of them with no tile,
-    # over two waves of 3 a SM), 64 splits 0.542 (5.09 us), 32 0.551.
-    max_splits: int = 64
+    # At batch 1 (and 2) the split count is this cap. H200 batch-1 replay
+    # (2026-12-02, tools.bench_decode_variants --trace): at 2k 128 splits 0.548
+    # ms (the split kernel 5.92 us a layer: 512 programs, 479 of them with no
+    # tile, in two waves of 3 a SM), 64 splits 0.542 (5.09 us), 32 0.551; at
+    # 32k 128 splits 0.654, 64 0.688. Splits without a tile now end before
+    # their q work (_decode_split_kernel), which is what 64 had saved at 2k.
+    max_splits: int = 128
     extend_pack_gqa: bool = False  # one program per KV head x (BLOCK_M / GROUP) tokens
     decode_programs_per_sm: int = 4  # split-K target: (B * Hkv * splits) ~ this x SMs
     decode_fused_reduce: bool = False  # last split program combines (one launch, counters)

@@ -86,6 +86,23 @@ def _decode_split_kernel(
     d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
     gmask = g < GROUP
+    if QK:
+        if ROUND_ROBIN:  # the split after the last tile's, in turn
+            new_here = (s == tl.cdiv(kv_len - 1, BLOCK_N) % NUM_SPLITS) & (kv_len > 0)
+        else:
+            new_here = (start <= kv_len - 1) & (kv_len - 1 < start + per_split)
+        cached_end = tl.minimum(end, kv_len - 1)  # the new token comes after the loop
+    else:
+        new_here = False
+        cached_end = end
+    if not FUSED_REDUCE:
+        # A split with no cached tile that does not hold the new token (most of
+        # them at short contexts: 31 of 64 at 2k) stores its -inf lse and ends
+        # before q's loads. At batch 1 the splits' programs outnumber the SMs'
+        # slots, and those launched last waited for the first ones' q work.
+        if (start >= cached_end) & (not new_here):
+            tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + s, float("-inf"), mask=gmask)
+            return
     dmask = d < D
     HALF: tl.constexpr = D // 2
     hj = tl.arange(0, HALF)
@@ -99,7 +116,7 @@ def _decode_split_kernel(
             tl.load(q_rows + hj[None, :], mask=gmask[:, None], other=0.0).to(tl.float32),
             tl.load(q_rows + HALF + hj[None, :], mask=gmask[:, None], other=0.0).to(tl.float32),
             qw_ptr, hj, cos, sin, eps, D, HALF, ty)  # [G, HALF] each
-        end = tl.minimum(end, kv_len - 1)  # the new token: after the loop
+        end = cached_end
         q = q1  # unused (the loop takes the halves)
     else:
         q = tl.load(
@@ -165,10 +182,6 @@ def _decode_split_kernel(
             acc = mma_acc(p.to(vv.dtype), vv, acc * alpha[:, None], UPCAST)
         m_i = m_new
     if QK:
-        if ROUND_ROBIN:  # the split after the last tile's, in turn
-            new_here = (s == tl.cdiv(kv_len - 1, BLOCK_N) % NUM_SPLITS) & (kv_len > 0)
-        else:
-            new_here = (start <= kv_len - 1) & (kv_len - 1 < start + per_split)
         if new_here:
             # The new token: normalize and rotate its k, store K/V into its slot
             # (what the backend's KV store would do), and add it to this split.

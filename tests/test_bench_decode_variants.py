@@ -75,7 +75,7 @@ def test_each_variant_turns_exactly_its_switch(monkeypatch: pytest.MonkeyPatch) 
             "FUSED_KV_STORE=0", "PDL=1", "PDL=wait", "PDL=1 DENSE_GEMV=1", "PDL=1 DENSE_GEMV=norm",
             "DECODE_LAYER_KERNEL=1", "DECODE_QK_FOLD=0", "DECODE_DOWN_NORM=0", "DECODE_DEFER_NORM=0",
             "attn fused_reduce=1", "attn programs_per_sm=2", "attn programs_per_sm=8",
-            "attn max_splits=16", "attn max_splits=32", "attn max_splits=128"} <= set(names)
+            "attn max_splits=32", "attn max_splits=64", "attn max_splits=256"} <= set(names)
     with env_applied(DEFAULT_ENV):
         base = _switches()
     for v in variants:
