@@ -103,8 +103,9 @@ class AttnKernelConfig:
     # (2026-12-02, tools.bench_decode_variants --trace): at 2k 128 splits 0.548
     # ms (the split kernel 5.92 us a layer: 512 programs, 479 of them with no
     # tile, in two waves of 3 a SM), 64 splits 0.542 (5.09 us), 32 0.551; at
-    # 32k 128 splits 0.654, 64 0.688. Splits without a tile now end before
-    # their q work (_decode_split_kernel), which is what 64 had saved at 2k.
+    # 32k 128 splits 0.654, 64 0.688. With the splits that hold no tile ending
+    # before their q work (_decode_split_kernel): 2k 0.538 (128) / 0.534 (64),
+    # 32k 0.658 / 0.685, so 128 stays for the long contexts.
     max_splits: int = 128
     extend_pack_gqa: bool = False  # one program per KV head x (BLOCK_M / GROUP) tokens
     decode_programs_per_sm: int = 4  # split-K target: (B * Hkv * splits) ~ this x SMs

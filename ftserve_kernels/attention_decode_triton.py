@@ -97,7 +97,7 @@ def _decode_split_kernel(
         cached_end = end
     if not FUSED_REDUCE:
         # A split with no cached tile that does not hold the new token (most of
-        # them at short contexts: 31 of 64 at 2k) stores its -inf lse and ends
+        # them at short contexts: 95 of 128 at 2k) stores its -inf lse and ends
         # before q's loads. At batch 1 the splits' programs outnumber the SMs'
         # slots, and those launched last waited for the first ones' q work.
         if (start >= cached_end) & (not new_here):

@@ -92,7 +92,7 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
             out.append(Variant(f"attn programs_per_sm={n}", "attn_programs_per_sm",
                                attn={"decode_programs_per_sm": n}))
     # At batch 1 the split count sits at the max_splits cap (H200: 132 SMs x 4
-    # programs over 4 KV heads > 64), so only another cap changes it there.
+    # programs over 4 KV heads > 128), so only another cap changes it there.
     for n in sorted({base_attn.max_splits // 4, base_attn.max_splits // 2, base_attn.max_splits * 2}):
         if 1 <= n != base_attn.max_splits:
             out.append(Variant(f"attn max_splits={n}", "attn_max_splits", attn={"max_splits": n}))
