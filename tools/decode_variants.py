@@ -86,6 +86,9 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     if base_attn.decode_round_robin:  # page ahead acts with round robin only
         ahead = not base_attn.decode_page_ahead
         out.append(Variant(f"attn page_ahead={int(ahead)}", "attn_page_ahead", attn={"decode_page_ahead": ahead}))
+        early = not base_attn.decode_first_early  # (it acts with the q/k fold too)
+        out.append(Variant(f"attn first_early={int(early)}", "attn_first_early",
+                           attn={"decode_first_early": early}))
     for factor in (0.5, 2.0):
         n = max(1, round(pps * factor))
         if n != pps:
