@@ -117,76 +117,32 @@ def _embed_norm_row(emb_ptr, tok, stride_emb, out_ptr, normed_ptr, nw_ptr, hidde
 
 
 @triton.jit
-def _embed_norm_given(v, out_ptr, normed_ptr, nw_ptr, hidden, eps, HAS_NORM: tl.constexpr,
-                      BLOCK_H: tl.constexpr):
-    """_embed_norm_row for a row already loaded (v [BLOCK_H], hidden <= BLOCK_H):
-    the same operations in the same order, so the same bits."""
-    h = tl.arange(0, BLOCK_H)
-    m = h < hidden
-    tl.store(out_ptr + h, v, mask=m)
-    if HAS_NORM:
-        dt = v.dtype
-        vf = v.to(tl.float32)
-        ssq = tl.zeros([BLOCK_H], tl.float32) + vf * vf
-        inv = tl.rsqrt(tl.sum(ssq, 0) / hidden + eps)
-        w = tl.load(nw_ptr + h, mask=m, other=0.0).to(tl.float32)
-        y = w * (vf * inv).to(dt).to(tl.float32)
-        tl.store(normed_ptr + h, y.to(dt), mask=m)
-
-
-@triton.jit
 def _decode_inputs_kernel(
     packed_ptr, last_ptr, pt_ptr, emb_ptr, nw_ptr, normed_ptr,
     ids_ptr, pos_ptr, loc_ptr, seq_ptr, pre_ptr, slot_ptr, step_ptr, min_ptr, rows_ptr, out_emb_ptr,
     max_pages, hidden, eps, stride_pt, stride_rows, stride_emb, stride_out_emb,
-    parity_ptr, pair_stride, vocab,
+    parity_ptr, pair_stride,
     FLAG: tl.constexpr, HAS_EMB: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_H: tl.constexpr, STAGED: tl.constexpr, SPEC: tl.constexpr = False,
+    BLOCK_H: tl.constexpr, STAGED: tl.constexpr,
 ):
-    # SPEC (HAS_EMB, the row in one BLOCK_H): program (b, 0) guesses its id is
-    # last[b] and loads that embedding row before the words arrive; a wrong
-    # guess loads the right row after them. The same bits either way.
     b = tl.program_id(0)
     j = tl.program_id(1)
+    if STAGED:  # packed_ptr: the pinned pair's int64 address; the device word picks the row
+        side = tl.load(parity_ptr).to(tl.int64)
+        row = packed_ptr.to(tl.int64).to(tl.pointer_type(tl.int64)) + side * pair_stride + b * 7
+    else:
+        row = packed_ptr + b * 7
     # The row's seven words in one load (one PCIe round trip when staged: as
     # scalar loads behind the src branch they were two), then picked apart.
     w = tl.arange(0, 8)
-    if STAGED:
-        # packed_ptr: the pinned pair's int64 address; the device word picks the
-        # row. Both rows are read beside the word, not after it (one round trip,
-        # not two; the other row may be the host's next one, half written, and
-        # is dropped).
-        pair = packed_ptr.to(tl.int64).to(tl.pointer_type(tl.int64)) + b * 7
-        words0 = tl.load(pair + w, mask=w < 7, other=0)
-        words1 = tl.load(pair + pair_stride + w, mask=w < 7, other=0)
-        side = tl.load(parity_ptr)
-        words = tl.where(side == 0, words0, words1)
-    else:
-        words = tl.load(packed_ptr + b * 7 + w, mask=w < 7, other=0)
-    if SPEC:
-        # A decode row's id is most often last[b] (src = its own row): that id and
-        # its embedding row load while the host's words are on their way.
-        h = tl.arange(0, BLOCK_H)
-        mine = tl.full([], 0, last_ptr.dtype.element_ty)  # placeholders for the page-row programs
-        guess = mine
-        guess_row = tl.zeros([BLOCK_H], emb_ptr.dtype.element_ty)
-        if j == 0:
-            mine = tl.load(last_ptr + b)
-            guess = tl.minimum(tl.maximum(mine, 0), vocab - 1)  # a row in the table whatever last[b] holds
-            guess_row = tl.load(emb_ptr + guess.to(tl.int64) * stride_emb + h, mask=h < hidden, other=0.0)
+    words = tl.load(row + w, mask=w < 7, other=0)
     packed_slot = tl.sum(tl.where(w == 4, words, 0), 0)
     slot = packed_slot & (FLAG - 1)
     if j == 0:
         src = tl.sum(tl.where(w == 6, words, 0), 0)
         tok = tl.sum(tl.where(w == 0, words, 0), 0)
         if src >= 0:
-            if SPEC:
-                if src != b:
-                    tok = tl.load(last_ptr + src)
-                else:
-                    tok = mine
-            else:
-                tok = tl.load(last_ptr + src)
+            tok = tl.load(last_ptr + src)
         seq = tl.sum(tl.where(w == 3, words, 0), 0)
         tl.store(ids_ptr + b, tok)
         tl.store(pos_ptr + b, tl.sum(tl.where(w == 1, words, 0), 0))
@@ -196,14 +152,7 @@ def _decode_inputs_kernel(
         tl.store(slot_ptr + b, slot)
         tl.store(step_ptr + b, tl.sum(tl.where(w == 5, words, 0), 0))
         tl.store(min_ptr + b, ((packed_slot & FLAG) != 0).to(tl.int8))
-        if SPEC:
-            out = b.to(tl.int64) * stride_out_emb
-            if tok == guess:
-                erow = guess_row
-            else:
-                erow = tl.load(emb_ptr + tok.to(tl.int64) * stride_emb + h, mask=h < hidden, other=0.0)
-            _embed_norm_given(erow, out_emb_ptr + out, normed_ptr + out, nw_ptr, hidden, eps, HAS_NORM, BLOCK_H)
-        elif HAS_EMB:
+        if HAS_EMB:
             out = b.to(tl.int64) * stride_out_emb
             _embed_norm_row(emb_ptr, tok, stride_emb, out_emb_ptr + out, normed_ptr + out, nw_ptr,
                             hidden, eps, HAS_NORM, BLOCK_H)
@@ -223,12 +172,10 @@ def _row_launch(hidden: int) -> tuple[int, int]:
 def decode_inputs_triton(
     packed: torch.Tensor, last: torch.Tensor, page_table: torch.Tensor, embed: torch.Tensor | None,
     flag: int, norm: InputNorm | None = None, block_p: int = 1024, staged: StagedRows | None = None,
-    speculate: bool = True,
 ) -> DecodeInputs:
     """As decode_inputs_ref; fixed shapes (B, max_pages, H): graph-capturable.
     With ``staged`` the kernel reads the words from the pinned pair itself and
-    ``packed`` is not read. ``speculate``: each row's embedding loads for the id
-    last[b] before the words say which id it is (kept when they agree)."""
+    ``packed`` is not read."""
     assert norm is None or embed is not None, "the input norm applies to the embedding rows"
     assert packed.is_contiguous() and packed.shape[1] == 7 and page_table.stride(1) == 1
     if staged is not None:
@@ -261,10 +208,8 @@ def decode_inputs_triton(
         page_table.stride(0), out.page_rows.stride(0),
         embed.stride(0) if embed is not None else 0, emb_out.stride(0),
         staged.parity if staged is not None else packed, staged.pair.stride(0) if staged is not None else 0,
-        embed.shape[0] if embed is not None else 1,
         FLAG=flag, HAS_EMB=embed is not None, HAS_NORM=norm is not None, BLOCK_P=block_p,
-        BLOCK_H=block_h, STAGED=staged is not None,
-        SPEC=embed is not None and hidden <= block_h and speculate, num_warps=warps,
+        BLOCK_H=block_h, STAGED=staged is not None, num_warps=warps,
     )
     return out
 

@@ -84,11 +84,6 @@ def _greedy_kernel(
 ):
     row = tl.program_id(0)
     c = tl.program_id(1)
-    if HOST_OUT:
-        # Which row of the pinned pair: read now, beside the first loads, not after
-        # the arrival counter (only this launch's last program writes the word,
-        # after every program's read of it).
-        side = tl.load(parity_ptr)
     slot = tl.load(slots_ptr + row)
     itab_row = itab_ptr + slot * stride_itab
     masked = tl.load(min_ptr + row) != 0
@@ -152,6 +147,7 @@ def _greedy_kernel(
             # The token into row `side` of the pinned pair. The word flips once
             # every row has stored: each row's read of it precedes its release
             # below, the flipper's acquire follows them all.
+            side = tl.load(parity_ptr)
             hp = host_ptr.to(tl.int64).to(tl.pointer_type(tl.int64)) + side.to(tl.int64) * pair_stride
             tl.store(hp + row, tok.to(tl.int64))
             if ONE_ROW:

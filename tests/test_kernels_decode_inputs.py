@@ -35,9 +35,6 @@ def test_decode_inputs_equal_reference(
     rows, bsz, vocab = 6, 5, 50
     page_table = torch.randint(0, 1000, (rows, max_pages), generator=g, dtype=torch.int32)
     last = torch.randint(0, vocab, (rows,), generator=g)
-    # Rows 1 and 3 read other rows' ids: their own last[b], which the kernel's
-    # guess loads first, may hold anything (no embedding row of its own).
-    last[1], last[3] = 10**9, -5
     embed = torch.randn(vocab, hidden, generator=g).to(torch.bfloat16) if with_embed else None
     norm = InputNorm((1 + 0.2 * torch.randn(hidden, generator=g)).to(torch.bfloat16), 1e-6) if with_norm else None
     packed = torch.stack([
@@ -51,12 +48,6 @@ def test_decode_inputs_equal_reference(
     ], dim=1).contiguous()
     got = decode_inputs_triton(packed, last, page_table, embed, MIN_FLAG, norm, block_p=block_p)
     ref = decode_inputs_ref(packed, last, page_table, embed, MIN_FLAG, norm)
-    # The guessed embedding rows (row 4 guesses right: src = 4) change no bit.
-    plain = decode_inputs_triton(packed, last, page_table, embed, MIN_FLAG, norm, block_p=block_p,
-                                 speculate=False)
-    for f in dataclasses.fields(ref):
-        a, b = getattr(got, f.name), getattr(plain, f.name)
-        assert (a is None and b is None) or torch.equal(a, b), f.name
     for f in dataclasses.fields(ref):
         a, b = getattr(got, f.name), getattr(ref, f.name)
         if b is None:
