@@ -240,7 +240,7 @@ def test_decode_page_ahead_gives_the_same_bits(splits: int, fold: bool) -> None:
 
     d, page = 32, 4
     dev = at.AttnKernelConfig.for_device(torch.device(DEVICE), d)
-    assert dev.decode_round_robin and dev.decode_page_ahead and dev.decode_first_early
+    assert dev.decode_round_robin and dev.decode_page_ahead
     base = at.AttnKernelConfig(**{**dev.__dict__, "decode_page_ahead": False, "decode_first_early": False})
     bn = base.decode_block_n
     prefix = [4 * bn + 6, 4, 2 * bn + 1, bn]  # up to 5 tiles: two or more a split; bn: tiles only
