@@ -140,35 +140,6 @@ def moe_gateup_acc() -> bool:
     return _flag("FTSERVE_MOE_GATEUP_ACC", False)
 
 
-def moe_gateup_mma():  # -> gemv_configs.GemvConfig | None
-    """FTSERVE_MOE_GATEUP_MMA (default off): the expert gate/up GEMV as tensor-core
-    MMAs over a 16-row padded x, its loads cp.async-pipelined
-    (moe_gemv_triton._gemv_gate_up_mma_kernel), launched as ``BN.BK.W.S``
-    (output columns a program, K a step, warps, pipeline stages), e.g. 16.128.4.4."""
-    return _gemv_launch("FTSERVE_MOE_GATEUP_MMA", "16.128.4.4")
-
-
-def _gemv_launch(name: str, example: str):  # -> gemv_configs.GemvConfig | None
-    value = os.environ.get(name, "")
-    if value in ("", "0"):
-        return None
-    from ftserve_kernels.gemv_configs import GemvConfig
-
-    try:
-        bn, bk, w, st = (int(v) for v in value.split("."))
-        return GemvConfig(bn, bk, w, st)
-    except ValueError as exc:
-        raise ValueError(f"{name}={value!r}: expected BN.BK.W.S (powers of two but S), e.g. {example}") from exc
-
-
-def moe_down_mma():  # -> gemv_configs.GemvConfig | None
-    """FTSERVE_MOE_DOWN_MMA (default off): the 3-D expert down GEMV as one
-    tensor-core MMA a K step over the k choices' rows padded to 16, its loads
-    cp.async-pipelined (moe_down_gemv_triton._gemv_down_mma_kernel), launched
-    as ``BN.BK.W.S``, e.g. 4.128.4.3."""
-    return _gemv_launch("FTSERVE_MOE_DOWN_MMA", "4.128.4.3")
-
-
 def moe_down3d() -> bool:
     """FTSERVE_MOE_DOWN3D (default on): the expert down GEMV with the k choices as a tile axis."""
     return _flag("FTSERVE_MOE_DOWN3D", True)

@@ -114,9 +114,6 @@ class AttnKernelConfig:
     # With round robin: each tile's page entries load one iteration ahead. H200
     # batch-1 replay (2026-12-01 20:44): 32k 0.703 -> 0.697 ms, 2k 0.581 either way.
     decode_page_ahead: bool = True
-    # With round robin and the q/k fold: the first tile's K/V load beside q's,
-    # before its norm and rotary (attention_decode_triton, FIRST_EARLY).
-    decode_first_early: bool = False
     # Head columns one decode reduce program combines (0: the whole head). H200
     # batch-1 replay (2026-12-02 05:28, tools.bench_decode_variants --trace): the
     # reduce took 2.63 / 2.89 us a layer at 2k / 32k with whole heads (32 programs

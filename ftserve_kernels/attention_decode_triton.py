@@ -48,7 +48,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
     QK: tl.constexpr, ROUND_ROBIN: tl.constexpr = False, TILE_STEP: tl.constexpr = 1,
-    PAGE_AHEAD: tl.constexpr = False, FIRST_EARLY: tl.constexpr = False,
+    PAGE_AHEAD: tl.constexpr = False,
 ):
     # QK (decode_attention_qk_triton): q and the new token's k arrive raw (before
     # the per-head norms and the rotary) and this kernel normalizes and rotates
@@ -65,13 +65,6 @@ def _decode_split_kernel(
     # it, and the new token goes to split n_tiles % NUM_SPLITS, one with a tile
     # fewer than the splits before it (at short contexts an otherwise empty one,
     # which then runs beside the tile splits instead of after its own tile).
-    #
-    # FIRST_EARLY (QK and ROUND_ROBIN; AttnKernelConfig.decode_first_early): the
-    # first tile's K/V loads go out with q's, before q's norm and rotary, and that
-    # tile is added before the loop over the rest. Otherwise the pipelined loop
-    # issued them only after the rotary had waited for q, the position and then
-    # cos / sin: at short contexts (one tile a split) two memory round trips in a
-    # row on every split's path instead of one.
     pdl.enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -81,8 +74,6 @@ def _decode_split_kernel(
         page0 = tl.load(pt_ptr + b.to(tl.int64) * stride_pt + pos0 // PAGE_SIZE,
                         mask=pos0 // PAGE_SIZE < max_pages, other=0)
     kv_len = tl.load(seq_lens_ptr + b)
-    if QK:  # beside the sequence length: cos / sin wait for it
-        p_new = tl.load(pos_ptr + b).to(tl.int64)
     if ROUND_ROBIN:
         start = s * BLOCK_N
         end = kv_len
@@ -115,23 +106,9 @@ def _decode_split_kernel(
     dmask = d < D
     HALF: tl.constexpr = D // 2
     hj = tl.arange(0, HALF)
-    pt_row = pt_ptr + b.to(tl.int64) * stride_pt
-    head_off = kvh * stride_ch
-    if FIRST_EARLY:
-        tl.static_assert(QK and ROUND_ROBIN)
-        pos_f = start + tl.arange(0, BLOCK_N)  # the first tile: page0's positions
-        fmask = pos_f < cached_end
-        slot_f = page0.to(tl.int64) * PAGE_SIZE + pos_f % PAGE_SIZE
-        kf_rows = kc_ptr + slot_f[None, :] * stride_cs + head_off
-        kt1_f = tl.load(kf_rows + hj[:, None], mask=fmask[None, :], other=0.0)  # [HALF, N]
-        kt2_f = tl.load(kf_rows + HALF + hj[:, None], mask=fmask[None, :], other=0.0)
-        vv_f = tl.load(vc_ptr + slot_f[:, None] * stride_cs + head_off + d[None, :],
-                     mask=fmask[:, None] & dmask[None, :], other=0.0)  # [N, D]
-        if PAGE_AHEAD:  # the loop's first tile (the second one) has its entries in flight too
-            pos_2 = pos_f + TILE_STEP * BLOCK_N
-            page_2 = tl.load(pt_row + pos_2 // PAGE_SIZE, mask=pos_2 < cached_end, other=0)
     if QK:
         ty = q_ptr.dtype.element_ty
+        p_new = tl.load(pos_ptr + b).to(tl.int64)
         cos = tl.load(cs_ptr + p_new * stride_cos + hj)[None, :]  # [1, HALF] fp32
         sin = tl.load(cs_ptr + p_new * stride_cos + HALF + hj)[None, :]
         q_rows = q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
@@ -149,27 +126,12 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    loop_start = start
-    if FIRST_EARLY:
-        # The loop body's steps on the first tile (the same bits as the loop);
-        # an empty first tile (the new token alone in its split) adds nothing.
-        if start < cached_end:
-            qk = mma(q1, kt1_f, UPCAST) + mma(q2, kt2_f, UPCAST)  # [G, N]
-            qk = tl.where(fmask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk * scale_log2 - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = mma_acc(p.to(vv_f.dtype), vv_f, acc * alpha[:, None], UPCAST)
-            m_i = m_new
-        loop_start = start + TILE_STEP * BLOCK_N
+    pt_row = pt_ptr + b.to(tl.int64) * stride_pt
+    head_off = kvh * stride_ch
     if PAGE_AHEAD:
         tl.static_assert(ROUND_ROBIN)
-        if FIRST_EARLY:
-            page_next = page_2
-        else:
-            page_next = page0
-    for n0 in range(loop_start, end, TILE_STEP * BLOCK_N):
+        page_next = page0
+    for n0 in range(start, end, TILE_STEP * BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         nmask = pos < end
         if PAGE_AHEAD:
@@ -400,7 +362,6 @@ def decode_attention_triton(
         BLOCK_S=triton.next_power_of_2(num_splits), FP8=fp8, QK=qk is not None,
         ROUND_ROBIN=cfg.decode_round_robin, TILE_STEP=num_splits if cfg.decode_round_robin else 1,
         PAGE_AHEAD=cfg.decode_round_robin and cfg.decode_page_ahead,
-        FIRST_EARLY=cfg.decode_round_robin and cfg.decode_first_early and qk is not None,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
     )
     if fused:

@@ -17,10 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ftserve import envs
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
-from ftserve_kernels.attention_common import interpreting, mma_acc
 from ftserve_kernels.moe_read_through import (
     ReadThrough,
     _bank_rows,
@@ -149,68 +147,6 @@ def _gemv_down_combine3d_kernel(
 
 
 @triton.jit
-def _gemv_down_mma_kernel(
-    a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, H, INTER,
-    stride_at, stride_we, stride_wn, stride_ot,
-    res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, eps, stride_rt,
-    TOP_K: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr, NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
-    NORM_NEXT: tl.constexpr = False, BLOCK_H: tl.constexpr = 16,
-    NORM_DEFER: tl.constexpr = False, part_ptr=None,
-):
-    # As _gemv_down_combine3d_kernel, with the dots as one tensor-core MMA a K step:
-    # A = the k choices' activation rows padded to 16 ([16, K], rows >= k zero),
-    # B = the k experts' weight tiles side by side ([K, k * N]); choice j's dots
-    # are the diagonal block C[j, j * N:(j + 1) * N]. The loads feed the MMA, so
-    # they are cp.async-pipelined NUM_STAGES deep (the plain 3-D kernel waits a
-    # memory round trip a K step).
-    tl.static_assert(BLOCK_KP <= 16)
-    t = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, 16)
-    real = rows < TOP_K
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
-    nmask = cols < H
-    jn = tl.arange(0, BLOCK_KP * BLOCK_N)  # [KP * N]: choice jn // N, column jn % N
-    jb = jn // BLOCK_N
-    cb = tl.program_id(1) * BLOCK_N + jn % BLOCK_N
-    bmask = (jb < TOP_K) & (cb < H)
-    e = tl.load(ids_ptr + t * TOP_K + jb, mask=jb < TOP_K, other=0)  # [KP * N]
-    if HAS_MAP:
-        e = tl.load(map_ptr + e, mask=jb < TOP_K, other=0)
-    e = e.to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    b_ptrs = w_ptr + (e * stride_we + cb * stride_wn)[:, None] + offs_k[None, :]  # [KP * N, K]
-    a_ptrs = a_ptr + (t * TOP_K + rows * real)[:, None] * stride_at + offs_k[None, :]  # [16, K]
-    acc = tl.zeros([16, BLOCK_KP * BLOCK_N], tl.float32)
-    for k0 in tl.range(0, INTER, BLOCK_K, num_stages=NUM_STAGES):
-        if EVEN_K:
-            av = tl.load(a_ptrs + k0, mask=real[:, None], other=0.0)
-            b = tl.load(b_ptrs + k0, mask=bmask[:, None], other=0.0)
-        else:
-            kmask = offs_k < INTER - k0
-            av = tl.load(a_ptrs + k0, mask=real[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_ptrs + k0, mask=bmask[:, None] & kmask[None, :], other=0.0)
-        acc = mma_acc(av, tl.trans(b), acc, UPCAST)
-    # The diagonal blocks: choice j's row of C over its own expert's columns.
-    diag = tl.where(rows[:, None] == jb[None, :], acc, 0.0)  # [16, KP * N]
-    acc_j = tl.reshape(tl.sum(diag, 0), [BLOCK_KP, BLOCK_N])  # [KP, N]
-    jj = tl.arange(0, BLOCK_KP)
-    jmask = jj < TOP_K
-    wt = tl.load(weights_ptr + t * TOP_K + jj, mask=jmask, other=0.0)  # [KP]
-    # Same rounding and fixed-order fp32 sum of the k choices as the 3-D kernel.
-    y = (acc_j * wt[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # [KP, N]
-    out = tl.sum(y, 0)  # [N]
-    if NORM_NEXT and NORM_DEFER:
-        _add_then_part(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, part_ptr, stride_rt,
-                       out_ptr.dtype.element_ty)
-    elif NORM_NEXT:
-        _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, H, eps,
-                            stride_rt, out_ptr.dtype.element_ty, BLOCK_H)
-    else:
-        tl.store(out_ptr + t * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=nmask)
-
-
-@triton.jit
 def _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, H, eps,
                         stride_rt, dt, BLOCK_H: tl.constexpr):
     """The next layer's input norm as the down kernel's epilogue: each program
@@ -254,9 +190,8 @@ def _add_then_part(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, scaled_ptr, pa
 
 def norm_parts(h: int, cfg: gc.GemvConfig) -> int:
     """Partial sums of squares per row a deferred NormNext leaves: the down
-    kernel's column programs (FTSERVE_MOE_DOWN_MMA's when that is on)."""
-    mma = envs.moe_down_mma()
-    return triton.cdiv(h, (mma or cfg).block_n)
+    kernel's column programs."""
+    return triton.cdiv(h, cfg.block_n)
 
 
 @dataclass(frozen=True)
@@ -288,7 +223,6 @@ def moe_down_gemv(
     read_through: ReadThrough | None = None,  # the 3-D kernel only
     norm_next: NormNext | None = None,  # the 3-D kernel only: writes ``outs`` instead of ``out``
     outs: tuple[torch.Tensor, ...] | None = None,  # (normed, summed) [T, H] each (+ parts: deferred)
-    mma_cfg: gc.GemvConfig | None = None,  # _gemv_down_mma_kernel at this launch (else FTSERVE_MOE_DOWN_MMA's)
 ) -> None:
     """The down + combine kernel alone (tools/tune_gemv times it on its own)."""
     t, h = out.shape
@@ -300,9 +234,6 @@ def moe_down_gemv(
     consts = dict(TOP_K=top_k, BLOCK_KP=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, HAS_MAP=expert_map is not None,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **pdl.launch(on))
-    mma = envs.moe_down_mma() if mma_cfg is None else mma_cfg
-    if mma is not None and down3d and read_through is None and top_k <= 16:
-        cfg = mma  # FTSERVE_MOE_DOWN_MMA: the tensor-core variant, at its own launch shape
     grid = (t, triton.cdiv(h, cfg.block_n))
     if down3d:
         if norm_next is not None:
@@ -317,15 +248,6 @@ def moe_down_gemv(
                          norm_next.eps, h)
         else:
             norm_args = (out, out, out, out, ids, 0.0, 0)  # unread
-        if cfg is mma:
-            _gemv_down_mma_kernel[grid](
-                *args, *norm_args, TOP_K=top_k, BLOCK_KP=consts["BLOCK_KP"], BLOCK_N=cfg.block_n,
-                BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, HAS_MAP=expert_map is not None,
-                NUM_STAGES=cfg.num_stages, UPCAST=interpreting(), NORM_NEXT=norm_next is not None,
-                NORM_DEFER=norm_next is not None and norm_next.deferred,
-                part_ptr=outs[2] if outs is not None and len(outs) == 3 else None,
-                BLOCK_H=triton.next_power_of_2(h), num_warps=cfg.num_warps)
-            return
         _gemv_down_combine3d_kernel[grid](*args, *_read_through_args(read_through, ids, w2, "w2_col"),
                                           *norm_args, K_STEPS=triton.cdiv(inter, cfg.block_k),
                                           NORM_NEXT=norm_next is not None,

@@ -33,7 +33,6 @@ import triton.language as tl
 from ftserve import envs
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
-from ftserve_kernels.attention_common import interpreting, mma_acc
 from ftserve_kernels.moe_down_gemv_triton import NormNext, moe_down_gemv, norm_parts
 from ftserve_kernels.moe_read_through import (
     ReadThrough,
@@ -138,68 +137,6 @@ def _gemv_gate_up_kernel(
             p = tl.exp(lg - tl.max(lg, 0))
             tl.store(wout_ptr + kk, p / tl.sum(p, 0), mask=km)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) * up, [N]
-    tl.store(out_ptr + pair.to(tl.int64) * stride_ot + offs_n, h.to(out_ptr.dtype.element_ty),
-             mask=nmask)
-
-
-@triton.jit
-def _gemv_gate_up_mma_kernel(
-    x_ptr, w_ptr, out_ptr, ids_ptr, map_ptr, H, INTER,
-    stride_xt, stride_we, stride_wn, stride_ot,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr, NUM_STAGES: tl.constexpr, UPCAST: tl.constexpr,
-    parts_ptr=None, P=1, eps=0.0, sel_ptr=None, wout_ptr=None,
-    HAS_PARTS: tl.constexpr = False, BLOCK_P: tl.constexpr = 1, BLOCK_TK: tl.constexpr = 1,
-):
-    # As _gemv_gate_up_kernel (one pair a program row), with the dots as tensor-core
-    # MMAs over x padded to 16 rows (row 0 real, the rest masked to 0): loads that
-    # feed a dot are software-pipelined into shared memory (cp.async, NUM_STAGES
-    # deep), so a program keeps its next K steps' weight tiles in flight instead
-    # of one (the plain loads' loop waits a memory round trip a step).
-    pair = tl.program_id(0)
-    e = tl.load(ids_ptr + pair)
-    if HAS_PARTS:
-        pp = tl.arange(0, BLOCK_P)
-        inv = tl.rsqrt(tl.sum(tl.load(parts_ptr + pp, mask=pp < P, other=0.0), 0) / H + eps)
-    if HAS_MAP:
-        e = tl.load(map_ptr + e)
-    e = e.to(tl.int64)
-    tok = (pair // TOP_K).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < INTER
-    offs_k = tl.arange(0, BLOCK_K)
-    rows = tl.arange(0, 16)
-    real = rows == 0
-    g_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [N, K]
-    u_off = INTER * stride_wn
-    x_ptrs = x_ptr + tok * stride_xt + (offs_k[None, :] + rows[:, None] * 0)  # [16, K]
-    acc_g = tl.zeros([16, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([16, BLOCK_N], tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
-        if EVEN_K:
-            xv = tl.load(x_ptrs + k0, mask=real[:, None], other=0.0)
-            g = tl.load(g_ptrs + k0, mask=nmask[:, None], other=0.0)
-            u = tl.load(g_ptrs + k0 + u_off, mask=nmask[:, None], other=0.0)
-        else:
-            kmask = offs_k < H - k0
-            xv = tl.load(x_ptrs + k0, mask=real[:, None] & kmask[None, :], other=0.0)
-            g = tl.load(g_ptrs + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            u = tl.load(g_ptrs + k0 + u_off, mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc_g = mma_acc(xv, tl.trans(g), acc_g, UPCAST)
-        acc_u = mma_acc(xv, tl.trans(u), acc_u, UPCAST)
-    sg = tl.sum(tl.where(real[:, None], acc_g, 0.0), 0)  # [N]: row 0
-    su = tl.sum(tl.where(real[:, None], acc_u, 0.0), 0)
-    if HAS_PARTS:
-        sg = sg * inv
-        su = su * inv
-        if (pair == 0) & (tl.program_id(1) == 0):
-            kk = tl.arange(0, BLOCK_TK)
-            km = kk < TOP_K
-            lg = tl.load(sel_ptr + kk, mask=km, other=0.0) * inv
-            lg = tl.where(km, lg.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
-            p = tl.exp(lg - tl.max(lg, 0))
-            tl.store(wout_ptr + kk, p / tl.sum(p, 0), mask=km)
-    h = sg / (1.0 + tl.exp(-sg)) * su  # SiLU(gate) * up, [N]
     tl.store(out_ptr + pair.to(tl.int64) * stride_ot + offs_n, h.to(out_ptr.dtype.element_ty),
              mask=nmask)
 
@@ -378,7 +315,6 @@ def moe_gate_up_gemv(
     read_through: ReadThrough | None = None,  # _gemv_gate_up_kernel only
     route: RouteParts | None = None,  # _gemv_gate_up_kernel only, one row: x is pending
     weights_out: torch.Tensor | None = None,  # [k] fp32, with route: the experts' weights
-    mma_cfg: gc.GemvConfig | None = None,  # _gemv_gate_up_mma_kernel at this launch (else FTSERVE_MOE_GATEUP_MMA's)
 ) -> None:
     """The gate/up kernel alone (tools/tune_gemv times it on its own)."""
     h = x.shape[1]
@@ -386,7 +322,6 @@ def moe_gate_up_gemv(
     pairs = ids.shape[0]
     emap = expert_map if expert_map is not None else ids  # unread without HAS_MAP
     args = (x, w13, act, ids, emap, h, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0))
-    base_args = args
     grid = (pairs, triton.cdiv(inter, cfg.block_n))
     # Default (gemv_configs.default): narrow column blocks, enough programs for every
     # SM at batch 1 (8 pairs x 48 blocks); wide K steps keep 32 KB per program in flight.
@@ -403,15 +338,6 @@ def moe_gate_up_gemv(
                          BLOCK_TK=triton.next_power_of_2(top_k))
     else:
         assert read_through is None and route is None, "the accumulate-style kernel has neither"
-    mma = envs.moe_gateup_mma() if mma_cfg is None else mma_cfg
-    if mma is not None and not acc and read_through is None:
-        # FTSERVE_MOE_GATEUP_MMA: the tensor-core variant, at its own launch shape.
-        _gemv_gate_up_mma_kernel[(pairs, triton.cdiv(inter, mma.block_n))](
-            *base_args, TOP_K=top_k, BLOCK_N=mma.block_n, BLOCK_K=mma.block_k, EVEN_K=h % mma.block_k == 0,
-            HAS_MAP=expert_map is not None, NUM_STAGES=mma.num_stages, UPCAST=interpreting(),
-            **{k: v for k, v in extra.items() if k not in ("READ_THROUGH", "BLOCK_M")},
-            num_warps=mma.num_warps)
-        return
     on = pdl.active(x)
     kernel[grid](*args, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  EVEN_K=h % cfg.block_k == 0, HAS_MAP=expert_map is not None,

@@ -92,11 +92,10 @@ def test_programs_per_sm_variants_skip_the_baseline_value() -> None:
     names = [v.name for v in default_variants(AttnKernelConfig(decode_programs_per_sm=1, max_splits=2,
                                                                decode_fused_reduce=True))]
     assert [n for n in names if n.startswith("attn")] == ["attn fused_reduce=0", "attn round_robin=0",
-                                                          "attn page_ahead=0", "attn first_early=1",
-                                                          "attn programs_per_sm=2",
+                                                          "attn page_ahead=0", "attn programs_per_sm=2",
                                                           "attn max_splits=1", "attn max_splits=4"]
     no_rr = AttnKernelConfig(decode_round_robin=False)  # page ahead needs round robin: no variant
-    assert not any("page_ahead" in v.name or "first_early" in v.name for v in default_variants(no_rr))
+    assert not any("page_ahead" in v.name for v in default_variants(no_rr))
 
 
 def test_ad_hoc_variants_parse_attn_fields_and_switches() -> None:

@@ -231,24 +231,21 @@ def test_decode_fused_reduce_matches_two_kernels(splits: int, round_robin: bool)
 @pytest.mark.parametrize("fold", [False, True])
 def test_decode_page_ahead_gives_the_same_bits(splits: int, fold: bool) -> None:
     """decode_page_ahead (round robin): each tile's page entries load one
-    iteration early; decode_first_early (with the q/k fold): the first tile's
-    K/V load before q's norm and that tile is added before the loop. The same
-    tiles in the same order, so the same bits as neither, on the plain and the
-    q/k-folding paths, with one, two or more tiles a split and the new token
-    alone in its split or beside tiles."""
+    iteration early; the same tiles in the same order, so the same bits as
+    without, on the plain and the q/k-folding paths, with one, two or more
+    tiles a split and the new token alone in its split or beside tiles."""
     from ftserve_kernels.attention_decode_triton import DecodeQK
 
     d, page = 32, 4
     dev = at.AttnKernelConfig.for_device(torch.device(DEVICE), d)
     assert dev.decode_round_robin and dev.decode_page_ahead
-    base = at.AttnKernelConfig(**{**dev.__dict__, "decode_page_ahead": False, "decode_first_early": False})
+    base = at.AttnKernelConfig(**{**dev.__dict__, "decode_page_ahead": False})
     bn = base.decode_block_n
     prefix = [4 * bn + 6, 4, 2 * bn + 1, bn]  # up to 5 tiles: two or more a split; bn: tiles only
     pool, tables, q, k, v = make_case([1] * 4, prefix, 8, 2, d, page, torch.float32, DEVICE, seed=splits)
     fb = build_forward_batch([[1]] * 4, prefix, tables, pool, TorchAttentionBackend(), is_decode=True)
     meta = fb.attn
-    others = [at.AttnKernelConfig(**{**base.__dict__, "decode_page_ahead": a, "decode_first_early": f})
-              for a, f in ((True, False), (False, True), (True, True))]
+    others = [dev]
     outs = []
     for cfg in (base, *others):
         kc, vc = pool.k[0].clone(), pool.v[0].clone()

@@ -159,28 +159,6 @@ def test_fused_moe_matches_reference(t: int, gemv: bool | None) -> None:
     assert rel_err(out, ref) < 1e-4
 
 
-@pytest.mark.parametrize("h,dtype,mapped", [(40, torch.float32, False), (64, torch.bfloat16, True), (64, torch.float32, True), (64, torch.bfloat16, False)])
-def test_gate_up_mma_matches_the_plain_kernel(h: int, dtype: torch.dtype, mapped: bool) -> None:
-    """_gemv_gate_up_mma_kernel (x padded to 16 rows, tensor-core dots) against
-    _gemv_gate_up_kernel: the same activations within the dtype's tolerance, with
-    a masked K tail (h = 40 over 32-wide steps) or an expert-slot map."""
-    from ftserve_kernels.gemv_configs import GemvConfig
-    from ftserve_kernels.moe_gemv_triton import moe_gate_up_gemv
-
-    g = torch.Generator().manual_seed(h)
-    e, k, t, inter = 6, 2, 3, 48
-    x = torch.randn(t, h, generator=g).to(dtype).to(DEVICE)
-    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(dtype).to(DEVICE)
-    ids = torch.randint(0, e, (t * k,), generator=g, dtype=torch.int32).to(DEVICE)
-    emap = torch.randperm(e, generator=g).to(torch.int32).to(DEVICE) if mapped else None
-    plain = torch.full((t * k, inter), float("nan"), dtype=dtype, device=DEVICE)
-    mma = torch.full_like(plain, float("nan"))
-    moe_gate_up_gemv(x, w13, plain, ids, k, GemvConfig(16, 32, 4, 1), emap)
-    moe_gate_up_gemv(x, w13, mma, ids, k, GemvConfig(16, 32, 4, 1), emap, mma_cfg=GemvConfig(16, 32, 4, 2))
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(mma.float(), plain.float(), rtol=tol, atol=tol)
-
-
 @pytest.mark.parametrize("t,dtype", [(1, torch.float32), (2, torch.float32), (2, torch.bfloat16)])
 def test_fused_moe_add_norm_matches_composition(t: int, dtype: torch.dtype) -> None:
     """The next layer's input norm in the down kernel's epilogue: the sums and
@@ -216,17 +194,13 @@ def test_fused_moe_add_norm_matches_composition(t: int, dtype: torch.dtype) -> N
             torch.testing.assert_close(normed, ref_n, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("t,dtype,mma", [(1, torch.float32, False), (2, torch.float32, False),
-                                         (1, torch.bfloat16, False), (1, torch.float32, True),
-                                         (1, torch.bfloat16, True)])
-def test_deferred_norm_parts_then_the_gemv_applies_it(t: int, dtype: torch.dtype, mma: bool,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("t,dtype", [(1, torch.float32), (2, torch.float32), (1, torch.bfloat16)])
+def test_deferred_norm_parts_then_the_gemv_applies_it(t: int, dtype: torch.dtype) -> None:
     """A deferred NormNext: the down kernel stores the sums (as the folded norm
     does) and per column program a partial sum of squares that add up to the
     row's; the GEMV given those parts computes linear(rms_norm(sum)) (the norm
     unrounded: fp32 to float rounding, bf16 within its tolerance). The counter
-    is not touched. Also with the expert GEMVs as tensor-core MMAs (their own
-    column blocks: another count of parts)."""
+    is not touched."""
     from ftserve_kernels import gemv_triton as gv
     from ftserve_kernels import moe_down_gemv_triton as md
     from ftserve_kernels import moe_gemv_triton as mg
@@ -242,20 +216,13 @@ def test_deferred_norm_parts_then_the_gemv_applies_it(t: int, dtype: torch.dtype
     wq = (torch.randn(n, h, generator=g) / h**0.5).to(dtype).to(DEVICE)
     weights, ids = route_topk_ref(torch.randn(t, e, generator=g).to(DEVICE), k, True)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    moe = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids)  # the plain kernels
+    moe = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids)
     ref_n, ref_s = fused_add_rms_norm_ref(moe, r, nw, 1e-6)
-    if mma:
-        monkeypatch.setenv("FTSERVE_MOE_GATEUP_MMA", "16.32.4.2")
-        monkeypatch.setenv("FTSERVE_MOE_DOWN_MMA", "8.16.4.3")
     scaled, summed, parts = mg.fused_moe_add_norm_gemv_triton(x, w13, w2, weights, ids,
                                                               md.NormNext(r, nw, 1e-6, counter, deferred=True))
     assert int(counter.cpu()[0]) == 0 and parts is not None
     assert parts.dtype == torch.float32 and parts.shape[0] == t and parts.shape[1] > 1
-    if mma:
-        assert parts.shape[1] == -(-h // 8), "a part per MMA down program (8 columns each)"
     tol = 1e-6 if dtype == torch.float32 else (0 if DEVICE == "cuda" else 2e-2)
-    if mma and dtype != torch.float32:
-        tol = 2e-2  # other dot orders than the plain kernels'; a bf16 rounding flip
     torch.testing.assert_close(summed, ref_s, rtol=tol, atol=tol)
     torch.testing.assert_close(parts.sum(1), summed.float().pow(2).sum(1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(scaled, (nw.float() * summed.float()).to(dtype), rtol=tol, atol=tol)
@@ -313,22 +280,15 @@ def test_fused_moe_gemv_odd_top_k() -> None:
     assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-4
 
 
-@pytest.mark.parametrize("down3d,gate_up_acc,mma", [(False, False, False), (True, False, False),
-                                                    (True, True, False), (True, False, True)])
+@pytest.mark.parametrize("down3d,gate_up_acc", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("t,k,bn", [(1, 3, None), (2, 8, (16, 8)), (2, 2, (16, 4))])
 def test_gemv_down_variants(
-    down3d: bool, gate_up_acc: bool, mma: bool, t: int, k: int, bn: tuple[int, int] | None,
-    monkeypatch: pytest.MonkeyPatch,
+    down3d: bool, gate_up_acc: bool, t: int, k: int, bn: tuple[int, int] | None
 ) -> None:
     """The GEMV kernel variants (down: 3-D tile over the choices or 2-D; gate/up:
-    per-step sums or tile accumulators; both as tensor-core MMAs, the
-    FTSERVE_MOE_*_MMA switches), odd k (padded choice axis), H and I not
+    per-step sums or tile accumulators), odd k (padded choice axis), H and I not
     multiples of the blocks, through an expert map, in bf16."""
     from ftserve_kernels.moe_gemv_triton import fused_moe_gemv_triton
-
-    if mma:
-        monkeypatch.setenv("FTSERVE_MOE_GATEUP_MMA", "16.32.4.2")
-        monkeypatch.setenv("FTSERVE_MOE_DOWN_MMA", "4.16.4.2")
 
     g = torch.Generator().manual_seed(k)
     e, h, inter = 9, 36, 40
@@ -755,43 +715,6 @@ def test_moe_block_norm_route_hooks_see_the_router(monkeypatch: pytest.MonkeyPat
 # ---------------------------------------------------------------- GPU, real shapes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("gate_up,down", [("16.128.4.4", "4.128.4.3"), ("16.256.4.3", "8.128.4.3"),
-                                          ("32.128.4.3", "2.128.4.3")])
-def test_gpu_moe_mma_kernels_qwen3_30b_shape(gate_up: str, down: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_MOE_GATEUP_MMA / FTSERVE_MOE_DOWN_MMA at the qwen3-30b-a3b shape,
-    one decode row: the deferred-norm pair the decode step
-    runs against the plain kernels' (other dot orders: bf16 tolerance), the
-    parts a sum of squares of the sums."""
-    from ftserve_kernels import moe_down_gemv_triton as md
-    from ftserve_kernels import moe_gemv_triton as mg
-
-    g = torch.Generator(device="cuda").manual_seed(5)
-    e, k, h, inter = 128, 8, 2048, 768
-    x = torch.randn(1, h, device="cuda", generator=g).bfloat16()
-    r = torch.randn(1, h, device="cuda", generator=g).bfloat16()
-    nw = (1 + 0.1 * torch.randn(h, device="cuda", generator=g)).bfloat16()
-    w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=g) / h**0.5).bfloat16()
-    w2 = (torch.randn(e, h, inter, device="cuda", generator=g) / inter**0.5).bfloat16()
-    weights, ids = route_topk_ref(torch.randn(1, e, device="cuda", generator=g), k, True)
-    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-    outs = []
-    for env in (("", ""), (gate_up, down)):
-        monkeypatch.setenv("FTSERVE_MOE_GATEUP_MMA", env[0])
-        monkeypatch.setenv("FTSERVE_MOE_DOWN_MMA", env[1])
-        torch.cuda.synchronize()
-        outs.append(mg.fused_moe_add_norm_gemv_triton(x, w13, w2, weights, ids,
-                                                      md.NormNext(r, nw, 1e-6, counter, deferred=True)))
-        torch.cuda.synchronize()
-    (s0, m0, p0), (s1, m1, p1) = outs
-    assert p1.shape[1] == -(-h // int(down.split(".")[0]))
-    assert torch.isfinite(m1).all() and rel_err(m1.float(), m0.float()) < 1e-2, rel_err(m1.float(), m0.float())
-    assert rel_err(s1.float(), s0.float()) < 1e-2
-    torch.testing.assert_close(p1.sum(1), m1.float().pow(2).sum(1), rtol=1e-4, atol=1e-3)
-    assert int(counter.item()) == 0
 
 
 @pytest.mark.gpu

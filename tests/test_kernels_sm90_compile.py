@@ -63,26 +63,20 @@ def _compile_all() -> dict[str, dict[str, Any]]:
             results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             return
         ptx = k.asm["ptx"]
-        local = wide_before_rsqrt = -1
+        local = -1
         if os.path.exists(tool):
             with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
                 f.write(k.asm["cubin"])
             out = subprocess.run([tool, "--dump-resource-usage", f.name],
                                  capture_output=True, text=True).stdout
-            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
             os.unlink(f.name)
             for word in out.split():
                 if word.startswith("LOCAL:"):
                     local = int(word.split(":")[1])
-            # 16-byte loads (and cp.async copies) issued before the first rsqrt
-            # (in the decode split kernels with QK: q's norm).
-            head = sass.split("MUFU.RSQ")[0] if "MUFU.RSQ" in sass else ""
-            wide_before_rsqrt = head.count("LDG.E.128") + head.count("LDGSTS")
         body = ptx[ptx.index(".entry"):]
         wait = body.find("griddepcontrol.wait")
         results[name] = {"shared": k.metadata.shared, "wgmma": "wgmma" in ptx,
                          "cp_async": "cp.async" in ptx, "local": local,
-                         "wide_loads_before_rsqrt": wide_before_rsqrt,
                          "pdl_wait": wait >= 0, "pdl_release": "griddepcontrol.launch_dependents" in body,
                          "loads_before_wait": body[:wait].count("ld.global") if wait >= 0 else -1}
 
@@ -118,13 +112,6 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
               BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False,
               BLOCK_S=64, QK=True, ROUND_ROBIN=True, TILE_STEP=64, PAGE_AHEAD=True),
-         cfg.decode_warps, cfg.decode_stages)
-    comp("decode_split_qk_rr_first", at._decode_split_kernel,  # + AttnKernelConfig.decode_first_early
-         attn | {"k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "pos_ptr": "*i64",
-                 "cs_ptr": "*fp32", "loc_ptr": "*i64", "eps": "fp32"},
-         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
-              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False,
-              BLOCK_S=64, QK=True, ROUND_ROBIN=True, TILE_STEP=64, PAGE_AHEAD=True, FIRST_EARLY=True),
          cfg.decode_warps, cfg.decode_stages)
     # fp8 e4m3 KV pages (codes + per-token scales): store, decode and extend.
     fp8 = "*fp8e4nv"
@@ -312,12 +299,6 @@ def test_kernels_compile_for_sm90() -> None:
                  "moe_gate_up_T1",
                  "moe_gate_up_T8192", "decode_layer"):
         assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"
-    # decode_first_early: the first tile's K and V ([64, 128] each, 16-byte loads)
-    # go out before q's norm waits, beside q's own loads; without it only q's and
-    # cos / sin's did, and the tile's cp.async copies came after the rotary.
-    first, ahead = results["decode_split_qk_rr_first"], results["decode_split_qk_rr_ahead"]
-    if first["wide_loads_before_rsqrt"] >= 0:
-        assert first["wide_loads_before_rsqrt"] >= ahead["wide_loads_before_rsqrt"] + 16, (first, ahead)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,6 @@ from tools.bench_common import markdown_table
 DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_DENSE_GEMV": "linear",
     "FTSERVE_MOE_GATEUP_ACC": "0",
-    "FTSERVE_MOE_GATEUP_MMA": "",
-    "FTSERVE_MOE_DOWN_MMA": "",
     "FTSERVE_LM_HEAD_FP32": "0",
     "FTSERVE_LM_HEAD_GEMV": "1",
     "FTSERVE_DECODE_FUSION": "1",
@@ -88,9 +86,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     if base_attn.decode_round_robin:  # page ahead acts with round robin only
         ahead = not base_attn.decode_page_ahead
         out.append(Variant(f"attn page_ahead={int(ahead)}", "attn_page_ahead", attn={"decode_page_ahead": ahead}))
-        early = not base_attn.decode_first_early  # (it acts with the q/k fold too)
-        out.append(Variant(f"attn first_early={int(early)}", "attn_first_early",
-                           attn={"decode_first_early": early}))
     for factor in (0.5, 2.0):
         n = max(1, round(pps * factor))
         if n != pps:
