@@ -737,9 +737,9 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("gate_up,down", [("16.256.4.3", "4.256.4.3"), ("16.128.4.4", "8.128.4.3")])
 def test_gpu_moe_tma_kernels_qwen3_30b_shape(gate_up: str, down: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """FTSERVE_MOE_GATEUP_TMA / FTSERVE_MOE_DOWN_TMA at the qwen3-30b-a3b shape,
-    one decode row: the deferred-norm pair the decode step runs gives the plain
-    kernels' bits (the same sums in the same order), its parts those of its own
-    column blocks."""
+    one decode row: the deferred-norm pair the decode step runs agrees with the
+    plain kernels' within bf16 tolerance (other tile shapes, other sum orders),
+    its parts those of its own column blocks."""
     from ftserve_kernels import moe_down_gemv_triton as md
     from ftserve_kernels import moe_gemv_triton as mg
 
