@@ -140,34 +140,6 @@ def moe_gateup_acc() -> bool:
     return _flag("FTSERVE_MOE_GATEUP_ACC", False)
 
 
-def moe_gateup_tma():  # -> gemv_configs.GemvConfig | None
-    """FTSERVE_MOE_GATEUP_TMA (default off): the expert gate/up GEMV with its
-    weight tiles fetched by the tensor memory accelerator, pipelined into shared
-    memory (moe_gemv_triton._gemv_gate_up_tma_kernel), launched as ``BN.BK.W.S``
-    (output columns a program, K a step, warps, pipeline stages), e.g. 16.256.4.3."""
-    return _gemv_launch("FTSERVE_MOE_GATEUP_TMA", "16.256.4.3")
-
-
-def moe_down_tma():  # -> gemv_configs.GemvConfig | None
-    """FTSERVE_MOE_DOWN_TMA (default off): the 3-D expert down GEMV with its k
-    experts' weight tiles fetched by the tensor memory accelerator
-    (moe_down_gemv_triton._gemv_down_tma_kernel), launched as ``BN.BK.W.S``, e.g. 4.256.4.3."""
-    return _gemv_launch("FTSERVE_MOE_DOWN_TMA", "4.256.4.3")
-
-
-def _gemv_launch(name: str, example: str):  # -> gemv_configs.GemvConfig | None
-    value = os.environ.get(name, "")
-    if value in ("", "0"):
-        return None
-    from ftserve_kernels.gemv_configs import GemvConfig
-
-    try:
-        bn, bk, w, st = (int(v) for v in value.split("."))
-        return GemvConfig(bn, bk, w, st)
-    except ValueError as exc:
-        raise ValueError(f"{name}={value!r}: expected BN.BK.W.S (powers of two but S), e.g. {example}") from exc
-
-
 def moe_down3d() -> bool:
     """FTSERVE_MOE_DOWN3D (default on): the expert down GEMV with the k choices as a tile axis."""
     return _flag("FTSERVE_MOE_DOWN3D", True)

@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ftserve import envs
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
 from ftserve_kernels.moe_read_through import (
@@ -148,52 +147,6 @@ def _gemv_down_combine3d_kernel(
 
 
 @triton.jit
-def _gemv_down_tma_kernel(
-    a_ptr, w_desc, out_ptr, weights_ptr, ids_ptr, map_ptr, H, INTER, stride_at, stride_ot,
-    res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, eps, stride_rt,
-    TOP_K: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr, NUM_STAGES: tl.constexpr,
-    NORM_NEXT: tl.constexpr = False, BLOCK_H: tl.constexpr = 16,
-    NORM_DEFER: tl.constexpr = False, part_ptr=None,
-):
-    # As _gemv_down_combine3d_kernel, each choice's [N, K] weight tile fetched by
-    # the tensor memory accelerator (w2 as one [E * H, I] descriptor), the K
-    # steps NUM_STAGES - 1 ahead into shared memory.
-    t = tl.program_id(0).to(tl.int64)
-    n0 = tl.program_id(1) * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)  # [N]
-    nmask = cols < H
-    jj = tl.arange(0, BLOCK_KP)
-    jmask = jj < TOP_K
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_KP, BLOCK_N], tl.float32)
-    for k0 in tl.range(0, INTER, BLOCK_K, num_stages=NUM_STAGES):
-        for j in tl.static_range(TOP_K):
-            e = tl.load(ids_ptr + t * TOP_K + j)
-            if HAS_MAP:
-                e = tl.load(map_ptr + e)
-            b = w_desc.load([e * H + n0, k0])  # [N, K]
-            a_row = a_ptr + (t * TOP_K + j) * stride_at + k0 + offs_k
-            if EVEN_K:
-                av = tl.load(a_row).to(tl.float32)
-            else:
-                av = tl.load(a_row, mask=offs_k < INTER - k0, other=0.0).to(tl.float32)
-            acc = tl.where((jj == j)[:, None], acc + tl.sum(b.to(tl.float32) * av[None, :], 1)[None, :], acc)
-    wt = tl.load(weights_ptr + t * TOP_K + jj, mask=jmask, other=0.0)  # [KP]
-    # Same rounding and fixed-order fp32 sum of the k choices as the 3-D kernel.
-    y = (acc * wt[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # [KP, N]
-    out = tl.sum(y, 0)  # [N]
-    if NORM_NEXT and NORM_DEFER:
-        _add_then_part(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, part_ptr, stride_rt,
-                       out_ptr.dtype.element_ty)
-    elif NORM_NEXT:
-        _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, H, eps,
-                            stride_rt, out_ptr.dtype.element_ty, BLOCK_H)
-    else:
-        tl.store(out_ptr + t * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=nmask)
-
-
-@triton.jit
 def _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, H, eps,
                         stride_rt, dt, BLOCK_H: tl.constexpr):
     """The next layer's input norm as the down kernel's epilogue: each program
@@ -237,15 +190,8 @@ def _add_then_part(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, scaled_ptr, pa
 
 def norm_parts(h: int, cfg: gc.GemvConfig) -> int:
     """Partial sums of squares per row a deferred NormNext leaves: the down
-    kernel's column programs (FTSERVE_MOE_DOWN_TMA's when that is on)."""
-    return triton.cdiv(h, (envs.moe_down_tma() or cfg).block_n)
-
-
-def _tma_ok(w: torch.Tensor) -> bool:
-    """Whether a weight stack can be one 2-D TMA descriptor: contiguous, its
-    row pitch a multiple of 16 bytes, its base 16-byte aligned."""
-    return (w.is_contiguous() and (w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
-            and w.numel() < 2**31)
+    kernel's column programs."""
+    return triton.cdiv(h, cfg.block_n)
 
 
 @dataclass(frozen=True)
@@ -277,7 +223,6 @@ def moe_down_gemv(
     read_through: ReadThrough | None = None,  # the 3-D kernel only
     norm_next: NormNext | None = None,  # the 3-D kernel only: writes ``outs`` instead of ``out``
     outs: tuple[torch.Tensor, ...] | None = None,  # (normed, summed) [T, H] each (+ parts: deferred)
-    tma_cfg: gc.GemvConfig | None = None,  # _gemv_down_tma_kernel at this launch (else FTSERVE_MOE_DOWN_TMA's)
 ) -> None:
     """The down + combine kernel alone (tools/tune_gemv times it on its own)."""
     t, h = out.shape
@@ -289,10 +234,6 @@ def moe_down_gemv(
     consts = dict(TOP_K=top_k, BLOCK_KP=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, HAS_MAP=expert_map is not None,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **pdl.launch(on))
-    tma = envs.moe_down_tma() if tma_cfg is None else tma_cfg
-    use_tma = tma is not None and down3d and read_through is None and _tma_ok(w2)
-    if use_tma:
-        cfg = tma  # FTSERVE_MOE_DOWN_TMA: the tensor-memory-accelerator variant, at its own launch shape
     grid = (t, triton.cdiv(h, cfg.block_n))
     if down3d:
         if norm_next is not None:
@@ -307,18 +248,6 @@ def moe_down_gemv(
                          norm_next.eps, h)
         else:
             norm_args = (out, out, out, out, ids, 0.0, 0)  # unread
-        if use_tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            desc = TensorDescriptor.from_tensor(w2.view(-1, inter), [cfg.block_n, cfg.block_k])
-            _gemv_down_tma_kernel[grid](
-                act, desc, out, weights, ids, emap, h, inter, act.stride(0), out.stride(0), *norm_args,
-                TOP_K=top_k, BLOCK_KP=consts["BLOCK_KP"], BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                EVEN_K=inter % cfg.block_k == 0, HAS_MAP=expert_map is not None, NUM_STAGES=cfg.num_stages,
-                NORM_NEXT=norm_next is not None, NORM_DEFER=norm_next is not None and norm_next.deferred,
-                part_ptr=outs[2] if outs is not None and len(outs) == 3 else None,
-                BLOCK_H=triton.next_power_of_2(h), num_warps=cfg.num_warps)
-            return
         _gemv_down_combine3d_kernel[grid](*args, *_read_through_args(read_through, ids, w2, "w2_col"),
                                           *norm_args, K_STEPS=triton.cdiv(inter, cfg.block_k),
                                           NORM_NEXT=norm_next is not None,

@@ -33,7 +33,7 @@ import triton.language as tl
 from ftserve import envs
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
-from ftserve_kernels.moe_down_gemv_triton import NormNext, _tma_ok, moe_down_gemv, norm_parts
+from ftserve_kernels.moe_down_gemv_triton import NormNext, moe_down_gemv, norm_parts
 from ftserve_kernels.moe_read_through import (
     ReadThrough,
     _bank_rows,
@@ -126,58 +126,6 @@ def _gemv_gate_up_kernel(
         acc_u += tl.sum(u.to(tl.float32) * xv[None, :], 1)
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
-    if HAS_PARTS:
-        acc_g = acc_g * inv
-        acc_u = acc_u * inv
-        if (pair == 0) & (tl.program_id(1) == 0):
-            kk = tl.arange(0, BLOCK_TK)
-            km = kk < TOP_K
-            lg = tl.load(sel_ptr + kk, mask=km, other=0.0) * inv
-            lg = tl.where(km, lg.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
-            p = tl.exp(lg - tl.max(lg, 0))
-            tl.store(wout_ptr + kk, p / tl.sum(p, 0), mask=km)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) * up, [N]
-    tl.store(out_ptr + pair.to(tl.int64) * stride_ot + offs_n, h.to(out_ptr.dtype.element_ty),
-             mask=nmask)
-
-
-@triton.jit
-def _gemv_gate_up_tma_kernel(
-    x_ptr, w_desc, out_ptr, ids_ptr, map_ptr, H, INTER, stride_xt, stride_ot,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_MAP: tl.constexpr, NUM_STAGES: tl.constexpr,
-    parts_ptr=None, P=1, eps=0.0, sel_ptr=None, wout_ptr=None,
-    HAS_PARTS: tl.constexpr = False, BLOCK_P: tl.constexpr = 1, BLOCK_TK: tl.constexpr = 1,
-):
-    # As _gemv_gate_up_kernel, the weight tiles fetched by the tensor-memory
-    # accelerator (w13 as one [E * 2I, H] descriptor; a tile's rows past the
-    # tensor or its K past H arrive as zeros), NUM_STAGES - 1 K steps ahead into
-    # shared memory: bulk copies, not one 16-byte load per thread in flight.
-    pair = tl.program_id(0)
-    e = tl.load(ids_ptr + pair)
-    if HAS_PARTS:
-        pp = tl.arange(0, BLOCK_P)
-        inv = tl.rsqrt(tl.sum(tl.load(parts_ptr + pp, mask=pp < P, other=0.0), 0) / H + eps)
-    if HAS_MAP:
-        e = tl.load(map_ptr + e)
-    tok = (pair // TOP_K).to(tl.int64)
-    n0 = tl.program_id(1) * BLOCK_N
-    row = e * (2 * INTER) + n0
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    nmask = offs_n < INTER
-    offs_k = tl.arange(0, BLOCK_K)
-    x_row = x_ptr + tok * stride_xt
-    acc_g = tl.zeros([BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
-        g = w_desc.load([row, k0])  # [N, K]
-        u = w_desc.load([row + INTER, k0])
-        if EVEN_K:
-            xv = tl.load(x_row + k0 + offs_k).to(tl.float32)
-        else:
-            xv = tl.load(x_row + k0 + offs_k, mask=offs_k < H - k0, other=0.0).to(tl.float32)
-        acc_g += tl.sum(g.to(tl.float32) * xv[None, :], 1)
-        acc_u += tl.sum(u.to(tl.float32) * xv[None, :], 1)
     if HAS_PARTS:
         acc_g = acc_g * inv
         acc_u = acc_u * inv
@@ -367,7 +315,6 @@ def moe_gate_up_gemv(
     read_through: ReadThrough | None = None,  # _gemv_gate_up_kernel only
     route: RouteParts | None = None,  # _gemv_gate_up_kernel only, one row: x is pending
     weights_out: torch.Tensor | None = None,  # [k] fp32, with route: the experts' weights
-    tma_cfg: gc.GemvConfig | None = None,  # _gemv_gate_up_tma_kernel at this launch (else FTSERVE_MOE_GATEUP_TMA's)
 ) -> None:
     """The gate/up kernel alone (tools/tune_gemv times it on its own)."""
     h = x.shape[1]
@@ -391,19 +338,6 @@ def moe_gate_up_gemv(
                          BLOCK_TK=triton.next_power_of_2(top_k))
     else:
         assert read_through is None and route is None, "the accumulate-style kernel has neither"
-    tma = envs.moe_gateup_tma() if tma_cfg is None else tma_cfg
-    if tma is not None and not acc and read_through is None and _tma_ok(w13):
-        # FTSERVE_MOE_GATEUP_TMA: the tensor-memory-accelerator variant, at its own launch shape.
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        desc = TensorDescriptor.from_tensor(w13.view(-1, h), [tma.block_n, tma.block_k])
-        _gemv_gate_up_tma_kernel[(pairs, triton.cdiv(inter, tma.block_n))](
-            x, desc, act, ids, emap, h, inter, x.stride(0), act.stride(0),
-            TOP_K=top_k, BLOCK_N=tma.block_n, BLOCK_K=tma.block_k, EVEN_K=h % tma.block_k == 0,
-            HAS_MAP=expert_map is not None, NUM_STAGES=tma.num_stages,
-            **{k: v for k, v in extra.items() if k not in ("READ_THROUGH", "BLOCK_M")},
-            num_warps=tma.num_warps)
-        return
     on = pdl.active(x)
     kernel[grid](*args, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  EVEN_K=h % cfg.block_k == 0, HAS_MAP=expert_map is not None,

@@ -96,12 +96,9 @@ def test_fold_router_follows_the_weights() -> None:
     assert orr.fold_router(c["gate"], c["nw"], c["o_w"]).versions != f.versions
 
 
-@pytest.mark.parametrize("tma", ["", "16.32.4.2"])
-def test_gate_up_applies_the_pending_norm_and_weighs_the_experts(tma: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gate_up_applies_the_pending_norm_and_weighs_the_experts() -> None:
     """The MoE pair over a routed row (RouteParts): as normalizing the sum first
-    and routing with the softmax of the k chosen logits; also with the gate/up
-    tiles by TMA (FTSERVE_MOE_GATEUP_TMA)."""
-    monkeypatch.setenv("FTSERVE_MOE_GATEUP_TMA", tma)
+    and routing with the softmax of the k chosen logits."""
     e, h, inter, k = 8, 64, 32, 2
     g = torch.Generator().manual_seed(5)
     w13 = (torch.randn(e, 2 * inter, h, generator=g) * h**-0.5).to(DEVICE)

@@ -22,8 +22,6 @@ from tools.bench_common import markdown_table
 DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_DENSE_GEMV": "linear",
     "FTSERVE_MOE_GATEUP_ACC": "0",
-    "FTSERVE_MOE_GATEUP_TMA": "",
-    "FTSERVE_MOE_DOWN_TMA": "",
     "FTSERVE_LM_HEAD_FP32": "0",
     "FTSERVE_LM_HEAD_GEMV": "1",
     "FTSERVE_DECODE_FUSION": "1",
