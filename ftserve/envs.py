@@ -100,17 +100,6 @@ def oproj_route_block_e() -> int:
     return value
 
 
-def oproj_route_topk() -> str:
-    """FTSERVE_OPROJ_ROUTE_TOPK (default rounds): how the o_proj + route
-    launch's last router program picks the top-k: ``rounds`` (k rounds of a max
-    and a lowest-index min) or ``rank`` (one rank count over an [E, E]
-    comparison). Same experts, same order."""
-    value = os.environ.get("FTSERVE_OPROJ_ROUTE_TOPK", "rounds") or "rounds"
-    if value not in ("rounds", "rank"):
-        raise ValueError(f"FTSERVE_OPROJ_ROUTE_TOPK must be rounds or rank, got {value!r}")
-    return value
-
-
 def decode_input_norm() -> bool:
     """FTSERVE_DECODE_INPUT_NORM (default on): a decode step applies the first
     layer's input norm where it gathers the embedding rows (the decode graph's

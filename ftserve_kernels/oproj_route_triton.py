@@ -115,7 +115,6 @@ def _oproj_route_kernel(
     HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, N_STEPS: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EALL: tl.constexpr, BLOCK_TK: tl.constexpr,
-    RANK_TOPK: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     dt = a_ptr.dtype.element_ty
@@ -144,29 +143,17 @@ def _oproj_route_kernel(
             eall = e < E
             lg = tl.load(pre_ptr + e, mask=eall, other=float("-inf"), cache_modifier=".cg")
             work = tl.where(eall & (lg == lg), lg, float("-inf"))  # NaN (padding garbage) never wins
+            taken = e >= E
             tk = tl.arange(0, BLOCK_TK)
-            if RANK_TOPK:
-                # One rank count over an [E, E] comparison (experts ahead of each:
-                # higher, or equal and lower-indexed; padding ranks last), not k
-                # rounds of two reductions each.
-                wr = work[None, :]
-                wc = work[:, None]
-                beats = (wr > wc) | ((wr == wc) & (e[None, :] < e[:, None]))
-                rank = tl.sum(beats.to(tl.int32), 1)  # [E]
-                hit = (rank[None, :] == tk[:, None]) & (tk < TOP_K)[:, None]  # [TK, E]
-                sel = tl.sum(tl.where(hit, wr, 0.0), 1)
-                isel = tl.minimum(tl.sum(tl.where(hit, e[None, :], 0), 1), E - 1)
-            else:
-                taken = e >= E
-                sel = tl.zeros([BLOCK_TK], tl.float32)
-                isel = tl.zeros([BLOCK_TK], tl.int32)
-                for i in tl.static_range(TOP_K):
-                    best = tl.max(tl.where(taken, float("-inf"), work), 0)
-                    idx = tl.min(tl.where(~taken & (work == best), e, BLOCK_EALL), 0)  # lowest index on ties
-                    idx = tl.minimum(idx, E - 1)
-                    sel = tl.where(tk == i, best, sel)
-                    isel = tl.where(tk == i, idx, isel)
-                    taken = taken | (e == idx)
+            sel = tl.zeros([BLOCK_TK], tl.float32)
+            isel = tl.zeros([BLOCK_TK], tl.int32)
+            for i in tl.static_range(TOP_K):
+                best = tl.max(tl.where(taken, float("-inf"), work), 0)
+                idx = tl.min(tl.where(~taken & (work == best), e, BLOCK_EALL), 0)  # lowest index on ties
+                idx = tl.minimum(idx, E - 1)
+                sel = tl.where(tk == i, best, sel)
+                isel = tl.where(tk == i, idx, isel)
+                taken = taken | (e == idx)
             tl.store(sel_ptr + tk, sel, mask=tk < TOP_K)
             tl.store(ids_ptr + tk, isel, mask=tk < TOP_K)
             tl.atomic_xchg(cnt_ptr, 0)
@@ -200,7 +187,6 @@ def oproj_route_triton(
     top_k: int,
     counter: torch.Tensor,  # [1] int32, zero; left zero
     block_e: int = 2,  # router rows a program
-    rank_topk: bool = False,  # the top-k as one rank count (FTSERVE_OPROJ_ROUTE_TOPK=rank)
 ) -> OprojRoute:
     """-> OprojRoute. The o_proj rows launch as gemv_triton launches o_proj
     (this device's table entry for the shape, else the default)."""
@@ -229,6 +215,6 @@ def oproj_route_triton(
         HAS_BIAS=o_b is not None, TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk,
         K_STEPS=triton.cdiv(k, bk), N_STEPS=triton.cdiv(h, bk),
         BLOCK_E=block_e, BLOCK_EALL=triton.next_power_of_2(e), BLOCK_TK=triton.next_power_of_2(top_k),
-        RANK_TOPK=rank_topk, num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return OprojRoute(summed, scaled, parts, sel, ids)

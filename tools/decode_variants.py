@@ -39,7 +39,6 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_ROUTE_BLOCK_E": "1",
     "FTSERVE_GEMV_ENTRY": "",
     "FTSERVE_L2_PREFETCH": "",
-    "FTSERVE_OPROJ_ROUTE_TOPK": "rounds",
 }
 
 
@@ -80,8 +79,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     # joined by "+" turns several switches and never enters the combination.
     out += [Variant(f"PDL=1 DENSE_GEMV={v}", "pdl+dense_gemv", {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": v})
             for v in ("1", "norm")]
-    topk = "rank" if DEFAULT_ENV["FTSERVE_OPROJ_ROUTE_TOPK"] == "rounds" else "rounds"
-    out.append(Variant(f"OPROJ_ROUTE_TOPK={topk}", "oproj_route_topk", {"FTSERVE_OPROJ_ROUTE_TOPK": topk}))
     # Which launches warm L2 with the next one's weights (ftserve_kernels/l2_prefetch.py).
     sites = DEFAULT_ENV["FTSERVE_L2_PREFETCH"]
     out += [Variant(f"L2_PREFETCH={v}", "l2_prefetch", {"FTSERVE_L2_PREFETCH": v})
