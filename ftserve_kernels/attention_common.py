@@ -121,6 +121,12 @@ class AttnKernelConfig:
     # 0.567 ms, 32k 0.689 -> 0.685. The sums over the splits run in another
     # order, so greedy tokens can differ from whole-head programs' (2k did at 16 steps).
     decode_reduce_block_d: int = 32
+    # The reduce loads the split outputs beside their lse (empty splits' rows
+    # read and dropped) instead of masked by it, one round trip fewer.
+    decode_reduce_unmasked: bool = False
+    # The split programs load q beside the sequence length, before the exit of
+    # the splits with nothing to do (which then skip nothing but q's 2 KB).
+    decode_q_first: bool = False
 
     @staticmethod
     def for_device(device: torch.device, head_dim: int) -> AttnKernelConfig:

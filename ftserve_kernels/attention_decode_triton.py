@@ -48,7 +48,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
     QK: tl.constexpr, ROUND_ROBIN: tl.constexpr = False, TILE_STEP: tl.constexpr = 1,
-    PAGE_AHEAD: tl.constexpr = False,
+    PAGE_AHEAD: tl.constexpr = False, Q_FIRST: tl.constexpr = False,
     pf_a=None, pf_a_n=0, pf_b=None, pf_b_n=0, PF: tl.constexpr = False, PF_NT: tl.constexpr = 128,
 ):
     # QK (decode_attention_qk_triton): q and the new token's k arrive raw (before
@@ -103,6 +103,14 @@ def _decode_split_kernel(
     else:
         new_here = False
         cached_end = end
+    if QK and Q_FIRST:
+        # q's rows (and the rotary's row) load beside the sequence length, not
+        # after the empty-split exit below that waits for it.
+        hj0 = tl.arange(0, D // 2)
+        q_rows0 = q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+        qa = tl.load(q_rows0 + hj0[None, :], mask=gmask[:, None], other=0.0)
+        qb = tl.load(q_rows0 + D // 2 + hj0[None, :], mask=gmask[:, None], other=0.0)
+        p_first = tl.load(pos_ptr + b).to(tl.int64)
     if not FUSED_REDUCE:
         # A split with no cached tile that does not hold the new token (most of
         # them at short contexts: 95 of 128 at 2k) stores its -inf lse and ends
@@ -116,14 +124,18 @@ def _decode_split_kernel(
     hj = tl.arange(0, HALF)
     if QK:
         ty = q_ptr.dtype.element_ty
-        p_new = tl.load(pos_ptr + b).to(tl.int64)
+        if Q_FIRST:
+            p_new = p_first
+        else:
+            p_new = tl.load(pos_ptr + b).to(tl.int64)
         cos = tl.load(cs_ptr + p_new * stride_cos + hj)[None, :]  # [1, HALF] fp32
         sin = tl.load(cs_ptr + p_new * stride_cos + HALF + hj)[None, :]
-        q_rows = q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-        q1, q2 = _norm_rope_halves(
-            tl.load(q_rows + hj[None, :], mask=gmask[:, None], other=0.0).to(tl.float32),
-            tl.load(q_rows + HALF + hj[None, :], mask=gmask[:, None], other=0.0).to(tl.float32),
-            qw_ptr, hj, cos, sin, eps, D, HALF, ty)  # [G, HALF] each
+        if not Q_FIRST:
+            q_rows = q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+            qa = tl.load(q_rows + hj[None, :], mask=gmask[:, None], other=0.0)
+            qb = tl.load(q_rows + HALF + hj[None, :], mask=gmask[:, None], other=0.0)
+        q1, q2 = _norm_rope_halves(qa.to(tl.float32), qb.to(tl.float32),
+                                   qw_ptr, hj, cos, sin, eps, D, HALF, ty)  # [G, HALF] each
         end = cached_end
         q = q1  # unused (the loop takes the halves)
     else:
@@ -267,7 +279,7 @@ def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, o_ptr,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, UNMASKED: tl.constexpr = False,
 ):
     # Program (b, h, c) combines columns [c * BLOCK_D, (c + 1) * BLOCK_D) of head
     # h (BLOCK_D < D: more, smaller programs; each one weighs the splits itself).
@@ -282,10 +294,15 @@ def _decode_reduce_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence (graph padding): output 0
     w = tl.exp2(lse - m)  # [S]
     tot = tl.sum(w, 0)
-    o = tl.load(
-        mid_o_ptr + b * stride_mob + h * stride_moh + s[:, None] * stride_mos + d[None, :],
-        mask=(smask & (lse > float("-inf")))[:, None] & (d[None, :] < D), other=0.0,
-    )  # [S, D]; empty splits' were never stored (and are not read: no traffic)
+    o_ptrs = mid_o_ptr + b * stride_mob + h * stride_moh + s[:, None] * stride_mos + d[None, :]
+    if UNMASKED:
+        # Loaded beside the lse, not after it: empty splits' rows (never stored,
+        # any bits) are read too and dropped by the select.
+        o = tl.load(o_ptrs, mask=smask[:, None] & (d[None, :] < D), other=0.0)
+        o = tl.where((lse > float("-inf"))[:, None], o, 0.0)
+    else:
+        o = tl.load(o_ptrs, mask=(smask & (lse > float("-inf")))[:, None] & (d[None, :] < D),
+                    other=0.0)  # [S, D]; empty splits' were never stored (and are not read: no traffic)
     out = tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
     tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
@@ -373,7 +390,7 @@ def decode_attention_triton(
         NUM_SPLITS=num_splits, UPCAST=interpreting(), FUSED_REDUCE=fused,
         BLOCK_S=triton.next_power_of_2(num_splits), FP8=fp8, QK=qk is not None,
         ROUND_ROBIN=cfg.decode_round_robin, TILE_STEP=num_splits if cfg.decode_round_robin else 1,
-        PAGE_AHEAD=cfg.decode_round_robin and cfg.decode_page_ahead,
+        PAGE_AHEAD=cfg.decode_round_robin and cfg.decode_page_ahead, Q_FIRST=cfg.decode_q_first,
         **l2_prefetch.kernel_args(pf, seq_lens), PF_NT=32 * cfg.decode_warps,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
     )
@@ -386,6 +403,6 @@ def decode_attention_triton(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), D=d, BLOCK_D=block_r,
-        num_warps=4, PDL=on, **pdl.launch(on),
+        UNMASKED=cfg.decode_reduce_unmasked, num_warps=4, PDL=on, **pdl.launch(on),
     )
     return out

@@ -227,19 +227,34 @@ def test_decode_fused_reduce_matches_two_kernels(splits: int, round_robin: bool)
         assert torch.equal(one[2], torch.zeros_like(one[2]))
 
 
-@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("splits", [1, 2, 8])
 @pytest.mark.parametrize("fold", [False, True])
-def test_decode_page_ahead_gives_the_same_bits(splits: int, fold: bool) -> None:
-    """decode_page_ahead (round robin): each tile's page entries load one
-    iteration early; the same tiles in the same order, so the same bits as
-    without, on the plain and the q/k-folding paths, with one, two or more
-    tiles a split and the new token alone in its split or beside tiles."""
+@pytest.mark.parametrize("knob,value", [("decode_page_ahead", False), ("decode_q_first", True),
+                                        ("decode_reduce_unmasked", True)])
+def test_decode_load_order_knobs_give_the_same_bits(splits: int, fold: bool, knob: str, value: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Knobs that only move loads give the same bits as the device default:
+    decode_page_ahead (round robin: each tile's page entries one iteration
+    early), decode_q_first (q loaded before the empty-split exit),
+    decode_reduce_unmasked (split outputs loaded beside their lse, empty
+    splits' rows read and dropped). On the plain and the q/k-folding paths,
+    with one, two or more tiles a split, empty splits (8), and the new token
+    alone in its split or beside tiles. Every scratch buffer starts as NaN, so
+    an empty split's row the reduce reads is garbage that must not leak."""
     from ftserve_kernels.attention_decode_triton import DecodeQK
 
+    empty = torch.empty
+
+    def poisoned(*args: object, **kwargs: object) -> torch.Tensor:
+        t = empty(*args, **kwargs)  # type: ignore[call-overload]
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
     d, page = 32, 4
     dev = at.AttnKernelConfig.for_device(torch.device(DEVICE), d)
     assert dev.decode_round_robin and dev.decode_page_ahead
-    base = at.AttnKernelConfig(**{**dev.__dict__, "decode_page_ahead": False})
+    assert getattr(dev, knob) != value
+    base = at.AttnKernelConfig(**{**dev.__dict__, knob: value})
     bn = base.decode_block_n
     prefix = [4 * bn + 6, 4, 2 * bn + 1, bn]  # up to 5 tiles: two or more a split; bn: one full tile
     pool, tables, q, k, v = make_case([1] * 4, prefix, 8, 2, d, page, torch.float32, DEVICE, seed=splits)
