@@ -279,7 +279,7 @@ def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, o_ptr,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr, UNMASKED: tl.constexpr = False,
+    PDL: tl.constexpr,
 ):
     # Program (b, h, c) combines columns [c * BLOCK_D, (c + 1) * BLOCK_D) of head
     # h (BLOCK_D < D: more, smaller programs; each one weighs the splits itself).
@@ -294,15 +294,10 @@ def _decode_reduce_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence (graph padding): output 0
     w = tl.exp2(lse - m)  # [S]
     tot = tl.sum(w, 0)
-    o_ptrs = mid_o_ptr + b * stride_mob + h * stride_moh + s[:, None] * stride_mos + d[None, :]
-    if UNMASKED:
-        # Loaded beside the lse, not after it: empty splits' rows (never stored,
-        # any bits) are read too and dropped by the select.
-        o = tl.load(o_ptrs, mask=smask[:, None] & (d[None, :] < D), other=0.0)
-        o = tl.where((lse > float("-inf"))[:, None], o, 0.0)
-    else:
-        o = tl.load(o_ptrs, mask=(smask & (lse > float("-inf")))[:, None] & (d[None, :] < D),
-                    other=0.0)  # [S, D]; empty splits' were never stored (and are not read: no traffic)
+    o = tl.load(
+        mid_o_ptr + b * stride_mob + h * stride_moh + s[:, None] * stride_mos + d[None, :],
+        mask=(smask & (lse > float("-inf")))[:, None] & (d[None, :] < D), other=0.0,
+    )  # [S, D]; empty splits' were never stored (and are not read: no traffic)
     out = tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
     tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
 
@@ -403,6 +398,6 @@ def decode_attention_triton(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), D=d, BLOCK_D=block_r,
-        UNMASKED=cfg.decode_reduce_unmasked, num_warps=4, PDL=on, **pdl.launch(on),
+        num_warps=4, PDL=on, **pdl.launch(on),
     )
     return out

@@ -371,7 +371,7 @@ class TritonAttentionBackend:
         meta = batch.attn
         cfg = self.cfg or AttnKernelConfig.for_device(q.device, q.shape[-1])
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        splits = self.num_splits(q.shape[0], kc.shape[1], q.device)
+        splits = self.num_splits(q.shape[0], kc.shape[1], q.device, meta.max_seq_len)
         counters = (self._decode_counters(q.shape[0] * kc.shape[1], q.device)
                     if cfg.decode_fused_reduce else None)
         return decode_attention_triton(
@@ -379,13 +379,28 @@ class TritonAttentionBackend:
             counters=counters, k_scale=ks, v_scale=vs, qk=qk, prefetch=prefetch,
         )
 
-    def num_splits(self, batch_size: int, num_kv_heads: int, device: torch.device) -> int:
+    def num_splits(self, batch_size: int, num_kv_heads: int, device: torch.device,
+                   max_seq_len: int | None = None) -> int:
+        """Splits of a decode batch: a function of the batch size and, through
+        ``max_seq_len`` (a host bound on every sequence's length; None: no
+        bound), of AttnKernelConfig.short_context_splits. A CUDA graph captured
+        with a bound stays valid for every batch within it."""
         cfg = self.cfg or AttnKernelConfig.for_device(device, 128)
         # About decode_programs_per_sm split programs per SM over all (sequence,
         # kv head) pairs: one 100k-token sequence needs many splits to fill the HBM pipe.
         want = math.ceil(cfg.decode_programs_per_sm * _num_sms(device)
                          / max(1, batch_size * num_kv_heads))
-        return max(1, min(cfg.max_splits, want))
+        splits = max(1, min(cfg.max_splits, want))
+        if max_seq_len is not None and max_seq_len <= self.short_context_limit(device):
+            splits = min(splits, cfg.short_context_splits)
+        return splits
+
+    def short_context_limit(self, device: torch.device) -> int:
+        """The longest sequence a decode batch may hold and still take the
+        short-context split cap: fewer tiles than short_context_splits, so
+        every split (the new token's included) holds at most one (0: no cap)."""
+        cfg = self.cfg or AttnKernelConfig.for_device(device, 128)
+        return max(0, cfg.short_context_splits - 1) * cfg.decode_block_n
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,

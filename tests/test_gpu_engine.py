@@ -239,6 +239,32 @@ def test_cuda_graph_decode_equals_eager(engine: Engine, model_dir: str) -> None:
 
 
 @pytest.mark.gpu
+def test_short_context_graph_band_equals_eager(engine: Engine, model_dir: str) -> None:
+    """Batch sizes whose split count the attention backend's short-context cap
+    lowers get a second graph, bounded at the cap's limit (the batch's longest
+    sequence picks it); sequences that decode across the limit switch graphs
+    mid-request, and the greedy tokens still equal eager's (which takes the
+    cap by the same bound)."""
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    limit = engine.runner.attn_backend.short_context_limit(torch.device("cuda"))
+    assert 0 < limit < graphs.full_bound
+    assert graphs.bounds[1] == [limit, graphs.full_bound]
+    assert graphs.bounds[8] == [graphs.full_bound]  # 8 x 2 heads: fewer splits than the cap already
+    eager = make_engine(model_dir, graphs=False)
+    try:
+        eager.runner.model.load_state_dict(engine.runner.model.state_dict())
+        rng = random.Random(11)
+        for lens in ([limit - 9], [40, limit - 4, 300]):
+            prompts = [[rng.randrange(100, 32000) for _ in range(n)] for n in lens]
+            with_graphs = run_greedy(engine, prompts, 16)
+            without = run_greedy(eager, prompts, 16)
+            assert with_graphs == without, (lens, with_graphs, without)
+    finally:
+        eager.shutdown()
+
+
+@pytest.mark.gpu
 def test_sampled_decode_graph_variants_equal_eager(engine: Engine, model_dir: str) -> None:
     """Seeded sampled requests (temperature; top-p) batched with greedy ones replay
     the smallest sampler variant covering the batch (cuda_graph.sampler_variant):

@@ -6,6 +6,7 @@ same tests run natively, and ``gpu``-marked tests use real shapes.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -229,8 +230,7 @@ def test_decode_fused_reduce_matches_two_kernels(splits: int, round_robin: bool)
 
 @pytest.mark.parametrize("splits", [1, 2, 8])
 @pytest.mark.parametrize("fold", [False, True])
-@pytest.mark.parametrize("knob,value", [("decode_page_ahead", False), ("decode_q_first", True),
-                                        ("decode_reduce_unmasked", True)])
+@pytest.mark.parametrize("knob,value", [("decode_page_ahead", False), ("decode_q_first", False)])
 def test_decode_load_order_knobs_give_the_same_bits(splits: int, fold: bool, knob: str, value: bool,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Knobs that only move loads give the same bits as the device default:
@@ -349,6 +349,43 @@ def test_backend_num_splits_depends_on_batch_size_only() -> None:
     be = at.TritonAttentionBackend()
     dev = torch.device(DEVICE)
     assert be.num_splits(1, 4, dev) >= be.num_splits(8, 4, dev) >= be.num_splits(64, 4, dev) >= 1
+
+
+def test_num_splits_short_context_cap() -> None:
+    """Below short_context_splits tiles of its longest sequence a decode batch
+    takes at most that many splits (each then holds one tile at most, the new
+    token's alone); at the limit's next token and without a bound, the
+    batch-size rule alone."""
+    cfg = at.AttnKernelConfig(decode_programs_per_sm=512, max_splits=128, decode_block_n=64,
+                              short_context_splits=64)
+    be = at.TritonAttentionBackend(cfg=cfg)
+    dev = torch.device("cpu")
+    limit = be.short_context_limit(dev)
+    assert limit == 63 * 64
+    assert be.num_splits(1, 4, dev) == be.num_splits(1, 4, dev, limit + 1) == 128
+    assert be.num_splits(1, 4, dev, limit) == be.num_splits(1, 4, dev, 1) == 64
+    small = be.num_splits(64, 4, dev)  # below the cap already: unchanged
+    assert small < 64 and be.num_splits(64, 4, dev, 100) == small
+    off = at.TritonAttentionBackend(cfg=dataclasses.replace(cfg, short_context_splits=0))
+    assert off.short_context_limit(dev) == 0 and off.num_splits(1, 4, dev, 100) == 128
+
+
+@pytest.mark.parametrize("prefix", [[1000, 3], [4030, 7]])
+def test_decode_at_the_short_context_cap_is_attention(prefix: list[int]) -> None:
+    """At the cap's split count every split holds at most one tile: decode over
+    the backend's cap (long enough that it binds) equals the reference."""
+    d, page = 32, 16
+    cfg = dataclasses.replace(at.AttnKernelConfig.for_device(torch.device(DEVICE), d),
+                              decode_block_n=64, short_context_splits=64, max_splits=128,
+                              decode_programs_per_sm=512)
+    pool, tables, q, k, v = make_case([1] * len(prefix), prefix, 4, 2, d, page, torch.float32, DEVICE, seed=5)
+    be = at.TritonAttentionBackend(cfg=cfg)
+    fb = build_forward_batch([[1]] * len(prefix), prefix, tables, pool, be, is_decode=True)
+    assert be.num_splits(len(prefix), 2, q.device, fb.attn.max_seq_len) == 64
+    out = be.forward(q, k, v, 0, fb)
+    ref = TorchAttentionBackend().forward(q, k, v, 0, build_forward_batch(
+        [[1]] * len(prefix), prefix, tables, pool, TorchAttentionBackend(), is_decode=True), kv_stored=True)
+    assert rel_err(out, ref) < 1e-5, rel_err(out, ref)
 
 
 # ---------------------------------------------------------------- GPU, real shapes

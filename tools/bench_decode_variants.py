@@ -265,7 +265,9 @@ def run_variant(b: Bench, v: Variant) -> dict[str, Any]:
         row["capture_s"] = recapture(b, backend_for(b.backend, b.base_attn, v))
         backend = b.drv.runner.attn_backend
         if hasattr(backend, "num_splits"):  # the Triton backend: split-K programs per (seq, KV head)
-            row["attn_splits"] = {bs: backend.num_splits(bs, b.mcfg.num_kv_heads, b.device)
+            # At the measured context (plus the steps decoded over it).
+            longest = args.context + args.check_steps + 1
+            row["attn_splits"] = {bs: backend.num_splits(bs, b.mcfg.num_kv_heads, b.device, longest)
                                   for bs in args.batches}
         row["tokens"] = tokens = greedy_tokens(b, args.check_steps)
         if b.baseline_tokens is None:

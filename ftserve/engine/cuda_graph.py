@@ -126,9 +126,33 @@ class DecodeGraphs:
         self._flip = 0
         self.qo_indptr = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
         self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=dev)
-        self.graphs: dict[tuple[int, SamplerFeatures], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, SamplerFeatures], SampleOutput] = {}
+        # Keyed (padded batch size, sampler stages, bound on the longest sequence).
+        self.graphs: dict[tuple[int, SamplerFeatures, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, SamplerFeatures, int], SampleOutput] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.full_bound = runner.max_pages * runner.page_size
+        self.bounds = {bs: self._bounds(bs) for bs in self.sizes}
+
+    def _bounds(self, bs: int) -> list[int]:
+        """The sequence-length bounds graphs of batch size ``bs`` are captured
+        for, ascending, the last the pool's whole width: a shorter one where the
+        attention backend takes fewer splits up to it (its short-context cap)."""
+        backend = self.runner.attn_backend
+        limit_of = getattr(backend, "short_context_limit", None)
+        full = self.full_bound
+        if limit_of is None:
+            return [full]
+        limit = min(limit_of(self.device), full)
+        hkv = self.runner.kv_pool.num_kv_heads
+        if limit <= 0 or limit == full or (backend.num_splits(bs, hkv, self.device, limit)
+                                           == backend.num_splits(bs, hkv, self.device, full)):
+            return [full]
+        return [limit, full]
+
+    def _bound(self, pbs: int, batch: ScheduledBatch) -> int:
+        """The tightest captured bound over every sequence of the batch."""
+        longest = max(p + 1 for p in batch.prefix_lens)
+        return next(b for b in self.bounds[pbs] if b >= longest)
 
     def can_run(self, bs: int) -> bool:
         return bs <= self.max_bs
@@ -139,7 +163,7 @@ class DecodeGraphs:
                 return s
         raise ValueError(bs)
 
-    def _forward(self, bs: int) -> SampleOutput:
+    def _forward(self, bs: int, bound: int) -> SampleOutput:
         r = self.runner
         # One launch on Triton: the fields, the page-table rows, the embeddings.
         # With the first layer's input norm too, where the model takes it (as
@@ -159,9 +183,9 @@ class DecodeGraphs:
             prefix_lens=d.prefix_lens,
             page_table=d.page_rows,
             out_cache_loc=d.out_cache_loc,
-            seq_lens_host=[r.max_pages * r.page_size] * bs,  # static upper bound
-            prefix_lens_host=[r.max_pages * r.page_size - 1] * bs,
-            max_seq_len=r.max_pages * r.page_size,
+            seq_lens_host=[bound] * bs,  # static upper bound: the split count follows it
+            prefix_lens_host=[bound - 1] * bs,
+            max_seq_len=bound,
             max_extend_len=1,
         )
         fb = ForwardBatch(d.input_ids, d.positions, attn, r.kv_pool, r.attn_backend,
@@ -189,8 +213,9 @@ class DecodeGraphs:
             for feats in SAMPLER_VARIANTS:
                 with r.sampler.forced_features(feats):  # capture exactly this stage set
                     for bs in sorted(self.sizes, reverse=True):
-                        self._capture_one(bs, feats)
-                log.info("captured %d decode graphs (%s)", len(self.sizes),
+                        for bound in reversed(self.bounds[bs]):
+                            self._capture_one(bs, feats, bound)
+                log.info("captured %d decode graphs (%s)", sum(map(len, self.bounds.values())),
                          ", ".join(k for k, on in dataclasses.asdict(feats).items() if on) or "greedy")
         torch.cuda.synchronize()
         self.resync()  # the warm-up runs toggled the word
@@ -203,10 +228,10 @@ class DecodeGraphs:
         self.parity.zero_()
         self._flip = 0
 
-    def _capture_one(self, bs: int, feats: SamplerFeatures) -> None:
-        graph, out = capture_graph(lambda: self._forward(bs), self.pool)
-        self.graphs[(bs, feats)] = graph
-        self.outputs[(bs, feats)] = out
+    def _capture_one(self, bs: int, feats: SamplerFeatures, bound: int) -> None:
+        graph, out = capture_graph(lambda: self._forward(bs, bound), self.pool)
+        self.graphs[(bs, feats, bound)] = graph
+        self.outputs[(bs, feats, bound)] = out
 
     def _fill_dummy(self) -> None:
         """Every row a padded one (also both staging rows: the warm-up runs
@@ -246,9 +271,10 @@ class DecodeGraphs:
         if not self.in_graph_io:
             copy_host_words(self.h_in[side, :words.numel()], self.g_in[:pbs].view(-1))
         feats = sampler_variant(r.sampler.features_of(req.slot for req in batch.reqs))
-        self.graphs[(pbs, feats)].replay()
+        key = (pbs, feats, self._bound(pbs, batch))
+        self.graphs[key].replay()
         host = self.h_out[side, :len(batch.reqs)] if self.in_graph_io else None
-        return self.outputs[(pbs, feats)], host
+        return self.outputs[key], host
 
     def prime(self, batch: ScheduledBatch, feats: SamplerFeatures | None = None) -> torch.cuda.CUDAGraph:
         """For benchmarks that replay one graph back to back: the batch's words
@@ -258,4 +284,4 @@ class DecodeGraphs:
         pbs, words = self._rows(batch)
         self.h_in[:, :words.numel()] = words
         self.g_in[:pbs].view(-1).copy_(words)
-        return self.graphs[(pbs, feats if feats is not None else SamplerFeatures())]
+        return self.graphs[(pbs, feats if feats is not None else SamplerFeatures(), self._bound(pbs, batch))]
