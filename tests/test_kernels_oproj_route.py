@@ -237,3 +237,79 @@ def test_refresh_derived_refolds_in_place(tmp_path: Path, monkeypatch: pytest.Mo
     h = layer._folded
     assert h.r_o.data_ptr() == ptr and h.versions != g.versions
     torch.testing.assert_close(h.r_r, layer.mlp.gate.weight * layer.post_attention_layernorm.weight[None, :])
+
+
+@pytest.mark.parametrize("k,inter", [(2, 32), (3, 40)])
+def test_moe_one_launch_matches_the_two_launches(k: int, inter: int) -> None:
+    """moe_one_launch_triton: gate/up and down + combine in one grid, roles by
+    ticket (the interpreter draws them in program order, so no wait ever
+    spins): the pending next norm's w * sum, the sum, the partial sums of
+    squares and the experts' weights as the two launches leave them, over two
+    launches sharing the sync words (left at zero, no error flag). An odd k
+    and an intermediate size no tile divides mask both roles."""
+    from ftserve_kernels import moe_one_launch_triton as ol
+
+    e, h = 8, 64
+    g = torch.Generator().manual_seed(15 + k)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) * h**-0.5).to(DEVICE)
+    w2 = (torch.randn(e, h, inter, generator=g) * inter**-0.5).to(DEVICE)
+    c = _case(e, h, 48, seed=7, bias=False)
+    folded = orr.fold_router(c["gate"], c["nw"], c["o_w"])
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    route = orr.oproj_route_triton(c["a"], c["o_w"], None, c["r"], c["nw"], folded, k, counter)
+    eps = 1e-6
+    next_w = 1.0 + 0.1 * torch.randn(h, generator=g).to(DEVICE)
+    weights = torch.full((1, k), float("nan"), device=DEVICE)
+    ref_scaled, ref_sum, ref_parts = fused_moe_add_norm_gemv_triton(
+        route.scaled, w13, w2, weights, route.ids, NormNext(route.summed, next_w, eps, counter, deferred=True),
+        route=RouteParts(route.parts, route.pre_sel, eps))
+    assert ref_parts is not None
+    sync = torch.zeros(ol.SYNC_WORDS, dtype=torch.int32, device=DEVICE)
+    cfg = ol.OneLaunchConfig(gu_block_n=16, gu_block_k=32, dn_block_n=8, dn_block_k=16, num_warps=4)
+    for _ in range(2):
+        scaled, summed, parts, wts = ol.moe_one_launch(route.scaled, w13, w2, route.ids, route.parts,
+                                                       route.pre_sel, eps, route.summed, next_w, sync, cfg)
+        assert torch.equal(sync.cpu(), torch.zeros(ol.SYNC_WORDS, dtype=torch.int32))
+        torch.testing.assert_close(wts, weights, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(summed, ref_sum, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(scaled, ref_scaled, rtol=1e-5, atol=1e-6)
+        assert parts.shape == (1, ol.down_parts(h, cfg))
+        torch.testing.assert_close(parts.sum(1), ref_parts.sum(1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_moe_one_launch_at_the_real_shape() -> None:
+    """qwen3-30b-a3b's MoE block (E 128, H 2048, I 768, k 8) in bf16, one row:
+    the one launch (with and without its L2 prefetch) within bf16 rounding of
+    the two launches, its sync words back at zero and no wait given up."""
+    from ftserve_kernels import moe_one_launch_triton as ol
+
+    e, h, q, inter, k = 128, 2048, 4096, 768, 8
+    g = torch.Generator(device="cuda").manual_seed(21)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    a, o_w, r = rnd(1, q), rnd(h, q, scale=q**-0.5), rnd(1, h)
+    nw, gate = (1.0 + rnd(h, scale=0.1).float()).to(torch.bfloat16), rnd(e, h, scale=h**-0.5)
+    w13, w2 = rnd(e, 2 * inter, h, scale=h**-0.5), rnd(e, h, inter, scale=inter**-0.5)
+    next_w = (1.0 + rnd(h, scale=0.1).float()).to(torch.bfloat16)
+    folded = orr.fold_router(gate, nw, o_w)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    route = orr.oproj_route_triton(a, o_w, None, r, nw, folded, k, counter)
+    weights = torch.empty((1, k), device="cuda")
+    ref = fused_moe_add_norm_gemv_triton(route.scaled, w13, w2, weights, route.ids,
+                                         NormNext(route.summed, next_w, 1e-6, counter, deferred=True),
+                                         route=RouteParts(route.parts, route.pre_sel, 1e-6))
+    sync = torch.zeros(ol.SYNC_WORDS, dtype=torch.int32, device="cuda")
+    for pf in (True, False):
+        for _ in range(3):
+            scaled, summed, parts, wts = ol.moe_one_launch(route.scaled, w13, w2, route.ids, route.parts,
+                                                           route.pre_sel, 1e-6, route.summed, next_w, sync,
+                                                           ol.OneLaunchConfig(prefetch=pf))
+            torch.cuda.synchronize()
+            assert sync.tolist() == [0] * ol.SYNC_WORDS
+            torch.testing.assert_close(wts, weights, rtol=1e-5, atol=1e-6)
+            for got, want in ((scaled, ref[0]), (summed, ref[1])):
+                assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
+            torch.testing.assert_close(parts.sum(1), ref[2].sum(1), rtol=2e-2, atol=1e-3)
