@@ -131,7 +131,7 @@ def _moe_one_launch_kernel(
         spins = 0
         while (seen < G_GU) & (spins < SPIN):
             if SLEEP:  # spare the counter's L2 line from the waiting programs' polls
-                tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [spins],
+                tl.inline_asm_elementwise("nanosleep.u32 256; mov.u32 $0, $1;", "=r,r", [spins],
                                           dtype=tl.int32, is_pure=False, pack=1)
             seen = tl.load(sync_ptr + 1, volatile=True)
             spins += 1
