@@ -56,14 +56,6 @@ def moe_one_launch() -> str:
     return value
 
 
-def decode_defer_final_norm() -> bool:
-    """FTSERVE_DECODE_DEFER_FINAL_NORM (default on): with
-    FTSERVE_DECODE_DEFER_NORM, the last layer leaves the final norm pending
-    too, for the lm_head GEMV to apply (one decode row on the Triton lm_head
-    GEMV only): no last-program norm at the end of the last MoE down launch."""
-    return _flag("FTSERVE_DECODE_DEFER_FINAL_NORM", True)
-
-
 def decode_defer_norm() -> bool:
     """FTSERVE_DECODE_DEFER_NORM (default on): where the MoE down kernel folds
     the next layer's input norm (FTSERVE_DECODE_DOWN_NORM) and that layer's qkv

@@ -353,22 +353,6 @@ _MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 LM_HEAD_GEMV_MAX_ROWS = 1
 
 
-def lm_head_takes_pending(x: torch.Tensor) -> bool:
-    """Whether linear_fp32_pending runs at x's size: the last layer may then
-    leave the final norm pending (FTSERVE_DECODE_DEFER_FINAL_NORM) for the
-    lm_head GEMV to apply, as each layer's qkv applies its input norm."""
-    return (envs.decode_defer_final_norm() and moe_defers_next_norm(x) and x.shape[0] <= LM_HEAD_GEMV_MAX_ROWS
-            and envs.lm_head_gemv() and not (x.is_cuda and envs.lm_head_fp32() and _MM_OUT_DTYPE))
-
-
-def linear_fp32_pending(pending: PendingNorm, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """The lm_head over a final norm left pending (lm_head_takes_pending): fp32
-    logits of norm(s) . W^T, the GEMV scaling its dot by 1/rms."""
-    k = _table(pending.scaled)
-    assert k.gemv is not None, "lm_head_takes_pending said the GEMV runs"
-    return k.gemv(pending.scaled, w, None, None, None, eps, out_dtype=torch.float32, parts=pending.parts)[0]
-
-
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The lm_head: logits in fp32. With FTSERVE_LM_HEAD_FP32=1 on CUDA the GEMM
     writes fp32 itself (no separate cast launch; the products are accumulated in

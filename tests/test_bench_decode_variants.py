@@ -40,7 +40,6 @@ def _switches() -> dict[str, object]:
             "oproj_route_block_e": envs.oproj_route_block_e(),
             "decode_input_norm": envs.decode_input_norm(),
             "step_copy_kernel": envs.step_copy_kernel(), "l2_prefetch": envs.l2_prefetch(),
-            "decode_defer_final_norm": envs.decode_defer_final_norm(),
             "moe_one_launch": envs.moe_one_launch()}
 
 

@@ -39,7 +39,6 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_ROUTE_BLOCK_E": "1",
     "FTSERVE_GEMV_ENTRY": "",
     "FTSERVE_L2_PREFETCH": "",
-    "FTSERVE_DECODE_DEFER_FINAL_NORM": "1",
     "FTSERVE_MOE_ONE_LAUNCH": "0",
 }
 
@@ -65,8 +64,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     out.append(Variant("DECODE_QK_FOLD=0", "decode_qk_fold", {"FTSERVE_DECODE_QK_FOLD": "0"}))
     out.append(Variant("DECODE_DOWN_NORM=0", "decode_down_norm", {"FTSERVE_DECODE_DOWN_NORM": "0"}))
     out.append(Variant("DECODE_DEFER_NORM=0", "decode_defer_norm", {"FTSERVE_DECODE_DEFER_NORM": "0"}))
-    out.append(Variant("DECODE_DEFER_FINAL_NORM=0", "decode_defer_final_norm",
-                       {"FTSERVE_DECODE_DEFER_FINAL_NORM": "0"}))
     out.append(Variant("DECODE_ROUTE_IN_OPROJ=0", "decode_route_in_oproj",
                        {"FTSERVE_DECODE_ROUTE_IN_OPROJ": "0"}))
     out.append(Variant("DECODE_INPUT_NORM=0", "decode_input_norm", {"FTSERVE_DECODE_INPUT_NORM": "0"}))

@@ -211,16 +211,10 @@ class DecoderForCausalLM(nn.Module):
             # the final one) in its last launch: x then arrives normed.
             after = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm
             nxt = self.layers[i + 1].self_attn.qkv_proj.weight if i + 1 < n else None
-            # The last layer leaves the final norm pending where the lm_head applies it.
-            defer = i + 1 < n or (batch.is_decode and ops.lm_head_takes_pending(x))
-            x, residual, normed = layer(x, residual, batch, self.cos_sin, normed, after, defer=defer,
+            x, residual, normed = layer(x, residual, batch, self.cos_sin, normed, after, defer=i + 1 < n,
                                         next_weight=nxt)
         assert residual is not None
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         rows = batch.logits_indices
-        if isinstance(normed, ops.PendingNorm):  # a decode batch whose every token is a logits row
-            assert batch.is_decode and (rows is None or rows.shape[0] == x.shape[0])
-            return ops.linear_fp32_pending(normed, head, self.norm.eps)  # [B, V] fp32
         if rows is not None and not (batch.is_decode and rows.shape[0] == x.shape[0]):
             # Norm is per row, so selecting first skips the norm of unused rows. A decode
             # batch whose every token is a logits row selects all of them in order (the
@@ -230,6 +224,7 @@ class DecoderForCausalLM(nn.Module):
                 residual = residual.index_select(0, batch.logits_indices)
         if not normed:
             x, _ = self.norm.forward_add(x, residual)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return ops.linear_fp32(x, head)  # [B or T, V] fp32
 
     def ignorable_checkpoint_names(self) -> set[str]:
