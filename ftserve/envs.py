@@ -45,17 +45,6 @@ def decode_down_norm() -> bool:
     return _flag("FTSERVE_DECODE_DOWN_NORM", True)
 
 
-def moe_one_launch() -> str:
-    """FTSERVE_MOE_ONE_LAUNCH (default 0): a routed one-row MoE block whose next
-    norm is left pending runs gate/up and down + combine as one launch
-    (ftserve_kernels/moe_one_launch_triton.py): ``1`` with the down blocks'
-    weight rows prefetched into L2 while gate/up runs, ``noprefetch`` without."""
-    value = os.environ.get("FTSERVE_MOE_ONE_LAUNCH", "0") or "0"
-    if value not in ("0", "1", "noprefetch"):
-        raise ValueError(f"FTSERVE_MOE_ONE_LAUNCH must be 0, 1 or noprefetch, got {value!r}")
-    return value
-
-
 def decode_defer_norm() -> bool:
     """FTSERVE_DECODE_DEFER_NORM (default on): where the MoE down kernel folds
     the next layer's input norm (FTSERVE_DECODE_DOWN_NORM) and that layer's qkv

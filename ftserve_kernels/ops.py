@@ -254,13 +254,10 @@ def oproj_route(a: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None, re
 def fused_moe_routed(
     route: Any, route_eps: float, w13: torch.Tensor, w2: torch.Tensor, norm_w: torch.Tensor, eps: float,
     counter: torch.Tensor, defer: bool = False, prefetch: tuple[torch.Tensor, ...] = (),
-    sync: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
     """fused_moe_add_rms_norm for a row oproj_route routed: the gate/up launch
     applies the pending post-attention norm and writes the experts' weights;
-    the down launch prefetches ``prefetch`` into L2 (NormNext.prefetch). With
-    FTSERVE_MOE_ONE_LAUNCH and the next norm left pending, both in one launch
-    (moe_one_launch_triton; ``sync``: its zeroed words)."""
+    the down launch prefetches ``prefetch`` into L2 (NormNext.prefetch)."""
     from ftserve_kernels.moe_down_gemv_triton import NormNext
     from ftserve_kernels.moe_gemv_triton import RouteParts
 
@@ -268,16 +265,6 @@ def fused_moe_routed(
     assert k.moe_add_norm is not None, "oproj_route_applies said the GEMV pair runs"
     weights = torch.empty(route.ids.shape, dtype=torch.float32, device=route.ids.device)
     pending = defer and moe_defers_next_norm(route.scaled)
-    one = envs.moe_one_launch()
-    if pending and one != "0" and sync is not None and not prefetch:
-        from ftserve_kernels import moe_one_launch_triton as ol
-
-        if route.scaled.shape[1] % ol.OneLaunchConfig.gu_block_k == 0:
-            cfg = ol.OneLaunchConfig(prefetch=one == "1")
-            scaled, summed, parts, _ = ol.moe_one_launch(route.scaled, w13, w2, route.ids, route.parts,
-                                                         route.pre_sel, route_eps, route.summed, norm_w,
-                                                         sync, cfg)
-            return PendingNorm(scaled, parts), summed
     nn = NormNext(route.summed, norm_w, eps, counter, deferred=pending, prefetch=prefetch)
     first, summed, parts = k.moe_add_norm(route.scaled, w13, w2, weights, route.ids, nn,
                                           route=RouteParts(route.parts, route.pre_sel, route_eps))

@@ -178,16 +178,6 @@ def _compile_all() -> dict[str, dict[str, Any]]:
         comp("moe_gemv_down3d_defer" + ("_l2" if pf else ""), md._gemv_down_combine3d_kernel, down3d,
              dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, K_STEPS=3,
                   NORM_NEXT=True, NORM_DEFER=True, PF=pf, PF_NT=128), 4, 1)
-    # FTSERVE_MOE_ONE_LAUNCH: gate/up and down + combine in one grid (with and without the L2 prefetch).
-    from ftserve_kernels import moe_one_launch_triton as ol
-
-    one = {n: bf for n in ("x_ptr", "w13_ptr", "act_ptr", "w2_ptr", "res_ptr", "nw_ptr", "sum_ptr", "scaled_ptr")}
-    one |= {n: "*fp32" for n in ("parts_ptr", "sel_ptr", "wout_ptr", "pout_ptr")}
-    one |= {"ids_ptr": i32, "sync_ptr": i32, "eps": "fp32"}
-    for pf in (True, False):
-        comp("moe_one_launch" + ("_l2" if pf else ""), ol._moe_one_launch_kernel, one,
-             dict(TOP_K=8, BLOCK_TK=8, BLOCK_P=512, GU_N=16, GU_K=256, NB_GU=48, DN_N=4, DN_K=128, DN_STEPS=6,
-                  G_DN=512, SPIN=ol.MAX_SPIN, PF=pf, SLEEP=True, NT=512), 16, 3)
     # FTSERVE_DECODE_ROUTE_IN_OPROJ: gate/up over the pending norm, at the table's launch;
     # o_proj + router (oproj_route_triton) at o_proj's.
     comp("moe_gemv_gate_up_parts", mg._gemv_gate_up_kernel,

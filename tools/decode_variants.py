@@ -39,7 +39,6 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_ROUTE_BLOCK_E": "1",
     "FTSERVE_GEMV_ENTRY": "",
     "FTSERVE_L2_PREFETCH": "",
-    "FTSERVE_MOE_ONE_LAUNCH": "0",
 }
 
 
@@ -80,9 +79,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     # joined by "+" turns several switches and never enters the combination.
     out += [Variant(f"PDL=1 DENSE_GEMV={v}", "pdl+dense_gemv", {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": v})
             for v in ("1", "norm")]
-    one = DEFAULT_ENV["FTSERVE_MOE_ONE_LAUNCH"]
-    out += [Variant(f"MOE_ONE_LAUNCH={v}", "moe_one_launch", {"FTSERVE_MOE_ONE_LAUNCH": v})
-            for v in ("0", "1", "noprefetch") if v != one]
     # Which launches warm L2 with the next one's weights (ftserve_kernels/l2_prefetch.py).
     sites = DEFAULT_ENV["FTSERVE_L2_PREFETCH"]
     out += [Variant(f"L2_PREFETCH={v}", "l2_prefetch", {"FTSERVE_L2_PREFETCH": v})

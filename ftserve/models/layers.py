@@ -188,7 +188,6 @@ class MoEBlock(nn.Module):
         # Arrival counter of the fused norm + route kernel: zero between launches
         # (the kernel's last program re-zeroes it); made on first use, on x's device.
         self._route_counter: torch.Tensor | None = None
-        self._one_launch_sync: torch.Tensor | None = None
 
     def norm_route(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
@@ -205,14 +204,6 @@ class MoEBlock(nn.Module):
             return (normed, summed, *self.route(normed))
         return ops.add_rms_norm_route(x, residual, norm.weight, norm.eps, self.gate.weight,
                                       self.top_k, self.renormalize, self._counter(x))
-
-    def _sync(self, x: torch.Tensor) -> torch.Tensor:
-        """The one-launch MoE's sync words (moe_one_launch_triton): zero
-        between launches, one allocation (graphs capture its address)."""
-        c = self._one_launch_sync
-        if c is None or c.device != x.device:
-            c = self._one_launch_sync = torch.zeros(4, dtype=torch.int32, device=x.device)
-        return c
 
     def _counter(self, x: torch.Tensor) -> torch.Tensor:
         c = self._route_counter
@@ -255,7 +246,7 @@ class MoEBlock(nn.Module):
         residual and folds ``norm`` (pending with ``defer``, as there), and
         prefetches ``prefetch`` (the next layer's first weight) into L2."""
         return ops.fused_moe_routed(route, route_eps, self.w13, self.w2, norm.weight, norm.eps,
-                                    self._counter(route.scaled), defer, prefetch, self._sync(route.scaled))
+                                    self._counter(route.scaled), defer, prefetch)
 
     def compute_experts(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
