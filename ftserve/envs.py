@@ -7,7 +7,6 @@ which variant wins; see BENCHMARKS.md.
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
@@ -201,32 +200,6 @@ def pdl() -> int:
     router launch's weights load before the wait."""
     value = os.environ.get("FTSERVE_PDL", "0")
     return {"0": 0, "": 0, "1": 1, "wait": 2}.get(value, 1)
-
-
-L2_PREFETCH_SITES = ("oproj", "qkv")
-
-
-def l2_prefetch() -> frozenset[str]:
-    """FTSERVE_L2_PREFETCH: where a batch-1 decode launch prefetches the next
-    launch's weights into L2 (ftserve_kernels/l2_prefetch.py), a comma list of
-    ``oproj`` (the split-K attention programs prefetch o_proj's weight and the
-    folded router's, which the o_proj + route launch reads next) and ``qkv``
-    (the MoE down programs prefetch the next layer's qkv weight); "+" also
-    separates. Empty or 0: none."""
-    value = os.environ.get("FTSERVE_L2_PREFETCH", "")
-    return _l2_sites(value)
-
-
-@functools.lru_cache(maxsize=8)
-def _l2_sites(value: str) -> frozenset[str]:
-    if value in ("", "0"):
-        return frozenset()
-    sites = frozenset(v.strip() for v in value.replace("+", ",").split(",") if v.strip())
-    unknown = sites - set(L2_PREFETCH_SITES)
-    if unknown:
-        raise ValueError(f"FTSERVE_L2_PREFETCH={value!r}: unknown site(s) {sorted(unknown)}; "
-                         f"use a comma list of {', '.join(L2_PREFETCH_SITES)} (or 0 for none)")
-    return sites
 
 
 def fused_kv_store() -> bool:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ftserve_kernels import l2_prefetch, pdl
+from ftserve_kernels import pdl
 from ftserve_kernels.attention_common import (
     LOG2E,
     AttnKernelConfig,
@@ -49,7 +49,6 @@ def _decode_split_kernel(
     FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
     QK: tl.constexpr, ROUND_ROBIN: tl.constexpr = False, TILE_STEP: tl.constexpr = 1,
     PAGE_AHEAD: tl.constexpr = False, Q_FIRST: tl.constexpr = False,
-    pf_a=None, pf_a_n=0, pf_b=None, pf_b_n=0, PF: tl.constexpr = False, PF_NT: tl.constexpr = 128,
 ):
     # QK (decode_attention_qk_triton): q and the new token's k arrive raw (before
     # the per-head norms and the rotary) and this kernel normalizes and rotates
@@ -70,13 +69,6 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
-    if PF:
-        # The next launch's weights into L2 (l2_prefetch), shared by all programs:
-        # at short contexts most of them hold no tile and end just below.
-        part = (b * tl.num_programs(1) + kvh) * NUM_SPLITS + s
-        parts = tl.num_programs(0) * tl.num_programs(1) * NUM_SPLITS
-        l2_prefetch.issue(pf_a, pf_a_n, part, parts, PF_NT, True)
-        l2_prefetch.issue(pf_b, pf_b_n, part, parts, PF_NT, True)
     if ROUND_ROBIN:
         pos0 = s * BLOCK_N + tl.arange(0, BLOCK_N)
         page0 = tl.load(pt_ptr + b.to(tl.int64) * stride_pt + pos0 // PAGE_SIZE,
@@ -333,7 +325,6 @@ def decode_attention_triton(
     k_scale: torch.Tensor | None = None,  # [slots, Hkv] fp32, fp8 caches only
     v_scale: torch.Tensor | None = None,
     qk: DecodeQK | None = None,
-    prefetch: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
     """Split-K decode. With ``cfg.decode_fused_reduce`` the last split program of
     each (sequence, KV head) combines the splits itself (one launch); it needs
@@ -342,9 +333,7 @@ def decode_attention_triton(
     (float8_e4m3fn codes) need ``k_scale`` / ``v_scale``; tiles are dequantized in
     registers. With ``qk``, ``q`` is raw and the kernel applies the q/k norms and
     the rotary and stores the new K/V itself (twin: norm_rope.qk_norm_rotary_ref
-    with its kv_store, then this function without ``qk``). ``prefetch``: up to
-    two contiguous tensors the next launch reads, which the split programs
-    prefetch into L2 (l2_prefetch; a hint, outputs unchanged)."""
+    with its kv_store, then this function without ``qk``)."""
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -369,7 +358,6 @@ def decode_attention_triton(
     else:
         qk_args = (q, q, q, q, seq_lens, q, seq_lens, 0.0, 0, 0, 0, 0, 0)  # unread
     on = pdl.active(q)
-    pf = l2_prefetch.regions(prefetch, q.device)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, out,
         counters if counters is not None else seq_lens,  # unread unless fused
@@ -386,7 +374,6 @@ def decode_attention_triton(
         BLOCK_S=triton.next_power_of_2(num_splits), FP8=fp8, QK=qk is not None,
         ROUND_ROBIN=cfg.decode_round_robin, TILE_STEP=num_splits if cfg.decode_round_robin else 1,
         PAGE_AHEAD=cfg.decode_round_robin and cfg.decode_page_ahead, Q_FIRST=cfg.decode_q_first,
-        **l2_prefetch.kernel_args(pf, seq_lens), PF_NT=32 * cfg.decode_warps,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
     )
     if fused:

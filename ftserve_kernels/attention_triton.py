@@ -346,25 +346,21 @@ class TritonAttentionBackend:
     def decode_qk(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
         q_w: torch.Tensor, k_w: torch.Tensor, eps: float, cos_sin: torch.Tensor,
-        prefetch: tuple[torch.Tensor, ...] = (),
     ) -> torch.Tensor | None:
         """Decode attention from raw q/k [B, H, D]: the split kernel applies the
         per-head norms and the rotary and stores K/V itself (one launch fewer
         than qk_norm_rotary + forward). None where it does not apply (not a
-        decode batch, fp8 pages, partial rotary): the caller takes the usual path.
-        ``prefetch``: weights of the next launch, for the split programs to
-        prefetch into L2 (decode_attention_triton)."""
+        decode batch, fp8 pages, partial rotary): the caller takes the usual path."""
         pool = batch.kv_pool
         d = q.shape[-1]
         if not batch.is_decode or pool.k_scale is not None or cos_sin.shape[-1] != d:
             return None
         qk = DecodeQK(k, v, q_w, k_w, eps, batch.positions, cos_sin, batch.attn.out_cache_loc)
-        return self._decode(q, pool.k[layer], pool.v[layer], batch, None, None, qk, prefetch)
+        return self._decode(q, pool.k[layer], pool.v[layer], batch, None, None, qk)
 
     def _decode(
         self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: ForwardBatch,
         ks: torch.Tensor | None, vs: torch.Tensor | None, qk: DecodeQK | None = None,
-        prefetch: tuple[torch.Tensor, ...] = (),
     ) -> torch.Tensor:
         """Split-K decode attention over this layer's pages at the backend's
         split count and config (forward's decode path, and decode_qk's)."""
@@ -376,7 +372,7 @@ class TritonAttentionBackend:
                     if cfg.decode_fused_reduce else None)
         return decode_attention_triton(
             q, kc, vc, meta.page_table, meta.seq_lens, meta.page_size, scale, splits, cfg,
-            counters=counters, k_scale=ks, v_scale=vs, qk=qk, prefetch=prefetch,
+            counters=counters, k_scale=ks, v_scale=vs, qk=qk,
         )
 
     def num_splits(self, batch_size: int, num_kv_heads: int, device: torch.device,

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ftserve_kernels import gemv_configs as gc
-from ftserve_kernels import l2_prefetch, pdl
+from ftserve_kernels import pdl
 from ftserve_kernels.moe_read_through import (
     ReadThrough,
     _bank_rows,
@@ -84,14 +84,8 @@ def _gemv_down_combine3d_kernel(
     READ_THROUGH: tl.constexpr, BLOCK_M: tl.constexpr,
     PDL: tl.constexpr, NORM_NEXT: tl.constexpr = False, BLOCK_H: tl.constexpr = 16,
     NORM_DEFER: tl.constexpr = False, part_ptr=None,
-    pf_a=None, pf_a_n=0, pf_b=None, pf_b_n=0, PF: tl.constexpr = False, PF_NT: tl.constexpr = 128,
 ):
     pdl.enter(PDL)  # the ids / activations come from the kernel before
-    if PF:  # the next launch's weights into L2 (NormNext.prefetch)
-        part = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        parts = tl.num_programs(0) * tl.num_programs(1)
-        l2_prefetch.issue(pf_a, pf_a_n, part, parts, PF_NT, True)
-        l2_prefetch.issue(pf_b, pf_b_n, part, parts, PF_NT, True)
     # As _gemv_down_combine_kernel, with the k choices as a third tile axis: the
     # weight tile is [KP, N, K] and each choice's act row loads once as [KP, K]
     # (the 2-D kernel loaded it N times into registers, a second full-size tile
@@ -214,9 +208,6 @@ class NormNext:
     eps: float
     counter: torch.Tensor  # [1] int32
     deferred: bool = False
-    # Up to two weights the launch after this one reads (the next layer's qkv),
-    # for the down programs to prefetch into L2 (l2_prefetch; a hint).
-    prefetch: tuple[torch.Tensor, ...] = ()
 
 
 def moe_down_gemv(
@@ -257,14 +248,12 @@ def moe_down_gemv(
                          norm_next.eps, h)
         else:
             norm_args = (out, out, out, out, ids, 0.0, 0)  # unread
-        pf = l2_prefetch.regions(norm_next.prefetch, act.device) if norm_next is not None else None
         _gemv_down_combine3d_kernel[grid](*args, *_read_through_args(read_through, ids, w2, "w2_col"),
                                           *norm_args, K_STEPS=triton.cdiv(inter, cfg.block_k),
                                           NORM_NEXT=norm_next is not None,
                                           NORM_DEFER=norm_next is not None and norm_next.deferred,
                                           part_ptr=outs[2] if outs is not None and len(outs) == 3 else None,
                                           BLOCK_H=triton.next_power_of_2(h),
-                                          **l2_prefetch.kernel_args(pf, ids), PF_NT=32 * cfg.num_warps,
                                           **_read_through_consts(read_through), **consts)
     else:
         assert read_through is None and norm_next is None, "the 2-D down kernel has neither"

@@ -253,11 +253,10 @@ def oproj_route(a: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None, re
 
 def fused_moe_routed(
     route: Any, route_eps: float, w13: torch.Tensor, w2: torch.Tensor, norm_w: torch.Tensor, eps: float,
-    counter: torch.Tensor, defer: bool = False, prefetch: tuple[torch.Tensor, ...] = (),
+    counter: torch.Tensor, defer: bool = False,
 ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
     """fused_moe_add_rms_norm for a row oproj_route routed: the gate/up launch
-    applies the pending post-attention norm and writes the experts' weights;
-    the down launch prefetches ``prefetch`` into L2 (NormNext.prefetch)."""
+    applies the pending post-attention norm and writes the experts' weights."""
     from ftserve_kernels.moe_down_gemv_triton import NormNext
     from ftserve_kernels.moe_gemv_triton import RouteParts
 
@@ -265,7 +264,7 @@ def fused_moe_routed(
     assert k.moe_add_norm is not None, "oproj_route_applies said the GEMV pair runs"
     weights = torch.empty(route.ids.shape, dtype=torch.float32, device=route.ids.device)
     pending = defer and moe_defers_next_norm(route.scaled)
-    nn = NormNext(route.summed, norm_w, eps, counter, deferred=pending, prefetch=prefetch)
+    nn = NormNext(route.summed, norm_w, eps, counter, deferred=pending)
     first, summed, parts = k.moe_add_norm(route.scaled, w13, w2, weights, route.ids, nn,
                                           route=RouteParts(route.parts, route.pre_sel, route_eps))
     return (first if parts is None else PendingNorm(first, parts)), summed

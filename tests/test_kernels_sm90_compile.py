@@ -76,8 +76,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
         body = ptx[ptx.index(".entry"):]
         wait = body.find("griddepcontrol.wait")
         results[name] = {"shared": k.metadata.shared, "wgmma": "wgmma" in ptx,
-                         "cp_async": "cp.async" in ptx.replace("cp.async.bulk.prefetch", ""), "local": local,
-                         "bulk_prefetch": "cp.async.bulk.prefetch.L2" in ptx,
+                         "cp_async": "cp.async" in ptx, "local": local,
                          "pdl_wait": wait >= 0, "pdl_release": "griddepcontrol.launch_dependents" in body,
                          "loads_before_wait": body[:wait].count("ld.global") if wait >= 0 else -1}
 
@@ -114,15 +113,6 @@ def _compile_all() -> dict[str, dict[str, Any]]:
               BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False,
               BLOCK_S=64, QK=True, ROUND_ROBIN=True, TILE_STEP=64, PAGE_AHEAD=True),
          cfg.decode_warps, cfg.decode_stages)
-    # FTSERVE_L2_PREFETCH=oproj: the split programs prefetch the next launch's weights.
-    comp("decode_split_qk_rr_ahead_l2", at._decode_split_kernel,
-         attn | {"k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "pos_ptr": "*i64",
-                 "cs_ptr": "*fp32", "loc_ptr": "*i64", "eps": "fp32", "pf_a": bf, "pf_b": bf,
-                 "pf_a_n": "i32", "pf_b_n": "i32"},
-         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
-              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False,
-              BLOCK_S=64, QK=True, ROUND_ROBIN=True, TILE_STEP=64, PAGE_AHEAD=True, PF=True,
-              PF_NT=32 * cfg.decode_warps), cfg.decode_warps, cfg.decode_stages)
     # fp8 e4m3 KV pages (codes + per-token scales): store, decode and extend.
     fp8 = "*fp8e4nv"
     comp("store_kv_fp8", at._store_kv_kernel,
@@ -171,13 +161,6 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True), 8, 2)
     comp("moe_gemv_down", md._gemv_down_combine_kernel, gemv,
          dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True), 8, 2)
-    # The 3-D down kernel leaving the next norm pending, with FTSERVE_L2_PREFETCH=qkv.
-    down3d = gemv | {n: bf for n in ("res_ptr", "nw_ptr", "sum_ptr", "normed_ptr", "pf_a", "pf_b")}
-    down3d |= {"part_ptr": "*fp32", "cnt_ptr": i32, "eps": "fp32", "pf_a_n": "i32", "pf_b_n": "i32"}
-    for pf in (False, True):
-        comp("moe_gemv_down3d_defer" + ("_l2" if pf else ""), md._gemv_down_combine3d_kernel, down3d,
-             dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, K_STEPS=3,
-                  NORM_NEXT=True, NORM_DEFER=True, PF=pf, PF_NT=128), 4, 1)
     # FTSERVE_DECODE_ROUTE_IN_OPROJ: gate/up over the pending norm, at the table's launch;
     # o_proj + router (oproj_route_triton) at o_proj's.
     comp("moe_gemv_gate_up_parts", mg._gemv_gate_up_kernel,
@@ -316,8 +299,6 @@ def test_kernels_compile_for_sm90() -> None:
                  "moe_gate_up_T1",
                  "moe_gate_up_T8192", "decode_layer"):
         assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"
-    for name, r in results.items():  # the L2 prefetch exactly where it is compiled in
-        assert r["bulk_prefetch"] == name.endswith("_l2"), (name, r)
 
 
 if __name__ == "__main__":

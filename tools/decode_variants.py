@@ -38,7 +38,6 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_STEP_COPY_KERNEL": "1",
     "FTSERVE_ROUTE_BLOCK_E": "1",
     "FTSERVE_GEMV_ENTRY": "",
-    "FTSERVE_L2_PREFETCH": "",
 }
 
 
@@ -79,10 +78,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     # joined by "+" turns several switches and never enters the combination.
     out += [Variant(f"PDL=1 DENSE_GEMV={v}", "pdl+dense_gemv", {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": v})
             for v in ("1", "norm")]
-    # Which launches warm L2 with the next one's weights (ftserve_kernels/l2_prefetch.py).
-    sites = DEFAULT_ENV["FTSERVE_L2_PREFETCH"]
-    out += [Variant(f"L2_PREFETCH={v}", "l2_prefetch", {"FTSERVE_L2_PREFETCH": v})
-            for v in ("0", "oproj", "qkv", "oproj+qkv") if v != (sites or "0")]
     out.append(Variant("DECODE_LAYER_KERNEL=1", "decode_layer_kernel", {"FTSERVE_DECODE_LAYER_KERNEL": "1"}))
     out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
                        attn={"decode_fused_reduce": fused}))

@@ -56,36 +56,26 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cos_sin: torch.Tensor,
         normed: bool | ops.PendingNorm = False, next_norm: RMSNorm | None = None, defer: bool = False,
-        next_weight: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, bool | ops.PendingNorm]:
         """-> (x, residual, normed): the block's output and the running sum; with
         ``normed`` (in or out) x is already ``norm(x' + residual)``, the norm
         after the layer (``next_norm``: the next layer's input norm or the final
         one) having been folded into the layer before's last launch. ``defer``
         (next_norm is a layer's, whose qkv can apply it): the norm may come out
-        pending instead, an ops.PendingNorm with x = residual = the sum.
-        ``next_weight``: the weight the next launch after this layer reads (the
-        next layer's qkv), for its last launch to prefetch into L2 where
-        FTSERVE_L2_PREFETCH has ``qkv`` (ftserve_kernels/l2_prefetch.py)."""
+        pending instead, an ops.PendingNorm with x = residual = the sum."""
         if not normed and fused_layer.eligible(self, x, batch, cos_sin):  # batch-1 decode: one launch
             return (*fused_layer.forward(self, x, residual, batch, cos_sin), False)
         if next_norm is not None and self._routes_in_oproj(x):
             # One decode row: o_proj also routes, the experts weigh (no route launch).
-            folded = self.folded_router()
-            sites = envs.l2_prefetch()
-            o_proj = self.self_attn.o_proj
-            # The attention launch warms L2 with what the o_proj + route launch reads.
-            warm = ((o_proj.weight,) + (() if folded is None else (folded.r_o,))
-                    if "oproj" in sites else ())
             a, summed = self.self_attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin,
-                                                    normed=normed, project=False, prefetch=warm)
+                                                    normed=normed, project=False)
+            folded = self.folded_router()
             if folded is not None:
                 assert isinstance(self.mlp, MoEBlock)
-                post = self.post_attention_layernorm
+                o_proj, post = self.self_attn.o_proj, self.post_attention_layernorm
                 route = ops.oproj_route(a, o_proj.weight, o_proj.bias, summed, post.weight, folded,
                                         self.mlp.top_k, self.mlp._counter(a))
-                nxt = (next_weight,) if next_weight is not None and "qkv" in sites else ()
-                out, summed = self.mlp.compute_experts_routed(route, post.eps, next_norm, defer, nxt)
+                out, summed = self.mlp.compute_experts_routed(route, post.eps, next_norm, defer)
                 if isinstance(out, ops.PendingNorm):
                     return summed, summed, out
                 return out, summed, True
@@ -210,9 +200,7 @@ class DecoderForCausalLM(nn.Module):
             # Where the layer can, it applies the norm after it (the next layer's, or
             # the final one) in its last launch: x then arrives normed.
             after = self.layers[i + 1].input_layernorm if i + 1 < n else self.norm
-            nxt = self.layers[i + 1].self_attn.qkv_proj.weight if i + 1 < n else None
-            x, residual, normed = layer(x, residual, batch, self.cos_sin, normed, after, defer=i + 1 < n,
-                                        next_weight=nxt)
+            x, residual, normed = layer(x, residual, batch, self.cos_sin, normed, after, defer=i + 1 < n)
         assert residual is not None
         rows = batch.logits_indices
         if rows is not None and not (batch.is_decode and rows.shape[0] == x.shape[0]):

@@ -85,24 +85,20 @@ class Attention(nn.Module):
     def forward_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
         cos_sin: torch.Tensor, normed: bool | ops.PendingNorm = False, project: bool = True,
-        prefetch: tuple[torch.Tensor, ...] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """attention(norm(x + residual)), x + residual (x when residual is None); the
         norm folds into the qkv GEMV at decode sizes (ops.add_rms_norm_linear).
         ``normed``: the layer before already applied ``norm`` (x is
         norm(x' + residual), residual that sum), or left it pending (x is the sum).
-        ``project=False``: the attention output before o_proj [T, q].
-        ``prefetch``: weights the launch after attention reads (see attend)."""
+        ``project=False``: the attention output before o_proj [T, q]."""
         qkv, summed = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps,
                                               self.qkv_proj.weight, self.qkv_proj.bias, prenormed=normed)
-        return self.attend(qkv, batch, cos_sin, project, prefetch), summed
+        return self.attend(qkv, batch, cos_sin, project), summed
 
     def attend(self, qkv: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor,
-               project: bool = True, prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+               project: bool = True) -> torch.Tensor:
         """qkv [T, q + 2kv] -> o_proj(attention) [T, H] (without ``project``: the
-        attention [T, q]). ``prefetch``: up to two weights the launch after the
-        attention reads, which the decode attention launch prefetches into L2
-        where it folds the q/k norms (a hint: outputs unchanged)."""
+        attention [T, q])."""
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D], a view of qkv
@@ -117,7 +113,7 @@ class Attention(nn.Module):
             # The q/k norms, the rotary and the KV store inside the decode attention
             # launch (TritonAttentionBackend.decode_qk), where it applies.
             out = fold(q, k, v, self.layer_idx, batch, self.q_norm.weight, self.k_norm.weight,
-                       self.q_norm.eps, cos_sin, prefetch)
+                       self.q_norm.eps, cos_sin)
             if out is not None:
                 return self._project(out.reshape(t, self.q_size), project)
         if self.q_norm is not None and self.k_norm is not None:
@@ -238,15 +234,13 @@ class MoEBlock(nn.Module):
 
     def compute_experts_routed(
         self, route: OprojRoute, route_eps: float, norm: RMSNorm, defer: bool = False,
-        prefetch: tuple[torch.Tensor, ...] = (),
     ) -> tuple[torch.Tensor | ops.PendingNorm, torch.Tensor]:
         """compute_experts_norm for one row routed by o_proj (ops.oproj_route): the
         gate/up launch applies the post-attention norm left pending (eps
         ``route_eps``) and weighs the chosen experts; the down launch adds the
-        residual and folds ``norm`` (pending with ``defer``, as there), and
-        prefetches ``prefetch`` (the next layer's first weight) into L2."""
+        residual and folds ``norm`` (pending with ``defer``, as there)."""
         return ops.fused_moe_routed(route, route_eps, self.w13, self.w2, norm.weight, norm.eps,
-                                    self._counter(route.scaled), defer, prefetch)
+                                    self._counter(route.scaled), defer)
 
     def compute_experts(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
