@@ -39,19 +39,20 @@ def _case(e: int, h: int, q: int, seed: int, bias: bool) -> dict[str, Any]:
                 nw=1.0 + rnd(h, scale=0.1), gate=rnd(e, h, scale=h**-0.5))
 
 
-@pytest.mark.parametrize("block_e", [1, 2, 4])
+@pytest.mark.parametrize("block_e,packed", [(1, False), (2, False), (4, False), (2, True)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_oproj_route_matches_its_twin(block_e: int, bias: bool) -> None:
+def test_oproj_route_matches_its_twin(block_e: int, packed: bool, bias: bool) -> None:
     """The o_proj rows, the sum, w * sum and its partial sums of squares, the
-    pre-logits' top-k (ids in order, their values): as the torch twin, over
-    two launches that share the counter (left at zero)."""
+    pre-logits' top-k (ids in order, their values; by rounds of a max and a
+    min, or of one max over packed keys): as the torch twin, over two
+    launches that share the counter (left at zero)."""
     c = _case(16, 64, 128, seed=block_e, bias=bias)
     folded = orr.fold_router(c["gate"], c["nw"], c["o_w"], c["o_b"])
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     ref = orr.oproj_route_ref(c["a"], c["o_w"], c["o_b"], c["r"], c["nw"], folded, 4)
     for _ in range(2):
         got = orr.oproj_route_triton(c["a"], c["o_w"], c["o_b"], c["r"], c["nw"], folded, 4, counter,
-                                     block_e=block_e)
+                                     block_e=block_e, packed_topk=packed)
         assert counter.item() == 0
         torch.testing.assert_close(got.summed, ref.summed, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got.scaled, ref.scaled, rtol=1e-5, atol=1e-5)
@@ -66,9 +67,10 @@ def test_oproj_route_matches_its_twin(block_e: int, bias: bool) -> None:
     assert torch.equal(torch.topk(logits, 4).indices.to(torch.int32), ref.ids)
 
 
-def test_oproj_route_top_k_skips_nan_and_breaks_ties_low() -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_oproj_route_top_k_skips_nan_and_breaks_ties_low(packed: bool) -> None:
     """NaN pre-logits (garbage rows) never win and ids stay in range; equal
-    ones go to the lowest index."""
+    ones go to the lowest index (both top-k forms)."""
     c = _case(8, 32, 64, seed=3, bias=False)
     folded = orr.fold_router(c["gate"], c["nw"], c["o_w"])
     r_o = folded.r_o.clone()
@@ -80,7 +82,7 @@ def test_oproj_route_top_k_skips_nan_and_breaks_ties_low() -> None:
     rr[6] += 10.0 * c["r"][0]
     f = orr.FoldedRouter(r_o, rr, None, folded.versions)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    got = orr.oproj_route_triton(c["a"], c["o_w"], None, c["r"], c["nw"], f, 8, counter)
+    got = orr.oproj_route_triton(c["a"], c["o_w"], None, c["r"], c["nw"], f, 8, counter, packed_topk=packed)
     ids = got.ids[0].tolist()
     assert ids[:2] == [2, 6], ids
     assert sorted(ids[:7]) == [0, 1, 2, 3, 4, 6, 7] and 0 <= ids[7] < 8, ids
@@ -187,9 +189,10 @@ def test_gpu_oproj_route_at_the_real_shape() -> None:
     folded = orr.fold_router(gate, nw, o_w)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     ref = orr.oproj_route_ref(a, o_w, None, r, nw, folded, k)
-    for block_e in (1, 2, 4):
+    for block_e, packed in ((1, False), (2, False), (4, False), (2, True)):
         torch.cuda.synchronize()
-        got = orr.oproj_route_triton(a, o_w, None, r, nw, folded, k, counter, block_e=block_e)
+        got = orr.oproj_route_triton(a, o_w, None, r, nw, folded, k, counter, block_e=block_e,
+                                     packed_topk=packed)
         torch.cuda.synchronize()
         assert counter.item() == 0
         for name in ("summed", "scaled"):
@@ -227,3 +230,25 @@ def test_refresh_derived_refolds_in_place(tmp_path: Path, monkeypatch: pytest.Mo
     h = layer._folded
     assert h.r_o.data_ptr() == ptr and h.versions != g.versions
     torch.testing.assert_close(h.r_r, layer.mlp.gate.weight * layer.post_attention_layernorm.weight[None, :])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_oproj_route_top_k_orders_signs_zeros_and_ties(packed: bool) -> None:
+    """Pre-logits set directly (a one-hot attention row through R_o, no
+    residual): negative values, +0 and -0 (equal: the lower index first),
+    exact ties, a NaN (never picked while a number is left). Both top-k forms
+    return the ids sorted by value, ties to the lowest index, and the values."""
+    e, h, q, k = 16, 32, 48, 12
+    vals = [-3.0, 0.0, -0.0, 5.0, 5.0, float("nan"), -1e30, 2.0, -2.0, 2.0, 0.5, -0.5, 7.0, -7.0, 0.0, 1.0]
+    r_o = torch.zeros(e, q, device=DEVICE)
+    r_o[:, 0] = torch.tensor(vals, device=DEVICE)
+    f = orr.FoldedRouter(r_o, torch.zeros(e, h, device=DEVICE), None, ())
+    a = torch.zeros(1, q, device=DEVICE)
+    a[0, 0] = 1.0
+    o_w = torch.zeros(h, q, device=DEVICE)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    got = orr.oproj_route_triton(a, o_w, None, torch.zeros(1, h, device=DEVICE), torch.ones(h, device=DEVICE),
+                                 f, k, counter, packed_topk=packed)
+    order = sorted((i for i in range(e) if vals[i] == vals[i]), key=lambda i: (-vals[i], i))[:k]
+    assert got.ids[0].tolist() == order
+    assert got.pre_sel[0].tolist() == [vals[i] for i in order]

@@ -169,14 +169,14 @@ def _compile_all() -> dict[str, dict[str, Any]]:
               BLOCK_TK=8), 16, 3)
     from ftserve_kernels import oproj_route_triton as orr
 
-    for bias in (False, True):
-        comp("oproj_route" + ("_bias" if bias else ""), orr._oproj_route_kernel,
+    for bias, packed in ((False, False), (True, False), (False, True)):  # packed: FTSERVE_OPROJ_ROUTE_TOPK
+        comp("oproj_route" + ("_bias" if bias else "") + ("_packed" if packed else ""), orr._oproj_route_kernel,
              {n: bf for n in ("a_ptr", "wo_ptr", "bo_ptr", "r_ptr", "nw_ptr", "ro_ptr", "rr_ptr",
                               "z_ptr", "scaled_ptr")}
              | {n: "*fp32" for n in ("rb_ptr", "parts_ptr", "pre_ptr", "sel_ptr")}
              | {"ids_ptr": i32, "cnt_ptr": i32},
              dict(HAS_BIAS=bias, TOP_K=8, BLOCK_N=8, BLOCK_K=512, K_STEPS=8, N_STEPS=4, BLOCK_E=2,
-                  BLOCK_EALL=128, BLOCK_TK=8), 8, 3)
+                  BLOCK_EALL=128, BLOCK_TK=8, PACKED_TOPK=packed), 8, 3)
     if "HAS_MAP" in mt._moe_gate_up_kernel.arg_names:  # expert -> slot indirection
         comp("moe_gate_up_mapped", mt._moe_gate_up_kernel, moe,
              dict(TOP_K=8, HAS_MAP=True, **common), c.num_warps, c.num_stages)
