@@ -156,13 +156,13 @@ def _oproj_route_kernel(
                 key = (okey.to(tl.int64) << 32) | (BLOCK_EALL - 1 - e).to(tl.int64)
                 key = tl.where(eall, key, -(2**63))
                 for i in tl.static_range(TOP_K):
-                    best = tl.max(key, 0)
-                    idx = (BLOCK_EALL - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
-                    hi = (best >> 32).to(tl.int32)
+                    top = tl.max(key, 0)
+                    at = (BLOCK_EALL - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
+                    hi = (top >> 32).to(tl.int32)
                     val = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
                     sel = tl.where(tk == i, val, sel)
-                    isel = tl.where(tk == i, tl.minimum(idx, E - 1), isel)
-                    key = tl.where(e == idx, -(2**63), key)
+                    isel = tl.where(tk == i, tl.minimum(at, E - 1), isel)
+                    key = tl.where(e == at, -(2**63), key)
             else:
                 taken = e >= E
                 for i in tl.static_range(TOP_K):
@@ -206,6 +206,7 @@ def oproj_route_triton(
     counter: torch.Tensor,  # [1] int32, zero; left zero
     block_e: int = 2,  # router rows a program
     packed_topk: bool = False,  # one int64 max a round (FTSERVE_OPROJ_ROUTE_TOPK=packed)
+    maxnreg: int = 0,  # a register cap for ptxas (FTSERVE_OPROJ_ROUTE_MAXNREG; 0: none)
 ) -> OprojRoute:
     """-> OprojRoute. The o_proj rows launch as gemv_triton launches o_proj
     (this device's table entry for the shape, else the default)."""
@@ -235,5 +236,6 @@ def oproj_route_triton(
         K_STEPS=triton.cdiv(k, bk), N_STEPS=triton.cdiv(h, bk),
         BLOCK_E=block_e, BLOCK_EALL=triton.next_power_of_2(e), BLOCK_TK=triton.next_power_of_2(top_k),
         PACKED_TOPK=packed_topk, num_warps=config.num_warps, num_stages=config.num_stages,
+        **({"maxnreg": maxnreg} if maxnreg and a.is_cuda else {}),
     )
     return OprojRoute(summed, scaled, parts, sel, ids)

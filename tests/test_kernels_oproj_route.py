@@ -189,10 +189,10 @@ def test_gpu_oproj_route_at_the_real_shape() -> None:
     folded = orr.fold_router(gate, nw, o_w)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     ref = orr.oproj_route_ref(a, o_w, None, r, nw, folded, k)
-    for block_e, packed in ((1, False), (2, False), (4, False), (2, True)):
+    for block_e, packed, maxnreg in ((1, False, 0), (2, False, 0), (4, False, 0), (2, True, 0), (2, False, 80)):
         torch.cuda.synchronize()
         got = orr.oproj_route_triton(a, o_w, None, r, nw, folded, k, counter, block_e=block_e,
-                                     packed_topk=packed)
+                                     packed_topk=packed, maxnreg=maxnreg)
         torch.cuda.synchronize()
         assert counter.item() == 0
         for name in ("summed", "scaled"):
