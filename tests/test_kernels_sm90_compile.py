@@ -180,6 +180,13 @@ def _compile_all() -> dict[str, dict[str, Any]]:
              | {"ids_ptr": i32, "cnt_ptr": i32},
              dict(HAS_BIAS=bias, TOP_K=8, BLOCK_N=8, BLOCK_K=512, K_STEPS=8, N_STEPS=4, BLOCK_E=2,
                   BLOCK_EALL=128, BLOCK_TK=8, PACKED_TOPK=packed), 8, 3)
+    from ftserve_kernels import gemv_triton as gv
+
+    comp("gemv_qkv_parts_maxnreg48", gv._gemv_kernel,  # GemvConfig.maxnreg: the qkv GEMV over a pending norm
+         {n: bf for n in ("x_ptr", "r_ptr", "nw_ptr", "w_ptr", "b_ptr", "y_ptr", "sum_ptr")}
+         | {"eps": "fp32", "parts_ptr": "*fp32"},
+         dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, BLOCK_T=1, BLOCK_N=4, BLOCK_K=512,
+              BLOCK_KALL=2048, EVEN_K=True, K_STEPS=4, HAS_PARTS=True, BLOCK_P=512), 4, 3, maxnreg=48)
     comp("oproj_route_maxnreg80", orr._oproj_route_kernel,  # FTSERVE_OPROJ_ROUTE_MAXNREG=80
          {n: bf for n in ("a_ptr", "wo_ptr", "bo_ptr", "r_ptr", "nw_ptr", "ro_ptr", "rr_ptr", "z_ptr", "scaled_ptr")}
          | {n: "*fp32" for n in ("rb_ptr", "parts_ptr", "pre_ptr", "sel_ptr")} | {"ids_ptr": i32, "cnt_ptr": i32},
@@ -290,8 +297,9 @@ def test_kernels_compile_for_sm90() -> None:
     errors = {k: v["error"] for k, v in results.items() if "error" in v}
     assert not errors, errors
     # The register cap holds without spilling (the loop below checks the spills).
-    capped = results["oproj_route_maxnreg80"]
-    assert capped["regs"] == -1 or 0 < capped["regs"] <= 80, capped  # -1: no cuobjdump to read it
+    for name, cap in (("oproj_route_maxnreg80", 80), ("gemv_qkv_parts_maxnreg48", 48)):
+        capped = results[name]
+        assert capped["regs"] == -1 or 0 < capped["regs"] <= cap, (name, capped)  # -1: no cuobjdump
     for name, r in results.items():
         assert r["shared"] <= SMEM_LIMIT, (name, r)
         assert r["local"] in (0, -1), f"{name} spills registers to local memory: {r}"
