@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from ftserve_kernels import gemv_configs as gc
+from ftserve_kernels import pdl
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,9 @@ def _oproj_route_kernel(
     HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, N_STEPS: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EALL: tl.constexpr, BLOCK_TK: tl.constexpr,
-    PACKED_TOPK: tl.constexpr = False,
+    PACKED_TOPK: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
+    pdl.enter(PDL)  # a (the attention) and r come from the launches before
     pid = tl.program_id(0)
     dt = a_ptr.dtype.element_ty
     offs_k = tl.arange(0, BLOCK_K)
@@ -218,6 +220,7 @@ def oproj_route_triton(
     assert folded.r_o.shape == (e, k) and folded.r_r.shape == (e, h) and counter.dtype == torch.int32
     assert (o_b is None) == (folded.r_b is None), "folded with o_proj's bias iff it has one"
     config = gc.pick(gc.dense_key(False, h, k), 1, a.device) or gc.default("dense", a.is_cuda, h, 1)
+    on = pdl.active(a)
     bn, bk = config.block_n, min(config.block_k, triton.next_power_of_2(k))
     pe = triton.cdiv(e, block_e)
     pn = triton.cdiv(h, bn)
@@ -236,6 +239,6 @@ def oproj_route_triton(
         K_STEPS=triton.cdiv(k, bk), N_STEPS=triton.cdiv(h, bk),
         BLOCK_E=block_e, BLOCK_EALL=triton.next_power_of_2(e), BLOCK_TK=triton.next_power_of_2(top_k),
         PACKED_TOPK=packed_topk, num_warps=config.num_warps, num_stages=config.num_stages,
-        **({"maxnreg": maxnreg} if maxnreg and a.is_cuda else {}),
+        PDL=on, **pdl.launch(on), **({"maxnreg": maxnreg} if maxnreg and a.is_cuda else {}),
     )
     return OprojRoute(summed, scaled, parts, sel, ids)

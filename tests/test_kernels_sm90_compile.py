@@ -187,6 +187,11 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          | {"eps": "fp32", "parts_ptr": "*fp32"},
          dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, BLOCK_T=1, BLOCK_N=4, BLOCK_K=512,
               BLOCK_KALL=2048, EVEN_K=True, K_STEPS=4, HAS_PARTS=True, BLOCK_P=512), 4, 3, maxnreg=48)
+    comp("oproj_route_pdl", orr._oproj_route_kernel,  # FTSERVE_PDL=1
+         {n: bf for n in ("a_ptr", "wo_ptr", "bo_ptr", "r_ptr", "nw_ptr", "ro_ptr", "rr_ptr", "z_ptr", "scaled_ptr")}
+         | {n: "*fp32" for n in ("rb_ptr", "parts_ptr", "pre_ptr", "sel_ptr")} | {"ids_ptr": i32, "cnt_ptr": i32},
+         dict(HAS_BIAS=False, TOP_K=8, BLOCK_N=8, BLOCK_K=512, K_STEPS=8, N_STEPS=4, BLOCK_E=2,
+              BLOCK_EALL=128, BLOCK_TK=8, PDL=1), 8, 3)
     comp("oproj_route_maxnreg80", orr._oproj_route_kernel,  # FTSERVE_OPROJ_ROUTE_MAXNREG=80
          {n: bf for n in ("a_ptr", "wo_ptr", "bo_ptr", "r_ptr", "nw_ptr", "ro_ptr", "rr_ptr", "z_ptr", "scaled_ptr")}
          | {n: "*fp32" for n in ("rb_ptr", "parts_ptr", "pre_ptr", "sel_ptr")} | {"ids_ptr": i32, "cnt_ptr": i32},
@@ -311,7 +316,7 @@ def test_kernels_compile_for_sm90() -> None:
             assert r["pdl_wait"] and not r["pdl_release"], (name, r)
         else:
             assert r["pdl_wait"] == r["pdl_release"] == pdl, (name, r)
-    for name in ("decode_split_pdl", "decode_reduce_pdl", "rms_norm_pdl", "qk_norm_rotary_store"):
+    for name in ("decode_split_pdl", "decode_reduce_pdl", "rms_norm_pdl", "qk_norm_rotary_store", "oproj_route_pdl"):
         # Their every load reads an earlier kernel's output: none may move above the wait.
         assert results[name]["loads_before_wait"] == 0, (name, results[name])
     for name in ("extend", "decode_split", "decode_split_qk", "decode_split_qk_rr", "decode_split_qk_rr_ahead",
