@@ -112,19 +112,6 @@ def oproj_route_topk() -> str:
     return value
 
 
-def oproj_route_maxnreg() -> int:
-    """FTSERVE_OPROJ_ROUTE_MAXNREG (default 0: the compiler's choice): a register
-    cap for the o_proj + route launch. Uncapped, ptxas gives it 254 registers
-    (sm_90, triton 3.6: its unrolled K steps all in flight), one 8-warp program
-    per SM, so its 320 programs at qwen3-30b-a3b's shape run in three waves; at
-    80 (no spills, checked offline) three programs fit an SM: one wave."""
-    value = int(os.environ.get("FTSERVE_OPROJ_ROUTE_MAXNREG", "0") or "0")
-    if value < 0 or value > 255:
-        raise ValueError(f"FTSERVE_OPROJ_ROUTE_MAXNREG must be 0 (no cap) or a register count up to 255, "
-                         f"got {value}")
-    return value
-
-
 def decode_input_norm() -> bool:
     """FTSERVE_DECODE_INPUT_NORM (default on): a decode step applies the first
     layer's input norm where it gathers the embedding rows (the decode graph's

@@ -208,10 +208,12 @@ def oproj_route_triton(
     counter: torch.Tensor,  # [1] int32, zero; left zero
     block_e: int = 2,  # router rows a program
     packed_topk: bool = False,  # one int64 max a round (FTSERVE_OPROJ_ROUTE_TOPK=packed)
-    maxnreg: int = 0,  # a register cap for ptxas (FTSERVE_OPROJ_ROUTE_MAXNREG; 0: none)
 ) -> OprojRoute:
     """-> OprojRoute. The o_proj rows launch as gemv_triton launches o_proj
-    (this device's table entry for the shape, else the default)."""
+    (this device's table entry for the shape, else the default), its register
+    cap included: uncapped, ptxas gives this launch 254 registers on sm_90
+    (its unrolled K steps all in flight), one 8-warp program an SM, three
+    waves at qwen3-30b-a3b's shape; 80 fits three an SM without spilling."""
     t, k = a.shape
     h = o_w.shape[0]
     e = folded.r_o.shape[0]
@@ -239,6 +241,6 @@ def oproj_route_triton(
         K_STEPS=triton.cdiv(k, bk), N_STEPS=triton.cdiv(h, bk),
         BLOCK_E=block_e, BLOCK_EALL=triton.next_power_of_2(e), BLOCK_TK=triton.next_power_of_2(top_k),
         PACKED_TOPK=packed_topk, num_warps=config.num_warps, num_stages=config.num_stages,
-        PDL=on, **pdl.launch(on), **({"maxnreg": maxnreg} if maxnreg and a.is_cuda else {}),
+        PDL=on, **pdl.launch(on), **({"maxnreg": config.maxnreg} if config.maxnreg and a.is_cuda else {}),
     )
     return OprojRoute(summed, scaled, parts, sel, ids)

@@ -192,7 +192,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          | {n: "*fp32" for n in ("rb_ptr", "parts_ptr", "pre_ptr", "sel_ptr")} | {"ids_ptr": i32, "cnt_ptr": i32},
          dict(HAS_BIAS=False, TOP_K=8, BLOCK_N=8, BLOCK_K=512, K_STEPS=8, N_STEPS=4, BLOCK_E=2,
               BLOCK_EALL=128, BLOCK_TK=8, PDL=1), 8, 3)
-    comp("oproj_route_maxnreg80", orr._oproj_route_kernel,  # FTSERVE_OPROJ_ROUTE_MAXNREG=80
+    comp("oproj_route_maxnreg80", orr._oproj_route_kernel,  # its table entry's register cap (GemvConfig.maxnreg)
          {n: bf for n in ("a_ptr", "wo_ptr", "bo_ptr", "r_ptr", "nw_ptr", "ro_ptr", "rr_ptr", "z_ptr", "scaled_ptr")}
          | {n: "*fp32" for n in ("rb_ptr", "parts_ptr", "pre_ptr", "sel_ptr")} | {"ids_ptr": i32, "cnt_ptr": i32},
          dict(HAS_BIAS=False, TOP_K=8, BLOCK_N=8, BLOCK_K=512, K_STEPS=8, N_STEPS=4, BLOCK_E=2,

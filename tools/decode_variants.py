@@ -39,7 +39,6 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_ROUTE_BLOCK_E": "1",
     "FTSERVE_GEMV_ENTRY": "",
     "FTSERVE_OPROJ_ROUTE_TOPK": "rounds",
-    "FTSERVE_OPROJ_ROUTE_MAXNREG": "0",
 }
 
 
@@ -82,8 +81,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
             for v in ("1", "norm")]
     topk = "packed" if DEFAULT_ENV["FTSERVE_OPROJ_ROUTE_TOPK"] == "rounds" else "rounds"
     out.append(Variant(f"OPROJ_ROUTE_TOPK={topk}", "oproj_route_topk", {"FTSERVE_OPROJ_ROUTE_TOPK": topk}))
-    out += [Variant(f"OPROJ_ROUTE_MAXNREG={v}", "oproj_route_maxnreg", {"FTSERVE_OPROJ_ROUTE_MAXNREG": v})
-            for v in ("80", "128") if v != DEFAULT_ENV["FTSERVE_OPROJ_ROUTE_MAXNREG"]]
     out.append(Variant("DECODE_LAYER_KERNEL=1", "decode_layer_kernel", {"FTSERVE_DECODE_LAYER_KERNEL": "1"}))
     out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
                        attn={"decode_fused_reduce": fused}))
