@@ -121,18 +121,11 @@ class AttnKernelConfig:
     # 0.567 ms, 32k 0.689 -> 0.685. The sums over the splits run in another
     # order, so greedy tokens can differ from whole-head programs' (2k did at 16 steps).
     decode_reduce_block_d: int = 32
-    # The split programs load q beside the sequence length, before the exit of
-    # the splits with nothing to do (which then load q's 2 KB for nothing).
-    # H200 batch-1 replay (2026-12-04 18:57, tools.bench_decode_variants
-    # --trace): 2k 0.5405 -> 0.5387 ms (the split kernel 5.71 -> 5.50 us), 32k
-    # 0.6589 -> 0.6581. (Also loading the split outputs beside their lse in
-    # the reduce, empty splits' rows dropped by a select: 0.5462, removed.)
-    decode_q_first: bool = True
     # A decode batch whose longest sequence (the host bound max_seq_len) has
     # fewer tiles than this takes at most this many splits: past its tiles a
     # split holds nothing, so at short contexts fewer programs do the same
-    # work (0: off). H200 batch-1 replay at 2k (2026-12-04, the same runs as
-    # above): 64 splits 0.537 ms against 0.541 with 128; at 32k 64 splits lose
+    # work (0: off). H200 batch-1 replay at 2k (2026-12-04, tools.bench_decode_variants
+    # --trace): 64 splits 0.537 ms against 0.541 with 128; at 32k 64 splits lose
     # (0.685 against 0.658, 2026-12-02), where this cap does not apply.
     short_context_splits: int = 64
 

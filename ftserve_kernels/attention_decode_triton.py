@@ -48,7 +48,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
     QK: tl.constexpr, ROUND_ROBIN: tl.constexpr = False, TILE_STEP: tl.constexpr = 1,
-    PAGE_AHEAD: tl.constexpr = False, Q_FIRST: tl.constexpr = False,
+    PAGE_AHEAD: tl.constexpr = False,
 ):
     # QK (decode_attention_qk_triton): q and the new token's k arrive raw (before
     # the per-head norms and the rotary) and this kernel normalizes and rotates
@@ -95,37 +95,28 @@ def _decode_split_kernel(
     else:
         new_here = False
         cached_end = end
-    if QK and Q_FIRST:
-        # q's rows (and the rotary's row) load beside the sequence length, not
-        # after the empty-split exit below that waits for it.
-        hj0 = tl.arange(0, D // 2)
-        q_rows0 = q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-        qa = tl.load(q_rows0 + hj0[None, :], mask=gmask[:, None], other=0.0)
-        qb = tl.load(q_rows0 + D // 2 + hj0[None, :], mask=gmask[:, None], other=0.0)
-        p_first = tl.load(pos_ptr + b).to(tl.int64)
+    HALF: tl.constexpr = D // 2
+    hj = tl.arange(0, HALF)
+    if QK:
+        # q's rows and the position load beside the sequence length, not after
+        # the empty-split exit below that waits for it (H200 batch-1 replay,
+        # 2026-12-04: the split kernel 5.71 -> 5.50 us at 2k).
+        q_rows = q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+        qa = tl.load(q_rows + hj[None, :], mask=gmask[:, None], other=0.0)
+        qb = tl.load(q_rows + HALF + hj[None, :], mask=gmask[:, None], other=0.0)
+        p_new = tl.load(pos_ptr + b).to(tl.int64)
     if not FUSED_REDUCE:
         # A split with no cached tile that does not hold the new token (most of
-        # them at short contexts: 95 of 128 at 2k) stores its -inf lse and ends
-        # before q's loads. At batch 1 the splits' programs outnumber the SMs'
-        # slots, and those launched last waited for the first ones' q work.
+        # them at short contexts) stores its -inf lse and ends, before any of
+        # q's math (only q's 2 KB of loads, issued above, go unused).
         if (start >= cached_end) & (not new_here):
             tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + s, float("-inf"), mask=gmask)
             return
     dmask = d < D
-    HALF: tl.constexpr = D // 2
-    hj = tl.arange(0, HALF)
     if QK:
         ty = q_ptr.dtype.element_ty
-        if Q_FIRST:
-            p_new = p_first
-        else:
-            p_new = tl.load(pos_ptr + b).to(tl.int64)
         cos = tl.load(cs_ptr + p_new * stride_cos + hj)[None, :]  # [1, HALF] fp32
         sin = tl.load(cs_ptr + p_new * stride_cos + HALF + hj)[None, :]
-        if not Q_FIRST:
-            q_rows = q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-            qa = tl.load(q_rows + hj[None, :], mask=gmask[:, None], other=0.0)
-            qb = tl.load(q_rows + HALF + hj[None, :], mask=gmask[:, None], other=0.0)
         q1, q2 = _norm_rope_halves(qa.to(tl.float32), qb.to(tl.float32),
                                    qw_ptr, hj, cos, sin, eps, D, HALF, ty)  # [G, HALF] each
         end = cached_end
@@ -373,7 +364,7 @@ def decode_attention_triton(
         NUM_SPLITS=num_splits, UPCAST=interpreting(), FUSED_REDUCE=fused,
         BLOCK_S=triton.next_power_of_2(num_splits), FP8=fp8, QK=qk is not None,
         ROUND_ROBIN=cfg.decode_round_robin, TILE_STEP=num_splits if cfg.decode_round_robin else 1,
-        PAGE_AHEAD=cfg.decode_round_robin and cfg.decode_page_ahead, Q_FIRST=cfg.decode_q_first,
+        PAGE_AHEAD=cfg.decode_round_robin and cfg.decode_page_ahead,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
     )
     if fused:
