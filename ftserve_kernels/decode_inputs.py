@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftserve_kernels import pdl
 from ftserve_kernels.bookkeeping import StagedRows
 from ftserve_kernels.norm_rope import rms_norm_ref
 
@@ -123,8 +124,9 @@ def _decode_inputs_kernel(
     max_pages, hidden, eps, stride_pt, stride_rows, stride_emb, stride_out_emb,
     parity_ptr, pair_stride,
     FLAG: tl.constexpr, HAS_EMB: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_H: tl.constexpr, STAGED: tl.constexpr,
+    BLOCK_H: tl.constexpr, STAGED: tl.constexpr, RELEASE: tl.constexpr = False,
 ):
+    pdl.release(RELEASE)  # the step's first GEMV is placed now and loads its first tile meanwhile
     b = tl.program_id(0)
     j = tl.program_id(1)
     if STAGED:  # packed_ptr: the pinned pair's int64 address; the device word picks the row
@@ -209,7 +211,7 @@ def decode_inputs_triton(
         embed.stride(0) if embed is not None else 0, emb_out.stride(0),
         staged.parity if staged is not None else packed, staged.pair.stride(0) if staged is not None else 0,
         FLAG=flag, HAS_EMB=embed is not None, HAS_NORM=norm is not None, BLOCK_P=block_p,
-        BLOCK_H=block_h, STAGED=staged is not None, num_warps=warps,
+        BLOCK_H=block_h, STAGED=staged is not None, RELEASE=pdl.active(packed) != 0, num_warps=warps,
     )
     return out
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ftserve_kernels import pdl
 from ftserve_kernels.bookkeeping import StagedRows
 from ftserve_kernels.filter_triton import _float_key
 from ftserve_kernels.sampling import (
@@ -80,8 +81,9 @@ def _greedy_kernel(
     host_ptr, parity_ptr, pair_stride,
     NI: tl.constexpr, NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_LAST: tl.constexpr, SAMPLING: tl.constexpr, HAS_CUT: tl.constexpr,
-    HOST_OUT: tl.constexpr = False, ONE_ROW: tl.constexpr = True,
+    HOST_OUT: tl.constexpr = False, ONE_ROW: tl.constexpr = True, PDL: tl.constexpr = 0,
 ):
+    pdl.enter(PDL)  # the logits (and a filter's cuts) come from the launch before
     row = tl.program_id(0)
     c = tl.program_id(1)
     slot = tl.load(slots_ptr + row)
@@ -195,6 +197,7 @@ def greedy_sample_triton(
     chunk, num_chunks = vocab_chunks(rows, vocab, block, target_programs)
     part_v = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     part_i = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
+    on = pdl.active(logits)
     _greedy_kernel[(rows, num_chunks)](
         logits, slots, min_active, itab, part_v, part_i, counters, out,
         last if last is not None else out,
@@ -206,7 +209,7 @@ def greedy_sample_triton(
         host_out.pair.stride(0) if host_out is not None else 0,
         NI=ni, NUM_CHUNKS=num_chunks, BLOCK=block, BLOCK_C=triton.next_power_of_2(num_chunks),
         HAS_LAST=last is not None, SAMPLING=ftab is not None, HAS_CUT=cuts is not None,
-        HOST_OUT=host_out is not None, ONE_ROW=rows == 1, num_warps=4,
+        HOST_OUT=host_out is not None, ONE_ROW=rows == 1, PDL=on, num_warps=4, **pdl.launch(on),
     )
     return out
 

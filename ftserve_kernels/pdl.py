@@ -17,7 +17,10 @@ without the attribute (cuBLAS, torch ops) waits for full completion as always,
 so the ordering of the stream is kept. ``enter`` also releases the next kernel
 right after the wait: its programs can only take SM room this kernel's last
 wave leaves (all of this kernel's programs are placed by then). Stream capture
-records the programmatic edges, so the decode CUDA graphs keep them.
+records the programmatic edges, so the decode CUDA graphs keep them. The
+step's first kernel (decode_inputs.py) is launched without the attribute and
+calls ``release`` at its start: the first GEMV's programs are placed and load
+their first weight tile while it reads the host row over PCIe.
 
 Off unless FTSERVE_PDL=1 or =wait (ftserve/envs.py; wait: no early release),
 and only on CUDA devices of compute capability 9.0 or newer; never under the
@@ -62,6 +65,15 @@ def enter(PDL: tl.constexpr):
         gdc_wait()
         if PDL == 1:
             gdc_launch_dependents()
+
+
+@triton.jit
+def release(ON: tl.constexpr):
+    """Let the next kernel be scheduled now, in either mode: for the first
+    kernel of a decode step (launched without the attribute, so it waits for
+    the step before as always), whose few programs leave the SMs free."""
+    if ON:
+        gdc_launch_dependents()
 
 
 @functools.lru_cache(maxsize=16)

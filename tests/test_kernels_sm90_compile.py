@@ -242,6 +242,23 @@ def _compile_all() -> dict[str, dict[str, Any]]:
               "cut_key_ptr": "*i32", "cut_id_ptr": "*i32", "floor_ptr": "*fp32"},
              dict(NI=5, NUM_CHUNKS=148, BLOCK=1024, BLOCK_C=256, HAS_LAST=True, SAMPLING=True,
                   HAS_CUT=cut))
+    comp("greedy_sample_pdl", gt._greedy_kernel,  # FTSERVE_PDL=1
+         {"logits_ptr": "*bf16", "slots_ptr": "*i64", "min_ptr": "*i1", "itab_ptr": "*i64",
+          "part_v_ptr": "*fp32", "part_i_ptr": "*i32", "count_ptr": "*i32", "out_ptr": "*i64",
+          "last_ptr": "*i64", "ftab_ptr": "*fp32", "steps_ptr": "*i64", "min_temperature": "fp32",
+          "cut_key_ptr": "*i32", "cut_id_ptr": "*i32", "floor_ptr": "*fp32"},
+         dict(NI=5, NUM_CHUNKS=148, BLOCK=1024, BLOCK_C=256, HAS_LAST=True, SAMPLING=False,
+              HAS_CUT=False, PDL=1))
+    from ftserve_kernels import decode_inputs as di
+
+    i64 = "*i64"
+    comp("decode_inputs_release", di._decode_inputs_kernel,  # a step's first kernel with FTSERVE_PDL
+         {"packed_ptr": i64, "last_ptr": i64, "pt_ptr": i32, "emb_ptr": bf, "nw_ptr": bf, "normed_ptr": bf,
+          "ids_ptr": i64, "pos_ptr": i64, "loc_ptr": i64, "seq_ptr": i32, "pre_ptr": i32, "slot_ptr": i64,
+          "step_ptr": i64, "min_ptr": "*i8", "rows_ptr": i32, "out_emb_ptr": bf, "eps": "fp32",
+          "parity_ptr": i64},
+         dict(FLAG=1 << 62, HAS_EMB=True, HAS_NORM=True, BLOCK_P=1024, BLOCK_H=2048, STAGED=True,
+              RELEASE=True))
     comp("rotary", rt._rotary_kernel,
          {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "pos_ptr": "*i64", "cs_ptr": "*fp32"},
          dict(HQ=32, HK=4, D=128, HALF=64, BLOCK_HQ=32, BLOCK_HK=4, BLOCK_HALF=64, BLOCK_D=1))
@@ -314,9 +331,12 @@ def test_kernels_compile_for_sm90() -> None:
         pdl = name.endswith("_pdl") or name == "qk_norm_rotary_store"
         if name.endswith("_pdl_wait"):
             assert r["pdl_wait"] and not r["pdl_release"], (name, r)
+        elif name.endswith("_release"):  # released at its start, launched without the attribute
+            assert r["pdl_release"] and not r["pdl_wait"], (name, r)
         else:
             assert r["pdl_wait"] == r["pdl_release"] == pdl, (name, r)
-    for name in ("decode_split_pdl", "decode_reduce_pdl", "rms_norm_pdl", "qk_norm_rotary_store", "oproj_route_pdl"):
+    for name in ("decode_split_pdl", "decode_reduce_pdl", "rms_norm_pdl", "qk_norm_rotary_store", "oproj_route_pdl",
+                 "greedy_sample_pdl"):
         # Their every load reads an earlier kernel's output: none may move above the wait.
         assert results[name]["loads_before_wait"] == 0, (name, results[name])
     for name in ("extend", "decode_split", "decode_split_qk", "decode_split_qk_rr", "decode_split_qk_rr_ahead",
