@@ -198,20 +198,23 @@ def kv_layered_restore() -> bool:
 
 
 def pdl() -> int:
-    """FTSERVE_PDL (default 0, off): decode-path Triton kernels launch with
+    """FTSERVE_PDL (default 'wait'): decode-path Triton kernels launch with
     programmatic dependent launch on sm_90+ (ftserve_kernels/pdl.py) and wait
-    in-kernel for the kernel before them. 1: each also releases the next one
-    right after its wait; 'wait': no early release (the next one is released as
-    this one's programs exit). Off: on the H200 (2026-11-30 03:05, batch-1
-    decode graph replay, same tokens) mode 1 took 0.706 ms and 'wait' 0.686 ms
-    against 0.677 ms without PDL; 2026-12-01 18:47, 0.671 and 0.611 against
-    0.601; 2026-12-01 (python -m tools.bench_decode_variants --trace), with
-    the dependants then loading all their weights or their first KV tile
-    before the wait, 0.690 and 0.644 against 0.594: those preloads were
-    removed, and so was FTSERVE_PDL_PAIRS (two linked pairs only, 0.612 ms).
-    Left is the first form: only the GEMV's first weight tile and the norm +
-    router launch's weights load before the wait."""
-    value = os.environ.get("FTSERVE_PDL", "0")
+    in-kernel for the kernel before them; 'wait': no early release (the next
+    one is released as this one's programs exit); 1: each also releases the
+    next one right after its wait; 0: off. On since every launch of a batch-1
+    decode step takes part (the o_proj + route launch, the greedy sampler, and
+    the step's first kernel releasing the first GEMV): H200 2026-12-04, fresh
+    process, `python -m tools.bench_engine --sections limits,decode`, batch 1
+    at 2k 0.513 ms a step (72% of the roofline) against 0.536 off; at 32k 0.635
+    against 0.66; `bench_decode_variants` replays 0.507-0.525 against 0.533,
+    mode 1 0.541. Earlier, with the chain broken at the o_proj + route launch,
+    'wait' was even or slower (2026-11-30: 0.686 against 0.677 ms off;
+    2026-12-01 18:47: 0.611 against 0.601), and dependants that loaded all
+    their weights or their first KV tile before the wait were slower still
+    (removed, as was FTSERVE_PDL_PAIRS). Only the GEMV's first weight tile and
+    the norm + router launch's weights load before the wait."""
+    value = os.environ.get("FTSERVE_PDL", "wait")
     return {"0": 0, "": 0, "1": 1, "wait": 2}.get(value, 1)
 
 

@@ -72,7 +72,7 @@ def test_each_variant_turns_exactly_its_switch(monkeypatch: pytest.MonkeyPatch) 
     names = [v.name for v in variants]
     assert names[0] == "baseline" and len(set(names)) == len(names)
     assert {"DENSE_GEMV=0", "DENSE_GEMV=1", "DENSE_GEMV=norm", "MOE_GATEUP_ACC=1", "LM_HEAD_FP32=1", "LM_HEAD_GEMV=0",
-            "FUSED_KV_STORE=0", "PDL=1", "PDL=wait", "PDL=1 DENSE_GEMV=1", "PDL=1 DENSE_GEMV=norm",
+            "FUSED_KV_STORE=0", "PDL=0", "PDL=1", "PDL=1 DENSE_GEMV=1", "PDL=1 DENSE_GEMV=norm",
             "DECODE_LAYER_KERNEL=1", "DECODE_QK_FOLD=0", "DECODE_DOWN_NORM=0", "DECODE_DEFER_NORM=0",
             "attn fused_reduce=1", "attn programs_per_sm=2", "attn programs_per_sm=8",
             "attn max_splits=32", "attn max_splits=64", "attn max_splits=256"} <= set(names)

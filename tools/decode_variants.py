@@ -27,7 +27,7 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_DECODE_FUSION": "1",
     "FTSERVE_MOE_DOWN3D": "1",
     "FTSERVE_FUSED_KV_STORE": "1",
-    "FTSERVE_PDL": "0",
+    "FTSERVE_PDL": "wait",
     "FTSERVE_DECODE_LAYER_KERNEL": "0",
     "FTSERVE_DECODE_QK_FOLD": "1",
     "FTSERVE_DECODE_DOWN_NORM": "1",
@@ -74,7 +74,7 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     out.append(Variant("LM_HEAD_FP32=1", "lm_head_fp32", {"FTSERVE_LM_HEAD_FP32": "1"}))
     out.append(Variant("LM_HEAD_GEMV=0", "lm_head_gemv", {"FTSERVE_LM_HEAD_GEMV": "0"}))
     out.append(Variant("FUSED_KV_STORE=0", "fused_kv_store", {"FTSERVE_FUSED_KV_STORE": "0"}))
-    out += [Variant(f"PDL={v}", "pdl", {"FTSERVE_PDL": v}) for v in ("1", "wait")]
+    out += [Variant(f"PDL={v}", "pdl", {"FTSERVE_PDL": v}) for v in ("0", "1")]
     # PDL links only Triton kernels: with the cuBLAS GEMVs replaced too. A group
     # joined by "+" turns several switches and never enters the combination.
     out += [Variant(f"PDL=1 DENSE_GEMV={v}", "pdl+dense_gemv", {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": v})
