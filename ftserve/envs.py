@@ -99,19 +99,6 @@ def oproj_route_block_e() -> int:
     return value
 
 
-def oproj_route_topk() -> str:
-    """FTSERVE_OPROJ_ROUTE_TOPK (default rounds): how the o_proj + route
-    launch's last router program picks the top-k: ``rounds`` (each of the k
-    rounds a max, then a lowest-index min among the ties) or ``packed`` (one
-    max a round over int64 keys of value bits and reversed index). Same
-    experts, same order, same values. (A rank count over an [E, E] comparison
-    measured slower on the H200, 2026-12-04: the launch 9.73 us against 8.06.)"""
-    value = os.environ.get("FTSERVE_OPROJ_ROUTE_TOPK", "rounds") or "rounds"
-    if value not in ("rounds", "packed"):
-        raise ValueError(f"FTSERVE_OPROJ_ROUTE_TOPK must be rounds or packed, got {value!r}")
-    return value
-
-
 def decode_input_norm() -> bool:
     """FTSERVE_DECODE_INPUT_NORM (default on): a decode step applies the first
     layer's input norm where it gathers the embedding rows (the decode graph's
@@ -214,8 +201,8 @@ def pdl() -> int:
     their weights or their first KV tile before the wait were slower still
     (removed, as was FTSERVE_PDL_PAIRS). Only the GEMV's first weight tile and
     the norm + router launch's weights load before the wait."""
-    value = os.environ.get("FTSERVE_PDL", "wait")
-    return {"0": 0, "": 0, "1": 1, "wait": 2}.get(value, 1)
+    value = os.environ.get("FTSERVE_PDL") or "wait"
+    return {"0": 0, "1": 1, "wait": 2}.get(value, 1)
 
 
 def fused_kv_store() -> bool:

@@ -52,34 +52,26 @@ KINDS = MOE_KINDS + DENSE_KINDS
 @dataclass(frozen=True)
 class GemvConfig:
     """One GEMV kernel's launch parameters: output columns (rows of W) per
-    program, K elements per step, warps, software-pipeline stages (only the
-    kernels with a runtime K loop, moe_gate_up and moe_down2d, pipeline), and
-    a register cap for ptxas (0: none; the dense GEMV takes it, on CUDA: fewer
-    registers a program, more programs an SM)."""
+    program, K elements per step, warps, and software-pipeline stages (only the
+    kernels with a runtime K loop, moe_gate_up and moe_down2d, pipeline)."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    maxnreg: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if f.name == "maxnreg" else 1):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"GemvConfig.{f.name} must be a positive int, got {v!r}")
-        if self.maxnreg > 255:
-            raise ValueError(f"GemvConfig.maxnreg must be at most 255 (0: no cap), got {self.maxnreg}")
         for name in ("block_n", "block_k", "num_warps"):
             v = getattr(self, name)
             if v & (v - 1):
                 raise ValueError(f"GemvConfig.{name} must be a power of two, got {v}")
 
     def to_dict(self) -> dict[str, int]:
-        d = dataclasses.asdict(self)
-        if not self.maxnreg:  # tables written before the field existed read the same
-            del d["maxnreg"]
-        return d
+        return dataclasses.asdict(self)
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> GemvConfig:
@@ -151,17 +143,16 @@ def table_for(device_index: int, override: str | None) -> Table:
 
 
 def parse_entries(text: str) -> Table:
-    """FTSERVE_GEMV_ENTRY's entries -> a table: ``KEY@T=BN.BK.W.S`` (or
-    ``BN.BK.W.S.R``, R the register cap) joined by ";", KEY a table key with
-    "+" for its commas (a comma-free form, so a variant list can hold it).
-    ValueError names the entry that does not parse."""
+    """FTSERVE_GEMV_ENTRY's entries -> a table: ``KEY@T=BN.BK.W.S`` joined by
+    ";", KEY a table key with "+" for its commas (a comma-free form, so a
+    variant list can hold it). ValueError names the entry that does not parse."""
     out: Table = {}
     for item in filter(None, (p.strip() for p in text.split(";"))):
         key, at, rest = item.partition("@")
         t, eq, fields = rest.partition("=")
         try:
             if not (at and eq):
-                raise ValueError("not KEY@T=BN.BK.W.S[.R]")
+                raise ValueError("not KEY@T=BN.BK.W.S")
             key = key.replace("+", ",")
             parse_key(key)
             config = GemvConfig(*(int(v) for v in fields.split(".")))

@@ -244,6 +244,5 @@ def gemv_triton(
         num_warps=config.num_warps, num_stages=config.num_stages, PDL=on, **pdl.launch(on),
         **({} if parts is None else dict(parts_ptr=parts, P=parts.shape[1], HAS_PARTS=True,
                                          BLOCK_P=triton.next_power_of_2(parts.shape[1]))),
-        **({"maxnreg": config.maxnreg} if config.maxnreg and cuda else {}),
     )
     return y, summed

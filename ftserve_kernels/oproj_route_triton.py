@@ -116,7 +116,7 @@ def _oproj_route_kernel(
     HAS_BIAS: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, N_STEPS: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EALL: tl.constexpr, BLOCK_TK: tl.constexpr,
-    PACKED_TOPK: tl.constexpr = False, PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0,
 ):
     pdl.enter(PDL)  # a (the attention) and r come from the launches before
     pid = tl.program_id(0)
@@ -146,34 +146,17 @@ def _oproj_route_kernel(
             eall = e < E
             lg = tl.load(pre_ptr + e, mask=eall, other=float("-inf"), cache_modifier=".cg")
             work = tl.where(eall & (lg == lg), lg, float("-inf"))  # NaN (padding garbage) never wins
+            taken = e >= E
             tk = tl.arange(0, BLOCK_TK)
             sel = tl.zeros([BLOCK_TK], tl.float32)
             isel = tl.zeros([BLOCK_TK], tl.int32)
-            if PACKED_TOPK:
-                # One max a round over int64 keys: the value's bits made
-                # order-preserving in the high word (-0 as +0), the reversed
-                # index in the low one (ties: lowest index); padding never wins.
-                bits = tl.where(work == 0.0, 0.0, work).to(tl.int32, bitcast=True)
-                okey = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-                key = (okey.to(tl.int64) << 32) | (BLOCK_EALL - 1 - e).to(tl.int64)
-                key = tl.where(eall, key, -(2**63))
-                for i in tl.static_range(TOP_K):
-                    top = tl.max(key, 0)
-                    at = (BLOCK_EALL - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
-                    hi = (top >> 32).to(tl.int32)
-                    val = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-                    sel = tl.where(tk == i, val, sel)
-                    isel = tl.where(tk == i, tl.minimum(at, E - 1), isel)
-                    key = tl.where(e == at, -(2**63), key)
-            else:
-                taken = e >= E
-                for i in tl.static_range(TOP_K):
-                    best = tl.max(tl.where(taken, float("-inf"), work), 0)
-                    idx = tl.min(tl.where(~taken & (work == best), e, BLOCK_EALL), 0)  # lowest index on ties
-                    idx = tl.minimum(idx, E - 1)
-                    sel = tl.where(tk == i, best, sel)
-                    isel = tl.where(tk == i, idx, isel)
-                    taken = taken | (e == idx)
+            for i in tl.static_range(TOP_K):
+                best = tl.max(tl.where(taken, float("-inf"), work), 0)
+                idx = tl.min(tl.where(~taken & (work == best), e, BLOCK_EALL), 0)  # lowest index on ties
+                idx = tl.minimum(idx, E - 1)
+                sel = tl.where(tk == i, best, sel)
+                isel = tl.where(tk == i, idx, isel)
+                taken = taken | (e == idx)
             tl.store(sel_ptr + tk, sel, mask=tk < TOP_K)
             tl.store(ids_ptr + tk, isel, mask=tk < TOP_K)
             tl.atomic_xchg(cnt_ptr, 0)
@@ -207,13 +190,9 @@ def oproj_route_triton(
     top_k: int,
     counter: torch.Tensor,  # [1] int32, zero; left zero
     block_e: int = 2,  # router rows a program
-    packed_topk: bool = False,  # one int64 max a round (FTSERVE_OPROJ_ROUTE_TOPK=packed)
 ) -> OprojRoute:
     """-> OprojRoute. The o_proj rows launch as gemv_triton launches o_proj
-    (this device's table entry for the shape, else the default), its register
-    cap included: uncapped, ptxas gives this launch 254 registers on sm_90
-    (its unrolled K steps all in flight), one 8-warp program an SM, three
-    waves at qwen3-30b-a3b's shape; 80 fits three an SM without spilling."""
+    (this device's table entry for the shape, else the default)."""
     t, k = a.shape
     h = o_w.shape[0]
     e = folded.r_o.shape[0]
@@ -240,7 +219,6 @@ def oproj_route_triton(
         HAS_BIAS=o_b is not None, TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk,
         K_STEPS=triton.cdiv(k, bk), N_STEPS=triton.cdiv(h, bk),
         BLOCK_E=block_e, BLOCK_EALL=triton.next_power_of_2(e), BLOCK_TK=triton.next_power_of_2(top_k),
-        PACKED_TOPK=packed_topk, num_warps=config.num_warps, num_stages=config.num_stages,
-        PDL=on, **pdl.launch(on), **({"maxnreg": config.maxnreg} if config.maxnreg and a.is_cuda else {}),
+        num_warps=config.num_warps, num_stages=config.num_stages, PDL=on, **pdl.launch(on),
     )
     return OprojRoute(summed, scaled, parts, sel, ids)

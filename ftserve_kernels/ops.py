@@ -248,7 +248,7 @@ def oproj_route(a: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None, re
     from ftserve_kernels.oproj_route_triton import oproj_route_triton
 
     return oproj_route_triton(a, o_w, o_b, residual, norm_w, folded, top_k, counter,
-                              block_e=envs.oproj_route_block_e(), packed_topk=envs.oproj_route_topk() == "packed")
+                              block_e=envs.oproj_route_block_e())
 
 
 def fused_moe_routed(

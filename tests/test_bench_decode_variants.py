@@ -39,7 +39,7 @@ def _switches() -> dict[str, object]:
             "decode_route_in_oproj": envs.decode_route_in_oproj(),
             "oproj_route_block_e": envs.oproj_route_block_e(),
             "decode_input_norm": envs.decode_input_norm(),
-            "step_copy_kernel": envs.step_copy_kernel(), "oproj_route_topk": envs.oproj_route_topk()}
+            "step_copy_kernel": envs.step_copy_kernel()}
 
 
 def test_default_env_is_what_envs_reads_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:

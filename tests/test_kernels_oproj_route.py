@@ -39,20 +39,19 @@ def _case(e: int, h: int, q: int, seed: int, bias: bool) -> dict[str, Any]:
                 nw=1.0 + rnd(h, scale=0.1), gate=rnd(e, h, scale=h**-0.5))
 
 
-@pytest.mark.parametrize("block_e,packed", [(1, False), (2, False), (4, False), (2, True)])
+@pytest.mark.parametrize("block_e", [1, 2, 4])
 @pytest.mark.parametrize("bias", [False, True])
-def test_oproj_route_matches_its_twin(block_e: int, packed: bool, bias: bool) -> None:
+def test_oproj_route_matches_its_twin(block_e: int, bias: bool) -> None:
     """The o_proj rows, the sum, w * sum and its partial sums of squares, the
-    pre-logits' top-k (ids in order, their values; by rounds of a max and a
-    min, or of one max over packed keys): as the torch twin, over two
-    launches that share the counter (left at zero)."""
+    pre-logits' top-k (ids in order, their values): as the torch twin, over
+    two launches that share the counter (left at zero)."""
     c = _case(16, 64, 128, seed=block_e, bias=bias)
     folded = orr.fold_router(c["gate"], c["nw"], c["o_w"], c["o_b"])
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     ref = orr.oproj_route_ref(c["a"], c["o_w"], c["o_b"], c["r"], c["nw"], folded, 4)
     for _ in range(2):
         got = orr.oproj_route_triton(c["a"], c["o_w"], c["o_b"], c["r"], c["nw"], folded, 4, counter,
-                                     block_e=block_e, packed_topk=packed)
+                                     block_e=block_e)
         assert counter.item() == 0
         torch.testing.assert_close(got.summed, ref.summed, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got.scaled, ref.scaled, rtol=1e-5, atol=1e-5)
@@ -67,10 +66,9 @@ def test_oproj_route_matches_its_twin(block_e: int, packed: bool, bias: bool) ->
     assert torch.equal(torch.topk(logits, 4).indices.to(torch.int32), ref.ids)
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_oproj_route_top_k_skips_nan_and_breaks_ties_low(packed: bool) -> None:
+def test_oproj_route_top_k_skips_nan_and_breaks_ties_low() -> None:
     """NaN pre-logits (garbage rows) never win and ids stay in range; equal
-    ones go to the lowest index (both top-k forms)."""
+    ones go to the lowest index."""
     c = _case(8, 32, 64, seed=3, bias=False)
     folded = orr.fold_router(c["gate"], c["nw"], c["o_w"])
     r_o = folded.r_o.clone()
@@ -82,7 +80,7 @@ def test_oproj_route_top_k_skips_nan_and_breaks_ties_low(packed: bool) -> None:
     rr[6] += 10.0 * c["r"][0]
     f = orr.FoldedRouter(r_o, rr, None, folded.versions)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    got = orr.oproj_route_triton(c["a"], c["o_w"], None, c["r"], c["nw"], f, 8, counter, packed_topk=packed)
+    got = orr.oproj_route_triton(c["a"], c["o_w"], None, c["r"], c["nw"], f, 8, counter)
     ids = got.ids[0].tolist()
     assert ids[:2] == [2, 6], ids
     assert sorted(ids[:7]) == [0, 1, 2, 3, 4, 6, 7] and 0 <= ids[7] < 8, ids
@@ -173,12 +171,11 @@ def test_one_row_decode_routed_by_o_proj_matches_torch_path(
 
 
 @pytest.mark.gpu
-def test_gpu_oproj_route_at_the_real_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_oproj_route_at_the_real_shape() -> None:
     """qwen3-30b-a3b's layer shape in bf16 (E 128, H 2048, q 4096, k 8), outputs
     poisoned first: the o_proj rows and the pending norm within bf16 rounding of
     the twin, the pre-logits within fp32 summation order, and the ids the
-    twin's wherever the pre-logits around the k-th are not near-tied (also
-    under a register cap laid over the dense table entry the launch reads)."""
+    twin's wherever the pre-logits around the k-th are not near-tied."""
     e, h, q, k = 128, 2048, 4096, 8
     g = torch.Generator(device="cuda").manual_seed(12)
 
@@ -190,12 +187,9 @@ def test_gpu_oproj_route_at_the_real_shape(monkeypatch: pytest.MonkeyPatch) -> N
     folded = orr.fold_router(gate, nw, o_w)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     ref = orr.oproj_route_ref(a, o_w, None, r, nw, folded, k)
-    for block_e, packed, entry in ((1, False, ""), (2, False, ""), (4, False, ""), (2, True, ""),
-                                   (2, False, "dense:N=2048+K=4096@1=8.512.8.3.80")):
-        monkeypatch.setenv("FTSERVE_GEMV_ENTRY", entry)
+    for block_e in (1, 2, 4):
         torch.cuda.synchronize()
-        got = orr.oproj_route_triton(a, o_w, None, r, nw, folded, k, counter, block_e=block_e,
-                                     packed_topk=packed)
+        got = orr.oproj_route_triton(a, o_w, None, r, nw, folded, k, counter, block_e=block_e)
         torch.cuda.synchronize()
         assert counter.item() == 0
         for name in ("summed", "scaled"):
@@ -235,12 +229,11 @@ def test_refresh_derived_refolds_in_place(tmp_path: Path, monkeypatch: pytest.Mo
     torch.testing.assert_close(h.r_r, layer.mlp.gate.weight * layer.post_attention_layernorm.weight[None, :])
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_oproj_route_top_k_orders_signs_zeros_and_ties(packed: bool) -> None:
+def test_oproj_route_top_k_orders_signs_zeros_and_ties() -> None:
     """Pre-logits set directly (a one-hot attention row through R_o, no
     residual): negative values, +0 and -0 (equal: the lower index first),
-    exact ties, a NaN (never picked while a number is left). Both top-k forms
-    return the ids sorted by value, ties to the lowest index, and the values."""
+    exact ties, a NaN (never picked while a number is left): the ids sorted
+    by value, ties to the lowest index, and the values."""
     e, h, q, k = 16, 32, 48, 12
     vals = [-3.0, 0.0, -0.0, 5.0, 5.0, float("nan"), -1e30, 2.0, -2.0, 2.0, 0.5, -0.5, 7.0, -7.0, 0.0, 1.0]
     r_o = torch.zeros(e, q, device=DEVICE)
@@ -251,7 +244,7 @@ def test_oproj_route_top_k_orders_signs_zeros_and_ties(packed: bool) -> None:
     o_w = torch.zeros(h, q, device=DEVICE)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     got = orr.oproj_route_triton(a, o_w, None, torch.zeros(1, h, device=DEVICE), torch.ones(h, device=DEVICE),
-                                 f, k, counter, packed_topk=packed)
+                                 f, k, counter)
     order = sorted((i for i in range(e) if vals[i] == vals[i]), key=lambda i: (-vals[i], i))[:k]
     assert got.ids[0].tolist() == order
     assert got.pre_sel[0].tolist() == [vals[i] for i in order]

@@ -38,7 +38,6 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_STEP_COPY_KERNEL": "1",
     "FTSERVE_ROUTE_BLOCK_E": "1",
     "FTSERVE_GEMV_ENTRY": "",
-    "FTSERVE_OPROJ_ROUTE_TOPK": "rounds",
 }
 
 
@@ -79,8 +78,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     # joined by "+" turns several switches and never enters the combination.
     out += [Variant(f"PDL=1 DENSE_GEMV={v}", "pdl+dense_gemv", {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": v})
             for v in ("1", "norm")]
-    topk = "packed" if DEFAULT_ENV["FTSERVE_OPROJ_ROUTE_TOPK"] == "rounds" else "rounds"
-    out.append(Variant(f"OPROJ_ROUTE_TOPK={topk}", "oproj_route_topk", {"FTSERVE_OPROJ_ROUTE_TOPK": topk}))
     out.append(Variant("DECODE_LAYER_KERNEL=1", "decode_layer_kernel", {"FTSERVE_DECODE_LAYER_KERNEL": "1"}))
     out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
                        attn={"decode_fused_reduce": fused}))
