@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -200,6 +201,73 @@ def test_ftserve_chat_command(proc: Proc, monkeypatch: pytest.MonkeyPatch,
     assert "ftserve chat with 'ftserve-demo'" in out and "(history cleared)" in out
 
 
+def test_chat_commands_stay_local(proc: Proc) -> None:
+    """/help and an unknown /command answer locally; only real text (and //text, one slash
+    off) reaches the model."""
+    client = RecordingClient(proc.url, max_tokens=3)
+    client.sent = []
+    out = io.StringIO()
+    history: list[dict[str, str]] = []
+    rc = chat_loop(client, None, io.StringIO("/help\n/nonsense now\n//etc/hosts please\n/exit\n"),
+                   out, history)
+    assert rc == 0
+    text = out.getvalue()
+    assert "/reset" in text and "/exit" in text  # the help listing
+    assert "unknown command '/nonsense'" in text and "nothing was sent" in text
+    assert [[m["content"] for m in turn] for turn in client.sent] == [["/etc/hosts please"]]
+
+
+def test_chat_line_editing_on_a_terminal(proc: Proc) -> None:
+    """On a terminal the prompt has readline editing: "/hep", cursor left, "l" is "/help"."""
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: `ftserve chat` on the pty
+        os.execvpe(sys.executable, [sys.executable, "-m", "ftserve", "chat", "--url", proc.url],
+                   {**os.environ, "TERM": "xterm"})
+    seen = b""
+
+    def read_until(needle: bytes, timeout: float = 30.0) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while needle not in seen:
+            assert time.monotonic() < deadline, seen.decode(errors="replace")
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    seen += os.read(fd, 4096)
+                except OSError:  # the child closed the pty
+                    break
+
+    try:
+        read_until(b"> ")
+        os.write(fd, b"/hep\x1b[Dl\r")  # ESC [ D: cursor left
+        read_until(b"clear the conversation")
+        assert b"unknown command" not in seen
+        os.write(fd, b"/exit\r")
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(fd)
+
+
+def test_port_in_use_is_one_line(proc: Proc) -> None:
+    """A second server on a port that is taken: one error line naming the port and the flag,
+    exit status 1, no traceback."""
+    run = subprocess.run(
+        [sys.executable, "-m", "ftserve", "serve", "--port", str(proc.port), "--device", "cpu"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    errors = [line for line in run.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and str(proc.port) in errors[0] and "--port" in errors[0], run.stderr
+
+
 def test_sigterm_drains_in_flight_then_exits(proc: Proc) -> None:
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
                        "ignore_eos": True, "stream": True}).encode()
@@ -225,3 +293,4 @@ def test_sigterm_drains_in_flight_then_exits(proc: Proc) -> None:
     assert finish[0]["choices"][0]["finish_reason"] == "length"
     assert proc.popen.wait(timeout=30) == 0
     assert any("shut down cleanly" in line for line in proc.lines)
+

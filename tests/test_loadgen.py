@@ -364,3 +364,36 @@ def test_real_server_profile_soak_passes(ftserve_server: tuple[str, int], profil
                  if (a["session"], a["turn"]) == (b["session"], b["turn"])
                  and abs(a["prompt_tokens"] - b["prompt_tokens"]) <= 8]
         assert max(gains) >= 16, [(r["session"], r["turn"], r["prompt_tokens"], r["cached_tokens"]) for r in fan]
+
+
+def test_help_names_each_default_once_and_every_flag_has_help() -> None:
+    from tools.loadgen.cli import build_parser
+
+    parser = build_parser()
+    text = parser.format_help()
+    assert "(default: None)" not in text
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, f"{action.option_strings} has no help"
+            assert (action.help or "").count("default") <= 1
+
+
+def test_real_server_defaults_soak_restarts_sessions_before_the_server_limit(
+        ftserve_server: tuple[str, int], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """loadgen with its defaults against ftserve with its defaults: no --max-context, so
+    the ceiling comes from the server's card (the demo serves 4,096 tokens), and long turns
+    reach it within seconds. Sessions must restart before a prompt passes it: no 400s."""
+    url, pid = ftserve_server
+    with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
+        limit = json.loads(r.read())["data"][0]["max_model_len"]
+    assert limit < 8192  # the old assumed ceiling would overrun this server
+    rc = main(["--url", url, "--server-pid", str(pid), "--out", str(tmp_path), "--no-progress",
+               "--duration", "6", "--soak", "--sessions", "2", "--system-tokens", "600",
+               "--turn-tokens", "900", "--output-tokens", "8", "--max-output-tokens", "16",
+               "--ignore-eos", "--scrape-interval", "0.5", "--canary-interval", "2",
+               "--settle-timeout", "5"])
+    out = capsys.readouterr()
+    assert rc == 0, out.out + out.err
+    s = json.loads((tmp_path / "summary.json").read_text())["summary"]
+    assert s["failed"] == 0 and s["completed"] >= 4, s
+    assert limit // 2 < s["max_prompt_tokens"] <= limit, s  # it got near the limit, not past

@@ -1,7 +1,8 @@
 """``ftserve chat``: a terminal client that streams replies and keeps the history.
 
-Standard library only (urllib), so it runs wherever Python does. Commands:
-``/exit`` (or end of input) quits, ``/reset`` clears the history.
+Standard library only (urllib, and readline for line editing and history on a terminal),
+so it runs wherever Python does. Lines that start with ``/`` are commands and never reach the
+model (``//`` sends a line that starts with one ``/``): see ``COMMANDS``.
 """
 
 from __future__ import annotations
@@ -76,6 +77,31 @@ class ChatClient:
                         yield text
 
 
+COMMANDS = {
+    "/help": "list these commands",
+    "/reset": "clear the conversation (the system prompt stays)",
+    "/exit": "quit (so does end of input, Ctrl-D)",
+}
+
+
+def _read_line(inp: TextIO, out: TextIO) -> str | None:
+    """One line of user input without its newline; None at end of input. On a terminal the
+    prompt goes through input(), which readline gives line editing and history."""
+    if inp.isatty() and out.isatty():
+        try:
+            import readline  # noqa: F401  (importing it is what turns editing on for input())
+        except ImportError:  # not on every platform (Windows): plain input still works
+            pass
+        try:
+            return input("> ")
+        except EOFError:
+            return None
+    out.write("> ")
+    out.flush()
+    line = inp.readline()
+    return line.rstrip("\n") if line else None
+
+
 def chat_loop(client: ChatClient, system: str | None, inp: TextIO, out: TextIO,
               history: list[dict[str, str]] | None = None) -> int:
     """Read user lines, stream replies; returns the exit status. ``history`` (if given)
@@ -85,23 +111,31 @@ def chat_loop(client: ChatClient, system: str | None, inp: TextIO, out: TextIO,
         history = []
     history[:] = base
     try:
-        out.write(f"ftserve chat with '{client.model}' at {client.url} (/exit quits, /reset "
-                  "clears)\n")
+        out.write(f"ftserve chat with '{client.model}' at {client.url} (/help lists commands, "
+                  "/exit quits)\n")
     except ChatError as err:
         out.write(f"error: {err}\n")
         return 1
     while True:
-        out.write("> ")
-        out.flush()
-        line = inp.readline()
-        if not line or line.strip() == "/exit":
-            out.write("\n")
-            return 0
-        text = line.rstrip("\n")
-        if text.strip() == "/reset":
-            history[:] = base
-            out.write("(history cleared)\n")
+        text = _read_line(inp, out)
+        command = text.strip() if text is not None else "/exit"
+        if command.startswith("/") and not command.startswith("//"):
+            if command == "/exit":
+                out.write("\n")
+                return 0
+            if command == "/reset":
+                history[:] = base
+                out.write("(history cleared)\n")
+            elif command == "/help":
+                out.writelines(f"  {name:<7} {what}\n" for name, what in COMMANDS.items())
+                out.write("  //text   send a line that starts with '/'\n")
+            else:
+                out.write(f"unknown command {command.split()[0]!r}: /help lists the commands "
+                          "(nothing was sent)\n")
             continue
+        assert text is not None
+        if command.startswith("//"):
+            text = text.replace("//", "/", 1)
         if not text.strip():
             continue
         history.append({"role": "user", "content": text})

@@ -120,7 +120,12 @@ async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     loop.set_default_executor(
         concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ftserve-tok"))
     state = ServerState(server_cfg, served_name(server_cfg, engine_cfg.model))
-    server = await start_http(state, server_cfg.host, server_cfg.port)
+    try:
+        server = await start_http(state, server_cfg.host, server_cfg.port)
+    except OSError as err:  # taken port, unknown host, no permission: a start-up error
+        log.error("cannot listen on %s:%d (--host/--port): %s", server_cfg.host,
+                  server_cfg.port, err.strerror or err)
+        return 1
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

@@ -23,19 +23,37 @@ from tools.loadgen.runner import RunConfig, Runner, RunResult
 from tools.loadgen.soak import SoakConfig
 from tools.loadgen.stats import format_table, summarize
 
+# Used when neither --max-context nor the server's model card says how long a prompt may be.
+FALLBACK_MAX_CONTEXT = 8192
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" only where there is a default to show and the help text does
+    not already name it (argparse's own formatter also prints "(default: None)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is argparse.SUPPRESS or default is False
+                or "default" in text or action.option_strings == []):
+            return text
+        return f"{text} (default: {default})" if text else f"(default: {default})"
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tools.loadgen",
         description="Agentic multi-turn load and soak tests for OpenAI-compatible servers "
                     "(and Anthropic's Messages API).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     a = p.add_argument
     a("--url", default="http://127.0.0.1:8000", help="server base URL")
     a("--model", default=None, help="model name (default: first of GET /v1/models)")
     a("--api-key", default=None, help="sent as a Bearer token (as x-api-key on /v1/messages)")
-    a("--profile", choices=PROFILES, default="agentic")
+    a("--profile", choices=PROFILES, default="agentic",
+      help="workload: agentic = multi-turn sessions that resend the whole conversation; "
+           "shared-prefix = groups of requests over one long prompt; random = independent prompts")
     a("--seed", type=int, default=0, help="all generated content derives from it")
     g = p.add_argument_group("bounds and phases")
     g.add_argument("--duration", type=float, default=None,
@@ -44,15 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup", type=float, default=0.0, help="seconds of unmeasured warm-up")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after the stop")
-    g.add_argument("--request-timeout", type=float, default=600.0)
+    g.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds one request may take before it counts as failed")
     g = p.add_argument_group("workload")
     g.add_argument("--sessions", type=int, default=4, help="agentic: concurrent sessions")
     g.add_argument("--system-tokens", type=int, default=300, help="agentic: system prompt length")
     g.add_argument("--turn-tokens", type=float, default=200.0, help="agentic: mean new tokens per turn")
     g.add_argument("--tool-fraction", type=float, default=0.5, help="agentic: share of tool-output turns")
-    g.add_argument("--max-context", type=int, default=8192,
+    g.add_argument("--max-context", type=int, default=None,
                    help="agentic: context ceiling (tokens, approximate: the client has no "
-                        "tokenizer) before a session restarts; also caps prompt lengths elsewhere")
+                        "tokenizer) before a session restarts; also caps prompt lengths elsewhere "
+                        "(default: a tenth below the server's max_model_len from GET /v1/models, "
+                        f"else {FALLBACK_MAX_CONTEXT}; a larger value is lowered the same way)")
     g.add_argument("--think-time", type=float, default=0.0, help="agentic: mean think seconds")
     g.add_argument("--subagents", type=int, default=0,
                    help="agentic: requests a fan-out turn sends at once (the conversation plus a "
@@ -72,11 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "responses = OpenAI's /v1/responses (both: every profile), completions = /v1/completions (random/shared-prefix; "
                         "agentic then uses chat)")
     g.add_argument("--output-tokens", type=float, default=64.0, help="mean max_tokens per request")
-    g.add_argument("--max-output-tokens", type=int, default=1024)
-    g.add_argument("--length-dist", choices=("lognormal", "pareto", "fixed"), default="lognormal")
+    g.add_argument("--max-output-tokens", type=int, default=1024,
+                   help="upper bound on a request's max_tokens")
+    g.add_argument("--length-dist", choices=("lognormal", "pareto", "fixed"), default="lognormal",
+                   help="distribution of prompt and output lengths around their means")
     g.add_argument("--length-sigma", type=float, default=1.0,
                    help="lognormal sigma; pareto alpha = 1 + 1/sigma")
-    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature of every request (canaries are greedy)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos (vLLM/ftserve extension) so replies run to max_tokens")
     g.add_argument("--abort-rate", type=float, default=0.0,
@@ -84,10 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("soak checks")
     g.add_argument("--soak", action="store_true",
                    help="check /health and /metrics, leaks after drain, canary outputs; fail on any violation")
-    g.add_argument("--scrape-interval", type=float, default=1.0)
+    g.add_argument("--scrape-interval", type=float, default=1.0,
+                   help="soak: seconds between /health and /metrics scrapes")
     g.add_argument("--settle-timeout", type=float, default=15.0,
                    help="seconds after drain for running requests and KV usage to reach baseline")
-    g.add_argument("--max-rss-growth-mb", type=float, default=512.0)
+    g.add_argument("--max-rss-growth-mb", type=float, default=512.0,
+                   help="soak: allowed growth of the server's resident memory over the run")
     g.add_argument("--kv-usage-tolerance", type=float, default=0.0,
                    help="allowed KV usage ratio above baseline after drain")
     g.add_argument("--max-errors", type=int, default=0, help="soak: failed requests allowed")
@@ -100,19 +126,50 @@ def build_parser() -> argparse.ArgumentParser:
                         "nothing else was in flight (engines that are not batch-invariant)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="directory for requests.jsonl, summary.json, plots")
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--no-progress", action="store_true", help="no progress line while running")
     g.add_argument("--save-text", action="store_true", help="keep generated text in requests.jsonl")
     return p
 
 
-async def discover_model(url: str, api_key: str | None) -> str:
+@dataclasses.dataclass(frozen=True)
+class ServedModel:
+    """What GET /v1/models says about the model a run will drive."""
+
+    name: str
+    max_model_len: int | None  # None: the server does not say (not every server does)
+
+
+async def discover_model(url: str, api_key: str | None, name: str | None) -> ServedModel:
+    """The card of ``name`` (or of the first model listed) from GET /v1/models."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         async with s.get(url + "/v1/models", headers=headers) as r:
             r.raise_for_status()
             data = await r.json()
-    return str(data["data"][0]["id"])
+    cards = data["data"]
+    card = next((c for c in cards if c.get("id") == name), None) if name else cards[0]
+    if card is None:  # a name the server does not list: it may still route it
+        return ServedModel(str(name), None)
+    limit = card.get("max_model_len")
+    return ServedModel(str(card["id"]), int(limit) if isinstance(limit, int) and limit > 0 else None)
+
+
+def max_context_for(requested: int | None, served: int | None) -> int:
+    """The ceiling a run keeps conversations under: the flag, else the server's limit, else
+    the fallback. The server's limit is hard (a prompt plus max_tokens past it is a 400) and
+    the client only estimates tokens, so a ceiling taken from it keeps a tenth below it; a
+    flag past it is lowered the same way."""
+    if served is None:
+        return requested or FALLBACK_MAX_CONTEXT
+    safe = served - served // 10
+    if requested is None:
+        return safe
+    if requested > safe:
+        print(f"loadgen: --max-context {requested} is past what the server's max_model_len "
+              f"{served} leaves room for; using {safe}", file=sys.stderr)
+        return safe
+    return requested
 
 
 def config_from_args(ns: argparse.Namespace, model: str) -> RunConfig:
@@ -188,11 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     _validate(ns, p)
     url = ns.url.rstrip("/")
     try:
-        model = ns.model or asyncio.run(discover_model(url, ns.api_key))
-    except (aiohttp.ClientError, OSError, TimeoutError, KeyError, IndexError, ValueError) as e:
-        print(f"loadgen: cannot reach {url}/v1/models: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    cfg = config_from_args(ns, model)
+        served = asyncio.run(discover_model(url, ns.api_key, ns.model))
+    except (aiohttp.ClientError, OSError, TimeoutError, KeyError, IndexError, ValueError,
+            TypeError) as e:
+        if ns.model is None:
+            print(f"loadgen: cannot reach {url}/v1/models: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        served = ServedModel(ns.model, None)  # named model: run without the card
+    ns.max_context = max_context_for(ns.max_context, served.max_model_len)
+    cfg = config_from_args(ns, served.name)
 
     async def go() -> RunResult:
         return await Runner(cfg).run()
