@@ -92,7 +92,10 @@ def test_burst_gets_503_past_running_plus_queued(live: Live) -> None:
 
     asyncio.run(go())
     live.wait_idle(timeout=10)
-    assert live.state.door.count == 0  # every place given back
+    deadline = time.monotonic() + 5
+    while live.state.door.count:  # every place given back as its handler ends
+        assert time.monotonic() < deadline, live.state.door.count
+        time.sleep(0.02)
 
 
 # --- 5: amplification ----------------------------------------------------------------

@@ -172,9 +172,9 @@ class ServerState:
                              f"(--max-running-requests {engine.max_running_requests} + "
                              f"--max-queued-requests {self.cfg.max_queued_requests}); retry later")
         # The engine may run fewer than its maximum (short of KV pages): its queue
-        # still must not grow past the flag.
+        # still must not grow past the flag (0: no queue, but an empty one admits).
         waiting = engine.stats().waiting
-        if waiting >= self.cfg.max_queued_requests:
+        if waiting and waiting >= self.cfg.max_queued_requests:
             raise overloaded(f"too many queued requests ({waiting}); retry later")
         return Ticket(self.door)
 
