@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ftserve import envs
 from ftserve.config import ConfigError, EngineConfig, ServerConfig
 
 _TYPES = {"int": int, "float": float, "str": str}
@@ -47,6 +48,34 @@ def _config_from(cls: type, args: argparse.Namespace) -> Any:
     return cls(**values)
 
 
+def _api_key(server: ServerConfig) -> str | None:
+    """The key from --api-key, --api-key-file or FTSERVE_API_KEY (in that order of
+    preference; the first two exclude each other). Empty is an error wherever it comes
+    from: an unset variable in a script must not serve without auth silently."""
+    if server.api_key is not None and server.api_key_file is not None:
+        raise ConfigError("give --api-key or --api-key-file, not both")
+    if server.api_key is not None:
+        if not server.api_key.strip():
+            raise ConfigError("--api-key is empty: give a key, or omit the flag to serve without auth")
+        return server.api_key
+    if server.api_key_file is not None:
+        try:
+            with open(server.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as err:
+            raise ConfigError(f"--api-key-file: cannot read {server.api_key_file!r}: "
+                              f"{err.strerror or err}") from None
+        if not key:
+            raise ConfigError(f"--api-key-file: {server.api_key_file!r} holds no key (its first "
+                              "line is empty)")
+        return key
+    key = envs.api_key()
+    if key is not None and not key.strip():
+        raise ConfigError("FTSERVE_API_KEY is set but empty: give a key, or unset it to serve "
+                          "without auth")
+    return key.strip() if key is not None else None
+
+
 def configs_from_args(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     engine: EngineConfig = _config_from(EngineConfig, a)
     server: ServerConfig = _config_from(ServerConfig, a)
@@ -65,8 +94,14 @@ def configs_from_args(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig
         raise ConfigError("--max-body-bytes must be at least 1024")
     if server.drain_timeout < 0:
         raise ConfigError("--drain-timeout must be >= 0")
-    if server.api_key is not None and not server.api_key.strip():
-        raise ConfigError("--api-key is empty: give a key, or omit the flag to serve without auth")
+    if not server.http_keepalive_timeout > 0:
+        raise ConfigError("--http-keepalive-timeout must be > 0")
+    if not server.request_read_timeout > 0:
+        raise ConfigError("--request-read-timeout must be > 0")
+    server = dataclasses.replace(server, api_key=_api_key(server))
+    if server.metrics_require_key and server.api_key is None:
+        raise ConfigError("--metrics-require-key needs an API key (--api-key-file, "
+                          "FTSERVE_API_KEY or --api-key)")
     if server.served_model_name is not None and not server.served_model_name.strip():
         raise ConfigError("--served-model-name is empty: give a name, or omit the flag")
     if server.chat_template is not None:

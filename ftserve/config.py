@@ -111,10 +111,28 @@ class ServerConfig:
     host: str = _opt("127.0.0.1", "address to listen on")
     port: int = _opt(8000, "port to listen on")
     served_model_name: str | None = _opt(None, "model name in the API (default: the model dir's name)")
-    api_key: str | None = _opt(None, "require Authorization: Bearer <key> (or x-api-key on /v1/messages) on every route but /health and /metrics")
-    max_queued_requests: int = _opt(256, "waiting requests beyond which new ones get 503 (529 on /v1/messages) + Retry-After")
-    max_body_bytes: int = _opt(32 * 1024 * 1024, "largest request body accepted (413 above)")
-    drain_timeout: float = _opt(30.0, "seconds SIGTERM waits for in-flight requests before aborting them")
+    api_key: str | None = _opt(None, "require Authorization: Bearer <key> (or x-api-key on /v1/messages) "
+                                     "on every route but /health and /metrics; a flag shows in ps: "
+                                     "prefer --api-key-file or FTSERVE_API_KEY in the environment")
+    api_key_file: str | None = _opt(None, "read the API key from this file (its first line), instead "
+                                          "of --api-key")
+    metrics_require_key: bool = _opt(False, "require the API key on /metrics too (open by default, "
+                                            "for scrapers: with a --host other than loopback anyone "
+                                            "who reaches the port can read it)")
+    max_queued_requests: int = _opt(256, "requests past --max-running-requests that may wait; beyond "
+                                         "them new ones get 503 (529 on /v1/messages) + Retry-After")
+    # A 1M-token conversation is about 4 MB of text; JSON escaping (\uXXXX for non-ASCII
+    # from clients that escape it) can triple that, and the rest is headroom.
+    max_body_bytes: int = _opt(16 * 1024 * 1024, "largest request body accepted (413 above); the "
+                                                 "default holds a 1M-token conversation")
+    http_keepalive_timeout: float = _opt(75.0, "seconds a connection may wait for its next request "
+                                               "(or the rest of a request's headers) before it is "
+                                               "closed")
+    request_read_timeout: float = _opt(60.0, "seconds a request body may take to arrive (408 past "
+                                             "it)")
+    drain_timeout: float = _opt(30.0, "seconds SIGTERM waits for in-flight requests before ending "
+                                      "them (their replies finish as cut short: finish_reason "
+                                      "'length')")
     keepalive_interval: float = _opt(5.0, "seconds between SSE keep-alive comments on a quiet stream")
     reasoning_parser: str = _opt("auto", "auto (a chat template with <think> tags: the model's reasoning "
                                          "comes back as reasoning_content) | none (it stays in the content)")

@@ -24,6 +24,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FTSERVE_CACHE_DIR", Path.home() / ".cache" / "ftserve"))
 
 
+def api_key() -> str | None:
+    """FTSERVE_API_KEY: the server's API key when neither --api-key nor --api-key-file
+    gives one (an environment variable does not show in ps as a flag does). None
+    when unset; set but empty is a start-up error (cli.py), never "no auth"."""
+    return os.environ.get("FTSERVE_API_KEY")
+
+
 def kernels() -> str:
     """FTSERVE_KERNELS: auto (Triton on CUDA tensors, torch elsewhere) | triton | torch."""
     return os.environ.get("FTSERVE_KERNELS", "auto")

@@ -23,6 +23,7 @@ from ftserve.config import EngineConfig, ServerConfig
 from ftserve.server.serve import RunningServer, load_engine, start_http, warm_up
 from ftserve.server.state import ServerState
 from ftserve.server.text import TextCodec
+from ftserve.server.workers import LaneExecutor
 from tests.engine_util import make_context_sensitive
 
 T = TypeVar("T")
@@ -89,6 +90,8 @@ def start_live(engine_cfg: EngineConfig = TEST_ENGINE,
     state = ServerState(server_cfg, "ftserve-demo")
 
     async def boot() -> RunningServer:
+        # serve()'s worker threads, so tests see the lanes the server runs with.
+        asyncio.get_running_loop().set_default_executor(LaneExecutor())
         state.attach(engine, text, asyncio.get_running_loop())
         server = await start_http(state, "127.0.0.1", 0)
         await warm_up(state)

@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import resource
 import select
 import signal
 import subprocess
@@ -52,6 +53,50 @@ def test_every_engine_field_has_a_flag(tmp_path: Path) -> None:
     assert defaults == EngineConfig()  # no flag = the config's own default
     assert (server.host, server.port, server.served_model_name, server.api_key,
             server.max_queued_requests) == ("0.0.0.0", 1234, "x", "k", 5)
+
+
+def test_server_hardening_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key from a file or the environment (a flag shows in ps), /metrics behind
+    it, and the connection timeouts."""
+    monkeypatch.delenv("FTSERVE_API_KEY", raising=False)
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\nignored\n")
+    _, server = configs_from_args(build_parser().parse_args([
+        "serve", "--api-key-file", str(key_file), "--metrics-require-key",
+        "--http-keepalive-timeout", "5", "--request-read-timeout", "7.5"]))
+    assert (server.api_key, server.metrics_require_key, server.http_keepalive_timeout,
+            server.request_read_timeout) == ("s3cret", True, 5.0, 7.5)
+    monkeypatch.setenv("FTSERVE_API_KEY", " from-env ")
+    _, server = configs_from_args(build_parser().parse_args(["serve"]))
+    assert server.api_key == "from-env"
+    _, server = configs_from_args(build_parser().parse_args(["serve", "--api-key", "flag"]))
+    assert server.api_key == "flag"  # the flag, where given, wins
+    monkeypatch.delenv("FTSERVE_API_KEY")
+    _, server = configs_from_args(build_parser().parse_args(["serve"]))
+    assert server.api_key is None and not server.metrics_require_key
+    assert server.max_body_bytes == 16 << 20
+
+
+@pytest.mark.parametrize("argv, env, named", [
+    (["--http-keepalive-timeout", "0"], None, "--http-keepalive-timeout"),
+    (["--request-read-timeout", "-1"], None, "--request-read-timeout"),
+    (["--api-key", "k", "--api-key-file", "f"], None, "--api-key-file"),
+    (["--api-key-file", "/nonexistent/key"], None, "--api-key-file"),
+    (["--api-key-file", "EMPTY"], None, "--api-key-file"),
+    (["--metrics-require-key"], None, "--metrics-require-key"),
+    ([], "  ", "FTSERVE_API_KEY"),  # set but empty: never "no auth" by accident
+])
+def test_bad_hardening_values(argv: list[str], env: str | None, named: str, tmp_path: Path,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    argv = [str(empty) if a == "EMPTY" else a for a in argv]
+    if env is None:
+        monkeypatch.delenv("FTSERVE_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("FTSERVE_API_KEY", env)
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        configs_from_args(build_parser().parse_args(["serve", *argv]))
 
 
 def test_bad_flag_names_itself(capsys: pytest.CaptureFixture[str]) -> None:
@@ -121,14 +166,29 @@ def _health(url: str) -> int:
         return 0
 
 
+def _low_fd_limit() -> None:
+    """The child starts with the common soft limit of 1,024 open files."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024), hard))
+
+
+def _fd_limits(pid: int) -> tuple[int, int]:
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(x for x in f if x.startswith("Max open files"))
+    soft, hard = line.split()[3:5]
+    return int(soft), (1 << 62 if hard == "unlimited" else int(hard))
+
+
 @pytest.fixture(scope="module")
 def proc() -> Iterator[Proc]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("FTSERVE_API_KEY", None)
     popen = subprocess.Popen(
         [sys.executable, "-m", "ftserve", "serve", "--port", "0", "--device", "cpu",
          "--max-model-len", "512", "--num-pages", "128", "--max-running-requests", "2",
          "--cuda-graph-max-bs", "0", "--drain-timeout", "20", "--status-log-interval", "0"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+        preexec_fn=_low_fd_limit,
     )
     assert popen.stderr is not None
     lines: list[str] = []
@@ -166,6 +226,16 @@ def test_health_503_while_loading_then_banner(proc: Proc) -> None:
         time.sleep(0.05)
     text = "".join(proc.lines)
     assert f"http://127.0.0.1:{proc.port}" in text and "/v1/chat/completions" in text
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/limits"), reason="Linux /proc")
+def test_serve_raises_the_open_file_limit(proc: Proc) -> None:
+    """Every connection is a file descriptor: a soft limit of 1,024 ran out at 1,100
+    idle clients. The server raises it to the hard limit."""
+    soft, hard = _fd_limits(proc.popen.pid)
+    if hard <= 1024:
+        pytest.skip("the hard limit leaves nothing to raise")
+    assert soft == (65536 if hard == 1 << 62 else hard), (soft, hard)
 
 
 class RecordingClient(ChatClient):

@@ -365,6 +365,12 @@ class Engine(EngineCore):
         self.model_config = model_config
         self.summary = summary  # start-up facts for logs and /v1/models
 
+    @property
+    def max_running_requests(self) -> int:
+        """Requests decoding at once (--max-running-requests): the server's door
+        admits that many plus its queue."""
+        return int(self.scheduler.max_running)
+
     @classmethod
     def from_config(cls, cfg: Any) -> Engine:
         from ftserve.engine.setup import build_engine

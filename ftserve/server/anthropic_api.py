@@ -69,10 +69,14 @@ async def count_tokens(request: web.Request) -> web.Response:
 async def messages(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE_KEY]
+    with state.admit():  # the door, before the body is read (state.py); full: 529
+        return await _respond(request, state, arrival)
+
+
+async def _respond(request: web.Request, state: ServerState, arrival: float) -> web.StreamResponse:
     req = parse_messages_request(await read_json(request))
     state.check_model(req.chat.model)
     engine, text = state.ready()
-    state.check_queue(engine)
     parsed = req.for_template(text)
     prompt = await chat_prompt(state, text, parsed)
     # max_tokens is a ceiling, as Anthropic's newer models take it (agents ask for 32k

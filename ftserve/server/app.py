@@ -62,9 +62,9 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     # Anthropic's clients send the key as x-api-key; on its routes that header counts too.
     anthropic = request.path.startswith(ANTHROPIC_PREFIX)
     x_api_key = request.headers.get("x-api-key") if anthropic else None
-    if request.path not in _OPEN_PATHS and not state.authorized(
-        request.headers.get("Authorization"), x_api_key
-    ):
+    open_path = request.path in _OPEN_PATHS and not (
+        request.path == "/metrics" and state.cfg.metrics_require_key)
+    if not open_path and not state.authorized(request.headers.get("Authorization"), x_api_key):
         how = "'x-api-key: <key>' or " if anthropic else ""
         raise APIError(401, f"invalid or missing API key (send {how}'Authorization: Bearer <key>')",
                        code="invalid_api_key")
@@ -142,6 +142,12 @@ async def tokenize(request: web.Request) -> web.Response:
         if not isinstance(prompt, str):
             raise bad_request("'prompt' (a string) or 'messages' is required", param="prompt")
     ids = await text.encode_async(prompt, add_special_tokens=special_flag)
+    if len(ids) > engine.max_model_len:
+        # The reply is bounded as a prompt is: a 25 MB text's ids are a 130 MB reply.
+        raise APIError(400, f"the text is {len(ids)} tokens, more than this model's maximum "
+                       f"context length of {engine.max_model_len} tokens, the most /tokenize "
+                       "returns", param="messages" if "messages" in body else "prompt",
+                       code="context_length_exceeded")
     return _json({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
 
 
@@ -152,6 +158,10 @@ async def detokenize(request: web.Request) -> web.Response:
         raise bad_request("request body must be a JSON object")
     engine, text = state.ready()
     ids = body.get("tokens")
+    if isinstance(ids, list) and len(ids) > engine.max_model_len:
+        raise bad_request(f"'tokens' holds {len(ids)} ids; /detokenize takes at most this "
+                          f"model's maximum context length, {engine.max_model_len}",
+                          param="tokens", code="context_length_exceeded")
     if not isinstance(ids, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < engine.vocab_size for t in ids
     ):

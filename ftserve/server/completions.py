@@ -13,7 +13,15 @@ from aiohttp import web
 
 from ftserve.engine.grammar import GrammarMatcher
 from ftserve.engine.messages import TokenLogprob
-from ftserve.server import batch, reasoning, response_format, sse, tool_calls, tool_choice
+from ftserve.server import (
+    batch,
+    reasoning,
+    response_format,
+    sse,
+    tool_calls,
+    tool_choice,
+    workers,
+)
 from ftserve.server import responses as R
 from ftserve.server.chat_output import ChatOutputFilter, split_whole
 from ftserve.server.errors import APIError, bad_request
@@ -24,11 +32,40 @@ from ftserve.server.text import TemplateError, TextCodec
 
 
 async def read_json(request: web.Request) -> Any:
-    raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge -> 413
+    """The body as JSON. It must arrive within --request-read-timeout (408), decode
+    as its Content-Encoding says (gzip / deflate that does not: 400) and stay within
+    --max-body-bytes (aiohttp's 413). A body past workers.HEAVY_BODY_BYTES moves the
+    request's blocking work to the heavy lane, its JSON parsing included."""
+    timeout = request.app[STATE_KEY].cfg.request_read_timeout
     try:
+        async with asyncio.timeout(timeout):
+            raw = await request.read()
+    except TimeoutError:
+        _abandon_body(request)
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s "
+                       "(the server's --request-read-timeout)", code="request_timeout",
+                       close=True) from None
+    except web.RequestPayloadError as err:
+        _abandon_body(request)
+        cause = err.args[0] if err.args else err
+        raise APIError(400, "the request body could not be read: "
+                       f"{getattr(cause, 'message', cause)}", code="invalid_body",
+                       close=True) from None
+    try:
+        if workers.mark_heavy(len(raw)):
+            # Megabytes of JSON take tens of milliseconds to parse: not on the loop.
+            return await asyncio.get_running_loop().run_in_executor(None, orjson.loads, raw)
         return orjson.loads(raw)
     except orjson.JSONDecodeError as err:
         raise bad_request(f"invalid JSON body: {err}") from None
+
+
+def _abandon_body(request: web.Request) -> None:
+    """The rest of the body will not be read: aiohttp would otherwise read on after
+    the answer (and, for a body that failed to decode, log the failure again as an
+    unhandled exception and reset the connection before the client reads the answer).
+    The answer closes the connection instead (APIError ``close``)."""
+    request.content.feed_eof()
 
 
 @dataclass(frozen=True)
@@ -70,22 +107,29 @@ async def chat_prompt(state: ServerState, text: TextCodec, parsed: ParsedRequest
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE_KEY]
-    parsed = parse_chat(await read_json(request))
-    state.check_model(parsed.model)
-    engine, text = state.ready()
-    state.check_queue(engine)
-    cp = await chat_prompt(state, text, parsed)
-    ids = batch.truncate(parsed, cp.ids, engine.max_model_len)  # the end stays: think, forced
-    return await _run(request, state, parsed, [ids], arrival, "chatcmpl-", cp.think, cp.forced)
+    with state.admit() as ticket:  # the door, before the body is read (state.py)
+        parsed = parse_chat(await read_json(request))
+        ticket.choices(parsed.n)
+        state.check_model(parsed.model)
+        engine, text = state.ready()
+        cp = await chat_prompt(state, text, parsed)
+        ids = batch.truncate(parsed, cp.ids, engine.max_model_len)  # the end stays: think, forced
+        return await _run(request, state, parsed, [ids], arrival, "chatcmpl-", cp.think, cp.forced)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE_KEY]
-    parsed = parse_completion(await read_json(request))
+    with state.admit() as ticket:  # the door, before the body is read (state.py)
+        parsed = parse_completion(await read_json(request))
+        ticket.choices(len(parsed.prompts) * parsed.n)
+        return await _complete(request, state, parsed, arrival)
+
+
+async def _complete(request: web.Request, state: ServerState, parsed: ParsedRequest,
+                    arrival: float) -> web.StreamResponse:
     state.check_model(parsed.model)
     engine, text = state.ready()
-    state.check_queue(engine)
     prompts = await batch.encode_prompts(parsed, engine, text)  # a batch: prompt_index * n + j
     full_lens = [len(p) for p in prompts]
     prompts = [batch.truncate(parsed, p, engine.max_model_len) for p in prompts]

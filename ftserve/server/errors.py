@@ -36,7 +36,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        close: bool = False,
     ) -> None:
+        """``close``: the connection closes after this answer (its request's body
+        was not read to the end, so the next bytes are no request)."""
         super().__init__(message)
         self.status = status
         self.message = message
@@ -44,6 +47,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        self.close = close
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -72,12 +76,15 @@ class APIError(Exception):
         return {"type": "error", "error": {"type": self.anthropic_type(), "message": self.message}}
 
     def response(self, anthropic: bool = False) -> web.Response:
-        return web.Response(
+        resp = web.Response(
             status=self.anthropic_status() if anthropic else self.status,
             body=orjson.dumps(self.to_anthropic() if anthropic else self.to_dict()),
             content_type="application/json",
             headers=self.headers,
         )
+        if self.close:
+            resp.force_close()
+        return resp
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -121,6 +128,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.status < 400:
             raise
         return _from_http_exception(exc).response(anthropic)
+    except ConnectionError as exc:
+        # The client left before the response's headers went out (a cancelled handler
+        # is the usual way out; this is the race where the transport closed first).
+        # Nothing to answer and nothing wrong here: one line, no traceback.
+        log.info("client gone before the response started: %s %s (%s)", request.method,
+                 request.path, exc)
+        return web.Response(status=499)  # never sent; nginx's "client closed request"
     except Exception:
         # A bug on our side; the client still gets an error object of its API, and
         # the traceback goes to the log where it can be fixed.
@@ -136,4 +150,4 @@ def renamed(err: APIError, names: dict[str, str]) -> APIError:
         return err
     message = err.message.replace(f"'{err.param}'", f"'{name}'")
     return APIError(err.status, message, err_type=err.err_type, param=name, code=err.code,
-                    headers=err.headers)
+                    headers=err.headers, close=err.close)

@@ -64,7 +64,7 @@ class Step:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_reason: str | None  # "stop" | "length" once finished ("abort": closed by us)
     # The first step of a request with prompt logprobs: one per prompt token (None first).
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
@@ -167,14 +167,20 @@ class Generation:
             self._finish("stop", now)
         elif out.finished:
             text += self._detok.finish()
-            self._finish("stop" if out.finish_reason == "stop" else out.finish_reason, now)
+            if out.finish_reason == "abort":
+                # The engine ended it early (a drain that timed out, a shutdown): the
+                # client sees "length", the reason its API has for a cut-short reply
+                # ("abort" is no OpenAI finish_reason); /metrics still counts an abort.
+                self._finish("length", now, counted="abort")
+            else:
+                self._finish("stop" if out.finish_reason == "stop" else out.finish_reason, now)
         return Step(text, new_ids, out.logprobs, self.finish_reason, out.prompt_logprobs)
 
-    def _finish(self, reason: str | None, now: float) -> None:
+    def _finish(self, reason: str | None, now: float, counted: str | None = None) -> None:
         self.finish_reason = reason
         self._tracker.close(self.request_id)
         self._metrics.e2e.observe(now - self._arrival)
-        self._metrics.finished.labels(reason or "stop").inc()
+        self._metrics.finished.labels(counted or reason or "stop").inc()
 
     def _observe(self, out: RequestOutput, now: float) -> None:
         if not out.new_token_ids:

@@ -54,10 +54,14 @@ def _id(prefix: str) -> str:
 async def responses(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE_KEY]
+    with state.admit():  # the door, before the body is read (state.py)
+        return await _respond(request, state, arrival)
+
+
+async def _respond(request: web.Request, state: ServerState, arrival: float) -> web.StreamResponse:
     parsed = parse_responses_request(await read_json(request))
     state.check_model(parsed.model)
-    engine, text = state.ready()
-    state.check_queue(engine)
+    _, text = state.ready()
     prompt = await chat_prompt(state, text, parsed)
     rid = _id("resp")
     gen = await chat_routes.start(state, parsed, prompt, rid, arrival, RENAMED)

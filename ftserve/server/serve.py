@@ -5,7 +5,7 @@ SIGTERM/SIGINT stop accepting, drain in-flight requests, shut the engine down.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import ipaddress
 import logging
 import signal
 import sys
@@ -19,10 +19,12 @@ from aiohttp import web
 from ftserve.config import EngineConfig, ServerConfig
 from ftserve.engine.sampling_params import SamplingParams
 from ftserve.server.app import ROUTES, make_app
+from ftserve.server.connections import Runner
 from ftserve.server.generation import Generation
 from ftserve.server.metrics import Metrics
 from ftserve.server.state import ServerState, served_name
 from ftserve.server.text import TextCodec, make_text_codec
+from ftserve.server.workers import LaneExecutor
 
 log = logging.getLogger("ftserve.server")
 
@@ -38,11 +40,12 @@ class RunningServer:
 async def start_http(state: ServerState, host: str, port: int) -> RunningServer:
     # handler_cancellation: a dropped connection cancels its handler, whose finally
     # aborts the engine request, so pages come back within one engine step.
-    runner = web.AppRunner(
+    runner = Runner(
         make_app(state),
         handler_cancellation=True,
         access_log=log if state.cfg.log_requests else None,
         shutdown_timeout=1.0,
+        keepalive_timeout=state.cfg.http_keepalive_timeout,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -87,8 +90,19 @@ def banner(state: ServerState, host: str, port: int) -> str:
         lines.append("  WARNING: this is the embedded demo model with RANDOM DEMO WEIGHTS; its "
                      "output is gibberish. Pass --model DIR to serve a real checkpoint.")
     if state.cfg.api_key:
-        lines.append("  API key required: Authorization: Bearer <key>")
+        lines.append("  API key required: Authorization: Bearer <key>"
+                     + (" (on /metrics too)" if state.cfg.metrics_require_key else ""))
+    if not _loopback(host) and not state.cfg.metrics_require_key:
+        lines.append(f"  NOTE: /metrics is open to anyone who reaches {host}:{port} "
+                     "(--metrics-require-key asks for the API key there)")
     return "\n".join(lines)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 async def drain(server: RunningServer, timeout: float) -> None:
@@ -100,7 +114,10 @@ async def drain(server: RunningServer, timeout: float) -> None:
     while len(state.tracker) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     if len(state.tracker) and state.engine is not None:
-        log.warning("drain timeout: aborting %d in-flight requests", len(state.tracker))
+        # Generation turns the engine's "abort" into "length", a reason clients know.
+        log.warning("drain timeout: ending %d in-flight requests early; their replies finish "
+                    "as cut short (finish_reason 'length', stop_reason 'max_tokens' on "
+                    "/v1/messages, status 'incomplete' on /v1/responses)", len(state.tracker))
         for rid in state.tracker.ids():
             state.engine.abort(rid)
         end = time.monotonic() + 5.0
@@ -109,16 +126,25 @@ async def drain(server: RunningServer, timeout: float) -> None:
     await server.runner.cleanup()
 
 
-# Worker threads for long tokenizations and chat-template rendering. A few are
-# enough (tokenizers release the GIL) and each thread costs its own malloc arena,
-# so the pool is bounded instead of the default of cpu_count + 4.
-TOKENIZER_THREADS = 4
+def raise_fd_limit() -> None:
+    """Each connection is a file descriptor; a soft limit of 1,024 (a common default)
+    is reached by a thousand idle clients. Raise it to the hard limit."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 65536 if hard == resource.RLIM_INFINITY else hard  # the kernel caps "unlimited"
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as err:
+            log.info("open-file limit stays %d (raising it to %d failed: %s)", soft, target, err)
 
 
 async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
-    loop.set_default_executor(
-        concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="ftserve-tok"))
+    loop.set_default_executor(LaneExecutor())  # light and heavy requests' threads: workers.py
     state = ServerState(server_cfg, served_name(server_cfg, engine_cfg.model))
     try:
         server = await start_http(state, server_cfg.host, server_cfg.port)
@@ -165,6 +191,7 @@ async def serve(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
 
 
 def run(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> int:
+    raise_fd_limit()
     try:
         import uvloop
     except ImportError:  # uvloop is optional off Linux/macOS

@@ -35,6 +35,7 @@ class EngineAPI(Protocol):
     model_dir: str
     is_demo: bool
     max_model_len: int
+    max_running_requests: int
     vocab_size: int
     healthy: bool
     error: str | None
@@ -47,6 +48,41 @@ class EngineAPI(Protocol):
     def stats(self) -> Any: ...
     def reset_prefix_cache(self) -> bool: ...
     def shutdown(self) -> None: ...
+
+
+class Door:
+    """Generation requests admitted and not yet finished, shared by every listener
+    over one engine. Only the event loop thread touches it, and ``ServerState.admit``
+    checks and counts with no await in between, so requests that arrive together
+    cannot all pass on one stale count (the engine's own waiting count lags by a
+    step, and a request spends its template and tokenizer time before it gets
+    there)."""
+
+    def __init__(self) -> None:
+        self.count = 0  # engine requests: one per choice once the body is parsed
+
+
+class Ticket:
+    """One request's place past the door, held until its handler ends (``with``)."""
+
+    def __init__(self, door: Door) -> None:
+        self._door = door
+        self._held = 1
+        door.count += 1
+
+    def choices(self, n: int) -> None:
+        """The request turned out to run ``n`` engine requests (n choices, a prompt
+        batch): they all count. It is in already; only later arrivals see them."""
+        extra = max(n, 1) - self._held
+        self._door.count += extra
+        self._held += extra
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._door.count -= self._held
+        self._held = 0
 
 
 def served_name(cfg: ServerConfig, model: str | None) -> str:
@@ -66,6 +102,7 @@ class ServerState:
         self.tracker = Tracker()
         self.metrics = Metrics(self._stats)
         self.draining = False
+        self.door = Door()  # shared by sharing(): one engine, one count
         self.load_error: str | None = None
         self.created = int(time.time())  # the model card's "created": fixed for the process
         self._checkpoint_sampling: dict[str, Any] = {}  # generation_config.json's, set by attach
@@ -123,12 +160,23 @@ class ServerState:
             raise APIError(404, f"The model '{model}' does not exist; this server serves "
                            f"'{self.model_name}'.", param="model", code="model_not_found")
 
-    def check_queue(self, engine: EngineAPI) -> None:
-        # The snapshot is refreshed by the engine thread every step (or 0.5 s when idle), so
-        # a burst that is still in the engine's inbox is not counted yet.
+    def admit(self) -> Ticket:
+        """The door of the routes that generate, before the body is read: at most
+        --max-running-requests + --max-queued-requests requests (their choices
+        counted) are past it at once; the next one gets 503 + Retry-After (529 on
+        Anthropic's routes). No await between the check and the count."""
+        engine, _ = self.ready()
+        limit = engine.max_running_requests + self.cfg.max_queued_requests
+        if self.door.count >= limit:
+            raise overloaded(f"the server is full: {self.door.count} requests admitted "
+                             f"(--max-running-requests {engine.max_running_requests} + "
+                             f"--max-queued-requests {self.cfg.max_queued_requests}); retry later")
+        # The engine may run fewer than its maximum (short of KV pages): its queue
+        # still must not grow past the flag (0: no queue, but an empty one admits).
         waiting = engine.stats().waiting
-        if waiting >= self.cfg.max_queued_requests:
+        if waiting and waiting >= self.cfg.max_queued_requests:
             raise overloaded(f"too many queued requests ({waiting}); retry later")
+        return Ticket(self.door)
 
     def authorized(self, header: str | None, x_api_key: str | None = None) -> bool:
         """``header``: Authorization (Bearer); ``x_api_key``: the x-api-key header, which
