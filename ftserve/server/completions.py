@@ -13,7 +13,7 @@ from aiohttp import web
 
 from ftserve.engine.grammar import GrammarMatcher
 from ftserve.engine.messages import TokenLogprob
-from ftserve.server import batch, reasoning, response_format, sse, tool_calls, tool_choice
+from ftserve.server import batch, limits, reasoning, sse, tool_calls, tool_choice
 from ftserve.server import responses as R
 from ftserve.server.chat_output import ChatOutputFilter, split_whole
 from ftserve.server.errors import APIError, bad_request
@@ -26,9 +26,11 @@ from ftserve.server.text import TemplateError, TextCodec
 async def read_json(request: web.Request) -> Any:
     raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge -> 413
     try:
-        return orjson.loads(raw)
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
         raise bad_request(f"invalid JSON body: {err}") from None
+    limits.check_body(body)  # a 400 naming the field that nests too deep
+    return body
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,8 @@ async def _run(
     params = batch.build_all(parsed, prompts, engine, state.sampling_defaults)
     grammars: list[GrammarMatcher | None] = [None] * (len(prompts) * parsed.n)
     if parsed.response_format is not None:
-        grammars = list(await response_format.matchers(parsed.response_format, text,
-                                                       engine.vocab_size, len(grammars)))
+        grammars = list(await state.grammars.matchers(parsed.response_format, text,
+                                                      engine.vocab_size, len(grammars)))
     rid = prefix + uuid.uuid4().hex
     # One engine request per choice (more than one: ids rid-0, rid-1, ... in choice order,
     # prompt_index * n + j; the response keeps rid). The engine prefills a shared prompt
