@@ -151,7 +151,10 @@ def _serve(inp: int, out: IO[bytes]) -> None:
             reply = {"error": str(err)}
         except RecursionError:
             reply = {"error": "nests too deeply"}
-        _write(out, json.dumps(reply).encode())
+        try:
+            _write(out, json.dumps(reply).encode())
+        except BrokenPipeError:  # the server went away mid-check
+            return
 
 
 def _child_main() -> None:
