@@ -130,6 +130,56 @@ def test_a_grammar_the_sandbox_accepts_compiles_on_a_deep_stack(live: Live) -> N
     assert_serving(live)
 
 
+def test_a_grammar_the_library_crashes_on_is_a_400_once(live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
+    """1,500 rules of 15 nested groups (within every bound) overflow even the
+    sandbox's stack: the child dies, the client gets a 400, the server serves on,
+    and the same grammar again is answered from what was kept, without a child."""
+    from ftserve.server.grammar_sandbox import Sandbox
+
+    checks: list[str] = []
+    real = Sandbox.check
+
+    def counted(self: Sandbox, kind: str, value: bytes) -> str:
+        checks.append(kind)
+        return real(self, kind, value)
+
+    monkeypatch.setattr(Sandbox, "check", counted)
+    grammar = paren_rules(1500, parens=16)  # not one the fuzz below sends
+    for _ in range(2):
+        message = assert_400(live, {"messages": MSGS, "guided_grammar": grammar}, "guided_grammar")
+        assert "too complex" in message, message
+    assert checks == ["grammar"]
+    assert_serving(live)
+
+
+def test_a_check_past_its_timeout_is_a_400_and_not_kept(tmp_path: Any) -> None:
+    from ftserve.models.checkpoint import write_checkpoint
+    from ftserve.server.errors import APIError
+    from ftserve.server.grammar_service import GrammarService
+    from ftserve.server.response_format import parse
+    from ftserve.server.text import TokenizerCodec
+    from ftserve.tokenizer import load_tokenizer
+
+    write_checkpoint("tiny-moe", tmp_path, config_only=True)
+    text = TokenizerCodec(load_tokenizer(tmp_path))
+    vocab = text.tokenizer.vocab_size
+    fmt = parse({"guided_regex": "[0-9]+"})
+    assert fmt is not None
+    slow = GrammarService(workers=1, timeout=1e-4)  # less than the child takes to start
+    try:
+        with pytest.raises(APIError) as err:
+            asyncio.run(slow.matchers(fmt, text, vocab, 1))
+        assert err.value.param == "guided_regex" and "took over" in err.value.message
+        assert not slow._checked  # the machine may have been busy: not remembered
+    finally:
+        slow.close()
+    fine = GrammarService(workers=1)
+    try:
+        assert len(asyncio.run(fine.matchers(fmt, text, vocab, 2))) == 2
+    finally:
+        fine.close()
+
+
 # --- 6: what raised RecursionError (a 500) ----------------------------------------------
 
 
