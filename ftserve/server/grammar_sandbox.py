@@ -4,11 +4,13 @@ where a crash cannot take the server down.
 llguidance builds a grammar by recursing over it in native code: a long enough
 chain of rules or $refs overflows the stack of the thread that builds it, and a
 native stack overflow is a SIGSEGV that kills the process and every request in it.
-Python's recursion limit does not reach into it, and the library's own limits
-(``LIMITS``: grammar size, lexer fuel, Earley items per step) bound size and time,
-not depth. The server bounds what it sends (response_format.py: bytes, rules,
-$refs; limits.py: nesting), but no bound on text can promise a stack depth for
-every shape of grammar, so every new constraint is first built and checked here:
+Python's recursion limit does not reach into it. The library guards some depths
+itself (a Lark expression's nesting, a regex's, the JSON it reads: 128 levels) but
+not chains of rules or $refs, and its ``LLParserLimits`` (``LIMITS``) bound size
+and time, not depth. The server bounds what it sends (response_format.py: bytes,
+rules, $refs; limits.py: nesting), but no bound on text can promise a stack depth
+for every shape of grammar (400 rules of 15 nested groups each overflow 8 MiB), so
+every new constraint is first built and checked here:
 
     server (a grammar worker)                 child (this file, run by path)
       frame: kind, value (JSON)   ─────────▶   build the llguidance grammar
@@ -22,8 +24,8 @@ threads with ``COMPILE_STACK`` = 8 x ``CHECK_STACK`` (grammar_service.py).
 Compiling recurses exactly as deep as checking (the same chain lengths overflow
 both at a given stack size), so what fitted the child fits there with room to spare.
 
-This file imports nothing from ftserve: the child runs it by path (no torch, no
-aiohttp; it starts in ~0.15 s).
+This file imports nothing from ftserve: the child runs it by path, so it starts
+without torch or aiohttp.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ COMPILE_STACK = 8 * CHECK_STACK  # the server's compiling threads (virtual: touc
 
 # llguidance's own limits (LLParserLimits), the same for checking and compiling so
 # that a grammar the child accepts compiles. Their defaults, written out: a grammar
-# of at most 500k symbols, 1M fuel (~20 ms) to build the lexer, and per token mask
-# at most 200k lexer fuel (~15 ms) and 50k Earley items (~2.5 ms), which bound the
-# host work a constrained request adds to each engine step.
+# of at most 500k symbols, 1M fuel to build the lexer, and per token mask at most
+# 200k lexer fuel and 50k Earley items (the library's estimates: ~20 ms, ~15 ms and
+# ~2.5 ms), which bound the host work a constrained request adds to an engine step.
 LIMITS: dict[str, int] = {"max_grammar_size": 500_000, "initial_lexer_fuel": 1_000_000,
                           "step_lexer_fuel": 200_000, "step_max_items": 50_000,
                           "max_items_in_row": 2_000, "max_lexer_states": 250_000}
