@@ -4,6 +4,7 @@ fresh independent matchers per request, a bounded LRU, rejected grammars not kep
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import llguidance
 import numpy as np
@@ -33,9 +34,10 @@ def test_one_compile_per_grammar_and_fresh_matchers(codec: text_mod.TokenizerCod
     compiles: list[str] = []
     real = GrammarMatcher.compile.__func__  # type: ignore[attr-defined]
 
-    def counted(cls: type[GrammarMatcher], tok: llguidance.LLTokenizer, grammar: str) -> GrammarMatcher:
+    def counted(cls: type[GrammarMatcher], tok: llguidance.LLTokenizer, grammar: str,
+                *rest: Any) -> GrammarMatcher:
         compiles.append(grammar)
-        return real(cls, tok, grammar)
+        return real(cls, tok, grammar, *rest)
 
     monkeypatch.setattr(GrammarMatcher, "compile", classmethod(counted))
     vocab = codec.tokenizer.vocab_size

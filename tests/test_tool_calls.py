@@ -53,6 +53,9 @@ def test_hermes_calls_and_content() -> None:
     '<tool_call>{"arguments": {}}</tool_call>',  # no name
     '<tool_call>{"name": "ls", "arguments": "{not json"}</tool_call>',  # arguments string not JSON
     '<tool_call>{"name": "ls"}</tool_call> and then more prose',  # text after the calls
+    # arguments nested past what Python's json parses (a RecursionError was a 500)
+    pytest.param('<tool_call>{"name": "ls", "arguments": {"a": ' + "[" * 3000 + "]" * 3000 + "}}</tool_call>",
+                 id="nested 3000 deep"),
 ])
 def test_hermes_anything_unclean_stays_content(text: str) -> None:
     p = parse(text, "hermes")

@@ -38,9 +38,12 @@ class GrammarMatcher:
             raise ValueError(matcher.get_error())
 
     @classmethod
-    def compile(cls, tokenizer: llguidance.LLTokenizer, grammar: str) -> GrammarMatcher:
-        """ValueError with the library's message when it rejects the grammar."""
-        return cls(llguidance.LLMatcher(tokenizer, grammar, log_level=0))
+    def compile(cls, tokenizer: llguidance.LLTokenizer, grammar: str,
+                limits: llguidance.LLParserLimits | None = None) -> GrammarMatcher:
+        """ValueError with the library's message when it rejects the grammar. Building
+        it recurses natively as deep as the grammar's chains of rules go: callers give
+        untrusted grammars a deep stack (server/grammar_sandbox.py)."""
+        return cls(llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits))
 
     def copy(self) -> GrammarMatcher:
         """A fresh matcher over the same compiled grammar (another choice of ``n``)."""

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ftserve.server import batch, response_format, tool_calls
+from ftserve.server import batch, tool_calls
 from ftserve.server.chat_output import ChatOutputFilter, WholeOutput, split_whole
 from ftserve.server.completions import ChatPrompt, engine_error
 from ftserve.server.errors import APIError, renamed
@@ -30,7 +30,7 @@ async def start(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt, r
     grammar = None
     if parsed.response_format is not None:
         try:
-            (grammar,) = await response_format.matchers(parsed.response_format, text, engine.vocab_size, 1)
+            (grammar,) = await state.grammars.matchers(parsed.response_format, text, engine.vocab_size, 1)
         except APIError as err:
             raise renamed(err, names) from None
     detok = text.detokenizer(prompt.ids, parsed.stop, parsed.skip_special_tokens)

@@ -13,15 +13,7 @@ from aiohttp import web
 
 from ftserve.engine.grammar import GrammarMatcher
 from ftserve.engine.messages import TokenLogprob
-from ftserve.server import (
-    batch,
-    reasoning,
-    response_format,
-    sse,
-    tool_calls,
-    tool_choice,
-    workers,
-)
+from ftserve.server import batch, limits, reasoning, sse, tool_calls, tool_choice, workers
 from ftserve.server import responses as R
 from ftserve.server.chat_output import ChatOutputFilter, split_whole
 from ftserve.server.errors import APIError, bad_request
@@ -53,11 +45,17 @@ async def read_json(request: web.Request) -> Any:
                        close=True) from None
     try:
         if workers.mark_heavy(len(raw)):
-            # Megabytes of JSON take tens of milliseconds to parse: not on the loop.
-            return await asyncio.get_running_loop().run_in_executor(None, orjson.loads, raw)
-        return orjson.loads(raw)
+            # Megabytes of JSON take tens of milliseconds to parse and walk: not on the loop.
+            return await asyncio.get_running_loop().run_in_executor(None, _parse_checked, raw)
+        return _parse_checked(raw)
     except orjson.JSONDecodeError as err:
         raise bad_request(f"invalid JSON body: {err}") from None
+
+
+def _parse_checked(raw: bytes) -> Any:
+    body = orjson.loads(raw)
+    limits.check_body(body)  # a 400 naming the field that nests too deep
+    return body
 
 
 def _abandon_body(request: web.Request) -> None:
@@ -154,8 +152,8 @@ async def _run(
     params = batch.build_all(parsed, prompts, engine, state.sampling_defaults)
     grammars: list[GrammarMatcher | None] = [None] * (len(prompts) * parsed.n)
     if parsed.response_format is not None:
-        grammars = list(await response_format.matchers(parsed.response_format, text,
-                                                       engine.vocab_size, len(grammars)))
+        grammars = list(await state.grammars.matchers(parsed.response_format, text,
+                                                      engine.vocab_size, len(grammars)))
     rid = prefix + uuid.uuid4().hex
     # One engine request per choice (more than one: ids rid-0, rid-1, ... in choice order,
     # prompt_index * n + j; the response keeps rid). The engine prefills a shared prompt

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ftserve.engine.sampling_params import SamplingParams, SamplingParamsError
-from ftserve.server import response_format
+from ftserve.server import limits, response_format
 from ftserve.server.errors import APIError, bad_request, unsupported
 from ftserve.server.response_format import ResponseFormat
 from ftserve.server.tool_choice import ForcedCall, _tool_calls, forced_call, parse_tools
@@ -331,6 +331,16 @@ def _content_text(content: Any, where: str) -> str:
     raise bad_request(f"'{where}.content' must be a string or a list of text parts", param=where)
 
 
+def _check_arguments(calls: Any, where: str) -> None:
+    """Earlier calls' arguments are JSON text, parsed for the template: a 400 naming
+    the one that nests too deep to parse safely."""
+    for i, call in enumerate(calls if isinstance(calls, list) else ()):
+        fn = call.get("function") if isinstance(call, dict) else None
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        if isinstance(args, str):
+            limits.check_text(args, f"{where}[{i}].function.arguments")
+
+
 def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = _get(body, "messages")
     if messages is _MISSING:
@@ -356,6 +366,7 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             if role != "assistant":
                 raise bad_request(f"'{where}.tool_calls' is only allowed on assistant messages",
                                   param=where)
+            _check_arguments(calls, f"{where}.tool_calls")
             entry["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
         call_id = msg.get("tool_call_id")
         if isinstance(call_id, str):

@@ -17,13 +17,19 @@ and, as other servers take them (one constraint per request; a second is a 400):
     "json_schema": schema,  "grammar": str                                            (llama.cpp)
 
 A grammar is Lark (llguidance's dialect) or GBNF, told apart and converted by
-llguidance. Each becomes an llguidance grammar here (``parse``, no tokenizer
-needed, checked at once: a bad one is a 400 naming its field and the engine never
-sees the request); ``matchers`` compiles it against the model's vocabulary
-(engine/grammar.py), one matcher per choice. The sampler then bans what the
-grammar does not allow, and the output ends with finish_reason "stop" when the
-grammar is complete ("length" if max_tokens comes first: the text is then a prefix
-of a valid one).
+llguidance. ``parse`` checks a constraint's shape and size here, on the event loop,
+without the grammar library (a bad one is a 400 naming its field); the library
+first sees it in a sandbox child, then it is compiled against the model's
+vocabulary, one matcher per choice (grammar_service.py), off the event loop and
+before anything is submitted: a constraint the library rejects is a 400 too. The
+sampler then bans what the grammar does not allow, and the output ends with
+finish_reason "stop" when the grammar is complete ("length" if max_tokens comes
+first: the text is then a prefix of a valid one).
+
+What may reach the library is bounded (``MAX_*``), far past what real constraints
+need, so that its work for one request stays small and its native recursion, which
+overflows the stack on long enough chains of rules or $refs, stays shallow. The
+sandbox catches what the bounds miss.
 
 Choices made here:
 - JSON is generated compact (no whitespace between tokens of the JSON syntax):
@@ -38,35 +44,35 @@ Choices made here:
 
 from __future__ import annotations
 
-import asyncio
 import json
+import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-import llguidance
-from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+import orjson
 
-from ftserve.engine.grammar import GrammarMatcher
+from ftserve.server import limits
 from ftserve.server.errors import bad_request
 
-if TYPE_CHECKING:
-    from ftserve.server.text import TextCodec
-
 PARAM = "response_format"
-# Applied before the schema's own "x-guidance" options, so a schema can override them.
-_JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False}
-
 
 Kind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
 MAX_CHOICES = 4096
+MAX_BYTES = 256 * 1024  # a constraint's value as JSON: the schema, regex, choices or grammar
+MAX_REFS = 1000  # "$ref"s in a schema
+MAX_RULES = 2000  # rule definitions in a grammar
+
+# A rule's definition: its name at the start of a line, then ":" (Lark) or "::=" (GBNF).
+_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w.-]*[ \t]*(?:\{[^}\n]*\})?[ \t]*(?:::=|:)", re.M)
+_OBJECT = orjson.dumps({"type": "object"})
 
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """A validated output constraint and the llguidance grammar it stands for."""
+    """A constraint of bounded size, as grammar_sandbox.build takes it."""
 
     kind: Kind
-    grammar: str  # llguidance grammar (JSON text)
+    value: bytes  # JSON: the schema, regex, list of choices or grammar text
     param: str = PARAM  # the request field it came from (errors name it)
 
 
@@ -90,9 +96,9 @@ def _response_format(body: dict[str, Any]) -> ResponseFormat | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return ResponseFormat("json_object", _grammar({"type": "object"}, PARAM))
+        return ResponseFormat("json_object", _OBJECT)
     if kind == "json_schema":
-        return ResponseFormat("json_schema", _grammar(_schema(fmt.get("json_schema")), PARAM))
+        return _bounded("json_schema", _schema(fmt.get("json_schema")), PARAM)
     raise bad_request(f"'{PARAM}.type' must be \"text\", \"json_object\" or \"json_schema\", "
                       f"got {kind!r}", param=PARAM)
 
@@ -113,8 +119,7 @@ def _other_fields(body: dict[str, Any]) -> list[ResponseFormat | None]:
                               "choice, grammar", param="structured_outputs")
         for key, value in given.items():
             if key == "json_object":
-                out.append(ResponseFormat("json_object", _grammar({"type": "object"}, key),
-                                          "structured_outputs"))
+                out.append(ResponseFormat("json_object", _OBJECT, "structured_outputs"))
             else:
                 out.append(_one(key, value, "structured_outputs"))
     for field, key in (("guided_json", "json"), ("guided_regex", "regex"),
@@ -129,41 +134,46 @@ def _one(key: str, value: Any, param: str) -> ResponseFormat:
     """One constraint of structured_outputs' kinds, from field ``param``."""
     if key == "json":
         if isinstance(value, str):
+            limits.check_text(value, param)
             try:
                 value = json.loads(value)
             except ValueError:
                 raise bad_request(f"'{param}' is not JSON", param=param) from None
         if not isinstance(value, dict):
             raise bad_request(f"'{param}' must be a JSON schema object", param=param)
-        return ResponseFormat("json_schema", _grammar(value, param), param)
+        return _bounded("json_schema", value, param)
     if key == "regex":
         if not isinstance(value, str) or not value:
             raise bad_request(f"'{param}' must be a non-empty regex string", param=param)
-        return ResponseFormat("regex", _checked(llguidance.LLMatcher.grammar_from_regex(value), param),
-                              param)
+        return _bounded("regex", value, param)
     if key == "choice":
         if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
                 or not all(isinstance(c, str) and c for c in value)):
             raise bad_request(f"'{param}' must be a list of 1 to {MAX_CHOICES} non-empty strings",
                               param=param)
-        lark = "start: " + " | ".join(json.dumps(c) for c in value)  # JSON escapes are Lark's
-        return ResponseFormat("choice", _checked(llguidance.LLMatcher.grammar_from_lark(lark), param),
-                              param)
+        return _bounded("choice", value, param)
     if not isinstance(value, str) or not value.strip():
         raise bad_request(f"'{param}' must be a non-empty grammar (Lark or GBNF)", param=param)
-    try:
-        lark = any_to_lark(value)
-    except GbnfToLarkError as err:
-        raise bad_request(f"'{param}' is not a valid grammar: {err}", param=param) from None
-    return ResponseFormat("grammar", _checked(llguidance.LLMatcher.grammar_from_lark(lark), param),
-                          param)
+    rules = len(_RULE.findall(value))
+    if rules > MAX_RULES:
+        raise bad_request(f"'{param}' defines {rules} rules; at most {MAX_RULES} are accepted",
+                          param=param)
+    return _bounded("grammar", value, param)
 
 
-def _checked(grammar: str, param: str) -> str:
-    problem = llguidance.LLMatcher.validate_grammar(grammar)
-    if problem:
-        raise bad_request(f"'{param}' is not valid: {problem.strip()}", param=param)
-    return grammar
+def _bounded(kind: Kind, value: Any, param: str) -> ResponseFormat:
+    if limits.nesting(value) > limits.MAX_NESTING:
+        raise bad_request(f"'{param}' nests deeper than {limits.MAX_NESTING} levels", param=param)
+    data = orjson.dumps(value)
+    if len(data) > MAX_BYTES:
+        raise bad_request(f"'{param}' is {len(data)} bytes as JSON; at most {MAX_BYTES} are "
+                          "accepted", param=param)
+    if kind == "json_schema":
+        refs = data.count(b'"$ref"')
+        if refs > MAX_REFS:
+            raise bad_request(f"'{param}' schema holds {refs} '$ref's; at most {MAX_REFS} are "
+                              "accepted", param=param)
+    return ResponseFormat(kind, data, param)
 
 
 def _schema(spec: Any) -> dict[str, Any]:
@@ -183,27 +193,9 @@ def _schema(spec: Any) -> dict[str, Any]:
     return schema
 
 
-def _grammar(schema: dict[str, Any], param: str) -> str:
-    try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_DEFAULTS)
-    except (ValueError, TypeError) as err:
-        raise bad_request(f"'{param}' schema is invalid: {err}", param=param) from None
-
-
 def check_tools(fmt: ResponseFormat | None, tools: list[dict[str, Any]] | None) -> None:
     """An output constraint with tools offered is a 400 (see the module docstring)."""
     if fmt is not None and tools:
         raise bad_request(f"'{fmt.param}' {fmt.kind} cannot be combined with 'tools' unless "
                           "'tool_choice' is \"none\": the format would also constrain the "
                           "tool calls", param=fmt.param)
-
-
-async def matchers(fmt: ResponseFormat, text: TextCodec, vocab_size: int,
-                   n: int) -> list[GrammarMatcher]:
-    """n fresh matchers of ``fmt`` (one per choice), off the event loop (compiling a
-    large schema takes a while; the codec keeps compiled grammars); a grammar the
-    library rejects is a 400."""
-    try:
-        return await asyncio.to_thread(text.grammar_matchers, fmt.grammar, vocab_size, n)
-    except ValueError as err:
-        raise bad_request(f"'{fmt.param}' cannot be used: {err}", param=fmt.param) from None

@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ftserve.server import limits
 from ftserve.server.errors import APIError, bad_request, renamed, unsupported
 from ftserve.server.protocol import ParsedRequest, parse_chat, text_parts
 
@@ -121,6 +122,7 @@ def _input(value: Any) -> list[dict[str, Any]]:
         elif kind == "function_call":
             name = _str(item.get("name"), f"{where}.name")
             args = _str(item.get("arguments"), f"{where}.arguments")
+            limits.check_text(args, f"{where}.arguments")
             try:
                 parsed = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError:

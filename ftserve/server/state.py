@@ -21,6 +21,7 @@ from ftserve.engine.messages import GenerateRequest, RequestOutput
 from ftserve.server.errors import APIError, overloaded
 from ftserve.server.generation import Tracker
 from ftserve.server.generation_defaults import sampling_defaults
+from ftserve.server.grammar_service import GrammarService
 from ftserve.server.metrics import Metrics
 from ftserve.server.text import TextCodec
 
@@ -100,6 +101,7 @@ class ServerState:
         self.engine: EngineAPI | None = None  # set by attach() once loaded
         self.text: TextCodec | None = None
         self.tracker = Tracker()
+        self.grammars = GrammarService()  # output constraints -> matchers (workers start on first use)
         self.metrics = Metrics(self._stats)
         self.draining = False
         self.door = Door()  # shared by sharing(): one engine, one count

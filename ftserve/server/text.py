@@ -16,6 +16,7 @@ import llguidance
 
 from ftserve.engine.grammar import GrammarMatcher
 from ftserve.server import reasoning
+from ftserve.server.grammar_sandbox import parser_limits
 from ftserve.server.tool_calls import Format, format_of
 from ftserve.tokenizer import (
     ChatTemplate,
@@ -112,7 +113,8 @@ class TextCodec(Protocol):
     def grammar_matchers(self, grammar: str, vocab_size: int, n: int) -> list[GrammarMatcher]:
         """``n`` fresh matchers of ``grammar``, copies of one compiled per grammar (a
         bounded cache: agents send the same schema every turn). ValueError when
-        the library rejects the grammar. Blocking: call it off the event loop."""
+        the library rejects the grammar. Blocking, and deep in native code: call it
+        on a grammar worker (grammar_service.py)."""
         ...
 
 
@@ -251,7 +253,7 @@ class TokenizerCodec:
             if start is not None:
                 self._grammars.move_to_end(grammar)
         if start is None:
-            start = GrammarMatcher.compile(vocab, grammar)  # outside the lock: it may take a while
+            start = GrammarMatcher.compile(vocab, grammar, parser_limits())  # outside the lock: it may take a while
         with self._grammar_lock:  # the cached start is only ever copied, one thread at a time
             self._grammars[grammar] = start
             while len(self._grammars) > GRAMMAR_CACHE_SIZE:

@@ -145,7 +145,7 @@ def parse(text: str, fmt: Format, types: ParamTypes | None = None) -> Parsed:
 def _loads(raw: str) -> Any:
     try:
         return json.loads(raw)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # nested past Python's limit: not a call
         return _BAD
 
 
