@@ -37,6 +37,7 @@ from ftserve_kernels.sampling import (
     _GOLDEN_TL,
     _SALT_TL,
     _argmax_combine,
+    _gumbel_tl,
     _mix32_tl,
     gumbel_argmax_ref,
     mask_token_ids,
@@ -115,15 +116,12 @@ def _greedy_kernel(
                 v = tl.where(idx == tl.load(itab_row + NI + j), float("-inf"), v)
         if SAMPLING:
             if draw:  # + Gumbel noise of (keys, token), as _gumbel_argmax_kernel
-                th = _mix32_tl(idx.to(tl.uint32) ^ tl.full((BLOCK,), _GOLDEN_TL, tl.uint32))
-                h = _mix32_tl(_mix32_tl(th ^ k1) ^ k2)
-                u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
                 v = tl.math.div_rn(v, temp)
                 if HAS_CUT:
                     key = _float_key(v)
                     kept = ((key > cut_key) | ((key == cut_key) & (idx <= cut_id))) & (v >= floor)
                     v = tl.where(kept, v, float("-inf"))
-                v = v - tl.log(-tl.log(u))
+                v = v + _gumbel_tl(idx, k1, k2)  # finite: a -inf (masked, cut) stays -inf
         take = (v > best_v) & ok  # strict: a lane's indices grow, the first maximum stays
         best_v = tl.where(take, v, best_v)
         best_i = tl.where(take, idx, best_i)

@@ -19,13 +19,22 @@ hashed with ``mix32`` (a 32-bit integer finalizer; bijective, full avalanche):
     k1 = mix32(seed_lo ^ mix32(step ^ GOLDEN))
     k2 = mix32(seed_hi ^ mix32(k1 ^ SALT))
     h  = mix32(mix32(mix32(token ^ GOLDEN) ^ k1) ^ k2)
-    u  = (h >> 8 + 0.5) / 2^24          in (0, 1), exact in fp32
-    g  = -log(-log(u))                  standard Gumbel
+    u  = ((h >> 9) + 0.5) / 2^23        in [2^-24, 1 - 2^-24], exact in fp32
+    e  = max(-log(u), E_MIN)            standard exponential, > 0
+    g  = -log(e)                        standard Gumbel, in about [-2.8, 17.3]
 
 and the sample is argmax(scores + g) (Gumbel-max: exactly a draw from
 softmax(scores)). Values are 32-bit quantities held in int64 tensors; products
 are split into 16-bit halves so nothing overflows int64 (the Triton twin uses
 native uint32 arithmetic, which wraps the same way).
+
+The noise must stay finite: a masked score is -inf, and -inf + inf is NaN,
+which torch.argmax takes as the maximum (a banned token drawn), while +inf on
+an allowed token draws it whatever its probability. So u never reaches 0 or 1:
+23 bits plus a half fit fp32's 24-bit significand exactly (24 bits plus a half
+do not: the top value rounded to 1.0), and e is floored at E_MIN, below the
+smallest exact -log(u) (about 2^-24), in case a device's fast log rounds a u
+just under 1 to log 0 (then e would be 0 and g +inf).
 """
 
 from __future__ import annotations
@@ -41,6 +50,9 @@ NEG_INF = float("-inf")
 # Longest top-k that filters without sorting the vocabulary (filter_triton; the
 # sampler's wide_filter stage above it).
 SHORT_K = 256
+U_BITS = 23  # hash bits in a uniform: with the half, exact in fp32's significand
+U_SCALE = 1.0 / (1 << U_BITS)
+E_MIN = 2.0**-25  # floor of the exponential -log(u): no-op where log is exact
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -85,10 +97,20 @@ def uniform_ref(
     k2: torch.Tensor,  # [B] int64
     token_hash: torch.Tensor,  # [V] int64, from token_hash_table
 ) -> torch.Tensor:
-    """Uniforms in (0, 1): [B, V] fp32, a pure function of (keys, token)."""
+    """Uniforms in [2^-24, 1 - 2^-24]: [B, V] fp32, a pure function of (keys, token)."""
     h = mix32(mix32(token_hash[None, :] ^ k1[:, None]) ^ k2[:, None])  # [B, V]
-    # 24 bits fit fp32's mantissa exactly; +0.5 keeps u away from 0 and 1.
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return uniform_of_hash(h)
+
+
+def uniform_of_hash(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int64 holding [0, 2^32)) -> fp32 uniforms strictly inside
+    (0, 1): the top U_BITS bits plus a half, every value exact (see the module)."""
+    return ((h >> (32 - U_BITS)).to(torch.float32) + 0.5) * U_SCALE
+
+
+def gumbel_of_uniform(u: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise of uniforms in (0, 1), finite for every u."""
+    return -torch.log((-torch.log(u)).clamp_min(E_MIN))
 
 
 def gumbel_argmax_ref(
@@ -97,9 +119,9 @@ def gumbel_argmax_ref(
     k2: torch.Tensor,  # [B] int64
     token_hash: torch.Tensor,  # [V] int64
 ) -> torch.Tensor:
-    """One draw per row from softmax(scores): [B] int64."""
-    u = uniform_ref(k1, k2, token_hash)  # [B, V]
-    gumbel = -torch.log(-torch.log(u))  # [B, V]
+    """One draw per row from softmax(scores): [B] int64. The noise is finite, so
+    an excluded token stays -inf and is drawn only from a row with nothing else."""
+    gumbel = gumbel_of_uniform(uniform_ref(k1, k2, token_hash))  # [B, V]
     return (scores + gumbel).argmax(dim=-1)
 
 
@@ -127,10 +149,15 @@ def mask_token_ids(
     ids: torch.Tensor,  # [B, M] int64, padding may be any valid id
     active: torch.Tensor,  # [B, M] bool, False = padding or not masked this step
 ) -> torch.Tensor:
-    """Set logits[b, ids[b, m]] to -inf where active[b, m]: a fixed-shape scatter
-    of -inf (masked) or 0.0 (padding), added, so duplicates are harmless."""
-    add = torch.where(active, NEG_INF, 0.0).to(logits.dtype)  # [B, M]
-    return logits.scatter_add(1, ids, add)
+    """Set logits[b, ids[b, m]] to -inf where active[b, m], whatever the logit was
+    (an added -inf would make +inf a NaN). A fixed-shape scatter of True into a
+    [B, V + 1] table whose last column absorbs the inactive entries, so every
+    write is the same value and duplicates are harmless; then a where."""
+    vocab = logits.shape[1]
+    cols = torch.where(active, ids, vocab)  # [B, M], inactive -> the sink column
+    banned = torch.zeros(logits.shape[0], vocab + 1, dtype=torch.bool, device=logits.device)
+    banned.scatter_(1, cols, True)  # [B, V + 1]
+    return torch.where(banned[:, :vocab], NEG_INF, logits)
 
 
 def mask_words(vocab_size: int) -> int:
@@ -210,6 +237,19 @@ if triton is not None:
         x = x * tl.full(x.shape, _C2_TL, tl.uint32)
         return x ^ (x >> 16)
 
+    _E_MIN_TL = tl.constexpr(E_MIN)
+    _U_SHIFT_TL = tl.constexpr(32 - U_BITS)
+    _U_SCALE_TL = tl.constexpr(U_SCALE)
+
+    @triton.jit
+    def _gumbel_tl(idx, k1, k2):
+        """The Gumbel noise of tokens ``idx`` under row keys (k1, k2), uint32: as
+        token_hash_table, uniform_of_hash and gumbel_of_uniform (finite always)."""
+        th = _mix32_tl(idx.to(tl.uint32) ^ tl.full(idx.shape, _GOLDEN_TL, tl.uint32))
+        h = _mix32_tl(_mix32_tl(th ^ k1) ^ k2)
+        u = ((h >> _U_SHIFT_TL).to(tl.float32) + 0.5) * _U_SCALE_TL
+        return -tl.log(tl.maximum(-tl.log(u), _E_MIN_TL))
+
     @triton.jit
     def _argmax_combine(v1, i1, v2, i2):
         """Larger value wins; on equal values the lower index (torch.argmax rule)."""
@@ -235,10 +275,7 @@ if triton is not None:
             ok = idx < vocab
             s = tl.load(scores_ptr + row.to(tl.int64) * stride_row + idx, mask=ok,
                         other=float("-inf"))
-            th = _mix32_tl(idx.to(tl.uint32) ^ tl.full((BLOCK,), _GOLDEN_TL, tl.uint32))
-            h = _mix32_tl(_mix32_tl(th ^ k1) ^ k2)
-            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            v = s - tl.log(-tl.log(u))
+            v = s + _gumbel_tl(idx, k1, k2)
             # Strict >: a lane's indices grow, so the first maximum stays.
             take = (v > best_v) & ok
             best_v = tl.where(take, v, best_v)

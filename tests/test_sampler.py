@@ -539,3 +539,28 @@ def test_a_step_runs_only_its_rows_stages_with_the_same_tokens() -> None:
         assert v in SAMPLER_VARIANTS and v.covers(want)
     assert sampler_variant(SamplerFeatures()) == SamplerFeatures()
     assert sampler_variant(SamplerFeatures(sampling=True)) == SamplerFeatures(sampling=True)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_min_tokens_yields_only_where_the_grammar_allows_nothing_but_stop_ids(
+    monkeypatch: pytest.MonkeyPatch, kernels: str,
+) -> None:
+    """Below min_tokens the stop ids are masked, except on a row whose grammar
+    allows nothing else: there the grammar wins (its completion ends the request),
+    rather than a draw from a row with no token left. Torch and the fused draw."""
+    if kernels == "triton" and torch.cuda.is_available():
+        pytest.skip("an interpreter test: CPU tensors")
+    monkeypatch.setenv("FTSERVE_KERNELS", kernels)
+    s = Sampler(V, 3, "cpu", seed=0)
+    for slot in range(3):
+        s.admit(slot, SamplingParams(temperature=1.0, seed=slot, min_tokens=9, stop_token_ids=(7, 8)),
+                [], [], constrained=True)
+    allowed = [{7, 8}, {7, 8, 20}, {7}]  # only stop ids / one more token / one stop id
+    s.set_grammar_masks(torch.tensor([0, 1, 2], dtype=torch.int32),
+                        torch.tensor([_mask_row(a, V) for a in allowed], dtype=torch.int32))
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(2))
+    logits[:, 20] = -30.0  # improbable, yet the only token row 1 has below min_tokens
+    for step in range(6):
+        got = s.sample(logits, _i64([0, 1, 2]), _i64([step] * 3), torch.ones(3, dtype=torch.bool),
+                       features=s.features_of(range(3))).token_ids.tolist()
+        assert got[0] in (7, 8) and got[1] == 20 and got[2] == 7, got

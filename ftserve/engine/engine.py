@@ -252,6 +252,7 @@ class EngineCore:
                 new_token_ids=req.pending_ids,
                 finish_reason=req.finish_reason,
                 error=req.error,
+                internal_error=req.internal_error,
                 prompt_tokens=req.prompt_len,
                 cached_tokens=req.cached_len,
                 completion_tokens=req.num_outputs,

@@ -44,6 +44,9 @@ class RequestOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # message when finish_reason == "error"
+    # The error is the server's own fault (a bug, logged with the request id and
+    # its details): the client gets a 500 with the short ``error``.
+    internal_error: bool = False
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     completion_tokens: int = 0  # total generated so far

@@ -61,6 +61,8 @@ class Req:
     inflight_row: int = field(default=-1, init=False)
     finish_reason: str | None = field(default=None, init=False)
     error: str | None = field(default=None, init=False)  # why, when finish_reason == "error"
+    # The error is the server's own fault, not the request's (logged where it arose).
+    internal_error: bool = field(default=False, init=False)
     # Outputs produced since the last report (drained by the engine each step).
     pending_ids: list[int] = field(default_factory=list, init=False)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list, init=False)

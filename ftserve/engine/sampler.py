@@ -20,7 +20,8 @@ Pipeline for one row (the model distribution is ``logits``):
       -> grammar mask: banned tokens -> -inf (per-slot bitmask rows, [S, ceil(V/32)]
          int32; all ones for unconstrained slots; constrained rows are rewritten
          every step from host-built masks: ``set_grammar_masks``)
-      -> eos/stop ids -> -inf while the row is below min_tokens
+      -> eos/stop ids -> -inf while the row is below min_tokens (unless its grammar
+         allows nothing else: the grammar wins)
       -> greedy rows: argmax (a step of greedy rows, or of temperature alone, on
          Triton: stop mask + argmax / Gumbel-max in one launch, greedy_triton.py)
       -> sampled rows: / temperature -> top-k -> top-p -> min-p -> Gumbel-max
@@ -434,6 +435,15 @@ class Sampler:
                                        self._mask_word, self._mask_bit)  # [B, V]
         stop_cols = torch.arange(self.max_stop_ids, device=slots.device)  # [M]
         stop_active = (stop_cols[None, :] < num_stops[:, None]) & min_tokens_active[:, None]
+        if f.grammar:
+            # min_tokens yields to the grammar: a row whose grammar allows nothing but
+            # its eos / stop ids keeps them (the grammar's completion ends the request
+            # "stop", as at any length) instead of being left with no token at all,
+            # whose draw the grammar would reject.
+            held = ks.mask_token_ids(x, irow[:, _NI:], stop_active)  # [B, V]
+            empty = held.amax(dim=-1) == ks.NEG_INF  # [B]
+            min_tokens_active = min_tokens_active & ~empty
+            stop_active = stop_active & ~empty[:, None]
         if fused_draw:
             if f.filtering:  # the filters see the stop mask (the launch repeats it: a no-op)
                 x = ks.mask_token_ids(x, irow[:, _NI:], stop_active)  # [B, V]

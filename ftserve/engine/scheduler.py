@@ -394,12 +394,18 @@ class Scheduler:
 
     def _grammar_step(self, req: Req, tok: int) -> str | None:
         """Advance a constrained request's matcher: "stop" once its grammar is complete.
-        The token was sampled under the grammar's own mask, so a rejection means the
-        mask did not hold (a bug, or a row where another stage banned every token the
-        grammar allows): the request ends with an error rather than invalid output."""
+        The token was sampled under the grammar's own mask (which no other stage can
+        empty: min_tokens yields to it, and the noise is finite), so a rejection
+        means the mask did not hold, a server bug: the request ends with an internal
+        error rather than invalid output. The matcher's state (tokens, parser,
+        grammar) goes to the log with the request id, never to the client."""
         assert req.grammar is not None
         if not req.grammar.accept(tok):
-            req.error = f"the output left its response_format grammar: {req.grammar.error}"
+            log.error("request %s: sampled token %d (output token %d) is outside its output "
+                      "grammar; the request ends with an internal error. Matcher: %s",
+                      req.request_id, tok, req.num_outputs, req.grammar.error)
+            req.error = "internal error: the sampled output broke the request's output constraint"
+            req.internal_error = True
             return "error"
         return "stop" if req.grammar.done else None
 

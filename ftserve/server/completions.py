@@ -182,6 +182,9 @@ async def _run(
 
 
 def engine_error(state: ServerState, err: EngineRequestError) -> APIError:
+    if err.internal:  # details are in the server's log under the request id
+        return APIError(500, f"{err} (request {err.request_id})", err_type="server_error",
+                        code="internal_error")
     if state.health_problem() is not None:
         return APIError(503, str(err), err_type="server_error", code="unavailable")
     return bad_request(str(err), code="request_rejected")

@@ -27,7 +27,13 @@ if TYPE_CHECKING:  # state.py imports this module
 
 
 class EngineRequestError(Exception):
-    """The engine could not run the request (finish_reason "error")."""
+    """The engine could not run the request (finish_reason "error"). ``internal``: the
+    server's own fault (already logged with ``request_id``), not the request's."""
+
+    def __init__(self, message: str, request_id: str = "", internal: bool = False) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.internal = internal
 
 
 class Tracker:
@@ -147,7 +153,8 @@ class Generation:
             self.finish_reason = "error"
             self._metrics.finished.labels("error").inc()
             self._tracker.close(self.request_id)
-            raise EngineRequestError(out.error or "the engine could not run this request")
+            raise EngineRequestError(out.error or "the engine could not run this request",
+                                     self.request_id, out.internal_error)
         now = time.monotonic()
         self.cached_tokens = out.cached_tokens
         self._observe(out, now)
