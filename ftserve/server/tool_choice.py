@@ -51,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ftserve.server import reasoning
 from ftserve.server.errors import bad_request
 from ftserve.server.tool_calls import Format
 
@@ -93,6 +94,15 @@ def forced_text(fmt: Format, call: ForcedCall, escape: Callable[[str], str] = st
         return start.required
     name = json.dumps(call.name, ensure_ascii=False) if start.json_name else call.name
     return start.before_name + escape(name) + start.after_name
+
+
+def before_call(prompt: str, marks_reasoning: bool) -> str:
+    """What goes between the rendered ``prompt`` and a forced call's start: the end of
+    a reasoning block the prompt opened (``marks_reasoning``: the template marks
+    reasoning), as templates write an empty one with thinking off, else nothing."""
+    if marks_reasoning and reasoning.opens_in_prompt(prompt):
+        return reasoning.CLOSE + "\n\n"
+    return ""
 
 
 def forced_call(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> ForcedCall | None:
