@@ -252,3 +252,27 @@ def test_responses_forced_function_call(live: Live, choice: Any, named: str | No
         assert [(i.type, i.name, i.arguments) for i in events[-1].response.output] == [
             ("function_call", n, a) for n, a in calls]
     live.wait_idle()
+
+
+def test_a_schema_the_grammar_library_refuses_is_a_400(live: Live) -> None:
+    """Schemas compile leniently (an unimplemented keyword, "not" here, is ignored);
+    one that still cannot compile (no value meets it) is a 400 naming tool_choice,
+    before anything runs."""
+    odd = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9,
+                                                  "not": {"const": 3}}},
+           "required": ["x"], "additionalProperties": False}
+    broken = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 5, "maximum": 1}},
+              "required": ["x"]}
+    client = openai_client(live)
+    for params in (odd, broken):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+        req = {"model": "ftserve-demo", "messages": MSGS, "tools": tools, "tool_choice": "required",
+               "max_tokens": 60, "seed": 0, **SAMPLING}
+        if params is odd:
+            (choice,) = client.chat.completions.create(**req).choices
+            assert {c.function.name for c in choice.message.tool_calls or []} == {"f"}
+            continue
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**req)
+        assert err.value.body["param"] == "tool_choice", err.value.body
+    live.wait_idle()
