@@ -28,7 +28,8 @@ at all (a 400 before this).
 - ARGS is compact JSON with the separators templates render calls with (", " and
   ": ", as ``tojson`` writes them), the schema's own "x-guidance" options winning.
   A tool without ``parameters`` takes none: ``{}``. Schemas are compiled leniently:
-  a keyword the library does not implement is ignored rather than refused.
+  a keyword the library does not implement is ignored rather than refused; one
+  it still cannot compile (no value meets it) is a 400 naming ``tool_choice``.
 - PARAMS (qwen3_coder, which writes no JSON): the schema's properties in the
   schema's order, the required ones always and the others if the model likes,
   each ``<parameter=KEY>\\nVALUE\\n</parameter>\\n``. A value the parser keeps as
@@ -40,7 +41,6 @@ at all (a 400 before this).
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
@@ -81,16 +81,15 @@ def lark(fmt: Format, call: ForcedCall, tools: list[dict[str, Any]], parallel: b
     """The grammar's Lark text (the module docstring shows its shape)."""
     each, further, last = _FRAME[fmt]
     rules: list[str] = []
-    bodies = [_body(fmt, i, tool["function"], rules) for i, tool in enumerate(tools)]
     if call.name is not None:  # the prompt holds the call up to its arguments
-        i = next(i for i, tool in enumerate(tools) if tool["function"]["name"] == call.name)
-        start = f"{bodies[i]} {_lit(each)} {_lit(last)}"
+        i, fn = next((i, t["function"]) for i, t in enumerate(tools) if t["function"]["name"] == call.name)
+        start = f"{_body(fmt, i, fn, rules)} {_lit(each)} {_lit(last)}"
     else:
         opening = forced_text(fmt, ForcedCall())
         for i, tool in enumerate(tools):
             named = forced_text(fmt, ForcedCall(tool["function"]["name"]))
-            assert named.startswith(opening), (named, opening)
-            rules.append(f"call_{i}: {_lit(named[len(opening):])} {bodies[i]}")
+            assert named.startswith(opening), (named, opening)  # the name's text follows
+            rules.append(f"call_{i}: {_lit(named[len(opening):])} {_body(fmt, i, tool['function'], rules)}")
         rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
         more = f" ({_lit(further)} call {_lit(each)})*" if parallel else ""
         start = f"call {_lit(each)}{more} {_lit(last)}"
@@ -135,7 +134,7 @@ def _xml_value(name: str, prop: Any, root: dict[str, Any], rules: list[str]) -> 
     if not stays_text(schema_types(prop)):
         # A value written as JSON; the root's definitions come along for its "$ref"s.
         defs = {k: root[k] for k in ("$defs", "definitions") if k in root}
-        rules.append(f"{name}: %json {json.dumps(_with_options({**copy.deepcopy(defs), **prop}))} "
+        rules.append(f"{name}: %json {json.dumps(_with_options({**defs, **prop}))} "
                      f"{_lit(_PARAM_END)}")
         return name
     choices = prop["enum"] if "enum" in prop else [prop["const"]] if "const" in prop else None
