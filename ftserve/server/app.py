@@ -136,6 +136,7 @@ async def tokenize(request: web.Request) -> web.Response:
         forced = tool_choice.forced_call(body, tools)
         fmt = text.tool_format()
         if forced is not None and fmt is not None:  # the chat endpoint's prompt carries it too
+            prompt += tool_choice.before_call(prompt, text.marks_reasoning())
             prompt += tool_choice.forced_text(fmt, forced, text.escape_special)
     else:
         prompt = body.get("prompt")

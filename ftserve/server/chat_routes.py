@@ -28,9 +28,9 @@ async def start(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt, r
     engine, text = state.ready()
     (params,) = batch.build_all(parsed, [prompt.ids], engine, state.sampling_defaults)
     grammar = None
-    if parsed.response_format is not None:
+    if prompt.constraint is not None:  # a response_format or a forced call's (chat_prompt)
         try:
-            (grammar,) = await state.grammars.matchers(parsed.response_format, text, engine.vocab_size, 1)
+            (grammar,) = await state.grammars.matchers(prompt.constraint, text, engine.vocab_size, 1)
         except APIError as err:
             raise renamed(err, names) from None
     detok = text.detokenizer(prompt.ids, parsed.stop, parsed.skip_special_tokens)

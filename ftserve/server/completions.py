@@ -13,12 +13,22 @@ from aiohttp import web
 
 from ftserve.engine.grammar import GrammarMatcher
 from ftserve.engine.messages import TokenLogprob
-from ftserve.server import batch, limits, reasoning, sse, tool_calls, tool_choice, workers
+from ftserve.server import (
+    batch,
+    limits,
+    reasoning,
+    sse,
+    tool_calls,
+    tool_choice,
+    tool_grammar,
+    workers,
+)
 from ftserve.server import responses as R
 from ftserve.server.chat_output import ChatOutputFilter, split_whole
 from ftserve.server.errors import APIError, bad_request
 from ftserve.server.generation import EngineRequestError, Generation, Step
 from ftserve.server.protocol import ParsedRequest, parse_chat, parse_completion
+from ftserve.server.response_format import ResponseFormat
 from ftserve.server.state import STATE_KEY, ServerState
 from ftserve.server.text import TemplateError, TextCodec
 
@@ -73,6 +83,9 @@ class ChatPrompt:
     ids: list[int]  # the rendered conversation and the forced call's start, if any
     think: bool | None  # reasoning split: None = off, else whether the prompt opened it
     forced: str  # the forced tool_choice's start of a call, in the prompt (tool_choice.py)
+    # The output constraint: the request's response_format, or a forced call's grammar
+    # (tool_grammar.py).
+    constraint: ResponseFormat | None = None
 
 
 async def chat_prompt(state: ServerState, text: TextCodec, parsed: ParsedRequest) -> ChatPrompt:
@@ -89,9 +102,16 @@ async def chat_prompt(state: ServerState, text: TextCodec, parsed: ParsedRequest
         )
     except TemplateError as err:
         raise bad_request(f"chat template error: {err}", param="messages") from None
-    # A forced tool_choice: the start of the call is prompt; the parser reads it first.
+    # A forced tool_choice: the start of the call is prompt (after a reasoning block the
+    # prompt opened is closed); the parser reads it first; a grammar holds the rest.
     fmt = text.tool_format()
-    forced = tool_choice.forced_text(fmt, parsed.forced, text.escape_special) if parsed.forced and fmt else ""
+    forced, constraint = "", parsed.response_format
+    if parsed.forced is not None and fmt is not None:
+        forced = tool_choice.forced_text(fmt, parsed.forced, text.escape_special)
+        prompt += tool_choice.before_call(prompt, text.marks_reasoning())
+        assert parsed.tools is not None  # forced_call checked it
+        constraint = tool_grammar.constraint(fmt, parsed.forced, parsed.tools,
+                                             parsed.parallel_tool_calls)
     ids = await text.encode_async(prompt + forced, add_special_tokens=False)  # template adds them
     # Reasoning split (server/reasoning.py): None = off, else whether the prompt opened it.
     # Off under a forced call: the output continues the call, not a reasoning block;
@@ -99,7 +119,7 @@ async def chat_prompt(state: ServerState, text: TextCodec, parsed: ParsedRequest
     think = (reasoning.opens_in_prompt(prompt) if state.cfg.reasoning_parser != "none"
              and text.marks_reasoning() and not forced and parsed.response_format is None
              else None)
-    return ChatPrompt(ids, think, forced)
+    return ChatPrompt(ids, think, forced, constraint)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -112,7 +132,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         engine, text = state.ready()
         cp = await chat_prompt(state, text, parsed)
         ids = batch.truncate(parsed, cp.ids, engine.max_model_len)  # the end stays: think, forced
-        return await _run(request, state, parsed, [ids], arrival, "chatcmpl-", cp.think, cp.forced)
+        return await _run(request, state, parsed, [ids], arrival, "chatcmpl-", cp.think, cp.forced,
+                              constraint=cp.constraint)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -132,7 +153,8 @@ async def _complete(request: web.Request, state: ServerState, parsed: ParsedRequ
     full_lens = [len(p) for p in prompts]
     prompts = [batch.truncate(parsed, p, engine.max_model_len) for p in prompts]
     return await _run(request, state, parsed, prompts, arrival, "cmpl-",
-                      heads=batch.echo_heads(parsed, text, prompts, full_lens))
+                      heads=batch.echo_heads(parsed, text, prompts, full_lens),
+                      constraint=parsed.response_format)
 
 
 async def _run(
@@ -145,15 +167,16 @@ async def _run(
     think: bool | None = None,
     forced: str = "",
     heads: list[str] | None = None,
+    constraint: ResponseFormat | None = None,
 ) -> web.StreamResponse:
     engine, text = state.ready()
     # Every prompt is checked before anything is submitted (batch.py), and so is the
-    # response_format's grammar: one matcher per choice.
+    # output constraint's grammar: one matcher per choice.
     params = batch.build_all(parsed, prompts, engine, state.sampling_defaults)
     grammars: list[GrammarMatcher | None] = [None] * (len(prompts) * parsed.n)
-    if parsed.response_format is not None:
-        grammars = list(await state.grammars.matchers(parsed.response_format, text,
-                                                      engine.vocab_size, len(grammars)))
+    if constraint is not None:
+        grammars = list(await state.grammars.matchers(constraint, text, engine.vocab_size,
+                                                      len(grammars)))
     rid = prefix + uuid.uuid4().hex
     # One engine request per choice (more than one: ids rid-0, rid-1, ... in choice order,
     # prompt_index * n + j; the response keeps rid). The engine prefills a shared prompt

@@ -67,7 +67,8 @@ _BAD = object()
 ParamTypes = Mapping[str, Mapping[str, tuple[str, ...]]]
 
 
-def _schema_types(schema: Any) -> tuple[str, ...]:
+def schema_types(schema: Any) -> tuple[str, ...]:
+    """The JSON types a parameter's schema names (its "type", or its anyOf / oneOf's)."""
     if not isinstance(schema, Mapping):
         return ()
     kind = schema.get("type")
@@ -77,7 +78,7 @@ def _schema_types(schema: Any) -> tuple[str, ...]:
         return tuple(k for k in kind if isinstance(k, str))
     for key in ("anyOf", "oneOf"):
         if isinstance(schema.get(key), list):
-            return tuple(k for sub in schema[key] for k in _schema_types(sub))
+            return tuple(k for sub in schema[key] for k in schema_types(sub))
     return ()
 
 
@@ -88,7 +89,7 @@ def param_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, tuple
     for tool in tools or []:
         fn = tool["function"]
         props = (fn.get("parameters") or {}).get("properties")
-        out[fn["name"]] = ({k: _schema_types(v) for k, v in props.items()}
+        out[fn["name"]] = ({k: schema_types(v) for k, v in props.items()}
                            if isinstance(props, Mapping) else {})
     return out
 
@@ -127,10 +128,15 @@ _CONVERT: dict[str, Callable[[str], Any]] = {
 }
 
 
+def stays_text(types: tuple[str, ...]) -> bool:
+    """Whether a parameter of these schema types keeps its raw text (``typed``)."""
+    return not types or "string" in types
+
+
 def typed(raw: str, types: tuple[str, ...]) -> Any:
     """A parameter's raw text as the value its schema types make of it (the text
     itself when none applies)."""
-    if not types or "string" in types:
+    if stays_text(types):
         return raw
     for kind in types:
         value = _CONVERT.get(kind, lambda _: _BAD)(raw.strip())
@@ -236,7 +242,7 @@ class XmlToolStream(MarkedStream):
 
     def _is_string(self) -> bool:
         types = self._types.get(self.calls[-1]["function"]["name"], {}).get(self._param, ())
-        return not types or "string" in types
+        return stays_text(types)
 
     def _key(self) -> str:
         self._params += 1

@@ -3,19 +3,26 @@
 
 ``tool_choice``: "auto" (or absent) lets the model decide; "none" does not
 offer the tools (they are not rendered); "required" and a named function
-(``{"type": "function", "function": {"name": "X"}}``) force a call without
-constrained decoding: the start of a call in the template's syntax
-(FORCED_CALL) is appended to the rendered prompt, so the model
-continues it. That text is prompt (counted in prompt_tokens), and the tool-call
-parser reads it followed by the model's output:
+(``{"type": "function", "function": {"name": "X"}}``) force a call: the start
+of a call in the template's syntax (FORCED_CALL) is appended to the rendered
+prompt, so the model continues it, and a grammar (tool_grammar.py) holds the
+continuation to well-formed calls whose arguments follow the tools' schemas.
+That text is prompt (counted in prompt_tokens), and the tool-call parser reads
+it followed by the model's output:
 
 - "required" forces the opening up to the name: the model
-  writes the name, its arguments and possibly further calls;
+  writes an offered tool's name, its arguments and, unless parallel_tool_calls
+  is false, possibly further calls;
 - a named function forces the opening, the name and the start of the
-  arguments: the model writes the arguments; only that (first) call is returned;
-- output that then does not parse as calls is returned as the existing rules
-  return it (content, nothing lost), with the forced text in front of it, so
-  the client sees exactly what the model was conditioned on.
+  arguments: the model writes the arguments, and the reply is that one call;
+- a prompt that left a reasoning block open (a template that opens ``<think>``)
+  gets it closed first (``before_call``), as templates write an empty one with
+  thinking off: the client asked for a call now, the call is not reasoning, and
+  reasoning could otherwise use up max_tokens before any call;
+- output cut off by max_tokens (or a stop string) before its calls are whole
+  is returned as the existing rules return it (content, nothing lost), with
+  the forced text in front of it, so the client sees exactly what the model
+  was conditioned on.
 
 Forcing needs ``tools``, and a named function must be one of them (else a 400
 naming ``tool_choice``).
@@ -51,6 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ftserve.server import reasoning
 from ftserve.server.errors import bad_request
 from ftserve.server.tool_calls import Format
 
@@ -93,6 +101,15 @@ def forced_text(fmt: Format, call: ForcedCall, escape: Callable[[str], str] = st
         return start.required
     name = json.dumps(call.name, ensure_ascii=False) if start.json_name else call.name
     return start.before_name + escape(name) + start.after_name
+
+
+def before_call(prompt: str, marks_reasoning: bool) -> str:
+    """What goes between the rendered ``prompt`` and a forced call's start: the end of
+    a reasoning block the prompt opened (``marks_reasoning``: the template marks
+    reasoning), as templates write an empty one with thinking off, else nothing."""
+    if marks_reasoning and reasoning.opens_in_prompt(prompt):
+        return reasoning.CLOSE + "\n\n"
+    return ""
 
 
 def forced_call(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> ForcedCall | None:
