@@ -7,6 +7,7 @@ where the output must be tool calls."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 from typing import Any
@@ -394,9 +395,17 @@ def test_error_shapes_and_statuses(live: Live, client: anthropic.Anthropic) -> N
 
 
 def test_queue_full_is_529_overloaded(live: Live) -> None:
+    """Two streams hold the door of a server that admits --max-running-requests (2) +
+    --max-queued-requests (0): the next request is Anthropic's 529 overloaded_error."""
     base = live.listen(dataclasses.replace(TEST_SERVER, max_queued_requests=0))
-    with pytest.raises(anthropic.InternalServerError) as err:
-        _client(live, base).messages.create(model=MODEL, max_tokens=3, messages=USER)
+    client = _client(live, base)
+    with contextlib.ExitStack() as held:
+        for _ in range(live.engine.max_running_requests):
+            stream = held.enter_context(client.messages.stream(
+                model=MODEL, max_tokens=400, messages=USER, extra_body={"ignore_eos": True}))
+            next(iter(stream))  # admitted: its first event came
+        with pytest.raises(anthropic.InternalServerError) as err:
+            client.messages.create(model=MODEL, max_tokens=3, messages=USER)
     assert err.value.status_code == 529 and err.value.body["error"]["type"] == "overloaded_error"
     assert int(err.value.response.headers["Retry-After"]) >= 1
 

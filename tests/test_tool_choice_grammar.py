@@ -108,6 +108,9 @@ def test_grammar_takes_the_calls_the_template_writes(live: Live) -> None:
     renders them in an earlier turn (the syntax the model learned), and is complete
     right after them: "required" from after the call's opening, a named function
     from after its name."""
+    import orjson
+
+    from ftserve.server.grammar_sandbox import build
     from ftserve.server.protocol import parse_chat
     from ftserve.server.tool_calls import param_types, parse
     from ftserve.server.tool_choice import ForcedCall, forced_text
@@ -131,7 +134,8 @@ def test_grammar_takes_the_calls_the_template_writes(live: Live) -> None:
                    if (p := parse(opening + rendered[at:k], fmt, types)).content is None
                    and [(c["function"]["name"], json.loads(c["function"]["arguments"]))
                         for c in p.tool_calls] == want)
-        (m,) = live.text.grammar_matchers(constraint(fmt, call, TOOLS, parallel).grammar,
+        c = constraint(fmt, call, TOOLS, parallel)
+        (m,) = live.text.grammar_matchers(build(c.kind, orjson.loads(c.value)),
                                           live.engine.vocab_size, 1)
         ids = live.text.tokenizer.encode_continuation(rendered[at:end])  # type: ignore[attr-defined]
         assert all(m.accept(t) for t in ids), (fmt, call, rendered[at:end], m.error)

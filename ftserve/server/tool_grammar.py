@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import llguidance
+import orjson
 
 from ftserve.server.response_format import ResponseFormat
 from ftserve.server.tool_calls import Format
@@ -73,8 +73,8 @@ def constraint(fmt: Format, call: ForcedCall, tools: list[dict[str, Any]],
                parallel: bool) -> ResponseFormat:
     """The output constraint of a forced ``call`` in syntax ``fmt`` over the validated
     ``tools`` (tool_choice.parse_tools); ``parallel``: "required" may write more calls."""
-    return ResponseFormat("grammar", llguidance.LLMatcher.grammar_from_lark(lark(fmt, call, tools, parallel)),
-                          PARAM)
+    # Lark text, checked and compiled as any grammar constraint is (grammar_service.py).
+    return ResponseFormat("grammar", orjson.dumps(lark(fmt, call, tools, parallel)), PARAM)
 
 
 def lark(fmt: Format, call: ForcedCall, tools: list[dict[str, Any]], parallel: bool) -> str:
