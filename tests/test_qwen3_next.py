@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from ftserve.kvcache.pool import KVPool
 from ftserve.kvcache.state_pool import SINK_SLOT, StatePool
-from ftserve.models.checkpoint import preset_config, write_checkpoint
+from ftserve.models.checkpoint import preset_config, tensor_shapes, write_checkpoint
 from ftserve.models.config import ModelConfig
 from ftserve.models.forward_batch import build_forward_batch
-from ftserve.models.loader import load_model
+from ftserve.models.loader import build_model, load_model
 from ftserve.models.qwen3_next import Qwen3NextForCausalLM
 from ftserve_kernels.paged_attention import TorchAttentionBackend
 
@@ -260,3 +260,34 @@ def test_loader_skips_the_mtp_head(tmp_path: Path) -> None:
     model, cfg = load_model(path, dtype="float32")
     assert cfg.linear_layers == (0,) and cfg.kv_layers == (1,)
     assert isinstance(model, Qwen3NextForCausalLM)
+
+
+def test_real_shapes_on_the_meta_device(tmp_path: Path) -> None:
+    """qwen3-next-80b-a3b: a --config-only checkpoint transformers reads, tensor
+    names and shapes equal to transformers' own model (built on the meta device,
+    4-layer cut: both layer kinds, 512 experts), ~80B parameters at full depth."""
+    path = write_checkpoint("qwen3-next-80b-a3b", tmp_path, layers=4, config_only=True)
+    assert not list(path.glob("*.safetensors"))
+    hf_cfg = AutoConfig.from_pretrained(path)
+    assert type(hf_cfg).__name__ == "Qwen3NextConfig"
+    cfg = ModelConfig.from_pretrained(path)
+    assert list(hf_cfg.layer_types) == list(cfg.layer_types)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_cfg)
+    hf_shapes = {n: tuple(t.shape) for n, t in hf.state_dict().items()}
+    ours = tensor_shapes(json.loads((path / "config.json").read_text()))
+    experts: dict[str, int] = {}
+    for name, shape in ours.items():
+        if ".experts." in name:  # per-expert tensors; transformers stacks them
+            layer = name.split(".experts.")[0]
+            experts[layer] = experts.get(layer, 0) + 1
+            fused = hf_shapes[f"{layer}.experts.{'down_proj' if 'down_proj' in name else 'gate_up_proj'}"]
+            assert fused[0] == 512 and (shape == fused[1:] or (2 * shape[0],) + shape[1:] == fused[1:]), name
+        else:
+            assert hf_shapes[name] == shape, name
+    assert experts == {f"model.layers.{i}.mlp": 3 * 512 for i in range(4)}
+    cut = build_model(cfg.with_max_len(4096), torch.bfloat16, torch.device("meta"))
+    assert {n for n, _ in cut.named_parameters()} >= {t.param for t in cut.checkpoint_targets().values()}
+    full = ModelConfig.from_hf(preset_config("qwen3-next-80b-a3b")).with_max_len(4096)
+    params = sum(p.numel() for p in build_model(full, torch.bfloat16, torch.device("meta")).parameters())
+    assert 79e9 < params < 81e9
