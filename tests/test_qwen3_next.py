@@ -102,7 +102,7 @@ def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
     return [torch.randint(3, 32768, (n,), generator=g).tolist() for n in lengths]
 
 
-def test_config_layer_pattern_and_pools() -> None:
+def test_config_layer_pattern() -> None:
     cfg = ModelConfig.from_hf(preset_config("qwen3-next-80b-a3b"))
     assert cfg.is_hybrid and cfg.is_moe and cfg.num_experts == 512 and cfg.num_experts_per_tok == 10
     assert cfg.kv_layers == tuple(range(3, 48, 4)) and len(cfg.linear_layers) == 36
@@ -129,6 +129,22 @@ def test_packed_prefill_of_varied_prompts(pair: Pair) -> None:
         diff = (logits[off : off + len(p)] - pair.hf_logits(p)).abs().max().item()
         assert diff <= TOL, f"len {len(p)}: max abs diff {diff}"
         off += len(p)
+
+
+def test_variant_with_a_dense_layer_and_unnormalized_routing(tmp_path: Path) -> None:
+    """mlp_only_layers (a dense MLP among the MoE layers), top-k weights not
+    renormalized, a full-attention layer first (explicit layer_types)."""
+    overrides = {"mlp_only_layers": [1], "norm_topk_prob": False,
+                 "layer_types": ["full_attention", "linear_attention", "linear_attention"]}
+    write_checkpoint("tiny-qwen3-next", tmp_path, layers=3, seed=3, dtype="float32", overrides=overrides)
+    pair = Pair(tmp_path)
+    assert pair.cfg.sparse_layers == (True, False, True) and not pair.cfg.norm_topk_prob
+    prompts = _prompts([7, 66], seed=9)
+    sess = HybridSession(pair.model)
+    seqs = [sess.new_seq(), sess.new_seq()]
+    logits = sess.step(seqs, prompts, all_logits=True)
+    assert (logits[:7] - pair.hf_logits(prompts[0])).abs().max().item() <= TOL
+    assert (logits[7:] - pair.hf_logits(prompts[1])).abs().max().item() <= TOL
 
 
 def test_decode_token_by_token_equals_prefill(pair: Pair) -> None:

@@ -247,7 +247,7 @@ class ModelConfig:
                 num_experts=num_experts,
                 num_experts_per_tok=int(hf["num_experts_per_tok"]),
                 moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", model_type == "qwen3_next")),  # HF defaults
                 sparse_layers=sparse,
             )
         elif model_type == "mixtral":
