@@ -93,6 +93,12 @@ def _init_tensor(
         return 0.1 * torch.randn(shape, generator=gen)
     if name == "model.embed_tokens.weight":
         return torch.randn(shape, generator=gen) * (hidden**-0.5 if tied else 1.0)
+    if name.endswith(".A_log"):
+        # Gated DeltaNet decay rates A in [0.01, 0.3]: the recurrent state outlives
+        # a few dozen tokens, so a test that loses or leaks it sees the difference.
+        return (0.01 + 0.29 * torch.rand(shape, generator=gen)).log()
+    if name.endswith(".dt_bias"):
+        return 0.1 * torch.randn(shape, generator=gen)
     if name.endswith(".gate.weight") or name == "lm_head.weight":
         return torch.randn(shape, generator=gen) * hidden**-0.5
     return torch.randn(shape, generator=gen) * shape[-1] ** -0.5  # [out, in]: std 1/sqrt(in)

@@ -26,12 +26,77 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "Qwen3ForCausalLM": ("qwen3", {"rope_theta": 10000.0, "rms_norm_eps": 1e-6}),
     "Qwen3MoeForCausalLM": ("qwen3_moe", {"rope_theta": 10000.0, "rms_norm_eps": 1e-6}),
     "MixtralForCausalLM": ("mixtral", {"rope_theta": 1e6, "rms_norm_eps": 1e-5}),
+    # Hybrid: Gated DeltaNet (linear attention) layers among gated full-attention layers.
+    "Qwen3NextForCausalLM": ("qwen3_next", {"rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+                                            "partial_rotary_factor": 0.25}),
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_FAMILIES)
 
 
 class UnsupportedModelError(ValueError):
     pass
+
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3-Next's ``linear_*`` keys).
+
+    Each value head h reads key head h // (num_value_heads // num_key_heads). The
+    short causal conv runs over the concatenated q | k | v channels (conv_dim).
+    """
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @staticmethod
+    def from_hf(hf: dict[str, Any]) -> LinearAttentionConfig:
+        # Defaults: those of transformers' Qwen3NextConfig.
+        la = LinearAttentionConfig(
+            num_key_heads=int(hf.get("linear_num_key_heads", 16)),
+            num_value_heads=int(hf.get("linear_num_value_heads", 32)),
+            key_head_dim=int(hf.get("linear_key_head_dim", 128)),
+            value_head_dim=int(hf.get("linear_value_head_dim", 128)),
+            conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)),
+        )
+        if la.num_value_heads % la.num_key_heads:
+            raise ValueError(f"linear_num_value_heads {la.num_value_heads} is not a multiple of "
+                             f"linear_num_key_heads {la.num_key_heads}")
+        if la.conv_kernel < 2:
+            raise ValueError(f"linear_conv_kernel_dim must be at least 2, got {la.conv_kernel}")
+        return la
+
+
+def _layer_types(hf: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """Explicit ``layer_types``, else every ``full_attention_interval``-th layer is
+    full attention (transformers' rule, interval 4 by default)."""
+    types = hf.get("layer_types")
+    if types is None:
+        interval = int(hf.get("full_attention_interval", 4))
+        types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
+    types = tuple(str(t) for t in types)
+    if len(types) != num_layers or not set(types) <= {FULL_ATTENTION, LINEAR_ATTENTION}:
+        raise ValueError(f"layer_types must list {num_layers} entries of {FULL_ATTENTION!r} / "
+                         f"{LINEAR_ATTENTION!r}, got {list(types)}")
+    return types
 
 
 @dataclass(frozen=True)
@@ -67,6 +132,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     checkpoint_dtype: str | None = None
     max_len_override: int | None = None  # set through with_max_len()
+    # Hybrids: per layer FULL_ATTENTION or LINEAR_ATTENTION; () = every layer full attention.
+    layer_types: tuple[str, ...] = ()
+    linear_attn: LinearAttentionConfig | None = None
+    shared_expert_intermediate_size: int = 0  # MoE layers' always-on expert (0: none)
 
     @property
     def q_size(self) -> int:
@@ -79,6 +148,23 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return any(self.sparse_layers)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return LINEAR_ATTENTION in self.layer_types
+
+    def is_full_attention(self, layer: int) -> bool:
+        return not self.layer_types or self.layer_types[layer] == FULL_ATTENTION
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep K/V in the paged pool; pool layer j is kv_layers[j]."""
+        return tuple(i for i in range(self.num_layers) if self.is_full_attention(i))
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The layers that keep a recurrent state; state-pool layer j is linear_layers[j]."""
+        return tuple(i for i in range(self.num_layers) if not self.is_full_attention(i))
 
     @property
     def natural_max_len(self) -> int:
@@ -134,7 +220,8 @@ class ModelConfig:
         mpe = int(hf.get("max_position_embeddings", 2048))
         rope_params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = float(rope_params.get("rope_theta", hf.get("rope_theta", defaults["rope_theta"])))
-        partial = float(rope_params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+        partial = float(rope_params.get("partial_rotary_factor",
+                                        hf.get("partial_rotary_factor", defaults.get("partial_rotary_factor", 1.0))))
         num_layers = int(hf["num_hidden_layers"])
 
         attn_bias = bool(hf.get("attention_bias", False))
@@ -149,7 +236,7 @@ class ModelConfig:
             window = hf.get("sliding_window")
 
         moe: dict[str, Any] = {}
-        if model_type == "qwen3_moe":
+        if model_type in ("qwen3_moe", "qwen3_next"):
             num_experts = int(hf.get("num_experts", 0))
             step = int(hf.get("decoder_sparse_step", 1))
             dense_only = set(hf.get("mlp_only_layers") or [])
@@ -160,7 +247,7 @@ class ModelConfig:
                 num_experts=num_experts,
                 num_experts_per_tok=int(hf["num_experts_per_tok"]),
                 moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", model_type == "qwen3_next")),  # HF defaults
                 sparse_layers=sparse,
             )
         elif model_type == "mixtral":
@@ -173,6 +260,13 @@ class ModelConfig:
             )
         else:
             moe = dict(sparse_layers=(False,) * num_layers)
+        hybrid: dict[str, Any] = {}
+        if model_type == "qwen3_next":
+            hybrid = dict(
+                layer_types=_layer_types(hf, num_layers),
+                linear_attn=LinearAttentionConfig.from_hf(hf),
+                shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 0)),
+            )
 
         eos = hf.get("eos_token_id")
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -201,6 +295,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             checkpoint_dtype=hf.get("torch_dtype") or hf.get("dtype"),
             **moe,
+            **hybrid,
         )
 
     @staticmethod

@@ -138,6 +138,8 @@ class DecoderForCausalLM(nn.Module):
     # HF names of the MoE block: "<prefix>.gate.weight", "<prefix>.experts.<e>.<name>.weight"
     moe_prefix = "mlp"
     expert_names = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    # Checkpoint tensors under these name prefixes are skipped at load (heads we do not run).
+    ignorable_prefixes: tuple[str, ...] = ()
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()

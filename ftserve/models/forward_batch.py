@@ -31,6 +31,7 @@ import torch
 
 if TYPE_CHECKING:
     from ftserve.kvcache.pool import KVPool
+    from ftserve.kvcache.state_pool import StatePool
 
 
 @dataclass
@@ -91,6 +92,11 @@ class ForwardBatch:
     # [T, H]: the first layer's input norm of input_embeds, when the caller
     # applied it too (DecoderForCausalLM.decode_input_norm); None: layer 0 norms.
     input_normed: torch.Tensor | None = None
+    # Hybrid models (linear-attention layers): the recurrent-state pool and each
+    # sequence's slot in it ([B] int64, padded rows -> state_pool.SINK_SLOT).
+    # None for models without linear layers.
+    state_pool: StatePool | None = None
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -177,10 +183,13 @@ def build_forward_batch(
     all_logits: bool = False,
     is_decode: bool = False,
     device: torch.device | str | None = None,
+    state_pool: StatePool | None = None,
+    state_slots: list[int] | None = None,
 ) -> ForwardBatch:
     """Simple host-side builder: one sequence per entry of ``token_ids`` holding
     its *new* tokens, ``prefix_lens[b]`` tokens already cached in the pages
-    ``page_tables[b]`` (which must cover prefix + new tokens).
+    ``page_tables[b]`` (which must cover prefix + new tokens); for a hybrid
+    model, ``state_slots[b]`` is its slot in ``state_pool``.
 
     The engine's scheduler builds the same tensors into pinned staging buffers
     (one non-blocking copy); this builder serves tests and tools.
@@ -218,4 +227,6 @@ def build_forward_batch(
         attn_backend=attn_backend,
         logits_indices=None if all_logits else torch.tensor(last, dtype=torch.int64, device=device),
         is_decode=is_decode,
+        state_pool=state_pool,
+        state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64, device=device),
     )

@@ -107,7 +107,8 @@ def fill_from_safetensors(model: DecoderForCausalLM, files: list[Path]) -> None:
                 bar.update(1)
                 target = targets.get(name)
                 if target is None:
-                    if name in ignorable or name.endswith(_IGNORED_SUFFIXES):
+                    if (name in ignorable or name.endswith(_IGNORED_SUFFIXES)
+                            or name.startswith(model.ignorable_prefixes)):
                         continue
                     raise CheckpointError(f"unexpected tensor {name!r} in {path.name}: this model has no such weight")
                 if name in seen:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ftserve.models.config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from ftserve.models.decoder import DecoderForCausalLM
+from ftserve.models.qwen3_next import Qwen3NextForCausalLM
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
@@ -36,18 +37,23 @@ class MixtralForCausalLM(DecoderForCausalLM):
     expert_names = ("w1", "w3", "w2")
 
 
-_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
+# Hybrids are their own module classes with DecoderForCausalLM's interface
+# (forward(batch), checkpoint_targets, init_buffers, refresh_derived).
+CausalLM = DecoderForCausalLM | Qwen3NextForCausalLM
+
+_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 assert tuple(_REGISTRY) == SUPPORTED_ARCHITECTURES
 
 
-def model_class(architecture: str) -> type[DecoderForCausalLM]:
+def model_class(architecture: str) -> type[CausalLM]:
     try:
         return _REGISTRY[architecture]
     except KeyError:

@@ -1,0 +1,234 @@
+"""Qwen3-Next: a hybrid decoder. ModelConfig.layer_types picks each layer's token mixer:
+
+    linear_attention  Gated DeltaNet (linear_attention.py), state in the StatePool
+    full_attention    gated attention over the paged KV pool: q_proj also yields a
+                      per-head output gate, q/k norms, partial rotary, o_proj(attn * sigmoid(gate))
+
+and every layer ends in an MoE block with an always-on shared expert (its own
+sigmoid gate) beside the routed experts (or a dense MLP on mlp_only_layers).
+
+Its RMSNorms (layer, final, q/k) are zero-centered: the checkpoint stores w and the
+norm scales by (1 + w), in fp32 (ZeroCenteredRMSNorm); only the gated norm inside
+DeltaNet uses a plain weight.
+
+The KV pool holds only the full-attention layers (pool layer j = ModelConfig.kv_layers[j]),
+the state pool only the linear ones (ModelConfig.linear_layers).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ftserve.models.config import ModelConfig
+from ftserve.models.decoder import Target
+from ftserve.models.forward_batch import ForwardBatch
+from ftserve.models.layers import DenseMLP, Embedding, Linear, MoEBlock
+from ftserve.models.linear_attention import GatedDeltaNet
+from ftserve_kernels import ops
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """norm(x) * (1 + w) in fp32, rounded to x's dtype once at the end."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate. ``kv_layer``: this layer's index in the KV pool."""
+
+    def __init__(self, kv_layer: int, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.kv_layer = kv_layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, kv = cfg.q_size, cfg.kv_size
+        self.sizes = [2 * q, kv, kv]
+        # rows [0, 2q) = q_proj (per head: head_dim query rows, then head_dim gate rows),
+        # [2q, 2q + kv) = k_proj, [2q + kv, 2q + 2kv) = v_proj
+        self.qkv_proj = Linear(cfg.hidden_size, 2 * q + 2 * kv, cfg.qkv_bias, dtype)
+        self.o_proj = Linear(q, cfg.hidden_size, cfg.o_bias, dtype)
+        self.q_norm = ZeroCenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+        self.k_norm = ZeroCenteredRMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        qg, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        qg = qg.view(t, self.num_heads, 2, self.head_dim)
+        q, gate = qg[:, :, 0], qg[:, :, 1]  # [T, Hq, D] each
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if batch.layer_ready is not None:  # this layer's pages may still be streaming in
+            torch.cuda.current_stream().wait_event(batch.layer_ready[self.kv_layer])
+        q, k = ops.rotary(self.q_norm(q), self.k_norm(k), batch.positions, cos_sin)  # partial rotary
+        out = batch.attn_backend.forward(q, k, v, self.kv_layer, batch)  # [T, Hq, D]
+        out = out * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(t, -1))  # [T, H]
+
+
+class SharedExpertMoE(MoEBlock):
+    """Routed experts (MoEBlock, with its expert-compute hook) plus one shared
+    expert that every token runs, weighed by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, layer_idx: int, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__(layer_idx, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                         cfg.num_experts_per_tok, cfg.norm_topk_prob, dtype)
+        self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, False, dtype)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, H]
+        return super().forward(x) + shared
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = ZeroCenteredRMSNorm(h, eps, dtype)
+        self.self_attn: GatedAttention | None = None
+        self.linear_attn: GatedDeltaNet | None = None
+        if cfg.is_full_attention(layer_idx):
+            self.self_attn = GatedAttention(cfg.kv_layers.index(layer_idx), cfg, dtype)
+        else:
+            assert cfg.linear_attn is not None
+            self.linear_attn = GatedDeltaNet(cfg.linear_layers.index(layer_idx), h, cfg.linear_attn, eps, dtype)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(h, eps, dtype)
+        self.mlp: SharedExpertMoE | DenseMLP
+        if cfg.sparse_layers[layer_idx]:
+            self.mlp = SharedExpertMoE(layer_idx, cfg, dtype)
+        else:
+            self.mlp = DenseMLP(h, cfg.intermediate_size, cfg.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
+        normed = self.input_layernorm(x)
+        if self.linear_attn is not None:
+            x = x + self.linear_attn(normed, batch)
+        else:
+            assert self.self_attn is not None
+            x = x + self.self_attn(normed, batch, cos_sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    """model(batch) -> logits [rows, vocab] fp32, as DecoderForCausalLM; the batch
+    also carries the state pool and slots (ForwardBatch.state_pool / state_slots)."""
+
+    # Multi-token-prediction head of the published checkpoints: not used (yet).
+    ignorable_prefixes: tuple[str, ...] = ("mtp.",)
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        if cfg.linear_attn is None:
+            raise ValueError("Qwen3NextForCausalLM needs ModelConfig.linear_attn")
+        self.config = cfg
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        self.register_buffer(
+            "cos_sin", torch.empty(cfg.max_context_len, cfg.rotary_dim, dtype=torch.float32), persistent=False
+        )
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        self.cos_sin.copy_(self.config.rope_cos_sin())
+
+    def refresh_derived(self) -> None:
+        """Nothing is derived from the weights (no folded routers)."""
+
+    def decode_input_norm(self) -> None:
+        """No first-layer norm for the decode inputs launch to fold: it is zero-centered."""
+        return None
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = batch.input_embeds if batch.input_embeds is not None else self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch, self.cos_sin)  # [T, H]
+        if batch.logits_indices is not None:
+            x = x.index_select(0, batch.logits_indices)  # [B, H]: the norm is per row
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return ops.linear_fp32(self.norm(x), head)  # [B or T, V] fp32
+
+    def ignorable_checkpoint_names(self) -> set[str]:
+        return {"lm_head.weight"} if self.lm_head is None else set()
+
+    def checkpoint_targets(self) -> dict[str, Target]:
+        """HF tensor name -> destination, for every tensor the checkpoint must provide."""
+        cfg = self.config
+        t: dict[str, Target] = {"model.embed_tokens.weight": Target("embed_tokens.weight")}
+        for i, layer in enumerate(self.layers):
+            hf, me = f"model.layers.{i}", f"layers.{i}"
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                t[f"{hf}.{norm}.weight"] = Target(f"{me}.{norm}.weight")
+            if layer.self_attn is not None:
+                t.update(self._attention_targets(f"{hf}.self_attn", f"{me}.self_attn"))
+            else:
+                t.update(self._linear_targets(f"{hf}.linear_attn", f"{me}.linear_attn"))
+            if isinstance(layer.mlp, SharedExpertMoE):
+                t.update(self._moe_targets(f"{hf}.mlp", f"{me}.mlp"))
+            else:
+                t.update(_mlp_targets(f"{hf}.mlp", f"{me}.mlp", cfg.intermediate_size))
+        t["model.norm.weight"] = Target("norm.weight")
+        if self.lm_head is not None:
+            t["lm_head.weight"] = Target("lm_head.weight")
+        return t
+
+    def _attention_targets(self, hf: str, me: str) -> dict[str, Target]:
+        cfg = self.config
+        q2, kv = 2 * cfg.q_size, cfg.kv_size
+        rows = {"q_proj": slice(0, q2), "k_proj": slice(q2, q2 + kv), "v_proj": slice(q2 + kv, q2 + 2 * kv)}
+        t: dict[str, Target] = {}
+        for name, sl in rows.items():
+            for kind in ["weight"] + (["bias"] if cfg.qkv_bias else []):
+                t[f"{hf}.{name}.{kind}"] = Target(f"{me}.qkv_proj.{kind}", (sl,))
+        for kind in ["weight"] + (["bias"] if cfg.o_bias else []):
+            t[f"{hf}.o_proj.{kind}"] = Target(f"{me}.o_proj.{kind}")
+        t[f"{hf}.q_norm.weight"] = Target(f"{me}.q_norm.weight")
+        t[f"{hf}.k_norm.weight"] = Target(f"{me}.k_norm.weight")
+        return t
+
+    def _linear_targets(self, hf: str, me: str) -> dict[str, Target]:
+        la = self.config.linear_attn
+        assert la is not None
+        qkvz = 2 * la.key_dim + 2 * la.value_dim
+        return {
+            f"{hf}.in_proj_qkvz.weight": Target(f"{me}.in_proj.weight", (slice(0, qkvz),)),
+            f"{hf}.in_proj_ba.weight": Target(f"{me}.in_proj.weight", (slice(qkvz, qkvz + 2 * la.num_value_heads),)),
+            f"{hf}.conv1d.weight": Target(f"{me}.conv1d_weight"),
+            f"{hf}.A_log": Target(f"{me}.A_log"),
+            f"{hf}.dt_bias": Target(f"{me}.dt_bias"),
+            f"{hf}.norm.weight": Target(f"{me}.norm.weight"),
+            f"{hf}.out_proj.weight": Target(f"{me}.out_proj.weight"),
+        }
+
+    def _moe_targets(self, hf: str, me: str) -> dict[str, Target]:
+        cfg = self.config
+        inter = cfg.moe_intermediate_size
+        t = {f"{hf}.gate.weight": Target(f"{me}.gate.weight"),
+             f"{hf}.shared_expert_gate.weight": Target(f"{me}.shared_expert_gate.weight")}
+        t.update(_mlp_targets(f"{hf}.shared_expert", f"{me}.shared_expert", cfg.shared_expert_intermediate_size))
+        for e in range(cfg.num_experts):
+            ex = f"{hf}.experts.{e}"
+            t[f"{ex}.gate_proj.weight"] = Target(f"{me}.w13", (e, slice(0, inter)))
+            t[f"{ex}.up_proj.weight"] = Target(f"{me}.w13", (e, slice(inter, 2 * inter)))
+            t[f"{ex}.down_proj.weight"] = Target(f"{me}.w2", (e,))
+        return t
+
+
+def _mlp_targets(hf: str, me: str, inter: int) -> dict[str, Target]:
+    """A gated MLP (DenseMLP: gate and up fused)."""
+    return {
+        f"{hf}.gate_proj.weight": Target(f"{me}.gate_up_proj.weight", (slice(0, inter),)),
+        f"{hf}.up_proj.weight": Target(f"{me}.gate_up_proj.weight", (slice(inter, 2 * inter),)),
+        f"{hf}.down_proj.weight": Target(f"{me}.down_proj.weight"),
+    }
+

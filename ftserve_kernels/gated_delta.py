@@ -1,0 +1,203 @@
+"""Gated DeltaNet (Qwen3-Next's linear attention): torch reference twins.
+
+Per value head, with a state S [dk, dv] and, per token t, a decay
+a_t = exp(g_t) (g_t <= 0) and a write strength beta_t in (0, 1)::
+
+    S_t = a_t S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - a_t S_{t-1}^T k_t)    (the delta rule)
+    o_t = S_t^T q_t
+
+q and k are L2-normalized per head and q is scaled by dk^-0.5 first; value
+head h reads key head h // (Hv / Hk). The short causal conv before it (depthwise,
+kernel K, SiLU) remembers the last K - 1 inputs of a sequence.
+
+Two forms of the same recurrence:
+
+- ``recurrent_gated_delta_rule_ref``: token by token (decode, and the oracle);
+- ``chunk_gated_delta_rule_ref``: chunks of C tokens, each a few matmuls plus
+  one unit-lower-triangular solve, then a scan over chunks carrying S (prefill).
+
+Within a chunk starting from S_0, with gamma_t = exp(sum_{s<=t} g_s) and
+D[t, s] = gamma_t / gamma_s (s <= t)::
+
+    S_t = gamma_t S_0 + sum_{s<=t} D[t, s] k_s u_s^T
+    u_t + beta_t sum_{s<t} D[t, s] (k_t . k_s) u_s = beta_t v_t - beta_t gamma_t S_0^T k_t
+    =>  (I + A) U = beta V - (beta gamma K) S_0,   A[t, s] = beta_t D[t, s] k_t . k_s  (s < t)
+    =>  U = U0 - W S_0  with U0 = (I + A)^-1 beta V,  W = (I + A)^-1 (beta gamma K)
+        O = (gamma Q) S_0 + ((Q K^T) * D) U
+        S_C = gamma_C S_0 + ((gamma_C / gamma) K)^T U
+
+Everything but the scan over chunks is batched over chunks and heads.
+
+The pool-level entry points (what the model layer calls) read each sequence's
+starting state from its slot of the state pool (ftserve/kvcache/state_pool.py)
+and write the final state back, by slot index tensors: ``conv_prefill`` /
+``gated_delta_prefill`` for packed sequences of any lengths (a host loop over
+sequences here: prefill is eager), ``conv_decode`` / ``gated_delta_decode`` for
+one token per sequence (fixed shapes, gather / scatter, no sync: capturable).
+A Triton (FLA-style varlen chunk) kernel replaces these four with the same
+signatures; this module is their reference twin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+L2_EPS = 1e-6
+
+
+def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def recurrent_gated_delta_rule_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [..., L, H, dk] (normalized, q scaled), v [..., L, H, dv], g, beta [..., L, H],
+    state [..., H, dk, dv], all fp32 -> (o [..., L, H, dv], final state)."""
+    s = state
+    out = []
+    for t in range(q.shape[-3]):
+        s = s * g[..., t, :].exp()[..., None, None]
+        kt = k[..., t, :, :]  # [..., H, dk]
+        pred = torch.einsum("...hk,...hkv->...hv", kt, s)  # what S already says for k_t
+        u = (v[..., t, :, :] - pred) * beta[..., t, :, None]  # [..., H, dv]
+        s = s + kt[..., :, None] * u[..., None, :]
+        out.append(torch.einsum("...hk,...hkv->...hv", q[..., t, :, :], s))
+    return torch.stack(out, dim=-3), s
+
+
+def chunk_gated_delta_rule_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form (module docstring) of one sequence; same arguments and
+    result as recurrent_gated_delta_rule_ref without the leading batch dims:
+    q, k [L, H, dk], v [L, H, dv], g, beta [L, H], state [H, dk, dv], fp32."""
+    n_tok = q.shape[0]
+    pad = -n_tok % chunk
+    # Padding tokens have k = v = q = 0, beta = 0, g = 0: they change neither the
+    # state nor the decay, and they come after every real token.
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1) for x in (q, k, v))  # [H, Lp, d]
+    g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(0, 1) for x in (g, beta))  # [H, Lp]
+    h = q.shape[0]
+    q, k, v = (x.reshape(h, -1, chunk, x.shape[-1]) for x in (q, k, v))  # [H, N, C, d]
+    g, beta = g.reshape(h, -1, chunk), beta.reshape(h, -1, chunk)  # [H, N, C]
+
+    cum = g.cumsum(-1)  # log gamma_t within each chunk
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # D[t, s] = gamma_t / gamma_s for s <= t; masked before exp (s > t would overflow).
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # [H,N,C,C]
+    kb = k * beta[..., None]
+    a = ((kb @ k.transpose(-1, -2)) * decay).tril(-1)  # [H, N, C, C], strictly lower
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    system = a + eye
+    u0 = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, kb * cum.exp()[..., None], upper=False, unitriangular=True)
+    qk = (q @ k.transpose(-1, -2)) * decay  # [H, N, C, C], causal incl. the diagonal
+    q_decayed = q * cum.exp()[..., None]  # gamma_t q_t
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]  # (gamma_C / gamma_s) k_s
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+
+    s = state
+    out = torch.empty_like(v)
+    for i in range(q.shape[1]):
+        u = u0[:, i] - w[:, i] @ s  # [H, C, dv]
+        out[:, i] = q_decayed[:, i] @ s + qk[:, i] @ u
+        s = s * chunk_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ u
+    out = out.reshape(h, -1, out.shape[-1])[:, :n_tok].transpose(0, 1)  # [L, H, dv]
+    return out, s
+
+
+def _prepare(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """Model-layout inputs -> the rule's: q, k [T, Hk, dk] normalized (q scaled)
+    and repeated to the value heads, everything fp32."""
+    rep = v.shape[-2] // q.shape[-2]
+    q = l2norm(q) * q.shape[-1] ** -0.5
+    k = l2norm(k)
+    if rep > 1:
+        q = q.repeat_interleave(rep, dim=-2)
+        k = k.repeat_interleave(rep, dim=-2)
+    return q, k, v.float(), g.float(), beta.float()
+
+
+def _start(states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+    """The slots' states (zeros where a sequence has no prefix) [B, ...], fp32."""
+    s = states.index_select(0, slots).float()
+    keep = has_state.reshape(-1, *([1] * (s.dim() - 1)))
+    return torch.where(keep, s, torch.zeros((), dtype=s.dtype, device=s.device))
+
+
+def gated_delta_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, seq_bounds: Sequence[int],
+    chunk: int = CHUNK,
+) -> torch.Tensor:
+    """Packed sequences b = [seq_bounds[b], seq_bounds[b+1]) of q, k [T, Hk, dk],
+    v [T, Hv, dv], g [T, Hv] (log decay), beta [T, Hv]; each starts from
+    states[slots[b]] (zeros unless has_state[b]) and leaves its final state
+    there. states: one layer's pool tensor [S+1, Hv, dk, dv]. -> o [T, Hv, dv]
+    in v's dtype."""
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
+    start = _start(states, slots, has_state)  # [B, Hv, dk, dv]
+    out = torch.empty(vf.shape, dtype=v.dtype, device=v.device)
+    for b in range(len(seq_bounds) - 1):
+        lo, hi = seq_bounds[b], seq_bounds[b + 1]
+        o, s = chunk_gated_delta_rule_ref(qf[lo:hi], kf[lo:hi], vf[lo:hi], gf[lo:hi], bf[lo:hi],
+                                          start[b], chunk)
+        out[lo:hi] = o.to(v.dtype)
+        states.index_copy_(0, slots[b : b + 1], s[None].to(states.dtype))
+    return out
+
+
+def gated_delta_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
+) -> torch.Tensor:
+    """One token per sequence: q, k [B, Hk, dk], v [B, Hv, dv], g, beta [B, Hv];
+    state gathered from and scattered back to states[slots] -> o [B, Hv, dv]."""
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
+    o, s = recurrent_gated_delta_rule_ref(qf[:, None], kf[:, None], vf[:, None], gf[:, None],
+                                          bf[:, None], _start(states, slots, has_state))
+    states.index_copy_(0, slots, s.to(states.dtype))
+    return o[:, 0].to(v.dtype)
+
+
+def conv_prefill(
+    x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
+    has_state: torch.Tensor, seq_bounds: Sequence[int],
+) -> torch.Tensor:
+    """SiLU(causal depthwise conv) of packed sequences x [T, C] with weights w [C, K];
+    sequence b continues from conv_states[slots[b]] [C, K-1] (zeros unless
+    has_state[b]: the zero padding of a fresh sequence) and leaves its last K-1
+    inputs there. -> [T, C] in x's dtype."""
+    width = w.shape[1] - 1
+    start = _start(conv_states, slots, has_state).to(x.dtype)  # [B, C, K-1]
+    out = torch.empty_like(x)
+    for b in range(len(seq_bounds) - 1):
+        lo, hi = seq_bounds[b], seq_bounds[b + 1]
+        ext = torch.cat([start[b], x[lo:hi].t()], dim=1)  # [C, K-1+L]
+        y = F.conv1d(ext[None].to(w.dtype), w[:, None, :], groups=w.shape[0])[0]  # [C, L]
+        out[lo:hi] = F.silu(y).t().to(x.dtype)
+        conv_states.index_copy_(0, slots[b : b + 1], ext[None, :, ext.shape[1] - width:].to(conv_states.dtype))
+    return out
+
+
+def conv_decode(
+    x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
+    has_state: torch.Tensor,
+) -> torch.Tensor:
+    """conv_prefill of one token per sequence, x [B, C]: gather, one K-tap dot
+    product per channel, scatter the shifted window back."""
+    ext = torch.cat([_start(conv_states, slots, has_state).to(x.dtype), x[:, :, None]], dim=2)  # [B, C, K]
+    y = (ext.float() * w.float()).sum(-1)  # [B, C]
+    conv_states.index_copy_(0, slots, ext[:, :, 1:].to(conv_states.dtype))
+    return F.silu(y).to(x.dtype)
