@@ -76,7 +76,7 @@ with a single free device page::
     C' device page  [11]     new node: load host 4 -> device 11 planned, host 4 freed
     C  host page    [12]     the same object as before, now C' 's child
 
-Invariants (``check_integrity`` asserts them all):
+Invariants of the state (``check_integrity`` asserts them after any call):
 
 - Pages: every usable device page is in exactly one of the allocator's free
   list, a live request's private pages, or one device node; every usable host
@@ -90,15 +90,20 @@ Invariants (``check_integrity`` asserts them all):
   every unlocked page can be reached by repeated leaf eviction. Requests lock
   device nodes only (a match's ``node``); host nodes are locked only inside
   ``restore``, which pins its path against both evictions while it works.
-- LRU: a node's ``last_access`` >= its children's (every access walks from the
-  root). Device eviction takes the least recently used unlocked device node
-  with no device children, from its tail; host eviction the least recently
-  used unlocked host leaf, from its tail.
+- LRU: a node's ``last_access`` >= its children's (every match and insert
+  walks from the root).
 - Counters: ``evictable_pages`` (unlocked device), ``locked_pages`` (locked
   device) and ``host_cached_pages`` equal what the tree holds.
-- A split keeps the lower part in the original object, so a lock on it still
-  pins the same pages; a node taken out of the tree is marked ``detached`` and
-  can never be locked again.
+
+Eviction order (test_radix_stateful.py checks it against a naive twin):
+device eviction takes the least recently used unlocked device node with no
+device children, deepest pages first, and offloads them (dropping them, with
+the host subtree below, only when the host tier cannot make room: they
+outnumber it, or a restore has the rest pinned); host
+eviction drops the least recently used unlocked host leaf, deepest pages
+first. A split keeps the lower part in the original object, so a lock on it
+still pins the same pages; a node taken out of the tree is marked
+``detached`` and can never be locked again.
 
 Memory: the tree lives for hours and holds millions of tokens, so keys and
 page lists are ``array('i')`` (4 bytes an entry) rather than lists of Python
