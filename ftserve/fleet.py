@@ -49,13 +49,21 @@ INSTALL_HINT = ('ftserve fleet needs the router: pip install -e ".[fleet]" (from
 _PER_REPLICA = frozenset({"host", "port", "device", "replica_id", "api_key", "api_key_file"})
 
 # Router settings for replicas on one box, before --router-args (the router's argparse
-# keeps the last value of a repeated flag, so the user's come last and win). A replica
-# that dies must leave the rotation before the next request is lost to it: the cache-aware
-# policy keeps choosing the replica that holds a session's prefix, retries included, until
-# its circuit opens; two failed attempts open it, so the third goes to a live replica. Health
-# checks every 2 s (2 failures) then take it out until it answers again.
+# keeps the last value of a repeated flag, so the user's come last and win).
+# - Spreading sessions: agentic sessions share their system prompt (tool definitions and
+#   all), so by text every new session matches the replica that served the first one
+#   best, and with the router's defaults (rebalance past 64 requests in flight) every
+#   session lands on one replica while the others idle. Rebalancing once the busiest
+#   replica has 2 more requests in flight than the idlest spreads new sessions; a session
+#   then stays where its conversation is cached (its next turn matches there best).
+# - A replica that dies must leave the rotation before the next request is lost to it:
+#   the cache-aware policy keeps choosing the replica that holds a session's prefix,
+#   retries included, until its circuit opens; two failed attempts open it, so the third
+#   goes to a live replica. Health checks every 2 s (2 failures) then keep it out until
+#   it answers again.
 ROUTER_DEFAULTS: tuple[str, ...] = (
     "--policy", "cache_aware",
+    "--balance-abs-threshold", "1", "--balance-rel-threshold", "1.2",
     "--health-check-interval-secs", "2", "--health-failure-threshold", "2",
     "--cb-failure-threshold", "2", "--cb-timeout-duration-secs", "10",
     "--log-level", "warn",
@@ -239,7 +247,7 @@ def plan(args: argparse.Namespace) -> FleetPlan:
                      server_cfg.api_key)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the fleet process dies (Linux), so a fleet
     killed with SIGKILL leaves no replica or router behind. Its own session: a Ctrl-C at
     the terminal reaches the fleet, which forwards it, not every child at once."""
@@ -296,7 +304,7 @@ class Fleet:
         with open(path, "ab") as log:
             self.procs[name] = subprocess.Popen(
                 list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, **dict(env)}, preexec_fn=_die_with_parent)
+                env={**os.environ, **dict(env)}, preexec_fn=die_with_parent)
         self.logs[name] = path
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
