@@ -178,6 +178,27 @@ def test_the_router_knows_ftserve_as_its_worker(fleet: FleetProcess) -> None:
     assert flushed["workers_flushed"] == 2, flushed
 
 
+def _chat(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return dict(json.loads(r.read()))
+
+
+def test_sglang_constraint_names_survive_the_router(fleet: FleetProcess) -> None:
+    """sglang-router rebuilds chat bodies from the fields it knows: vLLM's
+    ``structured_outputs`` does not reach the worker, SGLang's ``regex`` and ``ebnf`` do,
+    and ftserve takes them."""
+    assert fleet.router is not None
+    base = {"model": "ftserve-demo", "messages": [{"role": "user", "content": "Yes or no?"}],
+            "max_tokens": 8, "temperature": 0}
+    for extra, allowed in (({"regex": "(yes|no)"}, {"yes", "no"}),
+                           ({"ebnf": 'root ::= "maybe" | "never"'}, {"maybe", "never"})):
+        out = _chat(fleet.router[0], {**base, **extra})
+        assert out["choices"][0]["message"]["content"] in allowed, out
+        assert out["choices"][0]["finish_reason"] == "stop", out
+
+
 def test_agentic_through_the_router_keeps_one_replicas_cache_hits(
         fleet: FleetProcess, tmp_path: Path) -> None:
     alone = loadgen(fleet.replicas["replica-0"][0], str(tmp_path / "one"), [*LOAD, "--duration", "6"])
