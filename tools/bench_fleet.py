@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -135,7 +136,7 @@ def render_markdown(res: dict[str, Any]) -> str:
     r = res["ratios"]
     return "\n".join([
         f"### {n} replicas behind sglang-router vs one replica -- {res['where']}, {res['date_utc']}",
-        f"reproduce: `python -m tools.bench_fleet {' '.join(res['argv'])}`", "",
+        f"reproduce: `python -m tools.bench_fleet {shlex.join(res['argv'])}`", "",
         markdown_table(["setup", "requests", "failed", "req/s", "output tok/s", "cache hit",
                         "median TTFT ms", "session affinity"], rows), "",
         f"requests/s {r['request_throughput']:.2f}x one replica (target >= 1.8x for 2); cache-hit "
@@ -192,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {
         "argv": argv + (["--", *fleet_extra] if fleet_extra else []),
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "where": "CUDA devices " + a.devices if a.devices else "see fleet_logs",
+        "where": (f"CUDA devices {a.devices}" if a.devices else
+                  "the CPU" if "cpu" in fleet_extra else "the fleet's default devices"),
         "replicas": len(fleet.replicas), "one": one, "fleet": many, "fleet_exit_code": code,
         "ratios": {k: (many[k] / one[k]) if one.get(k) else None
                    for k in ("request_throughput", "output_throughput", "cache_hit_ratio")},
