@@ -240,6 +240,9 @@ def plan(args: argparse.Namespace) -> FleetPlan:
                    "--worker-urls", *urls, *ROUTER_DEFAULTS,
                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                    "--shutdown-grace-period-secs", str(max(1, round(server_cfg.drain_timeout))),
+                   # The router asks clients for the key and sends it to the replicas; it
+                   # takes it on its command line only.
+                   *(("--api-key", server_cfg.api_key) if server_cfg.api_key else ()),
                    *extra)
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="ftserve-fleet-")
     return FleetPlan(server_cfg.host, server_cfg.port, metrics_port, tuple(replicas),
@@ -342,7 +345,7 @@ class Fleet:
 
     def _router_sees_all(self) -> bool:
         try:
-            workers = _get_json(self.plan.local_url + "/workers")
+            workers = _get_json(self.plan.local_url + "/workers", api_key=self.plan.api_key)
         except (OSError, ValueError):
             return False
         healthy = {w.get("url") for w in workers.get("workers", []) if w.get("is_healthy")}

@@ -122,6 +122,16 @@ def test_serve_flags_go_to_every_replica_and_router_flags_last() -> None:
     assert router.index("cache_aware") < router.index("round_robin")
 
 
+def test_the_api_key_reaches_router_and_replicas_not_replica_command_lines(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FTSERVE_API_KEY", "s3cret")
+    p = fleet_mod.plan(build_parser().parse_args(["fleet", "--replicas", "2", "--device", "cpu"]))
+    for r in p.replicas:
+        assert "s3cret" not in r.argv and dict(r.env)["FTSERVE_API_KEY"] == "s3cret"
+    router = list(p.router_argv)
+    assert router[router.index("--api-key") + 1] == "s3cret"  # it asks clients, tells replicas
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--devices", "0,0"], "lists a device twice"),
     (["--replicas", "3", "--devices", "0,1"], "one device per replica"),
