@@ -1,4 +1,5 @@
-"""Command line: ``ftserve serve`` (the OpenAI-compatible server) and ``ftserve chat``."""
+"""Command line: ``ftserve serve`` (the OpenAI-compatible server), ``ftserve fleet`` (replicas
+behind a cache-aware router: fleet.py) and ``ftserve chat``."""
 
 from __future__ import annotations
 
@@ -125,6 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _add_config_flags(serve.add_argument_group("model and engine"), EngineConfig)
     _add_config_flags(serve.add_argument_group("server"), ServerConfig)
+    fleet = sub.add_parser(
+        "fleet", help="N serve replicas (one per GPU, or on the CPU) behind a cache-aware router",
+        description="Starts --replicas `ftserve serve` processes and sglang-router in front "
+                    "(pip install -e \".[fleet]\"); --host/--port are the router's, every other "
+                    "serve flag goes to each replica.")
+    from ftserve.fleet import add_fleet_flags
+
+    add_fleet_flags(fleet)
+    _add_config_flags(fleet.add_argument_group("model and engine (every replica)"), EngineConfig)
+    _add_config_flags(fleet.add_argument_group("server (--host/--port: the router's; the rest: "
+                                               "every replica's)"), ServerConfig)
     chat = sub.add_parser("chat", help="chat with a running server in the terminal")
     chat.add_argument("--url", default="http://127.0.0.1:8000")
     chat.add_argument("--model", default=None, help="model name (default: the server's first)")
@@ -147,6 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ftserve.server.serve import run
 
         return run(engine_cfg, server_cfg)
+    if args.command == "fleet":
+        from ftserve.fleet import run as run_fleet
+
+        return run_fleet(args)
     from ftserve.server.chat_client import ChatClient, chat_loop
 
     client = ChatClient(args.url, args.model, args.api_key, args.max_tokens, args.temperature)

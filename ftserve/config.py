@@ -143,3 +143,6 @@ class ServerConfig:
                                           "a request leaves out) | none (neutral: temperature 1, no "
                                           "filters)")
     log_requests: bool = _opt(False, "log every HTTP request (aiohttp's access log)")
+    replica_id: str | None = _opt(None, "this server's name in the X-Ftserve-Replica response header, "
+                                        "which tells a client behind a router which replica "
+                                        "answered (default: hostname:port)")

@@ -75,6 +75,22 @@ def test_summary_matches_numpy_and_vllm_names() -> None:
     assert "P99 TTFT (ms):" in table and "http_503:" in table
 
 
+def test_session_affinity_counts_continued_turns_on_the_same_replica() -> None:
+    def rec(session: int, turn: int, start: float, replica: str | None) -> RequestRecord:
+        return RequestRecord("agentic", session, turn, "measure", start, replica=replica)
+
+    recs = [rec(0, 0, 0.0, "a"), rec(0, 1, 1.0, "a"), rec(0, 2, 2.0, "b"), rec(0, 3, 3.0, "b"),
+            rec(0, 0, 4.0, "a"),  # a restarted conversation: no previous turn to follow
+            rec(1, 0, 0.5, "b"), rec(1, 1, 1.5, None), rec(1, 2, 2.5, "b"),  # no name: skipped
+            rec(-1, 0, 0.1, "a")]  # a canary is no session
+    s = summarize(recs, duration_s=5.0)
+    assert s["replicas"] == {"a": 4, "b": 4}
+    # session 0: a->a same, a->b moved, b->b same; session 1: the unnamed turn breaks the chain
+    assert s["session_affinity"] == pytest.approx(2 / 3)
+    assert "served by a:" in format_table(s) and "Session affinity" in format_table(s)
+    assert "replicas" not in summarize([rec(0, 1, 0.0, None)], 1.0)  # a server that names none
+
+
 def test_text_is_deterministic_and_heavy_tailed() -> None:
     a, b = random.Random("s"), random.Random("s")
     assert textgen.tool_output(a, 300) == textgen.tool_output(b, 300)
@@ -350,6 +366,11 @@ def test_real_server_profile_soak_passes(ftserve_server: tuple[str, int], profil
     assert len(canaries) >= 3 and len({c["text"] for c in canaries}) == 1 and canaries[0]["text"]
     final = doc["soak"]["final"]
     assert final["ftserve_num_requests_running"] == 0 and final["rss"] > 0
+    # ftserve names itself in every response (X-Ftserve-Replica): one replica, every turn on it.
+    assert list(s["replicas"]) == [f"{socket.gethostname()}:{url.rsplit(':', 1)[1]}"]
+    if profile == "agentic":
+        assert s["session_affinity"] == 1.0
+        assert (tmp_path / "replica_per_session.png").stat().st_size > 0
     if "--subagents" in extra:
         # Sub-agents sent at once over one conversation: the server prefilled it once,
         # so each fan-out request found all but its own sub-task cached.

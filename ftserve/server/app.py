@@ -4,6 +4,7 @@
     POST /v1/messages  POST /v1/messages/count_tokens  (Anthropic's API: anthropic_api.py)
     POST /v1/responses  (OpenAI's Responses API, stateless: responses_api.py)
     GET /health  GET /metrics  POST /tokenize  POST /detokenize  POST /reset_prefix_cache
+    what a cache-aware router asks of a worker, and the replica header: worker_api.py
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ftserve.server import tool_choice
+from ftserve.server import tool_choice, worker_api
 from ftserve.server.anthropic_api import count_tokens, messages
 from ftserve.server.completions import chat_completions, completions, read_json
 from ftserve.server.errors import (
@@ -200,4 +201,5 @@ def make_app(state: ServerState) -> web.Application:
     for method, path in ROUTES:
         # A served name may hold "/" (--served-model-name org/model): match across it.
         app.router.add_route(method, path.replace("{model}", "{model:.+}"), handlers[path])
+    worker_api.install(app)
     return app

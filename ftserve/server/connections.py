@@ -9,7 +9,8 @@ aiohttp's parser refuses.
 - A request the parser refuses (a header line over 8,190 bytes, a malformed
   request line) is answered 400 with an error object, Anthropic's shape when the
   request line named a /v1/messages route, and one log line: aiohttp's own answer
-  is plain text and its log a traceback.
+  is plain text and its log a traceback. An HTTP/2 connection preface (sglang-router
+  probes each worker for gRPC beside HTTP/1.1 when it registers it) is an info line.
 
 aiohttp has no public hook for either, so ``Runner`` builds the same ``web.Server``
 an AppRunner builds, with a protocol factory returning ``_Protocol``.
@@ -38,6 +39,7 @@ class _Protocol(web_protocol.RequestHandler):
     _path = "/"  # the last request line's path seen on this connection
     _served = False  # a request's headers arrived (the request factory ran)
     _first: asyncio.TimerHandle | None = None
+    _http2 = False  # the connection opened with HTTP/2's preface
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -59,6 +61,8 @@ class _Protocol(web_protocol.RequestHandler):
         match = _REQUEST_LINE.match(data)
         if match is not None:
             self._path = match.group(1).decode("latin-1")
+        elif data.startswith(b"PRI * HTTP/2.0"):
+            self._http2 = True
         super().data_received(data)
 
     def handle_error(self, request: BaseRequest, status: int = 500,
@@ -66,11 +70,16 @@ class _Protocol(web_protocol.RequestHandler):
                      message: str | None = None) -> web.StreamResponse:
         if not isinstance(exc, HttpProcessingError):
             return super().handle_error(request, status, exc, message)
+        if self._http2:
+            log.info("closed an HTTP/2 connection from %s (a router probing for gRPC?): this "
+                     "server speaks HTTP/1.1", request.remote)
+            self.force_close()
+            return web.Response(status=400)
         if isinstance(exc, LineTooLong):
             # Its message quotes the line, which may be a credential: not in the log.
             reason = "a request header or the request line is longer than the server's limit"
         else:
-            reason = (exc.message or type(exc).__name__)[:200]
+            reason = (exc.message or type(exc).__name__).strip().split("\n")[0][:200]
         log.warning("refused an HTTP request from %s that did not parse: %s",
                     request.remote, reason)
         err = APIError(status, f"malformed HTTP request: {reason}", code="bad_http_request")

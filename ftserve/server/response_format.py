@@ -15,6 +15,11 @@ and, as other servers take them (one constraint per request; a second is a 400):
                            | "regex": str | "choice": [str, ...] | "grammar": str}   (vLLM)
     "guided_json" / "guided_regex" / "guided_choice" / "guided_grammar"             (vLLM, older)
     "json_schema": schema,  "grammar": str                                            (llama.cpp)
+    "regex": str,  "ebnf": str (a grammar)                                            (SGLang)
+
+SGLang's names matter behind sglang-router: it rebuilds a chat body from the fields it
+knows and passes ``response_format``, ``regex`` and ``ebnf`` on, dropping vLLM's and
+llama.cpp's (docs/scaling.md).
 
 A grammar is Lark (llguidance's dialect) or GBNF, told apart and converted by
 llguidance. ``parse`` checks a constraint's shape and size here, on the event loop,
@@ -124,7 +129,8 @@ def _other_fields(body: dict[str, Any]) -> list[ResponseFormat | None]:
                 out.append(_one(key, value, "structured_outputs"))
     for field, key in (("guided_json", "json"), ("guided_regex", "regex"),
                        ("guided_choice", "choice"), ("guided_grammar", "grammar"),
-                       ("json_schema", "json"), ("grammar", "grammar")):
+                       ("json_schema", "json"), ("grammar", "grammar"),
+                       ("regex", "regex"), ("ebnf", "grammar")):
         if body.get(field) is not None:
             out.append(_one(key, body[field], field))
     return out

@@ -146,7 +146,7 @@ async def discover_model(url: str, api_key: str | None, name: str | None) -> Ser
     async with aiohttp.ClientSession(timeout=timeout) as s:
         async with s.get(url + "/v1/models", headers=headers) as r:
             r.raise_for_status()
-            data = await r.json()
+            data = await r.json(content_type=None)  # sglang-router's says text/plain
     cards = data["data"]
     card = next((c for c in cards if c.get("id") == name), None) if name else cards[0]
     if card is None:  # a name the server does not list: it may still route it
