@@ -270,3 +270,50 @@ def test_metadata_is_read_once(ckpts: dict[str, Path], tmp_path: Path) -> None:
     assert read_checkpoint(path) is read_checkpoint(path)  # model, engine and tokenizer share it
     meta = read_checkpoint(path).metadata
     assert meta["general.architecture"] == "qwen3" and json.dumps(meta["qwen3.block_count"])
+
+
+def test_expert_offload_reads_gguf_experts_into_the_host_bank(ckpts: dict[str, Path],
+                                                              tmp_path: Path) -> None:
+    from ftserve.moe.banks import load_offloaded_model
+
+    src = ckpts["qwen3_moe"]
+    path = write_gguf(src, tmp_path / "moe.gguf", tokenizer=False)
+    cpu = torch.device("cpu")
+    _, _, ref = load_offloaded_model(src, "float32", cpu, "safetensors")
+    model, cfg, bank = load_offloaded_model(path, "float32", cpu, "safetensors")
+    assert cfg.num_experts > 1
+    for j in range(len(cfg.sparse_layers)):
+        assert torch.equal(bank.w13(j), ref.w13(j)) and torch.equal(bank.w2(j), ref.w2(j))
+
+
+def _byte_level_meta(pre: str | None) -> dict[str, object]:
+    from ftserve.tokenizer.hf_backend import _gpt2_byte_decoder
+
+    alphabet = sorted(_gpt2_byte_decoder(), key=lambda c: _gpt2_byte_decoder()[c])
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *alphabet, "Ġt", "he", "Ġthe"]
+    meta: dict[str, object] = {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (len(tokens) - 3),
+        "tokenizer.ggml.merges": ["Ġ t", "h e", "Ġt he"],
+        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 1,
+    }
+    if pre is not None:
+        meta["tokenizer.ggml.pre"] = pre
+    return meta
+
+
+def test_byte_level_vocab_and_its_pre_tokenizer_names() -> None:
+    from ftserve.tokenizer.gguf import GGUFTokenizerError, load_gguf_tokenizer
+
+    tok = load_gguf_tokenizer(_byte_level_meta("smollm"))
+    ids = tok.encode("the the 42<|im_end|>", add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False) == "the the 42<|im_end|>"
+    assert [tok.id_to_piece(i) for i in ids[:3]] == ["t", "he", "Ġthe"] and ids[-1] == 2
+    assert tok.id_to_piece(ids[-3]) == "4" and tok.id_to_piece(ids[-2]) == "2"  # digits split
+    # eos: the metadata's (here <|im_start|>, as a badly converted file may say), then the
+    # end-of-turn control tokens generation also stops at
+    assert tok.eos_ids[0] == 1 and set(tok.eos_ids) == {0, 1, 2}
+    for pre in ("llama-bpe", "qwen2", "gpt2", None):  # None: GPT-2's split, with a warning
+        assert load_gguf_tokenizer(_byte_level_meta(pre)).encode("the 1234", False)
+    with pytest.raises(GGUFTokenizerError, match="pre-tokenizer 'klingon' is not supported"):
+        load_gguf_tokenizer(_byte_level_meta("klingon"))
