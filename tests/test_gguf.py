@@ -313,6 +313,8 @@ def test_byte_level_vocab_and_its_pre_tokenizer_names() -> None:
     # eos: the metadata's (here <|im_start|>, as a badly converted file may say), then the
     # end-of-turn control tokens generation also stops at
     assert tok.eos_ids[0] == 1 and set(tok.eos_ids) == {0, 1, 2}
+    with_bos = load_gguf_tokenizer({**_byte_level_meta("smollm"), "tokenizer.ggml.add_bos_token": True})
+    assert with_bos.special_prefix == (1,) and with_bos.encode("the") == [1, *tok.encode("the", False)]
     for pre in ("llama-bpe", "qwen2", "gpt2", None):  # None: GPT-2's split, with a warning
         assert load_gguf_tokenizer(_byte_level_meta(pre)).encode("the 1234", False)
     with pytest.raises(GGUFTokenizerError, match="pre-tokenizer 'klingon' is not supported"):

@@ -291,8 +291,30 @@ def eos_token_ids(meta: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def check_types(ckpt: GGUFCheckpoint) -> None:
+    """Every tensor type can be dequantized (tried on one block of zeros per type), so
+    an unsupported one fails at start-up, before any memory is allocated."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from ftserve.models.gguf_quants import dequantize
+
+    first: dict[int, str] = {}
+    for name, spec in ckpt.tensors.items():
+        first.setdefault(spec.qtype, name)
+    for qtype, name in first.items():
+        try:
+            per, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+            dequantize(np.zeros(size, np.uint8), qtype, (per,), torch.device("cpu"))
+        except (ValueError, KeyError, NotImplementedError):
+            from ftserve.models.gguf_quants import type_name
+
+            raise GGUFError(f"{ckpt.name}: tensor {name!r} has type {type_name(qtype)}, which "
+                            "ftserve cannot dequantize") from None
+
+
 def model_config(path: str | os.PathLike[str]) -> ModelConfig:
     ckpt = read_checkpoint(path)
+    check_types(ckpt)
     cfg = ModelConfig.from_hf(hf_config(ckpt))
     freqs = ckpt.tensors.get("rope_freqs.weight")
     if freqs is not None:
