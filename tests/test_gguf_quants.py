@@ -66,3 +66,13 @@ def test_short_data_is_an_error() -> None:
     raw = _random_blocks(Q.Q8_0, 2)
     with pytest.raises(ValueError, match="does not hold"):
         dequantize_torch(torch.from_numpy(raw.reshape(-1)), int(Q.Q8_0), (96,))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", sorted(_BLOCKS), ids=lambda t: Q(t).name)
+def test_torch_dequantizer_on_cuda_equals_ggml(qtype: int) -> None:
+    """On a GPU every block type goes through torch (the K-quants too)."""
+    raw = _random_blocks(Q(qtype), 4096, seed=qtype)
+    want = quants.dequantize(raw, Q(qtype))
+    got = dequantize(raw.reshape(-1), qtype, want.shape, torch.device("cuda"))
+    assert got.device.type == "cuda" and np.array_equal(got.cpu().numpy(), want)
