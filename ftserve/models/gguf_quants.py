@@ -58,7 +58,8 @@ def _q4_0(b: torch.Tensor) -> torch.Tensor:
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
     lo, hi = _nibbles(b[:, 4:20])
-    return torch.addcmul(_f16(b, 2), _f16(b, 0), torch.cat((lo, hi), 1).float())
+    # not addcmul: a fused multiply-add would round differently from ggml on a GPU
+    return _f16(b, 0) * torch.cat((lo, hi), 1).float() + _f16(b, 2)
 
 
 def _high_bits(qh: torch.Tensor) -> torch.Tensor:
