@@ -317,5 +317,11 @@ def test_byte_level_vocab_and_its_pre_tokenizer_names() -> None:
     assert with_bos.special_prefix == (1,) and with_bos.encode("the") == [1, *tok.encode("the", False)]
     for pre in ("llama-bpe", "qwen2", "gpt2", None):  # None: GPT-2's split, with a warning
         assert load_gguf_tokenizer(_byte_level_meta(pre)).encode("the 1234", False)
+    from ftserve.tokenizer import ChatTemplate
+
+    named = load_gguf_tokenizer({**_byte_level_meta("gpt2"), "tokenizer.chat_template": "A{{ x }}",
+                                 "tokenizer.chat_template.tool_use": "T{{ x }}"})
+    template = ChatTemplate(named.chat_template)
+    assert template.source() == "A{{ x }}" and template.source(tools=[{}]) == "T{{ x }}"
     with pytest.raises(GGUFTokenizerError, match="pre-tokenizer 'klingon' is not supported"):
         load_gguf_tokenizer(_byte_level_meta("klingon"))

@@ -86,7 +86,7 @@ def load_gguf_tokenizer(meta: Mapping[str, Any], name: str = "GGUF") -> Tokenize
         if tid is not None and not 0 <= int(tid) < len(tokens):
             raise GGUFTokenizerError(f"{name}: tokenizer.ggml.{key}_token_id {tid} is outside the "
                                      f"vocabulary of {len(tokens)}")
-    template = meta.get("tokenizer.chat_template")
+    template = chat_template(meta)
     eos_ids = eos_token_ids(meta)
     if kind == "gpt2":
         merges = meta.get("tokenizer.ggml.merges")
@@ -114,6 +114,18 @@ def load_gguf_tokenizer(meta: Mapping[str, Any], name: str = "GGUF") -> Tokenize
             extra_eos_ids=eos_ids, chat_template=template)
     raise GGUFTokenizerError(f"{name}: tokenizer model {kind!r} is not supported (gpt2 byte-level "
                              "BPE and llama sentencepiece are)")
+
+
+def chat_template(meta: Mapping[str, Any]) -> str | list[dict[str, str]] | None:
+    """tokenizer.chat_template, with the named ones (tokenizer.chat_template.<name>,
+    e.g. tool_use) as tokenizer_config.json's list of named templates."""
+    default = meta.get("tokenizer.chat_template")
+    prefix = "tokenizer.chat_template."
+    named = [{"name": k[len(prefix):], "template": v} for k, v in meta.items()
+             if k.startswith(prefix) and isinstance(v, str)]
+    if not named:
+        return default
+    return ([{"name": "default", "template": default}] if default else []) + named
 
 
 def bpe_spec(tokens: Sequence[str], types: Sequence[int], merges: Sequence[str], pre: str | None,
