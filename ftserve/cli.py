@@ -81,10 +81,9 @@ def configs_from_args(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig
     engine: EngineConfig = _config_from(EngineConfig, a)
     server: ServerConfig = _config_from(ServerConfig, a)
     engine.validate()
-    if engine.model is not None and not os.path.isdir(engine.model):
-        raise ConfigError(f"--model {engine.model!r} is not a directory: ftserve serves local "
-                          "checkpoint directories (config.json, *.safetensors, tokenizer files) "
-                          "and downloads nothing; fetch the checkpoint first and pass its folder")
+    if engine.model is not None and not _model_arg_ok(engine.model):
+        raise ConfigError(f"--model {engine.model!r} is neither a checkpoint directory, a .gguf "
+                          f"file nor a model name ({', '.join(model_names())})")
     if not 0 <= server.port < 65536:
         raise ConfigError("--port must be in [0, 65535]")
     if server.max_queued_requests < 0:
@@ -120,6 +119,33 @@ def configs_from_args(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig
     return engine, server
 
 
+def model_names() -> list[str]:
+    from ftserve.models.fetch import ALIASES, DEMO_ALIAS
+
+    return [*ALIASES, DEMO_ALIAS]
+
+
+def _model_arg_ok(model: str) -> bool:
+    return os.path.isdir(model) or (os.path.isfile(model) and model.endswith(".gguf")) or (
+        model in model_names())
+
+
+def resolve_model(engine: EngineConfig, server: ServerConfig) -> tuple[EngineConfig, ServerConfig]:
+    """A model name -> its fetched file (FetchError if it cannot be fetched); no --model ->
+    the default real model when cached or fetchable, else the demo model (logged)."""
+    from ftserve.models.fetch import resolve
+
+    resolved = resolve(engine.model)
+    if resolved.fallback_reason is not None:
+        logging.getLogger("ftserve").warning(
+            "no --model given and the default real model is unavailable: %s. Serving the "
+            "embedded demo model (random weights) instead", resolved.fallback_reason)
+    engine = dataclasses.replace(engine, model=resolved.path)
+    if resolved.name is not None and server.served_model_name is None:
+        server = dataclasses.replace(server, served_model_name=resolved.name)
+    return engine, server
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ftserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,9 +177,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
+        from ftserve.models.fetch import FetchError
+
         try:
-            engine_cfg, server_cfg = configs_from_args(args)
-        except ConfigError as err:
+            engine_cfg, server_cfg = resolve_model(*configs_from_args(args))
+        except (ConfigError, FetchError) as err:
             print(f"ftserve: error: {err}", file=sys.stderr)
             return 2
         from ftserve.server.serve import run

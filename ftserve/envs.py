@@ -19,8 +19,8 @@ def _flag(name: str, default: bool) -> bool:
 
 
 def cache_dir() -> Path:
-    """FTSERVE_CACHE_DIR: where the embedded demo checkpoint is written
-    (default ~/.cache/ftserve)."""
+    """FTSERVE_CACHE_DIR: where the embedded demo checkpoint is written and models
+    fetched by name are kept, under models/ (default ~/.cache/ftserve)."""
     return Path(os.environ.get("FTSERVE_CACHE_DIR", Path.home() / ".cache" / "ftserve"))
 
 

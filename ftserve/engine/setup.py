@@ -59,6 +59,8 @@ def read_eos_ids(model_dir: str, model_config: Any) -> list[int]:
                 ids.extend(int(v) for v in val)
         if ids:
             break
+    if not ids:  # a GGUF has no side files: its metadata's end-of-generation ids
+        ids = list(getattr(model_config, "eos_token_ids", ()))
     return sorted(set(ids))
 
 

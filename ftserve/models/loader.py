@@ -1,7 +1,9 @@
 """load_model: build on the meta device, materialize once on the target device,
-then fill every parameter from memory-mapped safetensors shards (or random
-dummy values). Each checkpoint tensor is copied exactly once, straight into its
-(possibly fused) destination slice, so peak memory is the model itself.
+then fill every parameter from memory-mapped safetensors shards, a GGUF file
+(dequantized one tensor at a time: ftserve/models/gguf.py) or random dummy
+values. Each checkpoint tensor is copied exactly once, straight into its
+(possibly fused) destination slice, so peak memory is the model itself (plus one
+dequantized tensor for a GGUF).
 """
 
 from __future__ import annotations
@@ -83,14 +85,24 @@ def load_model(
         cfg = cfg.with_max_len(max_model_len)
     torch_dtype = resolve_dtype(dtype, device)
     model = build_model(cfg, torch_dtype, device)
-    if load_format in ("safetensors", "auto"):
-        fill_from_safetensors(model, checkpoint_files(model_dir))
+    if load_format in ("safetensors", "gguf", "auto"):
+        fill_from_checkpoint(model, model_dir)
     elif load_format == "dummy":
         fill_dummy(model, seed)
     else:
-        raise ValueError(f"load_format must be safetensors or dummy, got {load_format!r}")
+        raise ValueError(f"load_format must be safetensors, gguf or dummy, got {load_format!r}")
     model.refresh_derived()
     return model, cfg
+
+
+def fill_from_checkpoint(model: DecoderForCausalLM, path: Path) -> None:
+    """The checkpoint's weights, whichever format holds them (safetensors or GGUF)."""
+    from ftserve.models import gguf
+
+    if gguf.is_gguf(path):
+        gguf.fill_from_gguf(model, path)
+    else:
+        fill_from_safetensors(model, checkpoint_files(path))
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ from torch import nn
 from ftserve.models.config import ModelConfig
 from ftserve.models.decoder import DecoderForCausalLM
 from ftserve.models.layers import MoEBlock
-from ftserve.models.loader import checkpoint_files, fill_dummy, fill_from_safetensors, resolve_dtype
+from ftserve.models.loader import fill_dummy, fill_from_checkpoint, resolve_dtype
 from ftserve.models.registry import model_class
 
 # fill_dummy's init for expert matrices (see ftserve.models.loader.fill_dummy).
@@ -123,7 +123,7 @@ def load_offloaded_model(
 
     if load_format in ("safetensors", "auto"):
         attach()
-        fill_from_safetensors(model, checkpoint_files(model_dir))
+        fill_from_checkpoint(model, model_dir)
     elif load_format == "dummy":
         if device.type == "cpu":
             # normal_ draws a strided view in another order than a contiguous

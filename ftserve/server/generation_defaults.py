@@ -29,7 +29,7 @@ def sampling_defaults(model_dir: str) -> dict[str, Any]:
     path = Path(model_dir) / "generation_config.json"
     try:
         cfg = json.loads(path.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # none, or a GGUF file (no side files)
         return {}
     except (OSError, ValueError) as err:
         log.warning("ignoring %s: %s", path, err)

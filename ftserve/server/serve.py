@@ -88,7 +88,14 @@ def banner(state: ServerState, host: str, port: int) -> str:
     lines += [f"  {method:<4} http://{host}:{port}{path}" for method, path in ROUTES]
     if engine.is_demo:
         lines.append("  WARNING: this is the embedded demo model with RANDOM DEMO WEIGHTS; its "
-                     "output is gibberish. Pass --model DIR to serve a real checkpoint.")
+                     "output is gibberish. Pass --model DIR, --model FILE.gguf or --model "
+                     "smollm2-135m to serve a real model.")
+    else:
+        from ftserve.models.fetch import describe
+
+        origin = describe(engine.model_dir)
+        if origin is not None:
+            lines.append(f"  model: {origin}")
     if state.cfg.api_key:
         lines.append("  API key required: Authorization: Bearer <key>"
                      + (" (on /metrics too)" if state.cfg.metrics_require_key else ""))
