@@ -343,7 +343,8 @@ def test_port_in_use_is_one_line(proc: Proc) -> None:
     """A second server on a port that is taken: one error line naming the port and the flag,
     exit status 1, no traceback."""
     run = subprocess.run(
-        [sys.executable, "-m", "ftserve", "serve", "--port", str(proc.port), "--device", "cpu"],
+        [sys.executable, "-m", "ftserve", "serve", "--model", "demo", "--port", str(proc.port),
+         "--device", "cpu"],
         capture_output=True, text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 1, run.stderr
     assert "Traceback" not in run.stderr, run.stderr

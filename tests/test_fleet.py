@@ -28,7 +28,7 @@ from ftserve.cli import build_parser, configs_from_args, main
 from tools.bench_fleet import FleetProcess, loadgen, post
 
 # Small on purpose: two engines, the router and loadgen share the CI machine's two cores.
-SERVE = ["--max-model-len", "1024", "--num-pages", "200", "--max-running-requests", "4",
+SERVE = ["--model", "demo", "--max-model-len", "1024", "--num-pages", "200", "--max-running-requests", "4",
          "--cuda-graph-max-bs", "0", "--status-log-interval", "0", "--drain-timeout", "5"]
 LOAD = ["--profile", "agentic", "--seed", "3", "--sessions", "3", "--system-tokens", "200",
         "--turn-tokens", "120", "--output-tokens", "8", "--max-output-tokens", "16",

@@ -306,7 +306,8 @@ def ftserve_server() -> Iterator[tuple[str, int]]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ftserve", "serve", "--port", str(port), "--status-log-interval", "0"],
+        [sys.executable, "-m", "ftserve", "serve", "--model", "demo", "--port", str(port),
+         "--status-log-interval", "0"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
