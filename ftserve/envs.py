@@ -232,25 +232,3 @@ def step_copy_kernel() -> bool:
     between two decode graphs at 2k context against 17.3 with the memcpys,
     12.2 against 18.1 at 32k."""
     return _flag("FTSERVE_STEP_COPY_KERNEL", True)
-
-
-def decode_layer_kernel() -> bool:
-    """FTSERVE_DECODE_LAYER_KERNEL (default off): batch-1 decode runs each MoE
-    layer as one persistent launch with grid barriers between its phases
-    (ftserve_kernels/decode_layer_triton.py) where the layer qualifies
-    (ftserve/models/fused_layer.py). Off: on the H200 (2026-11-30 06:45,
-    tools.bench_decode_layer_kernel, qwen3-30b-a3b shape) it took 63.1 us per
-    layer at 2k context against 61.7 unfused, and 97.8 against 75.8 at 32k
-    (BENCHMARKS.md has the phases)."""
-    return _flag("FTSERVE_DECODE_LAYER_KERNEL", False)
-
-
-def decode_layer_config() -> dict[str, int]:
-    """FTSERVE_DECODE_LAYER_CFG: launch fields of that kernel's LayerConfig as
-    name=int pairs, e.g. "r_qkv=8,r_o=4,num_warps=8,prefetch=0" (tuning runs)."""
-    value = os.environ.get("FTSERVE_DECODE_LAYER_CFG", "")
-    out: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in value.split(","))):
-        name, _, num = part.partition("=")
-        out[name.strip()] = int(num)
-    return out

@@ -34,7 +34,7 @@ def _switches() -> dict[str, object]:
             "lm_head_fp32": envs.lm_head_fp32(), "lm_head_gemv": envs.lm_head_gemv(),
             "decode_fusion": envs.decode_fusion(),
             "moe_down3d": envs.moe_down3d(), "fused_kv_store": envs.fused_kv_store(), "pdl": envs.pdl(),
-            "decode_layer_kernel": envs.decode_layer_kernel(), "decode_qk_fold": envs.decode_qk_fold(),
+            "decode_qk_fold": envs.decode_qk_fold(),
             "decode_down_norm": envs.decode_down_norm(), "decode_defer_norm": envs.decode_defer_norm(),
             "decode_route_in_oproj": envs.decode_route_in_oproj(),
             "oproj_route_block_e": envs.oproj_route_block_e(),
@@ -73,7 +73,7 @@ def test_each_variant_turns_exactly_its_switch(monkeypatch: pytest.MonkeyPatch) 
     assert names[0] == "baseline" and len(set(names)) == len(names)
     assert {"DENSE_GEMV=0", "DENSE_GEMV=1", "DENSE_GEMV=norm", "MOE_GATEUP_ACC=1", "LM_HEAD_FP32=1", "LM_HEAD_GEMV=0",
             "FUSED_KV_STORE=0", "PDL=0", "PDL=1", "PDL=1 DENSE_GEMV=1", "PDL=1 DENSE_GEMV=norm",
-            "DECODE_LAYER_KERNEL=1", "DECODE_QK_FOLD=0", "DECODE_DOWN_NORM=0", "DECODE_DEFER_NORM=0",
+            "DECODE_QK_FOLD=0", "DECODE_DOWN_NORM=0", "DECODE_DEFER_NORM=0",
             "attn fused_reduce=1", "attn programs_per_sm=2", "attn programs_per_sm=8",
             "attn max_splits=32", "attn max_splits=64", "attn max_splits=256"} <= set(names)
     with env_applied(DEFAULT_ENV):

@@ -249,19 +249,6 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     comp("rotary", rt._rotary_kernel,
          {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "pos_ptr": "*i64", "cs_ptr": "*fp32"},
          dict(HQ=32, HK=4, D=128, HALF=64, BLOCK_HQ=32, BLOCK_HK=4, BLOCK_HALF=64, BLOCK_D=1))
-    # The one-launch decode layer (FTSERVE_DECODE_LAYER_KERNEL) at the qwen3-30b-a3b shape.
-    from ftserve_kernels import decode_layer_triton as dl
-
-    shape = dl.LayerShape(2048, 32, 4, 128, 128, 768, 8, 16, True, True)
-    consts = dl.launch_constants(shape, dl.LayerConfig(), 132, 64, True, cuda=True)
-    warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
-    names = dl._decode_layer_kernel.arg_names
-    layer = {n: bf for n in names if n.endswith(("_ptr", "_s"))}
-    layer |= {n: i32 for n in ("sync_ptr", "pt_ptr", "seq_lens_ptr", "topi_s")}
-    layer |= {n: "*i64" for n in ("pos_ptr", "loc_ptr", "tm_ptr")}
-    layer |= {n: "*fp32" for n in ("cs_ptr", "mid_o", "mid_lse", "logits_s", "topw_s", "part_s", "tk_s")}
-    layer |= {"eps": "fp32", "scale_log2": "fp32"}
-    comp("decode_layer", dl._decode_layer_kernel, layer, consts | {"PHASE": -1}, warps, stages)
     maps = {n: i32 for n in ("needed_ptr", "slot_of_id_ptr", "id_of_slot_ptr", "out_slot_ptr",
                              "miss_slot_ptr", "miss_id_ptr", "prot_ptr", "victim_ptr")}
     maps |= {"last_used_ptr": "*i64", "step_ptr": "*i64"}
@@ -308,7 +295,7 @@ def test_kernels_compile_for_sm90() -> None:
     for name, r in results.items():
         assert r["shared"] <= SMEM_LIMIT, (name, r)
         assert r["local"] in (0, -1), f"{name} spills registers to local memory: {r}"
-    for name in ("extend", "extend_gqa_bm128", "moe_gate_up_T8192", "moe_down_T8192", "decode_layer"):
+    for name in ("extend", "extend_gqa_bm128", "moe_gate_up_T8192", "moe_down_T8192"):
         assert results[name]["wgmma"], f"{name} does not use Hopper wgmma: {results[name]}"
     for name, r in results.items():  # the wait and release exactly where PDL is compiled in
         pdl = name.endswith("_pdl") or name == "qk_norm_rotary_store"
@@ -324,7 +311,7 @@ def test_kernels_compile_for_sm90() -> None:
         assert results[name]["loads_before_wait"] == 0, (name, results[name])
     for name in ("extend", "decode_split", "decode_split_qk", "decode_split_qk_rr", "decode_split_qk_rr_ahead",
                  "moe_gate_up_T1",
-                 "moe_gate_up_T8192", "decode_layer"):
+                 "moe_gate_up_T8192"):
         assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"
 
 

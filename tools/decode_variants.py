@@ -28,7 +28,6 @@ DEFAULT_ENV: dict[str, str] = {
     "FTSERVE_MOE_DOWN3D": "1",
     "FTSERVE_FUSED_KV_STORE": "1",
     "FTSERVE_PDL": "wait",
-    "FTSERVE_DECODE_LAYER_KERNEL": "0",
     "FTSERVE_DECODE_QK_FOLD": "1",
     "FTSERVE_DECODE_DOWN_NORM": "1",
     "FTSERVE_DECODE_DEFER_NORM": "1",
@@ -78,7 +77,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     # joined by "+" turns several switches and never enters the combination.
     out += [Variant(f"PDL=1 DENSE_GEMV={v}", "pdl+dense_gemv", {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": v})
             for v in ("1", "norm")]
-    out.append(Variant("DECODE_LAYER_KERNEL=1", "decode_layer_kernel", {"FTSERVE_DECODE_LAYER_KERNEL": "1"}))
     out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
                        attn={"decode_fused_reduce": fused}))
     rr = not base_attn.decode_round_robin

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from ftserve import envs
-from ftserve.models import fused_layer
 from ftserve.models.config import ModelConfig
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve.models.layers import Attention, DenseMLP, Embedding, Linear, MoEBlock, RMSNorm
@@ -63,8 +62,6 @@ class DecoderLayer(nn.Module):
         one) having been folded into the layer before's last launch. ``defer``
         (next_norm is a layer's, whose qkv can apply it): the norm may come out
         pending instead, an ops.PendingNorm with x = residual = the sum."""
-        if not normed and fused_layer.eligible(self, x, batch, cos_sin):  # batch-1 decode: one launch
-            return (*fused_layer.forward(self, x, residual, batch, cos_sin), False)
         if next_norm is not None and self._routes_in_oproj(x):
             # One decode row: o_proj also routes, the experts weigh (no route launch).
             a, summed = self.self_attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin,
@@ -174,10 +171,8 @@ class DecoderForCausalLM(nn.Module):
         """The first layer's input norm, for a decode step to apply where it
         gathers the embedding rows (ops.decode_inputs in the graph, embed_rms_norm
         eagerly): layer 0 then starts from a normed x, as the later layers do at
-        decode sizes, and its qkv is a plain GEMV. None where layer 0 may run as
-        one persistent launch (FTSERVE_DECODE_LAYER_KERNEL), which norms itself,
-        or with FTSERVE_DECODE_INPUT_NORM=0."""
-        if not envs.decode_input_norm() or envs.decode_layer_kernel() or not len(self.layers):
+        decode sizes, and its qkv is a plain GEMV. None with FTSERVE_DECODE_INPUT_NORM=0."""
+        if not envs.decode_input_norm() or not len(self.layers):
             return None
         norm = self.layers[0].input_layernorm
         return InputNorm(norm.weight, norm.eps)
