@@ -107,15 +107,6 @@ def decode_input_norm() -> bool:
     return _flag("FTSERVE_DECODE_INPUT_NORM", True)
 
 
-def dense_gemv() -> str:
-    """FTSERVE_DENSE_GEMV (default 'linear'): Triton GEMV for tiny batches instead
-    of cuBLAS: 0 = nowhere, 1 = everywhere, 'linear' = o_proj only, 'norm' = qkv
-    with the input norm folded in. H200, batch-1 decode graph replay
-    (tools.bench_decode_variants, 2026-11-30): 'linear' 0.696 ms, 1 0.701 ms,
-    0 0.720 ms, 'norm' 0.728 ms, identical tokens."""
-    return os.environ.get("FTSERVE_DENSE_GEMV", "linear")
-
-
 def radix_select() -> bool:
     """FTSERVE_RADIX_SELECT (default on): the sort-free filters find each row's
     candidates with select_triton's radix select instead of torch.topk at
@@ -123,26 +114,11 @@ def radix_select() -> bool:
     return _flag("FTSERVE_RADIX_SELECT", True)
 
 
-def lm_head_fp32() -> bool:
-    """FTSERVE_LM_HEAD_FP32 (default off): the lm_head writes fp32 logits itself."""
-    return _flag("FTSERVE_LM_HEAD_FP32", False)
-
-
 def lm_head_gemv() -> bool:
     """FTSERVE_LM_HEAD_GEMV (default on): the Triton GEMV for a one-row lm_head
     (batch-1 decode) instead of cuBLAS. H200 (tools.bench_decode_variants,
     2026-11-30 04:53 UTC): batch-1 graph replay 0.673 -> 0.667 ms, same tokens."""
     return _flag("FTSERVE_LM_HEAD_GEMV", True)
-
-
-def moe_gateup_acc() -> bool:
-    """FTSERVE_MOE_GATEUP_ACC (default off): the accumulate-style expert gate/up GEMV."""
-    return _flag("FTSERVE_MOE_GATEUP_ACC", False)
-
-
-def moe_down3d() -> bool:
-    """FTSERVE_MOE_DOWN3D (default on): the expert down GEMV with the k choices as a tile axis."""
-    return _flag("FTSERVE_MOE_DOWN3D", True)
 
 
 def moe_read_through() -> bool:
@@ -184,25 +160,10 @@ def kv_layered_restore() -> bool:
     return _flag("FTSERVE_KV_LAYERED_RESTORE", True)
 
 
-def pdl() -> int:
-    """FTSERVE_PDL (default 'wait'): decode-path Triton kernels launch with
-    programmatic dependent launch on sm_90+ (ftserve_kernels/pdl.py) and wait
-    in-kernel for the kernel before them; 'wait': no early release (the next
-    one is released as this one's programs exit); 1: each also releases the
-    next one right after its wait; 0: off. On since every launch of a batch-1
-    decode step takes part (the o_proj + route launch, the greedy sampler, and
-    the step's first kernel releasing the first GEMV): H200 2026-12-04, fresh
-    process, `python -m tools.bench_engine --sections limits,decode`, batch 1
-    at 2k 0.513 ms a step (72% of the roofline) against 0.536 off; at 32k 0.635
-    against 0.66; `bench_decode_variants` replays 0.507-0.525 against 0.533,
-    mode 1 0.541. Earlier, with the chain broken at the o_proj + route launch,
-    'wait' was even or slower (2026-11-30: 0.686 against 0.677 ms off;
-    2026-12-01 18:47: 0.611 against 0.601), and dependants that loaded all
-    their weights or their first KV tile before the wait were slower still
-    (removed, as was FTSERVE_PDL_PAIRS). Only the GEMV's first weight tile and
-    the norm + router launch's weights load before the wait."""
-    value = os.environ.get("FTSERVE_PDL") or "wait"
-    return {"0": 0, "1": 1, "wait": 2}.get(value, 1)
+def pdl() -> bool:
+    """FTSERVE_PDL (default on): decode-path Triton kernels launch with
+    programmatic dependent launch on sm_90+ (ftserve_kernels/pdl.py); 0: off."""
+    return _flag("FTSERVE_PDL", True)
 
 
 def fused_kv_store() -> bool:

@@ -7,16 +7,13 @@ name slugged as moe_configs does), or the file named by FTSERVE_GEMV_CONFIG_FILE
     {"configs": {"moe_gate_up:E=128,H=2048,I=768,k=8": {"1": {"block_n": 32, "block_k": 256,
                                                               "num_warps": 4, "num_stages": 2},
                                                         "2": {...}},
-                 "dense_norm:N=5120,K=2048": {"1": {...}}}}
+                 "dense:N=5120,K=2048": {"1": {...}}}}
 
 A key is ``<kind>:<shape>``; the kinds and the kernel each one launches:
 
     moe_gate_up      _gemv_gate_up_kernel           shape E,H,I,k; T = tokens
-    moe_gate_up_acc  _gemv_gate_up_acc_kernel       (FTSERVE_MOE_GATEUP_ACC=1)
-    moe_down         _gemv_down_combine3d_kernel    (the default down kernel)
-    moe_down2d       _gemv_down_combine_kernel      (FTSERVE_MOE_DOWN3D=0)
+    moe_down         _gemv_down_combine3d_kernel    shape E,H,I,k; T = tokens
     dense            _gemv_kernel                   shape N,K; T = the row block 1, 2 or 4
-    dense_norm       _gemv_kernel, norm prologue    (qkv_proj(input_layernorm(x, r)))
 
 An entry applies only to the T it was tuned at (for the dense kernel the row
 block next_power_of_2(T), which is what the kernel specializes on): these
@@ -44,8 +41,8 @@ from ftserve_kernels import config_tables as tables
 from ftserve_kernels.config_tables import CONFIG_DIR  # noqa: F401 - re-exported
 from ftserve_kernels.moe_configs import shape_key as moe_shape_key
 
-MOE_KINDS = ("moe_gate_up", "moe_gate_up_acc", "moe_down", "moe_down2d")
-DENSE_KINDS = ("dense", "dense_norm")
+MOE_KINDS = ("moe_gate_up", "moe_down")
+DENSE_KINDS = ("dense",)
 KINDS = MOE_KINDS + DENSE_KINDS
 
 
@@ -53,7 +50,7 @@ KINDS = MOE_KINDS + DENSE_KINDS
 class GemvConfig:
     """One GEMV kernel's launch parameters: output columns (rows of W) per
     program, K elements per step, warps, and software-pipeline stages (only the
-    kernels with a runtime K loop, moe_gate_up and moe_down2d, pipeline)."""
+    kernel with a runtime K loop, moe_gate_up, pipelines)."""
 
     block_n: int
     block_k: int
@@ -87,15 +84,13 @@ def default(kind: str, cuda: bool, n: int = 0, tokens: int = 1) -> GemvConfig:
     if not cuda:  # the interpreter: small tiles are fast, warps and stages are ignored
         if kind in DENSE_KINDS:
             return GemvConfig(8, 16, 1, 3)
-        return GemvConfig(16, 16, 4, 1 if kind != "moe_gate_up_acc" else 3)
+        return GemvConfig(16, 16, 4, 1)
     if kind in DENSE_KINDS:
         # gemv_triton's reasoning: 16 rows of 256 per program at qkv's N, 8 where
         # 4 rows of 16 would spill.
         return GemvConfig(16 if n >= 4096 and tokens <= 2 else 8, 256, 8, 3)
     return {"moe_gate_up": GemvConfig(16, 512, 8, 2),
-            "moe_gate_up_acc": GemvConfig(16, 256, 8, 3),
-            "moe_down": GemvConfig(8, 256, 8, 2),
-            "moe_down2d": GemvConfig(8, 256, 8, 2)}[kind]
+            "moe_down": GemvConfig(8, 256, 8, 2)}[kind]
 
 
 def moe_key(kind: str, num_experts: int, hidden: int, inter: int, top_k: int) -> str:
@@ -103,8 +98,8 @@ def moe_key(kind: str, num_experts: int, hidden: int, inter: int, top_k: int) ->
     return f"{kind}:{moe_shape_key(num_experts, hidden, inter, top_k)}"
 
 
-def dense_key(norm: bool, n: int, k: int) -> str:
-    return f"{'dense_norm' if norm else 'dense'}:N={n},K={k}"
+def dense_key(n: int, k: int) -> str:
+    return f"dense:N={n},K={k}"
 
 
 def parse_key(key: str) -> tuple[str, dict[str, int]]:

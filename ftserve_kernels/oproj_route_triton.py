@@ -200,7 +200,7 @@ def oproj_route_triton(
     assert a.stride(-1) == 1 and o_w.stride(-1) == 1 and residual.stride(-1) == 1 and norm_w.is_contiguous()
     assert folded.r_o.shape == (e, k) and folded.r_r.shape == (e, h) and counter.dtype == torch.int32
     assert (o_b is None) == (folded.r_b is None), "folded with o_proj's bias iff it has one"
-    config = gc.pick(gc.dense_key(False, h, k), 1, a.device) or gc.default("dense", a.is_cuda, h, 1)
+    config = gc.pick(gc.dense_key(h, k), 1, a.device) or gc.default("dense", a.is_cuda, h, 1)
     on = pdl.active(a)
     bn, bk = config.block_n, min(config.block_k, triton.next_power_of_2(k))
     pe = triton.cdiv(e, block_e)

@@ -25,13 +25,13 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
         norm in the MoE down launch's epilogue where ``moe_folds_next_norm(x)`` (Triton GEMV
         sizes, FTSERVE_DECODE_DOWN_NORM), the composition otherwise
     linear(x [T, K], w [N, K], b [N] | None) -> [T, N]: F.linear, or the Triton GEMV
-        for T <= 4 when FTSERVE_DENSE_GEMV is 1 or "linear" (gemv_triton)
+        for T <= 4 on Triton (gemv_triton)
     add_rms_norm_linear(x [T, H], residual [T, H] | None, norm_w [H], eps, w [N, H], b | None)
-        -> (linear(norm(x + residual)) [T, N], x + residual (x when residual is None)):
-        one launch with FTSERVE_DENSE_GEMV 1 or "norm" at T <= 4 on Triton; ``prenormed``:
-        x is already the normed sum (the layer before folded the norm): ``linear(x, w, b)``
-    linear_fp32(x [T, K], w [N, K]) -> [T, N] fp32: F.linear(x, w).float(), or one
-        cuBLAS mm writing fp32 (torch.mm out_dtype) on CUDA when FTSERVE_LM_HEAD_FP32=1
+        -> (linear(norm(x + residual)) [T, N], x + residual (x when residual is None));
+        ``prenormed``: x is already the normed sum (the layer before folded the norm):
+        ``linear(x, w, b)``; a PendingNorm: the GEMV applies it
+    linear_fp32(x [T, K], w [N, K]) -> [T, N] fp32: the lm_head; F.linear(x, w).float(),
+        or for one row on Triton the GEMV writing fp32 itself
     decode_inputs(packed [B, 7] int64, last [S] int64, page_table [R, P] int32,
                   embed [V, H] | None, flag, norm: InputNorm | None, staged=None) -> DecodeInputs: a
         decode graph's unpacked inputs, page-table rows, embeddings and (with
@@ -42,8 +42,7 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
 
 Backends are imported once into a table (``_table``); the environment is read
 per call so tests can switch it. FTSERVE_DECODE_FUSION=0 turns the decode-sized
-norm + route fusion off (the composition runs instead); FTSERVE_DENSE_GEMV=1
-turns the dense Triton GEMV on (off by default until the H200 numbers say so).
+norm + route fusion off (the composition runs instead).
 """
 
 from __future__ import annotations
@@ -75,7 +74,7 @@ class _Kernels:
     # (x, w13, w2, weights, ids, NormNext) -> (normed, summed), up to moe_gemv_tokens rows; None: compose
     moe_add_norm: Callable[..., Any] | None = None
     moe_gemv_tokens: int = 0
-    # (x, w, bias, norm_w, residual, eps) -> (y, summed | None); None: F.linear
+    # (x, w, bias, eps, ..., parts=) -> y; None: F.linear
     gemv: Callable[..., Any] | None = None
     gemv_max_rows: int = 0
 
@@ -126,12 +125,6 @@ def uses_triton(t: torch.Tensor) -> bool:
 
 def decode_fusion_enabled() -> bool:
     return envs.decode_fusion()
-
-
-def dense_gemv_enabled(kind: str) -> bool:
-    """FTSERVE_DENSE_GEMV: 0 off; 1 both uses; "linear" (default) only plain
-    linears (o_proj); "norm" only the norm-prologue GEMV (qkv_proj)."""
-    return envs.dense_gemv() in ("1", kind)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -212,7 +205,7 @@ class PendingNorm:
 def moe_defers_next_norm(x: torch.Tensor) -> bool:
     """Whether fused_moe_add_rms_norm(defer=True) leaves the norm pending at x's
     size: the down kernel folds it and the GEMV that applies it runs there."""
-    return moe_folds_next_norm(x) and envs.decode_defer_norm() and _gemv_for(x, "linear") is not None
+    return moe_folds_next_norm(x) and envs.decode_defer_norm() and _gemv_for(x) is not None
 
 
 def fused_moe_add_rms_norm(
@@ -295,17 +288,17 @@ def embed_rms_norm(ids: torch.Tensor, embed: torch.Tensor, norm: Any) -> tuple[t
     return di.embed_rms_norm_ref(ids, embed, norm)
 
 
-def _gemv_for(x: torch.Tensor, kind: str) -> Callable[..., Any] | None:
+def _gemv_for(x: torch.Tensor) -> Callable[..., Any] | None:
     k = _table(x)
-    if k.gemv is not None and x.shape[0] <= k.gemv_max_rows and dense_gemv_enabled(kind):
+    if k.gemv is not None and x.shape[0] <= k.gemv_max_rows:
         return k.gemv
     return None
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    gemv = _gemv_for(x, "linear")
+    gemv = _gemv_for(x)
     if gemv is not None:
-        return gemv(x, w, b)[0]
+        return gemv(x, w, b)
     return F.linear(x, w, b)
 
 
@@ -314,24 +307,16 @@ def add_rms_norm_linear(
     w: torch.Tensor, b: torch.Tensor | None, prenormed: bool | PendingNorm = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(prenormed, PendingNorm):  # x is the sum s; the GEMV applies the norm
-        gemv = _gemv_for(x, "linear")
+        gemv = _gemv_for(x)
         assert gemv is not None and residual is not None, "moe_defers_next_norm said it would run"
-        return gemv(prenormed.scaled, w, b, None, None, eps, parts=prenormed.parts)[0], residual
+        return gemv(prenormed.scaled, w, b, eps, parts=prenormed.parts), residual
     if prenormed:  # x is already norm(x' + residual): a plain linear (ops.linear's kernel choice)
         assert residual is not None
         return linear(x, w, b), residual
-    gemv = _gemv_for(x, "norm")
-    if gemv is not None:
-        y, summed = gemv(x, w, b, norm_w, residual, eps)
-        return y, (x if summed is None else summed)
     if residual is None:
         return F.linear(rms_norm(x, norm_w, eps), w, b), x
     normed, summed = fused_add_rms_norm(x, residual, norm_w, eps)
     return F.linear(normed, w, b), summed
-
-
-# torch.mm(..., out_dtype=) (the aten mm.dtype overload) is missing from older torch.
-_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 
 
 # The lm_head GEMV wins at one row only (H200 tune table, 151,936 x 2048: 137.5 us vs
@@ -340,17 +325,11 @@ LM_HEAD_GEMV_MAX_ROWS = 1
 
 
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The lm_head: logits in fp32. With FTSERVE_LM_HEAD_FP32=1 on CUDA the GEMM
-    writes fp32 itself (no separate cast launch; the products are accumulated in
-    fp32 either way, only the bf16 rounding of the output is skipped). Otherwise
-    a single row (batch-1 decode) runs the Triton GEMV unless
-    FTSERVE_LM_HEAD_GEMV=0 (its tuned table has the lm_head shape)."""
-    if (x.is_cuda and x.dtype != torch.float32 and envs.lm_head_fp32()
-            and _MM_OUT_DTYPE):
-        return torch.mm(x, w.t(), out_dtype=torch.float32)  # type: ignore[call-arg]
+    """The lm_head: logits in fp32. A single row (batch-1 decode) runs the
+    Triton GEMV unless FTSERVE_LM_HEAD_GEMV=0 (its tuned table has the lm_head shape)."""
     k = _table(x)
     if k.gemv is not None and x.shape[0] <= LM_HEAD_GEMV_MAX_ROWS and envs.lm_head_gemv():
         # fp32 logits straight from the kernel (rounded to x's dtype first, as
         # F.linear's output): no cast launch after the GEMV.
-        return k.gemv(x, w, None, out_dtype=torch.float32)[0]
+        return k.gemv(x, w, None, out_dtype=torch.float32)
     return F.linear(x, w).float()

@@ -30,10 +30,9 @@ from tools.decode_variants import (
 
 
 def _switches() -> dict[str, object]:
-    return {"dense_gemv": envs.dense_gemv(), "moe_gateup_acc": envs.moe_gateup_acc(),
-            "lm_head_fp32": envs.lm_head_fp32(), "lm_head_gemv": envs.lm_head_gemv(),
+    return {"lm_head_gemv": envs.lm_head_gemv(),
             "decode_fusion": envs.decode_fusion(),
-            "moe_down3d": envs.moe_down3d(), "fused_kv_store": envs.fused_kv_store(), "pdl": envs.pdl(),
+            "fused_kv_store": envs.fused_kv_store(), "pdl": envs.pdl(),
             "decode_qk_fold": envs.decode_qk_fold(),
             "decode_down_norm": envs.decode_down_norm(), "decode_defer_norm": envs.decode_defer_norm(),
             "decode_route_in_oproj": envs.decode_route_in_oproj(),
@@ -46,34 +45,32 @@ def test_default_env_is_what_envs_reads_when_unset(monkeypatch: pytest.MonkeyPat
     for k in DEFAULT_ENV:
         monkeypatch.delenv(k, raising=False)
     unset = _switches()
-    monkeypatch.setenv("FTSERVE_DENSE_GEMV", "norm")
+    monkeypatch.setenv("FTSERVE_LM_HEAD_GEMV", "0")
     monkeypatch.setenv("FTSERVE_DECODE_FUSION", "0")
     with env_applied(DEFAULT_ENV):
         assert _switches() == unset  # the caller's settings do not leak into the baseline
-    assert envs.dense_gemv() == "norm" and envs.decode_fusion() is False
+    assert envs.lm_head_gemv() is False and envs.decode_fusion() is False
 
 
 def test_env_applied_restores_after_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FTSERVE_DENSE_GEMV", "linear")
-    monkeypatch.delenv("FTSERVE_LM_HEAD_FP32", raising=False)
-    monkeypatch.setenv("FTSERVE_MOE_GATEUP_ACC", "1")
+    monkeypatch.setenv("FTSERVE_LM_HEAD_GEMV", "1")
+    monkeypatch.delenv("FTSERVE_DECODE_FUSION", raising=False)
+    monkeypatch.setenv("FTSERVE_FUSED_KV_STORE", "0")
     with pytest.raises(RuntimeError), env_applied(
-            {"FTSERVE_DENSE_GEMV": "1", "FTSERVE_LM_HEAD_FP32": "1", "FTSERVE_MOE_GATEUP_ACC": None}):
-        assert (envs.dense_gemv(), envs.lm_head_fp32(), envs.moe_gateup_acc()) == ("1", True, False)
-        assert "FTSERVE_MOE_GATEUP_ACC" not in os.environ
+            {"FTSERVE_LM_HEAD_GEMV": "0", "FTSERVE_DECODE_FUSION": "0", "FTSERVE_FUSED_KV_STORE": None}):
+        assert (envs.lm_head_gemv(), envs.decode_fusion(), envs.fused_kv_store()) == (False, False, True)
+        assert "FTSERVE_FUSED_KV_STORE" not in os.environ
         raise RuntimeError("a failing variant")
-    assert os.environ["FTSERVE_DENSE_GEMV"] == "linear"
-    assert "FTSERVE_LM_HEAD_FP32" not in os.environ
-    assert os.environ["FTSERVE_MOE_GATEUP_ACC"] == "1"
+    assert os.environ["FTSERVE_LM_HEAD_GEMV"] == "1"
+    assert "FTSERVE_DECODE_FUSION" not in os.environ
+    assert os.environ["FTSERVE_FUSED_KV_STORE"] == "0"
 
 
 def test_each_variant_turns_exactly_its_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     variants = default_variants(AttnKernelConfig())
     names = [v.name for v in variants]
     assert names[0] == "baseline" and len(set(names)) == len(names)
-    assert {"DENSE_GEMV=0", "DENSE_GEMV=1", "DENSE_GEMV=norm", "MOE_GATEUP_ACC=1", "LM_HEAD_FP32=1", "LM_HEAD_GEMV=0",
-            "FUSED_KV_STORE=0", "PDL=0", "PDL=1", "PDL=1 DENSE_GEMV=1", "PDL=1 DENSE_GEMV=norm",
-            "DECODE_QK_FOLD=0", "DECODE_DOWN_NORM=0", "DECODE_DEFER_NORM=0",
+    assert {"LM_HEAD_GEMV=0", "FUSED_KV_STORE=0", "PDL=0", "DECODE_QK_FOLD=0", "DECODE_DOWN_NORM=0", "DECODE_DEFER_NORM=0",
             "attn fused_reduce=1", "attn programs_per_sm=2", "attn programs_per_sm=8",
             "attn max_splits=32", "attn max_splits=64", "attn max_splits=256"} <= set(names)
     with env_applied(DEFAULT_ENV):
@@ -104,13 +101,13 @@ def test_ad_hoc_variants_parse_attn_fields_and_switches() -> None:
     assert v.attn == {"decode_block_n": 128, "decode_round_robin": True} and not v.env
     assert v.group == "attn:decode_block_n+decode_round_robin"  # "+": never combined
     assert parse_variant("attn decode_block_n=32", base).group == "attn:decode_block_n"
-    w = parse_variant("FTSERVE_PDL=1 FTSERVE_DENSE_GEMV=norm", base)
-    assert w.env == {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": "norm"} and not w.attn
-    assert w.group == "env:FTSERVE_DENSE_GEMV+FTSERVE_PDL"
+    w = parse_variant("FTSERVE_PDL=0 FTSERVE_LM_HEAD_GEMV=0", base)
+    assert w.env == {"FTSERVE_PDL": "0", "FTSERVE_LM_HEAD_GEMV": "0"} and not w.attn
+    assert w.group == "env:FTSERVE_LM_HEAD_GEMV+FTSERVE_PDL"
     # A GEMV launch entry in its comma-free form survives the list's commas.
     entry = "FTSERVE_GEMV_ENTRY=dense:N=2048+K=4096@1=4.512.8.3"
-    picked = select_variants(default_variants(base), f"{entry},FTSERVE_PDL=1", base)
-    assert [v.name for v in picked] == ["baseline", entry, "FTSERVE_PDL=1"]
+    picked = select_variants(default_variants(base), f"{entry},FTSERVE_PDL=0", base)
+    assert [v.name for v in picked] == ["baseline", entry, "FTSERVE_PDL=0"]
     assert picked[1].env == {"FTSERVE_GEMV_ENTRY": "dense:N=2048+K=4096@1=4.512.8.3"}
     for bad in ("attn", "attn decode_block_m=64", "attn decode_block_n=big", "FTSERVE_NOPE=1", "PDL"):
         with pytest.raises(ValueError, match="variant"):
@@ -135,7 +132,7 @@ def test_backend_for_replaces_only_the_config() -> None:
     built = TritonAttentionBackend(scale=0.125, extend_token_bound=256)
     base_cfg = AttnKernelConfig()
     by_name = {v.name: v for v in default_variants(base_cfg)}
-    assert backend_for(built, base_cfg, by_name["DENSE_GEMV=1"]) is built
+    assert backend_for(built, base_cfg, by_name["PDL=0"]) is built
     cpu = torch.device("cpu")
     splits = {}
     for name in ("attn programs_per_sm=2", "attn programs_per_sm=8", "attn fused_reduce=1"):
@@ -159,18 +156,18 @@ def test_combine_best_takes_the_fastest_exact_option_per_knob() -> None:
     variants = default_variants(AttnKernelConfig())
     rows = [
         _row("baseline", 1.00),
-        _row("DENSE_GEMV=0", 0.95), _row("DENSE_GEMV=1", 0.90), _row("DENSE_GEMV=norm", 0.80, ok=False),
-        _row("MOE_GATEUP_ACC=1", 0.995),  # under the 1% gain: noise
-        _row("LM_HEAD_FP32=1", 0.50, error="RuntimeError: boom"),
+        _row("PDL=0", 0.90), _row("DECODE_QK_FOLD=0", 0.80, ok=False),
+        _row("LM_HEAD_GEMV=0", 0.995),  # under the 1% gain: noise
+        _row("FUSED_KV_STORE=0", 0.50, error="RuntimeError: boom"),
         _row("attn fused_reduce=1", 1.10),
         _row("attn programs_per_sm=8", 0.97), _row("attn programs_per_sm=2", 0.96),
     ]
     combo, winners = combine_best(rows, variants, min_gain=0.01)
-    assert winners == {"dense_gemv": "DENSE_GEMV=1", "attn_programs_per_sm": "attn programs_per_sm=2"}
+    assert winners == {"pdl": "PDL=0", "attn_programs_per_sm": "attn programs_per_sm=2"}
     assert combo is not None and combo.group == ""
-    assert dict(combo.env) == {"FTSERVE_DENSE_GEMV": "1"}
+    assert dict(combo.env) == {"FTSERVE_PDL": "0"}
     assert dict(combo.attn) == {"decode_programs_per_sm": 2}
-    assert "DENSE_GEMV=1" in combo.name and "programs_per_sm=2" in combo.name
+    assert "PDL=0" in combo.name and "programs_per_sm=2" in combo.name
     # A combination row itself never wins a knob.
     again, _ = combine_best(rows + [{**_row(combo.name, 0.1)}], [*variants, combo], min_gain=0.01)
     assert again == combo
@@ -178,9 +175,9 @@ def test_combine_best_takes_the_fastest_exact_option_per_knob() -> None:
 
 def test_combine_best_needs_a_baseline_and_two_winners() -> None:
     variants = default_variants(AttnKernelConfig())
-    one = [_row("baseline", 1.0), _row("DENSE_GEMV=1", 0.5), _row("LM_HEAD_FP32=1", 1.2)]
-    assert combine_best(one, variants, 0.01) == (None, {"dense_gemv": "DENSE_GEMV=1"})
-    failed_base = [_row("baseline", None, error="x"), _row("DENSE_GEMV=1", 0.5), _row("LM_HEAD_FP32=1", 0.4)]
+    one = [_row("baseline", 1.0), _row("PDL=0", 0.5), _row("LM_HEAD_GEMV=0", 1.2)]
+    assert combine_best(one, variants, 0.01) == (None, {"pdl": "PDL=0"})
+    failed_base = [_row("baseline", None, error="x"), _row("PDL=0", 0.5), _row("LM_HEAD_GEMV=0", 0.4)]
     assert combine_best(failed_base, variants, 0.01) == (None, {})
 
 
@@ -201,8 +198,8 @@ def test_render_table_rows_and_skips() -> None:
     rows = [
         {**_row("baseline", 0.8), "replay_frac_of_roofline": 0.5,
          "decode_b1": {"tokens_per_s": 1000.0, "frac_of_roofline": 0.4}, "decode_b8": {"tokens_per_s": 5000.0}},
-        {**_row("DENSE_GEMV=1", 0.4, ok=False), "mismatch_at": 3, "decode_b1": {"tokens_per_s": 1500.0}},
-        _row("LM_HEAD_FP32=1", None, ok=None, error="RuntimeError: capture failed\ntraceback..."),
+        {**_row("PDL=0", 0.4, ok=False), "mismatch_at": 3, "decode_b1": {"tokens_per_s": 1500.0}},
+        _row("LM_HEAD_GEMV=0", None, ok=None, error="RuntimeError: capture failed\ntraceback..."),
     ]
     text = render_table(rows, (1, 8), skipped=["attn fused_reduce=1"])
     lines = text.splitlines()
@@ -215,16 +212,16 @@ def test_render_table_rows_and_skips() -> None:
 
 
 def test_smoke_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FTSERVE_DENSE_GEMV", "linear")  # the caller's setting: back afterwards
+    monkeypatch.setenv("FTSERVE_PDL", "1")  # the caller's setting: back afterwards
     out = tmp_path / "variants.json"
     res = main(["--smoke", "--out", str(out), "--budget-s", "300"])
-    assert os.environ["FTSERVE_DENSE_GEMV"] == "linear"
+    assert os.environ["FTSERVE_PDL"] == "1"
     assert json.loads(out.read_text())["table"] == res["table"]
     rows = {r["name"]: r for r in res["variants"]}
     variants = default_variants(AttnKernelConfig.for_device(torch.device("cpu"), 128))
     assert list(rows)[:len(variants)] == [v.name for v in variants]
     assert rows["baseline"]["env_seen"] == DEFAULT_ENV
-    assert rows["DENSE_GEMV=1"]["env_seen"] == {**DEFAULT_ENV, "FTSERVE_DENSE_GEMV": "1"}
+    assert rows["PDL=0"]["env_seen"] == {**DEFAULT_ENV, "FTSERVE_PDL": "0"}
     assert len(rows["baseline"]["tokens"]) == res["args"]["check_steps"]
     for name, r in rows.items():
         if name.startswith("attn"):  # the CPU engine runs the torch attention backend

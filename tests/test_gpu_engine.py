@@ -322,13 +322,10 @@ def test_sampled_decode_graph_variants_equal_eager(engine: Engine, model_dir: st
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dense", ["linear", "1"])
-def test_pdl_graph_decode_equals_default(engine: Engine, model_dir: str, dense: str,
+def test_pdl_graph_decode_equals_default(engine: Engine, model_dir: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_PDL=1 (ftserve_kernels/pdl.py): graphs captured with programmatic
-    dependent launches decode the same greedy tokens as the default engine
-    (dense "1": every GEMV a Triton kernel, the longest PDL chains)."""
-    monkeypatch.setenv("FTSERVE_DENSE_GEMV", dense)
+    """PDL (ftserve_kernels/pdl.py): graphs captured with programmatic
+    dependent launches decode the same greedy tokens as graphs without."""
     rng = random.Random(11)
     prompts = {bs: [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 60))] for _ in range(bs)]
                for bs in (1, 3, 8)}

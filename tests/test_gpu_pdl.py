@@ -48,7 +48,7 @@ def _chain(g: torch.Generator) -> Callable[[], list[torch.Tensor]]:
         n1, s1 = fused_add_rms_norm_triton(x, res, norm_w, 1e-6)
         q = n1.repeat(1, 2).view(t, hq, d)  # [T, Hq, D] from the normed rows
         attn = decode_attention_triton(q, kc, vc, table, seq_lens, page, d ** -0.5, 16)
-        o, _ = gemv_triton(attn.view(t, hq * d), w_o)
+        o = gemv_triton(attn.view(t, hq * d), w_o)
         n2, s2, wts, ids = add_norm_route_triton(o, s1, norm_w, 1e-6, gate, k, True, counter)
         out = fused_moe_gemv_triton(n2, w13, w2, wts, ids)
         return [n1, s1, attn, o, n2, s2, wts, ids, out]

@@ -41,19 +41,17 @@ def run_steps(path: Path, backend: AttentionBackend) -> list[torch.Tensor]:
     return outs
 
 
-@pytest.mark.parametrize("fusion,dense_gemv", [("1", "0"), ("0", "0"), ("1", "1")])
+@pytest.mark.parametrize("fusion", ["1", "0"])
 def test_model_on_triton_kernels_matches_torch_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fusion: str, dense_gemv: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fusion: str
 ) -> None:
     """The decode step (T = 2) runs the decode fusions: norm + router + top-k in
-    one launch, and with FTSERVE_DENSE_GEMV=1 the norm-prologue qkv GEMV and the
-    o_proj GEMV."""
+    one launch, the o_proj and qkv GEMVs."""
     write_checkpoint("tiny-moe", tmp_path, seed=5, dtype="float32")
     monkeypatch.setenv("FTSERVE_KERNELS", "torch")
     ref = run_steps(tmp_path, TorchAttentionBackend())
     monkeypatch.setenv("FTSERVE_KERNELS", "triton")
     monkeypatch.setenv("FTSERVE_DECODE_FUSION", fusion)
-    monkeypatch.setenv("FTSERVE_DENSE_GEMV", dense_gemv)
     got = run_steps(tmp_path, TritonAttentionBackend())
     for r, o in zip(ref, got):
         assert o.shape == r.shape and torch.isfinite(o).all()
@@ -233,8 +231,7 @@ def test_gpu_prefill_chunk_graph_replay(tmp_path: Path) -> None:
 
 DECODE_SWITCHES = [
     {},  # the defaults: norm + route fusion, 3-D MoE down kernel
-    {"FTSERVE_DENSE_GEMV": "1", "FTSERVE_MOE_GATEUP_ACC": "1", "FTSERVE_LM_HEAD_FP32": "1"},
-    {"FTSERVE_DECODE_FUSION": "0", "FTSERVE_MOE_DOWN3D": "0"},  # the unfused kernels
+    {"FTSERVE_DECODE_FUSION": "0"},  # the unfused kernels
 ]
 
 

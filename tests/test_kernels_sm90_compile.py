@@ -161,8 +161,8 @@ def _compile_all() -> dict[str, dict[str, Any]]:
             "ids_ptr": i32}
     comp("moe_gemv_gate_up", mg._gemv_gate_up_kernel, gemv,
          dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True), 8, 2)
-    comp("moe_gemv_down", md._gemv_down_combine_kernel, gemv,
-         dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True), 8, 2)
+    comp("moe_gemv_down", md._gemv_down_combine3d_kernel, gemv | {"eps": "fp32"},
+         dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, K_STEPS=3), 8, 2)
     # FTSERVE_DECODE_ROUTE_IN_OPROJ: gate/up over the pending norm, at the table's launch;
     # o_proj + router (oproj_route_triton) at o_proj's.
     comp("moe_gemv_gate_up_parts", mg._gemv_gate_up_kernel,
@@ -179,11 +179,11 @@ def _compile_all() -> dict[str, dict[str, Any]]:
              | {"ids_ptr": i32, "cnt_ptr": i32},
              dict(HAS_BIAS=bias, TOP_K=8, BLOCK_N=8, BLOCK_K=512, K_STEPS=8, N_STEPS=4, BLOCK_E=2,
                   BLOCK_EALL=128, BLOCK_TK=8), 8, 3)
-    comp("oproj_route_pdl", orr._oproj_route_kernel,  # FTSERVE_PDL=1
+    comp("oproj_route_pdl", orr._oproj_route_kernel,
          {n: bf for n in ("a_ptr", "wo_ptr", "bo_ptr", "r_ptr", "nw_ptr", "ro_ptr", "rr_ptr", "z_ptr", "scaled_ptr")}
          | {n: "*fp32" for n in ("rb_ptr", "parts_ptr", "pre_ptr", "sel_ptr")} | {"ids_ptr": i32, "cnt_ptr": i32},
          dict(HAS_BIAS=False, TOP_K=8, BLOCK_N=8, BLOCK_K=512, K_STEPS=8, N_STEPS=4, BLOCK_E=2,
-              BLOCK_EALL=128, BLOCK_TK=8, PDL=1), 8, 3)
+              BLOCK_EALL=128, BLOCK_TK=8, PDL=True), 8, 3)
     if "HAS_MAP" in mt._moe_gate_up_kernel.arg_names:  # expert -> slot indirection
         comp("moe_gate_up_mapped", mt._moe_gate_up_kernel, moe,
              dict(TOP_K=8, HAS_MAP=True, **common), c.num_warps, c.num_stages)
@@ -199,8 +199,8 @@ def _compile_all() -> dict[str, dict[str, Any]]:
               "pos_ptr": "*i64", "cs_ptr": "*fp32", "eps": "fp32", "kc_ptr": bf, "vc_ptr": bf,
               "v_ptr": bf, "loc_ptr": "*i64"},
              dict(HQ=32, HK=4, D=128, HALF=64, BLOCK_R=64, BLOCK_HALF=64, BLOCK_TAIL=1,
-                  BLOCK_D=128, STORE=store, PDL=store), 8)  # the store variant with FTSERVE_PDL
-    # FTSERVE_PDL (ftserve_kernels/pdl.py): the decode kernels' grid-dependency wait.
+                  BLOCK_D=128, STORE=store, PDL=store), 8)  # the store variant with PDL
+    # PDL (ftserve_kernels/pdl.py): the decode kernels' grid-dependency wait.
     comp("decode_split_pdl", at._decode_split_kernel, attn,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=cfg.decode_block_n,
               NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False, BLOCK_S=64, PDL=True),
@@ -210,9 +210,6 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     comp("rms_norm_pdl", nt._rms_norm_kernel,
          {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "eps": "fp32"},
          dict(HAS_RESIDUAL=True, BLOCK_R=4, BLOCK_H=2048, PDL=True), 8)
-    comp("rms_norm_pdl_wait", nt._rms_norm_kernel,  # FTSERVE_PDL=wait: no early release
-         {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "eps": "fp32"},
-         dict(HAS_RESIDUAL=True, BLOCK_R=4, BLOCK_H=2048, PDL=2), 8)
     from ftserve_kernels import filter_triton as ft
     from ftserve_kernels import greedy_triton as gt
 
@@ -229,17 +226,17 @@ def _compile_all() -> dict[str, dict[str, Any]]:
               "cut_key_ptr": "*i32", "cut_id_ptr": "*i32", "floor_ptr": "*fp32"},
              dict(NI=5, NUM_CHUNKS=148, BLOCK=1024, BLOCK_C=256, HAS_LAST=True, SAMPLING=True,
                   HAS_CUT=cut))
-    comp("greedy_sample_pdl", gt._greedy_kernel,  # FTSERVE_PDL=1
+    comp("greedy_sample_pdl", gt._greedy_kernel,
          {"logits_ptr": "*bf16", "slots_ptr": "*i64", "min_ptr": "*i1", "itab_ptr": "*i64",
           "part_v_ptr": "*fp32", "part_i_ptr": "*i32", "count_ptr": "*i32", "out_ptr": "*i64",
           "last_ptr": "*i64", "ftab_ptr": "*fp32", "steps_ptr": "*i64", "min_temperature": "fp32",
           "cut_key_ptr": "*i32", "cut_id_ptr": "*i32", "floor_ptr": "*fp32"},
          dict(NI=5, NUM_CHUNKS=148, BLOCK=1024, BLOCK_C=256, HAS_LAST=True, SAMPLING=False,
-              HAS_CUT=False, PDL=1))
+              HAS_CUT=False, PDL=True))
     from ftserve_kernels import decode_inputs as di
 
     i64 = "*i64"
-    comp("decode_inputs_release", di._decode_inputs_kernel,  # a step's first kernel with FTSERVE_PDL
+    comp("decode_inputs_release", di._decode_inputs_kernel,  # a step's first kernel with PDL
          {"packed_ptr": i64, "last_ptr": i64, "pt_ptr": i32, "emb_ptr": bf, "nw_ptr": bf, "normed_ptr": bf,
           "ids_ptr": i64, "pos_ptr": i64, "loc_ptr": i64, "seq_ptr": i32, "pre_ptr": i32, "slot_ptr": i64,
           "step_ptr": i64, "min_ptr": "*i8", "rows_ptr": i32, "out_emb_ptr": bf, "eps": "fp32",
@@ -298,13 +295,11 @@ def test_kernels_compile_for_sm90() -> None:
     for name in ("extend", "extend_gqa_bm128", "moe_gate_up_T8192", "moe_down_T8192"):
         assert results[name]["wgmma"], f"{name} does not use Hopper wgmma: {results[name]}"
     for name, r in results.items():  # the wait and release exactly where PDL is compiled in
-        pdl = name.endswith("_pdl") or name == "qk_norm_rotary_store"
-        if name.endswith("_pdl_wait"):
-            assert r["pdl_wait"] and not r["pdl_release"], (name, r)
-        elif name.endswith("_release"):  # released at its start, launched without the attribute
+        if name.endswith("_release"):  # released at its start, launched without the attribute
             assert r["pdl_release"] and not r["pdl_wait"], (name, r)
-        else:
-            assert r["pdl_wait"] == r["pdl_release"] == pdl, (name, r)
+        else:  # a dependant waits and never releases the next one early
+            pdl = name.endswith("_pdl") or name == "qk_norm_rotary_store"
+            assert r["pdl_wait"] == pdl and not r["pdl_release"], (name, r)
     for name in ("decode_split_pdl", "decode_reduce_pdl", "rms_norm_pdl", "qk_norm_rotary_store", "oproj_route_pdl",
                  "greedy_sample_pdl"):
         # Their every load reads an earlier kernel's output: none may move above the wait.

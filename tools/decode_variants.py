@@ -20,14 +20,10 @@ from tools.bench_common import markdown_table
 # Every kernel switch at its ftserve/envs.py default: the baseline, and the
 # base every variant's own settings are laid over.
 DEFAULT_ENV: dict[str, str] = {
-    "FTSERVE_DENSE_GEMV": "linear",
-    "FTSERVE_MOE_GATEUP_ACC": "0",
-    "FTSERVE_LM_HEAD_FP32": "0",
     "FTSERVE_LM_HEAD_GEMV": "1",
     "FTSERVE_DECODE_FUSION": "1",
-    "FTSERVE_MOE_DOWN3D": "1",
     "FTSERVE_FUSED_KV_STORE": "1",
-    "FTSERVE_PDL": "wait",
+    "FTSERVE_PDL": "1",
     "FTSERVE_DECODE_QK_FOLD": "1",
     "FTSERVE_DECODE_DOWN_NORM": "1",
     "FTSERVE_DECODE_DEFER_NORM": "1",
@@ -66,17 +62,9 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     out.append(Variant("DECODE_INPUT_NORM=0", "decode_input_norm", {"FTSERVE_DECODE_INPUT_NORM": "0"}))
     # The engine's step copies: its b1 / b8 step rates and engine trace change, not the replay.
     out.append(Variant("STEP_COPY_KERNEL=0", "step_copy_kernel", {"FTSERVE_STEP_COPY_KERNEL": "0"}))
-    out += [Variant(f"DENSE_GEMV={v}", "dense_gemv", {"FTSERVE_DENSE_GEMV": v})
-            for v in ("0", "1", "norm")]
-    out.append(Variant("MOE_GATEUP_ACC=1", "moe_gateup_acc", {"FTSERVE_MOE_GATEUP_ACC": "1"}))
-    out.append(Variant("LM_HEAD_FP32=1", "lm_head_fp32", {"FTSERVE_LM_HEAD_FP32": "1"}))
     out.append(Variant("LM_HEAD_GEMV=0", "lm_head_gemv", {"FTSERVE_LM_HEAD_GEMV": "0"}))
     out.append(Variant("FUSED_KV_STORE=0", "fused_kv_store", {"FTSERVE_FUSED_KV_STORE": "0"}))
-    out += [Variant(f"PDL={v}", "pdl", {"FTSERVE_PDL": v}) for v in ("0", "1")]
-    # PDL links only Triton kernels: with the cuBLAS GEMVs replaced too. A group
-    # joined by "+" turns several switches and never enters the combination.
-    out += [Variant(f"PDL=1 DENSE_GEMV={v}", "pdl+dense_gemv", {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": v})
-            for v in ("1", "norm")]
+    out.append(Variant("PDL=0", "pdl", {"FTSERVE_PDL": "0"}))
     out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
                        attn={"decode_fused_reduce": fused}))
     rr = not base_attn.decode_round_robin
