@@ -11,7 +11,7 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
     qk_norm_rotary(q [T, Hq, D], k [T, Hkv, D], q_w [D], k_w [D], eps, positions, cos_sin,
                    kv_store=None) -> (q, k): per-head RMSNorm of q and k, then rotary
         (Qwen3), one kernel on Triton; kv_store = (k_cache, v_cache, v, out_cache_loc)
-        also stores k and v into their pages in that launch (FTSERVE_FUSED_KV_STORE)
+        also stores k and v into their pages in that launch
     route_topk(router_logits [T, E], top_k, renormalize) -> (weights [T, k] fp32, ids [T, k] int32)
     fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], ids [T, k]) -> [T, H]
         (w13 rows [0, I) are the gate, [I, 2I) the up projection; SiLU(gate) * up)
@@ -23,7 +23,7 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
     fused_moe_add_rms_norm(x, w13, w2, weights, ids, residual [T, H], norm_w [H], eps, counter)
         -> fused_add_rms_norm(fused_moe(...), residual, norm_w, eps): the next layer's input
         norm in the MoE down launch's epilogue where ``moe_folds_next_norm(x)`` (Triton GEMV
-        sizes, FTSERVE_DECODE_DOWN_NORM), the composition otherwise
+        sizes), the composition otherwise
     linear(x [T, K], w [N, K], b [N] | None) -> [T, N]: F.linear, or the Triton GEMV
         for T <= 4 on Triton (gemv_triton)
     add_rms_norm_linear(x [T, H], residual [T, H] | None, norm_w [H], eps, w [N, H], b | None)
@@ -41,8 +41,7 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
         the same row work for an eager decode step
 
 Backends are imported once into a table (``_table``); the environment is read
-per call so tests can switch it. FTSERVE_DECODE_FUSION=0 turns the decode-sized
-norm + route fusion off (the composition runs instead).
+per call so tests can switch it.
 """
 
 from __future__ import annotations
@@ -123,10 +122,6 @@ def uses_triton(t: torch.Tensor) -> bool:
     return _table(t) is not _REF
 
 
-def decode_fusion_enabled() -> bool:
-    return envs.decode_fusion()
-
-
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return _table(x).rms_norm(x, w, eps)
 
@@ -172,7 +167,7 @@ def add_rms_norm_route(
     gate_w: torch.Tensor, top_k: int, renormalize: bool, counter: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     k = _table(x)
-    if k.add_norm_route is not None and x.shape[0] <= k.fused_max_tokens and decode_fusion_enabled():
+    if k.add_norm_route is not None and x.shape[0] <= k.fused_max_tokens:
         return k.add_norm_route(x, residual, norm_w, eps, gate_w, top_k, renormalize, counter)
     # The composition (the reference twin of the fused kernel).
     if residual is None:
@@ -188,7 +183,7 @@ def moe_folds_next_norm(x: torch.Tensor) -> bool:
     decoder folds the next layer's norm into the MoE only then: elsewhere the
     norm stays where it was, after the logits rows are picked)."""
     k = _table(x)
-    return k.moe_add_norm is not None and x.shape[0] <= k.moe_gemv_tokens and envs.decode_down_norm()
+    return k.moe_add_norm is not None and x.shape[0] <= k.moe_gemv_tokens
 
 
 @dataclass(frozen=True)
@@ -205,7 +200,7 @@ class PendingNorm:
 def moe_defers_next_norm(x: torch.Tensor) -> bool:
     """Whether fused_moe_add_rms_norm(defer=True) leaves the norm pending at x's
     size: the down kernel folds it and the GEMV that applies it runs there."""
-    return moe_folds_next_norm(x) and envs.decode_defer_norm() and _gemv_for(x) is not None
+    return moe_folds_next_norm(x) and _gemv_for(x) is not None
 
 
 def fused_moe_add_rms_norm(
@@ -228,10 +223,9 @@ def fused_moe_add_rms_norm(
 
 def oproj_route_applies(a: torch.Tensor) -> bool:
     """Whether a MoE layer's o_proj may take its router at a's size (one decode
-    row on the Triton kernels, FTSERVE_DECODE_ROUTE_IN_OPROJ): the experts then
-    run as the GEMV pair that folds the next norm (moe_folds_next_norm)."""
-    return (envs.decode_route_in_oproj() and a.shape[0] == 1 and uses_triton(a)
-            and moe_folds_next_norm(a))
+    row on the Triton kernels): the experts then run as the GEMV pair that folds
+    the next norm (moe_folds_next_norm)."""
+    return a.shape[0] == 1 and uses_triton(a) and moe_folds_next_norm(a)
 
 
 def oproj_route(a: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None, residual: torch.Tensor,
@@ -240,8 +234,7 @@ def oproj_route(a: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None, re
     pending (oproj_route_triton; where oproj_route_applies) -> OprojRoute."""
     from ftserve_kernels.oproj_route_triton import oproj_route_triton
 
-    return oproj_route_triton(a, o_w, o_b, residual, norm_w, folded, top_k, counter,
-                              block_e=envs.oproj_route_block_e())
+    return oproj_route_triton(a, o_w, o_b, residual, norm_w, folded, top_k, counter)
 
 
 def fused_moe_routed(
@@ -326,9 +319,9 @@ LM_HEAD_GEMV_MAX_ROWS = 1
 
 def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The lm_head: logits in fp32. A single row (batch-1 decode) runs the
-    Triton GEMV unless FTSERVE_LM_HEAD_GEMV=0 (its tuned table has the lm_head shape)."""
+    Triton GEMV (its tuned table has the lm_head shape)."""
     k = _table(x)
-    if k.gemv is not None and x.shape[0] <= LM_HEAD_GEMV_MAX_ROWS and envs.lm_head_gemv():
+    if k.gemv is not None and x.shape[0] <= LM_HEAD_GEMV_MAX_ROWS:
         # fp32 logits straight from the kernel (rounded to x's dtype first, as
         # F.linear's output): no cast launch after the GEMV.
         return k.gemv(x, w, None, out_dtype=torch.float32)

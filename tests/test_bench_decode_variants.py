@@ -30,47 +30,35 @@ from tools.decode_variants import (
 
 
 def _switches() -> dict[str, object]:
-    return {"lm_head_gemv": envs.lm_head_gemv(),
-            "decode_fusion": envs.decode_fusion(),
-            "fused_kv_store": envs.fused_kv_store(), "pdl": envs.pdl(),
-            "decode_qk_fold": envs.decode_qk_fold(),
-            "decode_down_norm": envs.decode_down_norm(), "decode_defer_norm": envs.decode_defer_norm(),
-            "decode_route_in_oproj": envs.decode_route_in_oproj(),
-            "oproj_route_block_e": envs.oproj_route_block_e(),
-            "decode_input_norm": envs.decode_input_norm(),
-            "step_copy_kernel": envs.step_copy_kernel()}
+    return {"pdl": envs.pdl(), "gemv_entries": envs.gemv_entries()}
 
 
 def test_default_env_is_what_envs_reads_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in DEFAULT_ENV:
         monkeypatch.delenv(k, raising=False)
     unset = _switches()
-    monkeypatch.setenv("FTSERVE_LM_HEAD_GEMV", "0")
-    monkeypatch.setenv("FTSERVE_DECODE_FUSION", "0")
+    monkeypatch.setenv("FTSERVE_PDL", "0")
+    monkeypatch.setenv("FTSERVE_GEMV_ENTRY", "dense:N=8+K=8@1=4.128.2.1")
     with env_applied(DEFAULT_ENV):
         assert _switches() == unset  # the caller's settings do not leak into the baseline
-    assert envs.lm_head_gemv() is False and envs.decode_fusion() is False
+    assert envs.pdl() is False and envs.gemv_entries() == "dense:N=8+K=8@1=4.128.2.1"
 
 
 def test_env_applied_restores_after_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FTSERVE_LM_HEAD_GEMV", "1")
-    monkeypatch.delenv("FTSERVE_DECODE_FUSION", raising=False)
-    monkeypatch.setenv("FTSERVE_FUSED_KV_STORE", "0")
-    with pytest.raises(RuntimeError), env_applied(
-            {"FTSERVE_LM_HEAD_GEMV": "0", "FTSERVE_DECODE_FUSION": "0", "FTSERVE_FUSED_KV_STORE": None}):
-        assert (envs.lm_head_gemv(), envs.decode_fusion(), envs.fused_kv_store()) == (False, False, True)
-        assert "FTSERVE_FUSED_KV_STORE" not in os.environ
+    monkeypatch.setenv("FTSERVE_PDL", "1")
+    monkeypatch.delenv("FTSERVE_GEMV_ENTRY", raising=False)
+    with pytest.raises(RuntimeError), env_applied({"FTSERVE_PDL": "0", "FTSERVE_GEMV_ENTRY": "x"}):
+        assert envs.pdl() is False and envs.gemv_entries() == "x"
         raise RuntimeError("a failing variant")
-    assert os.environ["FTSERVE_LM_HEAD_GEMV"] == "1"
-    assert "FTSERVE_DECODE_FUSION" not in os.environ
-    assert os.environ["FTSERVE_FUSED_KV_STORE"] == "0"
+    assert os.environ["FTSERVE_PDL"] == "1"
+    assert "FTSERVE_GEMV_ENTRY" not in os.environ
 
 
 def test_each_variant_turns_exactly_its_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     variants = default_variants(AttnKernelConfig())
     names = [v.name for v in variants]
     assert names[0] == "baseline" and len(set(names)) == len(names)
-    assert {"LM_HEAD_GEMV=0", "FUSED_KV_STORE=0", "PDL=0", "DECODE_QK_FOLD=0", "DECODE_DOWN_NORM=0", "DECODE_DEFER_NORM=0",
+    assert {"PDL=0",
             "attn fused_reduce=1", "attn programs_per_sm=2", "attn programs_per_sm=8",
             "attn max_splits=32", "attn max_splits=64", "attn max_splits=256"} <= set(names)
     with env_applied(DEFAULT_ENV):
@@ -101,9 +89,9 @@ def test_ad_hoc_variants_parse_attn_fields_and_switches() -> None:
     assert v.attn == {"decode_block_n": 128, "decode_round_robin": True} and not v.env
     assert v.group == "attn:decode_block_n+decode_round_robin"  # "+": never combined
     assert parse_variant("attn decode_block_n=32", base).group == "attn:decode_block_n"
-    w = parse_variant("FTSERVE_PDL=0 FTSERVE_LM_HEAD_GEMV=0", base)
-    assert w.env == {"FTSERVE_PDL": "0", "FTSERVE_LM_HEAD_GEMV": "0"} and not w.attn
-    assert w.group == "env:FTSERVE_LM_HEAD_GEMV+FTSERVE_PDL"
+    w = parse_variant("FTSERVE_PDL=0 FTSERVE_GEMV_ENTRY=dense:N=8+K=8@1=4.128.2.1", base)
+    assert w.env == {"FTSERVE_PDL": "0", "FTSERVE_GEMV_ENTRY": "dense:N=8+K=8@1=4.128.2.1"} and not w.attn
+    assert w.group == "env:FTSERVE_GEMV_ENTRY+FTSERVE_PDL"
     # A GEMV launch entry in its comma-free form survives the list's commas.
     entry = "FTSERVE_GEMV_ENTRY=dense:N=2048+K=4096@1=4.512.8.3"
     picked = select_variants(default_variants(base), f"{entry},FTSERVE_PDL=0", base)
@@ -117,9 +105,9 @@ def test_ad_hoc_variants_parse_attn_fields_and_switches() -> None:
 def test_select_variants_keeps_the_baseline_first_then_the_order_given() -> None:
     base = AttnKernelConfig()
     named = default_variants(base)
-    picked = select_variants(named, "attn decode_warps=8, DECODE_QK_FOLD=0,baseline, attn decode_warps=8", base)
-    assert [v.name for v in picked] == ["baseline", "attn decode_warps=8", "DECODE_QK_FOLD=0"]
-    assert picked[2] is next(v for v in named if v.name == "DECODE_QK_FOLD=0")
+    picked = select_variants(named, "attn decode_warps=8, PDL=0,baseline, attn decode_warps=8", base)
+    assert [v.name for v in picked] == ["baseline", "attn decode_warps=8", "PDL=0"]
+    assert picked[2] is next(v for v in named if v.name == "PDL=0")
     assert picked[1].attn == {"decode_warps": 8}
     with pytest.raises(ValueError, match="no_such"):
         select_variants(named, "no_such", base)
@@ -156,9 +144,9 @@ def test_combine_best_takes_the_fastest_exact_option_per_knob() -> None:
     variants = default_variants(AttnKernelConfig())
     rows = [
         _row("baseline", 1.00),
-        _row("PDL=0", 0.90), _row("DECODE_QK_FOLD=0", 0.80, ok=False),
-        _row("LM_HEAD_GEMV=0", 0.995),  # under the 1% gain: noise
-        _row("FUSED_KV_STORE=0", 0.50, error="RuntimeError: boom"),
+        _row("PDL=0", 0.90), _row("attn round_robin=0", 0.80, ok=False),
+        _row("attn max_splits=32", 0.995),  # under the 1% gain: noise
+        _row("attn max_splits=64", 0.50, error="RuntimeError: boom"),
         _row("attn fused_reduce=1", 1.10),
         _row("attn programs_per_sm=8", 0.97), _row("attn programs_per_sm=2", 0.96),
     ]
@@ -175,9 +163,9 @@ def test_combine_best_takes_the_fastest_exact_option_per_knob() -> None:
 
 def test_combine_best_needs_a_baseline_and_two_winners() -> None:
     variants = default_variants(AttnKernelConfig())
-    one = [_row("baseline", 1.0), _row("PDL=0", 0.5), _row("LM_HEAD_GEMV=0", 1.2)]
+    one = [_row("baseline", 1.0), _row("PDL=0", 0.5), _row("attn fused_reduce=1", 1.2)]
     assert combine_best(one, variants, 0.01) == (None, {"pdl": "PDL=0"})
-    failed_base = [_row("baseline", None, error="x"), _row("PDL=0", 0.5), _row("LM_HEAD_GEMV=0", 0.4)]
+    failed_base = [_row("baseline", None, error="x"), _row("PDL=0", 0.5), _row("attn fused_reduce=1", 0.4)]
     assert combine_best(failed_base, variants, 0.01) == (None, {})
 
 
@@ -199,7 +187,7 @@ def test_render_table_rows_and_skips() -> None:
         {**_row("baseline", 0.8), "replay_frac_of_roofline": 0.5,
          "decode_b1": {"tokens_per_s": 1000.0, "frac_of_roofline": 0.4}, "decode_b8": {"tokens_per_s": 5000.0}},
         {**_row("PDL=0", 0.4, ok=False), "mismatch_at": 3, "decode_b1": {"tokens_per_s": 1500.0}},
-        _row("LM_HEAD_GEMV=0", None, ok=None, error="RuntimeError: capture failed\ntraceback..."),
+        _row("attn fused_reduce=1", None, ok=None, error="RuntimeError: capture failed\ntraceback..."),
     ]
     text = render_table(rows, (1, 8), skipped=["attn fused_reduce=1"])
     lines = text.splitlines()

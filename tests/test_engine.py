@@ -342,14 +342,12 @@ def test_pack_tokens_matches_per_token_layout() -> None:
     assert last == [0, 40, 43, 60, 61, 125]
 
 
-@pytest.mark.parametrize("fused", ["1", "0"])
-def test_fused_kv_store_same_tokens(engine: Engine, monkeypatch: pytest.MonkeyPatch,
-                                    fused: str) -> None:
-    """FTSERVE_FUSED_KV_STORE (default 1: the q/k norm + rotary op stores K/V, the
-    backend skips its store; 0: the backend stores): chunked prefill, a prefix
-    hit and decode give the tokens of a full recompute either way, and the
-    switch really took (the backend saw kv_stored exactly when fused)."""
-    monkeypatch.setenv("FTSERVE_FUSED_KV_STORE", fused)
+def test_fused_kv_store_same_tokens(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Into a float KV pool the q/k norm + rotary op of a q/k-normed model
+    (Qwen3) stores K/V and the backend skips its store (an fp8 pool and models
+    without q/k norms keep the backend's store): chunked prefill, a prefix hit
+    and decode give the tokens of a full recompute, and the backend saw
+    kv_stored on every call."""
     backend = engine.runner.attn_backend
     seen: list[bool] = []
     real = backend.forward
@@ -368,5 +366,5 @@ def test_fused_kv_store_same_tokens(engine: Engine, monkeypatch: pytest.MonkeyPa
     model, mcfg = engine.runner.model, engine.model_config
     assert first == reference_greedy(model, mcfg, p, 6)
     assert tokens_of(outs) == reference_greedy(model, mcfg, turn2, 6)
-    assert seen and all(x == (fused == "1") for x in seen), "kv_stored must follow the switch"
+    assert seen and all(seen), "the q/k norm + rotary op stores K/V into a float pool"
     assert_pool_baseline(engine)

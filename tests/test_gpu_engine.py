@@ -349,12 +349,10 @@ def test_pdl_graph_decode_equals_default(engine: Engine, model_dir: str,
 @pytest.mark.gpu
 def test_routed_oproj_graph_decode_equals_eager(engine: Engine, model_dir: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_DECODE_ROUTE_IN_OPROJ (one decode row: o_proj routes, the experts
-    weigh): graphs decode the same greedy tokens as eager steps. Routing sees
-    logits rounded otherwise than the unfused path, so the tokens are compared
-    within the switch, not against the default. The graphs are captured again
-    after the weights are copied in: the folded router derives from them."""
-    monkeypatch.setenv("FTSERVE_DECODE_ROUTE_IN_OPROJ", "1")
+    """At one decode row o_proj routes and the experts weigh: graphs decode the
+    same greedy tokens as eager steps (which route the same way). The graphs are
+    captured again after the weights are copied in: the folded router derives
+    from them."""
     rng = random.Random(13)
     prompts = {bs: [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 60))] for _ in range(bs)]
                for bs in (1, 3)}

@@ -41,17 +41,13 @@ def run_steps(path: Path, backend: AttentionBackend) -> list[torch.Tensor]:
     return outs
 
 
-@pytest.mark.parametrize("fusion", ["1", "0"])
-def test_model_on_triton_kernels_matches_torch_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fusion: str
-) -> None:
+def test_model_on_triton_kernels_matches_torch_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode step (T = 2) runs the decode fusions: norm + router + top-k in
     one launch, the o_proj and qkv GEMVs."""
     write_checkpoint("tiny-moe", tmp_path, seed=5, dtype="float32")
     monkeypatch.setenv("FTSERVE_KERNELS", "torch")
     ref = run_steps(tmp_path, TorchAttentionBackend())
     monkeypatch.setenv("FTSERVE_KERNELS", "triton")
-    monkeypatch.setenv("FTSERVE_DECODE_FUSION", fusion)
     got = run_steps(tmp_path, TritonAttentionBackend())
     for r, o in zip(ref, got):
         assert o.shape == r.shape and torch.isfinite(o).all()
@@ -75,16 +71,13 @@ def prefill_then_decode(path: Path, backend: AttentionBackend, token_seed: int) 
     return outs
 
 
-@pytest.mark.parametrize("down_norm,defer", [("1", "1"), ("1", "0"), ("0", "1")])
-def test_one_row_decode_on_triton_matches_torch_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, down_norm: str, defer: str
-) -> None:
+def test_one_row_decode_on_triton_matches_torch_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A one-sequence decode step (batch-1 decode: each layer's MoE down kernel
-    applies the next layer's input norm, and the last one the final norm,
-    unless FTSERVE_DECODE_DOWN_NORM=0; with FTSERVE_DECODE_DEFER_NORM the next
-    layer's qkv GEMV applies it from the down kernel's partial sums) against
-    the torch path."""
-    write_checkpoint("tiny-moe", tmp_path, seed=6, dtype="float32")
+    leaves the next layer's input norm pending, which that layer's qkv GEMV
+    applies from the down kernel's partial sums, and the last one applies the
+    final norm; the lm_head is the one-row GEMV) against the torch path. A
+    small vocabulary: the interpreter runs the lm_head GEMV program by program."""
+    write_checkpoint("tiny-moe", tmp_path, seed=6, dtype="float32", overrides={"vocab_size": 256})
 
     def run(backend: AttentionBackend) -> list[torch.Tensor]:
         return prefill_then_decode(tmp_path, backend, token_seed=1)
@@ -96,8 +89,6 @@ def test_one_row_decode_on_triton_matches_torch_path(
     monkeypatch.setenv("FTSERVE_KERNELS", "torch")
     ref = run(TorchAttentionBackend())
     monkeypatch.setenv("FTSERVE_KERNELS", "triton")
-    monkeypatch.setenv("FTSERVE_DECODE_DOWN_NORM", down_norm)
-    monkeypatch.setenv("FTSERVE_DECODE_DEFER_NORM", defer)
     deferred = {"parts": 0}
     real_gemv = ops.add_rms_norm_linear
 
@@ -106,9 +97,6 @@ def test_one_row_decode_on_triton_matches_torch_path(
         return real_gemv(*a, **kw)
 
     monkeypatch.setattr(ops, "add_rms_norm_linear", watching)
-    # The one-row lm_head GEMV over the whole vocabulary is slow in the interpreter
-    # (test_lm_head_gemv_takes_one_row covers it): cuBLAS / F.linear here.
-    monkeypatch.setenv("FTSERVE_LM_HEAD_GEMV", "0")
     # Layer 0's input norm runs with the embedding gather at decode (one launch
     # for both), not as a norm launch of its own; prefill keeps the norm launch.
     calls: dict[str, int] = {"embed_norm": 0, "rms_norm": 0}
@@ -123,19 +111,17 @@ def test_one_row_decode_on_triton_matches_torch_path(
     finally:
         ops._triton_table.cache_clear()
     assert calls == {"embed_norm": 1, "rms_norm": 1}, calls
-    # tiny-moe's layers after the first take the pending norm, where it is on
-    assert (deferred["parts"] > 0) == (down_norm == "1" and defer == "1"), deferred
+    assert deferred["parts"] > 0, deferred  # tiny-moe's layers after the first take the pending norm
     for r, o in zip(ref, got):
         assert o.shape == r.shape and torch.isfinite(o).all()
         err = float((o - r).norm() / r.norm())
         assert err < 1e-4, err
 
 
-@pytest.mark.parametrize("rows,flag,gemv_rows", [(1, "1", [1]), (2, "1", []), (1, "0", [])])
-def test_lm_head_gemv_takes_one_row(monkeypatch: pytest.MonkeyPatch, rows: int, flag: str,
-                                    gemv_rows: list[int]) -> None:
-    """ops.linear_fp32 (the lm_head) runs the Triton GEMV for one row unless
-    FTSERVE_LM_HEAD_GEMV=0, cuBLAS / F.linear otherwise; same logits either way."""
+@pytest.mark.parametrize("rows,gemv_rows", [(1, [1]), (2, [])])
+def test_lm_head_gemv_takes_one_row(monkeypatch: pytest.MonkeyPatch, rows: int, gemv_rows: list[int]) -> None:
+    """ops.linear_fp32 (the lm_head) runs the Triton GEMV for one row, cuBLAS /
+    F.linear otherwise; same logits either way."""
     import dataclasses
 
     import torch.nn.functional as F
@@ -143,7 +129,6 @@ def test_lm_head_gemv_takes_one_row(monkeypatch: pytest.MonkeyPatch, rows: int, 
     from ftserve_kernels import ops
 
     monkeypatch.setenv("FTSERVE_KERNELS", "triton")
-    monkeypatch.setenv("FTSERVE_LM_HEAD_GEMV", flag)
     real = ops._table(torch.empty(0))
     seen: list[int] = []
 
@@ -229,23 +214,12 @@ def test_gpu_prefill_chunk_graph_replay(tmp_path: Path) -> None:
             assert err < 1e-2, (split, err)
 
 
-DECODE_SWITCHES = [
-    {},  # the defaults: norm + route fusion, 3-D MoE down kernel
-    {"FTSERVE_DECODE_FUSION": "0"},  # the unfused kernels
-]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("switches", DECODE_SWITCHES)
-def test_gpu_decode_step_fusions_graph(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, switches: dict[str, str]
-) -> None:
+def test_gpu_decode_step_fusions_graph(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bf16 decode step of two sequences (logits rows = every token: the
-    gathers are skipped) under each set of decode switches: the captured graph
-    replays the eager step, and both agree with the torch reference path."""
-    for name, value in switches.items():
-        monkeypatch.setenv(name, value)
+    gathers are skipped) on the decode fusions: the captured graph replays the
+    eager step, and both agree with the torch reference path."""
     write_checkpoint("tiny-moe", tmp_path, seed=5, dtype="bfloat16")
     model, cfg = load_model(tmp_path, dtype="bfloat16", device="cuda")
     pool = KVPool(cfg.num_layers, 40, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cuda")

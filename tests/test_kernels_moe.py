@@ -237,8 +237,8 @@ def test_deferred_norm_parts_then_the_gemv_applies_it(t: int, dtype: torch.dtype
 
 def test_ops_moe_add_norm_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """ops.fused_moe_add_rms_norm folds the norm at GEMV sizes on Triton (and
-    moe_folds_next_norm says so), composes past them, with
-    FTSERVE_DECODE_DOWN_NORM=0 and on the torch path; all agree."""
+    moe_folds_next_norm says so), composes past them and on the torch path;
+    all agree."""
     from ftserve_kernels import moe_gemv_triton as mg
 
     g = torch.Generator().manual_seed(8)
@@ -250,10 +250,9 @@ def test_ops_moe_add_norm_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = count_calls(monkeypatch, mg, "fused_moe_add_norm_gemv_triton")
     ops._triton_table.cache_clear()
     try:
-        for kernels, t, flag, fused in [("triton", 1, "1", True), ("triton", mg.GEMV_MAX_TOKENS + 1, "1", False),
-                                        ("triton", 1, "0", False), ("torch", 1, "1", False)]:
+        for kernels, t, fused in [("triton", 1, True), ("triton", mg.GEMV_MAX_TOKENS + 1, False),
+                                  ("torch", 1, False)]:
             monkeypatch.setenv("FTSERVE_KERNELS", kernels)
-            monkeypatch.setenv("FTSERVE_DECODE_DOWN_NORM", flag)
             x = torch.randn(t, h, generator=g).to(DEVICE)
             r = torch.randn(t, h, generator=g).to(DEVICE)
             weights, ids = route_topk_ref(torch.randn(t, e, generator=g).to(DEVICE), k, True)
@@ -543,24 +542,22 @@ def test_add_norm_route_matches_composition(t: int, residual: bool, renorm: bool
         torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("block_e", ["1", "2", "8"])
-def test_add_norm_route_experts_per_program(block_e: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_ROUTE_BLOCK_E: other program widths, the same routing (E = 10 is
-    no multiple of 4 or 8)."""
-    monkeypatch.setenv("FTSERVE_ROUTE_BLOCK_E", block_e)
-    g = torch.Generator().manual_seed(int(block_e))
+@pytest.mark.parametrize("block_e", [1, 2, 8])
+def test_add_norm_route_experts_per_program(block_e: int) -> None:
+    """Other program widths (``block_e``), the same routing (E = 10 is no
+    multiple of 4 or 8)."""
+    g = torch.Generator().manual_seed(block_e)
     e, k, h = 10, 3, 48
     x, r = (torch.randn(2, h, generator=g).to(DEVICE) for _ in range(2))
     nw = (1 + 0.1 * torch.randn(h, generator=g)).to(DEVICE)
     gw = torch.randn(e, h, generator=g).to(DEVICE)
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    got = df.add_norm_route_triton(x, r, nw, 1e-6, gw, k, True, counter)
+    got = df.add_norm_route_triton(x, r, nw, 1e-6, gw, k, True, counter, block_e=block_e)
     ref = norm_route_ref(x, r, nw, gw, k, True)
     assert torch.equal(got[3], ref[3]) and int(counter.cpu()[0]) == 0
     torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6)
-    monkeypatch.setenv("FTSERVE_ROUTE_BLOCK_E", "3")
     with pytest.raises(ValueError, match="power of two"):
-        df.add_norm_route_triton(x, r, nw, 1e-6, gw, k, True, counter)
+        df.add_norm_route_triton(x, r, nw, 1e-6, gw, k, True, counter, block_e=3)
 
 
 def test_add_norm_route_ties_and_nan_rows() -> None:
@@ -613,7 +610,7 @@ def test_add_norm_route_bf16_rounds_like_the_reference() -> None:
 
 def test_ops_norm_route_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Triton runs the fused kernel up to FUSED_MAX_TOKENS rows, the composition
-    past it and with FTSERVE_DECODE_FUSION=0; all three agree."""
+    past it; both agree with the reference."""
     g = torch.Generator().manual_seed(5)
     e, k, h = 8, 2, 32
     nw = torch.ones(h).to(DEVICE)
@@ -623,8 +620,7 @@ def test_ops_norm_route_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     ops._triton_table.cache_clear()
     monkeypatch.setenv("FTSERVE_KERNELS", "triton")
     try:
-        for t, fusion, fused in [(3, "1", True), (df.FUSED_MAX_TOKENS + 1, "1", False), (3, "0", False)]:
-            monkeypatch.setenv("FTSERVE_DECODE_FUSION", fusion)
+        for t, fused in [(3, True), (df.FUSED_MAX_TOKENS + 1, False)]:
             x = torch.randn(t, h, generator=g).to(DEVICE)
             r = torch.randn(t, h, generator=g).to(DEVICE)
             n0 = len(calls)

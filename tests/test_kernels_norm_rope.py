@@ -148,7 +148,7 @@ def test_qk_norm_rotary(dtype: torch.dtype, rot: int) -> None:
 
 @pytest.mark.parametrize("rot", [16, 8])
 def test_qk_norm_rotary_with_kv_store(rot: int) -> None:
-    """FTSERVE_FUSED_KV_STORE's launch: q and k as without the store, the rotated
+    """The q/k norm + rotary launch that also stores K/V: q and k as without the store, the rotated
     k and the untouched v at each token's slot, every other slot untouched."""
     g = torch.Generator().manual_seed(7 + rot)
     t, hq, hk, d, slots = 21, 4, 2, 16, 64

@@ -163,7 +163,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True), 8, 2)
     comp("moe_gemv_down", md._gemv_down_combine3d_kernel, gemv | {"eps": "fp32"},
          dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, K_STEPS=3), 8, 2)
-    # FTSERVE_DECODE_ROUTE_IN_OPROJ: gate/up over the pending norm, at the table's launch;
+    # One decode row routed in o_proj: gate/up over the pending norm, at the table's launch;
     # o_proj + router (oproj_route_triton) at o_proj's.
     comp("moe_gemv_gate_up_parts", mg._gemv_gate_up_kernel,
          gemv | {"parts_ptr": "*fp32", "sel_ptr": "*fp32", "wout_ptr": "*fp32", "eps": "fp32"},
@@ -193,7 +193,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     comp("rms_norm_heads", nt._rms_norm_kernel,
          {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "eps": "fp32"},
          dict(HAS_RESIDUAL=False, BLOCK_R=64, BLOCK_H=128), 8)
-    for store in (False, True):  # True: FTSERVE_FUSED_KV_STORE's launch
+    for store in (False, True):  # True: the launch that also stores K/V
         comp("qk_norm_rotary" + ("_store" if store else ""), rt._qk_norm_rotary_kernel,
              {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "qw_ptr": bf, "kw_ptr": bf,
               "pos_ptr": "*i64", "cs_ptr": "*fp32", "eps": "fp32", "kc_ptr": bf, "vc_ptr": bf,

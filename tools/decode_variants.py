@@ -20,18 +20,7 @@ from tools.bench_common import markdown_table
 # Every kernel switch at its ftserve/envs.py default: the baseline, and the
 # base every variant's own settings are laid over.
 DEFAULT_ENV: dict[str, str] = {
-    "FTSERVE_LM_HEAD_GEMV": "1",
-    "FTSERVE_DECODE_FUSION": "1",
-    "FTSERVE_FUSED_KV_STORE": "1",
     "FTSERVE_PDL": "1",
-    "FTSERVE_DECODE_QK_FOLD": "1",
-    "FTSERVE_DECODE_DOWN_NORM": "1",
-    "FTSERVE_DECODE_DEFER_NORM": "1",
-    "FTSERVE_DECODE_ROUTE_IN_OPROJ": "1",
-    "FTSERVE_OPROJ_ROUTE_BLOCK_E": "2",
-    "FTSERVE_DECODE_INPUT_NORM": "1",
-    "FTSERVE_STEP_COPY_KERNEL": "1",
-    "FTSERVE_ROUTE_BLOCK_E": "1",
     "FTSERVE_GEMV_ENTRY": "",
 }
 
@@ -54,16 +43,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     pps = base_attn.decode_programs_per_sm
     fused = not base_attn.decode_fused_reduce
     out = [Variant("baseline")]
-    out.append(Variant("DECODE_QK_FOLD=0", "decode_qk_fold", {"FTSERVE_DECODE_QK_FOLD": "0"}))
-    out.append(Variant("DECODE_DOWN_NORM=0", "decode_down_norm", {"FTSERVE_DECODE_DOWN_NORM": "0"}))
-    out.append(Variant("DECODE_DEFER_NORM=0", "decode_defer_norm", {"FTSERVE_DECODE_DEFER_NORM": "0"}))
-    out.append(Variant("DECODE_ROUTE_IN_OPROJ=0", "decode_route_in_oproj",
-                       {"FTSERVE_DECODE_ROUTE_IN_OPROJ": "0"}))
-    out.append(Variant("DECODE_INPUT_NORM=0", "decode_input_norm", {"FTSERVE_DECODE_INPUT_NORM": "0"}))
-    # The engine's step copies: its b1 / b8 step rates and engine trace change, not the replay.
-    out.append(Variant("STEP_COPY_KERNEL=0", "step_copy_kernel", {"FTSERVE_STEP_COPY_KERNEL": "0"}))
-    out.append(Variant("LM_HEAD_GEMV=0", "lm_head_gemv", {"FTSERVE_LM_HEAD_GEMV": "0"}))
-    out.append(Variant("FUSED_KV_STORE=0", "fused_kv_store", {"FTSERVE_FUSED_KV_STORE": "0"}))
     out.append(Variant("PDL=0", "pdl", {"FTSERVE_PDL": "0"}))
     out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
                        attn={"decode_fused_reduce": fused}))

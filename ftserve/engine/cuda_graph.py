@@ -9,8 +9,8 @@ the sampled tokens into the same row of a pinned output pair and toggles the
 word (the sampler's other stage sets end with a copy kernel that does it,
 copy_host_words_paired). So a decode step is one graph launch, with nothing
 between two graphs (H200, batch 1: 11 us of copies and gaps did sit there),
-and no copy kernel inside a greedy one. Where UVA kernels cannot run
-(FTSERVE_STEP_COPY_KERNEL=0) the copies stay outside, into g_in::
+and no copy kernel inside a greedy one. Where UVA kernels cannot run (the
+Triton interpreter) the copies stay outside, into g_in::
 
     g_in [max_bs, 7] int64, one row per sequence: input_id, position,
         out_cache_loc, seq_len, sampler slot (+ min_tokens flag in bit 62), step,

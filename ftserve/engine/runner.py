@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ftserve import envs
 from ftserve.engine import prompt_logprobs as prompt_lp
 from ftserve.engine.grammar import MaskFiller
 from ftserve.engine.messages import TokenLogprob
@@ -257,12 +256,10 @@ class ModelRunner:
         layer_ready = None
         if self.kv_host is not None:
             # Offloads of evicted pages and loads of host-tier hits, ordered by
-            # events after the previous steps (no host wait). The step waits for
-            # all of it, or (FTSERVE_KV_LAYERED_RESTORE, the default) a restore
-            # streams in layer by layer under an eager forward, layer L waiting for its own
-            # pages only.
-            layered = (envs.kv_layered_restore() and not decode_graph
-                       and self.kv_host.has_pending_loads)
+            # events after the previous steps (no host wait). A restore streams in
+            # layer by layer under an eager forward, layer L waiting for its own
+            # pages only; a decode graph waits for all of it.
+            layered = not decode_graph and self.kv_host.has_pending_loads
             layer_ready = self.kv_host.flush(layered=layered)
         self.mirror_pages(batch.reqs)
         rows = [i for i, s in enumerate(batch.samples) if s]

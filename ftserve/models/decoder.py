@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ftserve import envs
 from ftserve.models.config import ModelConfig
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve.models.layers import Attention, DenseMLP, Embedding, Linear, MoEBlock, RMSNorm
@@ -156,13 +155,10 @@ class DecoderForCausalLM(nn.Module):
 
     def refresh_derived(self) -> None:
         """Derive again, in place, the tensors computed from the weights (the
-        routers folded through o_proj, FTSERVE_DECODE_ROUTE_IN_OPROJ), for the
-        layers that route so; and fold them first where none is yet (at load,
+        routers folded through o_proj), for the layers that route so; and fold them first where none is yet (at load,
         so memory planning counts them). Call after changing weights in place
         once CUDA graphs are captured: the graphs read these tensors, and only
         an eager step would notice the change by itself."""
-        if not envs.decode_route_in_oproj():
-            return
         for layer in self.layers:
             if layer.router_foldable():
                 layer.folded_router()
@@ -171,8 +167,8 @@ class DecoderForCausalLM(nn.Module):
         """The first layer's input norm, for a decode step to apply where it
         gathers the embedding rows (ops.decode_inputs in the graph, embed_rms_norm
         eagerly): layer 0 then starts from a normed x, as the later layers do at
-        decode sizes, and its qkv is a plain GEMV. None with FTSERVE_DECODE_INPUT_NORM=0."""
-        if not envs.decode_input_norm() or not len(self.layers):
+        decode sizes, and its qkv is a plain GEMV. None without layers."""
+        if not len(self.layers):
             return None
         norm = self.layers[0].input_layernorm
         return InputNorm(norm.weight, norm.eps)

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ftserve import envs
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve_kernels import ops
 from ftserve_kernels.oproj_route_triton import OprojRoute
@@ -108,8 +107,7 @@ class Attention(nn.Module):
             torch.cuda.current_stream().wait_event(batch.layer_ready[self.layer_idx])
         stored = False
         fold = getattr(batch.attn_backend, "decode_qk", None)
-        if (self.q_norm is not None and self.k_norm is not None and fold is not None
-                and batch.is_decode and envs.decode_qk_fold()):
+        if self.q_norm is not None and self.k_norm is not None and fold is not None and batch.is_decode:
             # The q/k norms, the rotary and the KV store inside the decode attention
             # launch (TritonAttentionBackend.decode_qk), where it applies.
             out = fold(q, k, v, self.layer_idx, batch, self.q_norm.weight, self.k_norm.weight,
@@ -118,9 +116,9 @@ class Attention(nn.Module):
                 return self._project(out.reshape(t, self.q_size), project)
         if self.q_norm is not None and self.k_norm is not None:
             # One kernel for both per-head norms and the rotary (three on the unfused
-            # path), and with FTSERVE_FUSED_KV_STORE the KV store too.
+            # path), and into a float KV cache the KV store too.
             pool = batch.kv_pool
-            stored = envs.fused_kv_store() and pool.k_scale is None
+            stored = pool.k_scale is None
             kv_store = ((pool.k[self.layer_idx], pool.v[self.layer_idx], v,
                          batch.attn.out_cache_loc) if stored else None)
             q, k = ops.qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight,

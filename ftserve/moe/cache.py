@@ -10,7 +10,7 @@ picks, per forward pass, one of three paths (host shapes only):
              per layer ONE admission kernel maps the selected experts to slots,
              evicting LRU slots not needed now, ``fill_rows`` copies the misses
              from the pinned bank over UVA, then the fused kernel reads slots.
-             At GEMV sizes (T <= GEMV_MAX_TOKENS, ``read_through``) there is no
+             At GEMV sizes (T <= GEMV_MAX_TOKENS, on CUDA) there is no
              fill kernel: the expert GEMVs read the misses from the bank over
              UVA themselves and write the slots as they go, so the compute runs
              while the bytes arrive instead of after them.
@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ftserve import envs
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve.moe.banks import HostBank, moe_blocks
 from ftserve.moe.kernels import (
@@ -98,7 +97,6 @@ class ExpertCache:
         self.counters = torch.zeros(5, dtype=torch.int64, device=device)
         self.track_stats = track_stats
         self.prefetch = prefetch
-        self.read_through = envs.moe_read_through()
         # The prefetch fill runs on a side stream beside the layer's compute: a
         # capped grid leaves it most SMs (uncapped, ~290 programs per expert row
         # queue ahead of the compute kernels and serialize the two streams).
@@ -228,7 +226,7 @@ class ExpertCache:
             if self._pf_on and j + 1 < self.num_layers:
                 inv = self._inv_w[j]
                 pred = self._guess(j + 1, x if inv is None else x * inv)  # [T, k] layer j+1's guess
-            rt = self._read_through(j, ids) if self.on_cuda and self.read_through else None
+            rt = self._read_through(j, ids) if self.on_cuda else None
             if rt is None:
                 self._admit(j, ids, LOOKUPS, MISSES)
             if pred is not None:
