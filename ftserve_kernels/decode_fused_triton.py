@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ftserve_kernels import pdl
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 
 # Rows one launch handles. Each program loops over them, one L2 round trip for x
 # and r per row, so the fusion pays only while a few rows' latency stays below
@@ -110,6 +111,7 @@ def add_norm_route_triton(
     renormalize: bool,
     counter: torch.Tensor,  # [1] int32, zero; left zero
     block_e: int = 1,  # router rows a program streams (a power of two)
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """-> (normed [T, H], x + residual [T, H] or None, weights [T, k] fp32, ids [T, k] int32)."""
     if block_e < 1 or block_e & (block_e - 1):
@@ -131,7 +133,7 @@ def add_norm_route_triton(
     r = residual if residual is not None else x
     s = summed if summed is not None else normed
     block_h = triton.next_power_of_2(h)
-    on = pdl.active(x)
+    on = pdl.active(x, kernels)
     _add_norm_route_kernel[(triton.cdiv(e, block_e),)](
         x, r, norm_w, gate_w, normed, s, logits, weights, ids, counter,
         t, h, e, eps,

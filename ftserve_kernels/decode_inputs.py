@@ -34,6 +34,7 @@ import triton.language as tl
 
 from ftserve_kernels import pdl
 from ftserve_kernels.bookkeeping import StagedRows
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.norm_rope import rms_norm_ref
 
 
@@ -174,6 +175,7 @@ def _row_launch(hidden: int) -> tuple[int, int]:
 def decode_inputs_triton(
     packed: torch.Tensor, last: torch.Tensor, page_table: torch.Tensor, embed: torch.Tensor | None,
     flag: int, norm: InputNorm | None = None, block_p: int = 1024, staged: StagedRows | None = None,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> DecodeInputs:
     """As decode_inputs_ref; fixed shapes (B, max_pages, H): graph-capturable.
     With ``staged`` the kernel reads the words from the pinned pair itself and
@@ -211,7 +213,7 @@ def decode_inputs_triton(
         embed.stride(0) if embed is not None else 0, emb_out.stride(0),
         staged.parity if staged is not None else packed, staged.pair.stride(0) if staged is not None else 0,
         FLAG=flag, HAS_EMB=embed is not None, HAS_NORM=norm is not None, BLOCK_P=block_p,
-        BLOCK_H=block_h, STAGED=staged is not None, RELEASE=pdl.active(packed) != 0, num_warps=warps,
+        BLOCK_H=block_h, STAGED=staged is not None, RELEASE=pdl.active(packed, kernels), num_warps=warps,
     )
     return out
 

@@ -2,7 +2,8 @@
 the dataclass, today's defaults, and per-device tables written by tools/tune_gemv.py.
 
 A table is JSON, one file per device (``configs/gemv_<device name>.json``, the
-name slugged as moe_configs does), or the file named by FTSERVE_GEMV_CONFIG_FILE::
+name slugged as moe_configs does), or the file KernelConfig.gemv_table names
+(FTSERVE_GEMV_CONFIG_FILE at start-up)::
 
     {"configs": {"moe_gate_up:E=128,H=2048,I=768,k=8": {"1": {"block_n": 32, "block_k": 256,
                                                               "num_warps": 4, "num_stages": 2},
@@ -19,7 +20,7 @@ An entry applies only to the T it was tuned at (for the dense kernel the row
 block next_power_of_2(T), which is what the kernel specializes on): these
 kernels' registers and grid scale with T, so a neighbour's entry is no safe
 guess; any other T, shape or kind takes the kernel's default (``default``,
-exactly the launch used before tables existed). FTSERVE_GEMV_ENTRY lays single
+exactly the launch used before tables existed). KernelConfig.gemv_entries lays single
 entries over the table (``parse_entries``: a tuning run's variants, in the
 step itself rather than alone as tools/tune_gemv times them). Tables are read on CUDA only;
 the interpreter keeps its small tiles. A table that exists but does not parse,
@@ -36,8 +37,8 @@ from typing import Any
 
 import torch
 
-from ftserve import envs
 from ftserve_kernels import config_tables as tables
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.config_tables import CONFIG_DIR  # noqa: F401 - re-exported
 from ftserve_kernels.moe_configs import shape_key as moe_shape_key
 
@@ -138,7 +139,7 @@ def table_for(device_index: int, override: str | None) -> Table:
 
 
 def parse_entries(text: str) -> Table:
-    """FTSERVE_GEMV_ENTRY's entries -> a table: ``KEY@T=BN.BK.W.S`` joined by
+    """KernelConfig.gemv_entries -> a table: ``KEY@T=BN.BK.W.S`` joined by
     ";", KEY a table key with "+" for its commas (a comma-free form, so a
     variant list can hold it). ValueError names the entry that does not parse."""
     out: Table = {}
@@ -153,19 +154,20 @@ def parse_entries(text: str) -> Table:
             config = GemvConfig(*(int(v) for v in fields.split(".")))
             out.setdefault(key, {})[int(t)] = config
         except (TypeError, ValueError) as e:
-            raise ValueError(f"FTSERVE_GEMV_ENTRY entry {item!r}: {e}") from None
+            raise ValueError(f"GEMV entry {item!r}: {e}") from None
     return out
 
 
-def pick(key: str, tokens: int, device: torch.device) -> GemvConfig | None:
-    """The table entry for ``key`` at ``tokens`` (host ints, never data), or
-    None: the caller launches its default. FTSERVE_GEMV_ENTRY's entries win
-    over the table's. None off CUDA."""
+def pick(key: str, tokens: int, device: torch.device,
+         kernels: KernelConfig = DEFAULT_KERNELS) -> GemvConfig | None:
+    """The entry for ``key`` at ``tokens`` (host ints, never data) of the table
+    ``kernels`` names (else the device's packaged one), or None: the caller
+    launches its default. ``kernels.gemv_entries`` win over the table's. None
+    off CUDA."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    path = envs.gemv_config_file()
-    return _pick(key, tokens, index, str(path) if path is not None else None, envs.gemv_entries())
+    return _pick(key, tokens, index, kernels.gemv_table, kernels.gemv_entries)
 
 
 @functools.lru_cache(maxsize=512)

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 
 GEMV_MAX_ROWS = 4  # rows per launch: every program holds all of them
 
@@ -146,6 +147,7 @@ def gemv_triton(
     config: gc.GemvConfig | None = None,  # all launch parameters; wins over block
     out_dtype: torch.dtype | None = None,  # y's dtype (values rounded to x's dtype first)
     parts: torch.Tensor | None = None,  # [T, P] fp32: x is w * s of a pending norm (eps)
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     """-> y [T, N] in ``out_dtype`` or x's dtype. With ``parts``: y = (x . W^T)
     / rms(s), 1/rms from the sum of ``parts`` (x = w * s: a pending norm,
@@ -171,9 +173,10 @@ def gemv_triton(
         if block is not None:
             config = dataclasses.replace(gc.default("dense", cuda, n, t), block_n=block[0], block_k=block[1])
         else:
-            config = gc.pick(gc.dense_key(n, k), block_t, x.device) or gc.default("dense", cuda, n, t)
+            config = (gc.pick(gc.dense_key(n, k), block_t, x.device, kernels)
+                      or gc.default("dense", cuda, n, t))
     bn, bk = config.block_n, min(config.block_k, triton.next_power_of_2(k))
-    on = pdl.active(x)
+    on = pdl.active(x, kernels)
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, w, bias if bias is not None else w, y,
         t, n, k, eps,

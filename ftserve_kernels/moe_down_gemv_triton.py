@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.moe_read_through import (
     ReadThrough,
     _bank_rows,
@@ -178,6 +179,7 @@ def moe_down_gemv(
     read_through: ReadThrough | None = None,
     norm_next: NormNext | None = None,  # writes ``outs`` instead of ``out``
     outs: tuple[torch.Tensor, ...] | None = None,  # (normed, summed) [T, H] each (+ parts: deferred)
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> None:
     """The down + combine kernel alone (tools/tune_gemv times it on its own)."""
     t, h = out.shape
@@ -185,7 +187,7 @@ def moe_down_gemv(
     emap = expert_map if expert_map is not None else ids
     args = (act, w2, out, weights, ids, emap, h, inter,
             act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))
-    on = pdl.active(act)
+    on = pdl.active(act, kernels)
     consts = dict(TOP_K=top_k, BLOCK_KP=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, HAS_MAP=expert_map is not None,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **pdl.launch(on))

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.moe_down_gemv_triton import NormNext, moe_down_gemv, norm_parts
 from ftserve_kernels.moe_read_through import (
     ReadThrough,
@@ -150,11 +151,13 @@ def fused_moe_gemv_triton(
     block_n: tuple[int, int] | None = None,  # (gate_up, down) output columns per program
     configs: tuple[gc.GemvConfig, gc.GemvConfig] | None = None,  # (gate_up, down): wins over block_n
     read_through: ReadThrough | None = None,  # misses read from the host bank (needs expert_map)
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     """Launch parameters of each kernel: ``configs``, else ``block_n`` over the
     defaults, else the device table's entry (gemv_configs), else the default."""
     out = torch.empty_like(x)  # [T, H]
-    _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, out, expert_map, block_n, configs, read_through)
+    _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, out, expert_map, block_n, configs, read_through,
+                    kernels)
     return out
 
 
@@ -167,6 +170,7 @@ def fused_moe_add_norm_gemv_triton(
     norm_next: NormNext,
     configs: tuple[gc.GemvConfig, gc.GemvConfig] | None = None,  # (gate_up, down)
     route: RouteParts | None = None,  # x is pending: gate/up applies it and writes topk_weights
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """fused_moe_gemv_triton with the next layer's input norm folded into the
     down kernel's epilogue (``_add_then_norm_last``)
@@ -178,10 +182,10 @@ def fused_moe_add_norm_gemv_triton(
     parts = None
     if norm_next.deferred:
         if configs is None:
-            configs = _configs(x, w13, topk_ids, None, None)
+            configs = _configs(x, w13, topk_ids, None, None, kernels)
         p = norm_parts(x.shape[1], configs[1])
         parts = torch.empty((x.shape[0], p), dtype=torch.float32, device=x.device)
-    _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, normed, None, None, configs, None,
+    _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, normed, None, None, configs, None, kernels,
                     norm_next, summed, parts, route)
     return normed, summed, parts
 
@@ -191,7 +195,7 @@ def _fused_moe_gemv(
     topk_ids: torch.Tensor, out: torch.Tensor, expert_map: torch.Tensor | None,
     block_n: tuple[int, int] | None,
     configs: tuple[gc.GemvConfig, gc.GemvConfig] | None, read_through: ReadThrough | None,
-    norm_next: NormNext | None = None, summed: torch.Tensor | None = None,
+    kernels: KernelConfig, norm_next: NormNext | None = None, summed: torch.Tensor | None = None,
     parts: torch.Tensor | None = None, route: RouteParts | None = None,
 ) -> None:
     """Both launches into ``out`` (with ``norm_next``: the normed rows, and the
@@ -212,18 +216,19 @@ def _fused_moe_gemv(
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)  # [N, I]
     assert read_through is None or expert_map is not None, "read-through resolves misses by slot"
     if configs is None:
-        configs = _configs(x, w13, topk_ids, expert_map, block_n)
+        configs = _configs(x, w13, topk_ids, expert_map, block_n, kernels)
     moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, read_through,
-                     route, weights if route is not None else None)
+                     route, weights if route is not None else None, kernels=kernels)
     outs = None
     if norm_next is not None and summed is not None:
         outs = (out, summed) if parts is None else (out, summed, parts)
-    moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, read_through, norm_next, outs)
+    moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, read_through, norm_next, outs,
+                  kernels=kernels)
 
 
 def _configs(
     x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
-    block_n: tuple[int, int] | None,
+    block_n: tuple[int, int] | None, kernels: KernelConfig,
 ) -> tuple[gc.GemvConfig, gc.GemvConfig]:
     """(gate/up, down) launch parameters: ``block_n`` over the defaults, else
     this device's table entry, else the defaults."""
@@ -236,7 +241,7 @@ def _configs(
     else:
         # The model's expert count, not the rows of w13 (an expert-slot cache holds fewer).
         e = expert_map.shape[0] if expert_map is not None else w13.shape[0]
-        cfgs = [gc.pick(gc.moe_key(kind, e, h, inter, k), t, x.device) or gc.default(kind, cuda)
+        cfgs = [gc.pick(gc.moe_key(kind, e, h, inter, k), t, x.device, kernels) or gc.default(kind, cuda)
                 for kind in kinds]
     return cfgs[0], cfgs[1]
 
@@ -252,6 +257,7 @@ def moe_gate_up_gemv(
     read_through: ReadThrough | None = None,
     route: RouteParts | None = None,  # one row: x is pending
     weights_out: torch.Tensor | None = None,  # [k] fp32, with route: the experts' weights
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> None:
     """The gate/up kernel alone (tools/tune_gemv times it on its own)."""
     h = x.shape[1]
@@ -270,7 +276,7 @@ def moe_gate_up_gemv(
         extra.update(parts_ptr=route.parts, P=p, eps=route.eps, sel_ptr=route.pre_sel,
                      wout_ptr=weights_out, HAS_PARTS=True, BLOCK_P=triton.next_power_of_2(p),
                      BLOCK_TK=triton.next_power_of_2(top_k))
-    on = pdl.active(x)
+    on = pdl.active(x, kernels)
     _gemv_gate_up_kernel[grid](*args, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                EVEN_K=h % cfg.block_k == 0, HAS_MAP=expert_map is not None,
                                num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **extra,

@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ftserve import envs
 from ftserve_kernels.attention_common import interpreting
+from ftserve_kernels.config import KernelConfig
 
 try:  # Triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -87,9 +87,9 @@ def _can_link(t: torch.Tensor) -> bool:
     return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def active(t: torch.Tensor) -> bool:
+def active(t: torch.Tensor, kernels: KernelConfig) -> bool:
     """The PDL constexpr for launches on ``t``'s device."""
-    return envs.pdl() and _can_link(t)
+    return kernels.pdl and _can_link(t)
 
 
 def launch(on: bool) -> dict[str, Any]:

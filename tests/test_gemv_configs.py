@@ -24,6 +24,7 @@ if DEVICE == "cpu":
 from ftserve_kernels import gemv_configs as gc  # noqa: E402
 from ftserve_kernels import gemv_triton as gv  # noqa: E402
 from ftserve_kernels import moe_gemv_triton as mg  # noqa: E402
+from ftserve_kernels.config import KernelConfig  # noqa: E402
 from ftserve_kernels.gemv_configs import GemvConfig  # noqa: E402
 from ftserve_kernels.moe import fused_moe_ref, route_topk_ref  # noqa: E402
 from tools import tune_gemv as tune  # noqa: E402
@@ -56,47 +57,48 @@ def test_defaults_are_the_launches_before_tables() -> None:
             gc.default(retired, True)
 
 
-def test_table_lookup_via_env_is_exact_in_t(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_GEMV_CONFIG_FILE drives pick on CUDA devices: an entry serves only
-    its own key and T; CPU tensors never read a table."""
+def test_table_lookup_is_exact_in_t(tmp_path: Path) -> None:
+    """The table KernelConfig.gemv_table names drives pick on CUDA devices: an
+    entry serves only its own key and T; CPU tensors never read a table."""
     gu_key = gc.moe_key("moe_gate_up", 8, 64, 32, 2)
     dense_key = gc.dense_key(48, 64)
     a, b = GemvConfig(32, 256, 4, 3), GemvConfig(4, 128, 2, 1)
     path = _write(tmp_path / "t.json", {gu_key: {"1": a.to_dict()}, dense_key: {"2": b.to_dict(), "4": a.to_dict()}})
-    monkeypatch.setenv("FTSERVE_GEMV_CONFIG_FILE", path)
-    assert gc.pick(gu_key, 1, CUDA0) == a
-    assert gc.pick(gu_key, 2, CUDA0) is None  # a neighbour's entry is not used
-    assert gc.pick(dense_key, 2, CUDA0) == b and gc.pick(dense_key, 4, CUDA0) == a
-    assert gc.pick(gc.moe_key("moe_down", 8, 64, 32, 2), 1, CUDA0) is None
-    assert gc.pick(gu_key, 1, torch.device("cpu")) is None
+    kc = KernelConfig(gemv_table=path)
+    assert gc.pick(gu_key, 1, CUDA0, kc) == a
+    assert gc.pick(gu_key, 2, CUDA0, kc) is None  # a neighbour's entry is not used
+    assert gc.pick(dense_key, 2, CUDA0, kc) == b and gc.pick(dense_key, 4, CUDA0, kc) == a
+    assert gc.pick(gc.moe_key("moe_down", 8, 64, 32, 2), 1, CUDA0, kc) is None
+    assert gc.pick(gu_key, 1, torch.device("cpu"), kc) is None
     assert gc.parse_key(gu_key) == ("moe_gate_up", {"E": 8, "H": 64, "I": 32, "k": 2})
     assert gc.parse_key(dense_key) == ("dense", {"N": 48, "K": 64})
     assert gc.table_file_name("NVIDIA H200") == "gemv_NVIDIA_H200.json"
 
 
-def test_env_entries_lay_over_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_GEMV_ENTRY: comma-free entries (KEY@T=BN.BK.W.S, "+" for the key's
-    commas) win over the table's at their key and T only; a bad one is an
-    error naming it."""
+def test_entries_lay_over_the_table(tmp_path: Path) -> None:
+    """KernelConfig.gemv_entries: comma-free entries (KEY@T=BN.BK.W.S, "+" for
+    the key's commas) win over the table's at their key and T only; a bad one
+    is an error naming it, when the config is made."""
     dense_key = gc.dense_key(48, 64)
     gu_key = gc.moe_key("moe_gate_up", 8, 64, 32, 2)
     a, b = GemvConfig(32, 256, 4, 3), GemvConfig(4, 128, 2, 1)
     path = _write(tmp_path / "t.json", {dense_key: {"1": a.to_dict(), "2": a.to_dict()}})
-    monkeypatch.setenv("FTSERVE_GEMV_CONFIG_FILE", path)
     entries = f"{dense_key.replace(',', '+')}@1=4.128.2.1; {gu_key.replace(',', '+')}@2=32.256.4.3"
     assert "," not in entries
     assert gc.parse_entries(entries) == {dense_key: {1: b}, gu_key: {2: a}}
-    monkeypatch.setenv("FTSERVE_GEMV_ENTRY", entries)
-    assert gc.pick(dense_key, 1, CUDA0) == b  # the entry over the table's
-    assert gc.pick(dense_key, 2, CUDA0) == a  # the table's, another T
-    assert gc.pick(gu_key, 2, CUDA0) == a and gc.pick(gu_key, 1, CUDA0) is None
-    assert gc.pick(dense_key, 1, torch.device("cpu")) is None
+    kc = KernelConfig(gemv_table=path, gemv_entries=entries)
+    assert gc.pick(dense_key, 1, CUDA0, kc) == b  # the entry over the table's
+    assert gc.pick(dense_key, 2, CUDA0, kc) == a  # the table's, another T
+    assert gc.pick(gu_key, 2, CUDA0, kc) == a and gc.pick(gu_key, 1, CUDA0, kc) is None
+    assert gc.pick(dense_key, 1, torch.device("cpu"), kc) is None
     for bad, needle in [("dense:N=48+K=64@1=4.128.2", "num_stages"), ("dense:N=48+K=64=4.128.2.1", "KEY@T"),
                         ("dense_fp8:N=8+K=8@1=4.128.2.1", "unknown GEMV kernel kind"),
                         ("dense:N=48+K=64@1=12.128.2.1", "power of two")]:
-        with pytest.raises(ValueError, match="FTSERVE_GEMV_ENTRY entry") as err:
+        with pytest.raises(ValueError, match="GEMV entry") as err:
             gc.parse_entries(bad)
         assert needle in str(err.value), (bad, str(err.value))
+        with pytest.raises(ValueError, match="GEMV entry"):
+            KernelConfig(gemv_entries=bad)
 
 
 @pytest.mark.parametrize("content,needle", [
@@ -115,16 +117,19 @@ def test_env_entries_lay_over_the_table(tmp_path: Path, monkeypatch: pytest.Monk
     (None, "FileNotFoundError"),
 ])
 def test_bad_table_is_an_error_naming_the_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str | None, needle: str
+    tmp_path: Path, content: str | None, needle: str
 ) -> None:
-    """A table that exists (or is asked for) but does not parse fails loudly."""
+    """A table that exists (or is asked for) but does not parse fails loudly:
+    at the lookup, and at start-up (KernelConfig.check_tables)."""
     path = tmp_path / f"bad_{abs(hash(needle + str(content)))}.json"
     if content is not None:
         path.write_text(content)
-    monkeypatch.setenv("FTSERVE_GEMV_CONFIG_FILE", str(path))
+    kc = KernelConfig(gemv_table=str(path))
     with pytest.raises(ValueError, match="bad GEMV config table") as info:
-        gc.pick("dense:N=8,K=8", 1, CUDA0)
+        gc.pick("dense:N=8,K=8", 1, CUDA0, kc)
     assert str(path) in str(info.value) and needle in str(info.value)
+    with pytest.raises(ValueError, match="bad GEMV config table"):
+        kc.check_tables(CUDA0)
 
 
 @pytest.mark.parametrize("t", [1, 2, 3])
@@ -164,7 +169,7 @@ def test_launchers_ask_for_the_keys_the_tuner_writes(monkeypatch: pytest.MonkeyP
     served = {"moe_gate_up": GemvConfig(32, 32, 2, 1), "moe_down": GemvConfig(8, 32, 2, 1),
               "dense": GemvConfig(32, 64, 1, 1)}
 
-    def spy(key: str, tokens: int, device: torch.device) -> GemvConfig | None:
+    def spy(key: str, tokens: int, device: torch.device, kernels: KernelConfig) -> GemvConfig | None:
         asked.append((key, tokens))
         return served.get(gc.parse_key(key)[0])
 
@@ -245,7 +250,7 @@ def test_tune_case_stops_at_the_deadline() -> None:
 
 
 def test_tune_run_writes_a_table_the_runtime_picks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """tools/tune_gemv end to end on the interpreter (tiny shapes): a spent
     budget still leaves a loadable table; a full run writes an entry exactly for
@@ -283,13 +288,13 @@ def test_tune_run_writes_a_table_the_runtime_picks(
                 listed += 1
     assert listed >= 6  # of 12: the larger tiles win on the interpreter
     assert f"| {problems[0].key()} | 1 |" in capsys.readouterr().out
-    monkeypatch.setenv("FTSERVE_GEMV_CONFIG_FILE", str(path))
+    kc = KernelConfig(gemv_table=str(path))
     g = torch.Generator().manual_seed(5)
     w13 = torch.randn(e, 2 * inter, h, generator=g) / h**0.5
     w2 = torch.randn(e, h, inter, generator=g) / inter**0.5
     for t in (1, 2):
-        gu = gc.pick(problems[0].key(), t, CUDA0) or gc.default("moe_gate_up", False)
-        dn = gc.pick(problems[1].key(), t, CUDA0) or gc.default("moe_down", False)
+        gu = gc.pick(problems[0].key(), t, CUDA0, kc) or gc.default("moe_gate_up", False)
+        dn = gc.pick(problems[1].key(), t, CUDA0, kc) or gc.default("moe_down", False)
         x = torch.randn(t, h, generator=g)
         weights, ids = route_topk_ref(torch.randn(t, e, generator=g), k, True)
         out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, configs=(gu, dn))
@@ -343,29 +348,29 @@ def test_gpu_packaged_gemv_table_configs_match_reference() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_tune_gemv_short_run_feeds_the_launchers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_tune_gemv_short_run_feeds_the_launchers(tmp_path: Path) -> None:
     """A short real tuner run (3 candidates per kernel, every best written):
-    the table loads, and with FTSERVE_GEMV_CONFIG_FILE set the launchers' own
-    lookup (no config passed) runs the entries and matches the reference."""
+    the table loads, and with a KernelConfig naming it the launchers' own
+    lookup (no launch config passed) runs the entries and matches the reference."""
     problems = [tune.PROBLEMS["gate_up"], tune.PROBLEMS["down"], tune.PROBLEMS["o_proj"]]
     path = tune.run(tmp_path, 60.0, problems, (1,), torch.device("cuda"), cap=3, min_gain=-0.5,
                     copy_bytes=256 << 20)
     table = gc.load_table(str(path))
-    monkeypatch.setenv("FTSERVE_GEMV_CONFIG_FILE", str(path))
+    kc = KernelConfig(gemv_table=str(path))
     torch.manual_seed(1)
     for key, by_t in table.items():
         for t, cfg in by_t.items():
-            assert gc.pick(key, t, torch.device("cuda")) == cfg
+            assert gc.pick(key, t, torch.device("cuda"), kc) == cfg
     e, k, h, inter = tune.QWEN3_MOE
     w13 = (torch.randn(e, 2 * inter, h, device="cuda") / h**0.5).bfloat16()
     w2 = (torch.randn(e, h, inter, device="cuda") / inter**0.5).bfloat16()
     x = torch.randn(1, h, device="cuda").bfloat16()
     weights, ids = route_topk_ref(torch.randn(1, e, device="cuda"), k, True)
-    out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids)
+    out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, kernels=kc)
     assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 2e-2
     xo = torch.randn(1, 4096, device="cuda").bfloat16()
     wo = (torch.randn(2048, 4096, device="cuda") / 64).bfloat16()
-    assert rel_err(gv.gemv_triton(xo, wo), torch.nn.functional.linear(xo.float(), wo.float())) < 2e-2
+    assert rel_err(gv.gemv_triton(xo, wo, kernels=kc), torch.nn.functional.linear(xo.float(), wo.float())) < 2e-2
 
 
 def test_shipped_tables_parse() -> None:

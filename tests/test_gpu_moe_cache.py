@@ -30,6 +30,7 @@ from ftserve.engine.engine import Engine
 from ftserve.moe.banks import moe_blocks
 from ftserve.moe.cache import ExpertCache
 from ftserve_kernels import ops
+from ftserve_kernels.config import KernelConfig
 from tests.engine_util import make_context_sensitive
 from tests.test_gpu_engine import CHUNK, SCALE, run_greedy, scenario
 from tools.bench_common import write_model_config
@@ -74,8 +75,8 @@ def copy_weights(src: Engine, dst: Engine) -> None:
 
 
 def _resident_experts(block: torch.nn.Module, x: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor) -> torch.Tensor:
-    return ops.fused_moe(x, block.w13, block.w2, weights, ids)  # type: ignore[arg-type]
+                      ids: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
+    return ops.fused_moe(kernels, x, block.w13, block.w2, weights, ids)  # type: ignore[arg-type]
 
 
 def take_the_cache_path(engine: Engine) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from ftserve.engine.cuda_graph import MIN_FLAG
 from ftserve_kernels import ops
+from ftserve_kernels.config import KernelConfig
 from ftserve_kernels.decode_inputs import (
     InputNorm,
     decode_inputs_ref,
@@ -112,13 +113,12 @@ def test_decode_inputs_read_the_staged_row(side: int) -> None:
 
 
 @interpreter_only
-def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ops_dispatch() -> None:
     packed = torch.tensor([[4, 1, 17, 2, 1, 0, -1]])
     pt = torch.arange(12, dtype=torch.int32).view(3, 4)
     last = torch.zeros(3, dtype=torch.int64)
     for kernels in ("torch", "triton"):
-        monkeypatch.setenv("FTSERVE_KERNELS", kernels)
-        d = ops.decode_inputs(packed, last, pt, None, MIN_FLAG)
+        d = ops.decode_inputs(KernelConfig(backend=kernels), packed, last, pt, None, MIN_FLAG)
         assert d.page_rows.tolist() == [[4, 5, 6, 7]] and d.prefix_lens.tolist() == [1]
 
 

@@ -10,6 +10,7 @@ import torch
 from ftserve.engine.sampler import Sampler, SamplerFeatures
 from ftserve.engine.sampling_params import SamplingParams
 from ftserve_kernels.bookkeeping import StagedRows
+from ftserve_kernels.config import KernelConfig
 from ftserve_kernels.greedy_triton import greedy_sample_ref, greedy_sample_triton
 
 NI = 5
@@ -120,7 +121,7 @@ def test_temperature_mode_equals_reference() -> None:
 
 @interpreter_only
 def test_sampler_takes_the_fused_kernel_for_greedy_only_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_KERNELS=triton runs the kernel (interpreted here): same tokens as
+    """the "triton" kernel backend runs the kernel (interpreted here): same tokens as
     the torch path, min_tokens masking included, ``last`` filled either way."""
     import ftserve_kernels.greedy_triton as gt
 
@@ -138,8 +139,7 @@ def test_sampler_takes_the_fused_kernel_for_greedy_only_steps(monkeypatch: pytes
     logits[:, 11] = 30.0  # eos: masked while below min_tokens
     results = {}
     for kernels in ("torch", "triton"):
-        monkeypatch.setenv("FTSERVE_KERNELS", kernels)
-        s = Sampler(vocab, 4, "cpu")
+        s = Sampler(vocab, 4, "cpu", kernels=KernelConfig(backend=kernels))
         s.admit(0, SamplingParams(temperature=0.0, min_tokens=2), [], [11])
         s.admit(1, SamplingParams(temperature=0.0), [], [11])
         assert s.features == SamplerFeatures()
@@ -163,8 +163,7 @@ def test_sampler_takes_the_fused_kernel_for_greedy_only_steps(monkeypatch: pytes
     # alone (the sorting filter) runs the composed stages, then ends in it.
     draws = {}
     for kernels in ("torch", "triton"):
-        monkeypatch.setenv("FTSERVE_KERNELS", kernels)
-        s = Sampler(vocab, 4, "cpu")
+        s = Sampler(vocab, 4, "cpu", kernels=KernelConfig(backend=kernels))
         s.admit(0, SamplingParams(temperature=0.7, seed=1), [], [])
         s.admit(1, SamplingParams(temperature=0.0), [], [])
         draws[kernels] = s.sample(logits[:3] * 0.1, torch.tensor([0, 1, 0]), torch.tensor([0, 0, 9]),
@@ -255,7 +254,8 @@ def test_gpu_staged_step_io_in_a_graph(n: int) -> None:
     cols = torch.arange(vocab, device=dev)
 
     def step_fn() -> torch.Tensor:
-        d = ops.decode_inputs(decoy, last, page_table, None, MIN_FLAG, staged=StagedRows(h_in, parity))
+        d = ops.decode_inputs(KernelConfig(), decoy, last, page_table, None, MIN_FLAG,
+                              staged=StagedRows(h_in, parity))
         logits = (cols[None, :] == (3 * d.input_ids + 1)[:, None]).float()  # [n, V]
         return greedy_sample_triton(logits, d.slots, d.min_active, itab, NI, counters, last,
                                     host_out=StagedRows(h_out, parity))

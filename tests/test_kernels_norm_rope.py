@@ -239,6 +239,7 @@ def test_ops_dense_gemv_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     composition either way."""
     from ftserve_kernels import gemv_triton as gv
     from ftserve_kernels import ops
+    from ftserve_kernels.config import KernelConfig
 
     calls: list[int] = []
 
@@ -248,7 +249,7 @@ def test_ops_dense_gemv_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(gv, "gemv_triton", counting)
     ops._triton_table.cache_clear()
-    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
+    kernels = KernelConfig(backend="triton")
     g = torch.Generator().manual_seed(2)
     w = torch.randn(16, 32, generator=g).to(DEVICE)
     nw = torch.ones(32).to(DEVICE)
@@ -257,10 +258,10 @@ def test_ops_dense_gemv_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
             x = torch.randn(t, 32, generator=g).to(DEVICE)
             r = torch.randn(t, 32, generator=g).to(DEVICE)
             n0 = len(calls)
-            y = ops.linear(x, w, None)
-            y1, s1 = ops.add_rms_norm_linear(x, r, nw, 1e-6, w, None, prenormed=True)
-            y2, s2 = ops.add_rms_norm_linear(x, r, nw, 1e-6, w, None)
-            y3, s3 = ops.add_rms_norm_linear(x, None, nw, 1e-6, w, None)
+            y = ops.linear(kernels, x, w, None)
+            y1, s1 = ops.add_rms_norm_linear(kernels, x, r, nw, 1e-6, w, None, prenormed=True)
+            y2, s2 = ops.add_rms_norm_linear(kernels, x, r, nw, 1e-6, w, None)
+            y3, s3 = ops.add_rms_norm_linear(kernels, x, None, nw, 1e-6, w, None)
             assert len(calls) - n0 == n_calls, t
             torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
             torch.testing.assert_close(y1, y) and s1 is r

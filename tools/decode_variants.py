@@ -3,8 +3,9 @@ kernel variants there are, how a run's rows are ranked and combined, and the
 markdown table. No GPU here (tests/test_bench_decode_variants.py runs it on
 the CPU); the measurement loop lives in tools/bench_decode_variants.py.
 
-A variant is an FTSERVE_* kernel switch from ftserve/envs.py laid over
-DEFAULT_ENV, or fields of the Triton attention backend's AttnKernelConfig.
+A variant replaces fields of the engine's KernelConfig
+(ftserve_kernels/config.py: PDL on or off, GEMV launches laid over the table)
+or of the Triton attention backend's AttnKernelConfig.
 """
 
 from __future__ import annotations
@@ -15,26 +16,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftserve_kernels.attention_common import AttnKernelConfig
+from ftserve_kernels.config import KernelConfig
 from tools.bench_common import markdown_table
 
-# Every kernel switch at its ftserve/envs.py default: the baseline, and the
-# base every variant's own settings are laid over.
-DEFAULT_ENV: dict[str, str] = {
-    "FTSERVE_PDL": "1",
-    "FTSERVE_GEMV_ENTRY": "",
-}
+# The KernelConfig fields a variant may set (backend is the engine's device's).
+KERNEL_FIELDS = ("pdl", "gemv_entries")
 
 
 @dataclass(frozen=True)
 class Variant:
     """One point to measure. ``group`` is the knob it turns (options of one
     group exclude each other when the best are combined); the baseline and the
-    combination have none. ``attn`` replaces AttnKernelConfig fields."""
+    combination have none. ``kernels`` replaces KernelConfig fields, ``attn``
+    AttnKernelConfig fields."""
 
     name: str
     group: str = ""
-    env: Mapping[str, str] = field(default_factory=dict)
+    kernels: Mapping[str, Any] = field(default_factory=dict)
     attn: Mapping[str, Any] = field(default_factory=dict)
+
+    def kernel_config(self, base: KernelConfig) -> KernelConfig:
+        """``base`` (the engine's) with this variant's fields."""
+        return dataclasses.replace(base, **self.kernels)
 
 
 def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
@@ -43,7 +46,7 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     pps = base_attn.decode_programs_per_sm
     fused = not base_attn.decode_fused_reduce
     out = [Variant("baseline")]
-    out.append(Variant("PDL=0", "pdl", {"FTSERVE_PDL": "0"}))
+    out.append(Variant("kernels pdl=0", "kernels:pdl", kernels={"pdl": False}))
     out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
                        attn={"decode_fused_reduce": fused}))
     rr = not base_attn.decode_round_robin
@@ -64,36 +67,43 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     return out
 
 
-def parse_variant(name: str, base_attn: AttnKernelConfig) -> Variant:
-    """An ad-hoc variant from its name: ``attn FIELD=VALUE [FIELD=VALUE ...]``
-    (AttnKernelConfig fields, ints or 0/1 for flags) or ``FTSERVE_NAME=VALUE
-    [FTSERVE_NAME=VALUE ...]`` (switches laid over DEFAULT_ENV). Its group
-    names what it turns ("attn:decode_block_n", "env:FTSERVE_PDL"), so ad-hoc
-    options of one field exclude each other in the combination, and one that
-    turns several ("+" in the group) never enters it."""
-    words = name.split()
-    attn_fields = {f.name: f for f in dataclasses.fields(AttnKernelConfig)}
-    if words and words[0] == "attn":
-        attn: dict[str, Any] = {}
-        for word in words[1:] or ["?"]:
-            key, sep, value = word.partition("=")
-            if not sep or key not in attn_fields:
-                raise ValueError(f"variant {name!r}: {word!r} is not FIELD=VALUE of an "
-                                 f"AttnKernelConfig field ({', '.join(attn_fields)})")
-            kind = type(getattr(base_attn, key))
-            try:
-                attn[key] = bool(int(value)) if kind is bool else kind(value)
-            except ValueError:
-                raise ValueError(f"variant {name!r}: {key} takes a {kind.__name__}, not {value!r}") from None
-        return Variant(name, "attn:" + "+".join(sorted(attn)), attn=attn)
-    env: dict[str, str] = {}
+def _fields(name: str, words: list[str], fields: dict[str, Any], base: Any, what: str) -> dict[str, Any]:
+    """FIELD=VALUE words -> {field: value typed as ``base``'s (0/1 for flags)}."""
+    out: dict[str, Any] = {}
     for word in words or ["?"]:
         key, sep, value = word.partition("=")
-        if not sep or key not in DEFAULT_ENV:
-            raise ValueError(f"variant {name!r}: {word!r} is neither a known variant nor "
-                             f"FTSERVE_NAME=VALUE of a switch in DEFAULT_ENV")
-        env[key] = value
-    return Variant(name, "env:" + "+".join(sorted(env)), env)
+        if not sep or key not in fields:
+            raise ValueError(f"variant {name!r}: {word!r} is not FIELD=VALUE of a {what} field "
+                             f"({', '.join(fields)})")
+        kind = type(getattr(base, key))
+        try:
+            out[key] = bool(int(value)) if kind is bool else kind(value)
+        except ValueError:
+            raise ValueError(f"variant {name!r}: {key} takes a {kind.__name__}, not {value!r}") from None
+    return out
+
+
+def parse_variant(name: str, base_attn: AttnKernelConfig) -> Variant:
+    """An ad-hoc variant from its name: ``attn FIELD=VALUE [FIELD=VALUE ...]``
+    (AttnKernelConfig fields, ints or 0/1 for flags) or ``kernels FIELD=VALUE
+    ...`` (KernelConfig's KERNEL_FIELDS, e.g. ``kernels
+    gemv_entries=dense:N=2048+K=4096@1=4.512.8.3``). Its group names what it
+    turns ("attn:decode_block_n", "kernels:pdl"), so ad-hoc options of one field
+    exclude each other in the combination, and one that turns several ("+" in
+    the group) never enters it. A KernelConfig that would not build (a bad
+    GEMV entry) is a ValueError here."""
+    words = name.split()
+    kind = words[0] if words else ""
+    if kind == "attn":
+        attn = _fields(name, words[1:], {f.name: f for f in dataclasses.fields(AttnKernelConfig)}, base_attn,
+                       "AttnKernelConfig")
+        return Variant(name, "attn:" + "+".join(sorted(attn)), attn=attn)
+    if kind == "kernels":
+        kernels = _fields(name, words[1:], {f: f for f in KERNEL_FIELDS}, KernelConfig(), "KernelConfig")
+        KernelConfig(**kernels)  # a bad entry fails now, not mid-run
+        return Variant(name, "kernels:" + "+".join(sorted(kernels)), kernels=kernels)
+    raise ValueError(f"variant {name!r} is neither a known variant nor 'attn FIELD=VALUE ...' / "
+                     f"'kernels FIELD=VALUE ...'")
 
 
 def select_variants(variants: Sequence[Variant], only: str, base_attn: AttnKernelConfig) -> list[Variant]:
@@ -140,12 +150,12 @@ def combine_best(rows: Sequence[Mapping[str, Any]], variants: Sequence[Variant],
     winners = {g: v.name for g, (_, v) in sorted(best.items())}
     if len(best) < 2:
         return None, winners
-    env: dict[str, str] = {}
+    kernels: dict[str, Any] = {}
     attn: dict[str, Any] = {}
     for _, v in best.values():
-        env.update(v.env)
+        kernels.update(v.kernels)
         attn.update(v.attn)
-    return Variant("combined: " + " + ".join(winners.values()), "", env, attn), winners
+    return Variant("combined: " + " + ".join(winners.values()), "", kernels, attn), winners
 
 
 def should_skip(now: float, deadline: float, durations: Sequence[float], reserve: int) -> bool:

@@ -172,7 +172,7 @@ class DecodeGraphs:
         embed = getattr(r.model, "embed_tokens", None)
         first_norm = getattr(r.model, "decode_input_norm", None)
         staged_in = StagedRows(self.h_in[:, :bs * 7], self.parity) if self.in_graph_io else None
-        d = ops.decode_inputs(self.g_in[:bs], r.last_tokens, r.page_table,
+        d = ops.decode_inputs(r.kernels, self.g_in[:bs], r.last_tokens, r.page_table,
                               None if embed is None else embed.weight, MIN_FLAG,
                               first_norm() if embed is not None and first_norm is not None else None,
                               staged=staged_in)
@@ -190,7 +190,7 @@ class DecodeGraphs:
         )
         fb = ForwardBatch(d.input_ids, d.positions, attn, r.kv_pool, r.attn_backend,
                           logits_indices=self.logits_indices[:bs], is_decode=True,
-                          input_embeds=d.embeds, input_normed=d.normed)
+                          input_embeds=d.embeds, input_normed=d.normed, kernels=r.kernels)
         logits = r.model(fb)  # [bs, V]
         # last_tokens: the next step's device-side inputs. The greedy kernel, where
         # it runs, also stores the tokens into the pinned row and toggles the word.

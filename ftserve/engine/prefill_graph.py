@@ -109,7 +109,7 @@ class PrefillGraphs:
         )
         fb = ForwardBatch(self._view("ids", bucket), self._view("pos", bucket), attn,
                           r.kv_pool, self.backends[bucket],
-                          logits_indices=self._view("last", s), is_decode=False)
+                          logits_indices=self._view("last", s), is_decode=False, kernels=r.kernels)
         return r.model(fb)  # [S, V] fp32
 
     def capture(self) -> None:

@@ -42,6 +42,7 @@ from ftserve.models.forward_batch import (
     pack_tokens,
 )
 from ftserve_kernels.bookkeeping import copy_host_words
+from ftserve_kernels.config import KernelConfig
 
 if TYPE_CHECKING:
     from ftserve.engine.cuda_graph import DecodeGraphs
@@ -78,8 +79,12 @@ class ModelRunner:
         max_running: int,
         max_model_len: int,
         eos_token_ids: list[int],
+        kernels: KernelConfig,
     ) -> None:
         self.model = model
+        # The kernel choices of every forward (fixed at start-up; the sampler was
+        # built with the same).
+        self.kernels = kernels
         self.kv_pool = kv_pool
         self.attn_backend = attn_backend
         self.sampler = sampler
@@ -238,7 +243,7 @@ class ModelRunner:
             max_extend_len=max(len(x) for x in batch.new_tokens),
         )
         fb = ForwardBatch(input_ids, positions, attn, self.kv_pool, self.attn_backend,
-                          logits_indices=logits_idx, is_decode=batch.is_decode)
+                          logits_indices=logits_idx, is_decode=batch.is_decode, kernels=self.kernels)
         return fb, s_slots, s_steps, s_min.bool()
 
     def _device_inputs(self, host_ids: torch.Tensor, src_rows: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
+
 if TYPE_CHECKING:
     from ftserve.kvcache.pool import KVPool
 
@@ -91,6 +93,9 @@ class ForwardBatch:
     # [T, H]: the first layer's input norm of input_embeds, when the caller
     # applied it too (DecoderForCausalLM.decode_input_norm); None: layer 0 norms.
     input_normed: torch.Tensor | None = None
+    # Which kernels every layer runs (the engine's, fixed at start-up; tests
+    # and tools building a batch themselves get the defaults unless they pass one).
+    kernels: KernelConfig = DEFAULT_KERNELS
 
     @property
     def num_tokens(self) -> int:
@@ -177,6 +182,7 @@ def build_forward_batch(
     all_logits: bool = False,
     is_decode: bool = False,
     device: torch.device | str | None = None,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> ForwardBatch:
     """Simple host-side builder: one sequence per entry of ``token_ids`` holding
     its *new* tokens, ``prefix_lens[b]`` tokens already cached in the pages
@@ -218,4 +224,5 @@ def build_forward_batch(
         attn_backend=attn_backend,
         logits_indices=None if all_logits else torch.tensor(last, dtype=torch.int64, device=device),
         is_decode=is_decode,
+        kernels=kernels,
     )

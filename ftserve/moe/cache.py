@@ -61,6 +61,7 @@ from ftserve.moe.kernels import (
 )
 from ftserve.moe.stream import LayerStreamer
 from ftserve_kernels import bookkeeping as bk
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.moe import fused_moe_ref
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ class ExpertCache:
         self.mode = "full" if self.full else "admit"
         self._pf_on = False
         self._pf_wait: dict[int, Any] = {}  # layer -> (event, tensors kept alive until the wait)
+        self._kernels = DEFAULT_KERNELS  # the running forward's (ForwardBatch.kernels; set by _begin)
         self.streamer: LayerStreamer | None = None
         if self.on_cuda:
             check_bank(bank.data)
@@ -181,8 +183,8 @@ class ExpertCache:
         """Layer j's experts [T, k] for a residual-stream-like h [T, H]: its own
         norm + router (one fused launch at decode sizes)."""
         if self._norms is None:
-            return self.blocks[j].route(h)[1]
-        return self.blocks[j].norm_route(h, None, self._norms[j])[3]
+            return self.blocks[j].route(h, self._kernels)[1]
+        return self.blocks[j].norm_route(h, None, self._norms[j], self._kernels)[3]
 
     @torch.no_grad()
     def _fill_all(self) -> None:
@@ -198,6 +200,7 @@ class ExpertCache:
         fb: ForwardBatch = args[0]
         t = int(fb.input_ids.shape[0])
         self.mode = self.path_for(t, fb.is_decode)
+        self._kernels = fb.kernels
         self._pf_on = self.prefetches(t, fb.is_decode)
         self._pf_wait.clear()
         if self.mode == "stream":
@@ -217,10 +220,11 @@ class ExpertCache:
             self._prefetch(0, self._guess(0, out))
 
     # ----- per MoE layer -------------------------------------------------
-    def _compute(self, j: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _compute(self, j: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 kernels: KernelConfig) -> torch.Tensor:
         e = self.num_experts
         if self.mode == "full":
-            return self._moe(x, weights, ids, self.slot_of_id[j * e:(j + 1) * e])
+            return self._moe(x, weights, ids, self.slot_of_id[j * e:(j + 1) * e], kernels)
         if self.mode == "admit":
             pred = None
             if self._pf_on and j + 1 < self.num_layers:
@@ -234,9 +238,9 @@ class ExpertCache:
             if j in self._pf_wait:
                 ev, _held = self._pf_wait.pop(j)  # the side stream filled this layer's prefetch
                 torch.cuda.current_stream().wait_event(ev)
-            return self._moe(x, weights, ids, self.slot_of_id[j * e:(j + 1) * e], rt)
+            return self._moe(x, weights, ids, self.slot_of_id[j * e:(j + 1) * e], kernels, rt)
         assert self.streamer is not None
-        out = self._moe(x, weights, ids, self.streamer.layer_map(j))
+        out = self._moe(x, weights, ids, self.streamer.layer_map(j), kernels)
         self.streamer.layer_done(j)
         return out
 
@@ -304,15 +308,17 @@ class ExpertCache:
             self.counters[which] += n  # a 0-d device add: no host read
 
     def _moe(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-             expert_map: torch.Tensor, rt: ReadThrough | None = None) -> torch.Tensor:
+             expert_map: torch.Tensor, kernels: KernelConfig, rt: ReadThrough | None = None) -> torch.Tensor:
         if rt is not None:
             from ftserve_kernels.moe_gemv_triton import fused_moe_gemv_triton
 
-            return fused_moe_gemv_triton(x, self.w13, self.w2, weights, ids, expert_map, read_through=rt)
+            return fused_moe_gemv_triton(x, self.w13, self.w2, weights, ids, expert_map, read_through=rt,
+                                         kernels=kernels)
         if x.is_cuda:
             from ftserve_kernels.moe_triton import fused_moe_triton
 
-            return fused_moe_triton(x, self.w13, self.w2, weights, ids, expert_map=expert_map)
+            return fused_moe_triton(x, self.w13, self.w2, weights, ids, expert_map=expert_map,
+                                    kernels=kernels)
         slot_ids = expert_map.index_select(0, ids.reshape(-1).long()).view_as(ids)  # [T, k]
         return fused_moe_ref(x, self.w13, self.w2, weights, slot_ids)  # [T, H]
 
