@@ -239,14 +239,15 @@ def test_gpu_staged_step_io_in_a_graph(n: int) -> None:
 
     from ftserve.engine.cuda_graph import MIN_FLAG, capture_graph
     from ftserve_kernels import ops
+    from ftserve_kernels.decode_inputs import WORDS, DecodeRow
     from tests.engine_util import read_one_step_late
 
     dev = torch.device("cuda")
     vocab = 130_000
-    h_in = torch.zeros(2, 7 * n, dtype=torch.int64).pin_memory()
+    h_in = torch.zeros(2, WORDS * n, dtype=torch.int64).pin_memory()
     h_out = torch.zeros(2, n, dtype=torch.int64).pin_memory()
     parity = torch.zeros(1, dtype=torch.int32, device=dev)
-    decoy = torch.zeros(n, 7, dtype=torch.int64, device=dev)
+    decoy = torch.zeros(n, WORDS, dtype=torch.int64, device=dev)
     last = torch.zeros(n, dtype=torch.int64, device=dev)
     page_table = torch.zeros(n, 4, dtype=torch.int32, device=dev)
     itab = _itab({}, n, 2).to(dev)
@@ -260,13 +261,9 @@ def test_gpu_staged_step_io_in_a_graph(n: int) -> None:
         return greedy_sample_triton(logits, d.slots, d.min_active, itab, NI, counters, last,
                                     host_out=StagedRows(h_out, parity))
 
-    def words(step: int) -> torch.Tensor:
-        w = torch.zeros(n, 7, dtype=torch.int64)
-        w[:, 0] = torch.arange(n) + 1000 * step  # the host's input ids
-        w[:, 3] = 1
-        w[:, 4] = torch.arange(n)  # sampler slots
-        w[:, 6] = -1
-        return w.view(-1)
+    def words(step: int) -> torch.Tensor:  # the host's input ids i + 1000 * step, slot i
+        return torch.tensor([DecodeRow(input_id=i + 1000 * step, position=0, out_cache_loc=0, seq_len=1, slot=i,
+                                       step=0, src_row=-1) for i in range(n)]).view(-1)
 
     h_in.copy_(words(0).expand(2, -1))
     graph, _ = capture_graph(step_fn, None)

@@ -66,7 +66,7 @@ from tools.decode_variants import (
     should_skip,
 )
 from tools.engine_driver import EngineDriver, build
-from tools.engine_measure import bench_decode, prefill_base
+from tools.engine_measure import bench_decode, prefill_base, prime_graph
 
 TOP_KERNELS = 12
 # A batch-1 greedy decode graph starts with the inputs launch and ends with
@@ -147,7 +147,7 @@ def time_replay(b: Bench, batch: Any, reps: int) -> dict[str, Any]:
     runner = b.drv.runner
     graphs = runner.graphs
     runner.prepare_slots(batch.reqs)
-    g = graphs.prime(batch, SamplerFeatures())  # the batch's words in both staging rows
+    g = prime_graph(graphs, batch, SamplerFeatures())  # the batch's words in both staging rows
     for _ in range(5):
         g.replay()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
@@ -157,7 +157,7 @@ def time_replay(b: Bench, batch: Any, reps: int) -> dict[str, Any]:
         g.replay()
         ev.record()
     torch.cuda.synchronize()
-    graphs.resync()
+    graphs.reset_parity()
     ms = [a.elapsed_time(e) for a, e in zip(events, events[1:])]
     return {"replay_ms": statistics.median(ms), "replay_ms_min": min(ms), "replay_ms_max": max(ms),
             "replay_reps": reps}
@@ -182,7 +182,7 @@ def trace_replay(b: Bench, batch: Any, replays: int = 3) -> dict[str, Any]:
     runner = b.drv.runner
     graphs = runner.graphs
     runner.prepare_slots(batch.reqs)
-    g = graphs.prime(batch, SamplerFeatures())
+    g = prime_graph(graphs, batch, SamplerFeatures())
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
@@ -190,7 +190,7 @@ def trace_replay(b: Bench, batch: Any, replays: int = 3) -> dict[str, Any]:
         for _ in range(replays):
             g.replay()
         torch.cuda.synchronize()
-    graphs.resync()
+    graphs.reset_parity()
     spans = cuda_spans(prof)
     per = len(spans) // replays
     last = spans[-per:] if per else []
