@@ -214,7 +214,7 @@ def test_gpu_norm_rope_real_shapes() -> None:
     assert torch.equal(kc[loc], ko) and torch.equal(vc[loc], vv)
 
 
-# ---------------------------------------------------------------- dense GEMV (+ norm prologue)
+# ---------------------------------------------------------------- dense GEMV
 
 
 @pytest.mark.parametrize("t", [1, 2, 3])
