@@ -48,6 +48,11 @@ class EngineConfig:
     max_model_len: int | None = _opt(None, "tokens per request, prompt + output (default: the model's "
                                            "position limit, or the KV pool if smaller)")
     attention_backend: str = _opt("auto", "auto (triton on CUDA, torch on the CPU) | torch | triton")
+    kernels: str = _opt("auto", "auto (the Triton kernels on CUDA, their torch reference twins on the "
+                                "CPU) | triton (also on the CPU, run by Triton's interpreter under "
+                                "TRITON_INTERPRET=1: tests) | torch")
+    pdl: bool = _opt(True, "no programmatic dependent launch between the decode kernels (on sm_90+ "
+                           "each is placed while the one before it drains)")
     cuda_graph_max_bs: int = _opt(64, "largest decode batch replayed as a CUDA graph; 0 disables "
                                       "decode and prefill graphs")
     cuda_graph_prefill: bool = _opt(True, "do not capture prefill steps as CUDA graphs")
@@ -93,6 +98,8 @@ class EngineConfig:
             raise ConfigError("--load-format must be auto, safetensors or dummy")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError("--attention-backend must be auto, torch or triton")
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise ConfigError("--kernels must be auto, triton or torch")
         if self.moe_cache_size is not None and self.moe_cache_size < 1:
             raise ConfigError("--moe-cache-size must be at least 1")
         if self.moe_cache_size is not None and self.moe_cache_auto:

@@ -21,6 +21,7 @@ from ftserve_kernels.attention_common import (
     mma_acc,
     scale_args,
 )
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 
 
 @triton.jit
@@ -316,6 +317,7 @@ def decode_attention_triton(
     k_scale: torch.Tensor | None = None,  # [slots, Hkv] fp32, fp8 caches only
     v_scale: torch.Tensor | None = None,
     qk: DecodeQK | None = None,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     """Split-K decode. With ``cfg.decode_fused_reduce`` the last split program of
     each (sequence, KV head) combines the splits itself (one launch); it needs
@@ -348,7 +350,7 @@ def decode_attention_triton(
                    qk.k.stride(0), qk.k.stride(1), qk.v.stride(0), qk.v.stride(1), qk.cos_sin.stride(0))
     else:
         qk_args = (q, q, q, q, seq_lens, q, seq_lens, 0.0, 0, 0, 0, 0, 0)  # unread
-    on = pdl.active(q)
+    on = pdl.active(q, kernels)
     _decode_split_kernel[(bsz, hkv, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, out,
         counters if counters is not None else seq_lens,  # unread unless fused

@@ -372,7 +372,7 @@ class TritonAttentionBackend:
                     if cfg.decode_fused_reduce else None)
         return decode_attention_triton(
             q, kc, vc, meta.page_table, meta.seq_lens, meta.page_size, scale, splits, cfg,
-            counters=counters, k_scale=ks, v_scale=vs, qk=qk,
+            counters=counters, k_scale=ks, v_scale=vs, qk=qk, kernels=batch.kernels,
         )
 
     def num_splits(self, batch_size: int, num_kv_heads: int, device: torch.device,

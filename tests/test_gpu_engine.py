@@ -26,6 +26,7 @@ import contextlib
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -52,7 +53,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_model_config("tiny-moe", Path(tmp_path_factory.mktemp("gpu-moe")), layers=2, **SCALE)
 
 
-def make_engine(model_dir: str, device: str = "cuda", graphs: bool = True) -> Engine:
+def make_engine(model_dir: str, device: str = "cuda", graphs: bool = True, **kw: Any) -> Engine:
     from ftserve.engine.setup import build_engine
 
     cfg = EngineConfig(
@@ -60,7 +61,7 @@ def make_engine(model_dir: str, device: str = "cuda", graphs: bool = True) -> En
         dtype="bfloat16" if device == "cuda" else "float32",
         attention_backend="triton" if device == "cuda" else "torch",
         page_size=16, num_pages=1024, max_prefill_length=CHUNK, max_running_requests=8,
-        cuda_graph_max_bs=8 if graphs else 0, status_log_interval=0.0,
+        cuda_graph_max_bs=8 if graphs else 0, status_log_interval=0.0, **kw,
     )
     return build_engine(cfg)
 
@@ -322,25 +323,20 @@ def test_sampled_decode_graph_variants_equal_eager(engine: Engine, model_dir: st
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dense", ["linear", "1"])
-def test_pdl_graph_decode_equals_default(engine: Engine, model_dir: str, dense: str,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_PDL=1 (ftserve_kernels/pdl.py): graphs captured with programmatic
-    dependent launches decode the same greedy tokens as the default engine
-    (dense "1": every GEMV a Triton kernel, the longest PDL chains)."""
-    monkeypatch.setenv("FTSERVE_DENSE_GEMV", dense)
+def test_pdl_graph_decode_equals_default(engine: Engine, model_dir: str) -> None:
+    """PDL (ftserve_kernels/pdl.py): graphs captured with programmatic
+    dependent launches decode the same greedy tokens as graphs without."""
     rng = random.Random(11)
     prompts = {bs: [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 60))] for _ in range(bs)]
                for bs in (1, 3, 8)}
-    monkeypatch.setenv("FTSERVE_PDL", "0")
-    plain = make_engine(model_dir)
+    plain = make_engine(model_dir, pdl=False)
     try:
         plain.runner.model.load_state_dict(engine.runner.model.state_dict())
         want = {bs: run_greedy(plain, p, 16) for bs, p in prompts.items()}
     finally:
         plain.shutdown()
-    monkeypatch.setenv("FTSERVE_PDL", "1")
-    linked = make_engine(model_dir)  # graphs captured with the PDL launches
+    linked = make_engine(model_dir)  # graphs captured with the PDL launches (the default)
+    assert linked.runner.kernels.pdl
     try:
         linked.runner.model.load_state_dict(engine.runner.model.state_dict())
         for bs, p in prompts.items():
@@ -352,12 +348,10 @@ def test_pdl_graph_decode_equals_default(engine: Engine, model_dir: str, dense: 
 @pytest.mark.gpu
 def test_routed_oproj_graph_decode_equals_eager(engine: Engine, model_dir: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_DECODE_ROUTE_IN_OPROJ (one decode row: o_proj routes, the experts
-    weigh): graphs decode the same greedy tokens as eager steps. Routing sees
-    logits rounded otherwise than the unfused path, so the tokens are compared
-    within the switch, not against the default. The graphs are captured again
-    after the weights are copied in: the folded router derives from them."""
-    monkeypatch.setenv("FTSERVE_DECODE_ROUTE_IN_OPROJ", "1")
+    """At one decode row o_proj routes and the experts weigh: graphs decode the
+    same greedy tokens as eager steps (which route the same way). The graphs are
+    captured again after the weights are copied in: the folded router derives
+    from them."""
     rng = random.Random(13)
     prompts = {bs: [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 60))] for _ in range(bs)]
                for bs in (1, 3)}

@@ -161,9 +161,9 @@ def _compile_all() -> dict[str, dict[str, Any]]:
             "ids_ptr": i32}
     comp("moe_gemv_gate_up", mg._gemv_gate_up_kernel, gemv,
          dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True), 8, 2)
-    comp("moe_gemv_down", md._gemv_down_combine_kernel, gemv,
-         dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True), 8, 2)
-    # FTSERVE_DECODE_ROUTE_IN_OPROJ: gate/up over the pending norm, at the table's launch;
+    comp("moe_gemv_down", md._gemv_down_combine3d_kernel, gemv | {"eps": "fp32"},
+         dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, K_STEPS=3), 8, 2)
+    # One decode row routed in o_proj: gate/up over the pending norm, at the table's launch;
     # o_proj + router (oproj_route_triton) at o_proj's.
     comp("moe_gemv_gate_up_parts", mg._gemv_gate_up_kernel,
          gemv | {"parts_ptr": "*fp32", "sel_ptr": "*fp32", "wout_ptr": "*fp32", "eps": "fp32"},
@@ -179,11 +179,11 @@ def _compile_all() -> dict[str, dict[str, Any]]:
              | {"ids_ptr": i32, "cnt_ptr": i32},
              dict(HAS_BIAS=bias, TOP_K=8, BLOCK_N=8, BLOCK_K=512, K_STEPS=8, N_STEPS=4, BLOCK_E=2,
                   BLOCK_EALL=128, BLOCK_TK=8), 8, 3)
-    comp("oproj_route_pdl", orr._oproj_route_kernel,  # FTSERVE_PDL=1
+    comp("oproj_route_pdl", orr._oproj_route_kernel,
          {n: bf for n in ("a_ptr", "wo_ptr", "bo_ptr", "r_ptr", "nw_ptr", "ro_ptr", "rr_ptr", "z_ptr", "scaled_ptr")}
          | {n: "*fp32" for n in ("rb_ptr", "parts_ptr", "pre_ptr", "sel_ptr")} | {"ids_ptr": i32, "cnt_ptr": i32},
          dict(HAS_BIAS=False, TOP_K=8, BLOCK_N=8, BLOCK_K=512, K_STEPS=8, N_STEPS=4, BLOCK_E=2,
-              BLOCK_EALL=128, BLOCK_TK=8, PDL=1), 8, 3)
+              BLOCK_EALL=128, BLOCK_TK=8, PDL=True), 8, 3)
     if "HAS_MAP" in mt._moe_gate_up_kernel.arg_names:  # expert -> slot indirection
         comp("moe_gate_up_mapped", mt._moe_gate_up_kernel, moe,
              dict(TOP_K=8, HAS_MAP=True, **common), c.num_warps, c.num_stages)
@@ -193,14 +193,14 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     comp("rms_norm_heads", nt._rms_norm_kernel,
          {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "eps": "fp32"},
          dict(HAS_RESIDUAL=False, BLOCK_R=64, BLOCK_H=128), 8)
-    for store in (False, True):  # True: FTSERVE_FUSED_KV_STORE's launch
+    for store in (False, True):  # True: the launch that also stores K/V
         comp("qk_norm_rotary" + ("_store" if store else ""), rt._qk_norm_rotary_kernel,
              {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "qw_ptr": bf, "kw_ptr": bf,
               "pos_ptr": "*i64", "cs_ptr": "*fp32", "eps": "fp32", "kc_ptr": bf, "vc_ptr": bf,
               "v_ptr": bf, "loc_ptr": "*i64"},
              dict(HQ=32, HK=4, D=128, HALF=64, BLOCK_R=64, BLOCK_HALF=64, BLOCK_TAIL=1,
-                  BLOCK_D=128, STORE=store, PDL=store), 8)  # the store variant with FTSERVE_PDL
-    # FTSERVE_PDL (ftserve_kernels/pdl.py): the decode kernels' grid-dependency wait.
+                  BLOCK_D=128, STORE=store, PDL=store), 8)  # the store variant with PDL
+    # PDL (ftserve_kernels/pdl.py): the decode kernels' grid-dependency wait.
     comp("decode_split_pdl", at._decode_split_kernel, attn,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=cfg.decode_block_n,
               NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False, BLOCK_S=64, PDL=True),
@@ -210,9 +210,6 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     comp("rms_norm_pdl", nt._rms_norm_kernel,
          {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "eps": "fp32"},
          dict(HAS_RESIDUAL=True, BLOCK_R=4, BLOCK_H=2048, PDL=True), 8)
-    comp("rms_norm_pdl_wait", nt._rms_norm_kernel,  # FTSERVE_PDL=wait: no early release
-         {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "eps": "fp32"},
-         dict(HAS_RESIDUAL=True, BLOCK_R=4, BLOCK_H=2048, PDL=2), 8)
     from ftserve_kernels import filter_triton as ft
     from ftserve_kernels import greedy_triton as gt
 
@@ -229,17 +226,17 @@ def _compile_all() -> dict[str, dict[str, Any]]:
               "cut_key_ptr": "*i32", "cut_id_ptr": "*i32", "floor_ptr": "*fp32"},
              dict(NI=5, NUM_CHUNKS=148, BLOCK=1024, BLOCK_C=256, HAS_LAST=True, SAMPLING=True,
                   HAS_CUT=cut))
-    comp("greedy_sample_pdl", gt._greedy_kernel,  # FTSERVE_PDL=1
+    comp("greedy_sample_pdl", gt._greedy_kernel,
          {"logits_ptr": "*bf16", "slots_ptr": "*i64", "min_ptr": "*i1", "itab_ptr": "*i64",
           "part_v_ptr": "*fp32", "part_i_ptr": "*i32", "count_ptr": "*i32", "out_ptr": "*i64",
           "last_ptr": "*i64", "ftab_ptr": "*fp32", "steps_ptr": "*i64", "min_temperature": "fp32",
           "cut_key_ptr": "*i32", "cut_id_ptr": "*i32", "floor_ptr": "*fp32"},
          dict(NI=5, NUM_CHUNKS=148, BLOCK=1024, BLOCK_C=256, HAS_LAST=True, SAMPLING=False,
-              HAS_CUT=False, PDL=1))
+              HAS_CUT=False, PDL=True))
     from ftserve_kernels import decode_inputs as di
 
     i64 = "*i64"
-    comp("decode_inputs_release", di._decode_inputs_kernel,  # a step's first kernel with FTSERVE_PDL
+    comp("decode_inputs_release", di._decode_inputs_kernel,  # a step's first kernel with PDL
          {"packed_ptr": i64, "last_ptr": i64, "pt_ptr": i32, "emb_ptr": bf, "nw_ptr": bf, "normed_ptr": bf,
           "ids_ptr": i64, "pos_ptr": i64, "loc_ptr": i64, "seq_ptr": i32, "pre_ptr": i32, "slot_ptr": i64,
           "step_ptr": i64, "min_ptr": "*i8", "rows_ptr": i32, "out_emb_ptr": bf, "eps": "fp32",
@@ -249,19 +246,6 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     comp("rotary", rt._rotary_kernel,
          {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "pos_ptr": "*i64", "cs_ptr": "*fp32"},
          dict(HQ=32, HK=4, D=128, HALF=64, BLOCK_HQ=32, BLOCK_HK=4, BLOCK_HALF=64, BLOCK_D=1))
-    # The one-launch decode layer (FTSERVE_DECODE_LAYER_KERNEL) at the qwen3-30b-a3b shape.
-    from ftserve_kernels import decode_layer_triton as dl
-
-    shape = dl.LayerShape(2048, 32, 4, 128, 128, 768, 8, 16, True, True)
-    consts = dl.launch_constants(shape, dl.LayerConfig(), 132, 64, True, cuda=True)
-    warps, stages = consts.pop("num_warps"), consts.pop("num_stages")
-    names = dl._decode_layer_kernel.arg_names
-    layer = {n: bf for n in names if n.endswith(("_ptr", "_s"))}
-    layer |= {n: i32 for n in ("sync_ptr", "pt_ptr", "seq_lens_ptr", "topi_s")}
-    layer |= {n: "*i64" for n in ("pos_ptr", "loc_ptr", "tm_ptr")}
-    layer |= {n: "*fp32" for n in ("cs_ptr", "mid_o", "mid_lse", "logits_s", "topw_s", "part_s", "tk_s")}
-    layer |= {"eps": "fp32", "scale_log2": "fp32"}
-    comp("decode_layer", dl._decode_layer_kernel, layer, consts | {"PHASE": -1}, warps, stages)
     maps = {n: i32 for n in ("needed_ptr", "slot_of_id_ptr", "id_of_slot_ptr", "out_slot_ptr",
                              "miss_slot_ptr", "miss_id_ptr", "prot_ptr", "victim_ptr")}
     maps |= {"last_used_ptr": "*i64", "step_ptr": "*i64"}
@@ -308,23 +292,21 @@ def test_kernels_compile_for_sm90() -> None:
     for name, r in results.items():
         assert r["shared"] <= SMEM_LIMIT, (name, r)
         assert r["local"] in (0, -1), f"{name} spills registers to local memory: {r}"
-    for name in ("extend", "extend_gqa_bm128", "moe_gate_up_T8192", "moe_down_T8192", "decode_layer"):
+    for name in ("extend", "extend_gqa_bm128", "moe_gate_up_T8192", "moe_down_T8192"):
         assert results[name]["wgmma"], f"{name} does not use Hopper wgmma: {results[name]}"
     for name, r in results.items():  # the wait and release exactly where PDL is compiled in
-        pdl = name.endswith("_pdl") or name == "qk_norm_rotary_store"
-        if name.endswith("_pdl_wait"):
-            assert r["pdl_wait"] and not r["pdl_release"], (name, r)
-        elif name.endswith("_release"):  # released at its start, launched without the attribute
+        if name.endswith("_release"):  # released at its start, launched without the attribute
             assert r["pdl_release"] and not r["pdl_wait"], (name, r)
-        else:
-            assert r["pdl_wait"] == r["pdl_release"] == pdl, (name, r)
+        else:  # a dependant waits and never releases the next one early
+            pdl = name.endswith("_pdl") or name == "qk_norm_rotary_store"
+            assert r["pdl_wait"] == pdl and not r["pdl_release"], (name, r)
     for name in ("decode_split_pdl", "decode_reduce_pdl", "rms_norm_pdl", "qk_norm_rotary_store", "oproj_route_pdl",
                  "greedy_sample_pdl"):
         # Their every load reads an earlier kernel's output: none may move above the wait.
         assert results[name]["loads_before_wait"] == 0, (name, results[name])
     for name in ("extend", "decode_split", "decode_split_qk", "decode_split_qk_rr", "decode_split_qk_rr_ahead",
                  "moe_gate_up_T1",
-                 "moe_gate_up_T8192", "decode_layer"):
+                 "moe_gate_up_T8192"):
         assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"
 
 

@@ -9,7 +9,6 @@ so restored pages holding the wrong KV (or none) would not change the tokens."""
 from __future__ import annotations
 
 import logging
-import os
 import random
 
 import pytest
@@ -251,10 +250,7 @@ def make_engine(model_dir: str, **kw: object) -> Engine:
     return eng
 
 
-@pytest.mark.parametrize("layered", ["0", "1"])
-def test_conversation_resumes_from_the_host_tier(model_dir: str, layered: str,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FTSERVE_KV_LAYERED_RESTORE", layered)  # the CPU copies at once either way
+def test_conversation_resumes_from_the_host_tier(model_dir: str) -> None:
     rng = random.Random(7)
     eng = make_engine(model_dir)
     try:
@@ -373,11 +369,8 @@ def test_bench_kv_tiers_smoke(tmp_path: object) -> None:
     t = out["ttft"]
     prefix = t["prefix_tokens"]
     assert t["device"]["cached_tokens"] == prefix and t["host"]["cached_tokens"] == prefix
-    assert t["host_layered"]["cached_tokens"] == prefix
     assert t["recompute"]["cached_tokens"] == 0
-    for mode in ("host", "host_layered"):
-        assert all(r["host_tokens_before"] == prefix for r in t[mode]["runs"]), mode
-    assert "FTSERVE_KV_LAYERED_RESTORE" not in os.environ, "the bench must restore the env"
+    assert all(r["host_tokens_before"] == prefix for r in t["host"]["runs"])
     bw = out["bandwidth"]
     assert bw["restore_pages"] == bw["offload_pages"] == prefix // 16
     assert len(out["conversation"]["turns"]) == 7

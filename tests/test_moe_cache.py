@@ -243,11 +243,12 @@ def test_prefetch_guesses_use_the_router_norms(model_dir: str) -> None:
         cache.reset()
         assert all(w is not None for w in cache._inv_w[:-1]) and cache._inv_w[-1] is None
         h = 3 * torch.randn(5, model.config.hidden_size, generator=g)  # [T, H] residual stream
+        kernels = eng.runner.kernels
         for j in range(LAYERS - 1):
-            x = norms[j](h)  # layer j's MoE input
+            x = norms[j](h, kernels)  # layer j's MoE input
             inv = cache._inv_w[j]
             assert inv is not None
-            want = model.layers[j + 1].mlp.route(norms[j + 1](h))[1]
+            want = model.layers[j + 1].mlp.route(norms[j + 1](h, kernels), kernels)[1]
             assert torch.equal(cache._guess(j + 1, x * inv), want)
         st0 = cache.stats()
         run_greedy(eng, prompts(6, 1, 4, 4), 4)  # decode at batch 1: guesses from the embeddings on
@@ -327,7 +328,8 @@ def test_dummy_weights_route_by_token(model_dir: str) -> None:
         ids = torch.tensor(prompts(9, 1, 64, 64)[0])
         with torch.inference_mode():
             x = model.embed_tokens(ids)  # [64, H]
-            _, top = model.layers[0].mlp.route(model.layers[0].post_attention_layernorm(x))
+            kernels = eng.runner.kernels
+            _, top = model.layers[0].mlp.route(model.layers[0].post_attention_layernorm(x, kernels), kernels)
         distinct_sets = {tuple(sorted(r)) for r in top.tolist()}
         assert len(set(top.reshape(-1).tolist())) == E, "every expert should be used by some token"
         assert len(distinct_sets) > 48, f"only {len(distinct_sets)} distinct expert sets for 64 tokens"

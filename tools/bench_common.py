@@ -17,15 +17,13 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
-import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -378,23 +376,3 @@ def start_run(args: Any, prefix: str) -> BenchRun:
     model_dir = write_model_config(args.preset, tempfile.mkdtemp(prefix=prefix),
                                    layers=args.layers, max_position_embeddings=args.max_len)
     return BenchRun(device, results, t_start, deadline, model_dir)
-
-
-@contextmanager
-def env_applied(values: Mapping[str, str | None]) -> Iterator[None]:
-    """Set (None: unset) these environment variables inside the block; on
-    exit each one is back to its earlier value or absence, even after an error."""
-    saved = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, old in saved.items():
-            if old is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = old

@@ -6,10 +6,10 @@ Usage (CUDA only): python -m tools.bench_decode_layer --out bench_decode_layer.j
 
 Rows (each checked against its unfused twin before it is timed):
   route   fused_add_rms_norm + router F.linear + route_topk   vs  add_norm_route (one launch)
-  qkv     fused_add_rms_norm + F.linear(qkv)                   vs  gemv with norm prologue
+  qkv     F.linear(qkv) (its input normed)                    vs  gemv (block sweep)
   o_proj  F.linear                                            vs  gemv (block sweep)
-  moe     fused_moe_gemv: 2-D vs 3-D down kernel, block_n sweep
-  lm_head F.linear(...).float()                               vs  mm with out_dtype fp32 (if supported)
+  moe     fused_moe_gemv, block_n sweep
+  lm_head F.linear(...).float()                               vs  gemv writing fp32
 A config that fails its check or its launch is reported and skipped. Each timed
 call cycles over enough weight copies (160 MB) that weights stream from HBM, as
 they do in a decode step, not from an L2 warmed by the previous replay.
@@ -99,22 +99,17 @@ def bench_route(t: int, bw: float) -> None:
 
 
 def bench_qkv_o(t: int, bw: float, blocks: list[tuple[int, int]]) -> None:
-    x, r = (torch.randn(t, H, device="cuda").bfloat16() for _ in range(2))
-    nw = torch.ones(H, device="cuda").bfloat16()
+    x = torch.randn(t, H, device="cuda").bfloat16()
     nq, no = copies(QKV * H * 2), copies(H * Q * 2)
     wqkvs = [(torch.randn(QKV, H, device="cuda") / H**0.5).bfloat16() for _ in range(nq)]
     wos = [(torch.randn(H, Q, device="cuda") / Q**0.5).bfloat16() for _ in range(no)]
     xo = torch.randn(t, Q, device="cuda").bfloat16()
 
-    def qkv_unfused(w: torch.Tensor) -> torch.Tensor:
-        return F.linear(nt.fused_add_rms_norm_triton(x, r, nw, 1e-6)[0], w)
-
-    ref = qkv_unfused(wqkvs[0])
-    row(f"qkv T={t} [norm + cuBLAS]", rotate([lambda w=w: qkv_unfused(w) for w in wqkvs]),
-        QKV * H * 2, bw, nq)
+    ref = F.linear(x, wqkvs[0])
+    row(f"qkv T={t} [cuBLAS]", rotate([lambda w=w: F.linear(x, w) for w in wqkvs]), QKV * H * 2, bw, nq)
     for blk in blocks:
         def fused(w: torch.Tensor, blk: tuple[int, int] = blk) -> torch.Tensor:
-            return gv.gemv_triton(x, w, None, nw, r, 1e-6, block=blk)[0]
+            return gv.gemv_triton(x, w, block=blk)
 
         try:
             err = rel_err(fused(wqkvs[0]), ref)
@@ -122,13 +117,13 @@ def bench_qkv_o(t: int, bw: float, blocks: list[tuple[int, int]]) -> None:
             OUT["failed"][f"qkv {blk}"] = str(exc)[:300]
             continue
         if check(f"qkv T={t} {blk}", err, 2e-2):
-            row(f"qkv T={t} [gemv + norm prologue, block {blk}]",
+            row(f"qkv T={t} [gemv, block {blk}]",
                 rotate([lambda w=w, blk=blk: fused(w, blk) for w in wqkvs]), QKV * H * 2, bw, nq)
     ref_o = F.linear(xo, wos[0])
     row(f"o_proj T={t} [cuBLAS]", rotate([lambda w=w: F.linear(xo, w) for w in wos]), H * Q * 2, bw, no)
     for blk in blocks:
         def go(w: torch.Tensor, blk: tuple[int, int] = blk) -> torch.Tensor:
-            return gv.gemv_triton(xo, w, block=blk)[0]
+            return gv.gemv_triton(xo, w, block=blk)
 
         try:
             err = rel_err(go(wos[0]), ref_o)
@@ -152,17 +147,13 @@ def bench_moe(t: int, bw: float) -> None:
         routes.append((w_i, perm[i * TOPK * t:(i + 1) * TOPK * t].reshape(t, TOPK).contiguous()))
     weights, ids = routes[0]
     nbytes = TOPK * t * 3 * INTER * H * 2  # distinct experts per token and per routing
-    ref = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, down3d=False)
-    variants = [(False, False, (16, 8))] + [(True, acc, bn) for acc in (False, True)
-                                             for bn in ((16, 8), (16, 4), (8, 8), (8, 16), (32, 8))]
-    for d3, acc, bn in variants:
-        def run(d3: bool = d3, acc: bool = acc, bn: tuple[int, int] = bn,
+    ref = mt.fused_moe_triton(x, w13, w2, weights, ids)  # the grouped GEMMs
+    for bn in ((16, 8), (16, 4), (8, 8), (8, 16), (32, 8)):
+        def run(bn: tuple[int, int] = bn,
                 route: tuple[torch.Tensor, torch.Tensor] = routes[0]) -> torch.Tensor:
-            return mg.fused_moe_gemv_triton(x, w13, w2, route[0], route[1], block_n=bn, down3d=d3,
-                                            gate_up_acc=acc)
+            return mg.fused_moe_gemv_triton(x, w13, w2, route[0], route[1], block_n=bn)
 
-        name = (f"moe gemv T={t} [{'acc' if acc else 'sum'} gate/up, "
-                f"{'3-D' if d3 else '2-D'} down, block_n {bn}]")
+        name = f"moe gemv T={t} [block_n {bn}]"
         try:
             ok = check(name, rel_err(run(), ref), 1e-2)
         except Exception as exc:
@@ -177,15 +168,10 @@ def bench_lm_head(t: int, bw: float) -> None:
     x = torch.randn(t, H, device="cuda").bfloat16()
     head = (torch.randn(V, H, device="cuda") / H**0.5).bfloat16()
     row(f"lm_head T={t} [F.linear + .float()]", lambda: F.linear(x, head).float(), V * H * 2, bw)
-    try:
-        got = torch.mm(x, head.t(), out_dtype=torch.float32)  # type: ignore[call-arg]
-    except (TypeError, RuntimeError) as exc:
-        print(f"  mm out_dtype unsupported here: {exc}"[:200])
-        return
-    if check(f"lm_head T={t} out_dtype", rel_err(got, F.linear(x, head).float()), 1e-2):
-        row(f"lm_head T={t} [mm out_dtype fp32]",
-            lambda: torch.mm(x, head.t(), out_dtype=torch.float32),  # type: ignore[call-arg]
-            V * H * 2, bw)
+    got = gv.gemv_triton(x, head, out_dtype=torch.float32)
+    if check(f"lm_head T={t} gemv", rel_err(got, F.linear(x, head).float()), 1e-2):
+        row(f"lm_head T={t} [gemv writing fp32]",
+            lambda: gv.gemv_triton(x, head, out_dtype=torch.float32), V * H * 2, bw)
 
 
 def copy_gbps() -> float:

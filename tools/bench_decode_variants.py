@@ -5,13 +5,13 @@
 
 The engine is built once (qwen3-30b-a3b cut to --layers, dummy bf16 weights, as
 tools/bench_engine builds it) and one --context-token prompt (2,048 by default) is
-prefilled into the prefix cache. Then, for each variant (an FTSERVE_* kernel switch from
-ftserve/envs.py, or a field of the Triton attention backend's AttnKernelConfig):
+prefilled into the prefix cache. Then, for each variant (fields of the engine's
+KernelConfig, or of the Triton attention backend's AttnKernelConfig):
 
-    1. set the variant's environment (every switch set explicitly, so the
-       caller's environment does not leak in) and attention config;
+    1. install the variant's KernelConfig (the build's with the variant's
+       fields) in the runner and its sampler, and its attention config;
     2. re-capture the decode CUDA graphs: kernels are chosen while a graph is
-       captured, so a switch flipped after the build changes nothing until then;
+       captured, so a config installed after the build changes nothing until then;
     3. greedy-decode 16 tokens after the prompt and compare them to
        the baseline's (a mismatch is reported, the variant is still timed);
     4. time the batch-1 graph alone (back-to-back replays, one CUDA event per
@@ -21,8 +21,8 @@ ftserve/envs.py, or a field of the Triton attention backend's AttnKernelConfig):
 Last, the fastest token-exact option of each knob (replay at least --min-gain
 faster than the baseline) is combined into one variant and measured too. The
 run stops itself within --budget-s (variants that would not fit are listed as
-skipped); a failing variant is recorded and the run goes on. The environment
-is restored at the end. On the CPU (--smoke) there are no graphs: the rows
+skipped); a failing variant is recorded and the run goes on. The build's
+KernelConfig and backend are installed again at the end. On the CPU (--smoke) there are no graphs: the rows
 hold the eager step rates only, and attention-config variants fail (the torch
 backend has no kernel config).
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
-import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -46,9 +45,9 @@ import torch
 
 from ftserve.engine.request import ReqState
 from ftserve_kernels.attention_common import AttnKernelConfig
+from ftserve_kernels.config import KernelConfig
 from tools.bench_common import (
     decode_step_bytes,
-    env_applied,
     gpu_kernel_seconds,
     measure_copy_gbps,
     run_section,
@@ -57,7 +56,6 @@ from tools.bench_common import (
     write_json,
 )
 from tools.decode_variants import (
-    DEFAULT_ENV,
     Variant,
     backend_for,
     combine_best,
@@ -68,7 +66,7 @@ from tools.decode_variants import (
     should_skip,
 )
 from tools.engine_driver import EngineDriver, build
-from tools.engine_measure import bench_decode, prefill_base
+from tools.engine_measure import bench_decode, prefill_base, prime_graph
 
 TOP_KERNELS = 12
 # A batch-1 greedy decode graph starts with the inputs launch and ends with
@@ -92,18 +90,27 @@ class Bench:
     base: list[int]
     base_attn: AttnKernelConfig  # what the build's backend runs with
     backend: Any  # the build's attention backend
+    base_kernels: KernelConfig  # the build's kernel choices
     max_bs: int
     roofline_ms: float | None  # one batch-1 step's bytes at the copy bandwidth
     baseline_tokens: list[int] | None = None
 
 
 
-def recapture(b: Bench, backend: Any) -> float | None:
-    """Install ``backend`` and capture fresh decode graphs under the current
-    environment; seconds taken (None: no graphs on this device)."""
+def install(runner: Any, kernels: KernelConfig, backend: Any) -> None:
+    """Make ``kernels`` and ``backend`` the ones the runner's steps (and its
+    sampler) run: the next eager step, or the next graphs captured."""
+    runner.kernels = kernels
+    runner.sampler.kernels = kernels
+    runner.attn_backend = backend
+
+
+def recapture(b: Bench, kernels: KernelConfig, backend: Any) -> float | None:
+    """Install ``kernels`` and ``backend`` and capture fresh decode graphs with
+    them; seconds taken (None: no graphs on this device)."""
     runner = b.drv.runner
     b.drv.abort_all()  # nothing in flight may still read the old graphs' outputs
-    runner.attn_backend = backend
+    install(runner, kernels, backend)
     if b.device.type != "cuda":
         return None
     from ftserve.engine.cuda_graph import DecodeGraphs
@@ -140,7 +147,7 @@ def time_replay(b: Bench, batch: Any, reps: int) -> dict[str, Any]:
     runner = b.drv.runner
     graphs = runner.graphs
     runner.prepare_slots(batch.reqs)
-    g = graphs.prime(batch, SamplerFeatures())  # the batch's words in both staging rows
+    g = prime_graph(graphs, batch, SamplerFeatures())  # the batch's words in both staging rows
     for _ in range(5):
         g.replay()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
@@ -150,7 +157,7 @@ def time_replay(b: Bench, batch: Any, reps: int) -> dict[str, Any]:
         g.replay()
         ev.record()
     torch.cuda.synchronize()
-    graphs.resync()
+    graphs.reset_parity()
     ms = [a.elapsed_time(e) for a, e in zip(events, events[1:])]
     return {"replay_ms": statistics.median(ms), "replay_ms_min": min(ms), "replay_ms_max": max(ms),
             "replay_reps": reps}
@@ -175,7 +182,7 @@ def trace_replay(b: Bench, batch: Any, replays: int = 3) -> dict[str, Any]:
     runner = b.drv.runner
     graphs = runner.graphs
     runner.prepare_slots(batch.reqs)
-    g = graphs.prime(batch, SamplerFeatures())
+    g = prime_graph(graphs, batch, SamplerFeatures())
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
@@ -183,7 +190,7 @@ def trace_replay(b: Bench, batch: Any, replays: int = 3) -> dict[str, Any]:
         for _ in range(replays):
             g.replay()
         torch.cuda.synchronize()
-    graphs.resync()
+    graphs.reset_parity()
     spans = cuda_spans(prof)
     per = len(spans) // replays
     last = spans[-per:] if per else []
@@ -259,46 +266,46 @@ def eager_kernels(b: Bench, batch: Any) -> dict[str, Any]:
 
 def run_variant(b: Bench, v: Variant) -> dict[str, Any]:
     args, drv = b.args, b.drv
-    row: dict[str, Any] = {"name": v.name, "group": v.group, "env": dict(v.env), "attn": dict(v.attn)}
-    with env_applied({**DEFAULT_ENV, **v.env}):
-        row["env_seen"] = {k: os.environ.get(k) for k in DEFAULT_ENV}
-        row["capture_s"] = recapture(b, backend_for(b.backend, b.base_attn, v))
-        backend = b.drv.runner.attn_backend
-        if hasattr(backend, "num_splits"):  # the Triton backend: split-K programs per (seq, KV head)
-            # At the measured context (plus the steps decoded over it).
-            longest = args.context + args.check_steps + 1
-            row["attn_splits"] = {bs: backend.num_splits(bs, b.mcfg.num_kv_heads, b.device, longest)
-                                  for bs in args.batches}
-        row["tokens"] = tokens = greedy_tokens(b, args.check_steps)
-        if b.baseline_tokens is None:
-            row["tokens_ok"] = True if v.name == "baseline" else None
-        else:
-            bad = [i for i, (x, y) in enumerate(zip(tokens, b.baseline_tokens)) if x != y]
-            row["tokens_ok"] = not bad
-            row["mismatch_at"] = bad[0] if bad else None
-        batch = drv.sched.schedule()  # one more decode step of the check request
-        if batch is not None and batch.is_decode:
-            with torch.inference_mode():
-                if drv.runner.graphs is not None and drv.runner.graphs.can_run(len(batch.reqs)):
-                    row.update(time_replay(b, batch, args.replay_reps))
-                    if args.trace:
-                        row["replay_trace"] = trace_replay(b, batch)
-                row.update(eager_kernels(b, batch))
-        drv.abort_all()
-        if args.trace and b.device.type == "cuda" and drv.runner.graphs is not None:
-            try:
-                row["engine_trace"] = et = trace_engine(b)
-            except Exception as exc:  # noqa: BLE001 - a diagnostic; the variant's numbers stand
-                row["engine_trace"] = et = {"error": f"{type(exc).__name__}: {exc}"}
-                drv.abort_all()
-            say(f"  engine loop: period {et.get('period_us')} us, in the graph {et.get('graph_us')}, "
-                f"between graphs {et.get('between_us')}")
-        if row.get("replay_ms") and b.roofline_ms:
-            row["replay_frac_of_roofline"] = b.roofline_ms / row["replay_ms"]
-        for bs in args.batches:
-            row[f"decode_b{bs}"] = bench_decode(drv, b.device, b.mcfg, b.limits, b.base, args.context, bs,
-                                                args.decode_warmup, args.decode_steps, args.tail)
+    row: dict[str, Any] = {"name": v.name, "group": v.group, "kernels": dict(v.kernels), "attn": dict(v.attn)}
+    kernels = v.kernel_config(b.base_kernels)
+    row["kernels_run"] = kernels.summary()
+    row["capture_s"] = recapture(b, kernels, backend_for(b.backend, b.base_attn, v))
+    backend = b.drv.runner.attn_backend
+    if hasattr(backend, "num_splits"):  # the Triton backend: split-K programs per (seq, KV head)
+        # At the measured context (plus the steps decoded over it).
+        longest = args.context + args.check_steps + 1
+        row["attn_splits"] = {bs: backend.num_splits(bs, b.mcfg.num_kv_heads, b.device, longest)
+                              for bs in args.batches}
+    row["tokens"] = tokens = greedy_tokens(b, args.check_steps)
+    if b.baseline_tokens is None:
+        row["tokens_ok"] = True if v.name == "baseline" else None
+    else:
+        bad = [i for i, (x, y) in enumerate(zip(tokens, b.baseline_tokens)) if x != y]
+        row["tokens_ok"] = not bad
+        row["mismatch_at"] = bad[0] if bad else None
+    batch = drv.sched.schedule()  # one more decode step of the check request
+    if batch is not None and batch.is_decode:
+        with torch.inference_mode():
+            if drv.runner.graphs is not None and drv.runner.graphs.can_run(len(batch.reqs)):
+                row.update(time_replay(b, batch, args.replay_reps))
+                if args.trace:
+                    row["replay_trace"] = trace_replay(b, batch)
+            row.update(eager_kernels(b, batch))
+    drv.abort_all()
+    if args.trace and b.device.type == "cuda" and drv.runner.graphs is not None:
+        try:
+            row["engine_trace"] = et = trace_engine(b)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic; the variant's numbers stand
+            row["engine_trace"] = et = {"error": f"{type(exc).__name__}: {exc}"}
             drv.abort_all()
+        say(f"  engine loop: period {et.get('period_us')} us, in the graph {et.get('graph_us')}, "
+            f"between graphs {et.get('between_us')}")
+    if row.get("replay_ms") and b.roofline_ms:
+        row["replay_frac_of_roofline"] = b.roofline_ms / row["replay_ms"]
+    for bs in args.batches:
+        row[f"decode_b{bs}"] = bench_decode(drv, b.device, b.mcfg, b.limits, b.base, args.context, bs,
+                                            args.decode_warmup, args.decode_steps, args.tail)
+        drv.abort_all()
     return row
 
 
@@ -320,7 +327,7 @@ def measure(b: Bench, variants: Sequence[Variant], results: dict[str, Any], dead
         results.pop(f"variant {v.name}", None)
         durations.append(time.perf_counter() - t0)
         if out is None:  # run_section recorded the error
-            out = {"name": v.name, "group": v.group, "env": dict(v.env), "attn": dict(v.attn),
+            out = {"name": v.name, "group": v.group, "kernels": dict(v.kernels), "attn": dict(v.attn),
                    "error": results["errors"][f"variant {v.name}"]}
             try:
                 b.drv.abort_all()
@@ -342,7 +349,7 @@ def measure(b: Bench, variants: Sequence[Variant], results: dict[str, Any], dead
     scored = [r for r in rows if not r.get("error") and r.get("tokens_ok") and score_ms(r) is not None]
     if scored:
         best = min(scored, key=lambda r: score_ms(r) or 0.0)
-        results["best"] = {k: best.get(k) for k in ("name", "env", "attn", "replay_ms")}
+        results["best"] = {k: best.get(k) for k in ("name", "kernels", "attn", "replay_ms")}
 
 
 def b1_roofline(mcfg: Any, elem: int, context: int, limits: dict[str, Any]) -> dict[str, Any]:
@@ -366,7 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=None, help="whole-run limit (default 120; smoke 60)")
     p.add_argument("--only", default="", help="comma-separated variants (baseline always runs): names from "
                    "tools/decode_variants.default_variants, or ad hoc 'attn decode_block_n=128 decode_warps=8' "
-                   "(AttnKernelConfig fields) / 'FTSERVE_PDL=1' (switches)")
+                   "(AttnKernelConfig fields) / 'kernels gemv_entries=KEY@T=BN.BK.W.S' (KernelConfig fields)")
     p.add_argument("--min-gain", type=float, default=0.01,
                    help="a knob joins the combination when its replay beats the baseline by this fraction")
     p.add_argument("--trace", action="store_true",
@@ -395,41 +402,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device, results, t_start, deadline, model_dir = start_run(args, "ftserve-variants-")
-    # The defaults hold for the build too: its prefill graphs and the prefix
-    # every variant reads are computed with the baseline kernels.
-    with env_applied(DEFAULT_ENV):
-        copy = run_section(results, "copy", lambda: measure_copy_gbps(
-            device, (64 << 20) if args.smoke else (2 << 30), 3 if args.smoke else 10))
-        limits: dict[str, Any] = {"copy": copy} if copy else {}
-        results["limits"] = results.pop("copy", None)
-        engine = run_section(results, "engine_build", lambda: build(args, model_dir, device))
-        if engine is None:
-            write_json(args.out, results)
-            return results
-        results["engine_build"] = dict(engine.summary)
-        runner = engine.runner
-        drv = EngineDriver(engine)
-        mcfg = engine.model_config
-        elem = torch.empty((), dtype=next(runner.model.parameters()).dtype).element_size()
-        roof = b1_roofline(mcfg, elem, args.context, limits)
-        results["roofline_b1"] = roof
-        backend = runner.attn_backend
-        base_attn = getattr(backend, "cfg", None) or AttnKernelConfig.for_device(device, mcfg.head_dim)
-        base = drv.tokens(args.context)
-        max_bs = runner.graphs.max_bs if runner.graphs is not None else max(args.batches)
-        b = Bench(args, drv, device, mcfg, limits, base, base_attn, backend, max_bs, roof.get("ms"))
-        try:
-            if run_section(results, "base_prefill", lambda: prefill_base(drv, base, device)) is not None:
-                variants = default_variants(base_attn)
-                if args.only:
-                    try:
-                        variants = select_variants(variants, args.only, base_attn)
-                    except ValueError as err:
-                        raise SystemExit(f"{err}; named variants: {', '.join(v.name for v in variants)}") from None
-                measure(b, variants, results, deadline)
-        finally:
-            runner.attn_backend = backend
-            engine.shutdown()
+    copy = run_section(results, "copy", lambda: measure_copy_gbps(
+        device, (64 << 20) if args.smoke else (2 << 30), 3 if args.smoke else 10))
+    limits: dict[str, Any] = {"copy": copy} if copy else {}
+    results["limits"] = results.pop("copy", None)
+    engine = run_section(results, "engine_build", lambda: build(args, model_dir, device))
+    if engine is None:
+        write_json(args.out, results)
+        return results
+    results["engine_build"] = dict(engine.summary)
+    runner = engine.runner
+    drv = EngineDriver(engine)
+    mcfg = engine.model_config
+    elem = torch.empty((), dtype=next(runner.model.parameters()).dtype).element_size()
+    roof = b1_roofline(mcfg, elem, args.context, limits)
+    results["roofline_b1"] = roof
+    backend = runner.attn_backend
+    base_attn = getattr(backend, "cfg", None) or AttnKernelConfig.for_device(device, mcfg.head_dim)
+    base = drv.tokens(args.context)
+    max_bs = runner.graphs.max_bs if runner.graphs is not None else max(args.batches)
+    kernels = runner.kernels  # the build's: its prefill graphs and the prefix every variant reads
+    b = Bench(args, drv, device, mcfg, limits, base, base_attn, backend, kernels, max_bs, roof.get("ms"))
+    try:
+        if run_section(results, "base_prefill", lambda: prefill_base(drv, base, device)) is not None:
+            variants = default_variants(base_attn)
+            if args.only:
+                try:
+                    variants = select_variants(variants, args.only, base_attn)
+                except ValueError as err:
+                    raise SystemExit(f"{err}; named variants: {', '.join(v.name for v in variants)}") from None
+            measure(b, variants, results, deadline)
+    finally:
+        install(runner, kernels, backend)
+        engine.shutdown()
     results["total_s"] = time.perf_counter() - t_start
     results["table"] = render_table(results.get("variants", []), args.batches, results.get("skipped", []))
     write_json(args.out, results)

@@ -12,18 +12,16 @@ prefix can hit) is served three ways and its time to first token compared:
     device     the prefix is in the device prefix cache
     host       the whole prefix cache was pushed to the host tier first
                (offload finished before the clock starts): restore + 16k prefill,
-               with FTSERVE_KV_LAYERED_RESTORE=0 (one batched copy, then the step)
-    host_layered  the same with FTSERVE_KV_LAYERED_RESTORE=1 (the default): the
-               restore streams in layer by layer under the first chunk's compute
-               (one untimed warm-up run first: the eager forward compiles its
-               own shapes)
+               the restore streaming in layer by layer under the first chunk's
+               compute (one untimed warm-up run first: the eager forward
+               compiles its own shapes)
     recompute  the prefix cache was emptied: 128k tokens prefilled
 
 Sections (each one recorded, or its error recorded, in the JSON; the run goes on):
     limits        pinned cudaMemcpy H2D / D2H GB/s of one 1 GiB buffer (the peer)
     engine_build  start-up summary (device pool, host tier)
     conversation  turns 1-7, TTFT per turn
-    ttft          turn 8: device / host / host_layered / recompute, median of
+    ttft          turn 8: device / host / recompute, median of
                   --reps, and ratios
     bandwidth     the host tier's own page moves: restore (H2D) and offload (D2H)
                   of the whole prefix as one flush, GB/s vs the pinned memcpy;
@@ -33,9 +31,8 @@ Sections (each one recorded, or its error recorded, in the JSON; the run goes on
                   per --kv-dtypes value (auto = the model dtype, fp8_e4m3), the KV
                   bytes per token of each, and fp8's speed-up over the first value
 
-By default the restore is one batched copy before the step that reads it: the
-"host" TTFT minus the "device" TTFT is what that copy costs; "host_layered"
-minus "device" is what is left of it when it overlaps the compute.
+The "host" TTFT minus the "device" TTFT is what is left of the restore's copy
+when it overlaps the compute.
 """
 
 from __future__ import annotations
@@ -51,7 +48,6 @@ from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.kvcache.host_tier import HostKVTier
 from tools.bench_common import (
-    env_applied,
     measure_h2d_gbps,
     run_section,
     say,
@@ -131,8 +127,7 @@ def bench_ttft(drv: EngineDriver, engine: Engine, prefix: list[int], turn: int, 
                device: torch.device) -> dict[str, Any]:
     radix = engine.scheduler.radix
     out: dict[str, Any] = {"prefix_tokens": len(prefix), "new_tokens": turn, "reps": reps}
-    runs: dict[str, list[dict[str, Any]]] = {"device": [], "host": [], "host_layered": [],
-                                              "recompute": []}
+    runs: dict[str, list[dict[str, Any]]] = {"device": [], "host": [], "recompute": []}
     for _ in range(reps):
         runs["device"].append(ttft(drv, prefix + drv.tokens(turn), device))
     warm_copy_kernels(engine, device)
@@ -144,13 +139,9 @@ def bench_ttft(drv: EngineDriver, engine: Engine, prefix: list[int], turn: int, 
         return {**r, "pages_offloaded": moved, "host_tokens_before": m.host_tokens,
                 "device_tokens_before": m.num_tokens}
 
-    with env_applied({"FTSERVE_KV_LAYERED_RESTORE": "0"}):
-        for _ in range(reps):
-            runs["host"].append(from_host())
-    with env_applied({"FTSERVE_KV_LAYERED_RESTORE": "1"}):
-        from_host()  # warm-up: the eager first chunk compiles shapes the graphs never needed
-        for _ in range(reps):
-            runs["host_layered"].append(from_host())
+    from_host()  # warm-up: the eager first chunk compiles shapes the graphs never needed
+    for _ in range(reps):
+        runs["host"].append(from_host())
     for _ in range(reps):
         assert radix.reset(), "nothing may be locked between requests"
         runs["recompute"].append(ttft(drv, prefix + drv.tokens(turn), device))
@@ -161,7 +152,6 @@ def bench_ttft(drv: EngineDriver, engine: Engine, prefix: list[int], turn: int, 
     out["host_over_device"] = host_s / dev_s
     out["recompute_over_host"] = rec_s / host_s
     out["restore_cost_s"] = host_s - dev_s
-    out["layered_restore_cost_s"] = out["host_layered"]["ttft_s"] - dev_s
     return out
 
 
@@ -336,7 +326,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t = results.get("ttft") or {}
     if t:
         say(f"turn 8 TTFT: device {t['device']['ttft_s']:.3f} s, host {t['host']['ttft_s']:.3f} s, "
-            f"host layered {t['host_layered']['ttft_s']:.3f} s, "
             f"recompute {t['recompute']['ttft_s']:.3f} s (recompute/host {t['recompute_over_host']:.1f}x)")
     bw = results.get("bandwidth") or {}
     if bw:

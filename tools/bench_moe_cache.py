@@ -14,8 +14,7 @@ Sections (each recorded, or its error recorded, in the JSON; the run goes on):
                   the LRU cache (what had to be streamed) / H2D GB/s
     <mode>_decode   tokens/s at batch 1 and 8, cache hit rate, PCIe bound at that
                   hit rate = bytes copied per step (demand misses + prefetches) /
-                  H2D GB/s; offload decode also runs once more with prefetch on, and
-                  at GEMV sizes with the fill kernel instead of read-through; each
+                  H2D GB/s; offload decode also runs once more with prefetch on; each
                   offload row's ceiling without speculation = bound / (bound + the
                   resident step's time outside the expert kernels)
 Targets: offload prefill <= 1.1 x max(PCIe bound, resident) at every cached
@@ -37,7 +36,6 @@ from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.engine.request import ReqState
 from ftserve.moe.cache import ExpertCache
-from ftserve_kernels.moe_gemv_triton import GEMV_MAX_TOKENS
 from tools.bench_common import (
     gpu_kernel_seconds,
     measure_h2d_gbps,
@@ -278,21 +276,6 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: str, device: torch.
         if wanted and variants:
             section(f"{mode}_decode_prefetch_on", ablation)
         cache.prefetch, cache.prefetch_fill_programs = default
-        small = [r["batch"] for r in rows if r["batch"] <= GEMV_MAX_TOKENS]
-        if cache.on_cuda and cache.read_through and small:
-            def fill_kernel() -> list[dict[str, Any]]:
-                # FTSERVE_MOE_READ_THROUGH=0: a fill kernel copies the misses, then the GEMVs run.
-                cache.read_through = False
-                try:
-                    if engine.runner.graphs is not None:
-                        engine.runner.graphs.capture()
-                    return [{**bench_decode(drv, engine, device, bs, args.decode_prompt, args.decode_warmup,
-                                            args.decode_steps, seed=DECODE_SEED + bs), "variant": "fill kernel"}
-                            for bs in small]
-                finally:
-                    cache.read_through = True
-
-            section(f"{mode}_decode_fill", fill_kernel)
     engine.shutdown()
 
 

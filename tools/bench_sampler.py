@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 from typing import Any
 
@@ -32,8 +31,6 @@ SETS = {
                                                                                filtering=True),
     "short filters + penalties (fused: Qwen3-Coder's defaults)": SamplerFeatures(
         sampling=True, filtering=True, penalties=True),
-    "short filters, torch.topk candidates (FTSERVE_RADIX_SELECT=0)": SamplerFeatures(
-        sampling=True, filtering=True),
     "temperature + top-p alone or a long top-k (sorted)": SamplerFeatures(sampling=True, filtering=True,
                                                                            wide_filter=True),
     "+ penalties": SamplerFeatures(sampling=True, filtering=True, penalties=True, wide_filter=True),
@@ -90,7 +87,6 @@ def main() -> None:
     print(f"|---|{'---|' * len(batches)}")
     for name, feats in SETS.items():
         row = {}
-        os.environ["FTSERVE_RADIX_SELECT"] = "0" if "RADIX_SELECT=0" in name else "1"
         for b in batches:
             logits = torch.randn(b, VOCAB, device=dev, generator=g) * args.logit_scale
             slots = torch.arange(b, device=dev)

@@ -91,10 +91,6 @@ def compile_all() -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     out["moe_gate_up"] = _compile(mg._gemv_gate_up_kernel, moe,
                                   dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True), 8)
-    for bn in (16, 8):
-        out[f"moe_gate_up_acc_n{bn}"] = _compile(
-            mg._gemv_gate_up_acc_kernel, moe,
-            dict(TOP_K=8, BLOCK_N=bn, BLOCK_K=256, EVEN_K=True, K_STEPS=8), 8)
     out["moe_down3d"] = _compile(md._gemv_down_combine3d_kernel, moe,
                                  dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True,
                                       K_STEPS=3), 8)
@@ -117,27 +113,23 @@ def compile_all() -> dict[str, dict[str, Any]]:
         df._add_norm_route_kernel, route,
         dict(HAS_RESIDUAL=True, TOP_K=8, RENORM=True, BLOCK_E=4, BLOCK_H=2048, BLOCK_EALL=128,
              BLOCK_K=8), 1)
-    g = {"x_ptr": bf, "r_ptr": bf, "nw_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf,
-         "sum_ptr": bf, "eps": "fp32"}
+    g = {"x_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf, "eps": "fp32"}
     for t in (1, 2, 4):  # the default blocks gemv_triton picks at each row count
-        out[f"gemv_qkv_norm_T{t}"] = _compile(
+        out[f"gemv_qkv_T{t}"] = _compile(
             gv._gemv_kernel, g,
-            dict(HAS_NORM=True, HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_T=t,
-                 BLOCK_N=16 if t <= 2 else 8, BLOCK_K=256, BLOCK_KALL=2048, EVEN_K=True, K_STEPS=8), 8)
+            dict(HAS_BIAS=False, BLOCK_T=t, BLOCK_N=16 if t <= 2 else 8, BLOCK_K=256, EVEN_K=True,
+                 K_STEPS=8), 8)
         out[f"gemv_o_T{t}"] = _compile(
             gv._gemv_kernel, g,
-            dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, BLOCK_T=t, BLOCK_N=8,
-                 BLOCK_K=256, BLOCK_KALL=4096, EVEN_K=True, K_STEPS=16), 8)
-    # FTSERVE_PDL launches: the gemv and the router load weights before the wait,
+            dict(HAS_BIAS=False, BLOCK_T=t, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, K_STEPS=16), 8)
+    # PDL launches: the gemv and the router load weights before the wait,
     # the MoE GEMVs read the router's ids first, so nothing of theirs comes before it.
     out["gemv_o_T1_pdl"] = _compile(
         gv._gemv_kernel, g,
-        dict(HAS_NORM=False, HAS_RESIDUAL=False, HAS_BIAS=False, BLOCK_T=1, BLOCK_N=8,
-             BLOCK_K=256, BLOCK_KALL=4096, EVEN_K=True, K_STEPS=16, PDL=True), 8)
-    out["gemv_qkv_norm_T2_pdl"] = _compile(
+        dict(HAS_BIAS=False, BLOCK_T=1, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, K_STEPS=16, PDL=True), 8)
+    out["gemv_qkv_T2_pdl"] = _compile(
         gv._gemv_kernel, g,
-        dict(HAS_NORM=True, HAS_RESIDUAL=True, HAS_BIAS=False, BLOCK_T=2,
-             BLOCK_N=16, BLOCK_K=256, BLOCK_KALL=2048, EVEN_K=True, K_STEPS=8, PDL=True), 8)
+        dict(HAS_BIAS=False, BLOCK_T=2, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, K_STEPS=8, PDL=True), 8)
     out["add_norm_route_pdl"] = _compile(
         df._add_norm_route_kernel, route,
         dict(HAS_RESIDUAL=True, TOP_K=8, RENORM=True, BLOCK_E=4, BLOCK_H=2048, BLOCK_EALL=128,

@@ -3,8 +3,9 @@ kernel variants there are, how a run's rows are ranked and combined, and the
 markdown table. No GPU here (tests/test_bench_decode_variants.py runs it on
 the CPU); the measurement loop lives in tools/bench_decode_variants.py.
 
-A variant is an FTSERVE_* kernel switch from ftserve/envs.py laid over
-DEFAULT_ENV, or fields of the Triton attention backend's AttnKernelConfig.
+A variant replaces fields of the engine's KernelConfig
+(ftserve_kernels/config.py: PDL on or off, GEMV launches laid over the table)
+or of the Triton attention backend's AttnKernelConfig.
 """
 
 from __future__ import annotations
@@ -15,42 +16,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftserve_kernels.attention_common import AttnKernelConfig
+from ftserve_kernels.config import KernelConfig
 from tools.bench_common import markdown_table
 
-# Every kernel switch at its ftserve/envs.py default: the baseline, and the
-# base every variant's own settings are laid over.
-DEFAULT_ENV: dict[str, str] = {
-    "FTSERVE_DENSE_GEMV": "linear",
-    "FTSERVE_MOE_GATEUP_ACC": "0",
-    "FTSERVE_LM_HEAD_FP32": "0",
-    "FTSERVE_LM_HEAD_GEMV": "1",
-    "FTSERVE_DECODE_FUSION": "1",
-    "FTSERVE_MOE_DOWN3D": "1",
-    "FTSERVE_FUSED_KV_STORE": "1",
-    "FTSERVE_PDL": "wait",
-    "FTSERVE_DECODE_LAYER_KERNEL": "0",
-    "FTSERVE_DECODE_QK_FOLD": "1",
-    "FTSERVE_DECODE_DOWN_NORM": "1",
-    "FTSERVE_DECODE_DEFER_NORM": "1",
-    "FTSERVE_DECODE_ROUTE_IN_OPROJ": "1",
-    "FTSERVE_OPROJ_ROUTE_BLOCK_E": "2",
-    "FTSERVE_DECODE_INPUT_NORM": "1",
-    "FTSERVE_STEP_COPY_KERNEL": "1",
-    "FTSERVE_ROUTE_BLOCK_E": "1",
-    "FTSERVE_GEMV_ENTRY": "",
-}
+# The KernelConfig fields a variant may set (backend is the engine's device's).
+KERNEL_FIELDS = ("pdl", "gemv_entries")
 
 
 @dataclass(frozen=True)
 class Variant:
     """One point to measure. ``group`` is the knob it turns (options of one
     group exclude each other when the best are combined); the baseline and the
-    combination have none. ``attn`` replaces AttnKernelConfig fields."""
+    combination have none. ``kernels`` replaces KernelConfig fields, ``attn``
+    AttnKernelConfig fields."""
 
     name: str
     group: str = ""
-    env: Mapping[str, str] = field(default_factory=dict)
+    kernels: Mapping[str, Any] = field(default_factory=dict)
     attn: Mapping[str, Any] = field(default_factory=dict)
+
+    def kernel_config(self, base: KernelConfig) -> KernelConfig:
+        """``base`` (the engine's) with this variant's fields."""
+        return dataclasses.replace(base, **self.kernels)
 
 
 def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
@@ -59,26 +46,7 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     pps = base_attn.decode_programs_per_sm
     fused = not base_attn.decode_fused_reduce
     out = [Variant("baseline")]
-    out.append(Variant("DECODE_QK_FOLD=0", "decode_qk_fold", {"FTSERVE_DECODE_QK_FOLD": "0"}))
-    out.append(Variant("DECODE_DOWN_NORM=0", "decode_down_norm", {"FTSERVE_DECODE_DOWN_NORM": "0"}))
-    out.append(Variant("DECODE_DEFER_NORM=0", "decode_defer_norm", {"FTSERVE_DECODE_DEFER_NORM": "0"}))
-    out.append(Variant("DECODE_ROUTE_IN_OPROJ=0", "decode_route_in_oproj",
-                       {"FTSERVE_DECODE_ROUTE_IN_OPROJ": "0"}))
-    out.append(Variant("DECODE_INPUT_NORM=0", "decode_input_norm", {"FTSERVE_DECODE_INPUT_NORM": "0"}))
-    # The engine's step copies: its b1 / b8 step rates and engine trace change, not the replay.
-    out.append(Variant("STEP_COPY_KERNEL=0", "step_copy_kernel", {"FTSERVE_STEP_COPY_KERNEL": "0"}))
-    out += [Variant(f"DENSE_GEMV={v}", "dense_gemv", {"FTSERVE_DENSE_GEMV": v})
-            for v in ("0", "1", "norm")]
-    out.append(Variant("MOE_GATEUP_ACC=1", "moe_gateup_acc", {"FTSERVE_MOE_GATEUP_ACC": "1"}))
-    out.append(Variant("LM_HEAD_FP32=1", "lm_head_fp32", {"FTSERVE_LM_HEAD_FP32": "1"}))
-    out.append(Variant("LM_HEAD_GEMV=0", "lm_head_gemv", {"FTSERVE_LM_HEAD_GEMV": "0"}))
-    out.append(Variant("FUSED_KV_STORE=0", "fused_kv_store", {"FTSERVE_FUSED_KV_STORE": "0"}))
-    out += [Variant(f"PDL={v}", "pdl", {"FTSERVE_PDL": v}) for v in ("0", "1")]
-    # PDL links only Triton kernels: with the cuBLAS GEMVs replaced too. A group
-    # joined by "+" turns several switches and never enters the combination.
-    out += [Variant(f"PDL=1 DENSE_GEMV={v}", "pdl+dense_gemv", {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": v})
-            for v in ("1", "norm")]
-    out.append(Variant("DECODE_LAYER_KERNEL=1", "decode_layer_kernel", {"FTSERVE_DECODE_LAYER_KERNEL": "1"}))
+    out.append(Variant("kernels pdl=0", "kernels:pdl", kernels={"pdl": False}))
     out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
                        attn={"decode_fused_reduce": fused}))
     rr = not base_attn.decode_round_robin
@@ -99,36 +67,43 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     return out
 
 
-def parse_variant(name: str, base_attn: AttnKernelConfig) -> Variant:
-    """An ad-hoc variant from its name: ``attn FIELD=VALUE [FIELD=VALUE ...]``
-    (AttnKernelConfig fields, ints or 0/1 for flags) or ``FTSERVE_NAME=VALUE
-    [FTSERVE_NAME=VALUE ...]`` (switches laid over DEFAULT_ENV). Its group
-    names what it turns ("attn:decode_block_n", "env:FTSERVE_PDL"), so ad-hoc
-    options of one field exclude each other in the combination, and one that
-    turns several ("+" in the group) never enters it."""
-    words = name.split()
-    attn_fields = {f.name: f for f in dataclasses.fields(AttnKernelConfig)}
-    if words and words[0] == "attn":
-        attn: dict[str, Any] = {}
-        for word in words[1:] or ["?"]:
-            key, sep, value = word.partition("=")
-            if not sep or key not in attn_fields:
-                raise ValueError(f"variant {name!r}: {word!r} is not FIELD=VALUE of an "
-                                 f"AttnKernelConfig field ({', '.join(attn_fields)})")
-            kind = type(getattr(base_attn, key))
-            try:
-                attn[key] = bool(int(value)) if kind is bool else kind(value)
-            except ValueError:
-                raise ValueError(f"variant {name!r}: {key} takes a {kind.__name__}, not {value!r}") from None
-        return Variant(name, "attn:" + "+".join(sorted(attn)), attn=attn)
-    env: dict[str, str] = {}
+def _fields(name: str, words: list[str], fields: dict[str, Any], base: Any, what: str) -> dict[str, Any]:
+    """FIELD=VALUE words -> {field: value typed as ``base``'s (0/1 for flags)}."""
+    out: dict[str, Any] = {}
     for word in words or ["?"]:
         key, sep, value = word.partition("=")
-        if not sep or key not in DEFAULT_ENV:
-            raise ValueError(f"variant {name!r}: {word!r} is neither a known variant nor "
-                             f"FTSERVE_NAME=VALUE of a switch in DEFAULT_ENV")
-        env[key] = value
-    return Variant(name, "env:" + "+".join(sorted(env)), env)
+        if not sep or key not in fields:
+            raise ValueError(f"variant {name!r}: {word!r} is not FIELD=VALUE of a {what} field "
+                             f"({', '.join(fields)})")
+        kind = type(getattr(base, key))
+        try:
+            out[key] = bool(int(value)) if kind is bool else kind(value)
+        except ValueError:
+            raise ValueError(f"variant {name!r}: {key} takes a {kind.__name__}, not {value!r}") from None
+    return out
+
+
+def parse_variant(name: str, base_attn: AttnKernelConfig) -> Variant:
+    """An ad-hoc variant from its name: ``attn FIELD=VALUE [FIELD=VALUE ...]``
+    (AttnKernelConfig fields, ints or 0/1 for flags) or ``kernels FIELD=VALUE
+    ...`` (KernelConfig's KERNEL_FIELDS, e.g. ``kernels
+    gemv_entries=dense:N=2048+K=4096@1=4.512.8.3``). Its group names what it
+    turns ("attn:decode_block_n", "kernels:pdl"), so ad-hoc options of one field
+    exclude each other in the combination, and one that turns several ("+" in
+    the group) never enters it. A KernelConfig that would not build (a bad
+    GEMV entry) is a ValueError here."""
+    words = name.split()
+    kind = words[0] if words else ""
+    if kind == "attn":
+        attn = _fields(name, words[1:], {f.name: f for f in dataclasses.fields(AttnKernelConfig)}, base_attn,
+                       "AttnKernelConfig")
+        return Variant(name, "attn:" + "+".join(sorted(attn)), attn=attn)
+    if kind == "kernels":
+        kernels = _fields(name, words[1:], {f: f for f in KERNEL_FIELDS}, KernelConfig(), "KernelConfig")
+        KernelConfig(**kernels)  # a bad entry fails now, not mid-run
+        return Variant(name, "kernels:" + "+".join(sorted(kernels)), kernels=kernels)
+    raise ValueError(f"variant {name!r} is neither a known variant nor 'attn FIELD=VALUE ...' / "
+                     f"'kernels FIELD=VALUE ...'")
 
 
 def select_variants(variants: Sequence[Variant], only: str, base_attn: AttnKernelConfig) -> list[Variant]:
@@ -175,12 +150,12 @@ def combine_best(rows: Sequence[Mapping[str, Any]], variants: Sequence[Variant],
     winners = {g: v.name for g, (_, v) in sorted(best.items())}
     if len(best) < 2:
         return None, winners
-    env: dict[str, str] = {}
+    kernels: dict[str, Any] = {}
     attn: dict[str, Any] = {}
     for _, v in best.values():
-        env.update(v.env)
+        kernels.update(v.kernels)
         attn.update(v.attn)
-    return Variant("combined: " + " + ".join(winners.values()), "", env, attn), winners
+    return Variant("combined: " + " + ".join(winners.values()), "", kernels, attn), winners
 
 
 def should_skip(now: float, deadline: float, durations: Sequence[float], reserve: int) -> bool:

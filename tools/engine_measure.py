@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
+from ftserve.engine.cuda_graph import DecodeGraphs
 from ftserve.engine.request import ReqState
+from ftserve.engine.sampler import SamplerFeatures
 from ftserve.engine.sampling_params import SamplingParams
 from ftserve.engine.scheduler import ScheduledBatch
 from tools.bench_common import (
@@ -173,6 +175,19 @@ def profile_host(fn: Any, top: int = 25) -> list[tuple[str, int, float, float]]:
     return rows[:top]
 
 
+def prime_graph(graphs: DecodeGraphs, batch: ScheduledBatch,
+                feats: SamplerFeatures | None = None) -> torch.cuda.CUDAGraph:
+    """For a measurement that replays one decode graph back to back: the batch's
+    words in both staging rows (and the device rows), and the graph (the greedy
+    one unless ``feats``). Each replay toggles the graphs' parity word: call
+    graphs.reset_parity() once those replays are done."""
+    torch.cuda.synchronize()  # both rows are rewritten: no graph in flight may still read one
+    pbs, words = graphs.step_rows(batch)
+    graphs.io.host_rows[:, :words.numel()] = words
+    graphs.io.rows[:pbs].view(-1).copy_(words)
+    return graphs.graph_for(batch, feats if feats is not None else SamplerFeatures())
+
+
 def time_decode_device(drv: EngineDriver, batch: ScheduledBatch, device: torch.device,
                        reps: int = 50) -> dict[str, Any]:
     """Device time of one decode step alone: replay its CUDA graph back to back
@@ -190,7 +205,7 @@ def _time_decode_device(drv: EngineDriver, batch: ScheduledBatch, device: torch.
     graphs = runner.graphs
     if graphs is not None and graphs.can_run(len(batch.reqs)):
         runner.prepare_slots(batch.reqs)
-        g = graphs.prime(batch)  # the batch's words in both staging rows; the greedy graph
+        g = prime_graph(graphs, batch)  # the batch's words in both staging rows; the greedy graph
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -198,7 +213,7 @@ def _time_decode_device(drv: EngineDriver, batch: ScheduledBatch, device: torch.
             g.replay()
         end.record()
         torch.cuda.synchronize()
-        graphs.resync()
+        graphs.reset_parity()
         out["graph_replay_ms"] = start.elapsed_time(end) / reps
     saved, runner.graphs = runner.graphs, None
     try:

@@ -19,8 +19,7 @@
 # Budgets (s): tests 250 (70 tests took 167 s at 02:57 on 2026-11-30; 72 needed
 # more than 200 at 04:23 on a fresh machine), tune_gemv 95, bench_engine 70 (took
 # 42-49 s), bench_kv_tiers 65 (56 s), bench_decode_variants 55, bench_moe_cache 80
-# (its decode rows warm an emptied cache for 24 steps each, and it runs the other
-# read-through mode; 63 s) = 520 in full mode, 615 with tune: there the last step
+# (its decode rows warm an emptied cache for 24 steps each; 63 s) = 520 in full mode, 615 with tune: there the last step
 # is cut to what is left of the 580.
 set -u
 out=${1:-gpu_out}

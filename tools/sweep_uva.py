@@ -89,10 +89,10 @@ def sweep_read_through(bank: torch.Tensor, device: torch.device, reps: int, dead
             cfg = gc.GemvConfig(bn, bk, warps, stages)
             if kind == "gate_up":
                 def fn(cfg: gc.GemvConfig = cfg, rt: Any = rt) -> None:
-                    mg.moe_gate_up_gemv(x, w13, act, flat, TOP_K, cfg, emap, False, rt)
+                    mg.moe_gate_up_gemv(x, w13, act, flat, TOP_K, cfg, emap, rt)
             else:
                 def fn(cfg: gc.GemvConfig = cfg, rt: Any = rt) -> None:
-                    md.moe_down_gemv(act, w2, out, weights, flat, TOP_K, cfg, emap, True, rt)
+                    md.moe_down_gemv(act, w2, out, weights, flat, TOP_K, cfg, emap, rt)
             try:
                 t = median_time(fn, device, reps)
             except Exception as exc:  # a launch that does not fit is reported, not fatal

@@ -4,7 +4,7 @@
 
 Problems (qwen3-30b-a3b decode; gemv_configs names the kernel of each kind):
 the MoE gate/up and down + combine GEMVs (E=128, k=8, H=2048, I=768), the qkv
-projection with its norm prologue (2048 -> 5120), o_proj (4096 -> 2048), and
+projection (2048 -> 5120, its input already normed), o_proj (4096 -> 2048), and
 lm_head (2048 -> 151936) only with budget to spare. For each token count T
 (1, 2) and problem, most important first:
 
@@ -23,7 +23,7 @@ weights (tools/bench_decode_layer: 160 MB; the MoE over routings to distinct
 experts) that weights stream from HBM, not from an L2 warmed by the last call.
 Rates are weight bytes / time, also as % of the device copy rate (read + write,
 tools/bench_common) measured in the same run; the dense rows also time cuBLAS
-F.linear on the same (pre-normed) input.
+F.linear on the same input.
 
 Budget: every (problem, T) gets an equal share of the time left (a share it
 does not use passes on); lm_head runs only on what is left. The clock is
@@ -52,7 +52,6 @@ from ftserve_kernels import moe_down_gemv_triton as md
 from ftserve_kernels import moe_gemv_triton as mg
 from ftserve_kernels.gemv_configs import GemvConfig
 from ftserve_kernels.moe import fused_moe_ref, route_topk_ref
-from ftserve_kernels.norm_rope import fused_add_rms_norm_ref
 from tools.bench_common import measure_copy_gbps, median_time
 from tools.bench_decode_layer import copies, rotate
 from tools.bench_kernels import bench_graph
@@ -69,11 +68,10 @@ from tools.tune_gemv_space import (  # noqa: F401  (re-exported names)
     refinements,
 )
 
-DEFAULT_PROBLEMS = ("gate_up", "down", "qkv", "qkv_prenormed", "o_proj", "lm_head")  # the kernels decode runs
+DEFAULT_PROBLEMS = ("gate_up", "down", "qkv", "o_proj", "lm_head")  # the kernels decode runs
 TOKENS = (1, 2)
 REPLAYS = 20
 MIN_GAIN = 0.02
-EPS = 1e-6
 
 
 def _time_calls(fns: list[Callable[[], Any]], device: torch.device, iters: int) -> float:
@@ -108,26 +106,22 @@ class MoeCase:
         self.ref = fused_moe_ref(self.x, w13, w2, w0.view(tokens, k), ids0.view(tokens, k))
         self.act = torch.empty(tokens * k, inter, device=dev, dtype=w13.dtype)
         self.out = torch.empty(tokens, h, device=dev, dtype=w13.dtype)
-        self.gate_up_kind = problem.kind if problem.kind.startswith("moe_gate_up") else "moe_gate_up"
-        self.down_kind = problem.kind if problem.kind.startswith("moe_down") else "moe_down"
 
     def _gate_up(self, cfg: GemvConfig, route: int) -> None:
         _, ids = self.routes[route]
-        mg.moe_gate_up_gemv(self.x, self.w13, self.act, ids, self.problem.shape[1], cfg,
-                            acc=self.gate_up_kind == "moe_gate_up_acc")
+        mg.moe_gate_up_gemv(self.x, self.w13, self.act, ids, self.problem.shape[1], cfg)
 
     def _down(self, cfg: GemvConfig, route: int) -> None:
         weights, ids = self.routes[route]
-        md.moe_down_gemv(self.act, self.w2, self.out, weights, ids, self.problem.shape[1], cfg,
-                         down3d=self.down_kind == "moe_down")
+        md.moe_down_gemv(self.act, self.w2, self.out, weights, ids, self.problem.shape[1], cfg)
 
     def measure(self, cfg: GemvConfig) -> float:
         """Seconds per call of the kernel under test; raises if it fails to
         compile or the output differs from the reference."""
         cuda = self.device.type == "cuda"
-        gate_up = gc.default(self.gate_up_kind, cuda)
-        down = gc.default(self.down_kind, cuda)
-        tuning_gate_up = self.problem.kind.startswith("moe_gate_up")
+        gate_up = gc.default("moe_gate_up", cuda)
+        down = gc.default("moe_down", cuda)
+        tuning_gate_up = self.problem.kind == "moe_gate_up"
         gate_up, down = (cfg, down) if tuning_gate_up else (gate_up, cfg)
         self.act.fill_(float("nan"))  # a launch that writes nothing must not pass on stale output
         self.out.fill_(float("nan"))
@@ -152,27 +146,18 @@ class DenseCase:
         n_copies = copies(problem.weight_bytes(tokens)) if device.type == "cuda" else 1
         self.ws = [(torch.randn(n, k, device=device) / k**0.5).to(dtype) for _ in range(n_copies)]
         self.x = torch.randn(tokens, k, device=device).to(dtype)
-        self.norm = problem.kind == "dense_norm"
-        if self.norm:
-            self.r = torch.randn(tokens, k, device=device).to(dtype)
-            self.nw = (1 + 0.1 * torch.randn(k, device=device)).to(dtype)
-            self.x_in = fused_add_rms_norm_ref(self.x, self.r, self.nw, EPS)[0]  # what cuBLAS gets
-        else:
-            self.x_in = self.x
-        self.ref = F.linear(self.x_in.float(), self.ws[0].float())
+        self.ref = F.linear(self.x.float(), self.ws[0].float())
 
     def _run(self, cfg: GemvConfig, w: torch.Tensor) -> torch.Tensor:
-        if self.norm:
-            return gv.gemv_triton(self.x, w, None, self.nw, self.r, EPS, config=cfg)[0]
-        return gv.gemv_triton(self.x, w, config=cfg)[0]
+        return gv.gemv_triton(self.x, w, config=cfg)
 
     def measure(self, cfg: GemvConfig) -> float:
         check_close(self._run(cfg, self.ws[0]), self.ref)
         return _time_calls([lambda w=w: self._run(cfg, w) for w in self.ws], self.device, self.iters)
 
     def cublas(self) -> float | None:
-        """F.linear on the same (for qkv: already normed) input: the GEMV alone."""
-        return _time_calls([lambda w=w: F.linear(self.x_in, w) for w in self.ws], self.device, self.iters)
+        """F.linear on the same input."""
+        return _time_calls([lambda w=w: F.linear(self.x, w) for w in self.ws], self.device, self.iters)
 
 
 Case = MoeCase | DenseCase

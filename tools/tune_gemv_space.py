@@ -40,7 +40,7 @@ class Problem:
             e, k, h, inter = self.shape
             return gc.moe_key(self.kind, e, h, inter, k)
         n, kd = self.shape
-        return gc.dense_key(self.kind == "dense_norm", n, kd)
+        return gc.dense_key(n, kd)
 
     def table_t(self, tokens: int) -> int:
         """The T the runtime looks up: tokens (MoE), the row block (dense)."""
@@ -77,35 +77,28 @@ QWEN3_MOE = (128, 8, 2048, 768)  # (E, k, H, I)
 PROBLEMS: dict[str, Problem] = {p.name: p for p in (
     Problem("gate_up", "moe_gate_up", QWEN3_MOE),
     Problem("down", "moe_down", QWEN3_MOE),
-    Problem("qkv", "dense_norm", (5120, 2048)),
-    # qkv of the layers after the first when the MoE down kernel applied their norm
-    # (FTSERVE_DECODE_DOWN_NORM): a plain GEMV, the launch FTSERVE_DENSE_GEMV=norm takes.
-    Problem("qkv_prenormed", "dense", (5120, 2048)),
+    # qkv arrives normed (the layer before applied or left pending its norm): a plain GEMV.
+    Problem("qkv", "dense", (5120, 2048)),
     Problem("o_proj", "dense", (2048, 4096)),
-    Problem("gate_up_acc", "moe_gate_up_acc", QWEN3_MOE),
-    Problem("down2d", "moe_down2d", QWEN3_MOE),
     Problem("lm_head", "dense", (151_936, 2048), optional=True),
 )}
-PIPELINED = ("moe_gate_up", "moe_down2d")  # a runtime K loop: num_stages matters
+PIPELINED = ("moe_gate_up",)  # a runtime K loop: num_stages matters
 BLOCK_NS = (4, 8, 16, 32, 64)
 BLOCK_KS = (128, 256, 512, 1024)
 WARPS = (4, 8, 16)
 STAGES = (2, 3, 1)  # preference order inside one tile shape
 MIN_LOAD_ELEMS = 8  # weight elements per thread per step: below, lanes idle or replicate
 MAX_LOAD_ELEMS = 128  # ... above, the tile's registers crowd out the loads in flight
-MAX_ACC_REGS = 48  # fp32 [N, BK] accumulator registers per thread (acc, dense kernels)
+MAX_ACC_REGS = 48  # fp32 [N, BK] accumulator registers per thread (dense kernel)
 MAX_K_STEPS = 32  # unrolled K loops: compile time and code size
 CAP = 16  # candidates per (problem, T)
 
 
 def _acc_regs(problem: Problem, cfg: GemvConfig, tokens: int) -> float:
-    """fp32 accumulators per thread of the kernels that keep a [N, BK] one per row."""
-    if problem.kind == "moe_gate_up_acc":
-        rows = 2  # gate and up
-    elif not problem.moe:
-        rows = triton.next_power_of_2(tokens)  # one per input row
-    else:
-        return 0.0  # the others reduce each step into an [N] accumulator
+    """fp32 accumulators per thread of the kernel that keeps a [N, BK] one per row."""
+    if problem.moe:
+        return 0.0  # the MoE kernels reduce each step into an [N] accumulator
+    rows = triton.next_power_of_2(tokens)  # one per input row
     return rows * cfg.block_n * cfg.block_k / (32 * cfg.num_warps)
 
 

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ftserve import envs
 from ftserve.engine import prompt_logprobs as prompt_lp
 from ftserve.engine.grammar import MaskFiller
 from ftserve.engine.messages import TokenLogprob
@@ -43,6 +42,7 @@ from ftserve.models.forward_batch import (
     pack_tokens,
 )
 from ftserve_kernels.bookkeeping import copy_host_words
+from ftserve_kernels.config import KernelConfig
 
 if TYPE_CHECKING:
     from ftserve.engine.cuda_graph import DecodeGraphs
@@ -79,8 +79,12 @@ class ModelRunner:
         max_running: int,
         max_model_len: int,
         eos_token_ids: list[int],
+        kernels: KernelConfig,
     ) -> None:
         self.model = model
+        # The kernel choices of every forward (fixed at start-up; the sampler was
+        # built with the same).
+        self.kernels = kernels
         self.kv_pool = kv_pool
         self.attn_backend = attn_backend
         self.sampler = sampler
@@ -239,7 +243,7 @@ class ModelRunner:
             max_extend_len=max(len(x) for x in batch.new_tokens),
         )
         fb = ForwardBatch(input_ids, positions, attn, self.kv_pool, self.attn_backend,
-                          logits_indices=logits_idx, is_decode=batch.is_decode)
+                          logits_indices=logits_idx, is_decode=batch.is_decode, kernels=self.kernels)
         return fb, s_slots, s_steps, s_min.bool()
 
     def _device_inputs(self, host_ids: torch.Tensor, src_rows: torch.Tensor) -> torch.Tensor:
@@ -257,12 +261,10 @@ class ModelRunner:
         layer_ready = None
         if self.kv_host is not None:
             # Offloads of evicted pages and loads of host-tier hits, ordered by
-            # events after the previous steps (no host wait). The step waits for
-            # all of it, or (FTSERVE_KV_LAYERED_RESTORE, the default) a restore
-            # streams in layer by layer under an eager forward, layer L waiting for its own
-            # pages only.
-            layered = (envs.kv_layered_restore() and not decode_graph
-                       and self.kv_host.has_pending_loads)
+            # events after the previous steps (no host wait). A restore streams in
+            # layer by layer under an eager forward, layer L waiting for its own
+            # pages only; a decode graph waits for all of it.
+            layered = not decode_graph and self.kv_host.has_pending_loads
             layer_ready = self.kv_host.flush(layered=layered)
         self.mirror_pages(batch.reqs)
         rows = [i for i, s in enumerate(batch.samples) if s]

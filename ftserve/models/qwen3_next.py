@@ -67,7 +67,7 @@ class GatedAttention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if batch.layer_ready is not None:  # this layer's pages may still be streaming in
             torch.cuda.current_stream().wait_event(batch.layer_ready[self.kv_layer])
-        q, k = ops.rotary(self.q_norm(q), self.k_norm(k), batch.positions, cos_sin)  # partial rotary
+        q, k = ops.rotary(batch.kernels, self.q_norm(q), self.k_norm(k), batch.positions, cos_sin)  # partial rotary
         out = batch.attn_backend.forward(q, k, v, self.kv_layer, batch)  # [T, Hq, D]
         out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(t, -1))  # [T, H]
@@ -156,7 +156,7 @@ class Qwen3NextForCausalLM(nn.Module):
         if batch.logits_indices is not None:
             x = x.index_select(0, batch.logits_indices)  # [B, H]: the norm is per row
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear_fp32(self.norm(x), head)  # [B or T, V] fp32
+        return ops.linear_fp32(batch.kernels, self.norm(x), head)  # [B or T, V] fp32
 
     def ignorable_checkpoint_names(self) -> set[str]:
         return {"lm_head.weight"} if self.lm_head is None else set()

@@ -10,7 +10,7 @@ picks, per forward pass, one of three paths (host shapes only):
              per layer ONE admission kernel maps the selected experts to slots,
              evicting LRU slots not needed now, ``fill_rows`` copies the misses
              from the pinned bank over UVA, then the fused kernel reads slots.
-             At GEMV sizes (T <= GEMV_MAX_TOKENS, ``read_through``) there is no
+             At GEMV sizes (T <= GEMV_MAX_TOKENS, on CUDA) there is no
              fill kernel: the expert GEMVs read the misses from the bank over
              UVA themselves and write the slots as they go, so the compute runs
              while the bytes arrive instead of after them.
@@ -48,7 +48,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ftserve import envs
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve.moe.banks import HostBank, moe_blocks
 from ftserve.moe.kernels import (
@@ -62,6 +61,7 @@ from ftserve.moe.kernels import (
 )
 from ftserve.moe.stream import LayerStreamer
 from ftserve_kernels import bookkeeping as bk
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.moe import fused_moe_ref
 
 if TYPE_CHECKING:
@@ -98,7 +98,6 @@ class ExpertCache:
         self.counters = torch.zeros(5, dtype=torch.int64, device=device)
         self.track_stats = track_stats
         self.prefetch = prefetch
-        self.read_through = envs.moe_read_through()
         # The prefetch fill runs on a side stream beside the layer's compute: a
         # capped grid leaves it most SMs (uncapped, ~290 programs per expert row
         # queue ahead of the compute kernels and serialize the two streams).
@@ -110,6 +109,7 @@ class ExpertCache:
         self.mode = "full" if self.full else "admit"
         self._pf_on = False
         self._pf_wait: dict[int, Any] = {}  # layer -> (event, tensors kept alive until the wait)
+        self._kernels = DEFAULT_KERNELS  # the running forward's (ForwardBatch.kernels; set by _begin)
         self.streamer: LayerStreamer | None = None
         if self.on_cuda:
             check_bank(bank.data)
@@ -183,8 +183,8 @@ class ExpertCache:
         """Layer j's experts [T, k] for a residual-stream-like h [T, H]: its own
         norm + router (one fused launch at decode sizes)."""
         if self._norms is None:
-            return self.blocks[j].route(h)[1]
-        return self.blocks[j].norm_route(h, None, self._norms[j])[3]
+            return self.blocks[j].route(h, self._kernels)[1]
+        return self.blocks[j].norm_route(h, None, self._norms[j], self._kernels)[3]
 
     @torch.no_grad()
     def _fill_all(self) -> None:
@@ -200,6 +200,7 @@ class ExpertCache:
         fb: ForwardBatch = args[0]
         t = int(fb.input_ids.shape[0])
         self.mode = self.path_for(t, fb.is_decode)
+        self._kernels = fb.kernels
         self._pf_on = self.prefetches(t, fb.is_decode)
         self._pf_wait.clear()
         if self.mode == "stream":
@@ -219,16 +220,17 @@ class ExpertCache:
             self._prefetch(0, self._guess(0, out))
 
     # ----- per MoE layer -------------------------------------------------
-    def _compute(self, j: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _compute(self, j: int, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 kernels: KernelConfig) -> torch.Tensor:
         e = self.num_experts
         if self.mode == "full":
-            return self._moe(x, weights, ids, self.slot_of_id[j * e:(j + 1) * e])
+            return self._moe(x, weights, ids, self.slot_of_id[j * e:(j + 1) * e], kernels)
         if self.mode == "admit":
             pred = None
             if self._pf_on and j + 1 < self.num_layers:
                 inv = self._inv_w[j]
                 pred = self._guess(j + 1, x if inv is None else x * inv)  # [T, k] layer j+1's guess
-            rt = self._read_through(j, ids) if self.on_cuda and self.read_through else None
+            rt = self._read_through(j, ids) if self.on_cuda else None
             if rt is None:
                 self._admit(j, ids, LOOKUPS, MISSES)
             if pred is not None:
@@ -236,9 +238,9 @@ class ExpertCache:
             if j in self._pf_wait:
                 ev, _held = self._pf_wait.pop(j)  # the side stream filled this layer's prefetch
                 torch.cuda.current_stream().wait_event(ev)
-            return self._moe(x, weights, ids, self.slot_of_id[j * e:(j + 1) * e], rt)
+            return self._moe(x, weights, ids, self.slot_of_id[j * e:(j + 1) * e], kernels, rt)
         assert self.streamer is not None
-        out = self._moe(x, weights, ids, self.streamer.layer_map(j))
+        out = self._moe(x, weights, ids, self.streamer.layer_map(j), kernels)
         self.streamer.layer_done(j)
         return out
 
@@ -306,15 +308,17 @@ class ExpertCache:
             self.counters[which] += n  # a 0-d device add: no host read
 
     def _moe(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-             expert_map: torch.Tensor, rt: ReadThrough | None = None) -> torch.Tensor:
+             expert_map: torch.Tensor, kernels: KernelConfig, rt: ReadThrough | None = None) -> torch.Tensor:
         if rt is not None:
             from ftserve_kernels.moe_gemv_triton import fused_moe_gemv_triton
 
-            return fused_moe_gemv_triton(x, self.w13, self.w2, weights, ids, expert_map, read_through=rt)
+            return fused_moe_gemv_triton(x, self.w13, self.w2, weights, ids, expert_map, read_through=rt,
+                                         kernels=kernels)
         if x.is_cuda:
             from ftserve_kernels.moe_triton import fused_moe_triton
 
-            return fused_moe_triton(x, self.w13, self.w2, weights, ids, expert_map=expert_map)
+            return fused_moe_triton(x, self.w13, self.w2, weights, ids, expert_map=expert_map,
+                                    kernels=kernels)
         slot_ids = expert_map.index_select(0, ids.reshape(-1).long()).view_as(ids)  # [T, k]
         return fused_moe_ref(x, self.w13, self.w2, weights, slot_ids)  # [T, H]
 
