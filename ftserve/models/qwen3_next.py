@@ -26,6 +26,7 @@ from ftserve.models.forward_batch import ForwardBatch
 from ftserve.models.layers import DenseMLP, Embedding, Linear, MoEBlock
 from ftserve.models.linear_attention import GatedDeltaNet
 from ftserve_kernels import ops
+from ftserve_kernels.config import KernelConfig
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -83,9 +84,9 @@ class SharedExpertMoE(MoEBlock):
         self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, False, dtype)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, H]
-        return super().forward(x) + shared
+        return super().forward(x, kernels) + shared
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -114,7 +115,8 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             assert self.self_attn is not None
             x = x + self.self_attn(normed, batch, cos_sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, batch.kernels) if isinstance(self.mlp, SharedExpertMoE) else self.mlp(h))
 
 
 class Qwen3NextForCausalLM(nn.Module):
