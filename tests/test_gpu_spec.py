@@ -1,5 +1,5 @@
-"""Speculative decoding on CUDA (bf16, Triton attention, decode graphs on): verify
-steps make no hidden device->host sync and exactly one deliberate read-back,
+"""Speculative decoding on CUDA (bf16, Triton attention, decode, prefill and verify
+graphs on): verify steps make no hidden device->host sync and exactly one deliberate read-back,
 plain steps of requests in back-off keep overlap, and greedy outputs equal plain
 decoding's. Driven step by step (tools.engine_driver), as test_gpu_engine.py."""
 
@@ -40,6 +40,7 @@ def test_verify_steps_sync_free_and_equal_plain(model_dir: str) -> None:  # noqa
         spec.runner.model.load_state_dict(plain.runner.model.state_dict())
         if hasattr(spec.runner.model, "refresh_derived"):
             spec.runner.model.refresh_derived()
+        assert spec.runner.verify_graphs is not None  # verify steps replay captured widths
         prompts = echo_prompts(plain, 0, 6)
         assert run_greedy(spec, prompts, 24) == run_greedy(plain, prompts, 24)
         assert spec.scheduler.spec is not None and spec.scheduler.spec.counters.accepted_tokens_total > 0

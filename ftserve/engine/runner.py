@@ -106,6 +106,8 @@ class ModelRunner:
         self._pin = device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        # Speculative verify steps (every position a logits row), captured per width.
+        self.verify_graphs: PrefillGraphs | None = None
         # KV host tier (set by setup when --kv-host-* is given): the page moves
         # the scheduler planned for this step are launched before its forward.
         self.kv_host: HostKVTier | None = None
@@ -214,16 +216,8 @@ class ModelRunner:
                             [len(x) for x in batch.new_tokens])
         else:
             src = np.full(t, -1)
-        # Row m of request i's draft rows: logits of its token at last - d + m,
-        # sampled at output step steps[i] + m.
-        offs = _draft_offsets(batch, rows)
-        steps = [batch.steps[i] + m for i, m in zip(rows, offs)]
-        small = (indptr + seq_lens + list(batch.prefix_lens)
-                 + [q.slot for q in batch.reqs]
-                 + [last[i] - len(batch.drafts[i]) + m if batch.drafts else last[i]
-                    for i, m in zip(rows, offs)]
-                 + [batch.reqs[i].slot for i in rows] + steps
-                 + [int(st < batch.reqs[i].params.min_tokens) for i, st in zip(rows, steps)]
+        small = (indptr + seq_lens + list(batch.prefix_lens) + [q.slot for q in batch.reqs]
+                 + logits_rows(batch, rows, last) + sampling_words(batch, rows)
                  + (prompt.rows if prompt is not None else []))
         dev = self._upload(np.concatenate([ids, src, pos, locs, np.array(small, dtype=np.int64)]))
         o = 0
@@ -259,6 +253,12 @@ class ModelRunner:
                           logits_indices=logits_idx, is_decode=batch.is_decode, kernels=self.kernels)
         return fb, s_slots, s_steps, s_min.bool()
 
+    def _extend_graphs(self, batch: ScheduledBatch) -> PrefillGraphs | None:
+        """The captured graphs that run this (non-decode) step, if any: verify
+        graphs for a verify step, prefill graphs for the rest."""
+        graphs = self.verify_graphs if batch.verifies else self.prefill_graphs
+        return graphs if graphs is not None and graphs.can_run(batch) else None
+
     def _device_inputs(self, host_ids: torch.Tensor, src_rows: torch.Tensor) -> torch.Tensor:
         """Input ids where the previous step's sampled token stands in for the
         ones the host does not know yet (src_rows >= 0). Fixed shape, no sync."""
@@ -287,19 +287,19 @@ class ModelRunner:
             self._sampling_inputs(batch)  # the graph samples: parameters first
             out, graph_host = self.graphs.replay(batch)
             return Launched(batch, rows, self._copy_out(batch, rows, out, graph_host))
-        elif (layer_ready is None and self.prefill_graphs is not None and prompt is None
-              and not batch.verifies and self.prefill_graphs.can_run(batch)):
-            logits_all = self.prefill_graphs.replay(batch)  # [max_seqs, V], row i = reqs[i]
+        elif layer_ready is None and prompt is None and (graphs := self._extend_graphs(batch)):
+            # A prefill graph's logits: row i = reqs[i]; a verify graph's: the
+            # sampled rows in order (PrefillGraphs.all_rows).
+            logits_all = graphs.replay(batch)
             if not rows:
                 return Launched(batch, rows, None)
             self._sampling_inputs(batch)  # behind the forward on the stream, before sampling
-            sreqs = [batch.reqs[i] for i in rows]
-            dev = self._upload(rows + [q.slot for q in sreqs] + [batch.steps[i] for i in rows]
-                               + [int(batch.steps[i] < batch.reqs[i].params.min_tokens)
-                                  for i in rows]).view(4, -1)
+            picks = list(range(len(rows))) if graphs.all_rows else rows
+            dev = self._upload(picks + sampling_words(batch, rows)).view(4, -1)
             logits = logits_all.index_select(0, dev[0])  # [R, V]
-            out = self.sampler.sample(logits, dev[1], dev[2], dev[3].bool(), last=self.last_tokens,
-                                      features=self.sampler.features_of(q.slot for q in sreqs))
+            out = self.sampler.sample(logits, dev[1], dev[2], dev[3].bool(),
+                                      last=None if batch.verifies else self.last_tokens,
+                                      features=self.sampler.features_of(batch.reqs[i].slot for i in rows))
             self.sampler.update(dev[1], out.token_ids)
         else:
             fb, slots, steps, min_active = self.build(batch, prompt)
@@ -423,6 +423,22 @@ def sample_rows(batch: ScheduledBatch) -> list[int]:
     if not batch.drafts:
         return [i for i, s in enumerate(batch.samples) if s]
     return [i for i, s in enumerate(batch.samples) if s for _ in range(len(batch.drafts[i]) + 1)]
+
+
+def logits_rows(batch: ScheduledBatch, rows: list[int], last: list[int]) -> list[int]:
+    """The packed token index whose logits each sampled row reads: a request's
+    last new token, or in a verify step the m-th of its last len(draft) + 1."""
+    if not batch.drafts:
+        return [last[i] for i in rows]
+    return [last[i] - len(batch.drafts[i]) + m for i, m in zip(rows, _draft_offsets(batch, rows))]
+
+
+def sampling_words(batch: ScheduledBatch, rows: list[int]) -> list[int]:
+    """Each sampled row's sampler slot, output step (steps[i] + its position in
+    a draft) and below-min_tokens flag, as three runs of len(rows) words."""
+    steps = [batch.steps[i] + m for i, m in zip(rows, _draft_offsets(batch, rows))]
+    return ([batch.reqs[i].slot for i in rows] + steps
+            + [int(st < batch.reqs[i].params.min_tokens) for i, st in zip(rows, steps)])
 
 
 def _draft_offsets(batch: ScheduledBatch, rows: list[int]) -> list[int]:

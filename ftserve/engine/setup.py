@@ -149,6 +149,15 @@ def build_engine(cfg: EngineConfig) -> Engine:
             runner.prefill_graphs = PrefillGraphs(
                 runner, cfg.max_prefill_length, min(cfg.max_running_requests, 16))
             runner.prefill_graphs.capture()
+            if scheduler.spec is not None:
+                # Verify steps: up to 16 sequences, each with a full draft at most.
+                from ftserve.engine.prefill_graph import verify_buckets
+
+                seqs = min(cfg.max_running_requests, 16)
+                buckets = verify_buckets(seqs, cfg.num_speculative_tokens)
+                runner.verify_graphs = PrefillGraphs(runner, buckets[-1], seqs, buckets=buckets,
+                                                     all_rows=True)
+                runner.verify_graphs.capture()
     # Device-resident only (offload mode keeps the experts in host memory).
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
                        if p.device.type == device.type)
@@ -163,6 +172,8 @@ def build_engine(cfg: EngineConfig) -> Engine:
         "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs is not None else [],
         "cuda_graph_prefill_tokens": (runner.prefill_graphs.buckets
                                       if runner.prefill_graphs is not None else []),
+        "cuda_graph_verify_tokens": (runner.verify_graphs.buckets
+                                     if runner.verify_graphs is not None else []),
         "moe_cache": moe_cache.summary() if moe_cache is not None else None,
         # The host tier adds prefix-cache capacity, not single-request context.
         "kv_host_pages": host_tier.num_total if host_tier is not None else 0,
