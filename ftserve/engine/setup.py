@@ -247,6 +247,13 @@ def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int,
     # plus the CUDA-graph pool (intermediates of the largest captured batch).
     vocab = mcfg.vocab_size
     workspace = cfg.max_running_requests * vocab * 16 + 256 * 2**20
+    if cfg.speculative != "off" and cfg.cuda_graph_max_bs > 0:
+        # Verify graphs: each width's static fp32 logits, one row per token, and
+        # sampling rows for every draft position.
+        from ftserve.engine.prefill_graph import verify_buckets
+
+        rows = sum(verify_buckets(min(cfg.max_running_requests, 16), cfg.num_speculative_tokens))
+        workspace += rows * vocab * 4 + cfg.max_running_requests * cfg.num_speculative_tokens * vocab * 16
     free, total = torch.cuda.mem_get_info(device)
     used = total - free  # weights, the CUDA context, anything else on the card
     budget = total * cfg.memory_ratio - used - activation - workspace
