@@ -244,6 +244,8 @@ def test_back_off_doubles_and_resets() -> None:
     sp.record(req, 4, 1)
     assert req.spec.misses == 0 and sp.drafting(req)
     assert Speculator(4, 2, 2, 1000).limit(Req("x", [1] * 5, greedy(3), 0.0)) == 2  # max_tokens - 1
+    constrained = Req("c", [1, 2, 1, 2], greedy(9), 0.0, grammar=object())  # type: ignore[arg-type]
+    assert not sp.supports(constrained) and sp.propose(constrained) == [] and not sp.drafting(constrained)
 
 
 def test_hybrid_models_do_not_speculate() -> None:
