@@ -281,6 +281,8 @@ def test_verify_graph_static_forward_equals_eager(model_dir: str) -> None:
         batch = sched.schedule()
         assert batch is not None and batch.verifies and graphs.can_run(batch)
         assert batch.drafts == [[8, 9, 5], [14, 11, 12], []]
+        # A plain row fed from an in-flight step's output: the graph cannot read it.
+        assert not graphs.can_run(dataclasses.replace(batch, src_rows=[-1, -1, 0]))
         runner.prepare_slots(batch.reqs)
         with torch.inference_mode():
             graphs._fill(batch, graphs._bucket(batch.num_tokens))

@@ -128,8 +128,13 @@ class PrefillGraphs:
         self.pool = pool  # set at capture (CUDA only)
 
     def can_run(self, batch: ScheduledBatch) -> bool:
+        """Its kind (verify or not), sequences and tokens fit, and the host holds
+        every input token: a verify step can carry plain rows whose token is the
+        in-flight step's output (src_rows), which the graph does not read; such a
+        step runs eagerly."""
         return (not batch.is_decode and batch.verifies == self.all_rows
-                and len(batch.reqs) <= self.max_seqs and batch.num_tokens <= self.t_max)
+                and len(batch.reqs) <= self.max_seqs and batch.num_tokens <= self.t_max
+                and all(s < 0 for s in batch.src_rows))
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
