@@ -100,8 +100,8 @@ def _decode_split_kernel(
     hj = tl.arange(0, HALF)
     if QK:
         # q's rows and the position load beside the sequence length, not after
-        # the empty-split exit below that waits for it (H200 batch-1 replay,
-        # 2026-12-04: the split kernel 5.71 -> 5.50 us at 2k).
+        # the empty-split exit below that waits for it: two memory round trips
+        # become one.
         q_rows = q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
         qa = tl.load(q_rows + hj[None, :], mask=gmask[:, None], other=0.0)
         qb = tl.load(q_rows + HALF + hj[None, :], mask=gmask[:, None], other=0.0)

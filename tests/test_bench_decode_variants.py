@@ -1,4 +1,4 @@
-"""tools/bench_decode_variants.py on the CPU: the variant list, each
+"""tools/bench/decode_variants.py on the CPU: the variant list, each
 variant's KernelConfig, the combination of the winners, the table, and a
 --smoke run end to end (tiny-moe, no graphs). The GPU parts (graph
 re-capture and replay timing) run only on the H200."""
@@ -14,8 +14,8 @@ import torch
 
 from ftserve_kernels.attention_common import AttnKernelConfig
 from ftserve_kernels.config import KernelConfig
-from tools.bench_decode_variants import main
-from tools.decode_variants import (
+from tools.bench.decode_variants import main
+from tools.bench.variants import (
     KERNEL_FIELDS,
     backend_for,
     combine_best,

@@ -18,6 +18,7 @@ import torch
 from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.kvcache.pool import KVPool
+from ftserve.models.checkpoint import write_config
 from ftserve.models.forward_batch import build_forward_batch
 from ftserve_kernels import attention_triton as at
 from ftserve_kernels.paged_attention import (
@@ -29,7 +30,6 @@ from ftserve_kernels.paged_attention import (
 )
 from tests.engine_util import make_context_sensitive
 from tests.test_gpu_engine import CHUNK, SCALE, run_greedy, scenario
-from tools.bench_common import write_model_config
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -168,7 +168,7 @@ def test_decode_fp8_graph_replay_equals_eager() -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return write_model_config("tiny-moe", Path(tmp_path_factory.mktemp("gpu-fp8")), layers=2,
+    return write_config("tiny-moe", Path(tmp_path_factory.mktemp("gpu-fp8")), layers=2,
                               **SCALE)
 
 

@@ -27,13 +27,13 @@ import torch
 
 from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
+from ftserve.models.checkpoint import write_config
 from ftserve.moe.banks import moe_blocks
 from ftserve.moe.cache import ExpertCache
 from ftserve_kernels import ops
 from ftserve_kernels.config import KernelConfig
 from tests.engine_util import make_context_sensitive
 from tests.test_gpu_engine import CHUNK, SCALE, run_greedy, scenario
-from tools.bench_common import write_model_config
 
 LAYERS = 4
 TOTAL = LAYERS * SCALE["num_experts"]  # 64 experts
@@ -42,7 +42,7 @@ SLOTS = TOTAL // 4  # 25%: 16 = one layer's experts, what batch 8 x top-4 can ne
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return write_model_config("tiny-moe", Path(tmp_path_factory.mktemp("gpu-moe-cache")),
+    return write_config("tiny-moe", Path(tmp_path_factory.mktemp("gpu-moe-cache")),
                               layers=LAYERS, **SCALE)
 
 

@@ -37,7 +37,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     from ftserve_kernels import moe_triton as mt
     from ftserve_kernels import norm_triton as nt
     from ftserve_kernels import rope_triton as rt
-    from tools.compile_decode_kernels import constexpr_defaults
+    from tests.sm90_compile import constexpr_defaults
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     results: dict[str, dict[str, Any]] = {}

@@ -27,11 +27,11 @@ if not torch.cuda.is_available():
             importlib.reload(sys.modules[_name])
 
 from ftserve.config import ConfigError, EngineConfig  # noqa: E402
+from ftserve.engine.driver import EngineDriver  # noqa: E402
 from ftserve.engine.engine import Engine  # noqa: E402
+from ftserve.models.checkpoint import write_config  # noqa: E402
 from ftserve.moe.cache import ExpertCache  # noqa: E402
 from tests.engine_util import make_context_sensitive  # noqa: E402
-from tools.bench_common import write_model_config  # noqa: E402
-from tools.engine_driver import EngineDriver  # noqa: E402
 
 LAYERS, E, K = 3, 16, 4  # tiny-moe: 16 experts, top-4
 TOTAL = LAYERS * E
@@ -40,7 +40,7 @@ EXPERT_GAIN = 100.0  # see make_experts_matter
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return write_model_config("tiny-moe", Path(tmp_path_factory.mktemp("moe-cache")), layers=LAYERS)
+    return write_config("tiny-moe", Path(tmp_path_factory.mktemp("moe-cache")), layers=LAYERS)
 
 
 def make_engine(model_dir: str, load_format: str = "dummy", **kw: Any) -> Engine:
@@ -473,9 +473,9 @@ def test_read_through_gemv_equals_fill_then_compute(triton_mods: Any, t: int) ->
 
 
 def test_sweep_uva_smoke_cpu(triton_mods: Any, tmp_path: Path) -> None:
-    """tools/sweep_uva on the CPU (interpreted, tiny shapes): every fill config
+    """tools/bench/sweep_uva on the CPU (interpreted, tiny shapes): every fill config
     copies correctly and every read-through config launches."""
-    from tools.sweep_uva import main
+    from tools.bench.sweep_uva import main
 
     res = main(["--smoke", "--budget-s", "600", "--out", str(tmp_path / "sweep.json")])
     assert len(res["fill"]) == 4 and all(r["correct"] for r in res["fill"]), res["fill"]
@@ -484,7 +484,7 @@ def test_sweep_uva_smoke_cpu(triton_mods: Any, tmp_path: Path) -> None:
 
 
 def test_bench_smoke_cpu(tmp_path: Path) -> None:
-    from tools.bench_moe_cache import main
+    from tools.bench.moe_cache import main
 
     # A budget no CI machine reaches: a skipped section would fail the checks below.
     res = main(["--smoke", "--budget-s", "600", "--prefetch-programs", "16,0", "--out", str(tmp_path / "moe.json")])

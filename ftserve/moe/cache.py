@@ -74,10 +74,9 @@ class ExpertCache:
     PREFETCH_FILL_PROGRAMS = 16
     def __init__(self, model: nn.Module, bank: HostBank, num_slots: int, top_k: int,
                  device: torch.device, track_stats: bool = True, prefetch: bool = False) -> None:
-        # prefetch defaults off: on the H200 (2026-11-30 03:15, qwen3-30b-a3b x 8, 25%
-        # cache, the same tokens both ways) batch-1 decode ran at 192 tok/s without it
-        # and 97 with it: wrong guesses doubled the copies (51 vs 23 per step), and the
-        # SM-driven copy beside compute slows the compute (BENCHMARKS.md).
+        # prefetch defaults off: its guesses of the next layer's experts are often
+        # wrong, so it copies more experts than it saves, and an SM-driven copy
+        # beside compute slows the compute (BENCHMARKS.md, "MoE expert offload").
         self.bank = bank
         self.device = device
         self.on_cuda = device.type == "cuda"

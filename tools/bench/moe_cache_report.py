@@ -1,11 +1,11 @@
-"""The report of a tools/bench_moe_cache.py run: the summary (each offload
+"""The report of a tools/bench/moe_cache.py run: the summary (each offload
 row against its PCIe bound and the resident rows) and its markdown tables."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from tools.bench_common import markdown_table
+from tools.bench.common import markdown_table
 
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:

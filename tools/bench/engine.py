@@ -1,7 +1,7 @@
 """Engine benchmarks at a real model shape with dummy weights (issue 5 item 5).
 
-    python -m tools.bench_engine --out bench_engine.json          # H200, ~4 min
-    python -m tools.bench_engine --smoke --out /tmp/smoke.json    # CPU, tiny-moe
+    python -m tools.bench.engine --out bench_engine.json          # H200, ~4 min
+    python -m tools.bench.engine --smoke --out /tmp/smoke.json    # CPU, tiny-moe
 
 Sections (each one recorded, or its error recorded, in the JSON; the run goes on):
     limits   bf16 matmul TFLOP/s, device copy GB/s, pinned H2D GB/s
@@ -13,7 +13,7 @@ Sections (each one recorded, or its error recorded, in the JSON; the run goes on
     hf       the same config through transformers (random weights, sdpa)
 
 The Scheduler and ModelRunner are driven directly on this thread
-(tools/engine_driver.py; the timed regions are tools/engine_measure.py), so every
+(tools/bench/engine_driver.py; the timed regions are tools/bench/engine_measure.py), so every
 measured region is exactly one runner.step (or N decode steps, overlapped as
 the engine thread runs them, and again without overlap for reference),
 bracketed by torch.cuda.synchronize and CUDA events. The rope table is stretched to 131,072
@@ -30,11 +30,12 @@ from typing import Any
 
 import torch
 
+from ftserve.engine.driver import EngineDriver
 from ftserve.engine.sampling_params import SamplingParams
-from tools.bench_common import physical_limits, run_section, say, start_run, timed, write_json
-from tools.bench_engine_report import check_targets, render_markdown
-from tools.engine_driver import EngineDriver, build
-from tools.engine_measure import bench_decode, bench_prefill, prefill_base
+from tools.bench.common import physical_limits, run_section, say, start_run, timed, write_json
+from tools.bench.engine_driver import build
+from tools.bench.engine_measure import bench_decode, bench_prefill, prefill_base
+from tools.bench.engine_report import check_targets, render_markdown
 
 SECTIONS = ("limits", "cold", "cached", "decode", "hf")
 # --decode-sampling: the generation_config.json settings of Qwen3 and Qwen3-Coder.

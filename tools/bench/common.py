@@ -29,6 +29,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ftserve.models.checkpoint import write_config
+
 # ----------------------------------------------------------------- progress / sections
 
 
@@ -309,26 +311,6 @@ def prefill_flops(cfg: Any, new_tokens: int, prefix: int) -> dict[str, float]:
 # ----------------------------------------------------------------- model files
 
 
-def write_model_config(preset: str, out_dir: str | Path, layers: int | None = None,
-                       **overrides: Any) -> str:
-    """A config-only checkpoint (config.json from a preset) for
-    ``--load-format dummy``; ``overrides`` replace config keys."""
-    from ftserve.models.presets import PRESETS
-
-    if preset not in PRESETS:
-        raise SystemExit(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
-    cfg = dict(PRESETS[preset])
-    if layers is not None:
-        cfg["num_hidden_layers"] = layers
-        if "max_window_layers" in cfg:
-            cfg["max_window_layers"] = layers
-    cfg.update(overrides)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return str(out)
-
-
 # ----------------------------------------------------------------- output
 
 
@@ -373,6 +355,6 @@ def start_run(args: Any, prefix: str) -> BenchRun:
     t_start = time.perf_counter()
     budget = getattr(args, "budget_s", None)
     deadline = t_start + budget if budget is not None else math.inf
-    model_dir = write_model_config(args.preset, tempfile.mkdtemp(prefix=prefix),
+    model_dir = write_config(args.preset, tempfile.mkdtemp(prefix=prefix),
                                    layers=args.layers, max_position_embeddings=args.max_len)
     return BenchRun(device, results, t_start, deadline, model_dir)

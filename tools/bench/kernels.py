@@ -1,6 +1,6 @@
 """Time ftserve's Triton kernels at real shapes against limits measured in the same run.
 
-Usage (CUDA only): python tools/bench_kernels.py --out bench_kernels.json [--quick]
+Usage (CUDA only): python tools/bench/kernels.py --out bench_kernels.json [--quick]
 
 Limits measured first: bf16 matmul TFLOP/s (torch), device copy GB/s (read +
 write), pinned host->device GB/s, PyTorch SDPA (flash) for 4,096 causal queries
@@ -10,8 +10,8 @@ timed; a failed check is reported in the JSON and the exit code is 1.
 Shapes: attention 32 q heads / 4 kv heads / head_dim 128; MoE qwen3-30b-a3b
 (E=128, k=8, H=2048, I=768).
 
-The timing harness, shapes and limits are in tools/kernel_bench_harness.py, the
-attention sections in tools/bench_attention_kernels.py; MoE, norm / rope and
+The timing harness, shapes and limits are in tools/bench/kernel_harness.py, the
+attention sections in tools/bench/attention_kernels.py; MoE, norm / rope and
 bookkeeping sections, the CLI and the JSON summary stay here.
 """
 
@@ -36,8 +36,8 @@ from ftserve_kernels.moe import fused_moe_ref  # noqa: E402
 from ftserve_kernels.norm_rope import qk_norm_rotary_ref  # noqa: E402
 from ftserve_kernels.norm_triton import fused_add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from ftserve_kernels.rope_triton import qk_norm_rotary_triton, rotary_triton  # noqa: E402
-from tools.bench_attention_kernels import bench_decode, bench_extend, bench_store  # noqa: E402
-from tools.kernel_bench_harness import (  # noqa: E402
+from tools.bench.attention_kernels import bench_decode, bench_extend, bench_store  # noqa: E402
+from tools.bench.kernel_harness import (  # noqa: E402
     HKV,
     HQ,
     PAGE,

@@ -1,10 +1,10 @@
 """Which batch-1 decode kernel variants win, measured in one bounded run.
 
-    python -m tools.bench_decode_variants --out decode_variants.json          # H200, <= --budget-s (120)
-    python -m tools.bench_decode_variants --smoke --out /tmp/variants.json    # CPU, tiny-moe
+    python -m tools.bench.decode_variants --out decode_variants.json          # H200, <= --budget-s (120)
+    python -m tools.bench.decode_variants --smoke --out /tmp/variants.json    # CPU, tiny-moe
 
 The engine is built once (qwen3-30b-a3b cut to --layers, dummy bf16 weights, as
-tools/bench_engine builds it) and one --context-token prompt (2,048 by default) is
+tools/bench/engine builds it) and one --context-token prompt (2,048 by default) is
 prefilled into the prefix cache. Then, for each variant (fields of the engine's
 KernelConfig, or of the Triton attention backend's AttnKernelConfig):
 
@@ -16,7 +16,7 @@ KernelConfig, or of the Triton attention backend's AttnKernelConfig):
        the baseline's (a mismatch is reported, the variant is still timed);
     4. time the batch-1 graph alone (back-to-back replays, one CUDA event per
        replay, median), profile the kernels of one eager step, and measure the
-       engine's full step rate at batch 1 and 8 (tools.engine_measure.bench_decode).
+       engine's full step rate at batch 1 and 8 (tools.bench.engine_measure.bench_decode).
 
 Last, the fastest token-exact option of each knob (replay at least --min-gain
 faster than the baseline) is combined into one variant and measured too. The
@@ -26,7 +26,7 @@ KernelConfig and backend are installed again at the end. On the CPU (--smoke) th
 hold the eager step rates only, and attention-config variants fail (the torch
 backend has no kernel config).
 
-The variant list, ranking, combination and table are tools/decode_variants.py;
+The variant list, ranking, combination and table are tools/bench/variants.py;
 this file measures them.
 """
 
@@ -43,10 +43,11 @@ from typing import Any
 
 import torch
 
+from ftserve.engine.driver import EngineDriver
 from ftserve.engine.request import ReqState
 from ftserve_kernels.attention_common import AttnKernelConfig
 from ftserve_kernels.config import KernelConfig
-from tools.bench_common import (
+from tools.bench.common import (
     decode_step_bytes,
     gpu_kernel_seconds,
     measure_copy_gbps,
@@ -55,7 +56,9 @@ from tools.bench_common import (
     start_run,
     write_json,
 )
-from tools.decode_variants import (
+from tools.bench.engine_driver import build
+from tools.bench.engine_measure import bench_decode, prefill_base, prime_graph
+from tools.bench.variants import (
     Variant,
     backend_for,
     combine_best,
@@ -65,8 +68,6 @@ from tools.decode_variants import (
     select_variants,
     should_skip,
 )
-from tools.engine_driver import EngineDriver, build
-from tools.engine_measure import bench_decode, prefill_base, prime_graph
 
 TOP_KERNELS = 12
 # A batch-1 greedy decode graph starts with the inputs launch and ends with
@@ -372,7 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--budget-s", type=float, default=None, help="whole-run limit (default 120; smoke 60)")
     p.add_argument("--only", default="", help="comma-separated variants (baseline always runs): names from "
-                   "tools/decode_variants.default_variants, or ad hoc 'attn decode_block_n=128 decode_warps=8' "
+                   "tools/bench/variants.default_variants, or ad hoc 'attn decode_block_n=128 decode_warps=8' "
                    "(AttnKernelConfig fields) / 'kernels gemv_entries=KEY@T=BN.BK.W.S' (KernelConfig fields)")
     p.add_argument("--min-gain", type=float, default=0.01,
                    help="a knob joins the combination when its replay beats the baseline by this fraction")

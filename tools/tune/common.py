@@ -1,4 +1,4 @@
-"""The harness the kernel tuners share (tools/tune_moe, tools/tune_gemv).
+"""The harness the kernel tuners share (tools/tune/moe, tools/tune/gemv).
 
 A run has a deadline and a progress log, and owns one per-device JSON table
 ({"configs", "timings", "meta"}) that it rewrites whole after every result, so

@@ -1,6 +1,6 @@
 """Which GEMV launch configs the tuner tries, and why.
 
-The problems tools/tune_gemv tunes (``Problem``, ``PROBLEMS``) and, for each,
+The problems tools/tune/gemv tunes (``Problem``, ``PROBLEMS``) and, for each,
 the pruned candidate space: static pruning (``fits``: registers, shared memory,
 tile size, unrolled K steps, enough programs for the SMs), the round robin over
 tile shapes nearest the default (``candidates``), and the warps / stages
@@ -18,7 +18,7 @@ import triton
 
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels.gemv_configs import GemvConfig
-from tools.tune_common import SMEM_LIMIT, round_robin
+from tools.tune.common import SMEM_LIMIT, round_robin
 
 
 @dataclass(frozen=True)

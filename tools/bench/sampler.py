@@ -1,7 +1,7 @@
 """The sampler's device time per decode step, by stage set, in CUDA graphs
 (what a decode graph replays after the lm_head). CUDA only.
 
-    python -m tools.bench_sampler --out bench_sampler.json
+    python -m tools.bench.sampler --out bench_sampler.json
 
 The engine captures a graph per batch size for each stage set in
 ``cuda_graph.SAMPLER_VARIANTS`` and replays the smallest that covers the

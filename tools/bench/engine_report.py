@@ -1,11 +1,11 @@
 """The markdown section (for BENCHMARKS.md) and the issue 5 target checks
-for a tools/bench_engine.py result dict."""
+for a tools/bench/engine.py result dict."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from tools.bench_common import markdown_table
+from tools.bench.common import markdown_table
 
 
 def render_markdown(res: dict[str, Any]) -> str:
@@ -16,7 +16,7 @@ def render_markdown(res: dict[str, Any]) -> str:
            f"-- {m.get('gpu')}, {m['date_utc']}",
            f"torch {m['torch']}, triton {m.get('triton')}; attention {eng.get('attention_backend')}, "
            f"CUDA graphs for batch sizes {eng.get('cuda_graph_batch_sizes')}; "
-           f"reproduce: `python -m tools.bench_engine --out bench_engine.json`", ""]
+           f"reproduce: `python -m tools.bench.engine --out bench_engine.json`", ""]
     lim = res.get("limits") or {}
     mm = (lim.get("matmul") or {}).get("tflops")
     bw = (lim.get("copy") or {}).get("gbps_read_plus_write")

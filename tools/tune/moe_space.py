@@ -1,6 +1,6 @@
 """Which fused-MoE tiles the tuner tries, and how it picks the winner.
 
-The pruned tile space of tools/tune_moe: static pruning (``fits``: shared
+The pruned tile space of tools/tune/moe: static pruning (``fits``: shared
 memory, accumulator registers, tile size, pipeline depth), the row tiles worth
 trying for the routing (``block_ms``), the round robin over tile shapes
 (``candidates``) and group_m refinements, the moe_align chunk sizes that change
@@ -17,7 +17,7 @@ from typing import Any
 
 from ftserve_kernels import moe_align_triton as ma
 from ftserve_kernels.moe_configs import MoeConfig
-from tools.tune_common import SMEM_LIMIT, round_robin
+from tools.tune.common import SMEM_LIMIT, round_robin
 
 MAX_ACC_REGS = 128  # fp32 accumulator registers per thread past which Triton spills
 BLOCK_NS = (64, 128, 256)

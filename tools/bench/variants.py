@@ -1,7 +1,7 @@
-"""The variant model of tools/bench_decode_variants: which batch-1 decode
+"""The variant model of tools/bench/decode_variants: which batch-1 decode
 kernel variants there are, how a run's rows are ranked and combined, and the
 markdown table. No GPU here (tests/test_bench_decode_variants.py runs it on
-the CPU); the measurement loop lives in tools/bench_decode_variants.py.
+the CPU); the measurement loop lives in tools/bench/decode_variants.py.
 
 A variant replaces fields of the engine's KernelConfig
 (ftserve_kernels/config.py: PDL on or off, GEMV launches laid over the table)
@@ -17,7 +17,7 @@ from typing import Any
 
 from ftserve_kernels.attention_common import AttnKernelConfig
 from ftserve_kernels.config import KernelConfig
-from tools.bench_common import markdown_table
+from tools.bench.common import markdown_table
 
 # The KernelConfig fields a variant may set (backend is the engine's device's).
 KERNEL_FIELDS = ("pdl", "gemv_entries")

@@ -7,7 +7,7 @@ runs them and again without overlap, against the HBM roofline of the bytes a
 step reads; plus the CUDA-graph replay alone and a host-side profile.
 
 Every timed region is bracketed by torch.cuda.synchronize and CUDA events
-(bench_common.timed). Used by tools/bench_engine.py, bench_decode_variants.py
+(bench_common.timed). Used by tools/bench/engine.py, bench_decode_variants.py
 and bench_kv_tiers.py.
 """
 
@@ -20,18 +20,18 @@ from typing import Any
 import torch
 
 from ftserve.engine.cuda_graph import DecodeGraphs
+from ftserve.engine.driver import EngineDriver
 from ftserve.engine.request import ReqState
 from ftserve.engine.sampler import SamplerFeatures
 from ftserve.engine.sampling_params import SamplingParams
 from ftserve.engine.scheduler import ScheduledBatch
-from tools.bench_common import (
+from tools.bench.common import (
     decode_step_bytes,
     gpu_kernel_seconds,
     prefill_flops,
     say,
     timed,
 )
-from tools.engine_driver import EngineDriver
 
 # ----------------------------------------------------------------- prefill
 

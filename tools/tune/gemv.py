@@ -1,6 +1,6 @@
 """Tune the decode GEMV kernels' launches on this GPU; write the table gemv_configs loads.
 
-    python -m tools.tune_gemv --out DIR --budget-s 90
+    python -m tools.tune.gemv --out DIR --budget-s 90
 
 Problems (qwen3-30b-a3b decode; gemv_configs names the kernel of each kind):
 the MoE gate/up and down + combine GEMVs (E=128, k=8, H=2048, I=768), the qkv
@@ -19,10 +19,10 @@ lm_head (2048 -> 151936) only with budget to spare. For each token count T
    that has been measured in the whole decode step.
 
 Times are CUDA-graph replays (as decode runs) cycling over enough distinct
-weights (tools/bench_decode_layer: 160 MB; the MoE over routings to distinct
+weights (tools/bench/decode_layer: 160 MB; the MoE over routings to distinct
 experts) that weights stream from HBM, not from an L2 warmed by the last call.
 Rates are weight bytes / time, also as % of the device copy rate (read + write,
-tools/bench_common) measured in the same run; the dense rows also time cuBLAS
+tools/bench/common) measured in the same run; the dense rows also time cuBLAS
 F.linear on the same input.
 
 Budget: every (problem, T) gets an equal share of the time left (a share it
@@ -52,11 +52,11 @@ from ftserve_kernels import moe_down_gemv_triton as md
 from ftserve_kernels import moe_gemv_triton as mg
 from ftserve_kernels.gemv_configs import GemvConfig
 from ftserve_kernels.moe import fused_moe_ref, route_topk_ref
-from tools.bench_common import measure_copy_gbps, median_time
-from tools.bench_decode_layer import copies, rotate
-from tools.bench_kernels import bench_graph
-from tools.tune_common import Sweep, TuneRun, attempt_until, check_close, us
-from tools.tune_gemv_space import (  # noqa: F401  (re-exported names)
+from tools.bench.common import measure_copy_gbps, median_time
+from tools.bench.decode_layer import copies, rotate
+from tools.bench.kernels import bench_graph
+from tools.tune.common import Sweep, TuneRun, attempt_until, check_close, us
+from tools.tune.gemv_space import (  # noqa: F401  (re-exported names)
     CAP,
     PIPELINED,
     PROBLEMS,

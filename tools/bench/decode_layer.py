@@ -2,7 +2,7 @@
 launches they replace, as CUDA-graph replay times and fractions of the device
 copy bandwidth measured in the same run (issue 5).
 
-Usage (CUDA only): python -m tools.bench_decode_layer --out bench_decode_layer.json
+Usage (CUDA only): python -m tools.bench.decode_layer --out bench_decode_layer.json
 
 Rows (each checked against its unfused twin before it is timed):
   route   fused_add_rms_norm + router F.linear + route_topk   vs  add_norm_route (one launch)
@@ -32,7 +32,7 @@ from ftserve_kernels import gemv_triton as gv
 from ftserve_kernels import moe_gemv_triton as mg
 from ftserve_kernels import moe_triton as mt
 from ftserve_kernels import norm_triton as nt
-from tools.kernel_bench_harness import bench, bench_graph, rel_err
+from tools.bench.kernel_harness import bench, bench_graph, rel_err
 
 H, E, TOPK, INTER, QKV, Q, V = 2048, 128, 8, 768, 5120, 4096, 151_936
 OUT: dict[str, Any] = {"rows": {}, "failed": {}}

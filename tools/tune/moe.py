@@ -1,6 +1,6 @@
 """Tune the grouped-GEMM fused MoE tiles on this GPU; write the table moe_configs loads.
 
-    python -m tools.tune_moe --out DIR --budget-s 150
+    python -m tools.tune.moe --out DIR --budget-s 150
 
 For each shape (qwen3-30b-a3b first, mixtral-8x7b if the budget allows) and
 each token count T (most important first), with realistic routing
@@ -47,8 +47,8 @@ from ftserve_kernels.moe_configs import (
     shape_key,
     table_file_name,
 )
-from tools.bench_common import median_time
-from tools.tune_common import (  # noqa: F401  (SMEM_LIMIT: re-exported)
+from tools.bench.common import median_time
+from tools.tune.common import (  # noqa: F401  (SMEM_LIMIT: re-exported)
     SMEM_LIMIT,
     Sweep,
     TuneRun,
@@ -56,7 +56,7 @@ from tools.tune_common import (  # noqa: F401  (SMEM_LIMIT: re-exported)
     check_close,
     us,
 )
-from tools.tune_moe_space import (  # noqa: F401  (re-exported names)
+from tools.tune.moe_space import (  # noqa: F401  (re-exported names)
     ALIGN_CHUNKS,
     Tile,
     align_chunks,

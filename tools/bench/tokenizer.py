@@ -7,7 +7,7 @@ and tokenize it twice: from scratch, and through the incremental cache. Both mus
 the same ids (checked every turn). Uses the real v3 sentencepiece tokenizer shipped in
 mistral-common.
 
-    OMP_NUM_THREADS=1 python tools/bench_tokenizer.py [--target-tokens 170000] [--turn-tokens 2000]
+    OMP_NUM_THREADS=1 python tools/bench/tokenizer.py [--target-tokens 170000] [--turn-tokens 2000]
 """
 
 from __future__ import annotations

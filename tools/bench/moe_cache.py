@@ -1,8 +1,8 @@
 """MoE expert-cache benchmark (issue 6 item 9): offload mode against the PCIe
 bound and against resident mode, measured in the same run.
 
-    python -m tools.bench_moe_cache --out bench_moe_cache.json        # H200, < 4 min
-    python -m tools.bench_moe_cache --smoke --out /tmp/moe_smoke.json  # CPU, tiny-moe
+    python -m tools.bench.moe_cache --out bench_moe_cache.json        # H200, < 4 min
+    python -m tools.bench.moe_cache --smoke --out /tmp/moe_smoke.json  # CPU, tiny-moe
 
 qwen3-30b-a3b shapes (8 layers, 128 experts of 9.4 MB in bf16), dummy weights.
 Sections (each recorded, or its error recorded, in the JSON; the run goes on):
@@ -33,10 +33,11 @@ from typing import Any
 import torch
 
 from ftserve.config import EngineConfig
+from ftserve.engine.driver import EngineDriver
 from ftserve.engine.engine import Engine
 from ftserve.engine.request import ReqState
 from ftserve.moe.cache import ExpertCache
-from tools.bench_common import (
+from tools.bench.common import (
     gpu_kernel_seconds,
     measure_h2d_gbps,
     overlap_seconds,
@@ -46,8 +47,7 @@ from tools.bench_common import (
     sync,
     write_json,
 )
-from tools.bench_moe_cache_report import render, summarize
-from tools.engine_driver import EngineDriver
+from tools.bench.moe_cache_report import render, summarize
 
 MODES = ("resident", "offload", "offload_full")
 DECODE_SEED = 7000  # + batch size: every mode and variant decodes the same prompts

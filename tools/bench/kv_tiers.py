@@ -1,8 +1,8 @@
 """KV cache tiers benchmark (issue 7 item 5) at the qwen3-30b-a3b shape (8
 layers, dummy bf16 weights).
 
-    python -m tools.bench_kv_tiers --out bench_kv_tiers.json         # H200, < 3 min
-    python -m tools.bench_kv_tiers --smoke --out /tmp/kv_smoke.json  # CPU, tiny-moe
+    python -m tools.bench.kv_tiers --out bench_kv_tiers.json         # H200, < 3 min
+    python -m tools.bench.kv_tiers --smoke --out /tmp/kv_smoke.json  # CPU, tiny-moe
 
 A conversation of 8 turns x 16k tokens: turns 1-7 are prefilled turn by turn
 (each turn's prompt is the previous one plus 16k new tokens), then turn 8 (the
@@ -45,9 +45,10 @@ from typing import Any
 import torch
 
 from ftserve.config import EngineConfig
+from ftserve.engine.driver import EngineDriver
 from ftserve.engine.engine import Engine
 from ftserve.kvcache.host_tier import HostKVTier
-from tools.bench_common import (
+from tools.bench.common import (
     measure_h2d_gbps,
     run_section,
     say,
@@ -56,7 +57,6 @@ from tools.bench_common import (
     timed,
     write_json,
 )
-from tools.engine_driver import EngineDriver
 
 
 def build(args: argparse.Namespace, model_dir: str, device: torch.device, **kw: Any) -> Engine:
@@ -235,7 +235,7 @@ def decode_kv_dtype(args: argparse.Namespace, model_dir: str, device: torch.devi
     batch 1 decode reads the whole KV of every layer per token, so halving its
     bytes should show up as speed once attention dominates the step."""
     from ftserve.kvcache.pool import KVPool
-    from tools.engine_measure import bench_decode, prefill_base
+    from tools.bench.engine_measure import bench_decode, prefill_base
 
     rows: dict[str, Any] = {}
     kinds = args.kv_dtypes.split(",")

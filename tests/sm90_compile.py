@@ -1,7 +1,7 @@
 """Compile the decode-path GEMV kernels for Hopper (sm_90) without a GPU and
 report registers, spills and how the weight loads are issued.
 
-Usage: python -m tools.compile_decode_kernels  (prints one JSON line; run it
+Usage: python -m tests.sm90_compile  (prints one JSON line; run it
 without TRITON_INTERPRET). tests/test_kernels_moe.py runs it in a subprocess.
 
 The GEMV kernels stream weights with plain loads (not cp.async-pipelined), so

@@ -1,4 +1,4 @@
-"""Attention kernel benchmarks for tools/bench_kernels: paged extend (prefill)
+"""Attention kernel benchmarks for tools/bench/kernels: paged extend (prefill)
 against SDPA flash, split-K decode by CUDA-graph replay with a config sweep, and
 the KV store. Shapes: 32 q heads / 4 kv heads / head_dim 128, page 16.
 """
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ftserve_kernels import attention_triton as at
 from ftserve_kernels.paged_attention import paged_attention_ref
-from tools.kernel_bench_harness import (
+from tools.bench.kernel_harness import (
     HKV,
     HQ,
     PAGE,

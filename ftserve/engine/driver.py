@@ -1,21 +1,15 @@
-"""An engine driven step by step on the caller's thread, for benchmarks and tests.
-
-``build`` makes the engine every engine benchmark measures (dummy weights,
-16-token pages, CUDA graphs up to the largest decode batch); ``EngineDriver``
-steps its Scheduler + ModelRunner directly, so a timed region is exactly the
-steps the caller asks for. tools/engine_measure.py holds what is timed with it.
+"""The engine's step loop on the caller's thread: Scheduler + ModelRunner stepped
+one call at a time, with nothing in between. Benchmarks time exactly the steps
+they ask for with it (tools/bench/), and tests step through schedules with it.
+The server never uses it: EngineCore runs the same steps on its own thread.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import random
 import time
 
-import torch
-
-from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.engine.request import Req
 from ftserve.engine.runner import Launched
@@ -112,19 +106,3 @@ class EngineDriver:
         for req in list(self.sched.by_id.values()):
             self.sched.finish(req, "abort")
         self.sched.finished_reqs.clear()
-
-
-def build(args: argparse.Namespace, model_dir: str, device: torch.device) -> Engine:
-    """The benchmarked engine. ``args`` carries dtype, kv_tokens, chunk (the
-    prefill chunk), batches (decode batch sizes) and max_len, as
-    tools/bench_engine.parse_args sets them."""
-    from ftserve.engine.setup import build_engine
-
-    cfg = EngineConfig(
-        model=model_dir, load_format="dummy", dtype=args.dtype, device=str(device),
-        page_size=16, kv_cache_tokens=args.kv_tokens, max_prefill_length=args.chunk,
-        max_running_requests=max(args.batches), cuda_graph_max_bs=max(args.batches),
-        attention_backend="auto", status_log_interval=0.0, max_model_len=args.max_len,
-    )
-    return build_engine(cfg)
-

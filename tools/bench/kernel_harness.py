@@ -1,4 +1,4 @@
-"""The harness under tools/bench_kernels: shapes, the shared results dict, timing
+"""The harness under tools/bench/kernels: shapes, the shared results dict, timing
 (eager median and CUDA-graph replay), output checks, and the limits every kernel
 is read against.
 

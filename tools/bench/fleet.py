@@ -7,10 +7,10 @@ one-GPU box serves), and, after flushing replica-0's prefix cache, through the r
 H200s is >= 1.8x the requests/s with the cache-hit ratio within 5% (docs/scaling.md).
 
     # on a 2-GPU machine: qwen3-30b-a3b shape cut to 8 layers, dummy weights
-    python -m tools.bench_fleet --devices 0,1 --preset qwen3-30b-a3b --layers 8 \\
+    python -m tools.bench.fleet --devices 0,1 --preset qwen3-30b-a3b --layers 8 \\
         --duration 120 --sessions 16 --out OUT
     # on the CPU (the embedded demo model), to check the script
-    python -m tools.bench_fleet --replicas 2 --duration 10 --sessions 4 --out OUT \\
+    python -m tools.bench.fleet --replicas 2 --duration 10 --sessions 4 --out OUT \\
         -- --device cpu --max-model-len 2048 --cuda-graph-max-bs 0
 
 Flags after ``--`` go to ``ftserve fleet`` (serve flags: every replica's). Everything
@@ -35,7 +35,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from tools.bench_common import markdown_table
+from tools.bench.common import markdown_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _REPLICA_LINE = re.compile(r"^\s+(replica-\d+)\s+(http://\S+)\s.*\bpid (\d+)")
@@ -136,7 +136,7 @@ def render_markdown(res: dict[str, Any]) -> str:
     r = res["ratios"]
     return "\n".join([
         f"### {n} replicas behind sglang-router vs one replica -- {res['where']}, {res['date_utc']}",
-        f"reproduce: `python -m tools.bench_fleet {shlex.join(res['argv'])}`", "",
+        f"reproduce: `python -m tools.bench.fleet {shlex.join(res['argv'])}`", "",
         markdown_table(["setup", "requests", "failed", "req/s", "output tok/s", "cache hit",
                         "median TTFT ms", "session affinity"], rows), "",
         f"requests/s {r['request_throughput']:.2f}x one replica (target >= 1.8x for 2); cache-hit "
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, fleet_extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(prog="python -m tools.bench_fleet", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.bench.fleet", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--devices", default=None, help="CUDA devices, one replica each")

@@ -9,8 +9,8 @@ cudaMemcpy's pinned host->device rate measured in the same run:
   parameters, at batch 1 with 3 of the 8 chosen experts missing; GB/s = the
   missed experts' bytes of that kernel / its time (the hits' HBM reads ride along).
 
-Usage (CUDA): python -m tools.sweep_uva --out sweep_uva.json [--budget-s 90]
-       (CPU):  python -m tools.sweep_uva --smoke   (tiny shapes, interpreter: a code check only)
+Usage (CUDA): python -m tools.bench.sweep_uva --out sweep_uva.json [--budget-s 90]
+       (CPU):  python -m tools.bench.sweep_uva --smoke   (tiny shapes, interpreter: a code check only)
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tools.bench_common import markdown_table, measure_h2d_gbps, median_time, say, write_json
+from tools.bench.common import markdown_table, measure_h2d_gbps, median_time, say, write_json
 
 H, INTER, EXPERTS, TOP_K, MISSES = 2048, 768, 128, 8, 3
 
