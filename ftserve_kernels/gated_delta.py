@@ -185,8 +185,9 @@ def conv_prefill(
     for b in range(len(seq_bounds) - 1):
         lo, hi = seq_bounds[b], seq_bounds[b + 1]
         ext = torch.cat([start[b], x[lo:hi].t()], dim=1)  # [C, K-1+L]
-        y = F.conv1d(ext[None].to(w.dtype), w[:, None, :], groups=w.shape[0])[0]  # [C, L]
-        out[lo:hi] = F.silu(y).t().to(x.dtype)
+        if hi > lo:  # an empty sequence (padding) only keeps its window
+            y = F.conv1d(ext[None].to(w.dtype), w[:, None, :], groups=w.shape[0])[0]  # [C, L]
+            out[lo:hi] = F.silu(y).t().to(x.dtype)
         conv_states.index_copy_(0, slots[b : b + 1], ext[None, :, ext.shape[1] - width:].to(conv_states.dtype))
     return out
 

@@ -1,0 +1,445 @@
+"""Gated DeltaNet in Triton: the four entry points of ftserve_kernels/gated_delta.py
+(its torch reference twins, and the math) with the same signatures.
+
+Decode (one token per sequence) is one launch each for the conv and the rule,
+fixed shapes, state read and written in place in its pool slot by index: no
+gather / scatter copies, no host data, nothing that syncs; capturable.
+
+    conv_decode          grid (B, C / BLOCK_C)
+    gated_delta_decode   grid (B, Hv, dv / BLOCK_V): S [dk, BLOCK_V] of one slot in
+                         registers, decayed, delta-updated, read by q, written back
+
+Prefill of packed sequences (device ``cu_seqlens``; the host ``seq_bounds`` only
+size the grids) is two launches for the conv and two for the rule:
+
+    conv_prefill         grid (B, max_len / BLOCK_T, C / BLOCK_C), then the
+                         state update grid (B, C / BLOCK_C) (a separate launch:
+                         the first one still reads the old window)
+    chunk_local          grid (chunks, Hv), every chunk of every sequence at once:
+                         A = strictly-lower (beta k k^T * D), Tinv = (I + A)^-1,
+                         Aqk = causal (q k^T * D)           -> scratch [chunks, Hv, C, C]
+    chunk_scan           grid (B, Hv, dv / BLOCK_V), serial over one sequence's chunks:
+                         U = Tinv (beta v - beta gamma k S), O = gamma q S + Aqk U,
+                         S = gamma_C S + (gamma_C / gamma k)^T U; S starts in and
+                         ends in the sequence's slot
+
+Chunk c of the packed batch is chunk j of sequence b when the chunks of the
+sequences before b number c - j: programs find (b, j) by a scan over cu_seqlens
+(a handful of scalar loads), so the chunk grid may also be a bound (programs
+past the last chunk store nothing that is read).
+
+The inverse: (I + A) = D (I + N) with D = I + A's 16x16 diagonal blocks and
+N = D^-1 (A's blocks below them). Each diagonal block is inverted by forward
+substitution (16 rows, the four blocks side by side), then, N being nilpotent
+of block order 4, (I + A)^-1 = (I - N + N^2 - N^3) D^-1: the same products a
+blocked forward substitution forms, as four 64x64 matmuls. Those run in
+tf32x3 (about fp32); the other matmuls take their operands in the input dtype
+(bf16 for a bf16 model) with fp32 accumulation, and the state S stays fp32.
+
+Padding rows of a partial chunk load as k = q = v = 0, beta = g = 0, as the
+reference pads: they change neither S nor the decay, and their outputs are not
+stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ftserve_kernels.gated_delta import CHUNK, L2_EPS
+
+SUB = 16  # diagonal block of the triangular inverse (tl.dot's smallest tile)
+assert CHUNK == 4 * SUB, "the inverse's Neumann series has exactly four block terms"
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _block(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def decode_block_v(batch: int, heads: int, dv: int, sms: int = 132) -> int:
+    """Columns of S per decode program: the widest that still gives every SM two
+    programs (a memory-bound kernel wants bytes in flight on every SM)."""
+    bv = min(_block(dv), 64)
+    while bv > 16 and batch * heads * triton.cdiv(dv, bv) < 2 * sms:
+        bv //= 2
+    return bv
+
+
+# ------------------------------------------------------------------ conv
+
+
+@triton.jit
+def _flag(ptr, lanes):
+    """A bool loaded once per lane of ``lanes`` (an index vector): a vector, not a
+    scalar, so that it ands into vector masks (the interpreter cannot broadcast
+    a loaded scalar bool into a mask)."""
+    return tl.load(ptr + lanes * 0) != 0
+
+
+@triton.jit
+def _conv_decode_kernel(x_ptr, w_ptr, cs_ptr, slot_ptr, has_ptr, out_ptr,
+                        stride_xt, stride_ot, stride_cs, C,
+                        W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
+    b = tl.program_id(0)
+    oc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mc = oc < C
+    e = tl.arange(0, BLOCK_E)  # window position: [0, W) the state, W the new input
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    has = _flag(has_ptr + b, oc)
+    x = tl.load(x_ptr + b * stride_xt + oc, mask=mc, other=0.0)
+    st_ptr = cs_ptr + slot * stride_cs + oc[:, None] * W + e[None, :]  # [BLOCK_C, BLOCK_E]
+    old = tl.load(st_ptr, mask=(mc & has)[:, None] & (e < W)[None, :], other=0.0)
+    win = tl.where((e == W)[None, :], x[:, None], old.to(x.dtype))  # the reference's ext, in x's dtype
+    w = tl.load(w_ptr + oc[:, None] * (W + 1) + e[None, :], mask=mc[:, None] & (e <= W)[None, :], other=0.0)
+    y = tl.sum(win.to(tl.float32) * w.to(tl.float32), 1)
+    tl.store(out_ptr + b * stride_ot + oc, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty), mask=mc)
+    # The window shifts by one: position e moves to e - 1. Other threads read the
+    # old window above; the barrier keeps every read before any write.
+    tl.debug_barrier()
+    tl.store(st_ptr - 1, win.to(cs_ptr.dtype.element_ty), mask=mc[:, None] & (e >= 1)[None, :] & (e <= W)[None, :])
+
+
+@triton.jit
+def _conv_prefill_kernel(x_ptr, w_ptr, cs_ptr, slot_ptr, has_ptr, cu_ptr, out_ptr,
+                         stride_xt, stride_ot, stride_cs, C,
+                         W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    n = tl.program_id(0)
+    lo = tl.load(cu_ptr + n).to(tl.int64)
+    hi = tl.load(cu_ptr + n + 1).to(tl.int64)
+    t = lo + tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mt = t < hi
+    oc = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mc = oc < C
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    has = _flag(has_ptr + n, oc)
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(W + 1):
+        # Tap j of token t reads window position (t - lo) + j: the sequence's
+        # token t - W + j, or before the sequence's start its conv state.
+        src = t - W + j
+        in_x = src >= lo
+        m = mt[:, None] & mc[None, :]
+        xv = tl.load(x_ptr + src[:, None] * stride_xt + oc[None, :], mask=m & in_x[:, None], other=0.0)
+        sv = tl.load(cs_ptr + slot * stride_cs + oc[None, :] * W + (t - lo + j)[:, None],
+                     mask=m & (~in_x)[:, None] & has[None, :], other=0.0)
+        val = tl.where(in_x[:, None], xv, sv.to(xv.dtype)).to(tl.float32)
+        wj = tl.load(w_ptr + oc * (W + 1) + j, mask=mc, other=0.0).to(tl.float32)
+        acc += val * wj[None, :]
+    out = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + t[:, None] * stride_ot + oc[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mt[:, None] & mc[None, :])
+
+
+@triton.jit
+def _conv_state_kernel(x_ptr, cs_ptr, slot_ptr, has_ptr, cu_ptr, stride_xt, stride_cs, C,
+                       W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The last W window positions of [old state | the sequence's tokens] become the state."""
+    n = tl.program_id(0)
+    lo = tl.load(cu_ptr + n).to(tl.int64)
+    hi = tl.load(cu_ptr + n + 1).to(tl.int64)
+    oc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mc = oc < C
+    e = tl.arange(0, BLOCK_W)
+    me = e < W
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    has = _flag(has_ptr + n, oc)
+    pos = (hi - lo) + e  # window position of new state entry e
+    in_x = pos >= W
+    m = mc[:, None] & me[None, :]
+    xv = tl.load(x_ptr + (lo + pos - W)[None, :] * stride_xt + oc[:, None], mask=m & in_x[None, :], other=0.0)
+    st_ptr = cs_ptr + slot * stride_cs + oc[:, None] * W
+    sv = tl.load(st_ptr + pos[None, :], mask=m & (~in_x)[None, :] & has[:, None], other=0.0)
+    val = tl.where(in_x[None, :], xv, sv.to(xv.dtype)).to(cs_ptr.dtype.element_ty)
+    tl.debug_barrier()  # a short sequence moves old entries within the same row
+    tl.store(st_ptr + e[None, :], val, mask=m)
+
+
+# ------------------------------------------------------------------ the rule, decode
+
+
+@triton.jit
+def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr, slot_ptr, has_ptr,
+                       stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ot, stride_ss,
+                       scale, eps,
+                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // (HV // HK)
+    ok = tl.arange(0, BLOCK_K)
+    ov = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk = ok < DK
+    mv = ov < DV
+    q = tl.load(q_ptr + b * stride_qt + kh * DK + ok, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b * stride_kt + kh * DK + ok, mask=mk, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q) + eps) * scale
+    k = k * tl.rsqrt(tl.sum(k * k) + eps)
+    v = tl.load(v_ptr + b * stride_vt + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + b * stride_gt + h).to(tl.float32)
+    beta = tl.load(beta_ptr + b * stride_bt + h).to(tl.float32)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    has = _flag(has_ptr + b, ov)
+    ms = mk[:, None] & mv[None, :]
+    sp = s_ptr + slot * stride_ss + h * (DK * DV) + ok[:, None] * DV + ov[None, :]
+    s = tl.load(sp, mask=ms & has[None, :], other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
+    s = s * tl.exp(g)
+    u = (v - tl.sum(k[:, None] * s, 0)) * beta  # what S already says for k, corrected
+    s = s + k[:, None] * u[None, :]
+    o = tl.sum(q[:, None] * s, 0)
+    tl.store(o_ptr + b * stride_ot + h * DV + ov, o.to(o_ptr.dtype.element_ty), mask=mv)
+    tl.store(sp, s.to(s_ptr.dtype.element_ty), mask=ms)
+
+
+# ------------------------------------------------------------------ the rule, chunked prefill
+
+
+@triton.jit
+def _find_chunk(cu_ptr, N, c, C: tl.constexpr):
+    """Chunk c of the packed batch -> (its sequence or -1, its index there)."""
+    seq = -1
+    first = 0
+    acc = 0
+    for m in range(0, N):
+        cnt = (tl.load(cu_ptr + m + 1) - tl.load(cu_ptr + m) + C - 1) // C
+        hit = (c >= acc) & (c < acc + cnt)
+        seq = tl.where(hit, m, seq)
+        first = tl.where(hit, acc, first)
+        acc += cnt
+    return seq, c - first
+
+
+@triton.jit
+def _load_normed(ptr, t, mt, stride_t, head, scale, eps, DK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows t of one key head, L2-normalized in fp32 and scaled: [len(t), BLOCK_K]."""
+    ok = tl.arange(0, BLOCK_K)
+    x = tl.load(ptr + t[:, None] * stride_t + head * DK + ok[None, :],
+                mask=mt[:, None] & (ok < DK)[None, :], other=0.0).to(tl.float32)
+    return x * (tl.rsqrt(tl.sum(x * x, 1) + eps) * scale)[:, None]
+
+
+@triton.jit
+def _chunk_local_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, tinv_ptr, aqk_ptr, N,
+                        stride_qt, stride_kt, stride_gt, stride_bt, scale, eps,
+                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, BLOCK_K: tl.constexpr,
+                        C: tl.constexpr, SB: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // (HV // HK)
+    seq, j = _find_chunk(cu_ptr, N, c, C)
+    hi = tl.load(cu_ptr + tl.maximum(seq, 0) + 1).to(tl.int64)
+    hi = tl.where(seq >= 0, hi, 0)  # past the last chunk: no rows
+    r = tl.arange(0, C)
+    t = tl.load(cu_ptr + tl.maximum(seq, 0)).to(tl.int64) + j * C + r
+    mt = t < hi
+    k = _load_normed(k_ptr, t, mt, stride_kt, kh, 1.0, eps, DK, BLOCK_K)
+    kd = k.to(q_ptr.dtype.element_ty)
+    g = tl.load(g_ptr + t * stride_gt + h, mask=mt, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + t * stride_bt + h, mask=mt, other=0.0).to(tl.float32)
+    cum = tl.cumsum(g, 0)  # log gamma_t within the chunk
+    lower = r[:, None] > r[None, :]
+    causal = r[:, None] >= r[None, :]
+    diff = cum[:, None] - cum[None, :]  # log D[t, s]; masked before exp (s > t would overflow)
+    a = tl.dot(kd, tl.trans(kd))
+    a = tl.where(lower, a * beta[:, None] * tl.exp(tl.where(lower, diff, 0.0)), 0.0)  # [C, C]
+    q = _load_normed(q_ptr, t, mt, stride_qt, kh, scale, eps, DK, BLOCK_K).to(q_ptr.dtype.element_ty)
+    aqk = tl.where(causal, tl.dot(q, tl.trans(kd)) * tl.exp(tl.where(causal, diff, 0.0)), 0.0)
+    tile = ((c * HV + h) * C + r[:, None]).to(tl.int64) * C + r[None, :]
+    tl.store(aqk_ptr + tile, aqk)
+
+    # Diagonal blocks of (I + A)^-1 by forward substitution, the C / SB blocks side by
+    # side: row i of a block is e_i - sum_{s<i} A[i, s] X[s, :], its rows above final.
+    tl.store(tinv_ptr + tile, a)
+    tl.debug_barrier()  # rows are read back by other threads
+    nb: tl.constexpr = C // SB
+    bi = tl.arange(0, nb)
+    si = tl.arange(0, SB)
+    # block b's row i, column s is A[b SB + i, b SB + s]
+    blk = tinv_ptr + ((c * HV + h) * C).to(tl.int64) * C + bi * (SB * (C + 1))  # [nb]
+    eye = (si[:, None] == si[None, :]).to(tl.float32)
+    x = tl.zeros([nb, SB, SB], dtype=tl.float32) + eye[None, :, :]
+    for i in range(1, SB):
+        row = tl.load(blk[:, None] + i * C + si[None, :])  # [nb, SB]: A[i, s], zero for s >= i
+        new = tl.where(si[None, :] == i, 1.0, 0.0) - tl.sum(row[:, :, None] * x, 1)  # [nb, SB]
+        x = tl.where((si == i)[None, :, None], new[:, None, :], x)
+    tl.debug_barrier()  # all rows read before the blocks are overwritten
+    tl.store(blk[:, None, None] + si[None, :, None] * C + si[None, None, :], x)
+    tl.debug_barrier()
+    same = (r // SB)[:, None] == (r // SB)[None, :]
+    dinv = tl.load(tinv_ptr + tile, mask=same, other=0.0)  # block diagonal, [C, C]
+    below = tl.where((r // SB)[:, None] > (r // SB)[None, :], a, 0.0)
+    nil = tl.dot(dinv, below, input_precision="tf32x3")
+    nil2 = tl.dot(nil, nil, input_precision="tf32x3")
+    nil3 = tl.dot(nil2, nil, input_precision="tf32x3")
+    series = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - nil + nil2 - nil3
+    tinv = tl.dot(series, dinv, input_precision="tf32x3")
+    tl.debug_barrier()  # the block-diagonal load above completes everywhere first
+    tl.store(tinv_ptr + tile, tinv)
+
+
+@triton.jit
+def _chunk_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr, slot_ptr, has_ptr, cu_ptr,
+                       tinv_ptr, aqk_ptr,
+                       stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ot, stride_ss,
+                       scale, eps,
+                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // (HV // HK)
+    dt = q_ptr.dtype.element_ty
+    base = 0  # chunks of the sequences before this one
+    for m in range(0, n):
+        base += (tl.load(cu_ptr + m + 1) - tl.load(cu_ptr + m) + C - 1) // C
+    lo = tl.load(cu_ptr + n).to(tl.int64)
+    hi = tl.load(cu_ptr + n + 1).to(tl.int64)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    ok = tl.arange(0, BLOCK_K)
+    ov = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    has = _flag(has_ptr + n, ov)
+    mk = ok < DK
+    mv = ov < DV
+    ms = mk[:, None] & mv[None, :]
+    sp = s_ptr + slot * stride_ss + h * (DK * DV) + ok[:, None] * DV + ov[None, :]
+    s = tl.load(sp, mask=ms & has[None, :], other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
+    r = tl.arange(0, C)
+    for j in range(0, tl.cdiv(hi - lo, C).to(tl.int32)):
+        t = lo + j * C + r
+        mt = t < hi
+        k = _load_normed(k_ptr, t, mt, stride_kt, kh, 1.0, eps, DK, BLOCK_K)
+        q = _load_normed(q_ptr, t, mt, stride_qt, kh, scale, eps, DK, BLOCK_K).to(dt)
+        v = tl.load(v_ptr + t[:, None] * stride_vt + h * DV + ov[None, :], mask=mt[:, None] & mv[None, :],
+                    other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * stride_gt + h, mask=mt, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + t * stride_bt + h, mask=mt, other=0.0).to(tl.float32)
+        cum = tl.cumsum(g, 0)
+        last = tl.sum(g, 0)  # log gamma_C (padding rows add 0)
+        gamma = tl.exp(cum)
+        tile = (((base + j) * HV + h) * C + r[:, None]).to(tl.int64) * C + r[None, :]
+        tinv = tl.load(tinv_ptr + tile).to(dt)
+        aqk = tl.load(aqk_ptr + tile).to(dt)
+        sd = s.to(dt)
+        # U = Tinv (beta V - (beta gamma K) S): the chunk's corrected writes
+        x = beta[:, None] * v - (beta * gamma)[:, None] * tl.dot(k.to(dt), sd)
+        u = tl.dot(tinv, x.to(dt)).to(dt)  # [C, BLOCK_V]
+        o = gamma[:, None] * tl.dot(q, sd) + tl.dot(aqk, u)
+        tl.store(o_ptr + t[:, None] * stride_ot + h * DV + ov[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=mt[:, None] & mv[None, :])
+        k_end = (k * tl.exp(last - cum)[:, None]).to(dt)  # (gamma_C / gamma_s) k_s
+        s = s * tl.exp(last) + tl.dot(tl.trans(k_end), u)
+    tl.store(sp, s.to(s_ptr.dtype.element_ty), mask=ms)
+
+
+# ------------------------------------------------------------------ launchers
+
+
+def _device_bounds(seq_bounds: Sequence[int], cu_seqlens: torch.Tensor | None,
+                   device: torch.device) -> torch.Tensor:
+    """cu_seqlens as given (the batch's qo_indptr), else the host bounds sent with a
+    non-blocking copy (host to device: no sync)."""
+    if cu_seqlens is not None:
+        return cu_seqlens
+    return torch.tensor(list(seq_bounds), dtype=torch.int32).to(device, non_blocking=True)
+
+
+def _check_state(states: torch.Tensor, shape: tuple[int, ...]) -> None:
+    assert states.shape[1:] == shape, (states.shape, shape)
+    assert states.stride()[1:] == tuple(torch.empty(shape).stride()), "a slot's state must be contiguous"
+
+
+def conv_decode(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
+                has_state: torch.Tensor) -> torch.Tensor:
+    b, c = x.shape
+    width = w.shape[1] - 1
+    _check_state(conv_states, (c, width))
+    assert x.stride(1) == 1 and w.is_contiguous()
+    out = torch.empty((b, c), dtype=x.dtype, device=x.device)
+    block_c = min(triton.next_power_of_2(c), 256)
+    _conv_decode_kernel[(b, triton.cdiv(c, block_c))](
+        x, w, conv_states, slots, has_state, out, x.stride(0), out.stride(0), conv_states.stride(0), c,
+        W=width, BLOCK_E=triton.next_power_of_2(width + 1), BLOCK_C=block_c)
+    return out
+
+
+def conv_prefill(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
+                 has_state: torch.Tensor, seq_bounds: Sequence[int],
+                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    t, c = x.shape
+    width = w.shape[1] - 1
+    _check_state(conv_states, (c, width))
+    assert x.stride(1) == 1 and w.is_contiguous()
+    nseq = len(seq_bounds) - 1
+    cu = _device_bounds(seq_bounds, cu_seqlens, x.device)
+    out = torch.empty((t, c), dtype=x.dtype, device=x.device)
+    max_len = max((seq_bounds[i + 1] - seq_bounds[i] for i in range(nseq)), default=0)
+    if nseq == 0:
+        return out
+    block_t, block_c = 32, min(triton.next_power_of_2(c), 128)
+    if max_len > 0:
+        _conv_prefill_kernel[(nseq, triton.cdiv(max_len, block_t), triton.cdiv(c, block_c))](
+            x, w, conv_states, slots, has_state, cu, out, x.stride(0), out.stride(0), conv_states.stride(0), c,
+            W=width, BLOCK_T=block_t, BLOCK_C=block_c)
+    _conv_state_kernel[(nseq, triton.cdiv(c, block_c))](
+        x, conv_states, slots, has_state, cu, x.stride(0), conv_states.stride(0), c,
+        W=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_C=block_c)
+    return out
+
+
+def _rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, states: torch.Tensor) -> tuple[int, int, int, int]:
+    hk, dk = q.shape[-2:]
+    hv, dv = v.shape[-2:]
+    assert k.shape == q.shape and hv % hk == 0
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    assert q.stride(-2) == k.stride(-2) == dk and v.stride(-2) == dv, "heads must be packed in a row"
+    assert q.dtype == k.dtype and q.dtype in _TL_DTYPE
+    _check_state(states, (hv, dk, dv))
+    return hk, hv, dk, dv
+
+
+def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                       has_state: torch.Tensor, block_v: int | None = None) -> torch.Tensor:
+    hk, hv, dk, dv = _rule_args(q, k, v, g, beta, states)
+    b = q.shape[0]
+    o = torch.empty((b, hv, dv), dtype=v.dtype, device=v.device)
+    bv = block_v or decode_block_v(b, hv, dv)
+    _gdn_decode_kernel[(b, hv, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, o, states, slots, has_state,
+        q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), o.stride(0), states.stride(0),
+        dk**-0.5, L2_EPS, HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=_block(dk), BLOCK_V=bv,
+        num_warps=4 if bv * _block(dk) >= 4096 else 2)
+    return o
+
+
+def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                        has_state: torch.Tensor, seq_bounds: Sequence[int], chunk: int = CHUNK,
+                        cu_seqlens: torch.Tensor | None = None, block_v: int = 32) -> torch.Tensor:
+    assert chunk == CHUNK, "the Triton kernels are built for one chunk size"
+    hk, hv, dk, dv = _rule_args(q, k, v, g, beta, states)
+    nseq = len(seq_bounds) - 1
+    o = torch.empty((q.shape[0], hv, dv), dtype=v.dtype, device=v.device)
+    if nseq == 0:
+        return o
+    cu = _device_bounds(seq_bounds, cu_seqlens, q.device)
+    chunks = sum(triton.cdiv(seq_bounds[i + 1] - seq_bounds[i], CHUNK) for i in range(nseq))
+    scratch = torch.empty((2, max(chunks, 1), hv, CHUNK, CHUNK), dtype=torch.float32, device=q.device)
+    tinv, aqk = scratch[0], scratch[1]
+    bk = _block(dk)
+    if chunks:
+        _chunk_local_kernel[(chunks, hv)](
+            q, k, g, beta, cu, tinv, aqk, nseq,
+            q.stride(0), k.stride(0), g.stride(0), beta.stride(0), dk**-0.5, L2_EPS,
+            HK=hk, HV=hv, DK=dk, BLOCK_K=bk, C=CHUNK, SB=SUB, num_warps=8, num_stages=1)
+    bv = min(block_v, _block(dv))
+    _chunk_scan_kernel[(nseq, hv, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, o, states, slots, has_state, cu, tinv, aqk,
+        q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), o.stride(0), states.stride(0),
+        dk**-0.5, L2_EPS, HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=bk, BLOCK_V=bv, C=CHUNK,
+        num_warps=4, num_stages=2)
+    return o
