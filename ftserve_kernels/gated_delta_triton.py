@@ -34,7 +34,8 @@ substitution (16 rows, the four blocks side by side), then, N being nilpotent
 of block order 4, (I + A)^-1 = (I - N + N^2 - N^3) D^-1: the same products a
 blocked forward substitution forms, as four 64x64 matmuls. Those run in
 tf32x3 (about fp32); the other matmuls take their operands in the input dtype
-(bf16 for a bf16 model) with fp32 accumulation, and the state S stays fp32.
+(bf16 for a bf16 model) with fp32 accumulation (attention_common.mma: upcast under
+the interpreter, whose bf16 tl.dot is wrong), and the state S stays fp32.
 
 Padding rows of a partial chunk load as k = q = v = 0, beta = g = 0, as the
 reference pads: they change neither S nor the decay, and their outputs are not
@@ -49,16 +50,27 @@ import torch
 import triton
 import triton.language as tl
 
+from ftserve_kernels.attention_common import interpreting, mma
 from ftserve_kernels.gated_delta import CHUNK, L2_EPS
 
 SUB = 16  # diagonal block of the triangular inverse (tl.dot's smallest tile)
 assert CHUNK == 4 * SUB, "the inverse's Neumann series has exactly four block terms"
 
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # q, k: what the casts for tl.dot expect
+
+
+# Launch shapes (tests/test_kernels_sm90_compile.py compiles these for sm_90).
+LOCAL_WARPS = 8  # chunk_local: [C, C] fp32 tiles, four of them live across the inverse
+SCAN_BLOCK_V, SCAN_WARPS, SCAN_STAGES = 32, 4, 2  # chunk_scan: 4 V blocks x 32 heads = 128 programs
+CONV_BLOCK_T, CONV_BLOCK_C, CONV_DECODE_BLOCK_C = 16, 128, 256
 
 
 def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
+
+
+def decode_warps(block_k: int, block_v: int) -> int:
+    return 4 if block_k * block_v >= 4096 else 2
 
 
 def decode_block_v(batch: int, heads: int, dv: int, sms: int = 132) -> int:
@@ -109,30 +121,31 @@ def _conv_prefill_kernel(x_ptr, w_ptr, cs_ptr, slot_ptr, has_ptr, cu_ptr, out_pt
                          stride_xt, stride_ot, stride_cs, C,
                          W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     n = tl.program_id(0)
-    lo = tl.load(cu_ptr + n).to(tl.int64)
-    hi = tl.load(cu_ptr + n + 1).to(tl.int64)
-    t = lo + tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mt = t < hi
+    lo = tl.load(cu_ptr + n)
+    length = tl.load(cu_ptr + n + 1) - lo
+    # Offsets within one sequence fit in int32; the sequence's start is added as a
+    # scalar (64-bit pointer tiles would cost twice the registers).
+    x_seq = x_ptr + lo.to(tl.int64) * stride_xt
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # token within the sequence
     oc = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     mc = oc < C
+    m = (t < length)[:, None] & mc[None, :]
     slot = tl.load(slot_ptr + n).to(tl.int64)
     has = _flag(has_ptr + n, oc)
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(W + 1):
-        # Tap j of token t reads window position (t - lo) + j: the sequence's
-        # token t - W + j, or before the sequence's start its conv state.
-        src = t - W + j
-        in_x = src >= lo
-        m = mt[:, None] & mc[None, :]
-        xv = tl.load(x_ptr + src[:, None] * stride_xt + oc[None, :], mask=m & in_x[:, None], other=0.0)
-        sv = tl.load(cs_ptr + slot * stride_cs + oc[None, :] * W + (t - lo + j)[:, None],
+        # Tap j of token t reads window position t + j: the sequence's token
+        # t - W + j, or before the sequence's start its conv state.
+        in_x = t >= W - j
+        xv = tl.load(x_seq + (t - W + j)[:, None] * stride_xt + oc[None, :], mask=m & in_x[:, None], other=0.0)
+        sv = tl.load(cs_ptr + slot * stride_cs + oc[None, :] * W + (t + j)[:, None],
                      mask=m & (~in_x)[:, None] & has[None, :], other=0.0)
         val = tl.where(in_x[:, None], xv, sv.to(xv.dtype)).to(tl.float32)
         wj = tl.load(w_ptr + oc * (W + 1) + j, mask=mc, other=0.0).to(tl.float32)
         acc += val * wj[None, :]
     out = acc * tl.sigmoid(acc)
-    tl.store(out_ptr + t[:, None] * stride_ot + oc[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mt[:, None] & mc[None, :])
+    tl.store(out_ptr + lo.to(tl.int64) * stride_ot + t[:, None] * stride_ot + oc[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -226,7 +239,7 @@ def _load_normed(ptr, t, mt, stride_t, head, scale, eps, DK: tl.constexpr, BLOCK
 def _chunk_local_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, tinv_ptr, aqk_ptr, N,
                         stride_qt, stride_kt, stride_gt, stride_bt, scale, eps,
                         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, BLOCK_K: tl.constexpr,
-                        C: tl.constexpr, SB: tl.constexpr):
+                        C: tl.constexpr, SB: tl.constexpr, UPCAST: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // (HV // HK)
@@ -244,10 +257,10 @@ def _chunk_local_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, tinv_ptr, aqk_ptr
     lower = r[:, None] > r[None, :]
     causal = r[:, None] >= r[None, :]
     diff = cum[:, None] - cum[None, :]  # log D[t, s]; masked before exp (s > t would overflow)
-    a = tl.dot(kd, tl.trans(kd))
+    a = mma(kd, tl.trans(kd), UPCAST)
     a = tl.where(lower, a * beta[:, None] * tl.exp(tl.where(lower, diff, 0.0)), 0.0)  # [C, C]
     q = _load_normed(q_ptr, t, mt, stride_qt, kh, scale, eps, DK, BLOCK_K).to(q_ptr.dtype.element_ty)
-    aqk = tl.where(causal, tl.dot(q, tl.trans(kd)) * tl.exp(tl.where(causal, diff, 0.0)), 0.0)
+    aqk = tl.where(causal, mma(q, tl.trans(kd), UPCAST) * tl.exp(tl.where(causal, diff, 0.0)), 0.0)
     tile = ((c * HV + h) * C + r[:, None]).to(tl.int64) * C + r[None, :]
     tl.store(aqk_ptr + tile, aqk)
 
@@ -287,7 +300,8 @@ def _chunk_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr, slot_
                        stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ot, stride_ss,
                        scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr):
+                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
+                       UPCAST: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // (HV // HK)
@@ -317,20 +331,22 @@ def _chunk_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr, slot_
         g = tl.load(g_ptr + t * stride_gt + h, mask=mt, other=0.0).to(tl.float32)
         beta = tl.load(beta_ptr + t * stride_bt + h, mask=mt, other=0.0).to(tl.float32)
         cum = tl.cumsum(g, 0)
-        last = tl.sum(g, 0)  # log gamma_C (padding rows add 0)
+        # log gamma_C: the cumsum's own last entry (padding rows add exact zeros), not a
+        # separate sum, whose rounding would put exp(last - cum) of the last row off 1
+        last = tl.sum(tl.where(r == C - 1, cum, 0.0), 0)
         gamma = tl.exp(cum)
         tile = (((base + j) * HV + h) * C + r[:, None]).to(tl.int64) * C + r[None, :]
         tinv = tl.load(tinv_ptr + tile).to(dt)
         aqk = tl.load(aqk_ptr + tile).to(dt)
         sd = s.to(dt)
         # U = Tinv (beta V - (beta gamma K) S): the chunk's corrected writes
-        x = beta[:, None] * v - (beta * gamma)[:, None] * tl.dot(k.to(dt), sd)
-        u = tl.dot(tinv, x.to(dt)).to(dt)  # [C, BLOCK_V]
-        o = gamma[:, None] * tl.dot(q, sd) + tl.dot(aqk, u)
+        x = beta[:, None] * v - (beta * gamma)[:, None] * mma(k.to(dt), sd, UPCAST)
+        u = mma(tinv, x.to(dt), UPCAST).to(dt)  # [C, BLOCK_V]
+        o = gamma[:, None] * mma(q, sd, UPCAST) + mma(aqk, u, UPCAST)
         tl.store(o_ptr + t[:, None] * stride_ot + h * DV + ov[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=mt[:, None] & mv[None, :])
         k_end = (k * tl.exp(last - cum)[:, None]).to(dt)  # (gamma_C / gamma_s) k_s
-        s = s * tl.exp(last) + tl.dot(tl.trans(k_end), u)
+        s = mma(tl.trans(k_end), u, UPCAST) + s * tl.exp(last)
     tl.store(sp, s.to(s_ptr.dtype.element_ty), mask=ms)
 
 
@@ -358,7 +374,7 @@ def conv_decode(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slo
     _check_state(conv_states, (c, width))
     assert x.stride(1) == 1 and w.is_contiguous()
     out = torch.empty((b, c), dtype=x.dtype, device=x.device)
-    block_c = min(triton.next_power_of_2(c), 256)
+    block_c = min(triton.next_power_of_2(c), CONV_DECODE_BLOCK_C)
     _conv_decode_kernel[(b, triton.cdiv(c, block_c))](
         x, w, conv_states, slots, has_state, out, x.stride(0), out.stride(0), conv_states.stride(0), c,
         W=width, BLOCK_E=triton.next_power_of_2(width + 1), BLOCK_C=block_c)
@@ -378,7 +394,7 @@ def conv_prefill(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, sl
     max_len = max((seq_bounds[i + 1] - seq_bounds[i] for i in range(nseq)), default=0)
     if nseq == 0:
         return out
-    block_t, block_c = 32, min(triton.next_power_of_2(c), 128)
+    block_t, block_c = CONV_BLOCK_T, min(triton.next_power_of_2(c), CONV_BLOCK_C)
     if max_len > 0:
         _conv_prefill_kernel[(nseq, triton.cdiv(max_len, block_t), triton.cdiv(c, block_c))](
             x, w, conv_states, slots, has_state, cu, out, x.stride(0), out.stride(0), conv_states.stride(0), c,
@@ -396,7 +412,8 @@ def _rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     assert k.shape == q.shape and hv % hk == 0
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     assert q.stride(-2) == k.stride(-2) == dk and v.stride(-2) == dv, "heads must be packed in a row"
-    assert q.dtype == k.dtype and q.dtype in _TL_DTYPE
+    assert q.dtype == k.dtype and q.dtype in _DTYPES
+    assert g.stride(-1) == beta.stride(-1) == 1 and g.shape == beta.shape == v.shape[:-1]
     _check_state(states, (hv, dk, dv))
     return hk, hv, dk, dv
 
@@ -412,14 +429,14 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         q, k, v, g, beta, o, states, slots, has_state,
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), o.stride(0), states.stride(0),
         dk**-0.5, L2_EPS, HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=_block(dk), BLOCK_V=bv,
-        num_warps=4 if bv * _block(dk) >= 4096 else 2)
+        num_warps=decode_warps(_block(dk), bv))
     return o
 
 
 def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                         beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
                         has_state: torch.Tensor, seq_bounds: Sequence[int], chunk: int = CHUNK,
-                        cu_seqlens: torch.Tensor | None = None, block_v: int = 32) -> torch.Tensor:
+                        cu_seqlens: torch.Tensor | None = None, block_v: int = SCAN_BLOCK_V) -> torch.Tensor:
     assert chunk == CHUNK, "the Triton kernels are built for one chunk size"
     hk, hv, dk, dv = _rule_args(q, k, v, g, beta, states)
     nseq = len(seq_bounds) - 1
@@ -435,11 +452,12 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         _chunk_local_kernel[(chunks, hv)](
             q, k, g, beta, cu, tinv, aqk, nseq,
             q.stride(0), k.stride(0), g.stride(0), beta.stride(0), dk**-0.5, L2_EPS,
-            HK=hk, HV=hv, DK=dk, BLOCK_K=bk, C=CHUNK, SB=SUB, num_warps=8, num_stages=1)
+            HK=hk, HV=hv, DK=dk, BLOCK_K=bk, C=CHUNK, SB=SUB, UPCAST=interpreting(),
+            num_warps=LOCAL_WARPS, num_stages=1)
     bv = min(block_v, _block(dv))
     _chunk_scan_kernel[(nseq, hv, triton.cdiv(dv, bv))](
         q, k, v, g, beta, o, states, slots, has_state, cu, tinv, aqk,
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), o.stride(0), states.stride(0),
         dk**-0.5, L2_EPS, HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=bk, BLOCK_V=bv, C=CHUNK,
-        num_warps=4, num_stages=2)
+        UPCAST=interpreting(), num_warps=SCAN_WARPS, num_stages=SCAN_STAGES)
     return o

@@ -39,6 +39,9 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
         rows are read from a pinned pair (bookkeeping.StagedRows) instead of ``packed``
     embed_rms_norm(ids [T], embed [V, H], norm: InputNorm) -> (rows [T, H], normed [T, H]):
         the same row work for an eager decode step
+    gated_delta(t) -> the Gated DeltaNet entry points (conv_prefill, conv_decode,
+        gated_delta_prefill, gated_delta_decode; signatures in gated_delta.py) for
+        tensors like t: gated_delta_triton's kernels or the torch reference module
 
 Backends are imported once into a table (``_table``); the environment is read
 per call so tests can switch it. FTSERVE_DECODE_FUSION=0 turns the decode-sized
@@ -293,6 +296,17 @@ def embed_rms_norm(ids: torch.Tensor, embed: torch.Tensor, norm: Any) -> tuple[t
     if uses_triton(embed):
         return di.embed_rms_norm_triton(ids, embed, norm)
     return di.embed_rms_norm_ref(ids, embed, norm)
+
+
+def gated_delta(t: torch.Tensor) -> Any:
+    """The module whose four Gated DeltaNet functions run on tensors like ``t``."""
+    if uses_triton(t):
+        from ftserve_kernels import gated_delta_triton
+
+        return gated_delta_triton
+    from ftserve_kernels import gated_delta as gated_delta_ref
+
+    return gated_delta_ref
 
 
 def _gemv_for(x: torch.Tensor, kind: str) -> Callable[..., Any] | None:
