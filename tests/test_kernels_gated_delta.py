@@ -36,16 +36,15 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def _rule(n: int, dk: int, dv: int, seed: int, dtype: torch.dtype = torch.float32,
-          decay: float = 0.3) -> list[torch.Tensor]:
-    """Model-layout inputs: q, k [n, HK, dk], v [n, HV, dv] (q|k|v as column views of
-    one row, as the layer's split leaves them), g [n, HV] fp32, beta [n, HV]."""
+          decay: float = 0.3, hk: int = HK, hv: int = HV) -> list[torch.Tensor]:
+    """Model-layout inputs: q, k [n, hk, dk], v [n, hv, dv] (q|k|v as column views of
+    one row, as the layer's split leaves them), g [n, hv] fp32, beta [n, hv]."""
     g = _gen(seed)
-    mixed = torch.randn(n, 2 * HK * dk + HV * dv, generator=g).to(dtype)
-    q, k, v = mixed.split([HK * dk, HK * dk, HV * dv], dim=-1)
-    logdecay = -torch.rand(n, HV, generator=g) * decay
-    beta = torch.rand(n, HV, generator=g).to(dtype)
-    out = [q.reshape(n, HK, dk), k.reshape(n, HK, dk), v.reshape(n, HV, dv), logdecay, beta]
-    return [t.to(DEVICE) for t in out]
+    mixed = torch.randn(n, 2 * hk * dk + hv * dv, generator=g).to(dtype).to(DEVICE)
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    logdecay = (-torch.rand(n, hv, generator=g) * decay).to(DEVICE)
+    beta = torch.rand(n, hv, generator=g).to(dtype).to(DEVICE)
+    return [q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv), logdecay, beta]
 
 
 def _states(slots: int, *shape: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -195,3 +194,71 @@ def test_dispatch_picks_triton_on_request(monkeypatch: pytest.MonkeyPatch) -> No
     assert ops.gated_delta(x) is sys.modules["ftserve_kernels.gated_delta_triton"]
     monkeypatch.setenv("FTSERVE_KERNELS", "auto")
     assert (ops.gated_delta(x) is ref) == (not x.is_cuda)
+
+
+def _rel(out: torch.Tensor, want: torch.Tensor) -> float:
+    return ((out.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_real_shapes_sync_free_and_decode_capturable() -> None:
+    """Qwen3-Next-80B's heads (16 key / 32 value of 128) in bf16 over an fp32 pool: a
+    packed prefill (1100 tokens continuing a state, 5 fresh, 195 continuing) close to
+    the fp32 reference; prefill and decode launch without a host sync; the decode
+    pair (conv, rule) replays from a CUDA graph with the eager step's results."""
+    hk, hv, d, width = 16, 32, 128, 3
+    bounds, slots_l, has_l = [0, 1100, 1105, 1300], [5, 2, 7], [True, False, True]
+    q, k, v, g, beta = _rule(bounds[-1], d, d, seed=20, dtype=torch.bfloat16, hk=hk, hv=hv)
+    slots, has = _dev(slots_l, has_l)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    base = _states(9, hv, d, d, seed=21) * 0.1
+    want, got = base.clone(), base.clone()
+    o_ref = ref.gated_delta_prefill(*[t.float() for t in (q, k, v)], g, beta.float(), want, slots, has, bounds)
+    tri.gated_delta_prefill(q, k, v, g, beta, base.clone(), slots, has, bounds, cu_seqlens=cu)  # compile
+    conv_dim = 2 * hk * d + hv * d
+    x, w = _conv(bounds[-1], conv_dim, width + 1, seed=22, dtype=torch.bfloat16)
+    conv_states = _states(9, conv_dim, width, seed=23, dtype=torch.bfloat16)
+    tri.conv_prefill(x, w, conv_states.clone(), slots, has, bounds, cu_seqlens=cu)  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        o = tri.gated_delta_prefill(q, k, v, g, beta, got, slots, has, bounds, cu_seqlens=cu)
+        tri.conv_prefill(x, w, conv_states, slots, has, bounds, cu_seqlens=cu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert _rel(o, o_ref) <= 1e-2 and _rel(got, want) <= 1e-2, (_rel(o, o_ref), _rel(got, want))
+
+    # Decode: rows 0-2 continue their slots, row 3 is graph padding on the sink.
+    dq, dk_, dv_, dg, db = _rule(4, d, d, seed=24, dtype=torch.bfloat16, hk=hk, hv=hv)
+    dx = x[:4].clone()
+    dslots, dhas = _dev(slots_l + [0], has_l + [False])
+    dhas[:3] = True
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        return (tri.conv_decode(dx, w, conv_states, dslots, dhas),
+                tri.gated_delta_decode(dq, dk_, dv_, dg, db, got, dslots, dhas))
+
+    live = (conv_states, got)
+    saved = [t.clone() for t in live]
+    step()  # compile
+    for t, s0 in zip(live, saved):
+        t.copy_(s0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    after = [t.clone() for t in live]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for t, s0 in zip(live, saved):
+        t.copy_(s0)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(out, eager):
+        assert torch.equal(a[:3], b[:3])
+    for t, ref_t in zip(live, after):
+        assert torch.equal(t[1:], ref_t[1:])
