@@ -40,6 +40,16 @@ the interpreter, whose bf16 tl.dot is wrong), and the state S stays fp32.
 Padding rows of a partial chunk load as k = q = v = 0, beta = g = 0, as the
 reference pads: they change neither S nor the decay, and their outputs are not
 stored.
+
+Why not flash-linear-attention (fla-core, MIT), whose chunked kernels are the
+usual choice: its gated delta rule takes per-sequence initial states and returns
+final states, never a pool and slot indices, so decode would gather and scatter
+every state around the kernel (three times the HBM traffic of a step that is
+nothing but that traffic); its kernels do not run under the CPU interpreter
+(autotuning needs a driver), so CI could not test them; and staying free of host
+syncs would rest on its internals (device cu_seqlens are read back unless the
+host copy is passed; autotuning times kernels at first use). tools/bench_gated_delta
+runs it behind this seam next to these kernels, to settle prefill speed.
 """
 
 from __future__ import annotations
