@@ -32,7 +32,7 @@ The inverse: (I + A) = D (I + N) with D = I + A's 16x16 diagonal blocks and
 N = D^-1 (A's blocks below them). Each diagonal block is inverted by forward
 substitution (16 rows, the four blocks side by side), then, N being nilpotent
 of block order 4, (I + A)^-1 = (I - N + N^2 - N^3) D^-1: the same products a
-blocked forward substitution forms, as four 64x64 matmuls. Those run in
+blocked forward substitution forms, as four 64x64 matmuls (Horner's form). Those run in
 tf32x3 (about fp32); the other matmuls take their operands in the input dtype
 (bf16 for a bf16 model) with fp32 accumulation (attention_common.mma: upcast under
 the interpreter, whose bf16 tl.dot is wrong), and the state S stays fp32.
@@ -237,11 +237,12 @@ def _find_chunk(cu_ptr, N, c, C: tl.constexpr):
 
 
 @triton.jit
-def _load_normed(ptr, t, mt, stride_t, head, scale, eps, DK: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Rows t of one key head, L2-normalized in fp32 and scaled: [len(t), BLOCK_K]."""
+def _load_normed(ptr, r, mr, stride_t, head, scale, eps, DK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows r (below the chunk's first, where ptr points) of one key head,
+    L2-normalized in fp32 and scaled: [len(r), BLOCK_K]."""
     ok = tl.arange(0, BLOCK_K)
-    x = tl.load(ptr + t[:, None] * stride_t + head * DK + ok[None, :],
-                mask=mt[:, None] & (ok < DK)[None, :], other=0.0).to(tl.float32)
+    x = tl.load(ptr + r[:, None] * stride_t + head * DK + ok[None, :],
+                mask=mr[:, None] & (ok < DK)[None, :], other=0.0).to(tl.float32)
     return x * (tl.rsqrt(tl.sum(x * x, 1) + eps) * scale)[:, None]
 
 
@@ -254,35 +255,36 @@ def _chunk_local_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, tinv_ptr, aqk_ptr
     h = tl.program_id(1)
     kh = h // (HV // HK)
     seq, j = _find_chunk(cu_ptr, N, c, C)
-    hi = tl.load(cu_ptr + tl.maximum(seq, 0) + 1).to(tl.int64)
-    hi = tl.where(seq >= 0, hi, 0)  # past the last chunk: no rows
+    # Row offsets are int32 from the chunk's first token t0 (64-bit pointer tiles
+    # would cost twice the registers).
+    t0 = tl.load(cu_ptr + tl.maximum(seq, 0)).to(tl.int64) + j * C
+    rows = tl.load(cu_ptr + tl.maximum(seq, 0) + 1) - t0  # real rows of the chunk (more than C: all)
+    rows = tl.where(seq >= 0, rows, 0)  # past the last chunk: none
     r = tl.arange(0, C)
-    t = tl.load(cu_ptr + tl.maximum(seq, 0)).to(tl.int64) + j * C + r
-    mt = t < hi
-    k = _load_normed(k_ptr, t, mt, stride_kt, kh, 1.0, eps, DK, BLOCK_K)
-    kd = k.to(q_ptr.dtype.element_ty)
-    g = tl.load(g_ptr + t * stride_gt + h, mask=mt, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + t * stride_bt + h, mask=mt, other=0.0).to(tl.float32)
+    mt = r < rows
+    kd = _load_normed(k_ptr + t0 * stride_kt, r, mt, stride_kt, kh, 1.0, eps, DK, BLOCK_K).to(q_ptr.dtype.element_ty)
+    g = tl.load(g_ptr + t0 * stride_gt + r * stride_gt + h, mask=mt, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + t0 * stride_bt + r * stride_bt + h, mask=mt, other=0.0).to(tl.float32)
     cum = tl.cumsum(g, 0)  # log gamma_t within the chunk
-    lower = r[:, None] > r[None, :]
     causal = r[:, None] >= r[None, :]
-    diff = cum[:, None] - cum[None, :]  # log D[t, s]; masked before exp (s > t would overflow)
-    a = mma(kd, tl.trans(kd), UPCAST)
-    a = tl.where(lower, a * beta[:, None] * tl.exp(tl.where(lower, diff, 0.0)), 0.0)  # [C, C]
-    q = _load_normed(q_ptr, t, mt, stride_qt, kh, scale, eps, DK, BLOCK_K).to(q_ptr.dtype.element_ty)
-    aqk = tl.where(causal, mma(q, tl.trans(kd), UPCAST) * tl.exp(tl.where(causal, diff, 0.0)), 0.0)
-    tile = ((c * HV + h) * C + r[:, None]).to(tl.int64) * C + r[None, :]
-    tl.store(aqk_ptr + tile, aqk)
+    # D[t, s] = gamma_t / gamma_s, masked before exp (s > t would overflow); 1 on the diagonal
+    decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0))
+    tile = r[:, None] * C + r[None, :]
+    tinv_ptr += (c * HV + h).to(tl.int64) * (C * C)  # this program's [C, C] tiles
+    aqk_ptr += (c * HV + h).to(tl.int64) * (C * C)
+    q = _load_normed(q_ptr + t0 * stride_qt, r, mt, stride_qt, kh, scale, eps, DK, BLOCK_K)
+    tl.store(aqk_ptr + tile, tl.where(causal, mma(q.to(kd.dtype), tl.trans(kd), UPCAST) * decay, 0.0))
+    a = mma(kd, tl.trans(kd), UPCAST) * (beta[:, None] * decay)
+    tl.store(tinv_ptr + tile, tl.where(r[:, None] > r[None, :], a, 0.0))  # A, strictly lower
 
     # Diagonal blocks of (I + A)^-1 by forward substitution, the C / SB blocks side by
     # side: row i of a block is e_i - sum_{s<i} A[i, s] X[s, :], its rows above final.
-    tl.store(tinv_ptr + tile, a)
     tl.debug_barrier()  # rows are read back by other threads
     nb: tl.constexpr = C // SB
     bi = tl.arange(0, nb)
     si = tl.arange(0, SB)
     # block b's row i, column s is A[b SB + i, b SB + s]
-    blk = tinv_ptr + ((c * HV + h) * C).to(tl.int64) * C + bi * (SB * (C + 1))  # [nb]
+    blk = tinv_ptr + bi * (SB * (C + 1))  # [nb]
     eye = (si[:, None] == si[None, :]).to(tl.float32)
     x = tl.zeros([nb, SB, SB], dtype=tl.float32) + eye[None, :, :]
     for i in range(1, SB):
@@ -292,13 +294,16 @@ def _chunk_local_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, tinv_ptr, aqk_ptr
     tl.debug_barrier()  # all rows read before the blocks are overwritten
     tl.store(blk[:, None, None] + si[None, :, None] * C + si[None, None, :], x)
     tl.debug_barrier()
+    # The tile now holds D^-1 on its diagonal blocks and A below them.
+    m = tl.load(tinv_ptr + tile)
     same = (r // SB)[:, None] == (r // SB)[None, :]
-    dinv = tl.load(tinv_ptr + tile, mask=same, other=0.0)  # block diagonal, [C, C]
-    below = tl.where((r // SB)[:, None] > (r // SB)[None, :], a, 0.0)
-    nil = tl.dot(dinv, below, input_precision="tf32x3")
-    nil2 = tl.dot(nil, nil, input_precision="tf32x3")
-    nil3 = tl.dot(nil2, nil, input_precision="tf32x3")
-    series = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - nil + nil2 - nil3
+    dinv = tl.where(same, m, 0.0)
+    nil = tl.dot(dinv, tl.where(same, 0.0, m), input_precision="tf32x3")  # N = D^-1 A_below
+    # (I + N)^-1 = I - N + N^2 - N^3 = I - N (I - N (I - N)), Horner's form
+    eye64 = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    series = eye64 - nil
+    series = eye64 - tl.dot(nil, series, input_precision="tf32x3")
+    series = eye64 - tl.dot(nil, series, input_precision="tf32x3")
     tinv = tl.dot(series, dinv, input_precision="tf32x3")
     tl.debug_barrier()  # the block-diagonal load above completes everywhere first
     tl.store(tinv_ptr + tile, tinv)
@@ -332,30 +337,30 @@ def _chunk_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr, slot_
     s = tl.load(sp, mask=ms & has[None, :], other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
     r = tl.arange(0, C)
     for j in range(0, tl.cdiv(hi - lo, C).to(tl.int32)):
-        t = lo + j * C + r
-        mt = t < hi
-        k = _load_normed(k_ptr, t, mt, stride_kt, kh, 1.0, eps, DK, BLOCK_K)
-        q = _load_normed(q_ptr, t, mt, stride_qt, kh, scale, eps, DK, BLOCK_K).to(dt)
-        v = tl.load(v_ptr + t[:, None] * stride_vt + h * DV + ov[None, :], mask=mt[:, None] & mv[None, :],
-                    other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + t * stride_gt + h, mask=mt, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + t * stride_bt + h, mask=mt, other=0.0).to(tl.float32)
+        t0 = lo + j * C  # the chunk's first token; rows below it as int32 offsets
+        mt = r < hi - t0
+        k = _load_normed(k_ptr + t0 * stride_kt, r, mt, stride_kt, kh, 1.0, eps, DK, BLOCK_K).to(dt)
+        q = _load_normed(q_ptr + t0 * stride_qt, r, mt, stride_qt, kh, scale, eps, DK, BLOCK_K).to(dt)
+        v = tl.load(v_ptr + t0 * stride_vt + r[:, None] * stride_vt + h * DV + ov[None, :],
+                    mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t0 * stride_gt + r * stride_gt + h, mask=mt, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + t0 * stride_bt + r * stride_bt + h, mask=mt, other=0.0).to(tl.float32)
         cum = tl.cumsum(g, 0)
         # log gamma_C: the cumsum's own last entry (padding rows add exact zeros), not a
         # separate sum, whose rounding would put exp(last - cum) of the last row off 1
         last = tl.sum(tl.where(r == C - 1, cum, 0.0), 0)
         gamma = tl.exp(cum)
-        tile = (((base + j) * HV + h) * C + r[:, None]).to(tl.int64) * C + r[None, :]
+        tile = ((base + j) * HV + h).to(tl.int64) * (C * C) + (r[:, None] * C + r[None, :])
         tinv = tl.load(tinv_ptr + tile).to(dt)
         aqk = tl.load(aqk_ptr + tile).to(dt)
         sd = s.to(dt)
         # U = Tinv (beta V - (beta gamma K) S): the chunk's corrected writes
-        x = beta[:, None] * v - (beta * gamma)[:, None] * mma(k.to(dt), sd, UPCAST)
+        x = beta[:, None] * v - (beta * gamma)[:, None] * mma(k, sd, UPCAST)
         u = mma(tinv, x.to(dt), UPCAST).to(dt)  # [C, BLOCK_V]
         o = gamma[:, None] * mma(q, sd, UPCAST) + mma(aqk, u, UPCAST)
-        tl.store(o_ptr + t[:, None] * stride_ot + h * DV + ov[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=mt[:, None] & mv[None, :])
-        k_end = (k * tl.exp(last - cum)[:, None]).to(dt)  # (gamma_C / gamma_s) k_s
+        tl.store(o_ptr + t0 * stride_ot + r[:, None] * stride_ot + h * DV + ov[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+        k_end = (k.to(tl.float32) * tl.exp(last - cum)[:, None]).to(dt)  # (gamma_C / gamma_s) k_s
         s = mma(tl.trans(k_end), u, UPCAST) + s * tl.exp(last)
     tl.store(sp, s.to(s_ptr.dtype.element_ty), mask=ms)
 
