@@ -451,7 +451,7 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                         beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
                         has_state: torch.Tensor, seq_bounds: Sequence[int], chunk: int = CHUNK,
-                        cu_seqlens: torch.Tensor | None = None, block_v: int = SCAN_BLOCK_V) -> torch.Tensor:
+                        cu_seqlens: torch.Tensor | None = None, block_v: int | None = None) -> torch.Tensor:
     assert chunk == CHUNK, "the Triton kernels are built for one chunk size"
     hk, hv, dk, dv = _rule_args(q, k, v, g, beta, states)
     nseq = len(seq_bounds) - 1
@@ -469,7 +469,7 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
             q.stride(0), k.stride(0), g.stride(0), beta.stride(0), dk**-0.5, L2_EPS,
             HK=hk, HV=hv, DK=dk, BLOCK_K=bk, C=CHUNK, SB=SUB, UPCAST=interpreting(),
             num_warps=LOCAL_WARPS, num_stages=1)
-    bv = min(block_v, _block(dv))
+    bv = min(block_v or SCAN_BLOCK_V, _block(dv))
     _chunk_scan_kernel[(nseq, hv, triton.cdiv(dv, bv))](
         q, k, v, g, beta, o, states, slots, has_state, cu, tinv, aqk,
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), o.stride(0), states.stride(0),

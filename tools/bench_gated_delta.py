@@ -24,6 +24,10 @@ Sections:
   reported against the HBM roofline of reading and writing each state once.
 - conv: the short conv's prefill and decode against their HBM rooflines.
 
+The Triton rows also sweep the launch shapes (LOCAL_WARPS, SCAN_SHAPES, the
+decode V block; ``--no-sweep`` skips them): the fastest correct one is what
+gated_delta_triton's constants and decode_block_v should say.
+
 Every timed candidate is first compared with the torch reference (fp32 math
 over the same bf16 inputs): max abs error of the outputs and of the states.
 Every candidate also runs once under ``torch.cuda.set_sync_debug_mode("error")``
@@ -37,7 +41,8 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -149,35 +154,74 @@ def fla_decode(rec_fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: 
     return o[:, 0]
 
 
+# Launch shapes the prefill sweep tries besides the module's own (gated_delta_triton's
+# constants): chunk_local's warps, chunk_scan's (V block, warps, stages).
+LOCAL_WARPS = (4, 16)
+SCAN_SHAPES = ((16, 4, 2), (64, 8, 2), (32, 8, 2), (32, 4, 1), (32, 4, 3))
+
+
+@contextmanager
+def launch_constants(module: Any, **values: int) -> Iterator[None]:
+    """The module's launch constants set to ``values`` inside the block."""
+    saved = {k: getattr(module, k) for k in values}
+    try:
+        for k, v in values.items():
+            setattr(module, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+
+
 def prefill_candidates(rule: list[torch.Tensor], slots: torch.Tensor, has: torch.Tensor, bounds: list[int],
-                       fla: Any, torch_times: bool) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """name -> fn(states) -> o, each running the packed prefill on a pool tensor."""
+                       fla: Any, args: argparse.Namespace) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """name -> fn(states) -> o, each running the packed prefill on a pool tensor;
+    also the Triton kernels at the launch shapes args.local_warps and args.scan_shapes."""
     from ftserve_kernels import gated_delta as ref
     from ftserve_kernels import gated_delta_triton as tri
 
     cu = torch.tensor(bounds, dtype=torch.int32, device=slots.device)
-    cands: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "triton": lambda st: tri.gated_delta_prefill(*rule, st, slots, has, bounds, cu_seqlens=cu)}
+
+    def triton_at(**consts: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def fn(st: torch.Tensor) -> torch.Tensor:
+            with launch_constants(tri, **consts):
+                return tri.gated_delta_prefill(*rule, st, slots, has, bounds, cu_seqlens=cu)
+        return fn
+
+    cands: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"triton": triton_at()}
+    for w in args.local_warps:
+        cands[f"triton local_warps={w}"] = triton_at(LOCAL_WARPS=w)
+    for bv, w, st in args.scan_shapes:
+        cands[f"triton scan={bv}/{w}/{st}"] = triton_at(SCAN_BLOCK_V=bv, SCAN_WARPS=w, SCAN_STAGES=st)
     if not isinstance(fla, str):
         cu64, cu_cpu = cu.long(), torch.tensor(bounds, dtype=torch.long)
         cands["fla"] = lambda st: fla_prefill(fla[0], *rule, st, slots, has, cu64, cu_cpu)
-    if torch_times:
+    if args.torch_times:
         cands["torch"] = lambda st: ref.gated_delta_prefill(*rule, st, slots, has, bounds)
     return cands
 
 
 def decode_candidates(rule: list[torch.Tensor], slots: torch.Tensor, has: torch.Tensor, fla: Any,
-                      torch_times: bool) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+                      args: argparse.Namespace) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     from ftserve_kernels import gated_delta as ref
     from ftserve_kernels import gated_delta_triton as tri
 
     cands: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "triton": lambda st: tri.gated_delta_decode(*rule, st, slots, has)}
+    picked = tri.decode_block_v(slots.shape[0], rule[2].shape[1], rule[2].shape[2])
+    for bv in args.block_vs:  # the V blocks decode_block_v did not pick
+        if bv != picked:
+            cands[f"triton block_v={bv}"] = partial(_tri_decode, tri.gated_delta_decode, rule, slots, has, bv)
     if not isinstance(fla, str):
         cands["fla"] = lambda st: fla_decode(fla[1], *rule, st, slots, has)
-    if torch_times:
+    if args.torch_times:
         cands["torch"] = lambda st: ref.gated_delta_decode(*rule, st, slots, has)
     return cands
+
+
+def _tri_decode(fn: Callable[..., torch.Tensor], rule: list[torch.Tensor], slots: torch.Tensor,
+                has: torch.Tensor, block_v: int, st: torch.Tensor) -> torch.Tensor:
+    return fn(*rule, st, slots, has, block_v=block_v)
 
 
 def _conv_prefill(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, slots: torch.Tensor,
@@ -264,7 +308,7 @@ def bench_prefill(args: argparse.Namespace, s: Shape, device: torch.device, limi
         want = base.clone()
         o_ref = ref.gated_delta_prefill(q, k, v, g, beta, want, slots, has, bounds)
         flops, nbytes = chunk_flops(tokens, s), prefill_bytes(tokens, nseq, s, q.element_size())
-        for name, fn in prefill_candidates([q, k, v, g, beta], slots, has, bounds, fla, args.torch_times).items():
+        for name, fn in prefill_candidates([q, k, v, g, beta], slots, has, bounds, fla, args).items():
             row: dict[str, Any] = {"section": "prefill", "candidate": name, "seqs": nseq, "tokens": tokens}
             try:
                 st = base.clone()
@@ -296,7 +340,7 @@ def bench_decode(args: argparse.Namespace, s: Shape, device: torch.device, limit
         want = base.clone()
         o_ref = ref.gated_delta_decode(q, k, v, g, beta, want, slots, has)
         nbytes = decode_bytes(batch, s, q.element_size())
-        for name, fn in decode_candidates([q, k, v, g, beta], slots, has, fla, args.torch_times).items():
+        for name, fn in decode_candidates([q, k, v, g, beta], slots, has, fla, args).items():
             row: dict[str, Any] = {"section": "decode", "candidate": name, "batch": batch}
             try:
                 st = base.clone()
@@ -405,13 +449,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--slots", type=int, default=128, help="state pool slots (the batch's are scattered in it)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--torch-times", action="store_true", help="also time the torch reference")
+    p.add_argument("--no-sweep", dest="sweep", action="store_false",
+                   help="only the Triton kernels' own launch shapes (default: also the others in SCAN_SHAPES, ...)")
     p.add_argument("--out", default="bench_gated_delta.json")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, Triton interpreted (<30 s)")
     args = p.parse_args(argv)
+    args.local_warps, args.scan_shapes, args.block_vs = (LOCAL_WARPS, SCAN_SHAPES, (16, 32, 64)) if args.sweep \
+        else ((), (), ())
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is imported
         args.prefill_tokens, args.layouts, args.batches, args.slots, args.iters = 80, [2], [2], 4, 1
         args.torch_times = True
+        args.local_warps, args.scan_shapes, args.block_vs = (), SCAN_SHAPES[:1], (32,)  # one of each
     results = run(args)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2, default=str)
