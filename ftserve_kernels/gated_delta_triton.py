@@ -17,7 +17,7 @@ size the grids) is two launches for the conv and two for the rule:
                          the first one still reads the old window)
     chunk_local          grid (chunks, Hv), every chunk of every sequence at once:
                          A = strictly-lower (beta k k^T * D), Tinv = (I + A)^-1,
-                         Aqk = causal (q k^T * D)           -> scratch [chunks, Hv, C, C]
+                         Aqk = causal (q k^T * D)           -> scratch [chunks, Hv, C, C] each
     chunk_scan           grid (B, Hv, dv / BLOCK_V), serial over one sequence's chunks:
                          U = Tinv (beta v - beta gamma k S), O = gamma q S + Aqk U,
                          S = gamma_C S + (gamma_C / gamma k)^T U; S starts in and
@@ -273,7 +273,8 @@ def _chunk_local_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, tinv_ptr, aqk_ptr
     tinv_ptr += (c * HV + h).to(tl.int64) * (C * C)  # this program's [C, C] tiles
     aqk_ptr += (c * HV + h).to(tl.int64) * (C * C)
     q = _load_normed(q_ptr + t0 * stride_qt, r, mt, stride_qt, kh, scale, eps, DK, BLOCK_K)
-    tl.store(aqk_ptr + tile, tl.where(causal, mma(q.to(kd.dtype), tl.trans(kd), UPCAST) * decay, 0.0))
+    aqk = tl.where(causal, mma(q.to(kd.dtype), tl.trans(kd), UPCAST) * decay, 0.0)
+    tl.store(aqk_ptr + tile, aqk.to(aqk_ptr.dtype.element_ty))
     a = mma(kd, tl.trans(kd), UPCAST) * (beta[:, None] * decay)
     tl.store(tinv_ptr + tile, tl.where(r[:, None] > r[None, :], a, 0.0))  # A, strictly lower
 
@@ -460,8 +461,10 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         return o
     cu = _device_bounds(seq_bounds, cu_seqlens, q.device)
     chunks = sum(triton.cdiv(seq_bounds[i + 1] - seq_bounds[i], CHUNK) for i in range(nseq))
-    scratch = torch.empty((2, max(chunks, 1), hv, CHUNK, CHUNK), dtype=torch.float32, device=q.device)
-    tinv, aqk = scratch[0], scratch[1]
+    # Tinv in fp32 (chunk_local reads its own partial results back from it); Aqk in the
+    # input dtype, which is what the scan's matmul takes it in.
+    tinv = torch.empty((max(chunks, 1), hv, CHUNK, CHUNK), dtype=torch.float32, device=q.device)
+    aqk = torch.empty(tinv.shape, dtype=q.dtype, device=q.device)
     bk = _block(dk)
     if chunks:
         _chunk_local_kernel[(chunks, hv)](

@@ -262,3 +262,27 @@ def test_gpu_real_shapes_sync_free_and_decode_capturable() -> None:
         assert torch.equal(a[:3], b[:3])
     for t, ref_t in zip(live, after):
         assert torch.equal(t[1:], ref_t[1:])
+
+
+def test_chunk_grid_may_be_a_bound() -> None:
+    """chunk_local over more programs than chunks (a grid sized for a token budget, as
+    a captured prefill would launch it): the real chunks' tiles are the same, the
+    programs past them find no sequence and leave identity systems."""
+    dk = 16
+    q, k, _, g, beta = _rule(BOUNDS[-1], dk, dk, seed=30)
+    cu = torch.tensor(BOUNDS, dtype=torch.int32, device=DEVICE)
+    chunks = sum(-(-(hi - lo) // tri.CHUNK) for lo, hi in zip(BOUNDS[:-1], BOUNDS[1:]))
+
+    def local(grid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tinv = torch.full((grid, HV, 64, 64), 9.0, device=DEVICE)
+        aqk = torch.full((grid, HV, 64, 64), 9.0, device=DEVICE)
+        tri._chunk_local_kernel[(grid, HV)](
+            q, k, g, beta, cu, tinv, aqk, len(BOUNDS) - 1, q.stride(0), k.stride(0), g.stride(0), beta.stride(0),
+            dk**-0.5, 1e-6, HK=HK, HV=HV, DK=dk, BLOCK_K=16, C=tri.CHUNK, SB=tri.SUB,
+            UPCAST=DEVICE == "cpu")
+        return tinv, aqk
+
+    exact, bound = local(chunks), local(chunks + 2)
+    assert torch.equal(bound[0][:chunks], exact[0]) and torch.equal(bound[1][:chunks], exact[1])
+    assert torch.equal(bound[0][chunks:], torch.eye(64, device=DEVICE).expand(2, HV, 64, 64))
+    assert not bound[1][chunks:].any()
