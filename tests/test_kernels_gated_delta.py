@@ -227,7 +227,9 @@ def test_gpu_real_shapes_sync_free_and_decode_capturable() -> None:
         tri.conv_prefill(x, w, conv_states, slots, has, bounds, cu_seqlens=cu)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert _rel(o, o_ref) <= 1e-2 and _rel(got, want) <= 1e-2, (_rel(o, o_ref), _rel(got, want))
+    # bf16 matmul operands in the scan (as flash-linear-attention rounds): about 1.5% on the
+    # output, 0.5% on the state in the interpreter's emulation of this case's rounding
+    assert _rel(o, o_ref) <= 3e-2 and _rel(got, want) <= 1.5e-2, (_rel(o, o_ref), _rel(got, want))
 
     # Decode: rows 0-2 continue their slots, row 3 is graph padding on the sink.
     dq, dk_, dv_, dg, db = _rule(4, d, d, seed=24, dtype=torch.bfloat16, hk=hk, hv=hv)
@@ -278,8 +280,7 @@ def test_chunk_grid_may_be_a_bound() -> None:
         aqk = torch.full((grid, HV, 64, 64), 9.0, device=DEVICE)
         tri._chunk_local_kernel[(grid, HV)](
             q, k, g, beta, cu, tinv, aqk, len(BOUNDS) - 1, q.stride(0), k.stride(0), g.stride(0), beta.stride(0),
-            dk**-0.5, 1e-6, HK=HK, HV=HV, DK=dk, BLOCK_K=16, C=tri.CHUNK, SB=tri.SUB,
-            UPCAST=DEVICE == "cpu")
+            dk**-0.5, 1e-6, HK=HK, HV=HV, DK=dk, BLOCK_K=16, C=tri.CHUNK, SB=tri.SUB)
         return tinv, aqk
 
     exact, bound = local(chunks), local(chunks + 2)

@@ -286,7 +286,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     for bv in (16, 32, 64):  # decode_block_v's choices
         comp(f"gdn_decode_bv{bv}", gdt._gdn_decode_kernel, rule, heads | dict(DV=128, BLOCK_V=bv),
              gdt.decode_warps(128, bv), 1)
-    comp("gdn_chunk_local", gdt._chunk_local_kernel, rule, heads | dict(C=64, SB=16, UPCAST=False),
+    comp("gdn_chunk_local", gdt._chunk_local_kernel, rule, heads | dict(C=64, SB=16),
          gdt.LOCAL_WARPS, 1)
     comp("gdn_chunk_scan", gdt._chunk_scan_kernel, rule,
          heads | dict(DV=128, BLOCK_V=gdt.SCAN_BLOCK_V, C=64, UPCAST=False), gdt.SCAN_WARPS, gdt.SCAN_STAGES)
