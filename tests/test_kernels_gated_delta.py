@@ -1,4 +1,5 @@
-"""The Gated DeltaNet Triton kernels (ftserve_kernels/gated_delta_triton.py) against
+"""The Gated DeltaNet Triton kernels (ftserve_kernels/gated_delta_triton.py and
+short_conv_triton.py) against
 their torch reference twins (gated_delta.py), on the CPU through the interpreter:
 slot-indexed decode with sink padding, packed varlen prefill (partial, exact and
 empty chunks, sequences continuing a state or starting fresh), strong decay, bf16
@@ -18,8 +19,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     # The interpreter is chosen when a kernel is decorated (see test_kernels_attention).
     os.environ["TRITON_INTERPRET"] = "1"
-    if "ftserve_kernels.gated_delta_triton" in sys.modules:
-        importlib.reload(sys.modules["ftserve_kernels.gated_delta_triton"])
+    for _name in ("ftserve_kernels.short_conv_triton", "ftserve_kernels.gated_delta_triton"):
+        if _name in sys.modules:
+            importlib.reload(sys.modules[_name])
 
 from ftserve_kernels import gated_delta as ref  # noqa: E402
 from ftserve_kernels import gated_delta_triton as tri  # noqa: E402

@@ -278,6 +278,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     # Gated DeltaNet at Qwen3-Next-80B's shapes: 16 key / 32 value heads of 128, a
     # bf16 model with an fp32 state pool, the conv over 8192 channels of window 3.
     from ftserve_kernels import gated_delta_triton as gdt
+    from ftserve_kernels import short_conv_triton as sct
 
     rule = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "g_ptr": "*fp32", "beta_ptr": bf, "o_ptr": bf,
             "s_ptr": "*fp32", "slot_ptr": "*i64", "has_ptr": "*i1", "cu_ptr": i32, "tinv_ptr": "*fp32",
@@ -292,11 +293,10 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          heads | dict(DV=128, BLOCK_V=gdt.SCAN_BLOCK_V, C=64, UPCAST=False), gdt.SCAN_WARPS, gdt.SCAN_STAGES)
     conv = {"x_ptr": bf, "w_ptr": bf, "cs_ptr": bf, "slot_ptr": "*i64", "has_ptr": "*i1", "cu_ptr": i32,
             "out_ptr": bf}
-    comp("gdn_conv_decode", gdt._conv_decode_kernel, conv,
-         dict(W=3, BLOCK_E=4, BLOCK_C=gdt.CONV_DECODE_BLOCK_C))
-    comp("gdn_conv_prefill", gdt._conv_prefill_kernel, conv,
-         dict(W=3, BLOCK_T=gdt.CONV_BLOCK_T, BLOCK_C=gdt.CONV_BLOCK_C))
-    comp("gdn_conv_state", gdt._conv_state_kernel, conv, dict(W=3, BLOCK_W=4, BLOCK_C=gdt.CONV_BLOCK_C))
+    comp("gdn_conv_decode", sct._conv_decode_kernel, conv, dict(W=3, BLOCK_E=4, BLOCK_C=sct.CONV_DECODE_BLOCK_C))
+    comp("gdn_conv_prefill", sct._conv_prefill_kernel, conv,
+         dict(W=3, BLOCK_T=sct.CONV_BLOCK_T, BLOCK_C=sct.CONV_BLOCK_C))
+    comp("gdn_conv_state", sct._conv_state_kernel, conv, dict(W=3, BLOCK_W=4, BLOCK_C=sct.CONV_BLOCK_C))
     return results
 
 
