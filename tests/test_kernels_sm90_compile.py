@@ -259,6 +259,28 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     to_host = {"src_a": "*i16", "src_b": "*i16", "dst_a": "i64", "dst_b": "i64"}
     comp("copy_blocks_to_host", bk._copy_blocks_kernel, blocks | to_host,
          dict(HOST_SRC=False, HOST_DST=True, ELEM=tl.int16, BLOCK=4096))
+    # Gated DeltaNet at Qwen3-Next-80B's shapes: 16 key / 32 value heads of 128, a
+    # bf16 model with an fp32 state pool, the conv over 8192 channels of window 3.
+    from ftserve_kernels import gated_delta_triton as gdt
+    from ftserve_kernels import short_conv_triton as sct
+
+    rule = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "g_ptr": "*fp32", "beta_ptr": bf, "o_ptr": bf,
+            "s_ptr": "*fp32", "slot_ptr": "*i64", "has_ptr": "*i1", "cu_ptr": i32, "tinv_ptr": "*fp32",
+            "aqk_ptr": bf, "scale": "fp32", "eps": "fp32"}
+    heads = dict(HK=16, HV=32, DK=128, BLOCK_K=128)
+    for bv in (16, 32, 64):  # decode_block_v's choices
+        comp(f"gdn_decode_bv{bv}", gdt._gdn_decode_kernel, rule, heads | dict(DV=128, BLOCK_V=bv),
+             gdt.decode_warps(128, bv), 1)
+    comp("gdn_chunk_local", gdt._chunk_local_kernel, rule, heads | dict(C=64, SB=16),
+         gdt.LOCAL_WARPS, 1)
+    comp("gdn_chunk_scan", gdt._chunk_scan_kernel, rule,
+         heads | dict(DV=128, BLOCK_V=gdt.SCAN_BLOCK_V, C=64, UPCAST=False), gdt.SCAN_WARPS, gdt.SCAN_STAGES)
+    conv = {"x_ptr": bf, "w_ptr": bf, "cs_ptr": bf, "slot_ptr": "*i64", "has_ptr": "*i1", "cu_ptr": i32,
+            "out_ptr": bf}
+    comp("gdn_conv_decode", sct._conv_decode_kernel, conv, dict(W=3, BLOCK_E=4, BLOCK_C=sct.CONV_DECODE_BLOCK_C))
+    comp("gdn_conv_prefill", sct._conv_prefill_kernel, conv,
+         dict(W=3, BLOCK_T=sct.CONV_BLOCK_T, BLOCK_C=sct.CONV_BLOCK_C))
+    comp("gdn_conv_state", sct._conv_state_kernel, conv, dict(W=3, BLOCK_W=4, BLOCK_C=sct.CONV_BLOCK_C))
     return results
 
 
@@ -292,7 +314,8 @@ def test_kernels_compile_for_sm90() -> None:
     for name, r in results.items():
         assert r["shared"] <= SMEM_LIMIT, (name, r)
         assert r["local"] in (0, -1), f"{name} spills registers to local memory: {r}"
-    for name in ("extend", "extend_gqa_bm128", "moe_gate_up_T8192", "moe_down_T8192"):
+    for name in ("extend", "extend_gqa_bm128", "moe_gate_up_T8192", "moe_down_T8192",
+                 "gdn_chunk_local", "gdn_chunk_scan"):
         assert results[name]["wgmma"], f"{name} does not use Hopper wgmma: {results[name]}"
     for name, r in results.items():  # the wait and release exactly where PDL is compiled in
         if name.endswith("_release"):  # released at its start, launched without the attribute
