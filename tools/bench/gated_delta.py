@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from tools.bench_common import (
+from tools.bench.common import (
     machine_info,
     markdown_table,
     measure_copy_gbps,
@@ -247,7 +247,7 @@ def eager_time(fn: Callable[[], Any], device: torch.device, iters: int) -> float
             fn()
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
-    from tools.kernel_bench_harness import bench
+    from tools.bench.kernel_harness import bench
 
     return bench(fn, iters=iters, warmup=2)
 
@@ -256,7 +256,7 @@ def graph_time(fn: Callable[[], Any], device: torch.device, iters: int) -> tuple
     """CUDA-graph replay seconds per call, or eager where the call cannot be captured."""
     if device.type != "cuda":
         return eager_time(fn, device, iters), "eager"
-    from tools.kernel_bench_harness import bench_graph
+    from tools.bench.kernel_harness import bench_graph
 
     try:
         return bench_graph(fn, replays=max(iters, 20)), "graph"
