@@ -10,8 +10,8 @@ from typing import Any
 
 import anthropic
 
-from ftserve.server.protocol import parse_chat
-from ftserve.server.tool_choice import ForcedCall, forced_text
+from ftserve.chat.request import parse_chat
+from ftserve.chat.tool_choice import ForcedCall, forced_text
 from tests.server_harness import openai_client, template_live
 from tests.test_tool_choice import _assert_name_first, _calls, _streamed, _tokens
 from tests.test_tool_choice import script as script  # the scripted-generations fixture

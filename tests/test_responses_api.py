@@ -119,8 +119,8 @@ def _assemble(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("output,think,tools", OUTPUTS)
 def test_stream_items_equal_whole_items_at_every_cut(output: str, think: bool, tools: bool) -> None:
-    from ftserve.server.chat_output import ChatOutputFilter, split_whole
-    from ftserve.server.responses_api import StreamItems, whole_items
+    from ftserve.api.responses.route import StreamItems, whole_items
+    from ftserve.chat.output import ChatOutputFilter, split_whole
 
     fmt = "mistral" if tools else None
 
@@ -319,7 +319,7 @@ def test_codex_shaped_history_becomes_chat_messages() -> None:
     """Codex's turn shape (store false): reasoning, then calls, then their outputs;
     consecutive calls join one assistant message, the reasoning its reasoning_content;
     reasoning with no assistant turn after it is dropped."""
-    from ftserve.server.responses_protocol import parse_responses_request
+    from ftserve.api.responses.models import parse_responses_request
 
     parsed = parse_responses_request({
         "model": MODEL, "instructions": "Be brief.", "store": False, "stream": True,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ftserve.server.tool_calls import ToolStream, format_of, param_types, parse
+from ftserve.chat.tool_calls import ToolStream, format_of, param_types, parse
 
 CODER_TEMPLATE = Path(__file__).parent / "templates" / "qwen3_coder.jinja"
 LLAMA_TEMPLATE = Path(__file__).parent / "templates" / "llama3_json.jinja"
@@ -82,7 +82,7 @@ def test_stream_sends_plain_text_at_once() -> None:
 
 
 def test_whole_output_with_tool_calls() -> None:
-    from ftserve.server.chat_output import split_whole
+    from ftserve.chat.output import split_whole
 
     text = 'Checking.\n<tool_call>{"name": "ls", "arguments": {"dir": "."}}</tool_call>'
     out = split_whole(text, "hermes", True, None, None)
@@ -109,10 +109,10 @@ def test_whole_output_with_tool_calls() -> None:
 def test_streamed_choice_sends_calls_as_they_arrive(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The SSE side: content through the filter, then a call's start and its
     argument fragments as tool_calls deltas with the choice's index."""
+    from ftserve.api.openai.completions import _ChoiceChunks
+    from ftserve.chat.request import parse_chat
+    from ftserve.chat.text import make_text_codec
     from ftserve.models.checkpoint import write_checkpoint
-    from ftserve.server.completions import _ChoiceChunks
-    from ftserve.server.protocol import parse_chat
-    from ftserve.server.text import make_text_codec
 
     ckpt = write_checkpoint("tiny-moe", tmp_path / "m", layers=1, seed=0)
     text = make_text_codec(str(ckpt))
@@ -238,7 +238,7 @@ def test_qwen3_coder_anything_unclean_stays_content(text: str) -> None:
 
 def test_template_calls_parse_back() -> None:
     """An earlier call rendered by the template is what the parser reads back, typed."""
-    from ftserve.server.tool_choice import _tool_calls
+    from ftserve.chat.tool_choice import _tool_calls
     from ftserve.tokenizer.chat_template import ChatTemplate
 
     args = {"city": "Paris\nFrance", "days": 3, "metric": False, "opts": {"u": [1, "x"]},

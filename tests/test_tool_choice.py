@@ -13,10 +13,10 @@ from typing import Any
 import openai
 import pytest
 
-from ftserve.server.errors import APIError
-from ftserve.server.protocol import parse_chat
-from ftserve.server.tool_calls import parse, tool_stream
-from ftserve.server.tool_choice import ForcedCall, forced_text
+from ftserve.api.errors import APIError
+from ftserve.chat.request import parse_chat
+from ftserve.chat.tool_calls import parse, tool_stream
+from ftserve.chat.tool_choice import ForcedCall, forced_text
 
 
 def test_forced_text_per_format() -> None:

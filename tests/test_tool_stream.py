@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from ftserve.server.tool_calls import param_types, parse, tool_stream
+from ftserve.chat.tool_calls import param_types, parse, tool_stream
 
 # qwen3_coder values are typed by the request's tools; the JSON formats ignore these.
 TYPES = param_types([{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -15,15 +15,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ftserve.api.metrics import Metrics
+from ftserve.chat import reasoning
+from ftserve.chat.text import StreamDetokenizer
 from ftserve.engine.grammar import GrammarMatcher
 from ftserve.engine.messages import GenerateRequest, RequestOutput, TokenLogprob
 from ftserve.engine.sampling_params import SamplingParams
-from ftserve.server import reasoning
-from ftserve.server.metrics import Metrics
-from ftserve.server.text import StreamDetokenizer
 
 if TYPE_CHECKING:  # state.py imports this module
-    from ftserve.server.state import EngineAPI
+    from ftserve.api.state import EngineAPI
 
 
 class EngineRequestError(Exception):

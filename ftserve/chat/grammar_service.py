@@ -28,13 +28,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ftserve.api.errors import bad_request
+from ftserve.chat.grammar_sandbox import COMPILE_STACK, Crashed, Rejected, Sandbox, TimedOut
 from ftserve.engine.grammar import GrammarMatcher
-from ftserve.server.errors import bad_request
-from ftserve.server.grammar_sandbox import COMPILE_STACK, Crashed, Rejected, Sandbox, TimedOut
 
 if TYPE_CHECKING:
-    from ftserve.server.response_format import ResponseFormat
-    from ftserve.server.text import TextCodec
+    from ftserve.chat.response_format import ResponseFormat
+    from ftserve.chat.text import TextCodec
 
 log = logging.getLogger(__name__)
 

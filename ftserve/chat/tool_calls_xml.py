@@ -53,7 +53,7 @@ import secrets
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ftserve.server.tool_stream_base import MarkedStream, held
+from ftserve.chat.tool_stream_base import MarkedStream, held
 
 MARKER = "<tool_call>"
 _CLOSE = "</tool_call>"

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ftserve.chat.text import StreamDetokenizer
 from ftserve.engine.messages import TokenLogprob
-from ftserve.server.text import StreamDetokenizer
 
 TokenText = Callable[[int], str]
 TokenBytes = Callable[[int], bytes]

@@ -41,13 +41,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ftserve.server import chat_routes, sse
-from ftserve.server.anthropic_protocol import chat_names, parse_messages_request
-from ftserve.server.chat_output import WholeOutput
-from ftserve.server.completions import ChatPrompt, chat_prompt, engine_error, read_json
-from ftserve.server.generation import EngineRequestError, Generation
-from ftserve.server.protocol import ParsedRequest
-from ftserve.server.state import STATE_KEY, ServerState
+from ftserve.api import driver, sse
+from ftserve.api.anthropic.models import chat_names, parse_messages_request
+from ftserve.api.generation import EngineRequestError, Generation
+from ftserve.api.openai.completions import ChatPrompt, chat_prompt, engine_error, read_json
+from ftserve.api.state import STATE_KEY, ServerState
+from ftserve.chat.output import WholeOutput
+from ftserve.chat.request import ParsedRequest
 
 Event = dict[str, Any]
 
@@ -87,7 +87,7 @@ async def _respond(request: web.Request, state: ServerState, arrival: float) -> 
     if window:
         parsed = dataclasses.replace(parsed, max_tokens=room)
     rid = "msg_" + uuid.uuid4().hex
-    gen = await chat_routes.start(state, parsed, prompt, rid, arrival, chat_names(req.format_name))
+    gen = await driver.start(state, parsed, prompt, rid, arrival, chat_names(req.format_name))
     try:
         if parsed.stream:
             return await _stream(request, state, parsed, prompt, rid, gen, window)
@@ -141,13 +141,13 @@ def whole_blocks(out: WholeOutput) -> list[dict[str, Any]]:
 
 async def _whole(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt, rid: str,
                  gen: Generation, window: bool) -> web.Response:
-    out = await chat_routes.whole_output(state, parsed, prompt, gen)
+    out = await driver.whole_output(state, parsed, prompt, gen)
     blocks = whole_blocks(out)
     stop = _stop_reason(gen, bool(out.calls), True, window)
     return _json(_message(rid, state.model_name, blocks, stop, _usage(gen)))
 
 
-class StreamBlocks(chat_routes.StreamShaper):
+class StreamBlocks(driver.StreamShaper):
     """A stream's content blocks: which one is open, and the events that open,
     extend and close them."""
 
@@ -191,7 +191,7 @@ async def _stream(request: web.Request, state: ServerState, parsed: ParsedReques
                   prompt: ChatPrompt, rid: str, gen: Generation,
                   window: bool) -> web.StreamResponse:
     model = state.model_name
-    filt = chat_routes.output_filter(state, parsed, prompt)
+    filt = driver.output_filter(state, parsed, prompt)
     blocks = StreamBlocks()
     resp = await sse.open_stream(request)
 

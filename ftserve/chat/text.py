@@ -14,10 +14,10 @@ from typing import Any, Protocol
 
 import llguidance
 
+from ftserve.chat import reasoning
+from ftserve.chat.grammar_sandbox import parser_limits
+from ftserve.chat.tool_calls import Format, format_of
 from ftserve.engine.grammar import GrammarMatcher
-from ftserve.server import reasoning
-from ftserve.server.grammar_sandbox import parser_limits
-from ftserve.server.tool_calls import Format, format_of
 from ftserve.tokenizer import (
     ChatTemplate,
     ChatTemplateError,

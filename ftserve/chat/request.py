@@ -14,11 +14,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ftserve.api.errors import APIError, bad_request, unsupported
+from ftserve.chat import limits, response_format
+from ftserve.chat.response_format import ResponseFormat
+from ftserve.chat.tool_choice import ForcedCall, _tool_calls, forced_call, parse_tools
 from ftserve.engine.sampling_params import SamplingParams, SamplingParamsError
-from ftserve.server import limits, response_format
-from ftserve.server.errors import APIError, bad_request, unsupported
-from ftserve.server.response_format import ResponseFormat
-from ftserve.server.tool_choice import ForcedCall, _tool_calls, forced_call, parse_tools
 
 _MISSING: Any = object()
 _I32 = 2**31 - 1

@@ -62,9 +62,9 @@ import string
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from ftserve.server.tool_calls_llama import is_llama3, opening
-from ftserve.server.tool_calls_xml import ParamTypes, XmlToolStream, param_types
-from ftserve.server.tool_stream_base import MarkedStream
+from ftserve.chat.tool_calls_llama import is_llama3, opening
+from ftserve.chat.tool_calls_xml import ParamTypes, XmlToolStream, param_types
+from ftserve.chat.tool_stream_base import MarkedStream
 
 Format = Literal["hermes", "mistral", "qwen3_coder", "llama3"]
 

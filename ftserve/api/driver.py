@@ -10,13 +10,14 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ftserve.server import batch, tool_calls
-from ftserve.server.chat_output import ChatOutputFilter, WholeOutput, split_whole
-from ftserve.server.completions import ChatPrompt, engine_error
-from ftserve.server.errors import APIError, renamed
-from ftserve.server.generation import EngineRequestError, Generation
-from ftserve.server.protocol import ParsedRequest
-from ftserve.server.state import ServerState
+from ftserve.api.errors import APIError, renamed
+from ftserve.api.generation import EngineRequestError, Generation
+from ftserve.api.openai import batch
+from ftserve.api.openai.completions import ChatPrompt, engine_error
+from ftserve.api.state import ServerState
+from ftserve.chat import tool_calls
+from ftserve.chat.output import ChatOutputFilter, WholeOutput, split_whole
+from ftserve.chat.request import ParsedRequest
 
 Event = dict[str, Any]
 

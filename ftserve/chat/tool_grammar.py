@@ -46,10 +46,10 @@ from typing import Any
 
 import orjson
 
-from ftserve.server.response_format import ResponseFormat
-from ftserve.server.tool_calls import Format
-from ftserve.server.tool_calls_xml import schema_types, stays_text
-from ftserve.server.tool_choice import ForcedCall, forced_text
+from ftserve.chat.response_format import ResponseFormat
+from ftserve.chat.tool_calls import Format
+from ftserve.chat.tool_calls_xml import schema_types, stays_text
+from ftserve.chat.tool_choice import ForcedCall, forced_text
 
 PARAM = "tool_choice"  # the field a grammar the library refuses is blamed on
 # Applied before a schema's own "x-guidance", so a schema can override them.

@@ -35,13 +35,13 @@ from typing import Any
 
 from aiohttp import web
 
-from ftserve.server import chat_routes, sse
-from ftserve.server.chat_output import WholeOutput
-from ftserve.server.completions import ChatPrompt, chat_prompt, engine_error, read_json
-from ftserve.server.generation import EngineRequestError, Generation
-from ftserve.server.protocol import ParsedRequest
-from ftserve.server.responses_protocol import RENAMED, parse_responses_request
-from ftserve.server.state import STATE_KEY, ServerState
+from ftserve.api import driver, sse
+from ftserve.api.generation import EngineRequestError, Generation
+from ftserve.api.openai.completions import ChatPrompt, chat_prompt, engine_error, read_json
+from ftserve.api.responses.models import RENAMED, parse_responses_request
+from ftserve.api.state import STATE_KEY, ServerState
+from ftserve.chat.output import WholeOutput
+from ftserve.chat.request import ParsedRequest
 
 Item = dict[str, Any]
 Event = dict[str, Any]
@@ -64,7 +64,7 @@ async def _respond(request: web.Request, state: ServerState, arrival: float) -> 
     _, text = state.ready()
     prompt = await chat_prompt(state, text, parsed)
     rid = _id("resp")
-    gen = await chat_routes.start(state, parsed, prompt, rid, arrival, RENAMED)
+    gen = await driver.start(state, parsed, prompt, rid, arrival, RENAMED)
     shell = _Shell(rid, int(time.time()), state.model_name, parsed, gen.params.max_tokens)
     try:
         if parsed.stream:
@@ -144,14 +144,14 @@ def whole_items(out: WholeOutput) -> list[Item]:
 
 async def _whole(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt, shell: _Shell,
                  gen: Generation) -> web.Response:
-    out = await chat_routes.whole_output(state, parsed, prompt, gen)
+    out = await driver.whole_output(state, parsed, prompt, gen)
     items, status = whole_items(out), _status(gen, bool(out.calls), True)
     if status == "incomplete" and items:
         items[-1]["status"] = "incomplete"  # the item max_output_tokens cut off
-    return chat_routes.json_response(shell.body(items, status, _usage(gen)))
+    return driver.json_response(shell.body(items, status, _usage(gen)))
 
 
-class StreamItems(chat_routes.StreamShaper):
+class StreamItems(driver.StreamShaper):
     """A stream's output items: which one is open, what it holds so far, and the
     events that open, extend and close them."""
 
@@ -230,7 +230,7 @@ class StreamItems(chat_routes.StreamShaper):
 
 async def _stream(request: web.Request, state: ServerState, parsed: ParsedRequest,
                   prompt: ChatPrompt, shell: _Shell, gen: Generation) -> web.StreamResponse:
-    filt = chat_routes.output_filter(state, parsed, prompt)
+    filt = driver.output_filter(state, parsed, prompt)
     items = StreamItems()
     resp = await sse.open_stream(request)
     seq = 0

@@ -46,9 +46,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ftserve.server import limits
-from ftserve.server.errors import APIError, bad_request, renamed, unsupported
-from ftserve.server.protocol import ParsedRequest, parse_chat, text_parts
+from ftserve.api.errors import APIError, bad_request, renamed, unsupported
+from ftserve.chat import limits
+from ftserve.chat.request import ParsedRequest, parse_chat, text_parts
 
 _ROLES = ("user", "system", "developer", "assistant")
 _PASSED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "top_k", "min_p",

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ftserve.api.errors import APIError, bad_request
+from ftserve.api.generation import Generation
+from ftserve.api.openai import objects as R
+from ftserve.api.state import EngineAPI
+from ftserve.chat.request import ParsedRequest
+from ftserve.chat.text import TextCodec
 from ftserve.engine.sampling_params import SamplingParams
-from ftserve.server import responses as R
-from ftserve.server.errors import APIError, bad_request
-from ftserve.server.generation import Generation
-from ftserve.server.protocol import ParsedRequest
-from ftserve.server.state import EngineAPI
-from ftserve.server.text import TextCodec
 
 
 def _where(index: int, count: int) -> str:

@@ -16,17 +16,17 @@ from typing import Any
 
 from aiohttp import web
 
+from ftserve.api.app import ROUTES, make_app
+from ftserve.api.connections import Runner
+from ftserve.api.generation import Generation
+from ftserve.api.metrics import Metrics
+from ftserve.api.state import ServerState, served_name
+from ftserve.api.workers import LaneExecutor
+from ftserve.chat.text import TextCodec, make_text_codec
 from ftserve.config import EngineConfig, ServerConfig
 from ftserve.engine.sampling_params import SamplingParams
-from ftserve.server.app import ROUTES, make_app
-from ftserve.server.connections import Runner
-from ftserve.server.generation import Generation
-from ftserve.server.metrics import Metrics
-from ftserve.server.state import ServerState, served_name
-from ftserve.server.text import TextCodec, make_text_codec
-from ftserve.server.workers import LaneExecutor
 
-log = logging.getLogger("ftserve.server")
+log = logging.getLogger("ftserve.api")
 
 
 @dataclass

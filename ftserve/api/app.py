@@ -14,26 +14,26 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ftserve.server import tool_choice
-from ftserve.server.anthropic_api import count_tokens, messages
-from ftserve.server.completions import chat_completions, completions, read_json
-from ftserve.server.errors import (
+from ftserve.api.anthropic.messages import count_tokens, messages
+from ftserve.api.errors import (
     ANTHROPIC_PREFIX,
     APIError,
     Handler,
     bad_request,
     error_middleware,
 )
-from ftserve.server.metrics import CONTENT_TYPE
-from ftserve.server.protocol import (
+from ftserve.api.metrics import CONTENT_TYPE
+from ftserve.api.openai.completions import chat_completions, completions, read_json
+from ftserve.api.responses.route import responses
+from ftserve.api.state import STATE_KEY, ServerState
+from ftserve.chat import tool_choice
+from ftserve.chat.request import (
     parse_continuation,
     parse_messages,
     parse_template_kwargs,
     parse_tools,
 )
-from ftserve.server.responses_api import responses
-from ftserve.server.state import STATE_KEY, ServerState
-from ftserve.server.text import TemplateError
+from ftserve.chat.text import TemplateError
 
 ROUTES: tuple[tuple[str, str], ...] = (
     ("POST", "/v1/chat/completions"),

@@ -16,14 +16,14 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from ftserve.api.errors import APIError, overloaded
+from ftserve.api.generation import Tracker
+from ftserve.api.metrics import Metrics
+from ftserve.chat.generation_defaults import sampling_defaults
+from ftserve.chat.grammar_service import GrammarService
+from ftserve.chat.text import TextCodec
 from ftserve.config import ServerConfig
 from ftserve.engine.messages import GenerateRequest, RequestOutput
-from ftserve.server.errors import APIError, overloaded
-from ftserve.server.generation import Tracker
-from ftserve.server.generation_defaults import sampling_defaults
-from ftserve.server.grammar_service import GrammarService
-from ftserve.server.metrics import Metrics
-from ftserve.server.text import TextCodec
 
 log = logging.getLogger(__name__)
 

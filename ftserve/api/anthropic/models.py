@@ -46,9 +46,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ftserve.server.errors import APIError, bad_request, renamed, unsupported
-from ftserve.server.protocol import ParsedRequest, parse_chat, text_parts
-from ftserve.server.text import TextCodec
+from ftserve.api.errors import APIError, bad_request, renamed, unsupported
+from ftserve.chat.request import ParsedRequest, parse_chat, text_parts
+from ftserve.chat.text import TextCodec
 
 _ROLES = ("user", "assistant")
 _EXTENSIONS = ("ignore_eos", "seed", "min_p", "min_tokens", "presence_penalty",

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ftserve.server import reasoning, tool_calls
+from ftserve.chat import reasoning, tool_calls
 
 
 class ChatOutputFilter:

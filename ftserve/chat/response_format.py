@@ -51,8 +51,8 @@ from typing import Any, Literal
 
 import orjson
 
-from ftserve.server import limits
-from ftserve.server.errors import bad_request
+from ftserve.api.errors import bad_request
+from ftserve.chat import limits
 
 PARAM = "response_format"
 

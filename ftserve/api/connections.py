@@ -26,9 +26,9 @@ from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_request import BaseRequest
 
-from ftserve.server.errors import ANTHROPIC_PREFIX, APIError
+from ftserve.api.errors import ANTHROPIC_PREFIX, APIError
 
-log = logging.getLogger("ftserve.server")
+log = logging.getLogger("ftserve.api")
 
 # The start of a request's first segment: method, path, version.
 _REQUEST_LINE = re.compile(rb"[A-Z]{3,7} (/[^ \r\n]{0,200})")

@@ -11,26 +11,19 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from ftserve.api import sse, workers
+from ftserve.api.errors import APIError, bad_request
+from ftserve.api.generation import EngineRequestError, Generation, Step
+from ftserve.api.openai import batch
+from ftserve.api.openai import objects as R
+from ftserve.api.state import STATE_KEY, ServerState
+from ftserve.chat import limits, reasoning, tool_calls, tool_choice, tool_grammar
+from ftserve.chat.output import ChatOutputFilter, split_whole
+from ftserve.chat.request import ParsedRequest, parse_chat, parse_completion
+from ftserve.chat.response_format import ResponseFormat
+from ftserve.chat.text import TemplateError, TextCodec
 from ftserve.engine.grammar import GrammarMatcher
 from ftserve.engine.messages import TokenLogprob
-from ftserve.server import (
-    batch,
-    limits,
-    reasoning,
-    sse,
-    tool_calls,
-    tool_choice,
-    tool_grammar,
-    workers,
-)
-from ftserve.server import responses as R
-from ftserve.server.chat_output import ChatOutputFilter, split_whole
-from ftserve.server.errors import APIError, bad_request
-from ftserve.server.generation import EngineRequestError, Generation, Step
-from ftserve.server.protocol import ParsedRequest, parse_chat, parse_completion
-from ftserve.server.response_format import ResponseFormat
-from ftserve.server.state import STATE_KEY, ServerState
-from ftserve.server.text import TemplateError, TextCodec
 
 
 async def read_json(request: web.Request) -> Any:

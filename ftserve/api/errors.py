@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
-log = logging.getLogger("ftserve.server")
+log = logging.getLogger("ftserve.api")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

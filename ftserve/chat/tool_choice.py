@@ -58,9 +58,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ftserve.server import reasoning
-from ftserve.server.errors import bad_request
-from ftserve.server.tool_calls import Format
+from ftserve.api.errors import bad_request
+from ftserve.chat import reasoning
+from ftserve.chat.tool_calls import Format
 
 
 @dataclass(frozen=True)
