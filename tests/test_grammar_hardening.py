@@ -153,9 +153,9 @@ def test_a_grammar_the_library_crashes_on_is_a_400_once(live: Live, monkeypatch:
 
 
 def test_a_check_past_its_timeout_is_a_400_and_not_kept(tmp_path: Any) -> None:
-    from ftserve.api.errors import APIError
+    from ftserve.chat.errors import RequestError
     from ftserve.chat.grammar_service import GrammarService
-    from ftserve.chat.response_format import parse
+    from ftserve.chat.response_format import constraint
     from ftserve.chat.text import TokenizerCodec
     from ftserve.models.checkpoint import write_checkpoint
     from ftserve.tokenizer import load_tokenizer
@@ -163,11 +163,10 @@ def test_a_check_past_its_timeout_is_a_400_and_not_kept(tmp_path: Any) -> None:
     write_checkpoint("tiny-moe", tmp_path, config_only=True)
     text = TokenizerCodec(load_tokenizer(tmp_path))
     vocab = text.tokenizer.vocab_size
-    fmt = parse({"guided_regex": "[0-9]+"})
-    assert fmt is not None
+    fmt = constraint("regex", "[0-9]+", "guided_regex")
     slow = GrammarService(workers=1, timeout=1e-4)  # less than the child takes to start
     try:
-        with pytest.raises(APIError) as err:
+        with pytest.raises(RequestError) as err:
             asyncio.run(slow.matchers(fmt, text, vocab, 1))
         assert err.value.param == "guided_regex" and "took over" in err.value.message
         assert not slow._checked  # the machine may have been busy: not remembered

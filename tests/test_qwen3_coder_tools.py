@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ftserve.chat.request import parse_chat
+from ftserve.api.openai.models import parse_chat
 from ftserve.chat.tool_choice import ForcedCall, forced_text
 from tests.server_harness import openai_client, template_live
 from tests.test_tool_choice import _assert_name_first, _calls, _streamed, _tokens

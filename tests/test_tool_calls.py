@@ -110,7 +110,7 @@ def test_streamed_choice_sends_calls_as_they_arrive(tmp_path) -> None:  # type: 
     """The SSE side: content through the filter, then a call's start and its
     argument fragments as tool_calls deltas with the choice's index."""
     from ftserve.api.openai.completions import _ChoiceChunks
-    from ftserve.chat.request import parse_chat
+    from ftserve.api.openai.models import parse_chat
     from ftserve.chat.text import make_text_codec
     from ftserve.models.checkpoint import write_checkpoint
 
@@ -238,17 +238,18 @@ def test_qwen3_coder_anything_unclean_stays_content(text: str) -> None:
 
 def test_template_calls_parse_back() -> None:
     """An earlier call rendered by the template is what the parser reads back, typed."""
-    from ftserve.chat.tool_choice import _tool_calls
+    from ftserve.api.openai.models import parse_chat
     from ftserve.tokenizer.chat_template import ChatTemplate
 
     args = {"city": "Paris\nFrance", "days": 3, "metric": False, "opts": {"u": [1, "x"]},
             "hours": [9, 17], "temp": 21.5}
-    calls = _tool_calls([{"id": "c1", "type": "function", "function": {
+    calls = [{"id": "c1", "type": "function", "function": {
         "name": "get_weather", "arguments": json.dumps(args)}}, {"id": "c2", "type": "function",
-        "function": {"name": "now", "arguments": "{}"}}], "messages[1].tool_calls")
-    msgs = [{"role": "user", "content": "Weather?"},
-            {"role": "assistant", "content": "Checking.", "tool_calls": calls},
-            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+        "function": {"name": "now", "arguments": "{}"}}]
+    msgs = parse_chat({"messages": [  # earlier calls' arguments as objects, for the template
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}).messages
     prompt = ChatTemplate(CODER_TEMPLATE.read_text()).render(msgs, add_generation_prompt=True,
                                                              tools=[WEATHER])
     assert "<tool_response>\nsunny\n</tool_response>" in prompt

@@ -13,8 +13,8 @@ from typing import Any
 import openai
 import pytest
 
-from ftserve.api.errors import APIError
-from ftserve.chat.request import parse_chat
+from ftserve.api.openai.models import parse_chat
+from ftserve.chat.errors import RequestError
 from ftserve.chat.tool_calls import parse, tool_stream
 from ftserve.chat.tool_choice import ForcedCall, forced_text
 
@@ -82,7 +82,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
     {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": 3}}},
 ])
 def test_bad_tool_choice_is_400_naming_it(body: dict[str, Any]) -> None:
-    with pytest.raises(APIError) as err:
+    with pytest.raises(RequestError) as err:
         parse_chat({"messages": MSGS, **body})
     assert err.value.status == 400 and err.value.param == "tool_choice"
 

@@ -10,41 +10,36 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ftserve.api.errors import APIError, renamed
 from ftserve.api.generation import EngineRequestError, Generation
 from ftserve.api.openai import batch
 from ftserve.api.openai.completions import ChatPrompt, engine_error
 from ftserve.api.state import ServerState
 from ftserve.chat import tool_calls
 from ftserve.chat.output import ChatOutputFilter, WholeOutput, split_whole
-from ftserve.chat.request import ParsedRequest
+from ftserve.chat.request import ChatRequest
 
 Event = dict[str, Any]
 
 
-async def start(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt, rid: str,
-                arrival: float, names: dict[str, str]) -> Generation:
-    """The request's Generation (submitted). ``names``: chat field -> the client's
-    name, for an output constraint the grammar library refuses."""
+async def start(state: ServerState, parsed: ChatRequest, prompt: ChatPrompt, rid: str,
+                arrival: float) -> Generation:
+    """The request's Generation (submitted)."""
     engine, text = state.ready()
     (params,) = batch.build_all(parsed, [prompt.ids], engine, state.sampling_defaults)
     grammar = None
     if prompt.constraint is not None:  # a response_format or a forced call's (chat_prompt)
-        try:
-            (grammar,) = await state.grammars.matchers(prompt.constraint, text, engine.vocab_size, 1)
-        except APIError as err:
-            raise renamed(err, names) from None
+        (grammar,) = await state.grammars.matchers(prompt.constraint, text, engine.vocab_size, 1)
     detok = text.detokenizer(prompt.ids, parsed.stop, parsed.skip_special_tokens)
     return Generation(engine, state.tracker, state.metrics, rid, prompt.ids, params, detok, arrival,
                       grammar, think=prompt.think)
 
 
-def _fmt(state: ServerState, parsed: ParsedRequest) -> tool_calls.Format | None:
+def _fmt(state: ServerState, parsed: ChatRequest) -> tool_calls.Format | None:
     assert state.text is not None
     return state.text.tool_format() if parsed.tools else None
 
 
-async def whole_output(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt,
+async def whole_output(state: ServerState, parsed: ChatRequest, prompt: ChatPrompt,
                        gen: Generation) -> WholeOutput:
     """Wait for the whole output and split it (reasoning, text, calls)."""
     pieces: list[str] = []
@@ -59,7 +54,7 @@ async def whole_output(state: ServerState, parsed: ParsedRequest, prompt: ChatPr
                        tool_calls.param_types(parsed.tools), prompt.think, prompt.forced)
 
 
-def output_filter(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt) -> ChatOutputFilter:
+def output_filter(state: ServerState, parsed: ChatRequest, prompt: ChatPrompt) -> ChatOutputFilter:
     """The filter that splits a stream's steps as whole_output splits the whole."""
     return ChatOutputFilter(_fmt(state, parsed), parsed.parallel_tool_calls,
                             tool_calls.param_types(parsed.tools), prompt.think, prompt.forced)

@@ -3,9 +3,10 @@
 Every non-2xx answer has the body ``{"error": {"message", "type", "param", "code"}}``;
 on Anthropic's routes (under ``ANTHROPIC_PREFIX``) it is Anthropic's
 ``{"type": "error", "error": {"type", "message"}}`` instead (``anthropic_type``).
-Bad input must never become a 500: handlers raise ``APIError`` for anything the
-client did wrong, and the middleware turns stray aiohttp HTTP exceptions (404 route,
-405 method, 413 body) into the same shape.
+Bad input must never become a 500: handlers raise ``APIError`` (or the chat core's
+``RequestError``, which it extends) for anything the client did wrong, and the
+middleware turns stray aiohttp HTTP exceptions (404 route, 405 method, 413 body) into
+the same shape.
 """
 
 from __future__ import annotations
@@ -16,15 +17,17 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from ftserve.chat.errors import RequestError
+
 log = logging.getLogger("ftserve.api")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-# The Anthropic Messages API's routes (anthropic_api.py): their errors take its shape.
+# The Anthropic Messages API's routes (anthropic/messages.py): their errors take its shape.
 ANTHROPIC_PREFIX = "/v1/messages"
 
 
-class APIError(Exception):
+class APIError(RequestError):
     """A request failed; maps 1:1 onto an OpenAI error object."""
 
     def __init__(
@@ -40,14 +43,18 @@ class APIError(Exception):
     ) -> None:
         """``close``: the connection closes after this answer (its request's body
         was not read to the end, so the next bytes are no request)."""
-        super().__init__(message)
-        self.status = status
-        self.message = message
+        super().__init__(message, param, code, status)
         self.err_type = err_type
-        self.param = param
-        self.code = code
         self.headers = headers or {}
         self.close = close
+
+    @classmethod
+    def of(cls, err: RequestError) -> APIError:
+        """The chat core's error as the HTTP layer answers it."""
+        if isinstance(err, APIError):
+            return err
+        return cls(err.status, err.message, param=err.param, code=err.code,
+                   err_type="server_error" if err.status >= 500 else "invalid_request_error")
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -87,14 +94,6 @@ class APIError(Exception):
         return resp
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-def unsupported(param: str, why: str = "is not supported") -> APIError:
-    return APIError(400, f"'{param}' {why}", param=param, code="unsupported_parameter")
-
-
 def overloaded(message: str, retry_after: int = 1) -> APIError:
     return APIError(
         503,
@@ -122,8 +121,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     anthropic = request.path.startswith(ANTHROPIC_PREFIX)
     try:
         return await handler(request)
-    except APIError as err:
-        return err.response(anthropic)
+    except RequestError as err:
+        return APIError.of(err).response(anthropic)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -140,14 +139,3 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         # the traceback goes to the log where it can be fixed.
         log.exception("unhandled error in %s %s", request.method, request.path)
         return APIError(500, "internal server error", err_type="server_error").response(anthropic)
-
-
-def renamed(err: APIError, names: dict[str, str]) -> APIError:
-    """An error the chat path raised about a field another API spells otherwise
-    (``names``: chat field -> the client's), naming it as the client sent it."""
-    name = names.get(err.param or "")
-    if name is None:
-        return err
-    message = err.message.replace(f"'{err.param}'", f"'{name}'")
-    return APIError(err.status, message, err_type=err.err_type, param=name, code=err.code,
-                    headers=err.headers, close=err.close)

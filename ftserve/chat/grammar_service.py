@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ftserve.api.errors import bad_request
+from ftserve.chat.errors import bad_request
 from ftserve.chat.grammar_sandbox import COMPILE_STACK, Crashed, Rejected, Sandbox, TimedOut
 from ftserve.engine.grammar import GrammarMatcher
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ftserve.api.errors import bad_request
+from ftserve.chat.errors import bad_request
 
 MAX_NESTING = 64
 

@@ -84,7 +84,7 @@ def schema_types(schema: Any) -> tuple[str, ...]:
 
 def param_types(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, tuple[str, ...]]]:
     """The parameter types of each offered function, from validated ``tools``
-    (tool_choice.parse_tools): what ``typed`` converts a raw value by."""
+    (as the request offers them): what ``typed`` converts a raw value by."""
     out: dict[str, dict[str, tuple[str, ...]]] = {}
     for tool in tools or []:
         fn = tool["function"]

@@ -1,7 +1,7 @@
-"""The request side of tool calling: ``tools``, an assistant turn's earlier
-``tool_calls``, and ``tool_choice``.
+"""A forced ``tool_choice``: the start of a call appended to the prompt.
 
-``tool_choice``: "auto" (or absent) lets the model decide; "none" does not
+``tool_choice`` (OpenAI's spelling; Anthropic's any / tool and the Responses API's
+forms map onto it): "auto" (or absent) lets the model decide; "none" does not
 offer the tools (they are not rendered); "required" and a named function
 (``{"type": "function", "function": {"name": "X"}}``) force a call: the start
 of a call in the template's syntax (FORCED_CALL) is appended to the rendered
@@ -25,7 +25,8 @@ it followed by the model's output:
   was conditioned on.
 
 Forcing needs ``tools``, and a named function must be one of them (else a 400
-naming ``tool_choice``).
+naming ``tool_choice``: request.offered_tools). Each protocol spells tool_choice its
+own way (its models.py) and maps it to a ``ForcedCall``.
 
 The forced text per syntax, as the template renders a call (``FORCED_CALL``)::
 
@@ -56,9 +57,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from ftserve.api.errors import bad_request
 from ftserve.chat import reasoning
 from ftserve.chat.tool_calls import Format
 
@@ -81,9 +80,6 @@ FORCED_CALL: dict[str, CallStart] = {
                              json_name=False),
     "llama3": CallStart('{"name": "', '{"name": ', ', "parameters":'),
 }
-
-_CHOICE_SHAPE = ('\'tool_choice\' must be "auto", "none", "required" or '
-                 '{"type": "function", "function": {"name": ...}}')
 
 
 @dataclass(frozen=True)
@@ -110,73 +106,3 @@ def before_call(prompt: str, marks_reasoning: bool) -> str:
     if marks_reasoning and reasoning.opens_in_prompt(prompt):
         return reasoning.CLOSE + "\n\n"
     return ""
-
-
-def forced_call(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> ForcedCall | None:
-    """The forced call ``tool_choice`` asks for against the validated ``tools``
-    (None: "auto", "none" or not given)."""
-    choice = body.get("tool_choice")
-    if choice in (None, "auto", "none"):
-        return None
-    if choice == "required":
-        name = None
-    else:
-        fn = choice.get("function") if isinstance(choice, dict) else None
-        if (not isinstance(choice, dict) or choice.get("type") != "function"
-                or not isinstance(fn, dict) or not isinstance(fn.get("name"), str)):
-            raise bad_request(_CHOICE_SHAPE, param="tool_choice")
-        name = fn["name"]
-    if not tools:
-        raise bad_request("'tool_choice' other than \"auto\" or \"none\" requires 'tools'",
-                          param="tool_choice")
-    if name is not None and name not in {t["function"]["name"] for t in tools}:
-        raise bad_request(f"'tool_choice' names function {name!r}, which is not in 'tools'",
-                          param="tool_choice")
-    return ForcedCall(name)
-
-
-def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
-    """An assistant turn's earlier calls, for the template. Arguments arrive as a
-    JSON string; templates (Qwen, Llama, Mistral) expect the object, as vLLM gives it."""
-    if not isinstance(calls, list):
-        raise bad_request(f"'{where}' must be a list", param=where)
-    out = []
-    for i, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad_request(f"'{where}[{i}]' must have a function with a name", param=where)
-        args = fn.get("arguments", "{}")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                raise bad_request(f"'{where}[{i}].function.arguments' is not valid JSON",
-                                  param=where) from None
-        out.append({"id": call.get("id", ""), "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
-    return out
-
-
-def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """Validated ``tools`` (None: none given, or tool_choice "none"); ``tool_choice``
-    is checked against them (forced_call)."""
-    tools = body.get("tools")
-    if body.get("tool_choice") == "none":
-        return None
-    if tools is None or tools == []:
-        forced_call(body, None)  # a forced tool_choice without tools: 400
-        return None
-    if not isinstance(tools, list):
-        raise bad_request("'tools' must be a list", param="tools")
-    out = []
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if (not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict)
-                or not isinstance(fn.get("name"), str) or not fn["name"]):
-            raise bad_request(f"'tools[{i}]' must be {{\"type\": \"function\", \"function\": "
-                              "{\"name\": ...}}", param="tools")
-        if not isinstance(fn.get("parameters", {}), dict):
-            raise bad_request(f"'tools[{i}].function.parameters' must be an object", param="tools")
-        out.append({"type": "function", "function": dict(fn)})
-    forced_call(body, out)
-    return out

@@ -72,7 +72,7 @@ _NO_END_TAG = r"~/(?s:.*)<\/parameter>(?s:.*)/"
 def constraint(fmt: Format, call: ForcedCall, tools: list[dict[str, Any]],
                parallel: bool) -> ResponseFormat:
     """The output constraint of a forced ``call`` in syntax ``fmt`` over the validated
-    ``tools`` (tool_choice.parse_tools); ``parallel``: "required" may write more calls."""
+    ``tools`` (as the request offers them); ``parallel``: "required" may write more calls."""
     # Lark text, checked and compiled as any grammar constraint is (grammar_service.py).
     return ResponseFormat("grammar", orjson.dumps(lark(fmt, call, tools, parallel)), PARAM)
 

@@ -42,12 +42,12 @@ import orjson
 from aiohttp import web
 
 from ftserve.api import driver, sse
-from ftserve.api.anthropic.models import chat_names, parse_messages_request
+from ftserve.api.anthropic.models import parse_messages_request
 from ftserve.api.generation import EngineRequestError, Generation
 from ftserve.api.openai.completions import ChatPrompt, chat_prompt, engine_error, read_json
 from ftserve.api.state import STATE_KEY, ServerState
 from ftserve.chat.output import WholeOutput
-from ftserve.chat.request import ParsedRequest
+from ftserve.chat.request import ChatRequest
 
 Event = dict[str, Any]
 
@@ -59,10 +59,10 @@ def _json(obj: Any) -> web.Response:
 async def count_tokens(request: web.Request) -> web.Response:
     """{"input_tokens": N}: the prompt a /v1/messages request with this body prefills."""
     state = request.app[STATE_KEY]
-    req = parse_messages_request(await read_json(request), count_only=True)
-    state.check_model(req.chat.model)
+    parsed = parse_messages_request(await read_json(request), count_only=True)
+    state.check_model(parsed.model)
     _, text = state.ready()
-    prompt = await chat_prompt(state, text, req.for_template(text))
+    prompt = await chat_prompt(state, text, parsed)
     return _json({"input_tokens": len(prompt.ids)})
 
 
@@ -74,10 +74,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 async def _respond(request: web.Request, state: ServerState, arrival: float) -> web.StreamResponse:
-    req = parse_messages_request(await read_json(request))
-    state.check_model(req.chat.model)
+    parsed = parse_messages_request(await read_json(request))
+    state.check_model(parsed.model)
     engine, text = state.ready()
-    parsed = req.for_template(text)
     prompt = await chat_prompt(state, text, parsed)
     # max_tokens is a ceiling, as Anthropic's newer models take it (agents ask for 32k
     # every turn): a reply that would pass the context window gets what room is left
@@ -87,7 +86,7 @@ async def _respond(request: web.Request, state: ServerState, arrival: float) -> 
     if window:
         parsed = dataclasses.replace(parsed, max_tokens=room)
     rid = "msg_" + uuid.uuid4().hex
-    gen = await driver.start(state, parsed, prompt, rid, arrival, chat_names(req.format_name))
+    gen = await driver.start(state, parsed, prompt, rid, arrival)
     try:
         if parsed.stream:
             return await _stream(request, state, parsed, prompt, rid, gen, window)
@@ -139,7 +138,7 @@ def whole_blocks(out: WholeOutput) -> list[dict[str, Any]]:
     return blocks
 
 
-async def _whole(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt, rid: str,
+async def _whole(state: ServerState, parsed: ChatRequest, prompt: ChatPrompt, rid: str,
                  gen: Generation, window: bool) -> web.Response:
     out = await driver.whole_output(state, parsed, prompt, gen)
     blocks = whole_blocks(out)
@@ -187,7 +186,7 @@ class StreamBlocks(driver.StreamShaper):
         return [self._delta({"type": "input_json_delta", "partial_json": frag})]
 
 
-async def _stream(request: web.Request, state: ServerState, parsed: ParsedRequest,
+async def _stream(request: web.Request, state: ServerState, parsed: ChatRequest,
                   prompt: ChatPrompt, rid: str, gen: Generation,
                   window: bool) -> web.StreamResponse:
     model = state.model_name

@@ -1,9 +1,9 @@
-"""Anthropic Messages API requests -> the server's chat request (``ParsedRequest``).
+"""Anthropic Messages API request bodies (/v1/messages, /v1/messages/count_tokens)
+as declared models, and their mapping into the internal request (``ChatRequest``).
 
-An Anthropic body is checked field by field here (a bad field is a 400 naming it
-as Anthropic spells it) and rewritten as the OpenAI chat body the rest of the
-server already reads (``protocol.parse_chat``), so rendering, tool calls,
-reasoning and sampling are those of /v1/chat/completions::
+A bad field is a 400 naming it as Anthropic spells it (validation.py words it).
+The request maps into the chat request /v1/chat/completions makes, so rendering,
+tool calls, reasoning and sampling are that route's::
 
     system (string or text blocks)        -> a first "system" message
     user text blocks                      -> a "user" message (blocks joined by "\\n")
@@ -15,19 +15,19 @@ reasoning and sampling are those of /v1/chat/completions::
                                              tool_calls (input as the arguments object),
                                              reasoning_content (templates that show an
                                              earlier turn's reasoning read it)
-    a final assistant message with text   -> continue_final_message (Anthropic's prefill:
-                                             the reply continues it)
-    stop_sequences                        -> stop
+    a final assistant message with text   -> continued (Anthropic's prefill: the reply
+                                             continues it)
+    stop_sequences                        -> stop strings
     tools [{name, description, input_schema}]
                                           -> tools [{type: function, function: {...}}]
     tool_choice auto / any / tool / none  -> "auto" / "required" / the named function /
                                              "none"; disable_parallel_tool_use ->
                                              parallel_tool_calls false
     output_config.format {type: json_schema, schema} (or the beta's output_format)
-                                          -> response_format json_schema: the reply's
+                                          -> a json_schema output constraint: the reply's
                                              text is constrained to the schema
-    thinking enabled / disabled           -> chat_template_kwargs.enable_thinking true /
-                                             false, where the template reads it (Qwen3);
+    thinking enabled / disabled           -> the template's enable_thinking true / false,
+                                             where the template reads it (Qwen3);
                                              adaptive or absent: the template's default.
                                              budget_tokens is checked, not enforced:
                                              max_tokens bounds thinking and answer together
@@ -42,265 +42,333 @@ penalties pass through with their /v1/chat/completions meaning.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from ftserve.api.errors import APIError, bad_request, renamed, unsupported
-from ftserve.chat.request import ParsedRequest, parse_chat, text_parts
-from ftserve.chat.text import TextCodec
+from pydantic import (
+    AfterValidator,
+    Field,
+    TypeAdapter,
+    ValidationInfo,
+    WrapValidator,
+    model_validator,
+)
 
-_ROLES = ("user", "assistant")
-_EXTENSIONS = ("ignore_eos", "seed", "min_p", "min_tokens", "presence_penalty",
-               "frequency_penalty", "repetition_penalty")
-_SAMPLING = ("temperature", "top_p", "top_k")
-_REFUSED = ("mcp_servers", "container")  # fields whose meaning the server cannot provide
-# parse_chat names the OpenAI fields the translation wrote; the client sent these.
-_OPENAI_NAMES = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice",
-                 "chat_template_kwargs": "thinking", "continue_final_message": "messages"}
+from ftserve.api.openai.models import TOOL_SHAPE, Sampling, Stop
+from ftserve.api.validation import (
+    Body,
+    Int,
+    member,
+    parse,
+    refused,
+    reject,
+    text_parts,
+    worded,
+)
+from ftserve.chat import response_format as rf
+from ftserve.chat.errors import bad_request
+from ftserve.chat.request import (
+    ChatRequest,
+    check_continuation,
+    continues,
+    message,
+    offered_tools,
+)
+from ftserve.chat.tool_choice import ForcedCall
 
-
-@dataclass(frozen=True)
-class MessagesRequest:
-    """A validated /v1/messages (or count_tokens) request."""
-
-    chat: ParsedRequest
-    thinking: bool | None  # thinking enabled / disabled; None: the template's default
-    format_name: str = "output_config.format"  # the structured-output field the client sent
-
-    def for_template(self, text: TextCodec) -> ParsedRequest:
-        """The chat request with ``thinking`` as enable_thinking, where the template reads it."""
-        if self.thinking is None or not text.template_reads("enable_thinking"):
-            return self.chat
-        kwargs = {**self.chat.template_kwargs, "enable_thinking": self.thinking}
-        return dataclasses.replace(self.chat, template_kwargs=kwargs)
-
-
-def _str(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise bad_request(f"'{where}' must be a string", param=where)
-    return value
+I32 = 2**31 - 1
+_MEDIA = ("image", "document")
+_TEXT = text_parts(("text",), _MEDIA)
 
 
-def _text_blocks(value: Any, where: str) -> str:
-    """A string, or a list of text blocks joined by newlines."""
-    return text_parts(value, where, ("text",), ("image", "document"))
+# --- content blocks ---------------------------------------------------------------------
 
 
-def _user(content: list[Any], where: str) -> list[dict[str, Any]]:
+class TextBlock(Body):
+    type: Literal["text"]
+    text: str = Field(None, validate_default=True)
+
+
+class ToolResultBlock(Body):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(None, validate_default=True)
+    content: _TEXT | None = None
+    is_error: bool = False
+
+
+class ThinkingBlock(Body):
+    type: Literal["thinking"]
+    thinking: str = Field(None, validate_default=True)
+
+
+class RedactedThinkingBlock(Body):
+    type: Literal["redacted_thinking"]  # encrypted for Anthropic's models: dropped
+
+
+class ToolUseBlock(Body):
+    type: Literal["tool_use"]
+    id: str = Field(None, validate_default=True)
+    name: str = Field(None, validate_default=True)
+    input: dict[str, Any] = Field(None, validate_default=True)
+
+
+def _blocks(kinds: dict[str, type[Body]], allowed: tuple[str, ...]) -> TypeAdapter[list[Any]]:
+    """A list of content blocks of these types (by ``type``; ``allowed`` as the error
+    lists them); image and document blocks are a 400 saying the model reads text only."""
+
+    def block(value: Any) -> Body:
+        kind = value.get("type") if isinstance(value, dict) else None
+        model = kinds.get(kind) if isinstance(kind, str) else None
+        if model is not None:
+            return model.model_validate(value)
+        if kind in _MEDIA:
+            raise reject(f"'{{at}}.type' {kind!r} is not supported: this server's model reads "
+                         "text only", "{at}.type", "unsupported_parameter")
+        raise reject(f"'{{at}}.type' must be one of {', '.join(allowed)}; got {kind!r}",
+                     "{at}.type")
+
+    return TypeAdapter(list[Annotated[Any, AfterValidator(block)]])
+
+
+_USER_BLOCKS = _blocks({"text": TextBlock, "tool_result": ToolResultBlock},
+                       ("text", "tool_result", "image", "document"))
+_ASSISTANT_BLOCKS = _blocks({"text": TextBlock, "thinking": ThinkingBlock,
+                             "redacted_thinking": RedactedThinkingBlock, "tool_use": ToolUseBlock},
+                            ("text", "thinking", "redacted_thinking", "tool_use"))
+
+
+def _content(value: Any, handler: Any, info: ValidationInfo) -> list[Body]:
+    if isinstance(value, str):
+        value = [{"type": "text", "text": value}]
+    if not isinstance(value, list):
+        raise reject("'{at}' must be a string or a list of content blocks")
+    blocks = _ASSISTANT_BLOCKS if info.data.get("role") == "assistant" else _USER_BLOCKS
+    return blocks.validate_python(value)
+
+
+class Message(Body):
+    role: Annotated[Any, member(("user", "assistant"), "'{up}' must be an object with role "
+                                "'user' or 'assistant'", "{up}")] = Field(None, validate_default=True)
+    content: Annotated[Any, WrapValidator(_content)] = Field(None, validate_default=True)
+
+    def entries(self) -> list[dict[str, Any]]:
+        return _assistant(self.content) if self.role == "assistant" else _user(self.content)
+
+
+def _user(blocks: list[Body]) -> list[dict[str, Any]]:
     """A user turn's blocks, in order: text runs become user messages, each
-    tool_result a tool message."""
+    tool_result a tool message (an error's text gets "Error: " in front: templates
+    have no error flag)."""
     out: list[dict[str, Any]] = []
     texts: list[str] = []
-    for j, block in enumerate(content):
-        at = f"{where}.content[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            texts.append(_str(block.get("text"), f"{at}.text"))
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
             continue
-        if kind != "tool_result":
-            _refuse_block(kind, at, ("text", "tool_result", "image", "document"))
+        assert isinstance(block, ToolResultBlock)
         if texts:
-            out.append({"role": "user", "content": "\n".join(texts)})
+            out.append(message("user", "\n".join(texts)))
             texts = []
-        call_id = _str(block.get("tool_use_id"), f"{at}.tool_use_id")
-        result = block.get("content")
-        body = "" if result is None else _text_blocks(result, f"{at}.content")
-        is_error = block.get("is_error", False)
-        if not isinstance(is_error, bool):
-            raise bad_request(f"'{at}.is_error' must be a boolean", param=f"{at}.is_error")
-        out.append({"role": "tool", "tool_call_id": call_id,
-                    "content": "Error: " + body if is_error else body})
+        body = block.content or ""
+        out.append(message("tool", "Error: " + body if block.is_error else body,
+                           tool_call_id=block.tool_use_id))
     if texts or not out:
-        out.append({"role": "user", "content": "\n".join(texts)})
+        out.append(message("user", "\n".join(texts)))
     return out
 
 
-def _assistant(content: list[Any], where: str) -> dict[str, Any]:
+def _assistant(blocks: list[Body]) -> list[dict[str, Any]]:
     texts: list[str] = []
     thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
-    for j, block in enumerate(content):
-        at = f"{where}.content[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            texts.append(_str(block.get("text"), f"{at}.text"))
-        elif kind == "thinking":
-            thoughts.append(_str(block.get("thinking"), f"{at}.thinking"))
-        elif kind == "redacted_thinking":
-            continue  # encrypted for Anthropic's models; nothing a template can show
-        elif kind == "tool_use":
-            call_id = _str(block.get("id"), f"{at}.id")
-            name = _str(block.get("name"), f"{at}.name")
-            args = block.get("input")
-            if not isinstance(args, dict):
-                raise bad_request(f"'{at}.input' must be an object", param=f"{at}.input")
-            calls.append({"id": call_id, "type": "function",
-                          "function": {"name": name, "arguments": args}})
-        else:
-            _refuse_block(kind, at, ("text", "thinking", "redacted_thinking", "tool_use"))
-    msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
-    if calls:
-        msg["tool_calls"] = calls
-    if thoughts:
-        msg["reasoning_content"] = "\n".join(thoughts)
-    return msg
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            thoughts.append(block.thinking)
+        elif isinstance(block, ToolUseBlock):
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name, "arguments": block.input}})
+    return [message("assistant", "\n".join(texts), tool_calls=calls,
+                    reasoning="\n".join(thoughts) if thoughts else None)]
 
 
-def _refuse_block(kind: Any, at: str, allowed: tuple[str, ...]) -> None:
-    if kind in ("image", "document"):
-        raise unsupported(f"{at}.type", f"{kind!r} is not supported: this server's model "
-                          "reads text only")
-    raise bad_request(f"'{at}.type' must be one of {', '.join(allowed)}; got {kind!r}",
-                      param=f"{at}.type")
-
-
-def _messages(value: Any) -> list[dict[str, Any]]:
-    if not isinstance(value, list) or not value:
-        raise bad_request("'messages' must be a non-empty list", param="messages")
-    out: list[dict[str, Any]] = []
-    for i, msg in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict) or msg.get("role") not in _ROLES:
-            raise bad_request(f"'{where}' must be an object with role 'user' or 'assistant'",
-                              param=where)
-        content = msg.get("content")
-        if isinstance(content, str):
-            content = [{"type": "text", "text": content}]
-        if not isinstance(content, list):
-            raise bad_request(f"'{where}.content' must be a string or a list of content blocks",
-                              param=f"{where}.content")
-        if msg["role"] == "user":
-            out.extend(_user(content, where))
-        else:
-            out.append(_assistant(content, where))
-    return out
-
-
-def _tools(value: Any) -> list[dict[str, Any]]:
-    if not isinstance(value, list):
-        raise bad_request("'tools' must be a list", param="tools")
-    out = []
-    for i, tool in enumerate(value):
-        at = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise bad_request(f"'{at}' must be an object", param=at)
-        if tool.get("type") not in (None, "custom"):
-            raise unsupported(f"{at}.type", f"{tool.get('type')!r} is not supported: only "
-                              "client tools ({name, description, input_schema}) are")
-        name = _str(tool.get("name"), f"{at}.name")
-        schema = tool.get("input_schema")
-        if not isinstance(schema, dict):
-            raise bad_request(f"'{at}.input_schema' must be an object", param=f"{at}.input_schema")
-        fn: dict[str, Any] = {"name": name, "parameters": schema}
-        if tool.get("description") is not None:
-            fn["description"] = _str(tool["description"], f"{at}.description")
-        out.append({"type": "function", "function": fn})
-    return out
-
-
-def _tool_choice(value: Any) -> tuple[Any, bool]:
-    """(OpenAI tool_choice, parallel_tool_calls)."""
-    if not isinstance(value, dict):
-        raise bad_request("'tool_choice' must be an object with a type", param="tool_choice")
-    kind = value.get("type")
-    parallel = not value.get("disable_parallel_tool_use", False)
-    if not isinstance(value.get("disable_parallel_tool_use", False), bool):
-        raise bad_request("'tool_choice.disable_parallel_tool_use' must be a boolean",
-                          param="tool_choice")
-    if kind == "tool":
-        choice: Any = {"type": "function",
-                       "function": {"name": _str(value.get("name"), "tool_choice.name")}}
-    elif kind in ("auto", "any", "none"):
-        choice = {"auto": "auto", "any": "required", "none": "none"}[kind]
-    else:
-        raise bad_request("'tool_choice.type' must be one of auto, any, tool, none",
-                          param="tool_choice")
-    return choice, parallel
-
-
-def _thinking(value: Any) -> bool | None:
+def _messages(value: Any, handler: Any) -> Any:
     if value is None:
-        return None
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "enabled":
-        budget = value.get("budget_tokens")
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise bad_request("'thinking.budget_tokens' must be a positive integer",
-                              param="thinking.budget_tokens")
-        return True
-    if kind == "disabled":
-        return False
-    if kind == "adaptive":
-        return None
-    raise bad_request("'thinking.type' must be one of enabled, disabled, adaptive",
-                      param="thinking")
+        raise reject("'{at}' is required")
+    if not isinstance(value, list) or not value:
+        raise reject("'{at}' must be a non-empty list")
+    return handler(value)
 
 
-def parse_messages_request(raw: Any, count_only: bool = False) -> MessagesRequest:
+# --- tools, tool_choice, thinking, structured output ----------------------------------------
+
+
+def _client_tool(value: Any) -> Any:
+    if value not in (None, "custom"):
+        raise reject(f"'{{at}}' {value!r} is not supported: only client tools ({{name, "
+                     "description, input_schema}) are", code="unsupported_parameter")
+    return value
+
+
+class Tool(Body):
+    type: Annotated[Any, AfterValidator(_client_tool)] = None
+    name: str = Field(None, validate_default=True)
+    input_schema: dict[str, Any] = Field(None, validate_default=True)
+    description: str | None = None
+
+    def chat_tool(self) -> dict[str, Any]:
+        fn: dict[str, Any] = {"name": self.name, "parameters": self.input_schema}
+        if self.description is not None:
+            fn["description"] = self.description
+        return {"type": "function", "function": fn}
+
+
+class ToolChoice(Body):
+    disable_parallel_tool_use: Annotated[bool, worded("'{at}' must be a boolean", "{up}")] = False
+    type: Annotated[Any, member(("auto", "any", "tool", "none"),
+                                "'{at}' must be one of auto, any, tool, none", "{up}")] = Field(
+        None, validate_default=True)
+    name: Any = None
+
+    @model_validator(mode="after")
+    def _named(self) -> ToolChoice:
+        if self.type == "tool" and not isinstance(self.name, str):
+            raise reject("'{at}.name' must be a string", "{at}.name")
+        return self
+
+    def forced(self) -> ForcedCall | None:
+        if self.type == "tool":
+            return ForcedCall(self.name)
+        return ForcedCall() if self.type == "any" else None
+
+
+class Thinking(Body):
+    type: Annotated[Any, member(("enabled", "disabled", "adaptive"),
+                                "'{at}' must be one of enabled, disabled, adaptive", "{up}")
+                    ] = Field(None, validate_default=True)
+    budget_tokens: Any = None  # checked, not enforced: max_tokens bounds thinking and answer
+
+    @model_validator(mode="after")
+    def _budget(self) -> Thinking:
+        budget = self.budget_tokens
+        if self.type == "enabled" and (isinstance(budget, bool) or not isinstance(budget, int)
+                                       or budget < 1):
+            raise reject("'{at}.budget_tokens' must be a positive integer", "{at}.budget_tokens")
+        return self
+
+    def enabled(self) -> bool | None:
+        return {"enabled": True, "disabled": False}.get(self.type)
+
+
+class JsonOutput(Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+OutputFormat = Annotated[JsonOutput, worded("'{at}' must be {type: json_schema, schema: {...}}",
+                                            deep=True)]
+
+
+class OutputConfig(Body):
+    format: OutputFormat | None = None
+
+
+def _beta_format(value: Any, handler: Any, info: ValidationInfo) -> Any:
+    """output_format (the beta's name) is read when output_config.format is not given."""
+    config = info.data.get("output_config")
+    return None if config is not None and config.format is not None else handler(value)
+
+
+def _a_list(value: Any, handler: Any) -> Any:
+    if not isinstance(value, list):
+        raise reject("'{at}' must be a list of strings")
+    return handler(value)
+
+
+def _required(value: Any, handler: Any) -> Any:
+    if value is None:
+        raise reject("'{at}' is required")
+    return handler(value)
+
+
+# --- the bodies ---------------------------------------------------------------------------
+
+
+class CountTokensRequest(Body):
+    """A /v1/messages/count_tokens body: what /v1/messages renders, without the
+    generation fields."""
+
+    mcp_servers: Annotated[Any, refused()] = None
+    container: Annotated[Any, refused()] = None
+    output_config: OutputConfig | None = None
+    output_format: Annotated[OutputFormat | None, WrapValidator(_beta_format)] = None
+    messages: Annotated[list[Annotated[Message, worded(
+        "'{at}' must be an object with role 'user' or 'assistant'")]],
+        WrapValidator(_messages)] = Field(None, validate_default=True)
+    system: _TEXT | None = None
+    model: str | None = None
+    stop_sequences: Annotated[Stop, WrapValidator(_a_list)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Annotated[ToolChoice, worded("'{at}' must be an object with a type")] | None = None
+    thinking: Annotated[Thinking, worded("'{at}.type' must be one of enabled, disabled, adaptive",
+                                         "{at}")] | None = None
+
+
+class MessagesRequest(CountTokensRequest, Sampling):
+    """A /v1/messages body (ignore_eos, seed, min_p, min_tokens and the penalties are
+    ftserve extensions, with their /v1/chat/completions meaning)."""
+
+    max_tokens: Annotated[Int(1, I32), WrapValidator(_required)] = Field(None,
+                                                                        validate_default=True)
+    stream: bool | None = None
+
+
+def parse_messages_request(raw: Any, count_only: bool = False) -> ChatRequest:
     """A /v1/messages body (``count_only``: a count_tokens body, which has no
-    max_tokens and does not stream)."""
-    if not isinstance(raw, dict):
-        raise bad_request("request body must be a JSON object")
-    for key in _REFUSED:
-        if raw.get(key) is not None:
-            raise unsupported(key)
-    fmt, fmt_name = _output_format(raw)
-    if raw.get("messages") is None:
-        raise bad_request("'messages' is required", param="messages")
-    chat: dict[str, Any] = {"messages": _messages(raw["messages"])}
-    system = raw.get("system")
-    if system is not None:
-        text = _text_blocks(system, "system")
-        if text:
-            chat["messages"].insert(0, {"role": "system", "content": text})
-    last = chat["messages"][-1]
-    if last["role"] == "assistant" and last["content"] and not last.get("tool_calls"):
-        chat["continue_final_message"] = True  # prefill: the reply continues this text
-    if not count_only:
-        if raw.get("max_tokens") is None:
-            raise bad_request("'max_tokens' is required", param="max_tokens")
-        chat["max_tokens"] = raw["max_tokens"]
-        chat["stream"] = raw.get("stream", False)
-        for key in (*_SAMPLING, *_EXTENSIONS):
-            if raw.get(key) is not None:
-                chat[key] = raw[key]
-    if "model" in raw:
-        chat["model"] = raw["model"]
-    if raw.get("stop_sequences") is not None:
-        if not isinstance(raw["stop_sequences"], list):
-            raise bad_request("'stop_sequences' must be a list of strings", param="stop_sequences")
-        chat["stop"] = raw["stop_sequences"]
-    if raw.get("tools") is not None:
-        chat["tools"] = _tools(raw["tools"])
-    if raw.get("tool_choice") is not None:
-        chat["tool_choice"], chat["parallel_tool_calls"] = _tool_choice(raw["tool_choice"])
-    if fmt is not None:
-        chat["response_format"] = fmt
-    thinking = _thinking(raw.get("thinking"))
-    try:
-        parsed = parse_chat(chat)
-    except APIError as err:
-        raise renamed(err, chat_names(fmt_name)) from None
-    return MessagesRequest(parsed, thinking, fmt_name)
+    max_tokens and does not stream) as the internal request."""
+    body = parse(CountTokensRequest if count_only else MessagesRequest, raw)
+    messages = [entry for m in body.messages for entry in m.entries()]
+    if body.system:
+        messages.insert(0, message("system", body.system))
+    choice = body.tool_choice
+    forced = choice.forced() if choice is not None else None
+    none = choice is not None and choice.type == "none"
+    tools = [t.chat_tool() for t in body.tools] if body.tools else None
+    if tools and not none:
+        _check_names(tools)
+    tools, forced = offered_tools(tools, forced, none)
+    fmt_name, spec = "output_config.format", None
+    if body.output_config is not None and body.output_config.format is not None:
+        spec = body.output_config.format
+    elif body.output_format is not None:
+        fmt_name, spec = "output_format", body.output_format
+    fmt = rf.bounded("json_schema", spec.schema_, fmt_name) if spec is not None else None
+    rf.check_tools(fmt, tools)
+    cont = continues(messages)
+    if cont:
+        check_continuation("messages", forced, fmt, fmt_name)
+    parallel = choice is None or not choice.disable_parallel_tool_use
+    generate: dict[str, Any] = {}
+    if isinstance(body, MessagesRequest):
+        generate = {"max_tokens": body.max_tokens, "stream": bool(body.stream),
+                    "sampling": body.sampling()}
+    return ChatRequest(
+        kind="chat",
+        model=body.model,
+        messages=messages,
+        add_generation_prompt=not cont,
+        continue_final=cont,
+        stop=tuple(body.stop_sequences or ()),
+        tools=tools,
+        parallel_tool_calls=parallel and (forced is None or forced.name is None),
+        forced=forced,
+        response_format=fmt,
+        thinking=body.thinking.enabled() if body.thinking is not None else None,
+        **generate,
+    )
 
 
-def _output_format(raw: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-    """Structured outputs: output_config.format (or the beta's output_format)
-    {type: json_schema, schema} -> chat's response_format; and the field's name."""
-    config = raw.get("output_config")
-    if config is not None and not isinstance(config, dict):
-        raise bad_request("'output_config' must be an object", param="output_config")
-    name, fmt = "output_config.format", (config or {}).get("format")
-    if fmt is None and raw.get("output_format") is not None:
-        name, fmt = "output_format", raw["output_format"]
-    if fmt is None:
-        return None, name
-    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-        raise bad_request(f"'{name}' must be {{type: json_schema, schema: {{...}}}}", param=name)
-    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}, name
-
-
-def chat_names(format_name: str) -> dict[str, str]:
-    """Chat field -> the name this request's client sent it under."""
-    return {**_OPENAI_NAMES, "response_format": format_name}
+def _check_names(tools: list[dict[str, Any]]) -> None:
+    for i, tool in enumerate(tools):
+        if not tool["function"]["name"]:
+            raise bad_request(TOOL_SHAPE.replace("{at}", f"tools[{i}]"), param="tools")

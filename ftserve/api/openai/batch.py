@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ftserve.api.errors import APIError, bad_request
 from ftserve.api.generation import Generation
 from ftserve.api.openai import objects as R
 from ftserve.api.state import EngineAPI
-from ftserve.chat.request import ParsedRequest
+from ftserve.chat.errors import RequestError, bad_request
+from ftserve.chat.request import ChatRequest
 from ftserve.chat.text import TextCodec
 from ftserve.engine.sampling_params import SamplingParams
 
@@ -26,7 +26,7 @@ def _where(index: int, count: int) -> str:
     return f"prompt[{index}]: " if count > 1 else ""
 
 
-async def encode_prompts(parsed: ParsedRequest, engine: EngineAPI,
+async def encode_prompts(parsed: ChatRequest, engine: EngineAPI,
                          text: TextCodec) -> list[list[int]]:
     """Each prompt of a completion request as token ids, checked; errors name the index."""
     count = len(parsed.prompts)
@@ -47,7 +47,7 @@ async def encode_prompts(parsed: ParsedRequest, engine: EngineAPI,
     return out
 
 
-def truncate(parsed: ParsedRequest, ids: list[int], max_model_len: int) -> list[int]:
+def truncate(parsed: ChatRequest, ids: list[int], max_model_len: int) -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: max_model_len)."""
     k = parsed.truncate_prompt_tokens
     if k is None:
@@ -56,7 +56,7 @@ def truncate(parsed: ParsedRequest, ids: list[int], max_model_len: int) -> list[
     return ids[-k:] if len(ids) > k else ids
 
 
-def echo_heads(parsed: ParsedRequest, text: TextCodec, prompts: list[list[int]],
+def echo_heads(parsed: ChatRequest, text: TextCodec, prompts: list[list[int]],
                full_lens: list[int]) -> list[str] | None:
     """With echo: each prompt's text, else None. A string prompt as sent, unless
     truncate_prompt_tokens cut it (``full_lens``: the lengths before); token ids decoded."""
@@ -66,7 +66,7 @@ def echo_heads(parsed: ParsedRequest, text: TextCodec, prompts: list[list[int]],
             for p, ids, n in zip(parsed.prompts, prompts, full_lens)]
 
 
-def build_all(parsed: ParsedRequest, prompts: list[list[int]], engine: EngineAPI,
+def build_all(parsed: ChatRequest, prompts: list[list[int]], engine: EngineAPI,
               defaults: dict[str, Any] | None = None) -> list[SamplingParams]:
     """Sampling params per prompt (``defaults``: the checkpoint's, for fields the request
     leaves out); a prompt too long for the context is a 400 naming its index."""
@@ -75,11 +75,11 @@ def build_all(parsed: ParsedRequest, prompts: list[list[int]], engine: EngineAPI
         try:
             out.append(parsed.build_params(len(ids), engine.max_model_len, engine.vocab_size,
                                            defaults))
-        except APIError as err:
+        except RequestError as err:
             if len(prompts) == 1 or err.param != "prompt":
                 raise
-            raise APIError(err.status, _where(i, len(prompts)) + err.message,
-                           err_type=err.err_type, param=err.param, code=err.code) from None
+            raise RequestError(_where(i, len(prompts)) + err.message, err.param, err.code,
+                               err.status) from None
     return out
 
 

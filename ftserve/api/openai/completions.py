@@ -12,14 +12,16 @@ import orjson
 from aiohttp import web
 
 from ftserve.api import sse, workers
-from ftserve.api.errors import APIError, bad_request
+from ftserve.api.errors import APIError
 from ftserve.api.generation import EngineRequestError, Generation, Step
 from ftserve.api.openai import batch
 from ftserve.api.openai import objects as R
+from ftserve.api.openai.models import parse_chat, parse_completion
 from ftserve.api.state import STATE_KEY, ServerState
 from ftserve.chat import limits, reasoning, tool_calls, tool_choice, tool_grammar
+from ftserve.chat.errors import bad_request
 from ftserve.chat.output import ChatOutputFilter, split_whole
-from ftserve.chat.request import ParsedRequest, parse_chat, parse_completion
+from ftserve.chat.request import ChatRequest
 from ftserve.chat.response_format import ResponseFormat
 from ftserve.chat.text import TemplateError, TextCodec
 from ftserve.engine.grammar import GrammarMatcher
@@ -81,20 +83,23 @@ class ChatPrompt:
     constraint: ResponseFormat | None = None
 
 
-async def chat_prompt(state: ServerState, text: TextCodec, parsed: ParsedRequest) -> ChatPrompt:
+async def chat_prompt(state: ServerState, text: TextCodec, parsed: ChatRequest) -> ChatPrompt:
     """Render and encode a chat request (the OpenAI and the Anthropic routes share it)."""
     assert parsed.messages is not None
     if parsed.tools and text.tool_format() is None:
         raise bad_request("this model's chat template does not render tools, so it cannot "
                           "be given any", param="tools")
+    kwargs = parsed.template_kwargs
+    if parsed.thinking is not None and text.template_reads("enable_thinking"):
+        kwargs = {**kwargs, "enable_thinking": parsed.thinking}
     try:
         # Rendering a 170k-token conversation is real work: keep it off the loop too.
         prompt = await asyncio.to_thread(
             text.render_chat, parsed.messages, parsed.add_generation_prompt, parsed.tools,
-            parsed.template_kwargs, parsed.continue_final,
+            kwargs, parsed.continue_final,
         )
     except TemplateError as err:
-        raise bad_request(f"chat template error: {err}", param="messages") from None
+        raise bad_request(f"chat template error: {err}", param=parsed.prompt_field) from None
     # A forced tool_choice: the start of the call is prompt (after a reasoning block the
     # prompt opened is closed); the parser reads it first; a grammar holds the rest.
     fmt = text.tool_format()
@@ -102,7 +107,7 @@ async def chat_prompt(state: ServerState, text: TextCodec, parsed: ParsedRequest
     if parsed.forced is not None and fmt is not None:
         forced = tool_choice.forced_text(fmt, parsed.forced, text.escape_special)
         prompt += tool_choice.before_call(prompt, text.marks_reasoning())
-        assert parsed.tools is not None  # forced_call checked it
+        assert parsed.tools is not None  # request.offered_tools checked it
         constraint = tool_grammar.constraint(fmt, parsed.forced, parsed.tools,
                                              parsed.parallel_tool_calls)
     ids = await text.encode_async(prompt + forced, add_special_tokens=False)  # template adds them
@@ -138,7 +143,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return await _complete(request, state, parsed, arrival)
 
 
-async def _complete(request: web.Request, state: ServerState, parsed: ParsedRequest,
+async def _complete(request: web.Request, state: ServerState, parsed: ChatRequest,
                     arrival: float) -> web.StreamResponse:
     state.check_model(parsed.model)
     engine, text = state.ready()
@@ -153,7 +158,7 @@ async def _complete(request: web.Request, state: ServerState, parsed: ParsedRequ
 async def _run(
     request: web.Request,
     state: ServerState,
-    parsed: ParsedRequest,
+    parsed: ChatRequest,
     prompts: list[list[int]],
     arrival: float,
     prefix: str,
@@ -203,11 +208,11 @@ def engine_error(state: ServerState, err: EngineRequestError) -> APIError:
                         code="internal_error")
     if state.health_problem() is not None:
         return APIError(503, str(err), err_type="server_error", code="unavailable")
-    return bad_request(str(err), code="request_rejected")
+    return APIError(400, str(err), code="request_rejected")
 
 
 async def _collect(
-    state: ServerState, parsed: ParsedRequest, rid: str, gens: list[Generation], text: TextCodec,
+    state: ServerState, parsed: ChatRequest, rid: str, gens: list[Generation], text: TextCodec,
     think: bool | None, forced: str = "", heads: list[str] | None = None,
 ) -> web.Response:
     created = int(time.time())
@@ -268,13 +273,13 @@ async def _collect(
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
-def _offsets(parsed: ParsedRequest, gen: Generation, text: TextCodec, start: int = 0) -> R.TextOffsets:
+def _offsets(parsed: ChatRequest, gen: Generation, text: TextCodec, start: int = 0) -> R.TextOffsets:
     """A completion choice's text_offset counter: its tokens detokenized as its text is,
     from ``start`` (echo: the length of the prompt's text before them)."""
     return R.TextOffsets(text.detokenizer(gen.prompt_ids, (), parsed.skip_special_tokens), start)
 
 
-def _echo_part(parsed: ParsedRequest, gen: Generation, text: TextCodec,
+def _echo_part(parsed: ChatRequest, gen: Generation, text: TextCodec,
                prompt_lps: list[TokenLogprob | None]) -> dict[str, Any]:
     """echo + logprobs: the prompt tokens' logprobs, offsets into their decoded text."""
     offsets = R.TextOffsets(text.detokenizer([], (), parsed.skip_special_tokens))
@@ -285,7 +290,7 @@ class _ChoiceChunks:
     """SSE chunks of one choice: for completions, its text offsets (logprobs),
     prompt_token_ids and the echoed prompt text on its first chunk."""
 
-    def __init__(self, parsed: ParsedRequest, rid: str, created: int, model: str,
+    def __init__(self, parsed: ChatRequest, rid: str, created: int, model: str,
                  gen: Generation, index: int, text: TextCodec, think: bool | None,
                  forced: str = "", head: str = "",
                  types: tool_calls.ParamTypes | None = None) -> None:
@@ -357,7 +362,7 @@ class _ChoiceChunks:
 async def _stream(
     request: web.Request,
     state: ServerState,
-    parsed: ParsedRequest,
+    parsed: ChatRequest,
     rid: str,
     gens: list[Generation],
     text: TextCodec,

@@ -1,10 +1,10 @@
-"""OpenAI Responses API requests (POST /v1/responses) -> the server's chat
-request (``ParsedRequest``).
+"""OpenAI Responses API request bodies (POST /v1/responses) as declared models,
+and their mapping into the internal request (``ChatRequest``).
 
-As the Anthropic route does (anthropic_protocol.py), the body is checked field
-by field (a bad field is a 400 naming it as the Responses API spells it) and
-rewritten as the chat body ``protocol.parse_chat`` reads, so rendering, tool
-calls, reasoning and sampling are those of /v1/chat/completions::
+A bad field is a 400 naming it as the Responses API spells it (validation.py words
+it). As Anthropic's requests do, the request maps into the chat request
+/v1/chat/completions makes, so rendering, tool calls, reasoning and sampling are
+that route's::
 
     instructions                          -> a first "system" message
     input: a string                       -> one "user" message
@@ -24,8 +24,9 @@ calls, reasoning and sampling are those of /v1/chat/completions::
                                           -> tools [{type: function, function: {...}}]
     tool_choice, parallel_tool_calls      -> the same, the named form {type: function, name}
                                              as chat's {type: function, function: {name}}
-    text.format json_schema / json_object -> response_format
+    text.format json_schema / json_object -> the output constraint
     max_output_tokens                     -> max_tokens
+    a final assistant message with text   -> continued (the reply continues it)
 
 Stateless: nothing is stored, so ``previous_response_id`` (and ``conversation``)
 is a 400, and ``store`` is accepted and ignored (agents such as Codex send the
@@ -44,208 +45,339 @@ through with their /v1/chat/completions meaning.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
-from ftserve.api.errors import APIError, bad_request, renamed, unsupported
+from pydantic import AfterValidator, Field, TypeAdapter, WrapValidator, model_validator
+
+from ftserve.api.openai.models import CHOICE_SHAPE, TOOL_SHAPE, Sampling, Stop
+from ftserve.api.validation import (
+    Body,
+    Int,
+    falsy_is_absent,
+    lenient,
+    member,
+    non_empty,
+    parse,
+    refused,
+    reject,
+    text_parts,
+    unless_given,
+    worded,
+)
 from ftserve.chat import limits
-from ftserve.chat.request import ParsedRequest, parse_chat, text_parts
+from ftserve.chat import response_format as rf
+from ftserve.chat.errors import bad_request
+from ftserve.chat.request import (
+    ChatRequest,
+    check_continuation,
+    continues,
+    message,
+    offered_tools,
+)
+from ftserve.chat.tool_choice import ForcedCall
 
+I32 = 2**31 - 1
 _ROLES = ("user", "system", "developer", "assistant")
-_PASSED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "top_k", "min_p",
-           "seed", "stop", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-           "repetition_penalty")
-_REFUSED = ("previous_response_id", "conversation", "prompt", "background")
+_MEDIA = ("input_image", "input_file", "input_audio")
 _LOGPROBS = "message.output_text.logprobs"
-# parse_chat names the chat fields the translation wrote; the client sent these.
-RENAMED = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+_STATELESS = "is not supported: this server stores nothing (send the whole conversation as input)"
+_NO_LOGPROBS = "the Responses route returns no logprobs (/v1/chat/completions does)"
 
 
-def _str(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise bad_request(f"'{where}' must be a string", param=where)
-    return value
+# --- input items -----------------------------------------------------------------------
 
 
-def _parts(value: Any, where: str, kinds: tuple[str, ...]) -> str:
-    return text_parts(value, where, kinds, ("input_image", "input_file", "input_audio"))
+class MessageItem(Body):
+    role: Annotated[Any, member(_ROLES, f"'{{at}}' must be one of {', '.join(_ROLES)}")] = Field(
+        None, validate_default=True)
+    content: text_parts(("input_text", "output_text", "text"), _MEDIA) = Field(
+        None, validate_default=True)
 
 
-def _reasoning_text(item: dict[str, Any], where: str) -> str:
-    """A reasoning item's text: its reasoning_text content, else its summary."""
-    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
-        value = item.get(key)
-        if value:
-            return _parts(value, f"{where}.{key}", (kind,))
-    return ""
+class ReasoningItem(Body):
+    """Its text: the reasoning_text content, else the summary."""
+
+    content: Annotated[text_parts(("reasoning_text",), ()) | None, falsy_is_absent()] = None
+    summary: Annotated[text_parts(("summary_text",), ()) | None, unless_given("content"),
+                       falsy_is_absent()] = None
+
+    def text(self) -> str:
+        return self.content if self.content is not None else self.summary or ""
 
 
-def _input(value: Any) -> list[dict[str, Any]]:
+def _json_object(value: str) -> dict[str, Any]:
+    if limits.text_nesting(value) > limits.MAX_NESTING:
+        raise reject(f"'{{at}}' nests deeper than {limits.MAX_NESTING} levels")
+    try:
+        parsed = json.loads(value) if value.strip() else {}
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise reject("'{at}' must be a JSON object")
+    return parsed
+
+
+class FunctionCallItem(Body):
+    name: str = Field(None, validate_default=True)
+    arguments: Annotated[str, AfterValidator(_json_object)] = Field(None, validate_default=True)
+    call_id: str = Field(None, validate_default=True)
+
+
+class FunctionCallOutputItem(Body):
+    output: text_parts(("input_text", "output_text"), _MEDIA) = Field(None, validate_default=True)
+    call_id: str = Field(None, validate_default=True)
+
+
+_ITEMS: dict[str, type[Body]] = {"message": MessageItem, "reasoning": ReasoningItem,
+                                 "function_call": FunctionCallItem,
+                                 "function_call_output": FunctionCallOutputItem}
+
+
+def _item(value: Any) -> Body:
+    if not isinstance(value, dict):
+        raise reject("'{at}' must be an object")
+    kind = value.get("type", "message")
+    model = _ITEMS.get(kind) if isinstance(kind, str) else None
+    if model is not None:
+        return model.model_validate(value)
+    if kind == "item_reference":
+        raise reject("'{at}.type' 'item_reference' is not supported: nothing is stored",
+                     "{at}.type", "unsupported_parameter")
+    raise reject(f"'{{at}}.type' {kind!r} is not supported: the server runs no hosted tools and "
+                 "reads text only", "{at}.type", "unsupported_parameter")
+
+
+_ITEM_LIST = TypeAdapter(list[Annotated[Any, AfterValidator(_item)]])
+
+
+def _input(value: Any, handler: Any) -> Any:
+    """A string (one user message) or a non-empty list of items."""
+    if value is None:
+        raise reject("'{at}' is required")
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        return value
     if not isinstance(value, list) or not value:
-        raise bad_request("'input' must be a string or a non-empty list of items", param="input")
+        raise reject("'{at}' must be a string or a non-empty list of items")
+    return _ITEM_LIST.validate_python(value)
+
+
+def _messages(items: str | list[Body]) -> list[dict[str, Any]]:
+    """The chat messages of the input items, in order: reasoning becomes the next
+    assistant message's reasoning_content; calls right after an assistant message
+    join it; reasoning with no assistant turn after it is dropped."""
+    if isinstance(items, str):
+        return [message("user", items)]
     out: list[dict[str, Any]] = []
     thought: list[str] = []  # reasoning items waiting for their assistant message
 
     def assistant() -> dict[str, Any]:
         """The assistant message calls join: the last one, or a new one."""
         if not out or out[-1]["role"] != "assistant" or thought:
-            msg: dict[str, Any] = {"role": "assistant", "content": ""}
-            if thought:
-                msg["reasoning_content"] = "\n".join(thought)
-                thought.clear()
-            out.append(msg)
+            out.append(message("assistant", "", reasoning="\n".join(thought) if thought else None))
+            thought.clear()
         return out[-1]
 
-    for i, item in enumerate(value):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise bad_request(f"'{where}' must be an object", param=where)
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in _ROLES:
-                raise bad_request(f"'{where}.role' must be one of {', '.join(_ROLES)}", param=f"{where}.role")
-            text = _parts(item.get("content"), f"{where}.content", ("input_text", "output_text", "text"))
-            if role != "assistant":
+    for item in items:
+        if isinstance(item, MessageItem):
+            if item.role != "assistant":
                 thought.clear()  # reasoning belongs to the assistant turn right after it
-            if role == "assistant":
-                msg = assistant()
-                if msg.get("tool_calls"):  # text after calls: a message of its own
-                    out.append({"role": "assistant", "content": text})
-                else:
-                    msg["content"] = "\n".join(t for t in (msg["content"], text) if t)
+                out.append(message(item.role, item.content))
+                continue
+            msg = assistant()
+            if msg.get("tool_calls"):  # text after calls: a message of its own
+                out.append(message("assistant", item.content))
             else:
-                out.append({"role": role, "content": text})
-        elif kind == "reasoning":
-            thought.append(_reasoning_text(item, where))
-        elif kind == "function_call":
-            name = _str(item.get("name"), f"{where}.name")
-            args = _str(item.get("arguments"), f"{where}.arguments")
-            limits.check_text(args, f"{where}.arguments")
-            try:
-                parsed = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                raise bad_request(f"'{where}.arguments' must be a JSON object",
-                                  param=f"{where}.arguments") from None
-            if not isinstance(parsed, dict):
-                raise bad_request(f"'{where}.arguments' must be a JSON object", param=f"{where}.arguments")
-            call = {"id": _str(item.get("call_id"), f"{where}.call_id"), "type": "function",
-                    "function": {"name": name, "arguments": parsed}}
-            assistant().setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
-            output = _parts(item.get("output"), f"{where}.output", ("input_text", "output_text"))
-            thought.clear()
-            out.append({"role": "tool", "tool_call_id": _str(item.get("call_id"), f"{where}.call_id"),
-                        "content": output})
-        elif kind == "item_reference":
-            raise unsupported(f"{where}.type", "'item_reference' is not supported: nothing is stored")
+                msg["content"] = "\n".join(t for t in (msg["content"], item.content) if t)
+        elif isinstance(item, ReasoningItem):
+            thought.append(item.text())
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            msg = assistant()
+            calls = msg.pop("tool_calls", [])
+            reasoning = msg.pop("reasoning_content", None)
+            msg["tool_calls"] = [*calls, call]  # the keys in message()'s order
+            if reasoning is not None:
+                msg["reasoning_content"] = reasoning
         else:
-            raise unsupported(f"{where}.type", f"{kind!r} is not supported: the server runs no "
-                              "hosted tools and reads text only")
-    return out  # reasoning with no assistant turn after it is dropped
-
-
-def _tools(value: Any) -> list[dict[str, Any]]:
-    if not isinstance(value, list):
-        raise bad_request("'tools' must be a list", param="tools")
-    out = []
-    for i, tool in enumerate(value):
-        at = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise bad_request(f"'{at}' must be an object", param=at)
-        if tool.get("type") != "function":
-            raise unsupported(f"{at}.type", f"{tool.get('type')!r} is not supported: only "
-                              "function tools are (the server runs no hosted tools)")
-        fn: dict[str, Any] = {"name": _str(tool.get("name"), f"{at}.name")}
-        if tool.get("description") is not None:
-            fn["description"] = _str(tool["description"], f"{at}.description")
-        params = tool.get("parameters")
-        if params is not None:
-            if not isinstance(params, dict):
-                raise bad_request(f"'{at}.parameters' must be an object", param=f"{at}.parameters")
-            fn["parameters"] = params
-        out.append({"type": "function", "function": fn})
+            assert isinstance(item, FunctionCallOutputItem)
+            thought.clear()
+            out.append(message("tool", item.output, tool_call_id=item.call_id))
     return out
 
 
+# --- tools, tool_choice, text.format -------------------------------------------------------
+
+
+def _function_tool(value: Any) -> Any:
+    if value != "function":
+        raise reject(f"'{{at}}' {value!r} is not supported: only function tools are (the server "
+                     "runs no hosted tools)", code="unsupported_parameter")
+    return value
+
+
+class Tool(Body):
+    type: Annotated[Any, AfterValidator(_function_tool)] = Field(None, validate_default=True)
+    name: str = Field(None, validate_default=True)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+    def chat_tool(self) -> dict[str, Any]:
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            fn["description"] = self.description
+        if self.parameters is not None:
+            fn["parameters"] = self.parameters
+        return {"type": "function", "function": fn}
+
+
 def _tool_choice(value: Any) -> Any:
+    """auto / none / required, or {type: function, name}: "required" and the name
+    as a ForcedCall, "auto" / "none" as they are."""
+    if value is None:
+        return None
     if isinstance(value, str):
-        return value  # auto / none / required: parse_chat checks them
+        if value not in ("auto", "none", "required"):
+            raise reject(CHOICE_SHAPE, "tool_choice")
+        return ForcedCall() if value == "required" else value
     if isinstance(value, dict) and value.get("type") == "function":
-        return {"type": "function", "function": {"name": _str(value.get("name"), "tool_choice.name")}}
-    raise bad_request("'tool_choice' must be auto, none, required or {type: function, name}",
-                      param="tool_choice")
+        name = value.get("name")
+        if not isinstance(name, str):
+            raise reject("'{at}.name' must be a string", "{at}.name")
+        return ForcedCall(name)
+    raise reject("'{at}' must be auto, none, required or {type: function, name}")
 
 
-def _text_format(text: Any) -> dict[str, Any] | None:
-    """text.format -> chat's response_format (None: plain text)."""
-    if not isinstance(text, dict) or text.get("format") is None:
+class TextFormat(Body):
+    type: Annotated[Any, member(("text", "json_object", "json_schema"),
+                                "'{at}' must be one of text, json_object, json_schema", "{up}")
+                    ] = Field(None, validate_default=True)
+    name: Annotated[str, worded("'{at}' must be a non-empty string", "{up}"),
+                    non_empty("'{at}' must be a non-empty string", "{up}")] = "response"
+    schema_: Annotated[dict[str, Any], worded("'{at}' must be a JSON schema object", "{up}")
+                       ] = Field(None, alias="schema")
+    strict: Annotated[bool, worded("'{at}' must be a boolean", "{up}")] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _schema_when_asked(cls, data: Any) -> Any:
+        """name, schema and strict are read for type json_schema only."""
+        if isinstance(data, dict) and data.get("type") != "json_schema":
+            data = {"type": data.get("type")}
+        return data
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and self.schema_ is None:
+            raise reject("'{at}.schema' must be a JSON schema object", "{at}")
+        return self
+
+
+class TextConfig(Body):
+    format: Annotated[TextFormat, worded("'{at}.type' must be one of text, json_object, "
+                                         "json_schema", "{at}")] | None = None
+
+
+def _include(value: list[str]) -> list[str]:
+    if _LOGPROBS in value:
+        raise reject(f"'{{at}}' {_LOGPROBS!r} is not supported: {_NO_LOGPROBS}",
+                     code="unsupported_parameter")
+    return value
+
+
+def _top_logprobs(value: int) -> int:
+    if value < 0:
+        raise reject("'{at}' must be a non-negative integer")
+    if value > 0:
+        raise reject(f"'{{at}}' is not supported: {_NO_LOGPROBS}", code="unsupported_parameter")
+    return value
+
+
+def _truncation(value: Any) -> Any:
+    if value not in (None, "disabled"):
+        raise reject("'{at}' 'auto' is not supported: a conversation longer than the context is "
+                     "a 400", code="unsupported_parameter")
+    return value
+
+
+# --- the body -------------------------------------------------------------------------------
+
+
+class ResponsesRequest(Sampling):
+    """A /v1/responses body. Stateless: previous_response_id, conversation, prompt and
+    background are a 400; store is accepted and ignored (agents such as Codex send
+    the whole conversation each turn with store false); reasoning, metadata, user and
+    other unknown fields are ignored. top_k, min_p, seed, stop, ignore_eos,
+    min_tokens and the penalties are ftserve extensions, with their
+    /v1/chat/completions meaning."""
+
+    include: Annotated[list[str], worded("'{at}' must be a list of strings", deep=True),
+                       AfterValidator(_include)] | None = None
+    top_logprobs: Annotated[int, worded("'{at}' must be a non-negative integer"),
+                            AfterValidator(_top_logprobs)] | None = None
+    previous_response_id: Annotated[Any, refused(_STATELESS)] = None
+    conversation: Annotated[Any, refused(_STATELESS)] = None
+    prompt: Annotated[Any, refused(_STATELESS)] = None
+    background: Annotated[Any, refused(_STATELESS)] = None
+    truncation: Annotated[Any, AfterValidator(_truncation)] = None
+    input: Annotated[Any, WrapValidator(_input)] = Field(None, validate_default=True)
+    instructions: str | None = None
+    model: str | None = None
+    stream: bool | None = None
+    parallel_tool_calls: bool | None = None
+    stop: Stop | None = None
+    max_output_tokens: Int(1, I32) | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Annotated[Any, AfterValidator(_tool_choice)] = None
+    text: Annotated[TextConfig | None, lenient(dict)] = None
+
+
+def parse_responses_request(raw: Any) -> ChatRequest:
+    """A /v1/responses body as the internal request."""
+    body = parse(ResponsesRequest, raw)
+    messages = _messages(body.input)
+    if body.instructions is not None:
+        messages.insert(0, message("system", body.instructions))
+    choice = body.tool_choice
+    none = choice == "none"
+    tools = [t.chat_tool() for t in body.tools] if body.tools else None
+    if tools and not none:
+        _check_names(tools)
+    tools, forced = offered_tools(tools, choice if isinstance(choice, ForcedCall) else None, none)
+    fmt = _format(body.text)
+    rf.check_tools(fmt, tools)
+    cont = continues(messages)
+    if cont:
+        check_continuation("input", forced, fmt, "text.format")
+    return ChatRequest(
+        kind="chat",
+        prompt_field="input",
+        model=body.model,
+        messages=messages,
+        add_generation_prompt=not cont,
+        continue_final=cont,
+        stream=bool(body.stream),
+        stop=body.stop or (),
+        max_tokens=body.max_output_tokens,
+        sampling=body.sampling(),
+        tools=tools,
+        parallel_tool_calls=(body.parallel_tool_calls is not False
+                             and (forced is None or forced.name is None)),
+        forced=forced,
+        response_format=fmt,
+    )
+
+
+def _format(text: TextConfig | None) -> rf.ResponseFormat | None:
+    spec = text.format if text is not None else None
+    if spec is None or spec.type == "text":
         return None
-    fmt = text["format"]
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    if kind == "json_schema":
-        schema = {"name": fmt.get("name", "response"), "schema": fmt.get("schema"),
-                  "strict": fmt.get("strict", False)}
-        return {"type": "json_schema", "json_schema": schema}
-    raise bad_request("'text.format.type' must be one of text, json_object, json_schema",
-                      param="text.format")
+    if spec.type == "json_object":
+        return rf.json_object("text.format")
+    return rf.bounded("json_schema", spec.schema_, "text.format")
 
 
-def _check_include(include: Any, top_logprobs: Any) -> None:
-    """``include`` and ``top_logprobs``: a clear 400 where they ask for output-text
-    logprobs (not returned here: silently empty arrays would mislead)."""
-    if include is not None:
-        if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
-            raise bad_request("'include' must be a list of strings", param="include")
-        if _LOGPROBS in include:
-            raise unsupported("include", f"{_LOGPROBS!r} is not supported: the Responses route "
-                              "returns no logprobs (/v1/chat/completions does)")
-    if top_logprobs is not None:
-        if not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool) or top_logprobs < 0:
-            raise bad_request("'top_logprobs' must be a non-negative integer", param="top_logprobs")
-        if top_logprobs > 0:
-            raise unsupported("top_logprobs", "is not supported: the Responses route returns no "
-                              "logprobs (/v1/chat/completions does)")
-
-
-def parse_responses_request(raw: Any) -> ParsedRequest:
-    if not isinstance(raw, dict):
-        raise bad_request("request body must be a JSON object")
-    _check_include(raw.get("include"), raw.get("top_logprobs"))
-    for key in _REFUSED:
-        if raw.get(key) is not None:
-            raise unsupported(key, "is not supported: this server stores nothing (send the "
-                              "whole conversation as input)")
-    if raw.get("truncation") not in (None, "disabled"):
-        raise unsupported("truncation", "'auto' is not supported: a conversation longer than "
-                          "the context is a 400")
-    if raw.get("input") is None:
-        raise bad_request("'input' is required", param="input")
-    messages = _input(raw["input"])
-    if raw.get("instructions") is not None:
-        messages.insert(0, {"role": "system", "content": _str(raw["instructions"], "instructions")})
-    chat: dict[str, Any] = {"messages": messages}
-    for key in _PASSED:
-        if raw.get(key) is not None:
-            chat[key] = raw[key]
-    if raw.get("max_output_tokens") is not None:
-        chat["max_tokens"] = raw["max_output_tokens"]
-    if raw.get("tools") is not None:
-        chat["tools"] = _tools(raw["tools"])
-    if raw.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(raw["tool_choice"])
-    fmt = _text_format(raw.get("text"))
-    if fmt is not None:
-        chat["response_format"] = fmt
-    last = messages[-1]
-    if last["role"] == "assistant" and last["content"] and not last.get("tool_calls"):
-        chat["continue_final_message"] = True  # the reply continues this text
-    try:
-        return parse_chat(chat)
-    except APIError as err:
-        raise renamed(err, RENAMED) from None
+def _check_names(tools: list[dict[str, Any]]) -> None:
+    for i, tool in enumerate(tools):
+        if not tool["function"]["name"]:
+            raise bad_request(TOOL_SHAPE.replace("{at}", f"tools[{i}]"), param="tools")

@@ -38,10 +38,10 @@ from aiohttp import web
 from ftserve.api import driver, sse
 from ftserve.api.generation import EngineRequestError, Generation
 from ftserve.api.openai.completions import ChatPrompt, chat_prompt, engine_error, read_json
-from ftserve.api.responses.models import RENAMED, parse_responses_request
+from ftserve.api.responses.models import parse_responses_request
 from ftserve.api.state import STATE_KEY, ServerState
 from ftserve.chat.output import WholeOutput
-from ftserve.chat.request import ParsedRequest
+from ftserve.chat.request import ChatRequest
 
 Item = dict[str, Any]
 Event = dict[str, Any]
@@ -64,7 +64,7 @@ async def _respond(request: web.Request, state: ServerState, arrival: float) -> 
     _, text = state.ready()
     prompt = await chat_prompt(state, text, parsed)
     rid = _id("resp")
-    gen = await driver.start(state, parsed, prompt, rid, arrival, RENAMED)
+    gen = await driver.start(state, parsed, prompt, rid, arrival)
     shell = _Shell(rid, int(time.time()), state.model_name, parsed, gen.params.max_tokens)
     try:
         if parsed.stream:
@@ -77,7 +77,7 @@ async def _respond(request: web.Request, state: ServerState, arrival: float) -> 
 class _Shell:
     """The response object's fields besides output, status and usage."""
 
-    def __init__(self, rid: str, created: int, model: str, parsed: ParsedRequest,
+    def __init__(self, rid: str, created: int, model: str, parsed: ChatRequest,
                  max_tokens: int) -> None:
         self.rid, self.created, self.model = rid, created, model
         self.parsed, self.max_tokens = parsed, max_tokens
@@ -142,7 +142,7 @@ def whole_items(out: WholeOutput) -> list[Item]:
     return items
 
 
-async def _whole(state: ServerState, parsed: ParsedRequest, prompt: ChatPrompt, shell: _Shell,
+async def _whole(state: ServerState, parsed: ChatRequest, prompt: ChatPrompt, shell: _Shell,
                  gen: Generation) -> web.Response:
     out = await driver.whole_output(state, parsed, prompt, gen)
     items, status = whole_items(out), _status(gen, bool(out.calls), True)
@@ -228,7 +228,7 @@ class StreamItems(driver.StreamShaper):
         return [self._delta("response.function_call_arguments.delta", frag)]
 
 
-async def _stream(request: web.Request, state: ServerState, parsed: ParsedRequest,
+async def _stream(request: web.Request, state: ServerState, parsed: ChatRequest,
                   prompt: ChatPrompt, shell: _Shell, gen: Generation) -> web.StreamResponse:
     filt = driver.output_filter(state, parsed, prompt)
     items = StreamItems()
