@@ -145,7 +145,7 @@ OUTPUTS = [  # (output, the prompt opened reasoning, tools given)
 def test_stream_blocks_equal_whole_blocks_at_every_cut(output: str, think: bool,
                                                        tools: bool) -> None:
     from ftserve.api.anthropic.messages import StreamBlocks, whole_blocks
-    from ftserve.chat.output import ChatOutputFilter, split_whole
+    from ftserve.chat.output import StreamSplit, split_whole
 
     fmt = "mistral" if tools else None
 
@@ -155,7 +155,7 @@ def test_stream_blocks_equal_whole_blocks_at_every_cut(output: str, think: bool,
     want = norm(whole_blocks(split_whole(output, fmt, True, None, think)))
     assert want  # every case has some block
     for cut in range(len(output) + 1):
-        filt, blocks = ChatOutputFilter(fmt, True, None, think), StreamBlocks()
+        filt, blocks = StreamSplit(fmt, True, None, think), StreamBlocks()
         events = [*blocks.push(*filt.push(output[:cut])), *blocks.push(*filt.push(output[cut:])),
                   *blocks.push(*filt.finish()), *blocks.finish()]
         assert norm(_assemble(events)) == want, cut

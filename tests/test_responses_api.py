@@ -120,7 +120,7 @@ def _assemble(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("output,think,tools", OUTPUTS)
 def test_stream_items_equal_whole_items_at_every_cut(output: str, think: bool, tools: bool) -> None:
     from ftserve.api.responses.route import StreamItems, whole_items
-    from ftserve.chat.output import ChatOutputFilter, split_whole
+    from ftserve.chat.output import StreamSplit, split_whole
 
     fmt = "mistral" if tools else None
 
@@ -130,7 +130,7 @@ def test_stream_items_equal_whole_items_at_every_cut(output: str, think: bool, t
     want = norm(whole_items(split_whole(output, fmt, True, None, think)))
     assert want
     for cut in range(len(output) + 1):
-        filt, items = ChatOutputFilter(fmt, True, None, think), StreamItems()
+        filt, items = StreamSplit(fmt, True, None, think), StreamItems()
         events = [*items.push(*filt.push(output[:cut])), *items.push(*filt.push(output[cut:])),
                   *items.push(*filt.finish()), *items.finish()]
         assert norm(_assemble(events)) == want, cut

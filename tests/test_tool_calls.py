@@ -107,10 +107,12 @@ def test_whole_output_with_tool_calls() -> None:
 
 
 def test_streamed_choice_sends_calls_as_they_arrive(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The SSE side: content through the filter, then a call's start and its
+    """The SSE side: content through the output split, then a call's start and its
     argument fragments as tool_calls deltas with the choice's index."""
-    from ftserve.api.openai.completions import _ChoiceChunks
+    from ftserve.api.driver import Choice
+    from ftserve.api.openai.chat import ChatStream
     from ftserve.api.openai.models import parse_chat
+    from ftserve.chat.output import OutputSpec
     from ftserve.chat.text import make_text_codec
     from ftserve.models.checkpoint import write_checkpoint
 
@@ -119,24 +121,26 @@ def test_streamed_choice_sends_calls_as_they_arrive(tmp_path) -> None:  # type: 
     assert text.tool_format() == "mistral"  # the demo template renders Mistral-style tools
     body = {"messages": [{"role": "user", "content": "x"}], "stream": True,
             "tools": [{"type": "function", "function": {"name": "ls"}}]}
-    parsed = parse_chat(body)
-    st = _ChoiceChunks(parsed, "chatcmpl-1", 0, "m", None, 2, text, None)  # type: ignore[arg-type]
+    req = parse_chat(body)
+    split = OutputSpec(text.tool_format(), req.parallel_tool_calls).stream()
+    choice = Choice(2, None, split)  # type: ignore[arg-type]
+    st = ChatStream(req, "chatcmpl-1", 0, "m", [choice], text)
     out = 'Sure [TOOL_CALLS] [{"name": "ls", "arguments": {"d": 1}}]'
-    parts = [st.split(out[i:i + 5]) for i in range(0, len(out), 5)] + [st.finish()]
+    parts = [split.push(out[i:i + 5]) for i in range(0, len(out), 5)] + [split.finish()]
     assert "".join(p[1] for p in parts).strip() == "Sure"
     deltas = [d for p in parts for d in p[2]]
     assert deltas[0]["function"] == {"name": "ls", "arguments": ""} and deltas[0]["index"] == 0
     assert "".join(d["function"]["arguments"] for d in deltas) == '{"d": 1}'
     assert all(set(d) == {"index", "function"} for d in deltas[1:])
-    (choice,) = st.call_chunk(deltas[0])["choices"]
-    assert choice["index"] == 2 and choice["finish_reason"] is None
-    (tc,) = choice["delta"]["tool_calls"]
+    (chunk,) = st.call_chunk(choice, deltas[0])["choices"]
+    assert chunk["index"] == 2 and chunk["finish_reason"] is None
+    (tc,) = chunk["delta"]["tool_calls"]
     assert tc["index"] == 0 and tc["type"] == "function" and len(tc["id"]) == 9
     # parallel_tool_calls false: the stream also sends only the first call.
-    one = _ChoiceChunks(parse_chat({**body, "parallel_tool_calls": False}), "chatcmpl-2", 0, "m",
-                        None, 0, text, None)  # type: ignore[arg-type]
+    one_req = parse_chat({**body, "parallel_tool_calls": False})
+    one = OutputSpec(text.tool_format(), one_req.parallel_tool_calls).stream()
     twice = 'x [TOOL_CALLS] [{"name": "ls", "arguments": {}}, {"name": "cat", "arguments": {}}]'
-    sent = one.split(twice)[2] + one.finish()[2]
+    sent = one.push(twice)[2] + one.finish()[2]
     assert {d["index"] for d in sent} == {0} and [d["function"].get("name") for d in sent] == ["ls", None]
 
 

@@ -17,7 +17,8 @@ from aiohttp import web
 from ftserve.api.anthropic.messages import count_tokens, messages
 from ftserve.api.errors import ANTHROPIC_PREFIX, APIError, Handler, error_middleware
 from ftserve.api.metrics import CONTENT_TYPE
-from ftserve.api.openai.completions import chat_completions, completions
+from ftserve.api.openai.chat import chat_completions
+from ftserve.api.openai.completions import completions
 from ftserve.api.openai.tokenize import detokenize, tokenize
 from ftserve.api.responses.route import responses
 from ftserve.api.state import STATE_KEY, ServerState

@@ -2,7 +2,7 @@
 apply stop strings, record latency metrics, abort when the client goes away.
 
     engine thread --call_soon_threadsafe(on_outputs, [RequestOutput...])--> Tracker
-    Tracker --queue per request--> Generation.next() --> handler (SSE or JSON)
+    Tracker --queue per request--> Generation.next() --> the stream driver (driver.py)
 
 The engine knows nothing about stop strings: when the detokenizer finds one, the
 Generation aborts the engine request itself and reports finish_reason "stop".
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ftserve.api.metrics import Metrics
-from ftserve.chat import reasoning
 from ftserve.chat.text import StreamDetokenizer
 from ftserve.engine.grammar import GrammarMatcher
 from ftserve.engine.messages import GenerateRequest, RequestOutput, TokenLogprob
@@ -88,20 +87,15 @@ class Generation:
         arrival_time: float,
         grammar: GrammarMatcher | None = None,
         score_only: bool = False,
-        think: bool | None = None,
     ) -> None:
         """``score_only``: the request scores its prompt (completions echo with
-        max_tokens 0): the engine runs one token, which no step shows or counts.
-        ``think``: the chat template marks reasoning (None: it does not), and
-        whether the prompt opened it; then ``reasoning_tokens`` counts the output
-        tokens that were reasoning (reasoning.py's split, step by step)."""
+        max_tokens 0): the engine runs one token, which no step shows or counts."""
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.prompt_tokens = len(prompt_ids)
         self.params = params
         self.cached_tokens = 0
         self.completion_tokens = 0
-        self._reasoning = reasoning.ReasoningStream(think) if think is not None else None
         self.finish_reason: str | None = None
         self._engine = engine
         self._tracker = tracker
@@ -112,15 +106,6 @@ class Generation:
         self._score_only = score_only
         self._queue = tracker.open(request_id)
         engine.submit(GenerateRequest(request_id, prompt_ids, params, arrival_time, grammar))
-
-    @property
-    def tracks_reasoning(self) -> bool:
-        return self._reasoning is not None
-
-    @property
-    def reasoning_tokens(self) -> int:
-        """Output tokens so far inside the reasoning block (its tags included)."""
-        return self._reasoning.tokens if self._reasoning is not None else 0
 
     @property
     def finished(self) -> bool:
@@ -165,8 +150,6 @@ class Generation:
         new_ids = list(out.new_token_ids)
         self.completion_tokens += len(new_ids)
         text = self._detok.push(new_ids)
-        if self._reasoning is not None:
-            self._reasoning.push(text, len(new_ids))
         if self._detok.stopped:
             # Stop string: the engine keeps generating until told, so tell it now.
             if not out.finished:

@@ -108,6 +108,14 @@ class ChatRequest:
                   if k is not None]
         return max(wanted) if wanted else None
 
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: max_model_len)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = max_model_len if k == -1 else k
+        return ids[-k:] if len(ids) > k else ids
+
     def choice_params(self, params: SamplingParams, index: int) -> SamplingParams:
         """Choice ``index`` of n: a given seed becomes seed + index (wrapped to 64 bits),
         so the choices are distinct draws and the whole response is reproducible."""

@@ -1,10 +1,10 @@
 """POST /v1/messages and POST /v1/messages/count_tokens: Anthropic's Messages API
 over the chat path of /v1/chat/completions.
 
-The request becomes the server's chat request (anthropic_protocol.py), is
-rendered and encoded as a chat request is (completions.chat_prompt), runs as one
-``Generation``, and its output is split by the same filter (chat_output.py) into
-Anthropic's content blocks, in this order::
+The request (models.py) becomes the internal chat request, is rendered and
+encoded as a chat request is (chat/prompt.py), runs as one ``Generation`` on the
+stream driver (driver.py), and its output is split as a chat choice's is
+(chat/output.py) into Anthropic's content blocks, in this order::
 
     thinking {thinking, signature: ""}   the reasoning the template marks (reasoning.py);
                                          the signature is empty: nothing here signs it,
@@ -43,11 +43,14 @@ from aiohttp import web
 
 from ftserve.api import driver, sse
 from ftserve.api.anthropic.models import parse_messages_request
-from ftserve.api.generation import EngineRequestError, Generation
-from ftserve.api.openai.completions import ChatPrompt, chat_prompt, engine_error, read_json
+from ftserve.api.body import read_json
+from ftserve.api.driver import Choice, Frame
+from ftserve.api.errors import APIError
+from ftserve.api.generation import Generation, Step
+from ftserve.api.parts import PartStream
 from ftserve.api.state import STATE_KEY, ServerState
-from ftserve.chat.output import WholeOutput
-from ftserve.chat.request import ChatRequest
+from ftserve.chat.output import Piece, StreamSplit, WholeOutput
+from ftserve.chat.prompt import chat_prompt
 
 Event = dict[str, Any]
 
@@ -59,10 +62,10 @@ def _json(obj: Any) -> web.Response:
 async def count_tokens(request: web.Request) -> web.Response:
     """{"input_tokens": N}: the prompt a /v1/messages request with this body prefills."""
     state = request.app[STATE_KEY]
-    parsed = parse_messages_request(await read_json(request), count_only=True)
-    state.check_model(parsed.model)
+    req = parse_messages_request(await read_json(request), count_only=True)
+    state.check_model(req.model)
     _, text = state.ready()
-    prompt = await chat_prompt(state, text, parsed)
+    prompt = await chat_prompt(text, req, state.cfg.reasoning_parser != "none")
     return _json({"input_tokens": len(prompt.ids)})
 
 
@@ -74,25 +77,28 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 async def _respond(request: web.Request, state: ServerState, arrival: float) -> web.StreamResponse:
-    parsed = parse_messages_request(await read_json(request))
-    state.check_model(parsed.model)
+    req = parse_messages_request(await read_json(request))
+    state.check_model(req.model)
     engine, text = state.ready()
-    prompt = await chat_prompt(state, text, parsed)
+    prompt = await chat_prompt(text, req, state.cfg.reasoning_parser != "none")
     # max_tokens is a ceiling, as Anthropic's newer models take it (agents ask for 32k
     # every turn): a reply that would pass the context window gets what room is left
     # and, if it fills it, stop_reason "model_context_window_exceeded".
     room = engine.max_model_len - len(prompt.ids)
-    window = parsed.max_tokens is not None and 0 < room < parsed.max_tokens
+    window = req.max_tokens is not None and 0 < room < req.max_tokens
     if window:
-        parsed = dataclasses.replace(parsed, max_tokens=room)
+        req = dataclasses.replace(req, max_tokens=room)
     rid = "msg_" + uuid.uuid4().hex
-    gen = await driver.start(state, parsed, prompt, rid, arrival)
-    try:
-        if parsed.stream:
-            return await _stream(request, state, parsed, prompt, rid, gen, window)
-        return await _whole(state, parsed, prompt, rid, gen, window)
-    finally:
-        gen.close()  # a cancelled handler (client gone) aborts the engine request here
+    async with driver.running(state, req, [prompt.ids], arrival, rid, prompt.output,
+                              prompt.constraint) as choices:
+        if req.stream:
+            shaper = MessagesStream(rid, state.model_name, window)
+            return await driver.stream(request, state, choices, shaper)
+        (choice,), (whole,) = choices, await driver.collect(state, choices)
+        assert whole.output is not None
+        stop = _stop_reason(choice.gen, bool(whole.output.calls), True, window)
+        return _json(_message(rid, state.model_name, whole_blocks(whole.output), stop,
+                              _usage(choice.gen)))
 
 
 def _usage(gen: Generation) -> dict[str, int]:
@@ -138,15 +144,7 @@ def whole_blocks(out: WholeOutput) -> list[dict[str, Any]]:
     return blocks
 
 
-async def _whole(state: ServerState, parsed: ChatRequest, prompt: ChatPrompt, rid: str,
-                 gen: Generation, window: bool) -> web.Response:
-    out = await driver.whole_output(state, parsed, prompt, gen)
-    blocks = whole_blocks(out)
-    stop = _stop_reason(gen, bool(out.calls), True, window)
-    return _json(_message(rid, state.model_name, blocks, stop, _usage(gen)))
-
-
-class StreamBlocks(driver.StreamShaper):
+class StreamBlocks(PartStream):
     """A stream's content blocks: which one is open, and the events that open,
     extend and close them."""
 
@@ -186,48 +184,41 @@ class StreamBlocks(driver.StreamShaper):
         return [self._delta({"type": "input_json_delta", "partial_json": frag})]
 
 
-async def _stream(request: web.Request, state: ServerState, parsed: ChatRequest,
-                  prompt: ChatPrompt, rid: str, gen: Generation,
-                  window: bool) -> web.StreamResponse:
-    model = state.model_name
-    filt = driver.output_filter(state, parsed, prompt)
-    blocks = StreamBlocks()
-    resp = await sse.open_stream(request)
+class MessagesStream(driver.Shaper):
+    """Anthropic's events of one reply: message_start once the first step arrived,
+    its content blocks (StreamBlocks), message_delta and message_stop at its end."""
 
-    async def send(events: list[Event]) -> None:
-        for ev in events:
-            await resp.write(sse.event(ev))
+    def __init__(self, rid: str, model: str, window: bool) -> None:
+        self.rid, self.model, self.window = rid, model, window
+        self.blocks = StreamBlocks()
+        self.started = False
 
-    started = False
-    try:
-        while not gen.finished:
-            try:
-                step = await gen.next(state.cfg.keepalive_interval)
-            except EngineRequestError as err:
-                await resp.write(sse.event(engine_error(state, err).to_anthropic()))
-                break
-            if step is None:  # long prefill or a slow step: keep proxies and clients patient
-                await resp.write(sse.PING if started else sse.KEEPALIVE)
-                continue
-            if not started:
-                # The first step carries the prefix-cache hit that usage reports.
-                started = True
-                start = _message(rid, model, [], (None, None), _usage(gen))
-                await send([{"type": "message_start", "message": start}])
-                await send(blocks.push("", "", filt.opening))  # a named call's start
-            await send(blocks.push(*filt.push(step.text)))
-            if step.finish_reason is not None:
-                await send(blocks.push(*filt.finish()))
-                await send(blocks.finish())
-                tools = filt.tools
-                called = tools is not None and tools.called
-                reason, seq = _stop_reason(gen, called, tools is not None and tools.clean,
-                                           window)
-                await send([{"type": "message_delta",
-                             "delta": {"stop_reason": reason, "stop_sequence": seq},
-                             "usage": _usage(gen)},
-                            {"type": "message_stop"}])
-        await resp.write_eof()
-    except ConnectionError:
-        pass  # the client left; the caller's finally aborts the engine request
-    return resp
+    def step(self, choice: Choice, step: Step, piece: Piece) -> list[Frame]:
+        events: list[Frame] = []
+        if not self.started:
+            # The first step carries the prefix-cache hit that usage reports.
+            self.started = True
+            start = _message(self.rid, self.model, [], (None, None), _usage(choice.gen))
+            events.append({"type": "message_start", "message": start})
+            assert isinstance(choice.split, StreamSplit)
+            events += self.blocks.push("", "", choice.split.opening)  # a named call's start
+        return events + self.blocks.push(*piece)
+
+    def finish(self, choice: Choice, step: Step, piece: Piece) -> list[Frame]:
+        events: list[Frame] = [*self.blocks.push(*piece), *self.blocks.finish()]
+        split = choice.split
+        assert isinstance(split, StreamSplit)
+        reason, seq = _stop_reason(choice.gen, split.called, split.clean, self.window)
+        return [*events, {"type": "message_delta",
+                          "delta": {"stop_reason": reason, "stop_sequence": seq},
+                          "usage": _usage(choice.gen)},
+                {"type": "message_stop"}]
+
+    def idle(self) -> list[Frame]:
+        return [sse.PING if self.started else sse.KEEPALIVE]
+
+    def error(self, err: APIError) -> list[Frame]:
+        return [sse.event(err.to_anthropic())]
+
+    def encode(self, event: dict[str, Any]) -> bytes:
+        return sse.event(event)

@@ -1,4 +1,5 @@
-"""OpenAI response and SSE chunk builders (plain dicts, serialized with orjson).
+"""OpenAI's response objects: the chat completion and completion bodies, their
+stream chunks, usage and logprobs (plain dicts, serialized with orjson).
 
 Shapes follow what OpenAI and vLLM emit, so the official client parses them:
 chat chunks carry ``delta``, completion chunks carry ``text``; usage has
@@ -8,10 +9,13 @@ chat chunks carry ``delta``, completion chunks carry ``text``; usage has
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftserve.chat.text import StreamDetokenizer
 from ftserve.engine.messages import TokenLogprob
+
+if TYPE_CHECKING:
+    from ftserve.api.driver import Choice
 
 TokenText = Callable[[int], str]
 TokenBytes = Callable[[int], bytes]
@@ -24,6 +28,20 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def usage_of(choices: list[Choice], n: int) -> dict[str, Any]:
+    """A request's usage: each prompt counts once however many choices share it (n
+    per prompt); prompts add up. Where the template marks reasoning, the reasoning
+    tokens are counted too."""
+    groups = [choices[i:i + n] for i in range(0, len(choices), n)]
+    use = usage(sum(g[0].gen.prompt_tokens for g in groups),
+                sum(c.gen.completion_tokens for c in choices),
+                sum(max(c.gen.cached_tokens for c in group) for group in groups))
+    if any(c.tracks_reasoning for c in choices):
+        use["completion_tokens_details"] = {"reasoning_tokens": sum(c.reasoning_tokens
+                                                                    for c in choices)}
+    return use
 
 
 def chat_logprobs(items: list[TokenLogprob], token_text: TokenText,

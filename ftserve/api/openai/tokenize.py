@@ -3,20 +3,20 @@ of the prompt /v1/chat/completions would render from ``messages``, and back."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from ftserve.api.body import read_json
 from ftserve.api.errors import APIError
-from ftserve.api.openai.completions import read_json
 from ftserve.api.openai.models import TokenizeChat, TokenizePrompt
 from ftserve.api.state import STATE_KEY
 from ftserve.api.validation import parse
-from ftserve.chat import tool_choice
 from ftserve.chat.errors import bad_request
-from ftserve.chat.text import TemplateError, TextCodec
+from ftserve.chat.prompt import render
+from ftserve.chat.request import ChatRequest
+from ftserve.chat.text import TextCodec
 
 
 def _json(obj: Any) -> web.Response:
@@ -55,16 +55,11 @@ async def _chat_prompt(text: TextCodec, body: TokenizeChat) -> tuple[str, bool]:
     tools, forced = body.offered()  # counted in the prompt, as the chat endpoint renders them
     if tools and text.tool_format() is None:
         raise bad_request("this model's chat template does not render tools", param="tools")
-    try:
-        prompt = await asyncio.to_thread(text.render_chat, messages, add_gen, tools,
-                                         body.chat_template_kwargs or {}, cont)
-    except TemplateError as err:
-        raise bad_request(f"chat template error: {err}", param="messages") from None
-    fmt = text.tool_format()
-    if forced is not None and fmt is not None:  # the chat endpoint's prompt carries it too
-        prompt += tool_choice.before_call(prompt, text.marks_reasoning())
-        prompt += tool_choice.forced_text(fmt, forced, text.escape_special)
-    return prompt, bool(body.add_special_tokens)
+    req = ChatRequest(kind="chat", model=None, messages=messages, add_generation_prompt=add_gen,
+                      continue_final=cont, tools=tools,
+                      template_kwargs=body.chat_template_kwargs or {}, forced=forced)
+    prompt, forced_text = await render(text, req)  # the chat endpoint's prompt carries it too
+    return prompt + forced_text, bool(body.add_special_tokens)
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -1,10 +1,10 @@
 """POST /v1/responses: OpenAI's Responses API over the chat path of
-/v1/chat/completions (stateless: see responses_protocol.py).
+/v1/chat/completions (stateless: see models.py).
 
-The request becomes the server's chat request, is rendered and encoded as a
-chat request is (completions.chat_prompt), runs as one ``Generation``, and its
-output is split by the same filter (chat_output.py) into output items, in this
-order::
+The request (models.py) becomes the internal chat request, is rendered and
+encoded as a chat request is (chat/prompt.py), runs as one ``Generation`` on the
+stream driver (driver.py), and its output is split as a chat choice's is
+(chat/output.py) into output items, in this order::
 
     reasoning {content: [reasoning_text]}     the reasoning the template marks (reasoning.py)
     message {content: [output_text]}          the text outside tool calls
@@ -33,14 +33,19 @@ import time
 import uuid
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from ftserve.api import driver, sse
-from ftserve.api.generation import EngineRequestError, Generation
-from ftserve.api.openai.completions import ChatPrompt, chat_prompt, engine_error, read_json
+from ftserve.api.body import read_json
+from ftserve.api.driver import Choice, Frame
+from ftserve.api.errors import APIError
+from ftserve.api.generation import Generation, Step
+from ftserve.api.parts import PartStream
 from ftserve.api.responses.models import parse_responses_request
 from ftserve.api.state import STATE_KEY, ServerState
-from ftserve.chat.output import WholeOutput
+from ftserve.chat.output import Piece, StreamSplit, WholeOutput
+from ftserve.chat.prompt import chat_prompt
 from ftserve.chat.request import ChatRequest
 
 Item = dict[str, Any]
@@ -59,19 +64,25 @@ async def responses(request: web.Request) -> web.StreamResponse:
 
 
 async def _respond(request: web.Request, state: ServerState, arrival: float) -> web.StreamResponse:
-    parsed = parse_responses_request(await read_json(request))
-    state.check_model(parsed.model)
+    req = parse_responses_request(await read_json(request))
+    state.check_model(req.model)
     _, text = state.ready()
-    prompt = await chat_prompt(state, text, parsed)
+    prompt = await chat_prompt(text, req, state.cfg.reasoning_parser != "none")
     rid = _id("resp")
-    gen = await driver.start(state, parsed, prompt, rid, arrival)
-    shell = _Shell(rid, int(time.time()), state.model_name, parsed, gen.params.max_tokens)
-    try:
-        if parsed.stream:
-            return await _stream(request, state, parsed, prompt, shell, gen)
-        return await _whole(state, parsed, prompt, shell, gen)
-    finally:
-        gen.close()  # a cancelled handler (client gone) aborts the engine request here
+    async with driver.running(state, req, [prompt.ids], arrival, rid, prompt.output,
+                              prompt.constraint) as choices:
+        (choice,) = choices
+        shell = _Shell(rid, int(time.time()), state.model_name, req, choice.gen.params.max_tokens)
+        if req.stream:
+            return await driver.stream(request, state, choices, ResponsesStream(shell))
+        (whole,) = await driver.collect(state, choices)
+        assert whole.output is not None
+        items = whole_items(whole.output)
+        status = _status(choice.gen, bool(whole.output.calls), True)
+        if status == "incomplete" and items:
+            items[-1]["status"] = "incomplete"  # the item max_output_tokens cut off
+        body = shell.body(items, status, _usage(choice))
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
 class _Shell:
@@ -102,10 +113,12 @@ class _Shell:
         }
 
 
-def _usage(gen: Generation) -> dict[str, Any]:
+def _usage(choice: Choice) -> dict[str, Any]:
+    gen = choice.gen
     cached = min(gen.cached_tokens, gen.prompt_tokens)
     return {"input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": gen.completion_tokens, "output_tokens_details": {"reasoning_tokens": gen.reasoning_tokens},
+            "output_tokens": gen.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": choice.reasoning_tokens},
             "total_tokens": gen.prompt_tokens + gen.completion_tokens}
 
 
@@ -142,16 +155,7 @@ def whole_items(out: WholeOutput) -> list[Item]:
     return items
 
 
-async def _whole(state: ServerState, parsed: ChatRequest, prompt: ChatPrompt, shell: _Shell,
-                 gen: Generation) -> web.Response:
-    out = await driver.whole_output(state, parsed, prompt, gen)
-    items, status = whole_items(out), _status(gen, bool(out.calls), True)
-    if status == "incomplete" and items:
-        items[-1]["status"] = "incomplete"  # the item max_output_tokens cut off
-    return driver.json_response(shell.body(items, status, _usage(gen)))
-
-
-class StreamItems(driver.StreamShaper):
+class StreamItems(PartStream):
     """A stream's output items: which one is open, what it holds so far, and the
     events that open, extend and close them."""
 
@@ -228,49 +232,44 @@ class StreamItems(driver.StreamShaper):
         return [self._delta("response.function_call_arguments.delta", frag)]
 
 
-async def _stream(request: web.Request, state: ServerState, parsed: ChatRequest,
-                  prompt: ChatPrompt, shell: _Shell, gen: Generation) -> web.StreamResponse:
-    filt = driver.output_filter(state, parsed, prompt)
-    items = StreamItems()
-    resp = await sse.open_stream(request)
-    seq = 0
+class ResponsesStream(driver.Shaper):
+    """The Responses API's events of one reply, each with its sequence_number:
+    response.created and response.in_progress once the first step arrived, its
+    output items (StreamItems), response.completed or response.incomplete last."""
 
-    async def send(events: list[Event]) -> None:
-        nonlocal seq
-        for ev in events:
-            await resp.write(sse.event({**ev, "sequence_number": seq}))
-            seq += 1
+    def __init__(self, shell: _Shell) -> None:
+        self.shell = shell
+        self.items = StreamItems()
+        self.started = False
+        self.seq = 0
 
-    started = False
-    try:
-        while not gen.finished:
-            try:
-                step = await gen.next(state.cfg.keepalive_interval)
-            except EngineRequestError as err:
-                e = engine_error(state, err)
-                await send([{"type": "error", "code": e.code, "message": e.message, "param": e.param}])
-                break
-            if step is None:  # long prefill or a slow step: keep proxies and clients patient
-                await resp.write(sse.KEEPALIVE)
-                continue
-            if not started:
-                # The first step carries the prefix-cache hit that usage reports.
-                started = True
-                shell_now = shell.body([], "in_progress", None)
-                await send([{"type": "response.created", "response": shell_now},
-                            {"type": "response.in_progress", "response": shell_now}])
-                await send(items.push("", "", filt.opening))  # a named call's start
-            await send(items.push(*filt.push(step.text)))
-            if step.finish_reason is not None:
-                await send(items.push(*filt.finish()))
-                tools = filt.tools
-                status = _status(gen, tools is not None and tools.called,
-                                 tools is not None and tools.clean)
-                items.last_status = status
-                await send(items.finish())
-                kind = "response.completed" if status == "completed" else "response.incomplete"
-                await send([{"type": kind, "response": shell.body(items.items, status, _usage(gen))}])
-        await resp.write_eof()
-    except ConnectionError:
-        pass  # the client left; the caller's finally aborts the engine request
-    return resp
+    def step(self, choice: Choice, step: Step, piece: Piece) -> list[Frame]:
+        events: list[Frame] = []
+        if not self.started:
+            # The first step carries the prefix-cache hit that usage reports.
+            self.started = True
+            now = self.shell.body([], "in_progress", None)
+            events += [{"type": "response.created", "response": now},
+                       {"type": "response.in_progress", "response": now}]
+            assert isinstance(choice.split, StreamSplit)
+            events += self.items.push("", "", choice.split.opening)  # a named call's start
+        return events + self.items.push(*piece)
+
+    def finish(self, choice: Choice, step: Step, piece: Piece) -> list[Frame]:
+        events: list[Frame] = list(self.items.push(*piece))
+        split = choice.split
+        assert isinstance(split, StreamSplit)
+        status = _status(choice.gen, split.called, split.clean)
+        self.items.last_status = status
+        events += self.items.finish()
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return [*events, {"type": kind,
+                          "response": self.shell.body(self.items.items, status, _usage(choice))}]
+
+    def error(self, err: APIError) -> list[Frame]:
+        return [{"type": "error", "code": err.code, "message": err.message, "param": err.param}]
+
+    def encode(self, event: dict[str, Any]) -> bytes:
+        frame = sse.event({**event, "sequence_number": self.seq})
+        self.seq += 1
+        return frame
