@@ -10,8 +10,8 @@ import llguidance
 import numpy as np
 import pytest
 
+from ftserve.chat import text as text_mod
 from ftserve.engine.grammar import GrammarMatcher, MaskFiller, mask_words
-from ftserve.server import text as text_mod
 from ftserve.tokenizer import load_tokenizer
 
 

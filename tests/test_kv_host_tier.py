@@ -384,7 +384,7 @@ def test_models_endpoint_reports_limit_and_capacities() -> None:
 
     import aiohttp
 
-    from ftserve.server.serve import banner
+    from ftserve.api.serve import banner
     from tests.server_harness import TEST_ENGINE, start_live, stop_live
 
     live = start_live(dataclasses.replace(TEST_ENGINE, kv_host_pages=100))

@@ -14,7 +14,7 @@ import aiohttp
 import openai
 import pytest
 
-from ftserve.server.reasoning import CLOSE, OPEN, ReasoningStream, opens_in_prompt, split, supported
+from ftserve.chat.reasoning import CLOSE, OPEN, ReasoningStream, opens_in_prompt, split, supported
 
 CASES = [  # (output, opened by the prompt, reasoning, content)
     ("<think>\nplan it\n</think>\n\nThe answer.", False, "\nplan it\n", "The answer."),

@@ -110,11 +110,11 @@ def test_grammar_takes_the_calls_the_template_writes(live: Live) -> None:
     from after its name."""
     import orjson
 
-    from ftserve.server.grammar_sandbox import build
-    from ftserve.server.protocol import parse_chat
-    from ftserve.server.tool_calls import param_types, parse
-    from ftserve.server.tool_choice import ForcedCall, forced_text
-    from ftserve.server.tool_grammar import constraint
+    from ftserve.api.openai.models import parse_chat
+    from ftserve.chat.grammar_sandbox import build
+    from ftserve.chat.tool_calls import param_types, parse
+    from ftserve.chat.tool_choice import ForcedCall, forced_text
+    from ftserve.chat.tool_grammar import constraint
 
     fmt = live.text.tool_format()
     assert fmt is not None
