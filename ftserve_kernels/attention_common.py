@@ -102,7 +102,6 @@ class AttnKernelConfig:
     max_splits: int = 128
     extend_pack_gqa: bool = False  # one program per KV head x (BLOCK_M / GROUP) tokens
     decode_programs_per_sm: int = 4  # split-K target: (B * Hkv * splits) ~ this x SMs
-    decode_fused_reduce: bool = False  # last split program combines (one launch, counters)
     decode_round_robin: bool = True  # tiles dealt to the splits in turn (attention_decode_triton)
     # With round robin: each tile's page entries load one iteration ahead, off
     # the critical path of the tile's K/V loads.

@@ -334,14 +334,6 @@ class TritonAttentionBackend:
         self.scale = scale
         self.cfg = cfg
         self.extend_token_bound = extend_token_bound
-        # Split counters of the fused decode reduce: zero between launches, kept
-        # (one allocation, sized generously so a graph capture never allocates).
-        self._counters: torch.Tensor | None = None
-
-    def _decode_counters(self, n: int, device: torch.device) -> torch.Tensor:
-        if self._counters is None or self._counters.numel() < n or self._counters.device != device:
-            self._counters = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        return self._counters
 
     def decode_qk(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
@@ -368,11 +360,9 @@ class TritonAttentionBackend:
         cfg = self.cfg or AttnKernelConfig.for_device(q.device, q.shape[-1])
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         splits = self.num_splits(q.shape[0], kc.shape[1], q.device, meta.max_seq_len)
-        counters = (self._decode_counters(q.shape[0] * kc.shape[1], q.device)
-                    if cfg.decode_fused_reduce else None)
         return decode_attention_triton(
             q, kc, vc, meta.page_table, meta.seq_lens, meta.page_size, scale, splits, cfg,
-            counters=counters, k_scale=ks, v_scale=vs, qk=qk, kernels=batch.kernels,
+            k_scale=ks, v_scale=vs, qk=qk, kernels=batch.kernels,
         )
 
     def num_splits(self, batch_size: int, num_kv_heads: int, device: torch.device,

@@ -200,12 +200,10 @@ def test_decode_split_counts_agree(splits: int) -> None:
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
 @pytest.mark.parametrize("round_robin", [False, True])
-def test_decode_fused_reduce_matches_two_kernels(splits: int, round_robin: bool) -> None:
-    """decode_fused_reduce: the last split program combines; same answer as the
-    reduce kernel, counters left at zero, and a second call (reused counters)
-    agrees. Includes an empty (padding) sequence, which must give zeros. With
-    decode_round_robin the tiles go to the splits in turn: the same answer as
-    contiguous splits, to fp32 rounding."""
+def test_decode_round_robin_matches_contiguous(splits: int, round_robin: bool) -> None:
+    """With decode_round_robin the tiles go to the splits in turn: the same
+    answer as contiguous splits, to fp32 rounding. Includes an empty (padding)
+    sequence, which must give zeros."""
     pool, tables, q, k, v = make_case([1, 1, 1], [50, 4, 0], 8, 2, 32, 8, torch.float32, DEVICE)
     fb = build_forward_batch([[1], [1], [1]], [50, 4, 0], tables, pool, TorchAttentionBackend(),
                              is_decode=True)
@@ -214,18 +212,10 @@ def test_decode_fused_reduce_matches_two_kernels(splits: int, round_robin: bool)
     seq_lens[2] = 0
     plain = at.AttnKernelConfig.for_device(torch.device(DEVICE), 32)
     base = at.AttnKernelConfig(**{**plain.__dict__, "decode_round_robin": round_robin})
-    fused = at.AttnKernelConfig(**{**base.__dict__, "decode_fused_reduce": True})
     args = (q, pool.k[0], pool.v[0], fb.attn.page_table, seq_lens, 8, 32**-0.5, splits)
     two = at.decode_attention_triton(*args, base)
     assert rel_err(two[:2], at.decode_attention_triton(*args, plain)[:2]) < 1e-5
     assert torch.equal(two[2], torch.zeros_like(two[2]))
-    counters = torch.zeros(6, dtype=torch.int32, device=DEVICE)
-    for _ in range(2):
-        one = torch.full_like(q, float("nan"))
-        at.decode_attention_triton(*args, fused, out=one, counters=counters)
-        assert torch.equal(counters, torch.zeros_like(counters))
-        assert rel_err(one[:2], two[:2]) < 1e-5
-        assert torch.equal(one[2], torch.zeros_like(one[2]))
 
 
 @pytest.mark.parametrize("splits", [1, 2, 8])
@@ -292,15 +282,6 @@ def test_decode_reduce_block_d_splits_the_head() -> None:
                                                page, d**-0.5, 4, cfg=cfg, out=torch.full_like(q, float("nan"))))
     for o in outs[1:]:
         torch.testing.assert_close(o, outs[0], rtol=1e-6, atol=1e-6)
-
-
-def test_backend_decode_fused_reduce() -> None:
-    cfg = at.AttnKernelConfig.for_device(torch.device(DEVICE), 32)
-    be = at.TritonAttentionBackend(cfg=at.AttnKernelConfig(**{**cfg.__dict__,
-                                                             "decode_fused_reduce": True}))
-    out, ref, _, _ = run_both([1, 1, 1], [0, 16, 39], hq=8, hkv=2, d=32, page_size=4,
-                              dtype=torch.float32, device=DEVICE, is_decode=True, backend=be)
-    assert rel_err(out, ref) < FP32_TOL
 
 
 def test_decode_empty_sequence_gives_zeros() -> None:
@@ -500,51 +481,17 @@ def test_gpu_extend_graph_replay_static_bound(pack: bool) -> None:
         assert rel_err(out[: bounds[-1]], ref) < 2e-2
 
 
-@pytest.mark.gpu
-@gpu
-def test_gpu_decode_fused_reduce_races() -> None:
-    """Real concurrency: the fused reduce equals the two-kernel path on every one
-    of many eager calls and graph replays, and leaves the counters at zero."""
-    prefix = [100_000, 5, 2047, 30_000, 0, 1, 16, 63]
-    pool, tables, q, k, v = make_case([1] * 8, prefix, 32, 4, 128, 16, torch.bfloat16, "cuda")
-    fb = build_forward_batch([[1]] * 8, prefix, tables, pool, TorchAttentionBackend(),
-                             is_decode=True)
-    kc, vc, meta = pool.k[0], pool.v[0], fb.attn
-    at.store_kv_triton(kc, vc, k, v, meta.out_cache_loc)
-    base = at.AttnKernelConfig()
-    fused = at.AttnKernelConfig(decode_fused_reduce=True)
-    splits = at.TritonAttentionBackend().num_splits(8, 4, q.device)
-    args = (q, kc, vc, meta.page_table, meta.seq_lens, 16, 128**-0.5, splits)
-    two = at.decode_attention_triton(*args, base)
-    counters = torch.zeros(32, dtype=torch.int32, device="cuda")
-    out = torch.empty_like(q)
-    for _ in range(20):
-        out.fill_(float("nan"))
-        at.decode_attention_triton(*args, fused, out=out, counters=counters)
-        torch.cuda.synchronize()
-        assert rel_err(out, two) < 1e-3
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        at.decode_attention_triton(*args, fused, out=out, counters=counters)
-    for _ in range(20):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, two) < 1e-3
-    assert int(counters.abs().sum()) == 0
-
-
 def _rope_table(max_pos: int, d: int) -> torch.Tensor:
     inv = 1.0 / (10000.0 ** (torch.arange(0, d // 2, dtype=torch.float64) / (d // 2)))
     ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
     return torch.cat([ang.cos(), ang.sin()], dim=1).float()  # [max_pos, d]: cos | sin
 
 
-@pytest.mark.parametrize("dtype,splits,fused", [(torch.float32, 1, False), (torch.float32, 3, False),
-                                                (torch.float32, 8, True), (torch.bfloat16, 5, False)])
+@pytest.mark.parametrize("dtype,splits", [(torch.float32, 1), (torch.float32, 3), (torch.float32, 8),
+                                          (torch.bfloat16, 5)])
 @pytest.mark.parametrize("round_robin", [False, True])
 def test_decode_qk_fold_matches_norm_rotary_then_attention(dtype: torch.dtype, splits: int,
-                                                          fused: bool, round_robin: bool) -> None:
+                                                          round_robin: bool) -> None:
     """DecodeQK: the split kernel normalizes and rotates raw q/k itself and stores
     K/V: same pages as qk_norm_rotary_ref's store, same output as attention over
     its rotated q. Prefixes 0, 16, 39 put the new token alone in its split, in
@@ -566,7 +513,7 @@ def test_decode_qk_fold_matches_norm_rotary_then_attention(dtype: torch.dtype, s
     toks = [[1]] * 3
     fb = build_forward_batch(toks, prefix, tables, pool, TorchAttentionBackend(), is_decode=True)
     meta = fb.attn
-    cfg = AttnKernelConfig(decode_fused_reduce=fused, decode_round_robin=round_robin)
+    cfg = AttnKernelConfig(decode_round_robin=round_robin)
     qo, _ = qk_norm_rotary_ref(q, k, q_w, k_w, 1e-6, fb.positions, cos_sin,
                                (ref_pool.k[0], ref_pool.v[0], v, meta.out_cache_loc))
     ref = at.decode_attention_triton(qo, ref_pool.k[0], ref_pool.v[0], meta.page_table, meta.seq_lens,

@@ -88,32 +88,27 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          dict(HKV=4, D=128, BLOCK_H=4, BLOCK_D=128))
     attn = {"q_ptr": bf, "o_ptr": bf, "kc_ptr": bf, "vc_ptr": bf, "pt_ptr": i32,
             "qo_indptr_ptr": i32, "prefix_ptr": i32, "seq_lens_ptr": i32,
-            "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "scale_log2": "fp32", "count_ptr": i32}
+            "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "scale_log2": "fp32"}
     cfg = at.AttnKernelConfig.for_device(__import__("torch").device("cuda"), 128)
-    for fused in (False, True):
-        comp("decode_split" + ("_fused" if fused else ""), at._decode_split_kernel, attn,
-             dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
-                  BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=fused,
-                  BLOCK_S=64), cfg.decode_warps, cfg.decode_stages)
+    comp("decode_split", at._decode_split_kernel, attn,
+         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
+              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False), cfg.decode_warps, cfg.decode_stages)
     # Raw q/k in, the q/k norms, the rotary and the KV store inside (DecodeQK).
     comp("decode_split_qk", at._decode_split_kernel,
          attn | {"k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "pos_ptr": "*i64",
                  "cs_ptr": "*fp32", "loc_ptr": "*i64", "eps": "fp32"},
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
-              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False,
-              BLOCK_S=64, QK=True), cfg.decode_warps, cfg.decode_stages)
+              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, QK=True), cfg.decode_warps, cfg.decode_stages)
     comp("decode_split_qk_rr", at._decode_split_kernel,  # AttnKernelConfig.decode_round_robin
          attn | {"k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "pos_ptr": "*i64",
                  "cs_ptr": "*fp32", "loc_ptr": "*i64", "eps": "fp32"},
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
-              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False,
-              BLOCK_S=64, QK=True, ROUND_ROBIN=True, TILE_STEP=64), cfg.decode_warps, cfg.decode_stages)
+              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, QK=True, ROUND_ROBIN=True, TILE_STEP=64), cfg.decode_warps, cfg.decode_stages)
     comp("decode_split_qk_rr_ahead", at._decode_split_kernel,  # + AttnKernelConfig.decode_page_ahead
          attn | {"k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "pos_ptr": "*i64",
                  "cs_ptr": "*fp32", "loc_ptr": "*i64", "eps": "fp32"},
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
-              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False,
-              BLOCK_S=64, QK=True, ROUND_ROBIN=True, TILE_STEP=64, PAGE_AHEAD=True),
+              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, QK=True, ROUND_ROBIN=True, TILE_STEP=64, PAGE_AHEAD=True),
          cfg.decode_warps, cfg.decode_stages)
     # fp8 e4m3 KV pages (codes + per-token scales): store, decode and extend.
     fp8 = "*fp8e4nv"
@@ -123,7 +118,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     attn8 = attn | {"kc_ptr": fp8, "vc_ptr": fp8}
     comp("decode_split_fp8", at._decode_split_kernel, attn8,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=cfg.decode_block_n,
-              NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False, BLOCK_S=64, FP8=True),
+              NUM_SPLITS=64, UPCAST=False, FP8=True),
          cfg.decode_warps, cfg.decode_stages)
     comp("extend_fp8", at._extend_kernel, attn8,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n,
@@ -203,7 +198,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     # PDL (ftserve_kernels/pdl.py): the decode kernels' grid-dependency wait.
     comp("decode_split_pdl", at._decode_split_kernel, attn,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=cfg.decode_block_n,
-              NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False, BLOCK_S=64, PDL=True),
+              NUM_SPLITS=64, UPCAST=False, PDL=True),
          cfg.decode_warps, cfg.decode_stages)
     comp("decode_reduce_pdl", at._decode_reduce_kernel, attn,
          dict(NUM_SPLITS=64, BLOCK_S=64, D=128, BLOCK_D=128, PDL=True), 4, 1)
