@@ -103,9 +103,6 @@ class AttnKernelConfig:
     extend_pack_gqa: bool = False  # one program per KV head x (BLOCK_M / GROUP) tokens
     decode_programs_per_sm: int = 4  # split-K target: (B * Hkv * splits) ~ this x SMs
     decode_round_robin: bool = True  # tiles dealt to the splits in turn (attention_decode_triton)
-    # With round robin: each tile's page entries load one iteration ahead, off
-    # the critical path of the tile's K/V loads.
-    decode_page_ahead: bool = True
     # Head columns one decode reduce program combines (0: the whole head): at
     # batch 1 whole heads give too few programs to fill the GPU. The sums over
     # the splits run in another order than whole-head programs', so greedy

@@ -49,7 +49,6 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     FP8: tl.constexpr, PDL: tl.constexpr,
     QK: tl.constexpr, ROUND_ROBIN: tl.constexpr = False, TILE_STEP: tl.constexpr = 1,
-    PAGE_AHEAD: tl.constexpr = False,
 ):
     # QK (decode_attention_qk_triton): q and the new token's k arrive raw (before
     # the per-head norms and the rotary) and this kernel normalizes and rotates
@@ -131,23 +130,18 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     pt_row = pt_ptr + b.to(tl.int64) * stride_pt
     head_off = kvh * stride_ch
-    if PAGE_AHEAD:
-        tl.static_assert(ROUND_ROBIN)
+    if ROUND_ROBIN:
         page_next = page0
     for n0 in range(start, end, TILE_STEP * BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         nmask = pos < end
-        if PAGE_AHEAD:
+        if ROUND_ROBIN:
             # This tile's page entries came in the iteration before (the first
             # tile's with the sequence length); the next tile's load now, under
             # this tile's K/V loads and math.
             page = page_next
             pos_ahead = pos + TILE_STEP * BLOCK_N
             page_next = tl.load(pt_row + pos_ahead // PAGE_SIZE, mask=pos_ahead < end, other=0)
-        elif ROUND_ROBIN:
-            in_first = pos < (s + 1) * BLOCK_N  # the first tile's entries are loaded already
-            page = tl.where(in_first, page0,
-                            tl.load(pt_row + pos // PAGE_SIZE, mask=nmask & ~in_first, other=0))  # [N]
         else:
             page = tl.load(pt_row + pos // PAGE_SIZE, mask=nmask, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [N]
@@ -318,7 +312,6 @@ def decode_attention_triton(
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n,
         NUM_SPLITS=num_splits, UPCAST=interpreting(), FP8=fp8, QK=qk is not None,
         ROUND_ROBIN=cfg.decode_round_robin, TILE_STEP=num_splits if cfg.decode_round_robin else 1,
-        PAGE_AHEAD=cfg.decode_round_robin and cfg.decode_page_ahead,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
     )
     # Columns a reduce program combines: the whole head, or decode_reduce_block_d.

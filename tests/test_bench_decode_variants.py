@@ -50,11 +50,8 @@ def test_each_variant_turns_exactly_its_knob() -> None:
 
 def test_programs_per_sm_variants_skip_the_baseline_value() -> None:
     names = [v.name for v in default_variants(AttnKernelConfig(decode_programs_per_sm=1, max_splits=2))]
-    assert [n for n in names if n.startswith("attn")] == ["attn round_robin=0",
-                                                          "attn page_ahead=0", "attn programs_per_sm=2",
+    assert [n for n in names if n.startswith("attn")] == ["attn round_robin=0", "attn programs_per_sm=2",
                                                           "attn max_splits=1", "attn max_splits=4"]
-    no_rr = AttnKernelConfig(decode_round_robin=False)  # page ahead needs round robin: no variant
-    assert not any("page_ahead" in v.name for v in default_variants(no_rr))
 
 
 def test_ad_hoc_variants_parse_attn_and_kernel_fields() -> None:

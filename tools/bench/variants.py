@@ -48,9 +48,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     out.append(Variant("kernels pdl=0", "kernels:pdl", kernels={"pdl": False}))
     rr = not base_attn.decode_round_robin
     out.append(Variant(f"attn round_robin={int(rr)}", "attn_round_robin", attn={"decode_round_robin": rr}))
-    if base_attn.decode_round_robin:  # page ahead acts with round robin only
-        ahead = not base_attn.decode_page_ahead
-        out.append(Variant(f"attn page_ahead={int(ahead)}", "attn_page_ahead", attn={"decode_page_ahead": ahead}))
     for factor in (0.5, 2.0):
         n = max(1, round(pps * factor))
         if n != pps:
