@@ -102,7 +102,6 @@ class AttnKernelConfig:
     max_splits: int = 128
     extend_pack_gqa: bool = False  # one program per KV head x (BLOCK_M / GROUP) tokens
     decode_programs_per_sm: int = 4  # split-K target: (B * Hkv * splits) ~ this x SMs
-    decode_round_robin: bool = True  # tiles dealt to the splits in turn (attention_decode_triton)
     # Head columns one decode reduce program combines (0: the whole head): at
     # batch 1 whole heads give too few programs to fill the GPU. The sums over
     # the splits run in another order than whole-head programs', so greedy

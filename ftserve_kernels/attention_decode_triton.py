@@ -48,7 +48,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     FP8: tl.constexpr, PDL: tl.constexpr,
-    QK: tl.constexpr, ROUND_ROBIN: tl.constexpr = False, TILE_STEP: tl.constexpr = 1,
+    QK: tl.constexpr,
 ):
     # QK (decode_attention_qk_triton): q and the new token's k arrive raw (before
     # the per-head norms and the rotary) and this kernel normalizes and rotates
@@ -56,41 +56,29 @@ def _decode_split_kernel(
     # its K/V into the pages and adds it from registers after its loop, so no
     # program reads that slot back. Halves [*, D/2] throughout (full rotary).
     #
-    # Which tiles of BLOCK_N cached tokens a split takes: without ROUND_ROBIN a
-    # contiguous range of them, ranges sized from the sequence length (trailing
-    # splits of a short sequence are empty), the new token in the split whose
-    # range holds its position. ROUND_ROBIN (AttnKernelConfig.decode_round_robin,
-    # the default; TILE_STEP = NUM_SPLITS): split s takes tiles s, s + NUM_SPLITS, ..., so its first tile
-    # does not depend on the sequence length and its page entries load alongside
-    # it, and the new token goes to split n_tiles % NUM_SPLITS, one with a tile
-    # fewer than the splits before it (at short contexts an otherwise empty one,
-    # which then runs beside the tile splits instead of after its own tile).
+    # Tiles of BLOCK_N cached tokens are dealt to the splits in turn: split s
+    # takes tiles s, s + NUM_SPLITS, ..., so its first tile does not depend on
+    # the sequence length and its page entries load alongside it, and the new
+    # token goes to split n_tiles % NUM_SPLITS, one with a tile fewer than the
+    # splits before it (at short contexts an otherwise empty one, which then
+    # runs beside the tile splits instead of after its own tile).
     pdl.enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
-    if ROUND_ROBIN:
-        pos0 = s * BLOCK_N + tl.arange(0, BLOCK_N)
-        page0 = tl.load(pt_ptr + b.to(tl.int64) * stride_pt + pos0 // PAGE_SIZE,
-                        mask=pos0 // PAGE_SIZE < max_pages, other=0)
+    pos0 = s * BLOCK_N + tl.arange(0, BLOCK_N)
+    page0 = tl.load(pt_ptr + b.to(tl.int64) * stride_pt + pos0 // PAGE_SIZE,
+                    mask=pos0 // PAGE_SIZE < max_pages, other=0)
     kv_len = tl.load(seq_lens_ptr + b)
-    if ROUND_ROBIN:
-        start = s * BLOCK_N
-        end = kv_len
-    else:
-        # Splits are BLOCK_N-aligned; trailing splits of a short sequence are empty.
-        per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start = s * per_split
-        end = tl.minimum(start + per_split, kv_len)
+    start = s * BLOCK_N
+    end = kv_len
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
     gmask = g < GROUP
     if QK:
-        if ROUND_ROBIN:  # the split after the last tile's, in turn
-            new_here = (s == tl.cdiv(kv_len - 1, BLOCK_N) % NUM_SPLITS) & (kv_len > 0)
-        else:
-            new_here = (start <= kv_len - 1) & (kv_len - 1 < start + per_split)
+        # the split after the last tile's, in turn
+        new_here = (s == tl.cdiv(kv_len - 1, BLOCK_N) % NUM_SPLITS) & (kv_len > 0)
         cached_end = tl.minimum(end, kv_len - 1)  # the new token comes after the loop
     else:
         new_here = False
@@ -130,20 +118,16 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     pt_row = pt_ptr + b.to(tl.int64) * stride_pt
     head_off = kvh * stride_ch
-    if ROUND_ROBIN:
-        page_next = page0
-    for n0 in range(start, end, TILE_STEP * BLOCK_N):
+    page_next = page0
+    for n0 in range(start, end, NUM_SPLITS * BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         nmask = pos < end
-        if ROUND_ROBIN:
-            # This tile's page entries came in the iteration before (the first
-            # tile's with the sequence length); the next tile's load now, under
-            # this tile's K/V loads and math.
-            page = page_next
-            pos_ahead = pos + TILE_STEP * BLOCK_N
-            page_next = tl.load(pt_row + pos_ahead // PAGE_SIZE, mask=pos_ahead < end, other=0)
-        else:
-            page = tl.load(pt_row + pos // PAGE_SIZE, mask=nmask, other=0)
+        # This tile's page entries came in the iteration before (the first
+        # tile's with the sequence length); the next tile's load now, under
+        # this tile's K/V loads and math.
+        page = page_next
+        pos_ahead = pos + NUM_SPLITS * BLOCK_N
+        page_next = tl.load(pt_row + pos_ahead // PAGE_SIZE, mask=pos_ahead < end, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [N]
         if QK:
             k_rows = kc_ptr + slot[None, :] * stride_cs + head_off
@@ -311,7 +295,6 @@ def decode_attention_triton(
         PAGE_SIZE=page_size, GROUP=group, D=d, BLOCK_D=block_d,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n,
         NUM_SPLITS=num_splits, UPCAST=interpreting(), FP8=fp8, QK=qk is not None,
-        ROUND_ROBIN=cfg.decode_round_robin, TILE_STEP=num_splits if cfg.decode_round_robin else 1,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
     )
     # Columns a reduce program combines: the whole head, or decode_reduce_block_d.

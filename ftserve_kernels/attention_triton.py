@@ -4,19 +4,18 @@ Twins of ``paged_attention.store_kv_ref`` / ``paged_attention_ref``. Shapes as i
 ``paged_attention.py``; the cache is one layer of the pool ``[slots, Hkv, D]``
 (last dim contiguous), ``slot = page * page_size + offset``.
 
-Decode (one query per sequence) splits every sequence's KV range into a fixed
-number of chunks so one 100k-token request still fills the GPU::
+Decode (one query per sequence) splits every sequence's KV range over a fixed
+number of programs so one 100k-token request still fills the GPU. Its tiles
+of ``decode_block_n`` tokens are dealt out in turn, tile t to split t % S: a
+split's first tile is then known before the sequence length is, so its page
+entries load alongside it::
 
-    seq b:  |-- split 0 --|-- split 1 --| ... |-- split S-1 --|   (S fixed per batch size)
-             partial (o, lse) per split  ->  reduce kernel  ->  o[b, h]
-
-By default (``AttnKernelConfig.decode_round_robin``) the KV tiles are dealt
-out in turn rather than in contiguous ranges, tile t to split t % S: a split's
-first tile is then known before the sequence length is, so its page entries
-load alongside it.
+    seq b tiles:  0  1  2 .. S-1 | S  S+1 .. 2S-1 | 2S ..    (S fixed per batch size)
+    split:        0  1  2 .. S-1 | 0  1   .. S-1  | 0  ..
+                  partial (o, lse) per split  ->  reduce kernel  ->  o[b, h]
 
 Each split program serves all query heads of one KV head (GQA), so K/V are read
-once per KV head. Split boundaries come from ``seq_lens`` on the device: the grid
+once per KV head. Which tiles exist comes from ``seq_lens`` on the device: the grid
 is ``(B, Hkv, S)`` and never depends on device values, so a decode step can be
 captured in a CUDA graph. What must stay static between capture and replay:
 q/k/v/out buffers, the pool, ``page_table`` (fixed width), ``seq_lens`` and

@@ -50,15 +50,15 @@ def test_each_variant_turns_exactly_its_knob() -> None:
 
 def test_programs_per_sm_variants_skip_the_baseline_value() -> None:
     names = [v.name for v in default_variants(AttnKernelConfig(decode_programs_per_sm=1, max_splits=2))]
-    assert [n for n in names if n.startswith("attn")] == ["attn round_robin=0", "attn programs_per_sm=2",
-                                                          "attn max_splits=1", "attn max_splits=4"]
+    assert [n for n in names if n.startswith("attn")] == ["attn programs_per_sm=2", "attn max_splits=1",
+                                                          "attn max_splits=4"]
 
 
 def test_ad_hoc_variants_parse_attn_and_kernel_fields() -> None:
     base = AttnKernelConfig()
-    v = parse_variant("attn decode_block_n=128 decode_round_robin=1", base)
-    assert v.attn == {"decode_block_n": 128, "decode_round_robin": True} and not v.kernels
-    assert v.group == "attn:decode_block_n+decode_round_robin"  # "+": never combined
+    v = parse_variant("attn decode_block_n=128 decode_warps=8", base)
+    assert v.attn == {"decode_block_n": 128, "decode_warps": 8} and not v.kernels
+    assert v.group == "attn:decode_block_n+decode_warps"  # "+": never combined
     assert parse_variant("attn decode_block_n=32", base).group == "attn:decode_block_n"
     w = parse_variant("kernels pdl=0 gemv_entries=dense:N=8+K=8@1=4.128.2.1", base)
     assert w.kernels == {"pdl": False, "gemv_entries": "dense:N=8+K=8@1=4.128.2.1"} and not w.attn
@@ -118,10 +118,9 @@ def test_combine_best_takes_the_fastest_exact_option_per_knob() -> None:
     variants = default_variants(AttnKernelConfig())
     rows = [
         _row("baseline", 1.00),
-        _row("kernels pdl=0", 0.90), _row("attn round_robin=0", 0.80, ok=False),
+        _row("kernels pdl=0", 0.90), _row("attn max_splits=256", 0.80, ok=False),
         _row("attn max_splits=32", 0.995),  # under the 1% gain: noise
         _row("attn max_splits=64", 0.50, error="RuntimeError: boom"),
-        _row("attn max_splits=256", 1.10),
         _row("attn programs_per_sm=8", 0.97), _row("attn programs_per_sm=2", 0.96),
     ]
     combo, winners = combine_best(rows, variants, min_gain=0.01)

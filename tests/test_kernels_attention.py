@@ -198,32 +198,12 @@ def test_decode_split_counts_agree(splits: int) -> None:
     assert rel_err(out, ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("splits", [1, 3, 8])
-@pytest.mark.parametrize("round_robin", [False, True])
-def test_decode_round_robin_matches_contiguous(splits: int, round_robin: bool) -> None:
-    """With decode_round_robin the tiles go to the splits in turn: the same
-    answer as contiguous splits, to fp32 rounding. Includes an empty (padding)
-    sequence, which must give zeros."""
-    pool, tables, q, k, v = make_case([1, 1, 1], [50, 4, 0], 8, 2, 32, 8, torch.float32, DEVICE)
-    fb = build_forward_batch([[1], [1], [1]], [50, 4, 0], tables, pool, TorchAttentionBackend(),
-                             is_decode=True)
-    at.store_kv_triton(pool.k[0], pool.v[0], k, v, fb.attn.out_cache_loc)
-    seq_lens = fb.attn.seq_lens.clone()
-    seq_lens[2] = 0
-    plain = at.AttnKernelConfig.for_device(torch.device(DEVICE), 32)
-    base = at.AttnKernelConfig(**{**plain.__dict__, "decode_round_robin": round_robin})
-    args = (q, pool.k[0], pool.v[0], fb.attn.page_table, seq_lens, 8, 32**-0.5, splits)
-    two = at.decode_attention_triton(*args, base)
-    assert rel_err(two[:2], at.decode_attention_triton(*args, plain)[:2]) < 1e-5
-    assert torch.equal(two[2], torch.zeros_like(two[2]))
-
-
 @pytest.mark.parametrize("splits", [1, 2, 8])
 @pytest.mark.parametrize("fold", [False, True])
 def test_decode_over_several_tiles_a_split_with_poisoned_scratch(splits: int, fold: bool,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The device config's split kernel (round robin, each tile's page entries
-    loaded one iteration ahead) against the reference, on the plain and the
+    """The device config's split kernel (tiles dealt out in turn, each tile's
+    page entries loaded one iteration ahead) against the reference, on the plain and the
     q/k-folding paths, with one, two or more tiles a split, empty splits (8),
     and the new token alone in its split or beside tiles. Every scratch buffer
     starts as NaN: nothing an empty split leaves unwritten may reach the output."""
@@ -489,15 +469,11 @@ def _rope_table(max_pos: int, d: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype,splits", [(torch.float32, 1), (torch.float32, 3), (torch.float32, 8),
                                           (torch.bfloat16, 5)])
-@pytest.mark.parametrize("round_robin", [False, True])
-def test_decode_qk_fold_matches_norm_rotary_then_attention(dtype: torch.dtype, splits: int,
-                                                          round_robin: bool) -> None:
+def test_decode_qk_fold_matches_norm_rotary_then_attention(dtype: torch.dtype, splits: int) -> None:
     """DecodeQK: the split kernel normalizes and rotates raw q/k itself and stores
     K/V: same pages as qk_norm_rotary_ref's store, same output as attention over
-    its rotated q. Prefixes 0, 16, 39 put the new token alone in its split, in
-    the first split and in a later one (round robin: split n_tiles % splits,
-    alone in it or, with one split, beside the tiles)."""
-    from ftserve_kernels.attention_common import AttnKernelConfig
+    its rotated q. The new token goes to split n_tiles % splits: prefixes 0,
+    16, 39 put it alone in its split or, with one split, beside the tiles."""
     from ftserve_kernels.attention_decode_triton import DecodeQK
     from ftserve_kernels.norm_rope import qk_norm_rotary_ref
 
@@ -513,7 +489,7 @@ def test_decode_qk_fold_matches_norm_rotary_then_attention(dtype: torch.dtype, s
     toks = [[1]] * 3
     fb = build_forward_batch(toks, prefix, tables, pool, TorchAttentionBackend(), is_decode=True)
     meta = fb.attn
-    cfg = AttnKernelConfig(decode_round_robin=round_robin)
+    cfg = at.AttnKernelConfig()
     qo, _ = qk_norm_rotary_ref(q, k, q_w, k_w, 1e-6, fb.positions, cos_sin,
                                (ref_pool.k[0], ref_pool.v[0], v, meta.out_cache_loc))
     ref = at.decode_attention_triton(qo, ref_pool.k[0], ref_pool.v[0], meta.page_table, meta.seq_lens,

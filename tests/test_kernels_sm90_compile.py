@@ -99,12 +99,6 @@ def _compile_all() -> dict[str, dict[str, Any]]:
                  "cs_ptr": "*fp32", "loc_ptr": "*i64", "eps": "fp32"},
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
               BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, QK=True), cfg.decode_warps, cfg.decode_stages)
-    comp("decode_split_qk_rr", at._decode_split_kernel,  # AttnKernelConfig.decode_round_robin
-         attn | {"k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "pos_ptr": "*i64",
-                 "cs_ptr": "*fp32", "loc_ptr": "*i64", "eps": "fp32"},
-         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
-              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, QK=True, ROUND_ROBIN=True, TILE_STEP=64),
-         cfg.decode_warps, cfg.decode_stages)
     # fp8 e4m3 KV pages (codes + per-token scales): store, decode and extend.
     fp8 = "*fp8e4nv"
     comp("store_kv_fp8", at._store_kv_kernel,
@@ -294,7 +288,7 @@ def test_kernels_compile_for_sm90() -> None:
                  "greedy_sample_pdl"):
         # Their every load reads an earlier kernel's output: none may move above the wait.
         assert results[name]["loads_before_wait"] == 0, (name, results[name])
-    for name in ("extend", "decode_split", "decode_split_qk", "decode_split_qk_rr",
+    for name in ("extend", "decode_split", "decode_split_qk",
                  "moe_gate_up_T1",
                  "moe_gate_up_T8192"):
         assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"

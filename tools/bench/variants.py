@@ -46,8 +46,6 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     pps = base_attn.decode_programs_per_sm
     out = [Variant("baseline")]
     out.append(Variant("kernels pdl=0", "kernels:pdl", kernels={"pdl": False}))
-    rr = not base_attn.decode_round_robin
-    out.append(Variant(f"attn round_robin={int(rr)}", "attn_round_robin", attn={"decode_round_robin": rr}))
     for factor in (0.5, 2.0):
         n = max(1, round(pps * factor))
         if n != pps:
