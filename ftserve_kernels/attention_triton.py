@@ -26,15 +26,10 @@ The decode kernels live in attention_decode_triton.py, the shared helpers and
 
 Extend/prefill runs one program per (query head, block of BLOCK_M new tokens,
 sequence): keys below the block's first query position need no mask (the
-bulk of a long cached prefix), the last few tiles get the causal mask. With
-``extend_pack_gqa`` a program instead takes one KV head and BLOCK_M / GROUP
-tokens x the GROUP query heads sharing it, so every K/V tile is loaded once for
-the whole group (rows ordered token-major, head-minor)::
-
-    rows of one packed block (GROUP = 8):  t0h0 t0h1 .. t0h7 | t1h0 .. t1h7 | ...
+bulk of a long cached prefix), the last few tiles get the causal mask.
 
 Extend in a CUDA graph (fixed token budget). The grid is
-``(heads, cdiv(max_extend_len, tokens per block), B)`` and depends only on the
+``(heads, cdiv(max_extend_len, BLOCK_M), B)`` and depends only on the
 host ints ``max_extend_len`` and ``B = page_table.shape[0]``. Every program reads
 its sequence's extent from ``qo_indptr`` / ``prefix_lens`` on the device and
 exits at once when its token block lies past that sequence's new tokens. So
@@ -198,27 +193,19 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_pt, stride_ss,
     scale_log2,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PACK_GQA: tl.constexpr,
-    TOK: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
 ):
-    # TOK tokens per block: BLOCK_M rows are BLOCK_M tokens of one query head, or
-    # (PACK_GQA) TOK = BLOCK_M / GROUP tokens x the GROUP query heads of one KV head.
+    # A program's BLOCK_M rows are BLOCK_M tokens of one query head.
     # Largest query blocks (longest causal range) first: better tail balance.
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
     b = tl.program_id(2)
     q0 = tl.load(qo_indptr_ptr + b)
     n_new = tl.load(qo_indptr_ptr + b + 1) - q0
-    if mb * TOK < n_new:  # blocks past this sequence's new tokens (static grid) exit
+    if mb * BLOCK_M < n_new:  # blocks past this sequence's new tokens (static grid) exit
         prefix = tl.load(prefix_ptr + b)
-        r = tl.arange(0, BLOCK_M)
-        if PACK_GQA:
-            kvh = tl.program_id(0)
-            offs_m = mb * TOK + r // GROUP  # [M] token within the sequence
-            head = kvh * GROUP + r % GROUP  # [M]
-        else:
-            head = tl.program_id(0) + r * 0  # [M], one head
-            kvh = tl.program_id(0) // GROUP
-            offs_m = mb * TOK + r
+        head = tl.program_id(0)
+        kvh = head // GROUP
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] token within the sequence
         mmask = offs_m < n_new
         d = tl.arange(0, D)
         rows = (q0 + offs_m).to(tl.int64)
@@ -231,8 +218,8 @@ def _extend_kernel(
         pt_row = pt_ptr + b.to(tl.int64) * stride_pt
         head_off = kvh * stride_ch
         # Keys before the block's first query are visible to every row: no mask.
-        full_end = ((prefix + mb * TOK) // BLOCK_N) * BLOCK_N
-        kv_end = prefix + tl.minimum((mb + 1) * TOK, n_new)
+        full_end = ((prefix + mb * BLOCK_M) // BLOCK_N) * BLOCK_N
+        kv_end = prefix + tl.minimum((mb + 1) * BLOCK_M, n_new)
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _extend_tile(
                 q, acc, m_i, l_i, kc_ptr, vc_ptr, pt_row, head_off, n0, q_pos, kv_end,
@@ -281,9 +268,7 @@ def extend_attention_triton(
     if t == 0:
         return out
     group = hq // hkv
-    pack = cfg.extend_pack_gqa and group > 1 and cfg.extend_block_m % group == 0
-    tok = cfg.extend_block_m // group if pack else cfg.extend_block_m
-    grid = (hkv if pack else hq, triton.cdiv(max_extend_len, tok), bsz)
+    grid = (hq, triton.cdiv(max_extend_len, cfg.extend_block_m), bsz)
     ks, vs, stride_ss, fp8 = scale_args(k_cache, k_scale, v_scale)
     _extend_kernel[grid](
         q, out, k_cache, v_cache, page_table, qo_indptr, prefix_lens, ks, vs,
@@ -292,7 +277,7 @@ def extend_attention_triton(
         scale * LOG2E,
         PAGE_SIZE=page_size, GROUP=group, D=d,
         BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n, UPCAST=interpreting(),
-        PACK_GQA=pack, TOK=tok, FP8=fp8,
+        FP8=fp8,
         num_warps=cfg.extend_warps, num_stages=cfg.extend_stages,
     )
     return out

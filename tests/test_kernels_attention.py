@@ -111,28 +111,21 @@ def test_extend_matches_reference(dtype: torch.dtype) -> None:
     assert rel_err(out, ref) < (FP32_TOL if dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("hq,hkv", [(4, 2), (8, 2), (4, 4)])
-def test_extend_gqa_packed_matches_reference(hq: int, hkv: int) -> None:
-    """GQA packing (a program per KV head x BLOCK_M / GROUP tokens): same answer;
-    group 1 (hq == hkv) falls back to the per-head grid."""
-    cpu = DEVICE == "cpu"
-    cfg = at.AttnKernelConfig(16, 16, 4, 1, 16, 4, 1, 8, extend_pack_gqa=True) if cpu else \
-        at.AttnKernelConfig(extend_block_m=64, extend_pack_gqa=True)
-    be = at.TritonAttentionBackend(cfg=cfg)
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
+def test_extend_group_sizes_match_reference(hq: int, hkv: int) -> None:
+    """Query heads sharing a KV head 4 to 1, and 1 to 1 (no GQA)."""
     out, ref, _, _ = run_both(
         [7, 1, 20, 3], [0, 5, 13, 31], hq=hq, hkv=hkv, d=32, page_size=4,
-        dtype=torch.float32, device=DEVICE, is_decode=False, backend=be,
+        dtype=torch.float32, device=DEVICE, is_decode=False,
     )
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < FP32_TOL
 
 
-@pytest.mark.parametrize("pack", [False, True])
-def test_extend_static_grid_bound(pack: bool) -> None:
+def test_extend_static_grid_bound() -> None:
     """A grid sized from an upper bound (the CUDA-graph mode) gives the same rows,
     including a batch padded with empty sequences (equal qo_indptr entries)."""
     cfg = at.AttnKernelConfig.for_device(torch.device(DEVICE), 32)
-    cfg = at.AttnKernelConfig(**{**cfg.__dict__, "extend_pack_gqa": pack})
     pool, tables, q, k, v = make_case([9, 20], [5, 0], 4, 2, 32, 4, torch.float32, DEVICE)
     fb = build_forward_batch([[1] * 9, [1] * 20], [5, 0], tables, pool, TorchAttentionBackend())
     meta = fb.attn
@@ -413,12 +406,11 @@ def test_gpu_decode_poisoned_output_and_graph_replay() -> None:
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("pack", [False, True])
-def test_gpu_extend_graph_replay_static_bound(pack: bool) -> None:
+def test_gpu_extend_graph_replay_static_bound() -> None:
     """Capture extend once with a grid sized from a 1024-token budget, then replay
     with different sequence counts, lengths and prefixes refilled in place."""
     budget, bsz, width = 1024, 3, 160
-    cfg = at.AttnKernelConfig(extend_pack_gqa=pack)
+    cfg = at.AttnKernelConfig()
     pool, tables, q, k, v = make_case([budget], [1400], 32, 4, 128, 16, torch.bfloat16, "cuda")
     kc, vc = pool.k[0], pool.v[0]
     pages = torch.tensor(tables[0], dtype=torch.int32, device="cuda")

@@ -111,18 +111,14 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          cfg.decode_warps, cfg.decode_stages)
     comp("extend_fp8", at._extend_kernel, attn8,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n,
-              UPCAST=False, PACK_GQA=False, TOK=cfg.extend_block_m, FP8=True),
+              UPCAST=False, FP8=True),
          cfg.extend_warps, cfg.extend_stages)
     comp("decode_reduce", at._decode_reduce_kernel, attn,
          dict(NUM_SPLITS=64, BLOCK_S=64, D=128, BLOCK_D=128), 4, 1)
     comp("extend", at._extend_kernel, attn,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m,
-              BLOCK_N=cfg.extend_block_n, UPCAST=False, PACK_GQA=False, TOK=cfg.extend_block_m),
+              BLOCK_N=cfg.extend_block_n, UPCAST=False),
          cfg.extend_warps, cfg.extend_stages)
-    for bm, warps in ((64, 4), (128, 8)):  # GQA-packed variants the benchmark compares
-        comp(f"extend_gqa_bm{bm}", at._extend_kernel, attn,
-             dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=bm, BLOCK_N=64, UPCAST=False,
-                  PACK_GQA=True, TOK=bm // 8), warps, 3)
     comp("route", mt._route_kernel, {"logits_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": i32},
          dict(TOP_K=8, BLOCK_T=16, BLOCK_E=128, BLOCK_K=8, RENORM=True))
     align = {"ids_ptr": i32, "hist_ptr": i32, "sorted_ptr": i32, "block_expert_ptr": i32,
@@ -276,7 +272,7 @@ def test_kernels_compile_for_sm90() -> None:
     for name, r in results.items():
         assert r["shared"] <= SMEM_LIMIT, (name, r)
         assert r["local"] in (0, -1), f"{name} spills registers to local memory: {r}"
-    for name in ("extend", "extend_gqa_bm128", "moe_gate_up_T8192", "moe_down_T8192"):
+    for name in ("extend", "moe_gate_up_T8192", "moe_down_T8192"):
         assert results[name]["wgmma"], f"{name} does not use Hopper wgmma: {results[name]}"
     for name, r in results.items():  # the wait and release exactly where PDL is compiled in
         if name.endswith("_release"):  # released at its start, launched without the attribute

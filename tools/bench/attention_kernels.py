@@ -92,17 +92,13 @@ def bench_extend(n_new: int, total: int, quick: bool) -> None:
     except RuntimeError as exc:  # the peer is optional; the kernel is still timed
         print(f"  SDPA peer unavailable: {str(exc)[:200]}")
     base = at.AttnKernelConfig()
-    configs = [base, replace(base, extend_pack_gqa=True)]
+    configs = [base]
     if not quick:
         configs += [
             replace(base, extend_block_n=128, extend_stages=2),
             replace(base, extend_stages=4),
             replace(base, extend_block_m=128, extend_warps=8),
-            replace(base, extend_block_m=128, extend_warps=8, extend_pack_gqa=True),
-            replace(base, extend_block_m=128, extend_block_n=128, extend_warps=8, extend_stages=2,
-                    extend_pack_gqa=True),
-            replace(base, extend_block_m=64, extend_block_n=128, extend_warps=4, extend_stages=2,
-                    extend_pack_gqa=True),
+            replace(base, extend_block_m=128, extend_block_n=128, extend_warps=8, extend_stages=2),
         ]
     for cfg in configs:
         tag = cfg.tag()
