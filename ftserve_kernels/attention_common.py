@@ -100,13 +100,7 @@ class AttnKernelConfig:
     # parallelism of 128 splits; short ones lose nothing to the splits that hold
     # no tile, which exit before their q work (see short_context_splits).
     max_splits: int = 128
-    extend_pack_gqa: bool = False  # one program per KV head x (BLOCK_M / GROUP) tokens
     decode_programs_per_sm: int = 4  # split-K target: (B * Hkv * splits) ~ this x SMs
-    decode_fused_reduce: bool = False  # last split program combines (one launch, counters)
-    decode_round_robin: bool = True  # tiles dealt to the splits in turn (attention_decode_triton)
-    # With round robin: each tile's page entries load one iteration ahead, off
-    # the critical path of the tile's K/V loads.
-    decode_page_ahead: bool = True
     # Head columns one decode reduce program combines (0: the whole head): at
     # batch 1 whole heads give too few programs to fill the GPU. The sums over
     # the splits run in another order than whole-head programs', so greedy
@@ -123,9 +117,7 @@ class AttnKernelConfig:
         return _config_for(device.type, head_dim)
 
     def tag(self) -> str:
-        pack = "_gqa" if self.extend_pack_gqa else ""
-        return (f"bm{self.extend_block_m}_bn{self.extend_block_n}_w{self.extend_warps}"
-                f"_s{self.extend_stages}{pack}")
+        return f"bm{self.extend_block_m}_bn{self.extend_block_n}_w{self.extend_warps}_s{self.extend_stages}"
 
 
 @functools.lru_cache(maxsize=16)

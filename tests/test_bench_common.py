@@ -1,5 +1,5 @@
 """tools/bench/common.overlap_seconds: how much of one kernel's time other
-kernels ran beside it (the decode prefetch copy vs the compute it should hide under)."""
+kernels ran beside it (a copy kernel vs the compute it should hide under)."""
 
 from __future__ import annotations
 

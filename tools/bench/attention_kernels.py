@@ -92,17 +92,13 @@ def bench_extend(n_new: int, total: int, quick: bool) -> None:
     except RuntimeError as exc:  # the peer is optional; the kernel is still timed
         print(f"  SDPA peer unavailable: {str(exc)[:200]}")
     base = at.AttnKernelConfig()
-    configs = [base, replace(base, extend_pack_gqa=True)]
+    configs = [base]
     if not quick:
         configs += [
             replace(base, extend_block_n=128, extend_stages=2),
             replace(base, extend_stages=4),
             replace(base, extend_block_m=128, extend_warps=8),
-            replace(base, extend_block_m=128, extend_warps=8, extend_pack_gqa=True),
-            replace(base, extend_block_m=128, extend_block_n=128, extend_warps=8, extend_stages=2,
-                    extend_pack_gqa=True),
-            replace(base, extend_block_m=64, extend_block_n=128, extend_warps=4, extend_stages=2,
-                    extend_pack_gqa=True),
+            replace(base, extend_block_m=128, extend_block_n=128, extend_warps=8, extend_stages=2),
         ]
     for cfg in configs:
         tag = cfg.tag()
@@ -149,19 +145,16 @@ def bench_decode(batch: int, kv_len: int, quick: bool) -> None:
             replace(base, decode_programs_per_sm=2),
             replace(base, decode_programs_per_sm=8, max_splits=256),
         ]
-    configs.append(replace(base, decode_fused_reduce=True))  # one launch per decode
-    counters = torch.zeros(batch * HKV, dtype=torch.int32, device="cuda")
     for cfg in configs:
         be = at.TritonAttentionBackend(cfg=cfg)
         splits = be.num_splits(batch, HKV, q.device)
-        tag = (f"bn{cfg.decode_block_n}_w{cfg.decode_warps}_s{cfg.decode_stages}_sp{splits}"
-               + ("_fused" if cfg.decode_fused_reduce else ""))
+        tag = f"bn{cfg.decode_block_n}_w{cfg.decode_warps}_s{cfg.decode_stages}_sp{splits}"
         out = torch.full_like(q, float("nan"))
 
         def run(cfg: at.AttnKernelConfig = cfg, splits: int = splits,
                 out: torch.Tensor = out) -> torch.Tensor:
             return at.decode_attention_triton(q, kc, vc, table, seq_lens, PAGE, D**-0.5, splits,
-                                              cfg, out=out, counters=counters)
+                                              cfg, out=out)
 
         try:
             run()

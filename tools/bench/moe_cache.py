@@ -13,10 +13,9 @@ Sections (each recorded, or its error recorded, in the JSON; the run goes on):
                   seconds, experts streamed, PCIe bound = bytes of the experts not in
                   the LRU cache (what had to be streamed) / H2D GB/s
     <mode>_decode   tokens/s at batch 1 and 8, cache hit rate, PCIe bound at that
-                  hit rate = bytes copied per step (demand misses + prefetches) /
-                  H2D GB/s; offload decode also runs once more with prefetch on; each
-                  offload row's ceiling without speculation = bound / (bound + the
-                  resident step's time outside the expert kernels)
+                  hit rate = bytes copied per step (the misses) / H2D GB/s; each
+                  offload row's ceiling = bound / (bound + the resident step's time
+                  outside the expert kernels)
 Targets: offload prefill <= 1.1 x max(PCIe bound, resident) at every cached
 length; offload decode >= 90% of its PCIe bound.
 """
@@ -40,7 +39,6 @@ from ftserve.moe.cache import ExpertCache
 from tools.bench.common import (
     gpu_kernel_seconds,
     measure_h2d_gbps,
-    overlap_seconds,
     run_section,
     say,
     start_run,
@@ -50,7 +48,7 @@ from tools.bench.common import (
 from tools.bench.moe_cache_report import render, summarize
 
 MODES = ("resident", "offload", "offload_full")
-DECODE_SEED = 7000  # + batch size: every mode and variant decodes the same prompts
+DECODE_SEED = 7000  # + batch size: every mode decodes the same prompts
 
 
 def cache_of(engine: Engine) -> ExpertCache | None:
@@ -63,9 +61,9 @@ def stats(engine: Engine) -> dict[str, float]:
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before.get(k, 0) for k in ("lookups", "misses", "prefetched", "experts_streamed",
-                                                     "experts_uncached", "bytes_streamed", "bytes_missed",
-                                                     "bytes_copied_decode") if k in after}
+    return {k: after[k] - before.get(k, 0) for k in ("lookups", "misses", "experts_streamed",
+                                                     "experts_uncached", "bytes_streamed", "bytes_missed")
+            if k in after}
 
 
 # ----------------------------------------------------------------- limits
@@ -150,7 +148,7 @@ def bench_decode(drv: EngineDriver, engine: Engine, device: torch.device, bs: in
                  warmup: int, steps: int, seed: int | None = None) -> dict[str, Any]:
     """``seed``: the prompts come from it, and the expert cache is emptied once
     the prompts are in, so runs with the same seed decode the same tokens from
-    the same cache state (variants compare like for like)."""
+    the same cache state (modes compare like for like)."""
     rng = random.Random(seed) if seed is not None else None
     prompts = [drv.tokens(prompt_len, rng) for _ in range(bs)]
     if seed is not None:
@@ -181,11 +179,9 @@ def bench_decode(drv: EngineDriver, engine: Engine, device: torch.device, bs: in
                            "graph": engine.runner.graphs is not None and engine.runner.graphs.can_run(bs)}
     if device.type == "cuda":
         # Whether the expert copies ran beside compute: of the fill kernels' time,
-        # the part some other kernel shared (the prefetch fill is on a side stream).
-        # _fill_rows_capped_kernel is the side-stream prefetch fill (moe/kernels.py).
+        # the part some other kernel shared.
         prof = gpu_kernel_seconds(lambda: [drv.sync_step() for _ in range(PROFILE_STEPS)], device,
                                   name_filters=EXPERT_KERNELS, overlap_of="fill_rows", top=12)
-        side = overlap_seconds(prof["spans"], "fill_rows_capped")
         ov = prof["overlap"]
         # The expert GEMMs / GEMVs: in offload mode the only compute a layer's
         # copies can run beside (everything else waits on them or feeds them).
@@ -193,19 +189,13 @@ def bench_decode(drv: EngineDriver, engine: Engine, device: torch.device, bs: in
         out["profile"] = {"kernel_ms_per_step": prof["kernel_s"] * 1e3 / PROFILE_STEPS,
                           "fill_ms_per_step": ov["key_s"] * 1e3 / PROFILE_STEPS,
                           "fill_overlapped_frac": ov["overlapped_s"] / ov["key_s"] if ov["key_s"] else None,
-                          "prefetch_fill_ms_per_step": side["key_s"] * 1e3 / PROFILE_STEPS,
-                          "prefetch_fill_overlapped_frac": (side["overlapped_s"] / side["key_s"]
-                                                            if side["key_s"] else None),
                           "top": prof["top"]}
     drv.abort_all()
     if d.get("lookups"):
-        out["hit_rate"] = 1.0 - d["misses"] / d["lookups"]  # demand lookups served from VRAM
-        out["prefetch"] = cache is not None and cache.prefetches(bs, True)
-        out["experts_prefetched_per_step"] = d["prefetched"] / steps
+        out["hit_rate"] = 1.0 - d["misses"] / d["lookups"]  # lookups served from VRAM
         out["experts_missed_per_step"] = d["misses"] / steps
-        # Every byte decode moved over PCIe: demand misses and prefetches (a wrong
-        # guess costs its copy): the bound is these bytes at the measured H2D rate.
-        out["missed_bytes_per_step"] = d["bytes_copied_decode"] / steps
+        # Every byte decode moved over PCIe: the bound is these bytes at the measured H2D rate.
+        out["missed_bytes_per_step"] = d["bytes_missed"] / steps
     return out
 
 
@@ -251,31 +241,7 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: str, device: torch.
         return [bench_decode(drv, engine, device, bs, args.decode_prompt, args.decode_warmup,
                              args.decode_steps, seed=DECODE_SEED + bs) for bs in args.batches]
 
-    rows = section(f"{mode}_decode", decode)
-    cache = cache_of(engine)
-    if rows and cache is not None:
-        default = (cache.prefetch, cache.prefetch_fill_programs)
-        cache.prefetch = True  # which batch sizes would prefetch
-        wanted = [r for r in rows if cache.prefetches(r["batch"], True)]
-        variants = [(True, n or None) for n in args.prefetch_programs]
-        variants = [v for v in variants if v != default]
-
-        def ablation() -> list[dict[str, Any]]:
-            # Same engine, prefetch on (graphs captured again): what prefetch buys,
-            # with its side-stream fill on each grid cap (0 = one program per chunk).
-            out = []
-            for on, cap in variants:
-                cache.prefetch, cache.prefetch_fill_programs = on, cap
-                if engine.runner.graphs is not None:
-                    engine.runner.graphs.capture()
-                out += [{**bench_decode(drv, engine, device, r["batch"], args.decode_prompt,
-                                        args.decode_warmup, args.decode_steps, seed=DECODE_SEED + r["batch"]),
-                         "ablation": True, "fill_programs": cap or 0} for r in wanted]
-            return out
-
-        if wanted and variants:
-            section(f"{mode}_decode_prefetch_on", ablation)
-        cache.prefetch, cache.prefetch_fill_programs = default
+    section(f"{mode}_decode", decode)
     engine.shutdown()
 
 
@@ -285,8 +251,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny-moe on the CPU (< 60 s)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--cache-frac", type=float, default=0.25)
-    p.add_argument("--prefetch-programs", type=lambda v: [int(x) for x in v.split(",")], default=[16],
-                   help="decode ablation: prefetch on with these fill grid caps (0 = uncapped)")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--budget-s", type=float, default=None, help="skip sections past this (default 200)")
     args = p.parse_args(argv)

@@ -32,19 +32,12 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 row["ok"] = row["ratio_to_bound"] <= 1.1
             out["prefill"].append(row)
         res_dec = {r["batch"]: r for r in results.get("resident_decode") or []}
-        rows = [results.get(f"{mode}_decode{x}") or [] for x in ("", "_prefetch_on", "_fill")]
-        for r in sum(rows, []):
-            name = f"{mode}, prefetch on, fill {r['fill_programs']}" if r.get("ablation") else mode
-            name = f"{name}, {r['variant']}" if r.get("variant") else name
-            same = [x for x in results.get(f"{mode}_decode") or [] if x["batch"] == r["batch"]]
+        for r in results.get(f"{mode}_decode") or []:
             prof = r.get("profile") or {}
-            row = {"mode": name, "batch": r["batch"], "tokens_per_s": r["tokens_per_s"],
-                   "prefetch": r.get("prefetch"),
-                   # Same prompts and tokens as the default row (else routing differs).
-                   "same_tokens": same[0].get("tokens") == r.get("tokens") if same else None,
+            row = {"mode": mode, "batch": r["batch"], "tokens_per_s": r["tokens_per_s"],
                    "fill_ms_per_step": prof.get("fill_ms_per_step"),
                    "fill_overlapped_frac": prof.get("fill_overlapped_frac"),
-                   "hit_rate": r.get("hit_rate"), "copies_per_step": _copies(r),
+                   "hit_rate": r.get("hit_rate"), "copies_per_step": r.get("experts_missed_per_step"),
                    "resident_tokens_per_s": res_dec.get(r["batch"], {}).get("tokens_per_s")}
             missed = r.get("missed_bytes_per_step")
             if gbps and missed:
@@ -53,9 +46,9 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 if uva:
                     row["frac_of_uva_bound"] = r["tokens_per_s"] * missed / (uva * 1e9) / r["batch"]
                 row["ok"] = row["frac_of_pcie_bound"] >= 0.9
-                # Without speculation a layer's misses are known only after its router
-                # and the next layer needs their output: only the expert compute can
-                # run beside the copies. The rest of a resident step (attention, norms,
+                # A layer's misses are known only after its router and the next
+                # layer needs their output: only the expert compute can run beside
+                # the copies. The rest of a resident step (attention, norms,
                 # router, lm_head, sampling, host) adds to the copy time, so the most
                 # this row can reach is bound / (bound + that serial time).
                 res_row = res_dec.get(r["batch"])
@@ -69,12 +62,6 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _copies(r: dict[str, Any]) -> float | None:
-    if "experts_missed_per_step" not in r:
-        return None
-    return r["experts_missed_per_step"] + r.get("experts_prefetched_per_step", 0.0)
-
-
 def render(summary: dict[str, Any]) -> str:
     pre = markdown_table(
         ["mode", "cached", "s / chunk", "experts uncached", "experts streamed", "PCIe bound s", "resident s",
@@ -83,13 +70,13 @@ def render(summary: dict[str, Any]) -> str:
           r.get("pcie_bound_s"), r.get("resident_s"), r.get("ratio_to_bound"), r.get("ok")]
          for r in summary["prefill"]])
     dec = markdown_table(
-        ["mode", "batch", "prefetch", "tok/s", "hit rate", "experts copied / step", "PCIe bound tok/s", "frac",
-         "frac at UVA rate", "ceiling (no speculation)", "of ceiling", "resident tok/s", "fill ms / step",
-         "fill overlapped", "same tokens", "ok"],
-        [[r["mode"], r["batch"], r.get("prefetch"), r["tokens_per_s"], r.get("hit_rate"), r.get("copies_per_step"),
+        ["mode", "batch", "tok/s", "hit rate", "experts copied / step", "PCIe bound tok/s", "frac",
+         "frac at UVA rate", "ceiling", "of ceiling", "resident tok/s", "fill ms / step",
+         "fill overlapped", "ok"],
+        [[r["mode"], r["batch"], r["tokens_per_s"], r.get("hit_rate"), r.get("copies_per_step"),
           r.get("pcie_bound_tokens_per_s"), r.get("frac_of_pcie_bound"), r.get("frac_of_uva_bound"),
           r.get("ceiling_frac_of_pcie_bound"), r.get("frac_of_ceiling"),
           r.get("resident_tokens_per_s"), r.get("fill_ms_per_step"), r.get("fill_overlapped_frac"),
-          r.get("same_tokens"), r.get("ok")] for r in summary["decode"]])
+          r.get("ok")] for r in summary["decode"]])
     return (f"pinned H2D: {summary['h2d_gbps']} GB/s, UVA fill kernel: {summary.get('uva_gbps')} GB/s"
             f"\n\n{pre}\n\n{dec}\n")

@@ -1,8 +1,8 @@
 """How fast SM loads read pinned host memory over UVA (issue 6), against
 cudaMemcpy's pinned host->device rate measured in the same run:
 
-- ``fill``: the expert-cache row copy (moe.kernels.fill_rows) over chunk sizes,
-  warps and grid caps, copying 64 expert rows (a prefill-sized fallback / batch-8
+- ``fill``: the expert-cache row copy (moe.kernels.fill_rows) over chunk sizes
+  and warps, copying 64 expert rows (a prefill-sized fallback / batch-8
   decode) and 3 rows (one layer's misses at batch-1 decode);
 - ``read_through``: decode's expert GEMVs reading a layer's misses themselves
   (moe_read_through.ReadThrough), gate/up and down apart, over their launch
@@ -36,16 +36,16 @@ def sweep_fill(bank: torch.Tensor, device: torch.device, reps: int, deadline: fl
     for rows in row_counts:
         ids = torch.arange(rows, dtype=torch.int32, device=device)
         nbytes = rows * bank.shape[1] * bank.element_size()
-        for words, warps, cap in itertools.product(grid["block_words"], grid["warps"], grid["caps"]):
+        for words, warps in itertools.product(grid["block_words"], grid["warps"]):
             if time.perf_counter() > deadline:
                 return rows_out
             slots.zero_()
-            def fn(ids: torch.Tensor = ids, cap: int | None = cap, words: int = words, warps: int = warps) -> None:
-                fill_rows(bank, slots, ids, ids, max_programs=cap, block_words=words, num_warps=warps)
+            def fn(ids: torch.Tensor = ids, words: int = words, warps: int = warps) -> None:
+                fill_rows(bank, slots, ids, ids, block_words=words, num_warps=warps)
 
             t = median_time(fn, device, reps)
             ok = bool(torch.equal(slots[:rows].cpu(), bank[:rows].cpu()))
-            rows_out.append({"rows": rows, "block_words": words, "warps": warps, "cap": cap or 0,
+            rows_out.append({"rows": rows, "block_words": words, "warps": warps,
                              "s": t, "gbps": nbytes / t / 1e9, "correct": ok})
     return rows_out
 
@@ -105,9 +105,9 @@ def sweep_read_through(bank: torch.Tensor, device: torch.device, reps: int, dead
 
 def grids(smoke: bool) -> dict[str, Any]:
     if smoke:
-        return {"fill": {"block_words": [64, 256], "warps": [4], "caps": [None, 2]}, "rows": [3],
+        return {"fill": {"block_words": [64, 256], "warps": [4]}, "rows": [3],
                 "gate_up": [(16, 16, 4, 1)], "down": [(16, 16, 4, 1)]}
-    return {"fill": {"block_words": [2048, 4096, 8192, 16384], "warps": [4, 8, 16], "caps": [None, 264, 1056]},
+    return {"fill": {"block_words": [2048, 4096, 8192, 16384], "warps": [4, 8, 16]},
             "rows": [64, 3],
             "gate_up": [(bn, bk, w, st) for bn in (8, 16, 32) for bk in (256, 512, 1024) for w in (4, 8)
                         for st in (1, 2)],
@@ -125,8 +125,8 @@ def render(res: dict[str, Any]) -> str:
     rt = sorted([r for r in res["read_through"] if "s" in r], key=lambda r: (r["kernel"], r["s"]))
     top_rt = [r for k in ("down", "gate_up") for r in [x for x in rt if x["kernel"] == k][:6]]
     return (f"pinned H2D (cudaMemcpy): {h2d} GB/s\n\n"
-            + markdown_table(["rows", "block words", "warps", "grid cap", "GB/s", "of H2D", "correct"],
-                             [[r["rows"], r["block_words"], r["warps"], r["cap"], r["gbps"], frac(r["gbps"]),
+            + markdown_table(["rows", "block words", "warps", "GB/s", "of H2D", "correct"],
+                             [[r["rows"], r["block_words"], r["warps"], r["gbps"], frac(r["gbps"]),
                                r["correct"]] for r in top_fill])
             + "\n\n"
             + markdown_table(["kernel", "block_n, block_k, warps, stages", "us", "miss GB/s", "of H2D"],

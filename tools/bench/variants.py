@@ -44,16 +44,8 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     """Baseline first, then one knob at a time; ``base_attn`` is the
     AttnKernelConfig the backend uses by default on this device."""
     pps = base_attn.decode_programs_per_sm
-    fused = not base_attn.decode_fused_reduce
     out = [Variant("baseline")]
     out.append(Variant("kernels pdl=0", "kernels:pdl", kernels={"pdl": False}))
-    out.append(Variant(f"attn fused_reduce={int(fused)}", "attn_fused_reduce",
-                       attn={"decode_fused_reduce": fused}))
-    rr = not base_attn.decode_round_robin
-    out.append(Variant(f"attn round_robin={int(rr)}", "attn_round_robin", attn={"decode_round_robin": rr}))
-    if base_attn.decode_round_robin:  # page ahead acts with round robin only
-        ahead = not base_attn.decode_page_ahead
-        out.append(Variant(f"attn page_ahead={int(ahead)}", "attn_page_ahead", attn={"decode_page_ahead": ahead}))
     for factor in (0.5, 2.0):
         n = max(1, round(pps * factor))
         if n != pps:
