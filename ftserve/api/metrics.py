@@ -16,7 +16,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -33,7 +33,7 @@ class _EngineCollector(Collector):
     def __init__(self, get_stats: Callable[[], Any | None]) -> None:
         self._get_stats = get_stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         stats = self._get_stats()
         if stats is None:  # engine still loading
             return
@@ -65,9 +65,23 @@ class _EngineCollector(Collector):
             ("ftserve_generation_tokens", "Tokens generated.", stats.generation_tokens_total),
             ("ftserve_num_preemptions", "Requests preempted to free KV pages.",
              stats.preemptions_total),
+            ("ftserve_spec_verifies", "Speculative drafts verified (one per request per verify "
+             "step).", getattr(stats, "spec_verifies_total", 0)),
+            ("ftserve_spec_proposed_tokens", "Speculative draft tokens proposed.",
+             getattr(stats, "spec_proposed_tokens_total", 0)),
+            ("ftserve_spec_accepted_tokens", "Speculative draft tokens kept (each saves a step).",
+             getattr(stats, "spec_accepted_tokens_total", 0)),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=float(value))
+        lengths = getattr(stats, "spec_accept_lengths", ())
+        if lengths:  # speculation on: draft tokens kept per verify, 0 .. k
+            cumulative = [sum(lengths[:a + 1]) for a in range(len(lengths))]
+            buckets = [(str(float(a)), float(c)) for a, c in enumerate(cumulative)]
+            yield HistogramMetricFamily(
+                "ftserve_spec_accept_length", "Draft tokens kept per speculative verify.",
+                buckets=[*buckets, ("+Inf", float(cumulative[-1]))],
+                sum_value=float(sum(a * n for a, n in enumerate(lengths))))
 
 
 class Metrics:

@@ -15,6 +15,7 @@ from ftserve.engine.engine import Engine
 from ftserve.engine.runner import ModelRunner
 from ftserve.engine.sampler import Sampler
 from ftserve.engine.scheduler import Scheduler
+from ftserve.engine.spec.speculator import Speculator
 from ftserve.kvcache.host_tier import HostKVTier
 from ftserve.kvcache.pool import KVPool, kv_cache_torch_dtype
 from ftserve_kernels.config import KernelConfig
@@ -126,6 +127,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
         page_size=cfg.page_size, num_pages=num_pages, max_running=cfg.max_running_requests,
         max_prefill_length=cfg.max_prefill_length, max_model_len=max_model_len,
         eos_token_ids=eos, enable_prefix_cache=cfg.enable_prefix_cache, host_tier=host_tier,
+        speculator=_speculator(cfg, mcfg, max_model_len),
     )
     sampler = Sampler(mcfg.vocab_size, cfg.max_running_requests, device, seed=cfg.seed, kernels=kernels)
     backend = _attention_backend(cfg, device)
@@ -166,6 +168,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
         "kv_host_pages": host_tier.num_total if host_tier is not None else 0,
         "kv_host_tokens": host_tier.num_total * cfg.page_size if host_tier is not None else 0,
         "kv_host_gib": host_tier.bytes_total() / 2**30 if host_tier is not None else 0.0,
+        "speculative": cfg.speculative if scheduler.spec is not None else "off",
     }
     log.info("model %s: %s on %s, weights %.2f GiB", model_dir, summary["dtype"], device,
              summary["weights_gib"])
@@ -180,6 +183,23 @@ def build_engine(cfg: EngineConfig) -> Engine:
         model_dir=model_dir, is_demo=is_demo, max_model_len=max_model_len,
         vocab_size=mcfg.vocab_size, eos_token_ids=eos, model_config=mcfg, summary=summary,
     )
+
+
+def _speculator(cfg: EngineConfig, mcfg: Any, max_model_len: int) -> Speculator | None:
+    """--speculative ngram's per-request drafting, or None. Off for hybrid models:
+    rolling back a rejected draft would need their recurrent state as it was
+    before the draft, which the state pool does not keep."""
+    if cfg.speculative == "off":
+        return None
+    if getattr(mcfg, "is_hybrid", False):
+        log.warning("--speculative %s is off for this model: its linear-attention layers keep a "
+                    "recurrent state that a rejected draft cannot be rolled back from",
+                    cfg.speculative)
+        return None
+    log.info("speculative decoding: %s, %d draft tokens, n-gram match %d..%d tokens",
+             cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min_match, cfg.ngram_max_match)
+    return Speculator(cfg.num_speculative_tokens, cfg.ngram_min_match, cfg.ngram_max_match,
+                      max_model_len)
 
 
 def _host_tier(cfg: EngineConfig, pool: KVPool) -> HostKVTier | None:
