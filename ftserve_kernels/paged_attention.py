@@ -22,6 +22,7 @@ store never rewrites a page it does not own.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -67,6 +68,30 @@ def store_kv_ref(
         scales.index_copy_(0, out_cache_loc, sc.to(scales.dtype))
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+          mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    """q [B, H, n, D], k/v [B, H, L, D] -> [B, H, n, D]. 4-D operands: the shape
+    torch's fused (flash) CPU kernel takes; 3-D ones fall back to the math path,
+    which materializes every score."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+def _gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows at ``slots`` (any shape S) -> fp32 k, v [*S, Hkv, D], fp8 codes dequantized."""
+    flat = slots.reshape(-1)
+    if is_fp8(k_cache.dtype):
+        assert k_scale is not None and v_scale is not None, "fp8 caches need their scales"
+        k = dequantize_fp8_ref(k_cache[flat], k_scale[flat])
+        v = dequantize_fp8_ref(v_cache[flat], v_scale[flat])
+    else:
+        k = k_cache.index_select(0, flat).float()
+        v = v_cache.index_select(0, flat).float()
+    return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
+
+
 def paged_attention_ref(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [slots, Hkv, D]
@@ -82,42 +107,75 @@ def paged_attention_ref(
     """Causal over the new tokens, full over the cached prefix; fp32 math
     (fp8 caches are dequantized with their scales first).
 
+    Each sequence's K/V rows are gathered from its pages once, then torch's
+    scaled_dot_product_attention attends (causal when the sequence has no
+    prefix, else under the mask ``key <= prefix + query``). A batch of one-token
+    sequences (decode) is one call for all of them: the ``group`` query heads
+    of a KV head are that head's query rows (no copy of K/V per query head),
+    each sequence's keys padded to the longest and masked past its length.
     Loops over sequences with host-known lengths (no device reads).
     """
-    fp8 = is_fp8(k_cache.dtype)
-    assert not fp8 or (k_scale is not None and v_scale is not None), "fp8 caches need their scales"
-    num_heads = q.shape[1]
+    assert not is_fp8(k_cache.dtype) or (k_scale is not None and v_scale is not None), \
+        "fp8 caches need their scales"
+    n_seqs = len(seq_lens_host)
+    if n_seqs and all(qo_indptr_host[b] == b for b in range(1, n_seqs + 1)):  # one token each
+        return _decode_ref(q, k_cache, v_cache, page_table, seq_lens_host, page_size, scale,
+                           k_scale, v_scale)
+    num_heads, d = q.shape[1], q.shape[2]
     num_kv = k_cache.shape[1]
     group = num_heads // num_kv
     out = torch.empty_like(q)
     offs = torch.arange(page_size, device=q.device)
-    for b in range(len(seq_lens_host)):
+    for b in range(n_seqs):
         q0, q1 = qo_indptr_host[b], qo_indptr_host[b + 1]
         n_new = q1 - q0
         kv_len = seq_lens_host[b]
+        if n_new == 0:
+            continue
         prefix = kv_len - n_new
         n_pages = (kv_len + page_size - 1) // page_size
         slots = (page_table[b, :n_pages].long()[:, None] * page_size + offs[None, :]).reshape(-1)
-        slots = slots[:kv_len]
-        if fp8:
-            assert k_scale is not None and v_scale is not None
-            k = dequantize_fp8_ref(k_cache[slots], k_scale[slots])  # [L, Hkv, D]
-            v = dequantize_fp8_ref(v_cache[slots], v_scale[slots])
-        else:
-            k = k_cache.index_select(0, slots).float()  # [L, Hkv, D]
-            v = v_cache.index_select(0, slots).float()
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        qb = q[q0:q1].float()  # [n, Hq, D]
-        scores = torch.einsum("nhd,lhd->hnl", qb, k) * scale  # [Hq, n, L]
-        qpos = prefix + torch.arange(n_new, device=q.device)
-        kpos = torch.arange(kv_len, device=q.device)
-        mask = kpos[None, :] > qpos[:, None]  # [n, L]
-        scores = scores.masked_fill(mask[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[q0:q1] = torch.einsum("hnl,lhd->nhd", probs, v).to(q.dtype)
+        k, v = _gather_kv(k_cache, v_cache, slots[:kv_len], k_scale, v_scale)  # [L, Hkv, D]
+        if group > 1:  # one copy per query head (enable_gqa needs torch >= 2.5)
+            k = k[:, :, None].expand(kv_len, num_kv, group, d).reshape(kv_len, num_heads, d)
+            v = v[:, :, None].expand(kv_len, num_kv, group, d).reshape(kv_len, num_heads, d)
+        mask = None
+        if prefix:
+            mask = torch.ones(n_new, kv_len, dtype=torch.bool, device=q.device).tril(prefix)
+        qb = q[q0:q1].float().transpose(0, 1)[None]  # [1, Hq, n, D]
+        o = _sdpa(qb, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask, causal=not prefix)
+        out[q0:q1] = o[0].transpose(0, 1)  # [n, Hq, D]
     return out
+
+
+def _decode_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+    seq_lens_host: list[int], page_size: int, scale: float,
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """paged_attention_ref where every sequence has one new token::
+
+        q [B, Hq, D] -> [B, Hkv, group, D]     rows of KV head h: query heads h*group ..
+        keys  [B, Hkv, L, D]                   L = longest sequence, shorter ones padded
+    """
+    b, num_heads, d = q.shape
+    num_kv = k_cache.shape[1]
+    longest = max(seq_lens_host)
+    n_pages = (longest + page_size - 1) // page_size
+    offs = torch.arange(page_size, device=q.device)
+    slots = (page_table[:, :n_pages].long()[:, :, None] * page_size + offs).reshape(b, -1)[:, :longest]
+    mask = None
+    if min(seq_lens_host) < longest:
+        lens = torch.tensor(seq_lens_host, device=q.device)
+        mask = torch.arange(longest, device=q.device)[None, :] < lens[:, None]  # [B, L]
+        # Padding reads the sequence's first slot, not the (maybe garbage, NaN)
+        # dummy page: a masked NaN key would still poison its row.
+        slots = torch.where(mask, slots, slots[:, :1])
+        mask = mask[:, None, None, :]  # [B, 1, 1, L]
+    k, v = _gather_kv(k_cache, v_cache, slots, k_scale, v_scale)  # [B, L, Hkv, D]
+    qb = q.float().reshape(b, num_kv, num_heads // num_kv, d)
+    o = _sdpa(qb, k.transpose(1, 2), v.transpose(1, 2), scale, mask)  # [B, Hkv, group, D]
+    return o.reshape(b, num_heads, d).to(q.dtype)
 
 
 class TorchAttentionBackend:
