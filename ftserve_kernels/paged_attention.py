@@ -21,6 +21,8 @@ store never rewrites a page it does not own.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -69,11 +71,13 @@ def store_kv_ref(
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-          mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-    """q [B, H, n, D], k/v [B, H, L, D] -> [B, H, n, D]. 4-D operands: the shape
+          mask: torch.Tensor | None = None, causal: bool = False, gqa: bool = False) -> torch.Tensor:
+    """q [B, Hq, n, D], k/v [B, Hkv, L, D] -> [B, Hq, n, D] (``gqa``: query head h
+    reads KV head h // (Hq / Hkv), with no copy of K/V). 4-D operands: the shape
     torch's fused (flash) CPU kernel takes; 3-D ones fall back to the math path,
     which materializes every score."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=gqa)
 
 
 def _gather_kv(
@@ -92,6 +96,59 @@ def _gather_kv(
     return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
 
 
+@dataclass(frozen=True)
+class KVRows:
+    """The cache rows each sequence attends over, from its page table, and the
+    masks: the same for every layer of a batch, so worked out once
+    (``kv_rows``; TorchAttentionBackend keeps it in ``batch.extras``).
+
+    decode (one new token per sequence)::
+
+        slots [B, L]        L = the longest sequence; a shorter one's tail repeats its first slot
+        masks (keys [B, 1, 1, L] < its length, or None when all lengths are equal,)
+
+    otherwise (any new tokens)::
+
+        slots [sum L_b]     the sequences' rows back to back
+        masks per sequence: None (no prefix: plain causal), or [n, L] key <= prefix + query
+    """
+
+    decode: bool
+    slots: torch.Tensor
+    masks: tuple[torch.Tensor | None, ...]
+
+
+def kv_rows(page_table: torch.Tensor, qo_indptr_host: list[int], seq_lens_host: list[int],
+            page_size: int) -> KVRows:
+    """KVRows of a batch (host lengths; device tensors, no device reads)."""
+    n_seqs = len(seq_lens_host)
+    dev = page_table.device
+    offs = torch.arange(page_size, device=dev)
+    if n_seqs and all(qo_indptr_host[b] == b for b in range(1, n_seqs + 1)):  # one token each
+        longest = max(seq_lens_host)
+        n_pages = (longest + page_size - 1) // page_size
+        slots = (page_table[:, :n_pages].long()[:, :, None] * page_size + offs).reshape(n_seqs, -1)
+        slots = slots[:, :longest]
+        if min(seq_lens_host) == longest:
+            return KVRows(True, slots, (None,))
+        lens = torch.tensor(seq_lens_host, device=dev)
+        valid = torch.arange(longest, device=dev)[None, :] < lens[:, None]  # [B, L]
+        # Padding reads the sequence's first slot, not the (maybe garbage, NaN)
+        # dummy page: a masked NaN key would still poison its row.
+        return KVRows(True, torch.where(valid, slots, slots[:, :1]), (valid[:, None, None, :],))
+    parts, masks = [], []
+    for b in range(n_seqs):
+        n_new = qo_indptr_host[b + 1] - qo_indptr_host[b]
+        kv_len = seq_lens_host[b]
+        n_pages = (kv_len + page_size - 1) // page_size
+        parts.append((page_table[b, :n_pages].long()[:, None] * page_size + offs).reshape(-1)[:kv_len])
+        prefix = kv_len - n_new
+        masks.append(torch.ones(n_new, kv_len, dtype=torch.bool, device=dev).tril(prefix)
+                     if prefix and n_new else None)
+    slots = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=dev)
+    return KVRows(False, slots, tuple(masks))
+
+
 def paged_attention_ref(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [slots, Hkv, D]
@@ -103,79 +160,46 @@ def paged_attention_ref(
     scale: float,
     k_scale: torch.Tensor | None = None,  # [slots, Hkv] fp32, fp8 caches only
     v_scale: torch.Tensor | None = None,
+    rows: KVRows | None = None,  # kv_rows(page_table, ...), when the caller has it
 ) -> torch.Tensor:
     """Causal over the new tokens, full over the cached prefix; fp32 math
     (fp8 caches are dequantized with their scales first).
 
-    Each sequence's K/V rows are gathered from its pages once, then torch's
+    Each sequence's K/V rows (KVRows) are gathered from the cache, then torch's
     scaled_dot_product_attention attends (causal when the sequence has no
     prefix, else under the mask ``key <= prefix + query``). A batch of one-token
     sequences (decode) is one call for all of them: the ``group`` query heads
-    of a KV head are that head's query rows (no copy of K/V per query head),
-    each sequence's keys padded to the longest and masked past its length.
+    of a KV head are that head's query rows (no copy of K/V per query head).
     Loops over sequences with host-known lengths (no device reads).
     """
     assert not is_fp8(k_cache.dtype) or (k_scale is not None and v_scale is not None), \
         "fp8 caches need their scales"
-    n_seqs = len(seq_lens_host)
-    if n_seqs and all(qo_indptr_host[b] == b for b in range(1, n_seqs + 1)):  # one token each
-        return _decode_ref(q, k_cache, v_cache, page_table, seq_lens_host, page_size, scale,
-                           k_scale, v_scale)
-    num_heads, d = q.shape[1], q.shape[2]
+    if rows is None:
+        rows = kv_rows(page_table, qo_indptr_host, seq_lens_host, page_size)
+    t, num_heads, d = q.shape
     num_kv = k_cache.shape[1]
     group = num_heads // num_kv
+    k_all, v_all = _gather_kv(k_cache, v_cache, rows.slots, k_scale, v_scale)
+    if rows.decode:
+        #   q [B, Hq, D] -> [B, Hkv, group, D]: the rows of KV head h are query heads h*group ..
+        #   k, v [B, L, Hkv, D] -> [B, Hkv, L, D]
+        qb = q.float().reshape(t, num_kv, group, d)
+        o = _sdpa(qb, k_all.transpose(1, 2), v_all.transpose(1, 2), scale, rows.masks[0])
+        return o.reshape(t, num_heads, d).to(q.dtype)
     out = torch.empty_like(q)
-    offs = torch.arange(page_size, device=q.device)
-    for b in range(n_seqs):
+    kv0 = 0
+    for b, mask in enumerate(rows.masks):
         q0, q1 = qo_indptr_host[b], qo_indptr_host[b + 1]
-        n_new = q1 - q0
         kv_len = seq_lens_host[b]
-        if n_new == 0:
+        k, v = k_all[kv0:kv0 + kv_len], v_all[kv0:kv0 + kv_len]  # [L, Hkv, D]
+        kv0 += kv_len
+        if q1 == q0:
             continue
-        prefix = kv_len - n_new
-        n_pages = (kv_len + page_size - 1) // page_size
-        slots = (page_table[b, :n_pages].long()[:, None] * page_size + offs[None, :]).reshape(-1)
-        k, v = _gather_kv(k_cache, v_cache, slots[:kv_len], k_scale, v_scale)  # [L, Hkv, D]
-        if group > 1:  # one copy per query head (enable_gqa needs torch >= 2.5)
-            k = k[:, :, None].expand(kv_len, num_kv, group, d).reshape(kv_len, num_heads, d)
-            v = v[:, :, None].expand(kv_len, num_kv, group, d).reshape(kv_len, num_heads, d)
-        mask = None
-        if prefix:
-            mask = torch.ones(n_new, kv_len, dtype=torch.bool, device=q.device).tril(prefix)
         qb = q[q0:q1].float().transpose(0, 1)[None]  # [1, Hq, n, D]
-        o = _sdpa(qb, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask, causal=not prefix)
+        o = _sdpa(qb, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask,
+                  causal=mask is None, gqa=group > 1)
         out[q0:q1] = o[0].transpose(0, 1)  # [n, Hq, D]
     return out
-
-
-def _decode_ref(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-    seq_lens_host: list[int], page_size: int, scale: float,
-    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-) -> torch.Tensor:
-    """paged_attention_ref where every sequence has one new token::
-
-        q [B, Hq, D] -> [B, Hkv, group, D]     rows of KV head h: query heads h*group ..
-        keys  [B, Hkv, L, D]                   L = longest sequence, shorter ones padded
-    """
-    b, num_heads, d = q.shape
-    num_kv = k_cache.shape[1]
-    longest = max(seq_lens_host)
-    n_pages = (longest + page_size - 1) // page_size
-    offs = torch.arange(page_size, device=q.device)
-    slots = (page_table[:, :n_pages].long()[:, :, None] * page_size + offs).reshape(b, -1)[:, :longest]
-    mask = None
-    if min(seq_lens_host) < longest:
-        lens = torch.tensor(seq_lens_host, device=q.device)
-        mask = torch.arange(longest, device=q.device)[None, :] < lens[:, None]  # [B, L]
-        # Padding reads the sequence's first slot, not the (maybe garbage, NaN)
-        # dummy page: a masked NaN key would still poison its row.
-        slots = torch.where(mask, slots, slots[:, :1])
-        mask = mask[:, None, None, :]  # [B, 1, 1, L]
-    k, v = _gather_kv(k_cache, v_cache, slots, k_scale, v_scale)  # [B, L, Hkv, D]
-    qb = q.float().reshape(b, num_kv, num_heads // num_kv, d)
-    o = _sdpa(qb, k.transpose(1, 2), v.transpose(1, 2), scale, mask)  # [B, Hkv, group, D]
-    return o.reshape(b, num_heads, d).to(q.dtype)
 
 
 class TorchAttentionBackend:
@@ -183,6 +207,7 @@ class TorchAttentionBackend:
     the oracle for the Triton backend. Not CUDA-graph capturable (host loops)."""
 
     name = "torch"
+    _ROWS = "torch_attention.kv_rows"  # batch.extras key: (qo_indptr, KVRows), shared by the layers
 
     def __init__(self, scale: float | None = None) -> None:
         self.scale = scale
@@ -194,10 +219,15 @@ class TorchAttentionBackend:
         if not kv_stored:
             store_kv_ref(pool.k[layer], pool.v[layer], k, v, meta.out_cache_loc, ks, vs)
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        indptr = [0]
-        for n in meta.extend_lens_host:
-            indptr.append(indptr[-1] + n)
+        cached = batch.extras.get(self._ROWS)
+        if cached is None:
+            indptr = [0]
+            for n in meta.extend_lens_host:
+                indptr.append(indptr[-1] + n)
+            cached = batch.extras[self._ROWS] = (
+                indptr, kv_rows(meta.page_table, indptr, meta.seq_lens_host, meta.page_size))
+        indptr, rows = cached
         return paged_attention_ref(
             q, pool.k[layer], pool.v[layer], meta.page_table, indptr,
-            meta.seq_lens_host, meta.page_size, scale, ks, vs,
+            meta.seq_lens_host, meta.page_size, scale, ks, vs, rows,
         )

@@ -149,7 +149,8 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        h = F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]  # [T, I]
+        h = F.silu(gate_up[:, : self.intermediate_size])  # [T, I]
+        h.mul_(gate_up[:, self.intermediate_size :])  # in place: one [T, I] buffer, not two
         return self.down_proj(h)  # [T, H]
 
 
