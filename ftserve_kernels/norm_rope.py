@@ -36,7 +36,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     rot = 2 * half
     xf = x[..., :rot].float()
     x1, x2 = xf[..., :half], xf[..., half:]
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)  # [T, Hx, rot]
+    # (x1 cos - x2 sin | x2 cos + x1 sin), each half written in place into one
+    # buffer: the same roundings as the plain expressions, fewer passes on the CPU.
+    out = torch.empty(xf.shape, dtype=torch.float32, device=x.device)  # [T, Hx, rot]
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1).sub_(x2 * sin)
+    torch.mul(x2, cos, out=o2).add_(x1 * sin)
+    out = out.to(x.dtype)
     if rot == x.shape[-1]:
         return out
     return torch.cat((out, x[..., rot:]), dim=-1)

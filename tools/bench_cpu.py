@@ -184,7 +184,7 @@ def run(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
         say("warm-up")
         warm = prompt(args.prompt_tokens)
         for name in who:
-            ttft(name, prompt(64))
+            ttft(name, prompt(min(64, args.ttft_tokens)))
             decode(name, warm)
         ttfts: dict[str, list[float]] = {k: [] for k in who}
         steps: dict[str, list[float]] = {k: [] for k in who}  # every decode step's seconds
