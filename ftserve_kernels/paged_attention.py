@@ -207,7 +207,7 @@ class TorchAttentionBackend:
     the oracle for the Triton backend. Not CUDA-graph capturable (host loops)."""
 
     name = "torch"
-    _ROWS = "torch_attention.kv_rows"  # batch.extras key: (qo_indptr, KVRows), shared by the layers
+    ROWS_KEY = "torch_attention.kv_rows"  # batch.extras key: (qo_indptr, KVRows), shared by the layers
 
     def __init__(self, scale: float | None = None) -> None:
         self.scale = scale
@@ -219,12 +219,12 @@ class TorchAttentionBackend:
         if not kv_stored:
             store_kv_ref(pool.k[layer], pool.v[layer], k, v, meta.out_cache_loc, ks, vs)
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        cached = batch.extras.get(self._ROWS)
+        cached = batch.extras.get(self.ROWS_KEY)
         if cached is None:
             indptr = [0]
             for n in meta.extend_lens_host:
                 indptr.append(indptr[-1] + n)
-            cached = batch.extras[self._ROWS] = (
+            cached = batch.extras[self.ROWS_KEY] = (
                 indptr, kv_rows(meta.page_table, indptr, meta.seq_lens_host, meta.page_size))
         indptr, rows = cached
         return paged_attention_ref(

@@ -140,8 +140,8 @@ def test_backend_works_out_the_rows_once_per_batch(is_decode: bool) -> None:
         q, k, v = (torch.randn(t, h, 16, generator=g) for h in (4, 2, 2))
         outs.append(be.forward(q, k, v, layer, fb))
         if layer == 0:
-            cached = fb.extras[TorchAttentionBackend._ROWS]
-        assert fb.extras[TorchAttentionBackend._ROWS] is cached
+            cached = fb.extras[TorchAttentionBackend.ROWS_KEY]
+        assert fb.extras[TorchAttentionBackend.ROWS_KEY] is cached
         slots = [(torch.tensor(p)[:, None] * 4 + torch.arange(4)).reshape(-1)[:pre + n]
                  for p, pre, n in zip(tables, prefix, new)]
         want = expected(q, pool.k[layer], pool.v[layer], slots, new, prefix, 16**-0.5)
