@@ -196,8 +196,10 @@ def paged_attention_ref(
         if q1 == q0:
             continue
         qb = q[q0:q1].float().transpose(0, 1)[None]  # [1, Hq, n, D]
-        o = _sdpa(qb, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale, mask,
-                  causal=mask is None, gqa=group > 1)
+        # K/V head-major ([1, Hkv, L, D] contiguous): the fused kernel streams
+        # each head's rows; the copy costs less than the strided reads.
+        k, v = k.transpose(0, 1).contiguous()[None], v.transpose(0, 1).contiguous()[None]
+        o = _sdpa(qb, k, v, scale, mask, causal=mask is None, gqa=group > 1)
         out[q0:q1] = o[0].transpose(0, 1)  # [n, Hq, D]
     return out
 
