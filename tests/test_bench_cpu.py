@@ -1,4 +1,4 @@
-"""tools/bench_cpu.py on a tiny Llama checkpoint: both engines run on the same
+"""tools/bench/cpu.py on a tiny Llama checkpoint: both engines run on the same
 weights, produce the same greedy tokens, and the report holds the ratios."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import pytest
 pytest.importorskip("transformers")
 
 from ftserve.models.checkpoint import write_checkpoint  # noqa: E402
-from tools import bench_cpu  # noqa: E402
 
 
 def test_bench_cpu_runs_both_engines_on_one_checkpoint(tmp_path: Path,

@@ -1,16 +1,16 @@
 """CPU: ftserve's engine against transformers ``generate`` on the same checkpoint,
 both in this process, fp32, on the same number of threads (issue 31 point 4).
 
-    python -m tools.bench_cpu                      # random SmolLM2-135M-shaped weights
-    python -m tools.bench_cpu --model DIR          # a real checkpoint (safetensors)
-    python -m tools.bench_cpu --quick              # shorter lengths, one repeat
+    python -m tools.bench.cpu                      # random SmolLM2-135M-shaped weights
+    python -m tools.bench.cpu --model DIR          # a real checkpoint (safetensors)
+    python -m tools.bench.cpu --quick              # shorter lengths, one repeat
 
 Measured over ``--repeats`` rounds, ftserve and transformers alternating so a
 busy neighbour on a shared box slows both alike:
 
     ttft     one ``--ttft-tokens`` prompt (random ids, no prefix-cache hit) to its
              first sampled token: ftserve = the engine's scheduler + runner
-             (prefill, sampling, read-back, commit; tools/engine_driver.py),
+             (prefill, sampling, read-back, commit; tools/bench/engine_driver.py),
              transformers = ``generate(max_new_tokens=1)``
     decode   batch-1 greedy decoding, ``--decode-tokens`` tokens after a
              ``--prompt-tokens`` prompt, each token after the first timed:
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from ftserve.config import EngineConfig
+from ftserve.engine.driver import EngineDriver
 from ftserve.engine.engine import Engine
-from tools.bench_common import machine_info, say, write_json
-from tools.engine_driver import EngineDriver
+from tools.bench.common import machine_info, say, write_json
 
 PRESET = "smollm2-135m"
 
