@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from ftserve.models.checkpoint import write_checkpoint  # noqa: E402
+from tools.bench import cpu as bench_cpu  # noqa: E402
 
 
 def test_bench_cpu_runs_both_engines_on_one_checkpoint(tmp_path: Path,
