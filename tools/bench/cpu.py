@@ -22,6 +22,10 @@ The greedy tokens of both are compared too (same weights, same math): a
 mismatch beyond near-ties means one of them computes another model.
 Ratios: decode = ftserve tokens/s / transformers', TTFT = ftserve / transformers
 (best of the rounds; the targets: decode >= 1.0, TTFT <= 1.0).
+
+On a box shared with other work the 2-thread times swing by several times
+(each parallel region waits for whichever thread was descheduled): run it
+alone, or at a high priority for its few minutes.
 """
 
 from __future__ import annotations
