@@ -132,6 +132,8 @@ def test_edit_profile_asks_for_a_small_change_to_valid_source() -> None:
         spec = _edit_spec(cfg, i)
         user = spec.body["messages"][1]["content"]
         assert source in user and instruction in user
+        assert spec.body["messages"][2] == {"role": "assistant", "content": "```python\n"}
+        assert spec.body["continue_final_message"] is True  # the reply opens inside the block
         assert 2000 < spec.body["max_tokens"] < 8192 - 2000
     assert kinds == {"Rename", "Change", "In"}  # all three kinds of change occur
 

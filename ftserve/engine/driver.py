@@ -63,9 +63,11 @@ class EngineDriver:
         if prev is not None:
             self.finish(prev)
         if launched is not None:
-            if launched.out is None or launched.constrained:
+            if (launched.out is None or launched.constrained
+                    or self.sched.wants_tokens_now(launched.batch)):
                 # A non-final chunk: nothing to wait for; a constrained request's
-                # token must reach its matcher before the next mask (EngineCore._step).
+                # token must reach its matcher before the next mask; a speculative
+                # draft continues tokens the host holds (EngineCore._step).
                 self.finish(launched)
             else:
                 self.inflight = launched
@@ -73,9 +75,14 @@ class EngineDriver:
 
     def finish(self, launched: Launched) -> None:
         """Read back (the step's one deliberate sync) and commit."""
-        token_ids, logprobs = self.runner.collect(launched)
-        t0 = time.perf_counter()
-        self.sched.commit(launched.batch, token_ids, logprobs)
+        if launched.batch.verifies:
+            sampled, row_lps = self.runner.collect_verified(launched)
+            t0 = time.perf_counter()
+            self.sched.commit_verified(launched.batch, sampled, row_lps)
+        else:
+            token_ids, logprobs = self.runner.collect(launched)
+            t0 = time.perf_counter()
+            self.sched.commit(launched.batch, token_ids, logprobs)
         self.sched.finished_reqs.clear()
         self.host_s += time.perf_counter() - t0
 

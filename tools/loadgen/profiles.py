@@ -227,6 +227,13 @@ def _edit_spec(cfg: WorkloadConfig, i: int) -> RequestSpec:
         body["prompt"] = f"{EDIT_SYSTEM}\n\n{user}\n\n```python\n"
     else:
         body["messages"] = [{"role": "system", "content": EDIT_SYSTEM}, {"role": "user", "content": user}]
+        if cfg.endpoint != "responses":
+            # The reply starts inside the code block, as an editor's does (Anthropic's
+            # assistant prefill; vLLM's and ftserve's continue_final_message on chat).
+            body["messages"].append({"role": "assistant", "content": "```python\n"})
+            if cfg.endpoint == "chat":
+                body["continue_final_message"] = True
+                body["add_generation_prompt"] = False
     return RequestSpec(cfg.endpoint, body, cfg.profile, -1, i)
 
 
