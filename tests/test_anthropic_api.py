@@ -1,5 +1,5 @@
 """The Anthropic Messages API (/v1/messages, /v1/messages/count_tokens;
-ftserve/server/anthropic_api.py) against real servers, read with the official
+ftserve/api/anthropic/messages.py) against real servers, read with the official
 ``anthropic`` client: the demo model (Mistral-style template: system prompt,
 tools; thinking blocks: test_anthropic_thinking.py). Engine steps are scripted
 where the output must be tool calls."""

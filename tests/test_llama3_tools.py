@@ -1,4 +1,4 @@
-"""Llama 3.x JSON tool calls end to end (ftserve/server/tool_calls_llama.py): a real
+"""Llama 3.x JSON tool calls end to end (ftserve/chat/tool_calls_llama.py): a real
 server given a Llama-3-style chat template (--chat-template), whose engine steps
 are scripted to write calls, read with the official openai and anthropic clients,
 streamed and not, with tool_choice auto, a named function and "required"."""

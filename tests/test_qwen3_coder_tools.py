@@ -1,4 +1,4 @@
-"""Qwen3-Coder's XML-style tool calls end to end (ftserve/server/tool_calls_xml.py):
+"""Qwen3-Coder's XML-style tool calls end to end (ftserve/chat/tool_calls_xml.py):
 a real server given a Qwen3-Coder-style chat template (--chat-template), whose
 engine steps are scripted to write calls, read with the official openai client,
 streamed and not, with tool_choice auto, a named function and "required"."""

@@ -252,6 +252,28 @@ def test_n_choices_streaming(live: Live) -> None:
     live.wait_idle()
 
 
+def test_one_choice_streams_without_merging(live: Live, client: openai.OpenAI,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """n = 1: the stream driver awaits the one Generation itself (no merge queue and
+    pump task); n = 2 merges its choices' steps, in arrival order."""
+    from ftserve.api import driver
+
+    merged: list[int] = []
+    real = driver._Merged.__init__
+
+    def spy(self: Any, choices: list[Any]) -> None:
+        merged.append(len(choices))
+        real(self, choices)
+
+    monkeypatch.setattr(driver._Merged, "__init__", spy)
+    for n in (1, 2):
+        chunks = list(client.chat.completions.create(model="ftserve-demo", messages=MSGS,
+                                                     max_tokens=3, n=n, stream=True))
+        assert {c.choices[0].index for c in chunks} == set(range(n))
+    assert merged == [2]
+    live.wait_idle()
+
+
 def test_logit_bias(live: Live, client: openai.OpenAI) -> None:
     """logit_bias reaches the sampler: +100 on one token makes greedy decoding
     write only it, -100 on the unbiased first token keeps it out; bad maps are 400s."""

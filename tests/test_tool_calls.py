@@ -1,4 +1,4 @@
-"""ftserve/server/tool_calls.py: finding tool calls in model output, whole and streamed."""
+"""ftserve/chat/tool_calls.py: finding tool calls in model output, whole and streamed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Forced tool_choice ("required", a named function; ftserve/server/tool_choice.py):
+"""Forced tool_choice ("required", a named function; ftserve/chat/tool_choice.py):
 the prefix builder and the parser over forced text + output, then end to end on a
 real server whose engine steps are scripted, read with the official openai client."""
 

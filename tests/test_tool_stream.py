@@ -1,4 +1,4 @@
-"""ToolStream (ftserve/server/tool_calls.py): tool calls streamed as they arrive.
+"""ToolStream (ftserve/chat/tool_calls.py): tool calls streamed as they arrive.
 The parser at every split of sample outputs against the whole parse, what
 unclean output turns into, then end to end: a real server whose engine steps
 are scripted, read back by the official openai client's stream assembly."""
