@@ -1,4 +1,4 @@
-"""The codec's compiled-grammar cache (server/text.py): one compile per grammar,
+"""The codec's compiled-grammar cache (chat/text.py): one compile per grammar,
 fresh independent matchers per request, a bounded LRU, rejected grammars not kept."""
 
 from __future__ import annotations

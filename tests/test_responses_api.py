@@ -1,5 +1,5 @@
 """OpenAI's Responses API (/v1/responses; ftserve/api/responses/route.py and
-responses_protocol.py) against a real server (the demo model, Mistral-style
+models.py) against a real server (the demo model, Mistral-style
 template: system prompt, tools), read with the official ``openai`` client.
 Engine steps are scripted where the output must be function calls."""
 

@@ -1,5 +1,5 @@
 """A forced tool_choice ("required", a named function; Anthropic any / tool; the
-Responses API's) constrains the output to well-formed calls (server/tool_grammar.py),
+Responses API's) constrains the output to well-formed calls (chat/tool_grammar.py),
 in each call syntax the project reads: a real server per syntax (the demo's own
 Mistral-style template, and hermes / Qwen3-Coder / Llama 3 templates given with
 --chat-template) over a random-weights model, sampled at temperature 1 over several

@@ -5,7 +5,7 @@ aiohttp's parser refuses.
   request, between requests, and while a request's headers trickle in (aiohttp's
   keep-alive timer covers the last two; ``_Protocol`` arms the first itself,
   which aiohttp only does from 3.14 on). A request's body has
-  --request-read-timeout (``completions.read_json``: 408).
+  --request-read-timeout (``body.read_json``: 408).
 - A request the parser refuses (a header line over 8,190 bytes, a malformed
   request line) is answered 400 with an error object, Anthropic's shape when the
   request line named a /v1/messages route, and one log line: aiohttp's own answer

@@ -12,7 +12,7 @@ mark a model's reasoning so. Where the reasoning starts::
 Each gives reasoning "A" and content "B" (the newlines after ``</think>`` are
 dropped). Output that never closes its reasoning (cut off by max_tokens) is all
 reasoning: nothing the model wrote is lost, it is only labelled. Tool calls are
-looked for in the content only (completions.py runs this filter first).
+looked for in the content only (output.py runs this split first).
 """
 
 from __future__ import annotations

@@ -53,10 +53,12 @@ from pydantic import (
     model_validator,
 )
 
-from ftserve.api.openai.models import TOOL_SHAPE, Sampling, Stop
+from ftserve.api.openai.models import check_tool_names
+from ftserve.api.sampling import I32, Sampling, Stop
 from ftserve.api.validation import (
     Body,
     Int,
+    Worded,
     member,
     parse,
     refused,
@@ -65,7 +67,6 @@ from ftserve.api.validation import (
     worded,
 )
 from ftserve.chat import response_format as rf
-from ftserve.chat.errors import bad_request
 from ftserve.chat.request import (
     ChatRequest,
     check_continuation,
@@ -75,7 +76,6 @@ from ftserve.chat.request import (
 )
 from ftserve.chat.tool_choice import ForcedCall
 
-I32 = 2**31 - 1
 _MEDIA = ("image", "document")
 _TEXT = text_parts(("text",), _MEDIA)
 
@@ -224,7 +224,7 @@ class Tool(Body):
 
 
 class ToolChoice(Body):
-    disable_parallel_tool_use: Annotated[bool, worded("'{at}' must be a boolean", "{up}")] = False
+    disable_parallel_tool_use: Annotated[bool, Worded("'{at}' must be a boolean", "{up}")] = False
     type: Annotated[Any, member(("auto", "any", "tool", "none"),
                                 "'{at}' must be one of auto, any, tool, none", "{up}")] = Field(
         None, validate_default=True)
@@ -265,8 +265,7 @@ class JsonOutput(Body):
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-OutputFormat = Annotated[JsonOutput, worded("'{at}' must be {type: json_schema, schema: {...}}",
-                                            deep=True)]
+OutputFormat = Annotated[JsonOutput, Worded("'{at}' must be {type: json_schema, schema: {...}}")]
 
 
 class OutputConfig(Body):
@@ -335,7 +334,7 @@ def parse_messages_request(raw: Any, count_only: bool = False) -> ChatRequest:
     none = choice is not None and choice.type == "none"
     tools = [t.chat_tool() for t in body.tools] if body.tools else None
     if tools and not none:
-        _check_names(tools)
+        check_tool_names(tools)
     tools, forced = offered_tools(tools, forced, none)
     fmt_name, spec = "output_config.format", None
     if body.output_config is not None and body.output_config.format is not None:
@@ -366,9 +365,3 @@ def parse_messages_request(raw: Any, count_only: bool = False) -> ChatRequest:
         thinking=body.thinking.enabled() if body.thinking is not None else None,
         **generate,
     )
-
-
-def _check_names(tools: list[dict[str, Any]]) -> None:
-    for i, tool in enumerate(tools):
-        if not tool["function"]["name"]:
-            raise bad_request(TOOL_SHAPE.replace("{at}", f"tools[{i}]"), param="tools")

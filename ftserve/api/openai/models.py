@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, WrapValidator, model_validator
 
+from ftserve.api.sampling import I32, Sampling, Stop
 from ftserve.api.validation import (
     Body,
     Int,
@@ -58,7 +59,6 @@ from ftserve.chat.request import (
 from ftserve.chat.response_format import ResponseFormat
 from ftserve.chat.tool_choice import ForcedCall
 
-I32 = 2**31 - 1
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_SHAPE = '\'{at}\' must be {"type": "function", "function": {"name": ...}}'
 CHOICE_SHAPE = ('\'tool_choice\' must be "auto", "none", "required" or '
@@ -66,53 +66,7 @@ CHOICE_SHAPE = ('\'tool_choice\' must be "auto", "none", "required" or '
 RF = "response_format"
 
 
-# --- sampling: the fields every protocol takes with this meaning ---------------------
-
-
-def _not_zero(value: int) -> int:
-    if value == 0:
-        raise reject("'{at}' must be -1 (the context's length) or at least 1")
-    return value
-
-
-def _stop(value: str | list[str]) -> tuple[str, ...]:
-    """A string or a list of at most 16 non-empty strings."""
-    stops = [value] if isinstance(value, str) else value
-    if len(stops) > 16:
-        raise reject("'{at}' may hold at most 16 strings")
-    if any(s == "" for s in stops):
-        raise reject("'{at}' strings must not be empty")
-    return tuple(stops)
-
-
-Stop = Annotated[str | list[str], Worded("'{at}' must be a string or a list of strings"),
-                 AfterValidator(_stop)]
-
-
-class Sampling(Body):
-    """The sampling fields /v1/messages and /v1/responses take too (SamplingParams
-    kwargs; their ranges are SamplingParams.validate's)."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    top_k: Int(-1, I32) | None = None
-    seed: Int(-(2**63), 2**63 - 1) | None = None
-    min_tokens: Int(0, I32) | None = None
-    ignore_eos: bool | None = None
-
-    def sampling(self) -> dict[str, Any]:
-        """The SamplingParams kwargs given (ignore_eos always)."""
-        out = {key: getattr(self, key) for key in _SAMPLED if getattr(self, key) is not None}
-        out["ignore_eos"] = bool(self.ignore_eos)
-        return out
-
-
-_SAMPLED = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "top_k", "seed", "min_tokens")
+# --- sampling: OpenAI's fields besides the ones every protocol takes (sampling.py) ------
 
 
 def _logit_bias(value: dict[str, Any]) -> tuple[tuple[int, float], ...]:
@@ -152,13 +106,13 @@ class StreamOptions(Body):
 
 
 class JsonSchemaSpec(Body):
-    name: Annotated[str, worded("'{at}' must be a non-empty string", RF),
+    name: Annotated[str, Worded("'{at}' must be a non-empty string", RF),
                     non_empty("'{at}' must be a non-empty string", RF)] = Field(
         None, validate_default=True)
-    schema_: Annotated[dict[str, Any], worded("'{at}' must be a JSON schema object", RF)] | None = (
+    schema_: Annotated[dict[str, Any], Worded("'{at}' must be a JSON schema object", RF)] | None = (
         Field(None, alias="schema"))
-    strict: Annotated[bool, worded("'{at}' must be a boolean", RF)] | None = None
-    description: Annotated[str, worded("'{at}' must be a string", RF)] | None = None
+    strict: Annotated[bool, Worded("'{at}' must be a boolean", RF)] | None = None
+    description: Annotated[str, Worded("'{at}' must be a string", RF)] | None = None
 
     @model_validator(mode="after")
     def _schema_given(self) -> JsonSchemaSpec:
@@ -192,6 +146,12 @@ class ResponseFormatSpec(Body):
         if self.type == "json_schema" and self.json_schema is None:
             raise reject("'{at}.json_schema' must be an object with 'name' and 'schema'", RF)
         return self
+
+
+def _not_zero(value: int) -> int:
+    if value == 0:
+        raise reject("'{at}' must be -1 (the context's length) or at least 1")
+    return value
 
 
 class _Generate(OpenAISampling):
@@ -431,6 +391,14 @@ def _choice_modes(value: Any, handler: Any) -> Any:
 # "auto", "none", "required" or {"type": "function", "function": {"name": ...}}.
 ToolChoice = Annotated[NamedChoice, worded(CHOICE_SHAPE, "tool_choice", deep=True),
                        WrapValidator(_choice_modes)]
+
+
+def check_tool_names(tools: list[dict[str, Any]]) -> None:
+    """Every offered tool has a name (the other protocols' tools, mapped into this
+    shape, are held to it too)."""
+    for i, tool in enumerate(tools):
+        if not tool["function"]["name"]:
+            raise bad_request(TOOL_SHAPE.replace("{at}", f"tools[{i}]"), param="tools")
 
 
 def _forced(choice: Any) -> ForcedCall | None:

@@ -49,10 +49,12 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, TypeAdapter, WrapValidator, model_validator
 
-from ftserve.api.openai.models import CHOICE_SHAPE, TOOL_SHAPE, Sampling, Stop
+from ftserve.api.openai.models import CHOICE_SHAPE, check_tool_names
+from ftserve.api.sampling import I32, Sampling, Stop
 from ftserve.api.validation import (
     Body,
     Int,
+    Worded,
     falsy_is_absent,
     lenient,
     member,
@@ -66,7 +68,6 @@ from ftserve.api.validation import (
 )
 from ftserve.chat import limits
 from ftserve.chat import response_format as rf
-from ftserve.chat.errors import bad_request
 from ftserve.chat.request import (
     ChatRequest,
     check_continuation,
@@ -76,7 +77,6 @@ from ftserve.chat.request import (
 )
 from ftserve.chat.tool_choice import ForcedCall
 
-I32 = 2**31 - 1
 _ROLES = ("user", "system", "developer", "assistant")
 _MEDIA = ("input_image", "input_file", "input_audio")
 _LOGPROBS = "message.output_text.logprobs"
@@ -252,11 +252,11 @@ class TextFormat(Body):
     type: Annotated[Any, member(("text", "json_object", "json_schema"),
                                 "'{at}' must be one of text, json_object, json_schema", "{up}")
                     ] = Field(None, validate_default=True)
-    name: Annotated[str, worded("'{at}' must be a non-empty string", "{up}"),
+    name: Annotated[str, Worded("'{at}' must be a non-empty string", "{up}"),
                     non_empty("'{at}' must be a non-empty string", "{up}")] = "response"
-    schema_: Annotated[dict[str, Any], worded("'{at}' must be a JSON schema object", "{up}")
+    schema_: Annotated[dict[str, Any], Worded("'{at}' must be a JSON schema object", "{up}")
                        ] = Field(None, alias="schema")
-    strict: Annotated[bool, worded("'{at}' must be a boolean", "{up}")] | None = None
+    strict: Annotated[bool, Worded("'{at}' must be a boolean", "{up}")] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -311,9 +311,9 @@ class ResponsesRequest(Sampling):
     min_tokens and the penalties are ftserve extensions, with their
     /v1/chat/completions meaning."""
 
-    include: Annotated[list[str], worded("'{at}' must be a list of strings", deep=True),
+    include: Annotated[list[str], Worded("'{at}' must be a list of strings"),
                        AfterValidator(_include)] | None = None
-    top_logprobs: Annotated[int, worded("'{at}' must be a non-negative integer"),
+    top_logprobs: Annotated[int, Worded("'{at}' must be a non-negative integer"),
                             AfterValidator(_top_logprobs)] | None = None
     previous_response_id: Annotated[Any, refused(_STATELESS)] = None
     conversation: Annotated[Any, refused(_STATELESS)] = None
@@ -342,7 +342,7 @@ def parse_responses_request(raw: Any) -> ChatRequest:
     none = choice == "none"
     tools = [t.chat_tool() for t in body.tools] if body.tools else None
     if tools and not none:
-        _check_names(tools)
+        check_tool_names(tools)
     tools, forced = offered_tools(tools, choice if isinstance(choice, ForcedCall) else None, none)
     fmt = _format(body.text)
     rf.check_tools(fmt, tools)
@@ -375,9 +375,3 @@ def _format(text: TextConfig | None) -> rf.ResponseFormat | None:
     if spec.type == "json_object":
         return rf.json_object("text.format")
     return rf.bounded("json_schema", spec.schema_, "text.format")
-
-
-def _check_names(tools: list[dict[str, Any]]) -> None:
-    for i, tool in enumerate(tools):
-        if not tool["function"]["name"]:
-            raise bad_request(TOOL_SHAPE.replace("{at}", f"tools[{i}]"), param="tools")

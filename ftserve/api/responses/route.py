@@ -88,13 +88,13 @@ async def _respond(request: web.Request, state: ServerState, arrival: float) -> 
 class _Shell:
     """The response object's fields besides output, status and usage."""
 
-    def __init__(self, rid: str, created: int, model: str, parsed: ChatRequest,
+    def __init__(self, rid: str, created: int, model: str, req: ChatRequest,
                  max_tokens: int) -> None:
         self.rid, self.created, self.model = rid, created, model
-        self.parsed, self.max_tokens = parsed, max_tokens
+        self.req, self.max_tokens = req, max_tokens
 
     def body(self, output: list[Item], status: str, usage: dict[str, Any] | None) -> dict[str, Any]:
-        p = self.parsed
+        p = self.req
         tools = [{"type": "function", "name": t["function"]["name"],
                   "description": t["function"].get("description"),
                   "parameters": t["function"].get("parameters"), "strict": False}
