@@ -203,7 +203,7 @@ class Sandbox:
 
     def _start(self) -> subprocess.Popen[bytes]:
         if self._proc is None or self._proc.poll() is not None:
-            # -P: the script's folder (ftserve/server, whose module names are not the
+            # -P: the script's folder (ftserve/chat, whose module names are not the
             # standard library's but need not stay so) is not put on sys.path.
             self._proc = subprocess.Popen([sys.executable, "-P", os.path.abspath(__file__)],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
