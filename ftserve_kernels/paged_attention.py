@@ -49,6 +49,11 @@ def dequantize_fp8_ref(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return codes.float() * scale[..., None].float()
 
 
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32 (x itself when it already is: no dispatch on the CPU's step path)."""
+    return x if x.dtype == torch.float32 else x.float()
+
+
 def store_kv_ref(
     k_cache: torch.Tensor,  # [slots, Hkv, D]
     v_cache: torch.Tensor,
@@ -59,8 +64,8 @@ def store_kv_ref(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     if not is_fp8(k_cache.dtype):
-        k_cache.index_copy_(0, out_cache_loc, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, out_cache_loc, v.to(v_cache.dtype))
+        k_cache.index_copy_(0, out_cache_loc, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
+        v_cache.index_copy_(0, out_cache_loc, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
         return
     assert k_scale is not None and v_scale is not None, "fp8 caches need their scales"
     for cache, scales, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
@@ -84,16 +89,12 @@ def _gather_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows at ``slots`` (any shape S) -> fp32 k, v [*S, Hkv, D], fp8 codes dequantized."""
-    flat = slots.reshape(-1)
+    """The rows at ``slots`` [N] -> fp32 k, v [N, Hkv, D], fp8 codes dequantized."""
     if is_fp8(k_cache.dtype):
         assert k_scale is not None and v_scale is not None, "fp8 caches need their scales"
-        k = dequantize_fp8_ref(k_cache[flat], k_scale[flat])
-        v = dequantize_fp8_ref(v_cache[flat], v_scale[flat])
-    else:
-        k = k_cache.index_select(0, flat).float()
-        v = v_cache.index_select(0, flat).float()
-    return k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:])
+        return (dequantize_fp8_ref(k_cache[slots], k_scale[slots]),
+                dequantize_fp8_ref(v_cache[slots], v_scale[slots]))
+    return _fp32(k_cache.index_select(0, slots)), _fp32(v_cache.index_select(0, slots))
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class KVRows:
 
     decode (one new token per sequence)::
 
-        slots [B, L]        L = the longest sequence; a shorter one's tail repeats its first slot
+        slots [B * L]       L = the longest sequence; a shorter one's tail repeats its first slot
         masks (keys [B, 1, 1, L] < its length, or None when all lengths are equal,)
 
     otherwise (any new tokens)::
@@ -114,7 +115,7 @@ class KVRows:
     """
 
     decode: bool
-    slots: torch.Tensor
+    slots: torch.Tensor  # [N] int64
     masks: tuple[torch.Tensor | None, ...]
 
 
@@ -128,14 +129,15 @@ def kv_rows(page_table: torch.Tensor, qo_indptr_host: list[int], seq_lens_host: 
         longest = max(seq_lens_host)
         n_pages = (longest + page_size - 1) // page_size
         slots = (page_table[:, :n_pages].long()[:, :, None] * page_size + offs).reshape(n_seqs, -1)
-        slots = slots[:, :longest]
+        slots = slots[:, :longest]  # [B, L]
         if min(seq_lens_host) == longest:
-            return KVRows(True, slots, (None,))
+            return KVRows(True, slots.reshape(-1), (None,))
         lens = torch.tensor(seq_lens_host, device=dev)
         valid = torch.arange(longest, device=dev)[None, :] < lens[:, None]  # [B, L]
         # Padding reads the sequence's first slot, not the (maybe garbage, NaN)
         # dummy page: a masked NaN key would still poison its row.
-        return KVRows(True, torch.where(valid, slots, slots[:, :1]), (valid[:, None, None, :],))
+        slots = torch.where(valid, slots, slots[:, :1])
+        return KVRows(True, slots.reshape(-1), (valid[:, None, None, :],))
     parts, masks = [], []
     for b in range(n_seqs):
         n_new = qo_indptr_host[b + 1] - qo_indptr_host[b]
@@ -179,13 +181,15 @@ def paged_attention_ref(
     t, num_heads, d = q.shape
     num_kv = k_cache.shape[1]
     group = num_heads // num_kv
-    k_all, v_all = _gather_kv(k_cache, v_cache, rows.slots, k_scale, v_scale)
+    k_all, v_all = _gather_kv(k_cache, v_cache, rows.slots, k_scale, v_scale)  # [N, Hkv, D]
     if rows.decode:
         #   q [B, Hq, D] -> [B, Hkv, group, D]: the rows of KV head h are query heads h*group ..
-        #   k, v [B, L, Hkv, D] -> [B, Hkv, L, D]
-        qb = q.float().reshape(t, num_kv, group, d)
-        o = _sdpa(qb, k_all.transpose(1, 2), v_all.transpose(1, 2), scale, rows.masks[0])
-        return o.reshape(t, num_heads, d).to(q.dtype)
+        #   k, v [B * L, Hkv, D] -> [B, Hkv, L, D]
+        qb = _fp32(q).reshape(t, num_kv, group, d)
+        k_b, v_b = k_all.view(t, -1, num_kv, d).transpose(1, 2), v_all.view(t, -1, num_kv, d).transpose(1, 2)
+        o = _sdpa(qb, k_b, v_b, scale, rows.masks[0])
+        o = o.reshape(t, num_heads, d)
+        return o if o.dtype == q.dtype else o.to(q.dtype)
     out = torch.empty_like(q)
     kv0 = 0
     for b, mask in enumerate(rows.masks):
@@ -195,7 +199,7 @@ def paged_attention_ref(
         kv0 += kv_len
         if q1 == q0:
             continue
-        qb = q[q0:q1].float().transpose(0, 1)[None]  # [1, Hq, n, D]
+        qb = _fp32(q[q0:q1]).transpose(0, 1)[None]  # [1, Hq, n, D]
         # K/V head-major ([1, Hkv, L, D] contiguous): the fused kernel streams
         # each head's rows; the copy costs less than the strided reads.
         k, v = k.transpose(0, 1).contiguous()[None], v.transpose(0, 1).contiguous()[None]

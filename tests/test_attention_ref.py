@@ -103,7 +103,7 @@ def test_decode_batch_matches_dense_attention(lens: list[int]) -> None:
     out = paged_attention_ref(q, kc, vc, table, indptr_of(new), lens, 4, 32**-0.5)
     assert torch.isfinite(out).all()
     rows = kv_rows(table, indptr_of(new), lens, 4)
-    assert rows.decode and rows.slots.shape == (len(lens), max(lens))
+    assert rows.decode and rows.slots.shape == (len(lens) * max(lens),)
     assert (rows.masks[0] is None) == (min(lens) == max(lens))
     torch.testing.assert_close(out.double(), expected(q, kc, vc, slots, new, prefix, 32**-0.5),
                                rtol=1e-5, atol=1e-5)
