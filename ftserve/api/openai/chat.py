@@ -77,11 +77,8 @@ def whole_body(req: ChatRequest, rid: str, created: int, model: str, choices: li
         if out.thought is not None:
             message["reasoning_content"] = out.thought
             message["content"] = message["content"] or None
-        entry = {**body["choices"][0], "index": choice.index}
-        if req.prompt_logprobs is not None and whole.prompt_logprobs is not None:
-            entry["prompt_logprobs"] = R.vllm_prompt_logprobs(gen.prompt_ids, whole.prompt_logprobs,
-                                                              text.token_text)
-        out_choices.append(entry)
+        out_choices.append(R.whole_choice(body, choice.index, req.prompt_logprobs is not None,
+                                          gen.prompt_ids, whole.prompt_logprobs, text.token_text))
     body["choices"] = out_choices
     body["usage"] = R.usage_of(choices, req.n)
     return body

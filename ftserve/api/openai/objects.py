@@ -127,6 +127,18 @@ def join_logprobs(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str
     return {key: head[key] + tail[key] for key in head}
 
 
+def whole_choice(
+    body: dict[str, Any], index: int, want_prompt_logprobs: bool, prompt_ids: list[int],
+    prompt_lps: list[TokenLogprob | None] | None, token_text: TokenText,
+) -> dict[str, Any]:
+    """A whole reply's choice ``index`` (its single-choice ``body`` renumbered), with
+    vLLM's "prompt_logprobs" where they were asked for and computed."""
+    entry = {**body["choices"][0], "index": index}
+    if want_prompt_logprobs and prompt_lps is not None:
+        entry["prompt_logprobs"] = vllm_prompt_logprobs(prompt_ids, prompt_lps, token_text)
+    return entry
+
+
 def vllm_prompt_logprobs(
     prompt_ids: list[int], items: list[TokenLogprob | None], token_text: TokenText,
 ) -> list[dict[str, dict[str, Any]] | None]:
