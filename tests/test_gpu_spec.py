@@ -1,7 +1,7 @@
 """Speculative decoding on CUDA (bf16, Triton attention, decode, prefill and verify
 graphs on): verify steps make no hidden device->host sync and exactly one deliberate read-back,
 plain steps of requests in back-off keep overlap, and greedy outputs equal plain
-decoding's. Driven step by step (tools.engine_driver), as test_gpu_engine.py."""
+decoding's. Driven step by step (tools.bench.engine_driver), as test_gpu_engine.py."""
 
 from __future__ import annotations
 
