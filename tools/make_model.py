@@ -1,7 +1,7 @@
 """Write an HF-format checkpoint directory from a preset.
 
     python tools/make_model.py --preset tiny-moe --out DIR [--layers N] [--seed S]
-        [--dtype D] [--shard-size-mb M] [--config-only]
+        [--dtype D] [--shard-size-mb M] [--config-only] [--mtp N]
 """
 
 from __future__ import annotations
@@ -24,10 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-size-mb", type=float, default=1024.0)
     ap.add_argument("--config-only", action="store_true",
                     help="config + tokenizer files only, for --load-format dummy at real shapes")
+    ap.add_argument("--mtp", type=int, default=None, metavar="N",
+                    help="ship N multi-token-prediction layers (mtp.*, for --speculative mtp); "
+                         "0 drops a preset's")
     args = ap.parse_args(argv)
+    overrides = None if args.mtp is None else {"num_nextn_predict_layers": args.mtp}
     out = write_checkpoint(
         args.preset, args.out, layers=args.layers, seed=args.seed, dtype=args.dtype,
-        shard_size_mb=args.shard_size_mb, config_only=args.config_only,
+        shard_size_mb=args.shard_size_mb, config_only=args.config_only, overrides=overrides,
     )
     print(out)
     return 0

@@ -87,7 +87,7 @@ def _init_tensor(
 ) -> torch.Tensor:
     """Random values that keep activations and logits O(1) and make routing depend
     on the token. Tied embeddings double as the LM head, so they get its scale."""
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight") or ".pre_fc_norm_" in name:
         return 1.0 + 0.1 * torch.randn(shape, generator=gen)
     if name.endswith(".bias"):
         return 0.1 * torch.randn(shape, generator=gen)
@@ -109,6 +109,8 @@ def tensor_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     cfg = ModelConfig.from_hf(hf_config)
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg, torch.float32)
+        if cfg.num_mtp_layers:  # the config declares MTP layers: the checkpoint ships them
+            model.attach_mtp(cfg.num_mtp_layers)
     params = dict(model.named_parameters())
     return {n: tuple(params[t.param][t.index].shape) for n, t in model.checkpoint_targets().items()}
 

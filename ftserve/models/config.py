@@ -136,6 +136,9 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     linear_attn: LinearAttentionConfig | None = None
     shared_expert_intermediate_size: int = 0  # MoE layers' always-on expert (0: none)
+    # Multi-token-prediction layers the config declares (num_nextn_predict_layers);
+    # the checkpoint's mtp.* tensors are what counts (loader.mtp_layers).
+    num_mtp_layers: int = 0
 
     @property
     def q_size(self) -> int:
@@ -294,6 +297,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
             **moe,
             **hybrid,
         )

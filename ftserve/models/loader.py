@@ -55,12 +55,16 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                mtp_layers: int = 0) -> DecoderForCausalLM:
     """Construct on the meta device (no memory, no init), then allocate once on ``device``.
-    Parameter values are uninitialized until the caller fills them."""
+    Parameter values are uninitialized until the caller fills them. ``mtp_layers``:
+    also build that many MTP layers (models/mtp.py)."""
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg, dtype)
+        if mtp_layers:
+            model.attach_mtp(mtp_layers)
     model.to_empty(device=device)
     model.init_buffers()
     model.eval()
@@ -75,16 +79,23 @@ def load_model(
     *,
     max_model_len: int | None = None,
     seed: int = 0,
+    mtp: bool = False,
 ) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Returns (model, config). ``max_model_len`` shortens the rope table (and the
-    single-request limit) below what the checkpoint supports."""
+    single-request limit) below what the checkpoint supports. ``mtp``: with the
+    checkpoint's MTP layers (a CheckpointError if it has none)."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     cfg = ModelConfig.from_pretrained(model_dir)
     if max_model_len is not None:
         cfg = cfg.with_max_len(max_model_len)
     torch_dtype = resolve_dtype(dtype, device)
-    model = build_model(cfg, torch_dtype, device)
+    n_mtp = 0
+    if mtp:
+        n_mtp = mtp_layers(model_dir, cfg, load_format)
+        if n_mtp == 0:
+            raise CheckpointError(f"{model_dir} has no MTP layers (no mtp.* tensors)")
+    model = build_model(cfg, torch_dtype, device, n_mtp)
     if load_format in ("safetensors", "gguf", "auto"):
         fill_from_checkpoint(model, model_dir)
     elif load_format == "dummy":
@@ -93,6 +104,27 @@ def load_model(
         raise ValueError(f"load_format must be safetensors, gguf or dummy, got {load_format!r}")
     model.refresh_derived()
     return model, cfg
+
+
+def mtp_layers(model_dir: str | Path, cfg: ModelConfig, load_format: str = "safetensors") -> int:
+    """The MTP layers a checkpoint ships: its ``mtp.layers.<j>`` tensors (dummy
+    weights: the config's num_nextn_predict_layers; a GGUF: none)."""
+    from ftserve.models import gguf
+    from ftserve.models.mtp import count_layers
+
+    model_dir = Path(model_dir)
+    if load_format == "dummy":
+        return cfg.num_mtp_layers
+    if gguf.is_gguf(model_dir):
+        return 0
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return count_layers(set(json.loads(index.read_text())["weight_map"]))
+    names: set[str] = set()
+    for f in checkpoint_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            names.update(h.keys())
+    return count_layers(names)
 
 
 def fill_from_checkpoint(model: DecoderForCausalLM, path: Path) -> None:
@@ -155,7 +187,7 @@ def fill_dummy(model: DecoderForCausalLM, seed: int = 0) -> None:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") or ".pre_fc_norm_" in name:
             p.fill_(1.0)
         elif name.endswith(".bias"):
             p.zero_()
