@@ -121,8 +121,7 @@ def run(args: argparse.Namespace, model_dir: str, t_start: float) -> dict[str, A
     ft = FtserveSide(model_dir, args.dtype, str(device), max_len, max_batch=bmax,
                      kv_tokens=2 * max(bmax * (args.prompt_tokens + args.decode_tokens + 17), max_len))
     seconds["ftserve_build"] = time.perf_counter() - t0
-    graphs_on = ft.engine.runner.graphs is not None
-    if cuda and not graphs_on:
+    if cuda and ft.engine.runner.graphs is None:
         raise SystemExit("ftserve built without CUDA graphs: not the production path")
     t0 = time.perf_counter()
     say("loading transformers")
