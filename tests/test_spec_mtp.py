@@ -235,6 +235,29 @@ def test_preemption_and_no_overlap(model_dir: str, plain: Engine) -> None:
             eng.shutdown()
 
 
+def test_host_tier_restores_the_mtp_kv(model_dir: str, plain: Engine) -> None:
+    """Prefix pages evicted to the KV host tier and loaded back carry the MTP
+    layer's K/V too: the second turns' drafts are still exact."""
+    eng = make(model_dir, speculative="mtp", num_speculative_tokens=3, num_pages=80, kv_host_pages=400)
+    log = DraftLog(eng)
+    try:
+        first = prompts(7, 6, (40, 80))
+        reqs = [(f"h{i}", p, greedy(12)) for i, p in enumerate(first)]
+        a = collect(plain, reqs)
+        same_outputs(a, collect(eng, reqs))
+        other = [(f"o{i}", p, greedy(8)) for i, p in enumerate(prompts(8, 6, (40, 80)))]
+        same_outputs(collect(plain, other), collect(eng, other))
+        turn2 = [(f"ht{i}", p + tokens_of(a[f"h{i}"]) + p[:5], greedy(12)) for i, p in enumerate(first)]
+        b2 = collect(eng, turn2)
+        same_outputs(collect(plain, turn2), b2)
+        assert eng.runner.kv_host is not None and eng.runner.kv_host.counters.pages_loaded_total > 0
+        assert all(b2[rid][-1].cached_tokens > 0 for rid, _, _ in turn2)
+        check_drafts(eng, log, 0)
+        assert_pool_baseline(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_sampled_tokens_keep_the_distribution(tmp_path: Path) -> None:
     """Temperature 1 on an 8-token vocabulary, 640 seeds, max_tokens 3: the first
     verify step feeds one draft token; the third output token (sampled at the
