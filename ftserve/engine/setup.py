@@ -1,4 +1,5 @@
-"""Start-up: resolve the config, load the model, size the KV pool, build the engine."""
+"""Start-up: resolve the config, load the model, size the KV pool (and a hybrid
+model's state pool), build the engine."""
 
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ from ftserve.engine.sampler import Sampler
 from ftserve.engine.scheduler import Scheduler
 from ftserve.kvcache.host_tier import HostKVTier
 from ftserve.kvcache.pool import KVPool, kv_cache_torch_dtype
+from ftserve.kvcache.state_pool import StateLayout, StatePool
 from ftserve_kernels.config import KernelConfig
 
 log = logging.getLogger(__name__)
 
 DEMO_PRESET = "tiny-moe"
 CPU_DEFAULT_KV_TOKENS = 65536
+# A hybrid's recurrent states accumulate over the whole sequence: fp32, as the
+# reference implementation keeps them (the conv states take the model's dtype).
+STATE_DTYPE = torch.float32
 
 
 def resolve_device(name: str) -> torch.device:
@@ -113,11 +118,20 @@ def build_engine(cfg: EngineConfig) -> Engine:
             f"--max-model-len or extend the checkpoint's rope_scaling")
 
     # --kv-cache-dtype: the pool's dtype (fp8: codes + scales, both counted per token).
+    # A hybrid's pool holds its full-attention layers only (ModelConfig.kv_layers).
     kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, dtype)
-    per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)
-    num_pages = _plan_pages(cfg, device, per_token, model, mcfg, kernels)
-    pool = KVPool(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
+    per_token = KVPool.bytes_per_token(len(mcfg.kv_layers), mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)
+    state_slots, checkpoints = _state_slots(cfg, mcfg)
+    if state_slots and (cfg.kv_host_pages is not None or cfg.kv_host_gib is not None):
+        raise ConfigError(f"{mcfg.architecture} keeps recurrent-state checkpoints beside its KV pages, "
+                          "which the KV host tier cannot move yet: drop --kv-host-pages / --kv-host-gib")
+    state_bytes = (StateLayout.from_config(mcfg).pool_bytes(state_slots, dtype, STATE_DTYPE)
+                   if state_slots else 0)
+    num_pages = _plan_pages(cfg, device, per_token, model, mcfg, kernels, state_bytes)
+    pool = KVPool(len(mcfg.kv_layers), num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
                   kv_dtype, device)
+    state_pool = (StatePool.for_model(mcfg, state_slots, dtype, STATE_DTYPE, device)
+                  if state_slots else None)
     pool_tokens = pool.usable_pages * cfg.page_size
     max_model_len = min(model_limit, cfg.max_model_len or model_limit, pool_tokens)
     eos = read_eos_ids(model_dir, mcfg)
@@ -126,6 +140,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
         page_size=cfg.page_size, num_pages=num_pages, max_running=cfg.max_running_requests,
         max_prefill_length=cfg.max_prefill_length, max_model_len=max_model_len,
         eos_token_ids=eos, enable_prefix_cache=cfg.enable_prefix_cache, host_tier=host_tier,
+        state_pool=state_pool, max_checkpoints=checkpoints, checkpoint_pages=cfg.state_checkpoint_pages,
     )
     sampler = Sampler(mcfg.vocab_size, cfg.max_running_requests, device, seed=cfg.seed, kernels=kernels)
     backend = _attention_backend(cfg, device)
@@ -133,15 +148,18 @@ def build_engine(cfg: EngineConfig) -> Engine:
                          max_running=cfg.max_running_requests, max_model_len=max_model_len,
                          eos_token_ids=eos, kernels=kernels)
     runner.kv_host = host_tier
+    runner.state_pool = state_pool
     graph_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
     if device.type == "cuda" and graph_bs > 0 and getattr(backend, "name", "") == "triton":
         from ftserve.engine.cuda_graph import DecodeGraphs
 
         runner.graphs = DecodeGraphs(runner, graph_bs)
         runner.graphs.capture()
-        if cfg.cuda_graph_prefill and moe_cache is None:
+        if cfg.cuda_graph_prefill and moe_cache is None and state_pool is None:
             # Offload mode streams expert layers on a side stream during prefill,
-            # which a captured graph cannot follow: it stays eager there.
+            # which a captured graph cannot follow: it stays eager there. So do
+            # hybrids: their prefill's delta rule runs a host loop over sequences
+            # (the torch twin) until a varlen Triton kernel replaces it.
             from ftserve.engine.prefill_graph import PrefillGraphs
 
             runner.prefill_graphs = PrefillGraphs(
@@ -166,6 +184,8 @@ def build_engine(cfg: EngineConfig) -> Engine:
         "kv_host_pages": host_tier.num_total if host_tier is not None else 0,
         "kv_host_tokens": host_tier.num_total * cfg.page_size if host_tier is not None else 0,
         "kv_host_gib": host_tier.bytes_total() / 2**30 if host_tier is not None else 0.0,
+        # Hybrid models: recurrent-state slots (running requests + prefix-cache checkpoints).
+        "state_slots": state_slots, "state_checkpoints": checkpoints, "state_gib": state_bytes / 2**30,
     }
     log.info("model %s: %s on %s, weights %.2f GiB", model_dir, summary["dtype"], device,
              summary["weights_gib"])
@@ -174,12 +194,28 @@ def build_engine(cfg: EngineConfig) -> Engine:
              "host tier %d tokens (%.2f GiB)", max_model_len, model_limit, pool_tokens,
              num_pages, cfg.page_size, pool_tokens, summary["kv_gib"],
              summary["kv_host_tokens"], summary["kv_host_gib"])
+    if state_pool is not None:
+        log.info("recurrent state: %d slots (%d running + %d prefix-cache checkpoints, one every %d "
+                 "pages of a prefill and at each prompt's end), %.2f GiB", state_slots,
+                 cfg.max_running_requests, checkpoints, cfg.state_checkpoint_pages, summary["state_gib"])
     return Engine(
         dict(scheduler=scheduler, runner=runner, status_log_interval=cfg.status_log_interval,
              overlap=cfg.overlap_schedule),
         model_dir=model_dir, is_demo=is_demo, max_model_len=max_model_len,
         vocab_size=mcfg.vocab_size, eos_token_ids=eos, model_config=mcfg, summary=summary,
     )
+
+
+def _state_slots(cfg: EngineConfig, mcfg: Any) -> tuple[int, int]:
+    """(state-pool slots, of which prefix-cache checkpoints) of a hybrid model; (0, 0)
+    for others. One slot per running request, so the pool caps running requests."""
+    if not mcfg.is_hybrid:
+        return 0, 0
+    checkpoints = 0
+    if cfg.enable_prefix_cache:
+        checkpoints = (cfg.state_checkpoints if cfg.state_checkpoints is not None
+                       else 2 * cfg.max_running_requests)
+    return cfg.max_running_requests + checkpoints, checkpoints
 
 
 def _host_tier(cfg: EngineConfig, pool: KVPool) -> HostKVTier | None:
@@ -198,12 +234,13 @@ def _host_tier(cfg: EngineConfig, pool: KVPool) -> HostKVTier | None:
 
 
 def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int,
-                model: torch.nn.Module, mcfg: Any, kernels: KernelConfig) -> int:
+                model: torch.nn.Module, mcfg: Any, kernels: KernelConfig, state_bytes: int = 0) -> int:
     """KV pages for the pool. On CUDA: ``--memory-ratio`` of the device's total
     memory must hold weights + activations of the largest prefill chunk +
-    sampler and CUDA-graph workspace + KV; the activation peak is measured with
-    one dummy prefill of ``--max-prefill-length`` tokens (which also compiles
-    the prefill kernels), not guessed."""
+    sampler and CUDA-graph workspace + a hybrid's state pool (``state_bytes``,
+    allocated after this) + KV; the activation peak is measured with one dummy
+    prefill of ``--max-prefill-length`` tokens (which also compiles the
+    prefill kernels), not guessed."""
     page_bytes = per_token * cfg.page_size
     if cfg.num_pages is not None:
         return cfg.num_pages
@@ -218,13 +255,14 @@ def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int,
     workspace = cfg.max_running_requests * vocab * 16 + 256 * 2**20
     free, total = torch.cuda.mem_get_info(device)
     used = total - free  # weights, the CUDA context, anything else on the card
-    budget = total * cfg.memory_ratio - used - activation - workspace
+    budget = total * cfg.memory_ratio - used - activation - workspace - state_bytes
     pages = int(budget // page_bytes)
     log.info("memory plan: total %.1f GiB x --memory-ratio %.2f = %.1f GiB: in use %.1f GiB "
              "(weights + context), prefill activations %.2f GiB (measured, %d tokens), "
-             "decode/graph workspace %.2f GiB, KV cache %.1f GiB (%d pages)",
+             "decode/graph workspace %.2f GiB, recurrent-state pool %.2f GiB, KV cache %.1f GiB "
+             "(%d pages)",
              total / 2**30, cfg.memory_ratio, total * cfg.memory_ratio / 2**30, used / 2**30,
-             activation / 2**30, cfg.max_prefill_length, workspace / 2**30,
+             activation / 2**30, cfg.max_prefill_length, workspace / 2**30, state_bytes / 2**30,
              max(0, pages) * page_bytes / 2**30, max(0, pages))
     min_pages = 2 + -(-cfg.max_prefill_length // cfg.page_size)
     if pages < min_pages:
@@ -232,8 +270,9 @@ def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int,
             f"no room for the KV cache: --memory-ratio {cfg.memory_ratio} of "
             f"{total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB after weights "
             f"({used / 2**30:.1f} GiB in use), prefill activations ({activation / 2**30:.2f} GiB for "
-            f"--max-prefill-length {cfg.max_prefill_length}) and workspace; raise --memory-ratio, "
-            f"lower --max-prefill-length or --max-running-requests, or offload experts with "
+            f"--max-prefill-length {cfg.max_prefill_length}), workspace and recurrent state "
+            f"({state_bytes / 2**30:.2f} GiB); raise --memory-ratio, lower --max-prefill-length or "
+            f"--max-running-requests (or --state-checkpoints), or offload experts with "
             f"--moe-cache-size")
     return pages
 
@@ -249,11 +288,15 @@ def _profile_prefill_peak(cfg: EngineConfig, device: torch.device, model: torch.
     # The pool's own dtype, so the profiled (and compiled) kernels are the served ones.
     dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, next(model.parameters()).dtype)
     pages = -(-n // ps)
-    pool = KVPool(mcfg.num_layers, pages + 1, ps, mcfg.num_kv_heads, mcfg.head_dim, dtype, device)
+    pool = KVPool(len(mcfg.kv_layers), pages + 1, ps, mcfg.num_kv_heads, mcfg.head_dim, dtype, device)
+    # A hybrid's chunk reads and writes one state slot (counted in the plan's state_bytes).
+    states = (StatePool.for_model(mcfg, 1, next(model.parameters()).dtype, STATE_DTYPE, device)
+              if mcfg.is_hybrid else None)
     backend = _attention_backend(cfg, device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, mcfg.vocab_size, (n,), generator=gen).tolist()
-    fb = build_forward_batch([ids], [0], [list(range(1, pages + 1))], pool, backend, kernels=kernels)
+    fb = build_forward_batch([ids], [0], [list(range(1, pages + 1))], pool, backend, kernels=kernels,
+                             state_pool=states, state_slots=[1] if states is not None else None)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
@@ -261,7 +304,7 @@ def _profile_prefill_peak(cfg: EngineConfig, device: torch.device, model: torch.
         model(fb)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
-    del fb, pool
+    del fb, pool, states
     torch.cuda.empty_cache()
     return int(peak * 1.1)  # headroom for allocator fragmentation
 

@@ -27,11 +27,17 @@ are the only callers)::
         their KV moves to host pages (planned offloads) instead of being dropped.
     reset() -> bool
         Drops both tiers, unless a device page is locked (then False, no change).
-    check_integrity(live_pages)
+    alloc_state() -> int | None / free_state(slot)
+        Stateful caches (hybrid models, below): a state-pool slot for the caller
+        to save a checkpoint into, within ``max_states`` (evicting the LRU
+        unlocked leaf, pages and checkpoint, when at the cap; None when nothing
+        can go); or back unused. A slot handed out returns through ``insert``
+        (``states``) or ``free_state``.
+    check_integrity(live_pages, live_states)
         Asserts every invariant below (radix_check.py).
     cached_pages, evictable_pages, locked_pages, host_cached_pages,
-    hit_tokens_total, query_tokens_total, host_hit_tokens_total,
-    host_dropped_pages_total
+    cached_states, states_out, hit_tokens_total, query_tokens_total,
+    host_hit_tokens_total, host_dropped_pages_total
         Counters, O(1); lifetime totals survive a reset.
 
 The host tier (host_tier.py) is driven from here, never the other way round:
@@ -95,6 +101,32 @@ Invariants of the state (``check_integrity`` asserts them after any call):
 - Counters: ``evictable_pages`` (unlocked device), ``locked_pages`` (locked
   device) and ``host_cached_pages`` equal what the tree holds.
 
+State checkpoints (hybrid models: ``states``, a StatePool, given). A
+linear-attention layer's state after token t is not in any page: a cached
+prefix is usable only up to a length where a checkpoint of that state was
+saved. A node may hold one (``node.state``: the state-pool slot with the
+state after the node's last token), so checkpoints sit at node ends, and::
+
+    tokens   0        16       32                64
+             |== A ===|== B ===|======= C ========|
+    A  state 5     B  no state (split off C by a match)     C  state 9
+
+    match_prefix(tokens) -> pages as ever, and state_tokens 16 (A's end),
+                            state_node A, state_slot 5: the hit is usable
+                            up to 16; lock A, copy slot 5 into the request's
+
+- Every leaf holds a checkpoint: pages with no checkpoint at or below them
+  could never be used, so ``insert`` takes pages only up to a checkpoint (the
+  caller's contract: its last page ends at one it gives or the tree holds)
+  and eviction drops whole leaves, then any parent left a leaf without one.
+- Checkpoints go with their pages and the other way round: evicting a leaf
+  frees its checkpoint; a checkpoint is evicted (``alloc_state`` at the cap)
+  only as the LRU unlocked leaf, with its pages.
+- ``lock`` pins checkpoints with pages; requests lock checkpointed nodes (or
+  the root) only.
+- No host tier yet: a stateful cache refuses one (the engine's config
+  rejects --kv-host-* for hybrids).
+
 Eviction order (test_radix_stateful.py checks it against a naive twin):
 device eviction takes the least recently used unlocked device node with no
 device children, deepest pages first, and offloads them (dropping them, with
@@ -128,6 +160,7 @@ from ftserve.kvcache.radix_check import check_radix
 
 if TYPE_CHECKING:
     from ftserve.kvcache.host_tier import HostKVTier
+    from ftserve.kvcache.state_pool import StatePool
 
 
 def as_token_array(tokens: Sequence[int]) -> array:
@@ -141,7 +174,7 @@ class RadixNode:
     """A run of whole pages under one parent (the root holds none)."""
 
     __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "uid", "detached",
-                 "on_host")
+                 "on_host", "state")
 
     def __init__(
         self, key: array, pages: array, parent: RadixNode | None, uid: int,
@@ -157,10 +190,14 @@ class RadixNode:
         self.uid = uid  # stable tie-break for the eviction heaps
         self.detached = False  # out of the tree (evicted or reset): must not be locked again
         self.on_host = on_host
+        # Stateful caches: the state-pool slot holding the recurrent state after
+        # this node's last token (-1: none).
+        self.state = -1
 
     def __repr__(self) -> str:
         tier = "host" if self.on_host else "device"
-        return (f"RadixNode(uid={self.uid}, {tier} pages={self.pages.tolist()}, ref={self.ref}, "
+        state = f", state={self.state}" if self.state >= 0 else ""
+        return (f"RadixNode(uid={self.uid}, {tier} pages={self.pages.tolist()}, ref={self.ref}{state}, "
                 f"children={len(self.children)})")
 
 
@@ -179,21 +216,38 @@ class PrefixMatch:
     node: RadixNode  # lock/unlock this to pin exactly `pages`
     host_tokens: int = 0
     host_node: RadixNode | None = None
+    # Stateful caches: the deepest matched node holding a state checkpoint (the
+    # root, 0 tokens, slot -1 when none): the part of the match a hybrid model
+    # can use. Always within the device part.
+    state_tokens: int = 0
+    state_node: RadixNode | None = None
+    state_slot: int = -1
 
 
 class RadixCache:
     """The prefix tree over both tiers; see the module docstring for the contract."""
 
     def __init__(
-        self, page_size: int, allocator: PageAllocator, host: HostKVTier | None = None
+        self, page_size: int, allocator: PageAllocator, host: HostKVTier | None = None,
+        states: StatePool | None = None, max_states: int = 0,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if host is not None and host.page_size != page_size:
             raise ValueError(f"host tier page size {host.page_size} != {page_size}")
+        if states is not None and host is not None:
+            raise ValueError("a stateful prefix cache has no host tier (yet)")
+        if states is not None and not 0 < max_states <= states.num_slots:
+            raise ValueError(f"max_states must be in 1..{states.num_slots}, got {max_states}")
         self.page_size = page_size
         self.allocator = allocator
         self.host = host
+        # Stateful (hybrid models): checkpoint slots come from this pool, at most
+        # max_states of them in the tree or handed out at once.
+        self.states = states
+        self.max_states = max_states if states is not None else 0
+        self._cached_states = 0  # checkpoints held by nodes
+        self._states_out = 0  # handed out by alloc_state, not back yet
         self._uids = itertools.count()
         self.root = RadixNode(array("i"), array("i"), None, next(self._uids))
         self._clock = 0
@@ -226,6 +280,20 @@ class RadixCache:
         """Host pages held by the tree."""
         return self._host_pages
 
+    @property
+    def stateful(self) -> bool:
+        return self.states is not None
+
+    @property
+    def cached_states(self) -> int:
+        """State checkpoints held by the tree."""
+        return self._cached_states
+
+    @property
+    def states_out(self) -> int:
+        """Checkpoint slots handed out by alloc_state and not back yet."""
+        return self._states_out
+
     # ---------------------------------------------------------------- match
     def match_prefix(self, tokens: Sequence[int], *, count_stats: bool = True) -> PrefixMatch:
         """Longest cached full-page prefix of ``tokens``; refreshes the path's LRU time.
@@ -246,28 +314,33 @@ class RadixCache:
         pages: list[int] = []
         pos = 0
         dev: tuple[int, RadixNode] | None = None  # (tokens, node) where the device part ends
+        state_end, state_node = 0, self.root  # the deepest checkpoint passed (stateful)
         while pos < limit:
             child = node.children.get(toks[pos : pos + ps].tobytes())
             if child is None:
                 break
             n_pages = self._common_pages(child.key, toks, pos, limit)
             if n_pages < len(child.pages):
-                child = self._split(child, n_pages)
+                child = self._split(child, n_pages)  # the upper part: no checkpoint at its end
             child.last_access = self._clock
             if child.on_host and dev is None:
                 dev = (pos, node)
+            pos += len(child.key)
             if dev is None:
                 pages.extend(child.pages)
-            pos += len(child.key)
+                if child.state >= 0:
+                    state_end, state_node = pos, child
             node = child
         dev_tokens, dev_node = dev if dev is not None else (pos, node)
         if count_stats:
             self.query_tokens_total += len(toks)
-            self.hit_tokens_total += dev_tokens
+            self.hit_tokens_total += state_end if self.stateful else dev_tokens
+        st = {} if not self.stateful else dict(
+            state_tokens=state_end, state_node=state_node, state_slot=state_node.state)
         if dev is None:
-            return PrefixMatch(pages=pages, num_tokens=pos, node=node)
+            return PrefixMatch(pages=pages, num_tokens=pos, node=node, **st)
         return PrefixMatch(pages=pages, num_tokens=dev_tokens, node=dev_node,
-                           host_tokens=pos - dev_tokens, host_node=node)
+                           host_tokens=pos - dev_tokens, host_node=node, **st)
 
     def restore(self, match: PrefixMatch) -> PrefixMatch:
         """Bring the host-tier part of ``match`` back to device pages (as many
@@ -338,7 +411,8 @@ class RadixCache:
             n = n.parent
 
     # ---------------------------------------------------------------- insert
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int],
+               states: Iterable[tuple[int, int]] = ()) -> int:
         """Give the tree the full pages of ``tokens``; returns tokens already cached.
 
         ``pages[i]`` holds tokens[i*page_size:(i+1)*page_size]; pages past the
@@ -346,6 +420,13 @@ class RadixCache:
         Where the tree already has a device page for a chunk, the caller's page
         (if a different one) is freed back to the allocator. Where it has a
         host page, the caller's fresh device page replaces it (no copy needed).
+
+        Stateful caches: ``states`` are checkpoints (length in tokens, slot from
+        alloc_state) of these tokens; the tree takes each at the node ending at
+        that length (splitting one), frees the caller's slot where it has one
+        there already or where the length is not a whole page inside the
+        inserted pages. The inserted pages must end at a checkpoint, given or
+        held (module docstring).
         """
         toks = as_token_array(tokens)
         ps = self.page_size
@@ -387,7 +468,60 @@ class RadixCache:
             node = child
         if duplicates:
             self.allocator.free(duplicates)
+        if self.states is not None:
+            self._take_states(toks, limit, states)
         return pos
+
+    def _take_states(self, toks: array, limit: int, states: Iterable[tuple[int, int]]) -> None:
+        """insert's checkpoints: at node ends, one per node; the rest freed."""
+        assert self.states is not None
+        for n_tok, slot in states:
+            self._states_out -= 1
+            if n_tok <= 0 or n_tok > limit or n_tok % self.page_size:
+                self.states.free(slot)
+                continue
+            node = self._node_ending_at(toks, n_tok)
+            if node.state >= 0:
+                self.states.free(slot)  # saved twice (two requests over one prefix)
+            else:
+                node.state = slot
+                self._cached_states += 1
+        if limit:
+            end = self._node_ending_at(toks, limit)
+            assert end.children or end.state >= 0, (
+                f"a stateful insert of {limit} tokens ends at a leaf without a checkpoint: {end!r}")
+
+    def _node_ending_at(self, toks: array, n_tok: int) -> RadixNode:
+        """The device node on toks' path that ends at n_tok tokens (the tree holds
+        toks[:n_tok]), split off where n_tok falls inside a node."""
+        ps = self.page_size
+        node, pos = self.root, 0
+        while pos < n_tok:
+            child = node.children[toks[pos : pos + ps].tobytes()]
+            if pos + len(child.key) > n_tok:
+                child = self._split(child, (n_tok - pos) // ps)
+            pos += len(child.key)
+            node = child
+        return node
+
+    # ---------------------------------------------------------------- states
+    def alloc_state(self) -> int | None:
+        """A state-pool slot to save a checkpoint into (stateful caches); at the
+        cap, the least recently used unlocked leaf goes first (its pages and its
+        checkpoint). None when every checkpoint is locked."""
+        assert self.states is not None, "alloc_state on a cache without states"
+        if self._cached_states + self._states_out >= self.max_states:
+            self.evict(1)  # a leaf, whole: every leaf holds a checkpoint
+            if self._cached_states + self._states_out >= self.max_states:
+                return None
+        self._states_out += 1
+        return self.states.alloc()
+
+    def free_state(self, slot: int) -> None:
+        """Give back a slot from alloc_state that the tree will not take."""
+        assert self.states is not None and self._states_out > 0
+        self._states_out -= 1
+        self.states.free(slot)
 
     # ---------------------------------------------------------------- evict
     def evict(self, num_pages: int) -> int:
@@ -395,7 +529,9 @@ class RadixCache:
         unlocked device nodes that have no device children, deepest pages
         first. With a host tier their KV moves to host pages (dropped only when
         the host tier has no room even after its own LRU eviction); without one
-        it is dropped."""
+        it is dropped. A stateful cache drops whole leaves (a leaf's upper
+        pages without its checkpoint could not be used), and then each parent
+        left a leaf without a checkpoint: it may free more than asked."""
         if num_pages <= 0:
             return 0
         heap: list[tuple[int, int, RadixNode]] = []
@@ -412,6 +548,8 @@ class RadixCache:
         while heap and freed < num_pages:
             _, _, leaf = heapq.heappop(heap)
             take = min(num_pages - freed, len(leaf.pages))
+            if self.states is not None:
+                take = len(leaf.pages)
             parent = leaf.parent
             assert parent is not None
             if take < len(leaf.pages):
@@ -420,6 +558,14 @@ class RadixCache:
             if self.host is None or not self._offload(leaf):
                 self._drop_subtree(leaf)
             freed += take
+            while (self.states is not None and parent is not self.root and not parent.children
+                   and parent.state < 0):
+                assert parent.ref == 0, f"{parent!r}: a locked node without a checkpoint"
+                up = parent.parent
+                assert up is not None
+                freed += len(parent.pages)
+                self._drop_subtree(parent)
+                parent = up
             if (parent is not self.root and parent.ref == 0 and not parent.on_host
                     and all(c.on_host for c in parent.children.values())):
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))
@@ -440,10 +586,12 @@ class RadixCache:
         return True
 
     # ---------------------------------------------------------------- checks
-    def check_integrity(self, live_pages: Iterable[int] = ()) -> None:
+    def check_integrity(self, live_pages: Iterable[int] = (), live_states: Iterable[int] = ()) -> None:
         """Assert the page partition of both tiers and the tree's invariants
-        (module docstring); ``live_pages``: the private pages of live requests."""
-        check_radix(self, live_pages)
+        (module docstring); ``live_pages``: the private pages of live requests;
+        ``live_states`` (stateful): the state slots held outside the tree
+        (running requests' own, checkpoints handed out)."""
+        check_radix(self, live_pages, live_states)
 
     # ---------------------------------------------------------------- tree helpers
     def _first(self, node: RadixNode) -> bytes:
@@ -505,6 +653,11 @@ class RadixCache:
                 self.host_dropped_pages_total += len(n.pages)
             else:
                 self.allocator.free(n.pages)
+            if n.state >= 0:
+                assert self.states is not None
+                self.states.free(n.state)
+                self._cached_states -= 1
+                n.state = -1
             n.pages, n.key = array("i"), array("i")
             n.detached, n.parent, n.children = True, None, {}
 

@@ -88,7 +88,7 @@ def load_with_expert_cache(
         from ftserve.kvcache.pool import KVPool, kv_cache_torch_dtype
 
         kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, bank.data.dtype)  # fp8 counts scales
-        kv_bytes_per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim,
+        kv_bytes_per_token = KVPool.bytes_per_token(len(mcfg.kv_layers), mcfg.num_kv_heads, mcfg.head_dim,
                                                     kv_dtype)
     n = plan_num_slots(cfg, mcfg, bank, device, kv_bytes_per_token)
     cache = ExpertCache(model, bank, n, mcfg.num_experts_per_tok, device)
