@@ -17,6 +17,12 @@ when full) and resets interleave. After every step:
 The twin learns where an evicted prefix went from the moves the cache planned
 (``pending_moves``), checks that they only move pages it holds, and each
 eviction is checked for LRU order on both tiers.
+
+A stateful cache (hybrid models' state checkpoints) has its own machine
+(``StatefulRadixMachine``): its twin also maps each checkpointed prefix to its
+slot, and it checks the deepest usable checkpoint of every match, that every
+cached prefix has a checkpoint at or below it, that checkpoints and pages are
+evicted together (whole LRU leaves), and the state-slot partition.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from ftserve.kvcache.allocator import PageAllocator
 from ftserve.kvcache.host_tier import HostKVTier
 from ftserve.kvcache.pool import KVPool
-from ftserve.kvcache.radix import RadixCache, RadixNode
+from ftserve.kvcache.radix import PrefixMatch, RadixCache, RadixNode
+from ftserve.kvcache.state_pool import StateLayout, StatePool
 
 Prefix = tuple[int, ...]
 Loc = tuple[bool, int]  # (on_host, page)
@@ -486,3 +493,269 @@ TestHostTierMachine = HostTierMachine.TestCase
 TestHostTierMachine.settings = _settings(150)
 TestHostTierMachinePage3 = HostTierMachinePage3.TestCase
 TestHostTierMachinePage3.settings = _settings(80)
+
+
+# ---------------------------------------------------------------- state checkpoints
+
+@dataclass
+class StatefulReq:
+    tokens: list[int]
+    node: RadixNode
+    shared: int  # pages[:shared] belong to the tree (pinned by node, which holds a checkpoint)
+    pages: list[int]
+    slot: int  # the request's own state slot
+    checkpoints: list[tuple[int, int]]  # saved (tokens, slot), not yet given to the tree
+
+
+class StatefulRadixMachine(RuleBasedStateMachine):
+    """A stateful cache (hybrid models): requests resume at the deepest matched
+    checkpoint, save checkpoints at page boundaries of what they computed
+    (``alloc_state``, which evicts the LRU leaf at the cap), hand them to the
+    tree with their pages (mid-way, as a published prompt, and at the end) or
+    give them back (abort). A naive twin maps every cached prefix to its page
+    and every checkpointed prefix to its slot; after every step the tree, the
+    twin and the state-slot partition agree, every cached prefix has a
+    checkpoint at or below it, and evictions took the least recently used
+    leaves whole (pages and checkpoint)."""
+
+    page_size = 2
+    device_pages = 24
+    max_states = 4
+    max_live = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = PageAllocator(self.device_pages)
+        self.pool = StatePool(StateLayout(1, 1, 1, 1, 1, 1), self.max_live + self.max_states, torch.float32)
+        self.c = RadixCache(self.page_size, self.a, states=self.pool, max_states=self.max_states)
+        self.oracle = NaiveTieredCache(self.page_size)
+        self.states: dict[Prefix, int] = {}  # checkpointed prefix -> slot
+        self.reqs: dict[int, StatefulReq] = {}
+        self.next_id = 0
+        self.history: list[list[int]] = [[]]
+
+    # -- helpers
+    def _pick(self, i: int) -> StatefulReq:
+        return self.reqs[sorted(self.reqs)[i % len(self.reqs)]]
+
+    def _state_match(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """(tokens, slot) of the deepest checkpointed prefix of the device match."""
+        dev, _ = self.oracle.match(tokens)
+        best = (0, -1)
+        for j in range(1, len(dev) + 1):
+            slot = self.states.get(tuple(tokens[: j * self.page_size]))
+            if slot is not None:
+                best = (j * self.page_size, slot)
+        return best
+
+    def _match(self, tokens: Sequence[int]) -> PrefixMatch:
+        m = self.c.match_prefix(tokens)
+        dev, host = self.oracle.match(tokens)
+        assert m.pages == dev and not host and m.host_node is None
+        n_tok, slot = self._state_match(tokens)
+        assert (m.state_tokens, m.state_slot) == (n_tok, slot), "the deepest checkpoint of the match"
+        assert m.state_node is not None and m.state_node.state == slot
+        self.oracle.touch(tokens, len(dev))
+        return m
+
+    def _forget_dropped(self, handed_out: int = -1) -> None:
+        """After a call that may evict: drop the twin's prefixes whose page was
+        freed, and their checkpoints, whose slots must be free (or be the one the
+        call just handed out again)."""
+        self.oracle.drop_freed(self.a, None)
+        self.oracle.assert_shape()
+        for key in [k for k in self.states if k not in self.oracle.where]:
+            slot = self.states.pop(key)
+            assert self.pool_is_free(slot) or slot == handed_out, f"checkpoint {slot} of a dropped prefix leaked"
+
+    def pool_is_free(self, slot: int) -> bool:
+        return slot in self.pool.free_slots()
+
+    def _leaves(self) -> list[tuple[int, list[int]]]:
+        """(LRU time, pages) of every unlocked leaf."""
+        at = {page: key for key, (_, page) in self.oracle.where.items()}
+        return [(self.oracle.last_use[at[n.pages[0]]], list(n.pages)) for n in nodes(self.c)
+                if not n.children and n.ref == 0]
+
+    def _check_lru(self, before: list[tuple[int, list[int]]], handed_out: int = -1) -> None:
+        """The leaves that lost pages were the least recently used ones, whole."""
+        gone = [t for t, pages in before if all(self.a.is_free(p) for p in pages)]
+        kept = [t for t, pages in before if not any(self.a.is_free(p) for p in pages)]
+        assert len(gone) + len(kept) == len(before), "a leaf was evicted in part"
+        if gone and kept:
+            assert max(gone) <= min(kept), "evicted a leaf used more recently than a kept one"
+        self._forget_dropped(handed_out)
+
+    def _insert(self, r: StatefulReq, end: int, give: list[tuple[int, int]]) -> None:
+        """The tree takes r's pages up to ``end`` (a checkpoint: given, or r's match)
+        with the checkpoints ``give``; r then locks the node ending at ``end``."""
+        ps = self.page_size
+        toks = r.tokens[:end]
+        present, dups, _ = self.oracle.insert(toks, r.pages[: end // ps])
+        self.oracle.touch(toks, end // ps)
+        assert self.c.insert(toks, r.pages[: end // ps], give) == present
+        assert all(self.a.is_free(p) for p in dups), "duplicate pages must be freed"
+        for n_tok, slot in give:
+            key = tuple(toks[:n_tok])
+            if key in self.states:
+                assert self.pool_is_free(slot), "a second checkpoint of one prefix must be freed"
+            else:
+                self.states[key] = slot
+        m = self._match(toks)
+        assert m.num_tokens == end and m.state_tokens == end, "what was just inserted must match"
+        self.c.lock(m.state_node)  # type: ignore[arg-type]
+        self.c.unlock(r.node)
+        r.node, r.shared, r.pages = m.state_node, end // ps, m.pages + r.pages[end // ps:]  # type: ignore[assignment]
+        r.checkpoints = [(n, s) for n, s in r.checkpoints if n > end]
+
+    # -- rules
+    @precondition(lambda self: len(self.reqs) < self.max_live)
+    @rule(base=st.integers(0, 1000), suffix=token_lists)
+    def start_request(self, base: int, suffix: list[int]) -> None:
+        tokens = self.history[-1 - base % len(self.history)] + suffix
+        m = self._match(tokens)
+        node = m.state_node
+        assert node is not None
+        self.c.lock(node)
+        shared = m.state_tokens // self.page_size
+        need = -(-len(tokens) // self.page_size) - shared
+        before = self._leaves()
+        priv = self.a.alloc(need)
+        if priv is None:
+            self.c.evict(need - self.a.num_free)
+            self._check_lru(before)
+            priv = self.a.alloc(need)
+        if priv is None:
+            self.c.unlock(node)
+            return
+        self.reqs[self.next_id] = StatefulReq(tokens, node, shared, m.pages[:shared] + priv,
+                                              self.pool.alloc(), [])
+        self.next_id += 1
+
+    @precondition(lambda self: bool(self.reqs))
+    @rule(i=st.integers(0, 1000), new=st.lists(st.integers(0, 2), min_size=1, max_size=5))
+    def generate(self, i: int, new: list[int]) -> None:
+        r = self._pick(i)
+        tokens = r.tokens + new
+        more = self.a.alloc(-(-len(tokens) // self.page_size) - len(r.pages))
+        if more is not None:
+            r.tokens, r.pages = tokens, r.pages + more
+
+    def _save(self, r: StatefulReq, end: int) -> None:
+        """alloc_state for a checkpoint of r at ``end`` tokens, checked: at the cap
+        it evicts the LRU leaf (whole); it refuses only when every leaf is locked."""
+        full = self.c.cached_states + self.c.states_out >= self.max_states
+        before, cached = self._leaves(), self.c.cached_states
+        slot = self.c.alloc_state()
+        self._check_lru(before, handed_out=slot if slot is not None else -1)
+        if full and before:
+            assert self.c.cached_states == cached - 1, "saving at the cap evicts one leaf (and its checkpoint)"
+        assert (slot is None) == (full and not before), "a checkpoint is refused only if all are locked"
+        if slot is not None:
+            r.checkpoints.append((end, slot))
+
+    @precondition(lambda self: bool(self.reqs))
+    @rule(i=st.integers(0, 1000), at=st.integers(0, 1000))
+    def save_checkpoint(self, i: int, at: int) -> None:
+        """A chunk ended on a page boundary past the request's match: its state is saved."""
+        r = self._pick(i)
+        ps = self.page_size
+        taken = {n for n, _ in r.checkpoints}
+        ends = [e for e in range(r.shared * ps + ps, len(r.tokens) // ps * ps + 1, ps) if e not in taken]
+        if ends and not r.checkpoints:
+            self._save(r, ends[at % len(ends)])
+
+    @precondition(lambda self: bool(self.reqs))
+    @rule(i=st.integers(0, 1000))
+    def publish(self, i: int) -> None:
+        """The pages up to the deepest checkpoint saved go to the tree, with it."""
+        r = self._pick(i)
+        if r.checkpoints:
+            end = max(n for n, _ in r.checkpoints)
+            self._insert(r, end, [(n, s) for n, s in r.checkpoints if n <= end])
+
+    @precondition(lambda self: bool(self.reqs))
+    @rule(i=st.integers(0, 1000))
+    def finish(self, i: int) -> None:
+        """As a prompt's end does in the engine, the last whole page gets a
+        checkpoint (when a slot is free), then the pages go up to the deepest."""
+        r = self._pick(i)
+        last = len(r.tokens) // self.page_size * self.page_size
+        if last > max([n for n, _ in r.checkpoints] + [r.shared * self.page_size]):
+            self._save(r, last)
+        end = max([n for n, _ in r.checkpoints] + [r.shared * self.page_size])
+        self._insert(r, end, list(r.checkpoints))
+        self.a.free(r.pages[r.shared:])
+        self.c.unlock(r.node)
+        self.pool.free(r.slot)
+        del self.reqs[next(k for k, v in self.reqs.items() if v is r)]
+        self.history.append(r.tokens)
+
+    @precondition(lambda self: bool(self.reqs))
+    @rule(i=st.integers(0, 1000))
+    def abort(self, i: int) -> None:
+        r = self._pick(i)
+        for _, slot in r.checkpoints:
+            self.c.free_state(slot)
+        self.a.free(r.pages[r.shared:])
+        self.c.unlock(r.node)
+        self.pool.free(r.slot)
+        del self.reqs[next(k for k, v in self.reqs.items() if v is r)]
+
+    @rule(n=st.integers(0, 3), roll=st.integers(0, 3))
+    def evict(self, n: int, roll: int) -> None:
+        # One call in four: evictions (at the cap, by alloc_state, too) must not
+        # keep the tree from growing.
+        if roll != 2:
+            return
+        before = self._leaves()
+        evictable = self.c.evictable_pages
+        free = self.a.num_free
+        freed = self.c.evict(n)
+        assert freed == self.a.num_free - free and freed >= min(n, evictable)
+        self._check_lru(before)
+
+    @rule(roll=st.integers(0, 9))
+    def reset(self, roll: int) -> None:
+        if roll != 7:
+            return
+        locked = self.c.locked_pages > 0
+        assert self.c.reset() == (not locked)
+        if not locked:
+            assert self.c.cached_pages == 0 and self.c.cached_states == 0
+            self._forget_dropped()
+            assert not self.oracle.where and not self.states
+            self.oracle.clear()
+
+    @rule(base=st.integers(0, 1000), suffix=token_lists)
+    def query(self, base: int, suffix: list[int]) -> None:
+        self._match(self.history[-1 - base % len(self.history)] + suffix)
+
+    # -- after every step
+    @invariant()
+    def consistent(self) -> None:
+        live = [p for r in self.reqs.values() for p in r.pages[r.shared:]]
+        live_states = [r.slot for r in self.reqs.values()] + [s for r in self.reqs.values() for _, s in r.checkpoints]
+        self.c.check_integrity(live, live_states)
+        assert tree_pages(self.c, False) == self.oracle.pages(False)
+        assert self.c.states_out == sum(len(r.checkpoints) for r in self.reqs.values())
+        held: dict[Prefix, int] = {}
+        stack: list[tuple[RadixNode, Prefix]] = [(self.c.root, ())]
+        while stack:
+            n, key = stack.pop()
+            if n.state >= 0:
+                held[key] = n.state
+            stack.extend((ch, key + tuple(ch.key)) for ch in n.children.values())
+        assert held == self.states, "the tree's checkpoints are the twin's"
+        ps = self.page_size
+        for key in self.oracle.where:
+            below = [k for k in self.states if k[: len(key)] == key]
+            assert below, f"cached prefix {key} has no checkpoint at or below it"
+        pinned = {k for r in self.reqs.values() for k in self.oracle.prefixes(r.tokens)[: r.shared]}
+        assert self.c.locked_pages == len(pinned)
+        for r in self.reqs.values():
+            assert r.shared == 0 or tuple(r.tokens[: r.shared * ps]) in self.states, "a lock on a checkpoint"
+
+
+TestStatefulRadixMachine = StatefulRadixMachine.TestCase
+TestStatefulRadixMachine.settings = _settings(80)
