@@ -74,6 +74,9 @@ class EngineConfig:
                                                "keeps, each one request's state in size, beside one state "
                                                "per running request (default: 2 x "
                                                "--max-running-requests)")
+    state_host_checkpoints: int | None = _opt(None, "hybrid models with a KV host tier (--kv-host-*): "
+                                                    "checkpoints it keeps in pinned host memory beside "
+                                                    "its pages (default: --state-checkpoints)")
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -120,6 +123,8 @@ class EngineConfig:
             raise ConfigError("--kv-host-gib must be > 0")
         if self.state_checkpoint_pages < 1:
             raise ConfigError("--state-checkpoint-pages must be at least 1")
+        if self.state_host_checkpoints is not None and self.state_host_checkpoints < 1:
+            raise ConfigError("--state-host-checkpoints must be at least 1")
         if self.state_checkpoints is not None and self.state_checkpoints < 1:
             raise ConfigError("--state-checkpoints must be at least 1 (--disable-prefix-cache "
                               "keeps none)")

@@ -273,3 +273,60 @@ def test_a_lost_state_restore_would_show(engine: Engine, monkeypatch: pytest.Mon
     assert dropped and res[-1].cached_tokens == 40
     assert tokens_of(res) != ref(engine, q, 8)
     assert_baseline(engine)
+
+
+def test_conversation_resumes_from_the_host_tier(model_dir: str) -> None:
+    """A 40-page device pool over a host tier: other conversations push turn 1's
+    pages and its checkpoints to pinned host memory; turn 2 brings them back (the
+    state into a device checkpoint slot, then into the request's) and resumes at
+    turn 1's prompt end, with a full recompute's tokens."""
+    eng = make_engine(model_dir, num_pages=41, max_running_requests=4, kv_host_pages=64)
+    try:
+        s = eng.scheduler
+        rng = random.Random(11)
+        turn1 = prompt(rng, 45)
+        out1 = tokens_of(collect(eng, [("t1", turn1, greedy(6))])["t1"])
+        for k in range(3):  # 40 pages of other conversations: turn 1's are the LRU ones
+            collect(eng, [(f"f{k}", prompt(rng, 60), greedy(2))])
+        turn2 = turn1 + out1 + prompt(rng, 9)
+        m = s.radix.match_prefix(turn2, count_stats=False)
+        assert m.state_tokens == 0 and m.host_tokens >= 44, "turn 1 should sit in the host tier now"
+        assert s.radix.host_cached_states > 0
+        host = eng.runner.kv_host
+        assert host is not None and host.counters.states_offloaded_total > 0
+        outs = collect(eng, [("t2", turn2, greedy(8))])["t2"]
+        assert host.counters.states_loaded_total > 0
+        assert outs[-1].cached_tokens == 44  # (45 - 1) // 4 * 4
+        assert tokens_of(outs) == ref(eng, turn2, 8)
+        assert eng.stats().state_checkpoints_host_cached == s.radix.host_cached_states
+        assert_baseline(eng)
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_shared_prefixes_under_both_evictions(model_dir: str, seed: int) -> None:
+    """Requests over a few shared stems, in small concurrent waves, through a
+    40-page device pool, 4 checkpoint slots and a 20-page host tier with 3 state
+    slots: pages and checkpoints offloaded together, dropped by the host LRU,
+    restored at admission; integrity checked after every step, every output
+    equal to a full recompute."""
+    rng = random.Random(seed)
+    eng = make_engine(model_dir, num_pages=41, max_running_requests=3, kv_host_pages=20,
+                      state_checkpoints=4, state_host_checkpoints=3)
+    try:
+        stems = [prompt(rng, rng.randint(20, 44)) for _ in range(4)]
+        for wave in range(8):
+            reqs = []
+            for i in range(rng.randint(1, 3)):
+                p = rng.choice(stems)[: rng.randint(12, 44)] + prompt(rng, rng.randint(1, 24))
+                reqs.append((f"w{wave}r{i}", p, greedy(rng.randint(1, 3))))
+            outs = collect(eng, reqs)
+            for rid, p, params in reqs:
+                assert tokens_of(outs[rid]) == ref(eng, p, params.max_tokens), rid
+        host = eng.runner.kv_host
+        assert host is not None and host.counters.states_offloaded_total > 0
+        assert eng.scheduler.radix.host_hit_tokens_total > 0
+        assert_baseline(eng)
+    finally:
+        eng.shutdown()

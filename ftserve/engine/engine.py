@@ -57,6 +57,7 @@ class EngineStats:
     # prefix cache's state checkpoints.
     state_slots_total: int = 0
     state_checkpoints_cached: int = 0
+    state_checkpoints_host_cached: int = 0
     state_checkpoints_saved_total: int = 0
 
     @property
@@ -320,6 +321,7 @@ class EngineCore:
             prefix_published_pages_total=c.published_prompt_pages_total,
             state_slots_total=s.state_pool.num_slots if s.state_pool is not None else 0,
             state_checkpoints_cached=s.radix.cached_states,
+            state_checkpoints_host_cached=s.radix.host_cached_states,
             state_checkpoints_saved_total=c.state_checkpoints_saved_total,
         )
 

@@ -122,9 +122,6 @@ def build_engine(cfg: EngineConfig) -> Engine:
     kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, dtype)
     per_token = KVPool.bytes_per_token(len(mcfg.kv_layers), mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)
     state_slots, checkpoints = _state_slots(cfg, mcfg)
-    if state_slots and (cfg.kv_host_pages is not None or cfg.kv_host_gib is not None):
-        raise ConfigError(f"{mcfg.architecture} keeps recurrent-state checkpoints beside its KV pages, "
-                          "which the KV host tier cannot move yet: drop --kv-host-pages / --kv-host-gib")
     state_bytes = (StateLayout.from_config(mcfg).pool_bytes(state_slots, dtype, STATE_DTYPE)
                    if state_slots else 0)
     num_pages = _plan_pages(cfg, device, per_token, model, mcfg, kernels, state_bytes)
@@ -135,7 +132,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
     pool_tokens = pool.usable_pages * cfg.page_size
     max_model_len = min(model_limit, cfg.max_model_len or model_limit, pool_tokens)
     eos = read_eos_ids(model_dir, mcfg)
-    host_tier = _host_tier(cfg, pool)
+    host_tier = _host_tier(cfg, pool, state_pool, checkpoints)
     scheduler = Scheduler(
         page_size=cfg.page_size, num_pages=num_pages, max_running=cfg.max_running_requests,
         max_prefill_length=cfg.max_prefill_length, max_model_len=max_model_len,
@@ -186,6 +183,8 @@ def build_engine(cfg: EngineConfig) -> Engine:
         "kv_host_gib": host_tier.bytes_total() / 2**30 if host_tier is not None else 0.0,
         # Hybrid models: recurrent-state slots (running requests + prefix-cache checkpoints).
         "state_slots": state_slots, "state_checkpoints": checkpoints, "state_gib": state_bytes / 2**30,
+        "state_host_checkpoints": host_tier.num_state_slots if host_tier is not None else 0,
+        "state_host_gib": host_tier.state_bytes_total() / 2**30 if host_tier is not None else 0.0,
     }
     log.info("model %s: %s on %s, weights %.2f GiB", model_dir, summary["dtype"], device,
              summary["weights_gib"])
@@ -196,8 +195,9 @@ def build_engine(cfg: EngineConfig) -> Engine:
              summary["kv_host_tokens"], summary["kv_host_gib"])
     if state_pool is not None:
         log.info("recurrent state: %d slots (%d running + %d prefix-cache checkpoints, one every %d "
-                 "pages of a prefill and at each prompt's end), %.2f GiB", state_slots,
-                 cfg.max_running_requests, checkpoints, cfg.state_checkpoint_pages, summary["state_gib"])
+                 "pages of a prefill and at each prompt's end), %.2f GiB; host tier: %d checkpoints, "
+                 "%.2f GiB", state_slots, cfg.max_running_requests, checkpoints, cfg.state_checkpoint_pages,
+                 summary["state_gib"], summary["state_host_checkpoints"], summary["state_host_gib"])
     return Engine(
         dict(scheduler=scheduler, runner=runner, status_log_interval=cfg.status_log_interval,
              overlap=cfg.overlap_schedule),
@@ -218,8 +218,11 @@ def _state_slots(cfg: EngineConfig, mcfg: Any) -> tuple[int, int]:
     return cfg.max_running_requests + checkpoints, checkpoints
 
 
-def _host_tier(cfg: EngineConfig, pool: KVPool) -> HostKVTier | None:
-    """The pinned host tier asked for by --kv-host-pages / --kv-host-gib, or None."""
+def _host_tier(cfg: EngineConfig, pool: KVPool, state_pool: StatePool | None = None,
+               checkpoints: int = 0) -> HostKVTier | None:
+    """The pinned host tier asked for by --kv-host-pages / --kv-host-gib, or None
+    (for a hybrid, with --state-host-checkpoints state slots, default as many as
+    the device keeps)."""
     if cfg.kv_host_pages is None and cfg.kv_host_gib is None:
         return None
     pages = cfg.kv_host_pages
@@ -230,7 +233,10 @@ def _host_tier(cfg: EngineConfig, pool: KVPool) -> HostKVTier | None:
             raise ConfigError(
                 f"--kv-host-gib {cfg.kv_host_gib} holds no page of "
                 f"{pool.bytes_per_page()} bytes; raise it")
-    return HostKVTier(pool, pages)
+    if state_pool is None:
+        return HostKVTier(pool, pages)
+    host_states = cfg.state_host_checkpoints if cfg.state_host_checkpoints is not None else checkpoints
+    return HostKVTier(pool, pages, states=state_pool, state_slots=host_states)
 
 
 def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int,

@@ -124,8 +124,15 @@ state after the node's last token), so checkpoints sit at node ends, and::
   only as the LRU unlocked leaf, with its pages.
 - ``lock`` pins checkpoints with pages; requests lock checkpointed nodes (or
   the root) only.
-- No host tier yet: a stateful cache refuses one (the engine's config
-  rejects --kv-host-* for hybrids).
+- With a host tier (its own state slots, ``HostKVTier.states``) a node's
+  checkpoint moves with its pages: an offload plans a state move beside the
+  page moves (and drops the node, pages and checkpoint, where the host has no
+  slot left even after its LRU); ``restore`` brings back whole host nodes down
+  to the deepest checkpoint that fits, each checkpoint into a device slot
+  within ``max_states``; ``insert`` over a host node with a checkpoint loads
+  it back where a device slot is free without evicting, else drops it (the
+  caller's pages then end at a checkpoint of its own). A host node's
+  ``state`` is a host state slot.
 
 Eviction order (test_radix_stateful.py checks it against a naive twin):
 device eviction takes the least recently used unlocked device node with no
@@ -235,8 +242,8 @@ class RadixCache:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if host is not None and host.page_size != page_size:
             raise ValueError(f"host tier page size {host.page_size} != {page_size}")
-        if states is not None and host is not None:
-            raise ValueError("a stateful prefix cache has no host tier (yet)")
+        if states is not None and host is not None and host.states is not states:
+            raise ValueError("a stateful prefix cache's host tier must hold state slots of its pool")
         if states is not None and not 0 < max_states <= states.num_slots:
             raise ValueError(f"max_states must be in 1..{states.num_slots}, got {max_states}")
         self.page_size = page_size
@@ -246,7 +253,8 @@ class RadixCache:
         # max_states of them in the tree or handed out at once.
         self.states = states
         self.max_states = max_states if states is not None else 0
-        self._cached_states = 0  # checkpoints held by nodes
+        self._cached_states = 0  # checkpoints held by device nodes
+        self._host_states = 0  # ... by host nodes
         self._states_out = 0  # handed out by alloc_state, not back yet
         self._uids = itertools.count()
         self.root = RadixNode(array("i"), array("i"), None, next(self._uids))
@@ -288,6 +296,11 @@ class RadixCache:
     def cached_states(self) -> int:
         """State checkpoints held by the tree."""
         return self._cached_states
+
+    @property
+    def host_cached_states(self) -> int:
+        """State checkpoints held by host nodes (host state slots)."""
+        return self._host_states
 
     @property
     def states_out(self) -> int:
@@ -357,6 +370,8 @@ class RadixCache:
                 host_nodes.append(n)
                 n = n.parent
             host_nodes.reverse()
+            if self.states is not None:
+                return self._restore_with_states(match, host_nodes)
             need = sum(len(h.pages) for h in host_nodes)
             if self.allocator.num_free < need:
                 self.evict(need - self.allocator.num_free)
@@ -384,6 +399,67 @@ class RadixCache:
         self.host_hit_tokens_total += num_tokens - match.num_tokens
         return dataclasses.replace(match, pages=pages, num_tokens=num_tokens, node=node,
                                    host_tokens=0, host_node=None)
+
+    def _restore_with_states(self, match: PrefixMatch, host_nodes: list[RadixNode]) -> PrefixMatch:
+        """restore of a stateful cache (the caller holds the lock on the path):
+        whole host nodes, top-down, down to the deepest checkpoint whose pages and
+        device state slots the device can make room for; the checkpoints go to
+        device slots with planned loads."""
+        assert self.host is not None
+        deepest = max((i for i, h in enumerate(host_nodes) if h.state >= 0), default=-1)
+        host_nodes = host_nodes[:deepest + 1]  # pages below the last checkpoint are of no use
+        need = sum(len(h.pages) for h in host_nodes)
+        if self.allocator.num_free < need:
+            self.evict(need - self.allocator.num_free)
+        pages, num_tokens, node = list(match.pages), match.num_tokens, match.node
+        state_end, state_node = match.state_tokens, match.state_node
+        for h in host_nodes:
+            if len(h.pages) > self.allocator.num_free:
+                break
+            slot = -1
+            if h.state >= 0:
+                slot = self._device_state_slot(evict=True)
+                if slot < 0:
+                    break
+            dev = self.allocator.alloc(len(h.pages))
+            assert dev is not None
+            self.host.queue_load(h.pages, dev)
+            self._set_device_pages(h, array("i", dev))
+            if slot >= 0:
+                self._state_to_device(h, slot)
+                state_end, state_node = num_tokens + len(h.key), h
+            pages += dev
+            num_tokens += len(h.key)
+            node = h
+        self.hit_tokens_total += state_end - match.state_tokens
+        self.host_hit_tokens_total += state_end - match.state_tokens
+        assert state_node is not None
+        return dataclasses.replace(match, pages=pages, num_tokens=num_tokens, node=node,
+                                   host_tokens=0, host_node=None, state_tokens=state_end,
+                                   state_node=state_node, state_slot=state_node.state)
+
+    def _device_state_slot(self, evict: bool) -> int:
+        """A device state slot for a checkpoint coming back from the host, within
+        max_states (evicting the LRU unlocked leaf at the cap when ``evict``); -1
+        when there is none."""
+        assert self.states is not None
+        if self._cached_states + self._states_out >= self.max_states:
+            if not evict:
+                return -1
+            self.evict(1)
+            if self._cached_states + self._states_out >= self.max_states:
+                return -1
+        self._cached_states += 1  # counted here: the caller gives it to a node at once
+        return self.states.alloc()
+
+    def _state_to_device(self, node: RadixNode, slot: int) -> None:
+        """A node (now on the device) gets its host checkpoint back in device
+        ``slot`` (from _device_state_slot, already counted): a planned load."""
+        assert self.host is not None and node.state >= 0
+        self.host.queue_state_load(node.state, slot)
+        self.host.free_state(node.state)
+        self._host_states -= 1
+        node.state = slot
 
     # ---------------------------------------------------------------- locks
     def lock(self, node: RadixNode) -> None:
@@ -461,6 +537,14 @@ class RadixCache:
                 # Walking top-down, `node` is the root or a device node, so the
                 # tier invariant holds after this node turns device.
                 self._set_device_pages(child, own)
+                if child.state >= 0:
+                    # Its checkpoint back to the device if a slot is free (no eviction:
+                    # this walk's nodes are not locked), else dropped.
+                    slot = self._device_state_slot(evict=False)
+                    if slot >= 0:
+                        self._state_to_device(child, slot)
+                    else:
+                        self._drop_host_state(child)
             else:
                 duplicates.extend(o for t, o in zip(child.pages, own) if o != t)
             child.last_access = self._clock
@@ -547,6 +631,8 @@ class RadixCache:
         freed = 0
         while heap and freed < num_pages:
             _, _, leaf = heapq.heappop(heap)
+            if leaf.detached:
+                continue  # a stateful cache's host eviction dropped it meanwhile (_drop_useless)
             take = min(num_pages - freed, len(leaf.pages))
             if self.states is not None:
                 take = len(leaf.pages)
@@ -558,14 +644,8 @@ class RadixCache:
             if self.host is None or not self._offload(leaf):
                 self._drop_subtree(leaf)
             freed += take
-            while (self.states is not None and parent is not self.root and not parent.children
-                   and parent.state < 0):
-                assert parent.ref == 0, f"{parent!r}: a locked node without a checkpoint"
-                up = parent.parent
-                assert up is not None
-                freed += len(parent.pages)
-                self._drop_subtree(parent)
-                parent = up
+            parent, dropped = self._drop_useless(parent)
+            freed += dropped
             if (parent is not self.root and parent.ref == 0 and not parent.on_host
                     and all(c.on_host for c in parent.children.values())):
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))
@@ -653,7 +733,9 @@ class RadixCache:
                 self.host_dropped_pages_total += len(n.pages)
             else:
                 self.allocator.free(n.pages)
-            if n.state >= 0:
+            if n.state >= 0 and n.on_host:
+                self._drop_host_state(n)
+            elif n.state >= 0:
                 assert self.states is not None
                 self.states.free(n.state)
                 self._cached_states -= 1
@@ -686,11 +768,33 @@ class RadixCache:
         """Move an unlocked device node's KV to host pages (a planned copy);
         False when the host tier cannot make room."""
         assert self.host is not None and not node.on_host and node.ref == 0
-        got = self._host_alloc(len(node.pages))
+        # Pinned while the host makes room: a stateful cache's host eviction drops
+        # device nodes it leaves without children or checkpoint (_drop_useless).
+        self.lock(node)
+        try:
+            got = self._host_alloc(len(node.pages))
+            host_state = -1
+            if got is not None and node.state >= 0:
+                host_state = self._host_state_alloc()
+                if host_state < 0:
+                    self.host.free(got)
+                    got = None
+        finally:
+            self.unlock(node)
         if got is None:
+            return False
+        if self.states is not None and not node.children and node.state < 0:
+            self.host.free(got)  # its host children went to make room: nothing below to keep
             return False
         host_pages = array("i", got)
         self.host.queue_offload(node.pages, host_pages)
+        if host_state >= 0:
+            assert self.states is not None
+            self.host.queue_state_offload(node.state, host_state)
+            self.states.free(node.state)
+            self._cached_states -= 1
+            self._host_states += 1
+            node.state = host_state
         # Safe to reuse at once: the next step waits for this copy (HostKVTier.flush).
         self.allocator.free(node.pages)
         self._account(node, -1)
@@ -707,7 +811,25 @@ class RadixCache:
             self._evict_host(n - host.num_free)
         return host.alloc(n)
 
-    def _evict_host(self, num_pages: int) -> None:
+    def _host_state_alloc(self) -> int:
+        """A host state slot (dropping LRU host leaves, whole, while none is free),
+        or -1."""
+        host = self.host
+        assert host is not None
+        while True:
+            slot = host.alloc_state()
+            if slot is not None:
+                return slot
+            if not self._evict_host(1):
+                return -1
+
+    def _drop_host_state(self, node: RadixNode) -> None:
+        assert self.host is not None and node.state >= 0
+        self.host.free_state(node.state)
+        self._host_states -= 1
+        node.state = -1
+
+    def _evict_host(self, num_pages: int) -> int:
         """Drop up to ``num_pages`` host pages from the least recently used
         unlocked host leaves, deepest pages first."""
         heap: list[tuple[int, int, RadixNode]] = []
@@ -723,11 +845,29 @@ class RadixCache:
         while heap and freed < num_pages:
             _, _, leaf = heapq.heappop(heap)
             take = min(num_pages - freed, len(leaf.pages))
+            if self.states is not None:
+                take = len(leaf.pages)  # whole leaves, as on the device
             parent = leaf.parent
             assert parent is not None
             if take < len(leaf.pages):
                 parent = self._split(leaf, len(leaf.pages) - take)
             self._drop_subtree(leaf)
             freed += take
+            parent, _ = self._drop_useless(parent)
             if parent.on_host and not parent.children and parent.ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))
+        return freed
+
+    def _drop_useless(self, node: RadixNode) -> tuple[RadixNode, int]:
+        """Stateful caches: drop ``node`` and up while it is a leaf without a
+        checkpoint (its pages can no longer be used); returns the first kept
+        ancestor (or node itself) and the device pages dropped."""
+        dropped = 0
+        while (self.states is not None and node is not self.root and not node.children
+               and node.state < 0 and node.ref == 0):  # (pinned by _offload while it works)
+            up = node.parent
+            assert up is not None
+            dropped += 0 if node.on_host else len(node.pages)
+            self._drop_subtree(node)
+            node = up
+        return node, dropped

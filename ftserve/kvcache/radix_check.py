@@ -11,8 +11,9 @@ node. Tiers: a device node's parent is the root or a device node; no host node
 is locked between calls (only ``restore`` locks host nodes, while it runs).
 State checkpoints (stateful caches): each usable state-pool slot is in exactly
 one of the pool's free list, the live slots (running requests', checkpoints
-handed out) or one node; the counters match; every leaf holds one; at most
-``max_states`` are in the tree or handed out.
+handed out) or one device node; each host state slot in the host's free list
+or one host node; the counters match; every leaf holds one; at most
+``max_states`` are on device nodes or handed out.
 """
 
 from __future__ import annotations
@@ -65,14 +66,20 @@ def check_radix(cache: RadixCache, live_pages: Iterable[int] = (), live_states: 
         host = _Owners("host", cache.host.allocator.num_pages)
         for p in cache.host.allocator.free_pages():
             host.claim(p, "the host free list")
-    states = None
+    states = host_states = None
     if cache.states is not None:
         states = _Owners("state", cache.states.num_slots + 1, "slot")
         for s in cache.states.free_slots():
             states.claim(s, "the state free list")
         for s in live_states:
             states.claim(s, "a live request")
-    num_states = 0
+        if cache.host is not None:
+            assert cache.host.state_allocator is not None, "a stateful cache's host tier holds no states"
+            cache.host.state_allocator.check_integrity()
+            host_states = _Owners("host state", cache.host.state_allocator.num_pages, "slot")
+            for s in cache.host.state_allocator.free_pages():
+                host_states.claim(s, "the host state free list")
+    num_states = num_host_states = 0
     root = cache.root
     assert root.state < 0, "the root holds no checkpoint"
     assert not root.pages and not root.key and root.parent is None and not root.on_host, (
@@ -88,8 +95,11 @@ def check_radix(cache: RadixCache, live_pages: Iterable[int] = (), live_states: 
             assert n.pages, f"{n!r} holds no pages"
             if states is None:
                 assert n.state < 0, f"{n!r} holds a checkpoint in a cache without states"
+            elif n.state >= 0 and n.on_host:
+                assert host_states is not None
+                host_states.claim(n.state, f"host node {n.uid}")
+                num_host_states += 1
             elif n.state >= 0:
-                assert not n.on_host, f"host node {n!r} holds a device checkpoint"
                 states.claim(n.state, f"tree node {n.uid}")
                 num_states += 1
             else:
@@ -141,6 +151,10 @@ def check_radix(cache: RadixCache, live_pages: Iterable[int] = (), live_states: 
         states.assert_complete()
         assert num_states == cache.cached_states, (
             f"cached_states counter {cache.cached_states} != {num_states} counted in the tree")
+        assert num_host_states == cache.host_cached_states, (
+            f"host_cached_states counter {cache.host_cached_states} != {num_host_states} in the tree")
+        if host_states is not None:
+            host_states.assert_complete()
         assert cache.cached_states + cache.states_out <= cache.max_states, (
             f"{cache.cached_states} checkpoints in the tree and {cache.states_out} handed out "
             f"exceed max_states {cache.max_states}")
