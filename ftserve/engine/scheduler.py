@@ -191,9 +191,8 @@ class Scheduler:
         budget = self.max_prefill_length
         logit_rows = PROMPT_LOGPROBS_CHUNK  # the step's prompt-logprob tokens, all requests together
         chunks: list[tuple[Req, int]] = []  # (request, new tokens this step)
+        saves: list[tuple[int, int]] = []  # hybrid models: (request slot, checkpoint slot)
         stalled = False
-
-        saves: list[tuple[int, int]] = []
 
         def room(req: Req) -> int:
             n = min(req.remaining_prefill, budget, logit_rows if req.wants_prompt_logprobs else budget)
