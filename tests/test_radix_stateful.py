@@ -819,7 +819,19 @@ class StatefulHostTierMachine(StatefulRadixMachine):
     host_states = 3
 
 
+class StatefulHostTierMachinePage3(StatefulRadixMachine):
+    """Pages of 3 over a host tier of two pages and one state slot: most offloads
+    find no room and drop the node, pages and checkpoint, with its host subtree."""
+
+    page_size = 3
+    device_pages = 12
+    host_pages = 2
+    host_states = 1
+
+
 TestStatefulRadixMachine = StatefulRadixMachine.TestCase
 TestStatefulRadixMachine.settings = _settings(80)
 TestStatefulHostTierMachine = StatefulHostTierMachine.TestCase
 TestStatefulHostTierMachine.settings = _settings(100)
+TestStatefulHostTierMachinePage3 = StatefulHostTierMachinePage3.TestCase
+TestStatefulHostTierMachinePage3.settings = _settings(60)

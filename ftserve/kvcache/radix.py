@@ -264,7 +264,9 @@ class RadixCache:
         self._evictable_pages = 0
         self._locked_pages = 0
         self._host_pages = 0
-        self.hit_tokens_total = 0  # query tokens served from device pages (restores included)
+        # Query tokens served from device pages (restores included; a stateful
+        # cache's: up to the deepest checkpoint, what a hit can use).
+        self.hit_tokens_total = 0
         self.query_tokens_total = 0
         self.host_hit_tokens_total = 0  # tokens brought back from the host tier
         self.host_dropped_pages_total = 0  # host pages dropped (host LRU or reset)
@@ -443,14 +445,18 @@ class RadixCache:
         max_states (evicting the LRU unlocked leaf at the cap when ``evict``); -1
         when there is none."""
         assert self.states is not None
-        if self._cached_states + self._states_out >= self.max_states:
-            if not evict:
-                return -1
-            self.evict(1)
-            if self._cached_states + self._states_out >= self.max_states:
-                return -1
+        if not self._room_for_state(evict):
+            return -1
         self._cached_states += 1  # counted here: the caller gives it to a node at once
         return self.states.alloc()
+
+    def _room_for_state(self, evict: bool = True) -> bool:
+        """Below max_states, after evicting LRU leaves (offloading them, with a
+        host tier) while at the cap, when ``evict``."""
+        while evict and self._cached_states + self._states_out >= self.max_states and self._cached_states:
+            if not self.evict(1):  # the LRU leaf, whole (with a host tier it may hold none: go on)
+                break
+        return self._cached_states + self._states_out < self.max_states
 
     def _state_to_device(self, node: RadixNode, slot: int) -> None:
         """A node (now on the device) gets its host checkpoint back in device
@@ -594,10 +600,8 @@ class RadixCache:
         cap, the least recently used unlocked leaf goes first (its pages and its
         checkpoint). None when every checkpoint is locked."""
         assert self.states is not None, "alloc_state on a cache without states"
-        if self._cached_states + self._states_out >= self.max_states:
-            self.evict(1)  # a leaf, whole: every leaf holds a checkpoint
-            if self._cached_states + self._states_out >= self.max_states:
-                return None
+        if not self._room_for_state():
+            return None
         self._states_out += 1
         return self.states.alloc()
 
