@@ -82,6 +82,8 @@ def test_the_state_pool_caps_running_requests(engine: Engine) -> None:
     assert pool is not None and pool.num_slots == 8 + 16
     assert engine.scheduler.radix.max_states == 16
     assert engine.runner.state_pool is pool and engine.runner.prefill_graphs is None
+    # The memory plan counted what the pool holds (StateLayout.pool_bytes).
+    assert engine.summary["state_gib"] * 2**30 == pool.nbytes
 
 
 def test_batched_chunked_prompts_equal_a_full_recompute(engine: Engine) -> None:

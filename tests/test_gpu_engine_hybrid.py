@@ -8,7 +8,10 @@ Triton attention, CUDA-graph decode with the state slots in the graph's rows):
   sampling step (tests/test_gpu_engine.py's CheckedDriver);
 - greedy outputs with the decode graphs (each row's state gathered and
   scattered by its slot inside the graph, padded rows on the sink slot) equal
-  eager decode's, through prefix hits and preemption.
+  eager decode's, through prefix hits and preemption;
+- a conversation whose pages and checkpoints went to the KV host tier (state
+  moves on the copy stream, into pinned host slots and back) resumes with the
+  tokens of an engine that never evicted.
 """
 
 from __future__ import annotations
@@ -144,3 +147,30 @@ def test_preemption_with_graphs_equals_eager(model_dir: str) -> None:
     finally:
         graphs.shutdown()
         eager.shutdown()
+
+
+@pytest.mark.gpu
+def test_host_tier_checkpoints_round_trip(model_dir: str) -> None:
+    kw: dict[str, Any] = dict(num_pages=41, max_running_requests=4, max_prefill_length=64)
+    small = make_engine(model_dir, kv_host_pages=64, **kw)
+    big = make_engine(model_dir, **dict(kw, num_pages=512))
+    try:
+        make_context_sensitive(small.runner.model)
+        big.runner.model.load_state_dict(small.runner.model.state_dict())
+        rng = random.Random(5)
+        turn1 = [rng.randrange(100, 32000) for _ in range(180)]
+        fillers = [[rng.randrange(100, 32000) for _ in range(240)] for _ in range(3)]
+        first = {name: run_greedy(eng, [turn1], 6)[0] for name, eng in (("small", small), ("big", big))}
+        assert first["small"] == first["big"]
+        for eng in (small, big):  # 40 pages of other prompts: turn 1 leaves the small device pool
+            for f in fillers:
+                run_greedy(eng, [f], 2)
+        turn2 = turn1 + first["small"] + [rng.randrange(100, 32000) for _ in range(9)]
+        out = {name: run_greedy(eng, [turn2], 12)[0] for name, eng in (("small", small), ("big", big))}
+        host = small.runner.kv_host
+        assert host is not None and host.counters.states_offloaded_total > 0
+        assert host.counters.states_loaded_total > 0
+        assert out["small"] == out["big"]
+    finally:
+        small.shutdown()
+        big.shutdown()
