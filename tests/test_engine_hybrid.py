@@ -332,3 +332,23 @@ def test_random_shared_prefixes_under_both_evictions(model_dir: str, seed: int) 
         assert_baseline(eng)
     finally:
         eng.shutdown()
+
+
+def test_abort_mid_prefill_keeps_its_checkpoints(model_dir: str) -> None:
+    """A 70-token prompt aborted after its third chunk (checkpoints 16, 32, 48
+    saved): the request waiting to share its prompt goes on alone, resuming from
+    the aborted one's checkpoint 48 (an abort hands computed pages and their
+    checkpoints to the prefix cache), with a full recompute's tokens."""
+    from tests.engine_util import drive
+
+    eng = make_engine(model_dir)
+    try:
+        rng = random.Random(12)
+        p = prompt(rng, 70)
+        outs = drive(eng, [("lead", p, greedy(4)), ("follow", p, greedy(4))], abort_at_step={"lead": 3})
+        assert outs["lead"][-1].finish_reason == "abort" and not tokens_of(outs["lead"])
+        assert tokens_of(outs["follow"]) == ref(eng, p, 4)
+        assert outs["follow"][-1].cached_tokens == 48
+        assert_baseline(eng)
+    finally:
+        eng.shutdown()
