@@ -20,7 +20,14 @@ import pytest
 from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.engine.setup import build_engine
-from tests.engine_util import collect, greedy, make_context_sensitive, reference_greedy, tokens_of
+from tests.engine_util import (
+    collect,
+    drive,
+    greedy,
+    make_context_sensitive,
+    reference_greedy,
+    tokens_of,
+)
 
 VOCAB_HI = 1000
 PS = 4
@@ -204,7 +211,7 @@ def test_few_checkpoint_slots_evict_leaves_with_their_pages(model_dir: str) -> N
     try:
         rng = random.Random(7)
         reqs = [(f"k{i}", prompt(rng, rng.randint(20, 60)), greedy(4)) for i in range(6)]
-        outs = collect(eng, reqs)
+        outs = drive(eng, reqs)  # queued before the first step: the same schedule every run
         for rid, p, params in reqs:
             assert tokens_of(outs[rid]) == ref(eng, p, params.max_tokens), rid
         s = eng.scheduler
@@ -339,8 +346,6 @@ def test_abort_mid_prefill_keeps_its_checkpoints(model_dir: str) -> None:
     saved): the request waiting to share its prompt goes on alone, resuming from
     the aborted one's checkpoint 48 (an abort hands computed pages and their
     checkpoints to the prefix cache), with a full recompute's tokens."""
-    from tests.engine_util import drive
-
     eng = make_engine(model_dir)
     try:
         rng = random.Random(12)
