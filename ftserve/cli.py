@@ -105,7 +105,7 @@ def configs_from_args(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig
     if server.served_model_name is not None and not server.served_model_name.strip():
         raise ConfigError("--served-model-name is empty: give a name, or omit the flag")
     if server.chat_template is not None:
-        from ftserve.server.text import chat_template_text
+        from ftserve.chat.text import chat_template_text
         from ftserve.tokenizer import ChatTemplate, ChatTemplateError
 
         try:  # compiled now: a typo fails here, not on every chat request
@@ -184,14 +184,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ConfigError, FetchError) as err:
             print(f"ftserve: error: {err}", file=sys.stderr)
             return 2
-        from ftserve.server.serve import run
+        from ftserve.api.serve import run
 
         return run(engine_cfg, server_cfg)
     if args.command == "fleet":
         from ftserve.fleet import run as run_fleet
 
         return run_fleet(args)
-    from ftserve.server.chat_client import ChatClient, chat_loop
+    from ftserve.cli_chat import ChatClient, chat_loop
 
     client = ChatClient(args.url, args.model, args.api_key, args.max_tokens, args.temperature)
     return chat_loop(client, args.system, sys.stdin, sys.stdout)

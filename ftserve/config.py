@@ -77,6 +77,13 @@ class EngineConfig:
     state_host_checkpoints: int | None = _opt(None, "hybrid models with a KV host tier (--kv-host-*): "
                                                     "checkpoints it keeps in pinned host memory beside "
                                                     "its pages (default: --state-checkpoints)")
+    speculative: str = _opt("off", "off | ngram: speculative decoding with drafts copied from the "
+                                   "request's own prompt and output, verified in one step, outputs "
+                                   "as without it (not for hybrid models)")
+    num_speculative_tokens: int = _opt(4, "draft tokens per verify step (--speculative)")
+    ngram_min_match: int = _opt(2, "shortest suffix of a request's tokens that an n-gram draft "
+                                   "continues from an earlier occurrence")
+    ngram_max_match: int = _opt(4, "longest suffix tried first for an n-gram draft")
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -128,6 +135,14 @@ class EngineConfig:
         if self.state_checkpoints is not None and self.state_checkpoints < 1:
             raise ConfigError("--state-checkpoints must be at least 1 (--disable-prefix-cache "
                               "keeps none)")
+        if self.speculative == "mtp":
+            raise ConfigError("--speculative mtp is not implemented yet; use ngram or off")
+        if self.speculative not in ("off", "ngram"):
+            raise ConfigError("--speculative must be off or ngram")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError("--num-speculative-tokens must be in [1, 16]")
+        if not 1 <= self.ngram_min_match <= self.ngram_max_match <= 16:
+            raise ConfigError("need 1 <= --ngram-min-match <= --ngram-max-match <= 16")
         if (self.kv_host_pages is not None or self.kv_host_gib is not None) and (
                 not self.enable_prefix_cache):
             raise ConfigError("the KV host tier keeps prefix-cache pages: drop "

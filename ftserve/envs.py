@@ -24,14 +24,14 @@ def cache_dir() -> Path:
 
 
 def gemv_config_file() -> Path | None:
-    """FTSERVE_GEMV_CONFIG_FILE: a decode GEMV launch table (tools/tune_gemv.py
+    """FTSERVE_GEMV_CONFIG_FILE: a decode GEMV launch table (tools/tune/gemv.py
     output) used instead of the packaged ftserve_kernels/configs/gemv_<device>.json."""
     value = os.environ.get("FTSERVE_GEMV_CONFIG_FILE")
     return Path(value) if value else None
 
 
 def moe_config_file() -> Path | None:
-    """FTSERVE_MOE_CONFIG_FILE: a MoE tile table (tools/tune_moe.py output) used
+    """FTSERVE_MOE_CONFIG_FILE: a MoE tile table (tools/tune/moe.py output) used
     instead of the packaged ftserve_kernels/configs/moe_<device>.json."""
     value = os.environ.get("FTSERVE_MOE_CONFIG_FILE")
     return Path(value) if value else None

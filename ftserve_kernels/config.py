@@ -21,9 +21,9 @@ Fields:
                   torch: the torch twins everywhere
     pdl           programmatic dependent launch between the decode kernels
                   (pdl.py), where the device has it (sm_90+)
-    gemv_table    a decode GEMV launch table (tools/tune_gemv.py) used instead
+    gemv_table    a decode GEMV launch table (tools/tune/gemv.py) used instead
                   of the device's packaged one (gemv_configs)
-    moe_table     a grouped-GEMM MoE tile table (tools/tune_moe.py) used
+    moe_table     a grouped-GEMM MoE tile table (tools/tune/moe.py) used
                   instead of the device's packaged one (moe_configs)
     gemv_entries  GEMV launches laid over the table, ``KEY@T=BN.BK.W.S`` joined
                   by ";" (gemv_configs.parse_entries): in-context tuning runs

@@ -1,5 +1,5 @@
 """Launch configs of the decode GEMV kernels (gemv_triton, moe_gemv_triton):
-the dataclass, today's defaults, and per-device tables written by tools/tune_gemv.py.
+the dataclass, today's defaults, and per-device tables written by tools/tune/gemv.py.
 
 A table is JSON, one file per device (``configs/gemv_<device name>.json``, the
 name slugged as moe_configs does), or the file KernelConfig.gemv_table names
@@ -22,7 +22,7 @@ kernels' registers and grid scale with T, so a neighbour's entry is no safe
 guess; any other T, shape or kind takes the kernel's default (``default``,
 exactly the launch used before tables existed). KernelConfig.gemv_entries lays single
 entries over the table (``parse_entries``: a tuning run's variants, in the
-step itself rather than alone as tools/tune_gemv times them). Tables are read on CUDA only;
+step itself rather than alone as tools/tune/gemv times them). Tables are read on CUDA only;
 the interpreter keeps its small tiles. A table that exists but does not parse,
 names an unknown kind or holds unknown fields is an error naming the file
 (same policy as moe_configs: a silently ignored table hides the slow default).
@@ -117,7 +117,7 @@ def table_file_name(device_name: str) -> str:
 
 
 Table = dict[str, dict[int, GemvConfig]]  # key -> tuned T -> config
-_WHAT = "GEMV config table (regenerate it with tools/tune_gemv.py or unset FTSERVE_GEMV_CONFIG_FILE)"
+_WHAT = "GEMV config table (regenerate it with tools/tune/gemv.py or unset FTSERVE_GEMV_CONFIG_FILE)"
 
 
 def _entry(key: str, raw: Any) -> GemvConfig | None:

@@ -10,7 +10,7 @@ FMAs only (no barrier: loads issue ahead) and K is summed once at the end::
     program p: y[:, p*BN : (p+1)*BN] = in[T, K] . W[p*BN : (p+1)*BN, K]^T
 
 Launch parameters (BLOCK_N, BLOCK_K, warps, stages) come from this GPU's table
-in gemv_configs (written by tools/tune_gemv.py) where it has the shape, else
+in gemv_configs (written by tools/tune/gemv.py) where it has the shape, else
 from gemv_configs.default.
 """
 
@@ -168,7 +168,7 @@ def gemv_triton(
     # lane), so warps split the rows and the final K sum stays inside a warp. qkv
     # (N = 5120, K = 2048): 320 programs of 16 rows (64 KB, 53 registers on sm_90);
     # o_proj (N = 2048, K = 4096): 256 programs of 8 rows (64 KB, 80 registers).
-    # 4 rows of 16 would take 255 registers: 8. Tuned per device: tools/tune_gemv.py.
+    # 4 rows of 16 would take 255 registers: 8. Tuned per device: tools/tune/gemv.py.
     if config is None:
         if block is not None:
             config = dataclasses.replace(gc.default("dense", cuda, n, t), block_n=block[0], block_k=block[1])

@@ -14,7 +14,7 @@ scatter, a cast, the argmax's two-pass reduction, a copy). Here::
     last program of row b:     combines the row's chunks -> tokens[b] (and last[b])
 
 The last program is found with an arrival counter per row (zero between
-launches; the last program re-zeroes it), as attention's fused reduce does.
+launches; the last program re-zeroes it).
 With ``host_out`` (bookkeeping.StagedRows) the last program of each row also
 stores the token into the picked row of a pinned pair over UVA, and the last
 row to finish toggles the word (a second counter, ``counters[B]``; one row

@@ -1,5 +1,5 @@
 """Tile configs of the grouped-GEMM fused MoE (moe_triton): the dataclass, the
-built-in heuristic, and per-device tables written by tools/tune_moe.py.
+built-in heuristic, and per-device tables written by tools/tune/moe.py.
 
 A table is JSON, one file per device (``configs/moe_<device name>.json``, the
 name from ``torch.cuda.get_device_name`` with every non-alphanumeric character
@@ -125,7 +125,7 @@ def table_file_name(device_name: str) -> str:
 
 
 Table = dict[str, dict[int, MoeConfig]]  # shape key -> tuned T -> config
-_WHAT = "MoE config table (regenerate it with tools/tune_moe.py or unset FTSERVE_MOE_CONFIG_FILE)"
+_WHAT = "MoE config table (regenerate it with tools/tune/moe.py or unset FTSERVE_MOE_CONFIG_FILE)"
 
 
 def _entry(key: str, raw: Any) -> MoeConfig | None:

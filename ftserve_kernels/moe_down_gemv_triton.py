@@ -181,7 +181,7 @@ def moe_down_gemv(
     outs: tuple[torch.Tensor, ...] | None = None,  # (normed, summed) [T, H] each (+ parts: deferred)
     kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> None:
-    """The down + combine kernel alone (tools/tune_gemv times it on its own)."""
+    """The down + combine kernel alone (tools/tune/gemv times it on its own)."""
     t, h = out.shape
     inter = act.shape[1]
     emap = expert_map if expert_map is not None else ids

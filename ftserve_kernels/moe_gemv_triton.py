@@ -17,7 +17,7 @@ follows the grouped path: act and each weighted down row round to x's dtype.
 
 The down kernels live in moe_down_gemv_triton.py. Launch parameters of each
 kernel (block_n, block_k, warps, stages) come from this GPU's table in
-gemv_configs (written by tools/tune_gemv.py) where it has the shape and T,
+gemv_configs (written by tools/tune/gemv.py) where it has the shape and T,
 else from gemv_configs.default.
 """
 
@@ -78,7 +78,7 @@ def _gemv_gate_up_kernel(
     # 1/rms is summed before the K loop (its load beside the ids', which the
     # weights wait for anyway): with the parts held across the loop, ptxas
     # issued up's tile only after gate's had arrived, two memory round trips a
-    # step (H200 batch-1 replay, 2026-12-02: gate/up 15.85 -> 14.68 us a layer).
+    # step.
     pdl.enter(PDL)  # the ids / activations come from the kernel before
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair)
@@ -259,7 +259,7 @@ def moe_gate_up_gemv(
     weights_out: torch.Tensor | None = None,  # [k] fp32, with route: the experts' weights
     kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> None:
-    """The gate/up kernel alone (tools/tune_gemv times it on its own)."""
+    """The gate/up kernel alone (tools/tune/gemv times it on its own)."""
     h = x.shape[1]
     inter = act.shape[1]
     pairs = ids.shape[0]

@@ -233,7 +233,7 @@ def moe_gate_up(
     expert_map: torch.Tensor | None = None,
 ) -> None:
     """act[pair] = SiLU(gate) * up of the pair's token through its expert.
-    One launch; tools/tune_moe.py times it alone."""
+    One launch; tools/tune/moe.py times it alone."""
     sorted_ids, block_expert, total = align
     h = x.shape[1]
     inter = w13.shape[1] // 2

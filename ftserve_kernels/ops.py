@@ -41,6 +41,9 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
         rows are read from a pinned pair (bookkeeping.StagedRows) instead of ``packed``
     embed_rms_norm(ids [T], embed [V, H], norm: InputNorm) -> (rows [T, H], normed [T, H]):
         the same row work for an eager decode step
+    gated_delta(t) -> the Gated DeltaNet entry points (conv_prefill, conv_decode,
+        gated_delta_prefill, gated_delta_decode; signatures in gated_delta.py) for
+        tensors like t: gated_delta_triton's kernels or the torch reference module
 
 Backends are imported once into a table per KernelConfig (``_triton_table``:
 the Triton wrappers bound to it), picked per call by the config and the
@@ -285,6 +288,17 @@ def embed_rms_norm(
     if uses_triton(kernels, embed):
         return di.embed_rms_norm_triton(ids, embed, norm)
     return di.embed_rms_norm_ref(ids, embed, norm)
+
+
+def gated_delta(kernels: KernelConfig, t: torch.Tensor) -> Any:
+    """The module whose four Gated DeltaNet functions run on tensors like ``t``."""
+    if uses_triton(kernels, t):
+        from ftserve_kernels import gated_delta_triton
+
+        return gated_delta_triton
+    from ftserve_kernels import gated_delta as gated_delta_ref
+
+    return gated_delta_ref
 
 
 def _gemv_for(kernels: KernelConfig, x: torch.Tensor) -> Callable[..., Any] | None:

@@ -19,11 +19,11 @@ import openai
 import pytest
 import uvloop
 
+from ftserve.api.serve import RunningServer, load_engine, start_http, warm_up
+from ftserve.api.state import ServerState
+from ftserve.api.workers import LaneExecutor
+from ftserve.chat.text import TextCodec
 from ftserve.config import EngineConfig, ServerConfig
-from ftserve.server.serve import RunningServer, load_engine, start_http, warm_up
-from ftserve.server.state import ServerState
-from ftserve.server.text import TextCodec
-from ftserve.server.workers import LaneExecutor
 from tests.engine_util import make_context_sensitive
 
 T = TypeVar("T")
@@ -139,7 +139,7 @@ def script_generations(monkeypatch: Any, pieces: list[str]) -> None:
     """Replace each generation's step texts with ``pieces`` in order (the rest on
     its last step): end-to-end tests of output parsing, which a random tiny model
     never writes. ``pieces`` is read when a generation starts, so a test may refill it."""
-    from ftserve.server.generation import Generation
+    from ftserve.api.generation import Generation
 
     real, left = Generation.next, {}
 

@@ -1,4 +1,4 @@
-"""tools/bench_decode_variants.py on the CPU: the variant list, each
+"""tools/bench/decode_variants.py on the CPU: the variant list, each
 variant's KernelConfig, the combination of the winners, the table, and a
 --smoke run end to end (tiny-moe, no graphs). The GPU parts (graph
 re-capture and replay timing) run only on the H200."""
@@ -14,8 +14,8 @@ import torch
 
 from ftserve_kernels.attention_common import AttnKernelConfig
 from ftserve_kernels.config import KernelConfig
-from tools.bench_decode_variants import main
-from tools.decode_variants import (
+from tools.bench.decode_variants import main
+from tools.bench.variants import (
     KERNEL_FIELDS,
     backend_for,
     combine_best,
@@ -33,7 +33,7 @@ def test_each_variant_turns_exactly_its_knob() -> None:
     names = [v.name for v in variants]
     assert names[0] == "baseline" and len(set(names)) == len(names)
     assert {"kernels pdl=0",
-            "attn fused_reduce=1", "attn programs_per_sm=2", "attn programs_per_sm=8",
+            "attn programs_per_sm=2", "attn programs_per_sm=8",
             "attn max_splits=32", "attn max_splits=64", "attn max_splits=256"} <= set(names)
     base = KernelConfig(backend="triton", gemv_table="/t.json")
     for v in variants:
@@ -49,20 +49,16 @@ def test_each_variant_turns_exactly_its_knob() -> None:
 
 
 def test_programs_per_sm_variants_skip_the_baseline_value() -> None:
-    names = [v.name for v in default_variants(AttnKernelConfig(decode_programs_per_sm=1, max_splits=2,
-                                                               decode_fused_reduce=True))]
-    assert [n for n in names if n.startswith("attn")] == ["attn fused_reduce=0", "attn round_robin=0",
-                                                          "attn page_ahead=0", "attn programs_per_sm=2",
-                                                          "attn max_splits=1", "attn max_splits=4"]
-    no_rr = AttnKernelConfig(decode_round_robin=False)  # page ahead needs round robin: no variant
-    assert not any("page_ahead" in v.name for v in default_variants(no_rr))
+    names = [v.name for v in default_variants(AttnKernelConfig(decode_programs_per_sm=1, max_splits=2))]
+    assert [n for n in names if n.startswith("attn")] == ["attn programs_per_sm=2", "attn max_splits=1",
+                                                          "attn max_splits=4"]
 
 
 def test_ad_hoc_variants_parse_attn_and_kernel_fields() -> None:
     base = AttnKernelConfig()
-    v = parse_variant("attn decode_block_n=128 decode_round_robin=1", base)
-    assert v.attn == {"decode_block_n": 128, "decode_round_robin": True} and not v.kernels
-    assert v.group == "attn:decode_block_n+decode_round_robin"  # "+": never combined
+    v = parse_variant("attn decode_block_n=128 decode_warps=8", base)
+    assert v.attn == {"decode_block_n": 128, "decode_warps": 8} and not v.kernels
+    assert v.group == "attn:decode_block_n+decode_warps"  # "+": never combined
     assert parse_variant("attn decode_block_n=32", base).group == "attn:decode_block_n"
     w = parse_variant("kernels pdl=0 gemv_entries=dense:N=8+K=8@1=4.128.2.1", base)
     assert w.kernels == {"pdl": False, "gemv_entries": "dense:N=8+K=8@1=4.128.2.1"} and not w.attn
@@ -101,17 +97,17 @@ def test_backend_for_replaces_only_the_config() -> None:
     assert backend_for(built, base_cfg, by_name["kernels pdl=0"]) is built
     cpu = torch.device("cpu")
     splits = {}
-    for name in ("attn programs_per_sm=2", "attn programs_per_sm=8", "attn fused_reduce=1"):
+    for name in ("attn programs_per_sm=2", "attn programs_per_sm=8", "attn max_splits=256"):
         new = backend_for(built, base_cfg, by_name[name])
         assert new is not built and new.scale == 0.125 and new.extend_token_bound == 256
         assert new.cfg.extend_block_m == base_cfg.extend_block_m
         splits[name] = new.num_splits(1, 4, cpu)
-    assert new.cfg.decode_fused_reduce is True
+    assert new.cfg.max_splits == 256
     # 4 KV heads on the 4 "SMs" the CPU reports: splits = programs per SM.
     assert built.num_splits(1, 4, cpu) == 4
     assert splits["attn programs_per_sm=2"] == 2 and splits["attn programs_per_sm=8"] == 8
     with pytest.raises(RuntimeError, match="triton backend"):
-        backend_for(TorchAttentionBackend(), base_cfg, by_name["attn fused_reduce=1"])
+        backend_for(TorchAttentionBackend(), base_cfg, by_name["attn max_splits=256"])
 
 
 def _row(name: str, ms: float | None, ok: bool | None = True, error: str | None = None) -> dict[str, object]:
@@ -122,10 +118,9 @@ def test_combine_best_takes_the_fastest_exact_option_per_knob() -> None:
     variants = default_variants(AttnKernelConfig())
     rows = [
         _row("baseline", 1.00),
-        _row("kernels pdl=0", 0.90), _row("attn round_robin=0", 0.80, ok=False),
+        _row("kernels pdl=0", 0.90), _row("attn max_splits=256", 0.80, ok=False),
         _row("attn max_splits=32", 0.995),  # under the 1% gain: noise
         _row("attn max_splits=64", 0.50, error="RuntimeError: boom"),
-        _row("attn fused_reduce=1", 1.10),
         _row("attn programs_per_sm=8", 0.97), _row("attn programs_per_sm=2", 0.96),
     ]
     combo, winners = combine_best(rows, variants, min_gain=0.01)
@@ -141,9 +136,9 @@ def test_combine_best_takes_the_fastest_exact_option_per_knob() -> None:
 
 def test_combine_best_needs_a_baseline_and_two_winners() -> None:
     variants = default_variants(AttnKernelConfig())
-    one = [_row("baseline", 1.0), _row("kernels pdl=0", 0.5), _row("attn fused_reduce=1", 1.2)]
+    one = [_row("baseline", 1.0), _row("kernels pdl=0", 0.5), _row("attn max_splits=256", 1.2)]
     assert combine_best(one, variants, 0.01) == (None, {"kernels:pdl": "kernels pdl=0"})
-    failed_base = [_row("baseline", None, error="x"), _row("kernels pdl=0", 0.5), _row("attn fused_reduce=1", 0.4)]
+    failed_base = [_row("baseline", None, error="x"), _row("kernels pdl=0", 0.5), _row("attn max_splits=256", 0.4)]
     assert combine_best(failed_base, variants, 0.01) == (None, {})
 
 
@@ -165,16 +160,16 @@ def test_render_table_rows_and_skips() -> None:
         {**_row("baseline", 0.8), "replay_frac_of_roofline": 0.5,
          "decode_b1": {"tokens_per_s": 1000.0, "frac_of_roofline": 0.4}, "decode_b8": {"tokens_per_s": 5000.0}},
         {**_row("kernels pdl=0", 0.4, ok=False), "mismatch_at": 3, "decode_b1": {"tokens_per_s": 1500.0}},
-        _row("attn fused_reduce=1", None, ok=None, error="RuntimeError: capture failed\ntraceback..."),
+        _row("attn max_splits=256", None, ok=None, error="RuntimeError: capture failed\ntraceback..."),
     ]
-    text = render_table(rows, (1, 8), skipped=["attn fused_reduce=1"])
+    text = render_table(rows, (1, 8), skipped=["attn max_splits=256"])
     lines = text.splitlines()
     assert lines[0].count("|") == lines[2].count("|") == lines[4].count("|") == 9  # 8 columns
     assert "tok/s b8" in lines[0] and "% roofline b1" in lines[0]
     assert "| baseline | yes | 0.8 | 1.000x | 50.0% | 1,000 | 40.0% | 5,000 |" in text
     assert "NO (step 3)" in lines[3] and "2.000x" in lines[3]
     assert "FAILED: RuntimeError: capture failed" in lines[4] and "traceback" not in text
-    assert lines[-1] == "skipped (time budget): attn fused_reduce=1"
+    assert lines[-1] == "skipped (time budget): attn max_splits=256"
 
 
 def test_smoke_run_end_to_end(tmp_path: Path) -> None:

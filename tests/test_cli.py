@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 from ftserve.cli import build_parser, configs_from_args, main
+from ftserve.cli_chat import ChatClient, chat_loop
 from ftserve.config import ConfigError, EngineConfig, ServerConfig
-from ftserve.server.chat_client import ChatClient, chat_loop
 
 
 def test_every_engine_field_has_a_flag(tmp_path: Path) -> None:

@@ -380,9 +380,9 @@ def test_decode_graph_rows_carry_the_eager_steps_inputs(model_dir: str) -> None:
     import torch
 
     from ftserve.engine.cuda_graph import MIN_FLAG, pack_decode_rows
+    from ftserve.engine.driver import EngineDriver
     from ftserve.engine.sampling_params import SamplingParams
     from ftserve_kernels.decode_inputs import WORDS, decode_inputs_ref
-    from tools.engine_driver import EngineDriver
 
     eng = make_engine(model_dir)
     try:

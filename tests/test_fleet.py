@@ -25,7 +25,7 @@ import pytest
 
 from ftserve import fleet as fleet_mod
 from ftserve.cli import build_parser, configs_from_args, main
-from tools.bench_fleet import FleetProcess, loadgen, post
+from tools.bench.fleet import FleetProcess, loadgen, post
 
 # Small on purpose: two engines, the router and loadgen share the CI machine's two cores.
 SERVE = ["--model", "demo", "--max-model-len", "1024", "--num-pages", "200", "--max-running-requests", "4",

@@ -1,5 +1,5 @@
 """Decode GEMV launch tables (gemv_configs), the launchers' use of them, and
-tools/tune_gemv on the interpreter."""
+tools/tune/gemv on the interpreter."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from ftserve_kernels import moe_gemv_triton as mg  # noqa: E402
 from ftserve_kernels.config import KernelConfig  # noqa: E402
 from ftserve_kernels.gemv_configs import GemvConfig  # noqa: E402
 from ftserve_kernels.moe import fused_moe_ref, route_topk_ref  # noqa: E402
-from tools import tune_gemv as tune  # noqa: E402
+from tools.tune import gemv as tune  # noqa: E402
 
 CUDA0 = torch.device("cuda", 0)  # index given: no CUDA call is needed to find an override table
 
@@ -43,7 +43,7 @@ def _write(path: Path, configs: dict[str, Any]) -> str:
 
 def test_defaults_are_the_launches_before_tables() -> None:
     """No table must mean no change: the defaults are the launches the kernels
-    used before gemv_configs existed (H200-measured; tools/bench_decode_layer)."""
+    used before gemv_configs existed (H200-measured; tools/bench/decode_layer)."""
     assert gc.default("dense", True, 5120, 1) == GemvConfig(16, 256, 8, 3)
     assert gc.default("dense", True, 5120, 2) == GemvConfig(16, 256, 8, 3)
     assert gc.default("dense", True, 5120, 4) == GemvConfig(8, 256, 8, 3)
@@ -162,7 +162,7 @@ def test_moe_gemv_with_other_configs_matches_reference() -> None:
 
 def test_launchers_ask_for_the_keys_the_tuner_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each launcher looks its table entry up under the key and T that
-    tools/tune_gemv writes (dense: the row block, so T = 3 asks for 4), and
+    tools/tune/gemv writes (dense: the row block, so T = 3 asks for 4), and
     launches what it gets. pick is wrapped to answer on the CPU (it answers
     None off CUDA, tested above); everything else is the real launch path."""
     asked: list[tuple[str, int]] = []
@@ -252,7 +252,7 @@ def test_tune_case_stops_at_the_deadline() -> None:
 def test_tune_run_writes_a_table_the_runtime_picks(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """tools/tune_gemv end to end on the interpreter (tiny shapes): a spent
+    """tools/tune/gemv end to end on the interpreter (tiny shapes): a spent
     budget still leaves a loadable table; a full run writes an entry exactly for
     the (kernel, T) whose best beat the default, gc.pick returns those entries,
     and the launchers with them match the reference."""

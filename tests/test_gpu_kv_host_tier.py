@@ -19,9 +19,9 @@ from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.kvcache.host_tier import HostKVTier
 from ftserve.kvcache.pool import KVPool
+from ftserve.models.checkpoint import write_config
 from tests.engine_util import make_context_sensitive
 from tests.test_gpu_engine import CHUNK, SCALE, CheckedDriver, sync_is_error
-from tools.bench_common import write_model_config
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.gpu
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     from ftserve.engine.setup import build_engine
 
-    model_dir = write_model_config("tiny-moe", Path(tmp_path_factory.mktemp("gpu-host")), layers=2,
+    model_dir = write_config("tiny-moe", Path(tmp_path_factory.mktemp("gpu-host")), layers=2,
                                    **SCALE)
     cfg = EngineConfig(
         model=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",

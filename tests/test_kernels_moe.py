@@ -33,7 +33,7 @@ from ftserve_kernels import moe_triton as mt  # noqa: E402
 from ftserve_kernels import ops  # noqa: E402
 from ftserve_kernels.config import KernelConfig  # noqa: E402
 from ftserve_kernels.moe import fused_moe_ref, route_topk_ref  # noqa: E402
-from tools import tune_moe as tune  # noqa: E402
+from tools.tune import moe as tune  # noqa: E402
 
 
 def count_calls(monkeypatch: pytest.MonkeyPatch, module: Any, name: str,
@@ -453,7 +453,7 @@ def test_tune_choose_pairs_one_block_m() -> None:
 def test_tune_run_writes_a_table_the_runtime_picks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """tools/tune_moe end to end on the interpreter (tiny tiles): the table it
+    """tools/tune/moe end to end on the interpreter (tiny tiles): the table it
     writes loads, MoeConfig.pick returns its entries, and fused_moe_triton with
     them matches the reference. A spent budget still leaves a loadable table,
     and a later run merges into the same file."""
@@ -636,7 +636,7 @@ def test_decode_gemv_kernels_compile_for_sm90() -> None:
     """The decode GEMV kernels (MoE gate/up and down variants, norm + route, dense
     GEMV at 1, 2, 4 rows) compile for sm_90 at the qwen3-30b shapes without
     spilling, and the unrolled K loops issue several weight loads before their
-    first FMA (tools/compile_decode_kernels.py; a subprocess: this one runs the
+    first FMA (tests/sm90_compile.py; a subprocess: this one runs the
     interpreter)."""
     import json
     import subprocess
@@ -652,7 +652,7 @@ def test_decode_gemv_kernels_compile_for_sm90() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "tools.compile_decode_kernels"], env=env, cwd=root,
+    proc = subprocess.run([sys.executable, "-m", "tests.sm90_compile"], env=env, cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -37,7 +37,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     from ftserve_kernels import moe_triton as mt
     from ftserve_kernels import norm_triton as nt
     from ftserve_kernels import rope_triton as rt
-    from tools.compile_decode_kernels import constexpr_defaults
+    from tests.sm90_compile import constexpr_defaults
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     results: dict[str, dict[str, Any]] = {}
@@ -88,33 +88,17 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          dict(HKV=4, D=128, BLOCK_H=4, BLOCK_D=128))
     attn = {"q_ptr": bf, "o_ptr": bf, "kc_ptr": bf, "vc_ptr": bf, "pt_ptr": i32,
             "qo_indptr_ptr": i32, "prefix_ptr": i32, "seq_lens_ptr": i32,
-            "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "scale_log2": "fp32", "count_ptr": i32}
+            "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "scale_log2": "fp32"}
     cfg = at.AttnKernelConfig.for_device(__import__("torch").device("cuda"), 128)
-    for fused in (False, True):
-        comp("decode_split" + ("_fused" if fused else ""), at._decode_split_kernel, attn,
-             dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
-                  BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=fused,
-                  BLOCK_S=64), cfg.decode_warps, cfg.decode_stages)
+    comp("decode_split", at._decode_split_kernel, attn,
+         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
+              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False), cfg.decode_warps, cfg.decode_stages)
     # Raw q/k in, the q/k norms, the rotary and the KV store inside (DecodeQK).
     comp("decode_split_qk", at._decode_split_kernel,
          attn | {"k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "pos_ptr": "*i64",
                  "cs_ptr": "*fp32", "loc_ptr": "*i64", "eps": "fp32"},
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
-              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False,
-              BLOCK_S=64, QK=True), cfg.decode_warps, cfg.decode_stages)
-    comp("decode_split_qk_rr", at._decode_split_kernel,  # AttnKernelConfig.decode_round_robin
-         attn | {"k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "pos_ptr": "*i64",
-                 "cs_ptr": "*fp32", "loc_ptr": "*i64", "eps": "fp32"},
-         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
-              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False,
-              BLOCK_S=64, QK=True, ROUND_ROBIN=True, TILE_STEP=64), cfg.decode_warps, cfg.decode_stages)
-    comp("decode_split_qk_rr_ahead", at._decode_split_kernel,  # + AttnKernelConfig.decode_page_ahead
-         attn | {"k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "pos_ptr": "*i64",
-                 "cs_ptr": "*fp32", "loc_ptr": "*i64", "eps": "fp32"},
-         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
-              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False,
-              BLOCK_S=64, QK=True, ROUND_ROBIN=True, TILE_STEP=64, PAGE_AHEAD=True),
-         cfg.decode_warps, cfg.decode_stages)
+              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, QK=True), cfg.decode_warps, cfg.decode_stages)
     # fp8 e4m3 KV pages (codes + per-token scales): store, decode and extend.
     fp8 = "*fp8e4nv"
     comp("store_kv_fp8", at._store_kv_kernel,
@@ -123,22 +107,18 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     attn8 = attn | {"kc_ptr": fp8, "vc_ptr": fp8}
     comp("decode_split_fp8", at._decode_split_kernel, attn8,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=cfg.decode_block_n,
-              NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False, BLOCK_S=64, FP8=True),
+              NUM_SPLITS=64, UPCAST=False, FP8=True),
          cfg.decode_warps, cfg.decode_stages)
     comp("extend_fp8", at._extend_kernel, attn8,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n,
-              UPCAST=False, PACK_GQA=False, TOK=cfg.extend_block_m, FP8=True),
+              UPCAST=False, FP8=True),
          cfg.extend_warps, cfg.extend_stages)
     comp("decode_reduce", at._decode_reduce_kernel, attn,
          dict(NUM_SPLITS=64, BLOCK_S=64, D=128, BLOCK_D=128), 4, 1)
     comp("extend", at._extend_kernel, attn,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m,
-              BLOCK_N=cfg.extend_block_n, UPCAST=False, PACK_GQA=False, TOK=cfg.extend_block_m),
+              BLOCK_N=cfg.extend_block_n, UPCAST=False),
          cfg.extend_warps, cfg.extend_stages)
-    for bm, warps in ((64, 4), (128, 8)):  # GQA-packed variants the benchmark compares
-        comp(f"extend_gqa_bm{bm}", at._extend_kernel, attn,
-             dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=bm, BLOCK_N=64, UPCAST=False,
-                  PACK_GQA=True, TOK=bm // 8), warps, 3)
     comp("route", mt._route_kernel, {"logits_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": i32},
          dict(TOP_K=8, BLOCK_T=16, BLOCK_E=128, BLOCK_K=8, RENORM=True))
     align = {"ids_ptr": i32, "hist_ptr": i32, "sorted_ptr": i32, "block_expert_ptr": i32,
@@ -203,7 +183,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     # PDL (ftserve_kernels/pdl.py): the decode kernels' grid-dependency wait.
     comp("decode_split_pdl", at._decode_split_kernel, attn,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=cfg.decode_block_n,
-              NUM_SPLITS=64, UPCAST=False, FUSED_REDUCE=False, BLOCK_S=64, PDL=True),
+              NUM_SPLITS=64, UPCAST=False, PDL=True),
          cfg.decode_warps, cfg.decode_stages)
     comp("decode_reduce_pdl", at._decode_reduce_kernel, attn,
          dict(NUM_SPLITS=64, BLOCK_S=64, D=128, BLOCK_D=128, PDL=True), 4, 1)
@@ -259,6 +239,28 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     to_host = {"src_a": "*i16", "src_b": "*i16", "dst_a": "i64", "dst_b": "i64"}
     comp("copy_blocks_to_host", bk._copy_blocks_kernel, blocks | to_host,
          dict(HOST_SRC=False, HOST_DST=True, ELEM=tl.int16, BLOCK=4096))
+    # Gated DeltaNet at Qwen3-Next-80B's shapes: 16 key / 32 value heads of 128, a
+    # bf16 model with an fp32 state pool, the conv over 8192 channels of window 3.
+    from ftserve_kernels import gated_delta_triton as gdt
+    from ftserve_kernels import short_conv_triton as sct
+
+    rule = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "g_ptr": "*fp32", "beta_ptr": bf, "o_ptr": bf,
+            "s_ptr": "*fp32", "slot_ptr": "*i64", "has_ptr": "*i1", "cu_ptr": i32, "tinv_ptr": "*fp32",
+            "aqk_ptr": bf, "scale": "fp32", "eps": "fp32"}
+    heads = dict(HK=16, HV=32, DK=128, BLOCK_K=128)
+    for bv in (16, 32, 64):  # decode_block_v's choices
+        comp(f"gdn_decode_bv{bv}", gdt._gdn_decode_kernel, rule, heads | dict(DV=128, BLOCK_V=bv),
+             gdt.decode_warps(128, bv), 1)
+    comp("gdn_chunk_local", gdt._chunk_local_kernel, rule, heads | dict(C=64, SB=16),
+         gdt.LOCAL_WARPS, 1)
+    comp("gdn_chunk_scan", gdt._chunk_scan_kernel, rule,
+         heads | dict(DV=128, BLOCK_V=gdt.SCAN_BLOCK_V, C=64, UPCAST=False), gdt.SCAN_WARPS, gdt.SCAN_STAGES)
+    conv = {"x_ptr": bf, "w_ptr": bf, "cs_ptr": bf, "slot_ptr": "*i64", "has_ptr": "*i1", "cu_ptr": i32,
+            "out_ptr": bf}
+    comp("gdn_conv_decode", sct._conv_decode_kernel, conv, dict(W=3, BLOCK_E=4, BLOCK_C=sct.CONV_DECODE_BLOCK_C))
+    comp("gdn_conv_prefill", sct._conv_prefill_kernel, conv,
+         dict(W=3, BLOCK_T=sct.CONV_BLOCK_T, BLOCK_C=sct.CONV_BLOCK_C))
+    comp("gdn_conv_state", sct._conv_state_kernel, conv, dict(W=3, BLOCK_W=4, BLOCK_C=sct.CONV_BLOCK_C))
     return results
 
 
@@ -292,7 +294,7 @@ def test_kernels_compile_for_sm90() -> None:
     for name, r in results.items():
         assert r["shared"] <= SMEM_LIMIT, (name, r)
         assert r["local"] in (0, -1), f"{name} spills registers to local memory: {r}"
-    for name in ("extend", "extend_gqa_bm128", "moe_gate_up_T8192", "moe_down_T8192"):
+    for name in ("extend", "moe_gate_up_T8192", "moe_down_T8192", "gdn_chunk_local", "gdn_chunk_scan"):
         assert results[name]["wgmma"], f"{name} does not use Hopper wgmma: {results[name]}"
     for name, r in results.items():  # the wait and release exactly where PDL is compiled in
         if name.endswith("_release"):  # released at its start, launched without the attribute
@@ -304,7 +306,7 @@ def test_kernels_compile_for_sm90() -> None:
                  "greedy_sample_pdl"):
         # Their every load reads an earlier kernel's output: none may move above the wait.
         assert results[name]["loads_before_wait"] == 0, (name, results[name])
-    for name in ("extend", "decode_split", "decode_split_qk", "decode_split_qk_rr", "decode_split_qk_rr_ahead",
+    for name in ("extend", "decode_split", "decode_split_qk",
                  "moe_gate_up_T1",
                  "moe_gate_up_T8192"):
         assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"

@@ -360,9 +360,9 @@ def test_startup_reports_limit_and_both_capacities(
 
 
 def test_bench_kv_tiers_smoke(tmp_path: object) -> None:
-    """tools/bench_kv_tiers.py end to end on the CPU: each TTFT case really is
+    """tools/bench/kv_tiers.py end to end on the CPU: each TTFT case really is
     the case it names (cached tokens), and every section ran."""
-    from tools.bench_kv_tiers import main
+    from tools.bench.kv_tiers import main
 
     out = main(["--smoke", "--out", str(tmp_path) + "/kv.json"])  # type: ignore[operator]
     assert not out.get("errors"), out.get("errors")
@@ -384,7 +384,7 @@ def test_models_endpoint_reports_limit_and_capacities() -> None:
 
     import aiohttp
 
-    from ftserve.server.serve import banner
+    from ftserve.api.serve import banner
     from tests.server_harness import TEST_ENGINE, start_live, stop_live
 
     live = start_live(dataclasses.replace(TEST_ENGINE, kv_host_pages=100))

@@ -105,6 +105,39 @@ def test_text_is_deterministic_and_heavy_tailed() -> None:
     json.loads(textgen.json_blob(random.Random(4), 200))
 
 
+def test_edit_profile_asks_for_a_small_change_to_valid_source() -> None:
+    """The edit profile's requests: deterministic per (seed, index), a Python file of
+    about --file-tokens tokens that parses, a change that touches a few lines of it
+    and leaves it parsing, and max_tokens for the whole file within --max-context."""
+    import ast
+    import difflib
+
+    from tools.loadgen.profiles import WorkloadConfig, _edit_spec
+
+    cfg = WorkloadConfig(profile="edit", file_tokens=2000, max_context=8192, temperature=0.0)
+    a, b = _edit_spec(cfg, 3), _edit_spec(cfg, 3)
+    assert a.body == b.body and a.body != _edit_spec(cfg, 4).body
+    kinds = set()
+    for i in range(12):
+        rng = random.Random(f"0:edit:{i}")
+        source = textgen.source_file(rng, 2000)
+        instruction, edited = textgen.small_edit(rng, source)
+        kinds.add(instruction.split()[0])
+        ast.parse(source)
+        ast.parse(edited)
+        assert textgen.approx_tokens(source) == pytest.approx(2000, rel=0.1)
+        diff = difflib.ndiff(source.splitlines(), edited.splitlines())
+        changed = sum(line[:1] in "+-" for line in diff)
+        assert edited != source and changed <= 0.1 * len(source.splitlines()), instruction
+        spec = _edit_spec(cfg, i)
+        user = spec.body["messages"][1]["content"]
+        assert source in user and instruction in user
+        assert spec.body["messages"][2] == {"role": "assistant", "content": "```python\n"}
+        assert spec.body["continue_final_message"] is True  # the reply opens inside the block
+        assert 2000 < spec.body["max_tokens"] < 8192 - 2000
+    assert kinds == {"Rename", "Change", "In"}  # all three kinds of change occur
+
+
 def test_token_estimate_treats_prose_and_tool_output_alike() -> None:
     """The agentic ceiling rescales the estimate by the server's count for the
     whole prompt, then sizes the next message with it, inside a 0.8 margin: so
@@ -276,6 +309,15 @@ def test_max_requests_bound_and_poisson(capsys: pytest.CaptureFixture[str], tmp_
     assert rc == 0, capsys.readouterr().err
     s = json.loads((tmp_path / "summary.json").read_text())["summary"]
     assert s["num_requests"] == 12 and s["completed"] == 12
+
+
+def test_edit_profile_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with FakeServer() as srv:
+        rc = main(["--url", srv.url, "--profile", "edit", "--file-tokens", "60", "--concurrency", "2",
+                   "--max-requests", "4", "--out", str(tmp_path), *FAST])
+    assert rc == 0, capsys.readouterr().err
+    s = json.loads((tmp_path / "summary.json").read_text())["summary"]
+    assert s["num_requests"] == 4 and s["completed"] == 4 and s["total_output_tokens"] > 4 * 60
 
 
 def test_unreachable_server_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -247,7 +247,7 @@ def test_batched_chunked_prefix_hit_and_preempted_equal_single(
 
 
 def test_ready_banner_names_the_real_model(smollm2_live: Live) -> None:
-    from ftserve.server.serve import banner
+    from ftserve.api.serve import banner
 
     text = banner(smollm2_live.state, "127.0.0.1", smollm2_live.server.port)
     assert f"serving '{SMOLLM2}'" in text

@@ -136,7 +136,7 @@ def test_http2_preface_is_closed_with_one_info_line(live: Live,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     # sglang-router probes each worker for gRPC when it registers it: HTTP/2's preface.
     preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
-    with caplog.at_level(logging.INFO, logger="ftserve.server"):
+    with caplog.at_level(logging.INFO, logger="ftserve.api"):
         with socket.create_connection(("127.0.0.1", live.server.port), timeout=5) as sock:
             sock.sendall(preface)
             got = b""
@@ -147,5 +147,5 @@ def test_http2_preface_is_closed_with_one_info_line(live: Live,
             assert time.monotonic() < deadline, caplog.text
             time.sleep(0.02)
     assert got == b""  # closed: an HTTP/1.1 answer means nothing to an HTTP/2 client
-    mine = [r for r in caplog.records if r.name == "ftserve.server"]
+    mine = [r for r in caplog.records if r.name == "ftserve.api"]
     assert [r.levelname for r in mine] == ["INFO"], caplog.text

@@ -13,7 +13,7 @@
 # tests: the gpu tests alone, with the whole budget (they no longer fit in 250 s:
 # on 2026-12-01 74 of ~110 passed in 240 s, the other 35 took 118 s more), so a
 # benchmark call can skip them (GPU_SUITE_SKIP=gpu_tests);
-# tune: tests + tools.tune_gemv (+ tools.tune_moe with TUNE_MOE=1), then the
+# tune: tests + tools.tune.gemv (+ tools.tune.moe with TUNE_MOE=1), then the
 # benchmarks with the fresh tables (FTSERVE_GEMV_CONFIG_FILE /
 # FTSERVE_MOE_CONFIG_FILE); commit a table that wins under ftserve_kernels/configs/.
 # Budgets (s): tests 250 (70 tests took 167 s at 02:57 on 2026-11-30; 72 needed
@@ -69,28 +69,28 @@ if [ "$mode" = tests ]; then
 fi
 if [ "$mode" = tune ]; then
     if [ "${TUNE_MOE:-0}" = 1 ]; then  # the H200 MoE table ships: re-tune only when asked
-        step tune_moe 110 python3 -m tools.tune_moe --out "$work" --budget-s 95 > "$work/tune_moe.md"
+        step tune_moe 110 python3 -m tools.tune.moe --out "$work" --budget-s 95 > "$work/tune_moe.md"
         table=$(ls "$work"/moe_*.json 2>/dev/null | head -1)
         if [ -n "$table" ]; then
             export FTSERVE_MOE_CONFIG_FILE="$table"
             echo "   using $table" | tee -a "$log"
         fi
     fi
-    step tune_gemv 95 python3 -m tools.tune_gemv --out "$work" --budget-s 80 > "$work/tune_gemv.md"
+    step tune_gemv 95 python3 -m tools.tune.gemv --out "$work" --budget-s 80 > "$work/tune_gemv.md"
     table=$(ls "$work"/gemv_*.json 2>/dev/null | head -1)
     if [ -n "$table" ]; then
         export FTSERVE_GEMV_CONFIG_FILE="$table"
         echo "   using $table" | tee -a "$log"
     fi
 fi
-step bench_engine 70 python3 -m tools.bench_engine --budget-s 60 --out "$work/bench_engine.json" \
+step bench_engine 70 python3 -m tools.bench.engine --budget-s 60 --out "$work/bench_engine.json" \
     > "$work/bench_engine.md"
-step bench_kv_tiers 65 python3 -m tools.bench_kv_tiers --out "$work/bench_kv_tiers.json" \
+step bench_kv_tiers 65 python3 -m tools.bench.kv_tiers --out "$work/bench_kv_tiers.json" \
     > "$work/bench_kv_tiers.md"
 if [ "$mode" != quick ]; then
-    step bench_decode_variants 55 python3 -m tools.bench_decode_variants --budget-s 45 \
+    step bench_decode_variants 55 python3 -m tools.bench.decode_variants --budget-s 45 \
         --out "$work/bench_decode_variants.json" > "$work/bench_decode_variants.md"
-    step bench_moe_cache 80 python3 -m tools.bench_moe_cache --budget-s 65 \
+    step bench_moe_cache 80 python3 -m tools.bench.moe_cache --budget-s 65 \
         --out "$work/bench_moe_cache.json" > "$work/bench_moe_cache.md"
 fi
 echo "total $(( $(date +%s) - t0 ))s" | tee -a "$log"

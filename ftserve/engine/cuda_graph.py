@@ -65,13 +65,10 @@ T = TypeVar("T")
 MIN_FLAG = 1 << 62
 ALL_FEATURES = SamplerFeatures.all()
 # The sampler stage sets captured per batch size, smallest first; a step replays
-# the first that covers its rows' needs (Sampler.features_of). On the H200 at
-# Qwen3's vocabulary (tools/bench_sampler, 2026-12-02) one step's sampler took,
-# at B = 1 / 64: greedy 11 / 16 us, temperature 15 / 50, + top-k <= 256 with
-# top-p/min-p (sort-free) 34 / 234, + penalties 37 / 290 (Qwen3-Coder's
-# defaults; they ran the last row before), + top-p alone (sorted) 192 / 1,565,
-# every stage 335 / 2,327: before these variants, one sampled request anywhere
-# made every later step pay the last row.
+# the first that covers its rows' needs (Sampler.features_of). The stages differ
+# by an order of magnitude in cost (BENCHMARKS.md, "Sampler stages per step"):
+# with one all-stages graph, one sampled request anywhere would make every
+# later step, greedy ones included, pay for every stage.
 SAMPLER_VARIANTS = (
     SamplerFeatures(),
     SamplerFeatures(sampling=True),

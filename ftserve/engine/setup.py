@@ -16,6 +16,7 @@ from ftserve.engine.engine import Engine
 from ftserve.engine.runner import ModelRunner
 from ftserve.engine.sampler import Sampler
 from ftserve.engine.scheduler import Scheduler
+from ftserve.engine.spec.speculator import Speculator
 from ftserve.kvcache.host_tier import HostKVTier
 from ftserve.kvcache.pool import KVPool, kv_cache_torch_dtype
 from ftserve.kvcache.state_pool import StateLayout, StatePool
@@ -98,6 +99,8 @@ def build_engine(cfg: EngineConfig) -> Engine:
     load_format = cfg.load_format
     if load_format == "auto":
         load_format = "dummy" if is_demo else "safetensors"
+    if cfg.speculative != "off":
+        _refuse_hybrid_speculation(cfg, model_dir)  # before minutes of weight loading
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(cfg.seed)
@@ -138,6 +141,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
         max_prefill_length=cfg.max_prefill_length, max_model_len=max_model_len,
         eos_token_ids=eos, enable_prefix_cache=cfg.enable_prefix_cache, host_tier=host_tier,
         state_pool=state_pool, max_checkpoints=checkpoints, checkpoint_pages=cfg.state_checkpoint_pages,
+        speculator=_speculator(cfg, max_model_len),
     )
     sampler = Sampler(mcfg.vocab_size, cfg.max_running_requests, device, seed=cfg.seed, kernels=kernels)
     backend = _attention_backend(cfg, device)
@@ -155,8 +159,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
         if cfg.cuda_graph_prefill and moe_cache is None and state_pool is None:
             # Offload mode streams expert layers on a side stream during prefill,
             # which a captured graph cannot follow: it stays eager there. So do
-            # hybrids: their prefill's delta rule runs a host loop over sequences
-            # (the torch twin) until a varlen Triton kernel replaces it.
+            # hybrids: a chunk's state checkpoint loads and saves run beside it.
             from ftserve.engine.prefill_graph import PrefillGraphs
 
             runner.prefill_graphs = PrefillGraphs(
@@ -185,6 +188,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
         "state_slots": state_slots, "state_checkpoints": checkpoints, "state_gib": state_bytes / 2**30,
         "state_host_checkpoints": host_tier.num_state_slots if host_tier is not None else 0,
         "state_host_gib": host_tier.state_bytes_total() / 2**30 if host_tier is not None else 0.0,
+        "speculative": cfg.speculative if scheduler.spec is not None else "off",
     }
     log.info("model %s: %s on %s, weights %.2f GiB", model_dir, summary["dtype"], device,
              summary["weights_gib"])
@@ -216,6 +220,29 @@ def _state_slots(cfg: EngineConfig, mcfg: Any) -> tuple[int, int]:
         checkpoints = (cfg.state_checkpoints if cfg.state_checkpoints is not None
                        else 2 * cfg.max_running_requests)
     return cfg.max_running_requests + checkpoints, checkpoints
+
+
+def _refuse_hybrid_speculation(cfg: EngineConfig, model_dir: str | Path) -> None:
+    """--speculative refuses hybrid models: rolling back a rejected draft would need
+    their recurrent state as it was before the draft, which the state pool does not
+    keep."""
+    from ftserve.models.config import ModelConfig
+
+    mcfg = ModelConfig.from_pretrained(model_dir)
+    if mcfg.is_hybrid:
+        raise ConfigError(f"--speculative {cfg.speculative} cannot serve a hybrid model "
+                          f"({mcfg.architecture}: its recurrent state cannot roll back a rejected "
+                          f"draft); drop --speculative")
+
+
+def _speculator(cfg: EngineConfig, max_model_len: int) -> Speculator | None:
+    """--speculative ngram's per-request drafting, or None."""
+    if cfg.speculative == "off":
+        return None
+    log.info("speculative decoding: %s, %d draft tokens, n-gram match %d..%d tokens",
+             cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min_match, cfg.ngram_max_match)
+    return Speculator(cfg.num_speculative_tokens, cfg.ngram_min_match, cfg.ngram_max_match,
+                      max_model_len)
 
 
 def _host_tier(cfg: EngineConfig, pool: KVPool, state_pool: StatePool | None = None,

@@ -150,7 +150,10 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        h = F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]  # [T, I]
+        # In place in gate_up's gate half (no [T, I] buffer); the down GEMM reads
+        # the strided rows as they are.
+        h = F.silu(gate_up[:, : self.intermediate_size], inplace=True)  # [T, I]
+        h.mul_(gate_up[:, self.intermediate_size :])
         return self.down_proj(h)  # [T, H]
 
 
