@@ -108,7 +108,7 @@ def test_batched_chunked_prompts_equal_a_full_recompute(engine: Engine) -> None:
 def test_chunks_end_on_checkpoint_boundaries(engine: Engine) -> None:
     """A 70-token prompt with chunks of 24: cut at 16, 32, 48, 64 (every 16) and 68
     (the last page before the final token), each cut saving the state."""
-    from tools.engine_driver import EngineDriver
+    from ftserve.engine.driver import EngineDriver
 
     drv = EngineDriver(engine)
     rng = random.Random(2)

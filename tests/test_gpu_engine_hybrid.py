@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 
 from ftserve.config import EngineConfig
+from ftserve.engine.driver import EngineDriver
 from ftserve.engine.engine import Engine
 from ftserve.engine.request import ReqState
 from tests.engine_util import make_context_sensitive
 from tests.test_gpu_engine import CheckedDriver
-from tools.engine_driver import EngineDriver
 
 CHUNK = 256
 
