@@ -16,6 +16,7 @@ import random
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
@@ -357,3 +358,84 @@ def test_abort_mid_prefill_keeps_its_checkpoints(model_dir: str) -> None:
         assert_baseline(eng)
     finally:
         eng.shutdown()
+
+
+def test_expert_offload_with_512_experts(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Qwen3-Next's routing (512 experts, top-10, a shared expert) on a linear and
+    an attention layer, experts offloaded to host banks with 64 of the 1,024 in
+    VRAM slots (prefill streams whole layers, decode admits misses): chunked,
+    batched prompts and a turn that resumes from a checkpoint give the tokens of
+    the engine holding every expert."""
+    from ftserve.engine.driver import EngineDriver
+    from ftserve.models.checkpoint import write_checkpoint
+    from tests.test_moe_cache import make_experts_matter
+
+    out = tmp_path_factory.mktemp("qwen3-next-512")
+    write_checkpoint("tiny-qwen3-next", out, config_only=True, layers=2,
+                     overrides=dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=8))
+    rng = random.Random(13)
+    prompts = [prompt(rng, n) for n in (5, 29)]
+    turn2 = prompts[1] + prompt(rng, 4)
+    got: dict[str, list[list[int]]] = {}
+    for name, kw in (("resident", {}), ("offload", dict(moe_cache_size=64))):
+        eng = make_engine(str(out), max_running_requests=2, state_checkpoints=8, **kw)
+        try:
+            make_experts_matter(eng.runner.model)
+            drv = EngineDriver(eng)
+            reqs = [drv.add(p, 5) for p in prompts]
+            drv.run_all()
+            again = drv.add(turn2, 5)
+            drv.run_all()
+            assert again.cached_len == 28  # prompts[1]'s prompt-end checkpoint
+            got[name] = [list(r.output_ids) for r in (*reqs, again)]
+            cache = getattr(eng.runner.model, "expert_cache", None)
+            if name == "offload":
+                assert cache is not None and not cache.full
+                st = cache.stats()
+                assert st["experts_streamed"] > 0 and 0 < st["misses"] < st["lookups"], st
+            else:
+                assert cache is None
+                assert got[name][0] == ref(eng, prompts[0], 5)
+            assert_baseline(eng)
+        finally:
+            eng.shutdown()
+    assert got["offload"] == got["resident"]
+
+
+def test_fp8_kv_for_the_attention_layers(model_dir: str) -> None:
+    """--kv-cache-dtype fp8_e4m3 on a hybrid: the pool holds fp8 codes and scales
+    for the two attention layers only; a conversation whose second turn resumes
+    from a checkpoint, beside a chunked 70-token prompt, gives the tokens of the
+    same fp8 engine without a prefix cache (a full recompute); its logprobs
+    differ from an fp32 KV cache's (the fp8 pages were read) by little."""
+    rng = random.Random(14)
+    turn1, side, tail = prompt(rng, 45), prompt(rng, 70), prompt(rng, 9)
+    got: dict[str, tuple[list[int], list[float], int]] = {}
+    for name, kw in (("fp8", dict(kv_cache_dtype="fp8_e4m3")),
+                     ("fp8-recompute", dict(kv_cache_dtype="fp8_e4m3", enable_prefix_cache=False)),
+                     ("fp32", {})):
+        eng = make_engine(model_dir, **kw)
+        try:
+            pool = eng.runner.kv_pool
+            assert pool.num_layers == 2
+            assert (pool.dtype == torch.float8_e4m3fn) == name.startswith("fp8")
+            params = greedy(6, logprobs=0)
+            outs = collect(eng, [("t1", turn1, params), ("side", side, params)])
+            out1 = tokens_of(outs["t1"])
+            res = collect(eng, [("t2", turn1 + out1 + tail, greedy(8, logprobs=0))])["t2"]
+            lps = [lp.logprob for o in (*outs["t1"], *res) for lp in o.logprobs or []]
+            got[name] = (out1 + tokens_of(res) + tokens_of(outs["side"]), lps, res[-1].cached_tokens)
+            if kw.get("enable_prefix_cache") is not False:
+                assert_baseline(eng)
+        finally:
+            eng.shutdown()
+    assert got["fp8"][2] == 44 and got["fp8-recompute"][2] == 0
+    assert got["fp8"][0] == got["fp8-recompute"][0]
+    # Up to the first token the two caches choose differently (a flat random model
+    # may tip either way), the same positions are scored.
+    a, b = got["fp8"][0][:14], got["fp32"][0][:14]
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), 14)
+    assert same >= 6, (a, b)
+    fp8, fp32 = torch.tensor(got["fp8"][1][:same]), torch.tensor(got["fp32"][1][:same])
+    err = (fp8 - fp32).abs().max().item()
+    assert 0.0 < err < 0.05, err

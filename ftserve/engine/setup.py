@@ -88,7 +88,8 @@ def kernel_config(cfg: EngineConfig, device: torch.device) -> KernelConfig:
 
 
 def build_engine(cfg: EngineConfig) -> Engine:
-    from ftserve.models.loader import load_model
+    from ftserve.models.config import ModelConfig
+    from ftserve.models.loader import load_model, resolve_dtype
 
     cfg.validate()
     device = resolve_device(cfg.device)
@@ -99,17 +100,27 @@ def build_engine(cfg: EngineConfig) -> Engine:
     load_format = cfg.load_format
     if load_format == "auto":
         load_format = "dummy" if is_demo else "safetensors"
-    if cfg.speculative != "off":
-        _refuse_hybrid_speculation(cfg, model_dir)  # before minutes of weight loading
+    # The config alone first: what it rules out fails before minutes of weight
+    # loading, and a hybrid's state pool is known before the expert cache is sized.
+    plan_cfg = ModelConfig.from_pretrained(model_dir)
+    if cfg.speculative != "off" and plan_cfg.is_hybrid:
+        raise ConfigError(f"--speculative {cfg.speculative} cannot serve a hybrid model "
+                          f"({plan_cfg.architecture}: its recurrent state cannot roll back a "
+                          f"rejected draft); drop --speculative")
+    state_slots, checkpoints = _state_slots(cfg, plan_cfg)
+    state_bytes = (StateLayout.from_config(plan_cfg).pool_bytes(
+        state_slots, resolve_dtype(cfg.dtype, device), STATE_DTYPE) if state_slots else 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(cfg.seed)
     moe_cache = None
     if cfg.moe_cache_size is not None or cfg.moe_cache_auto:
-        # Offload mode: experts in host banks, N slots in VRAM (sized before the KV pool).
+        # Offload mode: experts in host banks, N slots in VRAM (sized before the KV
+        # pool, leaving room for the state pool).
         from ftserve.moe.planning import load_with_expert_cache
 
-        model, mcfg, moe_cache = load_with_expert_cache(model_dir, cfg, device, load_format)
+        model, mcfg, moe_cache = load_with_expert_cache(model_dir, cfg, device, load_format,
+                                                        reserve_bytes=state_bytes)
     else:
         model, mcfg = load_model(model_dir, dtype=cfg.dtype, device=device, load_format=load_format)
     dtype = next(model.parameters()).dtype
@@ -124,9 +135,6 @@ def build_engine(cfg: EngineConfig) -> Engine:
     # A hybrid's pool holds its full-attention layers only (ModelConfig.kv_layers).
     kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, dtype)
     per_token = KVPool.bytes_per_token(len(mcfg.kv_layers), mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)
-    state_slots, checkpoints = _state_slots(cfg, mcfg)
-    state_bytes = (StateLayout.from_config(mcfg).pool_bytes(state_slots, dtype, STATE_DTYPE)
-                   if state_slots else 0)
     num_pages = _plan_pages(cfg, device, per_token, model, mcfg, kernels, state_bytes)
     pool = KVPool(len(mcfg.kv_layers), num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
                   kv_dtype, device)
@@ -220,19 +228,6 @@ def _state_slots(cfg: EngineConfig, mcfg: Any) -> tuple[int, int]:
         checkpoints = (cfg.state_checkpoints if cfg.state_checkpoints is not None
                        else 2 * cfg.max_running_requests)
     return cfg.max_running_requests + checkpoints, checkpoints
-
-
-def _refuse_hybrid_speculation(cfg: EngineConfig, model_dir: str | Path) -> None:
-    """--speculative refuses hybrid models: rolling back a rejected draft would need
-    their recurrent state as it was before the draft, which the state pool does not
-    keep."""
-    from ftserve.models.config import ModelConfig
-
-    mcfg = ModelConfig.from_pretrained(model_dir)
-    if mcfg.is_hybrid:
-        raise ConfigError(f"--speculative {cfg.speculative} cannot serve a hybrid model "
-                          f"({mcfg.architecture}: its recurrent state cannot roll back a rejected "
-                          f"draft); drop --speculative")
 
 
 def _speculator(cfg: EngineConfig, max_model_len: int) -> Speculator | None:
