@@ -127,6 +127,31 @@ def test_chunks_end_on_checkpoint_boundaries(engine: Engine) -> None:
     assert_baseline(engine)
 
 
+def test_a_checkpoint_before_the_unsent_tail(engine: Engine) -> None:
+    """A chat prompt whose last 10 tokens a later turn will not resend (its
+    generation prompt: GenerateRequest.unsent_tail) also saves its state at 60,
+    the page boundary before them; a next turn that parts from it inside that
+    tail resumes there, with a full recompute's tokens."""
+    from ftserve.engine.driver import EngineDriver
+
+    drv = EngineDriver(engine)
+    rng = random.Random(15)
+    p = prompt(rng, 70)
+    req = drv.add(p, max_tokens=2)
+    req.unsent_tail = 10
+    ends = []
+    while not req.finished:
+        batch = drv.step()
+        if batch is not None and not batch.is_decode:
+            ends.append(batch.prefix_lens[0] + len(batch.new_tokens[0]))
+    drv.flush()
+    assert ends == [16, 32, 48, 60, 64, 68, 70]
+    turn2 = p[:62] + prompt(rng, 12)  # its reply stands where the tail stood
+    res = collect(engine, [("turn2", turn2, greedy(5))])["turn2"]
+    assert res[-1].cached_tokens == 60 and tokens_of(res) == ref(engine, turn2, 5)
+    assert_baseline(engine)
+
+
 def test_hits_at_a_prompt_end_and_every_n_pages(engine: Engine) -> None:
     """A conversation's next turn resumes at its previous prompt's last page
     boundary; a request sharing the first 45 tokens of a 70-token prompt resumes

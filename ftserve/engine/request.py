@@ -45,6 +45,8 @@ class Req:
     arrival_time: float
     # Constrained decoding (response_format): advanced by every committed token.
     grammar: GrammarMatcher | None = None
+    # GenerateRequest.unsent_tail: prompt tokens at its end a later turn will not resend.
+    unsent_tail: int = 0
     # Set by the scheduler:
     tokens: list[int] = field(init=False)  # prompt + output
     output_ids: list[int] = field(default_factory=list, init=False)
@@ -105,7 +107,7 @@ class Req:
     @classmethod
     def from_message(cls, msg: GenerateRequest) -> Req:
         return cls(msg.request_id, list(msg.prompt_ids), msg.params, msg.arrival_time,
-                   msg.grammar)
+                   msg.grammar, msg.unsent_tail)
 
     def check(self) -> None:
         # cached_len is the prefix hit of the first admission (what usage reports);
