@@ -251,6 +251,26 @@ def test_few_checkpoint_slots_evict_leaves_with_their_pages(model_dir: str) -> N
         eng.shutdown()
 
 
+def test_a_long_prefill_past_the_cap_keeps_its_prompt_end(model_dir: str) -> None:
+    """Two checkpoint slots for a prompt with five boundaries (16, 32, 48, 64, 68):
+    past the cap its latest checkpoint moves deeper, so it keeps 16 and 68, and
+    the next turn resumes at its prompt end, not at 32."""
+    eng = make_engine(model_dir, state_checkpoints=2, max_running_requests=1)
+    try:
+        rng = random.Random(16)
+        p = prompt(rng, 70)
+        out1 = tokens_of(collect(eng, [("t1", p, greedy(3))])["t1"])
+        c = eng.scheduler.counters
+        assert c.state_checkpoints_saved_total == 5 and c.state_checkpoints_skipped_total == 0
+        assert eng.scheduler.radix.cached_states == 2
+        turn2 = p + out1 + prompt(rng, 6)
+        res = collect(eng, [("t2", turn2, greedy(4))])["t2"]
+        assert res[-1].cached_tokens == 68 and tokens_of(res) == ref(eng, turn2, 4)
+        assert_baseline(eng)
+    finally:
+        eng.shutdown()
+
+
 def test_aborts_free_state_slots(engine: Engine) -> None:
     rng = random.Random(8)
     reqs = [(f"x{i}", prompt(rng, 10 + 15 * i), greedy(30)) for i in range(5)]

@@ -443,10 +443,16 @@ class Scheduler:
 
     def _plan_checkpoint(self, req: Req, end: int, saves: list[tuple[int, int]]) -> None:
         """If req's chunk ends on a checkpoint boundary, a slot to save its state
-        into after the forward (none when every checkpoint is locked: skipped)."""
+        into after the forward. When every checkpoint is locked, req's own latest
+        (not yet in the prefix cache) moves here: a long prefill past the cap
+        keeps its early checkpoints and its deepest, the one its prompt ends on
+        (the next turn's resume point); with none of its own, skipped."""
         if end != self._next_checkpoint(req):
             return
         slot = self.radix.alloc_state()
+        if slot is None and req.checkpoints:
+            # A save into it that a step still runs comes first in stream order.
+            _, slot = req.checkpoints.pop()
         if slot is None:
             self.counters.state_checkpoints_skipped_total += 1
             return
