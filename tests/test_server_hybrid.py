@@ -106,6 +106,12 @@ def test_agentic_turns_resume_at_the_previous_prompts_end(live: Live) -> None:
     assert cold_usage.prompt_tokens_details.cached_tokens == 0
     assert cold_ids == hit_ids
     live.wait_idle()
+    with urllib.request.urlopen(live.url + "/metrics", timeout=30) as resp:
+        metrics = dict(line.rsplit(" ", 1) for line in resp.read().decode().splitlines()
+                       if line.startswith("ftserve_state_"))
+    assert float(metrics["ftserve_state_checkpoints_saved_total"]) >= 5
+    assert float(metrics["ftserve_state_checkpoints_cached"]) == live.engine.scheduler.radix.cached_states > 0
+    assert float(metrics["ftserve_state_checkpoints_skipped_total"]) == 0
 
 
 WEATHER = {"type": "object", "properties": {

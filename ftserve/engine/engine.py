@@ -59,6 +59,7 @@ class EngineStats:
     state_checkpoints_cached: int = 0
     state_checkpoints_host_cached: int = 0
     state_checkpoints_saved_total: int = 0
+    state_checkpoints_skipped_total: int = 0  # boundaries with no slot to save into
     # Speculative decoding (all 0 when off): drafts verified, their tokens, the
     # tokens kept, and spec_accept_lengths[a] = verifies that kept a draft tokens.
     spec_verifies_total: int = 0
@@ -337,6 +338,7 @@ class EngineCore:
             state_checkpoints_cached=s.radix.cached_states,
             state_checkpoints_host_cached=s.radix.host_cached_states,
             state_checkpoints_saved_total=c.state_checkpoints_saved_total,
+            state_checkpoints_skipped_total=c.state_checkpoints_skipped_total,
             **self._spec_stats(),
         )
 
