@@ -221,7 +221,8 @@ def check_targets(res: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
         res["cached_over_cold"] = r
         out.append((f"{cached['new']}-token turn over {cached['cached_tokens']} cached tokens <= "
                     f"{TARGETS['cached_over_cold']}x the cold {cold['new']}-token prompt",
-                    f"{r:.2f}x ({1e3 * cached['wall_s']:.1f} / {1e3 * cold['wall_s']:.1f} ms)",
+                    f"{r:.2f}x ({1e3 * cached['wall_s']:.1f} / {1e3 * cold['wall_s']:.1f} ms; "
+                    f"FLOPs {cached['total_flops'] / cold['total_flops']:.1f}x)",
                     r <= TARGETS["cached_over_cold"]))
     if "frac_of_matmul" in cold:
         f = cold["frac_of_matmul"]
