@@ -66,6 +66,17 @@ class EngineConfig:
     kv_host_pages: int | None = _opt(None, "host-tier KV pages (pinned host memory) for the prefix "
                                            "cache's evicted pages")
     kv_host_gib: float | None = _opt(None, "host-tier size in GiB (instead of --kv-host-pages)")
+    state_checkpoint_pages: int = _opt(256, "hybrid models (Qwen3-Next): besides the end of each prompt, "
+                                            "a long prefill saves a recurrent-state checkpoint for the "
+                                            "prefix cache every this many pages (a hit resumes at the "
+                                            "deepest checkpoint it reaches)")
+    state_checkpoints: int | None = _opt(None, "hybrid models: recurrent-state checkpoints the prefix cache "
+                                               "keeps, each one request's state in size, beside one state "
+                                               "per running request (default: 2 x "
+                                               "--max-running-requests)")
+    state_host_checkpoints: int | None = _opt(None, "hybrid models with a KV host tier (--kv-host-*): "
+                                                    "checkpoints it keeps in pinned host memory beside "
+                                                    "its pages (default: --state-checkpoints)")
     speculative: str = _opt("off", "off | ngram | mtp: speculative decoding with drafts copied from "
                                    "the request's own prompt and output (ngram) or made by the "
                                    "checkpoint's MTP layer (mtp), verified in one step, outputs as "
@@ -118,6 +129,13 @@ class EngineConfig:
             raise ConfigError("--kv-host-pages must be at least 1")
         if self.kv_host_gib is not None and not self.kv_host_gib > 0:
             raise ConfigError("--kv-host-gib must be > 0")
+        if self.state_checkpoint_pages < 1:
+            raise ConfigError("--state-checkpoint-pages must be at least 1")
+        if self.state_host_checkpoints is not None and self.state_host_checkpoints < 1:
+            raise ConfigError("--state-host-checkpoints must be at least 1")
+        if self.state_checkpoints is not None and self.state_checkpoints < 1:
+            raise ConfigError("--state-checkpoints must be at least 1 (--disable-prefix-cache "
+                              "keeps none)")
         if self.speculative not in ("off", "ngram", "mtp"):
             raise ConfigError("--speculative must be off, ngram or mtp")
         if self.speculative == "mtp" and (self.moe_cache_size is not None or self.moe_cache_auto):

@@ -3,7 +3,8 @@ per sequence (see ftserve/engine/cuda_graph.py). Twin: ``decode_inputs_ref``.
 
     packed [B, WORDS] int64: one DecodeRow per sequence (input id, position, KV
                              slot, seq len, sampler slot | min_tokens flag,
-                             step, src row: -1 where the host knows the id)
+                             step, src row: -1 where the host knows the id,
+                             state slot: a hybrid model's state-pool slot)
 
 A batch-1 decode step on the H200 spent ~15 us in ~10 small torch launches
 unpacking this (a transpose, the src-row substitution, casts, masks, the page
@@ -54,19 +55,23 @@ class DecodeRow(NamedTuple, Generic[W]):
     slot: W  # sampler slot = page-table row, with the min_tokens flag bit (MIN_FLAG) or'd in
     step: W  # index of the output token being sampled
     src_row: W  # row of ``last`` holding the input id (overlap scheduling: the host does not know it), -1: none
+    # A hybrid model's state-pool slot of the sequence (0, the pool's sink, in
+    # padded rows and for models without linear-attention layers).
+    state_slot: W
 
     @classmethod
     def padding(cls, sink_row: int) -> DecodeRow[int]:
-        """A padded row: length 1 over the dummy page, the dummy page-table row
-        and sampler slot; it writes nowhere real."""
-        return DecodeRow(input_id=0, position=0, out_cache_loc=0, seq_len=1, slot=sink_row, step=0, src_row=-1)
+        """A padded row: length 1 over the dummy page, the dummy page-table row,
+        sampler slot and state slot; it writes nowhere real."""
+        return DecodeRow(input_id=0, position=0, out_cache_loc=0, seq_len=1, slot=sink_row, step=0, src_row=-1,
+                         state_slot=0)
 
 
 WORDS = len(DecodeRow._fields)
 # Each field's word within a row, for the kernel.
 _W = {name: tl.constexpr(i) for i, name in enumerate(DecodeRow._fields)}
 W_INPUT_ID, W_POSITION, W_LOC, W_SEQ_LEN = _W["input_id"], _W["position"], _W["out_cache_loc"], _W["seq_len"]
-W_SLOT, W_STEP, W_SRC_ROW = _W["slot"], _W["step"], _W["src_row"]
+W_SLOT, W_STEP, W_SRC_ROW, W_STATE_SLOT = _W["slot"], _W["step"], _W["src_row"], _W["state_slot"]
 
 
 @dataclass
@@ -79,6 +84,7 @@ class DecodeInputs:
     slots: torch.Tensor  # [B] int64, sampler slot = page-table row
     steps: torch.Tensor  # [B] int64
     min_active: torch.Tensor  # [B] bool, below min_tokens
+    state_slots: torch.Tensor  # [B] int64, state-pool slots (ForwardBatch.state_slots)
     page_rows: torch.Tensor  # [B, max_pages] int32, page_table[slots]
     embeds: torch.Tensor | None  # [B, H], embedding rows of input_ids (None: no table given)
     normed: torch.Tensor | None = None  # [B, H], rms_norm(embeds) (None: no norm given)
@@ -117,7 +123,8 @@ def decode_inputs_ref(
     embeds = None if embed is None else embed.index_select(0, ids)
     return DecodeInputs(
         ids, row.position.contiguous(), row.out_cache_loc.contiguous(), seq, seq - 1, slots,
-        row.step.contiguous(), (row.slot & flag) != 0, page_table.index_select(0, slots), embeds,
+        row.step.contiguous(), (row.slot & flag) != 0, row.state_slot.contiguous(),
+        page_table.index_select(0, slots), embeds,
         None if norm is None or embeds is None else rms_norm_ref(embeds, norm.weight, norm.eps),
     )
 
@@ -151,7 +158,7 @@ def _embed_norm_row(emb_ptr, tok, stride_emb, out_ptr, normed_ptr, nw_ptr, hidde
 @triton.jit
 def _decode_inputs_kernel(
     packed_ptr, last_ptr, pt_ptr, emb_ptr, nw_ptr, normed_ptr,
-    ids_ptr, pos_ptr, loc_ptr, seq_ptr, pre_ptr, slot_ptr, step_ptr, min_ptr, rows_ptr, out_emb_ptr,
+    ids_ptr, pos_ptr, loc_ptr, seq_ptr, pre_ptr, slot_ptr, step_ptr, min_ptr, sslot_ptr, rows_ptr, out_emb_ptr,
     max_pages, hidden, eps, stride_pt, stride_rows, stride_emb, stride_out_emb,
     parity_ptr, pair_stride,
     FLAG: tl.constexpr, HAS_EMB: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -186,6 +193,7 @@ def _decode_inputs_kernel(
         tl.store(slot_ptr + b, slot)
         tl.store(step_ptr + b, tl.sum(tl.where(w == W_STEP, words, 0), 0))
         tl.store(min_ptr + b, ((packed_slot & FLAG) != 0).to(tl.int8))
+        tl.store(sslot_ptr + b, tl.sum(tl.where(w == W_STATE_SLOT, words, 0), 0))
         if HAS_EMB:
             out = b.to(tl.int64) * stride_out_emb
             _embed_norm_row(emb_ptr, tok, stride_emb, out_emb_ptr + out, normed_ptr + out, nw_ptr,
@@ -222,7 +230,7 @@ def decode_inputs_triton(
     out = DecodeInputs(
         torch.empty(bsz, **i64), torch.empty(bsz, **i64), torch.empty(bsz, **i64),
         torch.empty(bsz, **i32), torch.empty(bsz, **i32), torch.empty(bsz, **i64),
-        torch.empty(bsz, **i64), torch.empty(bsz, dtype=torch.bool, device=dev),
+        torch.empty(bsz, **i64), torch.empty(bsz, dtype=torch.bool, device=dev), torch.empty(bsz, **i64),
         torch.empty(bsz, max_pages, **i32),
         None if embed is None else torch.empty(bsz, embed.shape[1], dtype=embed.dtype, device=dev),
     )
@@ -238,7 +246,7 @@ def decode_inputs_triton(
         norm.weight if norm is not None else page_table,
         out.normed if out.normed is not None else emb_out,
         out.input_ids, out.positions, out.out_cache_loc, out.seq_lens, out.prefix_lens, out.slots,
-        out.steps, out.min_active.view(torch.int8), out.page_rows, emb_out,
+        out.steps, out.min_active.view(torch.int8), out.state_slots, out.page_rows, emb_out,
         max_pages, hidden, norm.eps if norm is not None else 0.0,
         page_table.stride(0), out.page_rows.stride(0),
         embed.stride(0) if embed is not None else 0, emb_out.stride(0),

@@ -34,7 +34,7 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
         ``linear(x, w, b)``; a PendingNorm: the GEMV applies it
     linear_fp32(x [T, K], w [N, K]) -> [T, N] fp32: the lm_head; F.linear(x, w).float(),
         or for one row on Triton the GEMV writing fp32 itself
-    decode_inputs(packed [B, 7] int64, last [S] int64, page_table [R, P] int32,
+    decode_inputs(packed [B, WORDS] int64, last [S] int64, page_table [R, P] int32,
                   embed [V, H] | None, flag, norm: InputNorm | None, staged=None) -> DecodeInputs: a
         decode graph's unpacked inputs, page-table rows, embeddings and (with
         ``norm``) their first-layer input norm (decode_inputs.py); ``staged``: the

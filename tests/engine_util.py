@@ -14,6 +14,7 @@ from ftserve.engine.engine import Engine
 from ftserve.engine.messages import GenerateRequest, RequestOutput
 from ftserve.engine.sampling_params import SamplingParams
 from ftserve.kvcache.pool import KVPool
+from ftserve.kvcache.state_pool import StatePool
 from ftserve.models.forward_batch import build_forward_batch
 from ftserve_kernels.paged_attention import TorchAttentionBackend
 
@@ -80,12 +81,15 @@ def reference_greedy(model: torch.nn.Module, mcfg: object, prompt: list[int], n:
     ps = 16
     pages_needed = (len(prompt) + n + ps - 1) // ps
     dtype = next(model.parameters()).dtype
-    pool = KVPool(mcfg.num_layers, pages_needed + 1, ps, mcfg.num_kv_heads,  # type: ignore[attr-defined]
+    pool = KVPool(len(mcfg.kv_layers), pages_needed + 1, ps, mcfg.num_kv_heads,  # type: ignore[attr-defined]
                   mcfg.head_dim, dtype, "cpu")  # type: ignore[attr-defined]
+    # A hybrid's linear layers: one state slot, started from zeros by every full recompute.
+    states = StatePool.for_model(mcfg, 1, dtype) if mcfg.is_hybrid else None  # type: ignore[attr-defined,arg-type]
     backend = TorchAttentionBackend()
     for _ in range(n):
         pages = list(range(1, (len(seq) + ps - 1) // ps + 1))
-        fb = build_forward_batch([seq], [0], [pages], pool, backend)
+        fb = build_forward_batch([seq], [0], [pages], pool, backend, state_pool=states,
+                                 state_slots=[1] if states is not None else None)
         tok = int(model(fb)[0].argmax())
         out.append(tok)
         seq.append(tok)
@@ -103,7 +107,8 @@ def make_context_sensitive(model: torch.nn.Module, gain: float = 20.0) -> None:
     """
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("self_attn.o_proj.weight"):
+            # (a hybrid's linear-attention layers too: a wrong recurrent state must show)
+            if name.endswith(("self_attn.o_proj.weight", "linear_attn.out_proj.weight")):
                 p.mul_(gain)
     refresh = getattr(model, "refresh_derived", None)
     if refresh is not None:  # the folded routers the captured graphs read

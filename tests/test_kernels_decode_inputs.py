@@ -48,6 +48,7 @@ def test_decode_inputs_equal_reference(
         slot=torch.tensor([0, 3 | MIN_FLAG, 5, 2 | MIN_FLAG, 5]),  # with the flag; 5 = the sink row
         step=torch.randint(0, 99, (bsz,), generator=g),
         src_row=torch.tensor([-1, 2, -1, 0, 4]),  # row of last (-1: the host's id)
+        state_slot=torch.tensor([3, 0, 7, 1, 0]),  # a hybrid's state-pool slots (0: the sink)
     ), dim=1).contiguous()
     got = decode_inputs_triton(packed, last, page_table, embed, MIN_FLAG, norm, block_p=block_p)
     ref = decode_inputs_ref(packed, last, page_table, embed, MIN_FLAG, norm)
@@ -72,6 +73,7 @@ def test_decode_inputs_equal_reference(
     assert got.input_ids[1] == last[2] and got.input_ids[0] == DecodeRow(*packed.t()).input_id[0]
     assert got.min_active.tolist() == [False, True, False, True, False]
     assert got.slots.tolist() == [0, 3, 5, 2, 5]
+    assert got.state_slots.tolist() == [3, 0, 7, 1, 0]
 
 
 @interpreter_only
@@ -98,7 +100,7 @@ def test_decode_inputs_read_the_staged_row(side: int) -> None:
             out_cache_loc=torch.randint(0, 900, (bsz,), generator=r),
             seq_len=torch.randint(1, 90, (bsz,), generator=r),
             slot=torch.tensor([0, 2 | MIN_FLAG, 3]), step=torch.randint(0, 9, (bsz,), generator=r),
-            src_row=torch.tensor([-1, 1, -1]),
+            src_row=torch.tensor([-1, 1, -1]), state_slot=torch.randint(0, 9, (bsz,), generator=r),
         ), dim=1).contiguous()
 
     # Two different rows, wider than the batch (the graph's pair is max_bs wide).
@@ -120,12 +122,13 @@ def test_decode_inputs_read_the_staged_row(side: int) -> None:
 @interpreter_only
 def test_ops_dispatch() -> None:
     packed = torch.tensor([DecodeRow(input_id=4, position=1, out_cache_loc=17, seq_len=2, slot=1, step=0,
-                                     src_row=-1)])
+                                     src_row=-1, state_slot=2)])
     pt = torch.arange(12, dtype=torch.int32).view(3, 4)
     last = torch.zeros(3, dtype=torch.int64)
     for kernels in ("torch", "triton"):
         d = ops.decode_inputs(KernelConfig(backend=kernels), packed, last, pt, None, MIN_FLAG)
         assert d.page_rows.tolist() == [[4, 5, 6, 7]] and d.prefix_lens.tolist() == [1]
+        assert d.state_slots.tolist() == [2]
 
 
 @pytest.mark.gpu
@@ -145,7 +148,7 @@ def test_gpu_decode_inputs_norm_real_shape() -> None:
     packed = torch.stack(DecodeRow(
         input_id=torch.randint(0, vocab, (bsz,), generator=g, device=dev), position=zeros, out_cache_loc=zeros,
         seq_len=zeros + 1, slot=torch.arange(bsz, device=dev), step=zeros,
-        src_row=torch.tensor([-1, 3, -1, -1, 7, -1, -1, 0], device=dev)), dim=1).contiguous()
+        src_row=torch.tensor([-1, 3, -1, -1, 7, -1, -1, 0], device=dev), state_slot=zeros), dim=1).contiguous()
     got = decode_inputs_triton(packed, last, page_table, embed, MIN_FLAG, norm)
     assert got.normed is not None and got.embeds is not None
     rows, normed = embed_rms_norm_triton(got.input_ids, embed, norm)

@@ -263,7 +263,7 @@ def test_gpu_staged_step_io_in_a_graph(n: int) -> None:
 
     def words(step: int) -> torch.Tensor:  # the host's input ids i + 1000 * step, slot i
         return torch.tensor([DecodeRow(input_id=i + 1000 * step, position=0, out_cache_loc=0, seq_len=1, slot=i,
-                                       step=0, src_row=-1) for i in range(n)]).view(-1)
+                                       step=0, src_row=-1, state_slot=0) for i in range(n)]).view(-1)
 
     h_in.copy_(words(0).expand(2, -1))
     graph, _ = capture_graph(step_fn, None)

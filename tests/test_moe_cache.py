@@ -557,3 +557,5 @@ def test_auto_slots_budget() -> None:
     assert auto_slots(free, cfg, bank, 10) == 20
     assert auto_slots(int((act + kv + 64 * rb) / 0.5) + 2, cfg, bank, 10) == 64  # all fit: no buffers
     assert auto_slots(0, cfg, bank, 10) == 0
+    # A hybrid's recurrent-state pool, allocated after the cache, comes off the budget too.
+    assert auto_slots(free, cfg, bank, 10, reserve_bytes=5 * rb) == 15

@@ -17,6 +17,12 @@ when full) and resets interleave. After every step:
 The twin learns where an evicted prefix went from the moves the cache planned
 (``pending_moves``), checks that they only move pages it holds, and each
 eviction is checked for LRU order on both tiers.
+
+A stateful cache (hybrid models' state checkpoints) has its own machine
+(``StatefulRadixMachine``): its twin also maps each checkpointed prefix to its
+slot, and it checks the deepest usable checkpoint of every match, that every
+cached prefix has a checkpoint at or below it, that checkpoints and pages are
+evicted together (whole LRU leaves), and the state-slot partition.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from ftserve.kvcache.allocator import PageAllocator
 from ftserve.kvcache.host_tier import HostKVTier
 from ftserve.kvcache.pool import KVPool
-from ftserve.kvcache.radix import RadixCache, RadixNode
+from ftserve.kvcache.radix import PrefixMatch, RadixCache, RadixNode
+from ftserve.kvcache.state_pool import StateLayout, StatePool
 
 Prefix = tuple[int, ...]
 Loc = tuple[bool, int]  # (on_host, page)
@@ -486,3 +493,345 @@ TestHostTierMachine = HostTierMachine.TestCase
 TestHostTierMachine.settings = _settings(150)
 TestHostTierMachinePage3 = HostTierMachinePage3.TestCase
 TestHostTierMachinePage3.settings = _settings(80)
+
+
+# ---------------------------------------------------------------- state checkpoints
+
+@dataclass
+class StatefulReq:
+    tokens: list[int]
+    node: RadixNode
+    shared: int  # pages[:shared] belong to the tree (pinned by node, which holds a checkpoint)
+    pages: list[int]
+    slot: int  # the request's own state slot
+    checkpoints: list[tuple[int, int]]  # saved (tokens, slot), not yet given to the tree
+
+
+class StatefulRadixMachine(RuleBasedStateMachine):
+    """A stateful cache (hybrid models), with or without a host tier: requests
+    resume at the deepest checkpoint they match (restoring what the match found
+    on the host), save checkpoints at page boundaries of what they computed
+    (``alloc_state``, which evicts the LRU leaf at the cap), hand them to the
+    tree with their pages (mid-way, as a published prompt, and at the end) or
+    give them back (abort). A naive twin maps every cached prefix to its tier
+    and page and knows which prefixes hold a checkpoint; after every step the
+    tree, the twin and the slot partitions (device and host states) agree,
+    every cached prefix has a checkpoint at or below it, evictions took the
+    least recently used device leaves whole (pages and checkpoint), and every
+    checkpoint slot (either tier) and page holds the state / KV of the prefix it
+    ends: the planned moves ran and moved the right slots."""
+
+    page_size = 2
+    device_pages = 24
+    max_states = 4
+    max_live = 3
+    host_pages: int | None = None
+    host_states = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        ps = self.page_size
+        self.a = PageAllocator(self.device_pages)
+        self.kv = KVPool(1, self.device_pages, ps, 1, 1, torch.float32, "cpu")
+        self.pool = StatePool(StateLayout(1, 1, 1, 1, 1, 1), self.max_live + self.max_states, torch.float32)
+        self.host = (HostKVTier(self.kv, self.host_pages, states=self.pool, state_slots=self.host_states)
+                     if self.host_pages else None)
+        self.c = RadixCache(ps, self.a, host=self.host, states=self.pool, max_states=self.max_states)
+        self.oracle = NaiveTieredCache(ps)
+        self.ckpts: set[Prefix] = set()  # prefixes holding a checkpoint (on their last page's tier)
+        self.reqs: dict[int, StatefulReq] = {}
+        self.next_id = 0
+        self.history: list[list[int]] = [[]]
+        self.ids: dict[Prefix, int] = {}
+
+    # -- helpers
+    def _id(self, seq: Sequence[int]) -> float:
+        """The KV of a prefix's last token, and the state after a prefix, are its id."""
+        return float(self.ids.setdefault(tuple(seq), len(self.ids) + 1))
+
+    def _pick(self, i: int) -> StatefulReq:
+        return self.reqs[sorted(self.reqs)[i % len(self.reqs)]]
+
+    def _sync(self) -> None:
+        """After a cache call: replay its planned page moves in the twin, run all
+        moves (the engine flushes before the next step), forget the prefixes whose
+        page was freed and their checkpoints."""
+        if self.host is not None:
+            self.oracle.apply_moves(self.host.pending_moves())
+            self.host.flush()
+        self.oracle.drop_freed(self.a, self.host.allocator if self.host else None)
+        self.oracle.assert_shape()
+        self.ckpts &= set(self.oracle.where)
+
+    def _state_match(self, tokens: Sequence[int]) -> int:
+        """Tokens of the deepest checkpointed prefix of the device match."""
+        dev, _ = self.oracle.match(tokens)
+        return max([j * self.page_size for j in range(1, len(dev) + 1)
+                    if tuple(tokens[: j * self.page_size]) in self.ckpts], default=0)
+
+    def _check_state_match(self, m: PrefixMatch, tokens: Sequence[int]) -> None:
+        assert m.state_tokens == self._state_match(tokens), "the deepest device checkpoint of the match"
+        assert m.state_node is not None and m.state_node.state == m.state_slot
+        assert (m.state_slot >= 0) == (m.state_tokens > 0)
+        if m.state_slot >= 0:
+            assert float(self.pool.recurrent[0, m.state_slot]) == self._id(tokens[: m.state_tokens])
+
+    def _match(self, tokens: Sequence[int]) -> PrefixMatch:
+        m = self.c.match_prefix(tokens)
+        dev, host = self.oracle.match(tokens)
+        assert m.pages == dev and m.host_tokens == len(host) * self.page_size
+        self._check_state_match(m, tokens)
+        self.oracle.touch(tokens, len(dev) + len(host))
+        return m
+
+    def _leaves(self) -> list[tuple[int, list[int]]]:
+        """(LRU time, pages) of every device eviction candidate: unlocked, no device child."""
+        at = {loc: key for key, loc in self.oracle.where.items()}
+        return [(self.oracle.last_use[at[(False, n.pages[0])]], list(n.pages)) for n in nodes(self.c)
+                if not n.on_host and n.ref == 0 and all(ch.on_host for ch in n.children.values())]
+
+    def _check_lru(self, before: list[tuple[int, list[int]]]) -> None:
+        """The candidates that left the device (offloaded or dropped) were the least
+        recently used ones, whole; then _sync."""
+        gone = [t for t, pages in before if all(self.a.is_free(p) for p in pages)]
+        kept = [t for t, pages in before if not any(self.a.is_free(p) for p in pages)]
+        assert len(gone) + len(kept) == len(before), "a leaf was evicted in part"
+        if gone and kept:
+            assert max(gone) <= min(kept), "evicted a leaf used more recently than a kept one"
+        self._sync()
+
+    def _write_kv(self, r: StatefulReq) -> None:
+        ps = self.page_size
+        pos = list(range(r.shared * ps, len(r.tokens)))
+        if pos:
+            slots = torch.tensor([r.pages[i // ps] * ps + i % ps for i in pos])
+            self.kv.k[0, slots, 0, 0] = torch.tensor([self._id(r.tokens[: i + 1]) for i in pos])
+
+    def _insert(self, r: StatefulReq, end: int, give: list[tuple[int, int]]) -> None:
+        """The tree takes r's pages up to ``end`` (a checkpoint: given, or r's match)
+        with the checkpoints ``give``; r then locks the node ending at ``end``."""
+        ps = self.page_size
+        toks = r.tokens[:end]
+        present, dups, superseded = self.oracle.insert(toks, r.pages[: end // ps])
+        self.oracle.touch(toks, end // ps)
+        assert self.c.insert(toks, r.pages[: end // ps], give) == present
+        assert all(self.a.is_free(p) for p in dups), "duplicate pages must be freed"
+        assert self.host is not None or not superseded
+        # A checkpoint of a prefix the insert took back from the host tier comes back
+        # to the device, or is dropped where no device slot is free.
+        held = self._tree_checkpoints()
+        dropped = {k for k in self.ckpts if k not in held}
+        assert all(self.oracle.where[k][0] and len(k) <= end for k in dropped), (
+            "only checkpoints of host prefixes the insert took back may go")
+        self.ckpts -= dropped
+        for n_tok, slot in give:
+            key = tuple(toks[:n_tok])
+            if held.get(key) == slot:
+                self.ckpts.add(key)
+            else:
+                assert key in held and slot in self.pool.free_slots(), "a second checkpoint of one prefix is freed"
+        self._sync()
+        m = self._match(toks)
+        assert m.num_tokens == end and m.state_tokens == end, "what was just inserted must match"
+        self.c.lock(m.state_node)  # type: ignore[arg-type]
+        self.c.unlock(r.node)
+        r.node, r.shared, r.pages = m.state_node, end // ps, m.pages + r.pages[end // ps:]  # type: ignore[assignment]
+        r.checkpoints = [(n, s) for n, s in r.checkpoints if n > end]
+
+    def _tree_checkpoints(self) -> dict[Prefix, int]:
+        held: dict[Prefix, int] = {}
+        stack: list[tuple[RadixNode, Prefix]] = [(self.c.root, ())]
+        while stack:
+            n, key = stack.pop()
+            if n.state >= 0:
+                held[key] = n.state
+            stack.extend((ch, key + tuple(ch.key)) for ch in n.children.values())
+        return held
+
+    def _save(self, r: StatefulReq, end: int) -> None:
+        """alloc_state for a checkpoint of r at ``end`` tokens, checked: at the cap
+        it evicts the LRU leaf (whole); it refuses only when every leaf is locked.
+        The state is then written as the engine's save copies it: after the
+        step's planned moves (a just-offloaded slot may come back at once)."""
+        full = self.c.cached_states + self.c.states_out >= self.max_states
+        before, cached = self._leaves(), self.c.cached_states
+        slot = self.c.alloc_state()
+        self._check_lru(before)
+        if full and before:
+            assert self.c.cached_states == cached - 1, "saving at the cap evicts one leaf (and its checkpoint)"
+        assert (slot is None) == (full and not before), "a checkpoint is refused only if all are locked"
+        if slot is not None:
+            self.pool.recurrent[0, slot] = self._id(r.tokens[:end])
+            r.checkpoints.append((end, slot))
+
+    # -- rules
+    @precondition(lambda self: len(self.reqs) < self.max_live)
+    @rule(base=st.integers(0, 1000), suffix=token_lists)
+    def start_request(self, base: int, suffix: list[int]) -> None:
+        tokens = self.history[-1 - base % len(self.history)] + suffix
+        m = self._match(tokens)
+        if m.host_node is not None:
+            # (Its evictions are not checked for LRU order: the loads reuse the freed pages.)
+            m = self.c.restore(m)
+            self._sync()
+            assert m.host_node is None and m.pages == self.oracle.match(tokens)[0][: len(m.pages)]
+            self._check_state_match(m, tokens)
+        node = m.state_node
+        assert node is not None
+        self.c.lock(node)
+        shared = m.state_tokens // self.page_size
+        need = -(-len(tokens) // self.page_size) - shared
+        priv = self.a.alloc(need)
+        if priv is None:
+            before = self._leaves()
+            self.c.evict(need - self.a.num_free)
+            self._check_lru(before)
+            priv = self.a.alloc(need)
+        if priv is None:
+            self.c.unlock(node)
+            return
+        r = StatefulReq(tokens, node, shared, m.pages[:shared] + priv, self.pool.alloc(), [])
+        self._write_kv(r)
+        self.reqs[self.next_id] = r
+        self.next_id += 1
+
+    @precondition(lambda self: bool(self.reqs))
+    @rule(i=st.integers(0, 1000), new=st.lists(st.integers(0, 2), min_size=1, max_size=5))
+    def generate(self, i: int, new: list[int]) -> None:
+        r = self._pick(i)
+        tokens = r.tokens + new
+        more = self.a.alloc(-(-len(tokens) // self.page_size) - len(r.pages))
+        if more is not None:
+            r.tokens, r.pages = tokens, r.pages + more
+            self._write_kv(r)
+
+    @precondition(lambda self: bool(self.reqs))
+    @rule(i=st.integers(0, 1000), at=st.integers(0, 1000))
+    def save_checkpoint(self, i: int, at: int) -> None:
+        """A chunk ended on a page boundary past the request's match: its state is saved."""
+        r = self._pick(i)
+        ps = self.page_size
+        taken = {n for n, _ in r.checkpoints}
+        ends = [e for e in range(r.shared * ps + ps, len(r.tokens) // ps * ps + 1, ps) if e not in taken]
+        if ends and not r.checkpoints:
+            self._save(r, ends[at % len(ends)])
+
+    @precondition(lambda self: bool(self.reqs))
+    @rule(i=st.integers(0, 1000))
+    def publish(self, i: int) -> None:
+        """The pages up to the deepest checkpoint saved go to the tree, with it."""
+        r = self._pick(i)
+        if r.checkpoints:
+            end = max(n for n, _ in r.checkpoints)
+            self._insert(r, end, [(n, s) for n, s in r.checkpoints if n <= end])
+
+    @precondition(lambda self: bool(self.reqs))
+    @rule(i=st.integers(0, 1000))
+    def finish(self, i: int) -> None:
+        """As a prompt's end does in the engine, the last whole page gets a
+        checkpoint (when a slot is free), then the pages go up to the deepest."""
+        r = self._pick(i)
+        last = len(r.tokens) // self.page_size * self.page_size
+        if last > max([n for n, _ in r.checkpoints] + [r.shared * self.page_size]):
+            self._save(r, last)
+        end = max([n for n, _ in r.checkpoints] + [r.shared * self.page_size])
+        self._insert(r, end, list(r.checkpoints))
+        self.a.free(r.pages[r.shared:])
+        self.c.unlock(r.node)
+        self.pool.free(r.slot)
+        del self.reqs[next(k for k, v in self.reqs.items() if v is r)]
+        self.history.append(r.tokens)
+
+    @precondition(lambda self: bool(self.reqs))
+    @rule(i=st.integers(0, 1000))
+    def abort(self, i: int) -> None:
+        r = self._pick(i)
+        for _, slot in r.checkpoints:
+            self.c.free_state(slot)
+        self.a.free(r.pages[r.shared:])
+        self.c.unlock(r.node)
+        self.pool.free(r.slot)
+        del self.reqs[next(k for k, v in self.reqs.items() if v is r)]
+
+    @rule(n=st.integers(0, 3), roll=st.integers(0, 3))
+    def evict(self, n: int, roll: int) -> None:
+        # One call in four: evictions (at the cap, by alloc_state, too) must not
+        # keep the tree from growing.
+        if roll != 2:
+            return
+        before = self._leaves()
+        evictable = self.c.evictable_pages
+        free = self.a.num_free
+        freed = self.c.evict(n)
+        assert self.a.num_free - free >= freed >= min(n, evictable)
+        self._check_lru(before)
+
+    @rule(roll=st.integers(0, 9))
+    def reset(self, roll: int) -> None:
+        if roll != 7:
+            return
+        locked = self.c.locked_pages > 0
+        assert self.c.reset() == (not locked)
+        if not locked:
+            assert self.c.cached_pages == 0 and self.c.cached_states == 0 and self.c.host_cached_states == 0
+            self._sync()
+            assert not self.oracle.where and not self.ckpts
+            self.oracle.clear()
+
+    @rule(base=st.integers(0, 1000), suffix=token_lists)
+    def query(self, base: int, suffix: list[int]) -> None:
+        self._match(self.history[-1 - base % len(self.history)] + suffix)
+
+    # -- after every step
+    @invariant()
+    def consistent(self) -> None:
+        live = [p for r in self.reqs.values() for p in r.pages[r.shared:]]
+        live_states = [r.slot for r in self.reqs.values()] + [s for r in self.reqs.values() for _, s in r.checkpoints]
+        self.c.check_integrity(live, live_states)
+        assert tree_pages(self.c, False) == self.oracle.pages(False)
+        assert tree_pages(self.c, True) == self.oracle.pages(True)
+        assert self.c.states_out == sum(len(r.checkpoints) for r in self.reqs.values())
+        held = self._tree_checkpoints()
+        assert set(held) == self.ckpts, "the tree's checkpoints are the twin's"
+        host = self.host
+        for key, slot in held.items():  # each checkpoint holds the state after its prefix
+            on_host = self.oracle.where[key][0]
+            value = (host.state_recurrent[slot, 0] if on_host and host is not None and host.state_recurrent is not None
+                     else self.pool.recurrent[0, slot])
+            assert float(value) == self._id(key), f"{'host' if on_host else 'device'} checkpoint {slot} of {key}"
+        for key, (on_host, page) in self.oracle.where.items():  # and each page the KV of its prefix
+            kv = host.k if on_host and host is not None else self.kv.k
+            assert float(kv[0, page * self.page_size + self.page_size - 1, 0, 0]) == self._id(key), key
+            assert any(k[: len(key)] == key for k in self.ckpts), f"cached prefix {key} has no checkpoint below"
+        pinned = {k for r in self.reqs.values() for k in self.oracle.prefixes(r.tokens)[: r.shared]}
+        assert self.c.locked_pages == len(pinned)
+        for r in self.reqs.values():
+            assert r.shared == 0 or tuple(r.tokens[: r.shared * self.page_size]) in self.ckpts, "locks a checkpoint"
+
+
+class StatefulHostTierMachine(StatefulRadixMachine):
+    """The same over a host tier that fills: checkpoints offloaded with their
+    pages (dropped with them where the host has no state slot left), restored
+    into device slots within the cap, taken back by inserts."""
+
+    device_pages = 12
+    host_pages = 8
+    host_states = 3
+
+
+class StatefulHostTierMachinePage3(StatefulRadixMachine):
+    """Pages of 3 over a host tier of two pages and one state slot: most offloads
+    find no room and drop the node, pages and checkpoint, with its host subtree."""
+
+    page_size = 3
+    device_pages = 12
+    host_pages = 2
+    host_states = 1
+
+
+TestStatefulRadixMachine = StatefulRadixMachine.TestCase
+TestStatefulRadixMachine.settings = _settings(80)
+TestStatefulHostTierMachine = StatefulHostTierMachine.TestCase
+TestStatefulHostTierMachine.settings = _settings(100)
+TestStatefulHostTierMachinePage3 = StatefulHostTierMachinePage3.TestCase
+TestStatefulHostTierMachinePage3.settings = _settings(60)

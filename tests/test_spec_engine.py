@@ -248,16 +248,21 @@ def test_back_off_doubles_and_resets() -> None:
     assert not sp.supports(constrained) and sp.propose(constrained) == [] and not sp.drafting(constrained)
 
 
-def test_hybrid_models_do_not_speculate() -> None:
-    from ftserve.engine.setup import _speculator
-    from ftserve.models.checkpoint import preset_config
-    from ftserve.models.config import ModelConfig
+def test_hybrid_models_refuse_speculation(tmp_path: Any) -> None:
+    """--speculative on a hybrid model: a one-line start-up error naming the flag,
+    before any weight is read (the folder holds a config alone, so loading would
+    fail otherwise); the same folder starts without the flag."""
+    from ftserve.config import ConfigError
+    from ftserve.models.checkpoint import write_config
 
-    cfg = EngineConfig(speculative="ngram")
-    assert _speculator(cfg, ModelConfig.from_hf(preset_config("tiny-qwen3-next")), 100) is None
-    assert _speculator(cfg, ModelConfig.from_hf(preset_config("tiny-moe")), 100) is not None
-    assert _speculator(dataclasses.replace(cfg, speculative="off"),
-                       ModelConfig.from_hf(preset_config("tiny-moe")), 100) is None
+    model = write_config("tiny-qwen3-next", tmp_path / "hybrid")
+    cfg = EngineConfig(model=model, load_format="safetensors", device="cpu", dtype="float32",
+                       num_pages=64, max_running_requests=2, speculative="ngram")
+    with pytest.raises(ConfigError, match="--speculative") as err:
+        build_engine(cfg)
+    assert "\n" not in str(err.value) and "hybrid" in str(err.value)
+    engine = build_engine(dataclasses.replace(cfg, load_format="dummy", speculative="off"))
+    assert engine.scheduler.spec is None and engine.scheduler.state_pool is not None
 
 
 def test_verify_graph_static_forward_equals_eager(model_dir: str) -> None:

@@ -92,13 +92,15 @@ class Shaper:
 @contextlib.asynccontextmanager
 async def running(state: ServerState, req: ChatRequest, prompts: list[list[int]], arrival: float,
                   rid: str, output: OutputSpec | None = None,
-                  constraint: ResponseFormat | None = None) -> AsyncIterator[list[Choice]]:
+                  constraint: ResponseFormat | None = None,
+                  unsent_tail: int = 0) -> AsyncIterator[list[Choice]]:
     """The request's choices, their engine requests submitted: one per prompt and
     choice (prompt_index * n + j; engine ids rid-0, rid-1, ... when there is more
     than one, else rid). Every prompt and the output ``constraint`` are checked
     before anything is submitted. ``output``: how a chat choice's output is split
-    (None: a completion). On the way out every engine request still running is
-    aborted (a handler cancelled when its client left ends here too)."""
+    (None: a completion); ``unsent_tail``: ChatPrompt.unsent_tail. On the way out
+    every engine request still running is aborted (a handler cancelled when its
+    client left ends here too)."""
     engine, text = state.ready()
     params = _params(req, prompts, state)
     grammars: list[GrammarMatcher | None] = [None] * (len(prompts) * req.n)
@@ -117,7 +119,7 @@ async def running(state: ServerState, req: ChatRequest, prompts: list[list[int]]
                 gen = Generation(engine, state.tracker, state.metrics,
                                  rid if one else f"{rid}-{index}", ids,
                                  req.choice_params(params[p], i), detok, arrival,
-                                 grammars[index], req.score_only)
+                                 grammars[index], req.score_only, unsent_tail)
                 split = None
                 if output is not None:
                     split = output.stream() if req.stream else output.whole()

@@ -87,9 +87,11 @@ class Generation:
         arrival_time: float,
         grammar: GrammarMatcher | None = None,
         score_only: bool = False,
+        unsent_tail: int = 0,
     ) -> None:
         """``score_only``: the request scores its prompt (completions echo with
-        max_tokens 0): the engine runs one token, which no step shows or counts."""
+        max_tokens 0): the engine runs one token, which no step shows or counts.
+        ``unsent_tail``: GenerateRequest.unsent_tail."""
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.prompt_tokens = len(prompt_ids)
@@ -105,7 +107,7 @@ class Generation:
         self._last_token_time: float | None = None
         self._score_only = score_only
         self._queue = tracker.open(request_id)
-        engine.submit(GenerateRequest(request_id, prompt_ids, params, arrival_time, grammar))
+        engine.submit(GenerateRequest(request_id, prompt_ids, params, arrival_time, grammar, unsent_tail))
 
     @property
     def finished(self) -> bool:

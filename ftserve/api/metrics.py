@@ -50,6 +50,10 @@ class _EngineCollector(Collector):
              getattr(stats, "kv_host_pages_total", 0)),
             ("ftserve_kv_host_pages_cached", "Host-tier pages holding evicted prefix-cache KV.",
              getattr(stats, "kv_host_pages_cached", 0)),
+            ("ftserve_state_checkpoints_cached", "Hybrid models: recurrent-state checkpoints the "
+             "prefix cache holds on the device.", getattr(stats, "state_checkpoints_cached", 0)),
+            ("ftserve_state_checkpoints_host_cached", "Hybrid models: state checkpoints in the KV "
+             "host tier.", getattr(stats, "state_checkpoints_host_cached", 0)),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=float(value))
@@ -65,6 +69,11 @@ class _EngineCollector(Collector):
             ("ftserve_generation_tokens", "Tokens generated.", stats.generation_tokens_total),
             ("ftserve_num_preemptions", "Requests preempted to free KV pages.",
              stats.preemptions_total),
+            ("ftserve_state_checkpoints_saved", "Hybrid models: state checkpoints a prefill saved.",
+             getattr(stats, "state_checkpoints_saved_total", 0)),
+            ("ftserve_state_checkpoints_skipped", "Hybrid models: checkpoint boundaries passed "
+             "without a free slot (raise --state-checkpoints).",
+             getattr(stats, "state_checkpoints_skipped_total", 0)),
             ("ftserve_spec_verifies", "Speculative drafts verified (one per request per verify "
              "step).", getattr(stats, "spec_verifies_total", 0)),
             ("ftserve_spec_proposed_tokens", "Speculative draft tokens proposed.",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from ftserve.chat import reasoning, tool_calls, tool_choice, tool_grammar
 from ftserve.chat.errors import bad_request
@@ -28,6 +29,9 @@ class ChatPrompt:
     # The output constraint: the request's own, or a forced call's grammar (tool_grammar.py).
     constraint: ResponseFormat | None = None
     output: OutputSpec = field(default_factory=OutputSpec)  # how each choice's output is split
+    # Tokens at the end of ids that a later turn of the conversation will not resend
+    # (GenerateRequest.unsent_tail; 0: unknown).
+    unsent_tail: int = 0
 
     @property
     def think(self) -> bool | None:
@@ -35,26 +39,43 @@ class ChatPrompt:
         return self.output.think
 
 
-async def render(text: TextCodec, req: ChatRequest) -> tuple[str, str]:
-    """(the rendered prompt, the forced start of a call that follows it: "" unless
-    tool_choice forces one). A template error is a 400 naming the prompt's field."""
-    assert req.messages is not None
+def template_kwargs(text: TextCodec, req: ChatRequest) -> dict[str, Any]:
     kwargs = req.template_kwargs
     if req.thinking is not None and text.template_reads("enable_thinking"):
         kwargs = {**kwargs, "enable_thinking": req.thinking}
+    return kwargs
+
+
+async def render(text: TextCodec, req: ChatRequest) -> tuple[str, str]:
+    """(the rendered prompt, the forced start of a call that follows it: "" unless
+    tool_choice forces one). A template error is a 400 naming the prompt's field."""
+    prompt, forced, _ = await _render(text, req)
+    return prompt, forced
+
+
+async def _render(text: TextCodec, req: ChatRequest) -> tuple[str, str, int]:
+    """render's pair and where in the prompt the template's generation prompt
+    starts (-1: unknown, see unsent_tail)."""
+    assert req.messages is not None
+    kwargs = template_kwargs(text, req)
     try:
         # Rendering a 170k-token conversation is real work: keep it off the loop too.
         prompt = await asyncio.to_thread(text.render_chat, req.messages, req.add_generation_prompt,
                                          req.tools, kwargs, req.continue_final)
     except TemplateError as err:
         raise bad_request(f"chat template error: {err}", param=req.prompt_field) from None
+    gen_at = -1
+    if req.add_generation_prompt and not req.continue_final:
+        gen = text.generation_prompt(kwargs)
+        if gen and prompt.endswith(gen):
+            gen_at = len(prompt) - len(gen)
     # A forced tool_choice: the start of the call is prompt (after a reasoning block the
     # prompt opened is closed); the parser reads it first; a grammar holds the rest.
     fmt = text.tool_format()
     if req.forced is None or fmt is None:
-        return prompt, ""
+        return prompt, "", gen_at
     prompt += tool_choice.before_call(prompt, text.marks_reasoning())
-    return prompt, tool_choice.forced_text(fmt, req.forced, text.escape_special)
+    return prompt, tool_choice.forced_text(fmt, req.forced, text.escape_special), gen_at
 
 
 async def chat_prompt(text: TextCodec, req: ChatRequest, reasoning_parser: bool) -> ChatPrompt:
@@ -63,7 +84,7 @@ async def chat_prompt(text: TextCodec, req: ChatRequest, reasoning_parser: bool)
     if req.tools and text.tool_format() is None:
         raise bad_request("this model's chat template does not render tools, so it cannot "
                           "be given any", param="tools")
-    prompt, forced = await render(text, req)
+    prompt, forced, gen_at = await _render(text, req)
     constraint = req.response_format
     fmt = text.tool_format()
     if forced:
@@ -77,4 +98,9 @@ async def chat_prompt(text: TextCodec, req: ChatRequest, reasoning_parser: bool)
              and not forced and req.response_format is None else None)
     output = OutputSpec(fmt if req.tools else None, req.parallel_tool_calls,
                         tool_calls.param_types(req.tools), think, forced)
-    return ChatPrompt(ids, constraint, output)
+    # The tail a later turn will not resend: the generation prompt on (see
+    # engine/state_checkpoints.py); one token more, as its first token may merge
+    # with the text before it.
+    tail = text.count_tokens(prompt[gen_at:] + forced) + 1 if gen_at >= 0 else 0
+    return ChatPrompt(ids, constraint, output, min(tail, len(ids)))
+

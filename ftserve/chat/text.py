@@ -85,6 +85,16 @@ class TextCodec(Protocol):
         """Prompt text -> ids, through the incremental cache, off the event loop."""
         ...
 
+    def generation_prompt(self, extra: dict[str, Any] | None = None) -> str:
+        """The text the chat template appends for add_generation_prompt under the
+        template kwargs ``extra`` (Qwen3: ``<|im_start|>assistant\n``, and
+        ``<think>\n`` when thinking); "" when a probe conversation cannot tell."""
+        ...
+
+    def count_tokens(self, text: str) -> int:
+        """Ids of a short text on its own (no special tokens added)."""
+        ...
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def token_text(self, token_id: int) -> str:
@@ -160,6 +170,7 @@ class TokenizerCodec:
         self._grammar_lock = threading.Lock()
         self._grammars: OrderedDict[str, GrammarMatcher] = OrderedDict()  # grammar -> its start
         self._tool_format: Format | None = None  # read off the template once
+        self._generation_prompts: dict[str, str] = {}  # template kwargs -> generation_prompt
         self._reasoning = False
         self._sources: list[str] = []
         if self._template is not None:
@@ -211,6 +222,23 @@ class TokenizerCodec:
 
     async def encode_async(self, text: str, add_special_tokens: bool) -> list[int]:
         return await self.cache.encode_async(text, add_special_tokens)
+
+    def generation_prompt(self, extra: dict[str, Any] | None = None) -> str:
+        key = repr(sorted((extra or {}).items()))
+        if key not in self._generation_prompts:
+            probe = [{"role": "user", "content": "Hi."}]
+            try:
+                bare = self.render_chat(probe, False, None, extra)
+                full = self.render_chat(probe, True, None, extra)
+            except TemplateError:
+                bare, full = "", ""
+            if len(self._generation_prompts) >= 32:  # template kwargs are few; bounded anyway
+                self._generation_prompts.clear()
+            self._generation_prompts[key] = full[len(bare):] if full.startswith(bare) else ""
+        return self._generation_prompts[key]
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens)

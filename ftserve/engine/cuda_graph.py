@@ -15,13 +15,15 @@ Triton interpreter) the copies stay outside, into ``DecodeGraphIO.rows``.
 A step's words are one ``DecodeRow`` per sequence (decode_inputs.py: input_id,
 position, out_cache_loc, seq_len, sampler slot with the min_tokens flag in bit
 62, step, src_row: the row of runner.last_tokens holding the input id when the
-host does not know it yet -- overlap scheduling -- else -1), packed row-major so
-the first pbs rows are one contiguous copy; the graph's first launch picks
-them apart into contiguous per-field vectors.
+host does not know it yet -- overlap scheduling -- else -1, and a hybrid
+model's state-pool slot), packed row-major so the first pbs rows are one
+contiguous copy; the graph's first launch picks them apart into contiguous
+per-field vectors (the state slots into the forward's ``state_slots``: the
+linear-attention layers gather and scatter each row's state by it).
 
 Padded rows (batch size rounded up to a captured size) read the dummy page
-(slot 0), the dummy page-table row and the dummy sampler slot, so they write
-nowhere real and need no branch. Graphs are captured largest first into one
+(slot 0), the dummy page-table row, the dummy sampler slot and the state
+pool's sink slot, so they write nowhere real and need no branch. Graphs are captured largest first into one
 memory pool, for each sampler stage set of SAMPLER_VARIANTS (greedy,
 temperature, + short filters, + any filter, everything; a step replays the
 smallest that covers its rows). The everything set includes the grammar-mask stage, which reads the
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from ftserve.engine.sampler import SampleOutput, SamplerFeatures
+from ftserve.kvcache.state_pool import SINK_SLOT
 from ftserve.models.forward_batch import AttentionMetadata, ForwardBatch
 from ftserve_kernels import ops
 from ftserve_kernels.bookkeeping import (
@@ -99,7 +102,8 @@ def pack_decode_rows(batch: ScheduledBatch, page_size: int, sink_row: int, padde
                                        batch.steps, batch.src_rows):
         flag = MIN_FLAG if step < req.params.min_tokens else 0
         rows.append(DecodeRow(input_id=toks[0], position=p, out_cache_loc=req.pages[p // ps] * ps + p % ps,
-                              seq_len=p + 1, slot=req.slot | flag, step=step, src_row=src))
+                              seq_len=p + 1, slot=req.slot | flag, step=step, src_row=src,
+                              state_slot=max(req.state_slot, SINK_SLOT)))
     rows.extend([DecodeRow.padding(sink_row)] * (padded_bs - len(rows)))
     return torch.tensor(rows, dtype=torch.int64).view(-1)
 
@@ -238,7 +242,9 @@ class DecodeGraphs:
         )
         fb = ForwardBatch(d.input_ids, d.positions, attn, r.kv_pool, r.attn_backend,
                           logits_indices=io.logits_indices[:bs], is_decode=True,
-                          input_embeds=d.embeds, input_normed=d.normed, kernels=r.kernels)
+                          input_embeds=d.embeds, input_normed=d.normed, kernels=r.kernels,
+                          state_pool=r.state_pool,
+                          state_slots=d.state_slots if r.state_pool is not None else None)
         logits = r.model(fb)  # [bs, V]
         # last_tokens: the next step's device-side inputs. The greedy kernel, where
         # it runs, also stores the tokens into the pinned row and toggles the word.

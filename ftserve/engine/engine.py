@@ -53,6 +53,13 @@ class EngineStats:
     kv_host_pages_cached: int = 0  # host pages holding evicted prefix-cache KV
     kv_host_hit_tokens_total: int = 0  # prompt tokens brought back from the host tier
     prefix_published_pages_total: int = 0  # prompt pages shared at the end of a prefill
+    # Hybrid models: recurrent-state slots (running requests + checkpoints) and the
+    # prefix cache's state checkpoints.
+    state_slots_total: int = 0
+    state_checkpoints_cached: int = 0
+    state_checkpoints_host_cached: int = 0
+    state_checkpoints_saved_total: int = 0
+    state_checkpoints_skipped_total: int = 0  # boundaries with no slot to save into
     # Speculative decoding (all 0 when off): drafts verified, their tokens, the
     # tokens kept, and spec_accept_lengths[a] = verifies that kept a draft tokens.
     spec_verifies_total: int = 0
@@ -327,6 +334,11 @@ class EngineCore:
             kv_host_pages_cached=s.radix.host_cached_pages,
             kv_host_hit_tokens_total=s.radix.host_hit_tokens_total,
             prefix_published_pages_total=c.published_prompt_pages_total,
+            state_slots_total=s.state_pool.num_slots if s.state_pool is not None else 0,
+            state_checkpoints_cached=s.radix.cached_states,
+            state_checkpoints_host_cached=s.radix.host_cached_states,
+            state_checkpoints_saved_total=c.state_checkpoints_saved_total,
+            state_checkpoints_skipped_total=c.state_checkpoints_skipped_total,
             **self._spec_stats(),
         )
 

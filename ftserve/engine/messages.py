@@ -26,6 +26,10 @@ class GenerateRequest:
     # response_format: the request's own matcher (one per choice); from submit on,
     # only the engine thread touches it.
     grammar: GrammarMatcher | None = None
+    # Tokens at the prompt's end that a later turn of the conversation will not
+    # resend (a chat template's generation prompt, a forced call's start): a
+    # hybrid model also saves its state before them (engine/state_checkpoints.py).
+    unsent_tail: int = 0
 
 
 @dataclass(frozen=True)

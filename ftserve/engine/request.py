@@ -10,6 +10,13 @@ first, so computed_len can then restart below cached_len.)
 Pages: ``pages[i]`` holds tokens [i * page_size, (i + 1) * page_size).
 ``pages[:num_tree_pages]`` belong to the radix tree (locked through
 ``tree_node`` while the request lives); the rest are private to the request.
+
+Hybrid models (linear-attention layers) also give an admitted request a
+state-pool slot (``state_slot``) holding its recurrent state after
+``computed_len`` tokens (engine/state_checkpoints.py): copied in from a
+prefix-cache checkpoint at admission (``state_restore``), saved out at
+checkpoint boundaries of its prefill (``checkpoints``, the request's until it
+hands them to the prefix cache with its pages).
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ class Req:
     arrival_time: float
     # Constrained decoding (response_format): advanced by every committed token.
     grammar: GrammarMatcher | None = None
+    # GenerateRequest.unsent_tail: prompt tokens at its end a later turn will not resend.
+    unsent_tail: int = 0
     # Set by the scheduler:
     tokens: list[int] = field(init=False)  # prompt + output
     output_ids: list[int] = field(default_factory=list, init=False)
@@ -48,6 +57,13 @@ class Req:
     cached_len: int = field(default=0, init=False)  # prefix-cache hit at first admission
     computed_len: int = field(default=0, init=False)  # tokens whose KV is in pages
     slot: int = field(default=-1, init=False)  # sampler row, -1 when not admitted
+    # Hybrid models: the request's state-pool slot while admitted (-1: none); the
+    # checkpoint slot to copy into it before its next chunk (-1: none); the
+    # checkpoints (tokens, slot) its chunks saved and the prefix cache has not
+    # taken yet.
+    state_slot: int = field(default=-1, init=False)
+    state_restore: int = field(default=-1, init=False)
+    checkpoints: list[tuple[int, int]] = field(default_factory=list, init=False)
     # Bumped at every admission (Scheduler._admit). A preempted request that is
     # admitted again may get its old slot back with other pages: the runner keys
     # its per-slot mirrors (page-table row, sampler parameters) on (req, admissions).
@@ -91,7 +107,7 @@ class Req:
     @classmethod
     def from_message(cls, msg: GenerateRequest) -> Req:
         return cls(msg.request_id, list(msg.prompt_ids), msg.params, msg.arrival_time,
-                   msg.grammar)
+                   msg.grammar, msg.unsent_tail)
 
     def check(self) -> None:
         # cached_len is the prefix hit of the first admission (what usage reports);
@@ -101,6 +117,10 @@ class Req:
         assert 0 <= self.cached_len <= bound and self.computed_len <= len(self.tokens), (
             self.request_id, self.cached_len, self.computed_len, len(self.tokens))
         assert 0 <= self.num_tree_pages <= len(self.pages)
+        # (A checkpoint saved by a step still in flight lies past computed_len.)
+        done = len(self.tokens) if self.inflight else self.computed_len
+        assert all(0 < n <= done for n, _ in self.checkpoints), (
+            self.request_id, self.checkpoints, self.computed_len)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -17,6 +17,12 @@ copy and scattered into the sampler's per-slot mask table (``_grammar_masks``).
 
 Device -> host: the sampled tokens, read once per step that samples. That is
 the step's one deliberate sync; a non-final prefill chunk reads nothing.
+
+Hybrid models: every batch carries each sequence's state-pool slot (in the
+packed upload, or a decode graph's rows), and a prefill step copies the
+prefix-cache checkpoints it resumes from into those slots before its forward
+and saves the checkpoints it ends on after it (``StatePool.copy_slots``, by
+index tensors in the same upload's manner: no sync).
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ if TYPE_CHECKING:
     from ftserve.engine.sampler import SampleOutput, Sampler
     from ftserve.engine.spec.mtp import MTPDrafter
     from ftserve.kvcache.host_tier import HostKVTier
+    from ftserve.kvcache.state_pool import StatePool
 
 
 @contextlib.contextmanager
@@ -114,6 +121,8 @@ class ModelRunner:
         # KV host tier (set by setup when --kv-host-* is given): the page moves
         # the scheduler planned for this step are launched before its forward.
         self.kv_host: HostKVTier | None = None
+        # Hybrid models (set by setup): the recurrent-state pool every forward reads.
+        self.state_pool: StatePool | None = None
         # Sampled tokens of the latest step, by sampled row: the next decode
         # step's inputs for requests whose tokens the host has not read yet.
         self.last_tokens = torch.zeros(max_running + 1, dtype=torch.int64, device=device)
@@ -219,7 +228,9 @@ class ModelRunner:
                             [len(x) for x in batch.new_tokens])
         else:
             src = np.full(t, -1)
+        hybrid = self.state_pool is not None
         small = (indptr + seq_lens + list(batch.prefix_lens) + [q.slot for q in batch.reqs]
+                 + ([q.state_slot for q in batch.reqs] if hybrid else [])
                  + logits_rows(batch, rows, last) + sampling_words(batch, rows)
                  + (prompt.rows if prompt is not None else []))
         dev = self._upload(np.concatenate([ids, src, pos, locs, np.array(small, dtype=np.int64)]))
@@ -232,7 +243,9 @@ class ModelRunner:
 
         host_ids, src_rows, positions, out_loc = take(t), take(t), take(t), take(t)
         qo_indptr, d_seq, d_pre = take(b + 1), take(b), take(b)
-        d_slots, logits_idx = take(b), take(r)
+        d_slots = take(b)
+        d_state_slots = take(b) if hybrid else None
+        logits_idx = take(r)
         s_slots, s_steps, s_min = take(r), take(r), take(r)
         if n_pl:
             logits_idx = torch.cat([logits_idx, take(n_pl)])
@@ -253,7 +266,8 @@ class ModelRunner:
             max_extend_len=max(len(x) for x in batch.new_tokens),
         )
         fb = ForwardBatch(input_ids, positions, attn, self.kv_pool, self.attn_backend,
-                          logits_indices=logits_idx, is_decode=batch.is_decode, kernels=self.kernels)
+                          logits_indices=logits_idx, is_decode=batch.is_decode, kernels=self.kernels,
+                          state_pool=self.state_pool, state_slots=d_state_slots)
         return fb, s_slots, s_steps, s_min.bool()
 
     def _extend_graphs(self, batch: ScheduledBatch) -> PrefillGraphs | None:
@@ -261,6 +275,15 @@ class ModelRunner:
         graphs for a verify step, prefill graphs for the rest."""
         graphs = self.verify_graphs if batch.verifies else self.prefill_graphs
         return graphs if graphs is not None and graphs.can_run(batch) else None
+
+    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """state[dst] = state[src] for each (src, dst) pair of state-pool slots,
+        queued on the stream in order with the forwards around it."""
+        if not pairs:
+            return
+        assert self.state_pool is not None
+        dev = self._upload([src for src, _ in pairs] + [dst for _, dst in pairs]).view(2, -1)
+        self.state_pool.copy_slots(dev[0], dev[1])
 
     def _device_inputs(self, host_ids: torch.Tensor, src_rows: torch.Tensor) -> torch.Tensor:
         """Input ids where the previous step's sampled token stands in for the
@@ -286,16 +309,20 @@ class ModelRunner:
             layered = not decode_graph and self.kv_host.has_pending_loads
             layer_ready = self.kv_host.flush(layered=layered)
         self.mirror_pages(batch.reqs)
+        # Prefix-cache checkpoints into the slots of the requests resuming from them.
+        self._copy_states(batch.state_loads)
         rows = sample_rows(batch)
         prompt = prompt_lp.plan(batch)  # rows of prompt logprobs: the eager path
         if decode_graph:
             assert self.graphs is not None
+            assert not batch.state_saves, "a decode step saves no state checkpoint"
             self._sampling_inputs(batch)  # the graph samples: parameters first
             out, graph_host = self.graphs.replay(batch)
             return Launched(batch, rows, self._copy_out(batch, rows, out, graph_host))
         elif mtp is None and layer_ready is None and prompt is None and (graphs := self._extend_graphs(batch)):
             # A prefill graph's logits: row i = reqs[i]; a verify graph's: the
-            # sampled rows in order (PrefillGraphs.all_rows).
+            # sampled rows in order (PrefillGraphs.all_rows). (Hybrid models prefill
+            # eagerly: setup captures no prefill graphs for them.)
             logits_all = graphs.replay(batch)
             if not rows:
                 return Launched(batch, rows, None)
@@ -329,6 +356,8 @@ class ModelRunner:
                 # Every move is done before the step ends, also if some layer
                 # never waited (later steps rely on the stream order alone).
                 torch.cuda.current_stream(self.device).wait_event(layer_ready[-1])
+            # The states of chunks that end on a checkpoint boundary, for the prefix cache.
+            self._copy_states(batch.state_saves)
             if not rows:
                 # A non-final prefill chunk: only the KV matters; no logits, no sync.
                 if mtp is not None:

@@ -15,6 +15,13 @@ can always go on and the pool never wedges.
 All state here is host state; the scheduler never reads the device. It plans
 every sequence length, page and chunk, which the runner turns into device
 metadata with one copy.
+
+Hybrid models (a ``state_pool``): each admitted request also holds a state
+slot (so the pool's running slots cap running requests with the sampler's);
+with the prefix cache on, prefill chunks end on checkpoint boundaries and save
+the state there, and a hit resumes from the deepest checkpoint
+(engine/state_checkpoints.py); a preempted request resumes the same way, so
+its outputs stay those of a full recompute.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ftserve.engine import prefix_sharing as sharing
+from ftserve.engine import state_checkpoints
 from ftserve.engine.messages import TokenLogprob
 from ftserve.engine.request import Req, ReqState
 from ftserve.engine.spec.accept import kept_tokens
@@ -35,6 +43,7 @@ from ftserve.kvcache.radix import RadixCache
 if TYPE_CHECKING:
     from ftserve.engine.spec.speculator import Speculator
     from ftserve.kvcache.host_tier import HostKVTier
+    from ftserve.kvcache.state_pool import StatePool
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +71,11 @@ class ScheduledBatch:
     # in drafts and new_tokens alike, until the runner reads them back.
     drafts: list[list[int]] = field(default_factory=list)
     step_id: int = -1  # set by Scheduler.schedule
+    # Hybrid models, (source, destination) state-pool slots: prefix-cache
+    # checkpoints copied into requests' slots before the forward, and requests'
+    # states saved as checkpoints after it.
+    state_loads: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +95,8 @@ class SchedulerCounters:
     preemptions_total: int = 0
     finished_total: int = 0
     published_prompt_pages_total: int = 0  # prompt pages given to the prefix cache at prefill end
+    state_checkpoints_saved_total: int = 0  # hybrid models: checkpoints a prefill chunk saved
+    state_checkpoints_skipped_total: int = 0  # ... and boundaries with no slot to save into
 
 
 class Scheduler:
@@ -95,6 +111,9 @@ class Scheduler:
         eos_token_ids: list[int],
         enable_prefix_cache: bool = True,
         host_tier: HostKVTier | None = None,
+        state_pool: StatePool | None = None,
+        max_checkpoints: int = 0,
+        checkpoint_pages: int = 256,
         speculator: Speculator | None = None,
     ) -> None:
         self.page_size = page_size
@@ -110,7 +129,18 @@ class Scheduler:
         # admission brings them back; the moves are planned here and performed
         # by the runner (HostKVTier.flush) before the step that needs them.
         self.host_tier = host_tier
-        self.radix = RadixCache(page_size, self.allocator, host=host_tier)
+        # Hybrid models: one state slot per running request, the rest the prefix
+        # cache's checkpoints (none without a prefix cache).
+        self.state_pool = state_pool
+        if state_pool is not None and state_pool.num_slots < max_running + max_checkpoints:
+            raise ValueError(f"a state pool of {state_pool.num_slots} slots cannot hold {max_running} "
+                             f"running requests and {max_checkpoints} checkpoints")
+        stateful = state_pool is not None and enable_prefix_cache
+        if stateful and max_checkpoints < 1:
+            raise ValueError("a hybrid model's prefix cache needs at least one checkpoint slot")
+        self.checkpoint_every = checkpoint_pages * page_size if stateful else 0
+        self.radix = RadixCache(page_size, self.allocator, host=host_tier,
+                                states=state_pool if stateful else None, max_states=max_checkpoints)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted: PREFILL or DECODE, in admission order
         self.by_id: dict[str, Req] = {}
@@ -177,16 +207,22 @@ class Scheduler:
         budget = self.max_prefill_length
         logit_rows = PROMPT_LOGPROBS_CHUNK  # the step's prompt-logprob tokens, all requests together
         chunks: list[tuple[Req, int]] = []  # (request, new tokens this step)
+        saves: list[tuple[int, int]] = []  # hybrid models: (request slot, checkpoint slot)
         stalled = False
 
         def room(req: Req) -> int:
-            return min(req.remaining_prefill, budget, logit_rows if req.wants_prompt_logprobs else budget)
+            n = min(req.remaining_prefill, budget, logit_rows if req.wants_prompt_logprobs else budget)
+            end = self._next_checkpoint(req)
+            if end is not None and req.computed_len + n > end:
+                n = end - req.computed_len  # the chunk ends on the boundary: its state is saved there
+            return n
 
         def take(req: Req, n: int) -> None:
             nonlocal budget, logit_rows
             chunks.append((req, n))
             budget -= n
             logit_rows -= n if req.wants_prompt_logprobs else 0
+            self._plan_checkpoint(req, req.computed_len + n, saves)
 
         for req in [r for r in self.running if r.state is ReqState.PREFILL and not r.inflight]:
             if budget <= 0:
@@ -224,12 +260,15 @@ class Scheduler:
         if not chunks:
             return None
         reqs = [req for req, _ in chunks]
+        loads = [(req.state_restore, req.state_slot) for req in reqs if req.state_restore >= 0]
+        for req in reqs:
+            req.state_restore = -1
         return ScheduledBatch(
             reqs, False,
             new_tokens=[req.tokens[req.computed_len:req.computed_len + n] for req, n in chunks],
             prefix_lens=[req.computed_len for req in reqs],
             samples=[req.computed_len + n == len(req.tokens) for req, n in chunks],
-            steps=[req.num_outputs for req in reqs])
+            steps=[req.num_outputs for req in reqs], state_loads=loads, state_saves=saves)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         reqs: list[Req] = []
@@ -314,19 +353,28 @@ class Scheduler:
             # Host-tier hit: device pages are allocated now and the load runs
             # before this step's forward; those tokens count as cached.
             match = self.radix.restore(match)
-            n_pages = match.num_tokens // self.page_size
+            node, n_tokens = match.node, match.num_tokens
+            if self.radix.stateful:
+                # A hybrid resumes at the deepest checkpoint it matched, from a copy
+                # of that state (before its first chunk's forward).
+                assert match.state_node is not None
+                node, n_tokens = match.state_node, match.state_tokens
+                req.state_restore = match.state_slot if n_tokens else -1
+            n_pages = n_tokens // self.page_size
             if self.spec is not None and self.spec.device_drafts and n_pages:
                 # MTP drafts: a page's last MTP entry was computed with the token
                 # after it, which the match does not cover; recompute that page.
                 n_pages -= 1
-            self.radix.lock(match.node)
-            req.tree_node = match.node
+            self.radix.lock(node)
+            req.tree_node = node
             req.pages = list(match.pages[:n_pages])
             req.num_tree_pages = n_pages
             req.computed_len = n_pages * self.page_size
         else:
             req.pages, req.num_tree_pages, req.computed_len = [], 0, 0
         req.slot = self.free_slots.pop()
+        if self.state_pool is not None:
+            req.state_slot = self.state_pool.alloc()
         req.admissions += 1
         req.state = ReqState.PREFILL
         if req.first_scheduled_time is None:
@@ -355,13 +403,25 @@ class Scheduler:
         if req.slot >= 0:
             self.free_slots.append(req.slot)
             req.slot = -1
+        if req.state_slot >= 0:
+            # A step still in flight may write this slot: before (in stream order)
+            # anything a later owner runs.
+            assert self.state_pool is not None
+            self.state_pool.free(req.state_slot)
+            req.state_slot, req.state_restore = -1, -1
         n_full = 0
         if keep_kv and self.enable_prefix_cache and req.pages:
             n_full = min(req.computed_len // self.page_size, len(req.pages))
+            states: list[tuple[int, int]] = []
+            if self.radix.stateful:
+                n_full, states = self._checkpointed_extent(req, n_full)
             if n_full > 0:
-                self.radix.insert(req.tokens[:n_full * self.page_size], req.pages[:n_full])
+                self.radix.insert(req.tokens[:n_full * self.page_size], req.pages[:n_full], states)
         else:
             n_full = req.num_tree_pages  # tree pages stay in the tree
+        for _, slot in req.checkpoints:
+            self.radix.free_state(slot)
+        req.checkpoints = []
         rest = req.pages[max(n_full, req.num_tree_pages):]
         if rest:
             self.allocator.free(rest)
@@ -370,10 +430,46 @@ class Scheduler:
             req.tree_node = None
         req.pages, req.num_tree_pages, req.computed_len = [], 0, 0
 
+    def _checkpointed_extent(self, req: Req, n_full: int) -> tuple[int, list[tuple[int, int]]]:
+        """Of a hybrid request's first n_full computed pages, how many the prefix
+        cache can use (up to its deepest checkpoint, or its match), and the
+        checkpoints that go with them (taken off ``req.checkpoints``)."""
+        ps = self.page_size
+        give = [(n, slot) for n, slot in req.checkpoints if n <= n_full * ps]
+        req.checkpoints = [(n, slot) for n, slot in req.checkpoints if n > n_full * ps]
+        end = max([n for n, _ in give] + [req.num_tree_pages * ps])
+        return end // ps, give
+
+    def _next_checkpoint(self, req: Req) -> int | None:
+        """Hybrid models with a prefix cache: where req's next chunk must end to
+        save a state checkpoint (engine/state_checkpoints.py)."""
+        if not self.checkpoint_every:
+            return None
+        return state_checkpoints.next_boundary(req, self.page_size, self.checkpoint_every)
+
+    def _plan_checkpoint(self, req: Req, end: int, saves: list[tuple[int, int]]) -> None:
+        """If req's chunk ends on a checkpoint boundary, a slot to save its state
+        into after the forward. When every checkpoint is locked, req's own latest
+        (not yet in the prefix cache) moves here: a long prefill past the cap
+        keeps its early checkpoints and its deepest, the one its prompt ends on
+        (the next turn's resume point); with none of its own, skipped."""
+        if end != self._next_checkpoint(req):
+            return
+        slot = self.radix.alloc_state()
+        if slot is None and req.checkpoints:
+            # A save into it that a step still runs comes first in stream order.
+            _, slot = req.checkpoints.pop()
+        if slot is None:
+            self.counters.state_checkpoints_skipped_total += 1
+            return
+        saves.append((req.state_slot, slot))
+        req.checkpoints.append((end, slot))
+        self.counters.state_checkpoints_saved_total += 1
+
     def _prefill_leader(self, req: Req) -> Req | None:
         if not self.enable_prefix_cache:
             return None
-        return sharing.prefill_leader(self.radix, self.running, req, self.page_size)
+        return sharing.prefill_leader(self.radix, self.running, req, self.page_size, self.checkpoint_every)
 
     def _publish_prompt(self, req: Req) -> None:
         if self.enable_prefix_cache:
@@ -541,10 +637,18 @@ class Scheduler:
     def live_private_pages(self) -> list[int]:
         return [p for r in self.running for p in r.private_pages]
 
+    def live_state_slots(self) -> list[int]:
+        """State slots held by running requests: their own and checkpoints not yet
+        in the prefix cache (hybrid models)."""
+        return ([r.state_slot for r in self.running if r.state_slot >= 0]
+                + [slot for r in self.running for _, slot in r.checkpoints])
+
     def check_integrity(self) -> None:
         for r in self.running:
             r.check()
-        self.radix.check_integrity(self.live_private_pages())
+            assert (r.state_slot >= 0) == (self.state_pool is not None), (r.request_id, r.state_slot)
+        assert all(r.state_slot < 0 and not r.checkpoints for r in self.waiting)
+        self.radix.check_integrity(self.live_private_pages(), self.live_state_slots())
         slots = [r.slot for r in self.running]
         assert len(set(slots)) == len(slots) and -1 not in slots, slots
         assert len(slots) + len(self.free_slots) == self.max_running

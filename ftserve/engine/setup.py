@@ -1,4 +1,5 @@
-"""Start-up: resolve the config, load the model, size the KV pool, build the engine."""
+"""Start-up: resolve the config, load the model, size the KV pool (and a hybrid
+model's state pool), build the engine."""
 
 from __future__ import annotations
 
@@ -18,12 +19,16 @@ from ftserve.engine.scheduler import Scheduler
 from ftserve.engine.spec.speculator import Speculator
 from ftserve.kvcache.host_tier import HostKVTier
 from ftserve.kvcache.pool import KVPool, kv_cache_torch_dtype
+from ftserve.kvcache.state_pool import StateLayout, StatePool
 from ftserve_kernels.config import KernelConfig
 
 log = logging.getLogger(__name__)
 
 DEMO_PRESET = "tiny-moe"
 CPU_DEFAULT_KV_TOKENS = 65536
+# A hybrid's recurrent states accumulate over the whole sequence: fp32, as the
+# reference implementation keeps them (the conv states take the model's dtype).
+STATE_DTYPE = torch.float32
 
 
 def resolve_device(name: str) -> torch.device:
@@ -83,7 +88,8 @@ def kernel_config(cfg: EngineConfig, device: torch.device) -> KernelConfig:
 
 
 def build_engine(cfg: EngineConfig) -> Engine:
-    from ftserve.models.loader import load_model
+    from ftserve.models.config import ModelConfig
+    from ftserve.models.loader import load_model, resolve_dtype
 
     cfg.validate()
     device = resolve_device(cfg.device)
@@ -94,16 +100,28 @@ def build_engine(cfg: EngineConfig) -> Engine:
     load_format = cfg.load_format
     if load_format == "auto":
         load_format = "dummy" if is_demo else "safetensors"
+    # The config alone first: what it rules out fails before minutes of weight
+    # loading, and a hybrid's state pool is known before the expert cache is sized.
+    plan_cfg = ModelConfig.from_pretrained(model_dir)
+    if cfg.speculative != "off" and plan_cfg.is_hybrid:
+        raise ConfigError(f"--speculative {cfg.speculative} cannot serve a hybrid model "
+                          f"({plan_cfg.architecture}: its recurrent state cannot roll back a "
+                          f"rejected draft); drop --speculative")
+    state_slots, checkpoints = _state_slots(cfg, plan_cfg)
+    state_bytes = (StateLayout.from_config(plan_cfg).pool_bytes(
+        state_slots, resolve_dtype(cfg.dtype, device), STATE_DTYPE) if state_slots else 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(cfg.seed)
-    use_mtp = _wants_mtp(cfg, model_dir, load_format)
+    use_mtp = _wants_mtp(cfg, model_dir, plan_cfg, load_format)
     moe_cache = None
     if cfg.moe_cache_size is not None or cfg.moe_cache_auto:
-        # Offload mode: experts in host banks, N slots in VRAM (sized before the KV pool).
+        # Offload mode: experts in host banks, N slots in VRAM (sized before the KV
+        # pool, leaving room for the state pool).
         from ftserve.moe.planning import load_with_expert_cache
 
-        model, mcfg, moe_cache = load_with_expert_cache(model_dir, cfg, device, load_format)
+        model, mcfg, moe_cache = load_with_expert_cache(model_dir, cfg, device, load_format,
+                                                        reserve_bytes=state_bytes)
     else:
         model, mcfg = load_model(model_dir, dtype=cfg.dtype, device=device, load_format=load_format,
                                  mtp=use_mtp)
@@ -116,22 +134,26 @@ def build_engine(cfg: EngineConfig) -> Engine:
             f"--max-model-len or extend the checkpoint's rope_scaling")
 
     # --kv-cache-dtype: the pool's dtype (fp8: codes + scales, both counted per token).
+    # A hybrid's pool holds its full-attention layers only (ModelConfig.kv_layers).
     kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, dtype)
     # The MTP layer keeps its K/V as one more pool layer (spec/mtp.py).
-    pool_layers = mcfg.num_layers + (1 if use_mtp else 0)
+    pool_layers = len(mcfg.kv_layers) + (1 if use_mtp else 0)
     per_token = KVPool.bytes_per_token(pool_layers, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)
-    num_pages = _plan_pages(cfg, device, per_token, model, mcfg, kernels)
+    num_pages = _plan_pages(cfg, device, per_token, model, mcfg, kernels, state_bytes)
     pool = KVPool(pool_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
                   kv_dtype, device)
+    state_pool = (StatePool.for_model(mcfg, state_slots, dtype, STATE_DTYPE, device)
+                  if state_slots else None)
     pool_tokens = pool.usable_pages * cfg.page_size
     max_model_len = min(model_limit, cfg.max_model_len or model_limit, pool_tokens)
     eos = read_eos_ids(model_dir, mcfg)
-    host_tier = _host_tier(cfg, pool)
+    host_tier = _host_tier(cfg, pool, state_pool, checkpoints)
     scheduler = Scheduler(
         page_size=cfg.page_size, num_pages=num_pages, max_running=cfg.max_running_requests,
         max_prefill_length=cfg.max_prefill_length, max_model_len=max_model_len,
         eos_token_ids=eos, enable_prefix_cache=cfg.enable_prefix_cache, host_tier=host_tier,
-        speculator=_speculator(cfg, mcfg, max_model_len),
+        state_pool=state_pool, max_checkpoints=checkpoints, checkpoint_pages=cfg.state_checkpoint_pages,
+        speculator=_speculator(cfg, max_model_len),
     )
     sampler = Sampler(mcfg.vocab_size, cfg.max_running_requests, device, seed=cfg.seed, kernels=kernels)
     backend = _attention_backend(cfg, device)
@@ -139,6 +161,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
                          max_running=cfg.max_running_requests, max_model_len=max_model_len,
                          eos_token_ids=eos, kernels=kernels)
     runner.kv_host = host_tier
+    runner.state_pool = state_pool
     if use_mtp and scheduler.spec is not None:
         from ftserve.engine.spec.mtp import MTPDrafter
 
@@ -149,9 +172,10 @@ def build_engine(cfg: EngineConfig) -> Engine:
 
         runner.graphs = DecodeGraphs(runner, graph_bs)
         runner.graphs.capture()
-        if cfg.cuda_graph_prefill and moe_cache is None:
+        if cfg.cuda_graph_prefill and moe_cache is None and state_pool is None:
             # Offload mode streams expert layers on a side stream during prefill,
-            # which a captured graph cannot follow: it stays eager there.
+            # which a captured graph cannot follow: it stays eager there. So do
+            # hybrids: a chunk's state checkpoint loads and saves run beside it.
             from ftserve.engine.prefill_graph import PrefillGraphs
 
             runner.prefill_graphs = PrefillGraphs(
@@ -188,6 +212,10 @@ def build_engine(cfg: EngineConfig) -> Engine:
         "kv_host_pages": host_tier.num_total if host_tier is not None else 0,
         "kv_host_tokens": host_tier.num_total * cfg.page_size if host_tier is not None else 0,
         "kv_host_gib": host_tier.bytes_total() / 2**30 if host_tier is not None else 0.0,
+        # Hybrid models: recurrent-state slots (running requests + prefix-cache checkpoints).
+        "state_slots": state_slots, "state_checkpoints": checkpoints, "state_gib": state_bytes / 2**30,
+        "state_host_checkpoints": host_tier.num_state_slots if host_tier is not None else 0,
+        "state_host_gib": host_tier.state_bytes_total() / 2**30 if host_tier is not None else 0.0,
         "speculative": cfg.speculative if scheduler.spec is not None else "off",
     }
     log.info("model %s: %s on %s, weights %.2f GiB", model_dir, summary["dtype"], device,
@@ -197,6 +225,11 @@ def build_engine(cfg: EngineConfig) -> Engine:
              "host tier %d tokens (%.2f GiB)", max_model_len, model_limit, pool_tokens,
              num_pages, cfg.page_size, pool_tokens, summary["kv_gib"],
              summary["kv_host_tokens"], summary["kv_host_gib"])
+    if state_pool is not None:
+        log.info("recurrent state: %d slots (%d running + %d prefix-cache checkpoints, one every %d "
+                 "pages of a prefill and at each prompt's end), %.2f GiB; host tier: %d checkpoints, "
+                 "%.2f GiB", state_slots, cfg.max_running_requests, checkpoints, cfg.state_checkpoint_pages,
+                 summary["state_gib"], summary["state_host_checkpoints"], summary["state_host_gib"])
     return Engine(
         dict(scheduler=scheduler, runner=runner, status_log_interval=cfg.status_log_interval,
              overlap=cfg.overlap_schedule),
@@ -205,16 +238,22 @@ def build_engine(cfg: EngineConfig) -> Engine:
     )
 
 
-def _speculator(cfg: EngineConfig, mcfg: Any, max_model_len: int) -> Speculator | None:
-    """--speculative's per-request drafting, or None. Off for hybrid models:
-    rolling back a rejected draft would need their recurrent state as it was
-    before the draft, which the state pool does not keep."""
+def _state_slots(cfg: EngineConfig, mcfg: Any) -> tuple[int, int]:
+    """(state-pool slots, of which prefix-cache checkpoints) of a hybrid model; (0, 0)
+    for others. One slot per running request, so the pool caps running requests."""
+    if not mcfg.is_hybrid:
+        return 0, 0
+    checkpoints = 0
+    if cfg.enable_prefix_cache:
+        checkpoints = (cfg.state_checkpoints if cfg.state_checkpoints is not None
+                       else 2 * cfg.max_running_requests)
+    return cfg.max_running_requests + checkpoints, checkpoints
+
+
+def _speculator(cfg: EngineConfig, max_model_len: int) -> Speculator | None:
+    """--speculative's per-request drafting, or None (a hybrid model was refused
+    before loading: build_engine)."""
     if cfg.speculative == "off":
-        return None
-    if getattr(mcfg, "is_hybrid", False):
-        log.warning("--speculative %s is off for this model: its linear-attention layers keep a "
-                    "recurrent state that a rejected draft cannot be rolled back from",
-                    cfg.speculative)
         return None
     if cfg.speculative == "mtp":
         from ftserve.engine.spec.mtp import MTPSpeculator
@@ -228,17 +267,13 @@ def _speculator(cfg: EngineConfig, mcfg: Any, max_model_len: int) -> Speculator 
                       max_model_len)
 
 
-def _wants_mtp(cfg: EngineConfig, model_dir: str, load_format: str) -> bool:
-    """--speculative mtp on a model it runs on (not a hybrid: _speculator): build
+def _wants_mtp(cfg: EngineConfig, model_dir: str, mcfg: Any, load_format: str) -> bool:
+    """--speculative mtp (a hybrid model was refused before: build_engine): build
     the checkpoint's MTP layers. A checkpoint without them is a start-up error."""
     if cfg.speculative != "mtp":
         return False
-    from ftserve.models.config import ModelConfig
     from ftserve.models.loader import mtp_layers
 
-    mcfg = ModelConfig.from_pretrained(model_dir)
-    if mcfg.is_hybrid:
-        return False
     n = mtp_layers(model_dir, mcfg, load_format)
     if n == 0:
         raise ConfigError(f"--speculative mtp needs a checkpoint with MTP layers (mtp.* tensors); "
@@ -248,8 +283,11 @@ def _wants_mtp(cfg: EngineConfig, model_dir: str, load_format: str) -> bool:
     return True
 
 
-def _host_tier(cfg: EngineConfig, pool: KVPool) -> HostKVTier | None:
-    """The pinned host tier asked for by --kv-host-pages / --kv-host-gib, or None."""
+def _host_tier(cfg: EngineConfig, pool: KVPool, state_pool: StatePool | None = None,
+               checkpoints: int = 0) -> HostKVTier | None:
+    """The pinned host tier asked for by --kv-host-pages / --kv-host-gib, or None
+    (for a hybrid, with --state-host-checkpoints state slots, default as many as
+    the device keeps)."""
     if cfg.kv_host_pages is None and cfg.kv_host_gib is None:
         return None
     pages = cfg.kv_host_pages
@@ -260,16 +298,20 @@ def _host_tier(cfg: EngineConfig, pool: KVPool) -> HostKVTier | None:
             raise ConfigError(
                 f"--kv-host-gib {cfg.kv_host_gib} holds no page of "
                 f"{pool.bytes_per_page()} bytes; raise it")
-    return HostKVTier(pool, pages)
+    if state_pool is None:
+        return HostKVTier(pool, pages)
+    host_states = cfg.state_host_checkpoints if cfg.state_host_checkpoints is not None else checkpoints
+    return HostKVTier(pool, pages, states=state_pool, state_slots=host_states)
 
 
 def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int,
-                model: torch.nn.Module, mcfg: Any, kernels: KernelConfig) -> int:
+                model: torch.nn.Module, mcfg: Any, kernels: KernelConfig, state_bytes: int = 0) -> int:
     """KV pages for the pool. On CUDA: ``--memory-ratio`` of the device's total
     memory must hold weights + activations of the largest prefill chunk +
-    sampler and CUDA-graph workspace + KV; the activation peak is measured with
-    one dummy prefill of ``--max-prefill-length`` tokens (which also compiles
-    the prefill kernels), not guessed."""
+    sampler and CUDA-graph workspace + a hybrid's state pool (``state_bytes``,
+    allocated after this) + KV; the activation peak is measured with one dummy
+    prefill of ``--max-prefill-length`` tokens (which also compiles the
+    prefill kernels), not guessed."""
     page_bytes = per_token * cfg.page_size
     if cfg.num_pages is not None:
         return cfg.num_pages
@@ -296,13 +338,14 @@ def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int,
         workspace += 8 * cfg.max_prefill_length * mcfg.hidden_size * elem
     free, total = torch.cuda.mem_get_info(device)
     used = total - free  # weights, the CUDA context, anything else on the card
-    budget = total * cfg.memory_ratio - used - activation - workspace
+    budget = total * cfg.memory_ratio - used - activation - workspace - state_bytes
     pages = int(budget // page_bytes)
     log.info("memory plan: total %.1f GiB x --memory-ratio %.2f = %.1f GiB: in use %.1f GiB "
              "(weights + context), prefill activations %.2f GiB (measured, %d tokens), "
-             "decode/graph workspace %.2f GiB, KV cache %.1f GiB (%d pages)",
+             "decode/graph workspace %.2f GiB, recurrent-state pool %.2f GiB, KV cache %.1f GiB "
+             "(%d pages)",
              total / 2**30, cfg.memory_ratio, total * cfg.memory_ratio / 2**30, used / 2**30,
-             activation / 2**30, cfg.max_prefill_length, workspace / 2**30,
+             activation / 2**30, cfg.max_prefill_length, workspace / 2**30, state_bytes / 2**30,
              max(0, pages) * page_bytes / 2**30, max(0, pages))
     min_pages = 2 + -(-cfg.max_prefill_length // cfg.page_size)
     if pages < min_pages:
@@ -310,8 +353,9 @@ def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int,
             f"no room for the KV cache: --memory-ratio {cfg.memory_ratio} of "
             f"{total / 2**30:.1f} GiB leaves {budget / 2**30:.2f} GiB after weights "
             f"({used / 2**30:.1f} GiB in use), prefill activations ({activation / 2**30:.2f} GiB for "
-            f"--max-prefill-length {cfg.max_prefill_length}) and workspace; raise --memory-ratio, "
-            f"lower --max-prefill-length or --max-running-requests, or offload experts with "
+            f"--max-prefill-length {cfg.max_prefill_length}), workspace and recurrent state "
+            f"({state_bytes / 2**30:.2f} GiB); raise --memory-ratio, lower --max-prefill-length or "
+            f"--max-running-requests (or --state-checkpoints), or offload experts with "
             f"--moe-cache-size")
     return pages
 
@@ -327,11 +371,15 @@ def _profile_prefill_peak(cfg: EngineConfig, device: torch.device, model: torch.
     # The pool's own dtype, so the profiled (and compiled) kernels are the served ones.
     dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, next(model.parameters()).dtype)
     pages = -(-n // ps)
-    pool = KVPool(mcfg.num_layers, pages + 1, ps, mcfg.num_kv_heads, mcfg.head_dim, dtype, device)
+    pool = KVPool(len(mcfg.kv_layers), pages + 1, ps, mcfg.num_kv_heads, mcfg.head_dim, dtype, device)
+    # A hybrid's chunk reads and writes one state slot (counted in the plan's state_bytes).
+    states = (StatePool.for_model(mcfg, 1, next(model.parameters()).dtype, STATE_DTYPE, device)
+              if mcfg.is_hybrid else None)
     backend = _attention_backend(cfg, device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, mcfg.vocab_size, (n,), generator=gen).tolist()
-    fb = build_forward_batch([ids], [0], [list(range(1, pages + 1))], pool, backend, kernels=kernels)
+    fb = build_forward_batch([ids], [0], [list(range(1, pages + 1))], pool, backend, kernels=kernels,
+                             state_pool=states, state_slots=[1] if states is not None else None)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
@@ -339,7 +387,7 @@ def _profile_prefill_peak(cfg: EngineConfig, device: torch.device, model: torch.
         model(fb)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
-    del fb, pool
+    del fb, pool, states
     torch.cuda.empty_cache()
     return int(peak * 1.1)  # headroom for allocator fragmentation
 

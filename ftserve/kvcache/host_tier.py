@@ -45,6 +45,15 @@ Two ways to flush:
   page is read before layer L of the step may overwrite it. The default for an
   eager step that restores host pages: on the H200 a 114k-token restore cost
   18 ms of TTFT this way vs 39 ms batched (BENCHMARKS.md).
+
+Hybrid models (``states``, the device StatePool): the prefix cache's state
+checkpoints move with their pages, into host state slots of the same layout
+(pinned; slot 0 unused, as page 0). Their moves are planned beside the page
+moves and run first at a flush, in planning order among themselves (a host
+slot freed by a load may be handed to a later offload of the same plan); the
+step waits for all of them before its forward (a layered flush too: the
+linear layers read their states from the first layer on, and a checkpoint
+is one request's state, small next to a restore's pages).
 """
 
 from __future__ import annotations
@@ -55,15 +64,18 @@ import torch
 
 from ftserve.kvcache.allocator import PageAllocator
 from ftserve.kvcache.pool import KVPool
+from ftserve.kvcache.state_pool import StatePool
 
 
 @dataclass
 class _Run:
-    """Consecutive moves in one direction: page src[i] -> page dst[i], every layer."""
+    """Consecutive moves in one direction: page src[i] -> page dst[i], every layer
+    (``states``: state slot src[i] -> slot dst[i], every linear layer)."""
 
     to_host: bool
     src: list[int]
     dst: list[int]
+    states: bool = False
 
 
 @dataclass
@@ -72,6 +84,8 @@ class HostTierCounters:
     pages_loaded_total: int = 0  # host -> device
     copy_launches_total: int = 0
     layered_flushes_total: int = 0  # flushes that returned per-layer events
+    states_offloaded_total: int = 0  # hybrid models' checkpoints, device -> host
+    states_loaded_total: int = 0
 
 
 class HostKVTier:
@@ -85,9 +99,12 @@ class HostKVTier:
     # ~50 GB/s needs far fewer SMs than that).
     LAYERED_COPY_PROGRAMS = 16
 
-    def __init__(self, pool: KVPool, num_pages: int) -> None:
+    def __init__(self, pool: KVPool, num_pages: int, states: StatePool | None = None,
+                 state_slots: int = 0) -> None:
         if num_pages < 1:
             raise ValueError(f"the host tier needs at least 1 page, got {num_pages}")
+        if states is not None and state_slots < 1:
+            raise ValueError("a host tier for a state pool needs at least 1 state slot")
         self.pool = pool
         self.page_size = pool.page_size
         self.device = pool.device
@@ -104,6 +121,19 @@ class HostKVTier:
             self.k_scale = torch.empty(shape[:3], dtype=pool.k_scale.dtype, pin_memory=self.on_cuda)
             self.v_scale = torch.empty(shape[:3], dtype=pool.k_scale.dtype, pin_memory=self.on_cuda)
         self.allocator = PageAllocator(num_pages + 1)
+        # Hybrid models: host state slots 1..state_slots, slot-major (one slot's
+        # layers contiguous: one plain pinned copy per move and tensor).
+        self.states = states
+        self.state_conv: torch.Tensor | None = None  # [slots + 1, linear layers, C, K-1]
+        self.state_recurrent: torch.Tensor | None = None  # [slots + 1, linear layers, Hv, dk, dv]
+        self.state_allocator: PageAllocator | None = None
+        if states is not None:
+            self.state_conv = torch.empty((state_slots + 1, states.conv.shape[0], *states.conv.shape[2:]),
+                                          dtype=states.conv.dtype, pin_memory=self.on_cuda)
+            self.state_recurrent = torch.empty(
+                (state_slots + 1, states.recurrent.shape[0], *states.recurrent.shape[2:]),
+                dtype=states.recurrent.dtype, pin_memory=self.on_cuda)
+            self.state_allocator = PageAllocator(state_slots + 1)
         self.counters = HostTierCounters()
         self._runs: list[_Run] = []
         self.copy_stream = torch.cuda.Stream(self.device) if self.on_cuda else None
@@ -133,6 +163,25 @@ class HostKVTier:
     def free(self, pages: list[int]) -> None:
         self.allocator.free(pages)
 
+    @property
+    def num_state_slots(self) -> int:
+        """Usable host state slots (0 without a state pool)."""
+        return self.state_allocator.num_total if self.state_allocator is not None else 0
+
+    def state_bytes_total(self) -> int:
+        if self.state_conv is None or self.state_recurrent is None:
+            return 0
+        return self.state_conv.nbytes + self.state_recurrent.nbytes
+
+    def alloc_state(self) -> int | None:
+        assert self.state_allocator is not None
+        got = self.state_allocator.alloc(1)
+        return None if got is None else got[0]
+
+    def free_state(self, slot: int) -> None:
+        assert self.state_allocator is not None
+        self.state_allocator.free([slot])
+
     # ----- planned moves -----------------------------------------------------
     def queue_offload(self, device_pages: list[int], host_pages: list[int]) -> None:
         """Plan device_pages[i] -> host_pages[i]. The caller may free the device
@@ -146,16 +195,26 @@ class HostKVTier:
         self._queue(False, host_pages, device_pages)
         self.counters.pages_loaded_total += len(device_pages)
 
-    def _queue(self, to_host: bool, src: list[int], dst: list[int]) -> None:
+    def queue_state_offload(self, device_slot: int, host_slot: int) -> None:
+        """Plan a checkpoint's move device_slot -> host_slot (the caller may free
+        the device slot at once, as a page)."""
+        self._queue(True, [device_slot], [host_slot], states=True)
+        self.counters.states_offloaded_total += 1
+
+    def queue_state_load(self, host_slot: int, device_slot: int) -> None:
+        self._queue(False, [host_slot], [device_slot], states=True)
+        self.counters.states_loaded_total += 1
+
+    def _queue(self, to_host: bool, src: list[int], dst: list[int], states: bool = False) -> None:
         if len(src) != len(dst):
             raise ValueError(f"page move with {len(src)} sources and {len(dst)} destinations")
         if not src:
             return
-        if self._runs and self._runs[-1].to_host == to_host:
+        if self._runs and self._runs[-1].to_host == to_host and self._runs[-1].states == states:
             self._runs[-1].src.extend(src)
             self._runs[-1].dst.extend(dst)
         else:
-            self._runs.append(_Run(to_host, list(src), list(dst)))
+            self._runs.append(_Run(to_host, list(src), list(dst), states))
 
     @property
     def num_pending(self) -> int:
@@ -163,13 +222,17 @@ class HostKVTier:
         return sum(len(r.src) for r in self._runs)
 
     def pending_moves(self) -> list[tuple[bool, list[int], list[int]]]:
-        """(to_host, src pages, dst pages) of each planned run, in order (a copy)."""
-        return [(r.to_host, list(r.src), list(r.dst)) for r in self._runs]
+        """(to_host, src pages, dst pages) of each planned page run, in order (a copy)."""
+        return [(r.to_host, list(r.src), list(r.dst)) for r in self._runs if not r.states]
+
+    def pending_state_moves(self) -> list[tuple[bool, list[int], list[int]]]:
+        """(to_host, src slots, dst slots) of each planned checkpoint run, in order."""
+        return [(r.to_host, list(r.src), list(r.dst)) for r in self._runs if r.states]
 
     @property
     def has_pending_loads(self) -> bool:
-        """A planned host -> device move (a prefix restore) awaits the next step."""
-        return any(not r.to_host for r in self._runs)
+        """A planned host -> device page move (a prefix restore) awaits the next step."""
+        return any(not r.to_host and not r.states for r in self._runs)
 
     def flush(self, layered: bool = False) -> list[torch.cuda.Event] | None:
         """Launch every planned move, in planning order, ordered after the work
@@ -181,8 +244,12 @@ class HostKVTier:
         ends. None when nothing was planned or off CUDA (the CPU copies at once)."""
         if not self._runs:
             return None
-        runs, self._runs = self._runs, []
+        state_runs = [r for r in self._runs if r.states]
+        runs = [r for r in self._runs if not r.states]
+        self._runs = []
         if self.copy_stream is None:
+            for run in state_runs:
+                self._copy_states(run)
             for run in runs:
                 self._copy_torch(run)
             return None
@@ -190,6 +257,15 @@ class HostKVTier:
         before = torch.cuda.Event()
         before.record(compute)
         self.copy_stream.wait_event(before)
+        if state_runs:
+            with torch.cuda.stream(self.copy_stream):
+                for run in state_runs:
+                    self._copy_states(run)
+            states_done = torch.cuda.Event()
+            states_done.record(self.copy_stream)
+            compute.wait_event(states_done)
+        if not runs:
+            return None
         events: list[torch.cuda.Event] = []
         with torch.cuda.stream(self.copy_stream):
             idx = [self._upload_pages(run) for run in runs]
@@ -253,6 +329,19 @@ class HostKVTier:
             copy_kv_pages(src_k, src_v, dst_k, dst_v, idx[0], idx[1], self.page_size,
                           max_programs=self.LAYERED_COPY_PROGRAMS if layer is not None else None)
             self.counters.copy_launches_total += 1
+
+    def _copy_states(self, run: _Run) -> None:
+        """A run of checkpoint moves, slot by slot in order, every linear layer (on
+        CUDA on the copy stream: pinned host rows, non-blocking)."""
+        assert self.states is not None and self.state_conv is not None and self.state_recurrent is not None
+        pairs = ((self.states.conv, self.state_conv), (self.states.recurrent, self.state_recurrent))
+        for s, d in zip(run.src, run.dst):
+            for dev, host in pairs:
+                if run.to_host:
+                    host[d].copy_(dev[:, s], non_blocking=True)
+                else:
+                    dev[:, d].copy_(host[s], non_blocking=True)
+        self.counters.copy_launches_total += 1
 
     def _copy_torch(self, run: _Run) -> None:
         """CPU path: the same moves with index_select / index_copy_ over slot rows."""

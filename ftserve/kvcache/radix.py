@@ -27,11 +27,17 @@ are the only callers)::
         their KV moves to host pages (planned offloads) instead of being dropped.
     reset() -> bool
         Drops both tiers, unless a device page is locked (then False, no change).
-    check_integrity(live_pages)
+    alloc_state() -> int | None / free_state(slot)
+        Stateful caches (hybrid models, below): a state-pool slot for the caller
+        to save a checkpoint into, within ``max_states`` (evicting the LRU
+        unlocked leaf, pages and checkpoint, when at the cap; None when nothing
+        can go); or back unused. A slot handed out returns through ``insert``
+        (``states``) or ``free_state``.
+    check_integrity(live_pages, live_states)
         Asserts every invariant below (radix_check.py).
     cached_pages, evictable_pages, locked_pages, host_cached_pages,
-    hit_tokens_total, query_tokens_total, host_hit_tokens_total,
-    host_dropped_pages_total
+    cached_states, states_out, hit_tokens_total, query_tokens_total,
+    host_hit_tokens_total, host_dropped_pages_total
         Counters, O(1); lifetime totals survive a reset.
 
 The host tier (host_tier.py) is driven from here, never the other way round:
@@ -95,6 +101,39 @@ Invariants of the state (``check_integrity`` asserts them after any call):
 - Counters: ``evictable_pages`` (unlocked device), ``locked_pages`` (locked
   device) and ``host_cached_pages`` equal what the tree holds.
 
+State checkpoints (hybrid models: ``states``, a StatePool, given). A
+linear-attention layer's state after token t is not in any page: a cached
+prefix is usable only up to a length where a checkpoint of that state was
+saved. A node may hold one (``node.state``: the state-pool slot with the
+state after the node's last token), so checkpoints sit at node ends, and::
+
+    tokens   0        16       32                64
+             |== A ===|== B ===|======= C ========|
+    A  state 5     B  no state (split off C by a match)     C  state 9
+
+    match_prefix(tokens) -> pages as ever, and state_tokens 16 (A's end),
+                            state_node A, state_slot 5: the hit is usable
+                            up to 16; lock A, copy slot 5 into the request's
+
+- Every leaf holds a checkpoint: pages with no checkpoint at or below them
+  could never be used, so ``insert`` takes pages only up to a checkpoint (the
+  caller's contract: its last page ends at one it gives or the tree holds)
+  and eviction drops whole leaves, then any parent left a leaf without one.
+- Checkpoints go with their pages and the other way round: evicting a leaf
+  frees its checkpoint; a checkpoint is evicted (``alloc_state`` at the cap)
+  only as the LRU unlocked leaf, with its pages.
+- ``lock`` pins checkpoints with pages; requests lock checkpointed nodes (or
+  the root) only.
+- With a host tier (its own state slots, ``HostKVTier.states``) a node's
+  checkpoint moves with its pages: an offload plans a state move beside the
+  page moves (and drops the node, pages and checkpoint, where the host has no
+  slot left even after its LRU); ``restore`` brings back whole host nodes down
+  to the deepest checkpoint that fits, each checkpoint into a device slot
+  within ``max_states``; ``insert`` over a host node with a checkpoint loads
+  it back where a device slot is free without evicting, else drops it (the
+  caller's pages then end at a checkpoint of its own). A host node's
+  ``state`` is a host state slot.
+
 Eviction order (test_radix_stateful.py checks it against a naive twin):
 device eviction takes the least recently used unlocked device node with no
 device children, deepest pages first, and offloads them (dropping them, with
@@ -128,6 +167,7 @@ from ftserve.kvcache.radix_check import check_radix
 
 if TYPE_CHECKING:
     from ftserve.kvcache.host_tier import HostKVTier
+    from ftserve.kvcache.state_pool import StatePool
 
 
 def as_token_array(tokens: Sequence[int]) -> array:
@@ -141,7 +181,7 @@ class RadixNode:
     """A run of whole pages under one parent (the root holds none)."""
 
     __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "uid", "detached",
-                 "on_host")
+                 "on_host", "state")
 
     def __init__(
         self, key: array, pages: array, parent: RadixNode | None, uid: int,
@@ -157,10 +197,14 @@ class RadixNode:
         self.uid = uid  # stable tie-break for the eviction heaps
         self.detached = False  # out of the tree (evicted or reset): must not be locked again
         self.on_host = on_host
+        # Stateful caches: the state-pool slot holding the recurrent state after
+        # this node's last token (-1: none).
+        self.state = -1
 
     def __repr__(self) -> str:
         tier = "host" if self.on_host else "device"
-        return (f"RadixNode(uid={self.uid}, {tier} pages={self.pages.tolist()}, ref={self.ref}, "
+        state = f", state={self.state}" if self.state >= 0 else ""
+        return (f"RadixNode(uid={self.uid}, {tier} pages={self.pages.tolist()}, ref={self.ref}{state}, "
                 f"children={len(self.children)})")
 
 
@@ -179,21 +223,39 @@ class PrefixMatch:
     node: RadixNode  # lock/unlock this to pin exactly `pages`
     host_tokens: int = 0
     host_node: RadixNode | None = None
+    # Stateful caches: the deepest matched node holding a state checkpoint (the
+    # root, 0 tokens, slot -1 when none): the part of the match a hybrid model
+    # can use. Always within the device part.
+    state_tokens: int = 0
+    state_node: RadixNode | None = None
+    state_slot: int = -1
 
 
 class RadixCache:
     """The prefix tree over both tiers; see the module docstring for the contract."""
 
     def __init__(
-        self, page_size: int, allocator: PageAllocator, host: HostKVTier | None = None
+        self, page_size: int, allocator: PageAllocator, host: HostKVTier | None = None,
+        states: StatePool | None = None, max_states: int = 0,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if host is not None and host.page_size != page_size:
             raise ValueError(f"host tier page size {host.page_size} != {page_size}")
+        if states is not None and host is not None and host.states is not states:
+            raise ValueError("a stateful prefix cache's host tier must hold state slots of its pool")
+        if states is not None and not 0 < max_states <= states.num_slots:
+            raise ValueError(f"max_states must be in 1..{states.num_slots}, got {max_states}")
         self.page_size = page_size
         self.allocator = allocator
         self.host = host
+        # Stateful (hybrid models): checkpoint slots come from this pool, at most
+        # max_states of them in the tree or handed out at once.
+        self.states = states
+        self.max_states = max_states if states is not None else 0
+        self._cached_states = 0  # checkpoints held by device nodes
+        self._host_states = 0  # ... by host nodes
+        self._states_out = 0  # handed out by alloc_state, not back yet
         self._uids = itertools.count()
         self.root = RadixNode(array("i"), array("i"), None, next(self._uids))
         self._clock = 0
@@ -202,7 +264,9 @@ class RadixCache:
         self._evictable_pages = 0
         self._locked_pages = 0
         self._host_pages = 0
-        self.hit_tokens_total = 0  # query tokens served from device pages (restores included)
+        # Query tokens served from device pages (restores included; a stateful
+        # cache's: up to the deepest checkpoint, what a hit can use).
+        self.hit_tokens_total = 0
         self.query_tokens_total = 0
         self.host_hit_tokens_total = 0  # tokens brought back from the host tier
         self.host_dropped_pages_total = 0  # host pages dropped (host LRU or reset)
@@ -226,6 +290,25 @@ class RadixCache:
         """Host pages held by the tree."""
         return self._host_pages
 
+    @property
+    def stateful(self) -> bool:
+        return self.states is not None
+
+    @property
+    def cached_states(self) -> int:
+        """State checkpoints held by the tree."""
+        return self._cached_states
+
+    @property
+    def host_cached_states(self) -> int:
+        """State checkpoints held by host nodes (host state slots)."""
+        return self._host_states
+
+    @property
+    def states_out(self) -> int:
+        """Checkpoint slots handed out by alloc_state and not back yet."""
+        return self._states_out
+
     # ---------------------------------------------------------------- match
     def match_prefix(self, tokens: Sequence[int], *, count_stats: bool = True) -> PrefixMatch:
         """Longest cached full-page prefix of ``tokens``; refreshes the path's LRU time.
@@ -246,28 +329,33 @@ class RadixCache:
         pages: list[int] = []
         pos = 0
         dev: tuple[int, RadixNode] | None = None  # (tokens, node) where the device part ends
+        state_end, state_node = 0, self.root  # the deepest checkpoint passed (stateful)
         while pos < limit:
             child = node.children.get(toks[pos : pos + ps].tobytes())
             if child is None:
                 break
             n_pages = self._common_pages(child.key, toks, pos, limit)
             if n_pages < len(child.pages):
-                child = self._split(child, n_pages)
+                child = self._split(child, n_pages)  # the upper part: no checkpoint at its end
             child.last_access = self._clock
             if child.on_host and dev is None:
                 dev = (pos, node)
+            pos += len(child.key)
             if dev is None:
                 pages.extend(child.pages)
-            pos += len(child.key)
+                if child.state >= 0:
+                    state_end, state_node = pos, child
             node = child
         dev_tokens, dev_node = dev if dev is not None else (pos, node)
         if count_stats:
             self.query_tokens_total += len(toks)
-            self.hit_tokens_total += dev_tokens
+            self.hit_tokens_total += state_end if self.stateful else dev_tokens
+        st = {} if not self.stateful else dict(
+            state_tokens=state_end, state_node=state_node, state_slot=state_node.state)
         if dev is None:
-            return PrefixMatch(pages=pages, num_tokens=pos, node=node)
+            return PrefixMatch(pages=pages, num_tokens=pos, node=node, **st)
         return PrefixMatch(pages=pages, num_tokens=dev_tokens, node=dev_node,
-                           host_tokens=pos - dev_tokens, host_node=node)
+                           host_tokens=pos - dev_tokens, host_node=node, **st)
 
     def restore(self, match: PrefixMatch) -> PrefixMatch:
         """Bring the host-tier part of ``match`` back to device pages (as many
@@ -284,6 +372,8 @@ class RadixCache:
                 host_nodes.append(n)
                 n = n.parent
             host_nodes.reverse()
+            if self.states is not None:
+                return self._restore_with_states(match, host_nodes)
             need = sum(len(h.pages) for h in host_nodes)
             if self.allocator.num_free < need:
                 self.evict(need - self.allocator.num_free)
@@ -312,6 +402,71 @@ class RadixCache:
         return dataclasses.replace(match, pages=pages, num_tokens=num_tokens, node=node,
                                    host_tokens=0, host_node=None)
 
+    def _restore_with_states(self, match: PrefixMatch, host_nodes: list[RadixNode]) -> PrefixMatch:
+        """restore of a stateful cache (the caller holds the lock on the path):
+        whole host nodes, top-down, down to the deepest checkpoint whose pages and
+        device state slots the device can make room for; the checkpoints go to
+        device slots with planned loads."""
+        assert self.host is not None
+        deepest = max((i for i, h in enumerate(host_nodes) if h.state >= 0), default=-1)
+        host_nodes = host_nodes[:deepest + 1]  # pages below the last checkpoint are of no use
+        need = sum(len(h.pages) for h in host_nodes)
+        if self.allocator.num_free < need:
+            self.evict(need - self.allocator.num_free)
+        pages, num_tokens, node = list(match.pages), match.num_tokens, match.node
+        state_end, state_node = match.state_tokens, match.state_node
+        for h in host_nodes:
+            if len(h.pages) > self.allocator.num_free:
+                break
+            slot = -1
+            if h.state >= 0:
+                slot = self._device_state_slot(evict=True)
+                if slot < 0:
+                    break
+            dev = self.allocator.alloc(len(h.pages))
+            assert dev is not None
+            self.host.queue_load(h.pages, dev)
+            self._set_device_pages(h, array("i", dev))
+            if slot >= 0:
+                self._state_to_device(h, slot)
+                state_end, state_node = num_tokens + len(h.key), h
+            pages += dev
+            num_tokens += len(h.key)
+            node = h
+        self.hit_tokens_total += state_end - match.state_tokens
+        self.host_hit_tokens_total += state_end - match.state_tokens
+        assert state_node is not None
+        return dataclasses.replace(match, pages=pages, num_tokens=num_tokens, node=node,
+                                   host_tokens=0, host_node=None, state_tokens=state_end,
+                                   state_node=state_node, state_slot=state_node.state)
+
+    def _device_state_slot(self, evict: bool) -> int:
+        """A device state slot for a checkpoint coming back from the host, within
+        max_states (evicting the LRU unlocked leaf at the cap when ``evict``); -1
+        when there is none."""
+        assert self.states is not None
+        if not self._room_for_state(evict):
+            return -1
+        self._cached_states += 1  # counted here: the caller gives it to a node at once
+        return self.states.alloc()
+
+    def _room_for_state(self, evict: bool = True) -> bool:
+        """Below max_states, after evicting LRU leaves (offloading them, with a
+        host tier) while at the cap, when ``evict``."""
+        while evict and self._cached_states + self._states_out >= self.max_states and self._cached_states:
+            if not self.evict(1):  # the LRU leaf, whole (with a host tier it may hold none: go on)
+                break
+        return self._cached_states + self._states_out < self.max_states
+
+    def _state_to_device(self, node: RadixNode, slot: int) -> None:
+        """A node (now on the device) gets its host checkpoint back in device
+        ``slot`` (from _device_state_slot, already counted): a planned load."""
+        assert self.host is not None and node.state >= 0
+        self.host.queue_state_load(node.state, slot)
+        self.host.free_state(node.state)
+        self._host_states -= 1
+        node.state = slot
+
     # ---------------------------------------------------------------- locks
     def lock(self, node: RadixNode) -> None:
         """Pin every page on root..node against eviction (counted; pair with unlock)."""
@@ -338,7 +493,8 @@ class RadixCache:
             n = n.parent
 
     # ---------------------------------------------------------------- insert
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int],
+               states: Iterable[tuple[int, int]] = ()) -> int:
         """Give the tree the full pages of ``tokens``; returns tokens already cached.
 
         ``pages[i]`` holds tokens[i*page_size:(i+1)*page_size]; pages past the
@@ -346,6 +502,13 @@ class RadixCache:
         Where the tree already has a device page for a chunk, the caller's page
         (if a different one) is freed back to the allocator. Where it has a
         host page, the caller's fresh device page replaces it (no copy needed).
+
+        Stateful caches: ``states`` are checkpoints (length in tokens, slot from
+        alloc_state) of these tokens; the tree takes each at the node ending at
+        that length (splitting one), frees the caller's slot where it has one
+        there already or where the length is not a whole page inside the
+        inserted pages. The inserted pages must end at a checkpoint, given or
+        held (module docstring).
         """
         toks = as_token_array(tokens)
         ps = self.page_size
@@ -380,6 +543,14 @@ class RadixCache:
                 # Walking top-down, `node` is the root or a device node, so the
                 # tier invariant holds after this node turns device.
                 self._set_device_pages(child, own)
+                if child.state >= 0:
+                    # Its checkpoint back to the device if a slot is free (no eviction:
+                    # this walk's nodes are not locked), else dropped.
+                    slot = self._device_state_slot(evict=False)
+                    if slot >= 0:
+                        self._state_to_device(child, slot)
+                    else:
+                        self._drop_host_state(child)
             else:
                 duplicates.extend(o for t, o in zip(child.pages, own) if o != t)
             child.last_access = self._clock
@@ -387,7 +558,58 @@ class RadixCache:
             node = child
         if duplicates:
             self.allocator.free(duplicates)
+        if self.states is not None:
+            self._take_states(toks, limit, states)
         return pos
+
+    def _take_states(self, toks: array, limit: int, states: Iterable[tuple[int, int]]) -> None:
+        """insert's checkpoints: at node ends, one per node; the rest freed."""
+        assert self.states is not None
+        for n_tok, slot in states:
+            self._states_out -= 1
+            if n_tok <= 0 or n_tok > limit or n_tok % self.page_size:
+                self.states.free(slot)
+                continue
+            node = self._node_ending_at(toks, n_tok)
+            if node.state >= 0:
+                self.states.free(slot)  # saved twice (two requests over one prefix)
+            else:
+                node.state = slot
+                self._cached_states += 1
+        if limit:
+            end = self._node_ending_at(toks, limit)
+            assert end.children or end.state >= 0, (
+                f"a stateful insert of {limit} tokens ends at a leaf without a checkpoint: {end!r}")
+
+    def _node_ending_at(self, toks: array, n_tok: int) -> RadixNode:
+        """The device node on toks' path that ends at n_tok tokens (the tree holds
+        toks[:n_tok]), split off where n_tok falls inside a node."""
+        ps = self.page_size
+        node, pos = self.root, 0
+        while pos < n_tok:
+            child = node.children[toks[pos : pos + ps].tobytes()]
+            if pos + len(child.key) > n_tok:
+                child = self._split(child, (n_tok - pos) // ps)
+            pos += len(child.key)
+            node = child
+        return node
+
+    # ---------------------------------------------------------------- states
+    def alloc_state(self) -> int | None:
+        """A state-pool slot to save a checkpoint into (stateful caches); at the
+        cap, the least recently used unlocked leaf goes first (its pages and its
+        checkpoint). None when every checkpoint is locked."""
+        assert self.states is not None, "alloc_state on a cache without states"
+        if not self._room_for_state():
+            return None
+        self._states_out += 1
+        return self.states.alloc()
+
+    def free_state(self, slot: int) -> None:
+        """Give back a slot from alloc_state that the tree will not take."""
+        assert self.states is not None and self._states_out > 0
+        self._states_out -= 1
+        self.states.free(slot)
 
     # ---------------------------------------------------------------- evict
     def evict(self, num_pages: int) -> int:
@@ -395,7 +617,9 @@ class RadixCache:
         unlocked device nodes that have no device children, deepest pages
         first. With a host tier their KV moves to host pages (dropped only when
         the host tier has no room even after its own LRU eviction); without one
-        it is dropped."""
+        it is dropped. A stateful cache drops whole leaves (a leaf's upper
+        pages without its checkpoint could not be used), and then each parent
+        left a leaf without a checkpoint: it may free more than asked."""
         if num_pages <= 0:
             return 0
         heap: list[tuple[int, int, RadixNode]] = []
@@ -411,7 +635,11 @@ class RadixCache:
         freed = 0
         while heap and freed < num_pages:
             _, _, leaf = heapq.heappop(heap)
+            if leaf.detached:
+                continue  # a stateful cache's host eviction dropped it meanwhile (_drop_useless)
             take = min(num_pages - freed, len(leaf.pages))
+            if self.states is not None:
+                take = len(leaf.pages)
             parent = leaf.parent
             assert parent is not None
             if take < len(leaf.pages):
@@ -420,6 +648,8 @@ class RadixCache:
             if self.host is None or not self._offload(leaf):
                 self._drop_subtree(leaf)
             freed += take
+            parent, dropped = self._drop_useless(parent)
+            freed += dropped
             if (parent is not self.root and parent.ref == 0 and not parent.on_host
                     and all(c.on_host for c in parent.children.values())):
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))
@@ -440,10 +670,12 @@ class RadixCache:
         return True
 
     # ---------------------------------------------------------------- checks
-    def check_integrity(self, live_pages: Iterable[int] = ()) -> None:
+    def check_integrity(self, live_pages: Iterable[int] = (), live_states: Iterable[int] = ()) -> None:
         """Assert the page partition of both tiers and the tree's invariants
-        (module docstring); ``live_pages``: the private pages of live requests."""
-        check_radix(self, live_pages)
+        (module docstring); ``live_pages``: the private pages of live requests;
+        ``live_states`` (stateful): the state slots held outside the tree
+        (running requests' own, checkpoints handed out)."""
+        check_radix(self, live_pages, live_states)
 
     # ---------------------------------------------------------------- tree helpers
     def _first(self, node: RadixNode) -> bytes:
@@ -505,6 +737,13 @@ class RadixCache:
                 self.host_dropped_pages_total += len(n.pages)
             else:
                 self.allocator.free(n.pages)
+            if n.state >= 0 and n.on_host:
+                self._drop_host_state(n)
+            elif n.state >= 0:
+                assert self.states is not None
+                self.states.free(n.state)
+                self._cached_states -= 1
+                n.state = -1
             n.pages, n.key = array("i"), array("i")
             n.detached, n.parent, n.children = True, None, {}
 
@@ -533,11 +772,33 @@ class RadixCache:
         """Move an unlocked device node's KV to host pages (a planned copy);
         False when the host tier cannot make room."""
         assert self.host is not None and not node.on_host and node.ref == 0
-        got = self._host_alloc(len(node.pages))
+        # Pinned while the host makes room: a stateful cache's host eviction drops
+        # device nodes it leaves without children or checkpoint (_drop_useless).
+        self.lock(node)
+        try:
+            got = self._host_alloc(len(node.pages))
+            host_state = -1
+            if got is not None and node.state >= 0:
+                host_state = self._host_state_alloc()
+                if host_state < 0:
+                    self.host.free(got)
+                    got = None
+        finally:
+            self.unlock(node)
         if got is None:
+            return False
+        if self.states is not None and not node.children and node.state < 0:
+            self.host.free(got)  # its host children went to make room: nothing below to keep
             return False
         host_pages = array("i", got)
         self.host.queue_offload(node.pages, host_pages)
+        if host_state >= 0:
+            assert self.states is not None
+            self.host.queue_state_offload(node.state, host_state)
+            self.states.free(node.state)
+            self._cached_states -= 1
+            self._host_states += 1
+            node.state = host_state
         # Safe to reuse at once: the next step waits for this copy (HostKVTier.flush).
         self.allocator.free(node.pages)
         self._account(node, -1)
@@ -554,7 +815,25 @@ class RadixCache:
             self._evict_host(n - host.num_free)
         return host.alloc(n)
 
-    def _evict_host(self, num_pages: int) -> None:
+    def _host_state_alloc(self) -> int:
+        """A host state slot (dropping LRU host leaves, whole, while none is free),
+        or -1."""
+        host = self.host
+        assert host is not None
+        while True:
+            slot = host.alloc_state()
+            if slot is not None:
+                return slot
+            if not self._evict_host(1):
+                return -1
+
+    def _drop_host_state(self, node: RadixNode) -> None:
+        assert self.host is not None and node.state >= 0
+        self.host.free_state(node.state)
+        self._host_states -= 1
+        node.state = -1
+
+    def _evict_host(self, num_pages: int) -> int:
         """Drop up to ``num_pages`` host pages from the least recently used
         unlocked host leaves, deepest pages first."""
         heap: list[tuple[int, int, RadixNode]] = []
@@ -570,11 +849,29 @@ class RadixCache:
         while heap and freed < num_pages:
             _, _, leaf = heapq.heappop(heap)
             take = min(num_pages - freed, len(leaf.pages))
+            if self.states is not None:
+                take = len(leaf.pages)  # whole leaves, as on the device
             parent = leaf.parent
             assert parent is not None
             if take < len(leaf.pages):
                 parent = self._split(leaf, len(leaf.pages) - take)
             self._drop_subtree(leaf)
             freed += take
+            parent, _ = self._drop_useless(parent)
             if parent.on_host and not parent.children and parent.ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))
+        return freed
+
+    def _drop_useless(self, node: RadixNode) -> tuple[RadixNode, int]:
+        """Stateful caches: drop ``node`` and up while it is a leaf without a
+        checkpoint (its pages can no longer be used); returns the first kept
+        ancestor (or node itself) and the device pages dropped."""
+        dropped = 0
+        while (self.states is not None and node is not self.root and not node.children
+               and node.state < 0 and node.ref == 0):  # (pinned by _offload while it works)
+            up = node.parent
+            assert up is not None
+            dropped += 0 if node.on_host else len(node.pages)
+            self._drop_subtree(node)
+            node = up
+        return node, dropped

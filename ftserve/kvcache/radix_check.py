@@ -9,6 +9,11 @@ a live request's private pages, or a device node of the tree.
 Host pages: each usable page is in exactly one of the host free list or a host
 node. Tiers: a device node's parent is the root or a device node; no host node
 is locked between calls (only ``restore`` locks host nodes, while it runs).
+State checkpoints (stateful caches): each usable state-pool slot is in exactly
+one of the pool's free list, the live slots (running requests', checkpoints
+handed out) or one device node; each host state slot in the host's free list
+or one host node; the counters match; every leaf holds one; at most
+``max_states`` are on device nodes or handed out.
 """
 
 from __future__ import annotations
@@ -24,28 +29,29 @@ if TYPE_CHECKING:
 class _Owners:
     """Who holds each page of one tier; a second claim is an assertion."""
 
-    def __init__(self, tier: str, num_pages: int) -> None:
+    def __init__(self, tier: str, num_pages: int, unit: str = "page") -> None:
         self.tier = tier
         self.num_pages = num_pages
+        self.unit = unit
         self.owner: dict[int, str] = {}
 
     def claim(self, page: int, where: str) -> None:
         assert 0 < page < self.num_pages, (
-            f"{where} holds {self.tier} page {page}, outside 1..{self.num_pages - 1}"
+            f"{where} holds {self.tier} {self.unit} {page}, outside 1..{self.num_pages - 1}"
         )
         prev = self.owner.get(page)
-        assert prev is None, f"{self.tier} page {page} is owned twice: by {prev} and by {where}"
+        assert prev is None, f"{self.tier} {self.unit} {page} is owned twice: by {prev} and by {where}"
         self.owner[page] = where
 
     def assert_complete(self) -> None:
         missing = self.num_pages - 1 - len(self.owner)
         assert missing == 0, (
-            f"{missing} usable {self.tier} pages are owned by nobody (leaked), e.g. "
+            f"{missing} usable {self.tier} {self.unit}s are owned by nobody (leaked), e.g. "
             f"{sorted(set(range(1, self.num_pages)) - self.owner.keys())[:8]}"
         )
 
 
-def check_radix(cache: RadixCache, live_pages: Iterable[int] = ()) -> None:
+def check_radix(cache: RadixCache, live_pages: Iterable[int] = (), live_states: Iterable[int] = ()) -> None:
     ps = cache.page_size
     alloc = cache.allocator
     alloc.check_integrity()
@@ -60,7 +66,22 @@ def check_radix(cache: RadixCache, live_pages: Iterable[int] = ()) -> None:
         host = _Owners("host", cache.host.allocator.num_pages)
         for p in cache.host.allocator.free_pages():
             host.claim(p, "the host free list")
+    states = host_states = None
+    if cache.states is not None:
+        states = _Owners("state", cache.states.num_slots + 1, "slot")
+        for s in cache.states.free_slots():
+            states.claim(s, "the state free list")
+        for s in live_states:
+            states.claim(s, "a live request")
+        if cache.host is not None:
+            assert cache.host.state_allocator is not None, "a stateful cache's host tier holds no states"
+            cache.host.state_allocator.check_integrity()
+            host_states = _Owners("host state", cache.host.state_allocator.num_pages, "slot")
+            for s in cache.host.state_allocator.free_pages():
+                host_states.claim(s, "the host state free list")
+    num_states = num_host_states = 0
     root = cache.root
+    assert root.state < 0, "the root holds no checkpoint"
     assert not root.pages and not root.key and root.parent is None and not root.on_host, (
         "the root must hold no pages"
     )
@@ -72,6 +93,17 @@ def check_radix(cache: RadixCache, live_pages: Iterable[int] = ()) -> None:
         assert not n.detached, f"{n!r} is in the tree but marked detached"
         if n is not root:
             assert n.pages, f"{n!r} holds no pages"
+            if states is None:
+                assert n.state < 0, f"{n!r} holds a checkpoint in a cache without states"
+            elif n.state >= 0 and n.on_host:
+                assert host_states is not None
+                host_states.claim(n.state, f"host node {n.uid}")
+                num_host_states += 1
+            elif n.state >= 0:
+                states.claim(n.state, f"tree node {n.uid}")
+                num_states += 1
+            else:
+                assert n.children, f"{n!r} is a leaf without a checkpoint: its pages can never be used"
             # Compact storage is part of the contract (host memory per cached token).
             assert all(isinstance(x, array) and x.typecode == "i" for x in (n.key, n.pages)), (
                 f"{n!r} stores its key/pages as {type(n.key)}/{type(n.pages)}, not array('i')"
@@ -115,4 +147,15 @@ def check_radix(cache: RadixCache, live_pages: Iterable[int] = ()) -> None:
     dev.assert_complete()
     if host is not None:
         host.assert_complete()
+    if states is not None:
+        states.assert_complete()
+        assert num_states == cache.cached_states, (
+            f"cached_states counter {cache.cached_states} != {num_states} counted in the tree")
+        assert num_host_states == cache.host_cached_states, (
+            f"host_cached_states counter {cache.host_cached_states} != {num_host_states} in the tree")
+        if host_states is not None:
+            host_states.assert_complete()
+        assert cache.cached_states + cache.states_out <= cache.max_states, (
+            f"{cache.cached_states} checkpoints in the tree and {cache.states_out} handed out "
+            f"exceed max_states {cache.max_states}")
     assert 0 <= cache.hit_tokens_total <= cache.query_tokens_total, "hit counters inconsistent"

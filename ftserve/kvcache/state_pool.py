@@ -121,6 +121,10 @@ class StatePool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def free_slots(self) -> list[int]:
+        """The free slots (a copy), for integrity checks."""
+        return list(self._free)
+
     def alloc(self) -> int:
         """A free slot for a new request; its contents are stale (see the module
         docstring: a sequence without a prefix never reads them)."""

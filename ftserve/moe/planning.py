@@ -38,7 +38,7 @@ def required_slots(cfg: EngineConfig, mcfg: ModelConfig) -> int:
 
 
 def plan_num_slots(cfg: EngineConfig, mcfg: ModelConfig, bank: HostBank, device: torch.device,
-                   kv_bytes_per_token: int) -> int:
+                   kv_bytes_per_token: int, reserve_bytes: int = 0) -> int:
     need = required_slots(cfg, mcfg)
     total = bank.num_layers * bank.num_experts
     if cfg.moe_cache_size is not None:
@@ -48,7 +48,7 @@ def plan_num_slots(cfg: EngineConfig, mcfg: ModelConfig, bank: HostBank, device:
         n, how = total, "--moe-cache-auto (CPU: device memory is host memory)"
     else:
         free, _ = torch.cuda.mem_get_info(device)
-        n = auto_slots(free, cfg, bank, kv_bytes_per_token)
+        n = auto_slots(free, cfg, bank, kv_bytes_per_token, reserve_bytes)
         how = f"--moe-cache-auto ({free / 2**30:.1f} GiB free, --memory-ratio {cfg.memory_ratio})"
     if n < need:
         raise ConfigError(
@@ -60,10 +60,13 @@ def plan_num_slots(cfg: EngineConfig, mcfg: ModelConfig, bank: HostBank, device:
     return min(n, total)
 
 
-def auto_slots(free_bytes: int, cfg: EngineConfig, bank: HostBank, kv_bytes_per_token: int) -> int:
-    """Slots that fit in ``free_bytes`` of VRAM (after the resident weights)."""
+def auto_slots(free_bytes: int, cfg: EngineConfig, bank: HostBank, kv_bytes_per_token: int,
+               reserve_bytes: int = 0) -> int:
+    """Slots that fit in ``free_bytes`` of VRAM (after the resident weights and
+    ``reserve_bytes``: a hybrid model's recurrent-state pool, allocated later)."""
     total = bank.num_layers * bank.num_experts
-    budget = free_bytes * cfg.memory_ratio - cfg.max_prefill_length * ACTIVATION_BYTES_PER_TOKEN
+    budget = (free_bytes * cfg.memory_ratio - cfg.max_prefill_length * ACTIVATION_BYTES_PER_TOKEN
+              - reserve_bytes)
     if cfg.num_pages is not None:
         kv = cfg.num_pages * cfg.page_size * kv_bytes_per_token
     elif cfg.kv_cache_tokens is not None:
@@ -78,19 +81,20 @@ def auto_slots(free_bytes: int, cfg: EngineConfig, bank: HostBank, kv_bytes_per_
 
 def load_with_expert_cache(
     model_dir: str | Path, cfg: EngineConfig, device: torch.device, load_format: str,
-    kv_bytes_per_token: int | None = None,
+    kv_bytes_per_token: int | None = None, reserve_bytes: int = 0,
 ) -> tuple[DecoderForCausalLM, ModelConfig, ExpertCache]:
     """Offload mode start-up: experts into host banks, the rest onto ``device``,
     then N slots + maps on the device. Called before the KV pool is sized, so
-    the pool plans around the cache."""
+    the pool plans around the cache; ``reserve_bytes`` (a hybrid's state pool)
+    stays free for what is allocated after it."""
     model, mcfg, bank = load_offloaded_model(model_dir, cfg.dtype, device, load_format, seed=cfg.seed)
     if kv_bytes_per_token is None:
         from ftserve.kvcache.pool import KVPool, kv_cache_torch_dtype
 
         kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, bank.data.dtype)  # fp8 counts scales
-        kv_bytes_per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim,
+        kv_bytes_per_token = KVPool.bytes_per_token(len(mcfg.kv_layers), mcfg.num_kv_heads, mcfg.head_dim,
                                                     kv_dtype)
-    n = plan_num_slots(cfg, mcfg, bank, device, kv_bytes_per_token)
+    n = plan_num_slots(cfg, mcfg, bank, device, kv_bytes_per_token, reserve_bytes)
     cache = ExpertCache(model, bank, n, mcfg.num_experts_per_tok, device)
     model.expert_cache = cache  # reachable from the runner's model (tests, benchmarks)
     s = cache.summary()

@@ -90,7 +90,7 @@ async def _respond(request: web.Request, state: ServerState, arrival: float) -> 
         req = dataclasses.replace(req, max_tokens=room)
     rid = "msg_" + uuid.uuid4().hex
     async with driver.running(state, req, [prompt.ids], arrival, rid, prompt.output,
-                              prompt.constraint) as choices:
+                              prompt.constraint, prompt.unsent_tail) as choices:
         if req.stream:
             shaper = MessagesStream(rid, state.model_name, window)
             return await driver.stream(request, state, choices, shaper)

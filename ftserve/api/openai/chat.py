@@ -47,7 +47,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         ids = req.truncated(prompt.ids, engine.max_model_len)  # the end stays: think, forced
         rid = "chatcmpl-" + uuid.uuid4().hex
         async with driver.running(state, req, [ids], arrival, rid, prompt.output,
-                                  prompt.constraint) as choices:
+                                  prompt.constraint, prompt.unsent_tail) as choices:
             if req.stream:
                 shaper = ChatStream(req, rid, int(time.time()), state.model_name, choices, text)
                 return await driver.stream(request, state, choices, shaper)

@@ -70,7 +70,7 @@ async def _respond(request: web.Request, state: ServerState, arrival: float) -> 
     prompt = await chat_prompt(text, req, state.cfg.reasoning_parser != "none")
     rid = _id("resp")
     async with driver.running(state, req, [prompt.ids], arrival, rid, prompt.output,
-                              prompt.constraint) as choices:
+                              prompt.constraint, prompt.unsent_tail) as choices:
         (choice,) = choices
         shell = _Shell(rid, int(time.time()), state.model_name, req, choice.gen.params.max_tokens)
         if req.stream:
