@@ -57,8 +57,10 @@ import torch
 import torch.nn.functional as F
 
 from ftserve import envs
+from ftserve_kernels import fp8_ops
 from ftserve_kernels import moe as moe_ref
 from ftserve_kernels import norm_rope as nr_ref
+from ftserve_kernels.fp8_quant import Fp8Weight
 
 
 @dataclass(frozen=True)
@@ -166,11 +168,15 @@ def route_topk(
 
 def fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Fp8Weight,
+    w2: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
+    if isinstance(w13, Fp8Weight):  # an fp8 checkpoint's experts (fp8_ops)
+        assert isinstance(w2, Fp8Weight)
+        return fp8_ops.fused_moe(x, w13, w2, topk_weights, topk_ids, uses_triton(x))
+    assert isinstance(w2, torch.Tensor)
     return _table(x).fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
@@ -216,13 +222,15 @@ def moe_defers_next_norm(x: torch.Tensor) -> bool:
 
 
 def fused_moe_add_rms_norm(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
     counter: torch.Tensor, defer: bool = False,
 ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
     """-> (the normed rows, or with ``defer`` where moe_defers_next_norm(x) a
     PendingNorm of them; the sum MoE(x) + residual)."""
     k = _table(x)
+    if isinstance(w13, Fp8Weight):  # the fp8 expert kernels fold no norm: the composition
+        return k.fused_add_rms_norm(fused_moe(x, w13, w2, topk_weights, topk_ids), residual, norm_w, eps)
     if moe_folds_next_norm(x) and k.moe_add_norm is not None:
         from ftserve_kernels.moe_down_gemv_triton import NormNext
 
@@ -302,7 +310,9 @@ def _gemv_for(x: torch.Tensor, kind: str) -> Callable[..., Any] | None:
     return None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, b: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(w, Fp8Weight):  # fp8 GEMV at decode sizes, w8a8 GEMM above (fp8_ops)
+        return fp8_ops.linear(x, w, b, uses_triton(x))
     gemv = _gemv_for(x, "linear")
     if gemv is not None:
         return gemv(x, w, b)[0]
@@ -311,8 +321,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
 
 def add_rms_norm_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
-    w: torch.Tensor, b: torch.Tensor | None, prenormed: bool | PendingNorm = False,
+    w: torch.Tensor | Fp8Weight, b: torch.Tensor | None, prenormed: bool | PendingNorm = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(w, Fp8Weight):
+        return _add_rms_norm_fp8_linear(x, residual, norm_w, eps, w, b, prenormed)
     if isinstance(prenormed, PendingNorm):  # x is the sum s; the GEMV applies the norm
         gemv = _gemv_for(x, "linear")
         assert gemv is not None and residual is not None, "moe_defers_next_norm said it would run"
@@ -328,6 +340,24 @@ def add_rms_norm_linear(
         return F.linear(rms_norm(x, norm_w, eps), w, b), x
     normed, summed = fused_add_rms_norm(x, residual, norm_w, eps)
     return F.linear(normed, w, b), summed
+
+
+def _add_rms_norm_fp8_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, w: Fp8Weight,
+    b: torch.Tensor | None, prenormed: bool | PendingNorm,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm_linear with an fp8 weight: the norm, then the fp8 linear."""
+    if isinstance(prenormed, PendingNorm):  # a bf16 MoE layer before left it pending
+        assert residual is not None
+        rms = torch.rsqrt(prenormed.parts.sum(-1, keepdim=True) / x.shape[1] + eps)  # [T, 1]
+        return linear((prenormed.scaled.float() * rms).to(x.dtype), w, b), residual
+    if prenormed:
+        assert residual is not None
+        return linear(x, w, b), residual
+    if residual is None:
+        return linear(rms_norm(x, norm_w, eps), w, b), x
+    normed, summed = fused_add_rms_norm(x, residual, norm_w, eps)
+    return linear(normed, w, b), summed
 
 
 # torch.mm(..., out_dtype=) (the aten mm.dtype overload) is missing from older torch.

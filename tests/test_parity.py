@@ -33,6 +33,11 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     # dense layer among MoE layers, top-k weights not renormalized
     "qwen3_moe_mixed": ("tiny-moe", {"mlp_only_layers": [1], "norm_topk_prob": False}),
     "mixtral": ("tiny-mixtral", {}),
+    # fp8 checkpoints (HF's block-scaled layout): transformers dequantizes them on
+    # the CPU; ftserve's CPU path multiplies the same dequantized weights in fp32,
+    # so the bound is the float32 one.
+    "qwen3_fp8": ("tiny-qwen3-fp8", {}),
+    "qwen3_moe_fp8": ("tiny-moe-fp8", {}),
 }
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ftserve.models.fp8_config import Fp8Config, parse_quantization
 from ftserve.models.rope import RopeScaling, build_cos_sin
 
 # architecture -> (model_type, per-family defaults for keys config.json may omit)
@@ -136,6 +137,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     linear_attn: LinearAttentionConfig | None = None
     shared_expert_intermediate_size: int = 0  # MoE layers' always-on expert (0: none)
+    quant: Fp8Config | None = None  # an fp8 checkpoint's quantization_config (fp8_config.py)
 
     @property
     def q_size(self) -> int:
@@ -294,6 +296,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            quant=parse_quantization(hf),
             **moe,
             **hybrid,
         )

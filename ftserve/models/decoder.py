@@ -102,7 +102,8 @@ class DecoderLayer(nn.Module):
         """A resident MoE layer whose expert weights are the softmax of the chosen
         logits: its o_proj can route (folded_router)."""
         mlp = self.mlp
-        return isinstance(mlp, MoEBlock) and mlp.renormalize and mlp.expert_compute is None
+        return (isinstance(mlp, MoEBlock) and mlp.renormalize and mlp.expert_compute is None
+                and not mlp.is_fp8 and self.self_attn.o_proj.weight_scale is None)  # fp8: not folded
 
     def _routes_in_oproj(self, x: torch.Tensor) -> bool:
         return (self.router_foldable() and not self.mlp.observed()  # type: ignore[union-attr]

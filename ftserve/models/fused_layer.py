@@ -29,8 +29,10 @@ def eligible(layer: DecoderLayer, x: torch.Tensor, batch: ForwardBatch, cos_sin:
     if not ops.uses_triton(x):
         return False
     mlp, attn = layer.mlp, layer.self_attn
-    if not isinstance(mlp, MoEBlock) or mlp.expert_compute is not None:
+    if not isinstance(mlp, MoEBlock) or mlp.expert_compute is not None or mlp.is_fp8:
         return False
+    if attn.qkv_proj.weight_scale is not None or attn.o_proj.weight_scale is not None:
+        return False  # fp8 projections: the unfused path's fp8 kernels
     if mlp.gate._forward_hooks or mlp.gate._forward_pre_hooks:
         return False  # someone observes the router: the unfused path calls the modules
     if attn.qkv_proj.bias is not None or attn.o_proj.bias is not None or (attn.q_norm is None) != (attn.k_norm is None):

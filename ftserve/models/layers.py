@@ -14,6 +14,7 @@ from torch import nn
 from ftserve import envs
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve_kernels import ops
+from ftserve_kernels.fp8_quant import FP8, Fp8Weight
 from ftserve_kernels.oproj_route_triton import OprojRoute
 
 # Signature of the MoE expert-compute hook: (x [T, H], topk_weights [T, k] fp32,
@@ -22,7 +23,9 @@ ExpertCompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tenso
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b); weight [out, in] in the HF layout, so checkpoints copy in as they are."""
+    """y = x W^T (+ b); weight [out, in] in the HF layout, so checkpoints copy in as they are.
+    An fp8 checkpoint's layers hold e4m3 codes in ``weight`` and their block
+    scales in ``weight_scale`` (to_fp8); ``w`` is the weight as ops take it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -30,9 +33,29 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
+        self.register_parameter("weight_scale", None)  # fp8: [ceil(N / bn), ceil(K / bk)] fp32
+        self.fp8_block: tuple[int, int] | None = None  # fp8: (bn, bk)
+
+    def to_fp8(self, block_n: int, block_k: int) -> None:
+        """Hold the weight as fp8 codes + scales (before materialization, on meta)."""
+        n, k = self.weight.shape
+        dev = self.weight.device
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=FP8, device=dev), requires_grad=False)
+        self.weight_scale = nn.Parameter(
+            torch.empty(-(-n // block_n), -(-k // block_k), dtype=torch.float32, device=dev), requires_grad=False)
+        self.fp8_block = (block_n, block_k)
+
+    @property
+    def w(self) -> torch.Tensor | Fp8Weight:
+        """The weight: the tensor, or fp8 codes with their scales (ftserve_kernels.fp8_quant)."""
+        if self.weight_scale is None or self.fp8_block is None:
+            return self.weight
+        return Fp8Weight(self.weight, self.weight_scale, *self.fp8_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.weight_scale is None:
+            return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.w, self.bias)
 
 
 class Embedding(nn.Module):
@@ -92,7 +115,7 @@ class Attention(nn.Module):
         norm(x' + residual), residual that sum), or left it pending (x is the sum).
         ``project=False``: the attention output before o_proj [T, q]."""
         qkv, summed = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps,
-                                              self.qkv_proj.weight, self.qkv_proj.bias, prenormed=normed)
+                                              self.qkv_proj.w, self.qkv_proj.bias, prenormed=normed)
         return self.attend(qkv, batch, cos_sin, project), summed
 
     def attend(self, qkv: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor,
@@ -134,7 +157,7 @@ class Attention(nn.Module):
         return self._project(out.reshape(t, self.q_size), project)  # [T, H]
 
     def _project(self, out: torch.Tensor, project: bool) -> torch.Tensor:
-        return ops.linear(out, self.o_proj.weight, self.o_proj.bias) if project else out
+        return ops.linear(out, self.o_proj.w, self.o_proj.bias) if project else out
 
 
 class DenseMLP(nn.Module):
@@ -180,10 +203,36 @@ class MoEBlock(nn.Module):
         self.w2 = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
         )
+        # fp8 checkpoints (to_fp8): e4m3 codes in w13 / w2, their block scales here.
+        self.register_parameter("w13_scale", None)  # [E, ceil(2I / bn), ceil(H / bk)] fp32
+        self.register_parameter("w2_scale", None)  # [E, ceil(H / bn), ceil(I / bk)] fp32
+        self.fp8_blocks: dict[str, tuple[int, int]] = {}  # "w13" / "w2" -> (bn, bk)
         self.expert_compute: ExpertCompute | None = None
         # Arrival counter of the fused norm + route kernel: zero between launches
         # (the kernel's last program re-zeroes it); made on first use, on x's device.
         self._route_counter: torch.Tensor | None = None
+
+    def to_fp8(self, name: str, block_n: int, block_k: int) -> None:
+        """Hold expert weights ``name`` ("w13" or "w2") as fp8 codes + scales (on meta)."""
+        w = getattr(self, name)
+        e, n, k = w.shape
+        setattr(self, name, nn.Parameter(torch.empty(e, n, k, dtype=FP8, device=w.device), requires_grad=False))
+        setattr(self, f"{name}_scale", nn.Parameter(
+            torch.empty(e, -(-n // block_n), -(-k // block_k), dtype=torch.float32, device=w.device),
+            requires_grad=False))
+        self.fp8_blocks[name] = (block_n, block_k)
+
+    @property
+    def is_fp8(self) -> bool:
+        return bool(self.fp8_blocks)
+
+    def expert_weights(self) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | Fp8Weight]:
+        """(w13, w2) as ops take them: tensors, or fp8 codes with their scales."""
+        if not self.is_fp8:
+            return self.w13, self.w2
+        assert self.w13_scale is not None and self.w2_scale is not None
+        return (Fp8Weight(self.w13, self.w13_scale, *self.fp8_blocks["w13"]),
+                Fp8Weight(self.w2, self.w2_scale, *self.fp8_blocks["w2"]))
 
     def norm_route(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
@@ -214,7 +263,7 @@ class MoEBlock(nn.Module):
     def folds_next_norm(self, x: torch.Tensor) -> bool:
         """Whether compute_experts_norm folds the norm into the expert launches at
         x's size (the resident experts only: an expert cache computes its own)."""
-        return self.expert_compute is None and ops.moe_folds_next_norm(x)
+        return self.expert_compute is None and not self.is_fp8 and ops.moe_folds_next_norm(x)
 
     def compute_experts_norm(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, residual: torch.Tensor,
@@ -247,7 +296,7 @@ class MoEBlock(nn.Module):
     ) -> torch.Tensor:
         if self.expert_compute is not None:
             return self.expert_compute(x, topk_weights, topk_ids)
-        return ops.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)  # [T, H]
+        return ops.fused_moe(x, *self.expert_weights(), topk_weights, topk_ids)  # [T, H]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)

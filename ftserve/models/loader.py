@@ -14,9 +14,11 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from ftserve.models import fp8
 from ftserve.models.config import ModelConfig
 from ftserve.models.decoder import DecoderForCausalLM
 from ftserve.models.registry import model_class
+from ftserve_kernels.fp8_quant import FP8
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +55,26 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
+def checkpoint_names(files: list[Path]) -> set[str]:
+    """Every tensor name in the shards (headers only)."""
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            names.update(h.keys())
+    return names
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                stored: set[str] | None = None) -> DecoderForCausalLM:
     """Construct on the meta device (no memory, no init), then allocate once on ``device``.
-    Parameter values are uninitialized until the caller fills them."""
+    Parameter values are uninitialized until the caller fills them. An fp8
+    checkpoint's weights become fp8 parameters first (fp8.convert; ``stored``:
+    the checkpoint's tensor names, None for dummy weights)."""
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg, dtype)
+        if cfg.quant is not None:
+            fp8.convert(model, cfg.quant, stored)
     model.to_empty(device=device)
     model.init_buffers()
     model.eval()
@@ -82,9 +98,11 @@ def load_model(
     if max_model_len is not None:
         cfg = cfg.with_max_len(max_model_len)
     torch_dtype = resolve_dtype(dtype, device)
-    model = build_model(cfg, torch_dtype, device)
+    files = checkpoint_files(model_dir) if load_format in ("safetensors", "auto") else []
+    names = checkpoint_names(files) if files and cfg.quant is not None else None
+    model = build_model(cfg, torch_dtype, device, names)
     if load_format in ("safetensors", "auto"):
-        fill_from_safetensors(model, checkpoint_files(model_dir))
+        fill_from_safetensors(model, files)
     elif load_format == "dummy":
         fill_dummy(model, seed)
     else:
@@ -95,12 +113,20 @@ def load_model(
 
 @torch.no_grad()
 def fill_from_safetensors(model: DecoderForCausalLM, files: list[Path]) -> None:
-    targets = model.checkpoint_targets()
+    targets = fp8.checkpoint_targets(model)  # model.checkpoint_targets() (+ an fp8 checkpoint's scales)
     params = dict(model.named_parameters())
     ignorable = model.ignorable_checkpoint_names()
     seen: set[str] = set()
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
-    total = sum(len(h.keys()) for h in handles)
+    where = {name: h for h in handles for name in h.keys()}
+    total = len(where)
+
+    def read(name: str) -> torch.Tensor:  # another tensor, for a conversion (fp8 scales)
+        if name not in where:
+            raise CheckpointError(f"checkpoint is missing tensor {name}")
+        seen.add(name)
+        return where[name].get_tensor(name)
+
     with tqdm(total=total, desc="loading weights", unit="tensor", disable=None) as bar:
         for path, handle in zip(files, handles):
             for name in handle.keys():
@@ -108,18 +134,34 @@ def fill_from_safetensors(model: DecoderForCausalLM, files: list[Path]) -> None:
                 target = targets.get(name)
                 if target is None:
                     if (name in ignorable or name.endswith(_IGNORED_SUFFIXES)
-                            or name.startswith(model.ignorable_prefixes)):
+                            or name.startswith(model.ignorable_prefixes) or fp8.ignorable(model, name)):
                         continue
                     raise CheckpointError(f"unexpected tensor {name!r} in {path.name}: this model has no such weight")
-                if name in seen:
+                if name in seen and not getattr(target, "consumed", False):
                     raise CheckpointError(f"tensor {name!r} appears twice (again in {path.name})")
-                dest = params[target.param][target.index]
                 shape = tuple(handle.get_slice(name).get_shape())
-                if shape != tuple(dest.shape):
+                conv = target if isinstance(target, fp8.ConvertTarget) else None
+                if conv is not None and conv.consumed:
+                    if shape not in conv.stored:
+                        raise CheckpointError(f"tensor {name!r} in {path.name} has shape {list(shape)}, "
+                                              f"expected {list(conv.stored[0])}")
+                    seen.add(name)
+                    continue
+                dest = params[target.param][target.index]
+                expected = conv.stored if conv is not None and conv.stored else (tuple(dest.shape),)
+                if shape not in expected:
                     raise CheckpointError(
-                        f"tensor {name!r} in {path.name} has shape {list(shape)}, expected {list(dest.shape)}"
+                        f"tensor {name!r} in {path.name} has shape {list(shape)}, expected {list(expected[0])}"
                     )
-                dest.copy_(handle.get_tensor(name))  # mmap read, one copy (+ dtype cast) into place
+                value = handle.get_tensor(name)  # mmap read
+                if conv is not None and conv.convert is not None:
+                    try:
+                        value = conv.convert(value, read)
+                    except ValueError as err:
+                        raise CheckpointError(f"tensor {name!r} in {path.name}: {err}") from None
+                elif value.dtype == FP8 and dest.dtype != FP8:
+                    raise CheckpointError(f"tensor {name!r} in {path.name} is fp8 without a scale beside it")
+                dest.copy_(value)  # one copy (+ dtype cast) into place
                 seen.add(name)
     missing = sorted(set(targets) - seen)
     if missing:
@@ -143,7 +185,11 @@ def fill_dummy(model: DecoderForCausalLM, seed: int = 0) -> None:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
+        if p.dtype == FP8:  # an fp8 config's codes; their scales make the weights N(0, 0.02)
+            fp8.fill_dummy_codes(p, gen)
+        elif name.endswith("_scale"):
+            p.fill_(fp8.DUMMY_SCALE)
+        elif name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith(".bias"):
             p.zero_()

@@ -1,0 +1,61 @@
+"""Kernel choice for fp8 weights (Fp8Weight, fp8_quant.py); ops.py calls these
+when a layer's weight is fp8, and says whether Triton runs (``triton``).
+
+    linear(x [T, K], w [N, K], b)          T <= GEMV_MAX_ROWS: fp8 GEMV (bf16 rows, w8a16);
+                                           else per-token-group activation quantization
+                                           + the block-scaled w8a8 GEMM
+    fused_moe(x [T, H], w13, w2, weights, ids)
+                                           T <= MOE_GEMV_MAX_TOKENS: the two expert GEMVs;
+                                           else the grouped w8a8 GEMMs over moe_align
+    torch (triton=False): the exact references, weights dequantized per block and
+    multiplied in fp32 with the activations as they are (the CPU engine's path).
+
+Every Triton path has fixed shapes and no host read, so decode runs inside the
+captured graphs and a prefill chunk syncs nothing. lm_head and embeddings are
+never fp8 (ModelConfig keeps them in the model dtype).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ftserve_kernels.fp8_quant import Fp8Weight, fp8_linear_ref
+
+GEMV_MAX_ROWS = 4  # dense: rows per GEMV launch (every program holds all of them)
+MOE_GEMV_MAX_TOKENS = 2  # experts: up to here the GEMV pair, past it the grouped GEMMs
+
+
+def linear(x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, triton: bool) -> torch.Tensor:
+    if not triton:
+        return fp8_linear_ref(x, w, b)
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        from ftserve_kernels.fp8_gemv_triton import fp8_gemv_triton
+
+        return fp8_gemv_triton(x, w, b)
+    from ftserve_kernels.fp8_gemm_triton import fp8_linear_triton
+
+    return fp8_linear_triton(x, w, b)
+
+
+def fused_moe(x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, triton: bool, expert_map: torch.Tensor | None = None,
+              read_through: Any = None) -> torch.Tensor:
+    """``expert_map`` [E] int32: expert -> row of w13 / w2 (an expert-slot cache);
+    ``read_through`` (fp8_moe_gemv_triton.Fp8ReadThrough, GEMV sizes): this
+    step's misses read from the host bank by the GEMVs."""
+    if not triton:
+        from ftserve_kernels.fp8_moe_triton import fused_moe_fp8_ref
+
+        if expert_map is not None:
+            topk_ids = expert_map.index_select(0, topk_ids.reshape(-1).long()).view_as(topk_ids)
+        return fused_moe_fp8_ref(x, w13, w2, topk_weights, topk_ids)
+    if x.shape[0] <= MOE_GEMV_MAX_TOKENS:
+        from ftserve_kernels.fp8_moe_gemv_triton import fused_moe_fp8_gemv_triton
+
+        return fused_moe_fp8_gemv_triton(x, w13, w2, topk_weights, topk_ids, expert_map, read_through)
+    assert read_through is None, "read-through is a GEMV path"
+    from ftserve_kernels.fp8_moe_triton import fused_moe_fp8_triton
+
+    return fused_moe_fp8_triton(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map)
