@@ -27,13 +27,15 @@ GEMV_MAX_ROWS = 4  # dense: rows per GEMV launch (every program holds all of the
 MOE_GEMV_MAX_TOKENS = 2  # experts: up to here the GEMV pair, past it the grouped GEMMs
 
 
-def linear(x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, triton: bool) -> torch.Tensor:
+def linear(x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, triton: bool,
+           pdl_mode: int = 0) -> torch.Tensor:
+    """``pdl_mode``: the decode kernels' PDL constexpr (pdl.active), for the GEMV."""
     if not triton:
         return fp8_linear_ref(x, w, b)
     if x.shape[0] <= GEMV_MAX_ROWS:
         from ftserve_kernels.fp8_gemv_triton import fp8_gemv_triton
 
-        return fp8_gemv_triton(x, w, b)
+        return fp8_gemv_triton(x, w, b, pdl_mode)
     from ftserve_kernels.fp8_gemm_triton import fp8_linear_triton
 
     return fp8_linear_triton(x, w, b)
@@ -41,7 +43,7 @@ def linear(x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, triton: bool) 
 
 def fused_moe(x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, triton: bool, expert_map: torch.Tensor | None = None,
-              read_through: Any = None) -> torch.Tensor:
+              read_through: Any = None, pdl_mode: int = 0) -> torch.Tensor:
     """``expert_map`` [E] int32: expert -> row of w13 / w2 (an expert-slot cache);
     ``read_through`` (fp8_moe_gemv_triton.Fp8ReadThrough, GEMV sizes): this
     step's misses read from the host bank by the GEMVs."""
@@ -54,7 +56,8 @@ def fused_moe(x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, topk_weights: torc
     if x.shape[0] <= MOE_GEMV_MAX_TOKENS:
         from ftserve_kernels.fp8_moe_gemv_triton import fused_moe_fp8_gemv_triton
 
-        return fused_moe_fp8_gemv_triton(x, w13, w2, topk_weights, topk_ids, expert_map, read_through)
+        return fused_moe_fp8_gemv_triton(x, w13, w2, topk_weights, topk_ids, expert_map, read_through,
+                                         pdl_mode)
     assert read_through is None, "read-through is a GEMV path"
     from ftserve_kernels.fp8_moe_triton import fused_moe_fp8_triton
 

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from ftserve import envs
-from ftserve_kernels import fp8_ops
+from ftserve_kernels import fp8_ops, pdl
 from ftserve_kernels import moe as moe_ref
 from ftserve_kernels import norm_rope as nr_ref
 from ftserve_kernels.fp8_quant import Fp8Weight
@@ -175,7 +175,7 @@ def fused_moe(
 ) -> torch.Tensor:
     if isinstance(w13, Fp8Weight):  # an fp8 checkpoint's experts (fp8_ops)
         assert isinstance(w2, Fp8Weight)
-        return fp8_ops.fused_moe(x, w13, w2, topk_weights, topk_ids, uses_triton(x))
+        return fp8_ops.fused_moe(x, w13, w2, topk_weights, topk_ids, uses_triton(x), pdl_mode=pdl.active(x))
     assert isinstance(w2, torch.Tensor)
     return _table(x).fused_moe(x, w13, w2, topk_weights, topk_ids)
 
@@ -312,7 +312,7 @@ def _gemv_for(x: torch.Tensor, kind: str) -> Callable[..., Any] | None:
 
 def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, b: torch.Tensor | None) -> torch.Tensor:
     if isinstance(w, Fp8Weight):  # fp8 GEMV at decode sizes, w8a8 GEMM above (fp8_ops)
-        return fp8_ops.linear(x, w, b, uses_triton(x))
+        return fp8_ops.linear(x, w, b, uses_triton(x), pdl.active(x))
     gemv = _gemv_for(x, "linear")
     if gemv is not None:
         return gemv(x, w, b)[0]

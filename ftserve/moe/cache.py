@@ -314,10 +314,10 @@ class ExpertCache:
     def _moe(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
              expert_map: torch.Tensor, rt: ReadThrough | None = None) -> torch.Tensor:
         if isinstance(self.w13, Fp8Weight) and isinstance(self.w2, Fp8Weight):  # an fp8 bank's slots
-            from ftserve_kernels import fp8_ops
+            from ftserve_kernels import fp8_ops, pdl
 
             return fp8_ops.fused_moe(x, self.w13, self.w2, weights, ids, x.is_cuda, expert_map=expert_map,
-                                     read_through=rt)
+                                     read_through=rt, pdl_mode=pdl.active(x))
         assert isinstance(self.w13, torch.Tensor) and isinstance(self.w2, torch.Tensor)
         if rt is not None:
             from ftserve_kernels.moe_gemv_triton import fused_moe_gemv_triton
