@@ -254,7 +254,9 @@ FP8_BLOCK_QUANT: dict[str, Any] = {
 
 # Tiny fp8 presets: hidden 128 so the 128-column blocks are whole; q (4 x 32 rows) and
 # k / v (2 x 32) fuse with part boundaries off the 128-row grid, and down_proj spans
-# two column blocks.
+# two column blocks. Every dimension is a multiple of 128 or below it: transformers'
+# CPU dequantization derives the block from the scale grid's shape (192 rows in 2
+# scale rows would be blocks of 96), which is right only then.
 PRESETS["tiny-qwen3-fp8"] = {
     **PRESETS["tiny-qwen3"], "hidden_size": 128, "intermediate_size": 256,
     "quantization_config": FP8_BLOCK_QUANT,
