@@ -143,6 +143,14 @@ class HostBank:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    def w13(self, j: int) -> torch.Tensor:
+        """Layer j's gate/up weights (fp8: codes) as a view [E, 2I, H] (row stride R)."""
+        return self.layer_params(j)["w13"]
+
+    def w2(self, j: int) -> torch.Tensor:
+        """Layer j's down weights (fp8: codes) as a view [E, H, I] (row stride R)."""
+        return self.layer_params(j)["w2"]
+
     def layer_params(self, j: int) -> dict[str, torch.Tensor]:
         """Layer j's expert parameters as views of the bank (row stride R):
         w13 [E, 2I, H], w2 [E, H, I] (fp8: codes, + w13_scale / w2_scale)."""
