@@ -43,18 +43,29 @@ def _fp8_gemv_kernel(
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + offs_k[None, :]  # [N, BK]
     s_ptrs = s_ptr + (cols // SCALE_N) * stride_s  # [N], + the K block
     x_ptrs = x_ptr + tt.to(tl.int64)[:, None] * stride_x + offs_k[None, :]  # [T, BK]
+    if PDL:
+        # The weights are no earlier kernel's output: the first step's tile and
+        # scales are in flight before the wait (pdl.py), while the kernel before finishes.
+        w_first = tl.load(w_ptrs, mask=nmask[:, None] & (offs_k[None, :] < K), other=0.0)
+        s_first = tl.load(s_ptrs, mask=nmask, other=0.0)
     pdl.enter(PDL)  # x comes from the kernel before
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for step in tl.static_range(K_STEPS):
         k0 = step * BLOCK_K
         if EVEN_K:
-            w = tl.load(w_ptrs + k0, mask=nmask[:, None], other=0.0)
             xv = tl.load(x_ptrs + k0, mask=tmask[:, None], other=0.0)
         else:
             kmask = offs_k < K - k0
-            w = tl.load(w_ptrs + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
             xv = tl.load(x_ptrs + k0, mask=tmask[:, None] & kmask[None, :], other=0.0)
-        sc = tl.load(s_ptrs + k0 // SCALE_K, mask=nmask, other=0.0)  # [N]
+        if PDL and step == 0:
+            w = w_first
+            sc = s_first
+        else:
+            if EVEN_K:
+                w = tl.load(w_ptrs + k0, mask=nmask[:, None], other=0.0)
+            else:
+                w = tl.load(w_ptrs + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            sc = tl.load(s_ptrs + k0 // SCALE_K, mask=nmask, other=0.0)  # [N]
         part = tl.sum(w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :], 2)  # [T, N]
         acc += part * sc[None, :]
     if HAS_BIAS:

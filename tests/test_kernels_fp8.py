@@ -148,6 +148,9 @@ def test_gemv_matches_exact_reference(dtype: torch.dtype, t: int, n: int, k: int
 
 
 def experts(g: torch.Generator, e: int, h: int, inter: int, bn13: int) -> tuple[Fp8Weight, Fp8Weight]:
+    """bn13 = 0: per-channel scales (compressed-tensors), one per row of both weights."""
+    if bn13 == 0:
+        return weight(g, (e, 2 * inter, h), 1, h), weight(g, (e, h, inter), 1, inter)
     return weight(g, (e, 2 * inter, h), bn13), weight(g, (e, h, inter))
 
 
@@ -160,6 +163,7 @@ def routing(g: torch.Generator, t: int, e: int, k: int) -> tuple[torch.Tensor, t
     (torch.float32, 21, 8, 256, 192, 4, 64),  # two K steps, a partial 128-column group of I
     (torch.float32, 9, 16, 64, 32, 4, 32),  # tiny-moe's shape: H and I below one block
     (torch.bfloat16, 9, 8, 128, 192, 2, 64),
+    (torch.float32, 7, 8, 256, 128, 2, 0),  # per-channel scales
 ])
 def test_grouped_moe_matches_twin(dtype: torch.dtype, t: int, e: int, h: int, inter: int, k: int,
                                   bn13: int) -> None:
@@ -182,12 +186,13 @@ def close_requantized(out: torch.Tensor, ref: torch.Tensor) -> None:
         assert out.dtype == ref.dtype and rel_err(out, ref) < 0.03
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t", [1, 2])
-def test_moe_gemv_matches_exact_reference(dtype: torch.dtype, t: int) -> None:
+@pytest.mark.parametrize("dtype,t,bn13", [(torch.float32, 1, 64), (torch.bfloat16, 1, 64),
+                                           (torch.float32, 2, 64), (torch.bfloat16, 2, 64),
+                                           (torch.float32, 2, 0)])  # 0: per-channel scales
+def test_moe_gemv_matches_exact_reference(dtype: torch.dtype, t: int, bn13: int) -> None:
     g = torch.Generator().manual_seed(10 + t)
     e, h, inter, k = 8, 128, 192, 4
-    w13, w2 = experts(g, e, h, inter, 64)
+    w13, w2 = experts(g, e, h, inter, bn13)
     wts, ids = routing(g, t, e, k)
     x = torch.randn(t, h, generator=g).to(dtype).to(DEVICE)
     close(fmg.fused_moe_fp8_gemv_triton(x, w13, w2, wts, ids), fm.fused_moe_fp8_ref(x, w13, w2, wts, ids), True)
