@@ -282,6 +282,10 @@ def test_compressed_tensors_fp8(strategy: str, tmp_path: Path) -> None:
     assert (logits[7:] - pair.hf_logits(prompts[1])).abs().max().item() <= TOL
 
 
+def test_engine_summary_says_fp8(engine: Engine) -> None:
+    assert engine.summary["weights_format"] == "fp8" and engine.summary["dtype"] == "float32"
+
+
 def test_dummy_weights_with_an_fp8_config(tmp_path: Path) -> None:
     """--load-format dummy with an fp8 config: fp8 codes and scales drawn so the
     weights are ~N(0, 0.02) as the model-dtype dummy weights; a forward is finite."""
