@@ -34,7 +34,11 @@ def _fp8_gemv_kernel(
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr,
     EVEN_K: tl.constexpr, PDL: tl.constexpr,
+    parts_ptr=None, P=1, eps=0.0, HAS_PARTS: tl.constexpr = False, BLOCK_P: tl.constexpr = 1,
 ):
+    # HAS_PARTS: x is w * s of a norm the layer before left pending (its programs'
+    # partial sums of squares of s in parts [T, P]): each row's dot is scaled by
+    # its 1/rms at the end, as gemv_triton's (ops.PendingNorm).
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
     nmask = cols < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -68,6 +72,11 @@ def _fp8_gemv_kernel(
             sc = tl.load(s_ptrs + k0 // SCALE_K, mask=nmask, other=0.0)  # [N]
         part = tl.sum(w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :], 2)  # [T, N]
         acc += part * sc[None, :]
+    if HAS_PARTS:
+        pp = tl.arange(0, BLOCK_P)
+        parts = tl.load(parts_ptr + tt[:, None] * P + pp[None, :], mask=tmask[:, None] & (pp[None, :] < P),
+                        other=0.0)
+        acc = acc * tl.rsqrt(tl.sum(parts, 1) / K + eps)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + tt.to(tl.int64)[:, None] * stride_y + cols[None, :]
@@ -85,12 +94,15 @@ def gemv_tiles(n: int, k: int, cuda: bool) -> tuple[int, int, int]:
 
 
 def fp8_gemv_triton(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
-                    pdl_mode: int = 0, tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                    pdl_mode: int = 0, tiles: tuple[int, int, int] | None = None,
+                    parts: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
     """x [T, K] (T <= GEMV_MAX_ROWS) -> y [T, N] in x's dtype. ``pdl_mode``: the
-    PDL constexpr (pdl.active of the caller's launch)."""
+    PDL constexpr (pdl.active of the caller's launch). ``parts`` [T, P] fp32: x is
+    w * s of a pending norm (eps): y = (x . W^T) / rms(s) (+ b)."""
     t, k = x.shape
     n = w.codes.shape[0]
     assert t <= GEMV_MAX_ROWS and w.codes.shape[1] == k and x.stride(-1) == 1
+    assert parts is None or (parts.dtype == torch.float32 and parts.shape[0] == t and parts.is_contiguous())
     check_weight(w)
     y = torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t == 0:
@@ -102,5 +114,7 @@ def fp8_gemv_triton(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = N
         SCALE_N=w.block_n, SCALE_K=w.block_k, HAS_BIAS=bias is not None,
         BLOCK_T=triton.next_power_of_2(t), BLOCK_N=bn, BLOCK_K=bk, K_STEPS=triton.cdiv(k, bk),
         EVEN_K=k % bk == 0, PDL=pdl_mode, num_warps=warps, num_stages=1, **pdl.launch(pdl_mode),
+        **({} if parts is None else dict(parts_ptr=parts, P=parts.shape[1], eps=eps, HAS_PARTS=True,
+                                         BLOCK_P=triton.next_power_of_2(parts.shape[1]))),
     )
     return y

@@ -12,6 +12,10 @@ dot. Activations stay in their dtype (w8a16). Rounding follows the grouped
 path: act and each weighted down row round to x's dtype; the k rows add up in
 fp32 in a fixed order. Twin: fp8_moe_triton.fused_moe_fp8_ref.
 
+The next layer's input norm folds into the down kernel's epilogue as in the
+bf16 pair (moe_down_gemv_triton's NormNext: normed by the grid's last program,
+or left pending for the next qkv GEMV, ``fused_moe_fp8_add_norm_gemv_triton``).
+
 Expert-slot cache (``expert_map``: expert -> slot row) and read-through
 (``Fp8ReadThrough``): this step's misses are read by the GEMVs straight from
 the pinned host bank over UVA, codes and scales, and written into their slot
@@ -30,6 +34,7 @@ import triton.language as tl
 from ftserve_kernels import pdl
 from ftserve_kernels.fp8_gemm_triton import check_weight
 from ftserve_kernels.fp8_quant import GROUP, Fp8Weight
+from ftserve_kernels.moe_down_gemv_triton import NormNext, _add_then_norm_last, _add_then_part
 
 
 class Fp8ReadThrough(NamedTuple):
@@ -137,6 +142,9 @@ def _fp8_down_kernel(
     TOP_K: tl.constexpr, BLOCK_KP: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_MAP: tl.constexpr, READ_THROUGH: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
+    res_ptr=None, nw_ptr=None, sum_ptr=None, normed_ptr=None, cnt_ptr=None, eps=0.0, stride_rt=0,
+    part_ptr=None, NORM_NEXT: tl.constexpr = False, NORM_DEFER: tl.constexpr = False,
+    BLOCK_H: tl.constexpr = 16,
 ):
     pdl.enter(PDL)  # the ids / activations come from the kernel before
     # The k choices are a third tile axis: codes [KP, N, K], each choice's act
@@ -188,7 +196,15 @@ def _fp8_down_kernel(
         acc += tl.sum(b.to(tl.float32) * av.to(tl.float32)[:, None, :], 2) * sc
     wt = tl.load(weights_ptr + pair, mask=jmask, other=0.0)  # [KP]
     y = (acc * wt[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # [KP, N]
-    tl.store(out_ptr + t * stride_o + cols, tl.sum(y, 0).to(out_ptr.dtype.element_ty), mask=nmask)
+    out = tl.sum(y, 0)  # [N]
+    if NORM_NEXT and NORM_DEFER:
+        _add_then_part(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, part_ptr, stride_rt,
+                       out_ptr.dtype.element_ty)
+    elif NORM_NEXT:
+        _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, H, eps,
+                            stride_rt, out_ptr.dtype.element_ty, BLOCK_H)
+    else:
+        tl.store(out_ptr + t * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 def moe_gemv_tiles(cuda: bool) -> tuple[int, int, int, int]:
@@ -219,12 +235,44 @@ def fused_moe_fp8_gemv_triton(
     tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Both launches -> [T, H] in x's dtype."""
+    out = torch.empty_like(x)
+    _launch(x, w13, w2, topk_weights, topk_ids, expert_map, read_through, pdl_mode, tiles, out)
+    return out
+
+
+def fused_moe_fp8_add_norm_gemv_triton(
+    x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    norm_next: NormNext, pdl_mode: int = 0, tiles: tuple[int, int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The pair with the next layer's input norm in the down epilogue ->
+    (rms_norm(out + residual), out + residual, None), or with ``norm_next.deferred``
+    (weight * (out + residual), out + residual, partial sums of squares [T, P] fp32),
+    as moe_gemv_triton.fused_moe_add_norm_gemv_triton."""
+    t, h = x.shape
+    normed, summed = torch.empty_like(x), torch.empty_like(x)
+    bn_d = (tiles or moe_gemv_tiles(x.is_cuda))[1]
+    parts = (torch.empty((t, triton.cdiv(h, bn_d)), dtype=torch.float32, device=x.device)
+             if norm_next.deferred else None)
+    assert norm_next.residual.shape == x.shape and norm_next.residual.stride() == (h, 1)
+    assert norm_next.counter.dtype == torch.int32 and norm_next.weight.is_contiguous()
+    _launch(x, w13, w2, topk_weights, topk_ids, None, None, pdl_mode, tiles, normed,
+            (norm_next, summed, parts))
+    return normed, summed, parts
+
+
+def _launch(
+    x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None, read_through: Fp8ReadThrough | None, pdl_mode: int,
+    tiles: tuple[int, int, int, int] | None, out: torch.Tensor,
+    norm: tuple[NormNext, torch.Tensor, torch.Tensor | None] | None = None,
+) -> None:
+    """Both launches into ``out`` (with ``norm``: (the NormNext, the sums' output,
+    the parts' output when deferred), ``out`` receiving the normed rows)."""
     t, h = x.shape
     inter = w13.codes.shape[1] // 2
     k = topk_ids.shape[1]
-    out = torch.empty_like(x)
     if t == 0:
-        return out
+        return
     assert x.stride(-1) == 1 and w13.codes.stride(-1) == 1 and w2.codes.stride(-1) == 1
     check_weight(w13)
     check_weight(w2)
@@ -247,10 +295,15 @@ def fused_moe_fp8_gemv_triton(
         act.stride(0), *_rt_args(read_through, ids, "w13"),
         TOP_K=k, SCALE_N=w13.block_n, SCALE_K=w13.block_k, BLOCK_N=bn_gu, BLOCK_K=bk_gu,
         K_STEPS=triton.cdiv(h, bk_gu), EVEN_K=h % bk_gu == 0, **common)
+    fold: dict[str, object] = {}
+    if norm is not None:
+        nn, summed, parts = norm
+        fold = dict(res_ptr=nn.residual, nw_ptr=nn.weight, sum_ptr=summed, normed_ptr=out, cnt_ptr=nn.counter,
+                    eps=nn.eps, stride_rt=h, part_ptr=parts, NORM_NEXT=True, NORM_DEFER=nn.deferred,
+                    BLOCK_H=triton.next_power_of_2(h))
     _fp8_down_kernel[(t, triton.cdiv(h, bn_d))](
         act, w2.codes, w2.scale, out, weights, ids, emap, h, inter,
         act.stride(0), w2.codes.stride(0), w2.codes.stride(1), w2.scale.stride(0), w2.scale.stride(1),
         out.stride(0), *_rt_args(read_through, ids, "w2"),
         TOP_K=k, BLOCK_KP=triton.next_power_of_2(k), SCALE_N=w2.block_n, SCALE_K=w2.block_k,
-        BLOCK_N=bn_d, BLOCK_K=bk_d, K_STEPS=triton.cdiv(inter, bk_d), EVEN_K=inter % bk_d == 0, **common)
-    return out
+        BLOCK_N=bn_d, BLOCK_K=bk_d, K_STEPS=triton.cdiv(inter, bk_d), EVEN_K=inter % bk_d == 0, **fold, **common)

@@ -4,6 +4,9 @@ when a layer's weight is fp8, and says whether Triton runs (``triton``).
     linear(x [T, K], w [N, K], b)          T <= GEMV_MAX_ROWS: fp8 GEMV (bf16 rows, w8a16);
                                            else per-token-group activation quantization
                                            + the block-scaled w8a8 GEMM
+    pending_linear(scaled, parts, eps, w, b)   the same over a norm the layer before left
+                                           pending (ops.PendingNorm), applied in the GEMV
+    fused_moe_add_norm(..., norm_next)     the expert GEMV pair folding the next norm
     fused_moe(x [T, H], w13, w2, weights, ids)
                                            T <= MOE_GEMV_MAX_TOKENS: the two expert GEMVs;
                                            else the grouped w8a8 GEMMs over moe_align
@@ -41,6 +44,19 @@ def linear(x: torch.Tensor, w: Fp8Weight, b: torch.Tensor | None, triton: bool,
     return fp8_linear_triton(x, w, b)
 
 
+def pending_linear(scaled: torch.Tensor, parts: torch.Tensor, eps: float, w: Fp8Weight, b: torch.Tensor | None,
+                   triton: bool, pdl_mode: int = 0) -> torch.Tensor:
+    """linear(rms_norm applied to a pending norm (ops.PendingNorm: ``scaled`` = weight * s,
+    ``parts`` the partial sums of squares of s)): on the GEMV, its 1/rms scales each
+    row's dot at the end (no normed row is rounded); else the rows are normed first."""
+    if triton and scaled.shape[0] <= GEMV_MAX_ROWS:
+        from ftserve_kernels.fp8_gemv_triton import fp8_gemv_triton
+
+        return fp8_gemv_triton(scaled, w, b, pdl_mode, parts=parts, eps=eps)
+    rms = torch.rsqrt(parts.sum(-1, keepdim=True) / scaled.shape[1] + eps)  # [T, 1]
+    return linear((scaled.float() * rms).to(scaled.dtype), w, b, triton, pdl_mode)
+
+
 def fused_moe(x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, triton: bool, expert_map: torch.Tensor | None = None,
               read_through: Any = None, pdl_mode: int = 0) -> torch.Tensor:
@@ -62,3 +78,12 @@ def fused_moe(x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, topk_weights: torc
     from ftserve_kernels.fp8_moe_triton import fused_moe_fp8_triton
 
     return fused_moe_fp8_triton(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map)
+
+
+def fused_moe_add_norm(x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, norm_next: Any, pdl_mode: int = 0) -> tuple[Any, Any, Any]:
+    """The expert GEMV pair with the next layer's input norm folded into the down
+    epilogue (moe_down_gemv_triton.NormNext) -> (normed or weight * sum, sum, parts or None)."""
+    from ftserve_kernels.fp8_moe_gemv_triton import fused_moe_fp8_add_norm_gemv_triton
+
+    return fused_moe_fp8_add_norm_gemv_triton(x, w13, w2, topk_weights, topk_ids, norm_next, pdl_mode)

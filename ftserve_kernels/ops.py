@@ -229,7 +229,16 @@ def fused_moe_add_rms_norm(
     """-> (the normed rows, or with ``defer`` where moe_defers_next_norm(x) a
     PendingNorm of them; the sum MoE(x) + residual)."""
     k = _table(x)
-    if isinstance(w13, Fp8Weight):  # the fp8 expert kernels fold no norm: the composition
+    if isinstance(w13, Fp8Weight):  # an fp8 checkpoint's experts: their GEMV pair folds it alike
+        assert isinstance(w2, Fp8Weight)
+        if moe_folds_next_norm(x):
+            from ftserve_kernels.moe_down_gemv_triton import NormNext
+
+            pending = defer and moe_defers_next_norm(x)
+            nn = NormNext(residual.contiguous(), norm_w, eps, counter, deferred=pending)
+            first, summed, parts = fp8_ops.fused_moe_add_norm(x, w13, w2, topk_weights, topk_ids, nn,
+                                                              pdl.active(x))
+            return (first if parts is None else PendingNorm(first, parts)), summed
         return k.fused_add_rms_norm(fused_moe(x, w13, w2, topk_weights, topk_ids), residual, norm_w, eps)
     if moe_folds_next_norm(x) and k.moe_add_norm is not None:
         from ftserve_kernels.moe_down_gemv_triton import NormNext
@@ -347,10 +356,10 @@ def _add_rms_norm_fp8_linear(
     b: torch.Tensor | None, prenormed: bool | PendingNorm,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm_linear with an fp8 weight: the norm, then the fp8 linear."""
-    if isinstance(prenormed, PendingNorm):  # a bf16 MoE layer before left it pending
+    if isinstance(prenormed, PendingNorm):  # x is the sum s; the GEMV applies the norm
         assert residual is not None
-        rms = torch.rsqrt(prenormed.parts.sum(-1, keepdim=True) / x.shape[1] + eps)  # [T, 1]
-        return linear((prenormed.scaled.float() * rms).to(x.dtype), w, b), residual
+        return fp8_ops.pending_linear(prenormed.scaled, prenormed.parts, eps, w, b, uses_triton(x),
+                                      pdl.active(x)), residual
     if prenormed:
         assert residual is not None
         return linear(x, w, b), residual

@@ -202,6 +202,39 @@ def test_moe_gemv_matches_exact_reference(dtype: torch.dtype, t: int, bn13: int)
 
 
 @pytest.mark.parametrize("t", [1, 2])
+def test_moe_gemv_folds_the_next_norm(t: int) -> None:
+    """The down epilogue folds the next layer's input norm (NormNext): normed by
+    the grid's last program as fused_add_rms_norm rounds it, or left pending
+    (weight * sum and the partial sums of squares) for the next fp8 GEMV, which
+    applies the 1/rms to its dots."""
+    from ftserve_kernels.moe_down_gemv_triton import NormNext
+    from ftserve_kernels.norm_rope import fused_add_rms_norm_ref
+
+    g = torch.Generator().manual_seed(20 + t)
+    e, h, inter, k, eps = 8, 128, 192, 4, 1e-6
+    w13, w2 = experts(g, e, h, inter, 64)
+    wts, ids = routing(g, t, e, k)
+    x = torch.randn(t, h, generator=g).to(DEVICE)
+    residual = torch.randn(t, h, generator=g).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(h, generator=g)).to(DEVICE)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    want, want_sum = fused_add_rms_norm_ref(fm.fused_moe_fp8_ref(x, w13, w2, wts, ids), residual, nw, eps)
+    normed, summed, parts = fmg.fused_moe_fp8_add_norm_gemv_triton(x, w13, w2, wts, ids,
+                                                                   NormNext(residual, nw, eps, counter))
+    assert parts is None and int(counter.item()) == 0  # the last program re-zeroed it
+    close(summed, want_sum)
+    close(normed, want)
+    scaled, summed, parts = fmg.fused_moe_fp8_add_norm_gemv_triton(
+        x, w13, w2, wts, ids, NormNext(residual, nw, eps, counter, deferred=True))
+    close(summed, want_sum)
+    close(scaled, nw * summed)
+    assert parts is not None and parts.dtype == torch.float32
+    torch.testing.assert_close(parts.sum(1), summed.float().pow(2).sum(1), rtol=1e-5, atol=1e-5)
+    wq = weight(g, (96, h))
+    close(fv.fp8_gemv_triton(scaled, wq, parts=parts, eps=eps), fp8_linear_ref(want, wq))
+
+
+@pytest.mark.parametrize("t", [1, 2])
 def test_read_through_from_an_fp8_bank(t: int) -> None:
     """Misses read from the fp8 bank (codes and scales, byte offsets of Fp8Row)
     compute what fill + the plain GEMVs compute, and leave every missed slot
@@ -277,17 +310,22 @@ def test_fp8_model_on_triton_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyP
     activations rounded to e4m3 per token and 128 columns, relative error up to
     2^-4 per element, which leaves the logits within a few percent), then a
     decode step (w8a16 GEMVs: the same products, up to fp32 order, over a KV
-    cache the prefill wrote with those rounded activations)."""
+    cache the prefill wrote with those rounded activations; layer 0's experts
+    leave layer 1's input norm pending for its qkv GEMV)."""
     from ftserve.models.checkpoint import write_checkpoint
     from ftserve_kernels.attention_triton import TritonAttentionBackend
     from ftserve_kernels.paged_attention import TorchAttentionBackend
     from tests.test_kernels_model import run_steps
 
-    write_checkpoint("tiny-moe-fp8", tmp_path, seed=5, layers=1)
+    write_checkpoint("tiny-moe-fp8", tmp_path, seed=5, layers=2)  # layer 1's qkv takes layer 0's pending norm
     monkeypatch.setenv("FTSERVE_KERNELS", "torch")
     ref = run_steps(tmp_path, TorchAttentionBackend())
     monkeypatch.setenv("FTSERVE_KERNELS", "triton")
+    pending: list[int] = []
+    real = fp8_ops.pending_linear
+    monkeypatch.setattr(fp8_ops, "pending_linear", lambda *a, **kw: pending.append(1) or real(*a, **kw))
     got = run_steps(tmp_path, TritonAttentionBackend())
+    assert pending == [1]  # the decode step: layer 1's qkv applied the norm layer 0 left pending
     errs = [rel_err(o, r) for o, r in zip(got, ref)]
     assert all(torch.isfinite(o).all() for o in got)
     assert max(errs) < 0.05, errs

@@ -263,7 +263,7 @@ class MoEBlock(nn.Module):
     def folds_next_norm(self, x: torch.Tensor) -> bool:
         """Whether compute_experts_norm folds the norm into the expert launches at
         x's size (the resident experts only: an expert cache computes its own)."""
-        return self.expert_compute is None and not self.is_fp8 and ops.moe_folds_next_norm(x)
+        return self.expert_compute is None and ops.moe_folds_next_norm(x)
 
     def compute_experts_norm(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, residual: torch.Tensor,
@@ -274,7 +274,7 @@ class MoEBlock(nn.Module):
         with ``defer`` the norm may be left pending (ops.fused_moe_add_rms_norm)."""
         if self.expert_compute is not None:
             return norm.forward_add(self.expert_compute(x, topk_weights, topk_ids), residual)
-        return ops.fused_moe_add_rms_norm(x, self.w13, self.w2, topk_weights, topk_ids, residual,
+        return ops.fused_moe_add_rms_norm(x, *self.expert_weights(), topk_weights, topk_ids, residual,
                                           norm.weight, norm.eps, self._counter(x), defer)
 
     def observed(self) -> bool:
