@@ -149,30 +149,37 @@ def test_fp8_presets_vs_transformers(preset: str, tmp_path: Path) -> None:
     assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() > 0.99
 
 
-def test_offload_fp8_bank_equals_resident(engine: Engine, model_dir: str) -> None:
+def test_offload_fp8_bank_equals_resident(engine: Engine, model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Half the experts in slots (one layer's worth: what batch 8 x top-4 can need)
     over an fp8 bank: greedy tokens equal resident fp8's at decode batch 1, 3 and
-    8, prompts streaming layers."""
+    8, prompts streaming layers. Like for like (as test_gpu_moe_cache): the
+    resident engine here folds the next input norm into its experts' down GEMV
+    and rounds it as the cache's layers do (FTSERVE_DECODE_DEFER_NORM=0, read
+    when its graphs are captured)."""
     from ftserve.moe.cache import ExpertCache
 
+    monkeypatch.setenv("FTSERVE_DECODE_DEFER_NORM", "0")
+    resident = make_engine(model_dir)
     off = make_engine(model_dir, slots=SCALE["num_experts"])
     try:
         cache = off.runner.model.expert_cache
         assert isinstance(cache, ExpertCache) and cache.bank.fp8 is not None and not cache.full
         with torch.no_grad():
-            theirs = dict(engine.runner.model.named_parameters())
-            for name, p in off.runner.model.named_parameters():
-                p.copy_(theirs[name])
+            theirs = dict(engine.runner.model.named_parameters())  # the context-sensitive weights
+            for dst in (resident, off):
+                for name, p in dst.runner.model.named_parameters():
+                    p.copy_(theirs[name])
         torch.cuda.synchronize()
         cache.reset()
         rng = random.Random(3)
         for bs in (1, 3, 8):
             prompts = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 2 * CHUNK))] for _ in range(bs)]
-            assert run_greedy(off, prompts, 16) == run_greedy(engine, prompts, 16), bs
+            assert run_greedy(off, prompts, 16) == run_greedy(resident, prompts, 16), bs
         st = cache.stats()
         assert st["experts_streamed"] > 0 and 0 < st["misses"] < st["lookups"], st
     finally:
         off.shutdown()
+        resident.shutdown()
 
 
 @pytest.mark.parametrize("graph", [False, True])
