@@ -164,7 +164,7 @@ def test_real_shape_fp8_presets(preset: str, layers: int | None, params_b: float
         assert sum(p.numel() for p in b.parameters()) / 1e9 == pytest.approx(params_b, rel=0.01)
     fp8_bytes = sum(p.numel() * p.element_size() for p in q.parameters())
     bf16_bytes = sum(p.numel() * p.element_size() for p in b.parameters())
-    assert 0.5 < fp8_bytes / bf16_bytes < 0.52, fp8_bytes / bf16_bytes
+    assert 0.5 < fp8_bytes / bf16_bytes < (0.52 if layers is None else 0.53), fp8_bytes / bf16_bytes
     for name, p in q.named_parameters():
         if name.endswith(("qkv_proj.weight", "o_proj.weight", ".w13", ".w2")):
             assert p.dtype == FP8, name

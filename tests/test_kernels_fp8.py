@@ -26,10 +26,11 @@ import torch
 if not torch.cuda.is_available():
     # The interpreter is chosen when a kernel is decorated (see test_kernels_attention).
     os.environ["TRITON_INTERPRET"] = "1"
+    # Not fp8_quant: a new Fp8Weight class would fail ops' isinstance checks (its one
+    # kernel was decorated after conftest chose the interpreter anyway).
     for _name in ("ftserve_kernels.attention_common", "ftserve_kernels.moe_align_triton",
-                  "ftserve_kernels.fp8_quant", "ftserve_kernels.fp8_gemm_triton",
-                  "ftserve_kernels.fp8_gemv_triton", "ftserve_kernels.fp8_moe_triton",
-                  "ftserve_kernels.fp8_moe_gemv_triton"):
+                  "ftserve_kernels.fp8_gemm_triton", "ftserve_kernels.fp8_gemv_triton",
+                  "ftserve_kernels.fp8_moe_triton", "ftserve_kernels.fp8_moe_gemv_triton"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 
