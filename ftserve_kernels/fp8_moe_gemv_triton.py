@@ -64,9 +64,12 @@ def _miss_row(slot, miss_slot_ptr, miss_id_ptr, M, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _host_ptr(bank, src, row_bytes, col, dtype: tl.constexpr):
-    """Pointer to byte ``col`` of bank row ``src`` (pinned memory over UVA), as dtype."""
-    return (bank + tl.maximum(src, 0) * row_bytes + col).to(tl.pointer_type(dtype))
+def _host_ptr(bank, src, row_bytes, col, dtype: tl.constexpr, ALIGN: tl.constexpr):
+    """Pointer to byte ``col`` of bank row ``src`` (pinned memory over UVA), as dtype.
+    The bank and its rows are 16-byte aligned (moe.kernels.check_bank, Fp8Row), codes
+    start on 16 bytes and scales on 4 (ALIGN): the cast forgets it, so it is restored
+    for vector loads."""
+    return tl.multiple_of((bank + tl.maximum(src, 0) * row_bytes + col).to(tl.pointer_type(dtype)), ALIGN)
 
 
 @triton.jit
@@ -97,8 +100,8 @@ def _fp8_gate_up_kernel(
     su_ptrs = s_ptr + e * stride_se + su_rel
     if READ_THROUGH:  # a miss of this step: read the bank row, write the slot as it passes
         src = _miss_row(e, miss_slot_ptr, miss_id_ptr, M, BLOCK_M)
-        hw_ptrs = _host_ptr(bank, src, ROW_BYTES, W_COL, w_ptr.dtype.element_ty) + tile
-        hs_base = _host_ptr(bank, src, ROW_BYTES, S_COL, s_ptr.dtype.element_ty)
+        hw_ptrs = _host_ptr(bank, src, ROW_BYTES, W_COL, w_ptr.dtype.element_ty, 16) + tile
+        hs_base = _host_ptr(bank, src, ROW_BYTES, S_COL, s_ptr.dtype.element_ty, 4)
         from_host = (src + tl.zeros([BLOCK_N, 1], tl.int64)) >= 0  # [N, 1]
         from_host_n = (src + tl.zeros([BLOCK_N], tl.int64)) >= 0  # [N]
     x_ptrs = x_ptr + tok * stride_x + offs_k  # [K]
@@ -169,9 +172,8 @@ def _fp8_down_kernel(
     smask = jmask[:, None] & nmask[None, :]  # [KP, N]
     if READ_THROUGH:  # as in the gate/up kernel, per choice
         src = _miss_row(e[:, None], miss_slot_ptr, miss_id_ptr, M, BLOCK_M)  # [KP]
-        hb = (bank + tl.maximum(src, 0) * ROW_BYTES)  # [KP] row addresses
-        hw_ptrs = (hb + W_COL).to(tl.pointer_type(w_ptr.dtype.element_ty))[:, None, None] + tile
-        hs_ptrs = (hb + S_COL).to(tl.pointer_type(s_ptr.dtype.element_ty))[:, None] + s_rel
+        hw_ptrs = _host_ptr(bank, src, ROW_BYTES, W_COL, w_ptr.dtype.element_ty, 16)[:, None, None] + tile
+        hs_ptrs = _host_ptr(bank, src, ROW_BYTES, S_COL, s_ptr.dtype.element_ty, 4)[:, None] + s_rel
         from_host = (src >= 0)[:, None, None]  # [KP, 1, 1]
         from_host_s = (src >= 0)[:, None]  # [KP, 1]
     acc = tl.zeros([BLOCK_KP, BLOCK_N], tl.float32)
@@ -218,6 +220,8 @@ def _rt_args(rt: Fp8ReadThrough | None, ids: torch.Tensor, part: str) -> tuple[o
     if rt is None:
         return 0, ids, ids, 0, 0, 0, 0  # unread: READ_THROUGH=False
     assert rt.bank.dtype == torch.uint8 and rt.bank.shape[1] == rt.row_bytes
+    assert rt.row_bytes % 16 == 0 and rt.w13_col % 16 == 0 and rt.w2_col % 16 == 0, "_host_ptr's alignment"
+    assert rt.w13_scale_col % 4 == 0 and rt.w2_scale_col % 4 == 0 and rt.bank.data_ptr() % 16 == 0
     assert rt.miss_slot.dtype == rt.miss_id.dtype == torch.int32 and rt.miss_slot.shape == rt.miss_id.shape
     w_col, s_col = (rt.w13_col, rt.w13_scale_col) if part == "w13" else (rt.w2_col, rt.w2_scale_col)
     return rt.bank.data_ptr(), rt.miss_slot, rt.miss_id, rt.miss_slot.numel(), rt.row_bytes, w_col, s_col
