@@ -181,10 +181,15 @@ def test_grouped_moe_matches_twin(dtype: torch.dtype, t: int, e: int, h: int, in
 
 
 def close_requantized(out: torch.Tensor, ref: torch.Tensor) -> None:
-    if out.dtype == torch.float32 or DEVICE == "cuda":
+    """A path that quantizes an intermediate again (the SiLU product): a last-bit
+    difference before it can move an e4m3 code a step (2^-3 relative)."""
+    assert out.dtype == ref.dtype
+    if DEVICE == "cuda":  # fp32 summation order (wgmma vs torch): a rare code moves
+        assert rel_err(out, ref) < 0.01
+    elif out.dtype == torch.float32:
         close(out, ref)
-    else:  # see the module docstring: ~1/32 of the codes a step (2^-3) off: ~2% relative
-        assert out.dtype == ref.dtype and rel_err(out, ref) < 0.03
+    else:  # see the module docstring: ~1/32 of the codes a step off: ~2% relative
+        assert rel_err(out, ref) < 0.03
 
 
 @pytest.mark.parametrize("dtype,t,bn13", [(torch.float32, 1, 64), (torch.bfloat16, 1, 64),
@@ -305,6 +310,7 @@ def test_ops_dispatch_fp8_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fp8_ops.GEMV_MAX_ROWS == fv.GEMV_MAX_ROWS == 4
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU model on the interpreter; test_gpu_fp8 runs it on the GPU")
 def test_fp8_model_on_triton_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """tiny-moe-fp8 on the Triton kernels (interpreted) against the torch path
     (the exact reference): a packed prefill and an extend (w8a8 GEMMs: the
