@@ -127,7 +127,7 @@ def test_fp8_logits_track_the_exact_reference(engine: Engine) -> None:
 def test_fp8_presets_vs_transformers(preset: str, tmp_path: Path) -> None:
     """The GPU engine's bf16 logits on a tiny fp8 checkpoint against transformers'
     fp32 CPU forward of the same checkpoint, dequantized (bound: module docstring)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     from ftserve.kvcache.pool import KVPool
     from ftserve.models.checkpoint import write_checkpoint
@@ -136,7 +136,9 @@ def test_fp8_presets_vs_transformers(preset: str, tmp_path: Path) -> None:
     from ftserve_kernels.attention_triton import TritonAttentionBackend
 
     write_checkpoint(preset, tmp_path, seed=7)
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    # With a GPU present transformers would keep the fp8 layers; the reference is the dequantized model.
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                              quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
     model, cfg = load_model(tmp_path, dtype="bfloat16", device="cuda")
     prompts = [[random.Random(s).randrange(3, 32768) for _ in range(n)] for s, n in ((1, 13), (2, 64))]
     pool = KVPool(cfg.num_layers, 16, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cuda")

@@ -8,11 +8,12 @@ two chunks (prefix then extend), and batched one-token decode steps.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 from ftserve.kvcache.pool import KVPool
 from ftserve.models.checkpoint import write_checkpoint
@@ -45,8 +46,12 @@ class Pair:
     def __init__(self, name: str, path: Path) -> None:
         self.name = name
         self.model, self.cfg = load_model(path, dtype="float32", device="cpu")
+        # An fp8 checkpoint: the reference is transformers' dequantized model (explicit, since
+        # with a GPU present transformers would keep fp8 layers).
+        extra = ({"quantization_config": FineGrainedFP8Config(dequantize=True)}
+                 if "quantization_config" in json.loads((path / "config.json").read_text()) else {})
         self.hf, info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, output_loading_info=True
+            path, dtype=torch.float32, output_loading_info=True, **extra
         )
         assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
         self.hf.eval()
