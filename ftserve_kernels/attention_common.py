@@ -86,47 +86,30 @@ class AttnKernelConfig:
     for the CPU interpreter (which is slow and needs only correctness)."""
 
     # H200, 4096 queries over 102,400 keys (32/4 heads, d 128): bm64 bn64 w4 s3
-    # 323 TFLOP/s, bm128 bn64 w8 s3 291, bm128 bn128 w8 s2 301 (tools/bench_kernels.py).
+    # 323 TFLOP/s, bm128 bn64 w8 s3 291, bm128 bn128 w8 s2 301 (tools/bench/kernels.py).
     extend_block_m: int = 64
     extend_block_n: int = 64
     extend_warps: int = 4
     extend_stages: int = 3
-    # Decode split kernel, batch-1 graph replay at 2k / 32k context (H200,
-    # 2026-12-01, tools.bench_decode_variants --trace [--context 32768]): 3
-    # stages 0.595 / 0.775 ms; 2 stages 0.588 / 0.717 (the split kernel 29.8 ->
-    # 22.6 us at 32k); 2 stages + round robin 0.585 / 0.707; 1 stage 0.591 /
-    # 0.742; 2 stages with 128-token tiles 0.593 / 0.712, with 32 0.587 / 0.734.
+    # Decode split kernel: 64-token tiles in a 2-stage pipeline measured fastest
+    # at short and long contexts on the H200 (tools.bench.decode_variants).
     decode_block_n: int = 64
     decode_warps: int = 4
     decode_stages: int = 2
-    # At batch 1 (and 2) the split count is this cap. H200 batch-1 replay
-    # (2026-12-02, tools.bench_decode_variants --trace): at 2k 128 splits 0.548
-    # ms (the split kernel 5.92 us a layer: 512 programs, 479 of them with no
-    # tile, in two waves of 3 a SM), 64 splits 0.542 (5.09 us), 32 0.551; at
-    # 32k 128 splits 0.654, 64 0.688. With the splits that hold no tile ending
-    # before their q work (_decode_split_kernel): 2k 0.538 (128) / 0.534 (64),
-    # 32k 0.658 / 0.685, so 128 stays for the long contexts.
+    # At batch 1 (and 2) the split count is this cap: long contexts need the
+    # parallelism of 128 splits; short ones lose nothing to the splits that hold
+    # no tile, which exit before their q work (see short_context_splits).
     max_splits: int = 128
-    extend_pack_gqa: bool = False  # one program per KV head x (BLOCK_M / GROUP) tokens
     decode_programs_per_sm: int = 4  # split-K target: (B * Hkv * splits) ~ this x SMs
-    decode_fused_reduce: bool = False  # last split program combines (one launch, counters)
-    decode_round_robin: bool = True  # tiles dealt to the splits in turn (attention_decode_triton)
-    # With round robin: each tile's page entries load one iteration ahead. H200
-    # batch-1 replay (2026-12-01 20:44): 32k 0.703 -> 0.697 ms, 2k 0.581 either way.
-    decode_page_ahead: bool = True
-    # Head columns one decode reduce program combines (0: the whole head). H200
-    # batch-1 replay (2026-12-02 05:28, tools.bench_decode_variants --trace): the
-    # reduce took 2.63 / 2.89 us a layer at 2k / 32k with whole heads (32 programs
-    # at batch 1), 2.13 / 2.32 with 32 columns (128 programs); replay 2k 0.570 ->
-    # 0.567 ms, 32k 0.689 -> 0.685. The sums over the splits run in another
-    # order, so greedy tokens can differ from whole-head programs' (2k did at 16 steps).
+    # Head columns one decode reduce program combines (0: the whole head): at
+    # batch 1 whole heads give too few programs to fill the GPU. The sums over
+    # the splits run in another order than whole-head programs', so greedy
+    # tokens can differ from theirs at near-ties.
     decode_reduce_block_d: int = 32
     # A decode batch whose longest sequence (the host bound max_seq_len) has
     # fewer tiles than this takes at most this many splits: past its tiles a
     # split holds nothing, so at short contexts fewer programs do the same
-    # work (0: off). H200 batch-1 replay at 2k (2026-12-04, tools.bench_decode_variants
-    # --trace): 64 splits 0.537 ms against 0.541 with 128; at 32k 64 splits lose
-    # (0.685 against 0.658, 2026-12-02), where this cap does not apply.
+    # work (0: off). Long contexts keep max_splits, where fewer splits lose.
     short_context_splits: int = 64
 
     @staticmethod
@@ -134,9 +117,7 @@ class AttnKernelConfig:
         return _config_for(device.type, head_dim)
 
     def tag(self) -> str:
-        pack = "_gqa" if self.extend_pack_gqa else ""
-        return (f"bm{self.extend_block_m}_bn{self.extend_block_n}_w{self.extend_warps}"
-                f"_s{self.extend_stages}{pack}")
+        return f"bm{self.extend_block_m}_bn{self.extend_block_n}_w{self.extend_warps}_s{self.extend_stages}"
 
 
 @functools.lru_cache(maxsize=16)

@@ -21,6 +21,7 @@ from ftserve_kernels.attention_common import (
     mma_acc,
     scale_args,
 )
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 
 
 @triton.jit
@@ -37,18 +38,17 @@ def _norm_rope_halves(x1, x2, w_ptr, j, cos, sin, eps, D: tl.constexpr, HALF: tl
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, pt_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, o_ptr, count_ptr,
+    q_ptr, kc_ptr, vc_ptr, pt_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     ks_ptr, vs_ptr,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_pt, stride_ss, max_pages,
-    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
+    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
     scale_log2,
     k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, loc_ptr, eps,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
-    QK: tl.constexpr, ROUND_ROBIN: tl.constexpr = False, TILE_STEP: tl.constexpr = 1,
-    PAGE_AHEAD: tl.constexpr = False,
+    FP8: tl.constexpr, PDL: tl.constexpr,
+    QK: tl.constexpr,
 ):
     # QK (decode_attention_qk_triton): q and the new token's k arrive raw (before
     # the per-head norms and the rotary) and this kernel normalizes and rotates
@@ -56,41 +56,29 @@ def _decode_split_kernel(
     # its K/V into the pages and adds it from registers after its loop, so no
     # program reads that slot back. Halves [*, D/2] throughout (full rotary).
     #
-    # Which tiles of BLOCK_N cached tokens a split takes: without ROUND_ROBIN a
-    # contiguous range of them, ranges sized from the sequence length (trailing
-    # splits of a short sequence are empty), the new token in the split whose
-    # range holds its position. ROUND_ROBIN (AttnKernelConfig.decode_round_robin,
-    # the default; TILE_STEP = NUM_SPLITS): split s takes tiles s, s + NUM_SPLITS, ..., so its first tile
-    # does not depend on the sequence length and its page entries load alongside
-    # it, and the new token goes to split n_tiles % NUM_SPLITS, one with a tile
-    # fewer than the splits before it (at short contexts an otherwise empty one,
-    # which then runs beside the tile splits instead of after its own tile).
+    # Tiles of BLOCK_N cached tokens are dealt to the splits in turn: split s
+    # takes tiles s, s + NUM_SPLITS, ..., so its first tile does not depend on
+    # the sequence length and its page entries load alongside it, and the new
+    # token goes to split n_tiles % NUM_SPLITS, one with a tile fewer than the
+    # splits before it (at short contexts an otherwise empty one, which then
+    # runs beside the tile splits instead of after its own tile).
     pdl.enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
-    if ROUND_ROBIN:
-        pos0 = s * BLOCK_N + tl.arange(0, BLOCK_N)
-        page0 = tl.load(pt_ptr + b.to(tl.int64) * stride_pt + pos0 // PAGE_SIZE,
-                        mask=pos0 // PAGE_SIZE < max_pages, other=0)
+    pos0 = s * BLOCK_N + tl.arange(0, BLOCK_N)
+    page0 = tl.load(pt_ptr + b.to(tl.int64) * stride_pt + pos0 // PAGE_SIZE,
+                    mask=pos0 // PAGE_SIZE < max_pages, other=0)
     kv_len = tl.load(seq_lens_ptr + b)
-    if ROUND_ROBIN:
-        start = s * BLOCK_N
-        end = kv_len
-    else:
-        # Splits are BLOCK_N-aligned; trailing splits of a short sequence are empty.
-        per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start = s * per_split
-        end = tl.minimum(start + per_split, kv_len)
+    start = s * BLOCK_N
+    end = kv_len
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
     gmask = g < GROUP
     if QK:
-        if ROUND_ROBIN:  # the split after the last tile's, in turn
-            new_here = (s == tl.cdiv(kv_len - 1, BLOCK_N) % NUM_SPLITS) & (kv_len > 0)
-        else:
-            new_here = (start <= kv_len - 1) & (kv_len - 1 < start + per_split)
+        # the split after the last tile's, in turn
+        new_here = (s == tl.cdiv(kv_len - 1, BLOCK_N) % NUM_SPLITS) & (kv_len > 0)
         cached_end = tl.minimum(end, kv_len - 1)  # the new token comes after the loop
     else:
         new_here = False
@@ -99,19 +87,18 @@ def _decode_split_kernel(
     hj = tl.arange(0, HALF)
     if QK:
         # q's rows and the position load beside the sequence length, not after
-        # the empty-split exit below that waits for it (H200 batch-1 replay,
-        # 2026-12-04: the split kernel 5.71 -> 5.50 us at 2k).
+        # the empty-split exit below that waits for it: two memory round trips
+        # become one.
         q_rows = q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
         qa = tl.load(q_rows + hj[None, :], mask=gmask[:, None], other=0.0)
         qb = tl.load(q_rows + HALF + hj[None, :], mask=gmask[:, None], other=0.0)
         p_new = tl.load(pos_ptr + b).to(tl.int64)
-    if not FUSED_REDUCE:
-        # A split with no cached tile that does not hold the new token (most of
-        # them at short contexts) stores its -inf lse and ends, before any of
-        # q's math (only q's 2 KB of loads, issued above, go unused).
-        if (start >= cached_end) & (not new_here):
-            tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + s, float("-inf"), mask=gmask)
-            return
+    # A split with no cached tile that does not hold the new token (most of
+    # them at short contexts) stores its -inf lse and ends, before any of q's
+    # math (only q's 2 KB of loads, issued above, go unused).
+    if (start >= cached_end) & (not new_here):
+        tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + s, float("-inf"), mask=gmask)
+        return
     dmask = d < D
     if QK:
         ty = q_ptr.dtype.element_ty
@@ -131,25 +118,16 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     pt_row = pt_ptr + b.to(tl.int64) * stride_pt
     head_off = kvh * stride_ch
-    if PAGE_AHEAD:
-        tl.static_assert(ROUND_ROBIN)
-        page_next = page0
-    for n0 in range(start, end, TILE_STEP * BLOCK_N):
+    page_next = page0
+    for n0 in range(start, end, NUM_SPLITS * BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         nmask = pos < end
-        if PAGE_AHEAD:
-            # This tile's page entries came in the iteration before (the first
-            # tile's with the sequence length); the next tile's load now, under
-            # this tile's K/V loads and math.
-            page = page_next
-            pos_ahead = pos + TILE_STEP * BLOCK_N
-            page_next = tl.load(pt_row + pos_ahead // PAGE_SIZE, mask=pos_ahead < end, other=0)
-        elif ROUND_ROBIN:
-            in_first = pos < (s + 1) * BLOCK_N  # the first tile's entries are loaded already
-            page = tl.where(in_first, page0,
-                            tl.load(pt_row + pos // PAGE_SIZE, mask=nmask & ~in_first, other=0))  # [N]
-        else:
-            page = tl.load(pt_row + pos // PAGE_SIZE, mask=nmask, other=0)
+        # This tile's page entries came in the iteration before (the first
+        # tile's with the sequence length); the next tile's load now, under
+        # this tile's K/V loads and math.
+        page = page_next
+        pos_ahead = pos + NUM_SPLITS * BLOCK_N
+        page_next = tl.load(pt_row + pos_ahead // PAGE_SIZE, mask=pos_ahead < end, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE  # [N]
         if QK:
             k_rows = kc_ptr + slot[None, :] * stride_cs + head_off
@@ -214,47 +192,12 @@ def _decode_split_kernel(
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     # An empty split (most of them at short contexts) stores only its -inf lse:
-    # the combines below never read its partial output.
+    # the reduce kernel never reads its partial output.
     tl.store(
         mid_o_ptr + b * stride_mob + heads[:, None] * stride_moh + s * stride_mos + d[None, :],
         out, mask=gmask[:, None] & dmask[None, :] & has[:, None],
     )
     tl.store(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + s, lse, mask=gmask)
-    if FUSED_REDUCE:
-        # The last split program of (b, kv head) to finish combines all splits: no
-        # second launch. All threads' stores precede the barrier, the barrier
-        # precedes the release by the atomic; the winner's acquire precedes its
-        # loads (L2, .cg). The winner re-zeroes the counter for the next launch.
-        tl.debug_barrier()
-        cnt_ptr = count_ptr + b * tl.num_programs(1) + kvh
-        done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-        if done == NUM_SPLITS - 1:
-            ss = tl.arange(0, BLOCK_S)
-            lse_all = tl.load(
-                mid_lse_ptr + b * stride_mlb + heads[:, None] * stride_mlh + ss[None, :],
-                mask=gmask[:, None] & (ss[None, :] < NUM_SPLITS), other=float("-inf"),
-                cache_modifier=".cg",
-            )  # [G, S]
-            m = tl.max(lse_all, 1)
-            m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence (graph padding): output 0
-            tot = tl.sum(tl.exp2(lse_all - m[:, None]), 1)  # [G]
-            o_acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-            n_used = NUM_SPLITS
-            if ROUND_ROBIN:  # only the splits that may hold tokens (the rest add exactly 0)
-                n_used = tl.minimum(tl.cdiv(kv_len, BLOCK_N) + 1, NUM_SPLITS)
-            for j in range(n_used):
-                lse_j = tl.load(mid_lse_ptr + b * stride_mlb + heads * stride_mlh + j,
-                                mask=gmask, other=float("-inf"), cache_modifier=".cg")
-                o_j = tl.load(
-                    mid_o_ptr + b * stride_mob + heads[:, None] * stride_moh + j * stride_mos
-                    + d[None, :], mask=gmask[:, None] & dmask[None, :] & (lse_j > float("-inf"))[:, None],
-                    other=0.0, cache_modifier=".cg",
-                )  # [G, D]; an empty split's was never stored
-                o_acc += o_j * tl.exp2(lse_j - m)[:, None]
-            res = o_acc / tl.where(tot > 0.0, tot, 1.0)[:, None]
-            tl.store(o_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                     res.to(o_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
-            tl.atomic_xchg(cnt_ptr, 0)
 
 
 @triton.jit
@@ -312,17 +255,14 @@ def decode_attention_triton(
     num_splits: int,
     cfg: AttnKernelConfig | None = None,
     out: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,  # [slots, Hkv] fp32, fp8 caches only
     v_scale: torch.Tensor | None = None,
     qk: DecodeQK | None = None,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
-    """Split-K decode. With ``cfg.decode_fused_reduce`` the last split program of
-    each (sequence, KV head) combines the splits itself (one launch); it needs
-    ``counters``: int32, at least B * Hkv entries, zero before the first call and
-    left zero after every call (allocated zeroed here when not given). fp8 caches
-    (float8_e4m3fn codes) need ``k_scale`` / ``v_scale``; tiles are dequantized in
-    registers. With ``qk``, ``q`` is raw and the kernel applies the q/k norms and
+    """Split-K decode: the split kernel, then the reduce kernel that combines
+    the splits. fp8 caches (float8_e4m3fn codes) need ``k_scale`` /
+    ``v_scale``; tiles are dequantized in registers. With ``qk``, ``q`` is raw and the kernel applies the q/k norms and
     the rotary and stores the new K/V itself (twin: norm_rope.qk_norm_rotary_ref
     with its kv_store, then this function without ``qk``)."""
     bsz, hq, d = q.shape
@@ -335,11 +275,6 @@ def decode_attention_triton(
     block_d = triton.next_power_of_2(d)
     mid_o = torch.empty((bsz, hq, num_splits, block_d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
-    fused = cfg.decode_fused_reduce
-    if fused and counters is None:
-        counters = torch.zeros(bsz * hkv, dtype=torch.int32, device=q.device)
-    if fused:
-        assert counters is not None and counters.numel() >= bsz * hkv
     ks, vs, stride_ss, fp8 = scale_args(k_cache, k_scale, v_scale)
     if qk is not None:
         assert not fp8 and qk.cos_sin.shape[-1] == d and d % 2 == 0 and triton.next_power_of_2(d) == d
@@ -348,27 +283,20 @@ def decode_attention_triton(
                    qk.k.stride(0), qk.k.stride(1), qk.v.stride(0), qk.v.stride(1), qk.cos_sin.stride(0))
     else:
         qk_args = (q, q, q, q, seq_lens, q, seq_lens, 0.0, 0, 0, 0, 0, 0)  # unread
-    on = pdl.active(q)
+    on = pdl.active(q, kernels)
     _decode_split_kernel[(bsz, hkv, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse, out,
-        counters if counters is not None else seq_lens,  # unread unless fused
+        q, k_cache, v_cache, page_table, seq_lens, mid_o, mid_lse,
         ks, vs,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         stride_ss, page_table.shape[1],
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
         scale * LOG2E,
         *qk_args,
         PAGE_SIZE=page_size, GROUP=group, D=d, BLOCK_D=block_d,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n,
-        NUM_SPLITS=num_splits, UPCAST=interpreting(), FUSED_REDUCE=fused,
-        BLOCK_S=triton.next_power_of_2(num_splits), FP8=fp8, QK=qk is not None,
-        ROUND_ROBIN=cfg.decode_round_robin, TILE_STEP=num_splits if cfg.decode_round_robin else 1,
-        PAGE_AHEAD=cfg.decode_round_robin and cfg.decode_page_ahead,
+        NUM_SPLITS=num_splits, UPCAST=interpreting(), FP8=fp8, QK=qk is not None,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
     )
-    if fused:
-        return out
     # Columns a reduce program combines: the whole head, or decode_reduce_block_d.
     block_r = min(block_d, triton.next_power_of_2(cfg.decode_reduce_block_d)) if cfg.decode_reduce_block_d else block_d
     _decode_reduce_kernel[(bsz, hq, triton.cdiv(d, block_r))](

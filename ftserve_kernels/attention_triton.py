@@ -4,19 +4,18 @@ Twins of ``paged_attention.store_kv_ref`` / ``paged_attention_ref``. Shapes as i
 ``paged_attention.py``; the cache is one layer of the pool ``[slots, Hkv, D]``
 (last dim contiguous), ``slot = page * page_size + offset``.
 
-Decode (one query per sequence) splits every sequence's KV range into a fixed
-number of chunks so one 100k-token request still fills the GPU::
+Decode (one query per sequence) splits every sequence's KV range over a fixed
+number of programs so one 100k-token request still fills the GPU. Its tiles
+of ``decode_block_n`` tokens are dealt out in turn, tile t to split t % S: a
+split's first tile is then known before the sequence length is, so its page
+entries load alongside it::
 
-    seq b:  |-- split 0 --|-- split 1 --| ... |-- split S-1 --|   (S fixed per batch size)
-             partial (o, lse) per split  ->  reduce kernel  ->  o[b, h]
-
-By default (``AttnKernelConfig.decode_round_robin``) the KV tiles are dealt
-out in turn rather than in contiguous ranges, tile t to split t % S: a split's
-first tile is then known before the sequence length is, so its page entries
-load alongside it.
+    seq b tiles:  0  1  2 .. S-1 | S  S+1 .. 2S-1 | 2S ..    (S fixed per batch size)
+    split:        0  1  2 .. S-1 | 0  1   .. S-1  | 0  ..
+                  partial (o, lse) per split  ->  reduce kernel  ->  o[b, h]
 
 Each split program serves all query heads of one KV head (GQA), so K/V are read
-once per KV head. Split boundaries come from ``seq_lens`` on the device: the grid
+once per KV head. Which tiles exist comes from ``seq_lens`` on the device: the grid
 is ``(B, Hkv, S)`` and never depends on device values, so a decode step can be
 captured in a CUDA graph. What must stay static between capture and replay:
 q/k/v/out buffers, the pool, ``page_table`` (fixed width), ``seq_lens`` and
@@ -27,15 +26,10 @@ The decode kernels live in attention_decode_triton.py, the shared helpers and
 
 Extend/prefill runs one program per (query head, block of BLOCK_M new tokens,
 sequence): keys below the block's first query position need no mask (the
-bulk of a long cached prefix), the last few tiles get the causal mask. With
-``extend_pack_gqa`` a program instead takes one KV head and BLOCK_M / GROUP
-tokens x the GROUP query heads sharing it, so every K/V tile is loaded once for
-the whole group (rows ordered token-major, head-minor)::
-
-    rows of one packed block (GROUP = 8):  t0h0 t0h1 .. t0h7 | t1h0 .. t1h7 | ...
+bulk of a long cached prefix), the last few tiles get the causal mask.
 
 Extend in a CUDA graph (fixed token budget). The grid is
-``(heads, cdiv(max_extend_len, tokens per block), B)`` and depends only on the
+``(heads, cdiv(max_extend_len, BLOCK_M), B)`` and depends only on the
 host ints ``max_extend_len`` and ``B = page_table.shape[0]``. Every program reads
 its sequence's extent from ``qo_indptr`` / ``prefix_lens`` on the device and
 exits at once when its token block lies past that sequence's new tokens. So
@@ -199,27 +193,19 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_pt, stride_ss,
     scale_log2,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PACK_GQA: tl.constexpr,
-    TOK: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
 ):
-    # TOK tokens per block: BLOCK_M rows are BLOCK_M tokens of one query head, or
-    # (PACK_GQA) TOK = BLOCK_M / GROUP tokens x the GROUP query heads of one KV head.
+    # A program's BLOCK_M rows are BLOCK_M tokens of one query head.
     # Largest query blocks (longest causal range) first: better tail balance.
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
     b = tl.program_id(2)
     q0 = tl.load(qo_indptr_ptr + b)
     n_new = tl.load(qo_indptr_ptr + b + 1) - q0
-    if mb * TOK < n_new:  # blocks past this sequence's new tokens (static grid) exit
+    if mb * BLOCK_M < n_new:  # blocks past this sequence's new tokens (static grid) exit
         prefix = tl.load(prefix_ptr + b)
-        r = tl.arange(0, BLOCK_M)
-        if PACK_GQA:
-            kvh = tl.program_id(0)
-            offs_m = mb * TOK + r // GROUP  # [M] token within the sequence
-            head = kvh * GROUP + r % GROUP  # [M]
-        else:
-            head = tl.program_id(0) + r * 0  # [M], one head
-            kvh = tl.program_id(0) // GROUP
-            offs_m = mb * TOK + r
+        head = tl.program_id(0)
+        kvh = head // GROUP
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] token within the sequence
         mmask = offs_m < n_new
         d = tl.arange(0, D)
         rows = (q0 + offs_m).to(tl.int64)
@@ -232,8 +218,8 @@ def _extend_kernel(
         pt_row = pt_ptr + b.to(tl.int64) * stride_pt
         head_off = kvh * stride_ch
         # Keys before the block's first query are visible to every row: no mask.
-        full_end = ((prefix + mb * TOK) // BLOCK_N) * BLOCK_N
-        kv_end = prefix + tl.minimum((mb + 1) * TOK, n_new)
+        full_end = ((prefix + mb * BLOCK_M) // BLOCK_N) * BLOCK_N
+        kv_end = prefix + tl.minimum((mb + 1) * BLOCK_M, n_new)
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _extend_tile(
                 q, acc, m_i, l_i, kc_ptr, vc_ptr, pt_row, head_off, n0, q_pos, kv_end,
@@ -282,9 +268,7 @@ def extend_attention_triton(
     if t == 0:
         return out
     group = hq // hkv
-    pack = cfg.extend_pack_gqa and group > 1 and cfg.extend_block_m % group == 0
-    tok = cfg.extend_block_m // group if pack else cfg.extend_block_m
-    grid = (hkv if pack else hq, triton.cdiv(max_extend_len, tok), bsz)
+    grid = (hq, triton.cdiv(max_extend_len, cfg.extend_block_m), bsz)
     ks, vs, stride_ss, fp8 = scale_args(k_cache, k_scale, v_scale)
     _extend_kernel[grid](
         q, out, k_cache, v_cache, page_table, qo_indptr, prefix_lens, ks, vs,
@@ -293,7 +277,7 @@ def extend_attention_triton(
         scale * LOG2E,
         PAGE_SIZE=page_size, GROUP=group, D=d,
         BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n, UPCAST=interpreting(),
-        PACK_GQA=pack, TOK=tok, FP8=fp8,
+        FP8=fp8,
         num_warps=cfg.extend_warps, num_stages=cfg.extend_stages,
     )
     return out
@@ -334,14 +318,6 @@ class TritonAttentionBackend:
         self.scale = scale
         self.cfg = cfg
         self.extend_token_bound = extend_token_bound
-        # Split counters of the fused decode reduce: zero between launches, kept
-        # (one allocation, sized generously so a graph capture never allocates).
-        self._counters: torch.Tensor | None = None
-
-    def _decode_counters(self, n: int, device: torch.device) -> torch.Tensor:
-        if self._counters is None or self._counters.numel() < n or self._counters.device != device:
-            self._counters = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        return self._counters
 
     def decode_qk(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
@@ -368,11 +344,9 @@ class TritonAttentionBackend:
         cfg = self.cfg or AttnKernelConfig.for_device(q.device, q.shape[-1])
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         splits = self.num_splits(q.shape[0], kc.shape[1], q.device, meta.max_seq_len)
-        counters = (self._decode_counters(q.shape[0] * kc.shape[1], q.device)
-                    if cfg.decode_fused_reduce else None)
         return decode_attention_triton(
             q, kc, vc, meta.page_table, meta.seq_lens, meta.page_size, scale, splits, cfg,
-            counters=counters, k_scale=ks, v_scale=vs, qk=qk,
+            k_scale=ks, v_scale=vs, qk=qk, kernels=batch.kernels,
         )
 
     def num_splits(self, batch_size: int, num_kv_heads: int, device: torch.device,

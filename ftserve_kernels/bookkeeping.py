@@ -40,7 +40,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ftserve import envs
 from ftserve_kernels.attention_common import interpreting
 
 _BIG = 2**62  # key of protected slots: never a victim
@@ -419,11 +418,10 @@ def copy_host_words(src: torch.Tensor, dst: torch.Tensor) -> None:
     decode graphs, of which the two copies' own time was 2.7; with these
     kernels 11.5 us, most of it the next graph's start). Same ordering as a copy: the host
     may reuse ``src`` / read ``dst`` once work after this on the stream is
-    known done (an event). Off CUDA, or with FTSERVE_STEP_COPY_KERNEL=0:
-    the copy itself."""
+    known done (an event). Off CUDA (or interpreted): the copy itself."""
     assert src.dtype == dst.dtype == torch.int64 and src.numel() == dst.numel()
     assert src.is_contiguous() and dst.is_contiguous()
-    if not envs.step_copy_kernel() or not (src.is_cuda or dst.is_cuda) or interpreting():
+    if not (src.is_cuda or dst.is_cuda) or interpreting():
         copy_host_words_ref(src, dst)
         return
     host_src = not src.is_cuda
@@ -455,7 +453,7 @@ def copy_host_words_paired_ref(src: torch.Tensor, dst: torch.Tensor, parity: tor
 def paired_copies_supported(device: torch.device) -> bool:
     """Whether copy_host_words_paired runs as a kernel there: what lets a CUDA
     graph move a step's words itself (the memcpy cannot follow a device word)."""
-    return device.type == "cuda" and envs.step_copy_kernel() and not interpreting()
+    return device.type == "cuda" and not interpreting()
 
 
 @dataclass(frozen=True)

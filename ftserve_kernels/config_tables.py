@@ -52,7 +52,7 @@ def from_dict(cls: type[C], d: dict[str, Any]) -> C:
 
 def load(path: str, what: str, parse_entry: EntryParser) -> dict[str, dict[int, Any]]:
     """Parse and validate a table; a bad file raises ValueError naming it and
-    ``what`` (e.g. "MoE config table (tools/tune_moe.py, FTSERVE_MOE_CONFIG_FILE)").
+    ``what`` (e.g. "MoE config table (tools/tune/moe.py, FTSERVE_MOE_CONFIG_FILE)").
     Parsed once per file version: a rewritten file is read again."""
     try:
         st = Path(path).stat()

@@ -15,8 +15,8 @@ launch instead of three (norm, cuBLAS GEMV, top-k)::
 
 Every program recomputes the norm: a [T, H] row from L2 is cheaper than a
 launch. The router weight ([E, H], 0.5 MB on Qwen3-30B) is split over
-E / BLOCK_E programs so enough SMs stream it (one row a program by default:
-FTSERVE_ROUTE_BLOCK_E). The counter is one int32 that
+E / BLOCK_E programs so enough SMs stream it (``block_e``: one row a program
+by default, measured fastest on the H200). The counter is one int32 that
 the caller owns, zero between launches; launches that share it must be
 stream-ordered (they are: one engine stream). Sync-free and capturable.
 """
@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ftserve import envs
 from ftserve_kernels import pdl
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 
 # Rows one launch handles. Each program loops over them, one L2 round trip for x
 # and r per row, so the fusion pays only while a few rows' latency stays below
@@ -110,8 +110,12 @@ def add_norm_route_triton(
     top_k: int,
     renormalize: bool,
     counter: torch.Tensor,  # [1] int32, zero; left zero
+    block_e: int = 1,  # router rows a program streams (a power of two)
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """-> (normed [T, H], x + residual [T, H] or None, weights [T, k] fp32, ids [T, k] int32)."""
+    if block_e < 1 or block_e & (block_e - 1):
+        raise ValueError(f"block_e={block_e}: a power of two, at least 1")
     t, h = x.shape
     e = gate_w.shape[0]
     assert t <= FUSED_MAX_TOKENS, "decode-sized batches only: every program loops over the rows"
@@ -129,8 +133,7 @@ def add_norm_route_triton(
     r = residual if residual is not None else x
     s = summed if summed is not None else normed
     block_h = triton.next_power_of_2(h)
-    on = pdl.active(x)
-    block_e = envs.route_block_e()  # default 1: 128 programs of 4 KB at E = 128, H = 2048
+    on = pdl.active(x, kernels)
     _add_norm_route_kernel[(triton.cdiv(e, block_e),)](
         x, r, norm_w, gate_w, normed, s, logits, weights, ids, counter,
         t, h, e, eps,

@@ -1,8 +1,9 @@
 """A decode step's device inputs in one launch, from the graph's packed host row
 per sequence (see ftserve/engine/cuda_graph.py). Twin: ``decode_inputs_ref``.
 
-    packed [B, 7] int64: input id, position, KV slot, seq len, sampler slot
-                         (| min_tokens flag), step, src row (-1: the host knows the id)
+    packed [B, WORDS] int64: one DecodeRow per sequence (input id, position, KV
+                             slot, seq len, sampler slot | min_tokens flag,
+                             step, src row: -1 where the host knows the id)
 
 A batch-1 decode step on the H200 spent ~15 us in ~10 small torch launches
 unpacking this (a transpose, the src-row substitution, casts, masks, the page
@@ -27,6 +28,7 @@ same launch shape, so a graph step and an eager step agree to the bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, NamedTuple, TypeVar
 
 import torch
 import triton
@@ -34,7 +36,37 @@ import triton.language as tl
 
 from ftserve_kernels import pdl
 from ftserve_kernels.bookkeeping import StagedRows
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.norm_rope import rms_norm_ref
+
+W = TypeVar("W")
+
+
+class DecodeRow(NamedTuple, Generic[W]):
+    """One sequence's words of a decode step, in the order of a packed row
+    (``DecodeRow[int]`` on the host; ``DecodeRow(*packed.t())`` names the
+    columns of a packed [B, WORDS] tensor, as views)."""
+
+    input_id: W  # the step's token, where the host knows it
+    position: W
+    out_cache_loc: W  # the KV slot the token's K/V go to
+    seq_len: W  # position + 1
+    slot: W  # sampler slot = page-table row, with the min_tokens flag bit (MIN_FLAG) or'd in
+    step: W  # index of the output token being sampled
+    src_row: W  # row of ``last`` holding the input id (overlap scheduling: the host does not know it), -1: none
+
+    @classmethod
+    def padding(cls, sink_row: int) -> DecodeRow[int]:
+        """A padded row: length 1 over the dummy page, the dummy page-table row
+        and sampler slot; it writes nowhere real."""
+        return DecodeRow(input_id=0, position=0, out_cache_loc=0, seq_len=1, slot=sink_row, step=0, src_row=-1)
+
+
+WORDS = len(DecodeRow._fields)
+# Each field's word within a row, for the kernel.
+_W = {name: tl.constexpr(i) for i, name in enumerate(DecodeRow._fields)}
+W_INPUT_ID, W_POSITION, W_LOC, W_SEQ_LEN = _W["input_id"], _W["position"], _W["out_cache_loc"], _W["seq_len"]
+W_SLOT, W_STEP, W_SRC_ROW = _W["slot"], _W["step"], _W["src_row"]
 
 
 @dataclass
@@ -72,21 +104,20 @@ def decode_inputs_ref(
     packed: torch.Tensor, last: torch.Tensor, page_table: torch.Tensor, embed: torch.Tensor | None,
     flag: int, norm: InputNorm | None = None, staged: StagedRows | None = None,
 ) -> DecodeInputs:
-    """``staged``: the rows are its picked row's first B * 7 words, not ``packed``
-    (which gives only B and the device)."""
+    """``staged``: the rows are its picked row's first B * WORDS words, not
+    ``packed`` (which gives only B and the device)."""
     if staged is not None:
         packed = staged.host_row()[:packed.numel()].view(packed.shape).to(packed.device)
-    g = packed.t()  # [7, B]
-    src = g[6]
-    prev = last.index_select(0, src.clamp(min=0))  # [B]
-    ids = torch.where(src >= 0, prev, g[0])
-    seq = g[3].to(torch.int32)
-    slots = g[4] & (flag - 1)
+    row: DecodeRow[torch.Tensor] = DecodeRow(*packed.t())  # [B] views, one per field
+    prev = last.index_select(0, row.src_row.clamp(min=0))  # [B]
+    ids = torch.where(row.src_row >= 0, prev, row.input_id)
+    seq = row.seq_len.to(torch.int32)
+    slots = row.slot & (flag - 1)
     assert norm is None or embed is not None, "the input norm applies to the embedding rows"
     embeds = None if embed is None else embed.index_select(0, ids)
     return DecodeInputs(
-        ids, g[1].contiguous(), g[2].contiguous(), seq, seq - 1, slots, g[5].contiguous(),
-        (g[4] & flag) != 0, page_table.index_select(0, slots), embeds,
+        ids, row.position.contiguous(), row.out_cache_loc.contiguous(), seq, seq - 1, slots,
+        row.step.contiguous(), (row.slot & flag) != 0, page_table.index_select(0, slots), embeds,
         None if norm is None or embeds is None else rms_norm_ref(embeds, norm.weight, norm.eps),
     )
 
@@ -125,34 +156,35 @@ def _decode_inputs_kernel(
     parity_ptr, pair_stride,
     FLAG: tl.constexpr, HAS_EMB: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr, STAGED: tl.constexpr, RELEASE: tl.constexpr = False,
+    NUM_WORDS: tl.constexpr = WORDS, BLOCK_WORDS: tl.constexpr = triton.next_power_of_2(WORDS),
 ):
     pdl.release(RELEASE)  # the step's first GEMV is placed now and loads its first tile meanwhile
     b = tl.program_id(0)
     j = tl.program_id(1)
     if STAGED:  # packed_ptr: the pinned pair's int64 address; the device word picks the row
         side = tl.load(parity_ptr).to(tl.int64)
-        row = packed_ptr.to(tl.int64).to(tl.pointer_type(tl.int64)) + side * pair_stride + b * 7
+        row = packed_ptr.to(tl.int64).to(tl.pointer_type(tl.int64)) + side * pair_stride + b * NUM_WORDS
     else:
-        row = packed_ptr + b * 7
-    # The row's seven words in one load (one PCIe round trip when staged: as
-    # scalar loads behind the src branch they were two), then picked apart.
-    w = tl.arange(0, 8)
-    words = tl.load(row + w, mask=w < 7, other=0)
-    packed_slot = tl.sum(tl.where(w == 4, words, 0), 0)
+        row = packed_ptr + b * NUM_WORDS
+    # The row's words in one load (one PCIe round trip when staged: as scalar
+    # loads behind the src branch they were two), then picked apart by field.
+    w = tl.arange(0, BLOCK_WORDS)
+    words = tl.load(row + w, mask=w < NUM_WORDS, other=0)
+    packed_slot = tl.sum(tl.where(w == W_SLOT, words, 0), 0)
     slot = packed_slot & (FLAG - 1)
     if j == 0:
-        src = tl.sum(tl.where(w == 6, words, 0), 0)
-        tok = tl.sum(tl.where(w == 0, words, 0), 0)
+        src = tl.sum(tl.where(w == W_SRC_ROW, words, 0), 0)
+        tok = tl.sum(tl.where(w == W_INPUT_ID, words, 0), 0)
         if src >= 0:
             tok = tl.load(last_ptr + src)
-        seq = tl.sum(tl.where(w == 3, words, 0), 0)
+        seq = tl.sum(tl.where(w == W_SEQ_LEN, words, 0), 0)
         tl.store(ids_ptr + b, tok)
-        tl.store(pos_ptr + b, tl.sum(tl.where(w == 1, words, 0), 0))
-        tl.store(loc_ptr + b, tl.sum(tl.where(w == 2, words, 0), 0))
+        tl.store(pos_ptr + b, tl.sum(tl.where(w == W_POSITION, words, 0), 0))
+        tl.store(loc_ptr + b, tl.sum(tl.where(w == W_LOC, words, 0), 0))
         tl.store(seq_ptr + b, seq.to(tl.int32))
         tl.store(pre_ptr + b, (seq - 1).to(tl.int32))
         tl.store(slot_ptr + b, slot)
-        tl.store(step_ptr + b, tl.sum(tl.where(w == 5, words, 0), 0))
+        tl.store(step_ptr + b, tl.sum(tl.where(w == W_STEP, words, 0), 0))
         tl.store(min_ptr + b, ((packed_slot & FLAG) != 0).to(tl.int8))
         if HAS_EMB:
             out = b.to(tl.int64) * stride_out_emb
@@ -174,12 +206,13 @@ def _row_launch(hidden: int) -> tuple[int, int]:
 def decode_inputs_triton(
     packed: torch.Tensor, last: torch.Tensor, page_table: torch.Tensor, embed: torch.Tensor | None,
     flag: int, norm: InputNorm | None = None, block_p: int = 1024, staged: StagedRows | None = None,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> DecodeInputs:
     """As decode_inputs_ref; fixed shapes (B, max_pages, H): graph-capturable.
     With ``staged`` the kernel reads the words from the pinned pair itself and
     ``packed`` is not read."""
     assert norm is None or embed is not None, "the input norm applies to the embedding rows"
-    assert packed.is_contiguous() and packed.shape[1] == 7 and page_table.stride(1) == 1
+    assert packed.is_contiguous() and packed.shape[1] == WORDS and page_table.stride(1) == 1
     if staged is not None:
         assert staged.pair.shape[1] >= packed.numel() and staged.parity.device == packed.device
     bsz, dev = packed.shape[0], packed.device
@@ -211,7 +244,7 @@ def decode_inputs_triton(
         embed.stride(0) if embed is not None else 0, emb_out.stride(0),
         staged.parity if staged is not None else packed, staged.pair.stride(0) if staged is not None else 0,
         FLAG=flag, HAS_EMB=embed is not None, HAS_NORM=norm is not None, BLOCK_P=block_p,
-        BLOCK_H=block_h, STAGED=staged is not None, RELEASE=pdl.active(packed) != 0, num_warps=warps,
+        BLOCK_H=block_h, STAGED=staged is not None, RELEASE=pdl.active(packed, kernels), num_warps=warps,
     )
     return out
 

@@ -15,7 +15,7 @@ the cut's score, and the tokens scoring exactly that whose id is at most id::
 
 1. the C = SHORT_K + M best raw logits per row (M = the stop-id columns, which
    may mask some of them): select_triton's radix select up to RADIX_MAX_ROWS
-   rows, else (or with FTSERVE_RADIX_SELECT=0) torch.topk; not a sort;
+   rows, else torch.topk; not a sort;
 2. ``filter_cuts_triton``, one program per row: the candidates' scores as the
    reference computes them (stop mask, then / temperature), packed with their
    ids into int64 keys whose order is (score desc, id asc), ``tl.sort``-ed;
@@ -40,7 +40,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ftserve import envs
 from ftserve_kernels.sampling import SHORT_K  # a row with a longer top-k (or top-p alone) is "wide"
 from ftserve_kernels.select_triton import top_candidates_ref, top_candidates_triton
 
@@ -180,7 +179,7 @@ def filter_cuts_triton(
     if rows == 0:
         return cut_key, cut_id, floor
     n = num_candidates(vocab, itab.shape[1] - ni)
-    radix = envs.radix_select() and rows <= RADIX_MAX_ROWS
+    radix = rows <= RADIX_MAX_ROWS
     select = top_candidates_triton if radix else top_candidates_ref
     cand = select(logits, n)  # [B, n] int64
     _cuts_kernel[(rows,)](

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ftserve_kernels import pdl
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.fp8_gemm_triton import check_weight
 from ftserve_kernels.fp8_quant import GROUP, Fp8Weight
 
@@ -94,11 +95,10 @@ def gemv_tiles(n: int, k: int, cuda: bool) -> tuple[int, int, int]:
 
 
 def fp8_gemv_triton(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None,
-                    pdl_mode: int = 0, tiles: tuple[int, int, int] | None = None,
-                    parts: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
-    """x [T, K] (T <= GEMV_MAX_ROWS) -> y [T, N] in x's dtype. ``pdl_mode``: the
-    PDL constexpr (pdl.active of the caller's launch). ``parts`` [T, P] fp32: x is
-    w * s of a pending norm (eps): y = (x . W^T) / rms(s) (+ b)."""
+                    tiles: tuple[int, int, int] | None = None, parts: torch.Tensor | None = None,
+                    eps: float = 0.0, kernels: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
+    """x [T, K] (T <= GEMV_MAX_ROWS) -> y [T, N] in x's dtype. ``parts`` [T, P] fp32:
+    x is w * s of a pending norm (eps): y = (x . W^T) / rms(s) (+ b). ``kernels``: PDL."""
     t, k = x.shape
     n = w.codes.shape[0]
     assert t <= GEMV_MAX_ROWS and w.codes.shape[1] == k and x.stride(-1) == 1
@@ -108,12 +108,13 @@ def fp8_gemv_triton(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = N
     if t == 0:
         return y
     bn, bk, warps = tiles or gemv_tiles(n, k, x.is_cuda)
+    on = pdl.active(x, kernels)
     _fp8_gemv_kernel[(triton.cdiv(n, bn),)](
         x, w.codes, w.scale, bias if bias is not None else w.scale, y,
         t, n, k, x.stride(0), w.codes.stride(0), w.scale.stride(0), y.stride(0),
         SCALE_N=w.block_n, SCALE_K=w.block_k, HAS_BIAS=bias is not None,
         BLOCK_T=triton.next_power_of_2(t), BLOCK_N=bn, BLOCK_K=bk, K_STEPS=triton.cdiv(k, bk),
-        EVEN_K=k % bk == 0, PDL=pdl_mode, num_warps=warps, num_stages=1, **pdl.launch(pdl_mode),
+        EVEN_K=k % bk == 0, PDL=on, num_warps=warps, num_stages=1, **pdl.launch(on),
         **({} if parts is None else dict(parts_ptr=parts, P=parts.shape[1], eps=eps, HAS_PARTS=True,
                                          BLOCK_P=triton.next_power_of_2(parts.shape[1]))),
     )

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ftserve_kernels import pdl
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.fp8_gemm_triton import check_weight
 from ftserve_kernels.fp8_quant import GROUP, Fp8Weight
 from ftserve_kernels.moe_down_gemv_triton import NormNext, _add_then_norm_last, _add_then_part
@@ -235,18 +236,19 @@ def fused_moe_fp8_gemv_triton(
     topk_ids: torch.Tensor,  # [T, k] int32
     expert_map: torch.Tensor | None = None,  # [E] int32: expert -> row of w13 / w2
     read_through: Fp8ReadThrough | None = None,  # misses read from the host bank (needs expert_map)
-    pdl_mode: int = 0,
     tiles: tuple[int, int, int, int] | None = None,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     """Both launches -> [T, H] in x's dtype."""
     out = torch.empty_like(x)
-    _launch(x, w13, w2, topk_weights, topk_ids, expert_map, read_through, pdl_mode, tiles, out)
+    _launch(x, w13, w2, topk_weights, topk_ids, expert_map, read_through, kernels, tiles, out)
     return out
 
 
 def fused_moe_fp8_add_norm_gemv_triton(
     x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    norm_next: NormNext, pdl_mode: int = 0, tiles: tuple[int, int, int, int] | None = None,
+    norm_next: NormNext, tiles: tuple[int, int, int, int] | None = None,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The pair with the next layer's input norm in the down epilogue ->
     (rms_norm(out + residual), out + residual, None), or with ``norm_next.deferred``
@@ -259,14 +261,14 @@ def fused_moe_fp8_add_norm_gemv_triton(
              if norm_next.deferred else None)
     assert norm_next.residual.shape == x.shape and norm_next.residual.stride() == (h, 1)
     assert norm_next.counter.dtype == torch.int32 and norm_next.weight.is_contiguous()
-    _launch(x, w13, w2, topk_weights, topk_ids, None, None, pdl_mode, tiles, normed,
+    _launch(x, w13, w2, topk_weights, topk_ids, None, None, kernels, tiles, normed,
             (norm_next, summed, parts))
     return normed, summed, parts
 
 
 def _launch(
     x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    expert_map: torch.Tensor | None, read_through: Fp8ReadThrough | None, pdl_mode: int,
+    expert_map: torch.Tensor | None, read_through: Fp8ReadThrough | None, kernels: KernelConfig,
     tiles: tuple[int, int, int, int] | None, out: torch.Tensor,
     norm: tuple[NormNext, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> None:
@@ -290,9 +292,10 @@ def _launch(
     bk_gu, bk_d = min(bk, triton.next_power_of_2(h)), min(bk, triton.next_power_of_2(inter))
     emap = expert_map if expert_map is not None else ids
     m = 0 if read_through is None else read_through.miss_slot.numel()
+    on = pdl.active(x, kernels)
     common = dict(HAS_MAP=expert_map is not None, READ_THROUGH=read_through is not None,
-                  BLOCK_M=max(2, triton.next_power_of_2(max(m, 1))), PDL=pdl_mode,
-                  num_warps=warps, num_stages=1, **pdl.launch(pdl_mode))
+                  BLOCK_M=max(2, triton.next_power_of_2(max(m, 1))), PDL=on,
+                  num_warps=warps, num_stages=1, **pdl.launch(on))
     _fp8_gate_up_kernel[(t * k, triton.cdiv(inter, bn_gu))](
         x, w13.codes, w13.scale, act, ids, emap, h, inter,
         x.stride(0), w13.codes.stride(0), w13.codes.stride(1), w13.scale.stride(0), w13.scale.stride(1),

@@ -34,8 +34,9 @@ and write the final state back, by slot index tensors: ``conv_prefill`` /
 ``gated_delta_prefill`` for packed sequences of any lengths (a host loop over
 sequences here: prefill is eager), ``conv_decode`` / ``gated_delta_decode`` for
 one token per sequence (fixed shapes, gather / scatter, no sync: capturable).
-A Triton (FLA-style varlen chunk) kernel replaces these four with the same
-signatures; this module is their reference twin.
+gated_delta_triton.py has Triton kernels with the same four signatures;
+ops.gated_delta picks them on CUDA tensors and this module, their reference
+twin, elsewhere.
 """
 
 from __future__ import annotations
@@ -139,13 +140,14 @@ def _start(states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -
 def gated_delta_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, seq_bounds: Sequence[int],
-    chunk: int = CHUNK,
+    chunk: int = CHUNK, cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed sequences b = [seq_bounds[b], seq_bounds[b+1]) of q, k [T, Hk, dk],
     v [T, Hv, dv], g [T, Hv] (log decay), beta [T, Hv]; each starts from
     states[slots[b]] (zeros unless has_state[b]) and leaves its final state
     there. states: one layer's pool tensor [S+1, Hv, dk, dv]. -> o [T, Hv, dv]
-    in v's dtype."""
+    in v's dtype. cu_seqlens: seq_bounds on the device (the batch's qo_indptr),
+    which the Triton twin reads; the reference loops over the host bounds."""
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
     start = _start(states, slots, has_state)  # [B, Hv, dk, dv]
     out = torch.empty(vf.shape, dtype=v.dtype, device=v.device)
@@ -173,20 +175,21 @@ def gated_delta_decode(
 
 def conv_prefill(
     x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
-    has_state: torch.Tensor, seq_bounds: Sequence[int],
+    has_state: torch.Tensor, seq_bounds: Sequence[int], cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SiLU(causal depthwise conv) of packed sequences x [T, C] with weights w [C, K];
     sequence b continues from conv_states[slots[b]] [C, K-1] (zeros unless
     has_state[b]: the zero padding of a fresh sequence) and leaves its last K-1
-    inputs there. -> [T, C] in x's dtype."""
+    inputs there. -> [T, C] in x's dtype. cu_seqlens: as gated_delta_prefill's."""
     width = w.shape[1] - 1
     start = _start(conv_states, slots, has_state).to(x.dtype)  # [B, C, K-1]
     out = torch.empty_like(x)
     for b in range(len(seq_bounds) - 1):
         lo, hi = seq_bounds[b], seq_bounds[b + 1]
         ext = torch.cat([start[b], x[lo:hi].t()], dim=1)  # [C, K-1+L]
-        y = F.conv1d(ext[None].to(w.dtype), w[:, None, :], groups=w.shape[0])[0]  # [C, L]
-        out[lo:hi] = F.silu(y).t().to(x.dtype)
+        if hi > lo:  # an empty sequence (padding) only keeps its window
+            y = F.conv1d(ext[None].to(w.dtype), w[:, None, :], groups=w.shape[0])[0]  # [C, L]
+            out[lo:hi] = F.silu(y).t().to(x.dtype)
         conv_states.index_copy_(0, slots[b : b + 1], ext[None, :, ext.shape[1] - width:].to(conv_states.dtype))
     return out
 

@@ -1,30 +1,28 @@
 """Launch configs of the decode GEMV kernels (gemv_triton, moe_gemv_triton):
-the dataclass, today's defaults, and per-device tables written by tools/tune_gemv.py.
+the dataclass, today's defaults, and per-device tables written by tools/tune/gemv.py.
 
 A table is JSON, one file per device (``configs/gemv_<device name>.json``, the
-name slugged as moe_configs does), or the file named by FTSERVE_GEMV_CONFIG_FILE::
+name slugged as moe_configs does), or the file KernelConfig.gemv_table names
+(FTSERVE_GEMV_CONFIG_FILE at start-up)::
 
     {"configs": {"moe_gate_up:E=128,H=2048,I=768,k=8": {"1": {"block_n": 32, "block_k": 256,
                                                               "num_warps": 4, "num_stages": 2},
                                                         "2": {...}},
-                 "dense_norm:N=5120,K=2048": {"1": {...}}}}
+                 "dense:N=5120,K=2048": {"1": {...}}}}
 
 A key is ``<kind>:<shape>``; the kinds and the kernel each one launches:
 
     moe_gate_up      _gemv_gate_up_kernel           shape E,H,I,k; T = tokens
-    moe_gate_up_acc  _gemv_gate_up_acc_kernel       (FTSERVE_MOE_GATEUP_ACC=1)
-    moe_down         _gemv_down_combine3d_kernel    (the default down kernel)
-    moe_down2d       _gemv_down_combine_kernel      (FTSERVE_MOE_DOWN3D=0)
+    moe_down         _gemv_down_combine3d_kernel    shape E,H,I,k; T = tokens
     dense            _gemv_kernel                   shape N,K; T = the row block 1, 2 or 4
-    dense_norm       _gemv_kernel, norm prologue    (qkv_proj(input_layernorm(x, r)))
 
 An entry applies only to the T it was tuned at (for the dense kernel the row
 block next_power_of_2(T), which is what the kernel specializes on): these
 kernels' registers and grid scale with T, so a neighbour's entry is no safe
 guess; any other T, shape or kind takes the kernel's default (``default``,
-exactly the launch used before tables existed). FTSERVE_GEMV_ENTRY lays single
+exactly the launch used before tables existed). KernelConfig.gemv_entries lays single
 entries over the table (``parse_entries``: a tuning run's variants, in the
-step itself rather than alone as tools/tune_gemv times them). Tables are read on CUDA only;
+step itself rather than alone as tools/tune/gemv times them). Tables are read on CUDA only;
 the interpreter keeps its small tiles. A table that exists but does not parse,
 names an unknown kind or holds unknown fields is an error naming the file
 (same policy as moe_configs: a silently ignored table hides the slow default).
@@ -39,13 +37,13 @@ from typing import Any
 
 import torch
 
-from ftserve import envs
 from ftserve_kernels import config_tables as tables
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.config_tables import CONFIG_DIR  # noqa: F401 - re-exported
 from ftserve_kernels.moe_configs import shape_key as moe_shape_key
 
-MOE_KINDS = ("moe_gate_up", "moe_gate_up_acc", "moe_down", "moe_down2d")
-DENSE_KINDS = ("dense", "dense_norm")
+MOE_KINDS = ("moe_gate_up", "moe_down")
+DENSE_KINDS = ("dense",)
 KINDS = MOE_KINDS + DENSE_KINDS
 
 
@@ -53,7 +51,7 @@ KINDS = MOE_KINDS + DENSE_KINDS
 class GemvConfig:
     """One GEMV kernel's launch parameters: output columns (rows of W) per
     program, K elements per step, warps, and software-pipeline stages (only the
-    kernels with a runtime K loop, moe_gate_up and moe_down2d, pipeline)."""
+    kernel with a runtime K loop, moe_gate_up, pipelines)."""
 
     block_n: int
     block_k: int
@@ -87,15 +85,13 @@ def default(kind: str, cuda: bool, n: int = 0, tokens: int = 1) -> GemvConfig:
     if not cuda:  # the interpreter: small tiles are fast, warps and stages are ignored
         if kind in DENSE_KINDS:
             return GemvConfig(8, 16, 1, 3)
-        return GemvConfig(16, 16, 4, 1 if kind != "moe_gate_up_acc" else 3)
+        return GemvConfig(16, 16, 4, 1)
     if kind in DENSE_KINDS:
         # gemv_triton's reasoning: 16 rows of 256 per program at qkv's N, 8 where
         # 4 rows of 16 would spill.
         return GemvConfig(16 if n >= 4096 and tokens <= 2 else 8, 256, 8, 3)
     return {"moe_gate_up": GemvConfig(16, 512, 8, 2),
-            "moe_gate_up_acc": GemvConfig(16, 256, 8, 3),
-            "moe_down": GemvConfig(8, 256, 8, 2),
-            "moe_down2d": GemvConfig(8, 256, 8, 2)}[kind]
+            "moe_down": GemvConfig(8, 256, 8, 2)}[kind]
 
 
 def moe_key(kind: str, num_experts: int, hidden: int, inter: int, top_k: int) -> str:
@@ -103,8 +99,8 @@ def moe_key(kind: str, num_experts: int, hidden: int, inter: int, top_k: int) ->
     return f"{kind}:{moe_shape_key(num_experts, hidden, inter, top_k)}"
 
 
-def dense_key(norm: bool, n: int, k: int) -> str:
-    return f"{'dense_norm' if norm else 'dense'}:N={n},K={k}"
+def dense_key(n: int, k: int) -> str:
+    return f"dense:N={n},K={k}"
 
 
 def parse_key(key: str) -> tuple[str, dict[str, int]]:
@@ -121,7 +117,7 @@ def table_file_name(device_name: str) -> str:
 
 
 Table = dict[str, dict[int, GemvConfig]]  # key -> tuned T -> config
-_WHAT = "GEMV config table (regenerate it with tools/tune_gemv.py or unset FTSERVE_GEMV_CONFIG_FILE)"
+_WHAT = "GEMV config table (regenerate it with tools/tune/gemv.py or unset FTSERVE_GEMV_CONFIG_FILE)"
 
 
 def _entry(key: str, raw: Any) -> GemvConfig | None:
@@ -143,7 +139,7 @@ def table_for(device_index: int, override: str | None) -> Table:
 
 
 def parse_entries(text: str) -> Table:
-    """FTSERVE_GEMV_ENTRY's entries -> a table: ``KEY@T=BN.BK.W.S`` joined by
+    """KernelConfig.gemv_entries -> a table: ``KEY@T=BN.BK.W.S`` joined by
     ";", KEY a table key with "+" for its commas (a comma-free form, so a
     variant list can hold it). ValueError names the entry that does not parse."""
     out: Table = {}
@@ -158,19 +154,20 @@ def parse_entries(text: str) -> Table:
             config = GemvConfig(*(int(v) for v in fields.split(".")))
             out.setdefault(key, {})[int(t)] = config
         except (TypeError, ValueError) as e:
-            raise ValueError(f"FTSERVE_GEMV_ENTRY entry {item!r}: {e}") from None
+            raise ValueError(f"GEMV entry {item!r}: {e}") from None
     return out
 
 
-def pick(key: str, tokens: int, device: torch.device) -> GemvConfig | None:
-    """The table entry for ``key`` at ``tokens`` (host ints, never data), or
-    None: the caller launches its default. FTSERVE_GEMV_ENTRY's entries win
-    over the table's. None off CUDA."""
+def pick(key: str, tokens: int, device: torch.device,
+         kernels: KernelConfig = DEFAULT_KERNELS) -> GemvConfig | None:
+    """The entry for ``key`` at ``tokens`` (host ints, never data) of the table
+    ``kernels`` names (else the device's packaged one), or None: the caller
+    launches its default. ``kernels.gemv_entries`` win over the table's. None
+    off CUDA."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    path = envs.gemv_config_file()
-    return _pick(key, tokens, index, str(path) if path is not None else None, envs.gemv_entries())
+    return _pick(key, tokens, index, kernels.gemv_table, kernels.gemv_entries)
 
 
 @functools.lru_cache(maxsize=512)

@@ -1,5 +1,5 @@
-"""Dense GEMV for decode-sized T (y = x W^T + b), optionally with the decoder's
-residual add + RMSNorm folded in as a prologue. Twin: the composition in ops.py.
+"""Dense GEMV for decode-sized T (y = x W^T + b), optionally applying an RMSNorm
+the layer before left pending (``parts``). Twin: F.linear (ops.py).
 
 At batch 1 the cuBLAS GEMVs of the attention projections read their weights at
 about half of HBM bandwidth; here every program streams BLOCK_N full weight
@@ -9,14 +9,8 @@ FMAs only (no barrier: loads issue ahead) and K is summed once at the end::
 
     program p: y[:, p*BN : (p+1)*BN] = in[T, K] . W[p*BN : (p+1)*BN, K]^T
 
-With ``norm_w`` the input is ``round(w * round(rmsnorm(round(x + r))))``, as
-ops.fused_add_rms_norm computes it: each program first takes the row's sum of
-squares over all of K (T x K from L2, cheap next to its 64 KB of weights),
-then rebuilds the normed input chunk by chunk; program 0 also stores x + r,
-the next residual. So qkv_proj(input_layernorm(x, r)) is one launch.
-
 Launch parameters (BLOCK_N, BLOCK_K, warps, stages) come from this GPU's table
-in gemv_configs (written by tools/tune_gemv.py) where it has the shape, else
+in gemv_configs (written by tools/tune/gemv.py) where it has the shape, else
 from gemv_configs.default.
 """
 
@@ -30,45 +24,18 @@ import triton.language as tl
 
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 
 GEMV_MAX_ROWS = 4  # rows per launch: every program holds all of them
 
 
 @triton.jit
-def _row_in(x_ptr, r_ptr, nw_ptr, t, T, stride_x, stride_r, kk, kmask, inv, dtype,
-            HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _row_in(x_ptr, t, T, stride_x, kk, kmask):
     """Row t's input chunk as an fp32 tile shaped like the weight tile (kk [N, BK]
     repeats one K chunk down the rows: the loads hit L1, and the tile needs no
     layout conversion, so no shared memory and no barrier in the K loop)."""
     m = kmask & ((kk * 0 + t) < T)
-    xv = tl.load(x_ptr + t * stride_x + kk, mask=m, other=0.0)
-    if HAS_NORM:
-        if HAS_RESIDUAL:
-            rv = tl.load(r_ptr + t * stride_r + kk, mask=m, other=0.0)
-            xv = (xv.to(tl.float32) + rv.to(tl.float32)).to(dtype)
-        normed = (xv.to(tl.float32) * inv).to(dtype)
-        nw = tl.load(nw_ptr + kk, mask=kmask, other=0.0)
-        xv = (nw.to(tl.float32) * normed.to(tl.float32)).to(dtype)
-    return xv.to(tl.float32)
-
-
-@triton.jit
-def _row_inv(x_ptr, r_ptr, sum_ptr, t, T, K, eps, stride_x, stride_r, stride_s, pid, dtype,
-             HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_KALL: tl.constexpr):
-    """1 / rms of row t (x + r rounded to x's dtype); program 0 stores x + r."""
-    inv = 0.0
-    if HAS_NORM:
-        ka = tl.arange(0, BLOCK_KALL)
-        m = (ka < K) & ((ka * 0 + t) < T)
-        xa = tl.load(x_ptr + t * stride_x + ka, mask=m, other=0.0)
-        if HAS_RESIDUAL:
-            ra = tl.load(r_ptr + t * stride_r + ka, mask=m, other=0.0)
-            xa = (xa.to(tl.float32) + ra.to(tl.float32)).to(dtype)
-            if pid == 0:
-                tl.store(sum_ptr + t * stride_s + ka, xa, mask=m)
-        xf = xa.to(tl.float32)
-        inv = tl.rsqrt(tl.sum(xf * xf, 0) / K + eps)
-    return inv
+    return tl.load(x_ptr + t * stride_x + kk, mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -87,11 +54,11 @@ def _row_scale(parts, t, K, eps, HAS_PARTS: tl.constexpr, BLOCK_T: tl.constexpr)
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, sum_ptr,
+    x_ptr, w_ptr, b_ptr, y_ptr,
     T, N, K, eps,
-    stride_x, stride_r, stride_w, stride_y, stride_s,
-    HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KALL: tl.constexpr,
+    stride_x, stride_w, stride_y,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, K_STEPS: tl.constexpr, PDL: tl.constexpr,
     parts_ptr=None, P=1, HAS_PARTS: tl.constexpr = False, BLOCK_P: tl.constexpr = 1,
 ):
@@ -127,18 +94,10 @@ def _gemv_kernel(
         pp = tl.arange(0, BLOCK_P)
         parts = tl.load(parts_ptr + tt[:, None] * P + pp[None, :],
                         mask=(tt[:, None] < T) & (pp[None, :] < P), other=0.0)
-    inv0 = _row_inv(x_ptr, r_ptr, sum_ptr, 0, T, K, eps, stride_x, stride_r, stride_s, pid, dt,
-                    HAS_NORM, HAS_RESIDUAL, BLOCK_KALL)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if BLOCK_T > 1:
-        inv1 = _row_inv(x_ptr, r_ptr, sum_ptr, 1, T, K, eps, stride_x, stride_r, stride_s, pid, dt,
-                        HAS_NORM, HAS_RESIDUAL, BLOCK_KALL)
         acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if BLOCK_T > 2:
-        inv2 = _row_inv(x_ptr, r_ptr, sum_ptr, 2, T, K, eps, stride_x, stride_r, stride_s, pid, dt,
-                        HAS_NORM, HAS_RESIDUAL, BLOCK_KALL)
-        inv3 = _row_inv(x_ptr, r_ptr, sum_ptr, 3, T, K, eps, stride_x, stride_r, stride_s, pid, dt,
-                        HAS_NORM, HAS_RESIDUAL, BLOCK_KALL)
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     # Unrolled (K_STEPS = cdiv(K, BLOCK_K)): the steps' loads are independent and
@@ -152,16 +111,12 @@ def _gemv_kernel(
             w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0).to(tl.float32)
         else:
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask, other=0.0).to(tl.float32)
-        acc0 += w * _row_in(x_ptr, r_ptr, nw_ptr, 0, T, stride_x, stride_r, kk, kmask, inv0, dt,
-                            HAS_NORM, HAS_RESIDUAL)
+        acc0 += w * _row_in(x_ptr, 0, T, stride_x, kk, kmask)
         if BLOCK_T > 1:
-            acc1 += w * _row_in(x_ptr, r_ptr, nw_ptr, 1, T, stride_x, stride_r, kk, kmask, inv1, dt,
-                                HAS_NORM, HAS_RESIDUAL)
+            acc1 += w * _row_in(x_ptr, 1, T, stride_x, kk, kmask)
         if BLOCK_T > 2:
-            acc2 += w * _row_in(x_ptr, r_ptr, nw_ptr, 2, T, stride_x, stride_r, kk, kmask, inv2, dt,
-                                HAS_NORM, HAS_RESIDUAL)
-            acc3 += w * _row_in(x_ptr, r_ptr, nw_ptr, 3, T, stride_x, stride_r, kk, kmask, inv3, dt,
-                                HAS_NORM, HAS_RESIDUAL)
+            acc2 += w * _row_in(x_ptr, 2, T, stride_x, kk, kmask)
+            acc3 += w * _row_in(x_ptr, 3, T, stride_x, kk, kmask)
         w_ptrs += BLOCK_K
     bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
@@ -187,62 +142,49 @@ def gemv_triton(
     x: torch.Tensor,  # [T, K], T <= GEMV_MAX_ROWS
     w: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
-    norm_w: torch.Tensor | None = None,  # [K]: RMSNorm the input first (see module doc)
-    residual: torch.Tensor | None = None,  # [T, K]: add before the norm; needs norm_w
-    eps: float = 1e-6,
+    eps: float = 1e-6,  # of the pending norm (``parts``)
     block: tuple[int, int] | None = None,  # (BLOCK_N, BLOCK_K) over the default's warps
     config: gc.GemvConfig | None = None,  # all launch parameters; wins over block
     out_dtype: torch.dtype | None = None,  # y's dtype (values rounded to x's dtype first)
     parts: torch.Tensor | None = None,  # [T, P] fp32: x is w * s of a pending norm (eps)
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """-> (y [T, N] in ``out_dtype`` or x's dtype, x + residual [T, K] or None).
-    With ``parts``: y = (x . W^T) / rms(s), 1/rms from the sum of ``parts`` (x =
-    w * s: a pending norm, moe_down_gemv_triton.NormNext deferred);
-    the launch is the plain GEMV's. Launch: ``config``, else ``block``, else the
+    kernels: KernelConfig = DEFAULT_KERNELS,
+) -> torch.Tensor:
+    """-> y [T, N] in ``out_dtype`` or x's dtype. With ``parts``: y = (x . W^T)
+    / rms(s), 1/rms from the sum of ``parts`` (x = w * s: a pending norm,
+    moe_down_gemv_triton.NormNext deferred); the launch is the plain GEMV's. Launch: ``config``, else ``block``, else the
     device table's entry (gemv_configs), else the default."""
     t, k = x.shape
     n = w.shape[0]
     assert t <= GEMV_MAX_ROWS and w.shape[1] == k
-    assert residual is None or norm_w is not None, "the residual add is part of the norm prologue"
     if parts is not None:
-        assert norm_w is None and residual is None and parts.dtype == torch.float32
-        assert parts.shape[0] == t and parts.is_contiguous()
+        assert parts.dtype == torch.float32 and parts.shape[0] == t and parts.is_contiguous()
     assert x.stride(-1) == 1 and w.stride(-1) == 1
     y = torch.empty((t, n), dtype=out_dtype or x.dtype, device=x.device)
-    summed = torch.empty_like(x) if residual is not None else None
     if t == 0:
-        return y, summed
-    if residual is not None:
-        assert residual.stride(-1) == 1
+        return y
     cuda = x.is_cuda
     block_t = triton.next_power_of_2(t)
     # Default (gemv_configs.default): BLOCK_K = 256 bf16 is one warp's width (8 a
     # lane), so warps split the rows and the final K sum stays inside a warp. qkv
     # (N = 5120, K = 2048): 320 programs of 16 rows (64 KB, 53 registers on sm_90);
     # o_proj (N = 2048, K = 4096): 256 programs of 8 rows (64 KB, 80 registers).
-    # 4 rows of 16 would take 255 registers: 8. Tuned per device: tools/tune_gemv.py.
-    prologue = norm_w is not None and parts is None  # the norm's own sum first
-    kind = "dense_norm" if prologue else "dense"
+    # 4 rows of 16 would take 255 registers: 8. Tuned per device: tools/tune/gemv.py.
     if config is None:
         if block is not None:
-            config = dataclasses.replace(gc.default(kind, cuda, n, t), block_n=block[0], block_k=block[1])
+            config = dataclasses.replace(gc.default("dense", cuda, n, t), block_n=block[0], block_k=block[1])
         else:
-            config = (gc.pick(gc.dense_key(prologue, n, k), block_t, x.device)
-                      or gc.default(kind, cuda, n, t))
+            config = (gc.pick(gc.dense_key(n, k), block_t, x.device, kernels)
+                      or gc.default("dense", cuda, n, t))
     bn, bk = config.block_n, min(config.block_k, triton.next_power_of_2(k))
-    r = residual if residual is not None else x
-    nw = norm_w if norm_w is not None else x
-    s = summed if summed is not None else y
-    on = pdl.active(x)
+    on = pdl.active(x, kernels)
     _gemv_kernel[(triton.cdiv(n, bn),)](
-        x, r, nw, w, bias if bias is not None else w, y, s,
+        x, w, bias if bias is not None else w, y,
         t, n, k, eps,
-        x.stride(0), r.stride(0), w.stride(0), y.stride(0), s.stride(0),
-        HAS_NORM=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_T=block_t, BLOCK_N=bn, BLOCK_K=bk,
-        BLOCK_KALL=triton.next_power_of_2(k), EVEN_K=k % bk == 0, K_STEPS=triton.cdiv(k, bk),
+        x.stride(0), w.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_T=block_t, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, K_STEPS=triton.cdiv(k, bk),
         num_warps=config.num_warps, num_stages=config.num_stages, PDL=on, **pdl.launch(on),
         **({} if parts is None else dict(parts_ptr=parts, P=parts.shape[1], HAS_PARTS=True,
                                          BLOCK_P=triton.next_power_of_2(parts.shape[1]))),
     )
-    return y, summed
+    return y

@@ -14,7 +14,7 @@ scatter, a cast, the argmax's two-pass reduction, a copy). Here::
     last program of row b:     combines the row's chunks -> tokens[b] (and last[b])
 
 The last program is found with an arrival counter per row (zero between
-launches; the last program re-zeroes it), as attention's fused reduce does.
+launches; the last program re-zeroes it).
 With ``host_out`` (bookkeeping.StagedRows) the last program of each row also
 stores the token into the picked row of a pinned pair over UVA, and the last
 row to finish toggles the word (a second counter, ``counters[B]``; one row
@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ftserve_kernels import pdl
 from ftserve_kernels.bookkeeping import StagedRows
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.filter_triton import _float_key
 from ftserve_kernels.sampling import (
     _GOLDEN_TL,
@@ -174,6 +175,7 @@ def greedy_sample_triton(
     target_programs: int = 264,
     cuts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     host_out: StagedRows | None = None,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     """Same tokens as greedy_sample_ref (finite logits; sampled rows up to the
     fp32 log rounding gumbel_argmax_triton has too): [B] int64. ``cuts`` (with
@@ -195,7 +197,7 @@ def greedy_sample_triton(
     chunk, num_chunks = vocab_chunks(rows, vocab, block, target_programs)
     part_v = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     part_i = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
-    on = pdl.active(logits)
+    on = pdl.active(logits, kernels)
     _greedy_kernel[(rows, num_chunks)](
         logits, slots, min_active, itab, part_v, part_i, counters, out,
         last if last is not None else out,

@@ -1,9 +1,10 @@
 """Tile configs of the grouped-GEMM fused MoE (moe_triton): the dataclass, the
-built-in heuristic, and per-device tables written by tools/tune_moe.py.
+built-in heuristic, and per-device tables written by tools/tune/moe.py.
 
 A table is JSON, one file per device (``configs/moe_<device name>.json``, the
 name from ``torch.cuda.get_device_name`` with every non-alphanumeric character
-turned into ``_``), or the file named by FTSERVE_MOE_CONFIG_FILE::
+turned into ``_``), or the file KernelConfig.moe_table names
+(FTSERVE_MOE_CONFIG_FILE at start-up)::
 
     {"device": "NVIDIA H200",
      "configs": {"E=128,H=2048,I=768,k=8": {"4096": {"block_m": 128, "block_n": 128, ...},
@@ -27,8 +28,8 @@ from typing import Any
 
 import torch
 
-from ftserve import envs
 from ftserve_kernels import config_tables as tables
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.config_tables import CONFIG_DIR, device_slug  # noqa: F401 - re-exported
 
 NEAREST_RATIO = 2.0  # a tuned T serves batches within this factor of it
@@ -83,16 +84,16 @@ class MoeConfig:
 
     @staticmethod
     def pick(num_pairs: int, num_experts: int, device: torch.device,
-             hidden: int = 0, inter: int = 0, top_k: int = 0) -> MoeConfig:
-        """The table entry for this shape and batch if there is one, else the
-        heuristic from the average rows per expert (host shapes, never data).
-        Without ``hidden``/``inter``/``top_k`` only the heuristic applies."""
+             hidden: int = 0, inter: int = 0, top_k: int = 0,
+             kernels: KernelConfig = DEFAULT_KERNELS) -> MoeConfig:
+        """The entry of the table ``kernels`` names (else the device's packaged
+        one) for this shape and batch if there is one, else the heuristic from
+        the average rows per expert (host shapes, never data). Without
+        ``hidden``/``inter``/``top_k`` only the heuristic applies."""
         if device.type != "cuda" or not (hidden and inter and top_k):
             return heuristic(num_pairs, num_experts, device.type)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        path = envs.moe_config_file()
-        return _pick(num_pairs, num_experts, index, hidden, inter, top_k,
-                     str(path) if path is not None else None)
+        return _pick(num_pairs, num_experts, index, hidden, inter, top_k, kernels.moe_table)
 
 
 def heuristic(num_pairs: int, num_experts: int, device_type: str) -> MoeConfig:
@@ -124,7 +125,7 @@ def table_file_name(device_name: str) -> str:
 
 
 Table = dict[str, dict[int, MoeConfig]]  # shape key -> tuned T -> config
-_WHAT = "MoE config table (regenerate it with tools/tune_moe.py or unset FTSERVE_MOE_CONFIG_FILE)"
+_WHAT = "MoE config table (regenerate it with tools/tune/moe.py or unset FTSERVE_MOE_CONFIG_FILE)"
 
 
 def _entry(key: str, raw: Any) -> MoeConfig | None:

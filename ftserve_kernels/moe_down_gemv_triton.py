@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.moe_read_through import (
     ReadThrough,
     _bank_rows,
@@ -26,51 +27,6 @@ from ftserve_kernels.moe_read_through import (
     _read_through_args,
     _read_through_consts,
 )
-
-
-@triton.jit
-def _gemv_down_combine_kernel(
-    a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, map_ptr, H, INTER,
-    stride_at, stride_we, stride_wn, stride_ot,
-    TOP_K: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl.enter(PDL)  # the ids / activations come from the kernel before
-    # Rows r = j * BLOCK_N + n: column n of choice j. All k choices' weight rows load
-    # as one [KP * N, K] tile per step, so each step has k times the bytes in flight
-    # (these loads are not cp.async-pipelined: only concurrency hides latency).
-    t = tl.program_id(0).to(tl.int64)
-    r = tl.arange(0, BLOCK_KP * BLOCK_N)
-    j = r // BLOCK_N
-    offs_n = tl.program_id(1) * BLOCK_N + r % BLOCK_N  # [R]
-    rmask = (j < TOP_K) & (offs_n < H)
-    pair = t * TOP_K + j  # [R]
-    e = tl.load(ids_ptr + pair, mask=rmask, other=0)
-    if HAS_MAP:
-        e = tl.load(map_ptr + e, mask=rmask, other=0)
-    e = e.to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    b_ptrs = w_ptr + (e * stride_we + offs_n * stride_wn)[:, None] + offs_k[None, :]  # [R, K]
-    a_ptrs = a_ptr + (pair * stride_at)[:, None] + offs_k[None, :]  # [R, K], k distinct rows
-    acc = tl.zeros([BLOCK_KP * BLOCK_N], tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):
-        if EVEN_K:
-            m2 = rmask[:, None]
-        else:
-            m2 = rmask[:, None] & (offs_k[None, :] < INTER - k0)
-        av = tl.load(a_ptrs, mask=m2, other=0.0)
-        b = tl.load(b_ptrs, mask=m2, other=0.0)
-        acc += tl.sum(b.to(tl.float32) * av.to(tl.float32), 1)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    wt = tl.load(weights_ptr + pair, mask=rmask, other=0.0)  # [R]
-    # Round each weighted row as the grouped path stores it, then sum the k choices
-    # in fp32 in a fixed order: deterministic.
-    y = (acc * wt).to(out_ptr.dtype.element_ty).to(tl.float32)
-    out = tl.sum(tl.reshape(y, [BLOCK_KP, BLOCK_N]), 0)  # [N]
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + t * stride_ot + cols, out.to(out_ptr.dtype.element_ty), mask=cols < H)
 
 
 @triton.jit
@@ -86,10 +42,10 @@ def _gemv_down_combine3d_kernel(
     NORM_DEFER: tl.constexpr = False, part_ptr=None,
 ):
     pdl.enter(PDL)  # the ids / activations come from the kernel before
-    # As _gemv_down_combine_kernel, with the k choices as a third tile axis: the
-    # weight tile is [KP, N, K] and each choice's act row loads once as [KP, K]
-    # (the 2-D kernel loaded it N times into registers, a second full-size tile
-    # that halved the programs an SM could hold, and so the bytes in flight).
+    # The k choices are a third tile axis: the weight tile is [KP, N, K] and each
+    # choice's act row loads once as [KP, K] (a [k * N, K] tile would load it N
+    # times into registers, a second full-size tile that halves the programs an
+    # SM can hold, and so the bytes in flight).
     t = tl.program_id(0).to(tl.int64)
     jj = tl.arange(0, BLOCK_KP)  # [KP]
     jmask = jj < TOP_K
@@ -133,7 +89,8 @@ def _gemv_down_combine3d_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     wt = tl.load(weights_ptr + pair, mask=jmask, other=0.0)  # [KP]
-    # Same rounding and fixed-order fp32 sum of the k choices as the 2-D kernel.
+    # Round each weighted row as the grouped path stores it, then sum the k choices
+    # in fp32 in a fixed order: deterministic.
     y = (acc * wt[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # [KP, N]
     out = tl.sum(y, 0)  # [N]
     if NORM_NEXT and NORM_DEFER:
@@ -219,42 +176,38 @@ def moe_down_gemv(
     top_k: int,
     cfg: gc.GemvConfig,
     expert_map: torch.Tensor | None = None,
-    down3d: bool = True,  # _gemv_down_combine3d_kernel instead of _gemv_down_combine_kernel
-    read_through: ReadThrough | None = None,  # the 3-D kernel only
-    norm_next: NormNext | None = None,  # the 3-D kernel only: writes ``outs`` instead of ``out``
+    read_through: ReadThrough | None = None,
+    norm_next: NormNext | None = None,  # writes ``outs`` instead of ``out``
     outs: tuple[torch.Tensor, ...] | None = None,  # (normed, summed) [T, H] each (+ parts: deferred)
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> None:
-    """The down + combine kernel alone (tools/tune_gemv times it on its own)."""
+    """The down + combine kernel alone (tools/tune/gemv times it on its own)."""
     t, h = out.shape
     inter = act.shape[1]
     emap = expert_map if expert_map is not None else ids
     args = (act, w2, out, weights, ids, emap, h, inter,
             act.stride(0), w2.stride(0), w2.stride(1), out.stride(0))
-    on = pdl.active(act)
+    on = pdl.active(act, kernels)
     consts = dict(TOP_K=top_k, BLOCK_KP=triton.next_power_of_2(top_k), BLOCK_N=cfg.block_n,
                   BLOCK_K=cfg.block_k, EVEN_K=inter % cfg.block_k == 0, HAS_MAP=expert_map is not None,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **pdl.launch(on))
     grid = (t, triton.cdiv(h, cfg.block_n))
-    if down3d:
-        if norm_next is not None:
-            assert outs is not None and norm_next.residual.shape == out.shape
-            assert norm_next.residual.stride() == outs[0].stride() == outs[1].stride() == (h, 1)
-            assert (len(outs) == 3) == norm_next.deferred
-            if norm_next.deferred:
-                assert outs[2].shape == (t, grid[1]) and outs[2].dtype == torch.float32
-                assert outs[2].is_contiguous()
-            assert norm_next.counter.dtype == torch.int32 and norm_next.weight.is_contiguous()
-            norm_args = (norm_next.residual, norm_next.weight, outs[1], outs[0], norm_next.counter,
-                         norm_next.eps, h)
-        else:
-            norm_args = (out, out, out, out, ids, 0.0, 0)  # unread
-        _gemv_down_combine3d_kernel[grid](*args, *_read_through_args(read_through, ids, w2, "w2_col"),
-                                          *norm_args, K_STEPS=triton.cdiv(inter, cfg.block_k),
-                                          NORM_NEXT=norm_next is not None,
-                                          NORM_DEFER=norm_next is not None and norm_next.deferred,
-                                          part_ptr=outs[2] if outs is not None and len(outs) == 3 else None,
-                                          BLOCK_H=triton.next_power_of_2(h),
-                                          **_read_through_consts(read_through), **consts)
+    if norm_next is not None:
+        assert outs is not None and norm_next.residual.shape == out.shape
+        assert norm_next.residual.stride() == outs[0].stride() == outs[1].stride() == (h, 1)
+        assert (len(outs) == 3) == norm_next.deferred
+        if norm_next.deferred:
+            assert outs[2].shape == (t, grid[1]) and outs[2].dtype == torch.float32
+            assert outs[2].is_contiguous()
+        assert norm_next.counter.dtype == torch.int32 and norm_next.weight.is_contiguous()
+        norm_args = (norm_next.residual, norm_next.weight, outs[1], outs[0], norm_next.counter,
+                     norm_next.eps, h)
     else:
-        assert read_through is None and norm_next is None, "the 2-D down kernel has neither"
-        _gemv_down_combine_kernel[grid](*args, **consts)
+        norm_args = (out, out, out, out, ids, 0.0, 0)  # unread
+    _gemv_down_combine3d_kernel[grid](*args, *_read_through_args(read_through, ids, w2, "w2_col"),
+                                      *norm_args, K_STEPS=triton.cdiv(inter, cfg.block_k),
+                                      NORM_NEXT=norm_next is not None,
+                                      NORM_DEFER=norm_next is not None and norm_next.deferred,
+                                      part_ptr=outs[2] if outs is not None and len(outs) == 3 else None,
+                                      BLOCK_H=triton.next_power_of_2(h),
+                                      **_read_through_consts(read_through), **consts)

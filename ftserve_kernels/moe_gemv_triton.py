@@ -17,7 +17,7 @@ follows the grouped path: act and each weighted down row round to x's dtype.
 
 The down kernels live in moe_down_gemv_triton.py. Launch parameters of each
 kernel (block_n, block_k, warps, stages) come from this GPU's table in
-gemv_configs (written by tools/tune_gemv.py) where it has the shape and T,
+gemv_configs (written by tools/tune/gemv.py) where it has the shape and T,
 else from gemv_configs.default.
 """
 
@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ftserve import envs
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.moe_down_gemv_triton import NormNext, moe_down_gemv, norm_parts
 from ftserve_kernels.moe_read_through import (
     ReadThrough,
@@ -78,7 +78,7 @@ def _gemv_gate_up_kernel(
     # 1/rms is summed before the K loop (its load beside the ids', which the
     # weights wait for anyway): with the parts held across the loop, ptxas
     # issued up's tile only after gate's had arrived, two memory round trips a
-    # step (H200 batch-1 replay, 2026-12-02: gate/up 15.85 -> 14.68 us a layer).
+    # step.
     pdl.enter(PDL)  # the ids / activations come from the kernel before
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair)
@@ -141,56 +141,6 @@ def _gemv_gate_up_kernel(
              mask=nmask)
 
 
-@triton.jit
-def _gemv_gate_up_acc_kernel(
-    x_ptr, w_ptr, out_ptr, ids_ptr, map_ptr, H, INTER,
-    stride_xt, stride_we, stride_wn, stride_ot,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_MAP: tl.constexpr, K_STEPS: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pdl.enter(PDL)  # the ids / activations come from the kernel before
-    # As _gemv_gate_up_kernel, but BLOCK_K = 256 (one warp's width of bf16, so warps
-    # split the rows) with [N, BK] fp32 accumulators summed once after an unrolled
-    # K loop: the loop is loads and FMAs only (no cross-warp sum, no barrier per
-    # step), so the compiler can issue the steps' loads ahead. x is read as an
-    # [N, BK] tile (one K chunk down the rows, L1 hits) so it needs no layout change.
-    pair = tl.program_id(0)
-    e = tl.load(ids_ptr + pair)
-    if HAS_MAP:  # expert -> row of w (an expert-slot cache)
-        e = tl.load(map_ptr + e)
-    e = e.to(tl.int64)
-    tok = (pair // TOP_K).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < INTER
-    offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = w_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [N, BK]
-    u_off = INTER * stride_wn
-    kk0 = offs_k[None, :] + tl.zeros([BLOCK_N, 1], tl.int32)  # [N, BK]: one chunk per row
-    x_ptrs = x_ptr + tok * stride_xt + kk0
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for step in tl.static_range(K_STEPS):
-        k0 = step * BLOCK_K
-        if EVEN_K:
-            xv = tl.load(x_ptrs + k0).to(tl.float32)
-            g = tl.load(g_ptrs + k0, mask=nmask[:, None], other=0.0)
-            u = tl.load(g_ptrs + k0 + u_off, mask=nmask[:, None], other=0.0)
-        else:
-            kmask = kk0 < H - k0
-            xv = tl.load(x_ptrs + k0, mask=kmask, other=0.0).to(tl.float32)
-            m2 = nmask[:, None] & kmask
-            g = tl.load(g_ptrs + k0, mask=m2, other=0.0)
-            u = tl.load(g_ptrs + k0 + u_off, mask=m2, other=0.0)
-        acc_g += g.to(tl.float32) * xv
-        acc_u += u.to(tl.float32) * xv
-    sg = tl.sum(acc_g, 1)  # [N]
-    su = tl.sum(acc_u, 1)
-    h = sg / (1.0 + tl.exp(-sg)) * su  # SiLU(gate) * up, [N]
-    tl.store(out_ptr + pair.to(tl.int64) * stride_ot + offs_n, h.to(out_ptr.dtype.element_ty),
-             mask=nmask)
-
-
 def fused_moe_gemv_triton(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2I, H]
@@ -199,17 +149,15 @@ def fused_moe_gemv_triton(
     topk_ids: torch.Tensor,  # [T, k] int32
     expert_map: torch.Tensor | None = None,  # [E] int32: expert -> row of w13/w2
     block_n: tuple[int, int] | None = None,  # (gate_up, down) output columns per program
-    down3d: bool | None = None,  # default: on unless FTSERVE_MOE_DOWN3D=0
-    gate_up_acc: bool | None = None,  # default: on only with FTSERVE_MOE_GATEUP_ACC=1
     configs: tuple[gc.GemvConfig, gc.GemvConfig] | None = None,  # (gate_up, down): wins over block_n
     read_through: ReadThrough | None = None,  # misses read from the host bank (needs expert_map)
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     """Launch parameters of each kernel: ``configs``, else ``block_n`` over the
-    defaults, else the device table's entry (gemv_configs), else the default.
-    ``read_through`` runs the default kernels (gate/up, 3-D down), the ones that have it."""
+    defaults, else the device table's entry (gemv_configs), else the default."""
     out = torch.empty_like(x)  # [T, H]
-    _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, out, expert_map, block_n, down3d, gate_up_acc,
-                    configs, read_through)
+    _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, out, expert_map, block_n, configs, read_through,
+                    kernels)
     return out
 
 
@@ -222,9 +170,10 @@ def fused_moe_add_norm_gemv_triton(
     norm_next: NormNext,
     configs: tuple[gc.GemvConfig, gc.GemvConfig] | None = None,  # (gate_up, down)
     route: RouteParts | None = None,  # x is pending: gate/up applies it and writes topk_weights
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """fused_moe_gemv_triton with the next layer's input norm folded into the
-    3-D down kernel's epilogue (``_add_then_norm_last``)
+    down kernel's epilogue (``_add_then_norm_last``)
     -> (rms_norm(out + residual) [T, H], out + residual [T, H], None), as
     ops.fused_add_rms_norm of the MoE output rounds them. With
     ``norm_next.deferred`` the norm is left pending: (weight * (out + residual),
@@ -233,10 +182,10 @@ def fused_moe_add_norm_gemv_triton(
     parts = None
     if norm_next.deferred:
         if configs is None:
-            configs = _configs(x, w13, topk_ids, None, None, envs.moe_gateup_acc(), True)
+            configs = _configs(x, w13, topk_ids, None, None, kernels)
         p = norm_parts(x.shape[1], configs[1])
         parts = torch.empty((x.shape[0], p), dtype=torch.float32, device=x.device)
-    _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, normed, None, None, True, None, configs, None,
+    _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, normed, None, None, configs, None, kernels,
                     norm_next, summed, parts, route)
     return normed, summed, parts
 
@@ -244,9 +193,9 @@ def fused_moe_add_norm_gemv_triton(
 def _fused_moe_gemv(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, out: torch.Tensor, expert_map: torch.Tensor | None,
-    block_n: tuple[int, int] | None, down3d: bool | None, gate_up_acc: bool | None,
+    block_n: tuple[int, int] | None,
     configs: tuple[gc.GemvConfig, gc.GemvConfig] | None, read_through: ReadThrough | None,
-    norm_next: NormNext | None = None, summed: torch.Tensor | None = None,
+    kernels: KernelConfig, norm_next: NormNext | None = None, summed: torch.Tensor | None = None,
     parts: torch.Tensor | None = None, route: RouteParts | None = None,
 ) -> None:
     """Both launches into ``out`` (with ``norm_next``: the normed rows, and the
@@ -261,44 +210,38 @@ def _fused_moe_gemv(
     weights = topk_weights.reshape(-1)  # [N]
     if route is not None:  # gate/up writes them
         assert weights.dtype == torch.float32 and weights.data_ptr() == topk_weights.data_ptr()
-        assert not gate_up_acc and expert_map is None and read_through is None and t == 1
-        gate_up_acc = False
+        assert expert_map is None and read_through is None and t == 1
     if weights.dtype != torch.float32 or weights.stride(0) != 1:
         weights = weights.float().contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)  # [N, I]
-    if gate_up_acc is None:
-        gate_up_acc = envs.moe_gateup_acc()
-    if down3d is None:
-        down3d = envs.moe_down3d()
-    if read_through is not None:
-        assert expert_map is not None, "read-through resolves misses by slot"
-        gate_up_acc, down3d = False, True
+    assert read_through is None or expert_map is not None, "read-through resolves misses by slot"
     if configs is None:
-        configs = _configs(x, w13, topk_ids, expert_map, block_n, gate_up_acc, down3d)
-    moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, gate_up_acc, read_through,
-                     route, weights if route is not None else None)
+        configs = _configs(x, w13, topk_ids, expert_map, block_n, kernels)
+    moe_gate_up_gemv(x, w13, act, ids, k, configs[0], expert_map, read_through,
+                     route, weights if route is not None else None, kernels=kernels)
     outs = None
     if norm_next is not None and summed is not None:
         outs = (out, summed) if parts is None else (out, summed, parts)
-    moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, down3d, read_through, norm_next, outs)
+    moe_down_gemv(act, w2, out, weights, ids, k, configs[1], expert_map, read_through, norm_next, outs,
+                  kernels=kernels)
 
 
 def _configs(
     x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
-    block_n: tuple[int, int] | None, gate_up_acc: bool, down3d: bool,
+    block_n: tuple[int, int] | None, kernels: KernelConfig,
 ) -> tuple[gc.GemvConfig, gc.GemvConfig]:
     """(gate/up, down) launch parameters: ``block_n`` over the defaults, else
     this device's table entry, else the defaults."""
     t, h = x.shape
     inter, k = w13.shape[1] // 2, topk_ids.shape[1]
-    kinds = ("moe_gate_up_acc" if gate_up_acc else "moe_gate_up", "moe_down" if down3d else "moe_down2d")
+    kinds = ("moe_gate_up", "moe_down")
     cuda = x.is_cuda
     if block_n is not None:
         cfgs = [dataclasses.replace(gc.default(kind, cuda), block_n=bn) for kind, bn in zip(kinds, block_n)]
     else:
         # The model's expert count, not the rows of w13 (an expert-slot cache holds fewer).
         e = expert_map.shape[0] if expert_map is not None else w13.shape[0]
-        cfgs = [gc.pick(gc.moe_key(kind, e, h, inter, k), t, x.device) or gc.default(kind, cuda)
+        cfgs = [gc.pick(gc.moe_key(kind, e, h, inter, k), t, x.device, kernels) or gc.default(kind, cuda)
                 for kind in kinds]
     return cfgs[0], cfgs[1]
 
@@ -311,12 +254,12 @@ def moe_gate_up_gemv(
     top_k: int,
     cfg: gc.GemvConfig,
     expert_map: torch.Tensor | None = None,
-    acc: bool = False,  # _gemv_gate_up_acc_kernel instead of _gemv_gate_up_kernel
-    read_through: ReadThrough | None = None,  # _gemv_gate_up_kernel only
-    route: RouteParts | None = None,  # _gemv_gate_up_kernel only, one row: x is pending
+    read_through: ReadThrough | None = None,
+    route: RouteParts | None = None,  # one row: x is pending
     weights_out: torch.Tensor | None = None,  # [k] fp32, with route: the experts' weights
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> None:
-    """The gate/up kernel alone (tools/tune_gemv times it on its own)."""
+    """The gate/up kernel alone (tools/tune/gemv times it on its own)."""
     h = x.shape[1]
     inter = act.shape[1]
     pairs = ids.shape[0]
@@ -325,20 +268,16 @@ def moe_gate_up_gemv(
     grid = (pairs, triton.cdiv(inter, cfg.block_n))
     # Default (gemv_configs.default): narrow column blocks, enough programs for every
     # SM at batch 1 (8 pairs x 48 blocks); wide K steps keep 32 KB per program in flight.
-    kernel = _gemv_gate_up_acc_kernel if acc else _gemv_gate_up_kernel
-    extra: dict[str, object] = dict(K_STEPS=triton.cdiv(h, cfg.block_k)) if acc else {}
-    if not acc:
-        args += _read_through_args(read_through, ids, w13, "w13_col")
-        extra.update(_read_through_consts(read_through))
-        if route is not None:
-            assert weights_out is not None and route.parts.shape[0] == 1 and pairs == top_k
-            p = route.parts.shape[1]
-            extra.update(parts_ptr=route.parts, P=p, eps=route.eps, sel_ptr=route.pre_sel,
-                         wout_ptr=weights_out, HAS_PARTS=True, BLOCK_P=triton.next_power_of_2(p),
-                         BLOCK_TK=triton.next_power_of_2(top_k))
-    else:
-        assert read_through is None and route is None, "the accumulate-style kernel has neither"
-    on = pdl.active(x)
-    kernel[grid](*args, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                 EVEN_K=h % cfg.block_k == 0, HAS_MAP=expert_map is not None,
-                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **extra, **pdl.launch(on))
+    extra: dict[str, object] = _read_through_consts(read_through)
+    args += _read_through_args(read_through, ids, w13, "w13_col")
+    if route is not None:
+        assert weights_out is not None and route.parts.shape[0] == 1 and pairs == top_k
+        p = route.parts.shape[1]
+        extra.update(parts_ptr=route.parts, P=p, eps=route.eps, sel_ptr=route.pre_sel,
+                     wout_ptr=weights_out, HAS_PARTS=True, BLOCK_P=triton.next_power_of_2(p),
+                     BLOCK_TK=triton.next_power_of_2(top_k))
+    on = pdl.active(x, kernels)
+    _gemv_gate_up_kernel[grid](*args, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                               EVEN_K=h % cfg.block_k == 0, HAS_MAP=expert_map is not None,
+                               num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=on, **extra,
+                               **pdl.launch(on))

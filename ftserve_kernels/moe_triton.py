@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ftserve_kernels.attention_triton import interpreting, mma
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.moe_align_triton import moe_align
 from ftserve_kernels.moe_configs import MoeConfig
 from ftserve_kernels.moe_gemv_triton import GEMV_MAX_TOKENS, fused_moe_gemv_triton
@@ -194,11 +195,12 @@ def fused_moe_triton(
     cfg: MoeConfig | None = None,
     expert_map: torch.Tensor | None = None,  # [E] int32: expert -> row of w13/w2 (slot cache)
     gemv: bool | None = None,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     """Grouped-GEMM MoE; ``gemv`` (default: no ``cfg`` and T <= GEMV_MAX_TOKENS)
     takes the two-kernel GEMV path of moe_gemv_triton instead."""
     if gemv or (gemv is None and cfg is None and x.shape[0] <= GEMV_MAX_TOKENS):
-        return fused_moe_gemv_triton(x, w13, w2, topk_weights, topk_ids, expert_map)
+        return fused_moe_gemv_triton(x, w13, w2, topk_weights, topk_ids, expert_map, kernels=kernels)
     t, h = x.shape
     two_i = w13.shape[1]
     # With a map, ids index the map (E entries) and the map indexes the weight rows.
@@ -209,7 +211,7 @@ def fused_moe_triton(
     if t == 0:
         return torch.empty_like(x)
     assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1
-    cfg = cfg or MoeConfig.pick(n, e, x.device, hidden=h, inter=inter, top_k=k)
+    cfg = cfg or MoeConfig.pick(n, e, x.device, hidden=h, inter=inter, top_k=k, kernels=kernels)
     align = moe_align(topk_ids, e, cfg.block_m, cfg.align_chunk)
     weights = topk_weights.reshape(-1)  # [N]
     if weights.dtype != torch.float32 or weights.stride(0) != 1:
@@ -231,7 +233,7 @@ def moe_gate_up(
     expert_map: torch.Tensor | None = None,
 ) -> None:
     """act[pair] = SiLU(gate) * up of the pair's token through its expert.
-    One launch; tools/tune_moe.py times it alone."""
+    One launch; tools/tune/moe.py times it alone."""
     sorted_ids, block_expert, total = align
     h = x.shape[1]
     inter = w13.shape[1] // 2

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ftserve_kernels import pdl
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 
 _TILE_ELEMS = 8192  # elements per program: 16 KB of bf16 per tensor, 32 per thread at 8 warps
 
@@ -59,7 +60,7 @@ def norm_launch_params(h: int) -> tuple[int, int, int]:
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, kernels: KernelConfig,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     h = x.shape[-1]
     x2 = x.reshape(-1, h)  # [T, H]
@@ -71,7 +72,7 @@ def _launch(
     s2 = summed if summed is not None else out
     if t:
         block_h, block_r, warps = norm_launch_params(h)
-        on = pdl.active(x2)
+        on = pdl.active(x2, kernels)
         _rms_norm_kernel[(triton.cdiv(t, block_r),)](
             x2, r2, w, out, s2, t, h, eps,
             x2.stride(0), r2.stride(0), out.stride(0), s2.stride(0),
@@ -82,15 +83,17 @@ def _launch(
     return out.view(shape), (summed.view(shape) if summed is not None else None)
 
 
-def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, w: torch.Tensor, eps: float,
+                    kernels: KernelConfig = DEFAULT_KERNELS) -> torch.Tensor:
     """x [T, H] (or [..., H]), w [H] -> [T, H]."""
-    return _launch(x, None, w, eps)[0]
+    return _launch(x, None, w, eps, kernels)[0]
 
 
 def fused_add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual), like fused_add_rms_norm_ref."""
-    out, summed = _launch(x, residual, w, eps)
+    out, summed = _launch(x, residual, w, eps, kernels)
     assert summed is not None
     return out, summed

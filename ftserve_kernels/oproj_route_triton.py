@@ -40,6 +40,7 @@ import triton.language as tl
 
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,7 @@ def oproj_route_triton(
     top_k: int,
     counter: torch.Tensor,  # [1] int32, zero; left zero
     block_e: int = 2,  # router rows a program
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> OprojRoute:
     """-> OprojRoute. The o_proj rows launch as gemv_triton launches o_proj
     (this device's table entry for the shape, else the default)."""
@@ -200,8 +202,8 @@ def oproj_route_triton(
     assert a.stride(-1) == 1 and o_w.stride(-1) == 1 and residual.stride(-1) == 1 and norm_w.is_contiguous()
     assert folded.r_o.shape == (e, k) and folded.r_r.shape == (e, h) and counter.dtype == torch.int32
     assert (o_b is None) == (folded.r_b is None), "folded with o_proj's bias iff it has one"
-    config = gc.pick(gc.dense_key(False, h, k), 1, a.device) or gc.default("dense", a.is_cuda, h, 1)
-    on = pdl.active(a)
+    config = gc.pick(gc.dense_key(h, k), 1, a.device, kernels) or gc.default("dense", a.is_cuda, h, 1)
+    on = pdl.active(a, kernels)
     bn, bk = config.block_n, min(config.block_k, triton.next_power_of_2(k))
     pe = triton.cdiv(e, block_e)
     pn = triton.cdiv(h, bn)

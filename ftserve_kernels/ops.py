@@ -1,8 +1,10 @@
-"""One place that picks a kernel: Triton on CUDA tensors (or under
-TRITON_INTERPRET=1 when FTSERVE_KERNELS=triton), the torch reference otherwise.
+"""One place that picks a kernel: the Triton kernel or the torch reference
+twin, as the KernelConfig each function takes first says (config.py: by
+default Triton on CUDA tensors, the twins elsewhere; the interpreter runs
+Triton on the CPU under TRITON_INTERPRET=1 with backend "triton").
 
 Model layers call these functions and never import a backend directly.
-Signatures (all shapes are packed tokens, see ForwardBatch):
+Signatures, the KernelConfig left out (all shapes are packed tokens, see ForwardBatch):
 
     rms_norm(x [T, H], w [H], eps) -> [T, H]
     fused_add_rms_norm(x [T, H], residual [T, H], w [H], eps) -> (normed, x + residual)
@@ -11,7 +13,7 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
     qk_norm_rotary(q [T, Hq, D], k [T, Hkv, D], q_w [D], k_w [D], eps, positions, cos_sin,
                    kv_store=None) -> (q, k): per-head RMSNorm of q and k, then rotary
         (Qwen3), one kernel on Triton; kv_store = (k_cache, v_cache, v, out_cache_loc)
-        also stores k and v into their pages in that launch (FTSERVE_FUSED_KV_STORE)
+        also stores k and v into their pages in that launch
     route_topk(router_logits [T, E], top_k, renormalize) -> (weights [T, k] fp32, ids [T, k] int32)
     fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], ids [T, k]) -> [T, H]
         (w13 rows [0, I) are the gate, [I, 2I) the up projection; SiLU(gate) * up)
@@ -22,16 +24,16 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
         for decode-sized T (decode_fused_triton), the composition otherwise
     fused_moe_add_rms_norm(x, w13, w2, weights, ids, residual [T, H], norm_w [H], eps, counter)
         -> fused_add_rms_norm(fused_moe(...), residual, norm_w, eps): the next layer's input
-        norm in the MoE down launch's epilogue where ``moe_folds_next_norm(x)`` (Triton GEMV
-        sizes, FTSERVE_DECODE_DOWN_NORM), the composition otherwise
+        norm in the MoE down launch's epilogue where ``moe_folds_next_norm(kernels, x)`` (Triton GEMV
+        sizes), the composition otherwise
     linear(x [T, K], w [N, K], b [N] | None) -> [T, N]: F.linear, or the Triton GEMV
-        for T <= 4 when FTSERVE_DENSE_GEMV is 1 or "linear" (gemv_triton)
+        for T <= 4 on Triton (gemv_triton)
     add_rms_norm_linear(x [T, H], residual [T, H] | None, norm_w [H], eps, w [N, H], b | None)
-        -> (linear(norm(x + residual)) [T, N], x + residual (x when residual is None)):
-        one launch with FTSERVE_DENSE_GEMV 1 or "norm" at T <= 4 on Triton; ``prenormed``:
-        x is already the normed sum (the layer before folded the norm): ``linear(x, w, b)``
-    linear_fp32(x [T, K], w [N, K]) -> [T, N] fp32: F.linear(x, w).float(), or one
-        cuBLAS mm writing fp32 (torch.mm out_dtype) on CUDA when FTSERVE_LM_HEAD_FP32=1
+        -> (linear(norm(x + residual)) [T, N], x + residual (x when residual is None));
+        ``prenormed``: x is already the normed sum (the layer before folded the norm):
+        ``linear(x, w, b)``; a PendingNorm: the GEMV applies it
+    linear_fp32(x [T, K], w [N, K]) -> [T, N] fp32: the lm_head; F.linear(x, w).float(),
+        or for one row on Triton the GEMV writing fp32 itself
     decode_inputs(packed [B, 7] int64, last [S] int64, page_table [R, P] int32,
                   embed [V, H] | None, flag, norm: InputNorm | None, staged=None) -> DecodeInputs: a
         decode graph's unpacked inputs, page-table rows, embeddings and (with
@@ -39,11 +41,13 @@ Signatures (all shapes are packed tokens, see ForwardBatch):
         rows are read from a pinned pair (bookkeeping.StagedRows) instead of ``packed``
     embed_rms_norm(ids [T], embed [V, H], norm: InputNorm) -> (rows [T, H], normed [T, H]):
         the same row work for an eager decode step
+    gated_delta(t) -> the Gated DeltaNet entry points (conv_prefill, conv_decode,
+        gated_delta_prefill, gated_delta_decode; signatures in gated_delta.py) for
+        tensors like t: gated_delta_triton's kernels or the torch reference module
 
-Backends are imported once into a table (``_table``); the environment is read
-per call so tests can switch it. FTSERVE_DECODE_FUSION=0 turns the decode-sized
-norm + route fusion off (the composition runs instead); FTSERVE_DENSE_GEMV=1
-turns the dense Triton GEMV on (off by default until the H200 numbers say so).
+Backends are imported once into a table per KernelConfig (``_triton_table``:
+the Triton wrappers bound to it), picked per call by the config and the
+tensor's device (``_table``).
 """
 
 from __future__ import annotations
@@ -56,10 +60,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ftserve import envs
-from ftserve_kernels import fp8_ops, pdl
+from ftserve_kernels import fp8_ops
 from ftserve_kernels import moe as moe_ref
 from ftserve_kernels import norm_rope as nr_ref
+from ftserve_kernels.config import KernelConfig
 from ftserve_kernels.fp8_quant import Fp8Weight
 
 
@@ -77,7 +81,7 @@ class _Kernels:
     # (x, w13, w2, weights, ids, NormNext) -> (normed, summed), up to moe_gemv_tokens rows; None: compose
     moe_add_norm: Callable[..., Any] | None = None
     moe_gemv_tokens: int = 0
-    # (x, w, bias, norm_w, residual, eps) -> (y, summed | None); None: F.linear
+    # (x, w, bias, eps, ..., parts=) -> y; None: F.linear
     gemv: Callable[..., Any] | None = None
     gemv_max_rows: int = 0
 
@@ -91,8 +95,9 @@ _REF = _Kernels(
 
 
 @functools.cache
-def _triton_table() -> _Kernels:
-    """The Triton kernels, imported once; the reference table if Triton is missing."""
+def _triton_table(kernels: KernelConfig) -> _Kernels:
+    """The Triton kernels, imported once and bound to ``kernels`` (their launch
+    choices); the reference table if Triton is missing."""
     try:
         from ftserve_kernels import decode_fused_triton as df
         from ftserve_kernels import gemv_triton as gv
@@ -102,71 +107,59 @@ def _triton_table() -> _Kernels:
         from ftserve_kernels import rope_triton as rt
     except ImportError:
         return _REF
+    bind = functools.partial(functools.partial, kernels=kernels)
     return _Kernels(
-        rms_norm=nt.rms_norm_triton, fused_add_rms_norm=nt.fused_add_rms_norm_triton,
-        rotary=rt.rotary_triton, qk_norm_rotary=rt.qk_norm_rotary_triton,
-        route_topk=mt.route_topk_triton, fused_moe=mt.fused_moe_triton,
-        add_norm_route=df.add_norm_route_triton, fused_max_tokens=df.FUSED_MAX_TOKENS,
-        moe_add_norm=mg.fused_moe_add_norm_gemv_triton, moe_gemv_tokens=mg.GEMV_MAX_TOKENS,
-        gemv=gv.gemv_triton, gemv_max_rows=gv.GEMV_MAX_ROWS,
+        rms_norm=bind(nt.rms_norm_triton), fused_add_rms_norm=bind(nt.fused_add_rms_norm_triton),
+        rotary=rt.rotary_triton, qk_norm_rotary=bind(rt.qk_norm_rotary_triton),
+        route_topk=mt.route_topk_triton, fused_moe=bind(mt.fused_moe_triton),
+        add_norm_route=bind(df.add_norm_route_triton), fused_max_tokens=df.FUSED_MAX_TOKENS,
+        moe_add_norm=bind(mg.fused_moe_add_norm_gemv_triton), moe_gemv_tokens=mg.GEMV_MAX_TOKENS,
+        gemv=bind(gv.gemv_triton), gemv_max_rows=gv.GEMV_MAX_ROWS,
     )
 
 
-def _table(t: torch.Tensor) -> _Kernels:
-    choice = envs.kernels()
-    if choice == "torch":
-        return _REF
-    if choice == "triton" or t.is_cuda:
-        return _triton_table()
-    return _REF
+def _table(kernels: KernelConfig, t: torch.Tensor) -> _Kernels:
+    return _triton_table(kernels) if kernels.triton(t) else _REF
 
 
-def uses_triton(t: torch.Tensor) -> bool:
-    """Whether ops on ``t`` run the Triton kernels (CUDA, or FTSERVE_KERNELS=triton)."""
-    return _table(t) is not _REF
+def uses_triton(kernels: KernelConfig, t: torch.Tensor) -> bool:
+    """Whether ops on ``t`` run the Triton kernels."""
+    return _table(kernels, t) is not _REF
 
 
-def decode_fusion_enabled() -> bool:
-    return envs.decode_fusion()
-
-
-def dense_gemv_enabled(kind: str) -> bool:
-    """FTSERVE_DENSE_GEMV: 0 off; 1 both uses; "linear" (default) only plain
-    linears (o_proj); "norm" only the norm-prologue GEMV (qkv_proj)."""
-    return envs.dense_gemv() in ("1", kind)
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return _table(x).rms_norm(x, w, eps)
+def rms_norm(kernels: KernelConfig, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return _table(kernels, x).rms_norm(x, w, eps)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+    kernels: KernelConfig, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _table(x).fused_add_rms_norm(x, residual, w, eps)
+    return _table(kernels, x).fused_add_rms_norm(x, residual, w, eps)
 
 
 def rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    kernels: KernelConfig, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+    cos_sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _table(q).rotary(q, k, positions, cos_sin)
+    return _table(kernels, q).rotary(q, k, positions, cos_sin)
 
 
 def qk_norm_rotary(
-    q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
-    positions: torch.Tensor, cos_sin: torch.Tensor,
+    kernels: KernelConfig, q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor,
+    eps: float, positions: torch.Tensor, cos_sin: torch.Tensor,
     kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _table(q).qk_norm_rotary(q, k, q_w, k_w, eps, positions, cos_sin, kv_store)
+    return _table(kernels, q).qk_norm_rotary(q, k, q_w, k_w, eps, positions, cos_sin, kv_store)
 
 
 def route_topk(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    kernels: KernelConfig, router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _table(router_logits).route_topk(router_logits, top_k, renormalize)
+    return _table(kernels, router_logits).route_topk(router_logits, top_k, renormalize)
 
 
 def fused_moe(
+    kernels: KernelConfig,
     x: torch.Tensor,
     w13: torch.Tensor | Fp8Weight,
     w2: torch.Tensor | Fp8Weight,
@@ -175,17 +168,17 @@ def fused_moe(
 ) -> torch.Tensor:
     if isinstance(w13, Fp8Weight):  # an fp8 checkpoint's experts (fp8_ops)
         assert isinstance(w2, Fp8Weight)
-        return fp8_ops.fused_moe(x, w13, w2, topk_weights, topk_ids, uses_triton(x), pdl_mode=pdl.active(x))
+        return fp8_ops.fused_moe(kernels, x, w13, w2, topk_weights, topk_ids)
     assert isinstance(w2, torch.Tensor)
-    return _table(x).fused_moe(x, w13, w2, topk_weights, topk_ids)
+    return _table(kernels, x).fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
 def add_rms_norm_route(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
-    gate_w: torch.Tensor, top_k: int, renormalize: bool, counter: torch.Tensor,
+    kernels: KernelConfig, x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor,
+    eps: float, gate_w: torch.Tensor, top_k: int, renormalize: bool, counter: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    k = _table(x)
-    if k.add_norm_route is not None and x.shape[0] <= k.fused_max_tokens and decode_fusion_enabled():
+    k = _table(kernels, x)
+    if k.add_norm_route is not None and x.shape[0] <= k.fused_max_tokens:
         return k.add_norm_route(x, residual, norm_w, eps, gate_w, top_k, renormalize, counter)
     # The composition (the reference twin of the fused kernel).
     if residual is None:
@@ -196,12 +189,12 @@ def add_rms_norm_route(
     return normed, summed, weights, ids
 
 
-def moe_folds_next_norm(x: torch.Tensor) -> bool:
+def moe_folds_next_norm(kernels: KernelConfig, x: torch.Tensor) -> bool:
     """Whether fused_moe_add_rms_norm runs as one kernel pair at x's size (the
     decoder folds the next layer's norm into the MoE only then: elsewhere the
     norm stays where it was, after the logits rows are picked)."""
-    k = _table(x)
-    return k.moe_add_norm is not None and x.shape[0] <= k.moe_gemv_tokens and envs.decode_down_norm()
+    k = _table(kernels, x)
+    return k.moe_add_norm is not None and x.shape[0] <= k.moe_gemv_tokens
 
 
 @dataclass(frozen=True)
@@ -215,72 +208,71 @@ class PendingNorm:
     parts: torch.Tensor
 
 
-def moe_defers_next_norm(x: torch.Tensor) -> bool:
+def moe_defers_next_norm(kernels: KernelConfig, x: torch.Tensor) -> bool:
     """Whether fused_moe_add_rms_norm(defer=True) leaves the norm pending at x's
     size: the down kernel folds it and the GEMV that applies it runs there."""
-    return moe_folds_next_norm(x) and envs.decode_defer_norm() and _gemv_for(x, "linear") is not None
+    return moe_folds_next_norm(kernels, x) and _gemv_for(kernels, x) is not None
 
 
 def fused_moe_add_rms_norm(
-    x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight, topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
-    counter: torch.Tensor, defer: bool = False,
+    kernels: KernelConfig, x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
+    eps: float, counter: torch.Tensor, defer: bool = False,
 ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
     """-> (the normed rows, or with ``defer`` where moe_defers_next_norm(x) a
     PendingNorm of them; the sum MoE(x) + residual)."""
-    k = _table(x)
+    k = _table(kernels, x)
     if isinstance(w13, Fp8Weight):  # an fp8 checkpoint's experts: their GEMV pair folds it alike
         assert isinstance(w2, Fp8Weight)
-        if moe_folds_next_norm(x):
+        if moe_folds_next_norm(kernels, x):
             from ftserve_kernels.moe_down_gemv_triton import NormNext
 
-            pending = defer and moe_defers_next_norm(x)
+            pending = defer and moe_defers_next_norm(kernels, x)
             nn = NormNext(residual.contiguous(), norm_w, eps, counter, deferred=pending)
-            first, summed, parts = fp8_ops.fused_moe_add_norm(x, w13, w2, topk_weights, topk_ids, nn,
-                                                              pdl.active(x))
+            first, summed, parts = fp8_ops.fused_moe_add_norm(kernels, x, w13, w2, topk_weights, topk_ids, nn)
             return (first if parts is None else PendingNorm(first, parts)), summed
-        return k.fused_add_rms_norm(fused_moe(x, w13, w2, topk_weights, topk_ids), residual, norm_w, eps)
-    if moe_folds_next_norm(x) and k.moe_add_norm is not None:
+        return k.fused_add_rms_norm(fused_moe(kernels, x, w13, w2, topk_weights, topk_ids), residual, norm_w, eps)
+    assert isinstance(w2, torch.Tensor)
+    if moe_folds_next_norm(kernels, x) and k.moe_add_norm is not None:
         from ftserve_kernels.moe_down_gemv_triton import NormNext
 
-        pending = defer and moe_defers_next_norm(x)
+        pending = defer and moe_defers_next_norm(kernels, x)
         nn = NormNext(residual.contiguous(), norm_w, eps, counter, deferred=pending)
         first, summed, parts = k.moe_add_norm(x, w13, w2, topk_weights, topk_ids, nn)
         return (first if parts is None else PendingNorm(first, parts)), summed
     return k.fused_add_rms_norm(k.fused_moe(x, w13, w2, topk_weights, topk_ids), residual, norm_w, eps)
 
 
-def oproj_route_applies(a: torch.Tensor) -> bool:
+def oproj_route_applies(kernels: KernelConfig, a: torch.Tensor) -> bool:
     """Whether a MoE layer's o_proj may take its router at a's size (one decode
-    row on the Triton kernels, FTSERVE_DECODE_ROUTE_IN_OPROJ): the experts then
-    run as the GEMV pair that folds the next norm (moe_folds_next_norm)."""
-    return (envs.decode_route_in_oproj() and a.shape[0] == 1 and uses_triton(a)
-            and moe_folds_next_norm(a))
+    row on the Triton kernels): the experts then run as the GEMV pair that folds
+    the next norm (moe_folds_next_norm)."""
+    return a.shape[0] == 1 and uses_triton(kernels, a) and moe_folds_next_norm(kernels, a)
 
 
-def oproj_route(a: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None, residual: torch.Tensor,
-                norm_w: torch.Tensor, folded: Any, top_k: int, counter: torch.Tensor) -> Any:
+def oproj_route(kernels: KernelConfig, a: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
+                residual: torch.Tensor, norm_w: torch.Tensor, folded: Any, top_k: int,
+                counter: torch.Tensor) -> Any:
     """o_proj + the router's logits and top-k, the post-attention norm left
     pending (oproj_route_triton; where oproj_route_applies) -> OprojRoute."""
     from ftserve_kernels.oproj_route_triton import oproj_route_triton
 
-    return oproj_route_triton(a, o_w, o_b, residual, norm_w, folded, top_k, counter,
-                              block_e=envs.oproj_route_block_e())
+    return oproj_route_triton(a, o_w, o_b, residual, norm_w, folded, top_k, counter, kernels=kernels)
 
 
 def fused_moe_routed(
-    route: Any, route_eps: float, w13: torch.Tensor, w2: torch.Tensor, norm_w: torch.Tensor, eps: float,
-    counter: torch.Tensor, defer: bool = False,
+    kernels: KernelConfig, route: Any, route_eps: float, w13: torch.Tensor, w2: torch.Tensor,
+    norm_w: torch.Tensor, eps: float, counter: torch.Tensor, defer: bool = False,
 ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
     """fused_moe_add_rms_norm for a row oproj_route routed: the gate/up launch
     applies the pending post-attention norm and writes the experts' weights."""
     from ftserve_kernels.moe_down_gemv_triton import NormNext
     from ftserve_kernels.moe_gemv_triton import RouteParts
 
-    k = _table(route.scaled)
+    k = _table(kernels, route.scaled)
     assert k.moe_add_norm is not None, "oproj_route_applies said the GEMV pair runs"
     weights = torch.empty(route.ids.shape, dtype=torch.float32, device=route.ids.device)
-    pending = defer and moe_defers_next_norm(route.scaled)
+    pending = defer and moe_defers_next_norm(kernels, route.scaled)
     nn = NormNext(route.summed, norm_w, eps, counter, deferred=pending)
     first, summed, parts = k.moe_add_norm(route.scaled, w13, w2, weights, route.ids, nn,
                                           route=RouteParts(route.parts, route.pre_sel, route_eps))
@@ -288,8 +280,8 @@ def fused_moe_routed(
 
 
 def decode_inputs(
-    packed: torch.Tensor, last: torch.Tensor, page_table: torch.Tensor, embed: torch.Tensor | None,
-    flag: int, norm: Any = None, staged: Any = None,
+    kernels: KernelConfig, packed: torch.Tensor, last: torch.Tensor, page_table: torch.Tensor,
+    embed: torch.Tensor | None, flag: int, norm: Any = None, staged: Any = None,
 ) -> Any:
     """A decode graph's inputs from its packed rows, one launch on Triton
     (ftserve_kernels/decode_inputs.py) -> DecodeInputs; with ``norm`` (an
@@ -297,80 +289,87 @@ def decode_inputs(
     ``staged`` (a bookkeeping.StagedRows) the rows come from its pinned pair."""
     from ftserve_kernels import decode_inputs as di
 
-    if uses_triton(packed):
-        return di.decode_inputs_triton(packed, last, page_table, embed, flag, norm, staged=staged)
+    if uses_triton(kernels, packed):
+        return di.decode_inputs_triton(packed, last, page_table, embed, flag, norm, staged=staged,
+                                       kernels=kernels)
     return di.decode_inputs_ref(packed, last, page_table, embed, flag, norm, staged=staged)
 
 
-def embed_rms_norm(ids: torch.Tensor, embed: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def embed_rms_norm(
+    kernels: KernelConfig, ids: torch.Tensor, embed: torch.Tensor, norm: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(embedding rows [T, H], their first-layer input norm [T, H]): one launch on
     Triton, the same row work as decode_inputs' (so eager and graph decode agree)."""
     from ftserve_kernels import decode_inputs as di
 
-    if uses_triton(embed):
+    if uses_triton(kernels, embed):
         return di.embed_rms_norm_triton(ids, embed, norm)
     return di.embed_rms_norm_ref(ids, embed, norm)
 
 
-def _gemv_for(x: torch.Tensor, kind: str) -> Callable[..., Any] | None:
-    k = _table(x)
-    if k.gemv is not None and x.shape[0] <= k.gemv_max_rows and dense_gemv_enabled(kind):
+def gated_delta(kernels: KernelConfig, t: torch.Tensor) -> Any:
+    """The module whose four Gated DeltaNet functions run on tensors like ``t``."""
+    if uses_triton(kernels, t):
+        from ftserve_kernels import gated_delta_triton
+
+        return gated_delta_triton
+    from ftserve_kernels import gated_delta as gated_delta_ref
+
+    return gated_delta_ref
+
+
+def _gemv_for(kernels: KernelConfig, x: torch.Tensor) -> Callable[..., Any] | None:
+    k = _table(kernels, x)
+    if k.gemv is not None and x.shape[0] <= k.gemv_max_rows:
         return k.gemv
     return None
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight, b: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    kernels: KernelConfig, x: torch.Tensor, w: torch.Tensor | Fp8Weight, b: torch.Tensor | None
+) -> torch.Tensor:
     if isinstance(w, Fp8Weight):  # fp8 GEMV at decode sizes, w8a8 GEMM above (fp8_ops)
-        return fp8_ops.linear(x, w, b, uses_triton(x), pdl.active(x))
-    gemv = _gemv_for(x, "linear")
+        return fp8_ops.linear(kernels, x, w, b)
+    gemv = _gemv_for(kernels, x)
     if gemv is not None:
-        return gemv(x, w, b)[0]
+        return gemv(x, w, b)
     return F.linear(x, w, b)
 
 
 def add_rms_norm_linear(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
-    w: torch.Tensor | Fp8Weight, b: torch.Tensor | None, prenormed: bool | PendingNorm = False,
+    kernels: KernelConfig, x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor,
+    eps: float, w: torch.Tensor | Fp8Weight, b: torch.Tensor | None, prenormed: bool | PendingNorm = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(w, Fp8Weight):
-        return _add_rms_norm_fp8_linear(x, residual, norm_w, eps, w, b, prenormed)
+        return _add_rms_norm_fp8_linear(kernels, x, residual, norm_w, eps, w, b, prenormed)
     if isinstance(prenormed, PendingNorm):  # x is the sum s; the GEMV applies the norm
-        gemv = _gemv_for(x, "linear")
+        gemv = _gemv_for(kernels, x)
         assert gemv is not None and residual is not None, "moe_defers_next_norm said it would run"
-        return gemv(prenormed.scaled, w, b, None, None, eps, parts=prenormed.parts)[0], residual
+        return gemv(prenormed.scaled, w, b, eps, parts=prenormed.parts), residual
     if prenormed:  # x is already norm(x' + residual): a plain linear (ops.linear's kernel choice)
         assert residual is not None
-        return linear(x, w, b), residual
-    gemv = _gemv_for(x, "norm")
-    if gemv is not None:
-        y, summed = gemv(x, w, b, norm_w, residual, eps)
-        return y, (x if summed is None else summed)
+        return linear(kernels, x, w, b), residual
     if residual is None:
-        return F.linear(rms_norm(x, norm_w, eps), w, b), x
-    normed, summed = fused_add_rms_norm(x, residual, norm_w, eps)
+        return F.linear(rms_norm(kernels, x, norm_w, eps), w, b), x
+    normed, summed = fused_add_rms_norm(kernels, x, residual, norm_w, eps)
     return F.linear(normed, w, b), summed
 
 
 def _add_rms_norm_fp8_linear(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float, w: Fp8Weight,
-    b: torch.Tensor | None, prenormed: bool | PendingNorm,
+    kernels: KernelConfig, x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor,
+    eps: float, w: Fp8Weight, b: torch.Tensor | None, prenormed: bool | PendingNorm,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm_linear with an fp8 weight: the norm, then the fp8 linear."""
     if isinstance(prenormed, PendingNorm):  # x is the sum s; the GEMV applies the norm
         assert residual is not None
-        return fp8_ops.pending_linear(prenormed.scaled, prenormed.parts, eps, w, b, uses_triton(x),
-                                      pdl.active(x)), residual
+        return fp8_ops.pending_linear(kernels, prenormed.scaled, prenormed.parts, eps, w, b), residual
     if prenormed:
         assert residual is not None
-        return linear(x, w, b), residual
+        return linear(kernels, x, w, b), residual
     if residual is None:
-        return linear(rms_norm(x, norm_w, eps), w, b), x
-    normed, summed = fused_add_rms_norm(x, residual, norm_w, eps)
-    return linear(normed, w, b), summed
-
-
-# torch.mm(..., out_dtype=) (the aten mm.dtype overload) is missing from older torch.
-_MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
+        return linear(kernels, rms_norm(kernels, x, norm_w, eps), w, b), x
+    normed, summed = fused_add_rms_norm(kernels, x, residual, norm_w, eps)
+    return linear(kernels, normed, w, b), summed
 
 
 # The lm_head GEMV wins at one row only (H200 tune table, 151,936 x 2048: 137.5 us vs
@@ -378,18 +377,12 @@ _MM_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 LM_HEAD_GEMV_MAX_ROWS = 1
 
 
-def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The lm_head: logits in fp32. With FTSERVE_LM_HEAD_FP32=1 on CUDA the GEMM
-    writes fp32 itself (no separate cast launch; the products are accumulated in
-    fp32 either way, only the bf16 rounding of the output is skipped). Otherwise
-    a single row (batch-1 decode) runs the Triton GEMV unless
-    FTSERVE_LM_HEAD_GEMV=0 (its tuned table has the lm_head shape)."""
-    if (x.is_cuda and x.dtype != torch.float32 and envs.lm_head_fp32()
-            and _MM_OUT_DTYPE):
-        return torch.mm(x, w.t(), out_dtype=torch.float32)  # type: ignore[call-arg]
-    k = _table(x)
-    if k.gemv is not None and x.shape[0] <= LM_HEAD_GEMV_MAX_ROWS and envs.lm_head_gemv():
+def linear_fp32(kernels: KernelConfig, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The lm_head: logits in fp32. A single row (batch-1 decode) runs the
+    Triton GEMV (its tuned table has the lm_head shape)."""
+    k = _table(kernels, x)
+    if k.gemv is not None and x.shape[0] <= LM_HEAD_GEMV_MAX_ROWS:
         # fp32 logits straight from the kernel (rounded to x's dtype first, as
         # F.linear's output): no cast launch after the GEMV.
-        return k.gemv(x, w, None, out_dtype=torch.float32)[0]
+        return k.gemv(x, w, None, out_dtype=torch.float32)
     return F.linear(x, w).float()

@@ -9,26 +9,25 @@ depend on A (loading their weights) and wait in ``griddepcontrol.wait`` until A
 has completed and its writes are visible::
 
     A:  [wait | work ................ ]
-    B:          (scheduled) [own loads | wait ....| work ......... ]
+    B:          (scheduled as A's programs exit) [own loads | wait ....| work ... ]
 
 Every kernel compiled with ``PDL=True`` calls ``enter`` before its first read
 of anything an earlier kernel wrote, and before any write; a kernel launched
 without the attribute (cuBLAS, torch ops) waits for full completion as always,
-so the ordering of the stream is kept. ``enter`` also releases the next kernel
-right after the wait: its programs can only take SM room this kernel's last
-wave leaves (all of this kernel's programs are placed by then). Stream capture
-records the programmatic edges, so the decode CUDA graphs keep them. The
-step's first kernel (decode_inputs.py) is launched without the attribute and
-calls ``release`` at its start: the first GEMV's programs are placed and load
-their first weight tile while it reads the host row over PCIe.
+so the ordering of the stream is kept. No kernel releases its dependant early
+(``griddepcontrol.launch_dependents`` right after the wait): the dependant's
+programs would squat on SMs this kernel's later waves need (slower on the
+H200, BENCHMARKS.md); it is released as this kernel's programs exit. Stream
+capture records the programmatic edges, so the decode CUDA graphs keep them.
+The step's first kernel (decode_inputs.py) is the exception: launched without
+the attribute, it calls ``release`` at its start, so the first GEMV's programs
+are placed and load their first weight tile while it reads the host row over
+PCIe (its few programs leave the SMs free).
 
-On by default in mode 'wait' (FTSERVE_PDL, ftserve/envs.py: no early
-release; 1: release right after the wait; 0: off), and only on CUDA devices of
-compute capability 9.0 or newer; never under the Triton interpreter (inline
-PTX). On the H200 it was even or slower while the chain broke at a launch that
-did not take part, and slower when the dependants loaded all their weights (or
-their first KV tile) before the wait (those preloads were removed); with every
-batch-1 decode launch in the chain it saves ~20 us a step (envs.py).
+On where the kernel configuration says so (on by default) and only on CUDA
+devices of compute capability 9.0 or newer; never under the Triton
+interpreter (inline PTX). With every batch-1 decode launch in the chain it
+saves ~20 us a step on the H200 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -40,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ftserve import envs
 from ftserve_kernels.attention_common import interpreting
+from ftserve_kernels.config import KernelConfig
 
 try:  # Triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -61,19 +60,17 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off
 
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """Wait for the kernel before this one; in mode 1, then let the next one be
-    scheduled (mode 2: it is released as this kernel's programs exit)."""
+    """Wait for the kernel before this one (the next one is released as this
+    kernel's programs exit)."""
     if PDL:
         gdc_wait()
-        if PDL == 1:
-            gdc_launch_dependents()
 
 
 @triton.jit
 def release(ON: tl.constexpr):
-    """Let the next kernel be scheduled now, in either mode: for the first
-    kernel of a decode step (launched without the attribute, so it waits for
-    the step before as always), whose few programs leave the SMs free."""
+    """Let the next kernel be scheduled now: for the first kernel of a decode
+    step (launched without the attribute, so it waits for the step before as
+    always), whose few programs leave the SMs free."""
     if ON:
         gdc_launch_dependents()
 
@@ -90,12 +87,11 @@ def _can_link(t: torch.Tensor) -> bool:
     return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def active(t: torch.Tensor) -> int:
-    """The PDL constexpr for launches on ``t``'s device: 0 (off) or envs.pdl()'s mode."""
-    mode = envs.pdl()
-    return mode if mode and _can_link(t) else 0
+def active(t: torch.Tensor, kernels: KernelConfig) -> bool:
+    """The PDL constexpr for launches on ``t``'s device."""
+    return kernels.pdl and _can_link(t)
 
 
-def launch(on: int) -> dict[str, Any]:
+def launch(on: bool) -> dict[str, Any]:
     """The launch keyword for a kernel whose PDL constexpr is ``on``."""
     return {"launch_pdl": True} if on else {}

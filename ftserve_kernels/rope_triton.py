@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ftserve_kernels import pdl
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 
 
 @triton.jit
@@ -180,6 +181,7 @@ def qk_norm_rotary_triton(
     q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
     positions: torch.Tensor, cos_sin: torch.Tensor,
     kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k (Qwen3's q_norm / k_norm), then neox rotary, in one
     launch. q [T, Hq, D], k [T, Hkv, D] (views into the qkv projection are fine),
@@ -205,7 +207,7 @@ def qk_norm_rotary_triton(
         block_half = triton.next_power_of_2(half)
         block_r = max(16, 4096 // block_half)  # [R, half] tiles of 4k elements, two of them
         grid = (triton.cdiv(t * hq, block_r) + triton.cdiv(t * hk, block_r),)
-        on = pdl.active(q)
+        on = pdl.active(q, kernels)
         _qk_norm_rotary_kernel[grid](
             q, k, qo, ko, q_w, k_w, positions, cos_sin, t, eps,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1),

@@ -22,12 +22,10 @@ differs, and neither is sorted). filter_triton's cut is exact for any such
 choice: every token left out scores at most t, the lowest candidate, and a cut
 at t takes its ties in id order from a pass over the whole row.
 
-H200, n = 272 of 151,936 fp32 logits (`python -m tools.probe_select`,
-2026-12-02): 21.5 us at B = 1 against torch.topk's 54.4, 50.8 against 68.2 at
-B = 8, but 238 against 152 at B = 64 (the per-key histogram work grows with
-the batch while topk's does not), so filter_triton takes this up to
-RADIX_MAX_ROWS rows. 11-bit levels were 4-5x slower (tl.histogram's cost
-grows with its bins); counting bins by comparisons was slower still.
+It beats torch.topk at small batches and loses at large ones (the per-key
+histogram work grows with the batch while topk's does not), so filter_triton
+takes this up to RADIX_MAX_ROWS rows. Levels are 8 bits: tl.histogram's cost
+grows with its bins, and counting bins by comparisons is slower still.
 Fixed shapes, no host reads: capturable.
 """
 

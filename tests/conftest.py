@@ -15,8 +15,9 @@ if not torch.cuda.is_available():
 os.environ.setdefault("FTSERVE_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_ftserve_cache"))
 
 # The `live` (demo server, one per module) and `client` (openai) fixtures; a
-# module that needs another server defines its own `live`, which wins.
-pytest_plugins = ["tests.server_harness"]
+# module that needs another server defines its own `live`, which wins. The real
+# small model's fixtures (fetched once per run): tests/real_model.py.
+pytest_plugins = ["tests.server_harness", "tests.real_model"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

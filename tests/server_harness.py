@@ -19,11 +19,11 @@ import openai
 import pytest
 import uvloop
 
+from ftserve.api.serve import RunningServer, load_engine, start_http, warm_up
+from ftserve.api.state import ServerState
+from ftserve.api.workers import LaneExecutor
+from ftserve.chat.text import TextCodec
 from ftserve.config import EngineConfig, ServerConfig
-from ftserve.server.serve import RunningServer, load_engine, start_http, warm_up
-from ftserve.server.state import ServerState
-from ftserve.server.text import TextCodec
-from ftserve.server.workers import LaneExecutor
 from tests.engine_util import make_context_sensitive
 
 T = TypeVar("T")
@@ -76,18 +76,20 @@ class Live:
 
 
 def start_live(engine_cfg: EngineConfig = TEST_ENGINE,
-               server_cfg: ServerConfig = TEST_SERVER) -> Live:
+               server_cfg: ServerConfig = TEST_SERVER, *,
+               attention_gain: float | None = DEMO_ATTENTION_GAIN) -> Live:
+    """``attention_gain``: see below; None for real weights (tests/real_model.py)."""
     engine, text = load_engine(engine_cfg, server_cfg.chat_template)
     # Demo weights are dummy weights: without the attention gain the greedy token
     # depends on the last input token alone, and a wrong prefix-cache hit (or any
     # wrong KV) could not change what the server returns. CPU only: the gpu tests
     # keep the model as loaded (their kernels may hold weight copies made at load).
-    if engine_cfg.device == "cpu":
-        make_context_sensitive(engine.runner.model, DEMO_ATTENTION_GAIN)
+    if engine_cfg.device == "cpu" and attention_gain is not None:
+        make_context_sensitive(engine.runner.model, attention_gain)
     loop = uvloop.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="test-server-loop", daemon=True)
     thread.start()
-    state = ServerState(server_cfg, "ftserve-demo")
+    state = ServerState(server_cfg, server_cfg.served_model_name or "ftserve-demo")
 
     async def boot() -> RunningServer:
         # serve()'s worker threads, so tests see the lanes the server runs with.
@@ -137,7 +139,7 @@ def script_generations(monkeypatch: Any, pieces: list[str]) -> None:
     """Replace each generation's step texts with ``pieces`` in order (the rest on
     its last step): end-to-end tests of output parsing, which a random tiny model
     never writes. ``pieces`` is read when a generation starts, so a test may refill it."""
-    from ftserve.server.generation import Generation
+    from ftserve.api.generation import Generation
 
     real, left = Generation.next, {}
 

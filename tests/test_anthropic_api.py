@@ -1,5 +1,5 @@
 """The Anthropic Messages API (/v1/messages, /v1/messages/count_tokens;
-ftserve/server/anthropic_api.py) against real servers, read with the official
+ftserve/api/anthropic/messages.py) against real servers, read with the official
 ``anthropic`` client: the demo model (Mistral-style template: system prompt,
 tools; thinking blocks: test_anthropic_thinking.py). Engine steps are scripted
 where the output must be tool calls."""
@@ -144,8 +144,8 @@ OUTPUTS = [  # (output, the prompt opened reasoning, tools given)
 @pytest.mark.parametrize("output,think,tools", OUTPUTS)
 def test_stream_blocks_equal_whole_blocks_at_every_cut(output: str, think: bool,
                                                        tools: bool) -> None:
-    from ftserve.server.anthropic_api import StreamBlocks, whole_blocks
-    from ftserve.server.chat_output import ChatOutputFilter, split_whole
+    from ftserve.api.anthropic.messages import StreamBlocks, whole_blocks
+    from ftserve.chat.output import StreamSplit, split_whole
 
     fmt = "mistral" if tools else None
 
@@ -155,7 +155,7 @@ def test_stream_blocks_equal_whole_blocks_at_every_cut(output: str, think: bool,
     want = norm(whole_blocks(split_whole(output, fmt, True, None, think)))
     assert want  # every case has some block
     for cut in range(len(output) + 1):
-        filt, blocks = ChatOutputFilter(fmt, True, None, think), StreamBlocks()
+        filt, blocks = StreamSplit(fmt, True, None, think), StreamBlocks()
         events = [*blocks.push(*filt.push(output[:cut])), *blocks.push(*filt.push(output[cut:])),
                   *blocks.push(*filt.finish()), *blocks.finish()]
         assert norm(_assemble(events)) == want, cut
@@ -455,7 +455,7 @@ def test_stream_disconnect_aborts(live: Live) -> None:
 
 def test_ping_before_a_slow_step(live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step slower than the keep-alive interval: a ping event, after message_start."""
-    from ftserve.server.generation import Generation
+    from ftserve.api.generation import Generation
 
     real = Generation.next
     calls = {"n": 0}
@@ -481,7 +481,7 @@ def test_ping_before_a_slow_step(live: Live, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_engine_error_mid_stream_is_an_error_event(live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ftserve.server.generation import EngineRequestError, Generation
+    from ftserve.api.generation import EngineRequestError, Generation
 
     real = Generation.next
     calls = {"n": 0}

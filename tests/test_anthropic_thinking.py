@@ -1,4 +1,4 @@
-"""Anthropic thinking blocks (/v1/messages; ftserve/server/anthropic_api.py) on a
+"""Anthropic thinking blocks (/v1/messages; ftserve/api/anthropic/messages.py) on a
 real server whose tiny model has a Qwen3-style thinking template, read with the
 official ``anthropic`` client; the reasoning is scripted."""
 

@@ -1,11 +1,11 @@
-"""tools/bench_common.overlap_seconds: how much of one kernel's time other
-kernels ran beside it (the decode prefetch copy vs the compute it should hide under)."""
+"""tools/bench/common.overlap_seconds: how much of one kernel's time other
+kernels ran beside it (a copy kernel vs the compute it should hide under)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tools.bench_common import overlap_seconds
+from tools.bench.common import overlap_seconds
 
 
 def test_overlap_counts_only_time_shared_with_other_kernels() -> None:

@@ -1,23 +1,22 @@
-"""tools/bench_decode_variants.py on the CPU: the variant list, the
-environment switching, the combination of the winners, the table, and a
+"""tools/bench/decode_variants.py on the CPU: the variant list, each
+variant's KernelConfig, the combination of the winners, the table, and a
 --smoke run end to end (tiny-moe, no graphs). The GPU parts (graph
 re-capture and replay timing) run only on the H200."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from ftserve import envs
 from ftserve_kernels.attention_common import AttnKernelConfig
-from tools.bench_common import env_applied
-from tools.bench_decode_variants import main
-from tools.decode_variants import (
-    DEFAULT_ENV,
+from ftserve_kernels.config import KernelConfig
+from tools.bench.decode_variants import main
+from tools.bench.variants import (
+    KERNEL_FIELDS,
     backend_for,
     combine_best,
     default_variants,
@@ -29,100 +28,60 @@ from tools.decode_variants import (
 )
 
 
-def _switches() -> dict[str, object]:
-    return {"dense_gemv": envs.dense_gemv(), "moe_gateup_acc": envs.moe_gateup_acc(),
-            "lm_head_fp32": envs.lm_head_fp32(), "lm_head_gemv": envs.lm_head_gemv(),
-            "decode_fusion": envs.decode_fusion(),
-            "moe_down3d": envs.moe_down3d(), "fused_kv_store": envs.fused_kv_store(), "pdl": envs.pdl(),
-            "decode_layer_kernel": envs.decode_layer_kernel(), "decode_qk_fold": envs.decode_qk_fold(),
-            "decode_down_norm": envs.decode_down_norm(), "decode_defer_norm": envs.decode_defer_norm(),
-            "decode_route_in_oproj": envs.decode_route_in_oproj(),
-            "oproj_route_block_e": envs.oproj_route_block_e(),
-            "decode_input_norm": envs.decode_input_norm(),
-            "step_copy_kernel": envs.step_copy_kernel()}
-
-
-def test_default_env_is_what_envs_reads_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:
-    for k in DEFAULT_ENV:
-        monkeypatch.delenv(k, raising=False)
-    unset = _switches()
-    monkeypatch.setenv("FTSERVE_DENSE_GEMV", "norm")
-    monkeypatch.setenv("FTSERVE_DECODE_FUSION", "0")
-    with env_applied(DEFAULT_ENV):
-        assert _switches() == unset  # the caller's settings do not leak into the baseline
-    assert envs.dense_gemv() == "norm" and envs.decode_fusion() is False
-
-
-def test_env_applied_restores_after_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FTSERVE_DENSE_GEMV", "linear")
-    monkeypatch.delenv("FTSERVE_LM_HEAD_FP32", raising=False)
-    monkeypatch.setenv("FTSERVE_MOE_GATEUP_ACC", "1")
-    with pytest.raises(RuntimeError), env_applied(
-            {"FTSERVE_DENSE_GEMV": "1", "FTSERVE_LM_HEAD_FP32": "1", "FTSERVE_MOE_GATEUP_ACC": None}):
-        assert (envs.dense_gemv(), envs.lm_head_fp32(), envs.moe_gateup_acc()) == ("1", True, False)
-        assert "FTSERVE_MOE_GATEUP_ACC" not in os.environ
-        raise RuntimeError("a failing variant")
-    assert os.environ["FTSERVE_DENSE_GEMV"] == "linear"
-    assert "FTSERVE_LM_HEAD_FP32" not in os.environ
-    assert os.environ["FTSERVE_MOE_GATEUP_ACC"] == "1"
-
-
-def test_each_variant_turns_exactly_its_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_variant_turns_exactly_its_knob() -> None:
     variants = default_variants(AttnKernelConfig())
     names = [v.name for v in variants]
     assert names[0] == "baseline" and len(set(names)) == len(names)
-    assert {"DENSE_GEMV=0", "DENSE_GEMV=1", "DENSE_GEMV=norm", "MOE_GATEUP_ACC=1", "LM_HEAD_FP32=1", "LM_HEAD_GEMV=0",
-            "FUSED_KV_STORE=0", "PDL=0", "PDL=1", "PDL=1 DENSE_GEMV=1", "PDL=1 DENSE_GEMV=norm",
-            "DECODE_LAYER_KERNEL=1", "DECODE_QK_FOLD=0", "DECODE_DOWN_NORM=0", "DECODE_DEFER_NORM=0",
-            "attn fused_reduce=1", "attn programs_per_sm=2", "attn programs_per_sm=8",
+    assert {"kernels pdl=0",
+            "attn programs_per_sm=2", "attn programs_per_sm=8",
             "attn max_splits=32", "attn max_splits=64", "attn max_splits=256"} <= set(names)
-    with env_applied(DEFAULT_ENV):
-        base = _switches()
+    base = KernelConfig(backend="triton", gemv_table="/t.json")
     for v in variants:
-        assert set(v.env) <= set(DEFAULT_ENV) and (v.group == "") == (v.name == "baseline")
-        assert bool(v.env) != bool(v.attn) or v.name == "baseline"
-        with env_applied({**DEFAULT_ENV, **v.env}):
-            changed = {k for k, x in _switches().items() if x != base[k]}
-        assert changed == (set(v.group.split("+")) if v.env else set()), v.name
+        assert (v.group == "") == (v.name == "baseline")
+        assert bool(v.kernels) != bool(v.attn) or v.name == "baseline"
+        assert set(v.kernels) <= set(KERNEL_FIELDS)
+        run = v.kernel_config(base)  # the build's config with the variant's fields, nothing else
+        changed = {f.name for f in dataclasses.fields(KernelConfig) if getattr(run, f.name) != getattr(base, f.name)}
+        assert changed == set(v.kernels), v.name
         for field_name in v.attn:
             assert hasattr(AttnKernelConfig(), field_name)
+    assert next(v for v in variants if v.name == "kernels pdl=0").kernel_config(base).pdl is False
 
 
 def test_programs_per_sm_variants_skip_the_baseline_value() -> None:
-    names = [v.name for v in default_variants(AttnKernelConfig(decode_programs_per_sm=1, max_splits=2,
-                                                               decode_fused_reduce=True))]
-    assert [n for n in names if n.startswith("attn")] == ["attn fused_reduce=0", "attn round_robin=0",
-                                                          "attn page_ahead=0", "attn programs_per_sm=2",
-                                                          "attn max_splits=1", "attn max_splits=4"]
-    no_rr = AttnKernelConfig(decode_round_robin=False)  # page ahead needs round robin: no variant
-    assert not any("page_ahead" in v.name for v in default_variants(no_rr))
+    names = [v.name for v in default_variants(AttnKernelConfig(decode_programs_per_sm=1, max_splits=2))]
+    assert [n for n in names if n.startswith("attn")] == ["attn programs_per_sm=2", "attn max_splits=1",
+                                                          "attn max_splits=4"]
 
 
-def test_ad_hoc_variants_parse_attn_fields_and_switches() -> None:
+def test_ad_hoc_variants_parse_attn_and_kernel_fields() -> None:
     base = AttnKernelConfig()
-    v = parse_variant("attn decode_block_n=128 decode_round_robin=1", base)
-    assert v.attn == {"decode_block_n": 128, "decode_round_robin": True} and not v.env
-    assert v.group == "attn:decode_block_n+decode_round_robin"  # "+": never combined
+    v = parse_variant("attn decode_block_n=128 decode_warps=8", base)
+    assert v.attn == {"decode_block_n": 128, "decode_warps": 8} and not v.kernels
+    assert v.group == "attn:decode_block_n+decode_warps"  # "+": never combined
     assert parse_variant("attn decode_block_n=32", base).group == "attn:decode_block_n"
-    w = parse_variant("FTSERVE_PDL=1 FTSERVE_DENSE_GEMV=norm", base)
-    assert w.env == {"FTSERVE_PDL": "1", "FTSERVE_DENSE_GEMV": "norm"} and not w.attn
-    assert w.group == "env:FTSERVE_DENSE_GEMV+FTSERVE_PDL"
+    w = parse_variant("kernels pdl=0 gemv_entries=dense:N=8+K=8@1=4.128.2.1", base)
+    assert w.kernels == {"pdl": False, "gemv_entries": "dense:N=8+K=8@1=4.128.2.1"} and not w.attn
+    assert w.group == "kernels:gemv_entries+pdl"
+    assert w.kernel_config(KernelConfig()) == KernelConfig(pdl=False, gemv_entries="dense:N=8+K=8@1=4.128.2.1")
     # A GEMV launch entry in its comma-free form survives the list's commas.
-    entry = "FTSERVE_GEMV_ENTRY=dense:N=2048+K=4096@1=4.512.8.3"
-    picked = select_variants(default_variants(base), f"{entry},FTSERVE_PDL=1", base)
-    assert [v.name for v in picked] == ["baseline", entry, "FTSERVE_PDL=1"]
-    assert picked[1].env == {"FTSERVE_GEMV_ENTRY": "dense:N=2048+K=4096@1=4.512.8.3"}
-    for bad in ("attn", "attn decode_block_m=64", "attn decode_block_n=big", "FTSERVE_NOPE=1", "PDL"):
-        with pytest.raises(ValueError, match="variant"):
+    entry = "kernels gemv_entries=dense:N=2048+K=4096@1=4.512.8.3"
+    picked = select_variants(default_variants(base), f"{entry},kernels pdl=0", base)
+    assert [v.name for v in picked] == ["baseline", entry, "kernels pdl=0"]
+    assert picked[1].kernels == {"gemv_entries": "dense:N=2048+K=4096@1=4.512.8.3"}
+    assert picked[2].kernels == {"pdl": False} and picked[2].group == "kernels:pdl"
+    for bad in ("attn", "attn decode_block_m=64", "attn decode_block_n=big", "kernels backend=torch",
+                "kernels pdl=maybe", "kernels gemv_entries=dense:N=8+K=8@1=4.128.2", "FTSERVE_PDL=1", "PDL"):
+        with pytest.raises(ValueError, match="variant|GEMV entry"):
             parse_variant(bad, base)
 
 
 def test_select_variants_keeps_the_baseline_first_then_the_order_given() -> None:
     base = AttnKernelConfig()
     named = default_variants(base)
-    picked = select_variants(named, "attn decode_warps=8, DECODE_QK_FOLD=0,baseline, attn decode_warps=8", base)
-    assert [v.name for v in picked] == ["baseline", "attn decode_warps=8", "DECODE_QK_FOLD=0"]
-    assert picked[2] is next(v for v in named if v.name == "DECODE_QK_FOLD=0")
+    picked = select_variants(named, "attn decode_warps=8, kernels pdl=0,baseline, attn decode_warps=8", base)
+    assert [v.name for v in picked] == ["baseline", "attn decode_warps=8", "kernels pdl=0"]
+    assert picked[2] is next(v for v in named if v.name == "kernels pdl=0")
     assert picked[1].attn == {"decode_warps": 8}
     with pytest.raises(ValueError, match="no_such"):
         select_variants(named, "no_such", base)
@@ -135,20 +94,20 @@ def test_backend_for_replaces_only_the_config() -> None:
     built = TritonAttentionBackend(scale=0.125, extend_token_bound=256)
     base_cfg = AttnKernelConfig()
     by_name = {v.name: v for v in default_variants(base_cfg)}
-    assert backend_for(built, base_cfg, by_name["DENSE_GEMV=1"]) is built
+    assert backend_for(built, base_cfg, by_name["kernels pdl=0"]) is built
     cpu = torch.device("cpu")
     splits = {}
-    for name in ("attn programs_per_sm=2", "attn programs_per_sm=8", "attn fused_reduce=1"):
+    for name in ("attn programs_per_sm=2", "attn programs_per_sm=8", "attn max_splits=256"):
         new = backend_for(built, base_cfg, by_name[name])
         assert new is not built and new.scale == 0.125 and new.extend_token_bound == 256
         assert new.cfg.extend_block_m == base_cfg.extend_block_m
         splits[name] = new.num_splits(1, 4, cpu)
-    assert new.cfg.decode_fused_reduce is True
+    assert new.cfg.max_splits == 256
     # 4 KV heads on the 4 "SMs" the CPU reports: splits = programs per SM.
     assert built.num_splits(1, 4, cpu) == 4
     assert splits["attn programs_per_sm=2"] == 2 and splits["attn programs_per_sm=8"] == 8
     with pytest.raises(RuntimeError, match="triton backend"):
-        backend_for(TorchAttentionBackend(), base_cfg, by_name["attn fused_reduce=1"])
+        backend_for(TorchAttentionBackend(), base_cfg, by_name["attn max_splits=256"])
 
 
 def _row(name: str, ms: float | None, ok: bool | None = True, error: str | None = None) -> dict[str, object]:
@@ -159,18 +118,17 @@ def test_combine_best_takes_the_fastest_exact_option_per_knob() -> None:
     variants = default_variants(AttnKernelConfig())
     rows = [
         _row("baseline", 1.00),
-        _row("DENSE_GEMV=0", 0.95), _row("DENSE_GEMV=1", 0.90), _row("DENSE_GEMV=norm", 0.80, ok=False),
-        _row("MOE_GATEUP_ACC=1", 0.995),  # under the 1% gain: noise
-        _row("LM_HEAD_FP32=1", 0.50, error="RuntimeError: boom"),
-        _row("attn fused_reduce=1", 1.10),
+        _row("kernels pdl=0", 0.90), _row("attn max_splits=256", 0.80, ok=False),
+        _row("attn max_splits=32", 0.995),  # under the 1% gain: noise
+        _row("attn max_splits=64", 0.50, error="RuntimeError: boom"),
         _row("attn programs_per_sm=8", 0.97), _row("attn programs_per_sm=2", 0.96),
     ]
     combo, winners = combine_best(rows, variants, min_gain=0.01)
-    assert winners == {"dense_gemv": "DENSE_GEMV=1", "attn_programs_per_sm": "attn programs_per_sm=2"}
+    assert winners == {"kernels:pdl": "kernels pdl=0", "attn_programs_per_sm": "attn programs_per_sm=2"}
     assert combo is not None and combo.group == ""
-    assert dict(combo.env) == {"FTSERVE_DENSE_GEMV": "1"}
+    assert dict(combo.kernels) == {"pdl": False}
     assert dict(combo.attn) == {"decode_programs_per_sm": 2}
-    assert "DENSE_GEMV=1" in combo.name and "programs_per_sm=2" in combo.name
+    assert "kernels pdl=0" in combo.name and "programs_per_sm=2" in combo.name
     # A combination row itself never wins a knob.
     again, _ = combine_best(rows + [{**_row(combo.name, 0.1)}], [*variants, combo], min_gain=0.01)
     assert again == combo
@@ -178,9 +136,9 @@ def test_combine_best_takes_the_fastest_exact_option_per_knob() -> None:
 
 def test_combine_best_needs_a_baseline_and_two_winners() -> None:
     variants = default_variants(AttnKernelConfig())
-    one = [_row("baseline", 1.0), _row("DENSE_GEMV=1", 0.5), _row("LM_HEAD_FP32=1", 1.2)]
-    assert combine_best(one, variants, 0.01) == (None, {"dense_gemv": "DENSE_GEMV=1"})
-    failed_base = [_row("baseline", None, error="x"), _row("DENSE_GEMV=1", 0.5), _row("LM_HEAD_FP32=1", 0.4)]
+    one = [_row("baseline", 1.0), _row("kernels pdl=0", 0.5), _row("attn max_splits=256", 1.2)]
+    assert combine_best(one, variants, 0.01) == (None, {"kernels:pdl": "kernels pdl=0"})
+    failed_base = [_row("baseline", None, error="x"), _row("kernels pdl=0", 0.5), _row("attn max_splits=256", 0.4)]
     assert combine_best(failed_base, variants, 0.01) == (None, {})
 
 
@@ -201,30 +159,29 @@ def test_render_table_rows_and_skips() -> None:
     rows = [
         {**_row("baseline", 0.8), "replay_frac_of_roofline": 0.5,
          "decode_b1": {"tokens_per_s": 1000.0, "frac_of_roofline": 0.4}, "decode_b8": {"tokens_per_s": 5000.0}},
-        {**_row("DENSE_GEMV=1", 0.4, ok=False), "mismatch_at": 3, "decode_b1": {"tokens_per_s": 1500.0}},
-        _row("LM_HEAD_FP32=1", None, ok=None, error="RuntimeError: capture failed\ntraceback..."),
+        {**_row("kernels pdl=0", 0.4, ok=False), "mismatch_at": 3, "decode_b1": {"tokens_per_s": 1500.0}},
+        _row("attn max_splits=256", None, ok=None, error="RuntimeError: capture failed\ntraceback..."),
     ]
-    text = render_table(rows, (1, 8), skipped=["attn fused_reduce=1"])
+    text = render_table(rows, (1, 8), skipped=["attn max_splits=256"])
     lines = text.splitlines()
     assert lines[0].count("|") == lines[2].count("|") == lines[4].count("|") == 9  # 8 columns
     assert "tok/s b8" in lines[0] and "% roofline b1" in lines[0]
     assert "| baseline | yes | 0.8 | 1.000x | 50.0% | 1,000 | 40.0% | 5,000 |" in text
     assert "NO (step 3)" in lines[3] and "2.000x" in lines[3]
     assert "FAILED: RuntimeError: capture failed" in lines[4] and "traceback" not in text
-    assert lines[-1] == "skipped (time budget): attn fused_reduce=1"
+    assert lines[-1] == "skipped (time budget): attn max_splits=256"
 
 
-def test_smoke_run_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FTSERVE_DENSE_GEMV", "linear")  # the caller's setting: back afterwards
+def test_smoke_run_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "variants.json"
     res = main(["--smoke", "--out", str(out), "--budget-s", "300"])
-    assert os.environ["FTSERVE_DENSE_GEMV"] == "linear"
     assert json.loads(out.read_text())["table"] == res["table"]
     rows = {r["name"]: r for r in res["variants"]}
     variants = default_variants(AttnKernelConfig.for_device(torch.device("cpu"), 128))
     assert list(rows)[:len(variants)] == [v.name for v in variants]
-    assert rows["baseline"]["env_seen"] == DEFAULT_ENV
-    assert rows["DENSE_GEMV=1"]["env_seen"] == {**DEFAULT_ENV, "FTSERVE_DENSE_GEMV": "1"}
+    base = KernelConfig().summary()  # the build's on the CPU: the defaults
+    assert rows["baseline"]["kernels_run"] == base
+    assert rows["kernels pdl=0"]["kernels_run"] == {**base, "pdl": False}
     assert len(rows["baseline"]["tokens"]) == res["args"]["check_steps"]
     for name, r in rows.items():
         if name.startswith("attn"):  # the CPU engine runs the torch attention backend

@@ -1,4 +1,4 @@
-"""tools/bench_fp8 on the CPU (--smoke: tiny-moe in float32 against tiny-moe-fp8
+"""tools/bench/fp8 on the CPU (--smoke: tiny-moe in float32 against tiny-moe-fp8
 at the same shape): every section runs and is recorded, and the byte counts the
 targets are checked against come out as the formats say."""
 
@@ -10,7 +10,7 @@ import pytest
 
 
 def test_bench_fp8_smoke_cpu(tmp_path: Path) -> None:
-    from tools.bench_fp8 import main
+    from tools.bench.fp8 import main
 
     res = main(["--smoke", "--budget-s", "600", "--out", str(tmp_path / "fp8.json")])
     assert not res.get("errors") and not res.get("skipped"), (res.get("errors"), res.get("skipped"))

@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 from ftserve.cli import build_parser, configs_from_args, main
+from ftserve.cli_chat import ChatClient, chat_loop
 from ftserve.config import ConfigError, EngineConfig, ServerConfig
-from ftserve.server.chat_client import ChatClient, chat_loop
 
 
 def test_every_engine_field_has_a_flag(tmp_path: Path) -> None:
@@ -116,7 +116,7 @@ def test_bad_flag_names_itself(capsys: pytest.CaptureFixture[str]) -> None:
     (["--api-key", ""], "--api-key"),  # an unset $KEY must not serve without auth silently
     (["--api-key", "  "], "--api-key"),
     (["--served-model-name", ""], "--served-model-name"),
-    (["--model", "Qwen/Qwen3-30B-A3B"], "downloads nothing"),  # a hub id: no such folder
+    (["--model", "Qwen/Qwen3-30B-A3B"], "smollm2-135m"),  # a hub id: no such folder; names the known names
 ])
 def test_bad_values_fail_before_loading(argv: list[str], named: str) -> None:
     """Rejected when the flags are read, before any model load, with the flag to change
@@ -179,9 +179,19 @@ def _fd_limits(pid: int) -> tuple[int, int]:
     return int(soft), (1 << 62 if hard == "unlimited" else int(hard))
 
 
+def offline_env(tmp: Path) -> dict[str, str]:
+    """pip with no index and no config (links to an empty folder), and an empty model
+    cache: what a machine without network access sees on its first start."""
+    (tmp / "links").mkdir(exist_ok=True)
+    return {"FTSERVE_CACHE_DIR": str(tmp / "cache"), "PIP_CONFIG_FILE": os.devnull,
+            "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp / "links")}
+
+
 @pytest.fixture(scope="module")
-def proc() -> Iterator[Proc]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    # No --model and no index: the default real model cannot be fetched, so this
+    # serves the demo model (the fallback under test in test_health_503...).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **offline_env(tmp_path_factory.mktemp("offline"))}
     env.pop("FTSERVE_API_KEY", None)
     popen = subprocess.Popen(
         [sys.executable, "-m", "ftserve", "serve", "--port", "0", "--device", "cpu",
@@ -226,6 +236,9 @@ def test_health_503_while_loading_then_banner(proc: Proc) -> None:
         time.sleep(0.05)
     text = "".join(proc.lines)
     assert f"http://127.0.0.1:{proc.port}" in text and "/v1/chat/completions" in text
+    # the default real model was tried first, and the log says why it is not served
+    assert "default real model is unavailable: could not fetch model 'smollm2-135m'" in text
+    assert "--model smollm2-135m" in text
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/limits"), reason="Linux /proc")
@@ -330,7 +343,8 @@ def test_port_in_use_is_one_line(proc: Proc) -> None:
     """A second server on a port that is taken: one error line naming the port and the flag,
     exit status 1, no traceback."""
     run = subprocess.run(
-        [sys.executable, "-m", "ftserve", "serve", "--port", str(proc.port), "--device", "cpu"],
+        [sys.executable, "-m", "ftserve", "serve", "--model", "demo", "--port", str(proc.port),
+         "--device", "cpu"],
         capture_output=True, text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 1, run.stderr
     assert "Traceback" not in run.stderr, run.stderr

@@ -1,5 +1,10 @@
 """/v1/completions prompt batches and echo, through the official client against a real
-server (real engine, demo model)."""
+server (real engine, the real small model: tests/real_model.py).
+
+Batched choices must equal the same prompts sent one at a time, token for token,
+with whatever the prefix cache holds: real weights leave no near-tied logits for
+a changed prefill shape to flip (random demo weights did, and these tests had to
+empty the prefix cache before every comparison)."""
 
 from __future__ import annotations
 
@@ -10,32 +15,28 @@ import aiohttp
 import openai
 import pytest
 
+from tests.real_model import SMOLLM2
 from tests.server_harness import Live
 
 PROMPTS = ["Once upon a time", "The dragon said to the knight", "In a quiet village by the sea"]
-GREEDY: dict[str, Any] = dict(model="ftserve-demo", max_tokens=5, temperature=0, seed=3,
+GREEDY: dict[str, Any] = dict(model=SMOLLM2, max_tokens=5, temperature=0, seed=3,
                               extra_body={"ignore_eos": True})
 
 
-
-
-def _cold(live: Live) -> None:
-    """Empty the prefix cache: a hit changes prefill shapes, and with random demo
-    weights near-tied logits can then flip a greedy choice."""
-    assert live.engine.reset_prefix_cache()
+@pytest.fixture(scope="module")
+def live(smollm2_live: Live) -> Live:
+    return smollm2_live
 
 
 def _singles(live: Live, client: openai.OpenAI, prompts: list[Any]) -> list[Any]:
     out = []
     for p in prompts:
-        _cold(live)
         out.append(client.completions.create(prompt=p, **GREEDY))
     return out
 
 
 def test_batch_whole(live: Live, client: openai.OpenAI) -> None:
     singles = _singles(live, client, PROMPTS)
-    _cold(live)
     r = client.completions.create(prompt=PROMPTS, n=2, **GREEDY)
     assert [c.index for c in r.choices] == list(range(6))
     assert [c.text for c in r.choices] == [s.choices[0].text for s in singles for _ in range(2)]
@@ -47,7 +48,6 @@ def test_batch_whole(live: Live, client: openai.OpenAI) -> None:
     # Token-id prompts: the same batch as lists of ids.
     ids = [[1, 42, 7, 99], [5, 6, 7, 8, 9], [300, 12]]
     singles = _singles(live, client, ids)
-    _cold(live)
     r = client.completions.create(prompt=ids, n=2, **GREEDY)
     assert [c.text for c in r.choices] == [s.choices[0].text for s in singles for _ in range(2)]
     assert r.usage.prompt_tokens == 11
@@ -56,7 +56,6 @@ def test_batch_whole(live: Live, client: openai.OpenAI) -> None:
 
 def test_batch_streamed(live: Live, client: openai.OpenAI) -> None:
     singles = _singles(live, client, PROMPTS)
-    _cold(live)
     stream = client.completions.create(prompt=PROMPTS, n=2, stream=True,
                                        stream_options={"include_usage": True}, **GREEDY)
     texts, reasons = [""] * 6, [None] * 6
@@ -79,17 +78,13 @@ def test_batch_streamed(live: Live, client: openai.OpenAI) -> None:
 
 def test_echo(live: Live, client: openai.OpenAI) -> None:
     prompt = PROMPTS[1]
-    _cold(live)
     plain = client.completions.create(prompt=prompt, **GREEDY).choices[0].text
-    _cold(live)
     r = client.completions.create(prompt=prompt, echo=True, **GREEDY)
     assert r.choices[0].text == prompt + plain
     ids = live.call(live.text.encode_async("a cat sat on the mat", False))
     decoded = live.text.decode(ids)
     assert "cat sat" in decoded
-    _cold(live)
     plain = client.completions.create(prompt=ids, **GREEDY).choices[0].text
-    _cold(live)
     r = client.completions.create(prompt=ids, echo=True, **GREEDY)
     assert r.choices[0].text == decoded + plain
     # A batch with n = 2: each choice starts with its own prompt, whole and streamed.
@@ -115,13 +110,11 @@ def test_echo_with_logprobs_scores_the_prompt(live: Live, client: openai.OpenAI)
     against the engine's own sampled-token logprob: the logprob the prompt gets
     at position i equals what greedy decoding gave that token there."""
     ids = live.call(live.text.encode_async("The dragon said to the knight", False))
-    kw: dict[str, Any] = dict(model="ftserve-demo", temperature=0, logprobs=2)
-    _cold(live)
+    kw: dict[str, Any] = dict(model=SMOLLM2, temperature=0, logprobs=2)
     first = client.completions.create(prompt=ids, max_tokens=1, **kw,
                                       extra_body={"ignore_eos": True, "return_token_ids": True})
     (g,) = first.choices[0].model_extra["token_ids"]
     want = first.choices[0].logprobs.token_logprobs[0]
-    _cold(live)
     r = client.completions.create(prompt=ids + [g], max_tokens=2, echo=True, **kw,
                                   extra_body={"ignore_eos": True})
     c = r.choices[0]
@@ -140,7 +133,6 @@ def test_echo_with_logprobs_scores_the_prompt(live: Live, client: openai.OpenAI)
     assert lp.text_offset[n] == len(live.text.decode(ids + [g])) <= len(c.text)
     assert r.usage.prompt_tokens == n and r.usage.completion_tokens == 2
     # Streamed: the first chunk carries the prompt's part; the parts add up the same.
-    _cold(live)
     streamed: list[Any] = []
     for chunk in client.completions.create(prompt=ids + [g], max_tokens=2, echo=True, stream=True, **kw,
                                            extra_body={"ignore_eos": True}):
@@ -157,7 +149,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(live: Live, client: open
     back with its logprobs and nothing is generated (whole and streamed); without
     echo, max_tokens 0 is a 400."""
     ids = live.call(live.text.encode_async("The dragon said to the knight", False))
-    kw: dict[str, Any] = dict(model="ftserve-demo", prompt=ids, echo=True, logprobs=1, temperature=0)
+    kw: dict[str, Any] = dict(model=SMOLLM2, prompt=ids, echo=True, logprobs=1, temperature=0)
     one = client.completions.create(max_tokens=1, **kw).choices[0]
     r = client.completions.create(max_tokens=0, **kw)
     c = r.choices[0]
@@ -173,7 +165,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(live: Live, client: open
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 0
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="ftserve-demo", prompt=ids, max_tokens=0)
+        client.completions.create(model=SMOLLM2, prompt=ids, max_tokens=0)
     assert err.value.param == "max_tokens"
     live.wait_idle()
 
@@ -183,10 +175,8 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(live: Live, client: openai
     (echo shows what ran) and chat; -1 is the context's length; 0 is a 400."""
     ids = live.call(live.text.encode_async("Once upon a time in a land far away there lived a king", False))
     assert len(ids) > 6
-    _cold(live)
     cut = client.completions.create(prompt=ids, echo=True, **{**GREEDY, "extra_body": {
         "ignore_eos": True, "truncate_prompt_tokens": 5}})
-    _cold(live)
     tail = client.completions.create(prompt=ids[-5:], **GREEDY)
     assert cut.usage.prompt_tokens == 5 and tail.usage.prompt_tokens == 5
     head = live.text.decode(ids[-5:])
@@ -194,7 +184,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(live: Live, client: openai
     whole = client.completions.create(prompt=ids, **{**GREEDY, "extra_body": {
         "ignore_eos": True, "truncate_prompt_tokens": -1}})
     assert whole.usage.prompt_tokens == len(ids)
-    chat = client.chat.completions.create(model="ftserve-demo", max_tokens=1, temperature=0,
+    chat = client.chat.completions.create(model=SMOLLM2, max_tokens=1, temperature=0,
                                           messages=[{"role": "user", "content": "tell me " * 20}],
                                           extra_body={"truncate_prompt_tokens": 7})
     assert chat.usage.prompt_tokens == 7
@@ -209,7 +199,7 @@ def test_vllm_prompt_logprobs(live: Live, client: openai.OpenAI) -> None:
     (None first) token id -> logprob, rank, decoded token, for the token itself
     and its best alternatives."""
     ids = live.call(live.text.encode_async("a cat sat on the mat", False))
-    r = client.completions.create(model="ftserve-demo", prompt=ids, max_tokens=1, temperature=0,
+    r = client.completions.create(model=SMOLLM2, prompt=ids, max_tokens=1, temperature=0,
                                   extra_body={"prompt_logprobs": 2})
     pl = r.choices[0].model_extra["prompt_logprobs"]
     assert len(pl) == len(ids) and pl[0] is None
@@ -219,14 +209,14 @@ def test_vllm_prompt_logprobs(live: Live, client: openai.OpenAI) -> None:
         assert 1 <= len(entry) <= 3 and own["logprob"] <= 0.0
         best = min(entry.values(), key=lambda e: e["rank"])
         assert best["rank"] == 1 and best["logprob"] >= own["logprob"] - 1e-6
-    chat = client.chat.completions.create(model="ftserve-demo", max_tokens=1, temperature=0,
+    chat = client.chat.completions.create(model=SMOLLM2, max_tokens=1, temperature=0,
                                           messages=[{"role": "user", "content": "hi"}],
                                           extra_body={"prompt_logprobs": 0})
     cpl = chat.choices[0].model_extra["prompt_logprobs"]
     assert len(cpl) == chat.usage.prompt_tokens and cpl[0] is None
     assert all(len(e) == 1 for e in cpl[1:])  # 0 alternatives: the token alone
     assert "prompt_logprobs" not in client.completions.create(
-        model="ftserve-demo", prompt=ids, max_tokens=1).choices[0].model_extra
+        model=SMOLLM2, prompt=ids, max_tokens=1).choices[0].model_extra
     live.wait_idle()
 
 
@@ -249,7 +239,7 @@ def test_bad_batches_are_400s_and_submit_nothing(live: Live, client: openai.Open
     ]
     for extra, param, where in cases:
         with pytest.raises(openai.BadRequestError) as err:
-            client.completions.create(model="ftserve-demo", max_tokens=2,
+            client.completions.create(model=SMOLLM2, max_tokens=2,
                                       **{k: v for k, v in extra.items() if k == "prompt"},
                                       extra_body={k: v for k, v in extra.items() if k != "prompt"})
         assert err.value.param == param, (extra, err.value)
@@ -257,7 +247,7 @@ def test_bad_batches_are_400s_and_submit_nothing(live: Live, client: openai.Open
             assert where in err.value.message, err.value.message
     too_long = [[5] * 10, [5] * 100]
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="ftserve-demo", prompt=too_long, max_tokens=limit - 50)
+        client.completions.create(model=SMOLLM2, prompt=too_long, max_tokens=limit - 50)
     assert err.value.code == "context_length_exceeded" and "prompt[1]" in err.value.message
     assert submitted == []  # nothing reached the engine, not even the valid prompts
     st = live.wait_idle()
@@ -283,6 +273,11 @@ def test_batch_disconnect_aborts_every_choice(live: Live) -> None:
             assert resp.status == 200
             await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 20)
             st = live.engine.stats()
+            for _ in range(100):  # the stats snapshot is refreshed once per engine step
+                if st.running + st.waiting >= 2:
+                    break
+                await asyncio.sleep(0.05)
+                st = live.engine.stats()
             assert st.running + st.waiting >= 2, st
             resp.close()
 

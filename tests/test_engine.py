@@ -342,14 +342,12 @@ def test_pack_tokens_matches_per_token_layout() -> None:
     assert last == [0, 40, 43, 60, 61, 125]
 
 
-@pytest.mark.parametrize("fused", ["1", "0"])
-def test_fused_kv_store_same_tokens(engine: Engine, monkeypatch: pytest.MonkeyPatch,
-                                    fused: str) -> None:
-    """FTSERVE_FUSED_KV_STORE (default 1: the q/k norm + rotary op stores K/V, the
-    backend skips its store; 0: the backend stores): chunked prefill, a prefix
-    hit and decode give the tokens of a full recompute either way, and the
-    switch really took (the backend saw kv_stored exactly when fused)."""
-    monkeypatch.setenv("FTSERVE_FUSED_KV_STORE", fused)
+def test_fused_kv_store_same_tokens(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Into a float KV pool the q/k norm + rotary op of a q/k-normed model
+    (Qwen3) stores K/V and the backend skips its store (an fp8 pool and models
+    without q/k norms keep the backend's store): chunked prefill, a prefix hit
+    and decode give the tokens of a full recompute, and the backend saw
+    kv_stored on every call."""
     backend = engine.runner.attn_backend
     seen: list[bool] = []
     real = backend.forward
@@ -368,5 +366,52 @@ def test_fused_kv_store_same_tokens(engine: Engine, monkeypatch: pytest.MonkeyPa
     model, mcfg = engine.runner.model, engine.model_config
     assert first == reference_greedy(model, mcfg, p, 6)
     assert tokens_of(outs) == reference_greedy(model, mcfg, turn2, 6)
-    assert seen and all(x == (fused == "1") for x in seen), "kv_stored must follow the switch"
+    assert seen and all(seen), "the q/k norm + rotary op stores K/V into a float pool"
     assert_pool_baseline(engine)
+
+
+def test_decode_graph_rows_carry_the_eager_steps_inputs(model_dir: str) -> None:
+    """A decode step packed as a decode graph's rows (cuda_graph.pack_decode_rows,
+    one named DecodeRow per request, then padding) and unpacked by the inputs
+    launch's twin gives what the eager path builds for the same step: the ids
+    (the host's, or through src_row the token the step before left on the
+    device), positions, KV slots, lengths, page-table rows, sampler slots,
+    steps and min_tokens; padding rows point at the dummy row and write slot 0."""
+    import torch
+
+    from ftserve.engine.cuda_graph import MIN_FLAG, pack_decode_rows
+    from ftserve.engine.driver import EngineDriver
+    from ftserve.engine.sampling_params import SamplingParams
+    from ftserve_kernels.decode_inputs import WORDS, decode_inputs_ref
+
+    eng = make_engine(model_dir)
+    try:
+        drv, runner = EngineDriver(eng), eng.runner
+        rng = random.Random(4)
+        drv.add(prompt(rng, 9), max_tokens=8, params=SamplingParams(temperature=0.0, min_tokens=4))
+        drv.add(prompt(rng, 21), max_tokens=8)
+        for _ in range(4):  # both prefilled, then decode steps, one in flight (overlap)
+            drv.step()
+        batch = eng.scheduler.schedule()
+        assert batch is not None and batch.is_decode and len(batch.reqs) == 2
+        assert drv.inflight is not None and max(batch.src_rows) >= 0, "an id the host does not know yet"
+        runner.mirror_pages(batch.reqs)
+        pbs = 4
+        words = pack_decode_rows(batch, runner.page_size, runner.sink_row, pbs)
+        assert words.shape == (pbs * WORDS,)
+        got = decode_inputs_ref(words.view(pbs, WORDS), runner.last_tokens, runner.page_table, None, MIN_FLAG)
+        fb, slots, steps, min_active = runner.build(batch)
+        n = len(batch.reqs)
+        assert torch.equal(got.input_ids[:n], fb.input_ids) and torch.equal(got.positions[:n], fb.positions)
+        assert torch.equal(got.out_cache_loc[:n], fb.attn.out_cache_loc)
+        assert torch.equal(got.seq_lens[:n], fb.attn.seq_lens)
+        assert torch.equal(got.prefix_lens[:n], fb.attn.prefix_lens)
+        assert torch.equal(got.page_rows[:n], fb.attn.page_table)
+        assert torch.equal(got.slots[:n], slots) and torch.equal(got.steps[:n], steps)
+        assert torch.equal(got.min_active[:n], min_active) and got.min_active[:n].tolist() == [True, False]
+        assert got.slots[n:].tolist() == [runner.sink_row] * (pbs - n)
+        assert got.out_cache_loc[n:].tolist() == [0] * (pbs - n) and got.seq_lens[n:].tolist() == [1] * (pbs - n)
+        drv.flush()
+        drv.abort_all()
+    finally:
+        eng.shutdown()

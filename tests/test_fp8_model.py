@@ -289,9 +289,9 @@ def test_engine_summary_says_fp8(engine: Engine) -> None:
 def test_dummy_weights_with_an_fp8_config(tmp_path: Path) -> None:
     """--load-format dummy with an fp8 config: fp8 codes and scales drawn so the
     weights are ~N(0, 0.02) as the model-dtype dummy weights; a forward is finite."""
-    from tools.bench_common import write_model_config
+    from ftserve.models.checkpoint import write_config
 
-    model, cfg = load_model(write_model_config("tiny-moe-fp8", tmp_path), dtype="float32", load_format="dummy")
+    model, cfg = load_model(write_config("tiny-moe-fp8", tmp_path), dtype="float32", load_format="dummy")
     w = model.layers[0].mlp.w13
     assert w.dtype == FP8 and model.layers[0].mlp.w13_scale is not None
     assert (model.layers[0].mlp.w13_scale == DUMMY_SCALE).all()

@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from ftserve.models.checkpoint import write_config
 from ftserve.models.layers import MoEBlock
 from ftserve.moe.banks import Fp8Row, moe_blocks
 from ftserve_kernels.fp8_quant import FP8, Fp8Weight
 from tests import test_moe_cache as tm
 from tests.test_moe_cache import resident_tokens  # noqa: F401  (the fixture, on this module's model)
-from tools.bench_common import write_model_config
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return write_model_config("tiny-moe-fp8", Path(tmp_path_factory.mktemp("fp8-moe-cache")), layers=tm.LAYERS)
+    return write_config("tiny-moe-fp8", Path(tmp_path_factory.mktemp("fp8-moe-cache")), layers=tm.LAYERS)
 
 
 def test_fp8_row_is_half_the_bf16_row() -> None:

@@ -1,5 +1,5 @@
 """Decode GEMV launch tables (gemv_configs), the launchers' use of them, and
-tools/tune_gemv on the interpreter."""
+tools/tune/gemv on the interpreter."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ if DEVICE == "cpu":
 from ftserve_kernels import gemv_configs as gc  # noqa: E402
 from ftserve_kernels import gemv_triton as gv  # noqa: E402
 from ftserve_kernels import moe_gemv_triton as mg  # noqa: E402
+from ftserve_kernels.config import KernelConfig  # noqa: E402
 from ftserve_kernels.gemv_configs import GemvConfig  # noqa: E402
 from ftserve_kernels.moe import fused_moe_ref, route_topk_ref  # noqa: E402
-from ftserve_kernels.norm_rope import fused_add_rms_norm_ref  # noqa: E402
-from tools import tune_gemv as tune  # noqa: E402
+from tools.tune import gemv as tune  # noqa: E402
 
 CUDA0 = torch.device("cuda", 0)  # index given: no CUDA call is needed to find an override table
 
@@ -43,62 +43,62 @@ def _write(path: Path, configs: dict[str, Any]) -> str:
 
 def test_defaults_are_the_launches_before_tables() -> None:
     """No table must mean no change: the defaults are the launches the kernels
-    used before gemv_configs existed (H200-measured; tools/bench_decode_layer)."""
-    assert gc.default("dense_norm", True, 5120, 1) == GemvConfig(16, 256, 8, 3)
-    assert gc.default("dense_norm", True, 5120, 2) == GemvConfig(16, 256, 8, 3)
-    assert gc.default("dense_norm", True, 5120, 4) == GemvConfig(8, 256, 8, 3)
+    used before gemv_configs existed (H200-measured; tools/bench/decode_layer)."""
+    assert gc.default("dense", True, 5120, 1) == GemvConfig(16, 256, 8, 3)
+    assert gc.default("dense", True, 5120, 2) == GemvConfig(16, 256, 8, 3)
+    assert gc.default("dense", True, 5120, 4) == GemvConfig(8, 256, 8, 3)
     assert gc.default("dense", True, 2048, 1) == GemvConfig(8, 256, 8, 3)
     assert gc.default("moe_gate_up", True) == GemvConfig(16, 512, 8, 2)
-    assert gc.default("moe_gate_up_acc", True) == GemvConfig(16, 256, 8, 3)
-    assert gc.default("moe_down", True) == gc.default("moe_down2d", True) == GemvConfig(8, 256, 8, 2)
+    assert gc.default("moe_down", True) == GemvConfig(8, 256, 8, 2)
     assert gc.default("dense", False, 5120, 1) == GemvConfig(8, 16, 1, 3)
     assert gc.default("moe_gate_up", False) == GemvConfig(16, 16, 4, 1)
-    with pytest.raises(ValueError, match="unknown GEMV kernel kind"):
-        gc.default("dense_fp8", True)
+    for retired in ("dense_fp8", "dense_norm", "moe_gate_up_acc", "moe_down2d"):
+        with pytest.raises(ValueError, match="unknown GEMV kernel kind"):
+            gc.default(retired, True)
 
 
-def test_table_lookup_via_env_is_exact_in_t(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_GEMV_CONFIG_FILE drives pick on CUDA devices: an entry serves only
-    its own key and T; CPU tensors never read a table."""
+def test_table_lookup_is_exact_in_t(tmp_path: Path) -> None:
+    """The table KernelConfig.gemv_table names drives pick on CUDA devices: an
+    entry serves only its own key and T; CPU tensors never read a table."""
     gu_key = gc.moe_key("moe_gate_up", 8, 64, 32, 2)
-    dense_key = gc.dense_key(False, 48, 64)
+    dense_key = gc.dense_key(48, 64)
     a, b = GemvConfig(32, 256, 4, 3), GemvConfig(4, 128, 2, 1)
     path = _write(tmp_path / "t.json", {gu_key: {"1": a.to_dict()}, dense_key: {"2": b.to_dict(), "4": a.to_dict()}})
-    monkeypatch.setenv("FTSERVE_GEMV_CONFIG_FILE", path)
-    assert gc.pick(gu_key, 1, CUDA0) == a
-    assert gc.pick(gu_key, 2, CUDA0) is None  # a neighbour's entry is not used
-    assert gc.pick(dense_key, 2, CUDA0) == b and gc.pick(dense_key, 4, CUDA0) == a
-    assert gc.pick(gc.dense_key(True, 48, 64), 2, CUDA0) is None  # the norm variant is its own kind
-    assert gc.pick(gc.moe_key("moe_down", 8, 64, 32, 2), 1, CUDA0) is None
-    assert gc.pick(gu_key, 1, torch.device("cpu")) is None
+    kc = KernelConfig(gemv_table=path)
+    assert gc.pick(gu_key, 1, CUDA0, kc) == a
+    assert gc.pick(gu_key, 2, CUDA0, kc) is None  # a neighbour's entry is not used
+    assert gc.pick(dense_key, 2, CUDA0, kc) == b and gc.pick(dense_key, 4, CUDA0, kc) == a
+    assert gc.pick(gc.moe_key("moe_down", 8, 64, 32, 2), 1, CUDA0, kc) is None
+    assert gc.pick(gu_key, 1, torch.device("cpu"), kc) is None
     assert gc.parse_key(gu_key) == ("moe_gate_up", {"E": 8, "H": 64, "I": 32, "k": 2})
     assert gc.parse_key(dense_key) == ("dense", {"N": 48, "K": 64})
     assert gc.table_file_name("NVIDIA H200") == "gemv_NVIDIA_H200.json"
 
 
-def test_env_entries_lay_over_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_GEMV_ENTRY: comma-free entries (KEY@T=BN.BK.W.S, "+" for the key's
-    commas) win over the table's at their key and T only; a bad one is an
-    error naming it."""
-    dense_key = gc.dense_key(False, 48, 64)
+def test_entries_lay_over_the_table(tmp_path: Path) -> None:
+    """KernelConfig.gemv_entries: comma-free entries (KEY@T=BN.BK.W.S, "+" for
+    the key's commas) win over the table's at their key and T only; a bad one
+    is an error naming it, when the config is made."""
+    dense_key = gc.dense_key(48, 64)
     gu_key = gc.moe_key("moe_gate_up", 8, 64, 32, 2)
     a, b = GemvConfig(32, 256, 4, 3), GemvConfig(4, 128, 2, 1)
     path = _write(tmp_path / "t.json", {dense_key: {"1": a.to_dict(), "2": a.to_dict()}})
-    monkeypatch.setenv("FTSERVE_GEMV_CONFIG_FILE", path)
     entries = f"{dense_key.replace(',', '+')}@1=4.128.2.1; {gu_key.replace(',', '+')}@2=32.256.4.3"
     assert "," not in entries
     assert gc.parse_entries(entries) == {dense_key: {1: b}, gu_key: {2: a}}
-    monkeypatch.setenv("FTSERVE_GEMV_ENTRY", entries)
-    assert gc.pick(dense_key, 1, CUDA0) == b  # the entry over the table's
-    assert gc.pick(dense_key, 2, CUDA0) == a  # the table's, another T
-    assert gc.pick(gu_key, 2, CUDA0) == a and gc.pick(gu_key, 1, CUDA0) is None
-    assert gc.pick(dense_key, 1, torch.device("cpu")) is None
+    kc = KernelConfig(gemv_table=path, gemv_entries=entries)
+    assert gc.pick(dense_key, 1, CUDA0, kc) == b  # the entry over the table's
+    assert gc.pick(dense_key, 2, CUDA0, kc) == a  # the table's, another T
+    assert gc.pick(gu_key, 2, CUDA0, kc) == a and gc.pick(gu_key, 1, CUDA0, kc) is None
+    assert gc.pick(dense_key, 1, torch.device("cpu"), kc) is None
     for bad, needle in [("dense:N=48+K=64@1=4.128.2", "num_stages"), ("dense:N=48+K=64=4.128.2.1", "KEY@T"),
                         ("dense_fp8:N=8+K=8@1=4.128.2.1", "unknown GEMV kernel kind"),
                         ("dense:N=48+K=64@1=12.128.2.1", "power of two")]:
-        with pytest.raises(ValueError, match="FTSERVE_GEMV_ENTRY entry") as err:
+        with pytest.raises(ValueError, match="GEMV entry") as err:
             gc.parse_entries(bad)
         assert needle in str(err.value), (bad, str(err.value))
+        with pytest.raises(ValueError, match="GEMV entry"):
+            KernelConfig(gemv_entries=bad)
 
 
 @pytest.mark.parametrize("content,needle", [
@@ -117,42 +117,34 @@ def test_env_entries_lay_over_the_table(tmp_path: Path, monkeypatch: pytest.Monk
     (None, "FileNotFoundError"),
 ])
 def test_bad_table_is_an_error_naming_the_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str | None, needle: str
+    tmp_path: Path, content: str | None, needle: str
 ) -> None:
-    """A table that exists (or is asked for) but does not parse fails loudly."""
+    """A table that exists (or is asked for) but does not parse fails loudly:
+    at the lookup, and at start-up (KernelConfig.check_tables)."""
     path = tmp_path / f"bad_{abs(hash(needle + str(content)))}.json"
     if content is not None:
         path.write_text(content)
-    monkeypatch.setenv("FTSERVE_GEMV_CONFIG_FILE", str(path))
+    kc = KernelConfig(gemv_table=str(path))
     with pytest.raises(ValueError, match="bad GEMV config table") as info:
-        gc.pick("dense:N=8,K=8", 1, CUDA0)
+        gc.pick("dense:N=8,K=8", 1, CUDA0, kc)
     assert str(path) in str(info.value) and needle in str(info.value)
+    with pytest.raises(ValueError, match="bad GEMV config table"):
+        kc.check_tables(CUDA0)
 
 
 @pytest.mark.parametrize("t", [1, 2, 3])
-@pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("cfg", [GemvConfig(16, 32, 2, 2), GemvConfig(4, 128, 4, 1)])
-def test_dense_gemv_with_other_configs_matches_reference(t: int, norm: bool, cfg: GemvConfig) -> None:
+def test_dense_gemv_with_other_configs_matches_reference(t: int, cfg: GemvConfig) -> None:
     """N = 37, K = 80: masked column and K tails under non-default tiles."""
     g = torch.Generator().manual_seed(t)
     n, k = 37, 80
     x = torch.randn(t, k, generator=g).to(DEVICE)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE)
-    if norm:
-        r = torch.randn(t, k, generator=g).to(DEVICE)
-        nw = (1 + 0.1 * torch.randn(k, generator=g)).to(DEVICE)
-        y, summed = gv.gemv_triton(x, w, None, nw, r, 1e-6, config=cfg)
-        normed, want_sum = fused_add_rms_norm_ref(x, r, nw, 1e-6)
-        torch.testing.assert_close(summed, want_sum)
-        ref = torch.nn.functional.linear(normed, w)
-    else:
-        y, _ = gv.gemv_triton(x, w, config=cfg)
-        ref = torch.nn.functional.linear(x, w)
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    y = gv.gemv_triton(x, w, config=cfg)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("acc,down3d", [(False, True), (True, True), (False, False)])
-def test_moe_gemv_with_other_configs_matches_reference(acc: bool, down3d: bool) -> None:
+def test_moe_gemv_with_other_configs_matches_reference() -> None:
     """I = 48 is not a multiple of the down block_k: masked K tail; k = 3 pads
     the choices to 4."""
     g = torch.Generator().manual_seed(3)
@@ -164,21 +156,20 @@ def test_moe_gemv_with_other_configs_matches_reference(acc: bool, down3d: bool) 
     ref = fused_moe_ref(x, w13, w2, weights, ids)
     for cfgs in ((GemvConfig(8, 32, 2, 2), GemvConfig(4, 32, 2, 1)),
                  (GemvConfig(32, 64, 8, 1), GemvConfig(32, 64, 4, 3))):
-        out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, down3d=down3d, gate_up_acc=acc,
-                                       configs=cfgs)
+        out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, configs=cfgs)
         assert rel_err(out, ref) < 1e-5
 
 
 def test_launchers_ask_for_the_keys_the_tuner_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each launcher looks its table entry up under the key and T that
-    tools/tune_gemv writes (dense: the row block, so T = 3 asks for 4), and
+    tools/tune/gemv writes (dense: the row block, so T = 3 asks for 4), and
     launches what it gets. pick is wrapped to answer on the CPU (it answers
     None off CUDA, tested above); everything else is the real launch path."""
     asked: list[tuple[str, int]] = []
     served = {"moe_gate_up": GemvConfig(32, 32, 2, 1), "moe_down": GemvConfig(8, 32, 2, 1),
-              "dense_norm": GemvConfig(4, 32, 1, 1), "dense": GemvConfig(32, 64, 1, 1)}
+              "dense": GemvConfig(32, 64, 1, 1)}
 
-    def spy(key: str, tokens: int, device: torch.device) -> GemvConfig | None:
+    def spy(key: str, tokens: int, device: torch.device, kernels: KernelConfig) -> GemvConfig | None:
         asked.append((key, tokens))
         return served.get(gc.parse_key(key)[0])
 
@@ -189,21 +180,18 @@ def test_launchers_ask_for_the_keys_the_tuner_writes(monkeypatch: pytest.MonkeyP
     w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(DEVICE)
     x = torch.randn(1, h, generator=g).to(DEVICE)
     weights, ids = route_topk_ref(torch.randn(1, e, generator=g).to(DEVICE), k, True)
-    out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, down3d=True, gate_up_acc=False)
+    out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids)
     assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-5
     shape = (e, k, h, inter)
     assert asked == [(tune.Problem("g", "moe_gate_up", shape).key(), 1),
                      (tune.Problem("d", "moe_down", shape).key(), 1)]
     asked.clear()
-    xs, r = torch.randn(3, h, generator=g).to(DEVICE), torch.randn(3, h, generator=g).to(DEVICE)
-    nw, wd = torch.ones(h).to(DEVICE), (torch.randn(40, h, generator=g) / h**0.5).to(DEVICE)
-    y, _ = gv.gemv_triton(xs, wd, None, nw, r, 1e-6)
-    torch.testing.assert_close(y, torch.nn.functional.linear(fused_add_rms_norm_ref(xs, r, nw, 1e-6)[0], wd),
-                               rtol=1e-5, atol=1e-4)
-    y, _ = gv.gemv_triton(xs, wd)
+    xs = torch.randn(3, h, generator=g).to(DEVICE)
+    wd = (torch.randn(40, h, generator=g) / h**0.5).to(DEVICE)
+    y = gv.gemv_triton(xs, wd)
     torch.testing.assert_close(y, torch.nn.functional.linear(xs, wd), rtol=1e-5, atol=1e-4)
-    qkv, o = tune.Problem("q", "dense_norm", (40, h)), tune.Problem("o", "dense", (40, h))
-    assert asked == [(qkv.key(), qkv.table_t(3)), (o.key(), o.table_t(3))] and qkv.table_t(3) == 4
+    o = tune.Problem("o", "dense", (40, h))
+    assert asked == [(o.key(), o.table_t(3))] and o.table_t(3) == 4
     asked.clear()
     gv.gemv_triton(xs, wd, block=(8, 16))  # an explicit block (benchmarks) skips the table
     assert asked == []
@@ -262,20 +250,20 @@ def test_tune_case_stops_at_the_deadline() -> None:
 
 
 def test_tune_run_writes_a_table_the_runtime_picks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """tools/tune_gemv end to end on the interpreter (tiny shapes): a spent
+    """tools/tune/gemv end to end on the interpreter (tiny shapes): a spent
     budget still leaves a loadable table; a full run writes an entry exactly for
     the (kernel, T) whose best beat the default, gc.pick returns those entries,
     and the launchers with them match the reference."""
     e, k, h, inter = 8, 2, 32, 32
     problems = [tune.Problem("gu", "moe_gate_up", (e, k, h, inter)),
                 tune.Problem("dn", "moe_down", (e, k, h, inter)),
-                tune.Problem("qkv", "dense_norm", (24, 64)),
+                tune.Problem("qkv", "dense", (24, 64)),
                 tune.Problem("o", "dense", (16, 64), optional=True)]
     # Larger tiles than the interpreter's defaults: fewer programs, so they win there.
     sweep = {"moe_gate_up": [GemvConfig(32, 32, 4, 1)], "moe_down": [GemvConfig(32, 32, 4, 1)],
-             "dense_norm": [GemvConfig(32, 64, 1, 3)], "dense": [GemvConfig(16, 64, 1, 3), GemvConfig(4, 16, 1, 3)]}
+             "dense": [GemvConfig(16, 64, 1, 3), GemvConfig(32, 64, 1, 3), GemvConfig(4, 16, 1, 3)]}
     cpu = torch.device("cpu")
     kw: dict[str, Any] = dict(sweep=lambda p, t: sweep[p.kind], dtype=torch.float32, iters=3,
                               min_gain=0.0, copy_bytes=1 << 20)
@@ -300,17 +288,16 @@ def test_tune_run_writes_a_table_the_runtime_picks(
                 listed += 1
     assert listed >= 6  # of 12: the larger tiles win on the interpreter
     assert f"| {problems[0].key()} | 1 |" in capsys.readouterr().out
-    monkeypatch.setenv("FTSERVE_GEMV_CONFIG_FILE", str(path))
+    kc = KernelConfig(gemv_table=str(path))
     g = torch.Generator().manual_seed(5)
     w13 = torch.randn(e, 2 * inter, h, generator=g) / h**0.5
     w2 = torch.randn(e, h, inter, generator=g) / inter**0.5
     for t in (1, 2):
-        gu = gc.pick(problems[0].key(), t, CUDA0) or gc.default("moe_gate_up", False)
-        dn = gc.pick(problems[1].key(), t, CUDA0) or gc.default("moe_down", False)
+        gu = gc.pick(problems[0].key(), t, CUDA0, kc) or gc.default("moe_gate_up", False)
+        dn = gc.pick(problems[1].key(), t, CUDA0, kc) or gc.default("moe_down", False)
         x = torch.randn(t, h, generator=g)
         weights, ids = route_topk_ref(torch.randn(t, e, generator=g), k, True)
-        out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, down3d=True, gate_up_acc=False,
-                                       configs=(gu, dn))
+        out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, configs=(gu, dn))
         assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-5
 
 
@@ -335,20 +322,14 @@ def _check_entry(key: str, t: int, cfg: GemvConfig) -> float:
         w2 = (torch.randn(e, h, inter, device="cuda") / inter**0.5).bfloat16()
         x = torch.randn(t, h, device="cuda").bfloat16()
         weights, ids = route_topk_ref(torch.randn(t, e, device="cuda"), k, True)
-        acc, down3d = kind == "moe_gate_up_acc", kind != "moe_down2d"
-        gu_kind = kind if kind.startswith("moe_gate_up") else "moe_gate_up"
-        dn_kind = kind if kind.startswith("moe_down") else "moe_down"
-        cfgs = (cfg if gu_kind == kind else gc.default(gu_kind, True), cfg if dn_kind == kind else gc.default(dn_kind, True))
-        out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, down3d=down3d, gate_up_acc=acc, configs=cfgs)
+        cfgs = (cfg if kind == "moe_gate_up" else gc.default("moe_gate_up", True),
+                cfg if kind == "moe_down" else gc.default("moe_down", True))
+        out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, configs=cfgs)
         return rel_err(out, fused_moe_ref(x, w13, w2, weights, ids))
     n, kd = shape["N"], shape["K"]
     w = (torch.randn(n, kd, device="cuda") / kd**0.5).bfloat16()
     x = torch.randn(t, kd, device="cuda").bfloat16()
-    if kind == "dense_norm":
-        r, nw = torch.randn_like(x), torch.ones(kd, device="cuda").bfloat16()
-        y = gv.gemv_triton(x, w, None, nw, r, 1e-6, config=cfg)[0]
-        return rel_err(y, torch.nn.functional.linear(fused_add_rms_norm_ref(x, r, nw, 1e-6)[0].float(), w.float()))
-    return rel_err(gv.gemv_triton(x, w, config=cfg)[0], torch.nn.functional.linear(x.float(), w.float()))
+    return rel_err(gv.gemv_triton(x, w, config=cfg), torch.nn.functional.linear(x.float(), w.float()))
 
 
 @pytest.mark.gpu
@@ -367,29 +348,29 @@ def test_gpu_packaged_gemv_table_configs_match_reference() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_tune_gemv_short_run_feeds_the_launchers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_tune_gemv_short_run_feeds_the_launchers(tmp_path: Path) -> None:
     """A short real tuner run (3 candidates per kernel, every best written):
-    the table loads, and with FTSERVE_GEMV_CONFIG_FILE set the launchers' own
-    lookup (no config passed) runs the entries and matches the reference."""
+    the table loads, and with a KernelConfig naming it the launchers' own
+    lookup (no launch config passed) runs the entries and matches the reference."""
     problems = [tune.PROBLEMS["gate_up"], tune.PROBLEMS["down"], tune.PROBLEMS["o_proj"]]
     path = tune.run(tmp_path, 60.0, problems, (1,), torch.device("cuda"), cap=3, min_gain=-0.5,
                     copy_bytes=256 << 20)
     table = gc.load_table(str(path))
-    monkeypatch.setenv("FTSERVE_GEMV_CONFIG_FILE", str(path))
+    kc = KernelConfig(gemv_table=str(path))
     torch.manual_seed(1)
     for key, by_t in table.items():
         for t, cfg in by_t.items():
-            assert gc.pick(key, t, torch.device("cuda")) == cfg
+            assert gc.pick(key, t, torch.device("cuda"), kc) == cfg
     e, k, h, inter = tune.QWEN3_MOE
     w13 = (torch.randn(e, 2 * inter, h, device="cuda") / h**0.5).bfloat16()
     w2 = (torch.randn(e, h, inter, device="cuda") / inter**0.5).bfloat16()
     x = torch.randn(1, h, device="cuda").bfloat16()
     weights, ids = route_topk_ref(torch.randn(1, e, device="cuda"), k, True)
-    out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, down3d=True, gate_up_acc=False)
+    out = mg.fused_moe_gemv_triton(x, w13, w2, weights, ids, kernels=kc)
     assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 2e-2
     xo = torch.randn(1, 4096, device="cuda").bfloat16()
     wo = (torch.randn(2048, 4096, device="cuda") / 64).bfloat16()
-    assert rel_err(gv.gemv_triton(xo, wo)[0], torch.nn.functional.linear(xo.float(), wo.float())) < 2e-2
+    assert rel_err(gv.gemv_triton(xo, wo, kernels=kc), torch.nn.functional.linear(xo.float(), wo.float())) < 2e-2
 
 
 def test_shipped_tables_parse() -> None:

@@ -13,9 +13,9 @@ from typing import Any
 import openai
 import pytest
 
+from ftserve.chat.generation_defaults import sampling_defaults
 from ftserve.config import ServerConfig
 from ftserve.models.checkpoint import write_checkpoint
-from ftserve.server.generation_defaults import sampling_defaults
 from tests.server_harness import (
     TEST_ENGINE,
     TEST_SERVER,

@@ -11,10 +11,10 @@ dummy bf16 weights, Triton attention and CUDA-graph decode:
 - greedy outputs with CUDA graphs equal eager outputs;
 - CUDA bf16 logits are close to the CPU fp32 reference for the same weights.
 
-Plus two CPU tests that keep tools/bench_engine.py honest: its FLOP / byte
+Plus two CPU tests that keep tools/bench/engine.py honest: its FLOP / byte
 accounting against hand counts, and a --smoke run end to end.
 
-The Scheduler and ModelRunner are driven synchronously (tools.engine_driver's
+The Scheduler and ModelRunner are driven synchronously (tools.bench.engine_driver's
 EngineDriver), so every step is checked on its own. Each scenario runs once
 unchecked first: Triton compiles (and any autotuning) happen at first launch
 of a shape, which is start-up cost, not the steady state the rule is about.
@@ -26,19 +26,20 @@ import contextlib
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from ftserve.config import EngineConfig
+from ftserve.engine.driver import EngineDriver
 from ftserve.engine.engine import Engine
 from ftserve.engine.request import Req, ReqState
 from ftserve.engine.runner import Launched
 from ftserve.engine.sampler import SamplerFeatures
 from ftserve.engine.scheduler import ScheduledBatch
+from ftserve.models.checkpoint import write_config
 from tests.engine_util import make_context_sensitive
-from tools.bench_common import write_model_config
-from tools.engine_driver import EngineDriver
 
 CHUNK = 256  # max_prefill_length
 # tiny-moe widened so the Triton kernels run at realistic tile shapes.
@@ -49,10 +50,10 @@ SCALE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return write_model_config("tiny-moe", Path(tmp_path_factory.mktemp("gpu-moe")), layers=2, **SCALE)
+    return write_config("tiny-moe", Path(tmp_path_factory.mktemp("gpu-moe")), layers=2, **SCALE)
 
 
-def make_engine(model_dir: str, device: str = "cuda", graphs: bool = True) -> Engine:
+def make_engine(model_dir: str, device: str = "cuda", graphs: bool = True, **kw: Any) -> Engine:
     from ftserve.engine.setup import build_engine
 
     cfg = EngineConfig(
@@ -60,7 +61,7 @@ def make_engine(model_dir: str, device: str = "cuda", graphs: bool = True) -> En
         dtype="bfloat16" if device == "cuda" else "float32",
         attention_backend="triton" if device == "cuda" else "torch",
         page_size=16, num_pages=1024, max_prefill_length=CHUNK, max_running_requests=8,
-        cuda_graph_max_bs=8 if graphs else 0, status_log_interval=0.0,
+        cuda_graph_max_bs=8 if graphs else 0, status_log_interval=0.0, **kw,
     )
     return build_engine(cfg)
 
@@ -322,25 +323,20 @@ def test_sampled_decode_graph_variants_equal_eager(engine: Engine, model_dir: st
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dense", ["linear", "1"])
-def test_pdl_graph_decode_equals_default(engine: Engine, model_dir: str, dense: str,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_PDL=1 (ftserve_kernels/pdl.py): graphs captured with programmatic
-    dependent launches decode the same greedy tokens as the default engine
-    (dense "1": every GEMV a Triton kernel, the longest PDL chains)."""
-    monkeypatch.setenv("FTSERVE_DENSE_GEMV", dense)
+def test_pdl_graph_decode_equals_default(engine: Engine, model_dir: str) -> None:
+    """PDL (ftserve_kernels/pdl.py): graphs captured with programmatic
+    dependent launches decode the same greedy tokens as graphs without."""
     rng = random.Random(11)
     prompts = {bs: [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 60))] for _ in range(bs)]
                for bs in (1, 3, 8)}
-    monkeypatch.setenv("FTSERVE_PDL", "0")
-    plain = make_engine(model_dir)
+    plain = make_engine(model_dir, pdl=False)
     try:
         plain.runner.model.load_state_dict(engine.runner.model.state_dict())
         want = {bs: run_greedy(plain, p, 16) for bs, p in prompts.items()}
     finally:
         plain.shutdown()
-    monkeypatch.setenv("FTSERVE_PDL", "1")
-    linked = make_engine(model_dir)  # graphs captured with the PDL launches
+    linked = make_engine(model_dir)  # graphs captured with the PDL launches (the default)
+    assert linked.runner.kernels.pdl
     try:
         linked.runner.model.load_state_dict(engine.runner.model.state_dict())
         for bs, p in prompts.items():
@@ -352,12 +348,10 @@ def test_pdl_graph_decode_equals_default(engine: Engine, model_dir: str, dense: 
 @pytest.mark.gpu
 def test_routed_oproj_graph_decode_equals_eager(engine: Engine, model_dir: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_DECODE_ROUTE_IN_OPROJ (one decode row: o_proj routes, the experts
-    weigh): graphs decode the same greedy tokens as eager steps. Routing sees
-    logits rounded otherwise than the unfused path, so the tokens are compared
-    within the switch, not against the default. The graphs are captured again
-    after the weights are copied in: the folded router derives from them."""
-    monkeypatch.setenv("FTSERVE_DECODE_ROUTE_IN_OPROJ", "1")
+    """At one decode row o_proj routes and the experts weigh: graphs decode the
+    same greedy tokens as eager steps (which route the same way). The graphs are
+    captured again after the weights are copied in: the folded router derives
+    from them."""
     rng = random.Random(13)
     prompts = {bs: [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 60))] for _ in range(bs)]
                for bs in (1, 3)}
@@ -476,7 +470,7 @@ def test_prompt_logprobs_without_hidden_syncs(engine: Engine) -> None:
 def test_bench_accounting_matches_hand_counts() -> None:
     from ftserve.models.config import ModelConfig
     from ftserve.models.presets import PRESETS
-    from tools.bench_common import decode_step_bytes, expected_distinct_experts, prefill_flops
+    from tools.bench.common import decode_step_bytes, expected_distinct_experts, prefill_flops
 
     cfg = ModelConfig.from_hf({**PRESETS["qwen3-30b-a3b"], "num_hidden_layers": 8})
     h, i, e, k, v = 2048, 768, 128, 8, 151936
@@ -500,7 +494,7 @@ def test_bench_accounting_matches_hand_counts() -> None:
 
 
 def test_bench_engine_smoke_cpu(tmp_path: Path) -> None:
-    from tools.bench_engine import main
+    from tools.bench.engine import main
 
     out = tmp_path / "bench.json"
     res = main(["--smoke", "--budget-s", "600", "--out", str(out), "--sections", "cold,cached,decode"])
@@ -516,5 +510,7 @@ def test_bench_engine_smoke_cpu(tmp_path: Path) -> None:
         assert ctx <= r["mean_context"] <= ctx + 8
         # tiny-moe routes 4 of 16 experts: one token touches exactly 4 distinct ones.
         assert (r["experts_per_layer_measured"] == 4.0) if bs == 1 else 4.0 <= r["experts_per_layer_measured"] <= 12.0
-        assert 0 < r["frac_of_roofline"] < 1.0
+        # The CPU's copy rate, measured beside other work, is a loose roofline: the
+        # ratio is sane, not bounded by 1 as on an idle GPU.
+        assert 0 < r["frac_of_roofline"] < 4.0
     assert res["base_prefill"]["tokens"] == 256

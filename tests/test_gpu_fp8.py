@@ -31,9 +31,9 @@ import pytest
 import torch
 
 from ftserve.engine.engine import Engine
+from ftserve.models.checkpoint import write_config
 from tests.engine_util import make_context_sensitive
 from tests.test_gpu_engine import CHUNK, SCALE, cpu_twin, run_greedy, scenario
-from tools.bench_common import write_model_config
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     # q 8 x 64 and k / v 2 x 64 rows: the fused projection's parts meet the 128-row grid.
-    return write_model_config("tiny-moe-fp8", Path(tmp_path_factory.mktemp("gpu-fp8")), layers=2, **SCALE)
+    return write_config("tiny-moe-fp8", Path(tmp_path_factory.mktemp("gpu-fp8")), layers=2, **SCALE)
 
 
 def make_engine(model_dir: str, graphs: bool = True, slots: int | None = None) -> Engine:

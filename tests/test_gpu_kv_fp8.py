@@ -1,6 +1,6 @@
 """fp8 e4m3 KV on the GPU (issue 7 item 1) at real shapes: the Triton store is
-bit-exact with the torch twin, decode (split-K, plain and fused reduce) and
-extend (per head and GQA-packed) match the twin on fp8 pages, a captured decode
+bit-exact with the torch twin, decode (split-K) and
+extend match the twin on fp8 pages, a captured decode
 graph replays like eager, and the engine (scaled tiny-moe, Triton, CUDA graphs)
 runs with an fp8 pool without hidden syncs and close to bf16 KV.
 
@@ -18,6 +18,7 @@ import torch
 from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.kvcache.pool import KVPool
+from ftserve.models.checkpoint import write_config
 from ftserve.models.forward_batch import build_forward_batch
 from ftserve_kernels import attention_triton as at
 from ftserve_kernels.paged_attention import (
@@ -29,7 +30,6 @@ from ftserve_kernels.paged_attention import (
 )
 from tests.engine_util import make_context_sensitive
 from tests.test_gpu_engine import CHUNK, SCALE, run_greedy, scenario
-from tools.bench_common import write_model_config
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -88,8 +88,7 @@ def test_store_bit_exact_real_shape() -> None:
     assert torch.equal(a.k_scale, b.k_scale) and torch.equal(a.v_scale, b.v_scale)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_decode_fp8_real_shapes(fused: bool) -> None:
+def test_decode_fp8_real_shapes() -> None:
     """B=4, 32/4 heads, d 128, pages of 16, contexts up to 32k; bf16 queries."""
     lens = [4096, 17, 32768, 1000]
     tables, pages = tables_for(lens, 16)
@@ -98,7 +97,7 @@ def test_decode_fp8_real_shapes(fused: bool) -> None:
     q = (3 * torch.randn(4, 32, 128, generator=g, device=DEV)).bfloat16()
     fb = build_forward_batch([[1]] * 4, [n - 1 for n in lens], tables, pool,
                              at.TritonAttentionBackend(), is_decode=True)
-    cfg = at.AttnKernelConfig(decode_fused_reduce=fused)
+    cfg = at.AttnKernelConfig()
     be = at.TritonAttentionBackend(cfg=cfg)
     splits = be.num_splits(4, 4, q.device)
     out = at.decode_attention_triton(q, pool.k[0], pool.v[0], fb.attn.page_table, fb.attn.seq_lens,
@@ -110,8 +109,7 @@ def test_decode_fp8_real_shapes(fused: bool) -> None:
     assert rel_err(out, ref) < 2e-2
 
 
-@pytest.mark.parametrize("pack", [False, True])
-def test_extend_fp8_real_shapes(pack: bool) -> None:
+def test_extend_fp8_real_shapes() -> None:
     """512 new tokens over a 3000-token prefix plus a cold 100-token prompt."""
     new, pre = [512, 100], [3000, 0]
     tables, pages = tables_for([n + p for n, p in zip(new, pre)], 16)
@@ -121,7 +119,7 @@ def test_extend_fp8_real_shapes(pack: bool) -> None:
     q = (3 * torch.randn(t, 32, 128, generator=g, device=DEV)).bfloat16()
     k = torch.randn(t, 4, 128, generator=g, device=DEV).bfloat16()
     v = torch.randn(t, 4, 128, generator=g, device=DEV).bfloat16()
-    be = at.TritonAttentionBackend(cfg=at.AttnKernelConfig(extend_pack_gqa=pack))
+    be = at.TritonAttentionBackend(cfg=at.AttnKernelConfig())
     fb = build_forward_batch([[1] * n for n in new], pre, tables, pool, be)
     out = be.forward(q, k, v, 0, fb)  # stores (quantizes) the new tokens, then attends
     seq = [n + p for n, p in zip(new, pre)]
@@ -168,7 +166,7 @@ def test_decode_fp8_graph_replay_equals_eager() -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return write_model_config("tiny-moe", Path(tmp_path_factory.mktemp("gpu-fp8")), layers=2,
+    return write_config("tiny-moe", Path(tmp_path_factory.mktemp("gpu-fp8")), layers=2,
                               **SCALE)
 
 

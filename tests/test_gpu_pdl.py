@@ -1,4 +1,4 @@
-"""FTSERVE_PDL on the GPU: a decode layer's kernel chain gives bit-identical
+"""PDL on the GPU: a decode layer's kernel chain gives bit-identical
 outputs with and without programmatic dependent launch, eagerly and replayed
 from a CUDA graph (a missing or misplaced wait would read a producer's output
 before it is written: poisoned buffers make that visible)."""
@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from ftserve_kernels import pdl
+from ftserve_kernels.config import KernelConfig
 
 pytestmark = pytest.mark.gpu
 
 
-def _chain(g: torch.Generator) -> Callable[[], list[torch.Tensor]]:
+def _chain(g: torch.Generator) -> Callable[[KernelConfig], list[torch.Tensor]]:
     """One decode layer's Triton launches at batch 2, qwen3-30b-a3b widths: input
     norm, o_proj-like GEMV, split-K attention, residual add + norm + router,
     expert gate/up and down."""
@@ -44,13 +45,13 @@ def _chain(g: torch.Generator) -> Callable[[], list[torch.Tensor]]:
     seq_lens = torch.tensor([ctx, ctx - 777], dtype=torch.int32, device=dev)
     counter = torch.zeros(1, dtype=torch.int32, device=dev)
 
-    def run() -> list[torch.Tensor]:
-        n1, s1 = fused_add_rms_norm_triton(x, res, norm_w, 1e-6)
+    def run(kc_: KernelConfig) -> list[torch.Tensor]:
+        n1, s1 = fused_add_rms_norm_triton(x, res, norm_w, 1e-6, kernels=kc_)
         q = n1.repeat(1, 2).view(t, hq, d)  # [T, Hq, D] from the normed rows
-        attn = decode_attention_triton(q, kc, vc, table, seq_lens, page, d ** -0.5, 16)
-        o, _ = gemv_triton(attn.view(t, hq * d), w_o)
-        n2, s2, wts, ids = add_norm_route_triton(o, s1, norm_w, 1e-6, gate, k, True, counter)
-        out = fused_moe_gemv_triton(n2, w13, w2, wts, ids)
+        attn = decode_attention_triton(q, kc, vc, table, seq_lens, page, d ** -0.5, 16, kernels=kc_)
+        o = gemv_triton(attn.view(t, hq * d), w_o, kernels=kc_)
+        n2, s2, wts, ids = add_norm_route_triton(o, s1, norm_w, 1e-6, gate, k, True, counter, kernels=kc_)
+        out = fused_moe_gemv_triton(n2, w13, w2, wts, ids, kernels=kc_)
         return [n1, s1, attn, o, n2, s2, wts, ids, out]
 
     return run
@@ -87,7 +88,7 @@ def _assert_eager_and_replays_equal(run: Callable[[], list[torch.Tensor]], ref: 
             assert torch.equal(a, b), f"output {i} differs (graph replay)"
 
 
-def _decode_qk_chain(g: torch.Generator) -> Callable[[], list[torch.Tensor]]:
+def _decode_qk_chain(g: torch.Generator) -> Callable[[KernelConfig], list[torch.Tensor]]:
     """Batch 1 at qwen3-30b-a3b widths, one decode layer's launches as the model
     makes them: the prenormed qkv GEMV, split-K attention from raw q/k (DecodeQK:
     its norms, rotary and KV store in the split kernel), o_proj, norm + router,
@@ -125,32 +126,32 @@ def _decode_qk_chain(g: torch.Generator) -> Callable[[], list[torch.Tensor]]:
     cos_sin = torch.cat([ang.cos(), ang.sin()], 1).float().to(dev)  # [ctx, d]
     counters = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(2)]
 
-    def run() -> list[torch.Tensor]:
-        qkv = ops.linear(xn, w_qkv, None)
+    def run(kc_: KernelConfig) -> list[torch.Tensor]:
+        qkv = ops.linear(kc_, xn, w_qkv, None)
         qh, kh, vh = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         qk = DecodeQK(kh.view(1, hkv, d), vh.view(1, hkv, d), q_w, k_w, 1e-6, positions, cos_sin, loc)
         attn = decode_attention_triton(qh.view(1, hq, d), kc, vc, table, seq_lens, page, d ** -0.5, 128,
-                                       qk=qk)
-        o = ops.linear(attn.view(1, hq * d), w_o, None)
-        n2, s2, wts, ids = add_norm_route_triton(o, res, norm_w, 1e-6, gate, k, True, counters[0])
-        out = fused_moe_gemv_triton(n2, w13, w2, wts, ids)
-        n3, s3, _ = fused_moe_add_norm_gemv_triton(n2, w13, w2, wts, ids, NormNext(s2, norm_w, 1e-6, counters[1]))
+                                       qk=qk, kernels=kc_)
+        o = ops.linear(kc_, attn.view(1, hq * d), w_o, None)
+        n2, s2, wts, ids = add_norm_route_triton(o, res, norm_w, 1e-6, gate, k, True, counters[0], kernels=kc_)
+        out = fused_moe_gemv_triton(n2, w13, w2, wts, ids, kernels=kc_)
+        n3, s3, _ = fused_moe_add_norm_gemv_triton(n2, w13, w2, wts, ids, NormNext(s2, norm_w, 1e-6, counters[1]),
+                                                   kernels=kc_)
         return [qkv, attn, o, n2, s2, wts, ids, out, n3, s3]
 
     return run
 
 
 @pytest.mark.parametrize("chain,seed", [(_chain, 5), (_decode_qk_chain, 9)], ids=["layer", "decode_qk"])
-def test_pdl_chain_bit_identical(monkeypatch: pytest.MonkeyPatch, chain: Callable[..., Any], seed: int) -> None:
-    """A decode layer's launches linked by FTSERVE_PDL=1 (the plain chain, and the
+def test_pdl_chain_bit_identical(chain: Callable[..., Any], seed: int) -> None:
+    """A decode layer's launches linked by PDL (the plain chain, and the
     model's batch-1 order: DecodeQK attention, the down kernel with the next
     norm): the bits of the unlinked launches, eagerly over poisoned memory and in
     graph replays over poisoned outputs."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs sm_90")
     run = chain(torch.Generator().manual_seed(seed))
-    monkeypatch.setenv("FTSERVE_PDL", "0")
-    ref = [r.clone() for r in run()]
-    monkeypatch.setenv("FTSERVE_PDL", "1")
-    assert pdl.active(ref[0]) == 1, "PDL should be on for this test"
-    _assert_eager_and_replays_equal(run, ref)
+    ref = [r.clone() for r in run(KernelConfig(pdl=False))]
+    linked = KernelConfig(pdl=True)
+    assert pdl.active(ref[0], linked), "PDL should be on for this test"
+    _assert_eager_and_replays_equal(lambda: run(linked), ref)

@@ -1,4 +1,4 @@
-"""The codec's compiled-grammar cache (server/text.py): one compile per grammar,
+"""The codec's compiled-grammar cache (chat/text.py): one compile per grammar,
 fresh independent matchers per request, a bounded LRU, rejected grammars not kept."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import llguidance
 import numpy as np
 import pytest
 
+from ftserve.chat import text as text_mod
 from ftserve.engine.grammar import GrammarMatcher, MaskFiller, mask_words
-from ftserve.server import text as text_mod
 from ftserve.tokenizer import load_tokenizer
 
 

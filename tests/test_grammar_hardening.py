@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ftserve.server.response_format import MAX_BYTES
+from ftserve.chat.response_format import MAX_BYTES
 from tests.server_harness import TEST_SERVER, Live
 from tests.test_server_errors import call
 
@@ -134,7 +134,7 @@ def test_a_grammar_the_library_crashes_on_is_a_400_once(live: Live, monkeypatch:
     """1,500 rules of 15 nested groups (within every bound) overflow even the
     sandbox's stack: the child dies, the client gets a 400, the server serves on,
     and the same grammar again is answered from what was kept, without a child."""
-    from ftserve.server.grammar_sandbox import Sandbox
+    from ftserve.chat.grammar_sandbox import Sandbox
 
     checks: list[str] = []
     real = Sandbox.check
@@ -153,21 +153,20 @@ def test_a_grammar_the_library_crashes_on_is_a_400_once(live: Live, monkeypatch:
 
 
 def test_a_check_past_its_timeout_is_a_400_and_not_kept(tmp_path: Any) -> None:
+    from ftserve.chat.errors import RequestError
+    from ftserve.chat.grammar_service import GrammarService
+    from ftserve.chat.response_format import constraint
+    from ftserve.chat.text import TokenizerCodec
     from ftserve.models.checkpoint import write_checkpoint
-    from ftserve.server.errors import APIError
-    from ftserve.server.grammar_service import GrammarService
-    from ftserve.server.response_format import parse
-    from ftserve.server.text import TokenizerCodec
     from ftserve.tokenizer import load_tokenizer
 
     write_checkpoint("tiny-moe", tmp_path, config_only=True)
     text = TokenizerCodec(load_tokenizer(tmp_path))
     vocab = text.tokenizer.vocab_size
-    fmt = parse({"guided_regex": "[0-9]+"})
-    assert fmt is not None
+    fmt = constraint("regex", "[0-9]+", "guided_regex")
     slow = GrammarService(workers=1, timeout=1e-4)  # less than the child takes to start
     try:
-        with pytest.raises(APIError) as err:
+        with pytest.raises(RequestError) as err:
             asyncio.run(slow.matchers(fmt, text, vocab, 1))
         assert err.value.param == "guided_regex" and "took over" in err.value.message
         assert not slow._checked  # the machine may have been busy: not remembered

@@ -10,7 +10,10 @@ import torch
 
 from ftserve.engine.cuda_graph import MIN_FLAG
 from ftserve_kernels import ops
+from ftserve_kernels.config import KernelConfig
 from ftserve_kernels.decode_inputs import (
+    WORDS,
+    DecodeRow,
     InputNorm,
     decode_inputs_ref,
     decode_inputs_triton,
@@ -37,15 +40,15 @@ def test_decode_inputs_equal_reference(
     last = torch.randint(0, vocab, (rows,), generator=g)
     embed = torch.randn(vocab, hidden, generator=g).to(torch.bfloat16) if with_embed else None
     norm = InputNorm((1 + 0.2 * torch.randn(hidden, generator=g)).to(torch.bfloat16), 1e-6) if with_norm else None
-    packed = torch.stack([
-        torch.randint(0, vocab, (bsz,), generator=g),  # host-known id
-        torch.randint(0, 4000, (bsz,), generator=g),  # position
-        torch.randint(0, 9000, (bsz,), generator=g),  # KV slot
-        torch.randint(1, 4000, (bsz,), generator=g),  # seq len
-        torch.tensor([0, 3 | MIN_FLAG, 5, 2 | MIN_FLAG, 5]),  # slot, flag; 5 = the sink row
-        torch.randint(0, 99, (bsz,), generator=g),  # step
-        torch.tensor([-1, 2, -1, 0, 4]),  # src row of last (-1: the host's id)
-    ], dim=1).contiguous()
+    packed = torch.stack(DecodeRow(
+        input_id=torch.randint(0, vocab, (bsz,), generator=g),  # host-known id
+        position=torch.randint(0, 4000, (bsz,), generator=g),
+        out_cache_loc=torch.randint(0, 9000, (bsz,), generator=g),
+        seq_len=torch.randint(1, 4000, (bsz,), generator=g),
+        slot=torch.tensor([0, 3 | MIN_FLAG, 5, 2 | MIN_FLAG, 5]),  # with the flag; 5 = the sink row
+        step=torch.randint(0, 99, (bsz,), generator=g),
+        src_row=torch.tensor([-1, 2, -1, 0, 4]),  # row of last (-1: the host's id)
+    ), dim=1).contiguous()
     got = decode_inputs_triton(packed, last, page_table, embed, MIN_FLAG, norm, block_p=block_p)
     ref = decode_inputs_ref(packed, last, page_table, embed, MIN_FLAG, norm)
     for f in dataclasses.fields(ref):
@@ -66,7 +69,7 @@ def test_decode_inputs_equal_reference(
         assert torch.equal(rows_e, got.embeds) and torch.equal(normed_e, got.normed)
         ref_rows, ref_normed = embed_rms_norm_ref(got.input_ids, embed, norm)
         assert torch.equal(ref_rows, got.embeds) and torch.equal(ref_normed, ref.normed)
-    assert got.input_ids[1] == last[2] and got.input_ids[0] == packed[0, 0]
+    assert got.input_ids[1] == last[2] and got.input_ids[0] == DecodeRow(*packed.t()).input_id[0]
     assert got.min_active.tolist() == [False, True, False, True, False]
     assert got.slots.tolist() == [0, 3, 5, 2, 5]
 
@@ -89,20 +92,23 @@ def test_decode_inputs_read_the_staged_row(side: int) -> None:
 
     def rows(seed: int) -> torch.Tensor:
         r = torch.Generator().manual_seed(seed)
-        return torch.stack([
-            torch.randint(0, vocab, (bsz,), generator=r), torch.randint(0, 90, (bsz,), generator=r),
-            torch.randint(0, 900, (bsz,), generator=r), torch.randint(1, 90, (bsz,), generator=r),
-            torch.tensor([0, 2 | MIN_FLAG, 3]), torch.randint(0, 9, (bsz,), generator=r),
-            torch.tensor([-1, 1, -1]),
-        ], dim=1).contiguous()
+        return torch.stack(DecodeRow(
+            input_id=torch.randint(0, vocab, (bsz,), generator=r),
+            position=torch.randint(0, 90, (bsz,), generator=r),
+            out_cache_loc=torch.randint(0, 900, (bsz,), generator=r),
+            seq_len=torch.randint(1, 90, (bsz,), generator=r),
+            slot=torch.tensor([0, 2 | MIN_FLAG, 3]), step=torch.randint(0, 9, (bsz,), generator=r),
+            src_row=torch.tensor([-1, 1, -1]),
+        ), dim=1).contiguous()
 
     # Two different rows, wider than the batch (the graph's pair is max_bs wide).
-    pair = torch.full((2, 7 * bsz + 5), -7, dtype=torch.int64)
-    pair[0, :7 * bsz] = rows(10).view(-1)
-    pair[1, :7 * bsz] = rows(11).view(-1)
-    staged = StagedRows(pair[:, :7 * bsz], torch.tensor([side], dtype=torch.int32))
-    decoy = torch.zeros(bsz, 7, dtype=torch.int64)  # shape only: never read
-    packed = pair[side, :7 * bsz].view(bsz, 7).clone()
+    n = WORDS * bsz
+    pair = torch.full((2, n + 5), -7, dtype=torch.int64)
+    pair[0, :n] = rows(10).view(-1)
+    pair[1, :n] = rows(11).view(-1)
+    staged = StagedRows(pair[:, :n], torch.tensor([side], dtype=torch.int32))
+    decoy = torch.zeros(bsz, WORDS, dtype=torch.int64)  # shape only: never read
+    packed = pair[side, :n].view(bsz, WORDS).clone()
     for fn in (decode_inputs_triton, decode_inputs_ref):
         want = fn(packed, last, page_table, embed, MIN_FLAG, norm)
         got = fn(decoy, last, page_table, embed, MIN_FLAG, norm, staged=staged)
@@ -112,13 +118,13 @@ def test_decode_inputs_read_the_staged_row(side: int) -> None:
 
 
 @interpreter_only
-def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    packed = torch.tensor([[4, 1, 17, 2, 1, 0, -1]])
+def test_ops_dispatch() -> None:
+    packed = torch.tensor([DecodeRow(input_id=4, position=1, out_cache_loc=17, seq_len=2, slot=1, step=0,
+                                     src_row=-1)])
     pt = torch.arange(12, dtype=torch.int32).view(3, 4)
     last = torch.zeros(3, dtype=torch.int64)
     for kernels in ("torch", "triton"):
-        monkeypatch.setenv("FTSERVE_KERNELS", kernels)
-        d = ops.decode_inputs(packed, last, pt, None, MIN_FLAG)
+        d = ops.decode_inputs(KernelConfig(backend=kernels), packed, last, pt, None, MIN_FLAG)
         assert d.page_rows.tolist() == [[4, 5, 6, 7]] and d.prefix_lens.tolist() == [1]
 
 
@@ -135,11 +141,11 @@ def test_gpu_decode_inputs_norm_real_shape() -> None:
     norm = InputNorm((1 + 0.1 * torch.randn(hidden, generator=g, device=dev)).to(torch.bfloat16), 1e-6)
     page_table = torch.randint(0, 1000, (16, 512), generator=g, device=dev, dtype=torch.int32)
     last = torch.randint(0, vocab, (16,), generator=g, device=dev)
-    packed = torch.zeros(bsz, 7, dtype=torch.int64, device=dev)
-    packed[:, 0] = torch.randint(0, vocab, (bsz,), generator=g, device=dev)
-    packed[:, 3] = 1
-    packed[:, 4] = torch.arange(bsz, device=dev)
-    packed[:, 6] = torch.tensor([-1, 3, -1, -1, 7, -1, -1, 0], device=dev)
+    zeros = torch.zeros(bsz, dtype=torch.int64, device=dev)
+    packed = torch.stack(DecodeRow(
+        input_id=torch.randint(0, vocab, (bsz,), generator=g, device=dev), position=zeros, out_cache_loc=zeros,
+        seq_len=zeros + 1, slot=torch.arange(bsz, device=dev), step=zeros,
+        src_row=torch.tensor([-1, 3, -1, -1, 7, -1, -1, 0], device=dev)), dim=1).contiguous()
     got = decode_inputs_triton(packed, last, page_table, embed, MIN_FLAG, norm)
     assert got.normed is not None and got.embeds is not None
     rows, normed = embed_rms_norm_triton(got.input_ids, embed, norm)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ftserve_kernels import sampling as ks
+from ftserve_kernels.config import KernelConfig
 from ftserve_kernels.filter_triton import apply_cuts_ref, filter_cuts_triton, float_keys
 from ftserve_kernels.greedy_triton import greedy_sample_triton
 
@@ -107,8 +108,8 @@ def test_the_fused_draw_under_cuts_equals_the_filtered_reference_draw() -> None:
         assert int(counters.abs().sum()) == 0
 
 
-def test_sampler_filtering_on_triton_equals_the_sorting_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine's sampler with FTSERVE_KERNELS=triton (the interpreter here, CUDA
+def test_sampler_filtering_on_triton_equals_the_sorting_path() -> None:
+    """The engine's sampler with the "triton" kernel backend (the interpreter here, CUDA
     in service) draws what the torch path (sort, mask, Gumbel) draws, for a step
     of short filters (the fused path) and one with a top-p alone (the sort)."""
     from ftserve.engine.sampler import Sampler, SamplerFeatures
@@ -127,8 +128,7 @@ def test_sampler_filtering_on_triton_equals_the_sorting_path(monkeypatch: pytest
     logits[0, 4] = 20.0  # the stop id on top, masked below min_tokens
     out = {}
     for kernels in ("torch", "triton"):
-        monkeypatch.setenv("FTSERVE_KERNELS", kernels)
-        s = Sampler(vocab, 8, "cpu")
+        s = Sampler(vocab, 8, "cpu", kernels=KernelConfig(backend=kernels))
         for slot, sp in enumerate(params):
             s.admit(slot, sp, [], [4] if slot == 0 else [])
         assert s.features_of(range(6)) == SamplerFeatures(sampling=True, filtering=True)
@@ -142,8 +142,7 @@ def test_sampler_filtering_on_triton_equals_the_sorting_path(monkeypatch: pytest
 
 
 @pytest.mark.parametrize("filtering", [False, True])
-def test_composed_stages_with_the_fused_draw_equal_the_torch_path(filtering: bool,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_composed_stages_with_the_fused_draw_equal_the_torch_path(filtering: bool) -> None:
     """Penalties, logit bias and logprobs (the composed stages) on Triton end in
     greedy_triton's one launch (argmax, temperature, Gumbel draw, the copy into
     ``last``): the tokens, logprobs and ``last`` of the torch path."""
@@ -162,8 +161,7 @@ def test_composed_stages_with_the_fused_draw_equal_the_torch_path(filtering: boo
     logits[2, 9] = 15.0  # the stop id on top: masked below min_tokens
     out = {}
     for kernels in ("torch", "triton"):
-        monkeypatch.setenv("FTSERVE_KERNELS", kernels)
-        s = Sampler(vocab, 6, "cpu")
+        s = Sampler(vocab, 6, "cpu", kernels=KernelConfig(backend=kernels))
         for slot, sp in enumerate(params):
             s.admit(slot, sp, list(range(slot, 40, 3)), [9] if slot == 2 else [])
         feats = s.features_of(range(len(params)))

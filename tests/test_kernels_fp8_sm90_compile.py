@@ -36,7 +36,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     from ftserve_kernels import fp8_moe_gemv_triton as fmg
     from ftserve_kernels import fp8_moe_triton as fm
     from ftserve_kernels import fp8_quant as fq
-    from tools.compile_decode_kernels import constexpr_defaults
+    from tests.sm90_compile import constexpr_defaults
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     results: dict[str, dict[str, Any]] = {}

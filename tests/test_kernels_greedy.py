@@ -10,6 +10,7 @@ import torch
 from ftserve.engine.sampler import Sampler, SamplerFeatures
 from ftserve.engine.sampling_params import SamplingParams
 from ftserve_kernels.bookkeeping import StagedRows
+from ftserve_kernels.config import KernelConfig
 from ftserve_kernels.greedy_triton import greedy_sample_ref, greedy_sample_triton
 
 NI = 5
@@ -120,7 +121,7 @@ def test_temperature_mode_equals_reference() -> None:
 
 @interpreter_only
 def test_sampler_takes_the_fused_kernel_for_greedy_only_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_KERNELS=triton runs the kernel (interpreted here): same tokens as
+    """the "triton" kernel backend runs the kernel (interpreted here): same tokens as
     the torch path, min_tokens masking included, ``last`` filled either way."""
     import ftserve_kernels.greedy_triton as gt
 
@@ -138,8 +139,7 @@ def test_sampler_takes_the_fused_kernel_for_greedy_only_steps(monkeypatch: pytes
     logits[:, 11] = 30.0  # eos: masked while below min_tokens
     results = {}
     for kernels in ("torch", "triton"):
-        monkeypatch.setenv("FTSERVE_KERNELS", kernels)
-        s = Sampler(vocab, 4, "cpu")
+        s = Sampler(vocab, 4, "cpu", kernels=KernelConfig(backend=kernels))
         s.admit(0, SamplingParams(temperature=0.0, min_tokens=2), [], [11])
         s.admit(1, SamplingParams(temperature=0.0), [], [11])
         assert s.features == SamplerFeatures()
@@ -163,8 +163,7 @@ def test_sampler_takes_the_fused_kernel_for_greedy_only_steps(monkeypatch: pytes
     # alone (the sorting filter) runs the composed stages, then ends in it.
     draws = {}
     for kernels in ("torch", "triton"):
-        monkeypatch.setenv("FTSERVE_KERNELS", kernels)
-        s = Sampler(vocab, 4, "cpu")
+        s = Sampler(vocab, 4, "cpu", kernels=KernelConfig(backend=kernels))
         s.admit(0, SamplingParams(temperature=0.7, seed=1), [], [])
         s.admit(1, SamplingParams(temperature=0.0), [], [])
         draws[kernels] = s.sample(logits[:3] * 0.1, torch.tensor([0, 1, 0]), torch.tensor([0, 0, 9]),
@@ -240,14 +239,15 @@ def test_gpu_staged_step_io_in_a_graph(n: int) -> None:
 
     from ftserve.engine.cuda_graph import MIN_FLAG, capture_graph
     from ftserve_kernels import ops
+    from ftserve_kernels.decode_inputs import WORDS, DecodeRow
     from tests.engine_util import read_one_step_late
 
     dev = torch.device("cuda")
     vocab = 130_000
-    h_in = torch.zeros(2, 7 * n, dtype=torch.int64).pin_memory()
+    h_in = torch.zeros(2, WORDS * n, dtype=torch.int64).pin_memory()
     h_out = torch.zeros(2, n, dtype=torch.int64).pin_memory()
     parity = torch.zeros(1, dtype=torch.int32, device=dev)
-    decoy = torch.zeros(n, 7, dtype=torch.int64, device=dev)
+    decoy = torch.zeros(n, WORDS, dtype=torch.int64, device=dev)
     last = torch.zeros(n, dtype=torch.int64, device=dev)
     page_table = torch.zeros(n, 4, dtype=torch.int32, device=dev)
     itab = _itab({}, n, 2).to(dev)
@@ -255,18 +255,15 @@ def test_gpu_staged_step_io_in_a_graph(n: int) -> None:
     cols = torch.arange(vocab, device=dev)
 
     def step_fn() -> torch.Tensor:
-        d = ops.decode_inputs(decoy, last, page_table, None, MIN_FLAG, staged=StagedRows(h_in, parity))
+        d = ops.decode_inputs(KernelConfig(), decoy, last, page_table, None, MIN_FLAG,
+                              staged=StagedRows(h_in, parity))
         logits = (cols[None, :] == (3 * d.input_ids + 1)[:, None]).float()  # [n, V]
         return greedy_sample_triton(logits, d.slots, d.min_active, itab, NI, counters, last,
                                     host_out=StagedRows(h_out, parity))
 
-    def words(step: int) -> torch.Tensor:
-        w = torch.zeros(n, 7, dtype=torch.int64)
-        w[:, 0] = torch.arange(n) + 1000 * step  # the host's input ids
-        w[:, 3] = 1
-        w[:, 4] = torch.arange(n)  # sampler slots
-        w[:, 6] = -1
-        return w.view(-1)
+    def words(step: int) -> torch.Tensor:  # the host's input ids i + 1000 * step, slot i
+        return torch.tensor([DecodeRow(input_id=i + 1000 * step, position=0, out_cache_loc=0, seq_len=1, slot=i,
+                                       step=0, src_row=-1) for i in range(n)]).view(-1)
 
     h_in.copy_(words(0).expand(2, -1))
     graph, _ = capture_graph(step_fn, None)

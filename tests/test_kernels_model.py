@@ -16,12 +16,13 @@ from ftserve.models.checkpoint import write_checkpoint
 from ftserve.models.forward_batch import AttentionBackend, ForwardBatch, build_forward_batch
 from ftserve.models.loader import load_model
 from ftserve_kernels.attention_triton import TritonAttentionBackend
+from ftserve_kernels.config import KernelConfig
 from ftserve_kernels.paged_attention import TorchAttentionBackend
 
 PAGE = 4
 
 
-def run_steps(path: Path, backend: AttentionBackend) -> list[torch.Tensor]:
+def run_steps(path: Path, backend: AttentionBackend, kernels: KernelConfig) -> list[torch.Tensor]:
     model, cfg = load_model(path, dtype="float32", device="cpu")
     pool = KVPool(cfg.num_layers, 40, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     g = torch.Generator().manual_seed(3)
@@ -35,33 +36,26 @@ def run_steps(path: Path, backend: AttentionBackend) -> list[torch.Tensor]:
     outs = []
     for toks, prefix in steps:
         batch = build_forward_batch(toks, prefix, pages, pool, backend, all_logits=True,
-                                    is_decode=all(len(t) == 1 for t in toks))
+                                    is_decode=all(len(t) == 1 for t in toks), kernels=kernels)
         with torch.no_grad():
             outs.append(model(batch))  # [rows, V] fp32
     return outs
 
 
-@pytest.mark.parametrize("fusion,dense_gemv", [("1", "0"), ("0", "0"), ("1", "1")])
-def test_model_on_triton_kernels_matches_torch_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fusion: str, dense_gemv: str
-) -> None:
+def test_model_on_triton_kernels_matches_torch_path(tmp_path: Path) -> None:
     """The decode step (T = 2) runs the decode fusions: norm + router + top-k in
-    one launch, and with FTSERVE_DENSE_GEMV=1 the norm-prologue qkv GEMV and the
-    o_proj GEMV."""
+    one launch, the o_proj and qkv GEMVs."""
     write_checkpoint("tiny-moe", tmp_path, seed=5, dtype="float32")
-    monkeypatch.setenv("FTSERVE_KERNELS", "torch")
-    ref = run_steps(tmp_path, TorchAttentionBackend())
-    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
-    monkeypatch.setenv("FTSERVE_DECODE_FUSION", fusion)
-    monkeypatch.setenv("FTSERVE_DENSE_GEMV", dense_gemv)
-    got = run_steps(tmp_path, TritonAttentionBackend())
+    ref = run_steps(tmp_path, TorchAttentionBackend(), KernelConfig(backend="torch"))
+    got = run_steps(tmp_path, TritonAttentionBackend(), KernelConfig(backend="triton"))
     for r, o in zip(ref, got):
         assert o.shape == r.shape and torch.isfinite(o).all()
         err = float((o - r).norm() / r.norm())
         assert err < 1e-4, err
 
 
-def prefill_then_decode(path: Path, backend: AttentionBackend, token_seed: int) -> list[torch.Tensor]:
+def prefill_then_decode(path: Path, backend: AttentionBackend, kernels: KernelConfig,
+                        token_seed: int) -> list[torch.Tensor]:
     """One sequence of a float32 checkpoint: the logits of a 10-token prefill,
     then of one decode step over it (the one-row decode path)."""
     model, cfg = load_model(path, dtype="float32", device="cpu")
@@ -71,35 +65,28 @@ def prefill_then_decode(path: Path, backend: AttentionBackend, token_seed: int) 
     outs = []
     for new, prefix in ((toks[:10], 0), (toks[10:], 10)):
         batch = build_forward_batch([new], [prefix], [list(range(1, 5))], pool, backend,
-                                    is_decode=len(new) == 1)
+                                    is_decode=len(new) == 1, kernels=kernels)
         with torch.no_grad():
             outs.append(model(batch))
     return outs
 
 
-@pytest.mark.parametrize("down_norm,defer", [("1", "1"), ("1", "0"), ("0", "1")])
-def test_one_row_decode_on_triton_matches_torch_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, down_norm: str, defer: str
-) -> None:
+def test_one_row_decode_on_triton_matches_torch_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A one-sequence decode step (batch-1 decode: each layer's MoE down kernel
-    applies the next layer's input norm, and the last one the final norm,
-    unless FTSERVE_DECODE_DOWN_NORM=0; with FTSERVE_DECODE_DEFER_NORM the next
-    layer's qkv GEMV applies it from the down kernel's partial sums) against
-    the torch path."""
-    write_checkpoint("tiny-moe", tmp_path, seed=6, dtype="float32")
+    leaves the next layer's input norm pending, which that layer's qkv GEMV
+    applies from the down kernel's partial sums, and the last one applies the
+    final norm; the lm_head is the one-row GEMV) against the torch path. A
+    small vocabulary: the interpreter runs the lm_head GEMV program by program."""
+    write_checkpoint("tiny-moe", tmp_path, seed=6, dtype="float32", overrides={"vocab_size": 256})
 
-    def run(backend: AttentionBackend) -> list[torch.Tensor]:
-        return prefill_then_decode(tmp_path, backend, token_seed=1)
+    def run(backend: AttentionBackend, kernels: KernelConfig) -> list[torch.Tensor]:
+        return prefill_then_decode(tmp_path, backend, kernels, token_seed=1)
 
     from ftserve_kernels import decode_inputs as di
     from ftserve_kernels import norm_triton as nt
     from ftserve_kernels import ops
 
-    monkeypatch.setenv("FTSERVE_KERNELS", "torch")
-    ref = run(TorchAttentionBackend())
-    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
-    monkeypatch.setenv("FTSERVE_DECODE_DOWN_NORM", down_norm)
-    monkeypatch.setenv("FTSERVE_DECODE_DEFER_NORM", defer)
+    ref = run(TorchAttentionBackend(), KernelConfig(backend="torch"))
     deferred = {"parts": 0}
     real_gemv = ops.add_rms_norm_linear
 
@@ -108,9 +95,6 @@ def test_one_row_decode_on_triton_matches_torch_path(
         return real_gemv(*a, **kw)
 
     monkeypatch.setattr(ops, "add_rms_norm_linear", watching)
-    # The one-row lm_head GEMV over the whole vocabulary is slow in the interpreter
-    # (test_lm_head_gemv_takes_one_row covers it): cuBLAS / F.linear here.
-    monkeypatch.setenv("FTSERVE_LM_HEAD_GEMV", "0")
     # Layer 0's input norm runs with the embedding gather at decode (one launch
     # for both), not as a norm launch of its own; prefill keeps the norm launch.
     calls: dict[str, int] = {"embed_norm": 0, "rms_norm": 0}
@@ -121,48 +105,45 @@ def test_one_row_decode_on_triton_matches_torch_path(
         monkeypatch.setattr(mod, name, counting)
     ops._triton_table.cache_clear()
     try:
-        got = run(TritonAttentionBackend())
+        got = run(TritonAttentionBackend(), KernelConfig(backend="triton"))
     finally:
         ops._triton_table.cache_clear()
     assert calls == {"embed_norm": 1, "rms_norm": 1}, calls
-    # tiny-moe's layers after the first take the pending norm, where it is on
-    assert (deferred["parts"] > 0) == (down_norm == "1" and defer == "1"), deferred
+    assert deferred["parts"] > 0, deferred  # tiny-moe's layers after the first take the pending norm
     for r, o in zip(ref, got):
         assert o.shape == r.shape and torch.isfinite(o).all()
         err = float((o - r).norm() / r.norm())
         assert err < 1e-4, err
 
 
-@pytest.mark.parametrize("rows,flag,gemv_rows", [(1, "1", [1]), (2, "1", []), (1, "0", [])])
-def test_lm_head_gemv_takes_one_row(monkeypatch: pytest.MonkeyPatch, rows: int, flag: str,
-                                    gemv_rows: list[int]) -> None:
-    """ops.linear_fp32 (the lm_head) runs the Triton GEMV for one row unless
-    FTSERVE_LM_HEAD_GEMV=0, cuBLAS / F.linear otherwise; same logits either way."""
+@pytest.mark.parametrize("rows,gemv_rows", [(1, [1]), (2, [])])
+def test_lm_head_gemv_takes_one_row(monkeypatch: pytest.MonkeyPatch, rows: int, gemv_rows: list[int]) -> None:
+    """ops.linear_fp32 (the lm_head) runs the Triton GEMV for one row, cuBLAS /
+    F.linear otherwise; same logits either way."""
     import dataclasses
 
     import torch.nn.functional as F
 
     from ftserve_kernels import ops
 
-    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
-    monkeypatch.setenv("FTSERVE_LM_HEAD_GEMV", flag)
-    real = ops._table(torch.empty(0))
+    kernels = KernelConfig(backend="triton")
+    real = ops._table(kernels, torch.empty(0))
     seen: list[int] = []
 
     def spy(x: torch.Tensor, *args: object, **kwargs: object) -> object:
         seen.append(x.shape[0])
         return real.gemv(x, *args, **kwargs)
 
-    monkeypatch.setattr(ops, "_table", lambda t: dataclasses.replace(real, gemv=spy))
+    monkeypatch.setattr(ops, "_table", lambda kc, t: dataclasses.replace(real, gemv=spy))
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(rows, 64, generator=g), torch.randn(300, 64, generator=g)
-    got = ops.linear_fp32(x, w)
+    got = ops.linear_fp32(kernels, x, w)
     assert got.dtype == torch.float32 and seen == gemv_rows
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
     # bf16 weights: the GEMV writes fp32 logits holding bf16-rounded values, as
     # F.linear(...).float() gives (the sampler reads them without a cast launch).
     xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
-    got = ops.linear_fp32(xb, wb)
+    got = ops.linear_fp32(kernels, xb, wb)
     assert got.dtype == torch.float32
     assert torch.equal(got, got.to(torch.bfloat16).float()), "values are bf16-rounded"
     torch.testing.assert_close(got, F.linear(xb, wb).float(), rtol=2e-2, atol=2e-2)
@@ -231,24 +212,12 @@ def test_gpu_prefill_chunk_graph_replay(tmp_path: Path) -> None:
             assert err < 1e-2, (split, err)
 
 
-DECODE_SWITCHES = [
-    {},  # the defaults: norm + route fusion, 3-D MoE down kernel
-    {"FTSERVE_DENSE_GEMV": "1", "FTSERVE_MOE_GATEUP_ACC": "1", "FTSERVE_LM_HEAD_FP32": "1"},
-    {"FTSERVE_DECODE_FUSION": "0", "FTSERVE_MOE_DOWN3D": "0"},  # the unfused kernels
-]
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("switches", DECODE_SWITCHES)
-def test_gpu_decode_step_fusions_graph(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, switches: dict[str, str]
-) -> None:
+def test_gpu_decode_step_fusions_graph(tmp_path: Path) -> None:
     """A bf16 decode step of two sequences (logits rows = every token: the
-    gathers are skipped) under each set of decode switches: the captured graph
-    replays the eager step, and both agree with the torch reference path."""
-    for name, value in switches.items():
-        monkeypatch.setenv(name, value)
+    gathers are skipped) on the decode fusions: the captured graph replays the
+    eager step, and both agree with the torch reference path."""
     write_checkpoint("tiny-moe", tmp_path, seed=5, dtype="bfloat16")
     model, cfg = load_model(tmp_path, dtype="bfloat16", device="cuda")
     pool = KVPool(cfg.num_layers, 40, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cuda")
@@ -271,9 +240,8 @@ def test_gpu_decode_step_fusions_graph(
             logits = model(step)
         logits.fill_(float("nan"))
         graph.replay()
-        monkeypatch.setenv("FTSERVE_KERNELS", "torch")
         ref = model(build_forward_batch([[7], [9]], [21, 6], pages, pool, TorchAttentionBackend(),
-                                        is_decode=True))
+                                        is_decode=True, kernels=KernelConfig(backend="torch")))
     torch.cuda.synchronize()
     assert torch.isfinite(logits).all()
     assert float((logits - eager).norm() / eager.norm()) < 1e-3

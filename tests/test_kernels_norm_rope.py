@@ -148,7 +148,7 @@ def test_qk_norm_rotary(dtype: torch.dtype, rot: int) -> None:
 
 @pytest.mark.parametrize("rot", [16, 8])
 def test_qk_norm_rotary_with_kv_store(rot: int) -> None:
-    """FTSERVE_FUSED_KV_STORE's launch: q and k as without the store, the rotated
+    """The q/k norm + rotary launch that also stores K/V: q and k as without the store, the rotated
     k and the untouched v at each token's slot, every other slot untouched."""
     g = torch.Generator().manual_seed(7 + rot)
     t, hq, hk, d, slots = 21, 4, 2, 16, 64
@@ -214,7 +214,7 @@ def test_gpu_norm_rope_real_shapes() -> None:
     assert torch.equal(kc[loc], ko) and torch.equal(vc[loc], vv)
 
 
-# ---------------------------------------------------------------- dense GEMV (+ norm prologue)
+# ---------------------------------------------------------------- dense GEMV
 
 
 @pytest.mark.parametrize("t", [1, 2, 3])
@@ -227,71 +227,44 @@ def test_gemv_matches_linear(t: int, bias: bool, k: int, block: tuple[int, int] 
     x = torch.randn(t, k, generator=g).to(DEVICE)
     w = torch.randn(n, k, generator=g).to(DEVICE)
     b = torch.randn(n, generator=g).to(DEVICE) if bias else None
-    y, summed = gemv_triton(x, w, b, block=block)
-    assert summed is None and y.shape == (t, n)
+    y = gemv_triton(x, w, b, block=block)
+    assert y.shape == (t, n)
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_norm_prologue_matches_norm_then_linear(residual: bool, dtype: torch.dtype) -> None:
-    """qkv_proj(input_layernorm(x + r)) in one launch: the output and the new
-    residual agree with the composition of the twins."""
-    g = torch.Generator().manual_seed(7)
-    t, n, k = 2, 24, 48
-    x = torch.randn(t, k, generator=g).to(dtype).to(DEVICE)
-    r = torch.randn(t, k, generator=g).to(dtype).to(DEVICE) if residual else None
-    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(DEVICE)
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
-    y, summed = gemv_triton(x, w, None, nw, r, 1e-6, block=(8, 16))  # 3 programs, 3 K steps
-    if r is None:
-        normed, want_sum = rms_norm_ref(x, nw, 1e-6), None
-    else:
-        normed, want_sum = fused_add_rms_norm_ref(x, r, nw, 1e-6)
-    ref = torch.nn.functional.linear(normed, w)
-    if dtype == torch.float32:
-        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
-    else:  # the interpreter truncates fp32 -> bf16 casts; CUDA rounds
-        torch.testing.assert_close(y, ref, rtol=3e-2, atol=3e-2)
-    if want_sum is None:
-        assert summed is None
-    else:
-        assert summed is not None
-        torch.testing.assert_close(summed, want_sum, rtol=1e-2 if dtype != torch.float32 else 0, atol=0)
-
-
-def test_ops_dense_gemv_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_DENSE_GEMV=1 routes ops.linear and ops.add_rms_norm_linear to the
-    GEMV up to GEMV_MAX_ROWS rows ("linear" / "norm": one of them); results equal
-    the composition either way."""
+def test_ops_dense_gemv_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On Triton ops.linear runs the GEMV up to GEMV_MAX_ROWS rows, F.linear past
+    them; ops.add_rms_norm_linear norms first and runs F.linear (its input is not
+    normed yet: a decode step's qkv arrives normed, prenormed). Results equal the
+    composition either way."""
     from ftserve_kernels import gemv_triton as gv
     from ftserve_kernels import ops
+    from ftserve_kernels.config import KernelConfig
 
     calls: list[int] = []
 
-    def counting(*args: object) -> object:
+    def counting(*args: object, **kwargs: object) -> object:
         calls.append(1)
-        return gemv_triton(*args)  # type: ignore[arg-type]
+        return gemv_triton(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(gv, "gemv_triton", counting)
     ops._triton_table.cache_clear()
-    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
+    kernels = KernelConfig(backend="triton")
     g = torch.Generator().manual_seed(2)
     w = torch.randn(16, 32, generator=g).to(DEVICE)
     nw = torch.ones(32).to(DEVICE)
     try:
-        cases = [(2, "1", 3), (gv.GEMV_MAX_ROWS + 1, "1", 0), (2, "0", 0), (2, "linear", 1),
-                 (2, "norm", 2)]
-        for t, on, n_calls in cases:
-            monkeypatch.setenv("FTSERVE_DENSE_GEMV", on)
+        for t, n_calls in [(2, 2), (gv.GEMV_MAX_ROWS + 1, 0)]:
             x = torch.randn(t, 32, generator=g).to(DEVICE)
             r = torch.randn(t, 32, generator=g).to(DEVICE)
             n0 = len(calls)
-            y = ops.linear(x, w, None)
-            y2, s2 = ops.add_rms_norm_linear(x, r, nw, 1e-6, w, None)
-            y3, s3 = ops.add_rms_norm_linear(x, None, nw, 1e-6, w, None)
-            assert len(calls) - n0 == n_calls, (on, t)
+            y = ops.linear(kernels, x, w, None)
+            y1, s1 = ops.add_rms_norm_linear(kernels, x, r, nw, 1e-6, w, None, prenormed=True)
+            y2, s2 = ops.add_rms_norm_linear(kernels, x, r, nw, 1e-6, w, None)
+            y3, s3 = ops.add_rms_norm_linear(kernels, x, None, nw, 1e-6, w, None)
+            assert len(calls) - n0 == n_calls, t
             torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(y1, y) and s1 is r
             n2, want = fused_add_rms_norm_ref(x, r, nw, 1e-6)
             torch.testing.assert_close(y2, torch.nn.functional.linear(n2, w), rtol=1e-5, atol=1e-4)
             torch.testing.assert_close(s2, want)
@@ -309,22 +282,18 @@ def test_ops_dense_gemv_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_gpu_gemv_qwen3_shapes_graph(n: int, k: int, t: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(n + t)
     x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
-    r = torch.randn(t, k, device="cuda", generator=g).bfloat16()
-    nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).bfloat16()
-    gemv_triton(x, w, None, nw, r, 1e-6)  # compile
+    gemv_triton(x, w)  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.cuda.graph(graph):
-            y, summed = gemv_triton(x, w, None, nw, r, 1e-6)
+            y = gemv_triton(x, w)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     x.copy_(torch.randn(t, k, device="cuda", generator=g).bfloat16())
     graph.replay()
-    normed, want = fused_add_rms_norm_ref(x, r, nw, 1e-6)
-    ref = torch.nn.functional.linear(normed, w)
+    ref = torch.nn.functional.linear(x, w)
     torch.cuda.synchronize()
-    assert summed is not None and torch.equal(summed, want)
     assert float((y.float() - ref.float()).norm() / ref.float().norm()) < 1e-2

@@ -18,6 +18,7 @@ from ftserve.models.loader import load_model
 from ftserve_kernels import oproj_route_triton as orr
 from ftserve_kernels import ops
 from ftserve_kernels.attention_triton import TritonAttentionBackend
+from ftserve_kernels.config import KernelConfig
 from ftserve_kernels.moe import fused_moe_ref
 from ftserve_kernels.moe_down_gemv_triton import NormNext
 from ftserve_kernels.moe_gemv_triton import RouteParts, fused_moe_add_norm_gemv_triton
@@ -127,24 +128,17 @@ def test_gate_up_applies_the_pending_norm_and_weighs_the_experts() -> None:
 
 
 @interpreter_only
-@pytest.mark.parametrize("defer", ["1", "0"])
-def test_one_row_decode_routed_by_o_proj_matches_torch_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, defer: str
-) -> None:
-    """FTSERVE_DECODE_ROUTE_IN_OPROJ: every MoE layer of a one-row decode step
-    routes in its o_proj launch (no norm + route launch); the logits match
-    the torch path's, with the next norm pending or folded."""
-    write_checkpoint("tiny-moe", tmp_path, seed=8, dtype="float32")
+def test_one_row_decode_routed_by_o_proj_matches_torch_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every MoE layer of a one-row decode step routes in its o_proj launch (no
+    norm + route launch); the logits match the torch path's, with the next norm
+    pending (layer 0) or folded (the last layer's final norm). A small
+    vocabulary: the interpreter runs the one-row lm_head GEMV program by program."""
+    write_checkpoint("tiny-moe", tmp_path, seed=8, dtype="float32", overrides={"vocab_size": 256})
 
-    def run(backend: AttentionBackend) -> list[torch.Tensor]:
-        return prefill_then_decode(tmp_path, backend, token_seed=9)
+    def run(backend: AttentionBackend, kernels: KernelConfig) -> list[torch.Tensor]:
+        return prefill_then_decode(tmp_path, backend, kernels, token_seed=9)
 
-    monkeypatch.setenv("FTSERVE_KERNELS", "torch")
-    ref = run(TorchAttentionBackend())
-    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
-    monkeypatch.setenv("FTSERVE_DECODE_ROUTE_IN_OPROJ", "1")
-    monkeypatch.setenv("FTSERVE_DECODE_DEFER_NORM", defer)
-    monkeypatch.setenv("FTSERVE_LM_HEAD_GEMV", "0")  # the vocabulary-wide GEMV is slow interpreted
+    ref = run(TorchAttentionBackend(), KernelConfig(backend="torch"))
     calls = {"oproj_route": 0, "route": 0}
     real_or, real_route = ops.oproj_route, ops.add_rms_norm_route
 
@@ -160,7 +154,7 @@ def test_one_row_decode_routed_by_o_proj_matches_torch_path(
     monkeypatch.setattr(ops, "add_rms_norm_route", counting_route)
     ops._triton_table.cache_clear()
     try:
-        got = run(TritonAttentionBackend())
+        got = run(TritonAttentionBackend(), KernelConfig(backend="triton"))
     finally:
         ops._triton_table.cache_clear()
     assert calls == {"oproj_route": 2, "route": 2}, calls  # decode: both layers; prefill: the route launch
@@ -203,11 +197,10 @@ def test_gpu_oproj_route_at_the_real_shape() -> None:
             assert set(got.ids[0].tolist()) == set(ref.ids[0].tolist())
 
 
-def test_refresh_derived_refolds_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_refresh_derived_refolds_in_place(tmp_path: Path) -> None:
     """Loading folds every MoE layer's router; a weight changed in place and
     refresh_derived() (or load_state_dict, through its hook) refold into the
     same tensors, which captured graphs read."""
-    monkeypatch.setenv("FTSERVE_DECODE_ROUTE_IN_OPROJ", "1")
     write_checkpoint("tiny-moe", tmp_path, seed=10, dtype="float32")
     model, _ = load_model(tmp_path, dtype="float32", device="cpu")
     layer = model.layers[0]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ftserve_kernels import sampling as ks
+from ftserve_kernels.config import KernelConfig
 from ftserve_kernels.penalties_triton import apply_penalties_triton
 
 
@@ -67,7 +68,7 @@ def test_bf16_logits_are_read_as_fp32() -> None:
 
 
 def test_penalized_short_filter_steps_take_the_fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FTSERVE_KERNELS=triton: a step whose rows use penalties and short filters
+    """the "triton" kernel backend: a step whose rows use penalties and short filters
     (and greedy rows with a repetition penalty) runs penalties_triton, the cuts and
     the fused draw, and draws what the torch path draws, step after step as the
     counts grow; the CUDA graphs replay their own variant for it."""
@@ -97,8 +98,7 @@ def test_penalized_short_filter_steps_take_the_fused_path(monkeypatch: pytest.Mo
     monkeypatch.setattr(sampler, "apply_penalties_triton", spy)
     out = {}
     for kernels in ("torch", "triton"):
-        monkeypatch.setenv("FTSERVE_KERNELS", kernels)
-        s = Sampler(vocab, 6, "cpu")
+        s = Sampler(vocab, 6, "cpu", kernels=KernelConfig(backend=kernels))
         for slot, sp in enumerate(params):
             s.admit(slot, sp, list(range(30 + slot, 40, 2)), [9] if slot == 2 else [])
         feats = s.features_of(range(len(params)))

@@ -9,7 +9,6 @@ so restored pages holding the wrong KV (or none) would not change the tokens."""
 from __future__ import annotations
 
 import logging
-import os
 import random
 
 import pytest
@@ -251,10 +250,7 @@ def make_engine(model_dir: str, **kw: object) -> Engine:
     return eng
 
 
-@pytest.mark.parametrize("layered", ["0", "1"])
-def test_conversation_resumes_from_the_host_tier(model_dir: str, layered: str,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FTSERVE_KV_LAYERED_RESTORE", layered)  # the CPU copies at once either way
+def test_conversation_resumes_from_the_host_tier(model_dir: str) -> None:
     rng = random.Random(7)
     eng = make_engine(model_dir)
     try:
@@ -364,20 +360,17 @@ def test_startup_reports_limit_and_both_capacities(
 
 
 def test_bench_kv_tiers_smoke(tmp_path: object) -> None:
-    """tools/bench_kv_tiers.py end to end on the CPU: each TTFT case really is
+    """tools/bench/kv_tiers.py end to end on the CPU: each TTFT case really is
     the case it names (cached tokens), and every section ran."""
-    from tools.bench_kv_tiers import main
+    from tools.bench.kv_tiers import main
 
     out = main(["--smoke", "--out", str(tmp_path) + "/kv.json"])  # type: ignore[operator]
     assert not out.get("errors"), out.get("errors")
     t = out["ttft"]
     prefix = t["prefix_tokens"]
     assert t["device"]["cached_tokens"] == prefix and t["host"]["cached_tokens"] == prefix
-    assert t["host_layered"]["cached_tokens"] == prefix
     assert t["recompute"]["cached_tokens"] == 0
-    for mode in ("host", "host_layered"):
-        assert all(r["host_tokens_before"] == prefix for r in t[mode]["runs"]), mode
-    assert "FTSERVE_KV_LAYERED_RESTORE" not in os.environ, "the bench must restore the env"
+    assert all(r["host_tokens_before"] == prefix for r in t["host"]["runs"])
     bw = out["bandwidth"]
     assert bw["restore_pages"] == bw["offload_pages"] == prefix // 16
     assert len(out["conversation"]["turns"]) == 7
@@ -391,7 +384,7 @@ def test_models_endpoint_reports_limit_and_capacities() -> None:
 
     import aiohttp
 
-    from ftserve.server.serve import banner
+    from ftserve.api.serve import banner
     from tests.server_harness import TEST_ENGINE, start_live, stop_live
 
     live = start_live(dataclasses.replace(TEST_ENGINE, kv_host_pages=100))

@@ -1,4 +1,4 @@
-"""Llama 3.x JSON tool calls end to end (ftserve/server/tool_calls_llama.py): a real
+"""Llama 3.x JSON tool calls end to end (ftserve/chat/tool_calls_llama.py): a real
 server given a Llama-3-style chat template (--chat-template), whose engine steps
 are scripted to write calls, read with the official openai and anthropic clients,
 streamed and not, with tool_choice auto, a named function and "required"."""
@@ -10,8 +10,8 @@ from typing import Any
 
 import anthropic
 
-from ftserve.server.protocol import parse_chat
-from ftserve.server.tool_choice import ForcedCall, forced_text
+from ftserve.api.openai.models import parse_chat
+from ftserve.chat.tool_choice import ForcedCall, forced_text
 from tests.server_harness import openai_client, template_live
 from tests.test_tool_choice import _assert_name_first, _calls, _streamed, _tokens
 from tests.test_tool_choice import script as script  # the scripted-generations fixture

@@ -75,6 +75,22 @@ def test_summary_matches_numpy_and_vllm_names() -> None:
     assert "P99 TTFT (ms):" in table and "http_503:" in table
 
 
+def test_session_affinity_counts_continued_turns_on_the_same_replica() -> None:
+    def rec(session: int, turn: int, start: float, replica: str | None) -> RequestRecord:
+        return RequestRecord("agentic", session, turn, "measure", start, replica=replica)
+
+    recs = [rec(0, 0, 0.0, "a"), rec(0, 1, 1.0, "a"), rec(0, 2, 2.0, "b"), rec(0, 3, 3.0, "b"),
+            rec(0, 0, 4.0, "a"),  # a restarted conversation: no previous turn to follow
+            rec(1, 0, 0.5, "b"), rec(1, 1, 1.5, None), rec(1, 2, 2.5, "b"),  # no name: skipped
+            rec(-1, 0, 0.1, "a")]  # a canary is no session
+    s = summarize(recs, duration_s=5.0)
+    assert s["replicas"] == {"a": 4, "b": 4}
+    # session 0: a->a same, a->b moved, b->b same; session 1: the unnamed turn breaks the chain
+    assert s["session_affinity"] == pytest.approx(2 / 3)
+    assert "served by a:" in format_table(s) and "Session affinity" in format_table(s)
+    assert "replicas" not in summarize([rec(0, 1, 0.0, None)], 1.0)  # a server that names none
+
+
 def test_text_is_deterministic_and_heavy_tailed() -> None:
     a, b = random.Random("s"), random.Random("s")
     assert textgen.tool_output(a, 300) == textgen.tool_output(b, 300)
@@ -87,6 +103,39 @@ def test_text_is_deterministic_and_heavy_tailed() -> None:
     words = len(textgen.prose(random.Random(3), 1300).split())
     assert words == pytest.approx(1000, abs=2)
     json.loads(textgen.json_blob(random.Random(4), 200))
+
+
+def test_edit_profile_asks_for_a_small_change_to_valid_source() -> None:
+    """The edit profile's requests: deterministic per (seed, index), a Python file of
+    about --file-tokens tokens that parses, a change that touches a few lines of it
+    and leaves it parsing, and max_tokens for the whole file within --max-context."""
+    import ast
+    import difflib
+
+    from tools.loadgen.profiles import WorkloadConfig, _edit_spec
+
+    cfg = WorkloadConfig(profile="edit", file_tokens=2000, max_context=8192, temperature=0.0)
+    a, b = _edit_spec(cfg, 3), _edit_spec(cfg, 3)
+    assert a.body == b.body and a.body != _edit_spec(cfg, 4).body
+    kinds = set()
+    for i in range(12):
+        rng = random.Random(f"0:edit:{i}")
+        source = textgen.source_file(rng, 2000)
+        instruction, edited = textgen.small_edit(rng, source)
+        kinds.add(instruction.split()[0])
+        ast.parse(source)
+        ast.parse(edited)
+        assert textgen.approx_tokens(source) == pytest.approx(2000, rel=0.1)
+        diff = difflib.ndiff(source.splitlines(), edited.splitlines())
+        changed = sum(line[:1] in "+-" for line in diff)
+        assert edited != source and changed <= 0.1 * len(source.splitlines()), instruction
+        spec = _edit_spec(cfg, i)
+        user = spec.body["messages"][1]["content"]
+        assert source in user and instruction in user
+        assert spec.body["messages"][2] == {"role": "assistant", "content": "```python\n"}
+        assert spec.body["continue_final_message"] is True  # the reply opens inside the block
+        assert 2000 < spec.body["max_tokens"] < 8192 - 2000
+    assert kinds == {"Rename", "Change", "In"}  # all three kinds of change occur
 
 
 def test_token_estimate_treats_prose_and_tool_output_alike() -> None:
@@ -262,6 +311,15 @@ def test_max_requests_bound_and_poisson(capsys: pytest.CaptureFixture[str], tmp_
     assert s["num_requests"] == 12 and s["completed"] == 12
 
 
+def test_edit_profile_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with FakeServer() as srv:
+        rc = main(["--url", srv.url, "--profile", "edit", "--file-tokens", "60", "--concurrency", "2",
+                   "--max-requests", "4", "--out", str(tmp_path), *FAST])
+    assert rc == 0, capsys.readouterr().err
+    s = json.loads((tmp_path / "summary.json").read_text())["summary"]
+    assert s["num_requests"] == 4 and s["completed"] == 4 and s["total_output_tokens"] > 4 * 60
+
+
 def test_unreachable_server_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--url", f"http://127.0.0.1:{free_port()}", "--duration", "1"]) == 2
 
@@ -290,7 +348,8 @@ def ftserve_server() -> Iterator[tuple[str, int]]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ftserve", "serve", "--port", str(port), "--status-log-interval", "0"],
+        [sys.executable, "-m", "ftserve", "serve", "--model", "demo", "--port", str(port),
+         "--status-log-interval", "0"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
@@ -350,6 +409,11 @@ def test_real_server_profile_soak_passes(ftserve_server: tuple[str, int], profil
     assert len(canaries) >= 3 and len({c["text"] for c in canaries}) == 1 and canaries[0]["text"]
     final = doc["soak"]["final"]
     assert final["ftserve_num_requests_running"] == 0 and final["rss"] > 0
+    # ftserve names itself in every response (X-Ftserve-Replica): one replica, every turn on it.
+    assert list(s["replicas"]) == [f"{socket.gethostname()}:{url.rsplit(':', 1)[1]}"]
+    if profile == "agentic":
+        assert s["session_affinity"] == 1.0
+        assert (tmp_path / "replica_per_session.png").stat().st_size > 0
     if "--subagents" in extra:
         # Sub-agents sent at once over one conversation: the server prefilled it once,
         # so each fan-out request found all but its own sub-task cached.

@@ -67,7 +67,8 @@ def test_seed_decides_the_weights(tmp_path: Path) -> None:
     assert (a / name).read_bytes() != (c / name).read_bytes()
 
 
-@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "qwen3-next-80b-a3b"])
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "qwen3-next-80b-a3b",
+                                    "smollm2-135m"])
 def test_config_only_real_shapes(preset: str, tmp_path: Path) -> None:
     out = write_checkpoint(preset, tmp_path, config_only=True)
     assert not list(out.glob("*.safetensors"))

@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from ftserve.server.text import TokenizerCodec
+from ftserve.chat.text import TokenizerCodec
 from ftserve.tokenizer import load_tokenizer
 from tests.test_tokenizer import trained_dir
 

@@ -1,4 +1,4 @@
-"""Qwen3-Coder's XML-style tool calls end to end (ftserve/server/tool_calls_xml.py):
+"""Qwen3-Coder's XML-style tool calls end to end (ftserve/chat/tool_calls_xml.py):
 a real server given a Qwen3-Coder-style chat template (--chat-template), whose
 engine steps are scripted to write calls, read with the official openai client,
 streamed and not, with tool_choice auto, a named function and "required"."""
@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ftserve.server.protocol import parse_chat
-from ftserve.server.tool_choice import ForcedCall, forced_text
+from ftserve.api.openai.models import parse_chat
+from ftserve.chat.tool_choice import ForcedCall, forced_text
 from tests.server_harness import openai_client, template_live
 from tests.test_tool_choice import _assert_name_first, _calls, _streamed, _tokens
 from tests.test_tool_choice import script as script  # the scripted-generations fixture

@@ -1,9 +1,22 @@
-"""RadixCache under random operation sequences (hypothesis state machine).
+"""RadixCache under random operation sequences (hypothesis state machine),
+with and without a host tier.
 
-Requests match, lock, grow private pages, insert (after each prefill chunk and
-at the end), finish or abort; evictions and resets interleave. After every
-step the page partition and tree invariants are checked, and every match is
-compared with a naive twin that maps each cached full-page prefix to its page.
+Requests match (and restore what the match found on the host tier), lock, grow
+private pages, insert (after each prefill chunk and at the end), finish or
+abort; evictions (offloads to the host tier, which drops its own LRU leaves
+when full) and resets interleave. After every step:
+
+- the page partition and tree invariants (``check_integrity``, both tiers);
+- a naive twin that maps every cached full-page prefix to its tier and page
+  (device or host; a prefix it no longer holds was dropped) agrees with the
+  tree, and every match is compared with it, device part and host part;
+- the KV in every page is the KV of the tokens it caches, on both tiers: the
+  planned page moves ran (``HostKVTier.flush``, on the CPU) and moved the
+  right pages.
+
+The twin learns where an evicted prefix went from the moves the cache planned
+(``pending_moves``), checks that they only move pages it holds, and each
+eviction is checked for LRU order on both tiers.
 """
 
 from __future__ import annotations
@@ -11,73 +24,135 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ftserve.kvcache.allocator import PageAllocator
+from ftserve.kvcache.host_tier import HostKVTier
+from ftserve.kvcache.pool import KVPool
 from ftserve.kvcache.radix import RadixCache, RadixNode
 
+Prefix = tuple[int, ...]
+Loc = tuple[bool, int]  # (on_host, page)
 
-class NaivePrefixCache:
-    """Oracle: every cached full-page prefix (as a tuple) -> the page holding its last chunk."""
+
+class NaiveTieredCache:
+    """Oracle: every cached full-page prefix (as a tuple) -> the tier and page
+    holding its last chunk. A prefix missing here is not cached (never was, or
+    was dropped)."""
 
     def __init__(self, page_size: int) -> None:
         self.ps = page_size
-        self.prefix_page: dict[tuple[int, ...], int] = {}
+        self.where: dict[Prefix, Loc] = {}
         # LRU model: one tick per match/insert, stamped on every cached prefix it walked.
         self.clock = 0
-        self.last_use: dict[tuple[int, ...], int] = {}
+        self.last_use: dict[Prefix, int] = {}
+
+    def prefixes(self, tokens: Sequence[int]) -> list[Prefix]:
+        return [tuple(tokens[:end]) for end in range(self.ps, len(tokens) + 1, self.ps)]
 
     def touch(self, tokens: Sequence[int], n_pages: int) -> None:
         self.clock += 1
-        for j in range(1, n_pages + 1):
-            self.last_use[tuple(tokens[: j * self.ps])] = self.clock
+        for key in self.prefixes(tokens)[:n_pages]:
+            self.last_use[key] = self.clock
 
-    def page_last_use(self) -> dict[int, int]:
-        return {p: self.last_use[k] for k, p in self.prefix_page.items()}
-
-    def match(self, tokens: Sequence[int]) -> list[int]:
-        pages: list[int] = []
-        for end in range(self.ps, len(tokens) + 1, self.ps):
-            page = self.prefix_page.get(tuple(tokens[:end]))
-            if page is None:
+    def match(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+        """(device pages, host pages) of the longest cached prefix, in order."""
+        dev: list[int] = []
+        host: list[int] = []
+        for key in self.prefixes(tokens):
+            loc = self.where.get(key)
+            if loc is None:
                 break
-            pages.append(page)
-        return pages
-
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
-        """Records new prefixes; returns how many tokens were already cached."""
-        present = 0
-        for j in range(len(tokens) // self.ps):
-            key = tuple(tokens[: (j + 1) * self.ps])
-            if key in self.prefix_page:
-                assert present == j * self.ps, "oracle is not prefix-closed"
-                present += self.ps
+            on_host, page = loc
+            if on_host:
+                host.append(page)
             else:
-                self.prefix_page[key] = pages[j]
-        return present
+                assert not host, f"{key} is on the device below a host prefix"
+                dev.append(page)
+        return dev, host
 
-    def drop_freed(self, alloc: PageAllocator) -> None:
-        self.prefix_page = {k: p for k, p in self.prefix_page.items() if not alloc.is_free(p)}
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[int, list[int], list[int]]:
+        """Records the full pages; returns (tokens already cached, the caller's
+        duplicate device pages, host pages superseded by the caller's)."""
+        present, dups, superseded = 0, [], []
+        for j, key in enumerate(self.prefixes(tokens)):
+            loc = self.where.get(key)
+            if loc is None:
+                self.where[key] = (False, pages[j])
+                continue
+            assert present == j * self.ps, "oracle is not prefix-closed"
+            present += self.ps
+            on_host, page = loc
+            if on_host:
+                superseded.append(page)
+                self.where[key] = (False, pages[j])
+            elif page != pages[j]:
+                dups.append(pages[j])
+        return present, dups, superseded
 
-    def assert_prefix_closed(self) -> None:
-        for key in self.prefix_page:
+    def apply_moves(self, moves: list[tuple[bool, list[int], list[int]]]) -> None:
+        """Replays planned page moves in order: the prefix on page src now sits
+        on page dst of the other tier. A destination some prefix still claims
+        was freed by a drop earlier in the same plan: that prefix is gone."""
+        at: dict[Loc, Prefix] = {loc: key for key, loc in self.where.items()}
+        for to_host, src, dst in moves:
+            for s, d in zip(src, dst):
+                key = at.pop((not to_host, s), None)
+                assert key is not None, (
+                    f"planned a move of {'device' if to_host else 'host'} page {s}, "
+                    "which holds no cached prefix")
+                gone = at.pop((to_host, d), None)
+                if gone is not None:
+                    del self.where[gone]
+                at[(to_host, d)] = key
+                self.where[key] = (to_host, d)
+
+    def drop_freed(self, dev: PageAllocator, host: PageAllocator | None) -> set[Prefix]:
+        """Forgets the prefixes whose page went back to its tier's free list."""
+        gone = {k for k, (on_host, p) in self.where.items()
+                if (host.is_free(p) if on_host else dev.is_free(p))}
+        for k in gone:
+            del self.where[k]
+        return gone
+
+    def assert_shape(self) -> None:
+        for key, (on_host, _) in self.where.items():
             if len(key) > self.ps:
-                assert key[: -self.ps] in self.prefix_page, f"{key} cached without its parent"
+                parent = self.where.get(key[: -self.ps])
+                assert parent is not None, f"{key} cached without its parent"
+                assert on_host or not parent[0], f"{key} on the device below a host prefix"
+
+    def pages(self, on_host: bool) -> list[int]:
+        return sorted(p for h, p in self.where.values() if h == on_host)
+
+    def clear(self) -> None:
+        self.where.clear()
+        self.last_use.clear()
 
 
-def tree_pages(cache: RadixCache) -> list[int]:
+def tree_pages(cache: RadixCache, on_host: bool) -> list[int]:
     out: list[int] = []
     stack = [cache.root]
     while stack:
         n = stack.pop()
-        out.extend(n.pages)
+        if n.on_host == on_host:
+            out.extend(n.pages)
+        stack.extend(n.children.values())
+    return sorted(out)
+
+
+def nodes(cache: RadixCache) -> list[RadixNode]:
+    out, stack = [], list(cache.root.children.values())
+    while stack:
+        n = stack.pop()
+        out.append(n)
         stack.extend(n.children.values())
     return out
 
 
-NUM_PAGES = 24
 token_lists = st.lists(st.integers(0, 2), max_size=12)
 
 
@@ -90,21 +165,44 @@ class Req:
 
 
 class RadixMachine(RuleBasedStateMachine):
-    """Requests that match, lock, grow private pages, insert (per chunk and at
-    the end), abort; evictions and resets; integrity checked after every step."""
+    """Requests that match (+ restore), lock, grow private pages, insert (per
+    chunk and at the end), abort; evictions and resets; everything checked
+    after every step (module docstring)."""
 
     page_size = 2
+    device_pages = 24  # the dummy page included
+    host_pages: int | None = None  # usable host-tier pages; None: no host tier
+    max_live = 4  # live requests at most
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = PageAllocator(NUM_PAGES)
-        self.c = RadixCache(self.page_size, self.a)
-        self.oracle = NaivePrefixCache(self.page_size)
+        ps = self.page_size
+        self.a = PageAllocator(self.device_pages)
+        # One layer, one head of one float: a slot holds the id of the token
+        # sequence whose last token it caches (self._kv_id).
+        self.pool = KVPool(1, self.device_pages, ps, 1, 1, torch.float32, "cpu")
+        self.host = HostKVTier(self.pool, self.host_pages) if self.host_pages else None
+        self.c = RadixCache(ps, self.a, host=self.host)
+        self.oracle = NaiveTieredCache(ps)
         self.reqs: dict[int, Req] = {}
         self.next_id = 0
         self.history: list[list[int]] = [[]]
+        self.kv_ids: dict[Prefix, int] = {}
 
     # -- helpers
+    def _sync(self) -> set[Prefix]:
+        """After a cache call: replay its planned moves in the oracle, run them
+        (the engine flushes before the next step), forget what was dropped.
+        Returns the prefixes dropped."""
+        before = set(self.oracle.where)
+        if self.host is not None:
+            self.oracle.apply_moves(self.host.pending_moves())
+            self.host.flush()
+            assert self.host.num_pending == 0
+        self.oracle.drop_freed(self.a, self.host.allocator if self.host else None)
+        self.oracle.assert_shape()
+        return before - set(self.oracle.where)
+
     def _alloc(self, n: int) -> list[int] | None:
         got = self.a.alloc(n)
         if got is not None:
@@ -117,25 +215,48 @@ class RadixMachine(RuleBasedStateMachine):
         return got
 
     def _evict(self, n: int) -> None:
-        """Evict, then check the count, LRU order and that only whole suffixes went."""
-        leaves: list[tuple[int, list[int]]] = []
-        last_use = self.oracle.page_last_use()
-        stack = [self.c.root]
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            if not node.children and node is not self.c.root and node.ref == 0:
-                # Every access that reached a leaf's first page walked all of it
-                # (a partial walk splits the node), so any of its pages has the leaf's time.
-                leaves.append((last_use[node.pages[0]], list(node.pages)))
+        """Evict, then check the count and LRU order on both tiers. A node's LRU
+        time is its first page's in the oracle: every access that reached that
+        page walked the whole node (a partial walk splits it)."""
+        at = {loc: key for key, loc in self.oracle.where.items()}
+        dev_leaves: list[tuple[int, list[int]]] = []
+        host_leaves: list[tuple[int, list[Prefix]]] = []
+        dev_nodes = [list(node.pages) for node in nodes(self.c) if not node.on_host]
+        for node in nodes(self.c):
+            if node.ref:
+                continue
+            t = self.oracle.last_use[at[(node.on_host, node.pages[0])]]
+            if not node.on_host and all(c.on_host for c in node.children.values()):
+                dev_leaves.append((t, list(node.pages)))
+            elif node.on_host and not node.children:
+                host_leaves.append((t, [at[(True, p)] for p in node.pages]))
         evictable = self.c.evictable_pages
         assert self.c.evict(n) == min(n, evictable)
-        touched = [t for t, pages in leaves if any(self.a.is_free(p) for p in pages)]
-        kept = [t for t, pages in leaves if not any(self.a.is_free(p) for p in pages)]
+        # Device: a freed page was offloaded or dropped; nothing is allocated in between.
+        touched = [t for t, pages in dev_leaves if any(self.a.is_free(p) for p in pages)]
+        kept = [t for t, pages in dev_leaves if not any(self.a.is_free(p) for p in pages)]
         if touched and kept:
-            assert max(touched) <= min(kept), "evicted a leaf used more recently than a kept one"
-        self.oracle.drop_freed(self.a)
-        self.oracle.assert_prefix_closed()
+            assert max(touched) <= min(kept), "evicted a device leaf used more recently than a kept one"
+        moves = self.host.pending_moves() if self.host else []
+        offloaded = {at[(False, s)] for to_host, src, _ in moves if to_host for s in src}
+        dropped = self._sync()
+        # Host: its LRU drops leaves oldest first, except below a device node
+        # the host tier had no room for (dropped at once with its subtree).
+        was_dev = {key for (on_host, _), key in at.items() if not on_host}
+        no_room = (dropped & was_dev) - offloaded
+        if self.host is not None:
+            # Nothing is locked on the host here: only a run of pages longer
+            # than the whole host tier is dropped rather than offloaded.
+            for node_pages in dev_nodes:
+                n_dropped = sum(at[(False, p)] in no_room for p in node_pages)
+                assert n_dropped == 0 or n_dropped > self.host.num_total, (
+                    f"dropped {n_dropped} device pages a host tier of {self.host.num_total} could hold")
+        ps = self.page_size
+        touched = [t for t, keys in host_leaves if any(k in dropped for k in keys)
+                   and not any(keys[0][:j] in no_room for j in range(ps, len(keys[0]), ps))]
+        kept = [t for t, keys in host_leaves if not any(k in dropped for k in keys)]
+        if touched and kept:
+            assert max(touched) <= min(kept), "host LRU dropped a leaf used more recently than a kept one"
 
     def _pick(self, i: int) -> tuple[int, Req]:
         rid = sorted(self.reqs)[i % len(self.reqs)]
@@ -143,32 +264,81 @@ class RadixMachine(RuleBasedStateMachine):
 
     def _insert(self, r: Req) -> int:
         n_full = len(r.tokens) // self.page_size
-        expect_present = self.oracle.insert(r.tokens, r.pages)
+        expect_present, dups, superseded = self.oracle.insert(r.tokens, r.pages)
         self.oracle.touch(r.tokens, n_full)
-        tree_before = self.oracle.match(r.tokens)
-        dups = [
-            p for p, t in zip(r.pages, tree_before[: expect_present // self.page_size]) if p != t
-        ]
         assert self.c.insert(r.tokens, r.pages) == expect_present
         assert all(self.a.is_free(p) for p in dups), "duplicate pages must be freed"
+        if superseded:
+            assert self.host is not None
+            assert all(self.host.allocator.is_free(p) for p in superseded), (
+                "host pages of chunks the caller recomputed must be freed")
+        self._sync()
         return n_full
+
+    def _kv_id(self, seq: Sequence[int]) -> int:
+        return self.kv_ids.setdefault(tuple(seq), len(self.kv_ids) + 1)
+
+    def _write_private_kv(self, r: Req) -> None:
+        """The request computes the KV of its private pages."""
+        ps = self.page_size
+        pos = list(range(r.shared * ps, len(r.tokens)))
+        if pos:
+            slots = torch.tensor([r.pages[i // ps] * ps + i % ps for i in pos])
+            self.pool.k[0, slots, 0, 0] = torch.tensor(
+                [float(self._kv_id(r.tokens[: i + 1])) for i in pos])
+
+    def _pinned(self) -> set[Prefix]:
+        return {k for r in self.reqs.values() for k in self.oracle.prefixes(r.tokens)[: r.shared]}
+
+    def _match(self, tokens: list[int]) -> tuple[RadixNode, list[int], int]:
+        """match_prefix (+ restore when the match reaches the host tier),
+        checked against the oracle; returns (node, pages, num_tokens)."""
+        ps = self.page_size
+        m = self.c.match_prefix(tokens)
+        dev, host = self.oracle.match(tokens)
+        assert m.pages == dev and m.num_tokens == len(dev) * ps
+        assert m.host_tokens == len(host) * ps
+        if host:
+            path: list[int] = []
+            n: RadixNode | None = m.host_node
+            while n is not None and n.on_host:
+                path[:0] = n.pages
+                n = n.parent
+            assert path == host and n is m.node
+        else:
+            assert m.host_node is None
+        self.oracle.touch(tokens, len(dev) + len(host))
+        if not host:
+            return m.node, m.pages, m.num_tokens
+        # restore locks the match's path and evicts what else it must.
+        path_unlocked = set(self.oracle.prefixes(tokens)[: len(dev)]) - self._pinned()
+        evictable = self.c.evictable_pages - len(path_unlocked)
+        expect = min(len(host), self.a.num_free + evictable)
+        hits = self.c.host_hit_tokens_total
+        r = self.c.restore(m)
+        self._sync()
+        assert r.host_tokens == 0 and r.host_node is None
+        assert r.num_tokens == (len(dev) + expect) * ps, "restore brought back the wrong amount"
+        assert self.c.host_hit_tokens_total - hits == expect * ps
+        dev2, host2 = self.oracle.match(tokens)
+        assert r.pages == dev2 and r.pages[: len(dev)] == dev and len(host2) == len(host) - expect
+        return r.node, r.pages, r.num_tokens
 
     # -- rules
     # A few live requests at a time, so finished ones build a tree worth evicting.
-    @precondition(lambda self: len(self.reqs) < 4)
+    @precondition(lambda self: len(self.reqs) < self.max_live)
     @rule(base=st.integers(0, 1000), suffix=token_lists)
     def start_request(self, base: int, suffix: list[int]) -> None:
         tokens = self.history[-1 - base % len(self.history)] + suffix
-        m = self.c.match_prefix(tokens)
-        assert m.pages == self.oracle.match(tokens)
-        self.oracle.touch(tokens, len(m.pages))
-        assert m.num_tokens == len(m.pages) * self.page_size
-        self.c.lock(m.node)
-        priv = self._alloc(-(-len(tokens) // self.page_size) - len(m.pages))
+        node, pages, _ = self._match(tokens)
+        self.c.lock(node)
+        priv = self._alloc(-(-len(tokens) // self.page_size) - len(pages))
         if priv is None:
-            self.c.unlock(m.node)
+            self.c.unlock(node)
             return
-        self.reqs[self.next_id] = Req(tokens, m.node, len(m.pages), m.pages + priv)
+        r = Req(tokens, node, len(pages), pages + priv)
+        self._write_private_kv(r)
+        self.reqs[self.next_id] = r
         self.next_id += 1
 
     @precondition(lambda self: bool(self.reqs))
@@ -180,6 +350,7 @@ class RadixMachine(RuleBasedStateMachine):
         if more is not None:
             r.tokens = tokens
             r.pages += more
+            self._write_private_kv(r)
 
     @precondition(lambda self: bool(self.reqs))
     @rule(i=st.integers(0, 1000))
@@ -187,8 +358,9 @@ class RadixMachine(RuleBasedStateMachine):
         _, r = self._pick(i)
         n_full = self._insert(r)
         m = self.c.match_prefix(r.tokens, count_stats=False)
-        self.oracle.touch(r.tokens, len(m.pages))
+        self.oracle.touch(r.tokens, n_full)
         assert m.num_tokens == n_full * self.page_size, "what was just inserted must match"
+        assert m.host_node is None, "an insert leaves its pages on the device"
         self.c.lock(m.node)
         self.c.unlock(r.node)
         r.node, r.shared, r.pages = m.node, n_full, m.pages + r.pages[n_full:]
@@ -225,37 +397,92 @@ class RadixMachine(RuleBasedStateMachine):
         assert self.c.reset() == (not locked)
         if not locked:
             assert all(r.shared == 0 for r in self.reqs.values())
-            self.oracle.prefix_page.clear()
-            self.oracle.last_use.clear()
+            assert self.c.host_cached_pages == 0 and self.c.cached_pages == 0
+            self._sync()
+            assert not self.oracle.where
+            self.oracle.clear()
 
     @rule(base=st.integers(0, 1000), suffix=token_lists)
     def query(self, base: int, suffix: list[int]) -> None:
+        """A match alone (as prefix sharing makes): no restore, no lock."""
         tokens = self.history[-1 - base % len(self.history)] + suffix
         m = self.c.match_prefix(tokens)
-        assert m.pages == self.oracle.match(tokens)
-        self.oracle.touch(tokens, len(m.pages))
+        dev, host = self.oracle.match(tokens)
+        assert m.pages == dev and m.host_tokens == len(host) * self.page_size
+        self.oracle.touch(tokens, len(dev) + len(host))
 
     # -- after every step
     @invariant()
     def consistent(self) -> None:
         live = [p for r in self.reqs.values() for p in r.pages[r.shared :]]
         self.c.check_integrity(live)
-        in_tree = tree_pages(self.c)
-        assert sorted(in_tree) == sorted(self.oracle.prefix_page.values())
-        pinned: set[int] = set()
+        assert tree_pages(self.c, False) == self.oracle.pages(False)
+        assert tree_pages(self.c, True) == self.oracle.pages(True)
         for r in self.reqs.values():
             assert len(r.pages) == -(-len(r.tokens) // self.page_size)
-            assert self.oracle.match(r.tokens)[: r.shared] == r.pages[: r.shared]
-            pinned.update(r.pages[: r.shared])
+            assert self.oracle.match(r.tokens)[0][: r.shared] == r.pages[: r.shared]
+        pinned = self._pinned()
         assert self.c.locked_pages == len(pinned), "locked pages are exactly the pinned matches"
+        n_dev = len(self.oracle.pages(False))
+        assert self.c.evictable_pages == n_dev - len(pinned)
         assert self.c.root.ref == len(self.reqs), "every live request holds one lock"
+        self._check_kv()
+
+    def _check_kv(self) -> None:
+        """Every cached page (either tier) and every live request's private
+        token holds the KV of the sequence it ends."""
+        ps = self.page_size
+        slots: dict[bool, list[int]] = {False: [], True: []}
+        want: dict[bool, list[float]] = {False: [], True: []}
+        for key, (on_host, page) in self.oracle.where.items():
+            for t in range(ps):
+                slots[on_host].append(page * ps + t)
+                want[on_host].append(float(self._kv_id(key[: len(key) - ps + t + 1])))
+        for r in self.reqs.values():
+            for i in range(r.shared * ps, len(r.tokens)):
+                slots[False].append(r.pages[i // ps] * ps + i % ps)
+                want[False].append(float(self._kv_id(r.tokens[: i + 1])))
+        for on_host, kv in ((False, self.pool.k), (True, self.host.k if self.host else None)):
+            if slots[on_host]:
+                assert kv is not None
+                got = kv[0, torch.tensor(slots[on_host]), 0, 0]
+                bad = (got != torch.tensor(want[on_host])).nonzero().flatten().tolist()
+                assert not bad, (f"{'host' if on_host else 'device'} slots "
+                                 f"{[slots[on_host][b] for b in bad[:4]]} hold the wrong KV")
 
 
 class RadixMachinePage3(RadixMachine):
     page_size = 3
 
 
+class HostTierMachine(RadixMachine):
+    """A small device pool over a host tier that fills: offloads, restores
+    (whole and partial), host LRU drops."""
+
+    device_pages = 10
+    host_pages = 6
+
+
+class HostTierMachinePage3(RadixMachine):
+    """A host tier of two pages, smaller than many evicted nodes (those are
+    dropped with their host subtree instead), and more live requests, so more
+    restores find the device short."""
+
+    page_size = 3
+    device_pages = 10
+    host_pages = 2
+    max_live = 6
+
+
+def _settings(n: int) -> settings:
+    return settings(max_examples=n, stateful_step_count=50, deadline=None)
+
+
 TestRadixMachine = RadixMachine.TestCase
-TestRadixMachine.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
+TestRadixMachine.settings = _settings(60)
 TestRadixMachinePage3 = RadixMachinePage3.TestCase
-TestRadixMachinePage3.settings = settings(max_examples=30, stateful_step_count=50, deadline=None)
+TestRadixMachinePage3.settings = _settings(25)
+TestHostTierMachine = HostTierMachine.TestCase
+TestHostTierMachine.settings = _settings(150)
+TestHostTierMachinePage3 = HostTierMachinePage3.TestCase
+TestHostTierMachinePage3.settings = _settings(80)

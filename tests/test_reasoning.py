@@ -1,4 +1,4 @@
-"""Reasoning split (server/reasoning.py) and chat_template_kwargs: the parser on
+"""Reasoning split (chat/reasoning.py) and chat_template_kwargs: the parser on
 its own (whole and streamed at every split point), then end to end through a
 real server whose model has a Qwen3-style thinking template, with the openai
 client."""
@@ -14,7 +14,7 @@ import aiohttp
 import openai
 import pytest
 
-from ftserve.server.reasoning import CLOSE, OPEN, ReasoningStream, opens_in_prompt, split, supported
+from ftserve.chat.reasoning import CLOSE, OPEN, ReasoningStream, opens_in_prompt, split, supported
 
 CASES = [  # (output, opened by the prompt, reasoning, content)
     ("<think>\nplan it\n</think>\n\nThe answer.", False, "\nplan it\n", "The answer."),
@@ -183,6 +183,37 @@ def test_reasoning_content_when_the_prompt_opens_thinking(live: Any, client: ope
     resp = client.responses.create(model="ftserve-demo", input=MSGS[0]["content"], max_output_tokens=10,
                                    temperature=0)
     assert resp.usage.output_tokens_details.reasoning_tokens == resp.usage.output_tokens == 10
+
+
+def test_each_step_is_split_once(live: Any, client: openai.OpenAI,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reasoning split runs once per step of a choice, streamed and whole: the
+    stream driver's output split both splits it and counts its reasoning tokens."""
+    from ftserve.api.generation import Generation
+    from ftserve.chat.reasoning import ReasoningStream
+
+    steps, pushes = [0], [0]
+    real_next, real_push = Generation.next, ReasoningStream.push
+
+    async def next_(self: Generation, timeout: float | None = None) -> Any:
+        step = await real_next(self, timeout)
+        steps[0] += step is not None
+        return step
+
+    def push(self: ReasoningStream, delta: str, num_tokens: int = 0) -> tuple[str, str]:
+        pushes[0] += 1
+        return real_push(self, delta, num_tokens)
+
+    monkeypatch.setattr(Generation, "next", next_)
+    monkeypatch.setattr(ReasoningStream, "push", push)
+    for stream in (False, True):
+        steps[0] = pushes[0] = 0
+        r = client.chat.completions.create(model="ftserve-demo", messages=MSGS, max_tokens=6,
+                                           temperature=0, stream=stream)
+        if stream:
+            list(r)  # type: ignore[arg-type]
+        assert steps[0] >= 2 and pushes[0] == steps[0], (stream, steps, pushes)
+    live.wait_idle()
 
 
 def test_chat_template_kwargs_turn_thinking_off(live: Any, client: openai.OpenAI) -> None:

@@ -1,5 +1,5 @@
-"""OpenAI's Responses API (/v1/responses; ftserve/server/responses_api.py and
-responses_protocol.py) against a real server (the demo model, Mistral-style
+"""OpenAI's Responses API (/v1/responses; ftserve/api/responses/route.py and
+models.py) against a real server (the demo model, Mistral-style
 template: system prompt, tools), read with the official ``openai`` client.
 Engine steps are scripted where the output must be function calls."""
 
@@ -119,8 +119,8 @@ def _assemble(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("output,think,tools", OUTPUTS)
 def test_stream_items_equal_whole_items_at_every_cut(output: str, think: bool, tools: bool) -> None:
-    from ftserve.server.chat_output import ChatOutputFilter, split_whole
-    from ftserve.server.responses_api import StreamItems, whole_items
+    from ftserve.api.responses.route import StreamItems, whole_items
+    from ftserve.chat.output import StreamSplit, split_whole
 
     fmt = "mistral" if tools else None
 
@@ -130,7 +130,7 @@ def test_stream_items_equal_whole_items_at_every_cut(output: str, think: bool, t
     want = norm(whole_items(split_whole(output, fmt, True, None, think)))
     assert want
     for cut in range(len(output) + 1):
-        filt, items = ChatOutputFilter(fmt, True, None, think), StreamItems()
+        filt, items = StreamSplit(fmt, True, None, think), StreamItems()
         events = [*items.push(*filt.push(output[:cut])), *items.push(*filt.push(output[cut:])),
                   *items.push(*filt.finish()), *items.finish()]
         assert norm(_assemble(events)) == want, cut
@@ -319,7 +319,7 @@ def test_codex_shaped_history_becomes_chat_messages() -> None:
     """Codex's turn shape (store false): reasoning, then calls, then their outputs;
     consecutive calls join one assistant message, the reasoning its reasoning_content;
     reasoning with no assistant turn after it is dropped."""
-    from ftserve.server.responses_protocol import parse_responses_request
+    from ftserve.api.responses.models import parse_responses_request
 
     parsed = parse_responses_request({
         "model": MODEL, "instructions": "Be brief.", "store": False, "stream": True,

@@ -14,6 +14,7 @@ import torch
 from ftserve.engine.sampler import SampleOutput, Sampler, SamplerFeatures
 from ftserve.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams, SamplingParamsError
 from ftserve_kernels import sampling as ks
+from ftserve_kernels.config import KernelConfig
 
 V = 32
 
@@ -550,8 +551,7 @@ def test_min_tokens_yields_only_where_the_grammar_allows_nothing_but_stop_ids(
     rather than a draw from a row with no token left. Torch and the fused draw."""
     if kernels == "triton" and torch.cuda.is_available():
         pytest.skip("an interpreter test: CPU tensors")
-    monkeypatch.setenv("FTSERVE_KERNELS", kernels)
-    s = Sampler(V, 3, "cpu", seed=0)
+    s = Sampler(V, 3, "cpu", seed=0, kernels=KernelConfig(backend=kernels))
     for slot in range(3):
         s.admit(slot, SamplingParams(temperature=1.0, seed=slot, min_tokens=9, stop_token_ids=(7, 8)),
                 [], [], constrained=True)

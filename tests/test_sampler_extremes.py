@@ -19,6 +19,7 @@ import torch
 from ftserve.engine.sampler import Sampler
 from ftserve.engine.sampling_params import SamplingParams
 from ftserve_kernels import sampling as ks
+from ftserve_kernels.config import KernelConfig
 from ftserve_kernels.greedy_triton import greedy_sample_ref, greedy_sample_triton
 
 VOCAB = 1024
@@ -98,10 +99,6 @@ def test_no_stage_lets_a_banned_token_through_at_the_noise_extremes(
 ) -> None:
     """The sampler at temperature 1, one row per key, each row's target token banned
     by ``stage`` (or, "improbable", left 80 nats below the rest): never drawn."""
-    monkeypatch.setenv("FTSERVE_KERNELS", kernels)
-    # The filters' candidates by torch.topk (test_kernels_select covers the radix
-    # select, slow in the interpreter): the cut and the draw are what is tested.
-    monkeypatch.setenv("FTSERVE_RADIX_SELECT", "0")
     # Triton: the interpreter on CPU tensors here, the compiled kernels on a GPU.
     dev = "cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu"
     seeds, steps, targets = _rows()
@@ -118,7 +115,7 @@ def test_no_stage_lets_a_banned_token_through_at_the_noise_extremes(
     rows = torch.arange(b)
     tgt = torch.tensor(targets)
     logits[rows, tgt] = -80.0 if stage == "improbable" else -8.0 if cut else 8.0
-    s = Sampler(VOCAB, b, dev, seed=0)
+    s = Sampler(VOCAB, b, dev, seed=0, kernels=KernelConfig(backend=kernels))
     allowed: list[set[int]] = []
     for r in range(b):
         params, constrained = _stage(stage, targets[r], seeds[r])

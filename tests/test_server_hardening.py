@@ -20,9 +20,9 @@ import aiohttp
 import orjson
 import pytest
 
+from ftserve.api import sse
+from ftserve.api.serve import drain
 from ftserve.config import ServerConfig
-from ftserve.server import sse
-from ftserve.server.serve import drain
 from tests.server_harness import TEST_ENGINE, TEST_SERVER, Live, start_live, stop_live
 
 CHAT = "/v1/chat/completions"
@@ -276,7 +276,7 @@ def test_client_gone_before_headers_is_one_log_line(
 
     monkeypatch.setattr(sse, "open_stream", late)
     body = orjson.dumps(LONG_STREAM)
-    with caplog.at_level(logging.INFO, logger="ftserve.server"):
+    with caplog.at_level(logging.INFO, logger="ftserve.api"):
         with socket.create_connection(("127.0.0.1", live.server.port)) as sock:
             sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
                          % (CHAT.encode(), len(body), body))
@@ -317,7 +317,7 @@ def test_drain_timeout_ends_streams_with_a_standard_reason(
             chat_frames, msg_frames = await asyncio.gather(*readers)
             return chat_frames, msg_frames
 
-    with caplog.at_level(logging.WARNING, logger="ftserve.server"):
+    with caplog.at_level(logging.WARNING, logger="ftserve.api"):
         chat_frames, msg_frames = asyncio.run(go())
     live.extra.remove(server)  # drain cleaned it up
     assert chat_frames[-1] == sse.DONE

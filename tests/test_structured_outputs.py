@@ -244,6 +244,9 @@ CONSTRAINTS: list[tuple[str, dict[str, Any], str]] = [
     ("legacy guided_regex", {"guided_regex": r"(red|blue)-[0-9]"}, r"(red|blue)-[0-9]"),
     ("legacy guided_choice", {"guided_choice": ["alpha", "beta"]}, r"alpha|beta"),
     ("llama.cpp grammar", {"grammar": 'root ::= "<" [a-c] [a-c] ">"'}, r"<[a-c][a-c]>"),
+    # SGLang's names, which sglang-router passes on to a worker (tests/test_fleet.py)
+    ("SGLang regex", {"regex": r"[xyz]{2}-[0-9]"}, r"[xyz]{2}-[0-9]"),
+    ("SGLang ebnf", {"ebnf": 'root ::= "(" [0-9] ")"'}, r"\([0-9]\)"),
 ]
 
 
@@ -288,6 +291,7 @@ BAD_OTHER: list[tuple[str, dict[str, Any], str]] = [
     ("unknown structured_outputs key", {"structured_outputs": {"structural_tag": "x"}},
      "structured_outputs"),
     ("bad regex", {"guided_regex": "(("}, "guided_regex"),
+    ("bad SGLang ebnf", {"ebnf": 'root ::= ("ab" | '}, "ebnf"),
     ("empty choice", {"structured_outputs": {"choice": []}}, "structured_outputs"),
     ("choice of non-strings", {"guided_choice": ["a", 1]}, "guided_choice"),
     ("bad GBNF", {"grammar": 'root ::= ("ab" | '}, "grammar"),

@@ -1,4 +1,4 @@
-"""ftserve/server/tool_calls.py: finding tool calls in model output, whole and streamed."""
+"""ftserve/chat/tool_calls.py: finding tool calls in model output, whole and streamed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ftserve.server.tool_calls import ToolStream, format_of, param_types, parse
+from ftserve.chat.tool_calls import ToolStream, format_of, param_types, parse
 
 CODER_TEMPLATE = Path(__file__).parent / "templates" / "qwen3_coder.jinja"
 LLAMA_TEMPLATE = Path(__file__).parent / "templates" / "llama3_json.jinja"
@@ -82,7 +82,7 @@ def test_stream_sends_plain_text_at_once() -> None:
 
 
 def test_whole_output_with_tool_calls() -> None:
-    from ftserve.server.chat_output import split_whole
+    from ftserve.chat.output import split_whole
 
     text = 'Checking.\n<tool_call>{"name": "ls", "arguments": {"dir": "."}}</tool_call>'
     out = split_whole(text, "hermes", True, None, None)
@@ -107,36 +107,40 @@ def test_whole_output_with_tool_calls() -> None:
 
 
 def test_streamed_choice_sends_calls_as_they_arrive(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The SSE side: content through the filter, then a call's start and its
+    """The SSE side: content through the output split, then a call's start and its
     argument fragments as tool_calls deltas with the choice's index."""
+    from ftserve.api.driver import Choice
+    from ftserve.api.openai.chat import ChatStream
+    from ftserve.api.openai.models import parse_chat
+    from ftserve.chat.output import OutputSpec
+    from ftserve.chat.text import make_text_codec
     from ftserve.models.checkpoint import write_checkpoint
-    from ftserve.server.completions import _ChoiceChunks
-    from ftserve.server.protocol import parse_chat
-    from ftserve.server.text import make_text_codec
 
     ckpt = write_checkpoint("tiny-moe", tmp_path / "m", layers=1, seed=0)
     text = make_text_codec(str(ckpt))
     assert text.tool_format() == "mistral"  # the demo template renders Mistral-style tools
     body = {"messages": [{"role": "user", "content": "x"}], "stream": True,
             "tools": [{"type": "function", "function": {"name": "ls"}}]}
-    parsed = parse_chat(body)
-    st = _ChoiceChunks(parsed, "chatcmpl-1", 0, "m", None, 2, text, None)  # type: ignore[arg-type]
+    req = parse_chat(body)
+    split = OutputSpec(text.tool_format(), req.parallel_tool_calls).stream()
+    choice = Choice(2, None, split)  # type: ignore[arg-type]
+    st = ChatStream(req, "chatcmpl-1", 0, "m", [choice], text)
     out = 'Sure [TOOL_CALLS] [{"name": "ls", "arguments": {"d": 1}}]'
-    parts = [st.split(out[i:i + 5]) for i in range(0, len(out), 5)] + [st.finish()]
+    parts = [split.push(out[i:i + 5]) for i in range(0, len(out), 5)] + [split.finish()]
     assert "".join(p[1] for p in parts).strip() == "Sure"
     deltas = [d for p in parts for d in p[2]]
     assert deltas[0]["function"] == {"name": "ls", "arguments": ""} and deltas[0]["index"] == 0
     assert "".join(d["function"]["arguments"] for d in deltas) == '{"d": 1}'
     assert all(set(d) == {"index", "function"} for d in deltas[1:])
-    (choice,) = st.call_chunk(deltas[0])["choices"]
-    assert choice["index"] == 2 and choice["finish_reason"] is None
-    (tc,) = choice["delta"]["tool_calls"]
+    (chunk,) = st.call_chunk(choice, deltas[0])["choices"]
+    assert chunk["index"] == 2 and chunk["finish_reason"] is None
+    (tc,) = chunk["delta"]["tool_calls"]
     assert tc["index"] == 0 and tc["type"] == "function" and len(tc["id"]) == 9
     # parallel_tool_calls false: the stream also sends only the first call.
-    one = _ChoiceChunks(parse_chat({**body, "parallel_tool_calls": False}), "chatcmpl-2", 0, "m",
-                        None, 0, text, None)  # type: ignore[arg-type]
+    one_req = parse_chat({**body, "parallel_tool_calls": False})
+    one = OutputSpec(text.tool_format(), one_req.parallel_tool_calls).stream()
     twice = 'x [TOOL_CALLS] [{"name": "ls", "arguments": {}}, {"name": "cat", "arguments": {}}]'
-    sent = one.split(twice)[2] + one.finish()[2]
+    sent = one.push(twice)[2] + one.finish()[2]
     assert {d["index"] for d in sent} == {0} and [d["function"].get("name") for d in sent] == ["ls", None]
 
 
@@ -238,17 +242,18 @@ def test_qwen3_coder_anything_unclean_stays_content(text: str) -> None:
 
 def test_template_calls_parse_back() -> None:
     """An earlier call rendered by the template is what the parser reads back, typed."""
-    from ftserve.server.tool_choice import _tool_calls
+    from ftserve.api.openai.models import parse_chat
     from ftserve.tokenizer.chat_template import ChatTemplate
 
     args = {"city": "Paris\nFrance", "days": 3, "metric": False, "opts": {"u": [1, "x"]},
             "hours": [9, 17], "temp": 21.5}
-    calls = _tool_calls([{"id": "c1", "type": "function", "function": {
+    calls = [{"id": "c1", "type": "function", "function": {
         "name": "get_weather", "arguments": json.dumps(args)}}, {"id": "c2", "type": "function",
-        "function": {"name": "now", "arguments": "{}"}}], "messages[1].tool_calls")
-    msgs = [{"role": "user", "content": "Weather?"},
-            {"role": "assistant", "content": "Checking.", "tool_calls": calls},
-            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+        "function": {"name": "now", "arguments": "{}"}}]
+    msgs = parse_chat({"messages": [  # earlier calls' arguments as objects, for the template
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]}).messages
     prompt = ChatTemplate(CODER_TEMPLATE.read_text()).render(msgs, add_generation_prompt=True,
                                                              tools=[WEATHER])
     assert "<tool_response>\nsunny\n</tool_response>" in prompt

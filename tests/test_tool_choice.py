@@ -1,4 +1,4 @@
-"""Forced tool_choice ("required", a named function; ftserve/server/tool_choice.py):
+"""Forced tool_choice ("required", a named function; ftserve/chat/tool_choice.py):
 the prefix builder and the parser over forced text + output, then end to end on a
 real server whose engine steps are scripted, read with the official openai client."""
 
@@ -13,10 +13,10 @@ from typing import Any
 import openai
 import pytest
 
-from ftserve.server.errors import APIError
-from ftserve.server.protocol import parse_chat
-from ftserve.server.tool_calls import parse, tool_stream
-from ftserve.server.tool_choice import ForcedCall, forced_text
+from ftserve.api.openai.models import parse_chat
+from ftserve.chat.errors import RequestError
+from ftserve.chat.tool_calls import parse, tool_stream
+from ftserve.chat.tool_choice import ForcedCall, forced_text
 
 
 def test_forced_text_per_format() -> None:
@@ -82,7 +82,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
     {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": 3}}},
 ])
 def test_bad_tool_choice_is_400_naming_it(body: dict[str, Any]) -> None:
-    with pytest.raises(APIError) as err:
+    with pytest.raises(RequestError) as err:
         parse_chat({"messages": MSGS, **body})
     assert err.value.status == 400 and err.value.param == "tool_choice"
 

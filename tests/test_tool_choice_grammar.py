@@ -1,5 +1,5 @@
 """A forced tool_choice ("required", a named function; Anthropic any / tool; the
-Responses API's) constrains the output to well-formed calls (server/tool_grammar.py),
+Responses API's) constrains the output to well-formed calls (chat/tool_grammar.py),
 in each call syntax the project reads: a real server per syntax (the demo's own
 Mistral-style template, and hermes / Qwen3-Coder / Llama 3 templates given with
 --chat-template) over a random-weights model, sampled at temperature 1 over several
@@ -110,11 +110,11 @@ def test_grammar_takes_the_calls_the_template_writes(live: Live) -> None:
     from after its name."""
     import orjson
 
-    from ftserve.server.grammar_sandbox import build
-    from ftserve.server.protocol import parse_chat
-    from ftserve.server.tool_calls import param_types, parse
-    from ftserve.server.tool_choice import ForcedCall, forced_text
-    from ftserve.server.tool_grammar import constraint
+    from ftserve.api.openai.models import parse_chat
+    from ftserve.chat.grammar_sandbox import build
+    from ftserve.chat.tool_calls import param_types, parse
+    from ftserve.chat.tool_choice import ForcedCall, forced_text
+    from ftserve.chat.tool_grammar import constraint
 
     fmt = live.text.tool_format()
     assert fmt is not None

@@ -1,4 +1,4 @@
-"""ToolStream (ftserve/server/tool_calls.py): tool calls streamed as they arrive.
+"""ToolStream (ftserve/chat/tool_calls.py): tool calls streamed as they arrive.
 The parser at every split of sample outputs against the whole parse, what
 unclean output turns into, then end to end: a real server whose engine steps
 are scripted, read back by the official openai client's stream assembly."""
@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from ftserve.server.tool_calls import param_types, parse, tool_stream
+from ftserve.chat.tool_calls import param_types, parse, tool_stream
 
 # qwen3_coder values are typed by the request's tools; the JSON formats ignore these.
 TYPES = param_types([{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -13,15 +13,14 @@
 # tests: the gpu tests alone, with the whole budget (they no longer fit in 250 s:
 # on 2026-12-01 74 of ~110 passed in 240 s, the other 35 took 118 s more), so a
 # benchmark call can skip them (GPU_SUITE_SKIP=gpu_tests);
-# fp8: the fp8 tests and tools.bench_fp8 (fp8 against bf16 in one run) alone;
-# tune: tests + tools.tune_gemv (+ tools.tune_moe with TUNE_MOE=1), then the
+# fp8: the fp8 tests and tools.bench.fp8 (fp8 against bf16 in one run) alone;
+# tune: tests + tools.tune.gemv (+ tools.tune.moe with TUNE_MOE=1), then the
 # benchmarks with the fresh tables (FTSERVE_GEMV_CONFIG_FILE /
 # FTSERVE_MOE_CONFIG_FILE); commit a table that wins under ftserve_kernels/configs/.
 # Budgets (s): tests 250 (70 tests took 167 s at 02:57 on 2026-11-30; 72 needed
 # more than 200 at 04:23 on a fresh machine), tune_gemv 95, bench_engine 70 (took
 # 42-49 s), bench_kv_tiers 65 (56 s), bench_decode_variants 55, bench_moe_cache 80
-# (its decode rows warm an emptied cache for 24 steps each, and it runs the other
-# read-through mode; 63 s) = 520 in full mode, 615 with tune: there the last step
+# (its decode rows warm an emptied cache for 24 steps each; 63 s) = 520 in full mode, 615 with tune: there the last step
 # is cut to what is left of the 580.
 set -u
 out=${1:-gpu_out}
@@ -62,7 +61,7 @@ if [ "$mode" = fp8 ]; then  # issue 32: the fp8 tests (gpu-marked and the kernel
     step fp8_tests 180 python3 -m pytest -q -p no:randomly -o addopts="" tests/test_gpu_fp8.py \
         tests/test_kernels_fp8.py > "$out/gpu_tests.txt"
     grep -E "passed|failed" "$out/gpu_tests.txt" | tail -1
-    step bench_fp8 390 python3 -m tools.bench_fp8 --budget-s 330 --out "$work/bench_fp8.json" \
+    step bench_fp8 390 python3 -m tools.bench.fp8 --budget-s 200 --out "$work/bench_fp8.json" \
         > "$work/bench_fp8.md"
     echo "total $(( $(date +%s) - t0 ))s" | tee -a "$log"
     pack
@@ -81,28 +80,28 @@ if [ "$mode" = tests ]; then
 fi
 if [ "$mode" = tune ]; then
     if [ "${TUNE_MOE:-0}" = 1 ]; then  # the H200 MoE table ships: re-tune only when asked
-        step tune_moe 110 python3 -m tools.tune_moe --out "$work" --budget-s 95 > "$work/tune_moe.md"
+        step tune_moe 110 python3 -m tools.tune.moe --out "$work" --budget-s 95 > "$work/tune_moe.md"
         table=$(ls "$work"/moe_*.json 2>/dev/null | head -1)
         if [ -n "$table" ]; then
             export FTSERVE_MOE_CONFIG_FILE="$table"
             echo "   using $table" | tee -a "$log"
         fi
     fi
-    step tune_gemv 95 python3 -m tools.tune_gemv --out "$work" --budget-s 80 > "$work/tune_gemv.md"
+    step tune_gemv 95 python3 -m tools.tune.gemv --out "$work" --budget-s 80 > "$work/tune_gemv.md"
     table=$(ls "$work"/gemv_*.json 2>/dev/null | head -1)
     if [ -n "$table" ]; then
         export FTSERVE_GEMV_CONFIG_FILE="$table"
         echo "   using $table" | tee -a "$log"
     fi
 fi
-step bench_engine 70 python3 -m tools.bench_engine --budget-s 60 --out "$work/bench_engine.json" \
+step bench_engine 70 python3 -m tools.bench.engine --budget-s 60 --out "$work/bench_engine.json" \
     > "$work/bench_engine.md"
-step bench_kv_tiers 65 python3 -m tools.bench_kv_tiers --out "$work/bench_kv_tiers.json" \
+step bench_kv_tiers 65 python3 -m tools.bench.kv_tiers --out "$work/bench_kv_tiers.json" \
     > "$work/bench_kv_tiers.md"
 if [ "$mode" != quick ]; then
-    step bench_decode_variants 55 python3 -m tools.bench_decode_variants --budget-s 45 \
+    step bench_decode_variants 55 python3 -m tools.bench.decode_variants --budget-s 45 \
         --out "$work/bench_decode_variants.json" > "$work/bench_decode_variants.md"
-    step bench_moe_cache 80 python3 -m tools.bench_moe_cache --budget-s 65 \
+    step bench_moe_cache 80 python3 -m tools.bench.moe_cache --budget-s 65 \
         --out "$work/bench_moe_cache.json" > "$work/bench_moe_cache.md"
 fi
 echo "total $(( $(date +%s) - t0 ))s" | tee -a "$log"

@@ -9,15 +9,15 @@ the sampled tokens into the same row of a pinned output pair and toggles the
 word (the sampler's other stage sets end with a copy kernel that does it,
 copy_host_words_paired). So a decode step is one graph launch, with nothing
 between two graphs (H200, batch 1: 11 us of copies and gaps did sit there),
-and no copy kernel inside a greedy one. Where UVA kernels cannot run
-(FTSERVE_STEP_COPY_KERNEL=0) the copies stay outside, into g_in::
+and no copy kernel inside a greedy one. Where UVA kernels cannot run (the
+Triton interpreter) the copies stay outside, into ``DecodeGraphIO.rows``.
 
-    g_in [max_bs, 7] int64, one row per sequence: input_id, position,
-        out_cache_loc, seq_len, sampler slot (+ min_tokens flag in bit 62), step,
-        src_row (row of runner.last_tokens holding the input id when the host
-        does not know it yet -- overlap scheduling -- else -1)
-    (row-major so the first pbs rows are one contiguous copy; the graph
-    transposes them into contiguous per-field vectors itself)
+A step's words are one ``DecodeRow`` per sequence (decode_inputs.py: input_id,
+position, out_cache_loc, seq_len, sampler slot with the min_tokens flag in bit
+62, step, src_row: the row of runner.last_tokens holding the input id when the
+host does not know it yet -- overlap scheduling -- else -1), packed row-major so
+the first pbs rows are one contiguous copy; the graph's first launch picks
+them apart into contiguous per-field vectors.
 
 Padded rows (batch size rounded up to a captured size) read the dummy page
 (slot 0), the dummy page-table row and the dummy sampler slot, so they write
@@ -36,6 +36,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -49,6 +50,7 @@ from ftserve_kernels.bookkeeping import (
     copy_host_words_paired,
     paired_copies_supported,
 )
+from ftserve_kernels.decode_inputs import WORDS, DecodeRow
 
 if TYPE_CHECKING:
     from ftserve.engine.runner import ModelRunner
@@ -60,13 +62,10 @@ T = TypeVar("T")
 MIN_FLAG = 1 << 62
 ALL_FEATURES = SamplerFeatures.all()
 # The sampler stage sets captured per batch size, smallest first; a step replays
-# the first that covers its rows' needs (Sampler.features_of). On the H200 at
-# Qwen3's vocabulary (tools/bench_sampler, 2026-12-02) one step's sampler took,
-# at B = 1 / 64: greedy 11 / 16 us, temperature 15 / 50, + top-k <= 256 with
-# top-p/min-p (sort-free) 34 / 234, + penalties 37 / 290 (Qwen3-Coder's
-# defaults; they ran the last row before), + top-p alone (sorted) 192 / 1,565,
-# every stage 335 / 2,327: before these variants, one sampled request anywhere
-# made every later step pay the last row.
+# the first that covers its rows' needs (Sampler.features_of). The stages differ
+# by an order of magnitude in cost (BENCHMARKS.md, "Sampler stages per step"):
+# with one all-stages graph, one sampled request anywhere would make every
+# later step, greedy ones included, pay for every stage.
 SAMPLER_VARIANTS = (
     SamplerFeatures(),
     SamplerFeatures(sampling=True),
@@ -91,6 +90,20 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def pack_decode_rows(batch: ScheduledBatch, page_size: int, sink_row: int, padded_bs: int) -> torch.Tensor:
+    """A decode step's words [padded_bs * WORDS] int64: one DecodeRow per request
+    of ``batch``, then padding rows up to ``padded_bs``."""
+    ps = page_size
+    rows: list[DecodeRow[int]] = []
+    for req, toks, p, step, src in zip(batch.reqs, batch.new_tokens, batch.prefix_lens,
+                                       batch.steps, batch.src_rows):
+        flag = MIN_FLAG if step < req.params.min_tokens else 0
+        rows.append(DecodeRow(input_id=toks[0], position=p, out_cache_loc=req.pages[p // ps] * ps + p % ps,
+                              seq_len=p + 1, slot=req.slot | flag, step=step, src_row=src))
+    rows.extend([DecodeRow.padding(sink_row)] * (padded_bs - len(rows)))
+    return torch.tensor(rows, dtype=torch.int64).view(-1)
+
+
 def capture_graph(fn: Callable[[], T], pool: object) -> tuple[torch.cuda.CUDAGraph, T]:
     """Warm fn up on a side stream (kernel compiles, allocator settles), then
     capture one call of it into pool; returns the graph and fn's static output."""
@@ -106,26 +119,60 @@ def capture_graph(fn: Callable[[], T], pool: object) -> tuple[torch.cuda.CUDAGra
     return graph, out
 
 
+@dataclass
+class DecodeGraphIO:
+    """The decode graphs' static step buffers: the captured graphs hold their
+    addresses, so they are refilled every step and never reallocated. A step
+    of padded batch size pbs uses the first pbs rows / words of each."""
+
+    # [max_bs, WORDS] int64, device: the step's DecodeRows where the graph cannot
+    # read pinned memory itself (copied in before the replay); with in-graph
+    # I/O it only gives the inputs launch its shape.
+    rows: torch.Tensor
+    # [2, max_bs * WORDS] int64, pinned: two staging rows of the step's words,
+    # alternating (with overlap scheduling the copy out of one may still be
+    # queued while the next step is planned); the graph reads row ``parity``.
+    host_rows: torch.Tensor
+    # [2, max_bs] int64, pinned: the sampled tokens, stored into row ``parity``.
+    host_tokens: torch.Tensor
+    # [1] int32, device: the row of both pairs this step uses; the node that
+    # stores the tokens toggles it.
+    parity: torch.Tensor
+    qo_indptr: torch.Tensor  # [max_bs + 1] int32: one query per sequence
+    logits_indices: torch.Tensor  # [max_bs] int64: every row is a logits row
+
+    @classmethod
+    def allocate(cls, max_bs: int, device: torch.device) -> DecodeGraphIO:
+        return cls(
+            rows=torch.zeros(max_bs, WORDS, dtype=torch.int64, device=device),
+            host_rows=torch.zeros(2, max_bs * WORDS, dtype=torch.int64, pin_memory=True),
+            host_tokens=torch.zeros(2, max_bs, dtype=torch.int64, pin_memory=True),
+            parity=torch.zeros(1, dtype=torch.int32, device=device),
+            qo_indptr=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
+            logits_indices=torch.arange(max_bs, dtype=torch.int64, device=device),
+        )
+
+    def staged_rows(self, bs: int) -> StagedRows:
+        """The pinned pair of the first bs rows' words, picked by ``parity``."""
+        return StagedRows(self.host_rows[:, :bs * WORDS], self.parity)
+
+    def staged_tokens(self, bs: int) -> StagedRows:
+        return StagedRows(self.host_tokens[:, :bs], self.parity)
+
+
 class DecodeGraphs:
     def __init__(self, runner: ModelRunner, max_bs: int) -> None:
         self.runner = runner
         self.device = runner.device
         self.max_bs = max_bs
         self.sizes = graph_batch_sizes(max_bs)
-        dev = self.device
-        self.g_in = torch.zeros(max_bs, 7, dtype=torch.int64, device=dev)
-        # Two pinned staging rows, alternating: with overlap scheduling the copy
-        # out of one may still be queued while the next step is planned. With
-        # in-graph copies the graph reads row `parity` and writes its tokens to
-        # row `parity` of h_out, then toggles the word; the host's `_flip` is the
-        # same count of replays mod 2 (resync() sets both to 0).
-        self.in_graph_io = paired_copies_supported(dev)
-        self.h_in = torch.zeros(2, max_bs * 7, dtype=torch.int64, pin_memory=True)
-        self.h_out = torch.zeros(2, max_bs, dtype=torch.int64, pin_memory=True)
-        self.parity = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.io = DecodeGraphIO.allocate(max_bs, self.device)
+        # With in-graph copies the graph reads row `parity` of the staging pair
+        # and writes its tokens to row `parity` of the token pair, then toggles
+        # the word; the host's `_flip` is the same count of replays mod 2
+        # (reset_parity() sets both to 0).
+        self.in_graph_io = paired_copies_supported(self.device)
         self._flip = 0
-        self.qo_indptr = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=dev)
         # Keyed (padded batch size, sampler stages, bound on the longest sequence).
         self.graphs: dict[tuple[int, SamplerFeatures, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, SamplerFeatures, int], SampleOutput] = {}
@@ -171,14 +218,15 @@ class DecodeGraphs:
         # I/O it reads the step's words from the pinned row itself.
         embed = getattr(r.model, "embed_tokens", None)
         first_norm = getattr(r.model, "decode_input_norm", None)
-        staged_in = StagedRows(self.h_in[:, :bs * 7], self.parity) if self.in_graph_io else None
-        d = ops.decode_inputs(self.g_in[:bs], r.last_tokens, r.page_table,
+        io = self.io
+        staged_in = io.staged_rows(bs) if self.in_graph_io else None
+        d = ops.decode_inputs(r.kernels, io.rows[:bs], r.last_tokens, r.page_table,
                               None if embed is None else embed.weight, MIN_FLAG,
                               first_norm() if embed is not None and first_norm is not None else None,
                               staged=staged_in)
         attn = AttentionMetadata(
             page_size=r.page_size,
-            qo_indptr=self.qo_indptr[:bs + 1],
+            qo_indptr=io.qo_indptr[:bs + 1],
             seq_lens=d.seq_lens,
             prefix_lens=d.prefix_lens,
             page_table=d.page_rows,
@@ -189,12 +237,12 @@ class DecodeGraphs:
             max_extend_len=1,
         )
         fb = ForwardBatch(d.input_ids, d.positions, attn, r.kv_pool, r.attn_backend,
-                          logits_indices=self.logits_indices[:bs], is_decode=True,
-                          input_embeds=d.embeds, input_normed=d.normed)
+                          logits_indices=io.logits_indices[:bs], is_decode=True,
+                          input_embeds=d.embeds, input_normed=d.normed, kernels=r.kernels)
         logits = r.model(fb)  # [bs, V]
         # last_tokens: the next step's device-side inputs. The greedy kernel, where
         # it runs, also stores the tokens into the pinned row and toggles the word.
-        staged_out = StagedRows(self.h_out[:, :bs], self.parity) if self.in_graph_io else None
+        staged_out = io.staged_tokens(bs) if self.in_graph_io else None
         out = r.sampler.sample(logits, d.slots, d.steps, d.min_active, last=r.last_tokens,
                                host_out=staged_out)
         # The penalty counts of a penalized variant's rows (padded rows count into
@@ -218,14 +266,14 @@ class DecodeGraphs:
                 log.info("captured %d decode graphs (%s)", sum(map(len, self.bounds.values())),
                          ", ".join(k for k, on in dataclasses.asdict(feats).items() if on) or "greedy")
         torch.cuda.synchronize()
-        self.resync()  # the warm-up runs toggled the word
+        self.reset_parity()  # the warm-up runs toggled the word
         log.info("CUDA graphs for batch sizes %s captured in %.1f s", self.sizes, time.monotonic() - t0)
 
-    def resync(self) -> None:
-        """Device word and host count back to row 0, stream-ordered. For a caller
-        that replayed graphs itself (benchmarks, after their replays ran): each
-        replay toggles the word behind the host's back."""
-        self.parity.zero_()
+    def reset_parity(self) -> None:
+        """Device word and host count back to row 0, stream-ordered: after
+        replays the host did not count (capture's warm-ups; a tool that replays
+        a graph itself), each of which toggled the word behind its back."""
+        self.io.parity.zero_()
         self._flip = 0
 
     def _capture_one(self, bs: int, feats: SamplerFeatures, bound: int) -> None:
@@ -236,52 +284,36 @@ class DecodeGraphs:
     def _fill_dummy(self) -> None:
         """Every row a padded one (also both staging rows: the warm-up runs
         before capture copy them in)."""
-        rows = torch.zeros(self.max_bs, 7, dtype=torch.int64)
-        rows[:, 3] = 1  # seq_len 1 over the dummy page
-        rows[:, 4] = self.runner.sink_row
-        rows[:, 6] = -1
-        self.h_in.copy_(rows.view(1, -1).expand(2, -1))
-        self.g_in.copy_(self.h_in[0].view(self.max_bs, 7))
+        pad = torch.tensor([DecodeRow.padding(self.runner.sink_row)] * self.max_bs, dtype=torch.int64)
+        self.io.host_rows.copy_(pad.view(1, -1).expand(2, -1))
+        self.io.rows.copy_(pad)
 
-    def _rows(self, batch: ScheduledBatch) -> tuple[int, torch.Tensor]:
-        """-> (padded batch size, the step's input words [pbs * 7])."""
-        r = self.runner
-        bs = len(batch.reqs)
-        pbs = self._padded(bs)
-        ps = r.page_size
-        rows: list[tuple[int, ...]] = []
-        for req, toks, p, step, src in zip(batch.reqs, batch.new_tokens, batch.prefix_lens,
-                                           batch.steps, batch.src_rows):
-            flag = MIN_FLAG if step < req.params.min_tokens else 0
-            rows.append((toks[0], p, req.pages[p // ps] * ps + p % ps, p + 1,
-                         req.slot | flag, step, src))
-        rows.extend([(0, 0, 0, 1, r.sink_row, 0, -1)] * (pbs - bs))
-        return pbs, torch.tensor(rows, dtype=torch.int64).view(-1)
+    def step_rows(self, batch: ScheduledBatch) -> tuple[int, torch.Tensor]:
+        """-> (padded batch size, the step's words [pbs * WORDS]: a DecodeRow per
+        sequence, then padding rows)."""
+        pbs = self._padded(len(batch.reqs))
+        return pbs, pack_decode_rows(batch, self.runner.page_size, self.runner.sink_row, pbs)
+
+    def graph_for(self, batch: ScheduledBatch, feats: SamplerFeatures) -> torch.cuda.CUDAGraph:
+        """The graph a step of ``batch`` with sampler stages ``feats`` replays."""
+        pbs = self._padded(len(batch.reqs))
+        return self.graphs[(pbs, feats, self._bound(pbs, batch))]
 
     def replay(self, batch: ScheduledBatch) -> tuple[SampleOutput, torch.Tensor | None]:
         """-> (the graph's static output, the pinned row its tokens land in, or
         None where the caller copies them out)."""
         r = self.runner
-        pbs, words = self._rows(batch)
+        io = self.io
+        pbs, words = self.step_rows(batch)
         # This row was last used two steps ago; the engine has read back that
         # step's tokens since, which waited for its graph (or copy).
         side = self._flip
         self._flip ^= 1
-        self.h_in[side, :words.numel()] = words
+        io.host_rows[side, :words.numel()] = words
         if not self.in_graph_io:
-            copy_host_words(self.h_in[side, :words.numel()], self.g_in[:pbs].view(-1))
+            copy_host_words(io.host_rows[side, :words.numel()], io.rows[:pbs].view(-1))
         feats = sampler_variant(r.sampler.features_of(req.slot for req in batch.reqs))
         key = (pbs, feats, self._bound(pbs, batch))
         self.graphs[key].replay()
-        host = self.h_out[side, :len(batch.reqs)] if self.in_graph_io else None
+        host = io.host_tokens[side, :len(batch.reqs)] if self.in_graph_io else None
         return self.outputs[key], host
-
-    def prime(self, batch: ScheduledBatch, feats: SamplerFeatures | None = None) -> torch.cuda.CUDAGraph:
-        """For benchmarks that replay one graph back to back: the batch's words
-        in both staging rows (and g_in), and the graph (the greedy one unless
-        ``feats``). Call resync() once those replays are done."""
-        torch.cuda.synchronize()  # both rows are rewritten: no graph in flight may still read one
-        pbs, words = self._rows(batch)
-        self.h_in[:, :words.numel()] = words
-        self.g_in[:pbs].view(-1).copy_(words)
-        return self.graphs[(pbs, feats if feats is not None else SamplerFeatures(), self._bound(pbs, batch))]

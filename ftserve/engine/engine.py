@@ -53,6 +53,12 @@ class EngineStats:
     kv_host_pages_cached: int = 0  # host pages holding evicted prefix-cache KV
     kv_host_hit_tokens_total: int = 0  # prompt tokens brought back from the host tier
     prefix_published_pages_total: int = 0  # prompt pages shared at the end of a prefill
+    # Speculative decoding (all 0 when off): drafts verified, their tokens, the
+    # tokens kept, and spec_accept_lengths[a] = verifies that kept a draft tokens.
+    spec_verifies_total: int = 0
+    spec_proposed_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
+    spec_accept_lengths: tuple[int, ...] = ()
 
     @property
     def kv_usage(self) -> float:
@@ -215,7 +221,11 @@ class EngineCore:
             # computed on the host from this step's token, which the matcher must
             # have seen first (runner._grammar_masks). Unconstrained requests in the
             # same batch lose overlap for this step only.
-            if launched.out is None or not self.overlap or launched.constrained:
+            # Likewise a step after which some request looks for a speculative draft:
+            # the draft continues the request's tokens, so they must be on the host
+            # (a verify step always; a plain one whose request leaves back-off).
+            if (launched.out is None or not self.overlap or launched.constrained
+                    or self.scheduler.wants_tokens_now(launched.batch)):
                 self._commit(launched)
                 stepped += launched.batch.reqs
             else:
@@ -227,6 +237,10 @@ class EngineCore:
         self._maybe_log_status()
 
     def _commit(self, launched: Launched) -> None:
+        if launched.batch.verifies:
+            sampled, row_lps = self.runner.collect_verified(launched)
+            self.scheduler.commit_verified(launched.batch, sampled, row_lps)
+            return
         token_ids, logprobs = self.runner.collect(launched)
         self.scheduler.commit(launched.batch, token_ids, logprobs)
 
@@ -313,7 +327,17 @@ class EngineCore:
             kv_host_pages_cached=s.radix.host_cached_pages,
             kv_host_hit_tokens_total=s.radix.host_hit_tokens_total,
             prefix_published_pages_total=c.published_prompt_pages_total,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self.scheduler.spec is None:
+            return {}
+        c = self.scheduler.spec.counters
+        return dict(spec_verifies_total=c.verifies_total,
+                    spec_proposed_tokens_total=c.proposed_tokens_total,
+                    spec_accepted_tokens_total=c.accepted_tokens_total,
+                    spec_accept_lengths=tuple(c.accept_lengths))
 
     def _stalled(self) -> None:
         """No step could be planned and nothing is in flight, with work queued."""

@@ -4,7 +4,8 @@ overhead (eager prefill spends ~20% of a cold 4,096-token chunk launching).
 
 A step with T new tokens over S sequences replays the smallest bucket >= T,
 captured for at most ``max_seqs`` sequences. Static input, refilled by one
-non-blocking copy from pinned memory::
+non-blocking copy from pinned memory; ``PrefillInputs`` names its fields, as
+views of the device buffer and of each pinned staging copy::
 
     p_in int64: ids [Tmax] | positions [Tmax] | out_cache_loc [Tmax]
                 | qo_indptr [S+1] | seq_lens [S] | prefix_lens [S]
@@ -25,7 +26,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
@@ -38,6 +40,39 @@ if TYPE_CHECKING:
     from ftserve.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
+
+A = TypeVar("A")  # a device tensor or a numpy view of a pinned staging copy
+
+
+@dataclass
+class PrefillInputs(Generic[A]):
+    """A prefill graph's static input fields, as consecutive views of one packed
+    int64 buffer (``views``): the graph reads the device one, the host fills a
+    pinned copy of it field by field and sends it with one copy."""
+
+    ids: A  # [Tmax] token ids, padding 0
+    positions: A  # [Tmax]
+    out_cache_loc: A  # [Tmax] KV slots, padding the dummy slot 0
+    qo_indptr: A  # [S + 1] token offsets; empty sequences repeat the last
+    seq_lens: A  # [S]
+    prefix_lens: A  # [S]
+    slots: A  # [S] page-table rows (request slots); empty sequences: the dummy row
+    logits_rows: A  # [S] the token row of each sequence's last new token
+
+    @staticmethod
+    def sizes(max_tokens: int, max_seqs: int) -> list[int]:
+        t, s = max_tokens, max_seqs
+        return [t, t, t, s + 1, s, s, s, s]
+
+    @classmethod
+    def views(cls, buf: Any, max_tokens: int, max_seqs: int) -> PrefillInputs[Any]:
+        """The fields of ``buf`` (a 1-D tensor or array of sum(sizes) words)."""
+        out, o = [], 0
+        for n in cls.sizes(max_tokens, max_seqs):
+            out.append(buf[o:o + n])
+            o += n
+        assert o == buf.shape[0], (o, buf.shape)
+        return cls(*out)
 
 
 def prefill_buckets(max_tokens: int, smallest: int = 256) -> list[int]:
@@ -59,15 +94,9 @@ class PrefillGraphs:
         self.max_seqs = max_seqs
         self.buckets = prefill_buckets(max_tokens)
         self.t_max = self.buckets[-1]
-        t, s = self.t_max, max_seqs
-        # Offsets of each field in p_in (see the module docstring).
-        self.off = {"ids": 0, "pos": t, "loc": 2 * t, "indptr": 3 * t}
-        self.off["seq"] = self.off["indptr"] + s + 1
-        self.off["pre"] = self.off["seq"] + s
-        self.off["slot"] = self.off["pre"] + s
-        self.off["last"] = self.off["slot"] + s
-        self.size = self.off["last"] + s
+        self.size = sum(PrefillInputs.sizes(self.t_max, max_seqs))
         self.p_in = torch.zeros(self.size, dtype=torch.int64, device=runner.device)
+        self.inputs: PrefillInputs[torch.Tensor] = PrefillInputs.views(self.p_in, self.t_max, max_seqs)
         # Two pinned staging copies of p_in, alternating; each one's event says when
         # its last copy has run, so it is refilled only then (a query, not a wait;
         # one still in flight falls back to a fresh pinned block). CPU: no events.
@@ -87,29 +116,25 @@ class PrefillGraphs:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _view(self, name: str, n: int) -> torch.Tensor:
-        o = self.off[name]
-        return self.p_in[o:o + n]
-
     def _forward(self, bucket: int) -> torch.Tensor:
         r = self.runner
         s = self.max_seqs
-        seq_lens = self._view("seq", s).to(torch.int32)
+        p = self.inputs
         attn = AttentionMetadata(
             page_size=r.page_size,
-            qo_indptr=self._view("indptr", s + 1).to(torch.int32),
-            seq_lens=seq_lens,
-            prefix_lens=self._view("pre", s).to(torch.int32),
-            page_table=r.page_table.index_select(0, self._view("slot", s)),
-            out_cache_loc=self._view("loc", bucket),
+            qo_indptr=p.qo_indptr.to(torch.int32),
+            seq_lens=p.seq_lens.to(torch.int32),
+            prefix_lens=p.prefix_lens.to(torch.int32),
+            page_table=r.page_table.index_select(0, p.slots),
+            out_cache_loc=p.out_cache_loc[:bucket],
             seq_lens_host=[r.max_pages * r.page_size] * s,  # static upper bounds
             prefix_lens_host=[0] * s,
             max_seq_len=r.max_pages * r.page_size,
             max_extend_len=bucket,
         )
-        fb = ForwardBatch(self._view("ids", bucket), self._view("pos", bucket), attn,
+        fb = ForwardBatch(p.ids[:bucket], p.positions[:bucket], attn,
                           r.kv_pool, self.backends[bucket],
-                          logits_indices=self._view("last", s), is_decode=False)
+                          logits_indices=p.logits_rows, is_decode=False, kernels=r.kernels)
         return r.model(fb)  # [S, V] fp32
 
     def capture(self) -> None:
@@ -135,20 +160,20 @@ class PrefillGraphs:
             host = torch.empty_like(host, pin_memory=True)  # still being copied
         buf = host.numpy()
         buf[:] = 0  # padding: token 0 -> dummy slot 0
-        o = self.off
-        buf[o["slot"]:o["last"]] = r.sink_row  # empty sequences read the dummy row
+        f = PrefillInputs.views(buf, self.t_max, self.max_seqs)
+        f.slots[:] = r.sink_row  # empty sequences read the dummy row
         if batch is not None:
             ids, pos, locs, indptr, seq, last = token_layout(batch, r.page_size)
             t, k = len(ids), len(seq)
-            buf[o["ids"]:o["ids"] + t] = ids
-            buf[o["pos"]:o["pos"] + t] = pos
-            buf[o["loc"]:o["loc"] + t] = locs
-            buf[o["indptr"]:o["indptr"] + k + 1] = indptr
-            buf[o["indptr"] + k + 1:o["seq"]] = t  # empty sequences: 0 tokens
-            buf[o["seq"]:o["seq"] + k] = seq
-            buf[o["pre"]:o["pre"] + k] = batch.prefix_lens
-            buf[o["slot"]:o["slot"] + k] = [req.slot for req in batch.reqs]
-            buf[o["last"]:o["last"] + k] = last
+            f.ids[:t] = ids
+            f.positions[:t] = pos
+            f.out_cache_loc[:t] = locs
+            f.qo_indptr[:k + 1] = indptr
+            f.qo_indptr[k + 1:] = t  # empty sequences: 0 tokens
+            f.seq_lens[:k] = seq
+            f.prefix_lens[:k] = batch.prefix_lens
+            f.slots[:k] = [req.slot for req in batch.reqs]
+            f.logits_rows[:k] = last
         self.p_in.copy_(host, non_blocking=True)
         if done is not None and host is self._stage[self._flip]:
             done.record()

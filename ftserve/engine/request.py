@@ -59,6 +59,13 @@ class Req:
     # its input token from there.
     inflight_step: int = field(default=-1, init=False)
     inflight_row: int = field(default=-1, init=False)
+    # Speculative decoding (spec/speculator.py): its n-gram index and back-off, or
+    # None until it first looks for a draft.
+    spec: Any = field(default=None, init=False)
+    # Set by the scheduler when it drops trailing private pages (a verify step's
+    # rejected KV): the lowest page index whose page may differ from what the
+    # runner mirrored; the runner re-mirrors from there and clears it.
+    pages_trimmed_to: int | None = field(default=None, init=False)
     finish_reason: str | None = field(default=None, init=False)
     error: str | None = field(default=None, init=False)  # why, when finish_reason == "error"
     # The error is the server's own fault, not the request's (logged where it arose).

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ftserve import envs
 from ftserve.engine import prompt_logprobs as prompt_lp
 from ftserve.engine.grammar import MaskFiller
 from ftserve.engine.messages import TokenLogprob
@@ -43,6 +42,7 @@ from ftserve.models.forward_batch import (
     pack_tokens,
 )
 from ftserve_kernels.bookkeeping import copy_host_words
+from ftserve_kernels.config import KernelConfig
 
 if TYPE_CHECKING:
     from ftserve.engine.cuda_graph import DecodeGraphs
@@ -79,8 +79,12 @@ class ModelRunner:
         max_running: int,
         max_model_len: int,
         eos_token_ids: list[int],
+        kernels: KernelConfig,
     ) -> None:
         self.model = model
+        # The kernel choices of every forward (fixed at start-up; the sampler was
+        # built with the same).
+        self.kernels = kernels
         self.kv_pool = kv_pool
         self.attn_backend = attn_backend
         self.sampler = sampler
@@ -158,6 +162,9 @@ class ModelRunner:
                 self._owner[s] = key
                 self._synced[s] = 0
             n = self._synced[s]
+            if req.pages_trimmed_to is not None:  # the scheduler dropped pages since
+                n = self._synced[s] = min(n, req.pages_trimmed_to)
+                req.pages_trimmed_to = None
             new = req.pages[n:]
             if new:
                 upd_rows.append(np.full(len(new), s, dtype=np.int64))
@@ -199,14 +206,24 @@ class ModelRunner:
         plan's rows."""
         ps = self.page_size
         ids, pos, locs, indptr, seq_lens, last = token_layout(batch, ps)
-        rows = [i for i, s in enumerate(batch.samples) if s]
+        rows = sample_rows(batch)  # a verify step: each drafted request's k + 1 rows
         t, b, r = len(ids), len(batch.reqs), len(rows)
         n_pl = prompt.count if prompt is not None else 0
-        src = np.array(batch.src_rows, dtype=np.int64) if batch.src_rows else np.full(t, -1)
+        if batch.src_rows:  # per request; a request fed from the device has one token
+            src = np.repeat(np.array(batch.src_rows, dtype=np.int64),
+                            [len(x) for x in batch.new_tokens])
+        else:
+            src = np.full(t, -1)
+        # Row m of request i's draft rows: logits of its token at last - d + m,
+        # sampled at output step steps[i] + m.
+        offs = _draft_offsets(batch, rows)
+        steps = [batch.steps[i] + m for i, m in zip(rows, offs)]
         small = (indptr + seq_lens + list(batch.prefix_lens)
-                 + [q.slot for q in batch.reqs] + [last[i] for i in rows]
-                 + [batch.reqs[i].slot for i in rows] + [batch.steps[i] for i in rows]
-                 + [int(batch.steps[i] < batch.reqs[i].params.min_tokens) for i in rows]
+                 + [q.slot for q in batch.reqs]
+                 + [last[i] - len(batch.drafts[i]) + m if batch.drafts else last[i]
+                    for i, m in zip(rows, offs)]
+                 + [batch.reqs[i].slot for i in rows] + steps
+                 + [int(st < batch.reqs[i].params.min_tokens) for i, st in zip(rows, steps)]
                  + (prompt.rows if prompt is not None else []))
         dev = self._upload(np.concatenate([ids, src, pos, locs, np.array(small, dtype=np.int64)]))
         o = 0
@@ -239,7 +256,7 @@ class ModelRunner:
             max_extend_len=max(len(x) for x in batch.new_tokens),
         )
         fb = ForwardBatch(input_ids, positions, attn, self.kv_pool, self.attn_backend,
-                          logits_indices=logits_idx, is_decode=batch.is_decode)
+                          logits_indices=logits_idx, is_decode=batch.is_decode, kernels=self.kernels)
         return fb, s_slots, s_steps, s_min.bool()
 
     def _device_inputs(self, host_ids: torch.Tensor, src_rows: torch.Tensor) -> torch.Tensor:
@@ -257,15 +274,13 @@ class ModelRunner:
         layer_ready = None
         if self.kv_host is not None:
             # Offloads of evicted pages and loads of host-tier hits, ordered by
-            # events after the previous steps (no host wait). The step waits for
-            # all of it, or (FTSERVE_KV_LAYERED_RESTORE, the default) a restore
-            # streams in layer by layer under an eager forward, layer L waiting for its own
-            # pages only.
-            layered = (envs.kv_layered_restore() and not decode_graph
-                       and self.kv_host.has_pending_loads)
+            # events after the previous steps (no host wait). A restore streams in
+            # layer by layer under an eager forward, layer L waiting for its own
+            # pages only; a decode graph waits for all of it.
+            layered = not decode_graph and self.kv_host.has_pending_loads
             layer_ready = self.kv_host.flush(layered=layered)
         self.mirror_pages(batch.reqs)
-        rows = [i for i, s in enumerate(batch.samples) if s]
+        rows = sample_rows(batch)
         prompt = prompt_lp.plan(batch)  # rows of prompt logprobs: the eager path
         if decode_graph:
             assert self.graphs is not None
@@ -273,7 +288,7 @@ class ModelRunner:
             out, graph_host = self.graphs.replay(batch)
             return Launched(batch, rows, self._copy_out(batch, rows, out, graph_host))
         elif (layer_ready is None and self.prefill_graphs is not None and prompt is None
-              and self.prefill_graphs.can_run(batch)):
+              and not batch.verifies and self.prefill_graphs.can_run(batch)):
             logits_all = self.prefill_graphs.replay(batch)  # [max_seqs, V], row i = reqs[i]
             if not rows:
                 return Launched(batch, rows, None)
@@ -303,7 +318,11 @@ class ModelRunner:
                 # A non-final prefill chunk: only the KV matters; no logits, no sync.
                 return Launched(batch, rows, None)
             self._sampling_inputs(batch)
-            out = self.sampler.sample(logits, slots, steps, min_active, last=self.last_tokens,
+            # A verify step is read back before the next is planned (engine._step):
+            # no later step takes its inputs from last_tokens, which holds one row
+            # per request, not per draft position.
+            last = None if batch.verifies else self.last_tokens
+            out = self.sampler.sample(logits, slots, steps, min_active, last=last,
                                       features=self.sampler.features_of(batch.reqs[i].slot for i in rows))
             self.sampler.update(slots, out.token_ids)
         return Launched(batch, rows, self._copy_out(batch, rows, out))
@@ -330,6 +349,8 @@ class ModelRunner:
             # alternate: step N's is read (collect) before step N+2 rewrites it.
             self._out_flip ^= 1
             host = self._out_host[self._out_flip][:n]
+            if n > host.numel():  # a verify step's rows outnumber the requests
+                host = torch.empty(n, dtype=torch.int64, pin_memory=self._pin)
             copy_host_words(out.token_ids[:n], host)  # a kernel storing over UVA where on CUDA
         event = None
         if self.device.type == "cuda":
@@ -337,39 +358,79 @@ class ModelRunner:
             event.record()
         return _HostOut(host, event, want)
 
-    def collect(self, launched: Launched) -> tuple[list[int], list[TokenLogprob | None] | None]:
-        """Wait for a launched step's tokens: the step's one deliberate sync."""
+    def _read(self, launched: Launched) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        """Wait for a launched step's sampled rows (token, and logprob where its
+        request asked): the step's one deliberate sync."""
         batch, rows, hout = launched.batch, launched.rows, launched.out
-        if hout is None:
-            return [], None
+        assert hout is not None
         self.read_backs += 1
         with deliberate_sync():
             if hout.event is not None:
                 hout.event.synchronize()
             table = hout.host.tolist()
         if not hout.logprobs:
-            sampled = table
-        else:
-            sampled = [int(row[0]) for row in table]
-        token_ids = [-1] * len(batch.reqs)
-        for i, tok in zip(rows, sampled):
-            token_ids[i] = tok
-        if not hout.logprobs:
-            return token_ids, None
+            return table, None
+        sampled = [int(row[0]) for row in table]
         k_max = (len(table[0]) - 2) // 2 if table else 0
-        lps: list[TokenLogprob | None] = [None] * len(batch.reqs)
+        lps: list[TokenLogprob | None] = [None] * len(rows)
         for j, i in enumerate(rows):
             k = batch.reqs[i].params.logprobs
             if k is not None:
                 row = table[j]
                 ids = [int(x) for x in row[2:2 + k_max]][:k]
                 vals = row[2 + k_max:2 + 2 * k_max][:k]
-                lps[i] = TokenLogprob(sampled[j], float(row[1]), tuple(zip(ids, vals)))
+                lps[j] = TokenLogprob(sampled[j], float(row[1]), tuple(zip(ids, vals)))
+        return sampled, lps
+
+    def collect(self, launched: Launched) -> tuple[list[int], list[TokenLogprob | None] | None]:
+        """A plain step's tokens, one per request (-1 where it samples nothing)."""
+        batch, rows = launched.batch, launched.rows
+        if launched.out is None:
+            return [], None
+        sampled, row_lps = self._read(launched)
+        token_ids = [-1] * len(batch.reqs)
+        for i, tok in zip(rows, sampled):
+            token_ids[i] = tok
+        if row_lps is None:
+            return token_ids, None
+        lps: list[TokenLogprob | None] = [None] * len(batch.reqs)
+        for i, lp in zip(rows, row_lps):
+            lps[i] = lp
         return token_ids, lps
+
+    def collect_verified(self, launched: Launched,
+                         ) -> tuple[list[list[int]], list[list[TokenLogprob | None]] | None]:
+        """A verify step's sampled tokens per request, one per position (its
+        draft's length + 1; one for a plain row)."""
+        batch, rows = launched.batch, launched.rows
+        assert launched.out is not None
+        sampled, row_lps = self._read(launched)
+        tokens: list[list[int]] = [[] for _ in batch.reqs]
+        lps: list[list[TokenLogprob | None]] = [[] for _ in batch.reqs]
+        for j, i in enumerate(rows):
+            tokens[i].append(sampled[j])
+            lps[i].append(row_lps[j] if row_lps is not None else None)
+        return tokens, (lps if row_lps is not None else None)
 
     def step(self, batch: ScheduledBatch) -> tuple[list[int], list[TokenLogprob | None] | None]:
         """launch + collect, without overlap."""
         return self.collect(self.launch(batch))
+
+
+def sample_rows(batch: ScheduledBatch) -> list[int]:
+    """The batch index of each sampled row, in row order: one per request that
+    samples, or in a verify step len(drafts[i]) + 1 for request i."""
+    if not batch.drafts:
+        return [i for i, s in enumerate(batch.samples) if s]
+    return [i for i, s in enumerate(batch.samples) if s for _ in range(len(batch.drafts[i]) + 1)]
+
+
+def _draft_offsets(batch: ScheduledBatch, rows: list[int]) -> list[int]:
+    """Each sampled row's position within its request's rows (0 for plain rows)."""
+    offs: list[int] = []
+    for j, i in enumerate(rows):
+        offs.append(offs[-1] + 1 if j and rows[j - 1] == i else 0)
+    return offs
 
 
 def token_layout(batch: ScheduledBatch, page_size: int) -> PackedTokens:
@@ -388,7 +449,7 @@ class _HostOut:
 @dataclass
 class Launched:
     batch: ScheduledBatch
-    rows: list[int]  # batch rows that sample
+    rows: list[int]  # the batch index of each sampled row (sample_rows)
     out: _HostOut | None  # None: nothing sampled (non-final prefill chunk)
 
     @property

@@ -48,10 +48,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ftserve import envs
 from ftserve.engine.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
-from ftserve_kernels import ops
 from ftserve_kernels import sampling as ks
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 
 if TYPE_CHECKING:
     from ftserve_kernels.bookkeeping import StagedRows
@@ -60,7 +59,7 @@ try:
     from ftserve_kernels.filter_triton import filter_cuts_triton
     from ftserve_kernels.greedy_triton import greedy_sample_triton
     from ftserve_kernels.penalties_triton import apply_penalties_triton
-except ImportError:  # pragma: no cover - no triton: ops.uses_triton is False too
+except ImportError:  # pragma: no cover - no triton: the reference stages run
     filter_cuts_triton = None  # type: ignore[assignment]
     apply_penalties_triton = None  # type: ignore[assignment]
     greedy_sample_triton = None
@@ -165,10 +164,13 @@ class Sampler:
         max_top_logprobs: int = 20,
         max_stop_ids: int = MAX_STOP_TOKEN_IDS + 16,  # + room for eos ids
         seed: int | None = None,
+        kernels: KernelConfig = DEFAULT_KERNELS,
     ) -> None:
         """``max_stop_ids`` bounds eos + stop ids per request (masked for
         min_tokens); ``seed`` seeds the host RNG that draws seeds for requests
-        that bring none (None = nondeterministic)."""
+        that bring none (None = nondeterministic); ``kernels``: the engine's
+        kernel choices (Triton stages or the reference ones)."""
+        self.kernels = kernels
         self.vocab_size = vocab_size
         self.max_slots = max_slots
         self.device = torch.device(device)
@@ -373,7 +375,7 @@ class Sampler:
         not the caller copies them."""
         f = self._features if features is None else features
         assert self._features.covers(f), "a stage that was never enabled (its state is missing)"
-        fusable = (greedy_sample_triton is not None and ops.uses_triton(logits)
+        fusable = (greedy_sample_triton is not None and self.kernels.triton(logits)
                    and logits.shape[0] < self._greedy_counts.numel())
         if f in _FUSED and fusable:
             # Greedy rows, or temperature alone: the stop mask, the argmax (of logits
@@ -393,7 +395,7 @@ class Sampler:
             tokens = greedy_sample_triton(logits, slots, min_tokens_active, self._i, _NI,
                                           self._greedy_counts, last,
                                           self._f if sampled else None, steps if sampled else None,
-                                          MIN_TEMPERATURE, cuts=cuts, host_out=host_out)
+                                          MIN_TEMPERATURE, cuts=cuts, host_out=host_out, kernels=self.kernels)
             return SampleOutput(tokens, on_host=host_out is not None)
         out = self._sample(logits, slots, steps, min_tokens_active, f, last if fusable else None, fusable,
                            host_out if fusable else None)
@@ -452,7 +454,7 @@ class Sampler:
             tokens = greedy_sample_triton(x, slots, min_tokens_active, self._i, _NI, self._greedy_counts,
                                           last, self._f if f.sampling else None,
                                           steps if f.sampling else None, MIN_TEMPERATURE,
-                                          host_out=host_out)
+                                          host_out=host_out, kernels=self.kernels)
             out = self._logprobs(raw, tokens, f)
             out.on_host = host_out is not None
             return out
@@ -464,7 +466,7 @@ class Sampler:
             if f.filtering:
                 scaled = torch.where(_filter_keep(scaled, top_k, top_p, min_p), scaled, ks.NEG_INF)
             k1, k2 = ks.row_keys(seed_lo, seed_hi, steps)  # [B] each
-            drawn = gumbel_argmax(scaled, k1, k2, self.token_hash)  # [B]
+            drawn = gumbel_argmax(scaled, k1, k2, self.token_hash, self.kernels)  # [B]
             tokens = torch.where(greedy != 0, tokens, drawn)
 
         return self._logprobs(raw, tokens, f)
@@ -492,10 +494,11 @@ class Sampler:
 
 
 def gumbel_argmax(
-    scores: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor, token_hash: torch.Tensor
+    scores: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor, token_hash: torch.Tensor,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
-    """Dispatch: the fused Triton kernel on CUDA (FTSERVE_KERNELS=torch forces
-    the reference, as in ftserve_kernels.ops), else the reference."""
-    if scores.is_cuda and ks.triton is not None and envs.kernels() != "torch":
+    """Dispatch: the fused Triton kernel on CUDA (backend "torch" forces the
+    reference, as in ftserve_kernels.ops), else the reference."""
+    if scores.is_cuda and ks.triton is not None and kernels.backend != "torch":
         return ks.gumbel_argmax_triton(scores, k1, k2)
     return ks.gumbel_argmax_ref(scores, k1, k2, token_hash)

@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING
 from ftserve.engine import prefix_sharing as sharing
 from ftserve.engine.messages import TokenLogprob
 from ftserve.engine.request import Req, ReqState
+from ftserve.engine.spec.accept import kept_tokens
 from ftserve.kvcache.allocator import PageAllocator
 from ftserve.kvcache.radix import RadixCache
 
 if TYPE_CHECKING:
+    from ftserve.engine.spec.speculator import Speculator
     from ftserve.kvcache.host_tier import HostKVTier
 
 log = logging.getLogger(__name__)
@@ -53,11 +55,20 @@ class ScheduledBatch:
     # tokens that holds this request's input token, or -1 when the host has it.
     src_rows: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)  # index of the output token each row samples
+    # A verify step (speculative decoding): each request's draft, fed after its
+    # last token (new_tokens = [last] + draft), every position sampled at step
+    # steps[i] + m; empty lists for plain rows. Empty: no drafts in this step.
+    drafts: list[list[int]] = field(default_factory=list)
     step_id: int = -1  # set by Scheduler.schedule
 
     @property
     def num_tokens(self) -> int:
         return sum(len(t) for t in self.new_tokens)
+
+    @property
+    def verifies(self) -> bool:
+        """Some request feeds a draft: the step samples several rows for it."""
+        return any(self.drafts)
 
 
 @dataclass
@@ -82,8 +93,11 @@ class Scheduler:
         eos_token_ids: list[int],
         enable_prefix_cache: bool = True,
         host_tier: HostKVTier | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.page_size = page_size
+        # Speculative decoding (--speculative): drafts for decode steps; None: off.
+        self.spec = speculator
         self.max_running = max_running
         self.max_prefill_length = max_prefill_length
         self.max_model_len = max_model_len
@@ -233,15 +247,31 @@ class Scheduler:
             reqs.append(req)
         if not reqs:
             return None
+        drafts = self._drafts(reqs) if self.spec is not None else []
         new_tokens, prefix_lens, src_rows, steps = [], [], [], []
-        for r in reqs:
+        for i, r in enumerate(reqs):
             k = r.num_inflight_tokens
-            new_tokens.append([-1] if k else [r.tokens[-1]])
+            new_tokens.append([-1] if k else [r.tokens[-1], *(drafts[i] if drafts else ())])
             prefix_lens.append(r.computed_len + k)
             src_rows.append(r.inflight_row if k else -1)
             steps.append(r.num_outputs + k)
-        return ScheduledBatch(reqs, True, new_tokens, prefix_lens, [True] * len(reqs),
-                              src_rows=src_rows, steps=steps)
+        verify = any(drafts)
+        return ScheduledBatch(reqs, not verify, new_tokens, prefix_lens, [True] * len(reqs),
+                              src_rows=src_rows, steps=steps, drafts=drafts if verify else [])
+
+    def _drafts(self, reqs: list[Req]) -> list[list[int]]:
+        """Speculation's drafts for a decode step whose pages are reserved: for
+        requests whose last token the host holds, and only where the pool has
+        the draft's pages without preempting anyone (else plain decoding)."""
+        assert self.spec is not None
+        self.spec.begin_step()
+        drafts: list[list[int]] = []
+        for r in reqs:
+            d = [] if r.num_inflight_tokens else self.spec.propose(r)
+            if d and not self._reserve(r, r.computed_len + 1 + len(d)):
+                d = []
+            drafts.append(d)
+        return drafts
 
     # ----- pages ---------------------------------------------------------
     def _reserve(self, req: Req, num_tokens: int) -> bool:
@@ -365,32 +395,91 @@ class Scheduler:
     ) -> None:
         """Apply one step's results (token_ids[i] for batch.reqs[i] where it samples)."""
         now = time.monotonic()
-        for req in batch.reqs:
-            if req.inflight_step == batch.step_id:  # not re-planned since
-                req.inflight_step, req.inflight_row = -1, -1
+        self._landed(batch)
         for i, req in enumerate(batch.reqs):
             if req.state is ReqState.FINISHED or req not in self.running:
                 continue  # aborted, finished or preempted while the step ran
             req.computed_len = batch.prefix_lens[i] + len(batch.new_tokens[i])
-            if not batch.samples[i]:
+            if batch.samples[i]:
+                self._append(req, token_ids[i], logprobs[i] if logprobs is not None else None, now)
+
+    def commit_verified(
+        self, batch: ScheduledBatch, sampled: list[list[int]],
+        logprobs: list[list[TokenLogprob | None]] | None = None,
+    ) -> None:
+        """Apply a verify step's results: sampled[i] holds the tokens sampled at each
+        of request i's positions (len(drafts[i]) + 1). It keeps the sampled tokens
+        up to the first that differs from its draft (spec/accept.py), one at a time
+        with the stop checks of plain steps, and the KV of the draft tokens before
+        it; the KV written for the rest is stale, and the pages that hold only
+        stale KV go back to the pool (_trim_pages). The prefix cache sees none of
+        it: only computed_len's full pages ever enter it."""
+        assert self.spec is not None
+        now = time.monotonic()
+        self._landed(batch)
+        for i, req in enumerate(batch.reqs):
+            if req.state is ReqState.FINISHED or req not in self.running:
                 continue
-            tok = token_ids[i]
-            req.tokens.append(tok)
-            req.output_ids.append(tok)
-            req.pending_ids.append(tok)
-            if logprobs is not None and logprobs[i] is not None:
-                req.pending_logprobs.append(logprobs[i])  # type: ignore[arg-type]
-            self.counters.generation_tokens_total += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-                self._publish_prompt(req)
-            req.state = ReqState.DECODE
-            req.check()
-            reason = self._stop_reason(req, tok)
-            if req.grammar is not None and reason is None:
-                reason = self._grammar_step(req, tok)
-            if reason is not None:
-                self.finish(req, reason)
+            draft = batch.drafts[i]
+            kept = kept_tokens(draft, sampled[i])
+            lps = logprobs[i] if logprobs is not None else None
+            for j, tok in enumerate(kept):
+                # The KV of the inputs up to this token's position is valid: the
+                # last token, then draft tokens equal to the sampled ones.
+                req.computed_len = batch.prefix_lens[i] + 1 + j
+                self._append(req, tok, lps[j] if lps is not None else None, now)
+                if req.state is ReqState.FINISHED:
+                    break
+            if draft:
+                self.spec.record(req, len(draft), len(kept) - 1)
+                if req.state is not ReqState.FINISHED:
+                    self._trim_pages(req)
+
+    def wants_tokens_now(self, batch: ScheduledBatch) -> bool:
+        """The step must be read back before the next is planned: a request in it
+        will look for a draft next, from its tokens on the host."""
+        spec = self.spec
+        return spec is not None and any(
+            s and spec.drafting(r) for r, s in zip(batch.reqs, batch.samples))
+
+    def _landed(self, batch: ScheduledBatch) -> None:
+        for req in batch.reqs:
+            if req.inflight_step == batch.step_id:  # not re-planned since
+                req.inflight_step, req.inflight_row = -1, -1
+
+    def _append(self, req: Req, tok: int, logprob: TokenLogprob | None, now: float) -> None:
+        """One sampled token: output, counters, the first token's prompt publishing,
+        stop and grammar checks (finishing the request)."""
+        req.tokens.append(tok)
+        req.output_ids.append(tok)
+        req.pending_ids.append(tok)
+        if logprob is not None:
+            req.pending_logprobs.append(logprob)
+        self.counters.generation_tokens_total += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self._publish_prompt(req)
+        req.state = ReqState.DECODE
+        req.check()
+        reason = self._stop_reason(req, tok)
+        if req.grammar is not None and reason is None:
+            reason = self._grammar_step(req, tok)
+        if reason is not None:
+            self.finish(req, reason)
+
+    def _trim_pages(self, req: Req) -> None:
+        """Free the private pages past what the next plain step needs (they hold
+        only rejected draft KV) and tell the runner to re-mirror from there.
+
+            pages   [ tree ... | private .......... | x x ]   x: stale KV only
+                                      computed_len ^  ^ keep = pages for computed_len + 1
+        """
+        keep = max(-(-(req.computed_len + 1) // self.page_size), req.num_tree_pages)
+        if len(req.pages) > keep:
+            self.allocator.free(req.pages[keep:])
+            del req.pages[keep:]
+            prev = req.pages_trimmed_to
+            req.pages_trimmed_to = keep if prev is None else min(prev, keep)
 
     def _grammar_step(self, req: Req, tok: int) -> str | None:
         """Advance a constrained request's matcher: "stop" once its grammar is complete.

@@ -15,8 +15,10 @@ from ftserve.engine.engine import Engine
 from ftserve.engine.runner import ModelRunner
 from ftserve.engine.sampler import Sampler
 from ftserve.engine.scheduler import Scheduler
+from ftserve.engine.spec.speculator import Speculator
 from ftserve.kvcache.host_tier import HostKVTier
 from ftserve.kvcache.pool import KVPool, kv_cache_torch_dtype
+from ftserve_kernels.config import KernelConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,25 @@ def read_eos_ids(model_dir: str, model_config: Any) -> list[int]:
                 ids.extend(int(v) for v in val)
         if ids:
             break
+    if not ids:  # a GGUF has no side files: its metadata's end-of-generation ids
+        ids = list(getattr(model_config, "eos_token_ids", ()))
     return sorted(set(ids))
+
+
+def kernel_config(cfg: EngineConfig, device: torch.device) -> KernelConfig:
+    """The engine's kernel choices, fixed for its life and logged once: --kernels,
+    --disable-pdl and the table files FTSERVE_GEMV_CONFIG_FILE /
+    FTSERVE_MOE_CONFIG_FILE name (read here, nowhere else). The tables load
+    now: a bad one fails at start-up, not at the first launch that needs it."""
+    gemv, moe = envs.gemv_config_file(), envs.moe_config_file()
+    kernels = KernelConfig(backend=cfg.kernels, pdl=cfg.pdl, gemv_table=None if gemv is None else str(gemv),
+                           moe_table=None if moe is None else str(moe))
+    try:
+        entries = kernels.check_tables(device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    log.info("kernels: %s; table entries %s", kernels.summary(), entries)
+    return kernels
 
 
 def build_engine(cfg: EngineConfig) -> Engine:
@@ -67,6 +87,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
 
     cfg.validate()
     device = resolve_device(cfg.device)
+    kernels = kernel_config(cfg, device)
     is_demo = cfg.model is None
     model_dir = demo_model_dir() if is_demo else cfg.model
     assert model_dir is not None
@@ -95,7 +116,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
     # --kv-cache-dtype: the pool's dtype (fp8: codes + scales, both counted per token).
     kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, dtype)
     per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)
-    num_pages = _plan_pages(cfg, device, per_token, model, mcfg)
+    num_pages = _plan_pages(cfg, device, per_token, model, mcfg, kernels)
     pool = KVPool(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
                   kv_dtype, device)
     pool_tokens = pool.usable_pages * cfg.page_size
@@ -106,12 +127,13 @@ def build_engine(cfg: EngineConfig) -> Engine:
         page_size=cfg.page_size, num_pages=num_pages, max_running=cfg.max_running_requests,
         max_prefill_length=cfg.max_prefill_length, max_model_len=max_model_len,
         eos_token_ids=eos, enable_prefix_cache=cfg.enable_prefix_cache, host_tier=host_tier,
+        speculator=_speculator(cfg, mcfg, max_model_len),
     )
-    sampler = Sampler(mcfg.vocab_size, cfg.max_running_requests, device, seed=cfg.seed)
+    sampler = Sampler(mcfg.vocab_size, cfg.max_running_requests, device, seed=cfg.seed, kernels=kernels)
     backend = _attention_backend(cfg, device)
     runner = ModelRunner(model, pool, backend, sampler, device,
                          max_running=cfg.max_running_requests, max_model_len=max_model_len,
-                         eos_token_ids=eos)
+                         eos_token_ids=eos, kernels=kernels)
     runner.kv_host = host_tier
     graph_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
     if device.type == "cuda" and graph_bs > 0 and getattr(backend, "name", "") == "triton":
@@ -139,6 +161,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
         "kv_tokens": pool_tokens, "kv_gib": num_pages * pool.bytes_per_page() / 2**30,
         "max_model_len": max_model_len, "model_limit": model_limit,
         "attention_backend": getattr(backend, "name", type(backend).__name__),
+        "kernels": kernels.summary(),
         "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs is not None else [],
         "cuda_graph_prefill_tokens": (runner.prefill_graphs.buckets
                                       if runner.prefill_graphs is not None else []),
@@ -147,6 +170,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
         "kv_host_pages": host_tier.num_total if host_tier is not None else 0,
         "kv_host_tokens": host_tier.num_total * cfg.page_size if host_tier is not None else 0,
         "kv_host_gib": host_tier.bytes_total() / 2**30 if host_tier is not None else 0.0,
+        "speculative": cfg.speculative if scheduler.spec is not None else "off",
     }
     log.info("model %s: %s on %s, weights %.2f GiB%s", model_dir, summary["dtype"], device,
              summary["weights_gib"], " (projections and experts in fp8 e4m3)" if mcfg.quant is not None else "")
@@ -161,6 +185,23 @@ def build_engine(cfg: EngineConfig) -> Engine:
         model_dir=model_dir, is_demo=is_demo, max_model_len=max_model_len,
         vocab_size=mcfg.vocab_size, eos_token_ids=eos, model_config=mcfg, summary=summary,
     )
+
+
+def _speculator(cfg: EngineConfig, mcfg: Any, max_model_len: int) -> Speculator | None:
+    """--speculative ngram's per-request drafting, or None. Off for hybrid models:
+    rolling back a rejected draft would need their recurrent state as it was
+    before the draft, which the state pool does not keep."""
+    if cfg.speculative == "off":
+        return None
+    if getattr(mcfg, "is_hybrid", False):
+        log.warning("--speculative %s is off for this model: its linear-attention layers keep a "
+                    "recurrent state that a rejected draft cannot be rolled back from",
+                    cfg.speculative)
+        return None
+    log.info("speculative decoding: %s, %d draft tokens, n-gram match %d..%d tokens",
+             cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min_match, cfg.ngram_max_match)
+    return Speculator(cfg.num_speculative_tokens, cfg.ngram_min_match, cfg.ngram_max_match,
+                      max_model_len)
 
 
 def _host_tier(cfg: EngineConfig, pool: KVPool) -> HostKVTier | None:
@@ -179,7 +220,7 @@ def _host_tier(cfg: EngineConfig, pool: KVPool) -> HostKVTier | None:
 
 
 def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int,
-                model: torch.nn.Module, mcfg: Any) -> int:
+                model: torch.nn.Module, mcfg: Any, kernels: KernelConfig) -> int:
     """KV pages for the pool. On CUDA: ``--memory-ratio`` of the device's total
     memory must hold weights + activations of the largest prefill chunk +
     sampler and CUDA-graph workspace + KV; the activation peak is measured with
@@ -192,7 +233,7 @@ def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int,
         return 1 + -(-cfg.kv_cache_tokens // cfg.page_size)
     if device.type != "cuda":
         return 1 + CPU_DEFAULT_KV_TOKENS // cfg.page_size
-    activation = _profile_prefill_peak(cfg, device, model, mcfg)
+    activation = _profile_prefill_peak(cfg, device, model, mcfg, kernels)
     # Decode-side workspace: logits and sampler sort buffers for a full batch,
     # plus the CUDA-graph pool (intermediates of the largest captured batch).
     vocab = mcfg.vocab_size
@@ -220,7 +261,7 @@ def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int,
 
 
 def _profile_prefill_peak(cfg: EngineConfig, device: torch.device, model: torch.nn.Module,
-                          mcfg: Any) -> int:
+                          mcfg: Any, kernels: KernelConfig) -> int:
     """Peak bytes one prefill chunk of max_prefill_length tokens allocates
     beyond what is already resident (its own small KV pool excluded)."""
     from ftserve.models.forward_batch import build_forward_batch
@@ -234,7 +275,7 @@ def _profile_prefill_peak(cfg: EngineConfig, device: torch.device, model: torch.
     backend = _attention_backend(cfg, device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, mcfg.vocab_size, (n,), generator=gen).tolist()
-    fb = build_forward_batch([ids], [0], [list(range(1, pages + 1))], pool, backend)
+    fb = build_forward_batch([ids], [0], [list(range(1, pages + 1))], pool, backend, kernels=kernels)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)

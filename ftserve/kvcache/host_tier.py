@@ -32,8 +32,7 @@ and its scales, and both always move together).
 Two ways to flush:
 
 - ``flush()``: every layer in one launch per run; the step waits for all of it
-  (e2 above). Always before a replayed CUDA graph, which cannot wait mid-way,
-  and with FTSERVE_KV_LAYERED_RESTORE=0.
+  (e2 above). Before a replayed CUDA graph, which cannot wait mid-way.
 - ``flush(layered=True)``: one launch per (layer, run), an event after each
   layer; the step's layer L waits only for event L before it touches layer L's
   pages (``ForwardBatch.layer_ready``), so a restore streams in under the
@@ -45,7 +44,7 @@ Two ways to flush:
   Offloads in the same plan are split by layer too: layer L of a freed device
   page is read before layer L of the step may overwrite it. The default for an
   eager step that restores host pages: on the H200 a 114k-token restore cost
-  18 ms of TTFT this way vs 39 ms batched (ftserve/envs.py has the numbers).
+  18 ms of TTFT this way vs 39 ms batched (BENCHMARKS.md).
 """
 
 from __future__ import annotations

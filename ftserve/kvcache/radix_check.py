@@ -1,10 +1,14 @@
-"""Integrity check of a RadixCache over both tiers (tests run it after every
-operation; the engine runs it after every step when asked).
+"""Integrity check of a RadixCache over both tiers: a function of its public
+state (the tree from ``root``, the allocators, the counters), so it shares no
+code with what it checks. Tests run it after every operation; the engine after
+every step when asked (``RadixCache.check_integrity``). The invariants are
+listed in radix.py's docstring:
 
 Device pages: each usable page is in exactly one of the allocator's free list,
 a live request's private pages, or a device node of the tree.
 Host pages: each usable page is in exactly one of the host free list or a host
-node. Tiers: a device node's parent is the root or a device node.
+node. Tiers: a device node's parent is the root or a device node; no host node
+is locked between calls (only ``restore`` locks host nodes, while it runs).
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ def check_radix(cache: RadixCache, live_pages: Iterable[int] = ()) -> None:
             )
             if n.on_host:
                 assert host is not None, f"{n!r} is on the host but there is no host tier"
+                assert n.ref == 0, f"host node {n!r} is locked"
                 for p in n.pages:
                     host.claim(p, f"host node {n.uid}")
                 host_pages += len(n.pages)

@@ -230,3 +230,14 @@ def _write_weights(hf: dict[str, Any], cfg: ModelConfig, out: Path, seed: int, s
             total += t.numel() * t.element_size()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_config(preset: str, out_dir: str | Path, layers: int | None = None,
+                       **overrides: Any) -> str:
+    """A config-only checkpoint (config.json from a preset) for
+    ``--load-format dummy``; ``overrides`` replace config keys."""
+    cfg = preset_config(preset, layers, overrides=overrides)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return str(out)

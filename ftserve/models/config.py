@@ -303,7 +303,13 @@ class ModelConfig:
 
     @staticmethod
     def from_pretrained(model_dir: str | Path) -> ModelConfig:
+        """From an HF checkpoint directory's config.json, or a GGUF's metadata."""
+        from ftserve.models import gguf
+
+        if gguf.is_gguf(model_dir):
+            return gguf.model_config(model_dir)
         path = Path(model_dir) / "config.json"
         if not path.exists():
-            raise FileNotFoundError(f"{path} not found: a model directory needs an HF config.json")
+            raise FileNotFoundError(f"{path} not found: a model directory needs an HF config.json "
+                                    "(or pass a .gguf file)")
         return ModelConfig.from_hf(json.loads(path.read_text()))

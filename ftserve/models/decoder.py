@@ -13,12 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ftserve import envs
-from ftserve.models import fused_layer
 from ftserve.models.config import ModelConfig
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve.models.layers import Attention, DenseMLP, Embedding, Linear, MoEBlock, RMSNorm
 from ftserve_kernels import ops
+from ftserve_kernels.config import KernelConfig
 from ftserve_kernels.decode_inputs import InputNorm
 from ftserve_kernels.oproj_route_triton import FoldedRouter, fold_router
 
@@ -63,9 +62,8 @@ class DecoderLayer(nn.Module):
         one) having been folded into the layer before's last launch. ``defer``
         (next_norm is a layer's, whose qkv can apply it): the norm may come out
         pending instead, an ops.PendingNorm with x = residual = the sum."""
-        if not normed and fused_layer.eligible(self, x, batch, cos_sin):  # batch-1 decode: one launch
-            return (*fused_layer.forward(self, x, residual, batch, cos_sin), False)
-        if next_norm is not None and self._routes_in_oproj(x):
+        kernels = batch.kernels
+        if next_norm is not None and self._routes_in_oproj(x, kernels):
             # One decode row: o_proj also routes, the experts weigh (no route launch).
             a, summed = self.self_attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin,
                                                     normed=normed, project=False)
@@ -73,13 +71,13 @@ class DecoderLayer(nn.Module):
             if folded is not None:
                 assert isinstance(self.mlp, MoEBlock)
                 o_proj, post = self.self_attn.o_proj, self.post_attention_layernorm
-                route = ops.oproj_route(a, o_proj.weight, o_proj.bias, summed, post.weight, folded,
+                route = ops.oproj_route(kernels, a, o_proj.weight, o_proj.bias, summed, post.weight, folded,
                                         self.mlp.top_k, self.mlp._counter(a))
-                out, summed = self.mlp.compute_experts_routed(route, post.eps, next_norm, defer)
+                out, summed = self.mlp.compute_experts_routed(route, post.eps, next_norm, kernels, defer)
                 if isinstance(out, ops.PendingNorm):
                     return summed, summed, out
                 return out, summed, True
-            x, residual = ops.linear(a, self.self_attn.o_proj.weight, self.self_attn.o_proj.bias), summed
+            x, residual = ops.linear(kernels, a, self.self_attn.o_proj.w, self.self_attn.o_proj.bias), summed
         else:
             # The residual stream is carried separately so each norm fuses the add (and,
             # at decode sizes, folds into the next GEMV: see ops.add_rms_norm_linear).
@@ -87,16 +85,16 @@ class DecoderLayer(nn.Module):
                                                       normed=normed)
         if isinstance(self.mlp, MoEBlock):
             # Norm, router and top-k in one launch at decode sizes (see MoEBlock.norm_route).
-            x, summed, weights, ids = self.mlp.norm_route(x, residual, self.post_attention_layernorm)
+            x, summed, weights, ids = self.mlp.norm_route(x, residual, self.post_attention_layernorm, kernels)
             assert summed is not None
-            if next_norm is not None and self.mlp.folds_next_norm(x):
-                out, summed = self.mlp.compute_experts_norm(x, weights, ids, summed, next_norm, defer)
+            if next_norm is not None and self.mlp.folds_next_norm(x, kernels):
+                out, summed = self.mlp.compute_experts_norm(x, weights, ids, summed, next_norm, kernels, defer)
                 if isinstance(out, ops.PendingNorm):
                     return summed, summed, out
                 return out, summed, True
-            return self.mlp.compute_experts(x, weights, ids), summed, False
-        x, residual = self.post_attention_layernorm.forward_add(x, residual)
-        return self.mlp(x), residual, False
+            return self.mlp.compute_experts(x, weights, ids, kernels), summed, False
+        x, residual = self.post_attention_layernorm.forward_add(x, residual, kernels)
+        return self.mlp(x, kernels), residual, False
 
     def router_foldable(self) -> bool:
         """A resident MoE layer whose expert weights are the softmax of the chosen
@@ -105,9 +103,9 @@ class DecoderLayer(nn.Module):
         return (isinstance(mlp, MoEBlock) and mlp.renormalize and mlp.expert_compute is None
                 and not mlp.is_fp8 and self.self_attn.o_proj.weight_scale is None)  # fp8: not folded
 
-    def _routes_in_oproj(self, x: torch.Tensor) -> bool:
+    def _routes_in_oproj(self, x: torch.Tensor, kernels: KernelConfig) -> bool:
         return (self.router_foldable() and not self.mlp.observed()  # type: ignore[union-attr]
-                and ops.oproj_route_applies(x))
+                and ops.oproj_route_applies(kernels, x))
 
     def folded_router(self) -> FoldedRouter | None:
         """The router folded through o_proj and the post-attention norm
@@ -162,13 +160,10 @@ class DecoderForCausalLM(nn.Module):
 
     def refresh_derived(self) -> None:
         """Derive again, in place, the tensors computed from the weights (the
-        routers folded through o_proj, FTSERVE_DECODE_ROUTE_IN_OPROJ), for the
-        layers that route so; and fold them first where none is yet (at load,
+        routers folded through o_proj), for the layers that route so; and fold them first where none is yet (at load,
         so memory planning counts them). Call after changing weights in place
         once CUDA graphs are captured: the graphs read these tensors, and only
         an eager step would notice the change by itself."""
-        if not envs.decode_route_in_oproj():
-            return
         for layer in self.layers:
             if layer.router_foldable():
                 layer.folded_router()
@@ -177,10 +172,8 @@ class DecoderForCausalLM(nn.Module):
         """The first layer's input norm, for a decode step to apply where it
         gathers the embedding rows (ops.decode_inputs in the graph, embed_rms_norm
         eagerly): layer 0 then starts from a normed x, as the later layers do at
-        decode sizes, and its qkv is a plain GEMV. None where layer 0 may run as
-        one persistent launch (FTSERVE_DECODE_LAYER_KERNEL), which norms itself,
-        or with FTSERVE_DECODE_INPUT_NORM=0."""
-        if not envs.decode_input_norm() or envs.decode_layer_kernel() or not len(self.layers):
+        decode sizes, and its qkv is a plain GEMV. None without layers."""
+        if not len(self.layers):
             return None
         norm = self.layers[0].input_layernorm
         return InputNorm(norm.weight, norm.eps)
@@ -191,7 +184,8 @@ class DecoderForCausalLM(nn.Module):
         if x is None:
             first = self.decode_input_norm() if batch.is_decode else None
             if first is not None:
-                x, normed_in = ops.embed_rms_norm(batch.input_ids, self.embed_tokens.weight, first)
+                x, normed_in = ops.embed_rms_norm(batch.kernels, batch.input_ids, self.embed_tokens.weight,
+                                                  first)
             else:
                 x = self.embed_tokens(batch.input_ids)
         residual: torch.Tensor | None = None
@@ -214,9 +208,9 @@ class DecoderForCausalLM(nn.Module):
             if not normed:
                 residual = residual.index_select(0, batch.logits_indices)
         if not normed:
-            x, _ = self.norm.forward_add(x, residual)
+            x, _ = self.norm.forward_add(x, residual, batch.kernels)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear_fp32(x, head)  # [B or T, V] fp32
+        return ops.linear_fp32(batch.kernels, x, head)  # [B or T, V] fp32
 
     def ignorable_checkpoint_names(self) -> set[str]:
         """Tensors a checkpoint may carry that we do not load."""

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
+
 if TYPE_CHECKING:
     from ftserve.kvcache.pool import KVPool
     from ftserve.kvcache.state_pool import StatePool
@@ -97,6 +99,9 @@ class ForwardBatch:
     # None for models without linear layers.
     state_pool: StatePool | None = None
     state_slots: torch.Tensor | None = None
+    # Which kernels every layer runs (the engine's, fixed at start-up; tests
+    # and tools building a batch themselves get the defaults unless they pass one).
+    kernels: KernelConfig = DEFAULT_KERNELS
 
     @property
     def num_tokens(self) -> int:
@@ -185,6 +190,7 @@ def build_forward_batch(
     device: torch.device | str | None = None,
     state_pool: StatePool | None = None,
     state_slots: list[int] | None = None,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> ForwardBatch:
     """Simple host-side builder: one sequence per entry of ``token_ids`` holding
     its *new* tokens, ``prefix_lens[b]`` tokens already cached in the pages
@@ -229,4 +235,5 @@ def build_forward_batch(
         is_decode=is_decode,
         state_pool=state_pool,
         state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64, device=device),
+        kernels=kernels,
     )

@@ -11,15 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ftserve import envs
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve_kernels import ops
+from ftserve_kernels.config import KernelConfig
 from ftserve_kernels.fp8_quant import FP8, Fp8Weight
 from ftserve_kernels.oproj_route_triton import OprojRoute
 
 # Signature of the MoE expert-compute hook: (x [T, H], topk_weights [T, k] fp32,
-# topk_ids [T, k] int32) -> [T, H]. See MoEBlock.
-ExpertCompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# topk_ids [T, k] int32, the step's KernelConfig) -> [T, H]. See MoEBlock.
+ExpertCompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, KernelConfig], torch.Tensor]
 
 
 class Linear(nn.Module):
@@ -52,10 +52,10 @@ class Linear(nn.Module):
             return self.weight
         return Fp8Weight(self.weight, self.weight_scale, *self.fp8_block)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
         if self.weight_scale is None:
             return F.linear(x, self.weight, self.bias)
-        return ops.linear(x, self.w, self.bias)
+        return ops.linear(kernels, x, self.w, self.bias)
 
 
 class Embedding(nn.Module):
@@ -73,12 +73,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
+        return ops.rms_norm(kernels, x, self.weight, self.eps)
 
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_add(
+        self, x: torch.Tensor, residual: torch.Tensor, kernels: KernelConfig
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual)."""
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return ops.fused_add_rms_norm(kernels, x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -103,7 +105,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps, dtype) if qk_norm else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), batch, cos_sin)
+        return self.attend(self.qkv_proj(x, batch.kernels), batch, cos_sin)
 
     def forward_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
@@ -114,7 +116,7 @@ class Attention(nn.Module):
         ``normed``: the layer before already applied ``norm`` (x is
         norm(x' + residual), residual that sum), or left it pending (x is the sum).
         ``project=False``: the attention output before o_proj [T, q]."""
-        qkv, summed = ops.add_rms_norm_linear(x, residual, norm.weight, norm.eps,
+        qkv, summed = ops.add_rms_norm_linear(batch.kernels, x, residual, norm.weight, norm.eps,
                                               self.qkv_proj.w, self.qkv_proj.bias, prenormed=normed)
         return self.attend(qkv, batch, cos_sin, project), summed
 
@@ -131,33 +133,32 @@ class Attention(nn.Module):
             torch.cuda.current_stream().wait_event(batch.layer_ready[self.layer_idx])
         stored = False
         fold = getattr(batch.attn_backend, "decode_qk", None)
-        if (self.q_norm is not None and self.k_norm is not None and fold is not None
-                and batch.is_decode and envs.decode_qk_fold()):
+        if self.q_norm is not None and self.k_norm is not None and fold is not None and batch.is_decode:
             # The q/k norms, the rotary and the KV store inside the decode attention
             # launch (TritonAttentionBackend.decode_qk), where it applies.
             out = fold(q, k, v, self.layer_idx, batch, self.q_norm.weight, self.k_norm.weight,
                        self.q_norm.eps, cos_sin)
             if out is not None:
-                return self._project(out.reshape(t, self.q_size), project)
+                return self._project(out.reshape(t, self.q_size), project, batch.kernels)
         if self.q_norm is not None and self.k_norm is not None:
             # One kernel for both per-head norms and the rotary (three on the unfused
-            # path), and with FTSERVE_FUSED_KV_STORE the KV store too.
+            # path), and into a float KV cache the KV store too.
             pool = batch.kv_pool
-            stored = envs.fused_kv_store() and pool.k_scale is None
+            stored = pool.k_scale is None
             kv_store = ((pool.k[self.layer_idx], pool.v[self.layer_idx], v,
                          batch.attn.out_cache_loc) if stored else None)
-            q, k = ops.qk_norm_rotary(q, k, self.q_norm.weight, self.k_norm.weight,
+            q, k = ops.qk_norm_rotary(batch.kernels, q, k, self.q_norm.weight, self.k_norm.weight,
                                       self.q_norm.eps, batch.positions, cos_sin, kv_store)
         else:
-            q, k = ops.rotary(q, k, batch.positions, cos_sin)
+            q, k = ops.rotary(batch.kernels, q, k, batch.positions, cos_sin)
         if stored:
             out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch, kv_stored=True)
         else:
             out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch)  # [T, Hq, D]
-        return self._project(out.reshape(t, self.q_size), project)  # [T, H]
+        return self._project(out.reshape(t, self.q_size), project, batch.kernels)  # [T, H]
 
-    def _project(self, out: torch.Tensor, project: bool) -> torch.Tensor:
-        return ops.linear(out, self.o_proj.w, self.o_proj.bias) if project else out
+    def _project(self, out: torch.Tensor, project: bool, kernels: KernelConfig) -> torch.Tensor:
+        return ops.linear(kernels, out, self.o_proj.w, self.o_proj.bias) if project else out
 
 
 class DenseMLP(nn.Module):
@@ -170,10 +171,13 @@ class DenseMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
-        h = F.silu(gate_up[:, : self.intermediate_size]) * gate_up[:, self.intermediate_size :]  # [T, I]
-        return self.down_proj(h)  # [T, H]
+    def forward(self, x: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, kernels)  # [T, 2I]
+        # In place in gate_up's gate half (no [T, I] buffer); the down GEMM reads
+        # the strided rows as they are.
+        h = F.silu(gate_up[:, : self.intermediate_size], inplace=True)  # [T, I]
+        h.mul_(gate_up[:, self.intermediate_size :])
+        return self.down_proj(h, kernels)  # [T, H]
 
 
 class MoEBlock(nn.Module):
@@ -235,7 +239,7 @@ class MoEBlock(nn.Module):
                 Fp8Weight(self.w2, self.w2_scale, *self.fp8_blocks["w2"]))
 
     def norm_route(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, kernels: KernelConfig
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """``norm`` (fused with the residual add when given), then route: one launch
         at decode sizes on Triton. -> (normed [T, H], x + residual or None, weights, ids)."""
@@ -243,11 +247,11 @@ class MoEBlock(nn.Module):
             # Someone observes the router (tests, bench_engine's expert count): call
             # the modules, unfused, so the hooks see the logits.
             if residual is None:
-                normed, summed = norm(x), None
+                normed, summed = norm(x, kernels), None
             else:
-                normed, summed = norm.forward_add(x, residual)
-            return (normed, summed, *self.route(normed))
-        return ops.add_rms_norm_route(x, residual, norm.weight, norm.eps, self.gate.weight,
+                normed, summed = norm.forward_add(x, residual, kernels)
+            return (normed, summed, *self.route(normed, kernels))
+        return ops.add_rms_norm_route(kernels, x, residual, norm.weight, norm.eps, self.gate.weight,
                                       self.top_k, self.renormalize, self._counter(x))
 
     def _counter(self, x: torch.Tensor) -> torch.Tensor:
@@ -256,25 +260,25 @@ class MoEBlock(nn.Module):
             c = self._route_counter = torch.zeros(1, dtype=torch.int32, device=x.device)
         return c
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.gate(x)  # [T, E]
-        return ops.route_topk(logits, self.top_k, self.renormalize)  # [T, k] fp32, [T, k] int32
+    def route(self, x: torch.Tensor, kernels: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.gate(x, kernels)  # [T, E]
+        return ops.route_topk(kernels, logits, self.top_k, self.renormalize)  # [T, k] fp32, [T, k] int32
 
-    def folds_next_norm(self, x: torch.Tensor) -> bool:
+    def folds_next_norm(self, x: torch.Tensor, kernels: KernelConfig) -> bool:
         """Whether compute_experts_norm folds the norm into the expert launches at
         x's size (the resident experts only: an expert cache computes its own)."""
-        return self.expert_compute is None and ops.moe_folds_next_norm(x)
+        return self.expert_compute is None and ops.moe_folds_next_norm(kernels, x)
 
     def compute_experts_norm(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, residual: torch.Tensor,
-        norm: RMSNorm, defer: bool = False,
+        norm: RMSNorm, kernels: KernelConfig, defer: bool = False,
     ) -> tuple[torch.Tensor | ops.PendingNorm, torch.Tensor]:
         """norm.forward_add(compute_experts(x, ...), residual), the norm inside the
         down launch where folds_next_norm(x). -> (normed [T, H], summed [T, H]);
         with ``defer`` the norm may be left pending (ops.fused_moe_add_rms_norm)."""
         if self.expert_compute is not None:
-            return norm.forward_add(self.expert_compute(x, topk_weights, topk_ids), residual)
-        return ops.fused_moe_add_rms_norm(x, *self.expert_weights(), topk_weights, topk_ids, residual,
+            return norm.forward_add(self.expert_compute(x, topk_weights, topk_ids, kernels), residual, kernels)
+        return ops.fused_moe_add_rms_norm(kernels, x, *self.expert_weights(), topk_weights, topk_ids, residual,
                                           norm.weight, norm.eps, self._counter(x), defer)
 
     def observed(self) -> bool:
@@ -282,22 +286,22 @@ class MoEBlock(nn.Module):
         return bool(self.gate._forward_hooks or self.gate._forward_pre_hooks)
 
     def compute_experts_routed(
-        self, route: OprojRoute, route_eps: float, norm: RMSNorm, defer: bool = False,
+        self, route: OprojRoute, route_eps: float, norm: RMSNorm, kernels: KernelConfig, defer: bool = False,
     ) -> tuple[torch.Tensor | ops.PendingNorm, torch.Tensor]:
         """compute_experts_norm for one row routed by o_proj (ops.oproj_route): the
         gate/up launch applies the post-attention norm left pending (eps
         ``route_eps``) and weighs the chosen experts; the down launch adds the
         residual and folds ``norm`` (pending with ``defer``, as there)."""
-        return ops.fused_moe_routed(route, route_eps, self.w13, self.w2, norm.weight, norm.eps,
+        return ops.fused_moe_routed(kernels, route, route_eps, self.w13, self.w2, norm.weight, norm.eps,
                                     self._counter(route.scaled), defer)
 
     def compute_experts(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kernels: KernelConfig
     ) -> torch.Tensor:
         if self.expert_compute is not None:
-            return self.expert_compute(x, topk_weights, topk_ids)
-        return ops.fused_moe(x, *self.expert_weights(), topk_weights, topk_ids)  # [T, H]
+            return self.expert_compute(x, topk_weights, topk_ids, kernels)
+        return ops.fused_moe(kernels, x, *self.expert_weights(), topk_weights, topk_ids)  # [T, H]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
-        return self.compute_experts(x, weights, ids)
+    def forward(self, x: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
+        weights, ids = self.route(x, kernels)
+        return self.compute_experts(x, weights, ids, kernels)

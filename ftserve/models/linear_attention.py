@@ -26,7 +26,7 @@ from torch import nn
 from ftserve.models.config import LinearAttentionConfig
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve.models.layers import Linear
-from ftserve_kernels import gated_delta
+from ftserve_kernels import ops
 
 
 class GatedRMSNorm(nn.Module):
@@ -80,19 +80,21 @@ class GatedDeltaNet(nn.Module):
         if pool is None or slots is None:
             raise ValueError("a model with linear-attention layers needs batch.state_pool and state_slots")
         la, t, meta = self.la, x.shape[0], batch.attn
-        mixed, z, b, a = self._split(self.in_proj(x))
+        mixed, z, b, a = self._split(self.in_proj(x, batch.kernels))
         conv_states = pool.conv[self.state_idx]  # [S+1, C, K-1]
         states = pool.recurrent[self.state_idx]  # [S+1, Hv, dk, dv]
         has_state = meta.prefix_lens > 0  # [B], on the device: no sync
         weight = self.conv1d_weight[:, 0]  # [C, K]
         decode = meta.max_extend_len == 1
+        gated_delta = ops.gated_delta(batch.kernels, x)  # Triton on CUDA, the torch reference elsewhere
         if decode:
             mixed = gated_delta.conv_decode(mixed, weight, conv_states, slots, has_state)
         else:
             bounds = [0]
             for n in meta.extend_lens_host:
                 bounds.append(bounds[-1] + n)
-            mixed = gated_delta.conv_prefill(mixed, weight, conv_states, slots, has_state, bounds)
+            mixed = gated_delta.conv_prefill(mixed, weight, conv_states, slots, has_state, bounds,
+                                             cu_seqlens=meta.qo_indptr)
         q, k, v = mixed.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
         q = q.reshape(t, la.num_key_heads, la.key_head_dim)
         k = k.reshape(t, la.num_key_heads, la.key_head_dim)
@@ -102,6 +104,7 @@ class GatedDeltaNet(nn.Module):
         if decode:
             o = gated_delta.gated_delta_decode(q, k, v, g, beta, states, slots, has_state)
         else:
-            o = gated_delta.gated_delta_prefill(q, k, v, g, beta, states, slots, has_state, bounds)
+            o = gated_delta.gated_delta_prefill(q, k, v, g, beta, states, slots, has_state, bounds,
+                                                cu_seqlens=meta.qo_indptr)
         o = self.norm(o, z)  # [T, Hv, dv]
-        return self.out_proj(o.reshape(t, la.value_dim))  # [T, H]
+        return self.out_proj(o.reshape(t, la.value_dim), batch.kernels)  # [T, H]

@@ -1,7 +1,9 @@
 """load_model: build on the meta device, materialize once on the target device,
-then fill every parameter from memory-mapped safetensors shards (or random
-dummy values). Each checkpoint tensor is copied exactly once, straight into its
-(possibly fused) destination slice, so peak memory is the model itself.
+then fill every parameter from memory-mapped safetensors shards, a GGUF file
+(dequantized one tensor at a time: ftserve/models/gguf.py) or random dummy
+values. Each checkpoint tensor is copied exactly once, straight into its
+(possibly fused) destination slice, so peak memory is the model itself (plus one
+dequantized tensor for a GGUF).
 """
 
 from __future__ import annotations
@@ -64,6 +66,17 @@ def checkpoint_names(files: list[Path]) -> set[str]:
     return names
 
 
+def stored_names(cfg: ModelConfig, path: Path, load_format: str) -> set[str] | None:
+    """An fp8 config's safetensors tensor names (which weights it holds in fp8 is
+    read off them: fp8.convert); None otherwise (dummy weights follow the config,
+    a GGUF has no fp8 config)."""
+    from ftserve.models import gguf
+
+    if cfg.quant is None or load_format not in ("safetensors", "auto") or gguf.is_gguf(path):
+        return None
+    return checkpoint_names(checkpoint_files(path))
+
+
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                 stored: set[str] | None = None) -> DecoderForCausalLM:
     """Construct on the meta device (no memory, no init), then allocate once on ``device``.
@@ -98,17 +111,25 @@ def load_model(
     if max_model_len is not None:
         cfg = cfg.with_max_len(max_model_len)
     torch_dtype = resolve_dtype(dtype, device)
-    files = checkpoint_files(model_dir) if load_format in ("safetensors", "auto") else []
-    names = checkpoint_names(files) if files and cfg.quant is not None else None
-    model = build_model(cfg, torch_dtype, device, names)
-    if load_format in ("safetensors", "auto"):
-        fill_from_safetensors(model, files)
+    model = build_model(cfg, torch_dtype, device, stored_names(cfg, model_dir, load_format))
+    if load_format in ("safetensors", "gguf", "auto"):
+        fill_from_checkpoint(model, model_dir)
     elif load_format == "dummy":
         fill_dummy(model, seed)
     else:
-        raise ValueError(f"load_format must be safetensors or dummy, got {load_format!r}")
+        raise ValueError(f"load_format must be safetensors, gguf or dummy, got {load_format!r}")
     model.refresh_derived()
     return model, cfg
+
+
+def fill_from_checkpoint(model: DecoderForCausalLM, path: Path) -> None:
+    """The checkpoint's weights, whichever format holds them (safetensors or GGUF)."""
+    from ftserve.models import gguf
+
+    if gguf.is_gguf(path):
+        gguf.fill_from_gguf(model, path)
+    else:
+        fill_from_safetensors(model, checkpoint_files(path))
 
 
 @torch.no_grad()

@@ -26,6 +26,7 @@ from ftserve.models.forward_batch import ForwardBatch
 from ftserve.models.layers import DenseMLP, Embedding, Linear, MoEBlock
 from ftserve.models.linear_attention import GatedDeltaNet
 from ftserve_kernels import ops
+from ftserve_kernels.config import KernelConfig
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -60,17 +61,17 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        qg, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        qg, k, v = self.qkv_proj(x, batch.kernels).split(self.sizes, dim=-1)
         qg = qg.view(t, self.num_heads, 2, self.head_dim)
         q, gate = qg[:, :, 0], qg[:, :, 1]  # [T, Hq, D] each
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if batch.layer_ready is not None:  # this layer's pages may still be streaming in
             torch.cuda.current_stream().wait_event(batch.layer_ready[self.kv_layer])
-        q, k = ops.rotary(self.q_norm(q), self.k_norm(k), batch.positions, cos_sin)  # partial rotary
+        q, k = ops.rotary(batch.kernels, self.q_norm(q), self.k_norm(k), batch.positions, cos_sin)  # partial rotary
         out = batch.attn_backend.forward(q, k, v, self.kv_layer, batch)  # [T, Hq, D]
         out = out * torch.sigmoid(gate)
-        return self.o_proj(out.reshape(t, -1))  # [T, H]
+        return self.o_proj(out.reshape(t, -1), batch.kernels)  # [T, H]
 
 
 class SharedExpertMoE(MoEBlock):
@@ -83,9 +84,9 @@ class SharedExpertMoE(MoEBlock):
         self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, False, dtype)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, H]
-        return super().forward(x) + shared
+    def forward(self, x: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
+        shared = torch.sigmoid(self.shared_expert_gate(x, kernels)) * self.shared_expert(x, kernels)  # [T, H]
+        return super().forward(x, kernels) + shared
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -114,7 +115,8 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             assert self.self_attn is not None
             x = x + self.self_attn(normed, batch, cos_sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + self.mlp(h, batch.kernels)
 
 
 class Qwen3NextForCausalLM(nn.Module):
@@ -156,7 +158,7 @@ class Qwen3NextForCausalLM(nn.Module):
         if batch.logits_indices is not None:
             x = x.index_select(0, batch.logits_indices)  # [B, H]: the norm is per row
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear_fp32(self.norm(x), head)  # [B or T, V] fp32
+        return ops.linear_fp32(batch.kernels, self.norm(x), head)  # [B or T, V] fp32
 
     def ignorable_checkpoint_names(self) -> set[str]:
         return {"lm_head.weight"} if self.lm_head is None else set()

@@ -39,6 +39,9 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    # Per-frequency divisors of the inverse frequencies, applied after the type's own
+    # scaling (a GGUF's rope_freqs tensor: llama.cpp's form of Llama 3.1's long rope).
+    freq_factors: tuple[float, ...] | None = None
 
     @staticmethod
     def from_hf(params: dict | None, max_position_embeddings: int) -> RopeScaling:
@@ -129,6 +132,15 @@ def inv_freq_and_scale(
     s: RopeScaling, base: float, rot_dim: int, max_position_embeddings: int, max_len: int
 ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [rot_dim/2] fp32 and the attention scaling folded into cos/sin."""
+    inv, scale = _scaled_inv_freq(s, base, rot_dim, max_position_embeddings, max_len)
+    if s.freq_factors is not None:
+        inv = inv / torch.tensor(s.freq_factors, dtype=torch.float32)
+    return inv, scale
+
+
+def _scaled_inv_freq(
+    s: RopeScaling, base: float, rot_dim: int, max_position_embeddings: int, max_len: int
+) -> tuple[torch.Tensor, float]:
     if s.rope_type == "default":
         return _base_inv_freq(base, rot_dim), 1.0
     if s.rope_type == "linear":

@@ -34,13 +34,7 @@ from ftserve.models import fp8
 from ftserve.models.config import ModelConfig
 from ftserve.models.decoder import DecoderForCausalLM
 from ftserve.models.layers import MoEBlock
-from ftserve.models.loader import (
-    checkpoint_files,
-    checkpoint_names,
-    fill_dummy,
-    fill_from_safetensors,
-    resolve_dtype,
-)
+from ftserve.models.loader import fill_dummy, fill_from_checkpoint, resolve_dtype, stored_names
 from ftserve.models.registry import model_class
 from ftserve_kernels.fp8_quant import FP8, Fp8Weight
 
@@ -203,11 +197,10 @@ def load_offloaded_model(
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_pretrained(model_dir)
     torch_dtype = resolve_dtype(dtype, device)
-    files = checkpoint_files(model_dir) if load_format in ("safetensors", "auto") else []
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg, torch_dtype)
         if cfg.quant is not None:  # as loader.build_model: the fp8 weights first
-            fp8.convert(model, cfg.quant, checkpoint_names(files) if files else None)
+            fp8.convert(model, cfg.quant, stored_names(cfg, model_dir, load_format))
     blocks = moe_blocks(model)
     if not blocks:
         raise ValueError(f"{model_dir} has no MoE layers; --moe-cache-size applies to MoE models only")
@@ -226,7 +219,7 @@ def load_offloaded_model(
 
     if load_format in ("safetensors", "auto"):
         attach(host_views)
-        fill_from_safetensors(model, files)
+        fill_from_checkpoint(model, model_dir)
     elif load_format == "dummy":
         if device.type == "cpu":
             # normal_ draws a strided view in another order than a contiguous

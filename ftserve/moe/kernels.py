@@ -54,11 +54,9 @@ def fill_rows_ref(bank: torch.Tensor, slots: torch.Tensor, src_ids: torch.Tensor
 
 
 @triton.jit
-def _fill_rows_body(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS,
-                    HOST_SRC: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr):
-    # Work item w = pair * CHUNKS + chunk, for w = this program, + the programs,
-    # ... < WORK: one item per program when the grid covers the work, a strided
-    # loop when it was capped (a copy that runs beside compute kernels).
+def _fill_rows_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, CHUNKS,
+                      HOST_SRC: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr):
+    # Program w = pair * CHUNKS + chunk copies that chunk of that pair's row.
     # Cast before any runtime branch so the name keeps one type (see bookkeeping).
     if HOST_SRC:
         # Host rows are 16-byte aligned (pinned, row bytes % 16 == 0 checked by
@@ -66,30 +64,16 @@ def _fill_rows_body(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS,
         src_base = tl.multiple_of(bank.to(tl.pointer_type(WORD)), 16)
     else:
         src_base = bank
-    for w in range(tl.program_id(0), WORK, tl.num_programs(0)):
-        i = w // CHUNKS
-        c = w % CHUNKS
-        src = tl.load(src_ptr + i).to(tl.int64)
-        dst = tl.load(dst_ptr + i).to(tl.int64)
-        if (src >= 0) & (dst >= 0):
-            offs = c * BLOCK + tl.arange(0, BLOCK)
-            m = offs < ROW_WORDS
-            v = tl.load(src_base + src * ROW_WORDS + offs, mask=m)
-            tl.store(slots_ptr + dst * ROW_WORDS + offs, v, mask=m)
-
-
-@triton.jit
-def _fill_rows_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS,
-                      HOST_SRC: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr):
-    _fill_rows_body(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS, HOST_SRC, WORD, BLOCK)
-
-
-@triton.jit
-def _fill_rows_capped_kernel(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS,
-                             HOST_SRC: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr):
-    # The same copy under its own name, so a profile tells the capped side-stream
-    # fills (decode prefetch) from the copies on the critical path.
-    _fill_rows_body(bank, slots_ptr, src_ptr, dst_ptr, ROW_WORDS, WORK, CHUNKS, HOST_SRC, WORD, BLOCK)
+    w = tl.program_id(0)
+    i = w // CHUNKS
+    c = w % CHUNKS
+    src = tl.load(src_ptr + i).to(tl.int64)
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    if (src >= 0) & (dst >= 0):
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        m = offs < ROW_WORDS
+        v = tl.load(src_base + src * ROW_WORDS + offs, mask=m)
+        tl.store(slots_ptr + dst * ROW_WORDS + offs, v, mask=m)
 
 
 # One program copies a chunk of this many words (8 bytes each on expert rows: 64 KiB)
@@ -107,16 +91,13 @@ def check_bank(bank: torch.Tensor) -> None:
 
 def fill_rows(bank: torch.Tensor, slots: torch.Tensor, src_ids: torch.Tensor,
               dst_slots: torch.Tensor, *, bank_checked: bool = False,
-              max_programs: int | None = None, block_words: int = FILL_BLOCK_WORDS,
-              num_warps: int = FILL_WARPS) -> None:
+              block_words: int = FILL_BLOCK_WORDS, num_warps: int = FILL_WARPS) -> None:
     """One launch over the M pairs (src_ids / dst_slots [M] int32 on the slots' device).
     bank [rows, R] (pinned host memory on CUDA, see check_bank) -> slots [S, R], same dtype.
 
-    Uncapped, one program per (pair, 64 KiB chunk): a 9 MiB expert row is ~144
-    programs, so a few misses hold every SM until the copy is done, which is
-    what a copy on the critical path wants. ``max_programs`` caps the grid (each
-    program walks every max_programs-th chunk): a copy on a side stream that
-    must leave the SMs to the compute it overlaps (decode prefetch)."""
+    One program per (pair, 64 KiB chunk): a 9 MiB expert row is ~144 programs,
+    so a few misses hold every SM until the copy is done, which is what a copy
+    on the critical path wants."""
     assert bank.dtype == slots.dtype and bank.shape[1] == slots.shape[1]
     m = src_ids.numel()
     if m == 0:
@@ -129,11 +110,8 @@ def fill_rows(bank: torch.Tensor, slots: torch.Tensor, src_ids: torch.Tensor,
     src_arg: torch.Tensor | int = bank.data_ptr() if host else bank.view(_WORD[wb])
     block = min(block_words, triton.next_power_of_2(row_words))
     chunks = triton.cdiv(row_words, block)
-    work = m * chunks
-    programs = work if max_programs is None else max(1, min(work, max_programs))
-    kernel = _fill_rows_kernel if max_programs is None else _fill_rows_capped_kernel
-    kernel[(programs,)](
-        src_arg, slots.view(_WORD[wb]), src_ids, dst_slots, row_words, work, chunks,
+    _fill_rows_kernel[(m * chunks,)](
+        src_arg, slots.view(_WORD[wb]), src_ids, dst_slots, row_words, chunks,
         HOST_SRC=host, WORD=_TL_WORD[wb], BLOCK=block, num_warps=num_warps,
     )
 

@@ -68,16 +68,20 @@ def _continuation_json(spec: dict[str, Any]) -> dict[str, Any]:
 class HFTokenizer(Tokenizer):
     def __init__(
         self,
-        tokenizer_json: str | os.PathLike[str],
+        tokenizer_json: str | os.PathLike[str] | dict[str, Any],
         *,
         bos_token: str | None = None,
         eos_token: str | None = None,
         extra_eos_ids: tuple[int, ...] = (),
         chat_template: str | list[dict[str, str]] | None = None,
     ) -> None:
+        """``tokenizer_json``: the file, or its content already parsed (a GGUF's vocabulary)."""
         super().__init__()
-        with open(tokenizer_json, encoding="utf-8") as f:
-            spec = json.load(f)
+        if isinstance(tokenizer_json, dict):
+            spec = tokenizer_json
+        else:
+            with open(tokenizer_json, encoding="utf-8") as f:
+                spec = json.load(f)
         self.tok = HFTokenizerCore.from_str(json.dumps(spec))
         self._cont = HFTokenizerCore.from_str(json.dumps(_continuation_json(spec)))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)

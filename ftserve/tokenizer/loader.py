@@ -1,6 +1,7 @@
 """`load_tokenizer(model_dir)`: pick a backend and read the HF side files.
 
-Files read (all optional except one tokenizer file):
+A GGUF file carries its tokenizer in its metadata (ftserve/tokenizer/gguf.py).
+In a checkpoint directory, the files read (all optional except one tokenizer file):
   tokenizer.json          -> HFTokenizer (preferred: it is what HF itself runs)
   tokenizer.model         -> SentencePieceTokenizer
   tokenizer_config.json   -> bos_token / eos_token, add_bos_token / add_eos_token,
@@ -50,7 +51,18 @@ def _eos_ids(gen_cfg: dict[str, Any]) -> tuple[int, ...]:
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str], backend: str = "auto") -> Tokenizer:
-    """backend: "auto" (tokenizer.json if present), "hf" or "sentencepiece"."""
+    """backend: "auto" (tokenizer.json if present), "hf" or "sentencepiece". A GGUF
+    checkpoint (a .gguf file or a folder of one) brings its tokenizer in its metadata."""
+    from ftserve.models import gguf
+
+    if gguf.is_gguf(model_dir):
+        from ftserve.tokenizer.gguf import GGUFTokenizerError, load_gguf_tokenizer
+
+        ckpt = gguf.read_checkpoint(model_dir)
+        try:
+            return load_gguf_tokenizer(ckpt.metadata, ckpt.name)
+        except GGUFTokenizerError as err:
+            raise TokenizerLoadError(str(err)) from None
     d = Path(model_dir)
     cfg = _read_json(d / "tokenizer_config.json")
     extra_eos = _eos_ids(_read_json(d / "generation_config.json"))

@@ -100,15 +100,19 @@ def _trie_pattern(words: list[str]) -> str:
 class SentencePieceTokenizer(Tokenizer):
     def __init__(
         self,
-        model_file: str | os.PathLike[str],
+        model_file: str | os.PathLike[str] | bytes,
         *,
         add_bos: bool = True,
         add_eos: bool = False,
         extra_eos_ids: tuple[int, ...] = (),
         chat_template: str | list[dict[str, str]] | None = None,
     ) -> None:
+        """``model_file``: tokenizer.model, or a serialized model proto (a GGUF's vocabulary)."""
         super().__init__()
-        self.sp = spm.SentencePieceProcessor(model_file=os.fspath(model_file))
+        if isinstance(model_file, bytes):
+            self.sp = spm.SentencePieceProcessor(model_proto=model_file)
+        else:
+            self.sp = spm.SentencePieceProcessor(model_file=os.fspath(model_file))
         proto = self.sp.serialized_model_proto()
         self._sp_cont = spm.SentencePieceProcessor(model_proto=_without_dummy_prefix(proto))
         self.vocab_size = self.sp.get_piece_size()

@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--api-key", default=None, help="sent as a Bearer token (as x-api-key on /v1/messages)")
     a("--profile", choices=PROFILES, default="agentic",
       help="workload: agentic = multi-turn sessions that resend the whole conversation; "
-           "shared-prefix = groups of requests over one long prompt; random = independent prompts")
+           "shared-prefix = groups of requests over one long prompt; random = independent prompts; "
+           "edit = rewrite a source file with one small change (output copies the prompt)")
     a("--seed", type=int, default=0, help="all generated content derives from it")
     g = p.add_argument_group("bounds and phases")
     g.add_argument("--duration", type=float, default=None,
@@ -82,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="agentic: share of turns that fan out to --subagents requests")
     g.add_argument("--groups", type=int, default=4, help="shared-prefix: number of shared prompts")
     g.add_argument("--prefix-tokens", type=int, default=1000, help="shared-prefix: shared prompt length")
+    g.add_argument("--file-tokens", type=int, default=2000,
+                   help="edit: tokens of the source file each request hands over")
     g.add_argument("--input-tokens", type=float, default=256.0,
                    help="random/shared-prefix: mean unique prompt tokens")
     g.add_argument("--request-rate", type=float, default=None,
@@ -146,7 +149,7 @@ async def discover_model(url: str, api_key: str | None, name: str | None) -> Ser
     async with aiohttp.ClientSession(timeout=timeout) as s:
         async with s.get(url + "/v1/models", headers=headers) as r:
             r.raise_for_status()
-            data = await r.json()
+            data = await r.json(content_type=None)  # sglang-router's says text/plain
     cards = data["data"]
     card = next((c for c in cards if c.get("id") == name), None) if name else cards[0]
     if card is None:  # a name the server does not list: it may still route it
@@ -180,7 +183,7 @@ def config_from_args(ns: argparse.Namespace, model: str) -> RunConfig:
         system_tokens=ns.system_tokens, turn_tokens=ns.turn_tokens, tool_fraction=ns.tool_fraction,
         max_context=ns.max_context, think_time_s=ns.think_time, subagents=ns.subagents,
         fanout_fraction=ns.fanout_fraction, groups=ns.groups,
-        prefix_tokens=ns.prefix_tokens, input_tokens=ns.input_tokens,
+        prefix_tokens=ns.prefix_tokens, file_tokens=ns.file_tokens, input_tokens=ns.input_tokens,
         request_rate=ns.request_rate, concurrency=ns.concurrency, output_tokens=ns.output_tokens,
         max_output_tokens=ns.max_output_tokens, temperature=ns.temperature,
         ignore_eos=ns.ignore_eos,
@@ -208,6 +211,8 @@ def _validate(ns: argparse.Namespace, p: argparse.ArgumentParser) -> None:
         p.error("--max-requests must be >= 1")
     if ns.request_rate is not None and ns.request_rate <= 0:
         p.error("--request-rate must be > 0")
+    if ns.file_tokens < 1:
+        p.error("--file-tokens must be >= 1")
     if min(ns.sessions, ns.concurrency, ns.groups) < 1:
         p.error("--sessions, --concurrency and --groups must be >= 1")
     if ns.subagents < 0 or not 0.0 <= ns.fanout_fraction <= 1.0:

@@ -21,6 +21,10 @@ import aiohttp
 from tools.loadgen import anthropic, openai_responses
 from tools.loadgen.anthropic import StreamError
 
+# ftserve names itself in every response (--replica-id); routers pass the header on, so a
+# run through a router records which replica served each request.
+REPLICA_HEADER = "X-Ftserve-Replica"
+
 
 @dataclass
 class RequestSpec:
@@ -55,6 +59,7 @@ class RequestRecord:
     cached_tokens: int | None = None
     output_tokens: int = 0
     finish_reason: str | None = None
+    replica: str | None = None  # the worker that answered, when it says (REPLICA_HEADER)
     text: str = ""
 
     @property
@@ -187,6 +192,7 @@ async def send(
         async with asyncio.timeout(timeout_s):
             async with session.post(base_url + _path(spec.endpoint), json=body, headers=headers) as resp:
                 rec.http_status = resp.status
+                rec.replica = resp.headers.get(REPLICA_HEADER)
                 if resp.status != 200:
                     detail = (await resp.text())[:300]
                     rec.status, rec.error_kind, rec.error = "error", f"http_{resp.status}", detail

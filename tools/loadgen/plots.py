@@ -83,6 +83,23 @@ def write_plots(out_dir: str, records: list[RequestRecord], snapshots: list[Snap
             ax.grid(alpha=0.3)
             save(fig, "throughput_over_time.png")
 
+    served = [r for r in records if r.phase == "measure" and r.replica and r.session >= 0]
+    if served:
+        # One row per session, a dot per request coloured by the replica that served it:
+        # a router with session affinity draws each row in one colour.
+        names = sorted({r.replica for r in served if r.replica})
+        fig, ax = plt.subplots(figsize=(7, 0.9 + 0.3 * len({r.session for r in served})))
+        for i, name in enumerate(names):
+            mine = [r for r in served if r.replica == name]
+            ax.scatter([r.start for r in mine], [r.session for r in mine], s=14,
+                       color=plt.get_cmap("tab10")(i % 10), label=name)
+        ax.set_xlabel("request start (s since start)")
+        ax.set_ylabel("session")
+        ax.set_title("Which replica served each request")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        ax.grid(alpha=0.3)
+        save(fig, "replica_per_session.png")
+
     if snapshots:
         t = [s.t for s in snapshots]
         fig, axes = plt.subplots(3, 1, figsize=(7, 7), sharex=True)

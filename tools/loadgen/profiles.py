@@ -9,6 +9,10 @@
 - shared-prefix: G groups, each with its own long system prompt; each request is one group's
   prompt plus a unique question.
 - random: independent prompts; Poisson arrivals at --request-rate, else --concurrency closed loops.
+- edit: code-edit replay: each request hands the model a source file of about --file-tokens
+  tokens and one small change to make (rename a function, change a constant, add a line) and
+  asks for the whole file back, with max_tokens for all of it; nearly every output token is a
+  copy from the prompt (what n-gram speculation is for). Arrivals as for random.
 
 Every request's content comes from ``random.Random`` seeded by (seed, profile, session or index),
 so the same --seed sends the same conversations whatever the timing.
@@ -25,7 +29,7 @@ from typing import Any, Protocol
 from tools.loadgen import textgen
 from tools.loadgen.client import RequestRecord, RequestSpec
 
-PROFILES = ("agentic", "shared-prefix", "random")
+PROFILES = ("agentic", "shared-prefix", "random", "edit")
 SUBTASK_TOKENS = 24  # a fan-out sub-task's estimated length (the ceiling leaves twice this)
 
 
@@ -50,6 +54,8 @@ class WorkloadConfig:
     # shared-prefix
     groups: int = 4
     prefix_tokens: int = 1000
+    # edit
+    file_tokens: int = 2000
     # random / shared-prefix
     input_tokens: float = 256.0
     request_rate: float | None = None  # req/s Poisson; None = closed loop at `concurrency`
@@ -201,6 +207,36 @@ def _independent_spec(cfg: WorkloadConfig, i: int, prefixes: list[str]) -> Reque
     return RequestSpec(cfg.endpoint, body, cfg.profile, group, i)
 
 
+EDIT_SYSTEM = ("You are a code editor. Apply the requested change to the file and reply with the "
+               "complete edited file in one ```python block, and nothing else.")
+
+
+def _edit_spec(cfg: WorkloadConfig, i: int) -> RequestSpec:
+    """Request i of the edit profile: its own file and change (from (seed, i)); max_tokens
+    leaves room for the whole file plus a quarter (the estimate's error, the fences), within
+    --max-context (--output-tokens and --max-output-tokens do not apply)."""
+    rng = random.Random(f"{cfg.seed}:edit:{i}")
+    source = textgen.source_file(rng, cfg.file_tokens)
+    instruction, _ = textgen.small_edit(rng, source)
+    body = _sampling(cfg, rng)
+    user = f"Here is `module_{i}.py`:\n```python\n{source}```\n\n{instruction}"
+    est = textgen.approx_tokens(source)
+    room = cfg.max_context - int(1.1 * (est + textgen.approx_tokens(EDIT_SYSTEM + instruction))) - 64
+    body["max_tokens"] = max(1, min(int(1.25 * est) + 32, room))
+    if cfg.endpoint == "completions":
+        body["prompt"] = f"{EDIT_SYSTEM}\n\n{user}\n\n```python\n"
+    else:
+        body["messages"] = [{"role": "system", "content": EDIT_SYSTEM}, {"role": "user", "content": user}]
+        if cfg.endpoint != "responses":
+            # The reply starts inside the code block, as an editor's does (Anthropic's
+            # assistant prefill; vLLM's and ftserve's continue_final_message on chat).
+            body["messages"].append({"role": "assistant", "content": "```python\n"})
+            if cfg.endpoint == "chat":
+                body["continue_final_message"] = True
+                body["add_generation_prompt"] = False
+    return RequestSpec(cfg.endpoint, body, cfg.profile, -1, i)
+
+
 async def _open_or_closed_loop(
     cfg: WorkloadConfig, issuer: Issuer, make: Callable[[int], RequestSpec]
 ) -> None:
@@ -249,4 +285,6 @@ def build(cfg: WorkloadConfig, issuer: Issuer) -> Awaitable[Any]:
         return _open_or_closed_loop(cfg, issuer, lambda i: _independent_spec(cfg, i, prefixes))
     if cfg.profile == "random":
         return _open_or_closed_loop(cfg, issuer, lambda i: _independent_spec(cfg, i, []))
+    if cfg.profile == "edit":
+        return _open_or_closed_loop(cfg, issuer, lambda i: _edit_spec(cfg, i))
     raise ValueError(f"unknown profile {cfg.profile!r}; choose one of {', '.join(PROFILES)}")

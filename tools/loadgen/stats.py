@@ -69,12 +69,31 @@ def summarize(records: Iterable[RequestRecord], duration_s: float) -> dict[str, 
         "total_token_throughput": (total_in + total_out) / dur,
         "max_prompt_tokens": max((r.prompt_tokens or 0 for r in with_usage), default=0),
     }
+    replicas = Counter(r.replica for r in recs if r.replica)
+    if replicas:  # the server named the replica that answered (behind a router)
+        s["replicas"] = dict(sorted(replicas.items()))
+        s["session_affinity"] = session_affinity(recs)
     timed = [r for r in recs if r.status in ("ok", "aborted") and r.ttft is not None]
     _dist("ttft", [r.ttft for r in timed if r.ttft is not None], s)
     _dist("tpot", [t for r in ok if (t := r.tpot) is not None], s)
     _dist("itl", [x for r in timed for x in r.itl], s)
     _dist("e2el", [r.e2e for r in ok if r.e2e is not None], s)
     return s
+
+
+def session_affinity(records: Iterable[RequestRecord]) -> float | None:
+    """Of the turns that continue a conversation (turn > 0), the share served by the
+    replica that served the turn before: 1.0 when a router keeps every session where its
+    prefix is cached. None without replica names or continued turns."""
+    last: dict[int, str | None] = {}
+    same = total = 0
+    for r in sorted((r for r in records if r.session >= 0), key=lambda r: (r.session, r.start)):
+        prev = last.get(r.session) if r.turn > 0 else None
+        if prev is not None and r.replica is not None:
+            total += 1
+            same += r.replica == prev
+        last[r.session] = r.replica
+    return same / total if total else None
 
 
 def _fmt(v: Any) -> str:
@@ -109,6 +128,10 @@ def format_table(s: dict[str, Any], title: str = "Serving Benchmark Result") -> 
     row("Request throughput (req/s):", s["request_throughput"])
     row("Output token throughput (tok/s):", s["output_throughput"])
     row("Total Token throughput (tok/s):", s["total_token_throughput"])
+    if s.get("replicas"):
+        for name, n in s["replicas"].items():
+            row(f"  served by {name}:", n)
+        row("Session affinity (same replica):", s["session_affinity"])
     for key, label in _METRICS:
         lines.append(f"{' ' + label + ' ':-^{w}}")
         row(f"Mean {key.upper()} (ms):", s[f"mean_{key}_ms"])

@@ -9,6 +9,7 @@ regardless of how the event loop interleaves sessions.
 from __future__ import annotations
 
 import json
+import keyword
 import math
 import random
 import re
@@ -32,6 +33,9 @@ _IDENTS = (
     "load_weights build_model tokenize detokenize page_table seq_lens expert_ids slot_map "
     "handle_request stream_chunks"
 ).split()
+
+# Parameter names of generated source: plain words that are not Python keywords.
+_ARGS = tuple(w for w in _WORDS[:60] if not keyword.iskeyword(w))
 
 _TOOLS = ("read_file", "run_tests", "grep", "list_dir", "http_get", "sql_query")
 
@@ -127,6 +131,65 @@ def tool_output(rng: random.Random, tokens: int) -> str:
     tool = rng.choice(_TOOLS)
     body = code_block(rng, tokens) if rng.random() < 0.5 else json_blob(rng, tokens)
     return f"[tool {tool} returned]\n{body}"
+
+
+def source_file(rng: random.Random, tokens: int) -> str:
+    """A Python module of about ``tokens`` tokens (by approx_tokens): constants, then
+    functions with docstrings, loops and calls between them, as a file an agent
+    would be asked to edit."""
+    consts = [f"{rng.choice(_IDENTS).upper()}_{i} = {rng.randrange(1, 5000)}" for i in range(4)]
+    parts = ['"""' + prose(rng, 24).rstrip(".") + '."""', "", "import math", "import os", "",
+             *consts, ""]
+    names: list[str] = []
+    budget = tokens - approx_tokens("\n".join(parts))
+    while budget > 0:
+        name = f"{rng.choice(_IDENTS)}_{len(names)}"
+        arg, other = rng.sample(_ARGS, 2)
+        body = [f"def {name}({arg}: int, {other}: int = {rng.randrange(1, 64)}) -> int:",
+                f'    """{prose(rng, 12).rstrip(".").capitalize()}."""',
+                "    total = 0",
+                f"    for i in range({arg}):"]
+        for _ in range(rng.randint(1, 3)):
+            callee = rng.choice(names) if names and rng.random() < 0.5 else "math.isqrt"
+            body.append(f"        total += {callee}(i + {other})" if callee != "math.isqrt"
+                        else f"        total += math.isqrt(i * {rng.randrange(2, 99)} + {other})")
+        body.append(f"    if total > {consts[rng.randrange(len(consts))].split(' = ')[0]}:")
+        body.append(f"        return total - {rng.randrange(1, 100)}")
+        body.append("    return total")
+        names.append(name)
+        parts.extend([*body, "", ""])
+        budget -= approx_tokens("\n".join(body)) + 2
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def small_edit(rng: random.Random, source: str) -> tuple[str, str]:
+    """(instruction, edited source): one small change to ``source``: a function
+    renamed everywhere, a constant's value changed, or a line added."""
+    funcs = re.findall(r"^def (\w+)\(", source, flags=re.M)
+    consts = re.findall(r"^([A-Z_0-9]+) = (\d+)$", source, flags=re.M)
+    kind = rng.choice(("rename", "constant", "line")) if funcs else "constant"
+    if kind == "rename":
+        old = rng.choice(funcs)
+        new = old.replace("_", "", 1) + "_v2"
+        return (f"Rename the function `{old}` to `{new}`, everywhere it is used.",
+                re.sub(rf"\b{old}\b", new, source))
+    if kind == "constant":
+        name, value = rng.choice(consts)
+        new_value = str(int(value) * 2 + 1)
+        return (f"Change the value of `{name}` from {value} to {new_value}.",
+                re.sub(rf"^{name} = {value}$", f"{name} = {new_value}", source, flags=re.M))
+    name = rng.choice(funcs)
+    return (f"In `{name}`, add the line `    total = max(total, 0)` just before its last "
+            "`return total`.",
+            _insert_before_last_return(source, name))
+
+
+def _insert_before_last_return(source: str, func: str) -> str:
+    lines = source.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"def {func}("))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("def ")), len(lines))
+    last = max(i for i in range(start, end) if lines[i] == "    return total")
+    return "\n".join(lines[:last] + ["    total = max(total, 0)"] + lines[last:])
 
 
 def system_prompt(rng: random.Random, tokens: int) -> str:

@@ -1,0 +1,341 @@
+"""Gated DeltaNet in Triton: the four entry points of ftserve_kernels/gated_delta.py
+(its torch reference twins, and the math) with the same signatures.
+
+The conv's two are in short_conv_triton.py (re-exported here). Decode (one
+token per sequence) is one launch for the conv and one for the rule, fixed
+shapes, state read and written in place in its pool slot by index: no gather /
+scatter copies, no host data, nothing that syncs; capturable.
+
+    gated_delta_decode   grid (B, Hv, dv / BLOCK_V): S [dk, BLOCK_V] of one slot in
+                         registers, decayed, delta-updated, read by q, written back
+
+Prefill of packed sequences (device ``cu_seqlens``; the host ``seq_bounds`` only
+size the grids) is two launches for the rule:
+
+    chunk_local          grid (chunks, Hv), every chunk of every sequence at once:
+                         A = strictly-lower (beta k k^T * D), Tinv = (I + A)^-1,
+                         Aqk = causal (q k^T * D)           -> scratch [chunks, Hv, C, C] each
+    chunk_scan           grid (B, Hv, dv / BLOCK_V), serial over one sequence's chunks:
+                         U = Tinv (beta v - beta gamma k S), O = gamma q S + Aqk U,
+                         S = gamma_C S + (gamma_C / gamma k)^T U; S starts in and
+                         ends in the sequence's slot
+
+Chunk c of the packed batch is chunk j of sequence b when the chunks of the
+sequences before b number c - j: programs find (b, j) by a scan over cu_seqlens
+(a handful of scalar loads), so the chunk grid may also be a bound (programs
+past the last chunk store nothing that is read).
+
+The inverse: (I + A) = D (I + N) with D = I + A's 16x16 diagonal blocks and
+N = D^-1 (A's blocks below them). Each diagonal block is inverted by forward
+substitution (16 rows, the four blocks side by side), then, N being nilpotent
+of block order 4, (I + A)^-1 = (I - N + N^2 - N^3) D^-1: the same products a
+blocked forward substitution forms, as four 64x64 matmuls (Horner's form). Those run in
+tf32x3 (about fp32), A's and Aqk's in tf32 from fp32 q and k; the scan's matmuls
+take their operands in the input dtype (bf16 for a bf16 model; the rounding of
+flash-linear-attention's kernels) with fp32 accumulation (attention_common.mma: upcast under
+the interpreter, whose bf16 tl.dot is wrong), and the state S stays fp32.
+
+Padding rows of a partial chunk load as k = q = v = 0, beta = g = 0, as the
+reference pads: they change neither S nor the decay, and their outputs are not
+stored.
+
+Why not flash-linear-attention (fla-core, MIT), whose chunked kernels are the
+usual choice: its gated delta rule takes per-sequence initial states and returns
+final states, never a pool and slot indices, so decode would gather and scatter
+every state around the kernel (three times the HBM traffic of a step that is
+nothing but that traffic); its kernels do not run under the CPU interpreter
+(autotuning needs a driver), so CI could not test them; and staying free of host
+syncs would rest on its internals (device cu_seqlens are read back unless the
+host copy is passed; autotuning times kernels at first use). tools/bench/gated_delta
+runs it behind this seam next to these kernels, to settle prefill speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ftserve_kernels.attention_common import interpreting, mma
+from ftserve_kernels.gated_delta import CHUNK, L2_EPS
+from ftserve_kernels.short_conv_triton import check_slot_state, device_bounds, slot_flag
+from ftserve_kernels.short_conv_triton import conv_decode as conv_decode
+from ftserve_kernels.short_conv_triton import conv_prefill as conv_prefill
+
+SUB = 16  # diagonal block of the triangular inverse (tl.dot's smallest tile)
+assert CHUNK == 4 * SUB, "the inverse's Neumann series has exactly four block terms"
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # q, k: what the casts for tl.dot expect
+
+
+# Launch shapes (tests/test_kernels_sm90_compile.py compiles these for sm_90).
+LOCAL_WARPS = 8  # chunk_local: [C, C] fp32 tiles, four of them live across the inverse
+SCAN_BLOCK_V, SCAN_WARPS, SCAN_STAGES = 32, 4, 2  # chunk_scan: 4 V blocks x 32 heads = 128 programs
+
+
+def _block(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def decode_warps(block_k: int, block_v: int) -> int:
+    return 4 if block_k * block_v >= 4096 else 2
+
+
+def decode_block_v(batch: int, heads: int, dv: int, sms: int = 132) -> int:
+    """Columns of S per decode program: the widest that still gives every SM two
+    programs (a memory-bound kernel wants bytes in flight on every SM)."""
+    bv = min(_block(dv), 64)
+    while bv > 16 and batch * heads * triton.cdiv(dv, bv) < 2 * sms:
+        bv //= 2
+    return bv
+
+
+# ------------------------------------------------------------------ the rule, decode
+
+
+@triton.jit
+def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr, slot_ptr, has_ptr,
+                       stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ot, stride_ss,
+                       scale, eps,
+                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // (HV // HK)
+    ok = tl.arange(0, BLOCK_K)
+    ov = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk = ok < DK
+    mv = ov < DV
+    q = tl.load(q_ptr + b * stride_qt + kh * DK + ok, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + b * stride_kt + kh * DK + ok, mask=mk, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q) + eps) * scale
+    k = k * tl.rsqrt(tl.sum(k * k) + eps)
+    v = tl.load(v_ptr + b * stride_vt + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + b * stride_gt + h).to(tl.float32)
+    beta = tl.load(beta_ptr + b * stride_bt + h).to(tl.float32)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    has = slot_flag(has_ptr + b, ov)
+    ms = mk[:, None] & mv[None, :]
+    sp = s_ptr + slot * stride_ss + h * (DK * DV) + ok[:, None] * DV + ov[None, :]
+    s = tl.load(sp, mask=ms & has[None, :], other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
+    s = s * tl.exp(g)
+    u = (v - tl.sum(k[:, None] * s, 0)) * beta  # what S already says for k, corrected
+    s = s + k[:, None] * u[None, :]
+    o = tl.sum(q[:, None] * s, 0)
+    tl.store(o_ptr + b * stride_ot + h * DV + ov, o.to(o_ptr.dtype.element_ty), mask=mv)
+    tl.store(sp, s.to(s_ptr.dtype.element_ty), mask=ms)
+
+
+# ------------------------------------------------------------------ the rule, chunked prefill
+
+
+@triton.jit
+def _find_chunk(cu_ptr, N, c, C: tl.constexpr):
+    """Chunk c of the packed batch -> (its sequence or -1, its index there)."""
+    seq = -1
+    first = 0
+    acc = 0
+    for m in range(0, N):
+        cnt = (tl.load(cu_ptr + m + 1) - tl.load(cu_ptr + m) + C - 1) // C
+        hit = (c >= acc) & (c < acc + cnt)
+        seq = tl.where(hit, m, seq)
+        first = tl.where(hit, acc, first)
+        acc += cnt
+    return seq, c - first
+
+
+@triton.jit
+def _load_normed(ptr, r, mr, stride_t, head, scale, eps, DK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows r (below the chunk's first, where ptr points) of one key head,
+    L2-normalized in fp32 and scaled: [len(r), BLOCK_K]."""
+    ok = tl.arange(0, BLOCK_K)
+    x = tl.load(ptr + r[:, None] * stride_t + head * DK + ok[None, :],
+                mask=mr[:, None] & (ok < DK)[None, :], other=0.0).to(tl.float32)
+    return x * (tl.rsqrt(tl.sum(x * x, 1) + eps) * scale)[:, None]
+
+
+@triton.jit
+def _chunk_local_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, tinv_ptr, aqk_ptr, N,
+                        stride_qt, stride_kt, stride_gt, stride_bt, scale, eps,
+                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, BLOCK_K: tl.constexpr,
+                        C: tl.constexpr, SB: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // (HV // HK)
+    seq, j = _find_chunk(cu_ptr, N, c, C)
+    # Row offsets are int32 from the chunk's first token t0 (64-bit pointer tiles
+    # would cost twice the registers).
+    t0 = tl.load(cu_ptr + tl.maximum(seq, 0)).to(tl.int64) + j * C
+    rows = tl.load(cu_ptr + tl.maximum(seq, 0) + 1) - t0  # real rows of the chunk (more than C: all)
+    rows = tl.where(seq >= 0, rows, 0)  # past the last chunk: none
+    r = tl.arange(0, C)
+    mt = r < rows
+    # q and k stay fp32 here (tf32 matmuls on the GPU): the triangular system is the
+    # most rounding-sensitive input, and this kernel is not on the serial path.
+    k = _load_normed(k_ptr + t0 * stride_kt, r, mt, stride_kt, kh, 1.0, eps, DK, BLOCK_K)
+    g = tl.load(g_ptr + t0 * stride_gt + r * stride_gt + h, mask=mt, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + t0 * stride_bt + r * stride_bt + h, mask=mt, other=0.0).to(tl.float32)
+    cum = tl.cumsum(g, 0)  # log gamma_t within the chunk
+    causal = r[:, None] >= r[None, :]
+    # D[t, s] = gamma_t / gamma_s, masked before exp (s > t would overflow); 1 on the diagonal
+    decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0))
+    tile = r[:, None] * C + r[None, :]
+    tinv_ptr += (c * HV + h).to(tl.int64) * (C * C)  # this program's [C, C] tiles
+    aqk_ptr += (c * HV + h).to(tl.int64) * (C * C)
+    q = _load_normed(q_ptr + t0 * stride_qt, r, mt, stride_qt, kh, scale, eps, DK, BLOCK_K)
+    aqk = tl.where(causal, tl.dot(q, tl.trans(k)) * decay, 0.0)
+    tl.store(aqk_ptr + tile, aqk.to(aqk_ptr.dtype.element_ty))
+    a = tl.dot(k, tl.trans(k)) * (beta[:, None] * decay)
+    tl.store(tinv_ptr + tile, tl.where(r[:, None] > r[None, :], a, 0.0))  # A, strictly lower
+
+    # Diagonal blocks of (I + A)^-1 by forward substitution, the C / SB blocks side by
+    # side: row i of a block is e_i - sum_{s<i} A[i, s] X[s, :], its rows above final.
+    tl.debug_barrier()  # rows are read back by other threads
+    nb: tl.constexpr = C // SB
+    bi = tl.arange(0, nb)
+    si = tl.arange(0, SB)
+    # block b's row i, column s is A[b SB + i, b SB + s]
+    blk = tinv_ptr + bi * (SB * (C + 1))  # [nb]
+    eye = (si[:, None] == si[None, :]).to(tl.float32)
+    x = tl.zeros([nb, SB, SB], dtype=tl.float32) + eye[None, :, :]
+    for i in range(1, SB):
+        row = tl.load(blk[:, None] + i * C + si[None, :])  # [nb, SB]: A[i, s], zero for s >= i
+        new = tl.where(si[None, :] == i, 1.0, 0.0) - tl.sum(row[:, :, None] * x, 1)  # [nb, SB]
+        x = tl.where((si == i)[None, :, None], new[:, None, :], x)
+    tl.debug_barrier()  # all rows read before the blocks are overwritten
+    tl.store(blk[:, None, None] + si[None, :, None] * C + si[None, None, :], x)
+    tl.debug_barrier()
+    # The tile now holds D^-1 on its diagonal blocks and A below them.
+    m = tl.load(tinv_ptr + tile)
+    same = (r // SB)[:, None] == (r // SB)[None, :]
+    dinv = tl.where(same, m, 0.0)
+    nil = tl.dot(dinv, tl.where(same, 0.0, m), input_precision="tf32x3")  # N = D^-1 A_below
+    # (I + N)^-1 = I - N + N^2 - N^3 = I - N (I - N (I - N)), Horner's form
+    eye64 = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    series = eye64 - nil
+    series = eye64 - tl.dot(nil, series, input_precision="tf32x3")
+    series = eye64 - tl.dot(nil, series, input_precision="tf32x3")
+    tinv = tl.dot(series, dinv, input_precision="tf32x3")
+    tl.debug_barrier()  # the block-diagonal load above completes everywhere first
+    tl.store(tinv_ptr + tile, tinv)
+
+
+@triton.jit
+def _chunk_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr, slot_ptr, has_ptr, cu_ptr,
+                       tinv_ptr, aqk_ptr,
+                       stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ot, stride_ss,
+                       scale, eps,
+                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
+                       UPCAST: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    kh = h // (HV // HK)
+    dt = q_ptr.dtype.element_ty
+    base = 0  # chunks of the sequences before this one
+    for m in range(0, n):
+        base += (tl.load(cu_ptr + m + 1) - tl.load(cu_ptr + m) + C - 1) // C
+    lo = tl.load(cu_ptr + n).to(tl.int64)
+    hi = tl.load(cu_ptr + n + 1).to(tl.int64)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    ok = tl.arange(0, BLOCK_K)
+    ov = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    has = slot_flag(has_ptr + n, ov)
+    mk = ok < DK
+    mv = ov < DV
+    ms = mk[:, None] & mv[None, :]
+    sp = s_ptr + slot * stride_ss + h * (DK * DV) + ok[:, None] * DV + ov[None, :]
+    s = tl.load(sp, mask=ms & has[None, :], other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
+    r = tl.arange(0, C)
+    for j in range(0, tl.cdiv(hi - lo, C).to(tl.int32)):
+        t0 = lo + j * C  # the chunk's first token; rows below it as int32 offsets
+        mt = r < hi - t0
+        k = _load_normed(k_ptr + t0 * stride_kt, r, mt, stride_kt, kh, 1.0, eps, DK, BLOCK_K).to(dt)
+        q = _load_normed(q_ptr + t0 * stride_qt, r, mt, stride_qt, kh, scale, eps, DK, BLOCK_K).to(dt)
+        v = tl.load(v_ptr + t0 * stride_vt + r[:, None] * stride_vt + h * DV + ov[None, :],
+                    mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t0 * stride_gt + r * stride_gt + h, mask=mt, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + t0 * stride_bt + r * stride_bt + h, mask=mt, other=0.0).to(tl.float32)
+        cum = tl.cumsum(g, 0)
+        # log gamma_C: the cumsum's own last entry (padding rows add exact zeros), not a
+        # separate sum, whose rounding would put exp(last - cum) of the last row off 1
+        last = tl.sum(tl.where(r == C - 1, cum, 0.0), 0)
+        gamma = tl.exp(cum)
+        tile = ((base + j) * HV + h).to(tl.int64) * (C * C) + (r[:, None] * C + r[None, :])
+        tinv = tl.load(tinv_ptr + tile).to(dt)
+        aqk = tl.load(aqk_ptr + tile).to(dt)
+        sd = s.to(dt)
+        # U = Tinv (beta V - (beta gamma K) S): the chunk's corrected writes
+        x = beta[:, None] * v - (beta * gamma)[:, None] * mma(k, sd, UPCAST)
+        u = mma(tinv, x.to(dt), UPCAST).to(dt)  # [C, BLOCK_V]
+        o = gamma[:, None] * mma(q, sd, UPCAST) + mma(aqk, u, UPCAST)
+        tl.store(o_ptr + t0 * stride_ot + r[:, None] * stride_ot + h * DV + ov[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+        k_end = (k.to(tl.float32) * tl.exp(last - cum)[:, None]).to(dt)  # (gamma_C / gamma_s) k_s
+        s = mma(tl.trans(k_end), u, UPCAST) + s * tl.exp(last)
+    tl.store(sp, s.to(s_ptr.dtype.element_ty), mask=ms)
+
+
+# ------------------------------------------------------------------ launchers
+
+
+def _rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, states: torch.Tensor) -> tuple[int, int, int, int]:
+    hk, dk = q.shape[-2:]
+    hv, dv = v.shape[-2:]
+    assert k.shape == q.shape and hv % hk == 0
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    assert q.stride(-2) == k.stride(-2) == dk and v.stride(-2) == dv, "heads must be packed in a row"
+    assert q.dtype == k.dtype and q.dtype in _DTYPES
+    assert g.stride(-1) == beta.stride(-1) == 1 and g.shape == beta.shape == v.shape[:-1]
+    check_slot_state(states, (hv, dk, dv))
+    return hk, hv, dk, dv
+
+
+def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                       has_state: torch.Tensor, block_v: int | None = None) -> torch.Tensor:
+    hk, hv, dk, dv = _rule_args(q, k, v, g, beta, states)
+    b = q.shape[0]
+    o = torch.empty((b, hv, dv), dtype=v.dtype, device=v.device)
+    bv = block_v or decode_block_v(b, hv, dv)
+    _gdn_decode_kernel[(b, hv, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, o, states, slots, has_state,
+        q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), o.stride(0), states.stride(0),
+        dk**-0.5, L2_EPS, HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=_block(dk), BLOCK_V=bv,
+        num_warps=decode_warps(_block(dk), bv))
+    return o
+
+
+def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                        has_state: torch.Tensor, seq_bounds: Sequence[int], chunk: int = CHUNK,
+                        cu_seqlens: torch.Tensor | None = None, block_v: int | None = None) -> torch.Tensor:
+    assert chunk == CHUNK, "the Triton kernels are built for one chunk size"
+    hk, hv, dk, dv = _rule_args(q, k, v, g, beta, states)
+    nseq = len(seq_bounds) - 1
+    o = torch.empty((q.shape[0], hv, dv), dtype=v.dtype, device=v.device)
+    if nseq == 0:
+        return o
+    cu = device_bounds(seq_bounds, cu_seqlens, q.device)
+    chunks = sum(triton.cdiv(seq_bounds[i + 1] - seq_bounds[i], CHUNK) for i in range(nseq))
+    # Tinv in fp32 (chunk_local reads its own partial results back from it); Aqk in the
+    # input dtype, which is what the scan's matmul takes it in.
+    tinv = torch.empty((max(chunks, 1), hv, CHUNK, CHUNK), dtype=torch.float32, device=q.device)
+    aqk = torch.empty(tinv.shape, dtype=q.dtype, device=q.device)
+    bk = _block(dk)
+    if chunks:
+        _chunk_local_kernel[(chunks, hv)](
+            q, k, g, beta, cu, tinv, aqk, nseq,
+            q.stride(0), k.stride(0), g.stride(0), beta.stride(0), dk**-0.5, L2_EPS,
+            HK=hk, HV=hv, DK=dk, BLOCK_K=bk, C=CHUNK, SB=SUB,
+            num_warps=LOCAL_WARPS, num_stages=1)
+    bv = min(block_v or SCAN_BLOCK_V, _block(dv))
+    _chunk_scan_kernel[(nseq, hv, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, o, states, slots, has_state, cu, tinv, aqk,
+        q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), o.stride(0), states.stride(0),
+        dk**-0.5, L2_EPS, HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=bk, BLOCK_V=bv, C=CHUNK,
+        UPCAST=interpreting(), num_warps=SCAN_WARPS, num_stages=SCAN_STAGES)
+    return o

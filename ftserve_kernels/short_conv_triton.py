@@ -1,0 +1,164 @@
+"""The short causal conv of Gated DeltaNet in Triton: conv_prefill and conv_decode
+of ftserve_kernels/gated_delta.py (the torch reference and the contract) with
+the same signatures; gated_delta_triton re-exports them beside the rule.
+
+    conv_decode     grid (B, C / BLOCK_C): the window [state | x] of one slot, the
+                    K-tap dot and SiLU, the window shifted back into the slot
+    conv_prefill    grid (B, max_len / BLOCK_T, C / BLOCK_C) over packed sequences
+                    (device cu_seqlens; the host bounds size the grid), then the
+                    state update, grid (B, C / BLOCK_C): a separate launch, since
+                    the first one still reads the old windows
+
+Each tap is read straight from x or, before a sequence's first token, from its
+slot's window (zeros for a sequence without a prefix). Sums in fp32, one
+rounding to x's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+CONV_BLOCK_T, CONV_BLOCK_C, CONV_DECODE_BLOCK_C = 16, 128, 256  # launch shapes (sm_90 compile test)
+
+
+@triton.jit
+def slot_flag(ptr, lanes):
+    """A bool loaded once per lane of ``lanes`` (an index vector): a vector, not a
+    scalar, so that it ands into vector masks (the interpreter cannot broadcast
+    a loaded scalar bool into a mask)."""
+    return tl.load(ptr + lanes * 0) != 0
+
+
+@triton.jit
+def _conv_decode_kernel(x_ptr, w_ptr, cs_ptr, slot_ptr, has_ptr, out_ptr,
+                        stride_xt, stride_ot, stride_cs, C,
+                        W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
+    b = tl.program_id(0)
+    oc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mc = oc < C
+    e = tl.arange(0, BLOCK_E)  # window position: [0, W) the state, W the new input
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    has = slot_flag(has_ptr + b, oc)
+    x = tl.load(x_ptr + b * stride_xt + oc, mask=mc, other=0.0)
+    st_ptr = cs_ptr + slot * stride_cs + oc[:, None] * W + e[None, :]  # [BLOCK_C, BLOCK_E]
+    old = tl.load(st_ptr, mask=(mc & has)[:, None] & (e < W)[None, :], other=0.0)
+    win = tl.where((e == W)[None, :], x[:, None], old.to(x.dtype))  # the reference's ext, in x's dtype
+    w = tl.load(w_ptr + oc[:, None] * (W + 1) + e[None, :], mask=mc[:, None] & (e <= W)[None, :], other=0.0)
+    y = tl.sum(win.to(tl.float32) * w.to(tl.float32), 1)
+    tl.store(out_ptr + b * stride_ot + oc, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty), mask=mc)
+    # The window shifts by one: position e moves to e - 1. Other threads read the
+    # old window above; the barrier keeps every read before any write.
+    tl.debug_barrier()
+    tl.store(st_ptr - 1, win.to(cs_ptr.dtype.element_ty), mask=mc[:, None] & (e >= 1)[None, :] & (e <= W)[None, :])
+
+
+@triton.jit
+def _conv_prefill_kernel(x_ptr, w_ptr, cs_ptr, slot_ptr, has_ptr, cu_ptr, out_ptr,
+                         stride_xt, stride_ot, stride_cs, C,
+                         W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    n = tl.program_id(0)
+    lo = tl.load(cu_ptr + n)
+    length = tl.load(cu_ptr + n + 1) - lo
+    # Offsets within one sequence fit in int32; the sequence's start is added as a
+    # scalar (64-bit pointer tiles would cost twice the registers).
+    x_seq = x_ptr + lo.to(tl.int64) * stride_xt
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # token within the sequence
+    oc = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mc = oc < C
+    m = (t < length)[:, None] & mc[None, :]
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    has = slot_flag(has_ptr + n, oc)
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(W + 1):
+        # Tap j of token t reads window position t + j: the sequence's token
+        # t - W + j, or before the sequence's start its conv state.
+        in_x = t >= W - j
+        xv = tl.load(x_seq + (t - W + j)[:, None] * stride_xt + oc[None, :], mask=m & in_x[:, None], other=0.0)
+        sv = tl.load(cs_ptr + slot * stride_cs + oc[None, :] * W + (t + j)[:, None],
+                     mask=m & (~in_x)[:, None] & has[None, :], other=0.0)
+        val = tl.where(in_x[:, None], xv, sv.to(xv.dtype)).to(tl.float32)
+        wj = tl.load(w_ptr + oc * (W + 1) + j, mask=mc, other=0.0).to(tl.float32)
+        acc += val * wj[None, :]
+    out = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + lo.to(tl.int64) * stride_ot + t[:, None] * stride_ot + oc[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _conv_state_kernel(x_ptr, cs_ptr, slot_ptr, has_ptr, cu_ptr, stride_xt, stride_cs, C,
+                       W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The last W window positions of [old state | the sequence's tokens] become the state."""
+    n = tl.program_id(0)
+    lo = tl.load(cu_ptr + n).to(tl.int64)
+    hi = tl.load(cu_ptr + n + 1).to(tl.int64)
+    oc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mc = oc < C
+    e = tl.arange(0, BLOCK_W)
+    me = e < W
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    has = slot_flag(has_ptr + n, oc)
+    pos = (hi - lo) + e  # window position of new state entry e
+    in_x = pos >= W
+    m = mc[:, None] & me[None, :]
+    xv = tl.load(x_ptr + (lo + pos - W)[None, :] * stride_xt + oc[:, None], mask=m & in_x[None, :], other=0.0)
+    st_ptr = cs_ptr + slot * stride_cs + oc[:, None] * W
+    sv = tl.load(st_ptr + pos[None, :], mask=m & (~in_x)[None, :] & has[:, None], other=0.0)
+    val = tl.where(in_x[None, :], xv, sv.to(xv.dtype)).to(cs_ptr.dtype.element_ty)
+    tl.debug_barrier()  # a short sequence moves old entries within the same row
+    tl.store(st_ptr + e[None, :], val, mask=m)
+
+
+def device_bounds(seq_bounds: Sequence[int], cu_seqlens: torch.Tensor | None,
+                   device: torch.device) -> torch.Tensor:
+    """cu_seqlens as given (the batch's qo_indptr), else the host bounds sent with a
+    non-blocking copy (host to device: no sync)."""
+    if cu_seqlens is not None:
+        return cu_seqlens
+    return torch.tensor(list(seq_bounds), dtype=torch.int32).to(device, non_blocking=True)
+
+
+def check_slot_state(states: torch.Tensor, shape: tuple[int, ...]) -> None:
+    assert states.shape[1:] == shape, (states.shape, shape)
+    assert states.stride()[1:] == tuple(torch.empty(shape).stride()), "a slot's state must be contiguous"
+
+
+def conv_decode(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
+                has_state: torch.Tensor) -> torch.Tensor:
+    b, c = x.shape
+    width = w.shape[1] - 1
+    check_slot_state(conv_states, (c, width))
+    assert x.stride(1) == 1 and w.is_contiguous()
+    out = torch.empty((b, c), dtype=x.dtype, device=x.device)
+    block_c = min(triton.next_power_of_2(c), CONV_DECODE_BLOCK_C)
+    _conv_decode_kernel[(b, triton.cdiv(c, block_c))](
+        x, w, conv_states, slots, has_state, out, x.stride(0), out.stride(0), conv_states.stride(0), c,
+        W=width, BLOCK_E=triton.next_power_of_2(width + 1), BLOCK_C=block_c)
+    return out
+
+
+def conv_prefill(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
+                 has_state: torch.Tensor, seq_bounds: Sequence[int],
+                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    t, c = x.shape
+    width = w.shape[1] - 1
+    check_slot_state(conv_states, (c, width))
+    assert x.stride(1) == 1 and w.is_contiguous()
+    nseq = len(seq_bounds) - 1
+    cu = device_bounds(seq_bounds, cu_seqlens, x.device)
+    out = torch.empty((t, c), dtype=x.dtype, device=x.device)
+    max_len = max((seq_bounds[i + 1] - seq_bounds[i] for i in range(nseq)), default=0)
+    if nseq == 0:
+        return out
+    block_t, block_c = CONV_BLOCK_T, min(triton.next_power_of_2(c), CONV_BLOCK_C)
+    if max_len > 0:
+        _conv_prefill_kernel[(nseq, triton.cdiv(max_len, block_t), triton.cdiv(c, block_c))](
+            x, w, conv_states, slots, has_state, cu, out, x.stride(0), out.stride(0), conv_states.stride(0), c,
+            W=width, BLOCK_T=block_t, BLOCK_C=block_c)
+    _conv_state_kernel[(nseq, triton.cdiv(c, block_c))](
+        x, conv_states, slots, has_state, cu, x.stride(0), conv_states.stride(0), c,
+        W=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_C=block_c)
+    return out

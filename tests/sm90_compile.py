@@ -1,0 +1,146 @@
+"""Compile the decode-path GEMV kernels for Hopper (sm_90) without a GPU and
+report registers, spills and how the weight loads are issued.
+
+Usage: python -m tests.sm90_compile  (prints one JSON line; run it
+without TRITON_INTERPRET). tests/test_kernels_moe.py runs it in a subprocess.
+
+The GEMV kernels stream weights with plain loads (not cp.async-pipelined), so
+what hides memory latency is how many loads a thread issues before its first
+use of one. ``loads_before_first_use`` counts the LDG instructions before the
+first FFMA in the SASS (-1 when cuobjdump is missing): unrolled K loops free of
+barriers let ptxas issue many of them up front.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ftserve_kernels import decode_fused_triton as df
+from ftserve_kernels import gemv_triton as gv
+from ftserve_kernels import moe_down_gemv_triton as md
+from ftserve_kernels import moe_gemv_triton as mg
+
+# Integer arguments the launch specializes as multiples of 16 at the real shapes.
+_DIV16 = ("H", "K", "N", "E", "INTER", "bank_col")
+
+
+def constexpr_defaults(fn: Any) -> dict[str, Any]:
+    """A kernel's constexpr parameters that have defaults, at those defaults: a
+    harness that names only what it changes still compiles them as constants
+    (a name left out would become a runtime argument, and both branches of
+    every ``if`` on it would be compiled)."""
+    return {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+
+
+def _compile(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int) -> dict[str, Any]:
+    consts = {k: v for k, v in ({"HAS_MAP": False, "PDL": False, "READ_THROUGH": False, "BLOCK_M": 1}
+                                | constexpr_defaults(fn) | consts).items() if k in fn.arg_names}
+    types = {"map_ptr": "*i32", "bank": "i64", "miss_slot_ptr": "*i32", "miss_id_ptr": "*i32"} | types
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (sig[n].startswith("*") or "stride" in n or n in _DIV16)}
+    try:
+        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
+    except Exception as exc:  # reported; the test asserts on it
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    body = k.asm["ptx"][k.asm["ptx"].index(".entry"):]
+    wait = body.find("griddepcontrol.wait")
+    res: dict[str, Any] = {"shared": k.metadata.shared, "regs": -1, "local": -1,
+                           "loads_before_first_use": -1, "pdl_wait": wait >= 0,
+                           "pdl_release": "griddepcontrol.launch_dependents" in body,
+                           # PTX loads ahead of the wait: weights in flight early (pdl.py)
+                           "loads_before_wait": body[:wait].count("ld.global") if wait >= 0 else -1,
+                           # 16-byte loads (what UVA reads from the host bank need to near PCIe speed)
+                           "v4_loads": body.count("ld.global.v4") + body.count("ld.global.L1::evict_last.v4")}
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return res
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    try:
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    for word in usage.split():
+        if word.startswith("REG:"):
+            res["regs"] = int(word[4:])
+        if word.startswith("LOCAL:"):
+            res["local"] = int(word[6:])
+    n = 0
+    for line in sass.splitlines():
+        if " FFMA" in line:
+            break
+        n += " LDG" in line
+    res["loads_before_first_use"] = n
+    return res
+
+
+def compile_all() -> dict[str, dict[str, Any]]:
+    bf, i32 = "*bf16", "*i32"
+    moe = {"x_ptr": bf, "a_ptr": bf, "w_ptr": bf, "out_ptr": bf, "weights_ptr": "*fp32", "ids_ptr": i32}
+    out: dict[str, dict[str, Any]] = {}
+    out["moe_gate_up"] = _compile(mg._gemv_gate_up_kernel, moe,
+                                  dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True), 8)
+    out["moe_down3d"] = _compile(md._gemv_down_combine3d_kernel, moe,
+                                 dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True,
+                                      K_STEPS=3), 8)
+    out["moe_down3d_norm"] = _compile(  # the next layer's input norm in the epilogue
+        md._gemv_down_combine3d_kernel, moe | {"res_ptr": bf, "nw_ptr": bf, "sum_ptr": bf, "normed_ptr": bf,
+                                               "cnt_ptr": i32, "eps": "fp32"},
+        dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=4, BLOCK_K=128, EVEN_K=True, K_STEPS=6, NORM_NEXT=True,
+             BLOCK_H=2048), 8)
+    # Read-through (moe/cache.py): this step's expert-cache misses read from the host bank.
+    rt = dict(READ_THROUGH=True, BLOCK_M=8, HAS_MAP=True)
+    out["moe_gate_up_rt"] = _compile(mg._gemv_gate_up_kernel, moe,
+                                     dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True, **rt), 8)
+    out["moe_down3d_rt"] = _compile(md._gemv_down_combine3d_kernel, moe,
+                                    dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True,
+                                         K_STEPS=3, **rt), 8)
+    route = {"x_ptr": bf, "r_ptr": bf, "nw_ptr": bf, "g_ptr": bf, "normed_ptr": bf, "sum_ptr": bf,
+             "logits_ptr": "*fp32", "w_out_ptr": "*fp32", "ids_out_ptr": i32, "cnt_ptr": i32,
+             "eps": "fp32"}
+    out["add_norm_route"] = _compile(
+        df._add_norm_route_kernel, route,
+        dict(HAS_RESIDUAL=True, TOP_K=8, RENORM=True, BLOCK_E=4, BLOCK_H=2048, BLOCK_EALL=128,
+             BLOCK_K=8), 1)
+    g = {"x_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf, "eps": "fp32"}
+    for t in (1, 2, 4):  # the default blocks gemv_triton picks at each row count
+        out[f"gemv_qkv_T{t}"] = _compile(
+            gv._gemv_kernel, g,
+            dict(HAS_BIAS=False, BLOCK_T=t, BLOCK_N=16 if t <= 2 else 8, BLOCK_K=256, EVEN_K=True,
+                 K_STEPS=8), 8)
+        out[f"gemv_o_T{t}"] = _compile(
+            gv._gemv_kernel, g,
+            dict(HAS_BIAS=False, BLOCK_T=t, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, K_STEPS=16), 8)
+    # PDL launches: the gemv and the router load weights before the wait,
+    # the MoE GEMVs read the router's ids first, so nothing of theirs comes before it.
+    out["gemv_o_T1_pdl"] = _compile(
+        gv._gemv_kernel, g,
+        dict(HAS_BIAS=False, BLOCK_T=1, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, K_STEPS=16, PDL=True), 8)
+    out["gemv_qkv_T2_pdl"] = _compile(
+        gv._gemv_kernel, g,
+        dict(HAS_BIAS=False, BLOCK_T=2, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, K_STEPS=8, PDL=True), 8)
+    out["add_norm_route_pdl"] = _compile(
+        df._add_norm_route_kernel, route,
+        dict(HAS_RESIDUAL=True, TOP_K=8, RENORM=True, BLOCK_E=4, BLOCK_H=2048, BLOCK_EALL=128,
+             BLOCK_K=8, PDL=True), 1)
+    out["moe_gate_up_pdl"] = _compile(mg._gemv_gate_up_kernel, moe,
+                                      dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True, PDL=True), 8)
+    out["moe_down3d_pdl"] = _compile(md._gemv_down_combine3d_kernel, moe,
+                                     dict(TOP_K=8, BLOCK_KP=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=True,
+                                          K_STEPS=3, PDL=True), 8)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_all()))

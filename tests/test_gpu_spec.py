@@ -1,0 +1,56 @@
+"""Speculative decoding on CUDA (bf16, Triton attention, decode graphs on): verify
+steps make no hidden device->host sync and exactly one deliberate read-back,
+plain steps of requests in back-off keep overlap, and greedy outputs equal plain
+decoding's. Driven step by step (tools.bench.engine_driver), as test_gpu_engine.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ftserve.engine.engine import Engine
+from ftserve.engine.runner import Launched
+from tests.engine_util import make_context_sensitive
+from tests.test_gpu_engine import CheckedDriver, make_engine, model_dir, run_greedy  # noqa: F401
+
+
+def echo_prompts(engine: Engine, seed: int, n: int) -> list[list[int]]:
+    """X + C + X with C the engine's greedy output after X (test_spec_engine)."""
+    rng = random.Random(seed)
+    xs = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 40))] for _ in range(n)]
+    outs = run_greedy(engine, xs, 24)
+    return [x + c + x for x, c in zip(xs, outs)]
+
+
+class VerifyLog(CheckedDriver):
+    def finish(self, launched: Launched) -> None:
+        super().finish(launched)
+        if launched.batch.verifies:
+            kind, bs, n = self.log[-1]
+            self.log[-1] = ("verify", bs, n)
+
+
+@pytest.mark.gpu
+def test_verify_steps_sync_free_and_equal_plain(model_dir: str) -> None:  # noqa: F811
+    plain = make_engine(model_dir)
+    spec = make_engine(model_dir, speculative="ngram", num_speculative_tokens=4)
+    try:
+        make_context_sensitive(plain.runner.model, 8.0)
+        spec.runner.model.load_state_dict(plain.runner.model.state_dict())
+        if hasattr(spec.runner.model, "refresh_derived"):
+            spec.runner.model.refresh_derived()
+        prompts = echo_prompts(plain, 0, 6)
+        assert run_greedy(spec, prompts, 24) == run_greedy(plain, prompts, 24)
+        assert spec.scheduler.spec is not None and spec.scheduler.spec.counters.accepted_tokens_total > 0
+        for check in (False, True):  # the first run compiles every shape
+            drv = VerifyLog(spec, seed=1, check=check)
+            reqs = [drv.add(p, 16) for p in prompts[:3]]
+            drv.until(lambda rs=reqs: all(r.finished for r in rs))
+        kinds = {k for k, _, _ in drv.log}
+        assert "verify" in kinds, kinds
+        for kind, bs, n in drv.log:
+            assert n == (0 if kind == "prefill_chunk" else 1), (kind, bs, n)
+    finally:
+        plain.shutdown()
+        spec.shutdown()

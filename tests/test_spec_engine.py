@@ -1,0 +1,257 @@
+"""Speculative decoding in the engine (CPU, float32, the tiny random model): the
+same tokens, logprobs and finish reasons with and without --speculative ngram,
+across greedy and seeded sampling, batching, chunked prefill, prefix hits,
+preemption and overlap; the pool, the radix tree and the device page-table rows
+stay consistent (checked after every step) and drafts really were proposed,
+kept and rejected.
+
+Random weights do not copy from their context the way a trained model does, so
+the prompts are made to be copied: X + C + X, where C is what the model
+generates after X. After the second X the n-gram draft proposes C again; the
+model, its attention scaled up (make_context_sensitive) so that context matters,
+repeats part of it and diverges: full, partial and rejected drafts all occur."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import pytest
+
+from ftserve.config import EngineConfig
+from ftserve.engine.engine import Engine
+from ftserve.engine.request import Req
+from ftserve.engine.sampling_params import SamplingParams
+from ftserve.engine.scheduler import Scheduler
+from ftserve.engine.setup import build_engine
+from ftserve.engine.spec import speculator as spec_mod
+from ftserve.engine.spec.speculator import Speculator
+from tests.engine_util import collect, greedy, make_context_sensitive, tokens_of
+from tests.test_engine import assert_pool_baseline
+
+GAIN = 8.0  # attention gain: context matters, and copies still happen
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from ftserve.models.checkpoint import write_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny-moe")
+    write_checkpoint("tiny-moe", out, config_only=True)
+    return str(out)
+
+
+def make(model_dir: str, **kw: Any) -> Engine:
+    base: dict[str, Any] = dict(model=model_dir, load_format="dummy", device="cpu", dtype="float32",
+                                page_size=4, num_pages=512, max_prefill_length=64,
+                                max_running_requests=16, status_log_interval=0.0)
+    base.update(kw)
+    eng = build_engine(EngineConfig(**base))
+    eng.check_integrity = True  # scheduler, radix and device page rows after every step
+    make_context_sensitive(eng.runner.model, GAIN)
+    return eng
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir: str) -> Engine:
+    eng = make(model_dir)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def spec(model_dir: str) -> Engine:
+    eng = make(model_dir, speculative="ngram", num_speculative_tokens=4)
+    yield eng
+    eng.shutdown()
+
+
+def echo_prompts(plain: Engine, seed: int, n: int, params: SamplingParams,
+                 lengths: tuple[int, int] = (3, 40)) -> list[list[int]]:
+    """X + C + X, C = the plain engine's output after X (module docstring)."""
+    rng = random.Random(seed)
+    xs = [[rng.randrange(10, 32000) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+    outs = collect(plain, [(f"x{i}", x, params) for i, x in enumerate(xs)])
+    return [x + tokens_of(outs[f"x{i}"]) + x for i, x in enumerate(xs)]
+
+
+def counters(eng: Engine) -> tuple[int, int, int, list[int]]:
+    st = eng.stats()
+    return (st.spec_verifies_total, st.spec_proposed_tokens_total, st.spec_accepted_tokens_total,
+            list(st.spec_accept_lengths))
+
+
+def delta(after: tuple, before: tuple) -> tuple[int, int, int, list[int]]:
+    return (after[0] - before[0], after[1] - before[1], after[2] - before[2],
+            [a - b for a, b in zip(after[3], before[3])])
+
+
+def same_outputs(a: dict, b: dict, logprobs: bool = False) -> None:
+    for rid in a:
+        assert tokens_of(b[rid]) == tokens_of(a[rid]), rid
+        assert b[rid][-1].finish_reason == a[rid][-1].finish_reason, rid
+        assert b[rid][-1].completion_tokens == a[rid][-1].completion_tokens, rid
+        if logprobs:
+            la = [lp for o in a[rid] for lp in (o.logprobs or [])]
+            lb = [lp for o in b[rid] for lp in (o.logprobs or [])]
+            assert len(la) == len(lb) and len(la) in (0, len(tokens_of(a[rid]))), rid
+            for x, y in zip(la, lb):
+                assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+                assert [t for t, _ in x.top] == [t for t, _ in y.top], rid
+
+
+def test_greedy_same_tokens_with_kept_and_rejected_drafts(plain: Engine, spec: Engine) -> None:
+    """Ten concurrent requests (some prompts past the 64-token prefill chunk,
+    so chunked), then a second turn of each that hits the prefix cache."""
+    prompts = echo_prompts(plain, 0, 10, greedy(24))
+    reqs = [(f"g{i}", p, greedy(24)) for i, p in enumerate(prompts)]
+    before = counters(spec)
+    a, b = collect(plain, reqs), collect(spec, reqs)
+    same_outputs(a, b)
+    turn2 = [(f"t{i}", p + tokens_of(a[f"g{i}"]) + p[:7], greedy(16)) for i, p in enumerate(prompts)]
+    a2, b2 = collect(plain, turn2), collect(spec, turn2)
+    same_outputs(a2, b2)
+    assert all(b2[rid][-1].cached_tokens == a2[rid][-1].cached_tokens > 0 for rid, _, _ in turn2)
+    verifies, proposed, accepted, lengths = delta(counters(spec), before)
+    assert sum(lengths) == verifies and 0 < accepted < proposed
+    assert lengths[0] > 0 and lengths[-1] > 0 and sum(lengths[1:-1]) > 0, lengths
+    assert_pool_baseline(plain)
+    assert_pool_baseline(spec)
+
+
+def test_seeded_sampling_same_tokens_and_logprobs(plain: Engine, spec: Engine) -> None:
+    """Sampled requests (temperature, top-k / top-p / min-p, logit_bias), seeded,
+    with logprobs: the verify step's rows draw what plain steps draw."""
+    kinds = [SamplingParams(max_tokens=16, temperature=0.6, seed=11, ignore_eos=True, logprobs=3),
+             SamplingParams(max_tokens=16, temperature=1.0, top_k=40, top_p=0.9, seed=12,
+                            ignore_eos=True),
+             SamplingParams(max_tokens=16, temperature=0.3, min_p=0.05, seed=13, ignore_eos=True,
+                            logit_bias=((77, 3.0),), logprobs=0),
+             greedy(16, logprobs=5)]
+    prompts = echo_prompts(plain, 1, 4, greedy(16))
+    reqs = [(f"s{i}", p, kinds[i % len(kinds)]) for i, p in enumerate(prompts)]
+    before = counters(spec)
+    same_outputs(collect(plain, reqs), collect(spec, reqs), logprobs=True)
+    verifies, _, accepted, _ = delta(counters(spec), before)
+    assert verifies > 0 and accepted > 0
+    assert_pool_baseline(spec)
+
+
+def test_stops_and_limits_inside_drafts(plain: Engine, spec: Engine) -> None:
+    """A stop id that the continuation reaches mid-draft, min_tokens that holds
+    eos back, max_tokens shorter than a draft: the same cut as plain decoding."""
+    prompts = echo_prompts(plain, 2, 4, greedy(20))
+    base = collect(plain, [(f"b{i}", p, greedy(20)) for i, p in enumerate(prompts)])
+    reqs = []
+    for i, p in enumerate(prompts):
+        cont = tokens_of(base[f"b{i}"])
+        reqs.append((f"stop{i}", p, greedy(20, stop_token_ids=(cont[7],))))
+        reqs.append((f"min{i}", p, SamplingParams(max_tokens=16, temperature=0.0, min_tokens=9,
+                                                   stop_token_ids=(cont[3], cont[12]))))
+        reqs.append((f"len{i}", p, greedy(2 + i % 3)))
+    a, b = collect(plain, reqs), collect(spec, reqs)
+    same_outputs(a, b)
+    assert {a[f"stop{i}"][-1].finish_reason for i in range(4)} == {"stop"}
+    assert_pool_baseline(spec)
+
+
+def test_preemption_and_no_overlap(model_dir: str, plain: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool that makes requests preempt each other, drafting at every step (no
+    back-off), with and without overlap scheduling."""
+    monkeypatch.setattr(spec_mod, "MAX_BACKOFF", 1)
+    prompts = echo_prompts(plain, 3, 8, greedy(16), lengths=(10, 30))
+    reqs = [(f"p{i}", p, greedy(16)) for i, p in enumerate(prompts)]
+    ref = collect(plain, reqs)
+    for overlap in (True, False):
+        eng = make(model_dir, speculative="ngram", num_speculative_tokens=5, num_pages=72,
+                   overlap_schedule=overlap)
+        try:
+            same_outputs(ref, collect(eng, reqs))
+            assert eng.stats().preemptions_total > 0 and eng.stats().spec_verifies_total > 0
+            assert_pool_baseline(eng)
+        finally:
+            eng.shutdown()
+
+
+def test_penalties_and_grammar_fall_back(plain: Engine, spec: Engine) -> None:
+    """Requests whose sampling a verify step cannot reproduce decode plainly."""
+    prompts = echo_prompts(plain, 4, 3, greedy(12))
+    params = SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.5, ignore_eos=True)
+    reqs = [(f"pen{i}", p, params) for i, p in enumerate(prompts)]
+    before = counters(spec)
+    same_outputs(collect(plain, reqs), collect(spec, reqs))
+    assert delta(counters(spec), before)[0] == 0
+
+
+# ----- the scheduler's side, without a model --------------------------------
+
+def _sched(num_pages: int = 16, k: int = 4) -> Scheduler:
+    return Scheduler(page_size=4, num_pages=num_pages, max_running=2, max_prefill_length=64,
+                     max_model_len=60, eos_token_ids=[2],
+                     speculator=Speculator(k, 1, 3, max_model_len=60))
+
+
+def test_verify_commit_trims_rejected_pages() -> None:
+    """A draft reserves pages for its positions; a verify that rejects most of it
+    keeps its accepted tokens' KV and frees the pages only rejected KV used."""
+    s = _sched()
+    prompt = [5, 6, 7, 8, 9, 5, 6]  # "5 6" recurs: the draft is 7 8 9 5
+    req = Req("r", prompt, greedy(20), 0.0)
+    s.add(req)
+    b = s.schedule()
+    assert b is not None and not b.is_decode
+    s.commit(b, [7])  # the prefill's token: tokens ... 5 6 7
+    b = s.schedule()
+    assert b is not None and b.verifies and b.drafts == [[8, 9, 5, 6]]
+    assert b.new_tokens == [[7, 8, 9, 5, 6]] and b.prefix_lens == [7]
+    assert len(req.pages) == 3  # positions 7 .. 11
+    s.commit_verified(b, [[8, 3, 1, 1, 1]])  # keeps 8, then 3 instead of 9
+    assert req.output_ids == [7, 8, 3] and req.computed_len == 9
+    assert len(req.pages) == 3 and req.pages_trimmed_to is None  # position 9 needs page 2
+    s.check_integrity()
+    b = s.schedule()  # "3" occurs nowhere before: plain decode, back-off
+    assert b is not None and b.is_decode and not b.verifies
+    s.commit(b, [5])
+    req.spec.resume_at = 0
+    b = s.schedule()  # "3 5" no, "5": draft 6 7 8 3
+    assert b is not None and b.drafts == [[6, 7, 8, 3]] and len(req.pages) == 4
+    s.commit_verified(b, [[1, 1, 1, 1, 1]])  # all rejected: keeps 1
+    assert req.computed_len == 11 and len(req.pages) == 3 and req.pages_trimmed_to == 3
+    assert s.allocator.num_free == s.allocator.num_total - 3
+    s.check_integrity()
+    st = s.spec.counters  # type: ignore[union-attr]
+    assert (st.verifies_total, st.proposed_tokens_total, st.accepted_tokens_total) == (2, 8, 1)
+    assert st.accept_lengths == [1, 1, 0, 0, 0]
+
+
+def test_back_off_doubles_and_resets() -> None:
+    sp = Speculator(4, 2, 2, max_model_len=5000)
+    req = Req("r", [1, 2, 3, 4], greedy(2000), 0.0)
+    waits = []
+    for _ in range(9):
+        assert sp.propose(req) == []  # nothing recurs
+        st = req.spec
+        waits.append(st.resume_at - req.num_outputs)
+        while req.num_outputs < st.resume_at:
+            assert sp.propose(req) == [] and not sp.drafting(req) or req.num_outputs + 1 >= st.resume_at
+            req.tokens.append(100 + len(req.tokens))
+            req.output_ids.append(0)
+    assert waits == [2, 4, 8, 16, 32, 64, 128, 128, 128]
+    req.tokens += [1, 2]  # "1 2" recurs: draft 3 4 ...
+    assert sp.propose(req)[:2] == [3, 4]
+    sp.record(req, 4, 1)
+    assert req.spec.misses == 0 and sp.drafting(req)
+    assert Speculator(4, 2, 2, 1000).limit(Req("x", [1] * 5, greedy(3), 0.0)) == 2  # max_tokens - 1
+
+
+def test_hybrid_models_do_not_speculate() -> None:
+    from ftserve.engine.setup import _speculator
+    from ftserve.models.checkpoint import preset_config
+    from ftserve.models.config import ModelConfig
+
+    cfg = EngineConfig(speculative="ngram")
+    assert _speculator(cfg, ModelConfig.from_hf(preset_config("tiny-qwen3-next")), 100) is None
+    assert _speculator(cfg, ModelConfig.from_hf(preset_config("tiny-moe")), 100) is not None
+    assert _speculator(dataclasses.replace(cfg, speculative="off"),
+                       ModelConfig.from_hf(preset_config("tiny-moe")), 100) is None

@@ -1,0 +1,29 @@
+"""The engine every engine benchmark measures (dummy weights, 16-token pages, CUDA
+graphs up to the largest decode batch), stepped with ftserve.engine.driver's
+EngineDriver; tools/bench/engine_measure.py holds what is timed with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ftserve.config import EngineConfig
+from ftserve.engine.engine import Engine
+
+
+def build(args: argparse.Namespace, model_dir: str, device: torch.device) -> Engine:
+    """The benchmarked engine. ``args`` carries dtype, kv_tokens, chunk (the
+    prefill chunk), batches (decode batch sizes) and max_len, as
+    tools/bench/engine.parse_args sets them."""
+    from ftserve.engine.setup import build_engine
+
+    cfg = EngineConfig(
+        model=model_dir, load_format="dummy", dtype=args.dtype, device=str(device),
+        page_size=16, kv_cache_tokens=args.kv_tokens, max_prefill_length=args.chunk,
+        max_running_requests=max(args.batches), cuda_graph_max_bs=max(args.batches),
+        attention_backend="auto", status_log_interval=0.0, max_model_len=args.max_len,
+    )
+    return build_engine(cfg)
+

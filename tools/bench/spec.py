@@ -1,0 +1,217 @@
+"""Speculative decoding (--speculative ngram) against plain decoding on the code-edit
+replay (loadgen's ``edit`` profile: rewrite a ~2k-token file with one small change).
+
+For each mode (off, ngram) it starts one ``ftserve serve`` and, for each batch size,
+runs the same loadgen workload (same seed, so the same files and changes) with
+that many closed loops, greedy; reports output tokens/s, the ratio to plain
+decoding, and from /metrics the drafts' acceptance (kept / proposed tokens, kept
+per verify). Targets (BENCHMARKS.md): with the real small model at batch 1, >= 2x
+plain decoding's tokens/s on the H200; with random weights (nothing to copy:
+drafts are rare and rejected, and back off) at most 3% slower.
+
+    # on the H200: SmolLM2 (fetched by name), then the 8-layer qwen3-30b-a3b shape
+    python -m tools.bench.spec --model smollm2-135m --out OUT/smollm2
+    python -m tools.bench.spec --preset qwen3-30b-a3b --layers 8 --out OUT/qwen3
+    # on the CPU, to check the script (small files, batch 1 and 2)
+    python -m tools.bench.spec --model smollm2-135m --batches 1,2 --requests 2 \\
+        --file-tokens 300 --out OUT -- --device cpu --cuda-graph-max-bs 0
+
+Flags after ``--`` go to both servers. OUT gets each server's log, each run's
+loadgen output, bench_spec.json and bench_spec.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+from tools.bench.common import markdown_table
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEC_COUNTERS = ("ftserve_spec_verifies_total", "ftserve_spec_proposed_tokens_total",
+                 "ftserve_spec_accepted_tokens_total")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """A ``python -m ftserve serve`` subprocess, its output in ``log``; ready once
+    /health answers 200."""
+
+    def __init__(self, argv: list[str], log: str) -> None:
+        from ftserve.fleet import die_with_parent
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(log, "w")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "ftserve", "serve", "--port", str(self.port), *argv], cwd=REPO,
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"ftserve serve exited with {self.popen.returncode}; see {self._log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass  # not listening yet, or 503 while loading
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ftserve serve not ready after {timeout:.0f} s; see {self._log.name}")
+            time.sleep(0.5)
+
+    def metrics(self) -> dict[str, float]:
+        from tools.loadgen.soak import parse_metrics
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            return parse_metrics(r.read().decode())
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._log.close()
+        return int(self.popen.returncode)
+
+
+def loadgen(url: str, out: str, args: list[str]) -> dict[str, Any]:
+    """One loadgen run (in this process): its summary."""
+    from tools.loadgen import main as loadgen_main
+
+    rc = loadgen_main(["--url", url, "--out", out, "--no-progress", *args])
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = dict(json.load(f)["summary"])
+    summary["exit_code"] = rc
+    return summary
+
+
+def run_mode(mode: str, serve: list[str], a: argparse.Namespace) -> dict[str, Any]:
+    """One server in ``mode``; a loadgen run per batch size; each run's summary and
+    the speculation counters it moved."""
+    server = Server([*serve, "--speculative", mode], os.path.join(a.out, f"serve_{mode}.log"))
+    runs: dict[str, Any] = {}
+    try:
+        server.wait_ready(a.startup_timeout)
+        for bs in a.batch_sizes:
+            # Every run sends the same files: request i of each is the same edit.
+            load = ["--profile", "edit", "--seed", str(a.seed), "--file-tokens", str(a.file_tokens),
+                    "--concurrency", str(bs), "--max-requests", str(a.requests * bs),
+                    "--temperature", "0", "--max-context", str(a.max_context),
+                    "--warmup", str(a.warmup), "--drain-timeout", str(a.request_timeout),
+                    "--request-timeout", str(a.request_timeout), *a.loadgen_args.split()]
+            before = server.metrics()
+            summary = loadgen(server.url, os.path.join(a.out, f"{mode}_bs{bs}"), load)
+            after = server.metrics()
+            moved = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS}
+            verifies, proposed, kept = (moved[k] for k in SPEC_COUNTERS)
+            summary["spec"] = {
+                "verifies": verifies, "proposed_tokens": proposed, "accepted_tokens": kept,
+                "acceptance_rate": kept / proposed if proposed else None,
+                "kept_per_verify": kept / verifies if verifies else None,
+            }
+            runs[str(bs)] = summary
+    finally:
+        runs["exit_code"] = server.stop()
+    return runs
+
+
+def render_markdown(res: dict[str, Any]) -> str:
+    rows = []
+    for bs in res["batch_sizes"]:
+        off, on = res["off"][str(bs)], res["ngram"][str(bs)]
+        sp = on["spec"]
+        rows.append([bs, off["output_throughput"], on["output_throughput"],
+                     res["ratios"][str(bs)], sp["acceptance_rate"], sp["kept_per_verify"],
+                     sp["verifies"], off["completed"] + on["completed"], off["failed"] + on["failed"]])
+    return "\n".join([
+        f"### Speculative decoding (n-gram) vs plain on the edit replay -- {res['model']}, "
+        f"{res['where']}, {res['date_utc']}",
+        f"reproduce: `python -m tools.bench.spec {shlex.join(res['argv'])}`", "",
+        markdown_table(["batch", "plain tok/s", "ngram tok/s", "ratio", "acceptance",
+                        "kept per verify", "verifies", "requests", "failed"], rows), "",
+        "acceptance: draft tokens kept / proposed; kept per verify: the mean accept length.", ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    serve_extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, serve_extra = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(prog="python -m tools.bench.spec", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a checkpoint or model name (e.g. smollm2-135m)")
+    p.add_argument("--preset", default=None,
+                   help="instead of --model: a tools/make_model preset with dummy weights")
+    p.add_argument("--layers", type=int, default=8, help="--preset: layers kept")
+    p.add_argument("--out", required=True)
+    p.add_argument("--batches", default="1,16", help="batch sizes (closed loops), comma-separated")
+    p.add_argument("--requests", type=int, default=4, help="measured requests per closed loop")
+    p.add_argument("--file-tokens", type=int, default=2000)
+    p.add_argument("--max-context", type=int, default=8192)
+    p.add_argument("--warmup", type=float, default=0.0, help="loadgen's unmeasured seconds first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loadgen-args", default="", help="more loadgen flags for every run")
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--request-timeout", type=float, default=1800.0,
+                   help="seconds a request may take (and the drain after the last is sent)")
+    a = p.parse_args(argv)
+    if (a.model is None) == (a.preset is None):
+        p.error("give --model or --preset")
+    a.batch_sizes = [int(x) for x in a.batches.split(",")]
+    os.makedirs(a.out, exist_ok=True)
+    if a.preset is not None:
+        from ftserve.models.checkpoint import write_checkpoint
+
+        path = os.path.join(a.out, "model")
+        write_checkpoint(a.preset, path, layers=a.layers, config_only=True)
+        serve = ["--model", path, "--load-format", "dummy"]
+        name = f"{a.preset} ({a.layers} layers, random weights)"
+    else:
+        serve = ["--model", a.model]
+        name = a.model
+    serve += ["--status-log-interval", "0", *serve_extra]
+    res: dict[str, Any] = {
+        "argv": argv + (["--", *serve_extra] if serve_extra else []),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "model": name, "batch_sizes": a.batch_sizes,
+        "where": "the CPU" if "cpu" in serve_extra else "the server's default device",
+    }
+    for mode in ("off", "ngram"):
+        res[mode] = run_mode(mode, serve, a)
+    res["ratios"] = {str(bs): (res["ngram"][str(bs)]["output_throughput"]
+                               / res["off"][str(bs)]["output_throughput"])
+                     if res["off"][str(bs)]["output_throughput"] else None
+                     for bs in a.batch_sizes}
+    with open(os.path.join(a.out, "bench_spec.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    md = render_markdown(res)
+    with open(os.path.join(a.out, "bench_spec.md"), "w") as f:
+        f.write(md)
+    print(md)
+    failed = any(res[m][str(bs)]["failed"] for m in ("off", "ngram") for bs in a.batch_sizes)
+    return 1 if failed or res["off"]["exit_code"] or res["ngram"]["exit_code"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tile and launch tuners: they write the per-GPU tables ftserve_kernels/configs/ loads."""

@@ -1,0 +1,155 @@
+"""Which GEMV launch configs the tuner tries, and why.
+
+The problems tools/tune/gemv tunes (``Problem``, ``PROBLEMS``) and, for each,
+the pruned candidate space: static pruning (``fits``: registers, shared memory,
+tile size, unrolled K steps, enough programs for the SMs), the round robin over
+tile shapes nearest the default (``candidates``), and the warps / stages
+variants of the fastest shapes (``refinements``). No GPU needed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import triton
+
+from ftserve_kernels import gemv_configs as gc
+from ftserve_kernels.gemv_configs import GemvConfig
+from tools.tune.common import SMEM_LIMIT, round_robin
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One kernel at one shape. ``shape``: (E, k, H, I) for the MoE kinds,
+    (N, K) for the dense ones. ``optional``: tuned only with budget left over."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    optional: bool = False
+
+    @property
+    def moe(self) -> bool:
+        return self.kind in gc.MOE_KINDS
+
+    def key(self) -> str:
+        if self.moe:
+            e, k, h, inter = self.shape
+            return gc.moe_key(self.kind, e, h, inter, k)
+        n, kd = self.shape
+        return gc.dense_key(n, kd)
+
+    def table_t(self, tokens: int) -> int:
+        """The T the runtime looks up: tokens (MoE), the row block (dense)."""
+        return tokens if self.moe else triton.next_power_of_2(tokens)
+
+    def dims(self) -> tuple[int, int, int]:
+        """(rows of weight a program's tile stacks, N, K) of the kernel's GEMV."""
+        if self.moe:
+            e, k, h, inter = self.shape
+            if self.kind.startswith("moe_gate_up"):
+                return 2, inter, h  # gate and up rows
+            return triton.next_power_of_2(k), h, inter  # the k choices' rows
+        n, kd = self.shape
+        return 1, n, kd
+
+    def weight_bytes(self, tokens: int, elem: int = 2) -> int:
+        """Weight bytes one call reads (distinct experts per (token, choice))."""
+        if self.moe:
+            e, k, h, inter = self.shape
+            return tokens * k * (2 if self.kind.startswith("moe_gate_up") else 1) * inter * h * elem
+        n, kd = self.shape
+        return n * kd * elem
+
+    def programs(self, tokens: int, block_n: int) -> int:
+        if self.moe:
+            e, k, h, inter = self.shape
+            if self.kind.startswith("moe_gate_up"):
+                return tokens * k * triton.cdiv(inter, block_n)
+            return tokens * triton.cdiv(h, block_n)
+        return triton.cdiv(self.shape[0], block_n)
+
+
+QWEN3_MOE = (128, 8, 2048, 768)  # (E, k, H, I)
+PROBLEMS: dict[str, Problem] = {p.name: p for p in (
+    Problem("gate_up", "moe_gate_up", QWEN3_MOE),
+    Problem("down", "moe_down", QWEN3_MOE),
+    # qkv arrives normed (the layer before applied or left pending its norm): a plain GEMV.
+    Problem("qkv", "dense", (5120, 2048)),
+    Problem("o_proj", "dense", (2048, 4096)),
+    Problem("lm_head", "dense", (151_936, 2048), optional=True),
+)}
+PIPELINED = ("moe_gate_up",)  # a runtime K loop: num_stages matters
+BLOCK_NS = (4, 8, 16, 32, 64)
+BLOCK_KS = (128, 256, 512, 1024)
+WARPS = (4, 8, 16)
+STAGES = (2, 3, 1)  # preference order inside one tile shape
+MIN_LOAD_ELEMS = 8  # weight elements per thread per step: below, lanes idle or replicate
+MAX_LOAD_ELEMS = 128  # ... above, the tile's registers crowd out the loads in flight
+MAX_ACC_REGS = 48  # fp32 [N, BK] accumulator registers per thread (dense kernel)
+MAX_K_STEPS = 32  # unrolled K loops: compile time and code size
+CAP = 16  # candidates per (problem, T)
+
+
+def _acc_regs(problem: Problem, cfg: GemvConfig, tokens: int) -> float:
+    """fp32 accumulators per thread of the kernel that keeps a [N, BK] one per row."""
+    if problem.moe:
+        return 0.0  # the MoE kernels reduce each step into an [N] accumulator
+    rows = triton.next_power_of_2(tokens)  # one per input row
+    return rows * cfg.block_n * cfg.block_k / (32 * cfg.num_warps)
+
+
+def fits(problem: Problem, cfg: GemvConfig, tokens: int, sms: int) -> bool:
+    """Static pruning: the weight tile per thread, accumulator registers, shared
+    memory of the pipelined loads, tiles no larger than the problem, unrolled
+    loops of bounded length, and at least half a program per SM."""
+    rows, n, k = problem.dims()
+    per_thread = rows * cfg.block_n * cfg.block_k / (32 * cfg.num_warps)
+    smem = cfg.num_stages * rows * cfg.block_n * cfg.block_k * 2 if cfg.num_stages > 1 else 0
+    unrolled = problem.kind not in PIPELINED
+    return (MIN_LOAD_ELEMS <= per_thread <= MAX_LOAD_ELEMS
+            and _acc_regs(problem, cfg, tokens) <= MAX_ACC_REGS
+            and (unrolled or smem <= SMEM_LIMIT)
+            and cfg.block_n <= max(4, n) and cfg.block_k <= k
+            and (not unrolled or triton.cdiv(k, cfg.block_k) <= MAX_K_STEPS)
+            and problem.programs(tokens, cfg.block_n) >= max(1, sms // 2))
+
+
+def candidates(problem: Problem, tokens: int, sms: int, cap: int = CAP) -> list[GemvConfig]:
+    """Pruned sweep, at most ``cap`` configs, the default left out (it is the
+    baseline). Round robin over tile shapes (block_n, block_k) nearest the
+    default first (log2 distance), each shape's variants in preference order
+    (the default's warps first; stages only where the kernel pipelines), so a
+    small cap still covers the neighbourhood before a second variant of any."""
+    base = gc.default(problem.kind, True, problem.shape[0], tokens)
+    stages = STAGES if problem.kind in PIPELINED else (base.num_stages,)
+
+    def dist(shape: tuple[int, int]) -> tuple[float, int, int]:
+        bn, bk = shape
+        return abs(math.log2(bn / base.block_n)) + abs(math.log2(bk / base.block_k)), bn, bk
+
+    groups: list[list[GemvConfig]] = []
+    for bn, bk in sorted(itertools.product(BLOCK_NS, BLOCK_KS), key=dist):
+        warps = sorted(WARPS, key=lambda w: (w != base.num_warps, w))
+        variants = [GemvConfig(bn, bk, w, s) for w in warps for s in stages]
+        variants = [c for c in variants if c != base and fits(problem, c, tokens, sms)]
+        if variants:
+            groups.append(variants)
+    return round_robin(groups, cap)
+
+
+def refinements(problem: Problem, best: Iterable[GemvConfig], tried: set[GemvConfig], tokens: int,
+                sms: int) -> list[GemvConfig]:
+    """The untried warps (and, where the kernel pipelines, stages) variants of
+    the fastest tile shapes: the round robin reaches few of them under a cap."""
+    stages = STAGES if problem.kind in PIPELINED else None
+    out: list[GemvConfig] = []
+    for b in best:
+        for w, s in itertools.product(WARPS, stages or (b.num_stages,)):
+            c = GemvConfig(b.block_n, b.block_k, w, s)
+            if c not in tried and c not in out and fits(problem, c, tokens, sms):
+                out.append(c)
+    return out
