@@ -40,6 +40,7 @@ from ftserve_kernels import fp8_gemv_triton as fv  # noqa: E402
 from ftserve_kernels import fp8_moe_gemv_triton as fmg  # noqa: E402
 from ftserve_kernels import fp8_moe_triton as fm  # noqa: E402
 from ftserve_kernels import fp8_ops, ops  # noqa: E402
+from ftserve_kernels.config import KernelConfig  # noqa: E402
 from ftserve_kernels.fp8_quant import (  # noqa: E402
     FP8,
     Fp8Weight,
@@ -285,7 +286,7 @@ def test_read_through_from_an_fp8_bank(t: int) -> None:
 
 
 def test_ops_dispatch_fp8_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ops on an Fp8Weight: the torch twin (exact) unless Triton runs; on Triton
+    """ops on an Fp8Weight: the torch twin (exact) unless the KernelConfig runs Triton; on Triton
     the GEMV up to 4 rows, the w8a8 GEMM past it; experts the GEMV pair up to 2
     tokens, the grouped GEMMs past it."""
     g = torch.Generator().manual_seed(3)
@@ -296,15 +297,15 @@ def test_ops_dispatch_fp8_weights(monkeypatch: pytest.MonkeyPatch) -> None:
                       (fm, "fused_moe_fp8_triton")):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **kw: calls.append(_n) or _r(*a, **kw))
-    for kernels in ("torch", "triton"):
-        monkeypatch.setenv("FTSERVE_KERNELS", kernels)
+    for backend in ("torch", "triton"):
+        kernels = KernelConfig(backend=backend)
         for t in (1, 4, 5):
             x = torch.randn(t, 128, generator=g).to(DEVICE)
-            y = ops.linear(x, w, None)
-            close(y, fp8_linear_ref(x, w, None, act_quant=kernels == "triton" and t > 4))
+            y = ops.linear(kernels, x, w, None)
+            close(y, fp8_linear_ref(x, w, None, act_quant=backend == "triton" and t > 4))
             wts, ids = routing(g, t, 8, 2)
-            z = ops.fused_moe(x, w13, w2, wts, ids)
-            close(z, fm.fused_moe_fp8_ref(x, w13, w2, wts, ids, act_quant=kernels == "triton" and t > 2), True)
+            z = ops.fused_moe(kernels, x, w13, w2, wts, ids)
+            close(z, fm.fused_moe_fp8_ref(x, w13, w2, wts, ids, act_quant=backend == "triton" and t > 2), True)
     assert calls == ["fp8_gemv_triton", "fused_moe_fp8_gemv_triton", "fp8_gemv_triton", "fused_moe_fp8_triton",
                      "fp8_linear_triton", "fused_moe_fp8_triton"]
     assert fp8_ops.GEMV_MAX_ROWS == fv.GEMV_MAX_ROWS == 4
@@ -325,13 +326,11 @@ def test_fp8_model_on_triton_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyP
     from tests.test_kernels_model import run_steps
 
     write_checkpoint("tiny-moe-fp8", tmp_path, seed=5, layers=2)  # layer 1's qkv takes layer 0's pending norm
-    monkeypatch.setenv("FTSERVE_KERNELS", "torch")
-    ref = run_steps(tmp_path, TorchAttentionBackend())
-    monkeypatch.setenv("FTSERVE_KERNELS", "triton")
+    ref = run_steps(tmp_path, TorchAttentionBackend(), KernelConfig(backend="torch"))
     pending: list[int] = []
     real = fp8_ops.pending_linear
     monkeypatch.setattr(fp8_ops, "pending_linear", lambda *a, **kw: pending.append(1) or real(*a, **kw))
-    got = run_steps(tmp_path, TritonAttentionBackend())
+    got = run_steps(tmp_path, TritonAttentionBackend(), KernelConfig(backend="triton"))
     assert pending == [1]  # the decode step: layer 1's qkv applied the norm layer 0 left pending
     errs = [rel_err(o, r) for o, r in zip(got, ref)]
     assert all(torch.isfinite(o).all() for o in got)

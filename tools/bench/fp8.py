@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # tiny-moe-fp8's shape in both formats (hidden 128: whole 128-column blocks).
         wide = {"hidden_size": 128, "moe_intermediate_size": 256}
         args.presets = {"bf16": ("tiny-moe", wide), "fp8": ("tiny-moe-fp8", {})}
-        args.dtype, args.device, args.num_experts, args.layers = "float32", "cpu", 16, 2
+        args.dtype, args.device, args.num_experts, args.layers = "float32", "cpu", 16, 3
         args.chunk, args.reps, args.max_len, args.kv_tokens = 32, 1, 512, 2048
         args.context, args.batches, args.tail = 48, [1, 3], 8
         args.decode_warmup, args.decode_steps, args.decode_prompt = 1, 2, 8
@@ -165,19 +165,19 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
-def full_depth_weights_ratio(preset: str, fp8_preset: str) -> float:
-    """fp8 / bf16 weight bytes of the published depth, computed from the shapes
-    (tools/bench/common.param_bytes), not measured: where the whole-model ratio
-    goes once the bf16 embeddings and lm_head weigh less against the layers."""
+def computed_weights_ratio(preset: str, fp8_preset: str, layers: int | None = None) -> float:
+    """fp8 / bf16 weight bytes at ``layers`` (None: the published depth), computed
+    from the shapes (tools/bench/common.param_bytes), not measured: at the
+    published depth the bf16 embeddings and lm_head weigh less against the layers."""
     from ftserve.models.checkpoint import preset_config
 
     def total(name: str) -> float:
-        cfg = ModelConfig.from_hf(preset_config(name))
+        cfg = ModelConfig.from_hf(preset_config(name, layers))
         b = param_bytes(cfg, 2)
-        layers = (b["attn_per_layer"] * cfg.num_layers + b["router_per_layer"] * b["sparse_layers"]
+        body = (b["attn_per_layer"] * cfg.num_layers + b["router_per_layer"] * b["sparse_layers"]
                   + b["expert"] * cfg.num_experts * b["sparse_layers"]
                   + b["dense_mlp_per_layer"] * b["dense_layers"])
-        return layers + b["lm_head"] * (1 if cfg.tie_word_embeddings else 2)  # + the embeddings
+        return body + b["lm_head"] * (1 if cfg.tie_word_embeddings else 2)  # + the embeddings
 
     return total(fp8_preset) / total(preset)
 
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 torch.cuda.empty_cache()
     results["summary"] = summarize(results)
     results["summary"]["weights_ratio_full_depth"] = (
-        None if args.smoke else full_depth_weights_ratio(args.presets["bf16"][0], args.presets["fp8"][0]))
+        None if args.smoke else computed_weights_ratio(args.presets["bf16"][0], args.presets["fp8"][0]))
     results["targets"] = check_targets(results["summary"])
     results["total_s"] = time.perf_counter() - t_start
     write_json(args.out, results)
