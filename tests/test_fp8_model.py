@@ -76,6 +76,27 @@ def test_unservable_quantization_is_a_one_line_startup_error(q: dict[str, Any], 
         build_engine(EngineConfig(model=str(tmp_path), load_format="dummy", device="cpu"))
 
 
+def test_unservable_quantization_stops_ftserve_serve_in_one_line(tmp_path: Path) -> None:
+    """`ftserve serve` on a checkpoint whose fp8 config it cannot serve (even with
+    --load-format dummy): exit status 1, one ERROR line naming the field, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    write_checkpoint("tiny-moe-fp8", tmp_path, config_only=True)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["quantization_config"]["weight_block_size"] = [64, 64]
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    run = subprocess.run(
+        [sys.executable, "-m", "ftserve", "serve", "--model", str(tmp_path), "--load-format", "dummy",
+         "--device", "cpu", "--port", "0", "--status-log-interval", "0"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    errors = [line for line in run.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "quantization_config.weight_block_size [64, 64]" in errors[0], run.stderr
+
+
 def test_servable_quantization_configs() -> None:
     assert parse_quantization({}) is None
     hf = parse_quantization({"quantization_config": {"quant_method": "fp8"}})  # transformers' defaults

@@ -26,6 +26,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -151,19 +152,30 @@ def test_fp8_presets_vs_transformers(preset: str, tmp_path: Path) -> None:
     assert torch.nn.functional.cosine_similarity(got, ref, dim=-1).min() > 0.99
 
 
-def test_offload_fp8_bank_equals_resident(engine: Engine, model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_offload_fp8_bank_equals_resident(engine: Engine, model_dir: str) -> None:
     """Half the experts in slots (one layer's worth: what batch 8 x top-4 can need)
     over an fp8 bank: greedy tokens equal resident fp8's at decode batch 1, 3 and
     8, prompts streaming layers. Like for like (as test_gpu_moe_cache): the
-    resident engine here folds the next input norm into its experts' down GEMV
-    and rounds it as the cache's layers do (FTSERVE_DECODE_DEFER_NORM=0, read
-    when its graphs are captured)."""
-    from ftserve.moe.cache import ExpertCache
+    resident engine's experts run through the MoE block's expert_compute hook
+    over its own weights, so it applies the next input norm as the cache's
+    layers round it (not folded into the down GEMV, not left pending)."""
+    import functools
 
-    monkeypatch.setenv("FTSERVE_DECODE_DEFER_NORM", "0")
+    from ftserve.moe.banks import moe_blocks
+    from ftserve.moe.cache import ExpertCache
+    from ftserve_kernels import ops
+
+    def own_experts(block: Any, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    kernels: Any) -> torch.Tensor:
+        return ops.fused_moe(kernels, x, *block.expert_weights(), weights, ids)
+
     resident = make_engine(model_dir)
     off = make_engine(model_dir, slots=SCALE["num_experts"])
     try:
+        for block in moe_blocks(resident.runner.model):
+            block.expert_compute = functools.partial(own_experts, block)
+        assert resident.runner.graphs is not None
+        resident.runner.graphs.capture()
         cache = off.runner.model.expert_cache
         assert isinstance(cache, ExpertCache) and cache.bank.fp8 is not None and not cache.full
         with torch.no_grad():
