@@ -303,6 +303,41 @@ def test_compressed_tensors_fp8(strategy: str, tmp_path: Path) -> None:
     assert (logits[7:] - pair.hf_logits(prompts[1])).abs().max().item() <= TOL
 
 
+def test_qwen3_next_fp8_against_transformers(tmp_path: Path) -> None:
+    """The hybrid Qwen3-Next with HF's fp8 layout (as Qwen3-Next-80B-A3B-FP8 ships):
+    the linear-attention in/out projections, gated attention, routed and shared
+    experts in e4m3, the routers in fp32; logits equal transformers' forward of the
+    dequantized checkpoint within test_parity's float32 bound (the same reasoning:
+    both multiply the same dequantized weights in fp32). Dimensions are multiples
+    of 128 or below it, as transformers' CPU dequantization needs (tiny fp8 presets)."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    from tests.test_qwen3_next import HybridSession
+    from tests.test_qwen3_next import _prompts as next_prompts
+
+    wide = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128,
+            "shared_expert_intermediate_size": 128, "linear_key_head_dim": 32, "linear_value_head_dim": 32}
+    write_checkpoint("tiny-qwen3-next", tmp_path, seed=7, dtype="float32", overrides=wide, quant="fp8")
+    model, cfg = load_model(tmp_path, dtype="float32")
+    lin, full = model.layers[0], model.layers[cfg.kv_layers[0]]
+    assert lin.linear_attn is not None and full.self_attn is not None
+    assert lin.linear_attn.in_proj.weight.dtype == lin.linear_attn.out_proj.weight.dtype == FP8
+    assert full.self_attn.qkv_proj.weight.dtype == FP8 and lin.mlp.is_fp8
+    assert lin.mlp.shared_expert.gate_up_proj.weight.dtype == FP8 and lin.mlp.gate.weight.dtype == torch.float32
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, output_loading_info=True,
+                                                    quantization_config=FineGrainedFP8Config(dequantize=True))
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    prompts = next_prompts([5, 19, 70], seed=0)
+    sess = HybridSession(model, num_slots=4)
+    logits = sess.step([sess.new_seq() for _ in prompts], prompts, all_logits=True)
+    off = 0
+    with torch.no_grad():
+        for p in prompts:
+            ref = hf.eval()(torch.tensor([p])).logits[0].float()
+            assert (logits[off:off + len(p)] - ref).abs().max().item() <= TOL
+            off += len(p)
+
+
 def test_engine_summary_says_fp8(engine: Engine) -> None:
     assert engine.summary["weights_format"] == "fp8" and engine.summary["dtype"] == "float32"
 

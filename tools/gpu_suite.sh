@@ -58,10 +58,11 @@ step() {  # step NAME SECONDS CMD... (cut to the time left; skipped under 20 s)
     pack
 }
 if [ "$mode" = fp8 ]; then  # issue 32: the fp8 tests (gpu-marked and the kernels on CUDA), then fp8 vs bf16
-    step fp8_tests 180 python3 -m pytest -q -p no:randomly -o addopts="" tests/test_gpu_fp8.py \
+    step fp8_tests 240 python3 -m pytest -q -p no:randomly -o addopts="" tests/test_gpu_fp8.py \
         tests/test_kernels_fp8.py > "$out/gpu_tests.txt"
     grep -E "passed|failed" "$out/gpu_tests.txt" | tail -1
-    step bench_fp8 390 python3 -m tools.bench.fp8 --budget-s 200 --out "$work/bench_fp8.json" \
+    grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" | head -30
+    step bench_fp8 260 python3 -m tools.bench.fp8 --budget-s 180 --out "$work/bench_fp8.json" \
         > "$work/bench_fp8.md"
     echo "total $(( $(date +%s) - t0 ))s" | tee -a "$log"
     pack
