@@ -45,6 +45,10 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
         gated_delta_prefill, gated_delta_decode; signatures in gated_delta.py) for
         tensors like t: gated_delta_triton's kernels or the torch reference module
 
+Weights are tensors, or in linear, add_rms_norm_linear, fused_moe and
+fused_moe_add_rms_norm an fp8 checkpoint's ``fp8_quant.Fp8Weight`` (e4m3 codes
+and block scales), which goes to fp8_ops with the same KernelConfig.
+
 Backends are imported once into a table per KernelConfig (``_triton_table``:
 the Triton wrappers bound to it), picked per call by the config and the
 tensor's device (``_table``).
