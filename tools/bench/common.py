@@ -230,6 +230,16 @@ def measure_h2d_gbps(device: torch.device, nbytes: int = 1 << 30, iters: int = 5
     return {"bytes": nbytes, "h2d_gbps": nbytes / t / 1e9, "d2h_gbps": nbytes / t_back / 1e9}
 
 
+# Datasheet HBM bandwidth (GB/s) by a name in torch.cuda.get_device_name: the
+# roofline a reader quotes. The copy rate measured in the same run is the one a
+# kernel can reach; benches report against both.
+HBM_SPEC_GBPS = {"H200": 4800.0}
+
+
+def hbm_spec_gbps(gpu_name: str) -> float | None:
+    return next((v for k, v in HBM_SPEC_GBPS.items() if k in gpu_name), None)
+
+
 def physical_limits(device: torch.device, smoke: bool) -> dict[str, Any]:
     if smoke:
         return {"matmul": measure_matmul_tflops(device, 512, 3, torch.float32),
@@ -269,7 +279,9 @@ def param_bytes(cfg: Any, elem: int) -> dict[str, int]:
 
 def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
     """E * (1 - (1 - k/E)^B): distinct experts B tokens touch when each picks
-    k of E uniformly (an approximation of real top-k routing)."""
+    k of E uniformly (an approximation of real top-k routing); 0 for a dense model."""
+    if num_experts == 0:
+        return 0.0
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 

@@ -32,20 +32,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ftserve.config import EngineConfig
-from ftserve.engine.driver import EngineDriver
-from ftserve.engine.engine import Engine
 from tools.bench.common import machine_info, say, write_json
-
-PRESET = "smollm2-135m"
+from tools.bench.side_by_side import (
+    PRESET,
+    FtserveSide,
+    TransformersSide,
+    checkpoint,
+    leading_agreement,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,130 +67,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# ----------------------------------------------------------------- ftserve
-
-
-def build_ftserve(model_dir: str, max_len: int) -> Engine:
-    from ftserve.engine.setup import build_engine
-
-    cfg = EngineConfig(
-        model=model_dir, load_format="safetensors", dtype="float32", device="cpu",
-        kv_cache_tokens=4 * max_len, max_model_len=max_len, status_log_interval=0.0,
-    )
-    return build_engine(cfg)
-
-
-def ftserve_ttft(driver: EngineDriver, prompt: list[int]) -> tuple[float, int]:
-    """(seconds to the first token, that token)."""
-    t0 = time.perf_counter()
-    req = driver.add(prompt, max_tokens=1)
-    driver.run_all()
-    return time.perf_counter() - t0, req.output_ids[0]
-
-
-def ftserve_decode(driver: EngineDriver, prompt: list[int], n: int) -> tuple[list[float], list[int]]:
-    """(the n step times after the first token, all n + 1 tokens); one step at a
-    time with nothing in flight, so each step is timed whole (on the CPU the
-    forward runs inside launch: overlapping buys nothing there)."""
-    req = driver.add(prompt, max_tokens=n + 1)
-    while not req.output_ids:
-        driver.sync_step()
-    stamps = [time.perf_counter()]
-    while len(req.output_ids) < n + 1:
-        driver.sync_step()
-        stamps.append(time.perf_counter())
-    driver.run_all()
-    return [b - a for a, b in zip(stamps, stamps[1:])], list(req.output_ids)
-
-
-# ----------------------------------------------------------------- transformers
-
-
-class _Clock:
-    """A generate streamer that stamps each put: the prompt, then every new token."""
-
-    def __init__(self) -> None:
-        self.stamps: list[float] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.stamps.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
-def build_hf(model_dir: str) -> Any:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    return model.eval()
-
-
-def _generate(model: Any, prompt: list[int], n: int, streamer: Any = None) -> list[int]:
-    ids = torch.tensor([prompt], dtype=torch.int64)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                         do_sample=False, num_beams=1, streamer=streamer, pad_token_id=0,
-                         temperature=None, top_p=None, top_k=None)
-    return out[0, len(prompt):].tolist()
-
-
-def hf_ttft(model: Any, prompt: list[int]) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    out = _generate(model, prompt, 1)
-    return time.perf_counter() - t0, out[0]
-
-
-def hf_decode(model: Any, prompt: list[int], n: int) -> tuple[list[float], list[int]]:
-    """As ftserve_decode: the n token times after the first token, all tokens."""
-    clock = _Clock()
-    out = _generate(model, prompt, n + 1, clock)
-    stamps = clock.stamps[1:]  # [0]: the prompt
-    assert len(stamps) == n + 1, len(stamps)
-    return [b - a for a, b in zip(stamps, stamps[1:])], out
-
-
-# ----------------------------------------------------------------- main
-
-
-def _agree(a: list[int], b: list[int]) -> int:
-    """Leading tokens in common (greedy: after the first difference they diverge)."""
-    k = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        k += 1
-    return k
-
-
 def run(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     vocab = int(cfg["vocab_size"])
     max_len = max(args.ttft_tokens, args.prompt_tokens + args.decode_tokens) + 16
     say(f"loading ftserve ({model_dir})")
-    driver = EngineDriver(build_ftserve(model_dir, max_len))
+    ftserve = FtserveSide(model_dir, "float32", "cpu", max_len, kv_tokens=4 * max_len, overlap=False)
     say("loading transformers")
-    hf = build_hf(model_dir)
-    rng = driver.rng
+    hf = TransformersSide(model_dir, "float32", "cpu")
+    sides = {s.name: s for s in (ftserve, hf)}
+    rng = random.Random(0)
     who = ("ftserve", "transformers")
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(100, vocab - 1) for _ in range(n)]
 
-    def ttft(name: str, p: list[int]) -> tuple[float, int]:
-        return ftserve_ttft(driver, p) if name == "ftserve" else hf_ttft(hf, p)
-
-    def decode(name: str, p: list[int]) -> tuple[list[float], list[int]]:
-        return (ftserve_decode(driver, p, args.decode_tokens) if name == "ftserve"
-                else hf_decode(hf, p, args.decode_tokens))
-
     with torch.inference_mode():
         say("warm-up")
         warm = prompt(args.prompt_tokens)
-        for name in who:
-            ttft(name, prompt(min(64, args.ttft_tokens)))
-            decode(name, warm)
+        for side in sides.values():
+            side.ttft(prompt(min(64, args.ttft_tokens)))
+            side.decode([warm], args.decode_tokens)
         ttfts: dict[str, list[float]] = {k: [] for k in who}
         steps: dict[str, list[float]] = {k: [] for k in who}  # every decode step's seconds
         agree_first, agree_decode = 0, []
@@ -199,20 +98,20 @@ def run(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
             p = prompt(args.ttft_tokens)
             first = {}
             for name in order:
-                dt, first[name] = ttft(name, p)
+                dt, first[name] = sides[name].ttft(p)
                 ttfts[name].append(dt)
                 say(f"ttft {name} {args.ttft_tokens} tokens: {dt:.3f} s")
             agree_first += first["ftserve"] == first["transformers"]
             p = prompt(args.prompt_tokens)
             toks = {}
             for name in order:
-                dts, toks[name] = decode(name, p)
+                out = sides[name].decode([p], args.decode_tokens)
+                dts, toks[name] = out.step_s, out.tokens[0]
                 steps[name] += dts
                 say(f"decode {name}: {len(dts) / sum(dts):.1f} tokens/s (median step "
                     f"{statistics.median(dts) * 1e3:.1f} ms)")
-            agree_decode.append(_agree(toks["ftserve"], toks["transformers"]))
-    import transformers
-
+            agree_decode.append(leading_agreement(toks["ftserve"], toks["transformers"]))
+    ftserve.close()
     # On a shared box a run is slowed, never sped up, by its neighbours: the
     # headline is the best TTFT and the median decode step (robust to bursts);
     # the medians of whole runs are there for reference.
@@ -222,7 +121,7 @@ def run(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     f, h = stats["ftserve"], stats["transformers"]
     return {
         "machine": {**machine_info(torch.device("cpu")), "threads": args.threads,
-                    "transformers": transformers.__version__},
+                    "transformers": hf.version},
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, str, bool, type(None)))},
         "model": model_dir if args.model else f"{PRESET} preset, random fp32 weights",
         "runs": {"ttft_s": ttfts, "decode_step_s": steps},
@@ -265,15 +164,8 @@ def render(res: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.model is not None:
-        res = run(args, args.model)
-    else:
-        from ftserve.models.checkpoint import write_checkpoint
-
-        with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
-            say(f"writing the {PRESET} preset (random fp32 weights)")
-            model_dir = str(write_checkpoint(PRESET, Path(tmp) / PRESET, dtype="float32"))
-            res = run(args, model_dir)
+    with checkpoint(args.model, "float32") as model_dir:
+        res = run(args, model_dir)
     if args.json:
         write_json(args.json, res)
     print(render(res))
