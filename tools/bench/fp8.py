@@ -45,7 +45,6 @@ from ftserve.models.config import ModelConfig
 from tools.bench import moe_cache as bmc
 from tools.bench.common import (
     markdown_table,
-    measure_h2d_gbps,
     param_bytes,
     physical_limits,
     run_section,
@@ -253,8 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         write_json(args.out, results)  # a run killed later still leaves what it measured
         return out
 
-    limits = section("limits", lambda: {**physical_limits(device, args.smoke),
-                                        "h2d": measure_h2d_gbps(device, 1 << 24 if args.smoke else 1 << 30)}) or {}
+    limits = section("limits", lambda: physical_limits(device, args.smoke)) or {}
     dirs = {fmt: _model_dir(args, fmt, root) for fmt in args.formats.split(",")}
     # Section by section, both formats in turn: a run cut by the budget still
     # compares the formats on what it measured.
