@@ -54,10 +54,26 @@ def test_bank_and_slots_hold_codes_and_scales(model_dir: str) -> None:
         eng.shutdown()
 
 
-@pytest.mark.parametrize("slots", [24, tm.TOTAL])  # part (with prefetch), every expert
+@pytest.mark.parametrize("slots", [24, tm.TOTAL])  # part of the experts, every expert
 def test_offload_equals_resident(model_dir: str, resident_tokens: dict[str, list[list[int]]],  # noqa: F811
                                  slots: int) -> None:
     tm.test_offload_equals_resident(model_dir, resident_tokens, slots)
+
+
+def test_slot_planning_counts_kv_in_the_model_dtype(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The KV bytes per token the slot plan reserves (--moe-cache-auto on CUDA)
+    are the model dtype's: an fp8 bank's rows are bytes, not the KV's dtype."""
+    from ftserve.config import EngineConfig
+    from ftserve.kvcache.pool import KVPool
+    from ftserve.moe import planning
+
+    seen: list[int] = []
+    real = planning.plan_num_slots
+    monkeypatch.setattr(planning, "plan_num_slots", lambda *a: seen.append(a[-1]) or real(*a))
+    cfg = EngineConfig(model=model_dir, load_format="dummy", device="cpu", dtype="float32", moe_cache_size=24)
+    _, mcfg, cache = planning.load_with_expert_cache(model_dir, cfg, torch.device("cpu"), "dummy")
+    assert cache.bank.data.dtype == torch.uint8
+    assert seen == [KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, torch.float32)]
 
 
 test_stream_invalidates_old_buffer_mappings = tm.test_stream_invalidates_old_buffer_mappings

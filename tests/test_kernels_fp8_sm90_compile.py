@@ -94,7 +94,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
             comp(f"moe_down_{tag}", fm._fp8_moe_down_kernel, moe, common | dict(BLOCK_N=c.down_block_n, HAS_MAP=mapped),
                  c.num_warps, c.num_stages, ("stride_aq", "stride_we", "stride_wn", "stride_y"))
     bn, bk, warps = fv.gemv_tiles(5120, H, cuda=True)
-    for t, pdl in ((1, 0), (1, 2), (4, 2)):
+    for t, pdl in ((1, False), (1, True), (4, True)):
         comp(f"gemv_qkv_t{t}" + ("_pdl" if pdl else ""), fv._fp8_gemv_kernel,
              {"x_ptr": bf, "w_ptr": f8, "s_ptr": f32, "b_ptr": bf, "y_ptr": bf},
              dict(SCALE_N=128, SCALE_K=128, HAS_BIAS=False, BLOCK_T=t, BLOCK_N=bn, BLOCK_K=bk,
@@ -102,11 +102,11 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     comp("gemv_qkv_parts_t1_pdl", fv._fp8_gemv_kernel,  # over the norm the layer before left pending
          {"x_ptr": bf, "w_ptr": f8, "s_ptr": f32, "b_ptr": bf, "y_ptr": bf, "parts_ptr": f32, "eps": "fp32"},
          dict(SCALE_N=128, SCALE_K=128, HAS_BIAS=False, BLOCK_T=1, BLOCK_N=bn, BLOCK_K=bk, K_STEPS=H // bk,
-              EVEN_K=True, PDL=2, HAS_PARTS=True, BLOCK_P=128), warps, 1, ("stride_x", "stride_w", "stride_y"))
+              EVEN_K=True, PDL=True, HAS_PARTS=True, BLOCK_P=128), warps, 1, ("stride_x", "stride_w", "stride_y"))
     bn, bk, warps = fv.gemv_tiles(H, 4096, cuda=True)
     comp("gemv_o_pdl", fv._fp8_gemv_kernel, {"x_ptr": bf, "w_ptr": f8, "s_ptr": f32, "b_ptr": bf, "y_ptr": bf},
          dict(SCALE_N=128, SCALE_K=128, HAS_BIAS=False, BLOCK_T=1, BLOCK_N=bn, BLOCK_K=bk, K_STEPS=4096 // bk,
-              EVEN_K=True, PDL=2), warps, 1, ("stride_x", "stride_w", "stride_y"))
+              EVEN_K=True, PDL=True), warps, 1, ("stride_x", "stride_w", "stride_y"))
     bn_gu, bn_d, bk, warps = fmg.moe_gemv_tiles(cuda=True)
     gv = {"x_ptr": bf, "a_ptr": bf, "w_ptr": f8, "s_ptr": f32, "out_ptr": bf, "weights_ptr": f32, "ids_ptr": i32}
     fold = gv | {n: bf for n in ("res_ptr", "nw_ptr", "sum_ptr", "normed_ptr")} | {
@@ -114,18 +114,18 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     for defer in (False, True):  # the next layer's input norm in the epilogue: normed / left pending
         comp("moe_gemv_down_norm" + ("_defer" if defer else "") + "_pdl", fmg._fp8_down_kernel, fold,
              dict(TOP_K=K, BLOCK_KP=K, SCALE_N=128, SCALE_K=128, BLOCK_N=bn_d, BLOCK_K=bk, K_STEPS=INTER // bk,
-                  EVEN_K=True, HAS_MAP=False, READ_THROUGH=False, BLOCK_M=2, PDL=2, NORM_NEXT=True,
+                  EVEN_K=True, HAS_MAP=False, READ_THROUGH=False, BLOCK_M=2, PDL=True, NORM_NEXT=True,
                   NORM_DEFER=defer, BLOCK_H=H), warps, 1,
              ("stride_a", "stride_we", "stride_wn", "stride_o", "stride_rt"))
     for rt in (False, True):  # resident / an expert cache reading this step's misses from the bank
         tag = "_read_through" if rt else ""
         comp(f"moe_gemv_gate_up{tag}_pdl", fmg._fp8_gate_up_kernel, gv,
              dict(TOP_K=K, SCALE_N=128, SCALE_K=128, BLOCK_N=bn_gu, BLOCK_K=bk, K_STEPS=H // bk, EVEN_K=True,
-                  HAS_MAP=rt, READ_THROUGH=rt, BLOCK_M=16, PDL=2), warps, 1,
+                  HAS_MAP=rt, READ_THROUGH=rt, BLOCK_M=16, PDL=True), warps, 1,
              ("stride_x", "stride_we", "stride_wn", "stride_o"))
         comp(f"moe_gemv_down{tag}_pdl", fmg._fp8_down_kernel, gv,
              dict(TOP_K=K, BLOCK_KP=K, SCALE_N=128, SCALE_K=128, BLOCK_N=bn_d, BLOCK_K=bk, K_STEPS=INTER // bk,
-                  EVEN_K=True, HAS_MAP=rt, READ_THROUGH=rt, BLOCK_M=16, PDL=2), warps, 1,
+                  EVEN_K=True, HAS_MAP=rt, READ_THROUGH=rt, BLOCK_M=16, PDL=True), warps, 1,
              ("stride_a", "stride_we", "stride_wn", "stride_o"))
     return results
 
