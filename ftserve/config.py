@@ -66,9 +66,10 @@ class EngineConfig:
     kv_host_pages: int | None = _opt(None, "host-tier KV pages (pinned host memory) for the prefix "
                                            "cache's evicted pages")
     kv_host_gib: float | None = _opt(None, "host-tier size in GiB (instead of --kv-host-pages)")
-    speculative: str = _opt("off", "off | ngram: speculative decoding with drafts copied from the "
-                                   "request's own prompt and output, verified in one step, outputs "
-                                   "as without it (not for hybrid models)")
+    speculative: str = _opt("off", "off | ngram | mtp: speculative decoding with drafts copied from "
+                                   "the request's own prompt and output (ngram) or made by the "
+                                   "checkpoint's MTP layer (mtp), verified in one step, outputs as "
+                                   "without it (not for hybrid models)")
     num_speculative_tokens: int = _opt(4, "draft tokens per verify step (--speculative)")
     ngram_min_match: int = _opt(2, "shortest suffix of a request's tokens that an n-gram draft "
                                    "continues from an earlier occurrence")
@@ -117,10 +118,11 @@ class EngineConfig:
             raise ConfigError("--kv-host-pages must be at least 1")
         if self.kv_host_gib is not None and not self.kv_host_gib > 0:
             raise ConfigError("--kv-host-gib must be > 0")
-        if self.speculative == "mtp":
-            raise ConfigError("--speculative mtp is not implemented yet; use ngram or off")
-        if self.speculative not in ("off", "ngram"):
-            raise ConfigError("--speculative must be off or ngram")
+        if self.speculative not in ("off", "ngram", "mtp"):
+            raise ConfigError("--speculative must be off, ngram or mtp")
+        if self.speculative == "mtp" and (self.moe_cache_size is not None or self.moe_cache_auto):
+            raise ConfigError("--speculative mtp does not run with expert offload (--moe-cache-size / "
+                              "--moe-cache-auto) yet")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError("--num-speculative-tokens must be in [1, 16]")
         if not 1 <= self.ngram_min_match <= self.ngram_max_match <= 16:

@@ -1,5 +1,5 @@
-"""Speculative decoding on CUDA (bf16, Triton attention, decode graphs on): verify
-steps make no hidden device->host sync and exactly one deliberate read-back,
+"""Speculative decoding on CUDA (bf16, Triton attention, decode, prefill and verify
+graphs on): verify steps make no hidden device->host sync and exactly one deliberate read-back,
 plain steps of requests in back-off keep overlap, and greedy outputs equal plain
 decoding's. Driven step by step (tools.bench.engine_driver), as test_gpu_engine.py."""
 
@@ -40,7 +40,43 @@ def test_verify_steps_sync_free_and_equal_plain(model_dir: str) -> None:  # noqa
         spec.runner.model.load_state_dict(plain.runner.model.state_dict())
         if hasattr(spec.runner.model, "refresh_derived"):
             spec.runner.model.refresh_derived()
+        assert spec.runner.verify_graphs is not None  # verify steps replay captured widths
         prompts = echo_prompts(plain, 0, 6)
+        assert run_greedy(spec, prompts, 24) == run_greedy(plain, prompts, 24)
+        assert spec.scheduler.spec is not None and spec.scheduler.spec.counters.accepted_tokens_total > 0
+        for check in (False, True):  # the first run compiles every shape
+            drv = VerifyLog(spec, seed=1, check=check)
+            reqs = [drv.add(p, 16) for p in prompts[:3]]
+            drv.until(lambda rs=reqs: all(r.finished for r in rs))
+        kinds = {k for k, _, _ in drv.log}
+        assert "verify" in kinds, kinds
+        for kind, bs, n in drv.log:
+            assert n == (0 if kind == "prefill_chunk" else 1), (kind, bs, n)
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+
+
+@pytest.mark.gpu
+def test_mtp_steps_sync_free_and_equal_plain(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """--speculative mtp on CUDA (bf16, Triton): the draft chain, the verify
+    forward and the MTP layer's pass make no hidden sync and one read-back per
+    step (tokens and drafts together); greedy outputs equal plain decoding's."""
+    from ftserve.models.checkpoint import write_config
+    from tests.test_gpu_engine import SCALE
+    from tests.test_spec_mtp import distill
+
+    d = write_config("tiny-moe", tmp_path_factory.mktemp("gpu-mtp"), layers=1,
+                     num_nextn_predict_layers=1, **SCALE)
+    plain = make_engine(d)
+    spec = make_engine(d, speculative="mtp", num_speculative_tokens=3)
+    try:
+        make_context_sensitive(plain.runner.model, 8.0)
+        spec.runner.model.load_state_dict(plain.runner.model.state_dict(), strict=False)
+        distill(spec.runner.model)
+        assert spec.runner.mtp is not None and spec.runner.verify_graphs is None
+        rng = random.Random(3)
+        prompts = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 300))] for _ in range(6)]
         assert run_greedy(spec, prompts, 24) == run_greedy(plain, prompts, 24)
         assert spec.scheduler.spec is not None and spec.scheduler.spec.counters.accepted_tokens_total > 0
         for check in (False, True):  # the first run compiles every shape

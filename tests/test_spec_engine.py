@@ -18,6 +18,7 @@ import random
 from typing import Any
 
 import pytest
+import torch
 
 from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
@@ -243,6 +244,8 @@ def test_back_off_doubles_and_resets() -> None:
     sp.record(req, 4, 1)
     assert req.spec.misses == 0 and sp.drafting(req)
     assert Speculator(4, 2, 2, 1000).limit(Req("x", [1] * 5, greedy(3), 0.0)) == 2  # max_tokens - 1
+    constrained = Req("c", [1, 2, 1, 2], greedy(9), 0.0, grammar=object())  # type: ignore[arg-type]
+    assert not sp.supports(constrained) and sp.propose(constrained) == [] and not sp.drafting(constrained)
 
 
 def test_hybrid_models_do_not_speculate() -> None:
@@ -255,3 +258,68 @@ def test_hybrid_models_do_not_speculate() -> None:
     assert _speculator(cfg, ModelConfig.from_hf(preset_config("tiny-moe")), 100) is not None
     assert _speculator(dataclasses.replace(cfg, speculative="off"),
                        ModelConfig.from_hf(preset_config("tiny-moe")), 100) is None
+
+
+def test_verify_graph_static_forward_equals_eager(model_dir: str) -> None:
+    """The verify graphs' static, padded forward (what CUDA captures per width; run
+    eagerly here, Triton attention under the interpreter) gives the eager verify
+    step's logits at every sampled row: two drafted requests and a plain one."""
+    from ftserve.engine.prefill_graph import PrefillGraphs, verify_buckets
+
+    eng = make(model_dir, speculative="ngram", num_speculative_tokens=3)
+    try:
+        sched, runner = eng.scheduler, eng.runner
+        graphs = PrefillGraphs(runner, 0, 4, buckets=verify_buckets(4, 3), all_rows=True)
+        assert graphs.buckets == [8, 16]
+        prompts = {"a": [5, 6, 7, 8, 9, 5, 6], "b": [11, 12, 13, 14, 11, 12], "c": [20, 21, 22]}
+        firsts = {"a": 7, "b": 13, "c": 23}  # a: "6 7" recurs, b: "12 13"; c: nothing
+        for rid, p in prompts.items():
+            sched.add(Req(rid, p, greedy(10), 0.0))
+        batch = sched.schedule()
+        assert batch is not None and not batch.is_decode and not batch.verifies
+        sched.commit(batch, [firsts[r.request_id] for r in batch.reqs])
+        batch = sched.schedule()
+        assert batch is not None and batch.verifies and graphs.can_run(batch)
+        assert batch.drafts == [[8, 9, 5], [14, 11, 12], []]
+        # A plain row fed from an in-flight step's output: the graph cannot read it.
+        assert not graphs.can_run(dataclasses.replace(batch, src_rows=[-1, -1, 0]))
+        runner.prepare_slots(batch.reqs)
+        with torch.inference_mode():
+            graphs._fill(batch, graphs._bucket(batch.num_tokens))
+            static = graphs._forward(graphs._bucket(batch.num_tokens))[:9]  # 4 + 4 + 1 rows
+            fb, slots, steps, _ = runner.build(batch)
+            eager = runner.model(fb)  # [9, V]
+        torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
+        assert steps.tolist() == [1, 2, 3, 4, 1, 2, 3, 4, 1]
+        assert slots.tolist() == [r.slot for r in batch.reqs for _ in range(4)][:9]
+    finally:
+        eng.shutdown()
+
+
+def test_verify_graph_path_in_the_runner_same_tokens(model_dir: str, plain: Engine) -> None:
+    """The runner's graph path for verify steps (static logits, rows in order,
+    eager sampling), with the graph's static forward run eagerly in place of a
+    replay: the same tokens as plain decoding."""
+    from ftserve.engine.prefill_graph import PrefillGraphs, verify_buckets
+
+    class StaticForward(PrefillGraphs):
+        replays = 0
+
+        def replay(self, batch: Any) -> torch.Tensor:
+            StaticForward.replays += 1
+            bucket = self._bucket(batch.num_tokens)
+            self._fill(batch, bucket)
+            return self._forward(bucket)
+
+    prompts = echo_prompts(plain, 5, 3, greedy(12), lengths=(4, 12))
+    reqs = [(f"vg{i}", p, greedy(12)) for i, p in enumerate(prompts)]
+    eng = make(model_dir, speculative="ngram", num_speculative_tokens=3)
+    try:
+        eng.runner.verify_graphs = StaticForward(eng.runner, 0, 4, buckets=verify_buckets(4, 3),
+                                                 all_rows=True)
+        same_outputs(collect(plain, reqs), collect(eng, reqs))
+        assert eng.stats().spec_accepted_tokens_total > 0
+        assert 0 < StaticForward.replays <= eng.stats().spec_verifies_total  # every verify step
+        assert_pool_baseline(eng)
+    finally:
+        eng.shutdown()

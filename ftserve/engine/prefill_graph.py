@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 
 from ftserve.engine.cuda_graph import capture_graph
-from ftserve.engine.runner import token_layout
+from ftserve.engine.runner import logits_rows, sample_rows, token_layout
 from ftserve.models.forward_batch import AttentionMetadata, ForwardBatch
 
 if TYPE_CHECKING:
@@ -57,18 +57,21 @@ class PrefillInputs(Generic[A]):
     seq_lens: A  # [S]
     prefix_lens: A  # [S]
     slots: A  # [S] page-table rows (request slots); empty sequences: the dummy row
-    logits_rows: A  # [S] the token row of each sequence's last new token
+    # [S] the token row of each sequence's last new token; all_rows (verify
+    # graphs): [Tmax] the token row of each sampled row, padding row 0
+    logits_rows: A
 
     @staticmethod
-    def sizes(max_tokens: int, max_seqs: int) -> list[int]:
+    def sizes(max_tokens: int, max_seqs: int, all_rows: bool = False) -> list[int]:
         t, s = max_tokens, max_seqs
-        return [t, t, t, s + 1, s, s, s, s]
+        return [t, t, t, s + 1, s, s, s, t if all_rows else s]
 
     @classmethod
-    def views(cls, buf: Any, max_tokens: int, max_seqs: int) -> PrefillInputs[Any]:
+    def views(cls, buf: Any, max_tokens: int, max_seqs: int, all_rows: bool = False,
+              ) -> PrefillInputs[Any]:
         """The fields of ``buf`` (a 1-D tensor or array of sum(sizes) words)."""
         out, o = [], 0
-        for n in cls.sizes(max_tokens, max_seqs):
+        for n in cls.sizes(max_tokens, max_seqs, all_rows):
             out.append(buf[o:o + n])
             o += n
         assert o == buf.shape[0], (o, buf.shape)
@@ -85,18 +88,33 @@ def prefill_buckets(max_tokens: int, smallest: int = 256) -> list[int]:
     return sizes
 
 
+def verify_buckets(max_seqs: int, num_draft: int) -> list[int]:
+    """Token budgets of the verify graphs: powers of two from 8 up to every
+    sequence feeding a full draft, max_seqs * (num_draft + 1)."""
+    top = max_seqs * (num_draft + 1)
+    return prefill_buckets(top, smallest=min(8, top))
+
+
 class PrefillGraphs:
+    """Captured extend forwards per token budget. ``all_rows``: the verify graphs
+    of speculative decoding, whose logits rows are a step's sampled rows (each
+    drafted request's last token and draft, in sample_rows order) rather than
+    each sequence's last token; ``buckets``: their budgets (verify_buckets)."""
+
     def __init__(self, runner: ModelRunner, max_tokens: int, max_seqs: int,
-                 pool: object | None = None) -> None:
+                 pool: object | None = None, *, buckets: list[int] | None = None,
+                 all_rows: bool = False) -> None:
         from ftserve_kernels.attention_triton import TritonAttentionBackend
 
         self.runner = runner
         self.max_seqs = max_seqs
-        self.buckets = prefill_buckets(max_tokens)
+        self.all_rows = all_rows
+        self.buckets = buckets if buckets is not None else prefill_buckets(max_tokens)
         self.t_max = self.buckets[-1]
-        self.size = sum(PrefillInputs.sizes(self.t_max, max_seqs))
+        self.size = sum(PrefillInputs.sizes(self.t_max, max_seqs, all_rows))
         self.p_in = torch.zeros(self.size, dtype=torch.int64, device=runner.device)
-        self.inputs: PrefillInputs[torch.Tensor] = PrefillInputs.views(self.p_in, self.t_max, max_seqs)
+        self.inputs: PrefillInputs[torch.Tensor] = PrefillInputs.views(self.p_in, self.t_max, max_seqs,
+                                                                       all_rows)
         # Two pinned staging copies of p_in, alternating; each one's event says when
         # its last copy has run, so it is refilled only then (a query, not a wait;
         # one still in flight falls back to a fresh pinned block). CPU: no events.
@@ -110,8 +128,13 @@ class PrefillGraphs:
         self.pool = pool  # set at capture (CUDA only)
 
     def can_run(self, batch: ScheduledBatch) -> bool:
-        return (not batch.is_decode and len(batch.reqs) <= self.max_seqs
-                and batch.num_tokens <= self.t_max)
+        """Its kind (verify or not), sequences and tokens fit, and the host holds
+        every input token: a verify step can carry plain rows whose token is the
+        in-flight step's output (src_rows), which the graph does not read; such a
+        step runs eagerly."""
+        return (not batch.is_decode and batch.verifies == self.all_rows
+                and len(batch.reqs) <= self.max_seqs and batch.num_tokens <= self.t_max
+                and all(s < 0 for s in batch.src_rows))
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -132,10 +155,11 @@ class PrefillGraphs:
             max_seq_len=r.max_pages * r.page_size,
             max_extend_len=bucket,
         )
+        rows = p.logits_rows[:bucket] if self.all_rows else p.logits_rows
         fb = ForwardBatch(p.ids[:bucket], p.positions[:bucket], attn,
                           r.kv_pool, self.backends[bucket],
-                          logits_indices=p.logits_rows, is_decode=False, kernels=r.kernels)
-        return r.model(fb)  # [S, V] fp32
+                          logits_indices=rows, is_decode=False, kernels=r.kernels)
+        return r.model(fb)  # [S, V] fp32 ([bucket, V] with all_rows)
 
     def capture(self) -> None:
         t0 = time.monotonic()
@@ -147,8 +171,9 @@ class PrefillGraphs:
                 self.graphs[bucket], self.logits[bucket] = capture_graph(
                     lambda b=bucket: self._forward(b), self.pool)
         torch.cuda.synchronize()
-        log.info("CUDA graphs for prefill token budgets %s (up to %d sequences) captured in "
-                 "%.1f s", self.buckets, self.max_seqs, time.monotonic() - t0)
+        log.info("CUDA graphs for %s token budgets %s (up to %d sequences) captured in %.1f s",
+                 "verify" if self.all_rows else "prefill", self.buckets, self.max_seqs,
+                 time.monotonic() - t0)
 
     def _fill(self, batch: ScheduledBatch | None, bucket: int) -> None:
         """Pack the step into p_in with one copy (batch None: an all-padding step)."""
@@ -160,7 +185,7 @@ class PrefillGraphs:
             host = torch.empty_like(host, pin_memory=True)  # still being copied
         buf = host.numpy()
         buf[:] = 0  # padding: token 0 -> dummy slot 0
-        f = PrefillInputs.views(buf, self.t_max, self.max_seqs)
+        f = PrefillInputs.views(buf, self.t_max, self.max_seqs, self.all_rows)
         f.slots[:] = r.sink_row  # empty sequences read the dummy row
         if batch is not None:
             ids, pos, locs, indptr, seq, last = token_layout(batch, r.page_size)
@@ -173,14 +198,19 @@ class PrefillGraphs:
             f.seq_lens[:k] = seq
             f.prefix_lens[:k] = batch.prefix_lens
             f.slots[:k] = [req.slot for req in batch.reqs]
-            f.logits_rows[:k] = last
+            if self.all_rows:
+                rows = logits_rows(batch, sample_rows(batch), last)
+                f.logits_rows[:len(rows)] = rows
+            else:
+                f.logits_rows[:k] = last
         self.p_in.copy_(host, non_blocking=True)
         if done is not None and host is self._stage[self._flip]:
             done.record()
 
     def replay(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run the step's forward; returns static logits [max_seqs, V] (row i =
-        batch.reqs[i]'s last new token; rows past len(batch.reqs) are padding)."""
+        batch.reqs[i]'s last new token; rows past len(batch.reqs) are padding),
+        with all_rows [bucket, V] (row j = the step's sampled row j)."""
         bucket = self._bucket(batch.num_tokens)
         self._fill(batch, bucket)
         self.graphs[bucket].replay()

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from ftserve.engine.prefill_graph import PrefillGraphs
     from ftserve.engine.request import Req
     from ftserve.engine.sampler import SampleOutput, Sampler
+    from ftserve.engine.spec.mtp import MTPDrafter
     from ftserve.kvcache.host_tier import HostKVTier
 
 
@@ -106,6 +107,10 @@ class ModelRunner:
         self._pin = device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        # Speculative verify steps (every position a logits row), captured per width.
+        self.verify_graphs: PrefillGraphs | None = None
+        # --speculative mtp: the draft chain and the MTP KV upkeep (spec/mtp.py).
+        self.mtp: MTPDrafter | None = None
         # KV host tier (set by setup when --kv-host-* is given): the page moves
         # the scheduler planned for this step are launched before its forward.
         self.kv_host: HostKVTier | None = None
@@ -214,16 +219,8 @@ class ModelRunner:
                             [len(x) for x in batch.new_tokens])
         else:
             src = np.full(t, -1)
-        # Row m of request i's draft rows: logits of its token at last - d + m,
-        # sampled at output step steps[i] + m.
-        offs = _draft_offsets(batch, rows)
-        steps = [batch.steps[i] + m for i, m in zip(rows, offs)]
-        small = (indptr + seq_lens + list(batch.prefix_lens)
-                 + [q.slot for q in batch.reqs]
-                 + [last[i] - len(batch.drafts[i]) + m if batch.drafts else last[i]
-                    for i, m in zip(rows, offs)]
-                 + [batch.reqs[i].slot for i in rows] + steps
-                 + [int(st < batch.reqs[i].params.min_tokens) for i, st in zip(rows, steps)]
+        small = (indptr + seq_lens + list(batch.prefix_lens) + [q.slot for q in batch.reqs]
+                 + logits_rows(batch, rows, last) + sampling_words(batch, rows)
                  + (prompt.rows if prompt is not None else []))
         dev = self._upload(np.concatenate([ids, src, pos, locs, np.array(small, dtype=np.int64)]))
         o = 0
@@ -259,6 +256,12 @@ class ModelRunner:
                           logits_indices=logits_idx, is_decode=batch.is_decode, kernels=self.kernels)
         return fb, s_slots, s_steps, s_min.bool()
 
+    def _extend_graphs(self, batch: ScheduledBatch) -> PrefillGraphs | None:
+        """The captured graphs that run this (non-decode) step, if any: verify
+        graphs for a verify step, prefill graphs for the rest."""
+        graphs = self.verify_graphs if batch.verifies else self.prefill_graphs
+        return graphs if graphs is not None and graphs.can_run(batch) else None
+
     def _device_inputs(self, host_ids: torch.Tensor, src_rows: torch.Tensor) -> torch.Tensor:
         """Input ids where the previous step's sampled token stands in for the
         ones the host does not know yet (src_rows >= 0). Fixed shape, no sync."""
@@ -269,7 +272,10 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> Launched:
         """Enqueue the step's device work; the tokens come back in collect()."""
-        decode_graph = (self.graphs is not None and batch.is_decode
+        # A step holding a request that drafts with the MTP layers runs eagerly: it
+        # keeps the hidden states for them (spec/mtp.py).
+        mtp = self.mtp if self.mtp is not None and self.mtp.tracks_any(batch) else None
+        decode_graph = (mtp is None and self.graphs is not None and batch.is_decode
                         and self.graphs.can_run(len(batch.reqs)))
         layer_ready = None
         if self.kv_host is not None:
@@ -287,23 +293,32 @@ class ModelRunner:
             self._sampling_inputs(batch)  # the graph samples: parameters first
             out, graph_host = self.graphs.replay(batch)
             return Launched(batch, rows, self._copy_out(batch, rows, out, graph_host))
-        elif (layer_ready is None and self.prefill_graphs is not None and prompt is None
-              and not batch.verifies and self.prefill_graphs.can_run(batch)):
-            logits_all = self.prefill_graphs.replay(batch)  # [max_seqs, V], row i = reqs[i]
+        elif mtp is None and layer_ready is None and prompt is None and (graphs := self._extend_graphs(batch)):
+            # A prefill graph's logits: row i = reqs[i]; a verify graph's: the
+            # sampled rows in order (PrefillGraphs.all_rows).
+            logits_all = graphs.replay(batch)
             if not rows:
                 return Launched(batch, rows, None)
             self._sampling_inputs(batch)  # behind the forward on the stream, before sampling
-            sreqs = [batch.reqs[i] for i in rows]
-            dev = self._upload(rows + [q.slot for q in sreqs] + [batch.steps[i] for i in rows]
-                               + [int(batch.steps[i] < batch.reqs[i].params.min_tokens)
-                                  for i in rows]).view(4, -1)
+            picks = list(range(len(rows))) if graphs.all_rows else rows
+            dev = self._upload(picks + sampling_words(batch, rows)).view(4, -1)
             logits = logits_all.index_select(0, dev[0])  # [R, V]
-            out = self.sampler.sample(logits, dev[1], dev[2], dev[3].bool(), last=self.last_tokens,
-                                      features=self.sampler.features_of(q.slot for q in sreqs))
+            out = self.sampler.sample(logits, dev[1], dev[2], dev[3].bool(),
+                                      last=None if batch.verifies else self.last_tokens,
+                                      features=self.sampler.features_of(batch.reqs[i].slot for i in rows))
             self.sampler.update(dev[1], out.token_ids)
         else:
             fb, slots, steps, min_active = self.build(batch, prompt)
             fb.layer_ready = layer_ready
+            drafts: torch.Tensor | None = None
+            if mtp is not None:
+                fb.keep_hidden = True
+                if batch.verifies:
+                    if layer_ready:  # the chain writes the MTP layer's pages first
+                        torch.cuda.current_stream(self.device).wait_event(layer_ready[-1])
+                    drafts = mtp.draft(batch)  # [D], written over the -1 placeholders
+                    fb.input_ids = fb.input_ids.index_copy(
+                        0, self._upload(mtp.draft_positions(batch)), drafts)
             logits = self.model(fb)  # [R (+ P), V] fp32 (unused for a non-final chunk)
             if prompt is not None:
                 r = len(rows)
@@ -316,6 +331,8 @@ class ModelRunner:
                 torch.cuda.current_stream(self.device).wait_event(layer_ready[-1])
             if not rows:
                 # A non-final prefill chunk: only the KV matters; no logits, no sync.
+                if mtp is not None:
+                    mtp.extend(batch, fb, None, rows)
                 return Launched(batch, rows, None)
             self._sampling_inputs(batch)
             # A verify step is read back before the next is planned (engine._step):
@@ -325,12 +342,17 @@ class ModelRunner:
             out = self.sampler.sample(logits, slots, steps, min_active, last=last,
                                       features=self.sampler.features_of(batch.reqs[i].slot for i in rows))
             self.sampler.update(slots, out.token_ids)
+            if mtp is not None:
+                mtp.extend(batch, fb, out.token_ids, rows)
+            return Launched(batch, rows, self._copy_out(batch, rows, out, drafts=drafts))
         return Launched(batch, rows, self._copy_out(batch, rows, out))
 
     def _copy_out(self, batch: ScheduledBatch, rows: list[int], out: SampleOutput,
-                  graph_host: torch.Tensor | None = None) -> _HostOut:
+                  graph_host: torch.Tensor | None = None, drafts: torch.Tensor | None = None,
+                  ) -> _HostOut:
         """Start the device->host copy of the sampled tokens (and logprobs if
-        asked); ``graph_host``: the pinned row a decode graph stored them in."""
+        asked); ``graph_host``: the pinned row a decode graph stored them in;
+        ``drafts``: the step's device-made draft tokens, read back with them."""
         n = len(rows)
         want = out.logprobs is not None and any(
             batch.reqs[i].params.logprobs is not None for i in rows)
@@ -352,11 +374,15 @@ class ModelRunner:
             if n > host.numel():  # a verify step's rows outnumber the requests
                 host = torch.empty(n, dtype=torch.int64, pin_memory=self._pin)
             copy_host_words(out.token_ids[:n], host)  # a kernel storing over UVA where on CUDA
+        draft_host = None
+        if drafts is not None:
+            draft_host = torch.empty(drafts.shape[0], dtype=torch.int64, pin_memory=self._pin)
+            copy_host_words(drafts, draft_host)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return _HostOut(host, event, want)
+        return _HostOut(host, event, want, draft_host)
 
     def _read(self, launched: Launched) -> tuple[list[int], list[TokenLogprob | None] | None]:
         """Wait for a launched step's sampled rows (token, and logprob where its
@@ -405,6 +431,14 @@ class ModelRunner:
         batch, rows = launched.batch, launched.rows
         assert launched.out is not None
         sampled, row_lps = self._read(launched)
+        if launched.out.drafts is not None:  # fill in the placeholders (spec/mtp.py)
+            made = launched.out.drafts.tolist()  # pinned host memory, behind the event read waited for
+            o = 0
+            for d, toks in zip(batch.drafts, batch.new_tokens):
+                k = len(d)
+                d[:] = made[o:o + k]
+                toks[1:1 + k] = d  # fed after the request's last token
+                o += k
         tokens: list[list[int]] = [[] for _ in batch.reqs]
         lps: list[list[TokenLogprob | None]] = [[] for _ in batch.reqs]
         for j, i in enumerate(rows):
@@ -423,6 +457,22 @@ def sample_rows(batch: ScheduledBatch) -> list[int]:
     if not batch.drafts:
         return [i for i, s in enumerate(batch.samples) if s]
     return [i for i, s in enumerate(batch.samples) if s for _ in range(len(batch.drafts[i]) + 1)]
+
+
+def logits_rows(batch: ScheduledBatch, rows: list[int], last: list[int]) -> list[int]:
+    """The packed token index whose logits each sampled row reads: a request's
+    last new token, or in a verify step the m-th of its last len(draft) + 1."""
+    if not batch.drafts:
+        return [last[i] for i in rows]
+    return [last[i] - len(batch.drafts[i]) + m for i, m in zip(rows, _draft_offsets(batch, rows))]
+
+
+def sampling_words(batch: ScheduledBatch, rows: list[int]) -> list[int]:
+    """Each sampled row's sampler slot, output step (steps[i] + its position in
+    a draft) and below-min_tokens flag, as three runs of len(rows) words."""
+    steps = [batch.steps[i] + m for i, m in zip(rows, _draft_offsets(batch, rows))]
+    return ([batch.reqs[i].slot for i in rows] + steps
+            + [int(st < batch.reqs[i].params.min_tokens) for i, st in zip(rows, steps)])
 
 
 def _draft_offsets(batch: ScheduledBatch, rows: list[int]) -> list[int]:
@@ -444,6 +494,7 @@ class _HostOut:
     host: torch.Tensor  # [n] int64 tokens, or [n, 2 + 2K] float64: token, logprob, top ids, top logprobs
     event: torch.cuda.Event | None
     logprobs: bool
+    drafts: torch.Tensor | None = None  # [D] int64: the device-made drafts (spec/mtp.py)
 
 
 @dataclass

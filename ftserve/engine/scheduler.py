@@ -58,6 +58,8 @@ class ScheduledBatch:
     # A verify step (speculative decoding): each request's draft, fed after its
     # last token (new_tokens = [last] + draft), every position sampled at step
     # steps[i] + m; empty lists for plain rows. Empty: no drafts in this step.
+    # Drafts made on the device (--speculative mtp) are -1 placeholders here,
+    # in drafts and new_tokens alike, until the runner reads them back.
     drafts: list[list[int]] = field(default_factory=list)
     step_id: int = -1  # set by Scheduler.schedule
 
@@ -313,6 +315,10 @@ class Scheduler:
             # before this step's forward; those tokens count as cached.
             match = self.radix.restore(match)
             n_pages = match.num_tokens // self.page_size
+            if self.spec is not None and self.spec.device_drafts and n_pages:
+                # MTP drafts: a page's last MTP entry was computed with the token
+                # after it, which the match does not cover; recompute that page.
+                n_pages -= 1
             self.radix.lock(match.node)
             req.tree_node = match.node
             req.pages = list(match.pages[:n_pages])

@@ -97,6 +97,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(cfg.seed)
+    use_mtp = _wants_mtp(cfg, model_dir, load_format)
     moe_cache = None
     if cfg.moe_cache_size is not None or cfg.moe_cache_auto:
         # Offload mode: experts in host banks, N slots in VRAM (sized before the KV pool).
@@ -104,7 +105,8 @@ def build_engine(cfg: EngineConfig) -> Engine:
 
         model, mcfg, moe_cache = load_with_expert_cache(model_dir, cfg, device, load_format)
     else:
-        model, mcfg = load_model(model_dir, dtype=cfg.dtype, device=device, load_format=load_format)
+        model, mcfg = load_model(model_dir, dtype=cfg.dtype, device=device, load_format=load_format,
+                                 mtp=use_mtp)
     dtype = next(model.parameters()).dtype
     model_limit = int(mcfg.max_context_len)
     if cfg.max_model_len is not None and cfg.max_model_len > model_limit:
@@ -115,9 +117,11 @@ def build_engine(cfg: EngineConfig) -> Engine:
 
     # --kv-cache-dtype: the pool's dtype (fp8: codes + scales, both counted per token).
     kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, dtype)
-    per_token = KVPool.bytes_per_token(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)
+    # The MTP layer keeps its K/V as one more pool layer (spec/mtp.py).
+    pool_layers = mcfg.num_layers + (1 if use_mtp else 0)
+    per_token = KVPool.bytes_per_token(pool_layers, mcfg.num_kv_heads, mcfg.head_dim, kv_dtype)
     num_pages = _plan_pages(cfg, device, per_token, model, mcfg, kernels)
-    pool = KVPool(mcfg.num_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
+    pool = KVPool(pool_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
                   kv_dtype, device)
     pool_tokens = pool.usable_pages * cfg.page_size
     max_model_len = min(model_limit, cfg.max_model_len or model_limit, pool_tokens)
@@ -135,6 +139,10 @@ def build_engine(cfg: EngineConfig) -> Engine:
                          max_running=cfg.max_running_requests, max_model_len=max_model_len,
                          eos_token_ids=eos, kernels=kernels)
     runner.kv_host = host_tier
+    if use_mtp and scheduler.spec is not None:
+        from ftserve.engine.spec.mtp import MTPDrafter
+
+        runner.mtp = MTPDrafter(runner, cfg.num_speculative_tokens, scheduler.spec.supports)
     graph_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
     if device.type == "cuda" and graph_bs > 0 and getattr(backend, "name", "") == "triton":
         from ftserve.engine.cuda_graph import DecodeGraphs
@@ -149,6 +157,16 @@ def build_engine(cfg: EngineConfig) -> Engine:
             runner.prefill_graphs = PrefillGraphs(
                 runner, cfg.max_prefill_length, min(cfg.max_running_requests, 16))
             runner.prefill_graphs.capture()
+            if scheduler.spec is not None and runner.mtp is None:
+                # Verify steps: up to 16 sequences, each with a full draft at most.
+                # (MTP steps run eagerly: spec/mtp.py.)
+                from ftserve.engine.prefill_graph import verify_buckets
+
+                seqs = min(cfg.max_running_requests, 16)
+                buckets = verify_buckets(seqs, cfg.num_speculative_tokens)
+                runner.verify_graphs = PrefillGraphs(runner, buckets[-1], seqs, buckets=buckets,
+                                                     all_rows=True)
+                runner.verify_graphs.capture()
     # Device-resident only (offload mode keeps the experts in host memory).
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
                        if p.device.type == device.type)
@@ -165,6 +183,8 @@ def build_engine(cfg: EngineConfig) -> Engine:
         "cuda_graph_batch_sizes": runner.graphs.sizes if runner.graphs is not None else [],
         "cuda_graph_prefill_tokens": (runner.prefill_graphs.buckets
                                       if runner.prefill_graphs is not None else []),
+        "cuda_graph_verify_tokens": (runner.verify_graphs.buckets
+                                     if runner.verify_graphs is not None else []),
         "moe_cache": moe_cache.summary() if moe_cache is not None else None,
         # The host tier adds prefix-cache capacity, not single-request context.
         "kv_host_pages": host_tier.num_total if host_tier is not None else 0,
@@ -188,7 +208,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
 
 
 def _speculator(cfg: EngineConfig, mcfg: Any, max_model_len: int) -> Speculator | None:
-    """--speculative ngram's per-request drafting, or None. Off for hybrid models:
+    """--speculative's per-request drafting, or None. Off for hybrid models:
     rolling back a rejected draft would need their recurrent state as it was
     before the draft, which the state pool does not keep."""
     if cfg.speculative == "off":
@@ -198,10 +218,36 @@ def _speculator(cfg: EngineConfig, mcfg: Any, max_model_len: int) -> Speculator 
                     "recurrent state that a rejected draft cannot be rolled back from",
                     cfg.speculative)
         return None
+    if cfg.speculative == "mtp":
+        from ftserve.engine.spec.mtp import MTPSpeculator
+
+        log.info("speculative decoding: mtp, %d draft tokens from the checkpoint's MTP layer",
+                 cfg.num_speculative_tokens)
+        return MTPSpeculator(cfg.num_speculative_tokens, max_model_len)
     log.info("speculative decoding: %s, %d draft tokens, n-gram match %d..%d tokens",
              cfg.speculative, cfg.num_speculative_tokens, cfg.ngram_min_match, cfg.ngram_max_match)
     return Speculator(cfg.num_speculative_tokens, cfg.ngram_min_match, cfg.ngram_max_match,
                       max_model_len)
+
+
+def _wants_mtp(cfg: EngineConfig, model_dir: str, load_format: str) -> bool:
+    """--speculative mtp on a model it runs on (not a hybrid: _speculator): build
+    the checkpoint's MTP layers. A checkpoint without them is a start-up error."""
+    if cfg.speculative != "mtp":
+        return False
+    from ftserve.models.config import ModelConfig
+    from ftserve.models.loader import mtp_layers
+
+    mcfg = ModelConfig.from_pretrained(model_dir)
+    if mcfg.is_hybrid:
+        return False
+    n = mtp_layers(model_dir, mcfg, load_format)
+    if n == 0:
+        raise ConfigError(f"--speculative mtp needs a checkpoint with MTP layers (mtp.* tensors); "
+                          f"{model_dir} has none: use --speculative ngram or off")
+    if n > 1:
+        raise ConfigError(f"--speculative mtp runs one MTP layer; {model_dir} has {n}")
+    return True
 
 
 def _host_tier(cfg: EngineConfig, pool: KVPool) -> HostKVTier | None:
@@ -238,6 +284,18 @@ def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int,
     # plus the CUDA-graph pool (intermediates of the largest captured batch).
     vocab = mcfg.vocab_size
     workspace = cfg.max_running_requests * vocab * 16 + 256 * 2**20
+    if cfg.speculative != "off" and cfg.cuda_graph_max_bs > 0:
+        # Verify graphs: each width's static fp32 logits, one row per token, and
+        # sampling rows for every draft position.
+        from ftserve.engine.prefill_graph import verify_buckets
+
+        rows = sum(verify_buckets(min(cfg.max_running_requests, 16), cfg.num_speculative_tokens))
+        workspace += rows * vocab * 4 + cfg.max_running_requests * cfg.num_speculative_tokens * vocab * 16
+    if cfg.speculative == "mtp":
+        # The MTP layer's pass after a prefill chunk: the chunk's hidden states, the
+        # next tokens' embeddings and their concatenation beside one layer's activations.
+        elem = next(model.parameters()).element_size()
+        workspace += 8 * cfg.max_prefill_length * mcfg.hidden_size * elem
     free, total = torch.cuda.mem_get_info(device)
     used = total - free  # weights, the CUDA context, anything else on the card
     budget = total * cfg.memory_ratio - used - activation - workspace

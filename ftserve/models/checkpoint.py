@@ -97,9 +97,14 @@ def preset_config(
 
 
 def _meta_model(hf_config: dict[str, Any]) -> torch.nn.Module:
+    """The model a checkpoint of this config fills, on the meta device (its MTP
+    layers too when the config declares them: the checkpoint ships them)."""
     cfg = ModelConfig.from_hf(hf_config)
     with torch.device("meta"):
-        return model_class(cfg.architecture)(cfg, torch.float32)
+        model = model_class(cfg.architecture)(cfg, torch.float32)
+        if cfg.num_mtp_layers:
+            model.attach_mtp(cfg.num_mtp_layers)
+        return model
 
 
 def _not_converted(hf_config: dict[str, Any]) -> list[str]:
@@ -122,7 +127,7 @@ def _init_tensor(
 ) -> torch.Tensor:
     """Random values that keep activations and logits O(1) and make routing depend
     on the token. Tied embeddings double as the LM head, so they get its scale."""
-    if name.endswith("norm.weight"):
+    if name.endswith("norm.weight") or ".pre_fc_norm_" in name:
         return 1.0 + 0.1 * torch.randn(shape, generator=gen)
     if name.endswith(".bias"):
         return 0.1 * torch.randn(shape, generator=gen)

@@ -138,6 +138,9 @@ class ModelConfig:
     linear_attn: LinearAttentionConfig | None = None
     shared_expert_intermediate_size: int = 0  # MoE layers' always-on expert (0: none)
     quant: Fp8Config | None = None  # an fp8 checkpoint's quantization_config (fp8_config.py)
+    # Multi-token-prediction layers the config declares (num_nextn_predict_layers);
+    # the checkpoint's mtp.* tensors are what counts (loader.mtp_layers).
+    num_mtp_layers: int = 0
 
     @property
     def q_size(self) -> int:
@@ -297,6 +300,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             checkpoint_dtype=hf.get("torch_dtype") or hf.get("dtype"),
             quant=parse_quantization(hf),
+            num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
             **moe,
             **hybrid,
         )

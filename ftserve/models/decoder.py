@@ -137,9 +137,6 @@ class DecoderForCausalLM(nn.Module):
     # HF names of the MoE block: "<prefix>.gate.weight", "<prefix>.experts.<e>.<name>.weight"
     moe_prefix = "mlp"
     expert_names = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
-    # Checkpoint tensors under these name prefixes are skipped at load (heads we do not run).
-    ignorable_prefixes: tuple[str, ...] = ()
-
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = cfg
@@ -147,10 +144,28 @@ class DecoderForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        self.mtp: nn.Module | None = None  # attach_mtp (--speculative mtp)
         # Filled by init_buffers() after materialization; fp32 whatever the model dtype.
         self.register_buffer(
             "cos_sin", torch.empty(cfg.max_context_len, cfg.rotary_dim, dtype=torch.float32), persistent=False
         )
+
+    def attach_mtp(self, num_layers: int) -> None:
+        """Build the checkpoint's MTP layers (models/mtp.py) beside the model, before
+        it is materialized: they load from its ``mtp.*`` tensors."""
+        from ftserve.models.mtp import DecoderMTP
+
+        self.mtp = DecoderMTP(self.config, num_layers, self.embed_tokens.weight.dtype)
+
+    @property
+    def ignorable_prefixes(self) -> tuple[str, ...]:
+        """Checkpoint tensors under these name prefixes are skipped at load: MTP
+        layers the model was built without."""
+        return () if self.mtp is not None else ("mtp.",)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, H]: the lm_head's weight (the embedding's when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
     def init_buffers(self) -> None:
@@ -200,6 +215,11 @@ class DecoderForCausalLM(nn.Module):
             x, residual, normed = layer(x, residual, batch, self.cos_sin, normed, after, defer=i + 1 < n)
         assert residual is not None
         rows = batch.logits_indices
+        if batch.keep_hidden:  # every token's normed hidden state, for MTP drafting
+            if not normed:
+                x, _ = self.norm.forward_add(x, residual, batch.kernels)
+                normed = True
+            batch.hidden = x  # [T, H]
         if rows is not None and not (batch.is_decode and rows.shape[0] == x.shape[0]):
             # Norm is per row, so selecting first skips the norm of unused rows. A decode
             # batch whose every token is a logits row selects all of them in order (the
@@ -209,8 +229,7 @@ class DecoderForCausalLM(nn.Module):
                 residual = residual.index_select(0, batch.logits_indices)
         if not normed:
             x, _ = self.norm.forward_add(x, residual, batch.kernels)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear_fp32(batch.kernels, x, head)  # [B or T, V] fp32
+        return ops.linear_fp32(batch.kernels, x, self.lm_head_weight())  # [B or T, V] fp32
 
     def ignorable_checkpoint_names(self) -> set[str]:
         """Tensors a checkpoint may carry that we do not load."""
@@ -218,35 +237,43 @@ class DecoderForCausalLM(nn.Module):
 
     def checkpoint_targets(self) -> dict[str, Target]:
         """HF tensor name -> destination, for every tensor the checkpoint must provide."""
-        cfg = self.config
-        q, kv = cfg.q_size, cfg.kv_size
         t: dict[str, Target] = {"model.embed_tokens.weight": Target("embed_tokens.weight")}
         for i, layer in enumerate(self.layers):
-            hf, me = f"model.layers.{i}", f"layers.{i}"
-            t[f"{hf}.input_layernorm.weight"] = Target(f"{me}.input_layernorm.weight")
-            t[f"{hf}.post_attention_layernorm.weight"] = Target(f"{me}.post_attention_layernorm.weight")
-            parts = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
-            kinds = ["weight"] + (["bias"] if cfg.qkv_bias else [])
-            for name, rows in parts.items():
-                for kind in kinds:
-                    t[f"{hf}.self_attn.{name}.{kind}"] = Target(f"{me}.self_attn.qkv_proj.{kind}", (rows,))
-            for kind in ["weight"] + (["bias"] if cfg.o_bias else []):
-                t[f"{hf}.self_attn.o_proj.{kind}"] = Target(f"{me}.self_attn.o_proj.{kind}")
-            if cfg.qk_norm:
-                t[f"{hf}.self_attn.q_norm.weight"] = Target(f"{me}.self_attn.q_norm.weight")
-                t[f"{hf}.self_attn.k_norm.weight"] = Target(f"{me}.self_attn.k_norm.weight")
-            if isinstance(layer.mlp, MoEBlock):
-                t.update(self._moe_targets(hf, me, cfg.num_experts, cfg.moe_intermediate_size))
-            else:
-                inter = cfg.intermediate_size
-                for kind in ["weight"] + (["bias"] if cfg.mlp_bias else []):
-                    gu = f"{me}.mlp.gate_up_proj.{kind}"
-                    t[f"{hf}.mlp.gate_proj.{kind}"] = Target(gu, (slice(0, inter),))
-                    t[f"{hf}.mlp.up_proj.{kind}"] = Target(gu, (slice(inter, 2 * inter),))
-                    t[f"{hf}.mlp.down_proj.{kind}"] = Target(f"{me}.mlp.down_proj.{kind}")
+            t.update(self._layer_targets(f"model.layers.{i}", f"layers.{i}", layer))
         t["model.norm.weight"] = Target("norm.weight")
         if self.lm_head is not None:
             t["lm_head.weight"] = Target("lm_head.weight")
+        if self.mtp is not None:
+            t.update(self.mtp.checkpoint_targets(self._layer_targets))  # type: ignore[operator]
+        return t
+
+    def _layer_targets(self, hf: str, me: str, layer: nn.Module) -> dict[str, Target]:
+        """One decoder layer's tensors: HF prefix ``hf``, ours ``me``."""
+        cfg = self.config
+        q, kv = cfg.q_size, cfg.kv_size
+        t: dict[str, Target] = {}
+        t[f"{hf}.input_layernorm.weight"] = Target(f"{me}.input_layernorm.weight")
+        t[f"{hf}.post_attention_layernorm.weight"] = Target(f"{me}.post_attention_layernorm.weight")
+        parts = {"q_proj": slice(0, q), "k_proj": slice(q, q + kv), "v_proj": slice(q + kv, q + 2 * kv)}
+        kinds = ["weight"] + (["bias"] if cfg.qkv_bias else [])
+        for name, rows in parts.items():
+            for kind in kinds:
+                t[f"{hf}.self_attn.{name}.{kind}"] = Target(f"{me}.self_attn.qkv_proj.{kind}", (rows,))
+        for kind in ["weight"] + (["bias"] if cfg.o_bias else []):
+            t[f"{hf}.self_attn.o_proj.{kind}"] = Target(f"{me}.self_attn.o_proj.{kind}")
+        if cfg.qk_norm:
+            t[f"{hf}.self_attn.q_norm.weight"] = Target(f"{me}.self_attn.q_norm.weight")
+            t[f"{hf}.self_attn.k_norm.weight"] = Target(f"{me}.self_attn.k_norm.weight")
+        assert isinstance(layer, DecoderLayer)
+        if isinstance(layer.mlp, MoEBlock):
+            t.update(self._moe_targets(hf, me, cfg.num_experts, cfg.moe_intermediate_size))
+        else:
+            inter = cfg.intermediate_size
+            for kind in ["weight"] + (["bias"] if cfg.mlp_bias else []):
+                gu = f"{me}.mlp.gate_up_proj.{kind}"
+                t[f"{hf}.mlp.gate_proj.{kind}"] = Target(gu, (slice(0, inter),))
+                t[f"{hf}.mlp.up_proj.{kind}"] = Target(gu, (slice(inter, 2 * inter),))
+                t[f"{hf}.mlp.down_proj.{kind}"] = Target(f"{me}.mlp.down_proj.{kind}")
         return t
 
     def _moe_targets(self, hf: str, me: str, num_experts: int, inter: int) -> dict[str, Target]:

@@ -102,6 +102,10 @@ class ForwardBatch:
     # Which kernels every layer runs (the engine's, fixed at start-up; tests
     # and tools building a batch themselves get the defaults unless they pass one).
     kernels: KernelConfig = DEFAULT_KERNELS
+    # keep_hidden: the model also leaves every token's final hidden state (after
+    # the final norm) in ``hidden`` [T, H], the input of MTP drafting (models/mtp.py).
+    keep_hidden: bool = False
+    hidden: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

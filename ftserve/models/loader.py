@@ -78,14 +78,17 @@ def stored_names(cfg: ModelConfig, path: Path, load_format: str) -> set[str] | N
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                stored: set[str] | None = None) -> DecoderForCausalLM:
+                mtp_layers: int = 0, stored: set[str] | None = None) -> DecoderForCausalLM:
     """Construct on the meta device (no memory, no init), then allocate once on ``device``.
-    Parameter values are uninitialized until the caller fills them. An fp8
-    checkpoint's weights become fp8 parameters first (fp8.convert; ``stored``:
-    the checkpoint's tensor names, None for dummy weights)."""
+    Parameter values are uninitialized until the caller fills them. ``mtp_layers``:
+    also build that many MTP layers (models/mtp.py). An fp8 checkpoint's weights
+    then become fp8 parameters (fp8.convert; ``stored``: the checkpoint's tensor
+    names, None for dummy weights)."""
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg, dtype)
+        if mtp_layers:
+            model.attach_mtp(mtp_layers)
         if cfg.quant is not None:
             fp8.convert(model, cfg.quant, stored)
     model.to_empty(device=device)
@@ -102,16 +105,23 @@ def load_model(
     *,
     max_model_len: int | None = None,
     seed: int = 0,
+    mtp: bool = False,
 ) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Returns (model, config). ``max_model_len`` shortens the rope table (and the
-    single-request limit) below what the checkpoint supports."""
+    single-request limit) below what the checkpoint supports. ``mtp``: with the
+    checkpoint's MTP layers (a CheckpointError if it has none)."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     cfg = ModelConfig.from_pretrained(model_dir)
     if max_model_len is not None:
         cfg = cfg.with_max_len(max_model_len)
     torch_dtype = resolve_dtype(dtype, device)
-    model = build_model(cfg, torch_dtype, device, stored_names(cfg, model_dir, load_format))
+    n_mtp = 0
+    if mtp:
+        n_mtp = mtp_layers(model_dir, cfg, load_format)
+        if n_mtp == 0:
+            raise CheckpointError(f"{model_dir} has no MTP layers (no mtp.* tensors)")
+    model = build_model(cfg, torch_dtype, device, n_mtp, stored_names(cfg, model_dir, load_format))
     if load_format in ("safetensors", "gguf", "auto"):
         fill_from_checkpoint(model, model_dir)
     elif load_format == "dummy":
@@ -120,6 +130,27 @@ def load_model(
         raise ValueError(f"load_format must be safetensors, gguf or dummy, got {load_format!r}")
     model.refresh_derived()
     return model, cfg
+
+
+def mtp_layers(model_dir: str | Path, cfg: ModelConfig, load_format: str = "safetensors") -> int:
+    """The MTP layers a checkpoint ships: its ``mtp.layers.<j>`` tensors (dummy
+    weights: the config's num_nextn_predict_layers; a GGUF: none)."""
+    from ftserve.models import gguf
+    from ftserve.models.mtp import count_layers
+
+    model_dir = Path(model_dir)
+    if load_format == "dummy":
+        return cfg.num_mtp_layers
+    if gguf.is_gguf(model_dir):
+        return 0
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return count_layers(set(json.loads(index.read_text())["weight_map"]))
+    names: set[str] = set()
+    for f in checkpoint_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            names.update(h.keys())
+    return count_layers(names)
 
 
 def fill_from_checkpoint(model: DecoderForCausalLM, path: Path) -> None:
@@ -210,7 +241,7 @@ def fill_dummy(model: DecoderForCausalLM, seed: int = 0) -> None:
             fp8.fill_dummy_codes(p, gen)
         elif name.endswith("_scale"):
             p.fill_(fp8.DUMMY_SCALE)
-        elif name.endswith("norm.weight"):
+        elif name.endswith("norm.weight") or ".pre_fc_norm_" in name:
             p.fill_(1.0)
         elif name.endswith(".bias"):
             p.zero_()

@@ -1,7 +1,9 @@
 """Checkpoint presets for tools/make_model.py: HF config.json contents.
 
 Tiny presets (hidden 64, vocab 32768 = the bundled Mistral v3 tokenizer) are
-for tests and the demo model. Real-shape presets copy the published configs'
+for tests and the demo model; ``num_nextn_predict_layers`` (set on
+tiny-qwen3-next, or as an override / ``make_model.py --mtp`` on any preset)
+makes a checkpoint ship that many MTP layers (models/mtp.py). Real-shape presets copy the published configs'
 layer shapes exactly; cut depth with ``layers=``.
 """
 
@@ -111,6 +113,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [],
         "attention_bias": False,
         "rope_theta": 10000000.0,
+        # One MTP layer (mtp.*), as the published checkpoints ship.
+        "num_nextn_predict_layers": 1,
     },
     # https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json
     "qwen3-next-80b-a3b": {

@@ -17,14 +17,17 @@ the state pool only the linear ones (ModelConfig.linear_layers).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
-from ftserve.models.config import ModelConfig
+from ftserve.models.config import FULL_ATTENTION, ModelConfig
 from ftserve.models.decoder import Target
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve.models.layers import DenseMLP, Embedding, Linear, MoEBlock
 from ftserve.models.linear_attention import GatedDeltaNet
+from ftserve.models.mtp import MTPHead
 from ftserve_kernels import ops
 from ftserve_kernels.config import KernelConfig
 
@@ -123,9 +126,6 @@ class Qwen3NextForCausalLM(nn.Module):
     """model(batch) -> logits [rows, vocab] fp32, as DecoderForCausalLM; the batch
     also carries the state pool and slots (ForwardBatch.state_pool / state_slots)."""
 
-    # Multi-token-prediction head of the published checkpoints: not used (yet).
-    ignorable_prefixes: tuple[str, ...] = ("mtp.",)
-
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         if cfg.linear_attn is None:
@@ -138,6 +138,19 @@ class Qwen3NextForCausalLM(nn.Module):
         self.register_buffer(
             "cos_sin", torch.empty(cfg.max_context_len, cfg.rotary_dim, dtype=torch.float32), persistent=False
         )
+        self.mtp: Qwen3NextMTP | None = None  # attach_mtp
+
+    def attach_mtp(self, num_layers: int) -> None:
+        """Build the checkpoint's MTP layers (models/mtp.py) before materializing."""
+        self.mtp = Qwen3NextMTP(self.config, num_layers, self.embed_tokens.weight.dtype)
+
+    @property
+    def ignorable_prefixes(self) -> tuple[str, ...]:
+        """The published checkpoints' MTP tensors, when built without them."""
+        return () if self.mtp is not None else ("mtp.",)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
     def init_buffers(self) -> None:
@@ -155,33 +168,44 @@ class Qwen3NextForCausalLM(nn.Module):
         x = batch.input_embeds if batch.input_embeds is not None else self.embed_tokens(batch.input_ids)
         for layer in self.layers:
             x = layer(x, batch, self.cos_sin)  # [T, H]
+        if batch.keep_hidden:  # every token's normed hidden state, for MTP drafting
+            x = batch.hidden = self.norm(x)
+            if batch.logits_indices is not None:
+                x = x.index_select(0, batch.logits_indices)
+            return ops.linear_fp32(batch.kernels, x, self.lm_head_weight())
         if batch.logits_indices is not None:
             x = x.index_select(0, batch.logits_indices)  # [B, H]: the norm is per row
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear_fp32(batch.kernels, self.norm(x), head)  # [B or T, V] fp32
+        return ops.linear_fp32(batch.kernels, self.norm(x), self.lm_head_weight())  # [B or T, V] fp32
 
     def ignorable_checkpoint_names(self) -> set[str]:
         return {"lm_head.weight"} if self.lm_head is None else set()
 
     def checkpoint_targets(self) -> dict[str, Target]:
         """HF tensor name -> destination, for every tensor the checkpoint must provide."""
-        cfg = self.config
         t: dict[str, Target] = {"model.embed_tokens.weight": Target("embed_tokens.weight")}
         for i, layer in enumerate(self.layers):
-            hf, me = f"model.layers.{i}", f"layers.{i}"
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                t[f"{hf}.{norm}.weight"] = Target(f"{me}.{norm}.weight")
-            if layer.self_attn is not None:
-                t.update(self._attention_targets(f"{hf}.self_attn", f"{me}.self_attn"))
-            else:
-                t.update(self._linear_targets(f"{hf}.linear_attn", f"{me}.linear_attn"))
-            if isinstance(layer.mlp, SharedExpertMoE):
-                t.update(self._moe_targets(f"{hf}.mlp", f"{me}.mlp"))
-            else:
-                t.update(_mlp_targets(f"{hf}.mlp", f"{me}.mlp", cfg.intermediate_size))
+            t.update(self._layer_targets(f"model.layers.{i}", f"layers.{i}", layer))
         t["model.norm.weight"] = Target("norm.weight")
         if self.lm_head is not None:
             t["lm_head.weight"] = Target("lm_head.weight")
+        if self.mtp is not None:
+            t.update(self.mtp.checkpoint_targets(self._layer_targets))
+        return t
+
+    def _layer_targets(self, hf: str, me: str, layer: nn.Module) -> dict[str, Target]:
+        """One decoder layer's tensors: HF prefix ``hf``, ours ``me``."""
+        assert isinstance(layer, Qwen3NextDecoderLayer)
+        t: dict[str, Target] = {}
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            t[f"{hf}.{norm}.weight"] = Target(f"{me}.{norm}.weight")
+        if layer.self_attn is not None:
+            t.update(self._attention_targets(f"{hf}.self_attn", f"{me}.self_attn"))
+        else:
+            t.update(self._linear_targets(f"{hf}.linear_attn", f"{me}.linear_attn"))
+        if isinstance(layer.mlp, SharedExpertMoE):
+            t.update(self._moe_targets(f"{hf}.mlp", f"{me}.mlp"))
+        else:
+            t.update(_mlp_targets(f"{hf}.mlp", f"{me}.mlp", self.config.intermediate_size))
         return t
 
     def _attention_targets(self, hf: str, me: str) -> dict[str, Target]:
@@ -224,6 +248,28 @@ class Qwen3NextForCausalLM(nn.Module):
             t[f"{ex}.up_proj.weight"] = Target(f"{me}.w13", (e, slice(inter, 2 * inter)))
             t[f"{ex}.down_proj.weight"] = Target(f"{me}.w2", (e,))
         return t
+
+
+class Qwen3NextMTP(MTPHead):
+    """Qwen3-Next's MTP layers: zero-centered norms, and full-attention decoder
+    layers with the shared-expert MoE block; the attention of MTP layer j is KV
+    pool layer len(kv_layers) + j."""
+
+    def __init__(self, cfg: ModelConfig, num_layers: int, dtype: torch.dtype) -> None:
+        n = cfg.num_layers
+        ext = dataclasses.replace(
+            cfg, num_layers=n + num_layers, layer_types=cfg.layer_types + (FULL_ATTENTION,) * num_layers,
+            sparse_layers=cfg.sparse_layers + (cfg.num_experts > 0,) * num_layers)
+        layers = [Qwen3NextDecoderLayer(ext, n + j, dtype) for j in range(num_layers)]
+        super().__init__(cfg.hidden_size, layers,
+                         lambda: ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype), dtype)
+
+    def normalize(self, norm: nn.Module, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return norm(x)  # type: ignore[no-any-return]
+
+    def block(self, layer: nn.Module, x: torch.Tensor, batch: ForwardBatch,
+              cos_sin: torch.Tensor) -> torch.Tensor:
+        return self.norm(layer(x, batch, cos_sin))  # type: ignore[no-any-return]
 
 
 def _mlp_targets(hf: str, me: str, inter: int) -> dict[str, Target]:

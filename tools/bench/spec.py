@@ -1,19 +1,30 @@
-"""Speculative decoding (--speculative ngram) against plain decoding on the code-edit
-replay (loadgen's ``edit`` profile: rewrite a ~2k-token file with one small change).
+"""Speculative decoding (--speculative ngram, or mtp) against plain decoding on the
+code-edit replay (loadgen's ``edit`` profile: rewrite a ~2k-token file with one small
+change).
 
-For each mode (off, ngram) it starts one ``ftserve serve`` and, for each batch size,
-runs the same loadgen workload (same seed, so the same files and changes) with
-that many closed loops, greedy; reports output tokens/s, the ratio to plain
-decoding, and from /metrics the drafts' acceptance (kept / proposed tokens, kept
-per verify). Targets (BENCHMARKS.md): with the real small model at batch 1, >= 2x
-plain decoding's tokens/s on the H200; with random weights (nothing to copy:
-drafts are rare and rejected, and back off) at most 3% slower.
+For each mode (off, then the speculative one) it starts one ``ftserve serve`` and,
+for each batch size, runs the same loadgen workload (same seed, so the same files
+and changes in the same order) with that many closed loops, greedy; reports output
+tokens/s, the ratio to plain decoding, and from /metrics the drafts' acceptance
+(kept / proposed tokens, kept per verify). Targets (BENCHMARKS.md): with the real
+small model at batch 1, >= 2x plain decoding's tokens/s on the H200; with random
+weights (nothing to copy: drafts are rare and rejected, and back off) at most 3%
+slower.
 
-    # on the H200: SmolLM2 (fetched by name), then the 8-layer qwen3-30b-a3b shape
-    python -m tools.bench.spec --model smollm2-135m --out OUT/smollm2
-    python -m tools.bench.spec --preset qwen3-30b-a3b --layers 8 --out OUT/qwen3
+``--budget-s S`` bounds the whole invocation: each run stops sending requests when
+its share of what is left is spent (``--duration``; what is in flight finishes and
+counts), a server that is not up in time ends the run, and runs with no time left
+are reported as skipped. The servers get ``--max-running-requests`` and
+``--cuda-graph-max-bs`` = the largest batch (fewer graphs to capture at start-up;
+flags after ``--`` override them).
+
+    # on the H200 (no network there: the real model's GGUF by path), then the
+    # 8-layer qwen3-30b-a3b shape with random weights; about 150 s in all
+    python -m tools.bench.spec --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out OUT/smollm2 --budget-s 90
+    python -m tools.bench.spec --preset qwen3-30b-a3b --layers 8 --out OUT/qwen3 \
+        --loadgen-args "--ignore-eos" --budget-s 60
     # on the CPU, to check the script (small files, batch 1 and 2)
-    python -m tools.bench.spec --model smollm2-135m --batches 1,2 --requests 2 \\
+    python -m tools.bench.spec --model smollm2-135m --batches 1,2 --requests 2 \
         --file-tokens 300 --out OUT -- --device cpu --cuda-graph-max-bs 0
 
 Flags after ``--`` go to both servers. OUT gets each server's log, each run's
@@ -105,20 +116,76 @@ def loadgen(url: str, out: str, args: list[str]) -> dict[str, Any]:
     return summary
 
 
-def run_mode(mode: str, serve: list[str], a: argparse.Namespace) -> dict[str, Any]:
+class Budget:
+    """--budget-s: the wall-clock time left to the invocation, and each run's share
+    (None: unbounded). Server start-ups still to come are reserved at the measured
+    length of the first one."""
+
+    STOP_S = 5.0  # a server's shutdown
+    MIN_RUN_S = 3.0  # less than this left for a run: it is skipped
+
+    def __init__(self, seconds: float | None, runs: int, servers: int) -> None:
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.runs_left, self.servers_left = runs, servers
+        self.startup_s: float | None = None
+
+    def left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def startup_timeout(self, default: float) -> float:
+        left = self.left()
+        return default if left is None else max(1.0, min(default, left - self.STOP_S))
+
+    def started(self, seconds: float) -> None:
+        self.servers_left -= 1
+        if self.startup_s is None:
+            self.startup_s = seconds
+
+    def run_share(self) -> float | None:
+        """Seconds this run may send requests for (None: unbounded; <= 0: skip it).
+        A closed loop's last requests finish after that, so the share keeps a third
+        of the slice back for them."""
+        left = self.left()
+        if left is None:
+            return None
+        reserve = self.servers_left * ((self.startup_s or 0.0) + self.STOP_S) + self.STOP_S
+        slice_s = (left - reserve) / max(1, self.runs_left)
+        return slice_s * 2 / 3 if slice_s >= self.MIN_RUN_S else 0.0
+
+
+def run_mode(mode: str, serve: list[str], a: argparse.Namespace, budget: Budget) -> dict[str, Any]:
     """One server in ``mode``; a loadgen run per batch size; each run's summary and
     the speculation counters it moved."""
     server = Server([*serve, "--speculative", mode], os.path.join(a.out, f"serve_{mode}.log"))
     runs: dict[str, Any] = {}
     try:
-        server.wait_ready(a.startup_timeout)
+        t0 = time.monotonic()
+        try:
+            server.wait_ready(budget.startup_timeout(a.startup_timeout))
+        except RuntimeError as err:  # not up in time, or exited: this mode's runs are skipped
+            runs["error"] = str(err)
+            budget.started(time.monotonic() - t0)
+            budget.runs_left -= len(a.batch_sizes)
+            runs.update({str(bs): {"skipped": "the server did not start"} for bs in a.batch_sizes})
+            return runs
+        runs["startup_s"] = time.monotonic() - t0
+        budget.started(runs["startup_s"])
         for bs in a.batch_sizes:
+            share = budget.run_share()
+            budget.runs_left -= 1
+            if share is not None and share <= 0:
+                runs[str(bs)] = {"skipped": "no time left (--budget-s)"}
+                continue
+            left = budget.left()
+            drain = a.request_timeout if left is None else max(1.0, min(a.request_timeout, left - 2 * Budget.STOP_S))
             # Every run sends the same files: request i of each is the same edit.
             load = ["--profile", "edit", "--seed", str(a.seed), "--file-tokens", str(a.file_tokens),
                     "--concurrency", str(bs), "--max-requests", str(a.requests * bs),
                     "--temperature", "0", "--max-context", str(a.max_context),
-                    "--warmup", str(a.warmup), "--drain-timeout", str(a.request_timeout),
+                    "--warmup", str(a.warmup), "--drain-timeout", str(drain),
                     "--request-timeout", str(a.request_timeout), *a.loadgen_args.split()]
+            if share is not None:
+                load += ["--duration", f"{share:.1f}"]
             before = server.metrics()
             summary = loadgen(server.url, os.path.join(a.out, f"{mode}_bs{bs}"), load)
             after = server.metrics()
@@ -129,27 +196,40 @@ def run_mode(mode: str, serve: list[str], a: argparse.Namespace) -> dict[str, An
                 "acceptance_rate": kept / proposed if proposed else None,
                 "kept_per_verify": kept / verifies if verifies else None,
             }
+            summary["send_window_s"] = share
             runs[str(bs)] = summary
     finally:
         runs["exit_code"] = server.stop()
     return runs
 
 
+def _ran(run: dict[str, Any] | None) -> bool:
+    return run is not None and "skipped" not in run
+
+
 def render_markdown(res: dict[str, Any]) -> str:
+    mode = res["mode"]
     rows = []
     for bs in res["batch_sizes"]:
-        off, on = res["off"][str(bs)], res["ngram"][str(bs)]
+        off, on = res["off"].get(str(bs)), res[mode].get(str(bs))
+        if not (_ran(off) and _ran(on)):
+            why = next((r["skipped"] for r in (off, on) if r is not None and "skipped" in r), "not run")
+            rows.append([bs, f"skipped: {why}", "", "", "", "", "", "", ""])
+            continue
+        assert off is not None and on is not None
         sp = on["spec"]
         rows.append([bs, off["output_throughput"], on["output_throughput"],
-                     res["ratios"][str(bs)], sp["acceptance_rate"], sp["kept_per_verify"],
+                     f"{res['ratios'][str(bs)]:.3f}", sp["acceptance_rate"], sp["kept_per_verify"],
                      sp["verifies"], off["completed"] + on["completed"], off["failed"] + on["failed"]])
+    starts = ", ".join(f"{m} {res[m]['startup_s']:.0f} s" for m in ("off", mode) if "startup_s" in res[m])
     return "\n".join([
-        f"### Speculative decoding (n-gram) vs plain on the edit replay -- {res['model']}, "
+        f"### Speculative decoding ({mode}) vs plain on the edit replay -- {res['model']}, "
         f"{res['where']}, {res['date_utc']}",
         f"reproduce: `python -m tools.bench.spec {shlex.join(res['argv'])}`", "",
-        markdown_table(["batch", "plain tok/s", "ngram tok/s", "ratio", "acceptance",
+        markdown_table(["batch", "plain tok/s", f"{mode} tok/s", "ratio", "acceptance",
                         "kept per verify", "verifies", "requests", "failed"], rows), "",
-        "acceptance: draft tokens kept / proposed; kept per verify: the mean accept length.", ""])
+        "acceptance: draft tokens kept / proposed; kept per verify: the mean accept length; "
+        f"server start-up: {starts or 'n/a'}; whole run {res['wall_s']:.0f} s.", ""])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,8 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.bench.spec", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a checkpoint or model name (e.g. smollm2-135m)")
+    p.add_argument("--gguf", default=None,
+                   help="instead of --model: a .gguf file by path (the real small model where "
+                        "nothing can be fetched)")
     p.add_argument("--preset", default=None,
                    help="instead of --model: a tools/make_model preset with dummy weights")
+    p.add_argument("--speculative", choices=("ngram", "mtp"), default="ngram",
+                   help="the mode compared with plain decoding (mtp: a --preset checkpoint gets "
+                        "one MTP layer)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall-clock seconds for the whole invocation (module docstring)")
     p.add_argument("--layers", type=int, default=8, help="--preset: layers kept")
     p.add_argument("--out", required=True)
     p.add_argument("--batches", default="1,16", help="batch sizes (closed loops), comma-separated")
@@ -176,41 +264,56 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=1800.0,
                    help="seconds a request may take (and the drain after the last is sent)")
     a = p.parse_args(argv)
-    if (a.model is None) == (a.preset is None):
-        p.error("give --model or --preset")
+    if sum(x is not None for x in (a.model, a.gguf, a.preset)) != 1:
+        p.error("give one of --model, --gguf or --preset")
+    if a.gguf is not None and not (os.path.isfile(a.gguf) and a.gguf.endswith(".gguf")):
+        p.error(f"--gguf {a.gguf!r} is not a .gguf file")
     a.batch_sizes = [int(x) for x in a.batches.split(",")]
+    started = time.monotonic()
     os.makedirs(a.out, exist_ok=True)
     if a.preset is not None:
         from ftserve.models.checkpoint import write_checkpoint
 
         path = os.path.join(a.out, "model")
-        write_checkpoint(a.preset, path, layers=a.layers, config_only=True)
+        mtp = {"num_nextn_predict_layers": 1} if a.speculative == "mtp" else None
+        write_checkpoint(a.preset, path, layers=a.layers, config_only=True, overrides=mtp)
         serve = ["--model", path, "--load-format", "dummy"]
         name = f"{a.preset} ({a.layers} layers, random weights)"
     else:
-        serve = ["--model", a.model]
-        name = a.model
-    serve += ["--status-log-interval", "0", *serve_extra]
+        model = a.model if a.model is not None else os.path.abspath(a.gguf)
+        serve = ["--model", model]
+        name = a.model if a.model is not None else os.path.basename(a.gguf)
+    top = str(max(a.batch_sizes))
+    serve += ["--status-log-interval", "0", "--max-running-requests", top, "--cuda-graph-max-bs", top,
+              *serve_extra]
+    mode = a.speculative
     res: dict[str, Any] = {
         "argv": argv + (["--", *serve_extra] if serve_extra else []),
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "model": name, "batch_sizes": a.batch_sizes,
+        "model": name, "batch_sizes": a.batch_sizes, "mode": mode, "budget_s": a.budget_s,
         "where": "the CPU" if "cpu" in serve_extra else "the server's default device",
     }
-    for mode in ("off", "ngram"):
-        res[mode] = run_mode(mode, serve, a)
-    res["ratios"] = {str(bs): (res["ngram"][str(bs)]["output_throughput"]
+    budget = Budget(a.budget_s, runs=2 * len(a.batch_sizes), servers=2)
+    for m in ("off", mode):
+        res[m] = run_mode(m, serve, a, budget)
+    res["ratios"] = {str(bs): (res[mode][str(bs)]["output_throughput"]
                                / res["off"][str(bs)]["output_throughput"])
-                     if res["off"][str(bs)]["output_throughput"] else None
+                     if _ran(res["off"].get(str(bs))) and _ran(res[mode].get(str(bs)))
+                     and res["off"][str(bs)]["output_throughput"] else None
                      for bs in a.batch_sizes}
+    res["wall_s"] = time.monotonic() - started
     with open(os.path.join(a.out, "bench_spec.json"), "w") as f:
         json.dump(res, f, indent=2)
     md = render_markdown(res)
     with open(os.path.join(a.out, "bench_spec.md"), "w") as f:
         f.write(md)
     print(md)
-    failed = any(res[m][str(bs)]["failed"] for m in ("off", "ngram") for bs in a.batch_sizes)
-    return 1 if failed or res["off"]["exit_code"] or res["ngram"]["exit_code"] else 0
+    for m in ("off", mode):
+        if "error" in res[m]:
+            print(f"{m}: {res[m]['error']}", file=sys.stderr)
+    failed = any(res[m][str(bs)].get("failed", 0) for m in ("off", mode) for bs in a.batch_sizes
+                 if str(bs) in res[m])
+    return 1 if failed or res["off"]["exit_code"] or res[mode]["exit_code"] else 0
 
 
 if __name__ == "__main__":

@@ -59,6 +59,10 @@ class SpecState:
 
 
 class Speculator:
+    # Drafts made on the device at launch (mtp.py): the scheduler plans
+    # placeholders, and a prefix-cache match gives back its last page.
+    device_drafts = False
+
     def __init__(self, num_tokens: int, min_match: int, max_match: int, max_model_len: int) -> None:
         self.num_tokens = num_tokens
         self.min_match, self.max_match = min_match, max_match
