@@ -338,6 +338,39 @@ def test_qwen3_next_fp8_against_transformers(tmp_path: Path) -> None:
             off += len(p)
 
 
+def test_mtp_layer_of_an_fp8_checkpoint(tmp_path: Path) -> None:
+    """An fp8 checkpoint that ships an MTP layer (make_model --mtp 1 --quant fp8):
+    its projections and experts are stored in e4m3 like the main layers' and load
+    as fp8 under --speculative mtp; the engine drafts with them and its greedy
+    tokens are plain decoding's."""
+    from safetensors import safe_open
+
+    from ftserve.engine.setup import build_engine
+    from tests.engine_util import collect, greedy, tokens_of
+    from tools.make_model import main as make_model
+
+    make_model(["--preset", "tiny-moe-fp8", "--out", str(tmp_path), "--layers", "1", "--mtp", "1"])
+    with safe_open(str(next(tmp_path.glob("*.safetensors"))), framework="pt") as h:
+        names = set(h.keys())
+    assert {"mtp.fc.weight_scale_inv", "mtp.layers.0.self_attn.q_proj.weight_scale_inv",
+            "mtp.layers.0.mlp.experts.0.down_proj.weight_scale_inv"} <= names
+    assert "mtp.layers.0.mlp.gate.weight_scale_inv" not in names  # routers stay in the model dtype
+    model, _ = load_model(tmp_path, dtype="float32", mtp=True)
+    assert model.mtp is not None and model.mtp.fc.weight.dtype == FP8 and model.mtp.layers[0].mlp.is_fp8
+    prompts = [("a", [5, 6, 7, 8, 9, 10, 11], greedy(12)), ("b", [40, 41, 42], greedy(12))]
+    outs = {}
+    for spec in ("off", "mtp"):
+        eng = build_engine(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", speculative=spec,
+                                        num_pages=64, status_log_interval=0.0))
+        try:
+            outs[spec] = {k: tokens_of(v) for k, v in collect(eng, prompts).items()}
+            if spec == "mtp":
+                assert eng.runner.mtp is not None and eng.stats().spec_verifies_total > 0
+        finally:
+            eng.shutdown()
+    assert outs["mtp"] == outs["off"]
+
+
 def test_engine_summary_says_fp8(engine: Engine) -> None:
     assert engine.summary["weights_format"] == "fp8" and engine.summary["dtype"] == "float32"
 
