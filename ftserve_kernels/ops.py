@@ -45,6 +45,10 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
         gated_delta_prefill, gated_delta_decode; signatures in gated_delta.py) for
         tensors like t: gated_delta_triton's kernels or the torch reference module
 
+Weights are tensors, or in linear, add_rms_norm_linear, fused_moe and
+fused_moe_add_rms_norm an fp8 checkpoint's ``fp8_quant.Fp8Weight`` (e4m3 codes
+and block scales), which goes to fp8_ops with the same KernelConfig.
+
 Backends are imported once into a table per KernelConfig (``_triton_table``:
 the Triton wrappers bound to it), picked per call by the config and the
 tensor's device (``_table``).
@@ -60,9 +64,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ftserve_kernels import fp8_ops
 from ftserve_kernels import moe as moe_ref
 from ftserve_kernels import norm_rope as nr_ref
 from ftserve_kernels.config import KernelConfig
+from ftserve_kernels.fp8_quant import Fp8Weight
 
 
 @dataclass(frozen=True)
@@ -159,11 +165,15 @@ def route_topk(
 def fused_moe(
     kernels: KernelConfig,
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Fp8Weight,
+    w2: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
+    if isinstance(w13, Fp8Weight):  # an fp8 checkpoint's experts (fp8_ops)
+        assert isinstance(w2, Fp8Weight)
+        return fp8_ops.fused_moe(kernels, x, w13, w2, topk_weights, topk_ids)
+    assert isinstance(w2, torch.Tensor)
     return _table(kernels, x).fused_moe(x, w13, w2, topk_weights, topk_ids)
 
 
@@ -209,13 +219,24 @@ def moe_defers_next_norm(kernels: KernelConfig, x: torch.Tensor) -> bool:
 
 
 def fused_moe_add_rms_norm(
-    kernels: KernelConfig, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+    kernels: KernelConfig, x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
     eps: float, counter: torch.Tensor, defer: bool = False,
 ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
     """-> (the normed rows, or with ``defer`` where moe_defers_next_norm(x) a
     PendingNorm of them; the sum MoE(x) + residual)."""
     k = _table(kernels, x)
+    if isinstance(w13, Fp8Weight):  # an fp8 checkpoint's experts: their GEMV pair folds it alike
+        assert isinstance(w2, Fp8Weight)
+        if moe_folds_next_norm(kernels, x):
+            from ftserve_kernels.moe_down_gemv_triton import NormNext
+
+            pending = defer and moe_defers_next_norm(kernels, x)
+            nn = NormNext(residual.contiguous(), norm_w, eps, counter, deferred=pending)
+            first, summed, parts = fp8_ops.fused_moe_add_norm(kernels, x, w13, w2, topk_weights, topk_ids, nn)
+            return (first if parts is None else PendingNorm(first, parts)), summed
+        return k.fused_add_rms_norm(fused_moe(kernels, x, w13, w2, topk_weights, topk_ids), residual, norm_w, eps)
+    assert isinstance(w2, torch.Tensor)
     if moe_folds_next_norm(kernels, x) and k.moe_add_norm is not None:
         from ftserve_kernels.moe_down_gemv_triton import NormNext
 
@@ -309,8 +330,10 @@ def _gemv_for(kernels: KernelConfig, x: torch.Tensor) -> Callable[..., Any] | No
 
 
 def linear(
-    kernels: KernelConfig, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None
+    kernels: KernelConfig, x: torch.Tensor, w: torch.Tensor | Fp8Weight, b: torch.Tensor | None
 ) -> torch.Tensor:
+    if isinstance(w, Fp8Weight):  # fp8 GEMV at decode sizes, w8a8 GEMM above (fp8_ops)
+        return fp8_ops.linear(kernels, x, w, b)
     gemv = _gemv_for(kernels, x)
     if gemv is not None:
         return gemv(x, w, b)
@@ -319,8 +342,10 @@ def linear(
 
 def add_rms_norm_linear(
     kernels: KernelConfig, x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor,
-    eps: float, w: torch.Tensor, b: torch.Tensor | None, prenormed: bool | PendingNorm = False,
+    eps: float, w: torch.Tensor | Fp8Weight, b: torch.Tensor | None, prenormed: bool | PendingNorm = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(w, Fp8Weight):
+        return _add_rms_norm_fp8_linear(kernels, x, residual, norm_w, eps, w, b, prenormed)
     if isinstance(prenormed, PendingNorm):  # x is the sum s; the GEMV applies the norm
         gemv = _gemv_for(kernels, x)
         assert gemv is not None and residual is not None, "moe_defers_next_norm said it would run"
@@ -332,6 +357,23 @@ def add_rms_norm_linear(
         return F.linear(rms_norm(kernels, x, norm_w, eps), w, b), x
     normed, summed = fused_add_rms_norm(kernels, x, residual, norm_w, eps)
     return F.linear(normed, w, b), summed
+
+
+def _add_rms_norm_fp8_linear(
+    kernels: KernelConfig, x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor,
+    eps: float, w: Fp8Weight, b: torch.Tensor | None, prenormed: bool | PendingNorm,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm_linear with an fp8 weight: the norm, then the fp8 linear."""
+    if isinstance(prenormed, PendingNorm):  # x is the sum s; the GEMV applies the norm
+        assert residual is not None
+        return fp8_ops.pending_linear(kernels, prenormed.scaled, prenormed.parts, eps, w, b), residual
+    if prenormed:
+        assert residual is not None
+        return linear(kernels, x, w, b), residual
+    if residual is None:
+        return linear(kernels, rms_norm(kernels, x, norm_w, eps), w, b), x
+    normed, summed = fused_add_rms_norm(kernels, x, residual, norm_w, eps)
+    return linear(kernels, normed, w, b), summed
 
 
 # The lm_head GEMV wins at one row only (H200 tune table, 151,936 x 2048: 137.5 us vs

@@ -107,8 +107,11 @@ def make_context_sensitive(model: torch.nn.Module, gain: float = 20.0) -> None:
     """
     with torch.no_grad():
         for name, p in model.named_parameters():
-            # (a hybrid's linear-attention layers too: a wrong recurrent state must show)
-            if name.endswith(("self_attn.o_proj.weight", "linear_attn.out_proj.weight")):
+            # (a hybrid's linear-attention layers too: a wrong recurrent state must show;
+            # fp8 projections scale through their block scales, the codes stay)
+            if name.endswith(("self_attn.o_proj.weight_scale", "linear_attn.out_proj.weight_scale")) or (
+                    name.endswith(("self_attn.o_proj.weight", "linear_attn.out_proj.weight"))
+                    and p.dtype != torch.float8_e4m3fn):
                 p.mul_(gain)
     refresh = getattr(model, "refresh_derived", None)
     if refresh is not None:  # the folded routers the captured graphs read

@@ -71,7 +71,7 @@ def make_experts_matter(model: torch.nn.Module, gain: float = EXPERT_GAIN) -> No
 
     with torch.no_grad():
         for block in moe_blocks(model):
-            block.w2.mul_(gain)
+            (block.w2_scale if block.w2_scale is not None else block.w2).mul_(gain)  # fp8: the scales
     cache = getattr(model, "expert_cache", None)
     if cache is not None:
         cache.reset()  # the slots hold copies of the old bank rows

@@ -4,15 +4,26 @@ Each family gets a tiny random checkpoint written by write_checkpoint (sharded),
 loaded by both. ftserve runs over the paged KV pool with the torch reference
 attention backend: packed batches of different lengths, a prefill split into
 two chunks (prefix then extend), and batched one-token decode steps.
+
+Bound: TOL = 1e-4 absolute on the logits (which are O(1)): float32 on both
+sides, so the two forwards differ only in summation order. The fp8 families
+(qwen3_fp8, qwen3_moe_fp8: HF's block-scaled e4m3 layout) keep that bound and
+the 32-token greedy identity: transformers' reference is the checkpoint
+dequantized (each e4m3 code times its block's fp32 scale, in fp32), and
+ftserve's CPU path multiplies the very same dequantized weights in fp32 with
+the activations as they are (fp8_quant.fp8_linear_ref: no activation rounding,
+that is the GPU prefill GEMMs' own bound in test_gpu_fp8), so fp8 adds no error
+of its own here.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 from ftserve.kvcache.pool import KVPool
 from ftserve.models.checkpoint import write_checkpoint
@@ -33,6 +44,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     # dense layer among MoE layers, top-k weights not renormalized
     "qwen3_moe_mixed": ("tiny-moe", {"mlp_only_layers": [1], "norm_topk_prob": False}),
     "mixtral": ("tiny-mixtral", {}),
+    # fp8 checkpoints (HF's block-scaled layout): the bound is the float32 one (module docstring)
+    "qwen3_fp8": ("tiny-qwen3-fp8", {}),
+    "qwen3_moe_fp8": ("tiny-moe-fp8", {}),
 }
 
 
@@ -40,8 +54,12 @@ class Pair:
     def __init__(self, name: str, path: Path) -> None:
         self.name = name
         self.model, self.cfg = load_model(path, dtype="float32", device="cpu")
+        # An fp8 checkpoint: the reference is transformers' dequantized model (explicit, since
+        # with a GPU present transformers would keep fp8 layers).
+        extra = ({"quantization_config": FineGrainedFP8Config(dequantize=True)}
+                 if "quantization_config" in json.loads((path / "config.json").read_text()) else {})
         self.hf, info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, output_loading_info=True
+            path, dtype=torch.float32, output_loading_info=True, **extra
         )
         assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
         self.hf.eval()

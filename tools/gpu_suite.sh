@@ -6,13 +6,14 @@
 # returns what it measured (OUT holds 4 files: results.tgz, report.md,
 # gpu_tests.txt, suite.log). The whole suite stops by GPU_SUITE_SECONDS (580).
 #
-#   tools/gpu_suite.sh [OUT] [full|quick|tune|tests]
+#   tools/gpu_suite.sh [OUT] [full|quick|tune|tests|fp8]
 #
 # GPU_SUITE_SKIP="bench_kv_tiers ..." skips steps by name.
 # full: tests + every benchmark; quick: tests + bench_engine + bench_kv_tiers;
 # tests: the gpu tests alone, with the whole budget (they no longer fit in 250 s:
 # on 2026-12-01 74 of ~110 passed in 240 s, the other 35 took 118 s more), so a
 # benchmark call can skip them (GPU_SUITE_SKIP=gpu_tests);
+# fp8: the fp8 tests and tools.bench.fp8 (fp8 against bf16 in one run) alone;
 # tune: tests + tools.tune.gemv (+ tools.tune.moe with TUNE_MOE=1), then the
 # benchmarks with the fresh tables (FTSERVE_GEMV_CONFIG_FILE /
 # FTSERVE_MOE_CONFIG_FILE); commit a table that wins under ftserve_kernels/configs/.
@@ -56,6 +57,17 @@ step() {  # step NAME SECONDS CMD... (cut to the time left; skipped under 20 s)
     echo "   $name exit $?" | tee -a "$log"
     pack
 }
+if [ "$mode" = fp8 ]; then  # issue 32: the fp8 tests (gpu-marked and the kernels on CUDA), then fp8 vs bf16
+    step fp8_tests 240 python3 -m pytest -q -p no:randomly -o addopts="" tests/test_gpu_fp8.py \
+        tests/test_kernels_fp8.py > "$out/gpu_tests.txt"
+    grep -E "passed|failed" "$out/gpu_tests.txt" | tail -1
+    grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" | head -30
+    step bench_fp8 260 python3 -m tools.bench.fp8 --budget-s 180 --out "$work/bench_fp8.json" \
+        > "$work/bench_fp8.md"
+    echo "total $(( $(date +%s) - t0 ))s" | tee -a "$log"
+    pack
+    exit 0
+fi
 tests_s=250
 [ "$mode" = tests ] && tests_s=$total
 step gpu_tests "$tests_s" python3 -m pytest -m gpu -q --continue-on-collection-errors -p no:randomly \

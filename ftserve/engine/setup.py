@@ -196,6 +196,8 @@ def build_engine(cfg: EngineConfig) -> Engine:
                        if p.device.type == device.type)
     summary = {
         "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+        # An fp8 checkpoint's projections and experts stay e4m3 (ftserve/models/fp8.py).
+        "weights_format": "fp8" if mcfg.quant is not None else str(dtype).removeprefix("torch."),
         "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
         "weights_gib": weight_bytes / 2**30, "kv_pages": num_pages, "page_size": cfg.page_size,
         "kv_tokens": pool_tokens, "kv_gib": num_pages * pool.bytes_per_page() / 2**30,
@@ -218,8 +220,8 @@ def build_engine(cfg: EngineConfig) -> Engine:
         "state_host_gib": host_tier.state_bytes_total() / 2**30 if host_tier is not None else 0.0,
         "speculative": cfg.speculative if scheduler.spec is not None else "off",
     }
-    log.info("model %s: %s on %s, weights %.2f GiB", model_dir, summary["dtype"], device,
-             summary["weights_gib"])
+    log.info("model %s: %s on %s, weights %.2f GiB%s", model_dir, summary["dtype"], device,
+             summary["weights_gib"], " (projections and experts in fp8 e4m3)" if mcfg.quant is not None else "")
     log.info("context: single-request limit %d tokens (rope table %d, device KV %d); KV capacity "
              "for all requests and the prefix cache: device %d pages x %d = %d tokens (%.2f GiB), "
              "host tier %d tokens (%.2f GiB)", max_model_len, model_limit, pool_tokens,

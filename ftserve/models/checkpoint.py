@@ -19,9 +19,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ftserve.models import fp8
 from ftserve.models.config import ModelConfig
-from ftserve.models.presets import PRESETS, TOKENIZER_FOR, TOKENIZER_V3
+from ftserve.models.presets import FP8_BLOCK_QUANT, PRESETS, TOKENIZER_FOR, TOKENIZER_V3
 from ftserve.models.registry import model_class
+from ftserve_kernels.fp8_quant import quantize_weight
+
+QUANTS = ("fp8",)  # write_checkpoint(quant=...): fp8 = HF's block-scaled e4m3 layout
 
 # Mistral v3 instruct format. The rendering of a conversation is a prefix of the
 # rendering of any continuation of it (system text joins the first user turn),
@@ -63,9 +67,12 @@ def tokenizer_data_dir() -> Path:
 
 def preset_config(
     preset: str | dict[str, Any], layers: int | None = None, dtype: str | None = None,
-    overrides: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None, quant: str | None = None,
 ) -> dict[str, Any]:
-    """The config.json dict of a preset (name or dict), with depth / dtype / overrides applied."""
+    """The config.json dict of a preset (name or dict), with depth / dtype /
+    overrides applied; ``quant="fp8"``: HF's fp8 quantization_config (e4m3
+    weights, 128 x 128 blocks), its modules_to_not_convert listing the layers
+    ftserve keeps in the model dtype (lm_head, the routers) unless given."""
     if isinstance(preset, str):
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
@@ -78,8 +85,41 @@ def preset_config(
             hf["max_window_layers"] = min(int(hf["max_window_layers"]), int(layers))
     if dtype is not None:
         hf["torch_dtype"] = dtype
+    if quant is not None:
+        if quant not in QUANTS:
+            raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}")
+        hf["quantization_config"] = dict(FP8_BLOCK_QUANT)
     hf.update(overrides or {})
+    q = hf.get("quantization_config")
+    if q is not None and q.get("quant_method") == "fp8" and "modules_to_not_convert" not in q:
+        hf["quantization_config"] = {**q, "modules_to_not_convert": _not_converted(hf)}
     return hf
+
+
+def _meta_model(hf_config: dict[str, Any]) -> torch.nn.Module:
+    """The model a checkpoint of this config fills, on the meta device (its MTP
+    layers too when the config declares them: the checkpoint ships them)."""
+    cfg = ModelConfig.from_hf(hf_config)
+    with torch.device("meta"):
+        model = model_class(cfg.architecture)(cfg, torch.float32)
+        if cfg.num_mtp_layers:
+            model.attach_mtp(cfg.num_mtp_layers)
+        return model
+
+
+def _not_converted(hf_config: dict[str, Any]) -> list[str]:
+    """The HF Linear modules ftserve runs in the model dtype (lm_head, routers), in order."""
+    model = _meta_model({**hf_config, "quantization_config": None})
+    capable = fp8.fp8_capable(model)
+    return [n.removesuffix(".weight") for n, t in fp8.linear_weights(model).items() if t.param not in capable]
+
+
+def quantized_modules(hf_config: dict[str, Any]) -> set[str]:
+    """The HF modules an fp8 checkpoint of this config stores in e4m3 (none without quantization)."""
+    cfg = ModelConfig.from_hf(hf_config)
+    if cfg.quant is None:
+        return set()
+    return fp8.stored_fp8(_meta_model(hf_config), cfg.quant, None)
 
 
 def _init_tensor(
@@ -106,11 +146,7 @@ def _init_tensor(
 
 def tensor_shapes(hf_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape for every tensor the checkpoint holds, in file order."""
-    cfg = ModelConfig.from_hf(hf_config)
-    with torch.device("meta"):
-        model = model_class(cfg.architecture)(cfg, torch.float32)
-        if cfg.num_mtp_layers:  # the config declares MTP layers: the checkpoint ships them
-            model.attach_mtp(cfg.num_mtp_layers)
+    model = _meta_model(hf_config)  # model-dtype shapes (an fp8 checkpoint's codes have the same)
     params = dict(model.named_parameters())
     return {n: tuple(params[t.param][t.index].shape) for n, t in model.checkpoint_targets().items()}
 
@@ -125,12 +161,16 @@ def write_checkpoint(
     shard_size_mb: float = 1024.0,
     config_only: bool = False,
     overrides: dict[str, Any] | None = None,
+    quant: str | None = None,
 ) -> Path:
     """Write a checkpoint directory and return its path. ``config_only`` skips the
-    weights (for --load-format dummy at real shapes)."""
+    weights (for --load-format dummy at real shapes). ``quant="fp8"`` (or an fp8
+    preset) writes HF's fp8 layout: each quantized ``<module>.weight`` as e4m3
+    codes with its fp32 ``<module>.weight_scale_inv`` per 128 x 128 block, from
+    the same random weights block-quantized; other tensors in ``dtype``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    hf = preset_config(preset, layers, dtype, overrides)
+    hf = preset_config(preset, layers, dtype, overrides, quant)
     tok_name = TOKENIZER_FOR.get(preset, TOKENIZER_V3) if isinstance(preset, str) else TOKENIZER_V3
     # The special ids must be the shipped tokenizer's (the real Qwen3 ids do not
     # exist in the Mistral tokenizer); both bundled tokenizers use <s>=1, </s>=2.
@@ -162,13 +202,14 @@ def _write_weights(hf: dict[str, Any], cfg: ModelConfig, out: Path, seed: int, s
     store_dtype = getattr(torch, str(hf.get("torch_dtype") or "float32"))
     elem = torch.empty((), dtype=store_dtype).element_size()
     shapes = tensor_shapes(hf)
+    fp8_names = {f"{m}.weight" for m in quantized_modules(hf)}
     # Plan shards from the shapes first, so names can say "-of-N" while each
     # shard is generated and written on its own (peak memory: one shard).
     limit = max(1, int(shard_size_mb * 2**20))
     shards: list[list[str]] = [[]]
     size = 0
     for name, shape in shapes.items():
-        nbytes = math.prod(shape) * elem
+        nbytes = math.prod(shape) * (1 if name in fp8_names else elem)
         if shards[-1] and size + nbytes > limit:
             shards.append([])
             size = 0
@@ -179,9 +220,15 @@ def _write_weights(hf: dict[str, Any], cfg: ModelConfig, out: Path, seed: int, s
     total = 0
     for i, names in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {
-            n: _init_tensor(n, shapes[n], cfg.hidden_size, cfg.tie_word_embeddings, gen).to(store_dtype).contiguous() for n in names
-        }
+        tensors: dict[str, torch.Tensor] = {}
+        for n in names:
+            value = _init_tensor(n, shapes[n], cfg.hidden_size, cfg.tie_word_embeddings, gen)
+            if n in fp8_names:  # HF's fp8 layout: codes, and the block scales beside them
+                q = quantize_weight(value, 128, 128)
+                tensors[n] = q.codes
+                tensors[f"{n}_scale_inv"] = q.scale
+            else:
+                tensors[n] = value.to(store_dtype).contiguous()
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         for n, t in tensors.items():
             weight_map[n] = fname

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ftserve.models.fp8_config import Fp8Config, parse_quantization
 from ftserve.models.rope import RopeScaling, build_cos_sin
 
 # architecture -> (model_type, per-family defaults for keys config.json may omit)
@@ -136,6 +137,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     linear_attn: LinearAttentionConfig | None = None
     shared_expert_intermediate_size: int = 0  # MoE layers' always-on expert (0: none)
+    quant: Fp8Config | None = None  # an fp8 checkpoint's quantization_config (fp8_config.py)
     # Multi-token-prediction layers the config declares (num_nextn_predict_layers);
     # the checkpoint's mtp.* tensors are what counts (loader.mtp_layers).
     num_mtp_layers: int = 0
@@ -297,6 +299,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            quant=parse_quantization(hf),
             num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
             **moe,
             **hybrid,

@@ -77,7 +77,7 @@ class DecoderLayer(nn.Module):
                 if isinstance(out, ops.PendingNorm):
                     return summed, summed, out
                 return out, summed, True
-            x, residual = ops.linear(kernels, a, self.self_attn.o_proj.weight, self.self_attn.o_proj.bias), summed
+            x, residual = ops.linear(kernels, a, self.self_attn.o_proj.w, self.self_attn.o_proj.bias), summed
         else:
             # The residual stream is carried separately so each norm fuses the add (and,
             # at decode sizes, folds into the next GEMV: see ops.add_rms_norm_linear).
@@ -94,13 +94,14 @@ class DecoderLayer(nn.Module):
                 return out, summed, True
             return self.mlp.compute_experts(x, weights, ids, kernels), summed, False
         x, residual = self.post_attention_layernorm.forward_add(x, residual, kernels)
-        return self.mlp(x), residual, False
+        return self.mlp(x, kernels), residual, False
 
     def router_foldable(self) -> bool:
         """A resident MoE layer whose expert weights are the softmax of the chosen
         logits: its o_proj can route (folded_router)."""
         mlp = self.mlp
-        return isinstance(mlp, MoEBlock) and mlp.renormalize and mlp.expert_compute is None
+        return (isinstance(mlp, MoEBlock) and mlp.renormalize and mlp.expert_compute is None
+                and not mlp.is_fp8 and self.self_attn.o_proj.weight_scale is None)  # fp8: not folded
 
     def _routes_in_oproj(self, x: torch.Tensor, kernels: KernelConfig) -> bool:
         return (self.router_foldable() and not self.mlp.observed()  # type: ignore[union-attr]

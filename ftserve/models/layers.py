@@ -14,6 +14,7 @@ from torch import nn
 from ftserve.models.forward_batch import ForwardBatch
 from ftserve_kernels import ops
 from ftserve_kernels.config import KernelConfig
+from ftserve_kernels.fp8_quant import FP8, Fp8Weight
 from ftserve_kernels.oproj_route_triton import OprojRoute
 
 # Signature of the MoE expert-compute hook: (x [T, H], topk_weights [T, k] fp32,
@@ -22,7 +23,9 @@ ExpertCompute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, KernelConfig
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b); weight [out, in] in the HF layout, so checkpoints copy in as they are."""
+    """y = x W^T (+ b); weight [out, in] in the HF layout, so checkpoints copy in as they are.
+    An fp8 checkpoint's layers hold e4m3 codes in ``weight`` and their block
+    scales in ``weight_scale`` (to_fp8); ``w`` is the weight as ops take it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -30,9 +33,29 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
+        self.register_parameter("weight_scale", None)  # fp8: [ceil(N / bn), ceil(K / bk)] fp32
+        self.fp8_block: tuple[int, int] | None = None  # fp8: (bn, bk)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def to_fp8(self, block_n: int, block_k: int) -> None:
+        """Hold the weight as fp8 codes + scales (before materialization, on meta)."""
+        n, k = self.weight.shape
+        dev = self.weight.device
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=FP8, device=dev), requires_grad=False)
+        self.weight_scale = nn.Parameter(
+            torch.empty(-(-n // block_n), -(-k // block_k), dtype=torch.float32, device=dev), requires_grad=False)
+        self.fp8_block = (block_n, block_k)
+
+    @property
+    def w(self) -> torch.Tensor | Fp8Weight:
+        """The weight: the tensor, or fp8 codes with their scales (ftserve_kernels.fp8_quant)."""
+        if self.weight_scale is None or self.fp8_block is None:
+            return self.weight
+        return Fp8Weight(self.weight, self.weight_scale, *self.fp8_block)
+
+    def forward(self, x: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
+        if self.weight_scale is None:
+            return F.linear(x, self.weight, self.bias)
+        return ops.linear(kernels, x, self.w, self.bias)
 
 
 class Embedding(nn.Module):
@@ -82,7 +105,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps, dtype) if qk_norm else None
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), batch, cos_sin)
+        return self.attend(self.qkv_proj(x, batch.kernels), batch, cos_sin)
 
     def forward_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
@@ -94,7 +117,7 @@ class Attention(nn.Module):
         norm(x' + residual), residual that sum), or left it pending (x is the sum).
         ``project=False``: the attention output before o_proj [T, q]."""
         qkv, summed = ops.add_rms_norm_linear(batch.kernels, x, residual, norm.weight, norm.eps,
-                                              self.qkv_proj.weight, self.qkv_proj.bias, prenormed=normed)
+                                              self.qkv_proj.w, self.qkv_proj.bias, prenormed=normed)
         return self.attend(qkv, batch, cos_sin, project), summed
 
     def attend(self, qkv: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor,
@@ -135,7 +158,7 @@ class Attention(nn.Module):
         return self._project(out.reshape(t, self.q_size), project, batch.kernels)  # [T, H]
 
     def _project(self, out: torch.Tensor, project: bool, kernels: KernelConfig) -> torch.Tensor:
-        return ops.linear(kernels, out, self.o_proj.weight, self.o_proj.bias) if project else out
+        return ops.linear(kernels, out, self.o_proj.w, self.o_proj.bias) if project else out
 
 
 class DenseMLP(nn.Module):
@@ -148,13 +171,13 @@ class DenseMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
+    def forward(self, x: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, kernels)  # [T, 2I]
         # In place in gate_up's gate half (no [T, I] buffer); the down GEMM reads
         # the strided rows as they are.
         h = F.silu(gate_up[:, : self.intermediate_size], inplace=True)  # [T, I]
         h.mul_(gate_up[:, self.intermediate_size :])
-        return self.down_proj(h)  # [T, H]
+        return self.down_proj(h, kernels)  # [T, H]
 
 
 class MoEBlock(nn.Module):
@@ -184,10 +207,36 @@ class MoEBlock(nn.Module):
         self.w2 = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype), requires_grad=False
         )
+        # fp8 checkpoints (to_fp8): e4m3 codes in w13 / w2, their block scales here.
+        self.register_parameter("w13_scale", None)  # [E, ceil(2I / bn), ceil(H / bk)] fp32
+        self.register_parameter("w2_scale", None)  # [E, ceil(H / bn), ceil(I / bk)] fp32
+        self.fp8_blocks: dict[str, tuple[int, int]] = {}  # "w13" / "w2" -> (bn, bk)
         self.expert_compute: ExpertCompute | None = None
         # Arrival counter of the fused norm + route kernel: zero between launches
         # (the kernel's last program re-zeroes it); made on first use, on x's device.
         self._route_counter: torch.Tensor | None = None
+
+    def to_fp8(self, name: str, block_n: int, block_k: int) -> None:
+        """Hold expert weights ``name`` ("w13" or "w2") as fp8 codes + scales (on meta)."""
+        w = getattr(self, name)
+        e, n, k = w.shape
+        setattr(self, name, nn.Parameter(torch.empty(e, n, k, dtype=FP8, device=w.device), requires_grad=False))
+        setattr(self, f"{name}_scale", nn.Parameter(
+            torch.empty(e, -(-n // block_n), -(-k // block_k), dtype=torch.float32, device=w.device),
+            requires_grad=False))
+        self.fp8_blocks[name] = (block_n, block_k)
+
+    @property
+    def is_fp8(self) -> bool:
+        return bool(self.fp8_blocks)
+
+    def expert_weights(self) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | Fp8Weight]:
+        """(w13, w2) as ops take them: tensors, or fp8 codes with their scales."""
+        if not self.is_fp8:
+            return self.w13, self.w2
+        assert self.w13_scale is not None and self.w2_scale is not None
+        return (Fp8Weight(self.w13, self.w13_scale, *self.fp8_blocks["w13"]),
+                Fp8Weight(self.w2, self.w2_scale, *self.fp8_blocks["w2"]))
 
     def norm_route(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, kernels: KernelConfig
@@ -212,7 +261,7 @@ class MoEBlock(nn.Module):
         return c
 
     def route(self, x: torch.Tensor, kernels: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.gate(x)  # [T, E]
+        logits = self.gate(x, kernels)  # [T, E]
         return ops.route_topk(kernels, logits, self.top_k, self.renormalize)  # [T, k] fp32, [T, k] int32
 
     def folds_next_norm(self, x: torch.Tensor, kernels: KernelConfig) -> bool:
@@ -229,7 +278,7 @@ class MoEBlock(nn.Module):
         with ``defer`` the norm may be left pending (ops.fused_moe_add_rms_norm)."""
         if self.expert_compute is not None:
             return norm.forward_add(self.expert_compute(x, topk_weights, topk_ids, kernels), residual, kernels)
-        return ops.fused_moe_add_rms_norm(kernels, x, self.w13, self.w2, topk_weights, topk_ids, residual,
+        return ops.fused_moe_add_rms_norm(kernels, x, *self.expert_weights(), topk_weights, topk_ids, residual,
                                           norm.weight, norm.eps, self._counter(x), defer)
 
     def observed(self) -> bool:
@@ -251,7 +300,7 @@ class MoEBlock(nn.Module):
     ) -> torch.Tensor:
         if self.expert_compute is not None:
             return self.expert_compute(x, topk_weights, topk_ids, kernels)
-        return ops.fused_moe(kernels, x, self.w13, self.w2, topk_weights, topk_ids)  # [T, H]
+        return ops.fused_moe(kernels, x, *self.expert_weights(), topk_weights, topk_ids)  # [T, H]
 
     def forward(self, x: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
         weights, ids = self.route(x, kernels)

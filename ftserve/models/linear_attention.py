@@ -80,7 +80,7 @@ class GatedDeltaNet(nn.Module):
         if pool is None or slots is None:
             raise ValueError("a model with linear-attention layers needs batch.state_pool and state_slots")
         la, t, meta = self.la, x.shape[0], batch.attn
-        mixed, z, b, a = self._split(self.in_proj(x))
+        mixed, z, b, a = self._split(self.in_proj(x, batch.kernels))
         conv_states = pool.conv[self.state_idx]  # [S+1, C, K-1]
         states = pool.recurrent[self.state_idx]  # [S+1, Hv, dk, dv]
         has_state = meta.prefix_lens > 0  # [B], on the device: no sync
@@ -107,4 +107,4 @@ class GatedDeltaNet(nn.Module):
             o = gated_delta.gated_delta_prefill(q, k, v, g, beta, states, slots, has_state, bounds,
                                                 cu_seqlens=meta.qo_indptr)
         o = self.norm(o, z)  # [T, Hv, dv]
-        return self.out_proj(o.reshape(t, la.value_dim))  # [T, H]
+        return self.out_proj(o.reshape(t, la.value_dim), batch.kernels)  # [T, H]

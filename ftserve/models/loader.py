@@ -16,9 +16,11 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from ftserve.models import fp8
 from ftserve.models.config import ModelConfig
 from ftserve.models.decoder import DecoderForCausalLM
 from ftserve.models.registry import model_class
+from ftserve_kernels.fp8_quant import FP8
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +57,40 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def checkpoint_names(files: list[Path]) -> set[str]:
+    """Every tensor name in the shards (headers only)."""
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            names.update(h.keys())
+    return names
+
+
+def stored_names(cfg: ModelConfig, path: Path, load_format: str) -> set[str] | None:
+    """An fp8 config's safetensors tensor names (which weights it holds in fp8 is
+    read off them: fp8.convert); None otherwise (dummy weights follow the config,
+    a GGUF has no fp8 config)."""
+    from ftserve.models import gguf
+
+    if cfg.quant is None or load_format not in ("safetensors", "auto") or gguf.is_gguf(path):
+        return None
+    return checkpoint_names(checkpoint_files(path))
+
+
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                mtp_layers: int = 0) -> DecoderForCausalLM:
+                mtp_layers: int = 0, stored: set[str] | None = None) -> DecoderForCausalLM:
     """Construct on the meta device (no memory, no init), then allocate once on ``device``.
     Parameter values are uninitialized until the caller fills them. ``mtp_layers``:
-    also build that many MTP layers (models/mtp.py)."""
+    also build that many MTP layers (models/mtp.py). An fp8 checkpoint's weights
+    then become fp8 parameters (fp8.convert; ``stored``: the checkpoint's tensor
+    names, None for dummy weights)."""
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg, dtype)
         if mtp_layers:
             model.attach_mtp(mtp_layers)
+        if cfg.quant is not None:
+            fp8.convert(model, cfg.quant, stored)
     model.to_empty(device=device)
     model.init_buffers()
     model.eval()
@@ -95,7 +121,7 @@ def load_model(
         n_mtp = mtp_layers(model_dir, cfg, load_format)
         if n_mtp == 0:
             raise CheckpointError(f"{model_dir} has no MTP layers (no mtp.* tensors)")
-    model = build_model(cfg, torch_dtype, device, n_mtp)
+    model = build_model(cfg, torch_dtype, device, n_mtp, stored_names(cfg, model_dir, load_format))
     if load_format in ("safetensors", "gguf", "auto"):
         fill_from_checkpoint(model, model_dir)
     elif load_format == "dummy":
@@ -139,12 +165,20 @@ def fill_from_checkpoint(model: DecoderForCausalLM, path: Path) -> None:
 
 @torch.no_grad()
 def fill_from_safetensors(model: DecoderForCausalLM, files: list[Path]) -> None:
-    targets = model.checkpoint_targets()
+    targets = fp8.checkpoint_targets(model)  # model.checkpoint_targets() (+ an fp8 checkpoint's scales)
     params = dict(model.named_parameters())
     ignorable = model.ignorable_checkpoint_names()
     seen: set[str] = set()
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
-    total = sum(len(h.keys()) for h in handles)
+    where = {name: h for h in handles for name in h.keys()}
+    total = len(where)
+
+    def read(name: str) -> torch.Tensor:  # another tensor, for a conversion (fp8 scales)
+        if name not in where:
+            raise CheckpointError(f"checkpoint is missing tensor {name}")
+        seen.add(name)
+        return where[name].get_tensor(name)
+
     with tqdm(total=total, desc="loading weights", unit="tensor", disable=None) as bar:
         for path, handle in zip(files, handles):
             for name in handle.keys():
@@ -152,18 +186,34 @@ def fill_from_safetensors(model: DecoderForCausalLM, files: list[Path]) -> None:
                 target = targets.get(name)
                 if target is None:
                     if (name in ignorable or name.endswith(_IGNORED_SUFFIXES)
-                            or name.startswith(model.ignorable_prefixes)):
+                            or name.startswith(model.ignorable_prefixes) or fp8.ignorable(model, name)):
                         continue
                     raise CheckpointError(f"unexpected tensor {name!r} in {path.name}: this model has no such weight")
-                if name in seen:
+                if name in seen and not getattr(target, "consumed", False):
                     raise CheckpointError(f"tensor {name!r} appears twice (again in {path.name})")
-                dest = params[target.param][target.index]
                 shape = tuple(handle.get_slice(name).get_shape())
-                if shape != tuple(dest.shape):
+                conv = target if isinstance(target, fp8.ConvertTarget) else None
+                if conv is not None and conv.consumed:
+                    if shape not in conv.stored:
+                        raise CheckpointError(f"tensor {name!r} in {path.name} has shape {list(shape)}, "
+                                              f"expected {list(conv.stored[0])}")
+                    seen.add(name)
+                    continue
+                dest = params[target.param][target.index]
+                expected = conv.stored if conv is not None and conv.stored else (tuple(dest.shape),)
+                if shape not in expected:
                     raise CheckpointError(
-                        f"tensor {name!r} in {path.name} has shape {list(shape)}, expected {list(dest.shape)}"
+                        f"tensor {name!r} in {path.name} has shape {list(shape)}, expected {list(expected[0])}"
                     )
-                dest.copy_(handle.get_tensor(name))  # mmap read, one copy (+ dtype cast) into place
+                value = handle.get_tensor(name)  # mmap read
+                if conv is not None and conv.convert is not None:
+                    try:
+                        value = conv.convert(value, read)
+                    except ValueError as err:
+                        raise CheckpointError(f"tensor {name!r} in {path.name}: {err}") from None
+                elif value.dtype == FP8 and dest.dtype != FP8:
+                    raise CheckpointError(f"tensor {name!r} in {path.name} is fp8 without a scale beside it")
+                dest.copy_(value)  # one copy (+ dtype cast) into place
                 seen.add(name)
     missing = sorted(set(targets) - seen)
     if missing:
@@ -187,7 +237,11 @@ def fill_dummy(model: DecoderForCausalLM, seed: int = 0) -> None:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight") or ".pre_fc_norm_" in name:
+        if p.dtype == FP8:  # an fp8 config's codes; their scales make the weights N(0, 0.02)
+            fp8.fill_dummy_codes(p, gen)
+        elif name.endswith("_scale"):
+            p.fill_(fp8.DUMMY_SCALE)
+        elif name.endswith("norm.weight") or ".pre_fc_norm_" in name:
             p.fill_(1.0)
         elif name.endswith(".bias"):
             p.zero_()

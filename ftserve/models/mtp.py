@@ -67,7 +67,7 @@ class MTPHead(nn.Module):
         batch.attn.out_cache_loc and attends as the batch says."""
         e = self.normalize(self.pre_fc_norm_embedding, embeds, batch)
         h = self.normalize(self.pre_fc_norm_hidden, hidden, batch)
-        x = self.fc(torch.cat([e, h], dim=-1))  # [T, 2H] -> [T, H]
+        x = self.fc(torch.cat([e, h], dim=-1), batch.kernels)  # [T, 2H] -> [T, H]
         return self.block(self.layers[0], x, batch, cos_sin)
 
     def checkpoint_targets(self, layer_targets: Callable[[str, str, nn.Module], dict[str, Target]],

@@ -271,5 +271,32 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# HF's fp8 releases (Qwen/Qwen3-30B-A3B-FP8 ...): e4m3 weights, fp32 scales per 128 x 128
+# block. write_checkpoint lists modules_to_not_convert (lm_head, the routers) for the
+# depth it writes, as those releases list them.
+FP8_BLOCK_QUANT: dict[str, Any] = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "weight_block_size": [128, 128],
+}
+
+# Tiny fp8 presets: hidden 128 so the 128-column blocks are whole; q (4 x 32 rows) and
+# k / v (2 x 32) fuse with part boundaries off the 128-row grid, and down_proj spans
+# two column blocks. Every dimension is a multiple of 128 or below it: transformers'
+# CPU dequantization derives the block from the scale grid's shape (192 rows in 2
+# scale rows would be blocks of 96), which is right only then.
+PRESETS["tiny-qwen3-fp8"] = {
+    **PRESETS["tiny-qwen3"], "hidden_size": 128, "intermediate_size": 256,
+    "quantization_config": FP8_BLOCK_QUANT,
+}
+PRESETS["tiny-moe-fp8"] = {
+    **PRESETS["tiny-moe"], "hidden_size": 128, "moe_intermediate_size": 256,
+    "quantization_config": FP8_BLOCK_QUANT,
+}
+# The published fp8 checkpoints' shapes.
+PRESETS["qwen3-30b-a3b-fp8"] = {**PRESETS["qwen3-30b-a3b"], "quantization_config": FP8_BLOCK_QUANT}
+PRESETS["qwen3-235b-a22b-fp8"] = {**PRESETS["qwen3-235b-a22b"], "quantization_config": FP8_BLOCK_QUANT}
+
 # The tokenizer each preset ships with (vocab must not exceed the model's).
 TOKENIZER_FOR: dict[str, str] = {"mixtral-8x7b": TOKENIZER_V1}

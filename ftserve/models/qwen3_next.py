@@ -64,7 +64,7 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        qg, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        qg, k, v = self.qkv_proj(x, batch.kernels).split(self.sizes, dim=-1)
         qg = qg.view(t, self.num_heads, 2, self.head_dim)
         q, gate = qg[:, :, 0], qg[:, :, 1]  # [T, Hq, D] each
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
@@ -74,7 +74,7 @@ class GatedAttention(nn.Module):
         q, k = ops.rotary(batch.kernels, self.q_norm(q), self.k_norm(k), batch.positions, cos_sin)  # partial rotary
         out = batch.attn_backend.forward(q, k, v, self.kv_layer, batch)  # [T, Hq, D]
         out = out * torch.sigmoid(gate)
-        return self.o_proj(out.reshape(t, -1))  # [T, H]
+        return self.o_proj(out.reshape(t, -1), batch.kernels)  # [T, H]
 
 
 class SharedExpertMoE(MoEBlock):
@@ -88,7 +88,7 @@ class SharedExpertMoE(MoEBlock):
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, dtype)
 
     def forward(self, x: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # [T, H]
+        shared = torch.sigmoid(self.shared_expert_gate(x, kernels)) * self.shared_expert(x, kernels)  # [T, H]
         return super().forward(x, kernels) + shared
 
 
@@ -119,7 +119,7 @@ class Qwen3NextDecoderLayer(nn.Module):
             assert self.self_attn is not None
             x = x + self.self_attn(normed, batch, cos_sin)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, batch.kernels) if isinstance(self.mlp, SharedExpertMoE) else self.mlp(h))
+        return x + self.mlp(h, batch.kernels)
 
 
 class Qwen3NextForCausalLM(nn.Module):

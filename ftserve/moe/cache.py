@@ -51,6 +51,7 @@ from ftserve.moe.kernels import (
 from ftserve.moe.stream import LayerStreamer
 from ftserve_kernels import bookkeeping as bk
 from ftserve_kernels.config import KernelConfig
+from ftserve_kernels.fp8_quant import Fp8Weight
 from ftserve_kernels.moe import fused_moe_ref
 
 if TYPE_CHECKING:
@@ -73,10 +74,9 @@ class ExpertCache:
         self.num_slots = n = min(num_slots, self.total)  # N, LRU slots
         self.buf_base = n
         rows = n + (0 if self.full else 2 * e) + 1  # + the trash row of the twins
-        h, i = bank.hidden, bank.inter
         self.slots = torch.empty(rows, bank.row_elems, dtype=bank.data.dtype, device=device)  # [S, R]
-        self.w13 = self.slots[:, : 2 * i * h].view(rows, 2 * i, h)  # [S, 2I, H], row stride R
-        self.w2 = self.slots[:, 2 * i * h:].view(rows, h, i)  # [S, H, I], row stride R
+        # [S, 2I, H] / [S, H, I] views, row stride R (fp8 banks: codes + scales, Fp8Weight)
+        self.w13, self.w2 = bank.expert_views(self.slots)
         self.slot_of_id, self.id_of_slot, self.last_used, self.step = bk.new_slot_maps(
             self.total, n, device)
         self.counters = torch.zeros(4, dtype=torch.int64, device=device)
@@ -186,6 +186,12 @@ class ExpertCache:
             return None
         miss_slot, miss_id = self._admission(j, ids)
         i, h = self.bank.inter, self.bank.hidden
+        if self.bank.fp8 is not None:
+            from ftserve_kernels.fp8_moe_gemv_triton import Fp8ReadThrough
+
+            row = self.bank.fp8  # slot row: [w13 codes | w2 codes | w13 scales | w2 scales]
+            return Fp8ReadThrough(self.bank.data, miss_slot, miss_id, row.row_bytes, 0, row.w2_col,  # type: ignore[return-value]
+                                  row.w13_scale_col, row.w2_scale_col)
         return ReadThrough(self.bank.data, miss_slot, miss_id, 0, 2 * i * h)  # slot row: [w13 | w2]
 
     def _admit(self, j: int, ids: torch.Tensor) -> None:
@@ -201,6 +207,13 @@ class ExpertCache:
 
     def _moe(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
              expert_map: torch.Tensor, kernels: KernelConfig, rt: ReadThrough | None = None) -> torch.Tensor:
+        if isinstance(self.w13, Fp8Weight) and isinstance(self.w2, Fp8Weight):  # an fp8 bank's slots
+            from ftserve_kernels import fp8_ops
+
+            # Triton on CUDA, the twin elsewhere, as the bf16 path below picks.
+            return fp8_ops.fused_moe(kernels, x, self.w13, self.w2, weights, ids, expert_map=expert_map,
+                                     read_through=rt, triton=x.is_cuda)
+        assert isinstance(self.w13, torch.Tensor) and isinstance(self.w2, torch.Tensor)
         if rt is not None:
             from ftserve_kernels.moe_gemv_triton import fused_moe_gemv_triton
 

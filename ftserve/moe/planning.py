@@ -90,8 +90,10 @@ def load_with_expert_cache(
     model, mcfg, bank = load_offloaded_model(model_dir, cfg.dtype, device, load_format, seed=cfg.seed)
     if kv_bytes_per_token is None:
         from ftserve.kvcache.pool import KVPool, kv_cache_torch_dtype
+        from ftserve.models.loader import resolve_dtype
 
-        kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, bank.data.dtype)  # fp8 counts scales
+        # The model's dtype, not the bank's (an fp8 bank holds bytes); fp8 KV counts scales.
+        kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, resolve_dtype(cfg.dtype, device))
         kv_bytes_per_token = KVPool.bytes_per_token(len(mcfg.kv_layers), mcfg.num_kv_heads, mcfg.head_dim,
                                                     kv_dtype)
     n = plan_num_slots(cfg, mcfg, bank, device, kv_bytes_per_token, reserve_bytes)

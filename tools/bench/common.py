@@ -253,17 +253,24 @@ def physical_limits(device: torch.device, smoke: bool) -> dict[str, Any]:
 
 
 def param_bytes(cfg: Any, elem: int) -> dict[str, int]:
-    """Weight bytes by kind for a ModelConfig (ftserve.models.config)."""
+    """Weight bytes by kind for a ModelConfig (ftserve.models.config). An fp8
+    checkpoint's projections and experts: one byte per weight plus an fp32 scale
+    per 128 x 128 block (per row for per-channel scales); the router, lm_head and
+    embeddings stay ``elem``."""
     h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
-    attn = (h * (q + 2 * kv) + q * h) * elem  # qkv + o, per layer
+    quant = getattr(cfg, "quant", None)
+    welem: float = elem
+    if quant is not None:
+        welem = 1 + 4 / (quant.block[0] * quant.block[1]) if quant.strategy == "block" else 1 + 4 / h
+    attn = int((h * (q + 2 * kv) + q * h) * welem)  # qkv + o, per layer
     sparse = sum(cfg.sparse_layers)
     dense_layers = cfg.num_layers - sparse
-    expert = 3 * h * cfg.moe_intermediate_size * elem  # gate + up + down of one expert
+    expert = int(3 * h * cfg.moe_intermediate_size * welem)  # gate + up + down of one expert
     return {
         "attn_per_layer": attn,
         "router_per_layer": h * cfg.num_experts * elem,
         "expert": expert,
-        "dense_mlp_per_layer": 3 * h * cfg.intermediate_size * elem,
+        "dense_mlp_per_layer": int(3 * h * cfg.intermediate_size * welem),
         "lm_head": cfg.vocab_size * h * elem,
         "sparse_layers": sparse,
         "dense_layers": dense_layers,

@@ -1,0 +1,167 @@
+"""Compile the fp8 Triton kernels for Hopper (sm_90) on a machine without a GPU,
+as test_kernels_sm90_compile.py does for the others, at the launch parameters
+the CUDA paths use and qwen3-30b-a3b's shapes: each compiles, fits in shared
+memory and spills no registers; the prefill GEMMs multiply e4m3 on the fp8
+wgmma with pipelined (cp.async) loads; where PDL is compiled in, the expert
+GEMVs wait for the kernel before them before any load, and the dense GEMV
+loads only its first weight tile ahead of the wait.
+Runs in a subprocess: other kernel tests put Triton into interpreter mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from tests.test_kernels_sm90_compile import SMEM_LIMIT, _nvidia_backend_available
+
+H, INTER, E, K = 2048, 768, 128, 8  # qwen3-30b-a3b: hidden, expert width, experts, top-k
+
+
+def _compile_all() -> dict[str, dict[str, Any]]:
+    import tempfile
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ftserve_kernels import fp8_gemm_triton as fg
+    from ftserve_kernels import fp8_gemv_triton as fv
+    from ftserve_kernels import fp8_moe_gemv_triton as fmg
+    from ftserve_kernels import fp8_moe_triton as fm
+    from ftserve_kernels import fp8_quant as fq
+    from tests.sm90_compile import constexpr_defaults
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    results: dict[str, dict[str, Any]] = {}
+    f8, bf, f32, i32 = "*fp8e4nv", "*bf16", "*fp32", "*i32"
+
+    def comp(name: str, fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int, stages: int,
+             aligned: tuple[str, ...] = ()) -> None:
+        consts = {k: v for k, v in (constexpr_defaults(fn) | consts).items() if k in fn.arg_names}
+        types = {"bank": "i64", "map_ptr": i32, "miss_slot_ptr": i32, "miss_id_ptr": i32} | types
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+        # Launch-time specialization: pointers, and the strides that are multiples of 16 at these shapes.
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if n not in consts and (sig[n].startswith("*") or n in aligned)}
+        try:
+            k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        except Exception as exc:  # reported, asserted on by the test
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            return
+        ptx = k.asm["ptx"]
+        local = -1
+        if os.path.exists(tool):
+            with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+                f.write(k.asm["cubin"])
+            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+            os.unlink(f.name)
+            local = next((int(w.split(":")[1]) for w in out.split() if w.startswith("LOCAL:")), -1)
+        body = ptx[ptx.index(".entry"):]
+        wait = body.find("griddepcontrol.wait")
+        results[name] = {"shared": k.metadata.shared, "local": local, "cp_async": "cp.async" in ptx,
+                         "fp8_wgmma": any("wgmma" in line and "e4m3" in line for line in ptx.splitlines()),
+                         "pdl_wait": wait >= 0,
+                         "loads_before_wait": body[:wait].count("ld.global") if wait >= 0 else -1}
+
+    comp("act_quant", fq._act_quant_kernel, {"x_ptr": bf, "q_ptr": f8, "s_ptr": f32},
+         dict(GROUP_K=fq.GROUP, BLOCK_T=8), 4, 1, ("stride_x", "stride_q"))
+    gemm = {"a_ptr": f8, "as_ptr": f32, "b_ptr": f8, "bs_ptr": f32, "c_ptr": bf, "bias_ptr": bf}
+    for m in (512, 4096):  # the two tile configurations
+        c = fg.Fp8GemmConfig.pick(m, cuda=True)
+        comp(f"gemm_m{c.block_m}", fg._fp8_gemm_kernel, gemm,
+             dict(SCALE_N=128, SCALE_K=128, HAS_BIAS=False, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                  BLOCK_K=fq.GROUP, GROUP_M=c.group_m, EVEN_K=True, UPCAST=False),
+             c.num_warps, c.num_stages, ("stride_am", "stride_bn", "stride_cm"))
+    moe = {"xq_ptr": f8, "xs_ptr": f32, "w_ptr": f8, "s_ptr": f32, "aq_ptr": f8, "as_ptr": f32, "y_ptr": bf,
+           "weights_ptr": f32, "sorted_ptr": i32, "block_expert_ptr": i32, "total_ptr": i32}
+    for pairs in (4096 * K, 1024 * K, 16 * K):  # 128, 64 and 16-row tiles
+        c = fm.Fp8MoeConfig.pick(pairs, E, cuda=True)
+        common = dict(BLOCK_M=c.block_m, BLOCK_K=fq.GROUP, GROUP_M=c.group_m, EVEN_K=True, UPCAST=False,
+                      SCALE_N=128, SCALE_K=128)
+        for mapped in ((False, True) if c.block_m == 128 else (False,)):  # + an expert cache's slot map
+            tag = f"m{c.block_m}" + ("_mapped" if mapped else "")
+            comp(f"moe_gate_up_{tag}", fm._fp8_moe_gate_up_kernel, moe,
+                 common | dict(TOP_K=K, BLOCK_N=fq.GROUP, HAS_MAP=mapped, OUT_DTYPE=tl.bfloat16),
+                 c.num_warps, c.num_stages, ("stride_xq", "stride_we", "stride_wn", "stride_aq"))
+            comp(f"moe_down_{tag}", fm._fp8_moe_down_kernel, moe, common | dict(BLOCK_N=c.down_block_n, HAS_MAP=mapped),
+                 c.num_warps, c.num_stages, ("stride_aq", "stride_we", "stride_wn", "stride_y"))
+    bn, bk, warps = fv.gemv_tiles(5120, H, cuda=True)
+    for t, pdl in ((1, False), (1, True), (4, True)):
+        comp(f"gemv_qkv_t{t}" + ("_pdl" if pdl else ""), fv._fp8_gemv_kernel,
+             {"x_ptr": bf, "w_ptr": f8, "s_ptr": f32, "b_ptr": bf, "y_ptr": bf},
+             dict(SCALE_N=128, SCALE_K=128, HAS_BIAS=False, BLOCK_T=t, BLOCK_N=bn, BLOCK_K=bk,
+                  K_STEPS=H // bk, EVEN_K=True, PDL=pdl), warps, 1, ("stride_x", "stride_w", "stride_y"))
+    comp("gemv_qkv_parts_t1_pdl", fv._fp8_gemv_kernel,  # over the norm the layer before left pending
+         {"x_ptr": bf, "w_ptr": f8, "s_ptr": f32, "b_ptr": bf, "y_ptr": bf, "parts_ptr": f32, "eps": "fp32"},
+         dict(SCALE_N=128, SCALE_K=128, HAS_BIAS=False, BLOCK_T=1, BLOCK_N=bn, BLOCK_K=bk, K_STEPS=H // bk,
+              EVEN_K=True, PDL=True, HAS_PARTS=True, BLOCK_P=128), warps, 1, ("stride_x", "stride_w", "stride_y"))
+    bn, bk, warps = fv.gemv_tiles(H, 4096, cuda=True)
+    comp("gemv_o_pdl", fv._fp8_gemv_kernel, {"x_ptr": bf, "w_ptr": f8, "s_ptr": f32, "b_ptr": bf, "y_ptr": bf},
+         dict(SCALE_N=128, SCALE_K=128, HAS_BIAS=False, BLOCK_T=1, BLOCK_N=bn, BLOCK_K=bk, K_STEPS=4096 // bk,
+              EVEN_K=True, PDL=True), warps, 1, ("stride_x", "stride_w", "stride_y"))
+    bn_gu, bn_d, bk, warps = fmg.moe_gemv_tiles(cuda=True)
+    gv = {"x_ptr": bf, "a_ptr": bf, "w_ptr": f8, "s_ptr": f32, "out_ptr": bf, "weights_ptr": f32, "ids_ptr": i32}
+    fold = gv | {n: bf for n in ("res_ptr", "nw_ptr", "sum_ptr", "normed_ptr")} | {
+        "cnt_ptr": i32, "part_ptr": f32, "eps": "fp32"}
+    for defer in (False, True):  # the next layer's input norm in the epilogue: normed / left pending
+        comp("moe_gemv_down_norm" + ("_defer" if defer else "") + "_pdl", fmg._fp8_down_kernel, fold,
+             dict(TOP_K=K, BLOCK_KP=K, SCALE_N=128, SCALE_K=128, BLOCK_N=bn_d, BLOCK_K=bk, K_STEPS=INTER // bk,
+                  EVEN_K=True, HAS_MAP=False, READ_THROUGH=False, BLOCK_M=2, PDL=True, NORM_NEXT=True,
+                  NORM_DEFER=defer, BLOCK_H=H), warps, 1,
+             ("stride_a", "stride_we", "stride_wn", "stride_o", "stride_rt"))
+    for rt in (False, True):  # resident / an expert cache reading this step's misses from the bank
+        tag = "_read_through" if rt else ""
+        comp(f"moe_gemv_gate_up{tag}_pdl", fmg._fp8_gate_up_kernel, gv,
+             dict(TOP_K=K, SCALE_N=128, SCALE_K=128, BLOCK_N=bn_gu, BLOCK_K=bk, K_STEPS=H // bk, EVEN_K=True,
+                  HAS_MAP=rt, READ_THROUGH=rt, BLOCK_M=16, PDL=True), warps, 1,
+             ("stride_x", "stride_we", "stride_wn", "stride_o"))
+        comp(f"moe_gemv_down{tag}_pdl", fmg._fp8_down_kernel, gv,
+             dict(TOP_K=K, BLOCK_KP=K, SCALE_N=128, SCALE_K=128, BLOCK_N=bn_d, BLOCK_K=bk, K_STEPS=INTER // bk,
+                  EVEN_K=True, HAS_MAP=rt, READ_THROUGH=rt, BLOCK_M=16, PDL=True), warps, 1,
+             ("stride_a", "stride_we", "stride_wn", "stride_o"))
+    return results
+
+
+@pytest.mark.skipif(not _nvidia_backend_available(), reason="triton without the nvidia backend")
+def test_fp8_kernels_compile_for_sm90() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the gpu-marked tests compile and run the kernels for real")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    errors = {k: v["error"] for k, v in results.items() if "error" in v}
+    assert not errors, errors
+    for name, r in results.items():
+        assert r["shared"] <= SMEM_LIMIT, (name, r)
+        assert r["local"] in (0, -1), f"{name} spills registers to local memory: {r}"
+    for name in ("gemm_m64", "gemm_m128", "moe_gate_up_m64", "moe_gate_up_m128", "moe_down_m64",
+                 "moe_down_m128", "moe_gate_up_m128_mapped"):
+        assert results[name]["fp8_wgmma"], f"{name} does not multiply e4m3 on wgmma: {results[name]}"
+        assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"
+    for name, r in results.items():
+        assert r["pdl_wait"] == name.endswith("_pdl"), (name, r)
+        if r["pdl_wait"] and name.startswith("moe_"):
+            # Every load after the wait: the expert ids (and the slots read-through
+            # writes) come from the kernels before.
+            assert r["loads_before_wait"] == 0, (name, r)
+        elif r["pdl_wait"]:  # the dense GEMV's first weight tile and scales load ahead of it
+            assert r["loads_before_wait"] > 0, (name, r)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all()))
