@@ -219,7 +219,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     comp("decode_inputs_release", di._decode_inputs_kernel,  # a step's first kernel with PDL
          {"packed_ptr": i64, "last_ptr": i64, "pt_ptr": i32, "emb_ptr": bf, "nw_ptr": bf, "normed_ptr": bf,
           "ids_ptr": i64, "pos_ptr": i64, "loc_ptr": i64, "seq_ptr": i32, "pre_ptr": i32, "slot_ptr": i64,
-          "step_ptr": i64, "min_ptr": "*i8", "rows_ptr": i32, "out_emb_ptr": bf, "eps": "fp32",
+          "step_ptr": i64, "min_ptr": "*i8", "sslot_ptr": i64, "rows_ptr": i32, "out_emb_ptr": bf, "eps": "fp32",
           "parity_ptr": i64},
          dict(FLAG=1 << 62, HAS_EMB=True, HAS_NORM=True, BLOCK_P=1024, BLOCK_H=2048, STAGED=True,
               RELEASE=True))
