@@ -102,7 +102,7 @@ def reference_logprobs(model: torch.nn.Module, mcfg: object, prompt: list[int],
     ps = 16
     n_pages = (len(seq) + ps - 1) // ps
     dtype = next(model.parameters()).dtype
-    pool = KVPool(mcfg.num_layers, n_pages + 1, ps, mcfg.num_kv_heads,  # type: ignore[attr-defined]
+    pool = KVPool(len(mcfg.kv_layers), n_pages + 1, ps, mcfg.num_kv_heads,  # type: ignore[attr-defined]
                   mcfg.head_dim, dtype, "cpu")  # type: ignore[attr-defined]
     fb = build_forward_batch([seq], [0], [list(range(1, n_pages + 1))], pool,
                              TorchAttentionBackend(), all_logits=True)
