@@ -24,8 +24,17 @@ def interpreting() -> bool:
 @triton.jit
 def mma(a, b, UPCAST: tl.constexpr):
     """tl.dot with fp32 accumulation. The CPU interpreter (triton 3.9) returns
-    garbage for bf16 operands, so there (UPCAST) both sides go to fp32 first."""
-    if UPCAST:
+    garbage for bf16 operands, so there (UPCAST) both sides go to fp32 first.
+
+    fp32 operands (an fp32 model) multiply in fp32 ("ieee"), not Triton's
+    default TF32: the model's cuBLAS layers run fp32 too, the interpreter tests
+    check fp32 arithmetic, and fp32 is the dtype parity is measured in. TF32's
+    10-bit operands put about 1e-2 on a small model's logits and, where a
+    router's k-th and k+1-th experts are near-tied, swap an expert (about 0.5
+    on that token's logits). Serving runs bf16, whose operands are unchanged."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    elif UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32))
     else:
         return tl.dot(a, b)
@@ -33,8 +42,11 @@ def mma(a, b, UPCAST: tl.constexpr):
 
 @triton.jit
 def mma_acc(a, b, acc, UPCAST: tl.constexpr):
-    """acc + a @ b, accumulated in place by the tensor-core instruction."""
-    if UPCAST:
+    """acc + a @ b, accumulated in place by the tensor-core instruction (fp32
+    operands: in fp32, as mma)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    elif UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     else:
         return tl.dot(a, b, acc)

@@ -29,11 +29,14 @@ The inverse: (I + A) = D (I + N) with D = I + A's 16x16 diagonal blocks and
 N = D^-1 (A's blocks below them). Each diagonal block is inverted by forward
 substitution (16 rows, the four blocks side by side), then, N being nilpotent
 of block order 4, (I + A)^-1 = (I - N + N^2 - N^3) D^-1: the same products a
-blocked forward substitution forms, as four 64x64 matmuls (Horner's form). Those run in
-tf32x3 (about fp32), A's and Aqk's in tf32 from fp32 q and k; the scan's matmuls
-take their operands in the input dtype (bf16 for a bf16 model; the rounding of
-flash-linear-attention's kernels) with fp32 accumulation (attention_common.mma: upcast under
-the interpreter, whose bf16 tl.dot is wrong), and the state S stays fp32.
+blocked forward substitution forms, as four 64x64 matmuls (Horner's form). For a
+bf16 model those run in tf32x3 (about fp32), A's and Aqk's in tf32 from fp32 q
+and k; the scan's matmuls take their operands in the input dtype (bf16; the
+rounding of flash-linear-attention's kernels) with fp32 accumulation
+(attention_common.mma: upcast under the interpreter, whose bf16 tl.dot is
+wrong), and the state S stays fp32. An fp32 model runs every one of them in
+fp32 ("ieee", EXACT): fp32 is the dtype parity with transformers is measured
+in, and what the interpreter tests check (mma's docstring).
 
 Padding rows of a partial chunk load as k = q = v = 0, beta = g = 0, as the
 reference pads: they change neither S nor the decay, and their outputs are not
@@ -160,7 +163,10 @@ def _load_normed(ptr, r, mr, stride_t, head, scale, eps, DK: tl.constexpr, BLOCK
 def _chunk_local_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, tinv_ptr, aqk_ptr, N,
                         stride_qt, stride_kt, stride_gt, stride_bt, scale, eps,
                         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, BLOCK_K: tl.constexpr,
-                        C: tl.constexpr, SB: tl.constexpr):
+                        C: tl.constexpr, SB: tl.constexpr, EXACT: tl.constexpr = False):
+    # EXACT (an fp32 model): every matmul in fp32; else A and Aqk in tf32, the inverse in tf32x3.
+    QK_PREC: tl.constexpr = "ieee" if EXACT else "tf32"
+    INV_PREC: tl.constexpr = "ieee" if EXACT else "tf32x3"
     c = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // (HV // HK)
@@ -172,7 +178,7 @@ def _chunk_local_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, tinv_ptr, aqk_ptr
     rows = tl.where(seq >= 0, rows, 0)  # past the last chunk: none
     r = tl.arange(0, C)
     mt = r < rows
-    # q and k stay fp32 here (tf32 matmuls on the GPU): the triangular system is the
+    # q and k stay fp32 here (tf32 matmuls for a bf16 model): the triangular system is the
     # most rounding-sensitive input, and this kernel is not on the serial path.
     k = _load_normed(k_ptr + t0 * stride_kt, r, mt, stride_kt, kh, 1.0, eps, DK, BLOCK_K)
     g = tl.load(g_ptr + t0 * stride_gt + r * stride_gt + h, mask=mt, other=0.0).to(tl.float32)
@@ -185,9 +191,9 @@ def _chunk_local_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, tinv_ptr, aqk_ptr
     tinv_ptr += (c * HV + h).to(tl.int64) * (C * C)  # this program's [C, C] tiles
     aqk_ptr += (c * HV + h).to(tl.int64) * (C * C)
     q = _load_normed(q_ptr + t0 * stride_qt, r, mt, stride_qt, kh, scale, eps, DK, BLOCK_K)
-    aqk = tl.where(causal, tl.dot(q, tl.trans(k)) * decay, 0.0)
+    aqk = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=QK_PREC) * decay, 0.0)
     tl.store(aqk_ptr + tile, aqk.to(aqk_ptr.dtype.element_ty))
-    a = tl.dot(k, tl.trans(k)) * (beta[:, None] * decay)
+    a = tl.dot(k, tl.trans(k), input_precision=QK_PREC) * (beta[:, None] * decay)
     tl.store(tinv_ptr + tile, tl.where(r[:, None] > r[None, :], a, 0.0))  # A, strictly lower
 
     # Diagonal blocks of (I + A)^-1 by forward substitution, the C / SB blocks side by
@@ -211,13 +217,13 @@ def _chunk_local_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, tinv_ptr, aqk_ptr
     m = tl.load(tinv_ptr + tile)
     same = (r // SB)[:, None] == (r // SB)[None, :]
     dinv = tl.where(same, m, 0.0)
-    nil = tl.dot(dinv, tl.where(same, 0.0, m), input_precision="tf32x3")  # N = D^-1 A_below
+    nil = tl.dot(dinv, tl.where(same, 0.0, m), input_precision=INV_PREC)  # N = D^-1 A_below
     # (I + N)^-1 = I - N + N^2 - N^3 = I - N (I - N (I - N)), Horner's form
     eye64 = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     series = eye64 - nil
-    series = eye64 - tl.dot(nil, series, input_precision="tf32x3")
-    series = eye64 - tl.dot(nil, series, input_precision="tf32x3")
-    tinv = tl.dot(series, dinv, input_precision="tf32x3")
+    series = eye64 - tl.dot(nil, series, input_precision=INV_PREC)
+    series = eye64 - tl.dot(nil, series, input_precision=INV_PREC)
+    tinv = tl.dot(series, dinv, input_precision=INV_PREC)
     tl.debug_barrier()  # the block-diagonal load above completes everywhere first
     tl.store(tinv_ptr + tile, tinv)
 
@@ -330,7 +336,7 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         _chunk_local_kernel[(chunks, hv)](
             q, k, g, beta, cu, tinv, aqk, nseq,
             q.stride(0), k.stride(0), g.stride(0), beta.stride(0), dk**-0.5, L2_EPS,
-            HK=hk, HV=hv, DK=dk, BLOCK_K=bk, C=CHUNK, SB=SUB,
+            HK=hk, HV=hv, DK=dk, BLOCK_K=bk, C=CHUNK, SB=SUB, EXACT=q.dtype == torch.float32,
             num_warps=LOCAL_WARPS, num_stages=1)
     bv = min(block_v or SCAN_BLOCK_V, _block(dv))
     _chunk_scan_kernel[(nseq, hv, triton.cdiv(dv, bv))](

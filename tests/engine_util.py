@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ftserve.engine.engine import Engine
-from ftserve.engine.messages import GenerateRequest, RequestOutput
+from ftserve.engine.messages import GenerateRequest, RequestOutput, TokenLogprob
 from ftserve.engine.sampling_params import SamplingParams
 from ftserve.kvcache.pool import KVPool
 from ftserve.kvcache.state_pool import StatePool
@@ -94,6 +95,114 @@ def reference_greedy(model: torch.nn.Module, mcfg: object, prompt: list[int], n:
         out.append(tok)
         seq.append(tok)
     return out
+
+
+@torch.inference_mode()
+def reference_logprobs(model: torch.nn.Module, mcfg: object, prompt: list[int],
+                       out: list[int]) -> torch.Tensor:
+    """[len(out), V]: the model's log-probabilities of each next token while it
+    writes ``out`` after ``prompt`` (one full forward of prompt + out[:-1])."""
+    seq = list(prompt) + list(out[:-1])
+    ps = 16
+    n_pages = (len(seq) + ps - 1) // ps
+    dtype = next(model.parameters()).dtype
+    pool = KVPool(len(mcfg.kv_layers), n_pages + 1, ps, mcfg.num_kv_heads,  # type: ignore[attr-defined]
+                  mcfg.head_dim, dtype, "cpu")  # type: ignore[attr-defined]
+    fb = build_forward_batch([seq], [0], [list(range(1, n_pages + 1))], pool,
+                             TorchAttentionBackend(), all_logits=True)
+    return torch.log_softmax(model(fb)[len(prompt) - 1:].float(), dim=-1)
+
+
+@dataclass
+class GreedyTrace:
+    """Greedy outputs of a batch of prompts with each token's top-k logprobs."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[TokenLogprob]]
+
+
+def run_greedy_logprobs(engine: Engine, prompts: list[list[int]], max_tokens: int,
+                        top: int = 5) -> GreedyTrace:
+    """All prompts at once through the engine's own step loop (EngineDriver),
+    greedy, ``top`` logprobs per token."""
+    from ftserve.engine.driver import EngineDriver
+
+    drv = EngineDriver(engine)
+    reqs = [drv.add(p, max_tokens, SamplingParams(temperature=0.0, logprobs=top)) for p in prompts]
+    drv.run_all()
+    assert all(r.finished for r in reqs)
+    trace = GreedyTrace([list(r.output_ids) for r in reqs], [list(r.pending_logprobs) for r in reqs])
+    assert all(len(t) == len(lp) == max_tokens for t, lp in zip(trace.tokens, trace.logprobs))
+    return trace
+
+
+def logprob_errors(trace: GreedyTrace, refs: list[torch.Tensor]) -> torch.Tensor:
+    """|reported logprob - reference| of every (token, logprob) pair a trace
+    reports: the chosen token and its top-k, at every position."""
+    errs = [abs(v - float(ref[j, t]))
+            for lps, ref in zip(trace.logprobs, refs) for j, lp in enumerate(lps)
+            for t, v in ((lp.token_id, lp.logprob), *lp.top)]
+    return torch.tensor(errs, dtype=torch.float64)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def assert_greedy_equal_up_to_ties(
+    prompts: list[list[int]], want: GreedyTrace, got: GreedyTrace,
+    reference: Callable[[list[int], list[int]], torch.Tensor],
+    min_equal_rows: int, mean_slack: float = 2.0, max_slack: float = 3.0, floor: float = 0.005,
+) -> str:
+    """``got`` (a second low-precision path, e.g. speculative verify steps in
+    bf16) computes the same greedy outputs as ``want`` (plain decoding), up to
+    ties within rounding. Returns the measured errors.
+
+    Two correct bf16 paths reduce in different orders, so where the top two
+    tokens are near-tied their greedy tokens may differ, and the rows part
+    there. ``reference`` (the same weights in fp32) tells rounding from a bug,
+    with ``want``'s own distance from it as the measure of rounding:
+
+    1. Each path's reported logprobs (chosen + top-k, every position, along its
+       own tokens) are compared with the reference's; ``got``'s errors must be
+       no larger than ``want``'s: mean <= mean_slack x want's + floor, max <=
+       max_slack x want's + floor. Stale KV of rejected drafts, or wrong
+       positions or pages, put later positions off by far more than rounding,
+       whether a token flips or not. (A fault smaller than the rounding is
+       below what any bf16 test sees: the fp32 CPU tests demand equal tokens.)
+    2. Each row equals ``want``'s up to its first divergence d (if any), and
+       there the two tokens a (want's) and b (got's) are near-tied: each is in
+       the other path's top-k, and the reference's margin |lp(a) - lp(b)| is
+       at most 2e, e the larger of the two paths' max errors. (The bound:
+       want picked a, so lp_want(a) >= lp_want(b), each within e of the
+       reference: lp(a) - lp(b) >= -2e; got picked b: lp(b) - lp(a) >= -2e.)
+       A token taken from the wrong position's row is far down the other list.
+    3. At least ``min_equal_rows`` rows are equal in full: near-ties are rare.
+    """
+    ref_want = [reference(p, t) for p, t in zip(prompts, want.tokens)]
+    ref_got = [reference(p, t) for p, t in zip(prompts, got.tokens)]
+    e_want, e_got = logprob_errors(want, ref_want), logprob_errors(got, ref_got)
+    mean_w, max_w = float(e_want.mean()), float(e_want.max())
+    mean_g, max_g = float(e_got.mean()), float(e_got.max())
+    stats = (f"|logprob - fp32 reference|: plain mean {mean_w:.4f} max {max_w:.4f}, "
+             f"other path mean {mean_g:.4f} max {max_g:.4f}")
+    assert mean_g <= mean_slack * mean_w + floor and max_g <= max_slack * max_w + floor, stats
+    tie = 2 * max(max_w, max_g)
+    parted = []
+    for i, (a, b) in enumerate(zip(want.tokens, got.tokens)):
+        d = first_divergence(a, b)
+        if d is None:
+            continue
+        parted.append((i, d))
+        ta, tb = a[d], b[d]
+        margin = abs(float(ref_want[i][d, ta] - ref_want[i][d, tb]))
+        in_tops = (tb in {t for t, _ in want.logprobs[i][d].top}
+                   and ta in {t for t, _ in got.logprobs[i][d].top})
+        assert in_tops and margin <= tie, (
+            f"row {i} parts at token {d}: plain {ta}, other {tb}; in each other's top-k: {in_tops}, "
+            f"fp32 margin {margin:.4f} (tie bound {tie:.4f}); {stats}\nplain {a}\nother {b}")
+    assert len(prompts) - len(parted) >= min_equal_rows, f"rows parted (row, token): {parted}; {stats}"
+    return f"{stats}; rows parted at near-ties (row, token): {parted}"
 
 
 def make_context_sensitive(model: torch.nn.Module, gain: float = 20.0) -> None:

@@ -1,7 +1,18 @@
 """Speculative decoding on CUDA (bf16, Triton attention, decode, prefill and verify
 graphs on): verify steps make no hidden device->host sync and exactly one deliberate read-back,
 plain steps of requests in back-off keep overlap, and greedy outputs equal plain
-decoding's. Driven step by step (tools.bench.engine_driver), as test_gpu_engine.py."""
+decoding's up to bf16 near-ties. Driven step by step (tools.bench.engine_driver), as
+test_gpu_engine.py.
+
+Why not token for token: a verify step scores its k + 1 positions with the
+prefill/extend kernels (GEMMs, extend attention, the unfused router), plain
+decoding with the decode ones (GEMVs, decode attention, the fused router); in
+bf16 they round differently, so where the random model's top two tokens are
+near-tied the greedy tokens can differ and the rows part. (In fp32 on the CPU,
+tests/test_spec_engine.py, they are equal token for token.) The comparison,
+engine_util.assert_greedy_equal_up_to_ties, tells such a tie from a bug by the
+same weights in fp32: both paths must be about as close to it, and a row may
+part only where the two tokens are tied within that measured error."""
 
 from __future__ import annotations
 
@@ -11,8 +22,15 @@ import pytest
 
 from ftserve.engine.engine import Engine
 from ftserve.engine.runner import Launched
-from tests.engine_util import make_context_sensitive
-from tests.test_gpu_engine import CheckedDriver, make_engine, model_dir, run_greedy  # noqa: F401
+from tests.engine_util import (
+    assert_greedy_equal_up_to_ties,
+    make_context_sensitive,
+    reference_logprobs,
+    run_greedy_logprobs,
+)
+from tests.test_gpu_engine import CheckedDriver, cpu_twin, make_engine, model_dir, run_greedy  # noqa: F401
+
+ROWS = 8  # requests compared (max_running_requests): near-ties part at most half of them
 
 
 def echo_prompts(engine: Engine, seed: int, n: int) -> list[list[int]]:
@@ -21,6 +39,18 @@ def echo_prompts(engine: Engine, seed: int, n: int) -> list[list[int]]:
     xs = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 40))] for _ in range(n)]
     outs = run_greedy(engine, xs, 24)
     return [x + c + x for x, c in zip(xs, outs)]
+
+
+def equal_plain_up_to_ties(plain: Engine, spec: Engine, prompts: list[list[int]]) -> None:
+    """Greedy outputs with top-5 logprobs, spec against plain, checked against the
+    plain model's weights in fp32 on the CPU (module docstring)."""
+    want = run_greedy_logprobs(plain, prompts, 24)
+    got = run_greedy_logprobs(spec, prompts, 24)
+    model, mcfg = cpu_twin(plain), plain.model_config
+    summary = assert_greedy_equal_up_to_ties(
+        prompts, want, got, lambda p, out: reference_logprobs(model, mcfg, p, out),
+        min_equal_rows=ROWS // 2)
+    print(summary)
 
 
 class VerifyLog(CheckedDriver):
@@ -41,8 +71,8 @@ def test_verify_steps_sync_free_and_equal_plain(model_dir: str) -> None:  # noqa
         if hasattr(spec.runner.model, "refresh_derived"):
             spec.runner.model.refresh_derived()
         assert spec.runner.verify_graphs is not None  # verify steps replay captured widths
-        prompts = echo_prompts(plain, 0, 6)
-        assert run_greedy(spec, prompts, 24) == run_greedy(plain, prompts, 24)
+        prompts = echo_prompts(plain, 0, ROWS)
+        equal_plain_up_to_ties(plain, spec, prompts)
         assert spec.scheduler.spec is not None and spec.scheduler.spec.counters.accepted_tokens_total > 0
         for check in (False, True):  # the first run compiles every shape
             drv = VerifyLog(spec, seed=1, check=check)
@@ -76,8 +106,8 @@ def test_mtp_steps_sync_free_and_equal_plain(tmp_path_factory: pytest.TempPathFa
         distill(spec.runner.model)
         assert spec.runner.mtp is not None and spec.runner.verify_graphs is None
         rng = random.Random(3)
-        prompts = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 300))] for _ in range(6)]
-        assert run_greedy(spec, prompts, 24) == run_greedy(plain, prompts, 24)
+        prompts = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 300))] for _ in range(ROWS)]
+        equal_plain_up_to_ties(plain, spec, prompts)
         assert spec.scheduler.spec is not None and spec.scheduler.spec.counters.accepted_tokens_total > 0
         for check in (False, True):  # the first run compiles every shape
             drv = VerifyLog(spec, seed=1, check=check)

@@ -257,6 +257,26 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          heads | dict(DV=128, BLOCK_V=gdt.SCAN_BLOCK_V, C=64, UPCAST=False), gdt.SCAN_WARPS, gdt.SCAN_STAGES)
     conv = {"x_ptr": bf, "w_ptr": bf, "cs_ptr": bf, "slot_ptr": "*i64", "has_ptr": "*i1", "cu_ptr": i32,
             "out_ptr": bf}
+    # An fp32 model: its dots multiply in fp32 (attention_common.mma, gated_delta_triton's
+    # EXACT), on the FMA units, at the tile sizes the bf16 launches use.
+    f32 = "*fp32"
+    comp("fp32_extend", at._extend_kernel, attn | {"q_ptr": f32, "o_ptr": f32, "kc_ptr": f32, "vc_ptr": f32},
+         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m,
+              BLOCK_N=cfg.extend_block_n, UPCAST=False),
+         cfg.extend_warps, cfg.extend_stages)
+    comp("fp32_decode_split", at._decode_split_kernel,
+         attn | {"q_ptr": f32, "o_ptr": f32, "kc_ptr": f32, "vc_ptr": f32},
+         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
+              BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False), cfg.decode_warps, cfg.decode_stages)
+    moe32 = {n: (f32 if t == bf else t) for n, t in moe.items()}
+    comp("fp32_moe_gate_up_T8192", mt._moe_gate_up_kernel, moe32, dict(TOP_K=8, **common),
+         c.num_warps, c.num_stages)
+    comp("fp32_moe_down_T8192", mt._moe_down_kernel, moe32, common, c.num_warps, c.num_stages)
+    rule32 = {n: (f32 if t == bf else t) for n, t in rule.items()}
+    comp("fp32_gdn_chunk_local", gdt._chunk_local_kernel, rule32, heads | dict(C=64, SB=16, EXACT=True),
+         gdt.LOCAL_WARPS, 1)
+    comp("fp32_gdn_chunk_scan", gdt._chunk_scan_kernel, rule32,
+         heads | dict(DV=128, BLOCK_V=gdt.SCAN_BLOCK_V, C=64, UPCAST=False), gdt.SCAN_WARPS, gdt.SCAN_STAGES)
     comp("gdn_conv_decode", sct._conv_decode_kernel, conv, dict(W=3, BLOCK_E=4, BLOCK_C=sct.CONV_DECODE_BLOCK_C))
     comp("gdn_conv_prefill", sct._conv_prefill_kernel, conv,
          dict(W=3, BLOCK_T=sct.CONV_BLOCK_T, BLOCK_C=sct.CONV_BLOCK_C))
@@ -296,6 +316,8 @@ def test_kernels_compile_for_sm90() -> None:
         assert r["local"] in (0, -1), f"{name} spills registers to local memory: {r}"
     for name in ("extend", "moe_gate_up_T8192", "moe_down_T8192", "gdn_chunk_local", "gdn_chunk_scan"):
         assert results[name]["wgmma"], f"{name} does not use Hopper wgmma: {results[name]}"
+        # fp32 operands multiply in fp32: no tensor-core (TF32) instruction
+        assert not results["fp32_" + name]["wgmma"], f"fp32_{name} multiplies in TF32: {results['fp32_' + name]}"
     for name, r in results.items():  # the wait and release exactly where PDL is compiled in
         if name.endswith("_release"):  # released at its start, launched without the attribute
             assert r["pdl_release"] and not r["pdl_wait"], (name, r)
