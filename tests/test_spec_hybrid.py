@@ -303,3 +303,59 @@ def test_start_up_sizes_the_verify_log(model_dir: str, ngram: tuple[Engine, Stat
         assert off.scheduler.state_pool is not None and off.scheduler.state_pool.verify_log is None
     finally:
         off.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["ngram", "mtp"])
+def test_sampled_tokens_keep_the_distribution(kind: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Temperature 1 on an 8-token vocabulary (a linear and an attention layer),
+    640 seeds, max_tokens 3: the first verify step feeds the drafts after the
+    prefill's token; the third output token (sampled at the first draft
+    position when the step kept it, else by the next step, from the state the
+    commit left) is distributed as the model's own marginal, computed exactly."""
+    from ftserve.models.checkpoint import write_checkpoint
+    from tests.test_spec_accept import chi2_p
+
+    monkeypatch.setattr(spec_mod, "MAX_BACKOFF", 1)
+    v = 8
+    write_checkpoint("tiny-qwen3-next", tmp_path, layers=2, config_only=True, overrides={"vocab_size": v})
+    extra = dict(ngram_min_match=1) if kind == "ngram" else {}
+    eng = make(str(tmp_path), speculative=kind, num_speculative_tokens=3, max_running_requests=32, **extra)
+    try:
+        model = eng.runner.model
+        # The mixers' outputs 15x (the state shows in the distributions: a commit of
+        # every input instead of the kept ones brings p near 1e-3 here) and peaked,
+        # context-dependent distributions.
+        make_context_sensitive(model, 5.0)
+        with torch.no_grad():
+            model.lm_head_weight().mul_(12.0)
+        prompt = [3, 5, 1, 6, 7, 4, 0, 2]  # every token once: an n-gram draft for any next one
+        n = 640
+        reqs = [(f"c{s}", prompt, SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True))
+                for s in range(n)]
+        outs = collect(eng, reqs)
+        third = torch.tensor([tokens_of(outs[f"c{s}"])[2] for s in range(n)])
+        c = eng.scheduler.spec.counters  # type: ignore[union-attr]
+        assert 0 < c.accepted_tokens_total < c.proposed_tokens_total
+        cfg = eng.model_config
+
+        @torch.inference_mode()
+        def probs(ctx: list[int]) -> torch.Tensor:
+            kv = KVPool(len(cfg.kv_layers) + 1, 4, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+            states = StatePool.for_model(cfg, 1, torch.float32)
+            fb = build_forward_batch([ctx], [0], [[1]], kv, TorchAttentionBackend(), state_pool=states,
+                                     state_slots=[1])
+            return torch.softmax(model(fb)[0].double(), dim=-1)
+
+        p1 = probs(prompt)
+        p2 = [probs(prompt + [y1]) for y1 in range(v)]
+        marginal = torch.zeros(v, dtype=torch.float64)
+        second = torch.zeros(v, dtype=torch.float64)
+        for y1 in range(v):
+            second += p1[y1] * p2[y1]
+            for y2 in range(v):
+                marginal += p1[y1] * p2[y1][y2] * probs(prompt + [y1, y2])
+        counts = torch.bincount(third, minlength=v)
+        assert chi2_p(counts, marginal) > 1e-3
+        assert chi2_p(counts, second) < 1e-6  # the test tells distributions apart
+    finally:
+        eng.shutdown()
