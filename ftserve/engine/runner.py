@@ -235,6 +235,9 @@ class ModelRunner:
         else:
             src = np.full(t, -1)
         hybrid = self.state_pool is not None
+        if hybrid and batch.verifies:
+            log = self.state_pool.verify_log  # type: ignore[union-attr]
+            assert log is not None and t <= log.tokens, "a verify step past the log sized at start-up"
         small = (indptr + seq_lens + list(batch.prefix_lens) + [q.slot for q in batch.reqs]
                  + ([q.state_slot for q in batch.reqs] if hybrid else [])
                  + logits_rows(batch, rows, last) + sampling_words(batch, rows)

@@ -38,9 +38,9 @@ the step (``verify_log``, sized at start-up for the largest verify step)::
 
 Once the step has sampled, ``commit_verified`` moves each request's slot on by
 the tokens it keeps (counted on the device: no sync), in every layer, as decode
-steps over them would. The log is a few kilobytes a token and layer, where a
-state per draft position would be a whole slot each (tens of MB for
-Qwen3-Next-80B), and the commit reads and writes each state once.
+steps over them would. A token's log is about 1% of a slot (Qwen3-Next-80B:
+1 MB against 77 MB), where keeping a state per draft position would cost a
+whole slot each, and the commit reads and writes each state once.
 """
 
 from __future__ import annotations
