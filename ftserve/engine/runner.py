@@ -302,6 +302,8 @@ class ModelRunner:
         commit (Scheduler.commit_verified) keeps the same tokens, or fewer when a
         stop ends the request, whose state then no longer matters."""
         assert self.state_pool is not None and fb.state_slots is not None
+        # Checkpoints are saved by prefill chunks only: never at a draft's positions.
+        assert not batch.state_saves and not batch.state_loads
         lens = [len(x) for x in batch.new_tokens]
         assert len(sampled) >= sum(lens), "every input of a verify step is sampled"
         idx, width = accept.device_plan(lens)
