@@ -34,7 +34,21 @@ and write the final state back, by slot index tensors: ``conv_prefill`` /
 ``gated_delta_prefill`` for packed sequences of any lengths (a host loop over
 sequences here: prefill is eager), ``conv_decode`` / ``gated_delta_decode`` for
 one token per sequence (fixed shapes, gather / scatter, no sync: capturable).
-gated_delta_triton.py has Triton kernels with the same four signatures;
+
+A speculative verify step (a request's last token and its draft, a few tokens
+per sequence) may keep only some of its tokens, so it must not leave the state
+after all of them. ``conv_verify`` / ``gated_delta_verify`` compute the outputs
+(the rule token by token, as decode steps would) and leave every slot as it
+was; the layer logs their inputs (StatePool.verify_log), and once the kept
+counts are known on the device ``conv_commit`` / ``gated_delta_commit`` redo
+the updates of each sequence's first kept[b] tokens from the log into its slot,
+every linear layer in one call (fixed shapes, no sync)::
+
+    slot:   S_L ----------------------------------------------> S_L  (verify: read only)
+    tokens: t_L  d_1  d_2  d_3      sampled y_0 y_1 y_2 y_3, kept 2 (d_1 == y_0, d_2 != y_1)
+    commit: S_L -> S_L+1 -> S_L+2  into the slot (the state after t_L, d_1)
+
+gated_delta_triton.py has Triton kernels with the same signatures;
 ops.gated_delta picks them on CUDA tensors and this module, their reference
 twin, elsewhere.
 """
@@ -65,13 +79,18 @@ def recurrent_gated_delta_rule_ref(
     s = state
     out = []
     for t in range(q.shape[-3]):
-        s = s * g[..., t, :].exp()[..., None, None]
-        kt = k[..., t, :, :]  # [..., H, dk]
-        pred = torch.einsum("...hk,...hkv->...hv", kt, s)  # what S already says for k_t
-        u = (v[..., t, :, :] - pred) * beta[..., t, :, None]  # [..., H, dv]
-        s = s + kt[..., :, None] * u[..., None, :]
+        s = _delta_step(s, k[..., t, :, :], v[..., t, :, :], g[..., t, :], beta[..., t, :])
         out.append(torch.einsum("...hk,...hkv->...hv", q[..., t, :, :], s))
     return torch.stack(out, dim=-3), s
+
+
+def _delta_step(s: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor) -> torch.Tensor:
+    """One token's update: s [..., H, dk, dv], k [..., H, dk], v [..., H, dv], g, beta [..., H]."""
+    s = s * g.exp()[..., None, None]
+    pred = torch.einsum("...hk,...hkv->...hv", k, s)  # what S already says for k
+    u = (v - pred) * beta[..., None]  # [..., H, dv]
+    return s + k[..., :, None] * u[..., None, :]
 
 
 def chunk_gated_delta_rule_ref(
@@ -204,3 +223,85 @@ def conv_decode(
     y = (ext.float() * w.float()).sum(-1)  # [B, C]
     conv_states.index_copy_(0, slots, ext[:, :, 1:].to(conv_states.dtype))
     return F.silu(y).to(x.dtype)
+
+
+# ------------------------------------------------------------------ speculative verify steps
+
+
+def conv_verify(
+    x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
+    has_state: torch.Tensor, seq_bounds: Sequence[int], cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """conv_prefill's outputs, every slot's window left as it was (module
+    docstring: conv_commit moves it on by the kept tokens)."""
+    start = _start(conv_states, slots, has_state)  # [B, C, K-1]: a scratch copy the prefill may overwrite
+    rows = torch.arange(start.shape[0], device=x.device)
+    return conv_prefill(x, w, start, rows, torch.ones_like(has_state), seq_bounds)
+
+
+def gated_delta_verify(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, seq_bounds: Sequence[int],
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """gated_delta_prefill's outputs (same arguments) by the token-by-token form
+    decode steps use, every slot's state left as it was (module docstring)."""
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
+    start = _start(states, slots, has_state)  # [B, Hv, dk, dv]
+    out = torch.empty(vf.shape, dtype=v.dtype, device=v.device)
+    for b in range(len(seq_bounds) - 1):
+        lo, hi = seq_bounds[b], seq_bounds[b + 1]
+        o, _ = recurrent_gated_delta_rule_ref(qf[lo:hi], kf[lo:hi], vf[lo:hi], gf[lo:hi], bf[lo:hi], start[b])
+        out[lo:hi] = o.to(v.dtype)
+    return out
+
+
+def _layer_start(states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+    """[L, S+1, ...] pool tensors -> the slots' states [L, B, ...] (zeros without a prefix)."""
+    s = states.index_select(1, slots)
+    keep = has_state.reshape(1, -1, *([1] * (s.dim() - 2)))
+    return torch.where(keep, s, torch.zeros((), dtype=s.dtype, device=s.device))
+
+
+def conv_commit(
+    x: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
+    starts: torch.Tensor, kept: torch.Tensor, max_kept: int,
+) -> None:
+    """Every linear layer at once: x [L, T, C], the conv inputs a verify step
+    logged; conv_states [L, S+1, C, K-1]. Sequence b's window in slots[b] moves
+    on by its tokens starts[b] .. starts[b] + kept[b] - 1 (kept [B] on the
+    device, 1 <= kept[b] <= max_kept, a host bound), as conv_decode steps over
+    them would leave it."""
+    n_layers, n_tok, _ = x.shape
+    width = conv_states.shape[-1]
+    old = _layer_start(conv_states, slots, has_state).to(x.dtype)  # [L, B, C, W]
+    steps = torch.arange(max_kept, device=x.device)
+    tok = (starts[:, None].long() + steps).clamp(max=n_tok - 1)  # [B, M]; past kept: never picked
+    new = x[:, tok].transpose(-1, -2)  # [L, B, C, M]
+    ext = torch.cat([old, new], dim=-1)  # window positions: [0, W) the old window, W + j token j
+    pick = kept[:, None].long() + torch.arange(width, device=x.device)  # [B, W]: ext[kept : kept + W]
+    win = ext.gather(-1, pick[None, :, None, :].expand(n_layers, -1, ext.shape[2], -1))
+    conv_states.index_copy_(1, slots, win.to(conv_states.dtype))
+
+
+def gated_delta_commit(
+    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: torch.Tensor,
+    slots: torch.Tensor, has_state: torch.Tensor, starts: torch.Tensor, kept: torch.Tensor,
+    max_kept: int,
+) -> None:
+    """Every linear layer at once: k [L, T, Hk, dk], v [L, T, Hv, dv], g, beta
+    [L, T, Hv], the rule's inputs a verify step logged; states [L, S+1, Hv, dk, dv].
+    Sequence b's state in slots[b] takes the updates of its tokens starts[b] ..
+    starts[b] + kept[b] - 1, as gated_delta_decode steps would (a masked loop
+    of max_kept steps: no host read of kept)."""
+    n_tok = k.shape[1]
+    rep = v.shape[-2] // k.shape[-2]
+    s = _layer_start(states, slots, has_state).float()  # [L, B, Hv, dk, dv]
+    for m in range(max_kept):
+        t = (starts.long() + m).clamp(max=n_tok - 1)  # [B]
+        kt = l2norm(k[:, t])  # [L, B, Hk, dk] fp32
+        if rep > 1:
+            kt = kt.repeat_interleave(rep, dim=-2)
+        step = _delta_step(s, kt, v[:, t].float(), g[:, t].float(), beta[:, t].float())
+        s = torch.where((m < kept).reshape(1, -1, 1, 1, 1), step, s)
+    states.index_copy_(1, slots, s.to(states.dtype))

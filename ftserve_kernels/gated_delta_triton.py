@@ -1,7 +1,9 @@
 """Gated DeltaNet in Triton: the four entry points of ftserve_kernels/gated_delta.py
 (its torch reference twins, and the math) with the same signatures.
 
-The conv's two are in short_conv_triton.py (re-exported here). Decode (one
+The conv's two are in short_conv_triton.py, a speculative verify step's four
+(verify and commit, of the conv and the rule) in gated_delta_verify_triton.py;
+all re-exported here. Decode (one
 token per sequence) is one launch for the conv and one for the rule, fixed
 shapes, state read and written in place in its pool slot by index: no gather /
 scatter copies, no host data, nothing that syncs; capturable.
@@ -63,6 +65,10 @@ import triton.language as tl
 
 from ftserve_kernels.attention_common import interpreting, mma
 from ftserve_kernels.gated_delta import CHUNK, L2_EPS
+from ftserve_kernels.gated_delta_verify_triton import conv_commit as conv_commit
+from ftserve_kernels.gated_delta_verify_triton import conv_verify as conv_verify
+from ftserve_kernels.gated_delta_verify_triton import gated_delta_commit as gated_delta_commit
+from ftserve_kernels.gated_delta_verify_triton import gated_delta_verify as gated_delta_verify
 from ftserve_kernels.short_conv_triton import check_slot_state, device_bounds, slot_flag
 from ftserve_kernels.short_conv_triton import conv_decode as conv_decode
 from ftserve_kernels.short_conv_triton import conv_prefill as conv_prefill

@@ -169,3 +169,47 @@ def test_conv_pieces_and_decode_equal_whole() -> None:
     outs = [gd.conv_decode(x[t : t + 1], w, steps, slot, no if t == 0 else yes) for t in range(n)]
     assert (torch.cat(outs) - ref).abs().max().item() <= EXACT
     assert torch.equal(steps[2], whole[2])
+
+
+def test_verify_leaves_the_slots_and_commit_equals_decode_steps() -> None:
+    """A verify step over three packed sequences (4, 1 and 3 tokens, in slots 3, 1,
+    2) gives the outputs of decode steps over the same tokens and writes no slot;
+    the commit over two layers' logs, keeping 2, 1 and 3 tokens, leaves in each
+    slot (of each layer) the state and conv window those decode steps left after
+    the kept tokens; the sink and unowned slot 4 are untouched."""
+    kept_l, slots_l = [2, 1, 3], [3, 1, 2]
+    bounds = [0, 4, 5, 8]
+    slots, has = torch.tensor(slots_l), torch.tensor([True] * 3)
+    starts, kept = torch.tensor(bounds[:-1]), torch.tensor(kept_l)
+    gen = torch.Generator().manual_seed(20)
+    c, kernel = 12, 4
+    rec = torch.randn(2, 5, 4, 16, 8, generator=gen)  # [layers, slots + 1, Hv, dk, dv]
+    conv = torch.randn(2, 5, c, kernel - 1, generator=gen)
+    logs = [_model_inputs(8, seed=21 + j) for j in range(2)]  # q, k, v, g, beta per layer
+    xs = torch.randn(2, 8, c, generator=gen)
+    w = torch.randn(c, kernel, generator=gen)
+    want_rec, want_conv = rec.clone(), conv.clone()
+    for j in range(2):
+        q, k, v, g, beta = logs[j]
+        before_rec, before_conv = rec[j].clone(), conv[j].clone()
+        o = gd.gated_delta_verify(q, k, v, g, beta, rec[j], slots, has, bounds)
+        y = gd.conv_verify(xs[j], w, conv[j], slots, has, bounds)
+        assert torch.equal(rec[j], before_rec) and torch.equal(conv[j], before_conv)
+        for b, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            steps_rec, steps_conv = before_rec.clone(), before_conv.clone()
+            slot = slots[b : b + 1]
+            for t in range(lo, hi):
+                s = slice(t, t + 1)
+                o_t = gd.gated_delta_decode(q[s], k[s], v[s], g[s], beta[s], steps_rec, slot, has[:1])
+                y_t = gd.conv_decode(xs[j][s], w, steps_conv, slot, has[:1])
+                assert (o[s] - o_t).abs().max().item() <= EXACT and (y[s] - y_t).abs().max().item() <= EXACT
+                if t - lo + 1 == kept_l[b]:
+                    want_rec[j, slots_l[b]] = steps_rec[slots_l[b]]
+                    want_conv[j, slots_l[b]] = steps_conv[slots_l[b]]
+    k_log = torch.stack([lg[1] for lg in logs])
+    v_log, g_log, b_log = (torch.stack([lg[i] for lg in logs]) for i in (2, 3, 4))
+    gd.gated_delta_commit(k_log, v_log, g_log, b_log, rec, slots, has, starts, kept, max_kept=4)
+    gd.conv_commit(xs, conv, slots, has, starts, kept, max_kept=4)
+    assert (rec - want_rec).abs().max().item() <= EXACT
+    assert torch.equal(conv, want_conv)
+    assert torch.equal(rec[:, [0, 4]], want_rec[:, [0, 4]]) and torch.equal(conv[:, [0, 4]], want_conv[:, [0, 4]])

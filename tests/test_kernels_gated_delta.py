@@ -19,7 +19,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     # The interpreter is chosen when a kernel is decorated (see test_kernels_attention).
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("ftserve_kernels.short_conv_triton", "ftserve_kernels.gated_delta_triton"):
+    for _name in ("ftserve_kernels.short_conv_triton", "ftserve_kernels.gated_delta_verify_triton",
+                  "ftserve_kernels.gated_delta_triton"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 
@@ -187,6 +188,46 @@ def test_conv_prefill_matches_reference(dtype: torch.dtype) -> None:
     _close(o, o_ref)
     assert torch.equal(got[1:5], want[1:5])
     assert torch.equal(got[0], base[0]) and torch.equal(got[5], base[5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_and_commit_match_reference(dtype: torch.dtype) -> None:
+    """A verify step's packed sequences (4, 1 and 3 tokens continuing slots 3, 1, 2;
+    one masked dk and two V blocks): the outputs of the reference, no slot
+    written; then the commit over two layers' logs keeping 2, 1 and 3 tokens:
+    the reference's states and windows, the other slots untouched."""
+    dk, dv, c = 24, 32, 40
+    bounds, slots_l, kept_l = [0, 4, 5, 8], [3, 1, 2], [2, 1, 3]
+    slots, has = _dev(slots_l, [True] * 3)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    kept = torch.tensor(kept_l, device=DEVICE)
+    logs = [_rule(8, dk, dv, seed=40 + j, dtype=dtype) for j in range(2)]
+    rec = torch.stack([_states(5, HV, dk, dv, seed=42 + j) for j in range(2)])  # [layers, slots + 1, ...]
+    xs = torch.stack([_conv(8, c, 4, seed=44 + j, dtype=dtype)[0] for j in range(2)])
+    w = _conv(1, c, 4, seed=46, dtype=dtype)[1]
+    conv = torch.stack([_states(5, c, 3, seed=47 + j, dtype=dtype) for j in range(2)])
+    got_rec, got_conv = rec.clone(), conv.clone()
+    for j in range(2):
+        o_ref = ref.gated_delta_verify(*logs[j], rec[j], slots, has, bounds)
+        o = tri.gated_delta_verify(*logs[j], got_rec[j], slots, has, bounds, cu_seqlens=cu, block_v=16)
+        if dtype == torch.float32:
+            _close(o, o_ref)
+        else:  # the kernel rounds the output once, the reference its fp32 sums too
+            torch.testing.assert_close(o, o_ref, rtol=2e-2, atol=2e-2)
+        _close(tri.conv_verify(xs[j], w, got_conv[j], slots, has, bounds, cu_seqlens=cu),
+               ref.conv_verify(xs[j], w, conv[j], slots, has, bounds))
+    assert torch.equal(got_rec, rec) and torch.equal(got_conv, conv)
+    # The log as the layer keeps it: contiguous [layers, tokens, ...] copies.
+    k_log, v_log, g_log, b_log = (torch.stack([lg[i] for lg in logs]).contiguous() for i in (1, 2, 3, 4))
+    starts = cu[:-1]
+    ref.gated_delta_commit(k_log, v_log, g_log, b_log, rec, slots, has, starts, kept, 4)
+    tri.gated_delta_commit(k_log, v_log, g_log, b_log, got_rec, slots, has, starts, kept, 4, block_v=16)
+    ref.conv_commit(xs, conv, slots, has, starts, kept, 4)
+    tri.conv_commit(xs, got_conv, slots, has, starts, kept, 4)
+    assert _max(got_rec, rec) <= 1e-5  # the state is fp32 either way
+    assert torch.equal(got_conv, conv)  # windows of copied inputs, bit for bit
+    base = torch.stack([_states(5, HV, dk, dv, seed=42 + j) for j in range(2)])
+    assert torch.equal(got_rec[:, [0, 4]], base[:, [0, 4]])
 
 
 def test_dispatch_picks_triton_on_request() -> None:

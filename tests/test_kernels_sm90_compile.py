@@ -281,6 +281,16 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     comp("gdn_conv_prefill", sct._conv_prefill_kernel, conv,
          dict(W=3, BLOCK_T=sct.CONV_BLOCK_T, BLOCK_C=sct.CONV_BLOCK_C))
     comp("gdn_conv_state", sct._conv_state_kernel, conv, dict(W=3, BLOCK_W=4, BLOCK_C=sct.CONV_BLOCK_C))
+    # A speculative verify step's: the rule token by token (outputs only), and the
+    # commit over every layer (state only), the conv windows' commit.
+    from ftserve_kernels import gated_delta_verify_triton as gvt
+
+    tokens = rule | {"lo_ptr": i32, "kept_ptr": "*i64"}
+    for name, verify in (("gdn_verify", True), ("gdn_commit", False)):
+        comp(name, gvt._gdn_tokens_kernel, tokens,
+             heads | dict(DV=128, BLOCK_V=gvt.VERIFY_BLOCK_V, VERIFY=verify), gvt._warps(128, gvt.VERIFY_BLOCK_V), 1)
+    comp("gdn_conv_commit", gvt._conv_commit_kernel, conv | {"lo_ptr": i32, "kept_ptr": "*i64"},
+         dict(W=3, BLOCK_W=4, BLOCK_C=sct.CONV_BLOCK_C))
     return results
 
 

@@ -248,21 +248,28 @@ def test_back_off_doubles_and_resets() -> None:
     assert not sp.supports(constrained) and sp.propose(constrained) == [] and not sp.drafting(constrained)
 
 
-def test_hybrid_models_refuse_speculation(tmp_path: Any) -> None:
-    """--speculative on a hybrid model: a one-line start-up error naming the flag,
-    before any weight is read (the folder holds a config alone, so loading would
-    fail otherwise); the same folder starts without the flag."""
-    from ftserve.config import ConfigError
+def test_hybrid_models_speculate(tmp_path: Any) -> None:
+    """--speculative ngram on a hybrid model starts (the state pool carries a
+    verify log: tests/test_spec_hybrid.py checks the outputs and states) and
+    drafts; the same folder starts without the flag, with no log."""
     from ftserve.models.checkpoint import write_config
 
     model = write_config("tiny-qwen3-next", tmp_path / "hybrid")
-    cfg = EngineConfig(model=model, load_format="safetensors", device="cpu", dtype="float32",
-                       num_pages=64, max_running_requests=2, speculative="ngram")
-    with pytest.raises(ConfigError, match="--speculative") as err:
-        build_engine(cfg)
-    assert "\n" not in str(err.value) and "hybrid" in str(err.value)
-    engine = build_engine(dataclasses.replace(cfg, load_format="dummy", speculative="off"))
+    cfg = EngineConfig(model=model, load_format="dummy", device="cpu", dtype="float32",
+                       num_pages=64, max_running_requests=2, speculative="ngram", status_log_interval=0.0)
+    engine = build_engine(cfg)
+    try:
+        pool = engine.scheduler.state_pool
+        assert engine.scheduler.spec is not None and pool is not None and pool.verify_log is not None
+        x = [5, 6, 7, 8, 9]
+        c = tokens_of(collect(engine, [("x", x, greedy(6))])["x"])
+        out = collect(engine, [("r", x + c + x, greedy(6))])  # drafts copy c
+        assert len(tokens_of(out["r"])) == 6 and engine.scheduler.spec.counters.verifies_total > 0
+    finally:
+        engine.shutdown()
+    engine = build_engine(dataclasses.replace(cfg, speculative="off"))
     assert engine.scheduler.spec is None and engine.scheduler.state_pool is not None
+    assert engine.scheduler.state_pool.verify_log is None
 
 
 def test_verify_graph_static_forward_equals_eager(model_dir: str) -> None:

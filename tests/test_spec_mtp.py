@@ -357,8 +357,8 @@ def test_mtp_tensors_load_from_safetensors(tmp_path: Path) -> None:
 def test_qwen3_next_mtp_layer_loads_and_runs(tmp_path: Path) -> None:
     """tiny-qwen3-next ships an MTP layer (full attention, shared-expert MoE,
     zero-centered norms) that loads and runs over the KV pool layer after the
-    model's; the engine refuses to speculate on the hybrid at start-up (its
-    recurrent state cannot roll back a rejected draft)."""
+    model's; the engine speculates with it on the hybrid (tests/test_spec_hybrid.py
+    checks the outputs and states)."""
     from ftserve.models.loader import load_model
     from ftserve.models.qwen3_next import Qwen3NextMTP
 
@@ -375,9 +375,14 @@ def test_qwen3_next_mtp_layer_loads_and_runs(tmp_path: Path) -> None:
         g = model.mtp(hidden, model.embed_tokens(fb.input_ids), fb, model.cos_sin)
     assert g.shape == (5, cfg.hidden_size) and torch.isfinite(g).all()
     assert kv.k[len(cfg.kv_layers)][16:21].abs().sum() > 0 and kv.k[0].abs().sum() == 0
-    with pytest.raises(ConfigError, match="--speculative mtp cannot serve a hybrid"):
-        build_engine(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", speculative="mtp",
-                                  num_pages=64, status_log_interval=0.0))
+    eng = build_engine(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", speculative="mtp",
+                                    num_pages=64, status_log_interval=0.0))
+    try:
+        assert eng.runner.mtp is not None and eng.runner.kv_pool.num_layers == len(cfg.kv_layers) + 1
+        out = collect(eng, [("r", [5, 6, 7, 8, 9], greedy(6))])
+        assert len(tokens_of(out["r"])) == 6 and eng.scheduler.spec.counters.verifies_total > 0
+    finally:
+        eng.shutdown()
 
 
 # ----- the scheduler's side, without a model --------------------------------

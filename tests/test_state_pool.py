@@ -29,6 +29,25 @@ def test_pool_bytes_are_what_it_allocates() -> None:
     assert pool.nbytes == pool.layout.pool_bytes(5, torch.bfloat16, torch.float32)
 
 
+def test_verify_log_is_counted_and_small_beside_a_state() -> None:
+    """The verify log (speculative decoding) holds per token and linear layer the
+    conv inputs, k, v and beta in the model's dtype and g in fp32; the plan
+    counts exactly what it allocates. At Qwen3-Next-80B's shapes a token's log is
+    under 2% of one state slot."""
+    cfg = ModelConfig.from_hf(preset_config("tiny-qwen3-next"))
+    pool = StatePool.for_model(cfg, 5, torch.bfloat16, verify_tokens=10)
+    log = pool.verify_log
+    assert log is not None and log.tokens == 10
+    assert log.k.shape == (2, 10, 2, 16) and log.v.shape == (2, 10, 4, 16) and log.conv_in.shape == (2, 10, 128)
+    assert log.g.dtype == torch.float32 and log.beta.dtype == log.k.dtype == torch.bfloat16
+    assert pool.nbytes == pool.layout.pool_bytes(5, torch.bfloat16, torch.float32, verify_tokens=10)
+    assert StatePool.for_model(cfg, 5, torch.bfloat16).verify_log is None
+    big = StateLayout.from_config(ModelConfig.from_hf(preset_config("qwen3-next-80b-a3b")))
+    per_token = big.log_bytes_per_token(torch.bfloat16)
+    assert per_token == 36 * ((8192 + 16 * 128 + 32 * 129) * 2 + 32 * 4)
+    assert per_token < 0.02 * big.bytes_per_slot(torch.bfloat16, torch.float32)
+
+
 def test_alloc_and_free() -> None:
     pool = StatePool(StateLayout(1, 4, 2, 1, 2, 2), 3, torch.float32)
     slots = [pool.alloc() for _ in range(3)]

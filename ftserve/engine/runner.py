@@ -22,7 +22,12 @@ Hybrid models: every batch carries each sequence's state-pool slot (in the
 packed upload, or a decode graph's rows), and a prefill step copies the
 prefix-cache checkpoints it resumes from into those slots before its forward
 and saves the checkpoints it ends on after it (``StatePool.copy_slots``, by
-index tensors in the same upload's manner: no sync).
+index tensors in the same upload's manner: no sync). A verify step (speculative
+decoding) leaves the slots as they were in its forward; after sampling, each
+request's kept count is taken on the device (spec/accept.py's rule) and its
+slot moved on by those tokens (``StatePool.commit_verified``), so the state is
+committed before the read-back and the next step finds it, with no sync. Such
+steps run eagerly (no verify graphs for hybrids).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from ftserve.engine import prompt_logprobs as prompt_lp
 from ftserve.engine.grammar import MaskFiller
 from ftserve.engine.messages import TokenLogprob
 from ftserve.engine.scheduler import ScheduledBatch
+from ftserve.engine.spec import accept
 from ftserve.kvcache.pool import KVPool
 from ftserve.models.forward_batch import (
     AttentionBackend,
@@ -229,6 +235,9 @@ class ModelRunner:
         else:
             src = np.full(t, -1)
         hybrid = self.state_pool is not None
+        if hybrid and batch.verifies:
+            log = self.state_pool.verify_log  # type: ignore[union-attr]
+            assert log is not None and t <= log.tokens, "a verify step past the log sized at start-up"
         small = (indptr + seq_lens + list(batch.prefix_lens) + [q.slot for q in batch.reqs]
                  + ([q.state_slot for q in batch.reqs] if hybrid else [])
                  + logits_rows(batch, rows, last) + sampling_words(batch, rows)
@@ -267,7 +276,8 @@ class ModelRunner:
         )
         fb = ForwardBatch(input_ids, positions, attn, self.kv_pool, self.attn_backend,
                           logits_indices=logits_idx, is_decode=batch.is_decode, kernels=self.kernels,
-                          state_pool=self.state_pool, state_slots=d_state_slots)
+                          state_pool=self.state_pool, state_slots=d_state_slots,
+                          state_verify=hybrid and batch.verifies)
         return fb, s_slots, s_steps, s_min.bool()
 
     def _extend_graphs(self, batch: ScheduledBatch) -> PrefillGraphs | None:
@@ -284,6 +294,22 @@ class ModelRunner:
         assert self.state_pool is not None
         dev = self._upload([src for src, _ in pairs] + [dst for _, dst in pairs]).view(2, -1)
         self.state_pool.copy_slots(dev[0], dev[1])
+
+    def _commit_states(self, batch: ScheduledBatch, fb: ForwardBatch, sampled: torch.Tensor) -> None:
+        """A hybrid's verify step, after sampling: each request's state slot moves
+        on by the inputs it keeps (its last token and the accepted draft), as
+        plain decode steps would have left it; on the device, no sync. The host's
+        commit (Scheduler.commit_verified) keeps the same tokens, or fewer when a
+        stop ends the request, whose state then no longer matters."""
+        assert self.state_pool is not None and fb.state_slots is not None
+        # Checkpoints are saved by prefill chunks only: never at a draft's positions.
+        assert not batch.state_saves and not batch.state_loads
+        lens = [len(x) for x in batch.new_tokens]
+        assert len(sampled) >= sum(lens), "every input of a verify step is sampled"
+        idx, width = accept.device_plan(lens)
+        kept = accept.kept_counts(fb.input_ids, sampled[:sum(lens)], self._upload(idx).view(len(lens), width))
+        self.state_pool.commit_verified(self.kernels, fb.state_slots, fb.attn.prefix_lens > 0,
+                                        fb.attn.qo_indptr[:-1], kept, width + 1)
 
     def _device_inputs(self, host_ids: torch.Tensor, src_rows: torch.Tensor) -> torch.Tensor:
         """Input ids where the previous step's sampled token stands in for the
@@ -322,7 +348,8 @@ class ModelRunner:
         elif mtp is None and layer_ready is None and prompt is None and (graphs := self._extend_graphs(batch)):
             # A prefill graph's logits: row i = reqs[i]; a verify graph's: the
             # sampled rows in order (PrefillGraphs.all_rows). (Hybrid models prefill
-            # eagerly: setup captures no prefill graphs for them.)
+            # and verify eagerly: setup captures neither kind for them.)
+            assert self.state_pool is None, "a hybrid's extend steps run eagerly"
             logits_all = graphs.replay(batch)
             if not rows:
                 return Launched(batch, rows, None)
@@ -371,6 +398,8 @@ class ModelRunner:
             out = self.sampler.sample(logits, slots, steps, min_active, last=last,
                                       features=self.sampler.features_of(batch.reqs[i].slot for i in rows))
             self.sampler.update(slots, out.token_ids)
+            if fb.state_verify:
+                self._commit_states(batch, fb, out.token_ids)
             if mtp is not None:
                 mtp.extend(batch, fb, out.token_ids, rows)
             return Launched(batch, rows, self._copy_out(batch, rows, out, drafts=drafts))

@@ -361,9 +361,13 @@ class Scheduler:
                 node, n_tokens = match.state_node, match.state_tokens
                 req.state_restore = match.state_slot if n_tokens else -1
             n_pages = n_tokens // self.page_size
-            if self.spec is not None and self.spec.device_drafts and n_pages:
+            if self.spec is not None and self.spec.device_drafts and n_pages and not self.radix.stateful:
                 # MTP drafts: a page's last MTP entry was computed with the token
                 # after it, which the match does not cover; recompute that page.
+                # (A hybrid cannot: it resumes exactly at its checkpoint. That entry
+                # then pairs with the cached token after the checkpoint, which is
+                # the request's own unless it parts from the cache right there: its
+                # drafts attend to one stale entry, its outputs are verified as ever.)
                 n_pages -= 1
             self.radix.lock(node)
             req.tree_node = node

@@ -100,16 +100,13 @@ def build_engine(cfg: EngineConfig) -> Engine:
     load_format = cfg.load_format
     if load_format == "auto":
         load_format = "dummy" if is_demo else "safetensors"
-    # The config alone first: what it rules out fails before minutes of weight
-    # loading, and a hybrid's state pool is known before the expert cache is sized.
+    # The config alone first: a hybrid's state pool (with a verify step's log under
+    # --speculative) is known before the expert cache is sized.
     plan_cfg = ModelConfig.from_pretrained(model_dir)
-    if cfg.speculative != "off" and plan_cfg.is_hybrid:
-        raise ConfigError(f"--speculative {cfg.speculative} cannot serve a hybrid model "
-                          f"({plan_cfg.architecture}: its recurrent state cannot roll back a "
-                          f"rejected draft); drop --speculative")
     state_slots, checkpoints = _state_slots(cfg, plan_cfg)
+    verify_tokens = _verify_tokens(cfg) if state_slots else 0
     state_bytes = (StateLayout.from_config(plan_cfg).pool_bytes(
-        state_slots, resolve_dtype(cfg.dtype, device), STATE_DTYPE) if state_slots else 0)
+        state_slots, resolve_dtype(cfg.dtype, device), STATE_DTYPE, verify_tokens) if state_slots else 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(cfg.seed)
@@ -142,7 +139,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
     num_pages = _plan_pages(cfg, device, per_token, model, mcfg, kernels, state_bytes)
     pool = KVPool(pool_layers, num_pages, cfg.page_size, mcfg.num_kv_heads, mcfg.head_dim,
                   kv_dtype, device)
-    state_pool = (StatePool.for_model(mcfg, state_slots, dtype, STATE_DTYPE, device)
+    state_pool = (StatePool.for_model(mcfg, state_slots, dtype, STATE_DTYPE, device, verify_tokens)
                   if state_slots else None)
     pool_tokens = pool.usable_pages * cfg.page_size
     max_model_len = min(model_limit, cfg.max_model_len or model_limit, pool_tokens)
@@ -175,7 +172,8 @@ def build_engine(cfg: EngineConfig) -> Engine:
         if cfg.cuda_graph_prefill and moe_cache is None and state_pool is None:
             # Offload mode streams expert layers on a side stream during prefill,
             # which a captured graph cannot follow: it stays eager there. So do
-            # hybrids: a chunk's state checkpoint loads and saves run beside it.
+            # hybrids: a chunk's state checkpoint loads and saves run beside it,
+            # and a verify step's state commit after its sampling.
             from ftserve.engine.prefill_graph import PrefillGraphs
 
             runner.prefill_graphs = PrefillGraphs(
@@ -214,8 +212,10 @@ def build_engine(cfg: EngineConfig) -> Engine:
         "kv_host_pages": host_tier.num_total if host_tier is not None else 0,
         "kv_host_tokens": host_tier.num_total * cfg.page_size if host_tier is not None else 0,
         "kv_host_gib": host_tier.bytes_total() / 2**30 if host_tier is not None else 0.0,
-        # Hybrid models: recurrent-state slots (running requests + prefix-cache checkpoints).
+        # Hybrid models: recurrent-state slots (running requests + prefix-cache checkpoints),
+        # the verify log's tokens (speculative decoding) counted in state_gib.
         "state_slots": state_slots, "state_checkpoints": checkpoints, "state_gib": state_bytes / 2**30,
+        "state_verify_tokens": verify_tokens,
         "state_host_checkpoints": host_tier.num_state_slots if host_tier is not None else 0,
         "state_host_gib": host_tier.state_bytes_total() / 2**30 if host_tier is not None else 0.0,
         "speculative": cfg.speculative if scheduler.spec is not None else "off",
@@ -229,9 +229,10 @@ def build_engine(cfg: EngineConfig) -> Engine:
              summary["kv_host_tokens"], summary["kv_host_gib"])
     if state_pool is not None:
         log.info("recurrent state: %d slots (%d running + %d prefix-cache checkpoints, one every %d "
-                 "pages of a prefill and at each prompt's end), %.2f GiB; host tier: %d checkpoints, "
-                 "%.2f GiB", state_slots, cfg.max_running_requests, checkpoints, cfg.state_checkpoint_pages,
-                 summary["state_gib"], summary["state_host_checkpoints"], summary["state_host_gib"])
+                 "pages of a prefill and at each prompt's end) and a verify log of %d tokens, %.2f GiB; "
+                 "host tier: %d checkpoints, %.2f GiB", state_slots, cfg.max_running_requests, checkpoints,
+                 cfg.state_checkpoint_pages, verify_tokens, summary["state_gib"],
+                 summary["state_host_checkpoints"], summary["state_host_gib"])
     return Engine(
         dict(scheduler=scheduler, runner=runner, status_log_interval=cfg.status_log_interval,
              overlap=cfg.overlap_schedule),
@@ -252,9 +253,16 @@ def _state_slots(cfg: EngineConfig, mcfg: Any) -> tuple[int, int]:
     return cfg.max_running_requests + checkpoints, checkpoints
 
 
+def _verify_tokens(cfg: EngineConfig) -> int:
+    """A hybrid's verify log (kvcache/state_pool.py): the inputs of the largest
+    verify step, every running request with a full draft; 0 without speculation."""
+    if cfg.speculative == "off":
+        return 0
+    return cfg.max_running_requests * (cfg.num_speculative_tokens + 1)
+
+
 def _speculator(cfg: EngineConfig, max_model_len: int) -> Speculator | None:
-    """--speculative's per-request drafting, or None (a hybrid model was refused
-    before loading: build_engine)."""
+    """--speculative's per-request drafting, or None."""
     if cfg.speculative == "off":
         return None
     if cfg.speculative == "mtp":
@@ -270,8 +278,8 @@ def _speculator(cfg: EngineConfig, max_model_len: int) -> Speculator | None:
 
 
 def _wants_mtp(cfg: EngineConfig, model_dir: str, mcfg: Any, load_format: str) -> bool:
-    """--speculative mtp (a hybrid model was refused before: build_engine): build
-    the checkpoint's MTP layers. A checkpoint without them is a start-up error."""
+    """--speculative mtp: build the checkpoint's MTP layers. A checkpoint without
+    them is a start-up error."""
     if cfg.speculative != "mtp":
         return False
     from ftserve.models.loader import mtp_layers
@@ -310,8 +318,8 @@ def _plan_pages(cfg: EngineConfig, device: torch.device, per_token: int,
                 model: torch.nn.Module, mcfg: Any, kernels: KernelConfig, state_bytes: int = 0) -> int:
     """KV pages for the pool. On CUDA: ``--memory-ratio`` of the device's total
     memory must hold weights + activations of the largest prefill chunk +
-    sampler and CUDA-graph workspace + a hybrid's state pool (``state_bytes``,
-    allocated after this) + KV; the activation peak is measured with one dummy
+    sampler and CUDA-graph workspace + a hybrid's state pool and verify log
+    (``state_bytes``, allocated after this) + KV; the activation peak is measured with one dummy
     prefill of ``--max-prefill-length`` tokens (which also compiles the
     prefill kernels), not guessed."""
     page_bytes = per_token * cfg.page_size

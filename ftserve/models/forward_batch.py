@@ -99,6 +99,10 @@ class ForwardBatch:
     # None for models without linear layers.
     state_pool: StatePool | None = None
     state_slots: torch.Tensor | None = None
+    # A speculative verify step on a hybrid: the linear layers leave every slot's
+    # state as it was and log their inputs into state_pool.verify_log; the runner
+    # then moves each slot on by the tokens it kept (StatePool.commit_verified).
+    state_verify: bool = False
     # Which kernels every layer runs (the engine's, fixed at start-up; tests
     # and tools building a batch themselves get the defaults unless they pass one).
     kernels: KernelConfig = DEFAULT_KERNELS

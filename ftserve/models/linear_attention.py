@@ -9,7 +9,10 @@ Both states live in the batch's StatePool (ftserve/kvcache/state_pool.py), in
 the slot ``batch.state_slots[b]`` of each sequence: the layer reads the state
 there (zeros for a sequence without a prefix: ``prefix_lens[b] == 0``) and
 writes the state after its last token back. A step whose every sequence has
-one new token runs the fixed-shape decode path (gather / scatter by slot).
+one new token runs the fixed-shape decode path (gather / scatter by slot). A
+speculative verify step (``batch.state_verify``) runs each sequence's few
+tokens one by one as decode would, writes no slot, and logs its conv and rule
+inputs for the commit that follows sampling (kvcache/state_pool.py).
 
 The checkpoint's in_proj_qkvz rows are grouped by key head,
 [Hk, (q dk | k dk | v r*dv | z r*dv)] with r = Hv / Hk, and in_proj_ba's
@@ -79,22 +82,32 @@ class GatedDeltaNet(nn.Module):
         pool, slots = batch.state_pool, batch.state_slots
         if pool is None or slots is None:
             raise ValueError("a model with linear-attention layers needs batch.state_pool and state_slots")
+        if batch.state_verify and pool.verify_log is None:
+            raise ValueError("a verify step needs a state pool built with a verify log")
         la, t, meta = self.la, x.shape[0], batch.attn
         mixed, z, b, a = self._split(self.in_proj(x, batch.kernels))
         conv_states = pool.conv[self.state_idx]  # [S+1, C, K-1]
         states = pool.recurrent[self.state_idx]  # [S+1, Hv, dk, dv]
         has_state = meta.prefix_lens > 0  # [B], on the device: no sync
         weight = self.conv1d_weight[:, 0]  # [C, K]
-        decode = meta.max_extend_len == 1
+        verify = batch.state_verify
+        decode = meta.max_extend_len == 1 and not verify
         gated_delta = ops.gated_delta(batch.kernels, x)  # Triton on CUDA, the torch reference elsewhere
+        log = pool.verify_log if verify else None
+        j = self.state_idx
         if decode:
             mixed = gated_delta.conv_decode(mixed, weight, conv_states, slots, has_state)
         else:
             bounds = [0]
             for n in meta.extend_lens_host:
                 bounds.append(bounds[-1] + n)
-            mixed = gated_delta.conv_prefill(mixed, weight, conv_states, slots, has_state, bounds,
-                                             cu_seqlens=meta.qo_indptr)
+            if log is not None:
+                log.conv_in[j, :t].copy_(mixed)
+                mixed = gated_delta.conv_verify(mixed, weight, conv_states, slots, has_state, bounds,
+                                                cu_seqlens=meta.qo_indptr)
+            else:
+                mixed = gated_delta.conv_prefill(mixed, weight, conv_states, slots, has_state, bounds,
+                                                 cu_seqlens=meta.qo_indptr)
         q, k, v = mixed.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
         q = q.reshape(t, la.num_key_heads, la.key_head_dim)
         k = k.reshape(t, la.num_key_heads, la.key_head_dim)
@@ -103,6 +116,11 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv], log decay
         if decode:
             o = gated_delta.gated_delta_decode(q, k, v, g, beta, states, slots, has_state)
+        elif log is not None:
+            for dst, src in ((log.k, k), (log.v, v), (log.g, g), (log.beta, beta)):
+                dst[j, :t].copy_(src)
+            o = gated_delta.gated_delta_verify(q, k, v, g, beta, states, slots, has_state, bounds,
+                                               cu_seqlens=meta.qo_indptr)
         else:
             o = gated_delta.gated_delta_prefill(q, k, v, g, beta, states, slots, has_state, bounds,
                                                 cu_seqlens=meta.qo_indptr)

@@ -34,7 +34,11 @@ accept.py's rule keeps plain decoding's tokens exactly, at any temperature.
 
 Prefix cache: a full page's last MTP entry depends on the token after the page,
 which the radix key does not hold, so a match drops its last page
-(``Scheduler._admit``); the request recomputes it, main and MTP KV alike.
+(``Scheduler._admit``); the request recomputes it, main and MTP KV alike. A
+hybrid resumes exactly at a state checkpoint and keeps that page: its entry
+pairs with the cached token after the checkpoint, stale only for a request
+that parts from the cache right there (its first drafts may be worse; its
+outputs are verified as ever).
 
 The MTP steps run eagerly: a step holding a drafting request does not replay
 the decode, prefill or verify graphs (they do not keep the hidden states).
