@@ -120,3 +120,40 @@ def test_mtp_steps_sync_free_and_equal_plain(tmp_path_factory: pytest.TempPathFa
     finally:
         plain.shutdown()
         spec.shutdown()
+
+
+@pytest.mark.gpu
+def test_mtp_random_head_backs_off_sync_free(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """--speculative mtp with the MTP layer's random weights (its drafts are
+    rejected): requests back off, verifying a few times per request instead of
+    at every step; their plain steps (eager, keeping the MTP KV, overlapped)
+    make no hidden sync and one read-back each, the verify steps too; greedy
+    outputs equal plain decoding's up to bf16 near-ties."""
+    from ftserve.models.checkpoint import write_config
+    from tests.test_gpu_engine import SCALE
+
+    d = write_config("tiny-moe", tmp_path_factory.mktemp("gpu-mtp-random"), layers=1,
+                     num_nextn_predict_layers=1, **SCALE)
+    plain = make_engine(d)
+    spec = make_engine(d, speculative="mtp", num_speculative_tokens=3)
+    try:
+        make_context_sensitive(plain.runner.model, 8.0)
+        spec.runner.model.load_state_dict(plain.runner.model.state_dict(), strict=False)  # MTP: random
+        assert spec.runner.mtp is not None and spec.scheduler.spec is not None
+        rng = random.Random(4)
+        prompts = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 300))] for _ in range(ROWS)]
+        equal_plain_up_to_ties(plain, spec, prompts)
+        c = spec.scheduler.spec.counters
+        # 24 tokens: a request that keeps nothing verifies at outputs 1, 4, 9 and 18.
+        assert 0 < c.verifies_total <= ROWS * 6 and c.accepted_tokens_total * 10 <= c.proposed_tokens_total
+        for check in (False, True):  # the first run compiles every shape
+            drv = VerifyLog(spec, seed=1, check=check)
+            reqs = [drv.add(p, 24) for p in prompts[:3]]
+            drv.until(lambda rs=reqs: all(r.finished for r in rs))
+        kinds = [k for k, _, _ in drv.log]
+        assert "verify" in kinds and kinds.count("decode") > 2 * kinds.count("verify"), kinds
+        for kind, bs, n in drv.log:
+            assert n == (0 if kind == "prefill_chunk" else 1), (kind, bs, n)
+    finally:
+        plain.shutdown()
+        spec.shutdown()

@@ -78,7 +78,7 @@ def distill(model: torch.nn.Module, hidden_share: float = 0.0, seed: int = 0) ->
     mtp.fc.weight.copy_(torch.cat([torch.eye(h), mixed], dim=1).to(mtp.fc.weight.dtype))
 
 
-def make(model_dir: str, **kw: Any) -> Engine:
+def make(model_dir: str, distilled: bool = True, **kw: Any) -> Engine:
     base: dict[str, Any] = dict(model=model_dir, load_format="dummy", device="cpu", dtype="float32",
                                 page_size=PS, num_pages=512, max_prefill_length=24, max_running_requests=8,
                                 state_checkpoint_pages=4, state_checkpoints=64, status_log_interval=0.0)
@@ -86,7 +86,7 @@ def make(model_dir: str, **kw: Any) -> Engine:
     eng = build_engine(EngineConfig(**base))
     eng.check_integrity = True
     make_context_sensitive(eng.runner.model, GAIN)
-    if getattr(eng.runner.model, "mtp", None) is not None:
+    if distilled and getattr(eng.runner.model, "mtp", None) is not None:
         distill(eng.runner.model)
     return eng
 
@@ -264,6 +264,25 @@ def test_preemption_and_no_overlap(kind: str, model_dir: str, plain: Engine,
             assert_baseline(eng)
         finally:
             eng.shutdown()
+
+
+def test_mtp_head_that_never_agrees_backs_off(model_dir: str, plain: Engine) -> None:
+    """Random MTP weights on the hybrid: nothing is kept, each request verifies
+    4 times in 32 outputs (at 1, 4, 9 and 18: back-off), its steps in between plain
+    rows of eager steps that keep the MTP KV; the outputs are plain decoding's
+    and every verify step (those after 4 and 8 plain tokens too) leaves the
+    state plain decoding has."""
+    eng = make(model_dir, distilled=False, speculative="mtp", num_speculative_tokens=3)
+    log = StateLog(eng)
+    try:
+        reqs = [(f"nb{i}", p, greedy(32)) for i, p in enumerate(prompts(6, 4, (5, 40)))]
+        same_outputs(collect(plain, reqs), collect(eng, reqs))
+        verifies, _, accepted, _ = counters(eng)
+        assert accepted == 0 and verifies == 4 * 4
+        assert check_states(eng, log) >= 16  # (plain rows of the verify steps too)
+        assert_baseline(eng)
+    finally:
+        eng.shutdown()
 
 
 def test_a_missing_state_commit_would_show(model_dir: str, plain: Engine,

@@ -61,7 +61,7 @@ def distill(model: torch.nn.Module, hidden_share: float = 0.3, seed: int = 0) ->
     mtp.fc.weight.copy_(torch.cat([torch.eye(h), mixed], dim=1).to(mtp.fc.weight.dtype))
 
 
-def make(model_dir: str, gain: float = 8.0, **kw: Any) -> Engine:
+def make(model_dir: str, gain: float = 8.0, distilled: bool = True, **kw: Any) -> Engine:
     base: dict[str, Any] = dict(model=model_dir, load_format="dummy", device="cpu", dtype="float32",
                                 page_size=4, num_pages=512, max_prefill_length=64,
                                 max_running_requests=16, status_log_interval=0.0)
@@ -69,7 +69,7 @@ def make(model_dir: str, gain: float = 8.0, **kw: Any) -> Engine:
     eng = build_engine(EngineConfig(**base))
     eng.check_integrity = True
     make_context_sensitive(eng.runner.model, gain)
-    if getattr(eng.runner.model, "mtp", None) is not None:
+    if distilled and getattr(eng.runner.model, "mtp", None) is not None:
         distill(eng.runner.model)
     return eng
 
@@ -82,18 +82,24 @@ def plain(model_dir: str) -> Engine:
 
 
 class DraftLog:
-    """Records each verify's drafts with the request's tokens before it, at commit."""
+    """Records each verify's drafts with the request's tokens before it, at commit
+    (``at``: each request's output counts when it verified, kept count after)."""
 
     def __init__(self, eng: Engine) -> None:
         self.seen: list[tuple[list[int], int, list[int]]] = []  # (tokens, computed_len, draft)
+        self.at: dict[str, list[tuple[int, int]]] = {}
         sched = eng.scheduler
         commit = sched.commit_verified
 
         def logged(batch: Any, sampled: Any, lps: Any = None) -> None:
+            before = [(req.num_outputs, list(d)) for req, d in zip(batch.reqs, batch.drafts)]
             for req, d in zip(batch.reqs, batch.drafts):
                 if d:
                     self.seen.append((list(req.tokens), req.computed_len, list(d)))
             commit(batch, sampled, lps)
+            for req, (n, d) in zip(batch.reqs, before):
+                if d:
+                    self.at.setdefault(req.request_id, []).append((n, req.num_outputs - n - 1))
 
         sched.commit_verified = logged  # type: ignore[method-assign]
 
@@ -303,6 +309,72 @@ def test_sampled_tokens_keep_the_distribution(tmp_path: Path) -> None:
         counts = torch.bincount(third, minlength=v)
         assert chi2_p(counts, marginal) > 1e-3
         assert chi2_p(counts, second_marginal()) < 1e-6  # the test tells distributions apart
+    finally:
+        eng.shutdown()
+
+
+def test_a_head_that_never_agrees_backs_off(model_dir: str, plain: Engine) -> None:
+    """Random MTP weights: no draft is kept, so each request backs off (2, 4, 8,
+    ... plain tokens after its 1st, 2nd, 3rd ... rejected verify) and verifies
+    only at outputs 1, 4, 9, 18 and 35 of 48, not at every step; the outputs
+    stay plain decoding's, and the drafts after 8 and 16 plain tokens are still
+    the MTP layer's over a full recompute: the steps in back-off kept its KV
+    (with and without overlap: such steps overlap)."""
+    reqs = [(f"r{i}", p, greedy(48)) for i, p in enumerate(prompts(9, 4, (5, 40)))]
+    ref = collect(plain, reqs)
+    for overlap in (True, False):
+        eng = make(model_dir, distilled=False, speculative="mtp", num_speculative_tokens=3,
+                   overlap_schedule=overlap)
+        log = DraftLog(eng)
+        try:
+            same_outputs(ref, collect(eng, reqs))
+            verifies, proposed, accepted, _ = delta(counters(eng), (0, 0, 0, [0] * 4))
+            assert accepted == 0 and verifies == 4 * 5 and proposed == 3 * verifies
+            assert {rid: [n for n, _ in at] for rid, at in log.at.items()} == {
+                rid: [1, 4, 9, 18, 35] for rid, _, _ in reqs}
+            check_drafts(eng, log, 0)
+            assert_pool_baseline(eng)
+        finally:
+            eng.shutdown()
+
+
+def test_a_head_that_starts_agreeing_resumes_drafting(model_dir: str, plain: Engine) -> None:
+    """Random MTP weights, made the model's near copy (``distill``) once a
+    request has 20 outputs: each request, deep in back-off by then (its next
+    draft at output 35), drafts there, keeps some, and after each verify that
+    keeps something drafts at its very next step; the outputs are plain
+    decoding's throughout. (The MTP KV of the
+    positions before the swap is the random layer's, so the drafts differ from
+    a full recompute's; they are verified as ever.)"""
+    eng = make(model_dir, distilled=False, speculative="mtp", num_speculative_tokens=3)
+    log = DraftLog(eng)
+    sched, swapped = eng.scheduler, []
+    commit = sched.commit
+
+    def swap_weights(batch: Any, *a: Any, **kw: Any) -> None:
+        commit(batch, *a, **kw)
+        if not swapped and any(r.num_outputs >= 20 for r in sched.running):
+            distill(eng.runner.model)  # on the engine thread, between steps
+            swapped.append(True)
+
+    sched.commit = swap_weights  # type: ignore[method-assign]
+    try:
+        reqs = [(f"r{i}", p, greedy(64)) for i, p in enumerate(prompts(9, 4, (5, 40)))]
+        same_outputs(collect(plain, reqs), collect(eng, reqs))
+        assert swapped
+        for rid, _, _ in reqs:
+            at = log.at[rid]
+            assert [n for n, _ in at[:4]] == [1, 4, 9, 18] and all(a == 0 for _, a in at[:4]), (rid, at)
+            later = at[4:]
+            assert later[0][0] == 35 and sum(a for _, a in later) > 0, (rid, at)
+            # A verify that keeps something resets the back-off: the request's next
+            # step drafts again (while it has room for a draft: 63 outputs).
+            nxt = dict(zip([n for n, _ in later], [n for n, _ in later[1:]] + [None]))
+            for n, a in later:
+                if a and n + a + 1 < 63:
+                    assert nxt[n] == n + a + 1, (rid, at)
+            assert len(later) >= 5, (rid, at)  # back-off alone: none after 35
+        assert_pool_baseline(eng)
     finally:
         eng.shutdown()
 

@@ -162,6 +162,8 @@ def build_engine(cfg: EngineConfig) -> Engine:
     if use_mtp and scheduler.spec is not None:
         from ftserve.engine.spec.mtp import MTPDrafter
 
+        # Tracks every request that may draft, not only those drafting now: one
+        # in back-off still needs its MTP KV for its later drafts (spec/mtp.py).
         runner.mtp = MTPDrafter(runner, cfg.num_speculative_tokens, scheduler.spec.supports)
     graph_bs = min(cfg.cuda_graph_max_bs, cfg.max_running_requests)
     if device.type == "cuda" and graph_bs > 0 and getattr(backend, "name", "") == "triton":

@@ -2,8 +2,11 @@
 verified as n-gram drafts are (accept.py), made on the device.
 
 Who drafts: the requests ``Speculator.supports`` (no penalties, no grammar),
-every decode step, up to ``--num-speculative-tokens`` tokens (no back-off: a
-draft costs the same whatever it proposes). The scheduler plans a verify row
+up to ``--num-speculative-tokens`` tokens, with n-gram drafting's back-off
+(speculator.py): every verify that keeps no draft token is a miss, and m
+misses in a row make the request decode plainly for min(2^m, MAX_BACKOFF)
+tokens, so a head that rarely agrees with the model costs a verify step of
+k + 1 positions only now and then. The scheduler plans a verify row
 as for n-gram drafts but does not know the draft: it feeds ``[t_L, -1 ...]``
 and the runner writes the draft into the step's inputs on the device, then
 reads it back with the sampled tokens (one read-back) and fills in
@@ -11,8 +14,11 @@ reads it back with the sampled tokens (one read-back) and fills in
 
 The MTP KV (one more pool layer) holds at slot i the MTP layer's K/V of
 (hidden[i], t[i + 1]), so it is valid exactly where the main KV is: slots
-< computed_len. Every step that holds a drafting request keeps it so
-(``MTPDrafter.extend``, after sampling, over the step's own token layout):
+< computed_len. Every step that holds a request that ``supports`` drafting
+keeps it so, whether the request drafts this step or not (``tracks``:
+a request in back-off is a plain row whose MTP pair is still written, since
+the hidden states a later recompute would need are gone once the step ends),
+with ``MTPDrafter.extend``, after sampling, over the step's own token layout:
 
     step      main model at positions     MTP pair at position p: (hidden[p], next)
     prefill   c0 .. c1 - 1                next = t[p + 1] (the prompt, or the sampled token)
@@ -40,8 +46,9 @@ pairs with the cached token after the checkpoint, stale only for a request
 that parts from the cache right there (its first drafts may be worse; its
 outputs are verified as ever).
 
-The MTP steps run eagerly: a step holding a drafting request does not replay
-the decode, prefill or verify graphs (they do not keep the hidden states).
+The MTP steps run eagerly: a step holding a request that drafts or may
+draft later (in back-off too) does not replay the decode, prefill or verify
+graphs (they do not keep the hidden states).
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ftserve.engine.spec.speculator import Speculator
+from ftserve.engine.spec.speculator import SpecState, Speculator
 from ftserve.models.forward_batch import AttentionMetadata, ForwardBatch, pack_tokens
 from ftserve_kernels import ops
 
@@ -66,28 +73,19 @@ DRAFT_PLACEHOLDER = -1  # a draft token the runner fills in on the device
 
 
 class MTPSpeculator(Speculator):
-    """The scheduler's side: which requests draft and how many tokens (module
-    docstring); the drafts themselves are the runner's."""
+    """The scheduler's side: which requests draft, how many tokens and the
+    back-off (all Speculator's); the drafts themselves are the runner's."""
 
     device_drafts = True
 
     def __init__(self, num_tokens: int, max_model_len: int) -> None:
         super().__init__(num_tokens, 1, 1, max_model_len)
 
-    def drafting(self, req: Req) -> bool:
-        return self.supports(req)
+    def _new_state(self) -> SpecState:
+        return SpecState()  # no n-gram index
 
-    def propose(self, req: Req) -> list[int]:
-        if not self.supports(req):
-            return []
-        return [DRAFT_PLACEHOLDER] * self.limit(req)
-
-    def record(self, req: Req, proposed: int, accepted: int) -> None:
-        c = self.counters
-        c.verifies_total += 1
-        c.proposed_tokens_total += proposed
-        c.accepted_tokens_total += accepted
-        c.accept_lengths[accepted] += 1
+    def _draft(self, req: Req, st: SpecState, k: int) -> list[int]:
+        return [DRAFT_PLACEHOLDER] * k
 
 
 class MTPDrafter:
@@ -111,7 +109,8 @@ class MTPDrafter:
         self._base: list[tuple[tuple[Req, int], int] | None] = [None] * slots
 
     def tracks_any(self, batch: ScheduledBatch) -> bool:
-        """Some request in the step drafts (or will): the step keeps the MTP KV."""
+        """Some request in the step drafts, or may later (in back-off too): the
+        step keeps the MTP KV."""
         return any(self.tracks(r) for r in batch.reqs)
 
     # ----- before the forward --------------------------------------------

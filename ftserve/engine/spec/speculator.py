@@ -3,7 +3,10 @@
 The scheduler asks ``propose`` for each decoding request whose last token the
 host holds; a non-empty draft becomes a verify row (the last token and the
 draft as one small extend, scored at every position), and ``record`` learns
-from what the verify step kept (accept.py).
+from what the verify step kept (accept.py). ``Speculator`` drafts by n-gram
+lookup (``_draft``); ``mtp.MTPSpeculator`` only overrides ``_draft`` (its
+drafts are made on the device), so both kinds share who drafts and the
+back-off below.
 
 Who drafts: requests whose sampling the verify step reproduces exactly. The
 sampler's stages are per row and per step index, so temperature, top-k/p,
@@ -16,10 +19,11 @@ each position).
 Back-off: a step where the request's text offers no match, or a verify that
 keeps no draft token, is a miss; after m misses in a row the request decodes
 plainly for min(2^m, MAX_BACKOFF) tokens before it looks again, and a verify
-that keeps something resets m. A request in back-off costs nothing: no
-lookup, and its steps keep overlap scheduling (a request about to draft
-needs its last token on the host, so the engine reads such a step back at
-once; engine._step).
+that keeps something resets m. A request in back-off does no lookup and
+verifies nothing, and its steps keep overlap scheduling (a request about to
+draft needs its last token on the host, so the engine reads such a step back
+at once; engine._step). (An MTP request in back-off still has its MTP KV
+kept by every step: mtp.py.)
 
 Indexing: a request's n-gram index catches up over its prompt in pieces of
 at most INDEX_BUDGET positions per engine step, all requests together, so a
@@ -53,9 +57,9 @@ class SpecCounters:
 class SpecState:
     """One request's speculation state (Req.spec)."""
 
-    index: NgramIndex
     misses: int = 0  # misses in a row
     resume_at: int = 0  # the output count at which it next looks for a draft
+    index: NgramIndex | None = None  # n-gram drafting's suffix index
 
 
 class Speculator:
@@ -77,9 +81,12 @@ class Speculator:
 
     def _state(self, req: Req) -> SpecState:
         if req.spec is None:
-            req.spec = SpecState(NgramIndex(self.min_match, self.max_match))
+            req.spec = self._new_state()
         st: SpecState = req.spec
         return st
+
+    def _new_state(self) -> SpecState:
+        return SpecState(index=NgramIndex(self.min_match, self.max_match))
 
     def drafting(self, req: Req) -> bool:
         """It will look for a draft at its step after the next one commits: that
@@ -109,16 +116,24 @@ class Speculator:
         k = self.limit(req)
         if k == 0:
             return []
+        draft = self._draft(req, st, k)
+        if draft is None:
+            return []  # not ready to draft yet: no miss
+        if not draft:
+            self._miss(req, st)
+        return draft
+
+    def _draft(self, req: Req, st: SpecState, k: int) -> list[int] | None:
+        """At most k draft tokens after the request's last (empty: a miss), or
+        None while its n-gram index still catches up over its prompt."""
         idx = st.index
+        assert idx is not None
         idx.extend(req.tokens[len(idx):])
         if idx.behind:
             self._budget -= idx.catch_up(max(0, self._budget))
             if idx.behind:
-                return []  # still indexing its prompt: no miss
-        draft = idx.propose(k)
-        if not draft:
-            self._miss(req, st)
-        return draft
+                return None
+        return idx.propose(k)
 
     def record(self, req: Req, proposed: int, accepted: int) -> None:
         """What a verify step kept of the request's draft."""
