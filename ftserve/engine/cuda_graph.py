@@ -119,7 +119,8 @@ def pack_decode_rows(batch: ScheduledBatch, page_size: int, sink_row: int, padde
         state_slot=[max(req.state_slot, SINK_SLOT) for req in reqs],
     )
     rows[:n].T[:] = cols  # [WORDS, n]: field f of every row
-    rows[n:] = DecodeRow.padding(sink_row)
+    if padded_bs > n:
+        rows[n:] = DecodeRow.padding(sink_row)
     return words
 
 
@@ -217,7 +218,7 @@ class DecodeGraphs:
 
     def _bound(self, pbs: int, batch: ScheduledBatch) -> int:
         """The tightest captured bound over every sequence of the batch."""
-        longest = max(p + 1 for p in batch.prefix_lens)
+        longest = max(batch.prefix_lens) + 1
         return next(b for b in self.bounds[pbs] if b >= longest)
 
     def can_run(self, bs: int) -> bool:
