@@ -415,3 +415,44 @@ def test_decode_graph_rows_carry_the_eager_steps_inputs(model_dir: str) -> None:
         drv.abort_all()
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("padded_bs", [5, 8])
+def test_pack_decode_rows_is_one_decode_row_per_request(padded_bs: int) -> None:
+    """pack_decode_rows (built by field) gives, row by row, the DecodeRow of each
+    request as the field comments define it, then DecodeRow.padding rows; also
+    when packed into the front of a longer buffer holding an older step's words."""
+    import torch
+
+    from ftserve.engine.cuda_graph import MIN_FLAG, pack_decode_rows
+    from ftserve.engine.request import Req
+    from ftserve.engine.sampling_params import SamplingParams
+    from ftserve.engine.scheduler import ScheduledBatch
+    from ftserve_kernels.decode_inputs import WORDS, DecodeRow
+
+    ps, sink = 4, 31
+    rng = random.Random(7)
+    reqs = []
+    for i, (min_tokens, state_slot) in enumerate([(0, -1), (9, 3), (2, 5), (0, 0), (5, -1)]):
+        req = Req(f"r{i}", prompt(rng, 3), SamplingParams(min_tokens=min_tokens), 0.0)
+        req.pages = rng.sample(range(1, 400), 6)
+        req.slot, req.state_slot = 2 * i + 1, state_slot
+        reqs.append(req)
+    prefix = [rng.randrange(0, 6 * ps) for _ in reqs]
+    steps = [0, 3, 2, 7, 4]  # against min_tokens 0, 9, 2, 0, 5: below for rows 1 and 4
+    src = [-1, 4, -1, 0, 2]
+    toks = [[-1] if s >= 0 else [rng.randrange(10, 999)] for s in src]
+    batch = ScheduledBatch(reqs, True, toks, prefix, [True] * len(reqs), src_rows=src, steps=steps)
+    want = [DecodeRow(input_id=t[0], position=p, out_cache_loc=q.pages[p // ps] * ps + p % ps, seq_len=p + 1,
+                      slot=q.slot | (MIN_FLAG if s < q.params.min_tokens else 0), step=s, src_row=r,
+                      state_slot=max(q.state_slot, 0))
+            for q, t, p, s, r in zip(reqs, toks, prefix, steps, src)]
+    want += [DecodeRow.padding(sink)] * (padded_bs - len(reqs))
+    assert [w.slot & MIN_FLAG != 0 for w in want[:5]] == [False, True, False, False, True]
+    got = pack_decode_rows(batch, ps, sink, padded_bs)
+    assert got.dtype == torch.int64 and got.shape == (padded_bs * WORDS,)
+    assert [DecodeRow(*r) for r in got.view(padded_bs, WORDS).tolist()] == want
+    buf = torch.full((2 * 8 * WORDS,), -7, dtype=torch.int64)
+    into = pack_decode_rows(batch, ps, sink, padded_bs, out=buf[8 * WORDS:])
+    assert into.data_ptr() == buf.data_ptr() + 8 * WORDS * 8 and torch.equal(into, got)
+    assert (buf[:8 * WORDS] == -7).all() and (buf[8 * WORDS + padded_bs * WORDS:] == -7).all()

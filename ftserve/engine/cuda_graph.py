@@ -93,19 +93,35 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def pack_decode_rows(batch: ScheduledBatch, page_size: int, sink_row: int, padded_bs: int) -> torch.Tensor:
+def pack_decode_rows(batch: ScheduledBatch, page_size: int, sink_row: int, padded_bs: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's words [padded_bs * WORDS] int64: one DecodeRow per request
-    of ``batch``, then padding rows up to ``padded_bs``."""
-    ps = page_size
-    rows: list[DecodeRow[int]] = []
-    for req, toks, p, step, src in zip(batch.reqs, batch.new_tokens, batch.prefix_lens,
-                                       batch.steps, batch.src_rows):
-        flag = MIN_FLAG if step < req.params.min_tokens else 0
-        rows.append(DecodeRow(input_id=toks[0], position=p, out_cache_loc=req.pages[p // ps] * ps + p % ps,
-                              seq_len=p + 1, slot=req.slot | flag, step=step, src_row=src,
-                              state_slot=max(req.state_slot, SINK_SLOT)))
-    rows.extend([DecodeRow.padding(sink_row)] * (padded_bs - len(rows)))
-    return torch.tensor(rows, dtype=torch.int64).view(-1)
+    of ``batch``, then padding rows up to ``padded_bs``. Written into the front
+    of ``out`` (a CPU int64 vector, the graphs' pinned staging row) where given.
+
+    Built by field (a list per field, stored as a column of the rows in one
+    numpy assignment), not as a DecodeRow object per request converted by
+    torch.tensor: it runs on the engine thread every decode step, and host time
+    per step bounds throughput at large batches (tools/bench/host_step.py)."""
+    n, ps = len(batch.reqs), page_size
+    words = out[:padded_bs * WORDS] if out is not None else torch.empty(padded_bs * WORDS, dtype=torch.int64)
+    rows = words.numpy().reshape(padded_bs, WORDS)
+    reqs, pos = batch.reqs, batch.prefix_lens
+    cols: DecodeRow[list[int]] = DecodeRow(
+        input_id=[toks[0] for toks in batch.new_tokens],
+        position=pos,
+        out_cache_loc=[req.pages[p // ps] * ps + p % ps for req, p in zip(reqs, pos)],
+        seq_len=[p + 1 for p in pos],
+        slot=[req.slot | (MIN_FLAG if step < req.params.min_tokens else 0)
+              for req, step in zip(reqs, batch.steps)],
+        step=batch.steps,
+        src_row=batch.src_rows,
+        state_slot=[max(req.state_slot, SINK_SLOT) for req in reqs],
+    )
+    rows[:n].T[:] = cols  # [WORDS, n]: field f of every row
+    if padded_bs > n:
+        rows[n:] = DecodeRow.padding(sink_row)
+    return words
 
 
 def capture_graph(fn: Callable[[], T], pool: object) -> tuple[torch.cuda.CUDAGraph, T]:
@@ -202,7 +218,7 @@ class DecodeGraphs:
 
     def _bound(self, pbs: int, batch: ScheduledBatch) -> int:
         """The tightest captured bound over every sequence of the batch."""
-        longest = max(p + 1 for p in batch.prefix_lens)
+        longest = max(batch.prefix_lens) + 1
         return next(b for b in self.bounds[pbs] if b >= longest)
 
     def can_run(self, bs: int) -> bool:
@@ -294,11 +310,11 @@ class DecodeGraphs:
         self.io.host_rows.copy_(pad.view(1, -1).expand(2, -1))
         self.io.rows.copy_(pad)
 
-    def step_rows(self, batch: ScheduledBatch) -> tuple[int, torch.Tensor]:
+    def step_rows(self, batch: ScheduledBatch, out: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
         """-> (padded batch size, the step's words [pbs * WORDS]: a DecodeRow per
-        sequence, then padding rows)."""
+        sequence, then padding rows; in the front of ``out`` where given)."""
         pbs = self._padded(len(batch.reqs))
-        return pbs, pack_decode_rows(batch, self.runner.page_size, self.runner.sink_row, pbs)
+        return pbs, pack_decode_rows(batch, self.runner.page_size, self.runner.sink_row, pbs, out)
 
     def graph_for(self, batch: ScheduledBatch, feats: SamplerFeatures) -> torch.cuda.CUDAGraph:
         """The graph a step of ``batch`` with sampler stages ``feats`` replays."""
@@ -310,14 +326,13 @@ class DecodeGraphs:
         None where the caller copies them out)."""
         r = self.runner
         io = self.io
-        pbs, words = self.step_rows(batch)
         # This row was last used two steps ago; the engine has read back that
         # step's tokens since, which waited for its graph (or copy).
         side = self._flip
         self._flip ^= 1
-        io.host_rows[side, :words.numel()] = words
+        pbs, words = self.step_rows(batch, out=io.host_rows[side])  # packed in place
         if not self.in_graph_io:
-            copy_host_words(io.host_rows[side, :words.numel()], io.rows[:pbs].view(-1))
+            copy_host_words(words, io.rows[:pbs].view(-1))
         feats = sampler_variant(r.sampler.features_of(req.slot for req in batch.reqs))
         key = (pbs, feats, self._bound(pbs, batch))
         self.graphs[key].replay()

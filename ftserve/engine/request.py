@@ -117,10 +117,11 @@ class Req:
         assert 0 <= self.cached_len <= bound and self.computed_len <= len(self.tokens), (
             self.request_id, self.cached_len, self.computed_len, len(self.tokens))
         assert 0 <= self.num_tree_pages <= len(self.pages)
-        # (A checkpoint saved by a step still in flight lies past computed_len.)
-        done = len(self.tokens) if self.inflight else self.computed_len
-        assert all(0 < n <= done for n, _ in self.checkpoints), (
-            self.request_id, self.checkpoints, self.computed_len)
+        if self.checkpoints:  # (checked per committed token: no generator where there are none)
+            # A checkpoint saved by a step still in flight lies past computed_len.
+            done = len(self.tokens) if self.inflight else self.computed_len
+            assert all(0 < n <= done for n, _ in self.checkpoints), (
+                self.request_id, self.checkpoints, self.computed_len)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -273,8 +273,8 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         reqs: list[Req] = []
         for req in list(self.running):
-            if req.state is not ReqState.DECODE or req not in self.running:
-                continue
+            if req.state is not ReqState.DECODE:
+                continue  # prefilling, or preempted by this loop (WAITING, out of running)
             if req.inflight and req.inflight_row < 0:
                 continue  # defensive: an in-flight step that samples nothing
             while not self._reserve(req, req.computed_len + req.num_inflight_tokens + 1):
@@ -502,8 +502,12 @@ class Scheduler:
         """Apply one step's results (token_ids[i] for batch.reqs[i] where it samples)."""
         now = time.monotonic()
         self._landed(batch)
+        # Who was running when the results landed, as a set: a list scan per
+        # request would make each commit quadratic in the batch. (The loop
+        # finishes only the request it is at, so the set stays true for the rest.)
+        running = set(self.running)
         for i, req in enumerate(batch.reqs):
-            if req.state is ReqState.FINISHED or req not in self.running:
+            if req.state is ReqState.FINISHED or req not in running:
                 continue  # aborted, finished or preempted while the step ran
             req.computed_len = batch.prefix_lens[i] + len(batch.new_tokens[i])
             if batch.samples[i]:
@@ -523,8 +527,9 @@ class Scheduler:
         assert self.spec is not None
         now = time.monotonic()
         self._landed(batch)
+        running = set(self.running)  # as in commit
         for i, req in enumerate(batch.reqs):
-            if req.state is ReqState.FINISHED or req not in self.running:
+            if req.state is ReqState.FINISHED or req not in running:
                 continue
             draft = batch.drafts[i]
             kept = kept_tokens(draft, sampled[i])

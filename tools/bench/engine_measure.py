@@ -209,12 +209,15 @@ def _time_decode_device(drv: EngineDriver, batch: ScheduledBatch, device: torch.
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         for _ in range(reps):
             g.replay()
+        launch_s = time.perf_counter() - t0  # the host's part of "host ms/step" a replay is
         end.record()
         torch.cuda.synchronize()
         graphs.reset_parity()
         out["graph_replay_ms"] = start.elapsed_time(end) / reps
+        out["graph_launch_host_ms"] = launch_s / reps * 1e3
     saved, runner.graphs = runner.graphs, None
     try:
         prof = gpu_kernel_seconds(lambda: runner.launch(batch), device)

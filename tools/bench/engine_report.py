@@ -66,7 +66,7 @@ def render_markdown(res: dict[str, Any]) -> str:
              ("-" if r["experts_per_layer_measured"] is None else f"{r['experts_per_layer_measured']:.1f}")
              + f" / {r['experts_per_layer_expected']:.1f}",
              r["total_bytes"] / 1e6, r.get("tokens_per_s_no_overlap"), r.get("host_ms_per_step"),
-             r.get("graph_replay_ms")]
+             r.get("graph_launch_host_ms"), r.get("graph_replay_ms")]
             for r in res.get("decode") or []]
     if rows:
         graphs = all(r.get("graph") for r in res.get("decode") or [])
@@ -80,6 +80,7 @@ def render_markdown(res: dict[str, Any]) -> str:
                                 "of roofline", "experts/layer measured / E(1-(1-k/E)^B)",
                                 "MB read/step", "tokens/s without overlap",
                                 "host ms/step (plan+launch+commit)",
+                                "of which the graph launch (host ms)",
                                 "device ms/step (graph replays back to back)"], rows), ""]
     hf = res.get("hf")
     if hf:
