@@ -6,7 +6,7 @@
 # returns what it measured (OUT holds 4 files: results.tgz, report.md,
 # gpu_tests.txt, suite.log). The whole suite stops by GPU_SUITE_SECONDS (580).
 #
-#   tools/gpu_suite.sh [OUT] [full|quick|tune|tests|fp8]
+#   tools/gpu_suite.sh [OUT] [full|quick|tune|tests|fp8|hybrid|spec]
 #
 # GPU_SUITE_SKIP="bench_kv_tiers ..." skips steps by name.
 # full: tests + every benchmark; quick: tests + bench_engine + bench_kv_tiers;
@@ -14,6 +14,9 @@
 # on 2026-12-01 74 of ~110 passed in 240 s, the other 35 took 118 s more), so a
 # benchmark call can skip them (GPU_SUITE_SKIP=gpu_tests);
 # fp8: the fp8 tests and tools.bench.fp8 (fp8 against bf16 in one run) alone;
+# hybrid: the hybrid engine's gpu tests and tools.bench.hybrid (issue 33);
+# spec: the speculation gpu tests, then tools.bench.spec on the qwen3-30b-a3b shape and,
+# with SPEC_GGUF=PATH (the SmolLM2 GGUF; the device fetches nothing), on the real model;
 # tune: tests + tools.tune.gemv (+ tools.tune.moe with TUNE_MOE=1), then the
 # benchmarks with the fresh tables (FTSERVE_GEMV_CONFIG_FILE /
 # FTSERVE_MOE_CONFIG_FILE); commit a table that wins under ftserve_kernels/configs/.
@@ -64,6 +67,31 @@ if [ "$mode" = fp8 ]; then  # issue 32: the fp8 tests (gpu-marked and the kernel
     grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" | head -30
     step bench_fp8 260 python3 -m tools.bench.fp8 --budget-s 180 --out "$work/bench_fp8.json" \
         > "$work/bench_fp8.md"
+    echo "total $(( $(date +%s) - t0 ))s" | tee -a "$log"
+    pack
+    exit 0
+fi
+if [ "$mode" = hybrid ] || [ "$mode" = spec ]; then
+    if [ "$mode" = hybrid ]; then
+        tests=(tests/test_gpu_engine_hybrid.py tests/test_qwen3_next.py)
+    else
+        tests=(tests/test_gpu_spec.py tests/test_gpu_engine_hybrid.py -k "spec or verify or mtp or backs_off")
+    fi
+    step "${mode}_tests" 200 python3 -m pytest -m gpu -q -p no:randomly -o addopts="" "${tests[@]}" \
+        > "$out/gpu_tests.txt"
+    grep -E "passed|failed" "$out/gpu_tests.txt" | tail -1
+    grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" | head -30
+    if [ "$mode" = hybrid ]; then
+        step bench_hybrid 200 python3 -m tools.bench.hybrid --budget-s 150 --out "$work/bench_hybrid.json" \
+            > "$work/bench_hybrid.md"
+    else
+        step bench_spec_qwen3 110 python3 -m tools.bench.spec --preset qwen3-30b-a3b --layers 8 \
+            --out "$work/spec_qwen3" --loadgen-args "--ignore-eos" --budget-s 90 > "$work/bench_spec_qwen3.md"
+        if [ -n "${SPEC_GGUF:-}" ]; then
+            step bench_spec_smollm2 150 python3 -m tools.bench.spec --gguf "$SPEC_GGUF" \
+                --out "$work/spec_smollm2" --budget-s 120 > "$work/bench_spec_smollm2.md"
+        fi
+    fi
     echo "total $(( $(date +%s) - t0 ))s" | tee -a "$log"
     pack
     exit 0
