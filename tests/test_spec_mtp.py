@@ -379,6 +379,79 @@ def test_a_head_that_starts_agreeing_resumes_drafting(model_dir: str, plain: Eng
         eng.shutdown()
 
 
+# ----- CUDA graphs, their static forwards run eagerly -------------------------
+
+def static_graphs(eng: Engine) -> dict[str, int]:
+    """Give the runner decode, prefill and verify graphs whose replays run the
+    captured static forward eagerly (what CUDA captures: padded, fixed-shape,
+    the MTP pass inside the decode graph; Triton attention under the
+    interpreter, which reads the device lengths, not the static bounds).
+    Returns the replay counts by kind, and counts the steps the runner built
+    eagerly by kind."""
+    from ftserve.engine.cuda_graph import DecodeGraphs
+    from ftserve.engine.prefill_graph import PrefillGraphs, verify_buckets
+    from ftserve_kernels.attention_triton import TritonAttentionBackend
+
+    counts = {"decode": 0, "prefill": 0, "verify": 0, "eager_decode": 0, "eager_verify": 0}
+
+    class StaticDecode(DecodeGraphs):
+        def _run(self, key: Any) -> Any:
+            counts["decode"] += 1
+            pbs, feats, bound = key
+            with self.runner.sampler.forced_features(feats):
+                return self._forward(pbs, bound)
+
+    class StaticExtend(PrefillGraphs):
+        def _run(self, bucket: int) -> torch.Tensor:
+            counts["verify" if self.all_rows else "prefill"] += 1
+            return self._forward(bucket)
+
+    r = eng.runner
+    r.graphs = StaticDecode(r, 4)
+    r.graphs.backend = TritonAttentionBackend()
+    r.prefill_graphs = StaticExtend(r, 64, 4)
+    r.verify_graphs = StaticExtend(r, 0, 4, buckets=verify_buckets(4, 3), all_rows=True)
+    build = r.build
+
+    def counted(batch: Any, *a: Any, **kw: Any) -> Any:
+        if batch.is_decode:
+            counts["eager_decode"] += 1
+        elif batch.verifies:
+            counts["eager_verify"] += 1
+        return build(batch, *a, **kw)
+
+    r.build = counted  # type: ignore[method-assign]
+    return counts
+
+
+@pytest.mark.parametrize("distilled", [False, True])
+def test_graph_paths_same_tokens_and_exact_drafts(model_dir: str, plain: Engine, distilled: bool) -> None:
+    """The runner's graph paths under MTP, each replay the graph's static forward
+    run eagerly: decode steps (the MTP pass inside the graph), prefill chunks
+    and verify steps (the MTP pass over the graph's static hidden states) give
+    plain decoding's tokens, and every draft, made from the MTP KV and outputs
+    those passes left, is the MTP layer's over a full recompute. Random head:
+    requests back off, so most steps are plain decode steps; distilled: most
+    are verify steps. No decode step runs eagerly."""
+    eng = make(model_dir, distilled=distilled, speculative="mtp", num_speculative_tokens=3,
+               max_model_len=128)
+    log = DraftLog(eng)
+    try:
+        assert eng.runner.mtp is not None
+        counts = static_graphs(eng)
+        reqs = [(f"sg{i}", p, greedy(20)) for i, p in enumerate(prompts(9, 3, (5, 30)))]
+        same_outputs(collect(plain, reqs), collect(eng, reqs))
+        check_drafts(eng, log, 0)
+        assert counts["prefill"] > 0 and counts["verify"] > 0 and counts["eager_decode"] == 0, counts
+        if not distilled:
+            assert counts["decode"] > 2 * counts["verify"], counts
+        else:
+            assert eng.stats().spec_accepted_tokens_total > 0
+        assert_pool_baseline(eng)
+    finally:
+        eng.shutdown()
+
+
 # ----- start-up and loading ---------------------------------------------------
 
 def test_checkpoint_without_mtp_layers_is_a_start_up_error(tmp_path: Path) -> None:

@@ -163,10 +163,11 @@ class DecodeGraphIO:
 
     @classmethod
     def allocate(cls, max_bs: int, device: torch.device) -> DecodeGraphIO:
+        pin = device.type == "cuda"  # CPU: the static forward runs eagerly in tests
         return cls(
             rows=torch.zeros(max_bs, WORDS, dtype=torch.int64, device=device),
-            host_rows=torch.zeros(2, max_bs * WORDS, dtype=torch.int64, pin_memory=True),
-            host_tokens=torch.zeros(2, max_bs, dtype=torch.int64, pin_memory=True),
+            host_rows=torch.zeros(2, max_bs * WORDS, dtype=torch.int64, pin_memory=pin),
+            host_tokens=torch.zeros(2, max_bs, dtype=torch.int64, pin_memory=pin),
             parity=torch.zeros(1, dtype=torch.int32, device=device),
             qo_indptr=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
             logits_indices=torch.arange(max_bs, dtype=torch.int64, device=device),
@@ -187,6 +188,14 @@ class DecodeGraphs:
         self.max_bs = max_bs
         self.sizes = graph_batch_sizes(max_bs)
         self.io = DecodeGraphIO.allocate(max_bs, self.device)
+        # The attention backend the graphs run (the runner's; tests running the
+        # static forward on the CPU give it the Triton one, which reads the
+        # device lengths rather than the static host bounds).
+        self.backend = runner.attn_backend
+        # --speculative mtp: each graph also runs the MTP layer's pass over the
+        # step's (hidden state, sampled token) pairs (spec/mtp.py), so decode steps
+        # of requests that may draft replay graphs too.
+        self.with_mtp = runner.mtp is not None
         # With in-graph copies the graph reads row `parity` of the staging pair
         # and writes its tokens to row `parity` of the token pair, then toggles
         # the word; the host's `_flip` is the same count of replays mod 2
@@ -196,7 +205,7 @@ class DecodeGraphs:
         # Keyed (padded batch size, sampler stages, bound on the longest sequence).
         self.graphs: dict[tuple[int, SamplerFeatures, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, SamplerFeatures, int], SampleOutput] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.full_bound = runner.max_pages * runner.page_size
         self.bounds = {bs: self._bounds(bs) for bs in self.sizes}
 
@@ -204,7 +213,7 @@ class DecodeGraphs:
         """The sequence-length bounds graphs of batch size ``bs`` are captured
         for, ascending, the last the pool's whole width: a shorter one where the
         attention backend takes fewer splits up to it (its short-context cap)."""
-        backend = self.runner.attn_backend
+        backend = self.backend
         limit_of = getattr(backend, "short_context_limit", None)
         full = self.full_bound
         if limit_of is None:
@@ -256,11 +265,12 @@ class DecodeGraphs:
             max_seq_len=bound,
             max_extend_len=1,
         )
-        fb = ForwardBatch(d.input_ids, d.positions, attn, r.kv_pool, r.attn_backend,
+        fb = ForwardBatch(d.input_ids, d.positions, attn, r.kv_pool, self.backend,
                           logits_indices=io.logits_indices[:bs], is_decode=True,
                           input_embeds=d.embeds, input_normed=d.normed, kernels=r.kernels,
                           state_pool=r.state_pool,
-                          state_slots=d.state_slots if r.state_pool is not None else None)
+                          state_slots=d.state_slots if r.state_pool is not None else None,
+                          keep_hidden=self.with_mtp)
         logits = r.model(fb)  # [bs, V]
         # last_tokens: the next step's device-side inputs. The greedy kernel, where
         # it runs, also stores the tokens into the pinned row and toggles the word.
@@ -273,6 +283,11 @@ class DecodeGraphs:
         r.sampler.update(d.slots, out.token_ids)
         if staged_out is not None and not out.on_host:  # the tokens to the host, and the next step's row
             copy_host_words_paired(out.token_ids[:bs], staged_out.pair, staged_out.parity, flip=True)
+        if self.with_mtp:
+            # After the tokens' store: the host's read waits for the whole graph,
+            # but the next step's planning needs nothing from this pass.
+            assert r.mtp is not None
+            r.mtp.decode_pass(fb, out.token_ids[:bs], d.slots)
         return out
 
     def capture(self) -> None:
@@ -334,7 +349,15 @@ class DecodeGraphs:
         if not self.in_graph_io:
             copy_host_words(words, io.rows[:pbs].view(-1))
         feats = sampler_variant(r.sampler.features_of(req.slot for req in batch.reqs))
-        key = (pbs, feats, self._bound(pbs, batch))
-        self.graphs[key].replay()
+        out = self._run((pbs, feats, self._bound(pbs, batch)))
+        if self.with_mtp:
+            assert r.mtp is not None
+            r.mtp.note_decode(batch)  # whose MTP outputs the graph stored (host only)
         host = io.host_tokens[side, :len(batch.reqs)] if self.in_graph_io else None
-        return self.outputs[key], host
+        return out, host
+
+    def _run(self, key: tuple[int, SamplerFeatures, int]) -> SampleOutput:
+        """Replay the graph of ``key``; its static output (tests on the CPU run
+        ``_forward`` in its place)."""
+        self.graphs[key].replay()
+        return self.outputs[key]

@@ -125,6 +125,11 @@ class PrefillGraphs:
         self.backends = {b: TritonAttentionBackend(extend_token_bound=b) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        # --speculative mtp: the forward also keeps every token's final hidden
+        # state; fbs[bucket] is the captured batch, its ``hidden`` the static
+        # [bucket, H] buffer the MTP pass after sampling reads (spec/mtp.py).
+        self.keep_hidden = runner.mtp is not None
+        self.fbs: dict[int, ForwardBatch] = {}
         self.pool = pool  # set at capture (CUDA only)
 
     def can_run(self, batch: ScheduledBatch) -> bool:
@@ -158,7 +163,9 @@ class PrefillGraphs:
         rows = p.logits_rows[:bucket] if self.all_rows else p.logits_rows
         fb = ForwardBatch(p.ids[:bucket], p.positions[:bucket], attn,
                           r.kv_pool, self.backends[bucket],
-                          logits_indices=rows, is_decode=False, kernels=r.kernels)
+                          logits_indices=rows, is_decode=False, kernels=r.kernels,
+                          keep_hidden=self.keep_hidden)
+        self.fbs[bucket] = fb  # the captured call's is the last
         return r.model(fb)  # [S, V] fp32 ([bucket, V] with all_rows)
 
     def capture(self) -> None:
@@ -207,11 +214,27 @@ class PrefillGraphs:
         if done is not None and host is self._stage[self._flip]:
             done.record()
 
-    def replay(self, batch: ScheduledBatch) -> torch.Tensor:
+    def replay(self, batch: ScheduledBatch, drafts: tuple[torch.Tensor, torch.Tensor] | None = None,
+               ) -> torch.Tensor:
         """Run the step's forward; returns static logits [max_seqs, V] (row i =
         batch.reqs[i]'s last new token; rows past len(batch.reqs) are padding),
-        with all_rows [bucket, V] (row j = the step's sampled row j)."""
+        with all_rows [bucket, V] (row j = the step's sampled row j).
+        ``drafts``: (token rows, tokens) made on the device (spec/mtp.py),
+        written over the placeholders of the step's input ids, stream-ordered
+        after the upload."""
         bucket = self._bucket(batch.num_tokens)
         self._fill(batch, bucket)
+        if drafts is not None:
+            self.inputs.ids.index_copy_(0, drafts[0], drafts[1])
+        return self._run(bucket)
+
+    def _run(self, bucket: int) -> torch.Tensor:
+        """Replay the graph of ``bucket``; its static logits (tests on the CPU
+        run ``_forward`` in its place)."""
         self.graphs[bucket].replay()
         return self.logits[bucket]
+
+    def static_batch(self, batch: ScheduledBatch) -> ForwardBatch:
+        """The captured forward batch the step of ``batch`` replayed (its
+        hidden states, inputs and attention metadata, static)."""
+        return self.fbs[self._bucket(batch.num_tokens)]

@@ -321,11 +321,12 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> Launched:
         """Enqueue the step's device work; the tokens come back in collect()."""
-        # A step holding a request that drafts with the MTP layers runs eagerly: it
-        # keeps the hidden states for them (spec/mtp.py).
+        # A step holding a request that drafts with the MTP layers (or may later)
+        # keeps the MTP KV: the decode graphs run the MTP pass themselves, the
+        # prefill and verify graphs keep the hidden states for it (spec/mtp.py).
         mtp = self.mtp if self.mtp is not None and self.mtp.tracks_any(batch) else None
-        decode_graph = (mtp is None and self.graphs is not None and batch.is_decode
-                        and self.graphs.can_run(len(batch.reqs)))
+        decode_graph = (self.graphs is not None and (mtp is None or self.graphs.with_mtp)
+                        and batch.is_decode and self.graphs.can_run(len(batch.reqs)))
         layer_ready = None
         if self.kv_host is not None:
             # Offloads of evicted pages and loads of host-tier hits, ordered by
@@ -345,13 +346,21 @@ class ModelRunner:
             self._sampling_inputs(batch)  # the graph samples: parameters first
             out, graph_host = self.graphs.replay(batch)
             return Launched(batch, rows, self._copy_out(batch, rows, out, graph_host))
-        elif mtp is None and layer_ready is None and prompt is None and (graphs := self._extend_graphs(batch)):
+        elif (layer_ready is None and prompt is None and (graphs := self._extend_graphs(batch))
+              and (mtp is None or graphs.keep_hidden)):
             # A prefill graph's logits: row i = reqs[i]; a verify graph's: the
             # sampled rows in order (PrefillGraphs.all_rows). (Hybrid models prefill
             # and verify eagerly: setup captures neither kind for them.)
             assert self.state_pool is None, "a hybrid's extend steps run eagerly"
-            logits_all = graphs.replay(batch)
+            drafts: torch.Tensor | None = None
+            if mtp is not None and batch.verifies:  # the chain, eagerly, then the replay
+                drafts = mtp.draft(batch)  # [D]
+                logits_all = graphs.replay(batch, (self._upload(mtp.draft_positions(batch)), drafts))
+            else:
+                logits_all = graphs.replay(batch)
             if not rows:
+                if mtp is not None:
+                    mtp.extend(batch, graphs.static_batch(batch), None, rows)
                 return Launched(batch, rows, None)
             self._sampling_inputs(batch)  # behind the forward on the stream, before sampling
             picks = list(range(len(rows))) if graphs.all_rows else rows
@@ -361,10 +370,13 @@ class ModelRunner:
                                       last=None if batch.verifies else self.last_tokens,
                                       features=self.sampler.features_of(batch.reqs[i].slot for i in rows))
             self.sampler.update(dev[1], out.token_ids)
+            if mtp is not None:
+                mtp.extend(batch, graphs.static_batch(batch), out.token_ids, rows)
+                return Launched(batch, rows, self._copy_out(batch, rows, out, drafts=drafts))
         else:
             fb, slots, steps, min_active = self.build(batch, prompt)
             fb.layer_ready = layer_ready
-            drafts: torch.Tensor | None = None
+            drafts = None
             if mtp is not None:
                 fb.keep_hidden = True
                 if batch.verifies:

@@ -181,9 +181,10 @@ def build_engine(cfg: EngineConfig) -> Engine:
             runner.prefill_graphs = PrefillGraphs(
                 runner, cfg.max_prefill_length, min(cfg.max_running_requests, 16))
             runner.prefill_graphs.capture()
-            if scheduler.spec is not None and runner.mtp is None:
-                # Verify steps: up to 16 sequences, each with a full draft at most.
-                # (MTP steps run eagerly: spec/mtp.py.)
+            if scheduler.spec is not None:
+                # Verify steps: up to 16 sequences, each with a full draft at most
+                # (with MTP, the draft chain and the MTP pass beside the replay run
+                # eagerly: spec/mtp.py).
                 from ftserve.engine.prefill_graph import verify_buckets
 
                 seqs = min(cfg.max_running_requests, 16)

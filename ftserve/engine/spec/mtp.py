@@ -46,9 +46,15 @@ pairs with the cached token after the checkpoint, stale only for a request
 that parts from the cache right there (its first drafts may be worse; its
 outputs are verified as ever).
 
-The MTP steps run eagerly: a step holding a request that drafts or may
-draft later (in back-off too) does not replay the decode, prefill or verify
-graphs (they do not keep the hidden states).
+CUDA graphs: the decode graphs run the MTP pass themselves (``decode_pass``:
+fixed shape, the graph's own hidden states, sampled tokens, positions, KV
+slots and attention metadata; padded rows write the dummy page and the sink
+slot's outputs), so a plain decode step of a request that may draft replays
+one graph as without MTP. Prefill and verify graphs keep every token's hidden
+state in a static buffer (``PrefillGraphs.fbs``); the draft chain before a
+verify replay and the MTP pass after its sampling (``extend`` over the graph's
+padded static batch) run eagerly, a k-step chain and one layer beside the
+replayed main model. Steps no graph covers run all of it eagerly.
 """
 
 from __future__ import annotations
@@ -192,6 +198,29 @@ class MTPDrafter:
         return out
 
     # ----- after sampling ------------------------------------------------
+    def _pass(self, fb: ForwardBatch, ids: torch.Tensor) -> torch.Tensor:
+        """g [T, H] of the MTP pairs (fb.hidden[p], ids[p]) at the step's
+        positions, written into the MTP KV at fb's slots."""
+        assert fb.hidden is not None
+        mfb = dataclasses.replace(fb, input_ids=ids, logits_indices=None, input_embeds=None,
+                                  input_normed=None, layer_ready=None, keep_hidden=False, hidden=None)
+        return self.head(fb.hidden, self.model.embed_tokens(ids), mfb, self.model.cos_sin)
+
+    def decode_pass(self, fb: ForwardBatch, sampled: torch.Tensor, slots: torch.Tensor) -> None:
+        """A decode graph's MTP pass (device only, fixed shape): each row's pair
+        (hidden, the token sampled after it) at its position; g into row 0 of
+        its slot's outputs. ``slots`` [B] (padded rows: the sink slot, whose
+        outputs nothing reads)."""
+        g = self._pass(fb, sampled)  # [B, H]
+        h = self.out.shape[-1]
+        self.out.view(-1, h).index_copy_(0, slots * (self.k + 1), g)
+
+    def note_decode(self, batch: ScheduledBatch) -> None:
+        """The host's side of ``decode_pass``: each request's outputs now hold
+        row 0 at its step's position."""
+        for req, pre in zip(batch.reqs, batch.prefix_lens):
+            self._base[req.slot] = ((req, req.admissions), pre)
+
     def extend(self, batch: ScheduledBatch, fb: ForwardBatch, sampled: torch.Tensor | None,
                rows: list[int]) -> None:
         """The MTP pairs of the step's positions (module docstring's table), from
@@ -199,8 +228,10 @@ class MTPDrafter:
         tokens; keeps each sampling request's MTP outputs in ``out``."""
         r = self.runner
         assert fb.hidden is not None
+        # A graph's static batch pads past the step's tokens: those rows take
+        # token 0 and write the dummy page.
         t, n_rows = fb.input_ids.shape[0], len(rows)
-        src = np.empty(t, dtype=np.int64)  # index into [inputs | sampled | extra]
+        src = np.zeros(t, dtype=np.int64)  # index into [inputs | sampled | extra]
         extra: list[int] = []
         store_rows: list[int] = []  # token rows whose g is kept ...
         store_at: list[int] = []  # ... at these rows of out.view(-1, H)
@@ -231,9 +262,7 @@ class MTPDrafter:
         e, s = len(extra), len(store_rows)
         parts = [fb.input_ids] + ([sampled[:n_rows]] if sampled is not None else []) + [dev[t:t + e]]
         ids = torch.cat(parts).index_select(0, dev[:t])  # [T]: each position's next token
-        mfb = dataclasses.replace(fb, input_ids=ids, logits_indices=None, input_embeds=None,
-                                  input_normed=None, layer_ready=None, keep_hidden=False, hidden=None)
-        g = self.head(fb.hidden, self.model.embed_tokens(ids), mfb, self.model.cos_sin)  # [T, H]
+        g = self._pass(fb, ids)  # [T, H]
         if s:
             h = self.out.shape[-1]
             self.out.view(-1, h).index_copy_(0, dev[t + e + s:], g.index_select(0, dev[t + e:t + e + s]))
