@@ -17,6 +17,7 @@ part only where the two tokens are tied within that measured error."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -87,11 +88,42 @@ def test_verify_steps_sync_free_and_equal_plain(model_dir: str) -> None:  # noqa
         spec.shutdown()
 
 
+def count_replays(engine: Engine) -> dict[str, int]:
+    """Count the runner's graph replays by kind (decode, prefill, verify) and
+    the steps it built eagerly (eager_decode, eager_verify), from now on."""
+    r = engine.runner
+    counts = {"decode": 0, "prefill": 0, "verify": 0, "eager_decode": 0, "eager_verify": 0}
+
+    def counted(kind: str, fn: Any) -> Any:
+        def run(*a: Any, **kw: Any) -> Any:
+            counts[kind] += 1
+            return fn(*a, **kw)
+        return run
+
+    assert r.graphs is not None and r.prefill_graphs is not None and r.verify_graphs is not None
+    r.graphs._run = counted("decode", r.graphs._run)  # type: ignore[method-assign]
+    r.prefill_graphs._run = counted("prefill", r.prefill_graphs._run)  # type: ignore[method-assign]
+    r.verify_graphs._run = counted("verify", r.verify_graphs._run)  # type: ignore[method-assign]
+    build = r.build
+
+    def built(batch: Any, *a: Any, **kw: Any) -> Any:
+        if batch.is_decode:
+            counts["eager_decode"] += 1
+        elif batch.verifies:
+            counts["eager_verify"] += 1
+        return build(batch, *a, **kw)
+
+    r.build = built  # type: ignore[method-assign]
+    return counts
+
+
 @pytest.mark.gpu
 def test_mtp_steps_sync_free_and_equal_plain(tmp_path_factory: pytest.TempPathFactory) -> None:
     """--speculative mtp on CUDA (bf16, Triton): the draft chain, the verify
-    forward and the MTP layer's pass make no hidden sync and one read-back per
-    step (tokens and drafts together); greedy outputs equal plain decoding's."""
+    forward (a verify graph replay) and the MTP layer's pass make no hidden
+    sync and one read-back per step (tokens and drafts together); decode steps
+    replay the decode graphs (the MTP pass inside); greedy outputs equal plain
+    decoding's."""
     from ftserve.models.checkpoint import write_config
     from tests.test_gpu_engine import SCALE
     from tests.test_spec_mtp import distill
@@ -104,19 +136,27 @@ def test_mtp_steps_sync_free_and_equal_plain(tmp_path_factory: pytest.TempPathFa
         make_context_sensitive(plain.runner.model, 8.0)
         spec.runner.model.load_state_dict(plain.runner.model.state_dict(), strict=False)
         distill(spec.runner.model)
-        assert spec.runner.mtp is not None and spec.runner.verify_graphs is None
+        assert spec.runner.mtp is not None and spec.runner.verify_graphs is not None
+        assert spec.runner.graphs is not None and spec.runner.graphs.with_mtp
         rng = random.Random(3)
         prompts = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 300))] for _ in range(ROWS)]
         equal_plain_up_to_ties(plain, spec, prompts)
         assert spec.scheduler.spec is not None and spec.scheduler.spec.counters.accepted_tokens_total > 0
         for check in (False, True):  # the first run compiles every shape
             drv = VerifyLog(spec, seed=1, check=check)
+            counts = count_replays(spec)
             reqs = [drv.add(p, 16) for p in prompts[:3]]
             drv.until(lambda rs=reqs: all(r.finished for r in rs))
-        kinds = {k for k, _, _ in drv.log}
+        kinds = [k for k, _, _ in drv.log]
         assert "verify" in kinds, kinds
         for kind, bs, n in drv.log:
             assert n == (0 if kind == "prefill_chunk" else 1), (kind, bs, n)
+        # MTP steps replay graphs: every decode step, and the verify steps
+        # (a verify step beside a prefill chunk wider than the verify widths
+        # may still run eagerly).
+        print("replays", counts, "steps", {k: kinds.count(k) for k in set(kinds)})
+        assert counts["eager_decode"] == 0 and counts["decode"] == kinds.count("decode"), counts
+        assert counts["verify"] > 0 and counts["verify"] + counts["eager_verify"] == kinds.count("verify"), counts
     finally:
         plain.shutdown()
         spec.shutdown()
@@ -126,8 +166,8 @@ def test_mtp_steps_sync_free_and_equal_plain(tmp_path_factory: pytest.TempPathFa
 def test_mtp_random_head_backs_off_sync_free(tmp_path_factory: pytest.TempPathFactory) -> None:
     """--speculative mtp with the MTP layer's random weights (its drafts are
     rejected): requests back off, verifying a few times per request instead of
-    at every step; their plain steps (eager, keeping the MTP KV, overlapped)
-    make no hidden sync and one read-back each, the verify steps too; greedy
+    at every step; their plain steps (decode graph replays, the MTP pass
+    inside keeping the MTP KV, overlapped) make no hidden sync and one read-back each, the verify steps too; greedy
     outputs equal plain decoding's up to bf16 near-ties."""
     from ftserve.models.checkpoint import write_config
     from tests.test_gpu_engine import SCALE
@@ -148,12 +188,18 @@ def test_mtp_random_head_backs_off_sync_free(tmp_path_factory: pytest.TempPathFa
         assert 0 < c.verifies_total <= ROWS * 6 and c.accepted_tokens_total * 10 <= c.proposed_tokens_total
         for check in (False, True):  # the first run compiles every shape
             drv = VerifyLog(spec, seed=1, check=check)
+            counts = count_replays(spec)
             reqs = [drv.add(p, 24) for p in prompts[:3]]
             drv.until(lambda rs=reqs: all(r.finished for r in rs))
         kinds = [k for k, _, _ in drv.log]
         assert "verify" in kinds and kinds.count("decode") > 2 * kinds.count("verify"), kinds
         for kind, bs, n in drv.log:
             assert n == (0 if kind == "prefill_chunk" else 1), (kind, bs, n)
+        # The plain steps of requests in back-off replay the decode graphs (the
+        # MTP pass inside them), with no hidden sync (checked above).
+        print("replays", counts, "steps", {k: kinds.count(k) for k in set(kinds)})
+        assert counts["eager_decode"] == 0 and counts["decode"] == kinds.count("decode"), counts
+        assert counts["verify"] > 0, counts
     finally:
         plain.shutdown()
         spec.shutdown()
