@@ -29,6 +29,12 @@ temperature, + short filters, + any filter, everything; a step replays the
 smallest that covers its rows). The everything set includes the grammar-mask stage, which reads the
 sampler's per-slot mask table: the runner rewrites constrained rows in place
 before each replay.
+
+With ``--speculative mtp`` every graph also runs the MTP layer's pass after
+sampling (spec/mtp.py ``MTPDrafter.decode_pass``): the forward keeps each
+row's final hidden state, and the pass pairs it with the sampled token at the
+row's position and KV slot, so a decode step of requests that may draft stays
+one replay and one read-back.
 """
 
 from __future__ import annotations
