@@ -98,6 +98,7 @@ class HostOnlyGraphs(DecodeGraphs):
             logits_indices=torch.arange(max_bs, dtype=torch.int64),
         )
         self.in_graph_io = True
+        self.with_mtp = False  # the bench runs without speculation
         self._flip = 0
         self.full_bound = runner.max_pages * runner.page_size
         self.bounds = {bs: [self.full_bound] for bs in self.sizes}
