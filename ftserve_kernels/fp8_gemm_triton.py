@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ftserve_kernels.attention_common import interpreting, mma
 from ftserve_kernels.fp8_quant import GROUP, Fp8Weight, quantize_act_triton
+from ftserve_kernels.moe_triton import _block_coords
 
 
 @dataclass(frozen=True)
@@ -48,16 +49,6 @@ class Fp8GemmConfig:
 
 
 @triton.jit
-def _tile_coords(NUM_M, NUM_N, GROUP_M: tl.constexpr):
-    # Grouped order: GROUP_M row blocks sweep the column blocks together (L2 reuse).
-    pid = tl.program_id(0)
-    per_group = GROUP_M * NUM_N
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(NUM_M - first_m, GROUP_M)
-    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
-
-
-@triton.jit
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr,
     M, N, K, NUM_M, NUM_N,
@@ -66,7 +57,7 @@ def _fp8_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_coords(NUM_M, NUM_N, GROUP_M)
+    pid_m, pid_n = _block_coords(NUM_M, NUM_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = offs_m < M

@@ -36,6 +36,7 @@ from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.fp8_gemm_triton import check_weight
 from ftserve_kernels.fp8_quant import GROUP, Fp8Weight
 from ftserve_kernels.moe_down_gemv_triton import NormNext, _add_then_norm_last, _add_then_part
+from ftserve_kernels.moe_read_through import _miss_source
 
 
 class Fp8ReadThrough(NamedTuple):
@@ -51,17 +52,6 @@ class Fp8ReadThrough(NamedTuple):
     w2_col: int
     w13_scale_col: int
     w2_scale_col: int
-
-
-@triton.jit
-def _miss_row(slot, miss_slot_ptr, miss_id_ptr, M, BLOCK_M: tl.constexpr):
-    """The bank row to read ``slot`` from this step (its entry in the fill list),
-    else -1 (a hit: read the slot). ``slot``: a scalar, or [KP, 1] -> [KP]."""
-    offs = tl.arange(0, BLOCK_M)
-    ms = tl.load(miss_slot_ptr + offs, mask=offs < M, other=-1)
-    mi = tl.load(miss_id_ptr + offs, mask=offs < M, other=-1)
-    hit = (slot == ms) & (mi >= 0)
-    return tl.max(tl.where(hit, mi, -1), axis=len(hit.shape) - 1).to(tl.int64)
 
 
 @triton.jit
@@ -100,7 +90,7 @@ def _fp8_gate_up_kernel(
     sg_ptrs = s_ptr + e * stride_se + sg_rel
     su_ptrs = s_ptr + e * stride_se + su_rel
     if READ_THROUGH:  # a miss of this step: read the bank row, write the slot as it passes
-        src = _miss_row(e, miss_slot_ptr, miss_id_ptr, M, BLOCK_M)
+        src = _miss_source(e, miss_slot_ptr, miss_id_ptr, M, BLOCK_M)
         hw_ptrs = _host_ptr(bank, src, ROW_BYTES, W_COL, w_ptr.dtype.element_ty, 16) + tile
         hs_base = _host_ptr(bank, src, ROW_BYTES, S_COL, s_ptr.dtype.element_ty, 4)
         from_host = (src + tl.zeros([BLOCK_N, 1], tl.int64)) >= 0  # [N, 1]
@@ -172,7 +162,7 @@ def _fp8_down_kernel(
     bmask = jmask[:, None, None] & nmask[None, :, None]  # [KP, N, 1]
     smask = jmask[:, None] & nmask[None, :]  # [KP, N]
     if READ_THROUGH:  # as in the gate/up kernel, per choice
-        src = _miss_row(e[:, None], miss_slot_ptr, miss_id_ptr, M, BLOCK_M)  # [KP]
+        src = _miss_source(e[:, None], miss_slot_ptr, miss_id_ptr, M, BLOCK_M)  # [KP]
         hw_ptrs = _host_ptr(bank, src, ROW_BYTES, W_COL, w_ptr.dtype.element_ty, 16)[:, None, None] + tile
         hs_ptrs = _host_ptr(bank, src, ROW_BYTES, S_COL, s_ptr.dtype.element_ty, 4)[:, None] + s_rel
         from_host = (src >= 0)[:, None, None]  # [KP, 1, 1]

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ftserve_kernels.attention_common import FP8_MAX, FP8_MIN_AMAX, interpreting, mma, round_e4m3
-from ftserve_kernels.fp8_gemm_triton import _tile_coords, check_weight
+from ftserve_kernels.fp8_gemm_triton import check_weight
 from ftserve_kernels.fp8_quant import (
     FP8,
     GROUP,
@@ -39,6 +39,7 @@ from ftserve_kernels.fp8_quant import (
     quantize_act_triton,
 )
 from ftserve_kernels.moe_align_triton import moe_align
+from ftserve_kernels.moe_triton import _block_coords
 
 
 def fused_moe_fp8_ref(
@@ -115,7 +116,7 @@ def _fp8_moe_gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, HAS_MAP: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_coords(NUM_M, NUM_N, GROUP_M)
+    pid_m, pid_n = _block_coords(NUM_M, NUM_N, GROUP_M)
     if pid_m * BLOCK_M < tl.load(total_ptr):
         e = tl.load(block_expert_ptr + pid_m)
         if HAS_MAP:  # expert -> row of w (an expert-slot cache)
@@ -172,7 +173,7 @@ def _fp8_moe_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, HAS_MAP: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_coords(NUM_M, NUM_N, GROUP_M)
+    pid_m, pid_n = _block_coords(NUM_M, NUM_N, GROUP_M)
     if pid_m * BLOCK_M < tl.load(total_ptr):
         e = tl.load(block_expert_ptr + pid_m)
         if HAS_MAP:
