@@ -32,6 +32,33 @@ from ftserve_kernels import moe_gemv_triton as mg
 _DIV16 = ("H", "K", "N", "E", "INTER", "bank_col")
 
 
+
+def compile_in_child(args: list[str], timeout: int) -> Any:
+    """Run ``python *args`` from the repository root with the real Triton compiler
+    (the calling test runs under the interpreter) and return the JSON of its last
+    stdout line: how the offline sm_90 compile tests get their results. Skips
+    where triton lacks the nvidia backend, or where a GPU is present (the gpu
+    tests compile and run the kernels for real there)."""
+    import sys
+
+    import pytest
+    import torch
+
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("triton without the nvidia backend")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the gpu-marked tests compile and run the kernels for real")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, *args], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
 def constexpr_defaults(fn: Any) -> dict[str, Any]:
     """A kernel's constexpr parameters that have defaults, at those defaults: a
     harness that names only what it changes still compiles them as constants

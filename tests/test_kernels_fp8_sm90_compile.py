@@ -13,12 +13,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from typing import Any
 
-import pytest
-
-from tests.test_kernels_sm90_compile import SMEM_LIMIT, _nvidia_backend_available
+from tests.sm90_compile import compile_in_child
+from tests.test_kernels_sm90_compile import SMEM_LIMIT
 
 H, INTER, E, K = 2048, 768, 128, 8  # qwen3-30b-a3b: hidden, expert width, experts, top-k
 
@@ -130,20 +128,8 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     return results
 
 
-@pytest.mark.skipif(not _nvidia_backend_available(), reason="triton without the nvidia backend")
 def test_fp8_kernels_compile_for_sm90() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the gpu-marked tests compile and run the kernels for real")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = compile_in_child([os.path.abspath(__file__)], timeout=900)
     errors = {k: v["error"] for k, v in results.items() if "error" in v}
     assert not errors, errors
     for name, r in results.items():

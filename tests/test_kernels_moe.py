@@ -638,24 +638,9 @@ def test_decode_gemv_kernels_compile_for_sm90() -> None:
     spilling, and the unrolled K loops issue several weight loads before their
     first FMA (tests/sm90_compile.py; a subprocess: this one runs the
     interpreter)."""
-    import json
-    import subprocess
-    import sys
+    from tests.sm90_compile import compile_in_child
 
-    try:
-        import triton.backends.nvidia  # noqa: F401
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except ImportError:
-        pytest.skip("triton without the nvidia backend")
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the gpu-marked tests compile and run the kernels")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-m", "tests.sm90_compile"], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = compile_in_child(["-m", "tests.sm90_compile"], timeout=600)
     assert not {k: v["error"] for k, v in res.items() if "error" in v}
     for name, r in res.items():
         assert r["local"] in (0, -1), f"{name} spills registers: {r}"

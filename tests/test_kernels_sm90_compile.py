@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 import tempfile
 from typing import Any
 
-import pytest
+from tests.sm90_compile import compile_in_child
 
 SMEM_LIMIT = 227 * 1024  # H100/H200 max dynamic shared memory per block
 
@@ -294,31 +292,8 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     return results
 
 
-def _nvidia_backend_available() -> bool:
-    try:
-        import triton.backends.nvidia  # noqa: F401
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _nvidia_backend_available(), reason="triton without the nvidia backend")
 def test_kernels_compile_for_sm90() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the gpu-marked tests compile and run the kernels for real")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    if shutil.which(sys.executable) is None and not os.path.exists(sys.executable):
-        pytest.skip("no python executable")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = compile_in_child([os.path.abspath(__file__)], timeout=600)
     errors = {k: v["error"] for k, v in results.items() if "error" in v}
     assert not errors, errors
     for name, r in results.items():

@@ -521,23 +521,9 @@ print(json.dumps({"host_loads": sorted(set(re.findall(r"ld\.global[.\w]*", host)
 def test_kernels_compile_for_sm90_with_vector_uva_loads() -> None:
     """The UVA row copy must issue 16-byte loads from host memory (the int ->
     pointer cast drops alignment; the kernel restores it) to approach PCIe speed."""
-    import json
-    import subprocess
+    from tests.sm90_compile import compile_in_child
 
-    try:
-        import triton.backends.nvidia  # noqa: F401
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except ImportError:
-        pytest.skip("triton without the nvidia backend")
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the gpu tests run the kernels for real")
-    root = str(Path(__file__).resolve().parents[1])
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=root, TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-c", _AOT], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = compile_in_child(["-c", _AOT], timeout=300)
     assert res["plan"] > 0 and all(n > 0 for n in res["small"])
     assert any(".v2.b64" in x or ".v4" in x for x in res["host_loads"]), res
 
