@@ -27,3 +27,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With FTSERVE_LIVE_REPORT=PATH, each failure's traceback and each test's
+    duration are appended to PATH as they happen: a run killed at a device call's
+    time limit still says what failed and why (pytest's summary comes only at the end)."""
+    path = os.environ.get("FTSERVE_LIVE_REPORT")
+    if not path or (report.when != "call" and not report.failed):
+        return
+    with open(path, "a") as f:
+        f.write(f"{report.outcome.upper()} {report.nodeid} ({report.when}, {report.duration:.1f} s)\n")
+        if report.failed:
+            f.write(report.longreprtext[-6000:] + "\n\n")

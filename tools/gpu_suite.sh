@@ -31,6 +31,9 @@ mode=${2:-full}
 mkdir -p "$out"
 work=$(mktemp -d)
 export PYTHONUNBUFFERED=1
+# Each failure's traceback and each test's time as they happen (tests/conftest.py):
+# a step cut at its limit still tells what failed.
+export FTSERVE_LIVE_REPORT="$work/live_tests.txt"
 log="$out/suite.log"
 t0=$(date +%s)
 pack() {
