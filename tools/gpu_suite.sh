@@ -89,7 +89,7 @@ if [ "$mode" = hybrid ] || [ "$mode" = spec ]; then
             > "$work/bench_hybrid.md"
     else
         step bench_spec_qwen3 110 python3 -m tools.bench.spec --preset qwen3-30b-a3b --layers 8 \
-            --out "$work/spec_qwen3" --loadgen-args "--ignore-eos" --budget-s 90 > "$work/bench_spec_qwen3.md"
+            --out "$work/spec_qwen3" --loadgen-args=--ignore-eos --budget-s 90 > "$work/bench_spec_qwen3.md"
         if [ -n "${SPEC_GGUF:-}" ]; then
             step bench_spec_smollm2 150 python3 -m tools.bench.spec --gguf "$SPEC_GGUF" \
                 --out "$work/spec_smollm2" --budget-s 120 > "$work/bench_spec_smollm2.md"

@@ -22,7 +22,7 @@ flags after ``--`` override them).
     # 8-layer qwen3-30b-a3b shape with random weights; about 150 s in all
     python -m tools.bench.spec --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out OUT/smollm2 --budget-s 90
     python -m tools.bench.spec --preset qwen3-30b-a3b --layers 8 --out OUT/qwen3 \
-        --loadgen-args "--ignore-eos" --budget-s 60
+        --loadgen-args=--ignore-eos --budget-s 60
     # on the CPU, to check the script (small files, batch 1 and 2)
     python -m tools.bench.spec --model smollm2-135m --batches 1,2 --requests 2 \
         --file-tokens 300 --out OUT -- --device cpu --cuda-graph-max-bs 0
