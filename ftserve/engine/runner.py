@@ -363,13 +363,17 @@ class ModelRunner:
                     mtp.extend(batch, graphs.static_batch(batch), None, rows)
                 return Launched(batch, rows, None)
             self._sampling_inputs(batch)  # behind the forward on the stream, before sampling
-            picks = list(range(len(rows))) if graphs.all_rows else rows
-            dev = self._upload(picks + sampling_words(batch, rows)).view(4, -1)
-            logits = logits_all.index_select(0, dev[0])  # [R, V]
-            out = self.sampler.sample(logits, dev[1], dev[2], dev[3].bool(),
+            if graphs.all_rows:  # the sampled rows lead, in order: a view
+                dev = self._upload(sampling_words(batch, rows)).view(3, -1)
+                logits = logits_all[:len(rows)]  # [R, V]
+            else:
+                dev = self._upload(rows + sampling_words(batch, rows)).view(4, -1)
+                logits = logits_all.index_select(0, dev[0])  # [R, V]
+                dev = dev[1:]
+            out = self.sampler.sample(logits, dev[0], dev[1], dev[2].bool(),
                                       last=None if batch.verifies else self.last_tokens,
                                       features=self.sampler.features_of(batch.reqs[i].slot for i in rows))
-            self.sampler.update(dev[1], out.token_ids)
+            self.sampler.update(dev[0], out.token_ids)
             if mtp is not None:
                 mtp.extend(batch, graphs.static_batch(batch), out.token_ids, rows)
                 return Launched(batch, rows, self._copy_out(batch, rows, out, drafts=drafts))

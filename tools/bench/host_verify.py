@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     tokens = (args.warmup + args.steps * args.repeats + 16) * (args.k + 1)
     with tempfile.TemporaryDirectory() as d:
-        write_checkpoint("tiny-moe", d, config_only=True, overrides={"vocab_size": args.vocab})
+        write_checkpoint("tiny-moe", d, config_only=True,
+                         overrides={"vocab_size": args.vocab, "max_position_embeddings": args.context + tokens + 64})
         eng = build(max(batches), args.context, tokens, args.k, args.vocab, d)
         try:
             rows = []

@@ -56,6 +56,8 @@ class NgramIndex:
         _indexed .. L - 2, the positions before the last token; returns how many."""
         s = self.tokens
         stop = len(s) - 1 if limit is None else min(len(s) - 1, self._indexed + limit)
+        if stop <= self._indexed:
+            return 0
         for n in range(self.min_n, self.max_n + 1):
             first = max(self._indexed, n - 1)  # end position of the first new n-gram
             if first < stop:
