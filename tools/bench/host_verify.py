@@ -25,7 +25,9 @@ counted). Per step, in us (the best of ``--repeats`` means of ``--steps``):
     schedule   Scheduler.schedule (the drafts: n-gram index update and lookup)
     fill       PrefillGraphs._fill (token layout into the pinned staging copy)
     launch     the rest of ModelRunner.launch (page mirror, sampler inputs,
-               logits gather, the eager sampler, the read-back copy)
+               the read-back copy), less the sampler:
+    sample     Sampler.sample: on the CPU the reference stages' compute, on a
+               GPU one greedy Triton launch (reported, not counted)
     read       ModelRunner.collect_verified (read back, tokens per request)
     commit     Scheduler.commit_verified (acceptance, stop checks, page trim)
     engine     the rest of EngineCore._step (outputs, stats)
@@ -153,9 +155,10 @@ def bench_batch(eng: Engine, bs: int, k: int, context: int, steps: int, repeats:
     runner.verify_graphs = graphs
     while any(r.state is not ReqState.DECODE or r.num_outputs < 2 for r in reqs):
         eng._step()
-    acc = dict.fromkeys(PARTS + ("step",), 0.0)
+    acc = dict.fromkeys(PARTS + ("step", "sample"), 0.0)
     _Timed(acc, "schedule", sched, "schedule")
     _Timed(acc, "launch", runner, "launch")
+    _Timed(acc, "sample", runner.sampler, "sample")
     _Timed(acc, "read", runner, "collect_verified")
     _Timed(acc, "commit", sched, "commit_verified")
     spec = sched.spec
@@ -171,7 +174,7 @@ def bench_batch(eng: Engine, bs: int, k: int, context: int, steps: int, repeats:
 
     for _ in range(warmup):
         step()
-    best = dict.fromkeys(PARTS + ("graph",), float("inf"))
+    best = dict.fromkeys(PARTS + ("graph", "sample"), float("inf"))
     prof = cProfile.Profile() if profile else None
     for _ in range(repeats):
         for key in acc:
@@ -186,8 +189,8 @@ def bench_batch(eng: Engine, bs: int, k: int, context: int, steps: int, repeats:
             prof.disable()
         assert graphs.replays - replays == steps, "every timed step replays a verify graph"
         t = {"schedule": acc["schedule"], "fill": graphs.fill_s,
-             "launch": acc["launch"] - graphs.fill_s - graphs.graph_s,
-             "read": acc["read"], "commit": acc["commit"], "graph": graphs.graph_s}
+             "launch": acc["launch"] - graphs.fill_s - graphs.graph_s - acc["sample"],
+             "read": acc["read"], "commit": acc["commit"], "graph": graphs.graph_s, "sample": acc["sample"]}
         t["engine"] = acc["step"] - sum(acc[p] for p in ("schedule", "launch", "read", "commit"))
         for key, v in t.items():
             best[key] = min(best[key], v / steps * 1e6)
@@ -199,7 +202,7 @@ def bench_batch(eng: Engine, bs: int, k: int, context: int, steps: int, repeats:
         sched.finish(r, "abort")
     sched.finished_reqs.clear()
     for obj, name in ((sched, "schedule"), (runner, "launch"), (runner, "collect_verified"),
-                      (sched, "commit_verified")):
+                      (sched, "commit_verified"), (runner.sampler, "sample")):
         delattr(obj, name)  # back to the class's method
     runner.verify_graphs = None
     assert not sched.running
@@ -239,11 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             eng.shutdown()
     print(f"host us per verify step (CPU; k = {args.k}, every draft kept; best of {args.repeats} x "
-          f"{args.steps} steps, context {args.context}; graph: the stand-in forward, not counted)")
-    print(f"{'batch':>5} " + " ".join(f"{p:>9}" for p in PARTS) + f" {'total':>9} {'graph':>9}")
+          f"{args.steps} steps, context {args.context}; not counted: graph, the stand-in forward, "
+          "and sample, the CPU sampler's compute)")
+    print(f"{'batch':>5} " + " ".join(f"{p:>9}" for p in PARTS) + f" {'total':>9} {'graph':>9} {'sample':>9}")
     for r in rows:
         print(f"{r['batch']:>5} " + " ".join(f"{r[p + '_us']:9.1f}" for p in PARTS)
-              + f" {r['total_us']:9.1f} {r['graph_us']:9.1f}")
+              + f" {r['total_us']:9.1f} {r['graph_us']:9.1f} {r['sample_us']:9.1f}")
     if args.json:
         write_json(args.json, {"k": args.k, "context": args.context, "steps": args.steps,
                                "repeats": args.repeats, "rows": rows})
