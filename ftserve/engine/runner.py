@@ -551,9 +551,11 @@ def sampling_words(batch: ScheduledBatch, rows: list[int]) -> list[int]:
 
 def _draft_offsets(batch: ScheduledBatch, rows: list[int]) -> list[int]:
     """Each sampled row's position within its request's rows (0 for plain rows)."""
-    offs: list[int] = []
-    for j, i in enumerate(rows):
-        offs.append(offs[-1] + 1 if j and rows[j - 1] == i else 0)
+    if not batch.drafts:
+        return [0] * len(rows)
+    # rows is sample_rows(batch): each drafted request's len(draft) + 1 rows in a run.
+    offs = [m for i, s in enumerate(batch.samples) if s for m in range(len(batch.drafts[i]) + 1)]
+    assert len(offs) == len(rows), "rows must be sample_rows(batch)"
     return offs
 
 
