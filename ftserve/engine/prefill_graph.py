@@ -36,7 +36,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-import numpy as np
 import torch
 
 from ftserve.engine.cuda_graph import capture_graph
@@ -223,7 +222,7 @@ class PrefillGraphs:
             if self.all_rows:
                 rows = logits_rows(batch, sample_rows(batch), last)
                 f.logits_rows[:len(rows)] = rows
-                f.token_rows[:t] = np.repeat(f.slots[:k], np.diff(f.qo_indptr[:k + 1]))
+                f.token_rows[:t] = [req.slot for req, x in zip(batch.reqs, batch.new_tokens) for _ in x]
             else:
                 f.logits_rows[:k] = last
         self.p_in.copy_(host, non_blocking=True)

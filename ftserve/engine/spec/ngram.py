@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-
 _FEW = 16  # positions up to which catch_up inserts one n-gram at a time
 
 
