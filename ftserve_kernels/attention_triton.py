@@ -392,6 +392,13 @@ class TritonAttentionBackend:
         if batch.is_decode or (bound is None and meta.max_extend_len == 1):
             assert q.shape[0] == meta.num_seqs, "decode batches carry one token per sequence"
             return self._decode(q, kc, vc, batch, ks, vs)
+        if meta.query_seq_lens is not None:  # a verify step: one decode query per token
+            assert meta.query_page_table is not None and meta.query_seq_lens.shape[0] == q.shape[0]
+            splits = self.num_splits(q.shape[0], kc.shape[1], q.device, meta.max_seq_len)
+            return decode_attention_triton(
+                q, kc, vc, meta.query_page_table, meta.query_seq_lens, meta.page_size, scale, splits, cfg,
+                k_scale=ks, v_scale=vs, kernels=batch.kernels,
+            )
         return extend_attention_triton(
             q, kc, vc, meta.page_table, meta.qo_indptr, meta.prefix_lens,
             bound if bound is not None else meta.max_extend_len, meta.page_size, scale, cfg,

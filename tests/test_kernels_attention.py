@@ -161,6 +161,37 @@ def test_backend_extend_token_bound() -> None:
     assert rel_err(out, ref) < FP32_TOL
 
 
+@pytest.mark.parametrize("hq,hkv", [(4, 2), (8, 2)])
+def test_verify_queries_as_decode_match_reference(hq: int, hkv: int) -> None:
+    """A verify step's layout (query_seq_lens / query_page_table: one split-K
+    decode query per token, as the verify graphs attend) gives the extend
+    layout's attention: sequences of 1 to 5 new tokens over prefixes that span
+    several tiles, then padding tokens that read the NaN-poisoned dummy row at
+    length 1 and touch no real row."""
+    new, prefix = [5, 1, 3], [70, 9, 33]
+    pool, tables, q, k, v = make_case(new, prefix, hq, hkv, 32, 4, torch.float32, DEVICE)
+    ref_pool = KVPool(1, pool.num_pages, 4, hkv, 32, torch.float32, DEVICE)
+    ref_pool.k.copy_(pool.k)
+    ref_pool.v.copy_(pool.v)
+    toks = [[1] * n for n in new]
+    be = at.TritonAttentionBackend(extend_token_bound=16)
+    fb = build_forward_batch(toks, prefix, tables, pool, be)
+    t, pad = sum(new), 3
+    rows = torch.tensor([i for i, n in enumerate(new) for _ in range(n)] + [len(new)] * pad, device=DEVICE)
+    table = torch.cat([fb.attn.page_table, torch.zeros_like(fb.attn.page_table[:1])])  # + the dummy row
+    fb.attn.query_page_table = table.index_select(0, rows)
+    fb.attn.query_seq_lens = torch.cat([fb.positions + 1, torch.ones(pad, dtype=torch.int64, device=DEVICE)]
+                                       ).to(torch.int32)
+    qp = torch.cat([q, torch.randn(pad, hq, 32, device=DEVICE)])
+    kp, vp = torch.cat([k, k[:pad]]), torch.cat([v, v[:pad]])
+    fb.attn.out_cache_loc = torch.cat([fb.attn.out_cache_loc, torch.zeros(pad, dtype=torch.int64, device=DEVICE)])
+    out = be.forward(qp, kp, vp, 0, fb)[:t]  # padding K/V lands in the dummy slot 0
+    ref_fb = build_forward_batch(toks, prefix, tables, ref_pool, TorchAttentionBackend())
+    ref = ref_fb.attn_backend.forward(q, k, v, 0, ref_fb)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < FP32_TOL
+
+
 @pytest.mark.parametrize(
     "dtype,is_decode", [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)]
 )

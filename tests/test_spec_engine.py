@@ -299,6 +299,12 @@ def test_verify_graph_static_forward_equals_eager(model_dir: str) -> None:
         with torch.inference_mode():
             graphs._fill(batch, graphs._bucket(batch.num_tokens))
             static = graphs._forward(graphs._bucket(batch.num_tokens))[:9]  # 4 + 4 + 1 rows
+            # Each token attends as a decode query of its own (prefill_graph docstring).
+            meta = graphs.fbs[graphs._bucket(batch.num_tokens)].attn
+            assert meta.query_seq_lens is not None and meta.query_page_table is not None
+            slots = [r.slot for r in batch.reqs]
+            assert graphs.inputs.token_rows.tolist() == [slots[0]] * 4 + [slots[1]] * 4 + [slots[2]] \
+                + [runner.sink_row] * 7
             fb, slots, steps, _ = runner.build(batch)
             eager = runner.model(fb)  # [9, V]
         torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)

@@ -10,6 +10,7 @@ views of the device buffer and of each pinned staging copy::
     p_in int64: ids [Tmax] | positions [Tmax] | out_cache_loc [Tmax]
                 | qo_indptr [S+1] | seq_lens [S] | prefix_lens [S]
                 | page-table rows (request slots) [S] | logits rows [S]
+                (verify graphs: logits rows [Tmax] | each token's page-table row [Tmax])
 
     tokens:     [ seq 0 | seq 1 | ... | padding up to the bucket ]
     sequences:  [ real ones ... | empty ones (qo_indptr repeats, 0 tokens) ]
@@ -20,6 +21,12 @@ the bucket (``extend_token_bound``) and skips what lies past each sequence. Rows
 of padding tokens carry garbage through the layers but every op is row-local,
 and only the real sequences' last rows become logits. Sampling runs eagerly on
 the graph's static logits (it is a handful of launches).
+
+Verify graphs (speculative decoding: each sequence feeds its last token and a
+few draft tokens over a long cached prefix) attend with one split-K decode
+query per token (AttentionMetadata.query_seq_lens) rather than the extend
+kernel, whose one program per (head, sequence) would walk the whole prefix
+alone; padding tokens read the dummy row at length 1.
 """
 
 from __future__ import annotations
@@ -60,11 +67,14 @@ class PrefillInputs(Generic[A]):
     # [S] the token row of each sequence's last new token; all_rows (verify
     # graphs): [Tmax] the token row of each sampled row, padding row 0
     logits_rows: A
+    # all_rows only ([0] otherwise): [Tmax] each token's page-table row (its
+    # request's slot; padding: the dummy row)
+    token_rows: A
 
     @staticmethod
     def sizes(max_tokens: int, max_seqs: int, all_rows: bool = False) -> list[int]:
         t, s = max_tokens, max_seqs
-        return [t, t, t, s + 1, s, s, s, t if all_rows else s]
+        return [t, t, t, s + 1, s, s, s, t if all_rows else s, t if all_rows else 0]
 
     @classmethod
     def views(cls, buf: Any, max_tokens: int, max_seqs: int, all_rows: bool = False,
@@ -161,6 +171,9 @@ class PrefillGraphs:
             max_extend_len=bucket,
         )
         rows = p.logits_rows[:bucket] if self.all_rows else p.logits_rows
+        if self.all_rows:
+            attn.query_page_table = r.page_table.index_select(0, p.token_rows[:bucket])  # [bucket, W]
+            attn.query_seq_lens = (p.positions[:bucket] + 1).to(torch.int32)  # [bucket]
         fb = ForwardBatch(p.ids[:bucket], p.positions[:bucket], attn,
                           r.kv_pool, self.backends[bucket],
                           logits_indices=rows, is_decode=False, kernels=r.kernels,
@@ -194,6 +207,7 @@ class PrefillGraphs:
         buf[:] = 0  # padding: token 0 -> dummy slot 0
         f = PrefillInputs.views(buf, self.t_max, self.max_seqs, self.all_rows)
         f.slots[:] = r.sink_row  # empty sequences read the dummy row
+        f.token_rows[:] = r.sink_row  # so do padding tokens
         if batch is not None:
             ids, pos, locs, indptr, seq, last = token_layout(batch, r.page_size)
             t, k = len(ids), len(seq)
@@ -208,6 +222,7 @@ class PrefillGraphs:
             if self.all_rows:
                 rows = logits_rows(batch, sample_rows(batch), last)
                 f.logits_rows[:len(rows)] = rows
+                f.token_rows[:t] = [req.slot for req, x in zip(batch.reqs, batch.new_tokens) for _ in x]
             else:
                 f.logits_rows[:k] = last
         self.p_in.copy_(host, non_blocking=True)

@@ -363,13 +363,17 @@ class ModelRunner:
                     mtp.extend(batch, graphs.static_batch(batch), None, rows)
                 return Launched(batch, rows, None)
             self._sampling_inputs(batch)  # behind the forward on the stream, before sampling
-            picks = list(range(len(rows))) if graphs.all_rows else rows
-            dev = self._upload(picks + sampling_words(batch, rows)).view(4, -1)
-            logits = logits_all.index_select(0, dev[0])  # [R, V]
-            out = self.sampler.sample(logits, dev[1], dev[2], dev[3].bool(),
+            if graphs.all_rows:  # the sampled rows lead, in order: a view
+                dev = self._upload(sampling_words(batch, rows)).view(3, -1)
+                logits = logits_all[:len(rows)]  # [R, V]
+            else:
+                dev = self._upload(rows + sampling_words(batch, rows)).view(4, -1)
+                logits = logits_all.index_select(0, dev[0])  # [R, V]
+                dev = dev[1:]
+            out = self.sampler.sample(logits, dev[0], dev[1], dev[2].bool(),
                                       last=None if batch.verifies else self.last_tokens,
                                       features=self.sampler.features_of(batch.reqs[i].slot for i in rows))
-            self.sampler.update(dev[1], out.token_ids)
+            self.sampler.update(dev[0], out.token_ids)
             if mtp is not None:
                 mtp.extend(batch, graphs.static_batch(batch), out.token_ids, rows)
                 return Launched(batch, rows, self._copy_out(batch, rows, out, drafts=drafts))
@@ -547,9 +551,11 @@ def sampling_words(batch: ScheduledBatch, rows: list[int]) -> list[int]:
 
 def _draft_offsets(batch: ScheduledBatch, rows: list[int]) -> list[int]:
     """Each sampled row's position within its request's rows (0 for plain rows)."""
-    offs: list[int] = []
-    for j, i in enumerate(rows):
-        offs.append(offs[-1] + 1 if j and rows[j - 1] == i else 0)
+    if not batch.drafts:
+        return [0] * len(rows)
+    # rows is sample_rows(batch): each drafted request's len(draft) + 1 rows in a run.
+    offs = [m for i, s in enumerate(batch.samples) if s for m in range(len(batch.drafts[i]) + 1)]
+    assert len(offs) == len(rows), "rows must be sample_rows(batch)"
     return offs
 
 

@@ -41,6 +41,7 @@ from ftserve.kvcache.allocator import PageAllocator
 from ftserve.kvcache.radix import RadixCache
 
 if TYPE_CHECKING:
+    from ftserve.engine.sampling_params import SamplingParams
     from ftserve.engine.spec.speculator import Speculator
     from ftserve.kvcache.host_tier import HostKVTier
     from ftserve.kvcache.state_pool import StatePool
@@ -534,13 +535,16 @@ class Scheduler:
             draft = batch.drafts[i]
             kept = kept_tokens(draft, sampled[i])
             lps = logprobs[i] if logprobs is not None else None
-            for j, tok in enumerate(kept):
-                # The KV of the inputs up to this token's position is valid: the
-                # last token, then draft tokens equal to the sampled ones.
-                req.computed_len = batch.prefix_lens[i] + 1 + j
-                self._append(req, tok, lps[j] if lps is not None else None, now)
-                if req.state is ReqState.FINISHED:
-                    break
+            if req.grammar is None and req.first_token_time is not None:
+                self._append_kept(req, kept, lps, batch.prefix_lens[i])
+            else:
+                for j, tok in enumerate(kept):
+                    # The KV of the inputs up to this token's position is valid: the
+                    # last token, then draft tokens equal to the sampled ones.
+                    req.computed_len = batch.prefix_lens[i] + 1 + j
+                    self._append(req, tok, lps[j] if lps is not None else None, now)
+                    if req.state is ReqState.FINISHED:
+                        break
             if draft:
                 self.spec.record(req, len(draft), len(kept) - 1)
                 if req.state is not ReqState.FINISHED:
@@ -578,6 +582,32 @@ class Scheduler:
         if reason is not None:
             self.finish(req, reason)
 
+    def _append_kept(self, req: Req, kept: list[int], lps: list[TokenLogprob | None] | None,
+                     prefix_len: int) -> None:
+        """A verify step's kept tokens at once, as ``_append`` one at a time would
+        leave them (for a request past its first token, without a grammar): up to
+        and including the first that stops it, the KV valid through that one's
+        input (its last token, then draft tokens equal to the sampled ones)."""
+        n0, len0 = req.num_outputs, len(req.tokens)
+        end, reason = len(kept), None
+        for j, tok in enumerate(kept):
+            reason = self._stop_reason_at(req.params, tok, n0 + j + 1, len0 + j + 1)
+            if reason is not None:
+                end = j + 1
+                break
+        toks = kept[:end] if end < len(kept) else kept
+        req.computed_len = prefix_len + end
+        req.tokens.extend(toks)
+        req.output_ids.extend(toks)
+        req.pending_ids.extend(toks)
+        if lps is not None:
+            req.pending_logprobs.extend(lp for lp in lps[:end] if lp is not None)
+        self.counters.generation_tokens_total += end
+        req.state = ReqState.DECODE
+        req.check()
+        if reason is not None:
+            self.finish(req, reason)
+
     def _trim_pages(self, req: Req) -> None:
         """Free the private pages past what the next plain step needs (they hold
         only rejected draft KV) and tell the runner to re-mirror from there.
@@ -610,12 +640,15 @@ class Scheduler:
         return "stop" if req.grammar.done else None
 
     def _stop_reason(self, req: Req, tok: int) -> str | None:
-        p = req.params
-        n = req.num_outputs
+        return self._stop_reason_at(req.params, tok, req.num_outputs, len(req.tokens))
+
+    def _stop_reason_at(self, p: SamplingParams, tok: int, n: int, length: int) -> str | None:
+        """Why a request stops after ``tok``, its n-th output token, at ``length``
+        tokens in all (None: it goes on)."""
         if n >= p.min_tokens:
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
                 return "stop"
-        if n >= p.max_tokens or len(req.tokens) >= self.max_model_len:
+        if n >= p.max_tokens or length >= self.max_model_len:
             return "length"
         return None
 

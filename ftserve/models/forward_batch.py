@@ -48,6 +48,15 @@ class AttentionMetadata:
     prefix_lens_host: list[int]
     max_seq_len: int  # max(seq_lens_host), bounds kernel grids
     max_extend_len: int  # max new tokens of one sequence
+    # A verify step's few new tokens per sequence (speculative decoding), set by
+    # the verify graphs: each query token attends as a decode query of its own,
+    # query t over KV [0, query_seq_lens[t]) through page-table row
+    # query_page_table[t] (its sequence's row). Split-K over the cached prefix
+    # spreads a long context over the whole GPU, where the extend kernel's few
+    # programs (one per head and sequence) would each walk all of it in turn.
+    # The same attention as the extend layout above; None: that layout.
+    query_page_table: torch.Tensor | None = None  # [T, max_pages] int32
+    query_seq_lens: torch.Tensor | None = None  # [T] int32: position + 1
 
     @property
     def num_seqs(self) -> int:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+_FEW = 16  # positions up to which catch_up inserts one n-gram at a time
+
 
 class NgramIndex:
     """The n-gram index of one growing token sequence (a request's prompt + output)."""
@@ -56,12 +58,19 @@ class NgramIndex:
         _indexed .. L - 2, the positions before the last token; returns how many."""
         s = self.tokens
         stop = len(s) - 1 if limit is None else min(len(s) - 1, self._indexed + limit)
-        for n in range(self.min_n, self.max_n + 1):
-            first = max(self._indexed, n - 1)  # end position of the first new n-gram
-            if first < stop:
-                lo, hi = first - n + 1, stop - n + 1  # their start positions
-                grams = zip(*(s[lo + i:hi + i] for i in range(n)))
-                self._latest[n - self.min_n].update(zip(grams, range(first, stop)))
+        if stop <= self._indexed:
+            return 0
+        if stop - self._indexed <= _FEW:  # a step's tokens: plain inserts beat building zips
+            for n, latest in enumerate(self._latest, self.min_n):
+                for j in range(max(self._indexed, n - 1), stop):
+                    latest[tuple(s[j - n + 1:j + 1])] = j
+        else:
+            for n, latest in enumerate(self._latest, self.min_n):
+                first = max(self._indexed, n - 1)  # end position of the first new n-gram
+                if first < stop:
+                    lo, hi = first - n + 1, stop - n + 1  # their start positions
+                    grams = zip(*(s[lo + i:hi + i] for i in range(n)))
+                    latest.update(zip(grams, range(first, stop)))
         done = max(0, stop - self._indexed)
         self._indexed = max(self._indexed, stop)
         return done
