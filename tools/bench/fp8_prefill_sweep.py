@@ -78,18 +78,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               moe_flops))
     b13, b2 = w13.to(dtype).to(dev), w2.to(dtype).to(dev)
     res["moe"].append(row("bf16 table", lambda: fused_moe_triton(x, b13, b2, wts, ids, gemv=False), moe_flops))
-    del b13, b2, q13, q2
     for name, (n, kk) in projections.items():
         w = torch.randn(n, kk, generator=g) * kk ** -0.5
         qw = quantize_weight(w.to(dev))
         a = torch.randn(t, kk, generator=g).to(dtype).to(dev)
         flops = 2.0 * t * n * kk
-        rows = [row(f"{name} fp8 pick", lambda: fg.fp8_linear_triton(a, qw), flops)]
+        rows = [row(f"{name} fp8 pick", lambda a=a, qw=qw: fg.fp8_linear_triton(a, qw), flops)]
         for c in GEMM_CONFIGS if cuda else [(16, 32, 4, 1)]:
             cfg = fg.Fp8GemmConfig(*c)
-            rows.append(row(f"{name} fp8 {c}", lambda cfg=cfg: fg.fp8_linear_triton(a, qw, None, cfg), flops))
+            rows.append(row(f"{name} fp8 {c}", lambda a=a, qw=qw, cfg=cfg: fg.fp8_linear_triton(a, qw, None, cfg),
+                            flops))
         wb = w.to(dtype).to(dev)
-        rows.append(row(f"{name} bf16 matmul", lambda: a @ wb.T, flops))
+        rows.append(row(f"{name} bf16 matmul", lambda a=a, wb=wb: a @ wb.T, flops))
         res["gemm"][name] = rows
     write_json(args.out, res)
     return res
