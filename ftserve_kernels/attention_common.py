@@ -73,8 +73,9 @@ def quantize_e4m3(x, D_AXIS: tl.constexpr):
     """x [H, D] fp32 -> (codes [H, D] fp32 on the e4m3 grid, scales [H]); see
     paged_attention's module docstring for the format."""
     amax = tl.max(tl.abs(x), D_AXIS)
-    scale = tl.maximum(amax, FP8_MIN_AMAX) / FP8_MAX  # [H]
-    y = tl.math.div_rn(x, tl.expand_dims(scale, D_AXIS))  # IEEE division, as torch does
+    # IEEE divisions, as torch's: on the GPU "/" is an approximate division.
+    scale = tl.math.div_rn(tl.maximum(amax, FP8_MIN_AMAX), FP8_MAX)  # [H]
+    y = tl.math.div_rn(x, tl.expand_dims(scale, D_AXIS))
     y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
     return round_e4m3(y), scale
 

@@ -40,12 +40,14 @@ class Fp8GemmConfig:
     @staticmethod
     def pick(m: int, cuda: bool) -> Fp8GemmConfig:
         """Hopper: 64 or 128 rows per tile (the fp8 wgmma shapes), 128 columns,
-        three stages of 2 x 16 KB; the interpreter: small tiles."""
+        four stages of 2 x 8-16 KB; 128 rows take eight warps (a warp group per
+        64 rows: the accumulator and each step's dot, 128 registers a thread).
+        The interpreter: small tiles."""
         if not cuda:
             return Fp8GemmConfig(16, 32, 4, 1)
         if m <= 1024:
             return Fp8GemmConfig(64, 128, 4, 4)
-        return Fp8GemmConfig(128, 128, 8, 3)
+        return Fp8GemmConfig(128, 128, 8, 4)
 
 
 @triton.jit
@@ -55,8 +57,12 @@ def _fp8_gemm_kernel(
     stride_am, stride_asm, stride_bn, stride_bsn, stride_cm,
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, TILE_SCALE: tl.constexpr = False,
 ):
+    # TILE_SCALE (SCALE_N a multiple of BLOCK_N: the tile's columns share one
+    # scale row block): one weight scale per K step, folded into the row scales,
+    # instead of a column vector in the accumulator's layout (32 registers a
+    # thread at 128 columns). Scales for step k+1 load during step k.
     pid_m, pid_n = _block_coords(NUM_M, NUM_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,7 +73,13 @@ def _fp8_gemm_kernel(
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
     b_ptrs = b_ptr + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]  # [BK, BN]
     as_ptrs = as_ptr + rows * stride_asm  # [BM], + the K group
-    bs_ptrs = bs_ptr + (offs_n // SCALE_N) * stride_bsn  # [BN], + the K block
+    if TILE_SCALE:
+        bs_ptrs = bs_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_bsn  # scalar, + the K block
+        sb = tl.load(bs_ptrs)
+    else:
+        bs_ptrs = bs_ptr + (offs_n // SCALE_N) * stride_bsn  # [BN], + the K block
+        sb = tl.load(bs_ptrs, mask=nmask, other=0.0)
+    sa = tl.load(as_ptrs, mask=mmask, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -77,9 +89,16 @@ def _fp8_gemm_kernel(
             kmask = offs_k < K - k0
             a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        sa = tl.load(as_ptrs + k0 // BLOCK_K, mask=mmask, other=0.0)  # [BM]
-        sb = tl.load(bs_ptrs + k0 // SCALE_K, mask=nmask, other=0.0)  # [BN]
-        acc += mma(a, b, UPCAST) * sa[:, None] * sb[None, :]
+        kn = tl.minimum(k0 + BLOCK_K, K - 1)  # the next step's column, in bounds
+        sa_next = tl.load(as_ptrs + kn // BLOCK_K, mask=mmask, other=0.0)
+        if TILE_SCALE:
+            sb_next = tl.load(bs_ptrs + kn // SCALE_K)
+            acc += mma(a, b, UPCAST) * (sa * sb)[:, None]
+        else:
+            sb_next = tl.load(bs_ptrs + kn // SCALE_K, mask=nmask, other=0.0)
+            acc += mma(a, b, UPCAST) * sa[:, None] * sb[None, :]
+        sa = sa_next
+        sb = sb_next
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if HAS_BIAS:
@@ -118,7 +137,7 @@ def fp8_gemm_triton(
         a_codes.stride(0), a_scale.stride(0), w.codes.stride(0), w.scale.stride(0), out.stride(0),
         SCALE_N=w.block_n, SCALE_K=w.block_k, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=GROUP, GROUP_M=cfg.group_m,
-        EVEN_K=k % GROUP == 0, UPCAST=interpreting(),
+        EVEN_K=k % GROUP == 0, UPCAST=interpreting(), TILE_SCALE=w.block_n % cfg.block_n == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

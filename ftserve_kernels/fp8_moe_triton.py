@@ -93,18 +93,31 @@ class Fp8MoeConfig:
     group_m: int = 8
 
     @staticmethod
-    def pick(num_pairs: int, num_experts: int, cuda: bool) -> Fp8MoeConfig:
+    def pick(num_pairs: int, num_experts: int, cuda: bool, tile_scale: bool = True) -> Fp8MoeConfig:
         """Rows per tile from the average pairs per expert (each expert's pairs are
-        padded to whole tiles): 64 (the smallest fp8 wgmma) once experts have a
-        few dozen pairs, 128 past a few hundred, 16 below (memory-bound anyway)."""
+        padded to whole tiles): 128 past a few hundred, 64 (the smallest fp8
+        wgmma) from a few dozen, 16 below (memory-bound anyway). Eight warps:
+        gate/up holds two fp32 [rows, 128] accumulators and a third tile for
+        each step's dot, 192 registers a thread at 128 rows (a warp group per
+        64 rows), 96 at 64 rows (two warp groups split the columns), where four
+        warps would need 255 and spill. Four stages of 48 KB (128 rows) fill
+        Hopper's shared memory as the bf16 table's 4 x 48 KB do. Without
+        ``tile_scale`` (per-channel or sub-128 weight scale blocks) each step's
+        column scales add 64 registers, so at most 64 rows."""
         if not cuda:
             return Fp8MoeConfig(16, 32, 4, 1)
         per_expert = num_pairs / max(num_experts, 1)
-        if per_expert >= 256:
-            return Fp8MoeConfig(128, 128, 8, 3)
+        if per_expert >= 256 and tile_scale:
+            return Fp8MoeConfig(128, 128, 8, 4)
         if per_expert >= 24:
-            return Fp8MoeConfig(64, 128, 4, 3)
+            return Fp8MoeConfig(64, 128, 8, 4)
         return Fp8MoeConfig(16, 64, 4, 3)
+
+
+def gate_up_tile_scale(w13: Fp8Weight, inter: int) -> bool:
+    """Whether every gate/up tile (GROUP columns of I, at 0 and at INTER) lies in
+    one weight scale row block: then the kernel loads one scale per K step."""
+    return w13.block_n % GROUP == 0 and inter % GROUP == 0
 
 
 @triton.jit
@@ -115,7 +128,17 @@ def _fp8_moe_gate_up_kernel(
     TOP_K: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, HAS_MAP: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    TILE_SCALE: tl.constexpr = False,
 ):
+    # Registers decide this kernel's speed: gate and up accumulate in fp32
+    # [BLOCK_M, 128] each, and each K step's dot lands in a third tile before
+    # its scales apply. TILE_SCALE (the host's promise that each tile's gate
+    # columns, and its up columns, lie in one weight scale row block) makes the
+    # weight scale one scalar per K step, folded into the row scales; a [128]
+    # vector of column scales in the accumulator's layout costs 32 registers a
+    # thread (twice: gate and up), which at 128 rows and 8 warps spilled.
+    # Scales for step k+1 load during step k: a load issued just before the
+    # dot that needs it leaves its latency exposed every step.
     pid_m, pid_n = _block_coords(NUM_M, NUM_N, GROUP_M)
     if pid_m * BLOCK_M < tl.load(total_ptr):
         e = tl.load(block_expert_ptr + pid_m)
@@ -128,35 +151,56 @@ def _fp8_moe_gate_up_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N = GROUP: one group of I
         nmask = offs_n < INTER
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = xq_ptr + tok[:, None] * stride_xq + offs_k[None, :]  # [M, K]
-        g_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N]
-        u_off = INTER * stride_wn
-        xs_ptrs = xs_ptr + tok * stride_xs  # [M], + the K group
-        sg_ptrs = s_ptr + e * stride_se + (offs_n // SCALE_N) * stride_sn  # [N], + the K block
-        su_ptrs = s_ptr + e * stride_se + ((offs_n + INTER) // SCALE_N) * stride_sn
+        # int32 offsets from scalar bases that step along K: half the registers
+        # of 64-bit pointer tensors (the host checks the offsets fit).
+        a_off = tok.to(tl.int32)[:, None] * stride_xq + offs_k[None, :]  # [M, K]
+        g_off = offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N]
+        u_off = g_off + INTER * stride_wn
+        w_base = w_ptr + e * stride_we
+        xs_off = tok.to(tl.int32) * stride_xs  # [M], + the K group
+        if TILE_SCALE:
+            sg_ptrs = s_ptr + e * stride_se + (pid_n * BLOCK_N // SCALE_N) * stride_sn  # scalar, + the K block
+            su_ptrs = s_ptr + e * stride_se + ((pid_n * BLOCK_N + INTER) // SCALE_N) * stride_sn
+            sg = tl.load(sg_ptrs)
+            su = tl.load(su_ptrs)
+        else:
+            sg_ptrs = s_ptr + e * stride_se + (offs_n // SCALE_N) * stride_sn  # [N], + the K block
+            su_ptrs = s_ptr + e * stride_se + ((offs_n + INTER) // SCALE_N) * stride_sn
+            sg = tl.load(sg_ptrs, mask=nmask, other=0.0)
+            su = tl.load(su_ptrs, mask=nmask, other=0.0)
+        sa = tl.load(xs_ptr + xs_off, mask=rmask, other=0.0)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, H, BLOCK_K):
             if EVEN_K:
-                a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-                g = tl.load(g_ptrs, mask=nmask[None, :], other=0.0)
-                u = tl.load(g_ptrs + u_off, mask=nmask[None, :], other=0.0)
+                a = tl.load(xq_ptr + k0 + a_off, mask=rmask[:, None], other=0.0)
+                g = tl.load(w_base + k0 + g_off, mask=nmask[None, :], other=0.0)
+                u = tl.load(w_base + k0 + u_off, mask=nmask[None, :], other=0.0)
             else:
                 kmask = offs_k < H - k0
-                a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-                g = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-                u = tl.load(g_ptrs + u_off, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            sa = tl.load(xs_ptrs + k0 // BLOCK_K, mask=rmask, other=0.0)[:, None]  # [M, 1]
-            sg = tl.load(sg_ptrs + k0 // SCALE_K, mask=nmask, other=0.0)[None, :]  # [1, N]
-            su = tl.load(su_ptrs + k0 // SCALE_K, mask=nmask, other=0.0)[None, :]
-            acc_g += mma(a, g, UPCAST) * sa * sg
-            acc_u += mma(a, u, UPCAST) * sa * su
-            a_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
+                a = tl.load(xq_ptr + k0 + a_off, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                g = tl.load(w_base + k0 + g_off, mask=kmask[:, None] & nmask[None, :], other=0.0)
+                u = tl.load(w_base + k0 + u_off, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            kn = tl.minimum(k0 + BLOCK_K, H - 1)  # the next step's column (the last one: in bounds)
+            sa_next = tl.load(xs_ptr + kn // BLOCK_K + xs_off, mask=rmask, other=0.0)
+            if TILE_SCALE:
+                sg_next = tl.load(sg_ptrs + kn // SCALE_K)
+                su_next = tl.load(su_ptrs + kn // SCALE_K)
+                acc_g += mma(a, g, UPCAST) * (sa * sg)[:, None]
+                acc_u += mma(a, u, UPCAST) * (sa * su)[:, None]
+            else:
+                sg_next = tl.load(sg_ptrs + kn // SCALE_K, mask=nmask, other=0.0)
+                su_next = tl.load(su_ptrs + kn // SCALE_K, mask=nmask, other=0.0)
+                acc_g += mma(a, g, UPCAST) * sa[:, None] * sg[None, :]
+                acc_u += mma(a, u, UPCAST) * sa[:, None] * su[None, :]
+            sa = sa_next
+            sg = sg_next
+            su = su_next
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) * up, [M, N]
         h = h.to(OUT_DTYPE).to(tl.float32)  # rounded as a stored activation would be
         # Quantized for the down GEMM: the tile is one whole group of each row.
-        scale = tl.maximum(tl.max(tl.abs(h), 1), FP8_MIN_AMAX) / FP8_MAX  # [M]
+        # IEEE divisions (div_rn; "/" is approximate on the GPU), as the twin's.
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), 1), FP8_MIN_AMAX), FP8_MAX)  # [M]
         q = round_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(h, scale[:, None]), -FP8_MAX), FP8_MAX))
         rows64 = rows.to(tl.int64)
         tl.store(aq_ptr + rows64[:, None] * stride_aq + offs_n[None, :], q.to(aq_ptr.dtype.element_ty),
@@ -172,7 +216,9 @@ def _fp8_moe_down_kernel(
     SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, HAS_MAP: tl.constexpr,
+    TILE_SCALE: tl.constexpr = False,
 ):
+    # TILE_SCALE and the scales loaded a step ahead: as in the gate/up kernel.
     pid_m, pid_n = _block_coords(NUM_M, NUM_N, GROUP_M)
     if pid_m * BLOCK_M < tl.load(total_ptr):
         e = tl.load(block_expert_ptr + pid_m)
@@ -188,7 +234,13 @@ def _fp8_moe_down_kernel(
         a_ptrs = aq_ptr + rows64[:, None] * stride_aq + offs_k[None, :]  # [M, K]
         b_ptrs = w_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [K, N]
         as_ptrs = as_ptr + rows64 * stride_as
-        bs_ptrs = s_ptr + e * stride_se + (offs_n // SCALE_N) * stride_sn
+        if TILE_SCALE:
+            bs_ptrs = s_ptr + e * stride_se + (pid_n * BLOCK_N // SCALE_N) * stride_sn  # scalar
+            sb = tl.load(bs_ptrs)
+        else:
+            bs_ptrs = s_ptr + e * stride_se + (offs_n // SCALE_N) * stride_sn
+            sb = tl.load(bs_ptrs, mask=nmask, other=0.0)
+        sa = tl.load(as_ptrs, mask=rmask, other=0.0)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
             if EVEN_K:
@@ -198,9 +250,16 @@ def _fp8_moe_down_kernel(
                 kmask = offs_k < INTER - k0
                 a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            sa = tl.load(as_ptrs + k0 // BLOCK_K, mask=rmask, other=0.0)[:, None]
-            sb = tl.load(bs_ptrs + k0 // SCALE_K, mask=nmask, other=0.0)[None, :]
-            acc += mma(a, b, UPCAST) * sa * sb
+            kn = tl.minimum(k0 + BLOCK_K, INTER - 1)  # the next step's column, in bounds
+            sa_next = tl.load(as_ptrs + kn // BLOCK_K, mask=rmask, other=0.0)
+            if TILE_SCALE:
+                sb_next = tl.load(bs_ptrs + kn // SCALE_K)
+                acc += mma(a, b, UPCAST) * (sa * sb)[:, None]
+            else:
+                sb_next = tl.load(bs_ptrs + kn // SCALE_K, mask=nmask, other=0.0)
+                acc += mma(a, b, UPCAST) * sa[:, None] * sb[None, :]
+            sa = sa_next
+            sb = sb_next
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         wt = tl.load(weights_ptr + rows64, mask=rmask, other=0.0)  # [M] routing weight
@@ -233,7 +292,9 @@ def fused_moe_fp8_triton(
     check_weight(w13)
     check_weight(w2)
     e = expert_map.numel() if expert_map is not None else w13.codes.shape[0]
-    cfg = cfg or Fp8MoeConfig.pick(n, e, x.is_cuda)
+    tile_scale = gate_up_tile_scale(w13, inter)
+    cfg = cfg or Fp8MoeConfig.pick(n, e, x.is_cuda, tile_scale)
+    assert x.numel() < 2 ** 31 and w13.codes[0].numel() < 2 ** 31, "int32 offsets in the gate/up kernel"
     xq, xs = quantize_act_triton(x)  # [T, H] e4m3, [T, H / 128]
     sorted_ids, block_expert, total = moe_align(topk_ids, e, cfg.block_m)
     weights = topk_weights.reshape(-1)
@@ -253,7 +314,7 @@ def fused_moe_fp8_triton(
         w13.scale.stride(1), aq.stride(0), a_s.stride(0),
         TOP_K=k, SCALE_N=w13.block_n, SCALE_K=w13.block_k, BLOCK_M=cfg.block_m, BLOCK_N=GROUP,
         BLOCK_K=GROUP, GROUP_M=cfg.group_m, EVEN_K=h % GROUP == 0, UPCAST=upcast,
-        HAS_MAP=expert_map is not None, OUT_DTYPE=_TL_DTYPE[x.dtype],
+        HAS_MAP=expert_map is not None, OUT_DTYPE=_TL_DTYPE[x.dtype], TILE_SCALE=tile_scale,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     nd = triton.cdiv(h, cfg.down_block_n)
     _fp8_moe_down_kernel[(num_m * nd,)](
@@ -263,5 +324,6 @@ def fused_moe_fp8_triton(
         w2.scale.stride(1), y.stride(0),
         SCALE_N=w2.block_n, SCALE_K=w2.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n,
         BLOCK_K=GROUP, GROUP_M=cfg.group_m, EVEN_K=inter % GROUP == 0, UPCAST=upcast,
-        HAS_MAP=expert_map is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_MAP=expert_map is not None, TILE_SCALE=w2.block_n % cfg.down_block_n == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.view(t, k, h).sum(dim=1)  # [T, H]

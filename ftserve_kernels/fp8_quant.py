@@ -154,8 +154,9 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, K, G, stride_x, stride_q, stride_s
     c = g * GROUP_K + tl.arange(0, GROUP_K)  # [GK]
     m = (t[:, None] < T) & (c[None, :] < K)
     x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 1), FP8_MIN_AMAX) / FP8_MAX  # [BT]
-    y = tl.math.div_rn(x, scale[:, None])  # IEEE division, as torch does
+    # IEEE divisions, as torch's: on the GPU "/" is an approximate division.
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), FP8_MIN_AMAX), FP8_MAX)  # [BT]
+    y = tl.math.div_rn(x, scale[:, None])
     y = round_e4m3(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
     tl.store(q_ptr + t[:, None].to(tl.int64) * stride_q + c[None, :], y.to(q_ptr.dtype.element_ty), mask=m)
     tl.store(s_ptr + t.to(tl.int64) * stride_s + g, scale, mask=t < T)
