@@ -31,8 +31,7 @@ def _align_hist_kernel(ids_ptr, hist_ptr, N, BLOCK_E: tl.constexpr, CHUNK: tl.co
     # Large N only: per-chunk expert counts hist[c, e], plain stores (no atomics,
     # so no zeroed buffer and no extra launch to zero it).
     # Sub-chunks keep the [SUB, E] one-hot tile near 16k elements (as _align_place_kernel).
-    SUB: tl.constexpr = CHUNK if CHUNK * BLOCK_E <= 16384 else (CHUNK if CHUNK <= 128 else (
-        16384 // BLOCK_E if BLOCK_E >= 128 else 128))
+    SUB: tl.constexpr = CHUNK if CHUNK * BLOCK_E <= 16384 else (16384 // BLOCK_E if BLOCK_E >= 128 else 128)
     c = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     cnt = tl.zeros([BLOCK_E], tl.int32)
@@ -56,9 +55,12 @@ def _align_place_kernel(
     # sentinel into its share of padding rows and block -> expert entries.
     # A chunk is walked in sub-chunks of SUB pairs: one-hot tiles [SUB, E] stay
     # near 16k elements while a large CHUNK keeps the chunk count (every program
-    # reads all chunks' counts) small. SUB == CHUNK for the default plan.
-    SUB: tl.constexpr = CHUNK if CHUNK * BLOCK_E <= 16384 else (CHUNK if CHUNK <= 128 else (
-        16384 // BLOCK_E if BLOCK_E >= 128 else 128))
+    # reads all chunks' counts) small. SUB == CHUNK for the default plan up to 128
+    # experts; past them the default's 128-pair chunks are cut too: the rank's
+    # cumsum over [SUB, E] may be laid out with warps along SUB, and then its
+    # scratch is the whole tile in shared memory (E=512: [128, 512] int32 is
+    # 256 KiB, over Hopper's 227 KiB; [32, 512] is 64 KiB).
+    SUB: tl.constexpr = CHUNK if CHUNK * BLOCK_E <= 16384 else (16384 // BLOCK_E if BLOCK_E >= 128 else 128)
     c = tl.program_id(0)
     nchunks = tl.num_programs(0)
     e = tl.arange(0, BLOCK_E)

@@ -67,6 +67,39 @@ def constexpr_defaults(fn: Any) -> dict[str, Any]:
     return {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
 
 
+def compile_sm90(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int,
+                 stages: int) -> dict[str, Any]:
+    """Compile one kernel for sm_90 as its launch would (pointers and strides
+    specialized as multiples of 16, every other argument named in ``types``
+    or an i32) -> {"shared": bytes, "regs", "local": spill bytes (-1 where
+    cuobjdump is missing)}, or {"error": ...} where it does not compile (an
+    out-of-shared-memory kernel fails here, as its launch would)."""
+    consts = {k: v for k, v in (constexpr_defaults(fn) | consts).items() if k in fn.arg_names}
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (sig[n].startswith("*") or "stride" in n)}
+    try:
+        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    except Exception as exc:  # reported; the test asserts on it
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    res: dict[str, Any] = {"shared": k.metadata.shared, "regs": -1, "local": -1}
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if os.path.exists(tool):
+        with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+            f.write(k.asm["cubin"])
+        try:
+            usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        finally:
+            os.unlink(f.name)
+        for word in usage.split():
+            if word.startswith("REG:"):
+                res["regs"] = int(word[4:])
+            if word.startswith("LOCAL:"):
+                res["local"] = int(word[6:])
+    return res
+
+
 def _compile(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int) -> dict[str, Any]:
     consts = {k: v for k, v in ({"HAS_MAP": False, "PDL": False, "READ_THROUGH": False, "BLOCK_M": 1}
                                 | constexpr_defaults(fn) | consts).items() if k in fn.arg_names}

@@ -69,7 +69,8 @@ def test_route_topk_matches_reference(renorm: bool, t: int) -> None:
 
 
 @pytest.mark.parametrize("precount", [False, True])
-@pytest.mark.parametrize("t,k,e,bm", [(9, 3, 7, 4), (100, 3, 128, 16)])  # 1 chunk; 3 chunks
+# 1 chunk; 3 chunks; 5 chunks of 128 pairs, each in 4 sub-chunks (past 128 experts, qwen3-next's 512)
+@pytest.mark.parametrize("t,k,e,bm", [(9, 3, 7, 4), (100, 3, 128, 16), (200, 3, 512, 64)])
 def test_align_is_a_padded_grouping(
     precount: bool, t: int, k: int, e: int, bm: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
