@@ -233,10 +233,12 @@ def moe_gemv_tiles(cuda: bool) -> tuple[gc.GemvConfig, gc.GemvConfig]:
     the K loops are unrolled). Hopper: a gate/up program streams 2 x 8 rows of
     H codes (32 KB at H 2048) in steps of 512 codes a row (a lane's 16-byte
     load, one scale a lane), accumulating like gemv_triton; a down program 8
-    choices x 16 rows of I codes in 128-code steps."""
+    choices x 4 rows of I codes in 128-code steps (24 KB at I 768: 512
+    programs a token at H 2048, as the tuned bf16 down; 16 rows left 128, fewer
+    than the SMs)."""
     if not cuda:
         return gc.GemvConfig(16, GROUP, 4, 1), gc.GemvConfig(16, GROUP, 4, 1)
-    return gc.GemvConfig(8, 512, 8, 1), gc.GemvConfig(16, GROUP, 4, 1)
+    return gc.GemvConfig(8, 512, 8, 1), gc.GemvConfig(4, GROUP, 4, 1)
 
 
 def _rt_args(rt: Fp8ReadThrough | None, ids: torch.Tensor, part: str) -> tuple[object, ...]:

@@ -98,14 +98,15 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     # The dense GEMV (gemv_triton's kernel, FP8) at its default launches, and the
     # bf16 one at the same shapes to compare with (regs, loads before the first FMA).
     g8 = {"x_ptr": bf, "w_ptr": f8, "s_ptr": f32, "b_ptr": bf, "y_ptr": bf, "parts_ptr": f32, "eps": "fp32"}
+    parts_p = triton.next_power_of_2(H // fmg.moe_gemv_tiles(cuda=True)[1].block_n)  # the down's programs
     g16 = g8 | {"w_ptr": bf}
     for proj, n, k in (("qkv", 5120, H), ("o", H, 4096)):
         for t, pdl, parts in ((1, False, False), (2, False, False), (4, False, False), (1, True, False),
-                              (1, True, True)):
+                              (1, True, proj == "qkv")):  # a pending norm: the next layer's qkv only
             cfg = gc.default("dense_fp8", True, n, t, k)
             tag = f"gemv_{proj}_t{t}" + ("_parts" if parts else "") + ("_pdl" if pdl else "")
             results[tag] = compile_gemv(gemv._gemv_kernel, g8, dict(
-                HAS_BIAS=False, BLOCK_T=t, PDL=pdl, HAS_PARTS=parts, BLOCK_P=128,
+                HAS_BIAS=False, BLOCK_T=t, PDL=pdl, HAS_PARTS=parts, BLOCK_P=parts_p,
                 **fv.launch_consts(k, 128, 128, cfg)), cfg.num_warps)
         cfg = gc.default("dense", True, n, 1)
         results[f"bf16_gemv_{proj}_t1"] = compile_gemv(gemv._gemv_kernel, g16, dict(
