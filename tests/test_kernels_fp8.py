@@ -372,3 +372,30 @@ def test_fp8_model_on_triton_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert all(torch.isfinite(o).all() for o in got)
     assert max(errs) < 0.05, errs
     assert errs[0] > 1e-4  # the prefill did quantize its activations
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA launches at qwen3-30b-a3b's shapes")
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+def test_gpu_decode_gemvs_at_real_shapes(t: int) -> None:
+    """The decode GEMVs at their CUDA defaults (dense_fp8: qkv 5120 x 2048, o_proj
+    2048 x 4096; the expert pair at E 128, H 2048, I 768, k 8) against the exact
+    references, with a pending norm on qkv as the experts leave it."""
+    g = torch.Generator().manual_seed(40 + t)
+    for n, k in ((5120, 2048), (2048, 4096)):
+        w = weight(g, (n, k))
+        x = torch.randn(t, k, generator=g).bfloat16().to(DEVICE)
+        assert rel_err(fv.fp8_gemv_triton(x, w), fp8_linear_ref(x, w)) < 4e-3
+    s = torch.randn(t, 2048, generator=g).bfloat16().to(DEVICE)  # the residual sum of a pending norm
+    nw = (1 + 0.1 * torch.randn(2048, generator=g)).bfloat16().to(DEVICE)
+    parts = s.float().pow(2).reshape(t, 512, 4).sum(-1).contiguous()  # as 512 down programs leave them
+    want = (nw.float() * s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    w = weight(g, (5120, 2048))
+    got = fv.fp8_gemv_triton((nw * s).bfloat16(), w, parts=parts, eps=1e-6)
+    assert rel_err(got, fp8_linear_ref(want, w)) < 8e-3
+    if t <= fp8_ops.MOE_GEMV_MAX_TOKENS:
+        w13, w2 = weight(g, (128, 1536, 2048)), weight(g, (128, 2048, 768))
+        wts, ids = routing(g, t, 128, 8)
+        x = torch.randn(t, 2048, generator=g).bfloat16().to(DEVICE)
+        got = fmg.fused_moe_fp8_gemv_triton(x, w13, w2, wts, ids)
+        assert rel_err(got, fm.fused_moe_fp8_ref(x, w13, w2, wts, ids)) < 8e-3
