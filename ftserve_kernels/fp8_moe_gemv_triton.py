@@ -6,9 +6,13 @@ no alignment, the combine fused; the e4m3 twins of moe_gemv_triton's::
     down:    program (token t, column block) -> out[t, cols]
              = sum_j  round(weight[t, j] * (act[t*k + j] . W2[e_{t,j}, cols]))
 
-Weights are Fp8Weight (codes [E, N, K] + scales [E, N / bn, K / bk]); each K
-step is 128 columns, one scale per weight row, applied to the step's partial
-dot. Activations stay in their dtype (w8a16). Rounding follows the grouped
+Weights are Fp8Weight (codes [E, N, K] + scales [E, N / bn, K / bk]). The
+gate/up kernel is built like gemv_triton's: each tile dequantized as it
+arrives (_fp8_scaled), fp32 accumulator tiles, K summed once at the end, so
+its unrolled K loop is loads and FMAs only; the down kernel's K steps are 128
+columns, one scale per weight row, applied to the step's partial dot (its k
+choices are a tile axis: an accumulator tile per choice would not fit the
+registers). Activations stay in their dtype (w8a16). Rounding follows the grouped
 path: act and each weighted down row round to x's dtype; the k rows add up in
 fp32 in a fixed order. Twin: fp8_moe_triton.fused_moe_fp8_ref.
 
@@ -31,10 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
 from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.fp8_gemm_triton import check_weight
+from ftserve_kernels.fp8_gemv_triton import k_step
 from ftserve_kernels.fp8_quant import GROUP, Fp8Weight
+from ftserve_kernels.gemv_triton import _fp8_scaled
 from ftserve_kernels.moe_down_gemv_triton import NormNext, _add_then_norm_last, _add_then_part
 from ftserve_kernels.moe_read_through import _miss_source
 
@@ -64,6 +71,19 @@ def _host_ptr(bank, src, row_bytes, col, dtype: tl.constexpr, ALIGN: tl.constexp
 
 
 @triton.jit
+def _copy_scales(src_rows, dst_rows, k0, mask_n, K, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr,
+                 SCALE_STEP: tl.constexpr):
+    """Read-through: the scales of the K step at k0 (as _fp8_scaled indexes
+    them) from the bank's scale rows [N] into the slot's, where mask_n."""
+    if SCALE_STEP:
+        tl.store(dst_rows + k0 // SCALE_K, tl.load(src_rows + k0 // SCALE_K, mask=mask_n), mask=mask_n)
+    else:
+        kb = k0 // SCALE_K + tl.arange(0, BLOCK_K // SCALE_K)
+        m = mask_n[:, None] & (kb[None, :] * SCALE_K < K)
+        tl.store(dst_rows[:, None] + kb[None, :], tl.load(src_rows[:, None] + kb[None, :], mask=m), mask=m)
+
+
+@triton.jit
 def _fp8_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, map_ptr, H, INTER,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_o,
@@ -71,6 +91,7 @@ def _fp8_gate_up_kernel(
     TOP_K: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_MAP: tl.constexpr, READ_THROUGH: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
+    SCALE_STEP: tl.constexpr = True,
 ):
     pdl.enter(PDL)  # the ids / activations come from the kernel before
     pair = tl.program_id(0)
@@ -95,9 +116,17 @@ def _fp8_gate_up_kernel(
         hs_base = _host_ptr(bank, src, ROW_BYTES, S_COL, s_ptr.dtype.element_ty, 4)
         from_host = (src + tl.zeros([BLOCK_N, 1], tl.int64)) >= 0  # [N, 1]
         from_host_n = (src + tl.zeros([BLOCK_N], tl.int64)) >= 0  # [N]
+    if READ_THROUGH:  # the scale rows: the bank's on a miss, else the slot's
+        s_g = tl.where(from_host_n, hs_base + sg_rel, sg_ptrs)
+        s_u = tl.where(from_host_n, hs_base + su_rel, su_ptrs)
+    else:
+        s_g = sg_ptrs
+        s_u = su_ptrs
     x_ptrs = x_ptr + tok * stride_x + offs_k  # [K]
-    acc_g = tl.zeros([BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_N], tl.float32)
+    # One fp32 accumulator tile per half, summed over K once at the end
+    # (gemv_triton's structure): the unrolled loop is loads and FMAs only.
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for step in tl.static_range(K_STEPS):
         k0 = step * BLOCK_K
         if EVEN_K:
@@ -107,23 +136,22 @@ def _fp8_gate_up_kernel(
             kmask = offs_k < H - k0
             xv = tl.load(x_ptrs + k0, mask=kmask, other=0.0).to(tl.float32)
             m2 = nmask[:, None] & kmask[None, :]
-        kb = k0 // SCALE_K
         if READ_THROUGH:
             g = tl.load(tl.where(from_host, hw_ptrs + k0, g_ptrs + k0), mask=m2, other=0.0)
             u = tl.load(tl.where(from_host, hw_ptrs + k0 + u_off, g_ptrs + k0 + u_off), mask=m2, other=0.0)
-            sg = tl.load(tl.where(from_host_n, hs_base + sg_rel + kb, sg_ptrs + kb), mask=nmask, other=0.0)
-            su = tl.load(tl.where(from_host_n, hs_base + su_rel + kb, su_ptrs + kb), mask=nmask, other=0.0)
             tl.store(g_ptrs + k0, g, mask=m2 & from_host)
             tl.store(g_ptrs + k0 + u_off, u, mask=m2 & from_host)
-            tl.store(sg_ptrs + kb, sg, mask=nmask & from_host_n)
-            tl.store(su_ptrs + kb, su, mask=nmask & from_host_n)
+            _copy_scales(hs_base + sg_rel, sg_ptrs, k0, nmask & from_host_n, H, BLOCK_K, SCALE_K, SCALE_STEP)
+            _copy_scales(hs_base + su_rel, su_ptrs, k0, nmask & from_host_n, H, BLOCK_K, SCALE_K, SCALE_STEP)
         else:
             g = tl.load(g_ptrs + k0, mask=m2, other=0.0)
             u = tl.load(g_ptrs + k0 + u_off, mask=m2, other=0.0)
-            sg = tl.load(sg_ptrs + kb, mask=nmask, other=0.0)
-            su = tl.load(su_ptrs + kb, mask=nmask, other=0.0)
-        acc_g += tl.sum(g.to(tl.float32) * xv[None, :], 1) * sg
-        acc_u += tl.sum(u.to(tl.float32) * xv[None, :], 1) * su
+        g = _fp8_scaled(g.to(tl.float32), s_g, k0, nmask, H, BLOCK_N, BLOCK_K, SCALE_K, SCALE_STEP)
+        u = _fp8_scaled(u.to(tl.float32), s_u, k0, nmask, H, BLOCK_N, BLOCK_K, SCALE_K, SCALE_STEP)
+        acc_g += g * xv[None, :]
+        acc_u += u * xv[None, :]
+    acc_g = tl.sum(acc_g, 1)  # [N]
+    acc_u = tl.sum(acc_u, 1)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) * up, [N]
     tl.store(out_ptr + pair.to(tl.int64) * stride_o + offs_n, h.to(out_ptr.dtype.element_ty), mask=nmask)
 
@@ -200,11 +228,17 @@ def _fp8_down_kernel(
         tl.store(out_ptr + t * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
-def moe_gemv_tiles(cuda: bool) -> tuple[int, int, int, int]:
-    """(gate/up BLOCK_N, down BLOCK_N, BLOCK_K, warps). Hopper: a gate/up program
-    streams 2 x 32 rows of H codes (128 KB at H 2048, as the bf16 kernel's 2 x 16
-    rows of bf16), a down program 8 choices x 16 rows of I codes."""
-    return (32, 16, GROUP, 4) if cuda else (16, 16, GROUP, 4)
+def moe_gemv_tiles(cuda: bool) -> tuple[gc.GemvConfig, gc.GemvConfig]:
+    """(gate/up, down) launch parameters (block_n, block_k, warps; no stages:
+    the K loops are unrolled). Hopper: a gate/up program streams 2 x 8 rows of
+    H codes (32 KB at H 2048) in steps of 512 codes a row (a lane's 16-byte
+    load, one scale a lane), accumulating like gemv_triton; a down program 8
+    choices x 4 rows of I codes in 128-code steps (24 KB at I 768: 512
+    programs a token at H 2048, as the tuned bf16 down; 16 rows left 128, fewer
+    than the SMs)."""
+    if not cuda:
+        return gc.GemvConfig(16, GROUP, 4, 1), gc.GemvConfig(16, GROUP, 4, 1)
+    return gc.GemvConfig(8, 512, 8, 1), gc.GemvConfig(4, GROUP, 4, 1)
 
 
 def _rt_args(rt: Fp8ReadThrough | None, ids: torch.Tensor, part: str) -> tuple[object, ...]:
@@ -226,7 +260,7 @@ def fused_moe_fp8_gemv_triton(
     topk_ids: torch.Tensor,  # [T, k] int32
     expert_map: torch.Tensor | None = None,  # [E] int32: expert -> row of w13 / w2
     read_through: Fp8ReadThrough | None = None,  # misses read from the host bank (needs expert_map)
-    tiles: tuple[int, int, int, int] | None = None,
+    tiles: tuple[gc.GemvConfig, gc.GemvConfig] | None = None,  # (gate/up, down)
     kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> torch.Tensor:
     """Both launches -> [T, H] in x's dtype."""
@@ -237,7 +271,7 @@ def fused_moe_fp8_gemv_triton(
 
 def fused_moe_fp8_add_norm_gemv_triton(
     x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    norm_next: NormNext, tiles: tuple[int, int, int, int] | None = None,
+    norm_next: NormNext, tiles: tuple[gc.GemvConfig, gc.GemvConfig] | None = None,
     kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The pair with the next layer's input norm in the down epilogue ->
@@ -246,7 +280,7 @@ def fused_moe_fp8_add_norm_gemv_triton(
     as moe_gemv_triton.fused_moe_add_norm_gemv_triton."""
     t, h = x.shape
     normed, summed = torch.empty_like(x), torch.empty_like(x)
-    bn_d = (tiles or moe_gemv_tiles(x.is_cuda))[1]
+    bn_d = (tiles or moe_gemv_tiles(x.is_cuda))[1].block_n
     parts = (torch.empty((t, triton.cdiv(h, bn_d)), dtype=torch.float32, device=x.device)
              if norm_next.deferred else None)
     assert norm_next.residual.shape == x.shape and norm_next.residual.stride() == (h, 1)
@@ -259,7 +293,7 @@ def fused_moe_fp8_add_norm_gemv_triton(
 def _launch(
     x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None, read_through: Fp8ReadThrough | None, kernels: KernelConfig,
-    tiles: tuple[int, int, int, int] | None, out: torch.Tensor,
+    tiles: tuple[gc.GemvConfig, gc.GemvConfig] | None, out: torch.Tensor,
     norm: tuple[NormNext, torch.Tensor, torch.Tensor | None] | None = None,
 ) -> None:
     """Both launches into ``out`` (with ``norm``: (the NormNext, the sums' output,
@@ -278,20 +312,23 @@ def _launch(
     if weights.dtype != torch.float32 or weights.stride(0) != 1:
         weights = weights.float().contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)  # [N, I]
-    bn_gu, bn_d, bk, warps = tiles or moe_gemv_tiles(x.is_cuda)
-    bk_gu, bk_d = min(bk, triton.next_power_of_2(h)), min(bk, triton.next_power_of_2(inter))
+    cfg_gu, cfg_d = tiles or moe_gemv_tiles(x.is_cuda)
+    bn_gu, bn_d = cfg_gu.block_n, cfg_d.block_n
+    bk_gu, step_gu = k_step(h, w13.block_k, cfg_gu.block_k)
+    # The down kernel's steps stay inside one scale column (GROUP divides its blocks).
+    bk_d = min(cfg_d.block_k, GROUP, triton.next_power_of_2(inter))
     emap = expert_map if expert_map is not None else ids
     m = 0 if read_through is None else read_through.miss_slot.numel()
     on = pdl.active(x, kernels)
     common = dict(HAS_MAP=expert_map is not None, READ_THROUGH=read_through is not None,
-                  BLOCK_M=max(2, triton.next_power_of_2(max(m, 1))), PDL=on,
-                  num_warps=warps, num_stages=1, **pdl.launch(on))
+                  BLOCK_M=max(2, triton.next_power_of_2(max(m, 1))), PDL=on, num_stages=1, **pdl.launch(on))
     _fp8_gate_up_kernel[(t * k, triton.cdiv(inter, bn_gu))](
         x, w13.codes, w13.scale, act, ids, emap, h, inter,
         x.stride(0), w13.codes.stride(0), w13.codes.stride(1), w13.scale.stride(0), w13.scale.stride(1),
         act.stride(0), *_rt_args(read_through, ids, "w13"),
         TOP_K=k, SCALE_N=w13.block_n, SCALE_K=w13.block_k, BLOCK_N=bn_gu, BLOCK_K=bk_gu,
-        K_STEPS=triton.cdiv(h, bk_gu), EVEN_K=h % bk_gu == 0, **common)
+        K_STEPS=triton.cdiv(h, bk_gu), EVEN_K=h % bk_gu == 0, SCALE_STEP=step_gu, num_warps=cfg_gu.num_warps,
+        **common)
     fold: dict[str, object] = {}
     if norm is not None:
         nn, summed, parts = norm
@@ -303,4 +340,5 @@ def _launch(
         act.stride(0), w2.codes.stride(0), w2.codes.stride(1), w2.scale.stride(0), w2.scale.stride(1),
         out.stride(0), *_rt_args(read_through, ids, "w2"),
         TOP_K=k, BLOCK_KP=triton.next_power_of_2(k), SCALE_N=w2.block_n, SCALE_K=w2.block_k,
-        BLOCK_N=bn_d, BLOCK_K=bk_d, K_STEPS=triton.cdiv(inter, bk_d), EVEN_K=inter % bk_d == 0, **fold, **common)
+        BLOCK_N=bn_d, BLOCK_K=bk_d, K_STEPS=triton.cdiv(inter, bk_d), EVEN_K=inter % bk_d == 0,
+        num_warps=cfg_d.num_warps, **fold, **common)

@@ -15,6 +15,7 @@ A key is ``<kind>:<shape>``; the kinds and the kernel each one launches:
     moe_gate_up      _gemv_gate_up_kernel           shape E,H,I,k; T = tokens
     moe_down         _gemv_down_combine3d_kernel    shape E,H,I,k; T = tokens
     dense            _gemv_kernel                   shape N,K; T = the row block 1, 2 or 4
+    dense_fp8        _gemv_kernel (FP8: e4m3 W)     shape N,K; T = the row block 1, 2 or 4
 
 An entry applies only to the T it was tuned at (for the dense kernel the row
 block next_power_of_2(T), which is what the kernel specializes on): these
@@ -43,7 +44,7 @@ from ftserve_kernels.config_tables import CONFIG_DIR  # noqa: F401 - re-exported
 from ftserve_kernels.moe_configs import shape_key as moe_shape_key
 
 MOE_KINDS = ("moe_gate_up", "moe_down")
-DENSE_KINDS = ("dense",)
+DENSE_KINDS = ("dense", "dense_fp8")
 KINDS = MOE_KINDS + DENSE_KINDS
 
 
@@ -76,9 +77,10 @@ class GemvConfig:
         return tables.from_dict(GemvConfig, d)
 
 
-def default(kind: str, cuda: bool, n: int = 0, tokens: int = 1) -> GemvConfig:
+def default(kind: str, cuda: bool, n: int = 0, tokens: int = 1, k: int = 0) -> GemvConfig:
     """The launch each kernel used before tables existed (keep it so: no table
-    must mean no change). ``n``/``tokens`` matter for the dense kinds only.
+    must mean no change). ``n``/``tokens`` (and ``k``, dense_fp8) matter for the
+    dense kinds only.
     num_stages 3 where the launch passed none: Triton's CUDA default."""
     if kind not in KINDS:
         raise ValueError(f"unknown GEMV kernel kind {kind!r}; known: {KINDS}")
@@ -86,6 +88,13 @@ def default(kind: str, cuda: bool, n: int = 0, tokens: int = 1) -> GemvConfig:
         if kind in DENSE_KINDS:
             return GemvConfig(8, 16, 1, 3)
         return GemvConfig(16, 16, 4, 1)
+    if kind == "dense_fp8":
+        # 512 codes a row step (a lane's 16-byte load, one scale a lane), 4 warps;
+        # at one row 4 weight rows a program at K 2048 (qkv: 1280 programs of
+        # 8 KB), 8 at K >= 4096 (o_proj: 256 of 32 KB, the tuned bf16 o_proj's
+        # grid); past one row 4 (an accumulator tile per row: <= 140 registers
+        # at 4 rows, no spills; tests/test_kernels_fp8_sm90_compile.py).
+        return GemvConfig(8 if k >= 4096 and tokens == 1 else 4, 512, 4, 1)
     if kind in DENSE_KINDS:
         # gemv_triton's reasoning: 16 rows of 256 per program at qkv's N, 8 where
         # 4 rows of 16 would spill.
@@ -99,8 +108,8 @@ def moe_key(kind: str, num_experts: int, hidden: int, inter: int, top_k: int) ->
     return f"{kind}:{moe_shape_key(num_experts, hidden, inter, top_k)}"
 
 
-def dense_key(n: int, k: int) -> str:
-    return f"dense:N={n},K={k}"
+def dense_key(n: int, k: int, fp8: bool = False) -> str:
+    return f"{'dense_fp8' if fp8 else 'dense'}:N={n},K={k}"
 
 
 def parse_key(key: str) -> tuple[str, dict[str, int]]:

@@ -53,6 +53,24 @@ def _row_scale(parts, t, K, eps, HAS_PARTS: tl.constexpr, BLOCK_T: tl.constexpr)
 
 
 @triton.jit
+def _fp8_scaled(w, s_rows, k0, nmask, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                SCALE_K: tl.constexpr, SCALE_STEP: tl.constexpr):
+    """An fp32 tile of e4m3 codes [N, BK] (columns k0..k0+BK of rows whose
+    scale rows start at s_rows [N]) times their block scales. A lane's 16 codes
+    (one 16-byte load) share one scale, loaded once: SCALE_STEP (the step inside
+    one scale column) one per weight row [N]; else the step spans BLOCK_K //
+    SCALE_K whole scale columns, [N, KB], applied through a [N, KB, SCALE_K]
+    view of the tile (a per-column gather k // SCALE_K would issue one load per
+    code, a [1, BK] scale row a layout conversion through shared memory)."""
+    if SCALE_STEP:
+        return w * tl.load(s_rows + k0 // SCALE_K, mask=nmask, other=0.0)[:, None]
+    kb = k0 // SCALE_K + tl.arange(0, BLOCK_K // SCALE_K)
+    sc = tl.load(s_rows[:, None] + kb[None, :], mask=nmask[:, None] & (kb[None, :] * SCALE_K < K),
+                 other=0.0)  # [N, KB]
+    return tl.reshape(tl.reshape(w, [BLOCK_N, BLOCK_K // SCALE_K, SCALE_K]) * sc[:, :, None], [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     T, N, K, eps,
@@ -61,7 +79,13 @@ def _gemv_kernel(
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, K_STEPS: tl.constexpr, PDL: tl.constexpr,
     parts_ptr=None, P=1, HAS_PARTS: tl.constexpr = False, BLOCK_P: tl.constexpr = 1,
+    s_ptr=None, stride_s=0, SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1,
+    FP8: tl.constexpr = False, SCALE_STEP: tl.constexpr = True,
 ):
+    # FP8 (fp8_gemv_triton): w holds e4m3 codes with block scales s
+    # [cdiv(N, SCALE_N), cdiv(K, SCALE_K)]; each tile is dequantized as it
+    # arrives (_fp8_scaled: codes * scale in fp32, as the twin dequantizes), so
+    # the loop stays loads and FMAs and K is still summed once at the end.
     # HAS_PARTS: x is w * s of a norm the layer before left pending (s the
     # residual sum; its programs' partial sums of squares of s in parts [T, P]):
     # the K loop is the plain GEMV's, and the row's 1/rms, known only from all
@@ -76,6 +100,8 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     zero_n = tl.zeros([BLOCK_N, 1], tl.int32)  # broadcasts a K chunk down the rows
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + offs_k[None, :]  # [N, BK]
+    if FP8:
+        s_rows = s_ptr + (cols // SCALE_N) * stride_s  # [N]: each weight row's scale row
     if PDL:
         # The weights are no earlier kernel's output: the first K step's tile is
         # in flight before the wait (pdl.py), while the kernel before finishes.
@@ -111,6 +137,8 @@ def _gemv_kernel(
             w = tl.load(w_ptrs, mask=nmask[:, None], other=0.0).to(tl.float32)
         else:
             w = tl.load(w_ptrs, mask=nmask[:, None] & kmask, other=0.0).to(tl.float32)
+        if FP8:
+            w = _fp8_scaled(w, s_rows, step * BLOCK_K, nmask, K, BLOCK_N, BLOCK_K, SCALE_K, SCALE_STEP)
         acc0 += w * _row_in(x_ptr, 0, T, stride_x, kk, kmask)
         if BLOCK_T > 1:
             acc1 += w * _row_in(x_ptr, 1, T, stride_x, kk, kmask)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import tempfile
 from typing import Any
@@ -59,6 +60,31 @@ def compile_in_child(args: list[str], timeout: int) -> Any:
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
+
+_BRANCH = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+0x([0-9a-f]+)")
+_ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*)")
+
+
+def loop_spills(sass: str) -> int:
+    """Spill stores and loads (STL / LDL) between a backward branch and its
+    target: register traffic to local memory inside a loop, once per iteration."""
+    lines = [(int(m.group(1), 16), m.group(2)) for m in map(_ADDR.search, sass.splitlines()) if m]
+    loops = [(int(m.group(2), 16), int(m.group(1), 16)) for m in map(_BRANCH.search, sass.splitlines())
+             if m and int(m.group(2), 16) < int(m.group(1), 16)]
+    return sum(1 for addr, ins in lines if re.search(r"\b(STL|LDL)\b", ins)
+               and any(lo <= addr <= hi for lo, hi in loops))
+
+
+def _usage(res: dict[str, Any], usage: str, sass: str) -> None:
+    """cuobjdump's resource line into ``res``: regs, stack (the frame ptxas spills
+    registers to), local (local arrays; not spills), loop_spills (from the SASS)."""
+    for word in usage.split():
+        key, _, val = word.partition(":")
+        if key in ("REG", "STACK", "LOCAL") and val.isdigit():
+            res[{"REG": "regs", "STACK": "stack", "LOCAL": "local"}[key]] = int(val)
+    res["loop_spills"] = loop_spills(sass)
+
+
 def constexpr_defaults(fn: Any) -> dict[str, Any]:
     """A kernel's constexpr parameters that have defaults, at those defaults: a
     harness that names only what it changes still compiles them as constants
@@ -83,20 +109,17 @@ def compile_sm90(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: 
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     except Exception as exc:  # reported; the test asserts on it
         return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-    res: dict[str, Any] = {"shared": k.metadata.shared, "regs": -1, "local": -1}
+    res: dict[str, Any] = {"shared": k.metadata.shared, "regs": -1, "local": -1, "stack": -1, "loop_spills": -1}
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if os.path.exists(tool):
         with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
             f.write(k.asm["cubin"])
         try:
             usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
         finally:
             os.unlink(f.name)
-        for word in usage.split():
-            if word.startswith("REG:"):
-                res["regs"] = int(word[4:])
-            if word.startswith("LOCAL:"):
-                res["local"] = int(word[6:])
+        _usage(res, usage, sass)
     return res
 
 
@@ -114,7 +137,7 @@ def _compile(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int)
         return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     body = k.asm["ptx"][k.asm["ptx"].index(".entry"):]
     wait = body.find("griddepcontrol.wait")
-    res: dict[str, Any] = {"shared": k.metadata.shared, "regs": -1, "local": -1,
+    res: dict[str, Any] = {"shared": k.metadata.shared, "regs": -1, "local": -1, "stack": -1, "loop_spills": -1,
                            "loads_before_first_use": -1, "pdl_wait": wait >= 0,
                            "pdl_release": "griddepcontrol.launch_dependents" in body,
                            # PTX loads ahead of the wait: weights in flight early (pdl.py)
@@ -131,11 +154,7 @@ def _compile(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int)
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     finally:
         os.unlink(f.name)
-    for word in usage.split():
-        if word.startswith("REG:"):
-            res["regs"] = int(word[4:])
-        if word.startswith("LOCAL:"):
-            res["local"] = int(word[6:])
+    _usage(res, usage, sass)
     n = 0
     for line in sass.splitlines():
         if " FFMA" in line:

@@ -52,7 +52,13 @@ def test_defaults_are_the_launches_before_tables() -> None:
     assert gc.default("moe_down", True) == GemvConfig(8, 256, 8, 2)
     assert gc.default("dense", False, 5120, 1) == GemvConfig(8, 16, 1, 3)
     assert gc.default("moe_gate_up", False) == GemvConfig(16, 16, 4, 1)
-    for retired in ("dense_fp8", "dense_norm", "moe_gate_up_acc", "moe_down2d"):
+    # The fp8 dense GEMV (added with tables): 512 codes a row step, 4 warps; 8 rows at
+    # one row of K >= 4096 (o_proj), else 4.
+    assert gc.default("dense_fp8", True, 5120, 1, 2048) == GemvConfig(4, 512, 4, 1)
+    assert gc.default("dense_fp8", True, 2048, 1, 4096) == GemvConfig(8, 512, 4, 1)
+    assert gc.default("dense_fp8", True, 2048, 2, 4096) == GemvConfig(4, 512, 4, 1)
+    assert gc.default("dense_fp8", False, 5120, 1, 2048) == GemvConfig(8, 16, 1, 3)
+    for retired in ("dense_norm", "moe_gate_up_acc", "moe_down2d"):
         with pytest.raises(ValueError, match="unknown GEMV kernel kind"):
             gc.default(retired, True)
 
@@ -92,7 +98,7 @@ def test_entries_lay_over_the_table(tmp_path: Path) -> None:
     assert gc.pick(gu_key, 2, CUDA0, kc) == a and gc.pick(gu_key, 1, CUDA0, kc) is None
     assert gc.pick(dense_key, 1, torch.device("cpu"), kc) is None
     for bad, needle in [("dense:N=48+K=64@1=4.128.2", "num_stages"), ("dense:N=48+K=64=4.128.2.1", "KEY@T"),
-                        ("dense_fp8:N=8+K=8@1=4.128.2.1", "unknown GEMV kernel kind"),
+                        ("dense_int4:N=8+K=8@1=4.128.2.1", "unknown GEMV kernel kind"),
                         ("dense:N=48+K=64@1=12.128.2.1", "power of two")]:
         with pytest.raises(ValueError, match="GEMV entry") as err:
             gc.parse_entries(bad)
@@ -105,7 +111,7 @@ def test_entries_lay_over_the_table(tmp_path: Path) -> None:
     ("{not json", "JSONDecodeError"),
     ('{"table": {}}', "KeyError"),
     ('{"configs": []}', "TypeError"),
-    ('{"configs": {"dense_fp8:N=8,K=8": {}}}', "unknown GEMV kernel kind"),
+    ('{"configs": {"dense_int4:N=8,K=8": {}}}', "unknown GEMV kernel kind"),
     ('{"configs": {"dense:N=8,K=8": {"1": {"block_n": 8}}}}', "TypeError"),
     ('{"configs": {"dense:N=8,K=8": {"1": {"block_n": 8, "block_k": 16, "num_warps": 4, '
      '"num_stages": 2, "warps": 4}}}}', "unknown GemvConfig fields"),
@@ -329,6 +335,12 @@ def _check_entry(key: str, t: int, cfg: GemvConfig) -> float:
     n, kd = shape["N"], shape["K"]
     w = (torch.randn(n, kd, device="cuda") / kd**0.5).bfloat16()
     x = torch.randn(t, kd, device="cuda").bfloat16()
+    if kind == "dense_fp8":
+        from ftserve_kernels.fp8_gemv_triton import fp8_gemv_triton
+        from ftserve_kernels.fp8_quant import fp8_linear_ref, quantize_weight
+
+        wq = quantize_weight(w)
+        return rel_err(fp8_gemv_triton(x, wq, config=cfg), fp8_linear_ref(x, wq))
     return rel_err(gv.gemv_triton(x, w, config=cfg), torch.nn.functional.linear(x.float(), w.float()))
 
 

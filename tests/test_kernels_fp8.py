@@ -51,6 +51,7 @@ from ftserve_kernels.fp8_quant import (  # noqa: E402
     quantize_act_triton,
     quantize_weight,
 )
+from ftserve_kernels.gemv_configs import GemvConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -176,6 +177,21 @@ def test_gemv_matches_exact_reference(dtype: torch.dtype, t: int, n: int, k: int
     close(fv.fp8_gemv_triton(x, w), fp8_linear_ref(x, w))
 
 
+@pytest.mark.parametrize("t,n,k,bk,config", [
+    (2, 40, 512, 128, (8, 256)),  # a step spans two scale columns: the [N, KB, 128] view
+    (1, 24, 300, 128, (16, 256)),  # ... and a partial last step
+    (3, 20, 768, 384, (4, 256)),  # 384-column blocks: steps fall back to 128 columns
+    (4, 33, 256, 256, (8, 64)),  # steps inside a scale column, rows past N masked
+])
+def test_gemv_tiles_against_scale_blocks(t: int, n: int, k: int, bk: int, config: tuple[int, int]) -> None:
+    """The CUDA tiles' K steps (512 codes) against 128-column scale blocks, at the
+    interpreter's sizes: every code gets its own block's scale."""
+    g = torch.Generator().manual_seed(n)
+    w = weight(g, (n, k), 16, bk)
+    x = torch.randn(t, k, generator=g).to(DEVICE)
+    close(fv.fp8_gemv_triton(x, w, config=GemvConfig(*config, 1, 1)), fp8_linear_ref(x, w))
+
+
 # ------------------------------------------------------------------ experts
 
 
@@ -272,17 +288,37 @@ def test_moe_gemv_folds_the_next_norm(t: int) -> None:
     close(fv.fp8_gemv_triton(scaled, wq, parts=parts, eps=eps), fp8_linear_ref(want, wq))
 
 
-@pytest.mark.parametrize("t", [1, 2])
-def test_read_through_from_an_fp8_bank(t: int) -> None:
+def wide_tiles(bk_gu: int) -> tuple[GemvConfig, GemvConfig]:
+    """Expert GEMV tiles whose gate/up K steps span bk_gu codes (as the CUDA
+    default's 512: several scale columns a step)."""
+    return GemvConfig(8, bk_gu, 4, 1), GemvConfig(16, 128, 4, 1)
+
+
+@pytest.mark.parametrize("dtype,h", [(torch.float32, 384), (torch.bfloat16, 512)])
+def test_moe_gemv_gate_up_steps_across_scale_blocks(dtype: torch.dtype, h: int) -> None:
+    """Gate/up K steps of 256 codes over 128-column scale blocks (at 384: a
+    partial last step): every code gets its own block's scale."""
+    g = torch.Generator().manual_seed(h)
+    e, inter, k = 4, 64, 2
+    w13, w2 = experts(g, e, h, inter, 64)
+    wts, ids = routing(g, 1, e, k)
+    x = torch.randn(1, h, generator=g).to(dtype).to(DEVICE)
+    close(fmg.fused_moe_fp8_gemv_triton(x, w13, w2, wts, ids, tiles=wide_tiles(256)),
+          fm.fused_moe_fp8_ref(x, w13, w2, wts, ids), True)
+
+
+@pytest.mark.parametrize("t,h,wide", [(1, 128, False), (2, 128, False), (1, 256, True)])
+def test_read_through_from_an_fp8_bank(t: int, h: int, wide: bool) -> None:
     """Misses read from the fp8 bank (codes and scales, byte offsets of Fp8Row)
     compute what fill + the plain GEMVs compute, and leave every missed slot
-    holding its whole bank row."""
+    holding its whole bank row (``wide``: gate/up steps of two scale columns)."""
     if DEVICE == "cuda":
         pytest.skip("the gpu tests read a pinned bank over UVA")
     from ftserve.moe.kernels import fill_rows_ref
 
     g = torch.Generator().manual_seed(5)
-    h, inter, e, k, s = 128, 64, 8, 4, 7  # 8 experts of layer 1 (ids 8..15), 6 slots + trash
+    inter, e, k, s = 64, 8, 4, 7  # 8 experts of layer 1 (ids 8..15), 6 slots + trash
+    tiles = wide_tiles(256) if wide else None
     row = Fp8Row(h, inter, (64, 128), (128, 128))
     bank = torch.zeros(2 * e, row.row_bytes, dtype=torch.uint8)
     for w, src in zip(row.views(bank), experts(g, 2 * e, h, inter, 64)):
@@ -303,13 +339,13 @@ def test_read_through_from_an_fp8_bank(t: int) -> None:
     got_slots = poisoned.clone()
     rt = fmg.Fp8ReadThrough(bank, miss_slot, miss_id, row.row_bytes, 0, row.w2_col, row.w13_scale_col,
                             row.w2_scale_col)
-    got = fmg.fused_moe_fp8_gemv_triton(x, *row.views(got_slots), wts, ids, emap, read_through=rt)
+    got = fmg.fused_moe_fp8_gemv_triton(x, *row.views(got_slots), wts, ids, emap, read_through=rt, tiles=tiles)
     close(got, want)
     used = sorted({int(emap[i]) for i in ids.reshape(-1).tolist()})
     end = row.w2_scale_col + 4 * row.w2_scale_shape[0] * row.w2_scale_shape[1]  # the row's padding after
     for slot in used:  # every slot the step read: missed rows whole (codes, scales), the rest untouched
         assert torch.equal(got_slots[slot, :end], want_slots[slot, :end]), slot
-    plain = fmg.fused_moe_fp8_gemv_triton(x, *row.views(want_slots), wts, ids, emap)
+    plain = fmg.fused_moe_fp8_gemv_triton(x, *row.views(want_slots), wts, ids, emap, tiles=tiles)
     assert torch.equal(got, plain)  # the same sums as reading the filled slots
 
 
@@ -373,3 +409,30 @@ def test_fp8_model_on_triton_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert all(torch.isfinite(o).all() for o in got)
     assert max(errs) < 0.05, errs
     assert errs[0] > 1e-4  # the prefill did quantize its activations
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="the CUDA launches at qwen3-30b-a3b's shapes")
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+def test_gpu_decode_gemvs_at_real_shapes(t: int) -> None:
+    """The decode GEMVs at their CUDA defaults (dense_fp8: qkv 5120 x 2048, o_proj
+    2048 x 4096; the expert pair at E 128, H 2048, I 768, k 8) against the exact
+    references, with a pending norm on qkv as the experts leave it."""
+    g = torch.Generator().manual_seed(40 + t)
+    for n, k in ((5120, 2048), (2048, 4096)):
+        w = weight(g, (n, k))
+        x = torch.randn(t, k, generator=g).bfloat16().to(DEVICE)
+        assert rel_err(fv.fp8_gemv_triton(x, w), fp8_linear_ref(x, w)) < 4e-3
+    s = torch.randn(t, 2048, generator=g).bfloat16().to(DEVICE)  # the residual sum of a pending norm
+    nw = (1 + 0.1 * torch.randn(2048, generator=g)).bfloat16().to(DEVICE)
+    parts = s.float().pow(2).reshape(t, 512, 4).sum(-1).contiguous()  # as 512 down programs leave them
+    want = (nw.float() * s.float() * torch.rsqrt(s.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    w = weight(g, (5120, 2048))
+    got = fv.fp8_gemv_triton((nw * s).bfloat16(), w, parts=parts, eps=1e-6)
+    assert rel_err(got, fp8_linear_ref(want, w)) < 8e-3
+    if t <= fp8_ops.MOE_GEMV_MAX_TOKENS:
+        w13, w2 = weight(g, (128, 1536, 2048)), weight(g, (128, 2048, 768))
+        wts, ids = routing(g, t, 128, 8)
+        x = torch.randn(t, 2048, generator=g).bfloat16().to(DEVICE)
+        got = fmg.fused_moe_fp8_gemv_triton(x, w13, w2, wts, ids)
+        assert rel_err(got, fm.fused_moe_fp8_ref(x, w13, w2, wts, ids)) < 8e-3

@@ -7,7 +7,8 @@ most 16 bytes; cuobjdump's LOCAL counts local arrays, not spills). The prefill
 GEMMs multiply e4m3 on the fp8 wgmma with pipelined (cp.async) loads, at the
 tile configurations and scale modes their launchers pick; where PDL is compiled
 in, the expert GEMVs wait for the kernel before them before any load, and the
-dense GEMV loads only its first weight tile ahead of the wait.
+dense GEMV loads only its first weight tile ahead of the wait; the dense GEMV
+(the bf16 kernel with FP8) issues several weight loads before its first FMA.
 Runs in a subprocess: other kernel tests put Triton into interpreter mode.
 """
 
@@ -15,29 +16,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 from typing import Any
 
-from tests.sm90_compile import compile_in_child
+from tests.sm90_compile import compile_in_child, loop_spills
 from tests.test_kernels_sm90_compile import SMEM_LIMIT
 
 H, INTER, E, K = 2048, 768, 128, 8  # qwen3-30b-a3b: hidden, expert width, experts, top-k
 MAX_STACK = 16  # bytes: a few values saved before a loop and read back after it
-_BRANCH = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+0x([0-9a-f]+)")
-_ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*)")
-
-
-def loop_spills(sass: str) -> int:
-    """Spill stores and loads (STL / LDL) between a backward branch and its
-    target: register traffic to local memory inside a loop, once per iteration."""
-    lines = [(int(m.group(1), 16), m.group(2)) for m in map(_ADDR.search, sass.splitlines()) if m]
-    loops = [(int(m.group(2), 16), int(m.group(1), 16)) for m in map(_BRANCH.search, sass.splitlines())
-             if m and int(m.group(2), 16) < int(m.group(1), 16)]
-    return sum(1 for addr, ins in lines if re.search(r"\b(STL|LDL)\b", ins)
-               and any(lo <= addr <= hi for lo, hi in loops))
-
-
 def _compile_all() -> dict[str, dict[str, Any]]:
     import tempfile
 
@@ -52,6 +38,9 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     from ftserve_kernels import fp8_moe_gemv_triton as fmg
     from ftserve_kernels import fp8_moe_triton as fm
     from ftserve_kernels import fp8_quant as fq
+    from ftserve_kernels import gemv_configs as gc
+    from ftserve_kernels import gemv_triton as gemv
+    from tests.sm90_compile import _compile as compile_gemv
     from tests.sm90_compile import constexpr_defaults
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -123,21 +112,26 @@ def _compile_all() -> dict[str, dict[str, Any]]:
             comp(f"moe_down_{tag}", fm._fp8_moe_down_kernel, moe,
                  common | dict(BLOCK_N=c.down_block_n, HAS_MAP=mapped, TILE_SCALE=128 % c.down_block_n == 0),
                  c.num_warps, c.num_stages, ("stride_aq", "stride_we", "stride_wn", "stride_y"))
-    bn, bk, warps = fv.gemv_tiles(5120, H, cuda=True)
-    for t, pdl in ((1, False), (1, True), (4, True)):
-        comp(f"gemv_qkv_t{t}" + ("_pdl" if pdl else ""), fv._fp8_gemv_kernel,
-             {"x_ptr": bf, "w_ptr": f8, "s_ptr": f32, "b_ptr": bf, "y_ptr": bf},
-             dict(SCALE_N=128, SCALE_K=128, HAS_BIAS=False, BLOCK_T=t, BLOCK_N=bn, BLOCK_K=bk,
-                  K_STEPS=H // bk, EVEN_K=True, PDL=pdl), warps, 1, ("stride_x", "stride_w", "stride_y"))
-    comp("gemv_qkv_parts_t1_pdl", fv._fp8_gemv_kernel,  # over the norm the layer before left pending
-         {"x_ptr": bf, "w_ptr": f8, "s_ptr": f32, "b_ptr": bf, "y_ptr": bf, "parts_ptr": f32, "eps": "fp32"},
-         dict(SCALE_N=128, SCALE_K=128, HAS_BIAS=False, BLOCK_T=1, BLOCK_N=bn, BLOCK_K=bk, K_STEPS=H // bk,
-              EVEN_K=True, PDL=True, HAS_PARTS=True, BLOCK_P=128), warps, 1, ("stride_x", "stride_w", "stride_y"))
-    bn, bk, warps = fv.gemv_tiles(H, 4096, cuda=True)
-    comp("gemv_o_pdl", fv._fp8_gemv_kernel, {"x_ptr": bf, "w_ptr": f8, "s_ptr": f32, "b_ptr": bf, "y_ptr": bf},
-         dict(SCALE_N=128, SCALE_K=128, HAS_BIAS=False, BLOCK_T=1, BLOCK_N=bn, BLOCK_K=bk, K_STEPS=4096 // bk,
-              EVEN_K=True, PDL=True), warps, 1, ("stride_x", "stride_w", "stride_y"))
-    bn_gu, bn_d, bk, warps = fmg.moe_gemv_tiles(cuda=True)
+    # The dense GEMV (gemv_triton's kernel, FP8) at its default launches, and the
+    # bf16 one at the same shapes to compare with (regs, loads before the first FMA).
+    g8 = {"x_ptr": bf, "w_ptr": f8, "s_ptr": f32, "b_ptr": bf, "y_ptr": bf, "parts_ptr": f32, "eps": "fp32"}
+    parts_p = triton.next_power_of_2(H // fmg.moe_gemv_tiles(cuda=True)[1].block_n)  # the down's programs
+    g16 = g8 | {"w_ptr": bf}
+    for proj, n, k in (("qkv", 5120, H), ("o", H, 4096)):
+        for t, pdl, parts in ((1, False, False), (2, False, False), (4, False, False), (1, True, False),
+                              (1, True, proj == "qkv")):  # a pending norm: the next layer's qkv only
+            cfg = gc.default("dense_fp8", True, n, t, k)
+            tag = f"gemv_{proj}_t{t}" + ("_parts" if parts else "") + ("_pdl" if pdl else "")
+            results[tag] = compile_gemv(gemv._gemv_kernel, g8, dict(
+                HAS_BIAS=False, BLOCK_T=t, PDL=pdl, HAS_PARTS=parts, BLOCK_P=parts_p,
+                **fv.launch_consts(k, 128, 128, cfg)), cfg.num_warps)
+        cfg = gc.default("dense", True, n, 1)
+        results[f"bf16_gemv_{proj}_t1"] = compile_gemv(gemv._gemv_kernel, g16, dict(
+            HAS_BIAS=False, BLOCK_T=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True,
+            K_STEPS=k // cfg.block_k), cfg.num_warps)
+    cfg_gu, cfg_d = fmg.moe_gemv_tiles(cuda=True)
+    bn_gu, bk_gu, warps_gu = cfg_gu.block_n, cfg_gu.block_k, cfg_gu.num_warps
+    bn_d, bk, warps = cfg_d.block_n, cfg_d.block_k, cfg_d.num_warps
     gv = {"x_ptr": bf, "a_ptr": bf, "w_ptr": f8, "s_ptr": f32, "out_ptr": bf, "weights_ptr": f32, "ids_ptr": i32}
     fold = gv | {n: bf for n in ("res_ptr", "nw_ptr", "sum_ptr", "normed_ptr")} | {
         "cnt_ptr": i32, "part_ptr": f32, "eps": "fp32"}
@@ -147,11 +141,19 @@ def _compile_all() -> dict[str, dict[str, Any]]:
                   EVEN_K=True, HAS_MAP=False, READ_THROUGH=False, BLOCK_M=2, PDL=True, NORM_NEXT=True,
                   NORM_DEFER=defer, BLOCK_H=H), warps, 1,
              ("stride_a", "stride_we", "stride_wn", "stride_o", "stride_rt"))
+    # Without PDL, through tests/sm90_compile (registers, loads before the first FMA).
+    results["moe_gemv_gate_up"] = compile_gemv(fmg._fp8_gate_up_kernel, gv, dict(
+        TOP_K=K, SCALE_N=128, SCALE_K=128, BLOCK_N=bn_gu, BLOCK_K=bk_gu, K_STEPS=H // bk_gu, EVEN_K=True,
+        SCALE_STEP=bk_gu <= 128), warps_gu)
+    results["moe_gemv_down"] = compile_gemv(fmg._fp8_down_kernel, gv, dict(
+        TOP_K=K, BLOCK_KP=K, SCALE_N=128, SCALE_K=128, BLOCK_N=bn_d, BLOCK_K=bk, K_STEPS=INTER // bk,
+        EVEN_K=True), warps)
     for rt in (False, True):  # resident / an expert cache reading this step's misses from the bank
         tag = "_read_through" if rt else ""
         comp(f"moe_gemv_gate_up{tag}_pdl", fmg._fp8_gate_up_kernel, gv,
-             dict(TOP_K=K, SCALE_N=128, SCALE_K=128, BLOCK_N=bn_gu, BLOCK_K=bk, K_STEPS=H // bk, EVEN_K=True,
-                  HAS_MAP=rt, READ_THROUGH=rt, BLOCK_M=16, PDL=True), warps, 1,
+             dict(TOP_K=K, SCALE_N=128, SCALE_K=128, BLOCK_N=bn_gu, BLOCK_K=bk_gu, K_STEPS=H // bk_gu,
+                  EVEN_K=True, SCALE_STEP=bk_gu <= 128, HAS_MAP=rt, READ_THROUGH=rt, BLOCK_M=16, PDL=True),
+             warps_gu, 1,
              ("stride_x", "stride_we", "stride_wn", "stride_o"))
         comp(f"moe_gemv_down{tag}_pdl", fmg._fp8_down_kernel, gv,
              dict(TOP_K=K, BLOCK_KP=K, SCALE_N=128, SCALE_K=128, BLOCK_N=bn_d, BLOCK_K=bk, K_STEPS=INTER // bk,
@@ -180,8 +182,14 @@ def test_fp8_kernels_compile_for_sm90() -> None:
             # Every load after the wait: the expert ids (and the slots read-through
             # writes) come from the kernels before.
             assert r["loads_before_wait"] == 0, (name, r)
-        elif r["pdl_wait"]:  # the dense GEMV's first weight tile and scales load ahead of it
+        elif r["pdl_wait"]:  # the dense GEMV's first weight tile loads ahead of it
             assert r["loads_before_wait"] > 0, (name, r)
+    # The dense fp8 GEMV's unrolled K loop issues its weight loads ahead, as the
+    # bf16 GEMV's does (tests/sm90_compile.py counts the loads before the first FMA).
+    for name in ("gemv_qkv_t1", "gemv_o_t1", "gemv_qkv_t1_pdl", "gemv_o_t1_pdl", "gemv_qkv_t2", "gemv_o_t2",
+                 "moe_gemv_gate_up", "moe_gemv_down"):
+        n = results[name]["loads_before_first_use"]
+        assert n == -1 or n >= 8, f"{name}: only {n} loads issued before the first FMA: {results[name]}"
 
 
 if __name__ == "__main__":

@@ -215,14 +215,24 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     return res
 
 
+# (stack bytes, spill instructions inside loops) at these shapes, 2026-12-05: to be cut.
+KNOWN_SPILLS = {"decode_split_fp8_s64": (152, 51), "decode_split_fp8_s128": (152, 51),
+                "gdn_chunk_scan": (232, 53), "align_place_bm64_c128_pre1": (16, 0)}
+
+
 def test_hybrid_kernels_fit_sm90_shared_memory() -> None:
     results = compile_in_child([os.path.abspath(__file__)], timeout=600)
     errors = {n: r["error"] for n, r in results.items() if "error" in r}
     assert not errors, errors
     over = {n: r["shared"] for n, r in results.items() if r["shared"] > SMEM_LIMIT}
     assert not over, f"over {SMEM_LIMIT} bytes of shared memory: {over}"
-    spills = {n: r["local"] for n, r in results.items() if r["local"] not in (0, -1)}
-    assert not spills, f"spill registers to local memory: {spills}"
+    # ptxas spills to the stack frame (cuobjdump's STACK; LOCAL counts local arrays).
+    # KNOWN_SPILLS: found when the check learned to read STACK; none may grow, no other may spill.
+    spills = {n: (r["stack"], r["loop_spills"]) for n, r in results.items()
+              if r["stack"] not in (0, -1) or r["loop_spills"] not in (0, -1)}
+    grown = {n: v for n, v in spills.items() if n not in KNOWN_SPILLS or v[0] > KNOWN_SPILLS[n][0]
+             or v[1] > KNOWN_SPILLS[n][1]}
+    assert not grown, f"spill registers (stack bytes, spill instructions in loops): {grown}"
     # The launches this test exists for are in the list (a renamed kernel would drop silently).
     for name in ("extend", "decode_split_s64", "gdn_chunk_scan", "gdn_decode", "route"):
         assert name in results, sorted(results)
