@@ -101,6 +101,22 @@ def _add_norm_route_kernel(
         tl.atomic_xchg(cnt_ptr, 0)
 
 
+def route_warps(block_e: int, block_h: int) -> int:
+    """Warps for ``_add_norm_route_kernel`` at ``block_e`` router rows of ``block_h``.
+
+    One warp where it fits: every reduction (the norm, the dot, the winner's
+    softmax and k rounds of max) stays in shuffles; with 4 warps each went
+    through shared memory and a barrier (47 in the sm_90 PTX, 6 at one warp), a
+    serial tail the last program pays k times. The router tile held across the
+    row loop sets the floor: at most 64 of its elements a thread (one 2048-wide
+    row a warp, about 220 registers on sm_90); 128 spill inside the loop (a
+    [4, 2048] tile on one warp: 632 stack bytes, 160 spill loads and stores a
+    row). Rows wider than 2048 take 4 warps at least, so the [H] vectors stay
+    at 32 a thread or fewer."""
+    need = max(1, block_e * block_h // 2048)
+    return min(32, max(need, 1 if block_h <= 2048 else 4))
+
+
 def add_norm_route_triton(
     x: torch.Tensor,  # [T, H]
     residual: torch.Tensor | None,  # [T, H] or None (plain RMSNorm, no sum returned)
@@ -140,12 +156,7 @@ def add_norm_route_triton(
         x.stride(0), r.stride(0), normed.stride(0), s.stride(0), gate_w.stride(0),
         HAS_RESIDUAL=residual is not None, TOP_K=top_k, RENORM=renormalize,
         BLOCK_E=block_e, BLOCK_H=block_h, BLOCK_EALL=triton.next_power_of_2(e),
-        # One warp: every reduction (the norm, the dot, the winner's softmax and k
-        # rounds of max) stays in shuffles; with 4 warps each went through shared
-        # memory and a barrier (47 in the sm_90 PTX, 6 at one warp), a serial tail
-        # the last program pays k times. 32 one-warp programs still issue the whole
-        # 0.5 MB router weight at once (16 KB each). Wider rows would spill: 4 warps.
-        BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if block_h <= 2048 else 4,
+        BLOCK_K=triton.next_power_of_2(top_k), num_warps=route_warps(block_e, block_h),
         PDL=on, **pdl.launch(on),
     )
     return normed, summed, weights, ids

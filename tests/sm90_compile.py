@@ -188,10 +188,16 @@ def compile_all() -> dict[str, dict[str, Any]]:
     route = {"x_ptr": bf, "r_ptr": bf, "nw_ptr": bf, "g_ptr": bf, "normed_ptr": bf, "sum_ptr": bf,
              "logits_ptr": "*fp32", "w_out_ptr": "*fp32", "ids_out_ptr": i32, "cnt_ptr": i32,
              "eps": "fp32"}
-    out["add_norm_route"] = _compile(
-        df._add_norm_route_kernel, route,
-        dict(HAS_RESIDUAL=True, TOP_K=8, RENORM=True, BLOCK_E=4, BLOCK_H=2048, BLOCK_EALL=128,
-             BLOCK_K=8), 1)
+    # At the launch's choices (add_norm_route_triton): qwen3-30b-a3b (H 2048, 128
+    # experts, top-8) and qwen3-next (512 experts, top-10) at the default one
+    # router row a program, and 4 rows a program (route_warps widens the program).
+    for name, e, k, be in (("add_norm_route", 128, 8, 1), ("add_norm_route_next", 512, 10, 1),
+                           ("add_norm_route_be4", 128, 8, 4)):
+        out[name] = _compile(
+            df._add_norm_route_kernel, route,
+            dict(HAS_RESIDUAL=True, TOP_K=k, RENORM=True, BLOCK_E=be, BLOCK_H=2048,
+                 BLOCK_EALL=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(k)),
+            df.route_warps(be, 2048))
     g = {"x_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf, "eps": "fp32"}
     for t in (1, 2, 4):  # the default blocks gemv_triton picks at each row count
         out[f"gemv_qkv_T{t}"] = _compile(
@@ -211,8 +217,8 @@ def compile_all() -> dict[str, dict[str, Any]]:
         dict(HAS_BIAS=False, BLOCK_T=2, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, K_STEPS=8, PDL=True), 8)
     out["add_norm_route_pdl"] = _compile(
         df._add_norm_route_kernel, route,
-        dict(HAS_RESIDUAL=True, TOP_K=8, RENORM=True, BLOCK_E=4, BLOCK_H=2048, BLOCK_EALL=128,
-             BLOCK_K=8, PDL=True), 1)
+        dict(HAS_RESIDUAL=True, TOP_K=8, RENORM=True, BLOCK_E=1, BLOCK_H=2048, BLOCK_EALL=128,
+             BLOCK_K=8, PDL=True), df.route_warps(1, 2048))
     out["moe_gate_up_pdl"] = _compile(mg._gemv_gate_up_kernel, moe,
                                       dict(TOP_K=8, BLOCK_N=16, BLOCK_K=512, EVEN_K=True, PDL=True), 8)
     out["moe_down3d_pdl"] = _compile(md._gemv_down_combine3d_kernel, moe,

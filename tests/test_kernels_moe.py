@@ -644,10 +644,10 @@ def test_decode_gemv_kernels_compile_for_sm90() -> None:
     res = compile_in_child(["-m", "tests.sm90_compile"], timeout=600)
     assert not {k: v["error"] for k, v in res.items() if "error" in v}
     for name, r in res.items():
-        # add_norm_route spills inside its loops (632 stack bytes, 160 spill instructions,
-        # found 2026-12-05 when the check learned to read ptxas's STACK): not to grow.
-        limit = 160 if name.startswith("add_norm_route") else 0
-        assert r["local"] in (0, -1) and r["loop_spills"] <= limit, f"{name} spills registers: {r}"
+        assert r["local"] in (0, -1) and r["loop_spills"] in (0, -1), f"{name} spills registers: {r}"
+    for name in ("add_norm_route", "add_norm_route_next", "add_norm_route_be4"):
+        # No frame at all: a [4, 2048] router tile on one warp spilled 632 bytes (route_warps).
+        assert res[name]["stack"] in (0, -1), (name, res[name])
     for name in ("moe_down3d", "gemv_o_T1", "gemv_o_T1_pdl"):
         n = res[name]["loads_before_first_use"]
         assert n == -1 or n >= 8, f"{name}: only {n} loads issued before the first FMA"
