@@ -138,6 +138,10 @@ def _config_for(device_type: str, head_dim: int) -> AttnKernelConfig:
     # Cached: the backend asks on every layer of every step.
     if device_type != "cuda":
         return AttnKernelConfig(16, 16, 4, 1, 16, 4, 1, 8)
-    if head_dim > 128:  # keep Q + staged K/V tiles within shared memory
-        return AttnKernelConfig(extend_block_n=32, extend_stages=2)
+    if head_dim > 128:
+        # Shared memory: Q + staged K/V tiles. Decode: 8 warps, as the fp8 cache's
+        # [64, 256] K and V tiles are converted to bf16 in registers; at 4 warps that
+        # spilled inside the key loop on sm_90 (255 registers, 152 stack bytes, 51
+        # spill instructions; 8 warps: 192, none; bf16 pages 214 -> 104).
+        return AttnKernelConfig(extend_block_n=32, extend_stages=2, decode_warps=8)
     return AttnKernelConfig()

@@ -81,7 +81,18 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # q, k: what the casts
 
 # Launch shapes (tests/test_kernels_sm90_compile.py compiles these for sm_90).
 LOCAL_WARPS = 8  # chunk_local: [C, C] fp32 tiles, four of them live across the inverse
-SCAN_BLOCK_V, SCAN_WARPS, SCAN_STAGES = 32, 4, 2  # chunk_scan: 4 V blocks x 32 heads = 128 programs
+# chunk_scan: 4 V blocks x 32 heads = 128 programs, one wave. Its chunk holds k and q
+# ([C, DK] mma A operands, in registers on every warpgroup) and the state across the
+# loop: 4 warps spilled inside it (232 stack bytes, 53 spill instructions a chunk),
+# 8 warps at 2 stages still 5; 8 warps at 3 stages (176 KB of shared memory: the
+# loads two chunks ahead in cp.async buffers, not registers) spill none in the loop.
+SCAN_BLOCK_V, SCAN_WARPS, SCAN_STAGES = 32, 8, 3
+
+
+def scan_stages(elem_bytes: int) -> int:
+    """chunk_scan's stages for q/k of ``elem_bytes``: fp32 tiles (an fp32 model)
+    take twice the shared memory, where 3 stages (288 KB) would not fit: 2."""
+    return SCAN_STAGES if elem_bytes <= 2 else min(SCAN_STAGES, 2)
 
 
 def _block(n: int) -> int:
@@ -349,5 +360,5 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         q, k, v, g, beta, o, states, slots, has_state, cu, tinv, aqk,
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), o.stride(0), states.stride(0),
         dk**-0.5, L2_EPS, HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=bk, BLOCK_V=bv, C=CHUNK,
-        UPCAST=interpreting(), num_warps=SCAN_WARPS, num_stages=SCAN_STAGES)
+        UPCAST=interpreting(), num_warps=SCAN_WARPS, num_stages=scan_stages(q.element_size()))
     return o

@@ -252,7 +252,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     comp("gdn_chunk_local", gdt._chunk_local_kernel, rule, heads | dict(C=64, SB=16),
          gdt.LOCAL_WARPS, 1)
     comp("gdn_chunk_scan", gdt._chunk_scan_kernel, rule,
-         heads | dict(DV=128, BLOCK_V=gdt.SCAN_BLOCK_V, C=64, UPCAST=False), gdt.SCAN_WARPS, gdt.SCAN_STAGES)
+         heads | dict(DV=128, BLOCK_V=gdt.SCAN_BLOCK_V, C=64, UPCAST=False), gdt.SCAN_WARPS, gdt.scan_stages(2))
     conv = {"x_ptr": bf, "w_ptr": bf, "cs_ptr": bf, "slot_ptr": "*i64", "has_ptr": "*i1", "cu_ptr": i32,
             "out_ptr": bf}
     # An fp32 model: its dots multiply in fp32 (attention_common.mma, gated_delta_triton's
@@ -274,7 +274,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     comp("fp32_gdn_chunk_local", gdt._chunk_local_kernel, rule32, heads | dict(C=64, SB=16, EXACT=True),
          gdt.LOCAL_WARPS, 1)
     comp("fp32_gdn_chunk_scan", gdt._chunk_scan_kernel, rule32,
-         heads | dict(DV=128, BLOCK_V=gdt.SCAN_BLOCK_V, C=64, UPCAST=False), gdt.SCAN_WARPS, gdt.SCAN_STAGES)
+         heads | dict(DV=128, BLOCK_V=gdt.SCAN_BLOCK_V, C=64, UPCAST=False), gdt.SCAN_WARPS, gdt.scan_stages(4))
     comp("gdn_conv_decode", sct._conv_decode_kernel, conv, dict(W=3, BLOCK_E=4, BLOCK_C=sct.CONV_DECODE_BLOCK_C))
     comp("gdn_conv_prefill", sct._conv_prefill_kernel, conv,
          dict(W=3, BLOCK_T=sct.CONV_BLOCK_T, BLOCK_C=sct.CONV_BLOCK_C))
