@@ -6,6 +6,7 @@ and the FLOP / byte counts at the 80B shape are the ones the docstrings state.""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,40 @@ def test_smoke_measures_every_target(tmp_path: Path) -> None:
     assert [t[0].split(" ")[0] for t in res["targets"]] == ["64-token", "cold", "decode"]
     assert "| target | measured | met |" in bench.render(res)
 
+
+
+def test_a_failed_turn_leaves_the_next_sections_a_clean_engine(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn that fails mid-step (on the H100, an out-of-shared-memory launch)
+    is recorded, and its request no longer sits in the scheduler: the conversation
+    prefill and the cached turn after it still run."""
+    real, calls = bench.bench_turn, []
+
+    def failing_first(drv, *a, **kw):  # type: ignore[no-untyped-def]
+        calls.append(a[3])  # (device, limits, base, prefix, chunk, reps)
+        if len(calls) > 1:
+            return real(drv, *a, **kw)
+        launch = drv.runner.launch
+
+        def fail_once(batch, *la, **lkw):  # type: ignore[no-untyped-def]
+            drv.runner.launch = launch  # the next launch is real again
+            raise RuntimeError("injected launch failure")
+
+        drv.runner.launch = fail_once  # the turn's first step fails inside the runner
+        return real(drv, *a, **kw)
+
+    monkeypatch.setattr(bench, "bench_turn", failing_first)
+    # Before the abort the next section waited forever on the failed step's request:
+    # bounded here, in a daemon thread.
+    done: list[dict] = []
+    t = threading.Thread(daemon=True, target=lambda: done.append(
+        bench.main(["--smoke", "--sections", "cold,cached", "--out", str(tmp_path / "h.json")])))
+    t.start()
+    t.join(timeout=150)
+    assert done, "the sections after a failed turn did not finish"
+    res = done[0]
+    assert list(res["errors"]) == ["cold"] and "injected" in res["errors"]["cold"]
+    assert res["base"] is not None and res["cached"]["cached_tokens"] == 240, res.get("errors")
 
 @pytest.fixture(scope="module")
 def engine_80b(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]

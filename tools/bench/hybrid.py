@@ -323,12 +323,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results.setdefault("errors", {})["cuda_graphs"] = "CUDA graphs are OFF: numbers are not valid"
         drv = EngineDriver(engine)
         base = drv.tokens(max(args.prefix, max(args.contexts)))
+
+        def turn(name: str, fn: Any) -> Any:
+            out = section(name, fn)
+            if out is None:  # a failed turn leaves its request in the scheduler: the next one starts clean
+                drv.abort_all()
+            return out
+
         if "cold" in wanted:
-            section("cold", lambda: bench_turn(drv, device, limits, base, 0, args.chunk, args.reps))
+            turn("cold", lambda: bench_turn(drv, device, limits, base, 0, args.chunk, args.reps))
         if wanted & {"cached", "decode"}:
-            section("base", lambda: prefill_base(drv, base[:args.prefix], device))
+            turn("base", lambda: prefill_base(drv, base[:args.prefix], device))
         if "cached" in wanted:
-            section("cached", lambda: bench_turn(drv, device, limits, base, args.prefix, args.chunk, args.reps))
+            turn("cached", lambda: bench_turn(drv, device, limits, base, args.prefix, args.chunk, args.reps))
         if "decode" in wanted:
             rows = []
             for ctx in args.contexts:
