@@ -48,6 +48,14 @@ every linear layer in one call (fixed shapes, no sync)::
     tokens: t_L  d_1  d_2  d_3      sampled y_0 y_1 y_2 y_3, kept 2 (d_1 == y_0, d_2 != y_1)
     commit: S_L -> S_L+1 -> S_L+2  into the slot (the state after t_L, d_1)
 
+A captured CUDA graph (engine/prefill_graph.py: prefill chunks and verify
+steps of hybrids) cannot hold host bounds that change per step: its layers
+pass ``seq_bounds=None`` and ``static_len``, a bound on every sequence's
+tokens, and each sequence's tokens are read from ``cu_seqlens`` on the device
+(one per slot row; empty sequences keep their state). The Triton kernels size
+their grids from the bound; the twins here run a masked token-by-token loop of
+``static_len`` steps (``_graph_tokens``), fixed shapes, no host read.
+
 gated_delta_triton.py has Triton kernels with the same signatures;
 ops.gated_delta picks them on CUDA tensors and this module, their reference
 twin, elsewhere.
@@ -158,15 +166,18 @@ def _start(states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -
 
 def gated_delta_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, seq_bounds: Sequence[int],
-    chunk: int = CHUNK, cu_seqlens: torch.Tensor | None = None,
+    states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, seq_bounds: Sequence[int] | None,
+    chunk: int = CHUNK, cu_seqlens: torch.Tensor | None = None, static_len: int | None = None,
 ) -> torch.Tensor:
     """Packed sequences b = [seq_bounds[b], seq_bounds[b+1]) of q, k [T, Hk, dk],
     v [T, Hv, dv], g [T, Hv] (log decay), beta [T, Hv]; each starts from
     states[slots[b]] (zeros unless has_state[b]) and leaves its final state
     there. states: one layer's pool tensor [S+1, Hv, dk, dv]. -> o [T, Hv, dv]
     in v's dtype. cu_seqlens: seq_bounds on the device (the batch's qo_indptr),
-    which the Triton twin reads; the reference loops over the host bounds."""
+    which the Triton twin reads; the reference loops over the host bounds.
+    seq_bounds None: a captured graph's (module docstring)."""
+    if seq_bounds is None:
+        return _rule_graph(q, k, v, g, beta, states, slots, has_state, cu_seqlens, static_len, store=True)
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
     start = _start(states, slots, has_state)  # [B, Hv, dk, dv]
     out = torch.empty(vf.shape, dtype=v.dtype, device=v.device)
@@ -194,12 +205,15 @@ def gated_delta_decode(
 
 def conv_prefill(
     x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
-    has_state: torch.Tensor, seq_bounds: Sequence[int], cu_seqlens: torch.Tensor | None = None,
+    has_state: torch.Tensor, seq_bounds: Sequence[int] | None, cu_seqlens: torch.Tensor | None = None,
+    static_len: int | None = None,
 ) -> torch.Tensor:
     """SiLU(causal depthwise conv) of packed sequences x [T, C] with weights w [C, K];
     sequence b continues from conv_states[slots[b]] [C, K-1] (zeros unless
     has_state[b]: the zero padding of a fresh sequence) and leaves its last K-1
-    inputs there. -> [T, C] in x's dtype. cu_seqlens: as gated_delta_prefill's."""
+    inputs there. -> [T, C] in x's dtype. cu_seqlens, static_len: as gated_delta_prefill's."""
+    if seq_bounds is None:
+        return _conv_graph(x, w, conv_states, slots, has_state, cu_seqlens, static_len, store=True)
     width = w.shape[1] - 1
     start = _start(conv_states, slots, has_state).to(x.dtype)  # [B, C, K-1]
     out = torch.empty_like(x)
@@ -230,10 +244,13 @@ def conv_decode(
 
 def conv_verify(
     x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
-    has_state: torch.Tensor, seq_bounds: Sequence[int], cu_seqlens: torch.Tensor | None = None,
+    has_state: torch.Tensor, seq_bounds: Sequence[int] | None, cu_seqlens: torch.Tensor | None = None,
+    static_len: int | None = None,
 ) -> torch.Tensor:
     """conv_prefill's outputs, every slot's window left as it was (module
     docstring: conv_commit moves it on by the kept tokens)."""
+    if seq_bounds is None:
+        return _conv_graph(x, w, conv_states, slots, has_state, cu_seqlens, static_len, store=False)
     start = _start(conv_states, slots, has_state)  # [B, C, K-1]: a scratch copy the prefill may overwrite
     rows = torch.arange(start.shape[0], device=x.device)
     return conv_prefill(x, w, start, rows, torch.ones_like(has_state), seq_bounds)
@@ -241,11 +258,13 @@ def conv_verify(
 
 def gated_delta_verify(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, seq_bounds: Sequence[int],
-    cu_seqlens: torch.Tensor | None = None,
+    states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, seq_bounds: Sequence[int] | None,
+    cu_seqlens: torch.Tensor | None = None, static_len: int | None = None,
 ) -> torch.Tensor:
     """gated_delta_prefill's outputs (same arguments) by the token-by-token form
     decode steps use, every slot's state left as it was (module docstring)."""
+    if seq_bounds is None:
+        return _rule_graph(q, k, v, g, beta, states, slots, has_state, cu_seqlens, static_len, store=False)
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
     start = _start(states, slots, has_state)  # [B, Hv, dk, dv]
     out = torch.empty(vf.shape, dtype=v.dtype, device=v.device)
@@ -254,6 +273,66 @@ def gated_delta_verify(
         o, _ = recurrent_gated_delta_rule_ref(qf[lo:hi], kf[lo:hi], vf[lo:hi], gf[lo:hi], bf[lo:hi], start[b])
         out[lo:hi] = o.to(v.dtype)
     return out
+
+
+def _graph_tokens(cu_seqlens: torch.Tensor | None, n_tok: int, static_len: int | None,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A captured graph's sequences, one per entry of cu_seqlens [B + 1] (device):
+    (token rows [B, M], M = static_len, clamped into [0, n_tok); whether each is
+    the sequence's [B, M]; its token count [B]). No host read."""
+    assert cu_seqlens is not None and static_len is not None, "a graph's step passes cu_seqlens and static_len"
+    lo = cu_seqlens[:-1].long()
+    n = cu_seqlens[1:].long() - lo
+    m = torch.arange(static_len, device=cu_seqlens.device)
+    tok = (lo[:, None] + m).clamp(min=0, max=max(n_tok - 1, 0))
+    return tok, m < n[:, None], n
+
+
+def _rule_graph(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, cu_seqlens: torch.Tensor | None,
+    static_len: int | None, store: bool,
+) -> torch.Tensor:
+    """gated_delta_prefill (store) or _verify in a graph: the rule token by token
+    over every sequence at once, masked past each one's length; rows of no
+    sequence (padding) get zeros."""
+    qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
+    n_tok = q.shape[0]
+    tok, real, _ = _graph_tokens(cu_seqlens, n_tok, static_len)
+    s = _start(states, slots, has_state)  # [B, Hv, dk, dv]
+    out = torch.zeros((n_tok + 1, *vf.shape[1:]), dtype=v.dtype, device=v.device)  # row n_tok: a sink
+    for m in range(tok.shape[1]):
+        t = tok[:, m]  # [B]
+        keep = real[:, m]
+        s = torch.where(keep[:, None, None, None], _delta_step(s, kf[t], vf[t], gf[t], bf[t]), s)
+        o = torch.einsum("bhk,bhkv->bhv", qf[t], s)
+        out.index_copy_(0, torch.where(keep, t, n_tok), o.to(v.dtype))
+    if store:
+        states.index_copy_(0, slots, s.to(states.dtype))
+    return out[:n_tok]
+
+
+def _conv_graph(
+    x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
+    has_state: torch.Tensor, cu_seqlens: torch.Tensor | None, static_len: int | None, store: bool,
+) -> torch.Tensor:
+    """conv_prefill (store) or conv_verify in a graph: every sequence's window
+    [state | its tokens, padded to static_len] at once; rows of no sequence get zeros."""
+    width = w.shape[1] - 1
+    n_tok = x.shape[0]
+    tok, real, n = _graph_tokens(cu_seqlens, n_tok, static_len)
+    start = _start(conv_states, slots, has_state).to(x.dtype)  # [B, C, W]
+    new = torch.where(real[:, :, None], x[tok], torch.zeros((), dtype=x.dtype, device=x.device))  # [B, M, C]
+    ext = torch.cat([start, new.transpose(1, 2)], dim=2)  # [B, C, W + M]
+    y = F.conv1d(ext.to(w.dtype), w[:, None, :], groups=w.shape[0])  # [B, C, M]
+    out = torch.zeros((n_tok + 1, x.shape[1]), dtype=x.dtype, device=x.device)  # row n_tok: a sink
+    rows = torch.where(real, tok, n_tok).reshape(-1)
+    out.index_copy_(0, rows, F.silu(y).transpose(1, 2).reshape(-1, x.shape[1]).to(x.dtype))
+    if store:
+        pick = n[:, None] + torch.arange(width, device=x.device)  # [B, W]: ext[n : n + W]
+        win = ext.gather(2, pick[:, None, :].expand(-1, ext.shape[1], -1))
+        conv_states.index_copy_(0, slots, win.to(conv_states.dtype))
+    return out[:n_tok]
 
 
 def _layer_start(states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ from ftserve_kernels.gated_delta_verify_triton import conv_commit as conv_commit
 from ftserve_kernels.gated_delta_verify_triton import conv_verify as conv_verify
 from ftserve_kernels.gated_delta_verify_triton import gated_delta_commit as gated_delta_commit
 from ftserve_kernels.gated_delta_verify_triton import gated_delta_verify as gated_delta_verify
-from ftserve_kernels.short_conv_triton import check_slot_state, device_bounds, slot_flag
+from ftserve_kernels.short_conv_triton import check_slot_state, device_bounds, seq_grid, slot_flag
 from ftserve_kernels.short_conv_triton import conv_decode as conv_decode
 from ftserve_kernels.short_conv_triton import conv_prefill as conv_prefill
 
@@ -334,16 +334,20 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
 def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                         beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
-                        has_state: torch.Tensor, seq_bounds: Sequence[int], chunk: int = CHUNK,
-                        cu_seqlens: torch.Tensor | None = None, block_v: int | None = None) -> torch.Tensor:
+                        has_state: torch.Tensor, seq_bounds: Sequence[int] | None, chunk: int = CHUNK,
+                        cu_seqlens: torch.Tensor | None = None, block_v: int | None = None,
+                        static_len: int | None = None) -> torch.Tensor:
     assert chunk == CHUNK, "the Triton kernels are built for one chunk size"
     hk, hv, dk, dv = _rule_args(q, k, v, g, beta, states)
-    nseq = len(seq_bounds) - 1
+    nseq, _ = seq_grid(seq_bounds, slots, static_len)
     o = torch.empty((q.shape[0], hv, dv), dtype=v.dtype, device=v.device)
     if nseq == 0:
         return o
     cu = device_bounds(seq_bounds, cu_seqlens, q.device)
-    chunks = sum(triton.cdiv(seq_bounds[i + 1] - seq_bounds[i], CHUNK) for i in range(nseq))
+    if seq_bounds is None:  # a graph: a bound (each sequence wastes less than one chunk)
+        chunks = triton.cdiv(q.shape[0], CHUNK) + nseq
+    else:
+        chunks = sum(triton.cdiv(seq_bounds[i + 1] - seq_bounds[i], CHUNK) for i in range(nseq))
     # Tinv in fp32 (chunk_local reads its own partial results back from it); Aqk in the
     # input dtype, which is what the scan's matmul takes it in.
     tinv = torch.empty((max(chunks, 1), hv, CHUNK, CHUNK), dtype=torch.float32, device=q.device)

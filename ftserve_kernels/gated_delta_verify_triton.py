@@ -18,7 +18,9 @@ re-exports them.
 The update is the decode kernel's arithmetic (fp32 state, q and k normalized
 in fp32), so a kept token leaves the state a plain decode step would. Every
 loop bound (a sequence's length, its kept count) is read on the device:
-no host data beyond the grid, nothing that syncs.
+no host data beyond the grid, nothing that syncs; in a captured graph
+(``seq_bounds=None``) the grid comes from the slot rows and ``static_len``
+(short_conv_triton.seq_grid).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ftserve_kernels.short_conv_triton import (
     _conv_prefill_kernel,
     check_slot_state,
     device_bounds,
+    seq_grid,
     slot_flag,
 )
 
@@ -133,15 +136,14 @@ def _warps(block_k: int, block_v: int) -> int:
 
 
 def conv_verify(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
-                has_state: torch.Tensor, seq_bounds: Sequence[int],
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                has_state: torch.Tensor, seq_bounds: Sequence[int] | None,
+                cu_seqlens: torch.Tensor | None = None, static_len: int | None = None) -> torch.Tensor:
     t, c = x.shape
     width = w.shape[1] - 1
     check_slot_state(conv_states, (c, width))
     assert x.stride(1) == 1 and w.is_contiguous()
-    nseq = len(seq_bounds) - 1
+    nseq, max_len = seq_grid(seq_bounds, slots, static_len)
     out = torch.empty((t, c), dtype=x.dtype, device=x.device)
-    max_len = max((seq_bounds[i + 1] - seq_bounds[i] for i in range(nseq)), default=0)
     if nseq == 0 or max_len == 0:
         return out
     cu = device_bounds(seq_bounds, cu_seqlens, x.device)
@@ -165,11 +167,12 @@ def _rule_shapes(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.
 
 def gated_delta_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                        beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
-                       has_state: torch.Tensor, seq_bounds: Sequence[int],
-                       cu_seqlens: torch.Tensor | None = None, block_v: int | None = None) -> torch.Tensor:
+                       has_state: torch.Tensor, seq_bounds: Sequence[int] | None,
+                       cu_seqlens: torch.Tensor | None = None, block_v: int | None = None,
+                       static_len: int | None = None) -> torch.Tensor:
     hk, hv, dk, dv = _rule_shapes(k, v, g, beta, states)
     assert q.shape == k.shape and q.stride(-1) == 1 and q.stride(-2) == dk
-    nseq = len(seq_bounds) - 1
+    nseq, _ = seq_grid(seq_bounds, slots, static_len)
     o = torch.empty((q.shape[0], hv, dv), dtype=v.dtype, device=v.device)
     if nseq == 0:
         return o

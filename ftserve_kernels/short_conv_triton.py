@@ -1,6 +1,9 @@
 """The short causal conv of Gated DeltaNet in Triton: conv_prefill and conv_decode
 of ftserve_kernels/gated_delta.py (the torch reference and the contract) with
 the same signatures; gated_delta_triton re-exports them beside the rule.
+In a captured graph (``seq_bounds=None``) the grids are sized from the slot
+rows and ``static_len`` instead of the host bounds (``seq_grid``): each program
+reads its sequence's length from cu_seqlens and skips what lies past it.
 
     conv_decode     grid (B, C / BLOCK_C): the window [state | x] of one slot, the
                     K-tap dot and SiLU, the window shifted back into the slot
@@ -112,12 +115,25 @@ def _conv_state_kernel(x_ptr, cs_ptr, slot_ptr, has_ptr, cu_ptr, stride_xt, stri
     tl.store(st_ptr + e[None, :], val, mask=m)
 
 
-def device_bounds(seq_bounds: Sequence[int], cu_seqlens: torch.Tensor | None,
-                   device: torch.device) -> torch.Tensor:
+def seq_grid(seq_bounds: Sequence[int] | None, slots: torch.Tensor, static_len: int | None,
+             ) -> tuple[int, int]:
+    """(sequences, the most tokens of one) that size a launch's grid: from the
+    host bounds, or in a captured graph (seq_bounds None) every slot row and
+    the graph's static bound."""
+    if seq_bounds is None:
+        assert static_len is not None, "a graph's step passes static_len"
+        return slots.shape[0], static_len
+    n = len(seq_bounds) - 1
+    return n, max((seq_bounds[i + 1] - seq_bounds[i] for i in range(n)), default=0)
+
+
+def device_bounds(seq_bounds: Sequence[int] | None, cu_seqlens: torch.Tensor | None,
+                  device: torch.device) -> torch.Tensor:
     """cu_seqlens as given (the batch's qo_indptr), else the host bounds sent with a
     non-blocking copy (host to device: no sync)."""
     if cu_seqlens is not None:
         return cu_seqlens
+    assert seq_bounds is not None, "a graph's step passes cu_seqlens"
     return torch.tensor(list(seq_bounds), dtype=torch.int32).to(device, non_blocking=True)
 
 
@@ -141,16 +157,15 @@ def conv_decode(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slo
 
 
 def conv_prefill(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
-                 has_state: torch.Tensor, seq_bounds: Sequence[int],
-                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                 has_state: torch.Tensor, seq_bounds: Sequence[int] | None,
+                 cu_seqlens: torch.Tensor | None = None, static_len: int | None = None) -> torch.Tensor:
     t, c = x.shape
     width = w.shape[1] - 1
     check_slot_state(conv_states, (c, width))
     assert x.stride(1) == 1 and w.is_contiguous()
-    nseq = len(seq_bounds) - 1
+    nseq, max_len = seq_grid(seq_bounds, slots, static_len)
     cu = device_bounds(seq_bounds, cu_seqlens, x.device)
     out = torch.empty((t, c), dtype=x.dtype, device=x.device)
-    max_len = max((seq_bounds[i + 1] - seq_bounds[i] for i in range(nseq)), default=0)
     if nseq == 0:
         return out
     block_t, block_c = CONV_BLOCK_T, min(triton.next_power_of_2(c), CONV_BLOCK_C)

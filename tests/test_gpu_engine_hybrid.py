@@ -1,5 +1,7 @@
 """GPU engine guarantees on a hybrid model (tiny Qwen3-Next, dummy bf16 weights,
-Triton attention, CUDA-graph decode with the state slots in the graph's rows):
+Triton attention, CUDA-graph decode with the state slots in the graph's rows,
+prefill and verify graphs with the slots in a static field and the checkpoint
+loads, saves and verify commit beside the replays):
 
 - no hidden device->host sync in any engine step: prefill chunks that save
   state checkpoints, a prefix hit that copies one into a request's slot, the
@@ -57,7 +59,8 @@ def make_engine(model_dir: str, graphs: bool = True, **kw: Any) -> Engine:
 def engine(model_dir: str) -> Iterator[Engine]:
     eng = make_engine(model_dir)
     assert eng.runner.graphs is not None and eng.runner.state_pool is not None
-    assert eng.runner.prefill_graphs is None, "hybrids prefill eagerly"
+    # Hybrids replay prefill graphs too (checkpoint loads before, saves after).
+    assert eng.runner.prefill_graphs is not None
     make_context_sensitive(eng.runner.model)
     yield eng
     eng.shutdown()
@@ -211,11 +214,15 @@ def equal_but_near_ties(spec: list[int], plain: list[int], lps: list[Any]) -> bo
 @pytest.mark.parametrize("kind", ["ngram", "mtp"])
 def test_speculative_verify_steps_sync_free_and_equal_plain(model_dir: str, kind: str) -> None:
     """--speculative ngram / mtp on the hybrid (bf16, Triton; decode graphs for plain
-    steps, verify steps eager): a verify step (the verify kernels, the kept count
-    and the state commit on the device, and for mtp the draft chain) makes no
-    hidden sync and one read-back; greedy outputs equal plain decoding's but where
-    bf16 roundings of the extend path order a near-tie the other way (the outputs
-    part there), for at least half the requests none; drafts are kept."""
+    steps, verify steps replaying the verify graphs): a verify step (the replay
+    with the verify kernels inside, the kept count and the state commit on the
+    device after it, and for mtp the draft chain before it) makes no hidden sync
+    and one read-back; greedy outputs equal plain decoding's but where bf16
+    roundings of the extend path order a near-tie the other way (the outputs
+    part there), for at least half the requests none; drafts are kept; the
+    verify steps replayed graphs (a step with a plain row fed from the in-flight
+    step may run eagerly: PrefillGraphs.can_run)."""
+    from tests.test_gpu_spec import count_replays
     from tests.test_spec_hybrid import distill
 
     plain = make_engine(model_dir)
@@ -226,7 +233,8 @@ def test_speculative_verify_steps_sync_free_and_equal_plain(model_dir: str, kind
         spec.runner.model.refresh_derived()
         if kind == "mtp":
             distill(spec.runner.model)
-        assert spec.runner.verify_graphs is None and spec.runner.state_pool is not None
+        assert spec.runner.verify_graphs is not None and spec.runner.state_pool is not None
+        counts = count_replays(spec)
         rng = random.Random(11)
         xs = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 200))] for _ in range(6)]
         if kind == "ngram":  # X + C + X: drafts copy C
@@ -237,7 +245,9 @@ def test_speculative_verify_steps_sync_free_and_equal_plain(model_dir: str, kind
         assert sum(same) >= len(same) // 2, same
         c = spec.scheduler.spec
         assert c is not None and c.counters.accepted_tokens_total > 0, c.counters
+        assert counts["verify"] > 0 and counts["prefill"] > 0, counts
         for check in (False, True):  # the first run compiles every shape
+            before = dict(counts)
             drv = CheckedDriver(spec, seed=1, check=check)
             reqs = [drv.add(p, 16) for p in xs[:3]]
             verifies = 0
@@ -246,6 +256,8 @@ def test_speculative_verify_steps_sync_free_and_equal_plain(model_dir: str, kind
                 verifies += b is not None and b.verifies
             drv.flush()
         assert verifies > 0
+        replayed = counts["verify"] - before["verify"]
+        assert replayed > 0 and replayed + counts["eager_verify"] - before["eager_verify"] == verifies, counts
         for kind_, bs, n in drv.log:
             assert n == (0 if kind_ == "prefill_chunk" else 1), (kind_, bs, n)
     finally:

@@ -329,3 +329,43 @@ def test_chunk_grid_may_be_a_bound() -> None:
     assert torch.equal(bound[0][:chunks], exact[0]) and torch.equal(bound[1][:chunks], exact[1])
     assert torch.equal(bound[0][chunks:], torch.eye(64, device=DEVICE).expand(2, HV, 64, 64))
     assert not bound[1][chunks:].any()
+
+
+@pytest.mark.parametrize("kind", ["prefill", "verify"])
+def test_graph_forms_equal_the_host_bounded_step(kind: str) -> None:
+    """What a captured prefill / verify graph launches (prefill_graph.py): no host
+    bounds (seq_bounds None), one sequence per slot row read from cu_seqlens, a
+    static bound per sequence, two empty padding sequences on the sink and
+    padding tokens past the last sequence. The reference's graph twin and the
+    Triton kernels both give the eager step's outputs and slots: the real
+    sequences' rows and states; the sink takes the padding's garbage, and no
+    other slot is written."""
+    dk, dv, c = 16, 32, 24
+    if kind == "prefill":  # 17 fresh, 83 continuing (a full and a partial chunk), 1 continuing
+        bounds, slots_l, has_l, bound = [0, 17, 100, 101], [3, 1, 2], [False, True, True], 128
+    else:  # 4, 1 and 3 tokens continuing their slots; the bound: the verify width
+        bounds, slots_l, has_l, bound = [0, 4, 5, 8], [3, 1, 2], [True, True, True], 4
+    n, pad_tok = bounds[-1], 6
+    cu_g = torch.tensor(bounds + [n, n], dtype=torch.int32, device=DEVICE)  # + 2 empty sequences
+    slots_g, has_g = _dev(slots_l + [0, 0], has_l + [False, False])
+    slots, has = _dev(slots_l, has_l)
+    rule = _rule(n + pad_tok, dk, dv, seed=60)
+    x, w = _conv(n + pad_tok, c, 4, seed=61, dtype=torch.float32)
+    rec0, conv0 = _states(5, HV, dk, dv, seed=62), _states(5, c, 3, seed=63)
+    run_rule = ref.gated_delta_prefill if kind == "prefill" else ref.gated_delta_verify
+    run_conv = ref.conv_prefill if kind == "prefill" else ref.conv_verify
+    want_rec, want_conv = rec0.clone(), conv0.clone()
+    o_want = run_rule(*[t[:n] for t in rule], want_rec, slots, has, bounds)
+    y_want = run_conv(x[:n], w, want_conv, slots, has, bounds)
+    for mod in (ref, tri):
+        rule_fn = mod.gated_delta_prefill if kind == "prefill" else mod.gated_delta_verify
+        conv_fn = mod.conv_prefill if kind == "prefill" else mod.conv_verify
+        rec, conv = rec0.clone(), conv0.clone()
+        o = rule_fn(*rule, rec, slots_g, has_g, None, cu_seqlens=cu_g, static_len=bound)
+        y = conv_fn(x, w, conv, slots_g, has_g, None, cu_seqlens=cu_g, static_len=bound)
+        assert o.shape[0] == y.shape[0] == n + pad_tok
+        assert _max(o[:n], o_want) <= EXACT and _max(y[:n], y_want) <= EXACT, mod.__name__
+        assert _max(rec[1:], want_rec[1:]) <= EXACT and torch.equal(conv[1:], want_conv[1:]), mod.__name__
+        assert torch.equal(rec[4], rec0[4]) and torch.equal(conv[4], conv0[4])  # nobody's slot
+        if kind == "verify":
+            assert torch.equal(rec, rec0) and torch.equal(conv, conv0)  # no slot written, not even the sink

@@ -316,7 +316,7 @@ def test_start_up_sizes_the_verify_log(model_dir: str, ngram: tuple[Engine, Stat
     assert pool.verify_log.tokens == 8 * (4 + 1) == eng.summary["state_verify_tokens"]
     assert eng.summary["state_gib"] * 2**30 == pool.nbytes > pool.conv.nbytes + pool.recurrent.nbytes
     assert pool.num_slots == 8 + 64
-    assert eng.runner.verify_graphs is None  # hybrids verify eagerly
+    assert eng.runner.verify_graphs is None  # CPU: no graphs (the graph tests run their static forward)
     off = make(model_dir)
     try:
         assert off.scheduler.state_pool is not None and off.scheduler.state_pool.verify_log is None
@@ -376,5 +376,130 @@ def test_sampled_tokens_keep_the_distribution(kind: str, tmp_path: Any, monkeypa
         counts = torch.bincount(third, minlength=v)
         assert chi2_p(counts, marginal) > 1e-3
         assert chi2_p(counts, second) < 1e-6  # the test tells distributions apart
+    finally:
+        eng.shutdown()
+
+
+# ----- CUDA graphs (prefill_graph.py) on the CPU: each replay runs the graph's
+# static, padded forward over its static buffers (what CUDA captures per
+# bucket), the linear layers in their graph form (no host bounds: each
+# sequence's length from qo_indptr within a static bound, slots by a static
+# index field); the state work outside the replay is the runner's own.
+
+
+class StaticReplay:
+    """Builds PrefillGraphs whose replay runs ``_forward`` eagerly, counted."""
+
+    @staticmethod
+    def graphs(runner: Any, *args: Any, **kw: Any) -> Any:
+        from ftserve.engine.prefill_graph import PrefillGraphs
+
+        class Static(PrefillGraphs):
+            replays = 0
+
+            def _run(self, bucket: int) -> torch.Tensor:
+                self.replays += 1
+                return self._forward(bucket)
+
+        return Static(runner, *args, **kw)
+
+
+def with_static_graphs(eng: Engine, k: int, seqs: int = 8) -> None:
+    """The prefill and verify graphs setup captures on CUDA (max_prefill_length
+    24: one bucket), replayed as static forwards."""
+    from ftserve.engine.prefill_graph import verify_buckets
+
+    r = eng.runner
+    r.prefill_graphs = StaticReplay.graphs(r, 24, seqs)
+    r.verify_graphs = StaticReplay.graphs(r, 0, seqs, buckets=verify_buckets(seqs, k), all_rows=True,
+                                          seq_tokens=k + 1)
+
+
+def test_verify_graph_static_forward_and_commit_equal_eager(model_dir: str) -> None:
+    """A verify graph's static forward (two drafted requests, a plain row, padding
+    tokens and two empty sequences on the sink slot) gives the eager verify
+    step's logits at every sampled row, and the commit after it, over the
+    graph's static inputs, slots and the log its forward wrote, leaves every
+    state slot as the eager step's commit does (kept counts 3, 1 and 1)."""
+    from ftserve.engine.prefill_graph import verify_buckets
+    from ftserve.engine.request import Req
+
+    eng = make(model_dir, speculative="ngram", num_speculative_tokens=3, max_running_requests=4)
+    try:
+        sched, runner, pool = eng.scheduler, eng.runner, eng.scheduler.state_pool
+        assert pool is not None
+        graphs = StaticReplay.graphs(runner, 0, 4, buckets=verify_buckets(4, 3), all_rows=True, seq_tokens=4)
+        assert graphs.hybrid and graphs.buckets == [8, 16]
+        prompts_ = {"a": [5, 6, 7, 8, 9, 5, 6], "b": [11, 12, 13, 14, 11, 12], "c": [20, 21, 22]}
+        firsts = {"a": 7, "b": 13, "c": 23}
+        for rid, p in prompts_.items():
+            sched.add(Req(rid, p, greedy(10), 0.0))
+        batch = sched.schedule()
+        while batch is not None and not batch.verifies:  # the prompts (cut at checkpoints), c's decode
+            with torch.inference_mode():
+                runner.launch(batch)
+            sched.commit(batch, [24 if batch.is_decode else firsts[r.request_id] for r in batch.reqs])
+            batch = sched.schedule()
+        assert batch is not None and batch.verifies and graphs.can_run(batch)
+        assert batch.drafts == [[8, 9, 5], [14, 11, 12], []]
+        runner.prepare_slots(batch.reqs)
+        # Sampled rows: a keeps 2 drafts (then y_2 differs), b none, c its one token.
+        sampled = torch.tensor([8, 9, 1, 2, 3, 4, 5, 6, 7])
+        saved = pool.conv.clone(), pool.recurrent.clone()
+        with torch.inference_mode():
+            bucket = graphs._bucket(batch.num_tokens)
+            graphs._fill(batch, bucket)
+            static = graphs._run(bucket)[:9]  # 4 + 4 + 1 rows
+            fb_static = graphs.static_batch(batch)
+            assert fb_static.state_verify and fb_static.graph_seq_bound == 4
+            assert fb_static.state_slots.tolist() == [r.state_slot for r in batch.reqs] + [0]
+            runner._commit_states(batch, fb_static, sampled)
+            graph_states = pool.conv.clone(), pool.recurrent.clone()
+            pool.conv.copy_(saved[0])
+            pool.recurrent.copy_(saved[1])
+            fb, _, _, _ = runner.build(batch)
+            eager = runner.model(fb)  # [9, V]
+            runner._commit_states(batch, fb, sampled)
+        torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
+        for a, b in zip(graph_states, (pool.conv, pool.recurrent)):
+            torch.testing.assert_close(a[:, 1:], b[:, 1:], rtol=1e-5, atol=1e-5)  # the sink: garbage
+        for i, req in enumerate(batch.reqs):  # the commit moved each slot (not a no-op)
+            assert not torch.equal(pool.recurrent[:, req.state_slot], saved[1][:, req.state_slot]), i
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["ngram", "mtp"])
+def test_graph_replays_equal_plain_decoding(kind: str, model_dir: str, plain: Engine) -> None:
+    """Prefill chunks (cut at state checkpoints) and verify steps replayed as
+    graphs (their static forwards) give plain decoding's tokens, across a second
+    turn resuming at a checkpoint (loaded before the replay, saved after
+    another), and every verify step's commit leaves plain decoding's states;
+    both kinds took the graphs (a verify step with a plain row fed from the
+    in-flight step runs eagerly: PrefillGraphs.can_run)."""
+    k = 4 if kind == "ngram" else 3
+    eng = make(model_dir, speculative=kind, num_speculative_tokens=k)
+    log = StateLog(eng)
+    with_static_graphs(eng, k)
+    try:
+        firsts = echo_prompts(plain, 0, 3, (3, 24)) if kind == "ngram" else prompts(1, 3, (3, 30))
+        reqs = [(f"g{kind}{i}", p, greedy(16)) for i, p in enumerate(firsts)]
+        before = counters(eng)
+        a = collect(plain, reqs)
+        same_outputs(a, collect(eng, reqs))
+        turn2 = [(f"g{kind}t{i}", p + tokens_of(a[f"g{kind}{i}"]) + p[:5], greedy(8))
+                 for i, p in enumerate(firsts)]
+        a2, b2 = collect(plain, turn2), collect(eng, turn2)
+        same_outputs(a2, b2)
+        for rid, _, _ in turn2:
+            assert b2[rid][-1].cached_tokens == a2[rid][-1].cached_tokens > 0, rid
+        verifies, _, accepted, _ = delta(counters(eng), before)
+        assert verifies > 0 and accepted > 0
+        r = eng.runner
+        assert 0 < r.verify_graphs.replays <= verifies  # type: ignore[union-attr]
+        assert r.prefill_graphs.replays > 0  # type: ignore[union-attr]
+        assert eng.scheduler.counters.state_checkpoints_saved_total > 0
+        assert check_states(eng, log) > 5
+        assert_baseline(eng)
     finally:
         eng.shutdown()

@@ -11,6 +11,7 @@ views of the device buffer and of each pinned staging copy::
                 | qo_indptr [S+1] | seq_lens [S] | prefix_lens [S]
                 | page-table rows (request slots) [S] | logits rows [S]
                 (verify graphs: logits rows [Tmax] | each token's page-table row [Tmax])
+                | state-pool slots [S] (hybrid models only)
 
     tokens:     [ seq 0 | seq 1 | ... | padding up to the bucket ]
     sequences:  [ real ones ... | empty ones (qo_indptr repeats, 0 tokens) ]
@@ -27,6 +28,17 @@ few draft tokens over a long cached prefix) attend with one split-K decode
 query per token (AttentionMetadata.query_seq_lens) rather than the extend
 kernel, whose one program per (head, sequence) would walk the whole prefix
 alone; padding tokens read the dummy row at length 1.
+
+Hybrid models (Gated DeltaNet layers over state-pool slots): the step's slots
+are one more static field (empty sequences: the sink slot, 0 tokens, so the
+kernels leave every real slot alone), and the linear layers take each
+sequence's length from qo_indptr within a static bound (``seq_tokens``:
+ForwardBatch.graph_seq_bound). What is not fixed-shape stays outside the
+replay, in the runner, as in eager steps: a chunk's state-checkpoint loads
+before it and saves after it (StatePool.copy_slots), and a verify step's
+commit after its sampling (StatePool.commit_verified, over this graph's static
+inputs, slots and the verify log its forward wrote, sized at start-up for the
+largest bucket).
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ import torch
 
 from ftserve.engine.cuda_graph import capture_graph
 from ftserve.engine.runner import logits_rows, sample_rows, token_layout
+from ftserve.kvcache.state_pool import SINK_SLOT
 from ftserve.models.forward_batch import AttentionMetadata, ForwardBatch
 
 if TYPE_CHECKING:
@@ -70,18 +83,21 @@ class PrefillInputs(Generic[A]):
     # all_rows only ([0] otherwise): [Tmax] each token's page-table row (its
     # request's slot; padding: the dummy row)
     token_rows: A
+    # hybrid only ([0] otherwise): [S] each sequence's state-pool slot; empty
+    # sequences: the sink slot (state_pool.SINK_SLOT, 0)
+    state_slots: A
 
     @staticmethod
-    def sizes(max_tokens: int, max_seqs: int, all_rows: bool = False) -> list[int]:
+    def sizes(max_tokens: int, max_seqs: int, all_rows: bool = False, hybrid: bool = False) -> list[int]:
         t, s = max_tokens, max_seqs
-        return [t, t, t, s + 1, s, s, s, t if all_rows else s, t if all_rows else 0]
+        return [t, t, t, s + 1, s, s, s, t if all_rows else s, t if all_rows else 0, s if hybrid else 0]
 
     @classmethod
     def views(cls, buf: Any, max_tokens: int, max_seqs: int, all_rows: bool = False,
-              ) -> PrefillInputs[Any]:
+              hybrid: bool = False) -> PrefillInputs[Any]:
         """The fields of ``buf`` (a 1-D tensor or array of sum(sizes) words)."""
         out, o = [], 0
-        for n in cls.sizes(max_tokens, max_seqs, all_rows):
+        for n in cls.sizes(max_tokens, max_seqs, all_rows, hybrid):
             out.append(buf[o:o + n])
             o += n
         assert o == buf.shape[0], (o, buf.shape)
@@ -109,11 +125,14 @@ class PrefillGraphs:
     """Captured extend forwards per token budget. ``all_rows``: the verify graphs
     of speculative decoding, whose logits rows are a step's sampled rows (each
     drafted request's last token and draft, in sample_rows order) rather than
-    each sequence's last token; ``buckets``: their budgets (verify_buckets)."""
+    each sequence's last token; ``buckets``: their budgets (verify_buckets);
+    ``seq_tokens``: the most new tokens of one sequence a step may hold (a
+    verify step: its draft width + 1; default: the largest bucket), which
+    bounds a hybrid's linear-layer grids."""
 
     def __init__(self, runner: ModelRunner, max_tokens: int, max_seqs: int,
                  pool: object | None = None, *, buckets: list[int] | None = None,
-                 all_rows: bool = False) -> None:
+                 all_rows: bool = False, seq_tokens: int | None = None) -> None:
         from ftserve_kernels.attention_triton import TritonAttentionBackend
 
         self.runner = runner
@@ -121,10 +140,16 @@ class PrefillGraphs:
         self.all_rows = all_rows
         self.buckets = buckets if buckets is not None else prefill_buckets(max_tokens)
         self.t_max = self.buckets[-1]
-        self.size = sum(PrefillInputs.sizes(self.t_max, max_seqs, all_rows))
+        self.seq_tokens = seq_tokens if seq_tokens is not None else self.t_max
+        # A hybrid model's steps carry state slots (module docstring).
+        self.hybrid = runner.state_pool is not None
+        if self.hybrid and all_rows:
+            vlog = runner.state_pool.verify_log  # type: ignore[union-attr]
+            assert vlog is not None and vlog.tokens >= self.t_max, "the verify log holds the largest bucket"
+        self.size = sum(PrefillInputs.sizes(self.t_max, max_seqs, all_rows, self.hybrid))
         self.p_in = torch.zeros(self.size, dtype=torch.int64, device=runner.device)
         self.inputs: PrefillInputs[torch.Tensor] = PrefillInputs.views(self.p_in, self.t_max, max_seqs,
-                                                                       all_rows)
+                                                                       all_rows, self.hybrid)
         # Two pinned staging copies of p_in, alternating; each one's event says when
         # its last copy has run, so it is refilled only then (a query, not a wait;
         # one still in flight falls back to a fresh pinned block). CPU: no events.
@@ -149,6 +174,7 @@ class PrefillGraphs:
         step runs eagerly."""
         return (not batch.is_decode and batch.verifies == self.all_rows
                 and len(batch.reqs) <= self.max_seqs and batch.num_tokens <= self.t_max
+                and max(len(x) for x in batch.new_tokens) <= self.seq_tokens
                 and all(s < 0 for s in batch.src_rows))
 
     def _bucket(self, n: int) -> int:
@@ -178,6 +204,10 @@ class PrefillGraphs:
                           r.kv_pool, self.backends[bucket],
                           logits_indices=rows, is_decode=False, kernels=r.kernels,
                           keep_hidden=self.keep_hidden)
+        if self.hybrid:  # the slots by index; a verify step logs its linear layers' inputs
+            fb.state_pool, fb.state_slots = r.state_pool, p.state_slots
+            fb.state_verify = self.all_rows
+            fb.graph_seq_bound = min(self.seq_tokens, bucket)
         self.fbs[bucket] = fb  # the captured call's is the last
         return r.model(fb)  # [S, V] fp32 ([bucket, V] with all_rows)
 
@@ -205,9 +235,10 @@ class PrefillGraphs:
             host = torch.empty_like(host, pin_memory=True)  # still being copied
         buf = host.numpy()
         buf[:] = 0  # padding: token 0 -> dummy slot 0
-        f = PrefillInputs.views(buf, self.t_max, self.max_seqs, self.all_rows)
+        f = PrefillInputs.views(buf, self.t_max, self.max_seqs, self.all_rows, self.hybrid)
         f.slots[:] = r.sink_row  # empty sequences read the dummy row
         f.token_rows[:] = r.sink_row  # so do padding tokens
+        f.state_slots[:] = SINK_SLOT  # and empty sequences' states (hybrid)
         if batch is not None:
             ids, pos, locs, indptr, seq, last = token_layout(batch, r.page_size)
             t, k = len(ids), len(seq)
@@ -219,6 +250,8 @@ class PrefillGraphs:
             f.seq_lens[:k] = seq
             f.prefix_lens[:k] = batch.prefix_lens
             f.slots[:k] = [req.slot for req in batch.reqs]
+            if self.hybrid:
+                f.state_slots[:k] = [req.state_slot for req in batch.reqs]
             if self.all_rows:
                 rows = logits_rows(batch, sample_rows(batch), last)
                 f.logits_rows[:len(rows)] = rows

@@ -26,8 +26,9 @@ index tensors in the same upload's manner: no sync). A verify step (speculative
 decoding) leaves the slots as they were in its forward; after sampling, each
 request's kept count is taken on the device (spec/accept.py's rule) and its
 slot moved on by those tokens (``StatePool.commit_verified``), so the state is
-committed before the read-back and the next step finds it, with no sync. Such
-steps run eagerly (no verify graphs for hybrids).
+committed before the read-back and the next step finds it, with no sync. The
+captured prefill and verify graphs run the same way: the checkpoint loads, the
+saves and the commit stay outside the replay, around it (prefill_graph.py).
 """
 
 from __future__ import annotations
@@ -301,15 +302,18 @@ class ModelRunner:
         plain decode steps would have left it; on the device, no sync. The host's
         commit (Scheduler.commit_verified) keeps the same tokens, or fewer when a
         stop ends the request, whose state then no longer matters."""
-        assert self.state_pool is not None and fb.state_slots is not None
+        assert self.state_pool is not None and fb.state_slots is not None and fb.state_verify
         # Checkpoints are saved by prefill chunks only: never at a draft's positions.
         assert not batch.state_saves and not batch.state_loads
         lens = [len(x) for x in batch.new_tokens]
-        assert len(sampled) >= sum(lens), "every input of a verify step is sampled"
+        b, n = len(lens), sum(lens)
+        assert len(sampled) >= n, "every input of a verify step is sampled"
         idx, width = accept.device_plan(lens)
-        kept = accept.kept_counts(fb.input_ids, sampled[:sum(lens)], self._upload(idx).view(len(lens), width))
-        self.state_pool.commit_verified(self.kernels, fb.state_slots, fb.attn.prefix_lens > 0,
-                                        fb.attn.qo_indptr[:-1], kept, width + 1)
+        # fb may be a verify graph's static batch, padded past the step's b
+        # sequences and n tokens: views of its leading rows (no copy, no sync).
+        kept = accept.kept_counts(fb.input_ids[:n], sampled[:n], self._upload(idx).view(b, width))
+        self.state_pool.commit_verified(self.kernels, fb.state_slots[:b], fb.attn.prefix_lens[:b] > 0,
+                                        fb.attn.qo_indptr[:b], kept, width + 1)
 
     def _device_inputs(self, host_ids: torch.Tensor, src_rows: torch.Tensor) -> torch.Tensor:
         """Input ids where the previous step's sampled token stands in for the
@@ -349,15 +353,16 @@ class ModelRunner:
         elif (layer_ready is None and prompt is None and (graphs := self._extend_graphs(batch))
               and (mtp is None or graphs.keep_hidden)):
             # A prefill graph's logits: row i = reqs[i]; a verify graph's: the
-            # sampled rows in order (PrefillGraphs.all_rows). (Hybrid models prefill
-            # and verify eagerly: setup captures neither kind for them.)
-            assert self.state_pool is None, "a hybrid's extend steps run eagerly"
+            # sampled rows in order (PrefillGraphs.all_rows). A hybrid's state work
+            # that is not fixed-shape runs around the replay: checkpoint loads
+            # before it (above), saves after it, a verify step's commit after sampling.
             drafts: torch.Tensor | None = None
             if mtp is not None and batch.verifies:  # the chain, eagerly, then the replay
                 drafts = mtp.draft(batch)  # [D]
                 logits_all = graphs.replay(batch, (self._upload(mtp.draft_positions(batch)), drafts))
             else:
                 logits_all = graphs.replay(batch)
+            self._copy_states(batch.state_saves)
             if not rows:
                 if mtp is not None:
                     mtp.extend(batch, graphs.static_batch(batch), None, rows)
@@ -374,6 +379,8 @@ class ModelRunner:
                                       last=None if batch.verifies else self.last_tokens,
                                       features=self.sampler.features_of(batch.reqs[i].slot for i in rows))
             self.sampler.update(dev[0], out.token_ids)
+            if graphs.hybrid and batch.verifies:
+                self._commit_states(batch, graphs.static_batch(batch), out.token_ids)
             if mtp is not None:
                 mtp.extend(batch, graphs.static_batch(batch), out.token_ids, rows)
                 return Launched(batch, rows, self._copy_out(batch, rows, out, drafts=drafts))

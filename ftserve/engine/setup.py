@@ -171,11 +171,13 @@ def build_engine(cfg: EngineConfig) -> Engine:
 
         runner.graphs = DecodeGraphs(runner, graph_bs)
         runner.graphs.capture()
-        if cfg.cuda_graph_prefill and moe_cache is None and state_pool is None:
+        if cfg.cuda_graph_prefill and moe_cache is None:
             # Offload mode streams expert layers on a side stream during prefill,
-            # which a captured graph cannot follow: it stays eager there. So do
-            # hybrids: a chunk's state checkpoint loads and saves run beside it,
-            # and a verify step's state commit after its sampling.
+            # which a captured graph cannot follow: it stays eager there. Hybrids
+            # capture both kinds: their slots are a static index input, and the
+            # state work that is not fixed-shape runs around the replay (a chunk's
+            # checkpoint loads before it, saves after it; a verify step's commit
+            # after its sampling: prefill_graph.py).
             from ftserve.engine.prefill_graph import PrefillGraphs
 
             runner.prefill_graphs = PrefillGraphs(
@@ -190,7 +192,8 @@ def build_engine(cfg: EngineConfig) -> Engine:
                 seqs = min(cfg.max_running_requests, 16)
                 buckets = verify_buckets(seqs, cfg.num_speculative_tokens)
                 runner.verify_graphs = PrefillGraphs(runner, buckets[-1], seqs, buckets=buckets,
-                                                     all_rows=True)
+                                                     all_rows=True,
+                                                     seq_tokens=cfg.num_speculative_tokens + 1)
                 runner.verify_graphs.capture()
     # Device-resident only (offload mode keeps the experts in host memory).
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
@@ -236,6 +239,12 @@ def build_engine(cfg: EngineConfig) -> Engine:
                  "host tier: %d checkpoints, %.2f GiB", state_slots, cfg.max_running_requests, checkpoints,
                  cfg.state_checkpoint_pages, verify_tokens, summary["state_gib"],
                  summary["state_host_checkpoints"], summary["state_host_gib"])
+        log.info("recurrent state in CUDA graphs: decode %s, prefill %s, verify %s (checkpoint loads "
+                 "and saves and the verify commit run beside the replays)",
+                 "captured" if runner.graphs is not None else "eager",
+                 "captured" if runner.prefill_graphs is not None else "eager",
+                 "captured" if runner.verify_graphs is not None else
+                 ("eager" if scheduler.spec is not None else "off"))
     return Engine(
         dict(scheduler=scheduler, runner=runner, status_log_interval=cfg.status_log_interval,
              overlap=cfg.overlap_schedule),

@@ -112,6 +112,12 @@ class ForwardBatch:
     # state as it was and log their inputs into state_pool.verify_log; the runner
     # then moves each slot on by the tokens it kept (StatePool.commit_verified).
     state_verify: bool = False
+    # A captured graph's extend forward (engine/prefill_graph.py): the attn host
+    # lists are static upper bounds, not this step's, so the linear layers read
+    # each sequence's tokens from qo_indptr on the device, at most this many
+    # each (one sequence per state_slots row, empty ones padding); 0: eager, the
+    # host lists are the step's.
+    graph_seq_bound: int = 0
     # Which kernels every layer runs (the engine's, fixed at start-up; tests
     # and tools building a batch themselves get the defaults unless they pass one).
     kernels: KernelConfig = DEFAULT_KERNELS

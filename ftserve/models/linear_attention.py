@@ -12,7 +12,9 @@ writes the state after its last token back. A step whose every sequence has
 one new token runs the fixed-shape decode path (gather / scatter by slot). A
 speculative verify step (``batch.state_verify``) runs each sequence's few
 tokens one by one as decode would, writes no slot, and logs its conv and rule
-inputs for the commit that follows sampling (kvcache/state_pool.py).
+inputs for the commit that follows sampling (kvcache/state_pool.py). In a
+captured prefill or verify graph the host knows no step's bounds: the kernels
+read them from qo_indptr within ``batch.graph_seq_bound`` tokens a sequence.
 
 The checkpoint's in_proj_qkvz rows are grouped by key head,
 [Hk, (q dk | k dk | v r*dv | z r*dv)] with r = Hv / Hk, and in_proj_ba's
@@ -91,23 +93,28 @@ class GatedDeltaNet(nn.Module):
         has_state = meta.prefix_lens > 0  # [B], on the device: no sync
         weight = self.conv1d_weight[:, 0]  # [C, K]
         verify = batch.state_verify
-        decode = meta.max_extend_len == 1 and not verify
+        decode = meta.max_extend_len == 1 and not verify and not batch.graph_seq_bound
         gated_delta = ops.gated_delta(batch.kernels, x)  # Triton on CUDA, the torch reference elsewhere
         log = pool.verify_log if verify else None
         j = self.state_idx
         if decode:
             mixed = gated_delta.conv_decode(mixed, weight, conv_states, slots, has_state)
         else:
-            bounds = [0]
-            for n in meta.extend_lens_host:
-                bounds.append(bounds[-1] + n)
+            # A captured graph's step: no host bounds, a static bound per sequence
+            # (ForwardBatch.graph_seq_bound); eager: the step's own.
+            bound = batch.graph_seq_bound or None
+            bounds: list[int] | None = None
+            if bound is None:
+                bounds = [0]
+                for n in meta.extend_lens_host:
+                    bounds.append(bounds[-1] + n)
             if log is not None:
                 log.conv_in[j, :t].copy_(mixed)
                 mixed = gated_delta.conv_verify(mixed, weight, conv_states, slots, has_state, bounds,
-                                                cu_seqlens=meta.qo_indptr)
+                                                cu_seqlens=meta.qo_indptr, static_len=bound)
             else:
                 mixed = gated_delta.conv_prefill(mixed, weight, conv_states, slots, has_state, bounds,
-                                                 cu_seqlens=meta.qo_indptr)
+                                                 cu_seqlens=meta.qo_indptr, static_len=bound)
         q, k, v = mixed.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
         q = q.reshape(t, la.num_key_heads, la.key_head_dim)
         k = k.reshape(t, la.num_key_heads, la.key_head_dim)
@@ -120,9 +127,9 @@ class GatedDeltaNet(nn.Module):
             for dst, src in ((log.k, k), (log.v, v), (log.g, g), (log.beta, beta)):
                 dst[j, :t].copy_(src)
             o = gated_delta.gated_delta_verify(q, k, v, g, beta, states, slots, has_state, bounds,
-                                               cu_seqlens=meta.qo_indptr)
+                                               cu_seqlens=meta.qo_indptr, static_len=bound)
         else:
             o = gated_delta.gated_delta_prefill(q, k, v, g, beta, states, slots, has_state, bounds,
-                                                cu_seqlens=meta.qo_indptr)
+                                                cu_seqlens=meta.qo_indptr, static_len=bound)
         o = self.norm(o, z)  # [T, Hv, dv]
         return self.out_proj(o.reshape(t, la.value_dim), batch.kernels)  # [T, H]
