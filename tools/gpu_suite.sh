@@ -13,9 +13,9 @@
 # tests: the gpu tests alone, with the whole budget (they no longer fit in 250 s:
 # on 2026-12-01 74 of ~110 passed in 240 s, the other 35 took 118 s more), so a
 # benchmark call can skip them (GPU_SUITE_SKIP=gpu_tests);
-# fp8: the fp8 tests and tools.bench.fp8 (fp8 against bf16 in one run) alone;
+# fp8: the fp8 tests, tools.bench.fp8 (fp8 against bf16 in one run), tools.bench.fp8_prefill_sweep;
 # hybrid: the hybrid engine's gpu tests and tools.bench.hybrid (issue 33);
-# spec: the speculation gpu tests, then tools.bench.spec on the qwen3-30b-a3b shape and,
+# spec: the speculation gpu tests, tools.bench.verify_attention, then tools.bench.spec on the qwen3-30b-a3b shape and,
 # with SPEC_GGUF=PATH (the SmolLM2 GGUF; the device fetches nothing), on the real model;
 # tune: tests + tools.tune.gemv (+ tools.tune.moe with TUNE_MOE=1), then the
 # benchmarks with the fresh tables (FTSERVE_GEMV_CONFIG_FILE /
@@ -70,6 +70,8 @@ if [ "$mode" = fp8 ]; then  # issue 32: the fp8 tests (gpu-marked and the kernel
     grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" | head -30
     step bench_fp8 260 python3 -m tools.bench.fp8 --budget-s 180 --out "$work/bench_fp8.json" \
         > "$work/bench_fp8.md"
+    step fp8_prefill_sweep 70 python3 -m tools.bench.fp8_prefill_sweep --out "$work/fp8_sweep.json" \
+        > "$work/fp8_sweep.md"
     echo "total $(( $(date +%s) - t0 ))s" | tee -a "$log"
     pack
     exit 0
@@ -88,6 +90,8 @@ if [ "$mode" = hybrid ] || [ "$mode" = spec ]; then
         step bench_hybrid 200 python3 -m tools.bench.hybrid --budget-s 150 --out "$work/bench_hybrid.json" \
             > "$work/bench_hybrid.md"
     else
+        step verify_attention 30 python3 -m tools.bench.verify_attention --context 2048 --batches 1,16 \
+            > "$work/verify_attention.md"
         step bench_spec_qwen3 110 python3 -m tools.bench.spec --preset qwen3-30b-a3b --layers 8 \
             --out "$work/spec_qwen3" --loadgen-args=--ignore-eos --budget-s 90 > "$work/bench_spec_qwen3.md"
         if [ -n "${SPEC_GGUF:-}" ]; then
