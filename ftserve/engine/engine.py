@@ -8,7 +8,15 @@
 
 Overlap scheduling (step N+1 launched before step N's tokens are read) holds for
 every batch without a constrained request (response_format); a step that samples
-one is read back at once, since the next step's token mask needs its token.
+one is read back at once, since the next step's token mask needs its token, and
+so is a speculative verify step (the next drafts continue the tokens it keeps).
+After such a step the device idles until the next is launched, so its outputs
+and stats are handed over just after that launch, while the device runs it:
+
+    plain:   launch N+1 | read N, commit N | emit N          (device runs N+1)
+    at once: launch N | read N, commit N | schedule N+1, launch N+1 | emit N
+                                          ^ the device idles here: only what
+                                            the next step needs runs in it
 
 An exception in the engine thread fails every live request with
 finish_reason "error" and marks the engine unhealthy; it never hangs silently.
@@ -98,6 +106,9 @@ class EngineCore:
         self.runner = runner
         self.overlap = overlap
         self._inflight: Launched | None = None
+        # The requests of a step committed at once (nothing left in flight), whose
+        # outputs and stats wait for the next launch (module docstring); None: none.
+        self._unreported: list[Req] | None = None
         self.status_log_interval = status_log_interval
         self.check_integrity = check_integrity
         self.healthy = True
@@ -152,7 +163,7 @@ class EngineCore:
     def _run(self) -> None:
         try:
             while True:
-                busy = self.scheduler.has_work or self._inflight is not None
+                busy = self.busy
                 if not self._drain_inbox(block=not busy):
                     break
                 self._step()
@@ -161,6 +172,11 @@ class EngineCore:
             self.healthy = False
             self.error = f"{type(exc).__name__}: {exc}"
             self._fail_all(self.error)
+
+    @property
+    def busy(self) -> bool:
+        """Another _step has something to do: plan, commit or report."""
+        return self.scheduler.has_work or self._inflight is not None or self._unreported is not None
 
     def _drain_inbox(self, block: bool) -> bool:
         while True:
@@ -211,6 +227,10 @@ class EngineCore:
         """
         batch = self.scheduler.schedule()
         launched = self.runner.launch(batch) if batch is not None else None
+        if self._unreported is not None:
+            # The last step's outputs, now that the device has this one to run.
+            unreported, self._unreported = self._unreported, None
+            self._report(unreported)
         if self.check_integrity and batch is not None:
             self.runner.check_page_rows(batch.reqs)
         stepped: list[Req] = []
@@ -239,6 +259,16 @@ class EngineCore:
                 self._inflight = launched
         if self.check_integrity:
             self.scheduler.check_integrity()
+        if launched is not None and self._inflight is None and self.scheduler.has_work:
+            # Nothing in flight: the device idles until the next launch, so the
+            # outputs go out after it. (With no work left they go now.)
+            self._unreported = stepped
+        else:
+            self._report(stepped)
+
+    def _report(self, stepped: list[Req]) -> None:
+        """Hand the step's outputs (and whatever finished since) to the event loop
+        and refresh the stats."""
         self._emit(self._collect(stepped))
         self._stats = self._make_stats()
         self._maybe_log_status()
@@ -295,7 +325,9 @@ class EngineCore:
                 pass
 
     def _fail_all(self, message: str, reason: str = "error") -> None:
-        outs = self._collect()  # requests that finished normally before the failure
+        # Requests that finished normally before the failure, and outputs not yet handed over.
+        unreported, self._unreported = self._unreported or [], None
+        outs = self._collect(unreported)
         for req in list(self.scheduler.by_id.values()):
             outs.append(RequestOutput(req.request_id, req.pending_ids, finish_reason=reason,
                                       error=message if reason == "error" else None,
