@@ -14,9 +14,9 @@ After such a step the device idles until the next is launched, so its outputs
 and stats are handed over just after that launch, while the device runs it:
 
     plain:   launch N+1 | read N, commit N | emit N          (device runs N+1)
-    at once: launch N | read N, commit N | schedule N+1, launch N+1 | emit N
-                                          ^ the device idles here: only what
-                                            the next step needs runs in it
+    at once: launch N | index N's drafts ahead | read N, commit N | schedule N+1, launch N+1 | emit N
+                                                 ^ the device idles from here to the next
+                                                   launch: only what it needs runs here
 
 An exception in the engine thread fails every live request with
 finish_reason "error" and marks the engine unhealthy; it never hangs silently.
@@ -253,6 +253,8 @@ class EngineCore:
             # (a verify step always; a plain one whose request leaves back-off).
             if (launched.out is None or not self.overlap or launched.constrained
                     or self.scheduler.wants_tokens_now(launched.batch)):
+                if launched.batch.verifies:
+                    self.scheduler.index_ahead(launched.batch)  # while the device runs it
                 self._commit(launched)
                 stepped += launched.batch.reqs
             else:

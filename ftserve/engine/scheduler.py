@@ -550,6 +550,16 @@ class Scheduler:
                 if req.state is not ReqState.FINISHED:
                     self._trim_pages(req)
 
+    def index_ahead(self, batch: ScheduledBatch) -> None:
+        """Host work for after a verify step that runs while the device does it:
+        each draft's n-grams, indexed as if kept (Speculator.index_ahead)."""
+        spec = self.spec
+        if spec is None or spec.device_drafts:  # MTP: placeholders, and no n-gram index
+            return
+        for req, draft in zip(batch.reqs, batch.drafts):
+            if draft:
+                spec.index_ahead(req, draft)
+
     def wants_tokens_now(self, batch: ScheduledBatch) -> bool:
         """The step must be read back before the next is planned: a request in it
         will look for a draft next, from its tokens on the host."""

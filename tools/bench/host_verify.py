@@ -30,12 +30,14 @@ counted). Per step, in us (the best of ``--repeats`` means of ``--steps``):
                GPU one greedy Triton launch (reported, not counted)
     read       ModelRunner.collect_verified (read back, tokens per request)
     commit     Scheduler.commit_verified (acceptance, stop checks, page trim)
-    engine     the rest of EngineCore._step (outputs, stats)
+    engine     the rest of EngineCore._step (outputs, stats, the drafts'
+               n-grams indexed ahead)
     total      the sum of the six
 
 and how much of the total runs while the step's device work is queued,
 between the verify graph's replay call and the read-back (the sampler's
-launches, the copy-out, the last step's outputs and stats):
+launches, the copy-out, the last step's outputs and stats, the n-grams
+indexed ahead):
 
     overlap    host time in that window (less the CPU sampler's compute)
     critical   total - overlap: the host time on the device's critical path,
