@@ -289,31 +289,34 @@ class Scheduler:
             reqs.append(req)
         if not reqs:
             return None
-        drafts = self._drafts(reqs) if self.spec is not None else []
+        # Speculation's drafts: for requests whose last token the host holds, and
+        # only where the pool has the draft's pages without preempting anyone
+        # (else plain decoding).
+        spec = self.spec
+        if spec is not None:
+            spec.begin_step()
         new_tokens, prefix_lens, src_rows, steps = [], [], [], []
-        for i, r in enumerate(reqs):
-            k = r.num_inflight_tokens
-            new_tokens.append([-1] if k else [r.tokens[-1], *(drafts[i] if drafts else ())])
-            prefix_lens.append(r.computed_len + k)
-            src_rows.append(r.inflight_row if k else -1)
-            steps.append(r.num_outputs + k)
-        verify = any(drafts)
-        return ScheduledBatch(reqs, not verify, new_tokens, prefix_lens, [True] * len(reqs),
-                              src_rows=src_rows, steps=steps, drafts=drafts if verify else [])
-
-    def _drafts(self, reqs: list[Req]) -> list[list[int]]:
-        """Speculation's drafts for a decode step whose pages are reserved: for
-        requests whose last token the host holds, and only where the pool has
-        the draft's pages without preempting anyone (else plain decoding)."""
-        assert self.spec is not None
-        self.spec.begin_step()
         drafts: list[list[int]] = []
         for r in reqs:
-            d = [] if r.num_inflight_tokens else self.spec.propose(r)
+            n_out = len(r.output_ids)
+            if r.num_inflight_tokens:  # its input token is the in-flight step's output
+                new_tokens.append([-1])
+                prefix_lens.append(r.computed_len + 1)
+                src_rows.append(r.inflight_row)
+                steps.append(n_out + 1)
+                drafts.append([])
+                continue
+            d = spec.propose(r) if spec is not None else []
             if d and not self._reserve(r, r.computed_len + 1 + len(d)):
                 d = []
             drafts.append(d)
-        return drafts
+            new_tokens.append([r.tokens[-1], *d])
+            prefix_lens.append(r.computed_len)
+            src_rows.append(-1)
+            steps.append(n_out)
+        verify = any(drafts)
+        return ScheduledBatch(reqs, not verify, new_tokens, prefix_lens, [True] * len(reqs),
+                              src_rows=src_rows, steps=steps, drafts=drafts if verify else [])
 
     # ----- pages ---------------------------------------------------------
     def _reserve(self, req: Req, num_tokens: int) -> bool:
@@ -600,11 +603,16 @@ class Scheduler:
         input (its last token, then draft tokens equal to the sampled ones)."""
         n0, len0 = req.num_outputs, len(req.tokens)
         end, reason = len(kept), None
-        for j, tok in enumerate(kept):
-            reason = self._stop_reason_at(req.params, tok, n0 + j + 1, len0 + j + 1)
-            if reason is not None:
-                end = j + 1
-                break
+        p = req.params
+        if (n0 + end >= p.max_tokens or len0 + end >= self.max_model_len
+                or (p.stop_token_ids and not set(p.stop_token_ids).isdisjoint(kept))
+                or (not p.ignore_eos and not self.eos_token_ids.isdisjoint(kept))):
+            # Some kept token may stop it: find the first that does.
+            for j, tok in enumerate(kept):
+                reason = self._stop_reason_at(p, tok, n0 + j + 1, len0 + j + 1)
+                if reason is not None:
+                    end = j + 1
+                    break
         toks = kept[:end] if end < len(kept) else kept
         req.computed_len = prefix_len + end
         req.tokens.extend(toks)

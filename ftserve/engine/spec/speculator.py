@@ -112,11 +112,12 @@ class Speculator:
         (empty: plain decoding this step)."""
         if not self.supports(req):
             return []
-        st = self._state(req)
-        if req.num_outputs < st.resume_at:
+        st = req.spec if req.spec is not None else self._state(req)
+        n_out = len(req.output_ids)
+        if n_out < st.resume_at:
             return []
-        k = self.limit(req)
-        if k == 0:
+        k = min(self.num_tokens, req.params.max_tokens - n_out - 1, self.max_model_len - len(req.tokens))
+        if k <= 0:  # as limit(req)
             return []
         draft = self._draft(req, st, k)
         if draft is None:
