@@ -226,6 +226,37 @@ def test_verify_commit_trims_rejected_pages() -> None:
     assert st.accept_lengths == [1, 1, 0, 0, 0]
 
 
+def test_plan_ahead_takes_the_next_verify_pages_from_free_ones() -> None:
+    """While a verify step runs, plan_ahead takes the pages its request's next
+    verify can need (this draft all kept, then a full draft) from free pages; the
+    commit keeps them for a request that drafts on and frees them for one that
+    backs off; with no page to spare per running request it takes none."""
+    s = _sched()
+    req = Req("r", [5, 6, 7, 8, 9, 5, 6], greedy(20), 0.0)
+    s.add(req)
+    b = s.schedule()
+    assert b is not None
+    s.commit(b, [7])
+    b = s.schedule()
+    assert b is not None and b.drafts == [[8, 9, 5, 6]] and len(req.pages) == 3
+    s.plan_ahead(b)  # up to 7 + 4 + 2 + 4 = 17 tokens: 5 pages
+    assert len(req.pages) == 5
+    s.commit_verified(b, [[8, 9, 5, 6, 7]])  # all kept: 12 computed, drafts on
+    assert req.computed_len == 12 and len(req.pages) == 5 and req.pages_trimmed_to is None
+    s.check_integrity()
+    b = s.schedule()
+    assert b is not None and b.drafts == [[8, 9, 5, 6]] and len(req.pages) == 5  # nothing new
+    free = s.allocator.num_free
+    held = s.allocator.alloc(free - 1)  # 1 free: the page it needs (22 tokens), none to spare
+    s.plan_ahead(b)
+    assert len(req.pages) == 5
+    s.commit_verified(b, [[1, 1, 1, 1, 1]])  # all rejected: back-off, plain steps next
+    assert req.computed_len == 13 and len(req.pages) == 4 and req.pages_trimmed_to == 4
+    assert held is not None
+    s.allocator.free(held)
+    s.check_integrity()
+
+
 def test_back_off_doubles_and_resets() -> None:
     sp = Speculator(4, 2, 2, max_model_len=5000)
     req = Req("r", [1, 2, 3, 4], greedy(2000), 0.0)

@@ -13,10 +13,12 @@ so is a speculative verify step (the next drafts continue the tokens it keeps).
 After such a step the device idles until the next is launched, so its outputs
 and stats are handed over just after that launch, while the device runs it:
 
-    plain:   launch N+1 | read N, commit N | emit N          (device runs N+1)
-    at once: launch N | index N's drafts ahead | read N, commit N | schedule N+1, launch N+1 | emit N
-                                                 ^ the device idles from here to the next
-                                                   launch: only what it needs runs here
+    plain:    launch N+1 | read N, commit N | emit N             (the device runs N+1)
+    at once:  launch N | plan ahead | read N, commit N, schedule N+1, launch N+1 | emit N
+                                      '-- the device idles: nothing else here --'
+
+where "plan ahead" (a verify step) is the part of step N+1's planning that does
+not need step N's tokens (Scheduler.plan_ahead, the page mirror).
 
 An exception in the engine thread fails every live request with
 finish_reason "error" and marks the engine unhealthy; it never hangs silently.
@@ -253,8 +255,9 @@ class EngineCore:
             # (a verify step always; a plain one whose request leaves back-off).
             if (launched.out is None or not self.overlap or launched.constrained
                     or self.scheduler.wants_tokens_now(launched.batch)):
-                if launched.batch.verifies:
-                    self.scheduler.index_ahead(launched.batch)  # while the device runs it
+                if launched.batch.verifies:  # while the device runs it
+                    self.scheduler.plan_ahead(launched.batch)
+                    self.runner.mirror_pages(launched.batch.reqs)
                 self._commit(launched)
                 stepped += launched.batch.reqs
             else:

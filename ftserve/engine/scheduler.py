@@ -553,15 +553,29 @@ class Scheduler:
                 if req.state is not ReqState.FINISHED:
                     self._trim_pages(req)
 
-    def index_ahead(self, batch: ScheduledBatch) -> None:
-        """Host work for after a verify step that runs while the device does it:
-        each draft's n-grams, indexed as if kept (Speculator.index_ahead)."""
+    def plan_ahead(self, batch: ScheduledBatch) -> None:
+        """Host work for the step after a verify step, done while the device runs
+        it (engine._step): each draft's n-grams indexed as if kept
+        (Speculator.index_ahead), and the pages the request's next verify needs
+        at most (all of this draft kept, then a full draft), taken only while the
+        pool has them free with a page to spare per running request (no eviction,
+        no preemption for a guess). _trim_pages keeps them for a request that
+        drafts on; the runner mirrors them before the read-back."""
         spec = self.spec
         if spec is None or spec.device_drafts:  # MTP: placeholders, and no n-gram index
             return
-        for req, draft in zip(batch.reqs, batch.drafts):
-            if draft:
-                spec.index_ahead(req, draft)
+        ps, alloc = self.page_size, self.allocator
+        spare = len(self.running)
+        for req, draft, pre in zip(batch.reqs, batch.drafts, batch.prefix_lens):
+            if not draft:
+                continue
+            spec.index_ahead(req, draft)
+            top = min(pre + len(draft) + 2 + spec.num_tokens, self.max_model_len)
+            need = -(-top // ps) - len(req.pages)
+            if need > 0 and alloc.num_free - need >= spare:
+                pages = alloc.alloc(need)
+                if pages is not None:
+                    req.pages.extend(pages)
 
     def wants_tokens_now(self, batch: ScheduledBatch) -> bool:
         """The step must be read back before the next is planned: a request in it
@@ -627,13 +641,18 @@ class Scheduler:
             self.finish(req, reason)
 
     def _trim_pages(self, req: Req) -> None:
-        """Free the private pages past what the next plain step needs (they hold
-        only rejected draft KV) and tell the runner to re-mirror from there.
+        """Free the private pages past what the next step needs (a plain step's,
+        or a full draft's if the request drafts on: they hold only rejected draft
+        KV) and tell the runner to re-mirror from there.
 
             pages   [ tree ... | private .......... | x x ]   x: stale KV only
                                       computed_len ^  ^ keep = pages for computed_len + 1
         """
-        keep = max(-(-(req.computed_len + 1) // self.page_size), req.num_tree_pages)
+        end = req.computed_len + 1
+        spec = self.spec
+        if spec is not None and not spec.device_drafts and spec.drafting(req):
+            end += spec.num_tokens  # its next verify's (plan_ahead may have taken them)
+        keep = max(-(-end // self.page_size), req.num_tree_pages)
         if len(req.pages) > keep:
             self.allocator.free(req.pages[keep:])
             del req.pages[keep:]
