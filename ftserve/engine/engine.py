@@ -181,6 +181,8 @@ class EngineCore:
         return self.scheduler.has_work or self._inflight is not None or self._unreported is not None
 
     def _drain_inbox(self, block: bool) -> bool:
+        if not block and not self._inbox.qsize():
+            return True  # the common case between steps: no exception raised and caught
         while True:
             try:
                 item = self._inbox.get(block=block, timeout=0.5 if block else None)
