@@ -647,6 +647,7 @@ class Scheduler:
 
             pages   [ tree ... | private .......... | x x ]   x: stale KV only
                                       computed_len ^  ^ keep = pages for computed_len + 1
+                                                          (+ num_tokens drafting on)
         """
         end = req.computed_len + 1
         spec = self.spec
