@@ -187,6 +187,23 @@ def test_penalties_and_grammar_fall_back(plain: Engine, spec: Engine) -> None:
 
 # ----- the scheduler's side, without a model --------------------------------
 
+def test_driver_plans_verify_steps_ahead_as_the_engine(model_dir: str, plain: Engine) -> None:
+    """EngineDriver (benchmarks, the GPU tests) runs a verify step's plan-ahead as
+    the engine does: greedy tokens and logprobs equal plain decoding's, drafts kept,
+    every page back after. (Engines of their own: the fixtures' threads run.)"""
+    from tests.engine_util import run_greedy_logprobs
+
+    prompts = echo_prompts(plain, 21, 4, greedy(16))
+    off, on = make(model_dir), make(model_dir, speculative="ngram", num_speculative_tokens=4)
+    want = run_greedy_logprobs(off, prompts, 16)
+    got = run_greedy_logprobs(on, prompts, 16)
+    assert got.tokens == want.tokens
+    for a, b in zip(want.logprobs, got.logprobs):
+        assert [x.logprob for x in a] == pytest.approx([y.logprob for y in b], abs=1e-4)
+    assert on.scheduler.spec is not None and on.scheduler.spec.counters.accepted_tokens_total > 0
+    assert_pool_baseline(on)
+
+
 def _sched(num_pages: int = 16, k: int = 4) -> Scheduler:
     return Scheduler(page_size=4, num_pages=num_pages, max_running=2, max_prefill_length=64,
                      max_model_len=60, eos_token_ids=[2],
