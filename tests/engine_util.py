@@ -258,7 +258,7 @@ def drive(engine: Engine, reqs: list[tuple[str, list[int], SamplingParams]],
             engine.abort(rid)
             pending.pop(rid)
         engine._drain_inbox(block=False)
-        if not (engine.scheduler.has_work or engine._inflight is not None or pending):
+        if not (engine.busy or pending):
             return outs
         engine._step()
     raise AssertionError(f"requests still running after {max_steps} steps")

@@ -319,27 +319,37 @@ def test_follower_proceeds_when_its_leader_goes() -> None:
 
 
 def test_pack_tokens_matches_per_token_layout() -> None:
-    """The vectorized packer equals the per-token definition for short (decode)
-    and long (chunk) sequences mixed, across page boundaries."""
+    """The vectorized packer equals the per-token definition for short (decode,
+    verify) and long (chunk) sequences mixed, across page boundaries, also with long
+    runs of short ones (a verify batch); too few pages for a sequence is an
+    IndexError, not another sequence's slots."""
     from ftserve.models.forward_batch import pack_tokens
 
     rng = random.Random(3)
     ps = 4
-    toks, pres, tables = [], [], []
-    for n, pre in [(1, 9), (40, 0), (3, 5), (17, 13), (1, 0), (64, 31)]:
-        toks.append([rng.randrange(100) for _ in range(n)])
-        pres.append(pre)
-        tables.append(rng.sample(range(1, 500), (pre + n + ps - 1) // ps))
-    ids, pos, locs, indptr, seq_lens, last = pack_tokens(toks, pres, tables, ps)
-    want_pos = [p for t, pre in zip(toks, pres) for p in range(pre, pre + len(t))]
-    want_locs = [tab[p // ps] * ps + p % ps
-                 for t, pre, tab in zip(toks, pres, tables) for p in range(pre, pre + len(t))]
-    assert ids.tolist() == [x for t in toks for x in t]
-    assert pos.tolist() == want_pos
-    assert locs.tolist() == want_locs
-    assert indptr == [0, 1, 41, 44, 61, 62, 126]
-    assert seq_lens == [10, 40, 8, 30, 1, 95]
-    assert last == [0, 40, 43, 60, 61, 125]
+    short_run = [(rng.randrange(1, 6), rng.randrange(0, 30)) for _ in range(12)]  # > 24 tokens
+    for shape in ([(1, 9), (40, 0), (3, 5), (17, 13), (1, 0), (64, 31)],
+                  [(5, 3), *short_run, (17, 2), (1, 4), (2, 7), *short_run]):
+        toks, pres, tables = [], [], []
+        for n, pre in shape:
+            toks.append([rng.randrange(100) for _ in range(n)])
+            pres.append(pre)
+            tables.append(rng.sample(range(1, 500), (pre + n + ps - 1) // ps))
+        ids, pos, locs, indptr, seq_lens, last = pack_tokens(toks, pres, tables, ps)
+        want_pos = [p for t, pre in zip(toks, pres) for p in range(pre, pre + len(t))]
+        want_locs = [tab[p // ps] * ps + p % ps
+                     for t, pre, tab in zip(toks, pres, tables) for p in range(pre, pre + len(t))]
+        assert ids.tolist() == [x for t in toks for x in t]
+        assert pos.tolist() == want_pos
+        assert locs.tolist() == want_locs
+        ends = [sum(len(t) for t in toks[:i + 1]) for i in range(len(toks))]
+        assert indptr == [0, *ends]
+        assert seq_lens == [pre + len(t) for t, pre in zip(toks, pres)]
+        assert last == [e - 1 for e in ends]
+    assert indptr[:3] == [0, 5, 5 + short_run[0][0]]
+    tables[3] = tables[3][:-1]  # a short sequence one page short
+    with pytest.raises(IndexError):
+        pack_tokens(toks, pres, tables, ps)
 
 
 def test_fused_kv_store_same_tokens(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:

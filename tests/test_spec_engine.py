@@ -187,6 +187,23 @@ def test_penalties_and_grammar_fall_back(plain: Engine, spec: Engine) -> None:
 
 # ----- the scheduler's side, without a model --------------------------------
 
+def test_driver_plans_verify_steps_ahead_as_the_engine(model_dir: str, plain: Engine) -> None:
+    """EngineDriver (benchmarks, the GPU tests) runs a verify step's plan-ahead as
+    the engine does: greedy tokens and logprobs equal plain decoding's, drafts kept,
+    every page back after. (Engines of their own: the fixtures' threads run.)"""
+    from tests.engine_util import run_greedy_logprobs
+
+    prompts = echo_prompts(plain, 21, 4, greedy(16))
+    off, on = make(model_dir), make(model_dir, speculative="ngram", num_speculative_tokens=4)
+    want = run_greedy_logprobs(off, prompts, 16)
+    got = run_greedy_logprobs(on, prompts, 16)
+    assert got.tokens == want.tokens
+    for a, b in zip(want.logprobs, got.logprobs):
+        assert [x.logprob for x in a] == pytest.approx([y.logprob for y in b], abs=1e-4)
+    assert on.scheduler.spec is not None and on.scheduler.spec.counters.accepted_tokens_total > 0
+    assert_pool_baseline(on)
+
+
 def _sched(num_pages: int = 16, k: int = 4) -> Scheduler:
     return Scheduler(page_size=4, num_pages=num_pages, max_running=2, max_prefill_length=64,
                      max_model_len=60, eos_token_ids=[2],
@@ -224,6 +241,37 @@ def test_verify_commit_trims_rejected_pages() -> None:
     st = s.spec.counters  # type: ignore[union-attr]
     assert (st.verifies_total, st.proposed_tokens_total, st.accepted_tokens_total) == (2, 8, 1)
     assert st.accept_lengths == [1, 1, 0, 0, 0]
+
+
+def test_plan_ahead_takes_the_next_verify_pages_from_free_ones() -> None:
+    """While a verify step runs, plan_ahead takes the pages its request's next
+    verify can need (this draft all kept, then a full draft) from free pages; the
+    commit keeps them for a request that drafts on and frees them for one that
+    backs off; with no page to spare per running request it takes none."""
+    s = _sched()
+    req = Req("r", [5, 6, 7, 8, 9, 5, 6], greedy(20), 0.0)
+    s.add(req)
+    b = s.schedule()
+    assert b is not None
+    s.commit(b, [7])
+    b = s.schedule()
+    assert b is not None and b.drafts == [[8, 9, 5, 6]] and len(req.pages) == 3
+    s.plan_ahead(b)  # up to 7 + 4 + 2 + 4 = 17 tokens: 5 pages
+    assert len(req.pages) == 5
+    s.commit_verified(b, [[8, 9, 5, 6, 7]])  # all kept: 12 computed, drafts on
+    assert req.computed_len == 12 and len(req.pages) == 5 and req.pages_trimmed_to is None
+    s.check_integrity()
+    b = s.schedule()
+    assert b is not None and b.drafts == [[8, 9, 5, 6]] and len(req.pages) == 5  # nothing new
+    free = s.allocator.num_free
+    held = s.allocator.alloc(free - 1)  # 1 free: the page it needs (22 tokens), none to spare
+    s.plan_ahead(b)
+    assert len(req.pages) == 5
+    s.commit_verified(b, [[1, 1, 1, 1, 1]])  # all rejected: back-off, plain steps next
+    assert req.computed_len == 13 and len(req.pages) == 4 and req.pages_trimmed_to == 4
+    assert held is not None
+    s.allocator.free(held)
+    s.check_integrity()
 
 
 def test_back_off_doubles_and_resets() -> None:

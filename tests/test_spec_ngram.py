@@ -68,3 +68,32 @@ def test_examples() -> None:
     assert latest.propose(1) == [3]  # the most recent occurrence wins
     with pytest.raises(ValueError):
         NgramIndex(3, 2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=30),
+       steps=st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=5), st.integers(0, 6),
+                                st.integers(0, 3), st.booleans()), max_size=12),
+       min_n=st.integers(1, 2), extra=st.integers(0, 2))
+def test_indexing_ahead_then_sync_equals_plain_indexing(
+        prompt: list[int], steps: list[tuple[list[int], int, int, bool]], min_n: int, extra: int) -> None:
+    """A verify step's positions indexed ahead (as if all of its draft were kept),
+    then synced with the tokens it really kept (some prefix of the draft and a
+    token of its own, sometimes nothing, sometimes more), leave the index exactly
+    as plain indexing of those tokens does: same dict, same proposals."""
+    idx = NgramIndex(min_n, min_n + extra)
+    seq = list(prompt)
+    idx.sync(seq)
+    for draft, keep, bonus, ahead in steps:
+        if ahead:
+            idx.catch_up()
+            assert idx.index_ahead(draft)
+        new = draft[:keep] + ([bonus] if keep <= len(draft) else [bonus, bonus])
+        seq += new if keep < 6 else []  # keep 6: the step added nothing
+        idx.sync(seq)
+        ref = NgramIndex(min_n, min_n + extra)
+        ref.extend(seq)
+        ref.catch_up()
+        idx.catch_up()
+        assert idx.tokens == seq and idx._latest == ref._latest
+        assert idx.propose(4) == brute_force(seq, min_n, min_n + extra, 4)

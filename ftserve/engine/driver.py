@@ -67,7 +67,13 @@ class EngineDriver:
                     or self.sched.wants_tokens_now(launched.batch)):
                 # A non-final chunk: nothing to wait for; a constrained request's
                 # token must reach its matcher before the next mask; a speculative
-                # draft continues tokens the host holds (EngineCore._step).
+                # draft continues tokens the host holds (EngineCore._step), which
+                # plans what of the next step it can while a verify step runs.
+                if launched.batch.verifies:
+                    t0 = time.perf_counter()
+                    self.sched.plan_ahead(launched.batch)
+                    self.runner.mirror_pages(launched.batch.reqs)
+                    self.host_s += time.perf_counter() - t0
                 self.finish(launched)
             else:
                 self.inflight = launched

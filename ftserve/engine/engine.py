@@ -8,7 +8,17 @@
 
 Overlap scheduling (step N+1 launched before step N's tokens are read) holds for
 every batch without a constrained request (response_format); a step that samples
-one is read back at once, since the next step's token mask needs its token.
+one is read back at once, since the next step's token mask needs its token, and
+so is a speculative verify step (the next drafts continue the tokens it keeps).
+After such a step the device idles until the next is launched, so its outputs
+and stats are handed over just after that launch, while the device runs it:
+
+    plain:    launch N+1 | read N, commit N | emit N             (the device runs N+1)
+    at once:  launch N | plan ahead | read N, commit N, schedule N+1, launch N+1 | emit N
+                                      '-- the device idles: nothing else here --'
+
+where "plan ahead" (a verify step) is the part of step N+1's planning that does
+not need step N's tokens (Scheduler.plan_ahead, the page mirror).
 
 An exception in the engine thread fails every live request with
 finish_reason "error" and marks the engine unhealthy; it never hangs silently.
@@ -98,6 +108,9 @@ class EngineCore:
         self.runner = runner
         self.overlap = overlap
         self._inflight: Launched | None = None
+        # The requests of a step committed at once (nothing left in flight), whose
+        # outputs and stats wait for the next launch (module docstring); None: none.
+        self._unreported: list[Req] | None = None
         self.status_log_interval = status_log_interval
         self.check_integrity = check_integrity
         self.healthy = True
@@ -152,7 +165,7 @@ class EngineCore:
     def _run(self) -> None:
         try:
             while True:
-                busy = self.scheduler.has_work or self._inflight is not None
+                busy = self.busy
                 if not self._drain_inbox(block=not busy):
                     break
                 self._step()
@@ -162,7 +175,14 @@ class EngineCore:
             self.error = f"{type(exc).__name__}: {exc}"
             self._fail_all(self.error)
 
+    @property
+    def busy(self) -> bool:
+        """Another _step has something to do: plan, commit or report."""
+        return self.scheduler.has_work or self._inflight is not None or self._unreported is not None
+
     def _drain_inbox(self, block: bool) -> bool:
+        if not block and not self._inbox.qsize():
+            return True  # the common case between steps: no exception raised and caught
         while True:
             try:
                 item = self._inbox.get(block=block, timeout=0.5 if block else None)
@@ -211,6 +231,10 @@ class EngineCore:
         """
         batch = self.scheduler.schedule()
         launched = self.runner.launch(batch) if batch is not None else None
+        if self._unreported is not None:
+            # The last step's outputs, now that the device has this one to run.
+            unreported, self._unreported = self._unreported, None
+            self._report(unreported)
         if self.check_integrity and batch is not None:
             self.runner.check_page_rows(batch.reqs)
         stepped: list[Req] = []
@@ -233,12 +257,25 @@ class EngineCore:
             # (a verify step always; a plain one whose request leaves back-off).
             if (launched.out is None or not self.overlap or launched.constrained
                     or self.scheduler.wants_tokens_now(launched.batch)):
+                if launched.batch.verifies:  # while the device runs it
+                    self.scheduler.plan_ahead(launched.batch)
+                    self.runner.mirror_pages(launched.batch.reqs)
                 self._commit(launched)
                 stepped += launched.batch.reqs
             else:
                 self._inflight = launched
         if self.check_integrity:
             self.scheduler.check_integrity()
+        if launched is not None and self._inflight is None and self.scheduler.has_work:
+            # Nothing in flight: the device idles until the next launch, so the
+            # outputs go out after it. (With no work left they go now.)
+            self._unreported = stepped
+        else:
+            self._report(stepped)
+
+    def _report(self, stepped: list[Req]) -> None:
+        """Hand the step's outputs (and whatever finished since) to the event loop
+        and refresh the stats."""
         self._emit(self._collect(stepped))
         self._stats = self._make_stats()
         self._maybe_log_status()
@@ -295,7 +332,9 @@ class EngineCore:
                 pass
 
     def _fail_all(self, message: str, reason: str = "error") -> None:
-        outs = self._collect()  # requests that finished normally before the failure
+        # Requests that finished normally before the failure, and outputs not yet handed over.
+        unreported, self._unreported = self._unreported or [], None
+        outs = self._collect(unreported)
         for req in list(self.scheduler.by_id.values()):
             outs.append(RequestOutput(req.request_id, req.pending_ids, finish_reason=reason,
                                       error=message if reason == "error" else None,

@@ -174,9 +174,9 @@ class ModelRunner:
     def mirror_pages(self, reqs: list[Req]) -> None:
         """Copy the pages added to each request since the last step into the device
         page table (one upload): the forward reads them."""
-        upd_rows: list[np.ndarray] = []
-        upd_cols: list[np.ndarray] = []
-        upd_pages: list[np.ndarray] = []
+        rows: list[int] = []
+        cols: list[int] = []
+        pages: list[int] = []
         for req in reqs:
             s, key = req.slot, (req, req.admissions)
             if self._owner[s] != key:
@@ -186,14 +186,14 @@ class ModelRunner:
             if req.pages_trimmed_to is not None:  # the scheduler dropped pages since
                 n = self._synced[s] = min(n, req.pages_trimmed_to)
                 req.pages_trimmed_to = None
-            new = req.pages[n:]
-            if new:
-                upd_rows.append(np.full(len(new), s, dtype=np.int64))
-                upd_cols.append(np.arange(n, n + len(new), dtype=np.int64))
-                upd_pages.append(np.array(new, dtype=np.int64))
-                self._synced[s] = len(req.pages)
-        if upd_rows:
-            dev = self._upload(np.concatenate(upd_rows + upd_cols + upd_pages)).view(3, -1)
+            m = len(req.pages)
+            if m > n:
+                rows += [s] * (m - n)
+                cols += range(n, m)
+                pages += req.pages[n:]
+                self._synced[s] = m
+        if rows:
+            dev = self._upload(rows + cols + pages).view(3, -1)
             self.page_table.index_put_((dev[0], dev[1]), dev[2].to(torch.int32))
 
     def check_page_rows(self, reqs: list[Req]) -> None:
@@ -520,12 +520,18 @@ class ModelRunner:
                 d[:] = made[o:o + k]
                 toks[1:1 + k] = d  # fed after the request's last token
                 o += k
-        tokens: list[list[int]] = [[] for _ in batch.reqs]
-        lps: list[list[TokenLogprob | None]] = [[] for _ in batch.reqs]
-        for j, i in enumerate(rows):
-            tokens[i].append(sampled[j])
-            lps[i].append(row_lps[j] if row_lps is not None else None)
-        return tokens, (lps if row_lps is not None else None)
+        # rows is sample_rows(batch): each request's rows in one run, in request order.
+        tokens: list[list[int]] = []
+        lps: list[list[TokenLogprob | None]] | None = None if row_lps is None else []
+        o = 0
+        for d, s in zip(batch.drafts, batch.samples):
+            n = len(d) + 1 if s else 0
+            tokens.append(sampled[o:o + n])
+            if lps is not None and row_lps is not None:
+                lps.append(row_lps[o:o + n])
+            o += n
+        assert o == len(rows), "rows must be sample_rows(batch)"
+        return tokens, lps
 
     def step(self, batch: ScheduledBatch) -> tuple[list[int], list[TokenLogprob | None] | None]:
         """launch + collect, without overlap."""
@@ -545,6 +551,8 @@ def logits_rows(batch: ScheduledBatch, rows: list[int], last: list[int]) -> list
     last new token, or in a verify step the m-th of its last len(draft) + 1."""
     if not batch.drafts:
         return [last[i] for i in rows]
+    if len(rows) == last[-1] + 1:  # every token is sampled (a verify batch): in token order
+        return list(range(len(rows)))
     return [last[i] - len(batch.drafts[i]) + m for i, m in zip(rows, _draft_offsets(batch, rows))]
 
 
@@ -589,4 +597,5 @@ class Launched:
     @property
     def constrained(self) -> bool:
         """Some row that samples has a grammar: its tokens gate the next step's masks."""
-        return any(self.batch.reqs[i].grammar is not None for i in self.rows)
+        b = self.batch
+        return any(r.grammar is not None for r, s in zip(b.reqs, b.samples) if s)

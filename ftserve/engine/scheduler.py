@@ -289,31 +289,34 @@ class Scheduler:
             reqs.append(req)
         if not reqs:
             return None
-        drafts = self._drafts(reqs) if self.spec is not None else []
+        # Speculation's drafts: for requests whose last token the host holds, and
+        # only where the pool has the draft's pages without preempting anyone
+        # (else plain decoding).
+        spec = self.spec
+        if spec is not None:
+            spec.begin_step()
         new_tokens, prefix_lens, src_rows, steps = [], [], [], []
-        for i, r in enumerate(reqs):
-            k = r.num_inflight_tokens
-            new_tokens.append([-1] if k else [r.tokens[-1], *(drafts[i] if drafts else ())])
-            prefix_lens.append(r.computed_len + k)
-            src_rows.append(r.inflight_row if k else -1)
-            steps.append(r.num_outputs + k)
-        verify = any(drafts)
-        return ScheduledBatch(reqs, not verify, new_tokens, prefix_lens, [True] * len(reqs),
-                              src_rows=src_rows, steps=steps, drafts=drafts if verify else [])
-
-    def _drafts(self, reqs: list[Req]) -> list[list[int]]:
-        """Speculation's drafts for a decode step whose pages are reserved: for
-        requests whose last token the host holds, and only where the pool has
-        the draft's pages without preempting anyone (else plain decoding)."""
-        assert self.spec is not None
-        self.spec.begin_step()
         drafts: list[list[int]] = []
         for r in reqs:
-            d = [] if r.num_inflight_tokens else self.spec.propose(r)
+            n_out = len(r.output_ids)
+            if r.num_inflight_tokens:  # its input token is the in-flight step's output
+                new_tokens.append([-1])
+                prefix_lens.append(r.computed_len + 1)
+                src_rows.append(r.inflight_row)
+                steps.append(n_out + 1)
+                drafts.append([])
+                continue
+            d = spec.propose(r) if spec is not None else []
             if d and not self._reserve(r, r.computed_len + 1 + len(d)):
                 d = []
             drafts.append(d)
-        return drafts
+            new_tokens.append([r.tokens[-1], *d])
+            prefix_lens.append(r.computed_len)
+            src_rows.append(-1)
+            steps.append(n_out)
+        verify = any(drafts)
+        return ScheduledBatch(reqs, not verify, new_tokens, prefix_lens, [True] * len(reqs),
+                              src_rows=src_rows, steps=steps, drafts=drafts if verify else [])
 
     # ----- pages ---------------------------------------------------------
     def _reserve(self, req: Req, num_tokens: int) -> bool:
@@ -550,6 +553,30 @@ class Scheduler:
                 if req.state is not ReqState.FINISHED:
                     self._trim_pages(req)
 
+    def plan_ahead(self, batch: ScheduledBatch) -> None:
+        """Host work for the step after a verify step, done while the device runs
+        it (engine._step): each draft's n-grams indexed as if kept
+        (Speculator.index_ahead), and the pages the request's next verify needs
+        at most (all of this draft kept, then a full draft), taken only while the
+        pool has them free with a page to spare per running request (no eviction,
+        no preemption for a guess). _trim_pages keeps them for a request that
+        drafts on; the runner mirrors them before the read-back."""
+        spec = self.spec
+        if spec is None or spec.device_drafts:  # MTP: placeholders, and no n-gram index
+            return
+        ps, alloc = self.page_size, self.allocator
+        spare = len(self.running)
+        for req, draft, pre in zip(batch.reqs, batch.drafts, batch.prefix_lens):
+            if not draft:
+                continue
+            spec.index_ahead(req, draft)
+            top = min(pre + len(draft) + 2 + spec.num_tokens, self.max_model_len)
+            need = -(-top // ps) - len(req.pages)
+            if need > 0 and alloc.num_free - need >= spare:
+                pages = alloc.alloc(need)
+                if pages is not None:
+                    req.pages.extend(pages)
+
     def wants_tokens_now(self, batch: ScheduledBatch) -> bool:
         """The step must be read back before the next is planned: a request in it
         will look for a draft next, from its tokens on the host."""
@@ -590,11 +617,16 @@ class Scheduler:
         input (its last token, then draft tokens equal to the sampled ones)."""
         n0, len0 = req.num_outputs, len(req.tokens)
         end, reason = len(kept), None
-        for j, tok in enumerate(kept):
-            reason = self._stop_reason_at(req.params, tok, n0 + j + 1, len0 + j + 1)
-            if reason is not None:
-                end = j + 1
-                break
+        p = req.params
+        if (n0 + end >= p.max_tokens or len0 + end >= self.max_model_len
+                or (p.stop_token_ids and not set(p.stop_token_ids).isdisjoint(kept))
+                or (not p.ignore_eos and not self.eos_token_ids.isdisjoint(kept))):
+            # Some kept token may stop it: find the first that does.
+            for j, tok in enumerate(kept):
+                reason = self._stop_reason_at(p, tok, n0 + j + 1, len0 + j + 1)
+                if reason is not None:
+                    end = j + 1
+                    break
         toks = kept[:end] if end < len(kept) else kept
         req.computed_len = prefix_len + end
         req.tokens.extend(toks)
@@ -609,13 +641,19 @@ class Scheduler:
             self.finish(req, reason)
 
     def _trim_pages(self, req: Req) -> None:
-        """Free the private pages past what the next plain step needs (they hold
-        only rejected draft KV) and tell the runner to re-mirror from there.
+        """Free the private pages past what the next step needs (a plain step's,
+        or a full draft's if the request drafts on: they hold only rejected draft
+        KV) and tell the runner to re-mirror from there.
 
             pages   [ tree ... | private .......... | x x ]   x: stale KV only
                                       computed_len ^  ^ keep = pages for computed_len + 1
+                                                          (+ num_tokens drafting on)
         """
-        keep = max(-(-(req.computed_len + 1) // self.page_size), req.num_tree_pages)
+        end = req.computed_len + 1
+        spec = self.spec
+        if spec is not None and not spec.device_drafts and spec.drafting(req):
+            end += spec.num_tokens  # its next verify's (plan_ahead may have taken them)
+        keep = max(-(-end // self.page_size), req.num_tree_pages)
         if len(req.pages) > keep:
             self.allocator.free(req.pages[keep:])
             del req.pages[keep:]

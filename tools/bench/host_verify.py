@@ -30,11 +30,23 @@ counted). Per step, in us (the best of ``--repeats`` means of ``--steps``):
                GPU one greedy Triton launch (reported, not counted)
     read       ModelRunner.collect_verified (read back, tokens per request)
     commit     Scheduler.commit_verified (acceptance, stop checks, page trim)
-    engine     the rest of EngineCore._step (outputs, stats)
+    engine     the rest of EngineCore._step (outputs, stats, the drafts'
+               n-grams indexed ahead)
+    total      the sum of the six
+
+and how much of the total runs while the step's device work is queued,
+between the verify graph's replay call and the read-back (the sampler's
+launches, the copy-out, the last step's outputs and stats, the n-grams
+indexed ahead):
+
+    overlap    host time in that window (less the CPU sampler's compute)
+    critical   total - overlap: the host time on the device's critical path,
+               from the read-back of one verify step to the next replay
 
 On a GPU each torch call of ``launch`` is also a kernel launch (and the
 pinned copies, events and Triton launches add their own); this counts the
-Python around them.
+Python around them. ``overlap`` is hidden only while the device is busier
+than the host in that window (a forward of more than a few hundred us).
 """
 
 from __future__ import annotations
@@ -94,6 +106,8 @@ class HostOnlyVerifyGraphs(PrefillGraphs):
         super().__init__(runner, buckets[-1], max_seqs, buckets=buckets, all_rows=True)
         self.graph_s = self.fill_s = 0.0
         self.replays = 0
+        self.replayed_at = 0.0  # perf_counter when the last replay returned
+        self.on_replay: Any = None
 
     def _fill(self, batch: Any, bucket: int) -> None:
         t0 = time.perf_counter()
@@ -105,7 +119,10 @@ class HostOnlyVerifyGraphs(PrefillGraphs):
         self.replays += 1
         p = self.inputs
         logits = one_hot(p.ids.index_select(0, p.logits_rows[:bucket]), self.runner.sampler.vocab_size)
-        self.graph_s += time.perf_counter() - t0
+        self.replayed_at = time.perf_counter()
+        if self.on_replay is not None:
+            self.on_replay()
+        self.graph_s += self.replayed_at - t0
         return logits
 
 
@@ -122,12 +139,17 @@ def build(max_bs: int, context: int, tokens: int, k: int, vocab: int, model_dir:
 
 
 class _Timed:
-    """Wraps obj.name to add its wall time to acc[part]."""
+    """Wraps obj.name to add its wall time to acc[part] (``at_start``: called
+    first instead, not timed)."""
 
-    def __init__(self, acc: dict[str, float], part: str, obj: Any, name: str) -> None:
+    def __init__(self, acc: dict[str, float], part: str, obj: Any, name: str,
+                 at_start: Any = None) -> None:
         fn = getattr(obj, name)
 
         def timed(*a: Any, **kw: Any) -> Any:
+            if at_start is not None:
+                at_start()
+                return fn(*a, **kw)
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
@@ -135,6 +157,12 @@ class _Timed:
                 acc[part] += time.perf_counter() - t0
 
         setattr(obj, name, timed)
+
+
+def overlap_window(acc: dict[str, float], graphs: HostOnlyVerifyGraphs) -> None:
+    """At a read-back: add the host time since the step's replay returned, less
+    the CPU sampler's compute in it, to acc["overlap"]."""
+    acc["overlap"] += time.perf_counter() - graphs.replayed_at - (acc["sample"] - acc["sample_at_replay"])
 
 
 def bench_batch(eng: Engine, bs: int, k: int, context: int, steps: int, repeats: int, warmup: int,
@@ -153,14 +181,20 @@ def bench_batch(eng: Engine, bs: int, k: int, context: int, steps: int, repeats:
         reqs.append(r)
     graphs = HostOnlyVerifyGraphs(runner, min(sched.max_running, 16), k)
     runner.verify_graphs = graphs
+
+    def replayed() -> None:
+        acc["sample_at_replay"] = acc["sample"]
+
     while any(r.state is not ReqState.DECODE or r.num_outputs < 2 for r in reqs):
         eng._step()
-    acc = dict.fromkeys(PARTS + ("step", "sample"), 0.0)
+    acc = dict.fromkeys(PARTS + ("step", "sample", "overlap", "sample_at_replay"), 0.0)
     _Timed(acc, "schedule", sched, "schedule")
     _Timed(acc, "launch", runner, "launch")
     _Timed(acc, "sample", runner.sampler, "sample")
     _Timed(acc, "read", runner, "collect_verified")
+    _Timed(acc, "overlap", runner, "collect_verified", at_start=lambda: overlap_window(acc, graphs))
     _Timed(acc, "commit", sched, "commit_verified")
+    graphs.on_replay = replayed
     spec = sched.spec
     assert spec is not None
 
@@ -174,7 +208,7 @@ def bench_batch(eng: Engine, bs: int, k: int, context: int, steps: int, repeats:
 
     for _ in range(warmup):
         step()
-    best = dict.fromkeys(PARTS + ("graph", "sample"), float("inf"))
+    best = dict.fromkeys(PARTS + ("graph", "sample", "overlap", "critical"), float("inf"))
     prof = cProfile.Profile() if profile else None
     for _ in range(repeats):
         for key in acc:
@@ -192,6 +226,8 @@ def bench_batch(eng: Engine, bs: int, k: int, context: int, steps: int, repeats:
              "launch": acc["launch"] - graphs.fill_s - graphs.graph_s - acc["sample"],
              "read": acc["read"], "commit": acc["commit"], "graph": graphs.graph_s, "sample": acc["sample"]}
         t["engine"] = acc["step"] - sum(acc[p] for p in ("schedule", "launch", "read", "commit"))
+        t["overlap"] = acc["overlap"]
+        t["critical"] = sum(t[p] for p in PARTS) - acc["overlap"]
         for key, v in t.items():
             best[key] = min(best[key], v / steps * 1e6)
     if prof is not None:
@@ -244,10 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host us per verify step (CPU; k = {args.k}, every draft kept; best of {args.repeats} x "
           f"{args.steps} steps, context {args.context}; not counted: graph, the stand-in forward, "
           "and sample, the CPU sampler's compute)")
-    print(f"{'batch':>5} " + " ".join(f"{p:>9}" for p in PARTS) + f" {'total':>9} {'graph':>9} {'sample':>9}")
+    extra = ("total", "overlap", "critical", "graph", "sample")
+    print(f"{'batch':>5} " + " ".join(f"{p:>9}" for p in PARTS + extra))
     for r in rows:
-        print(f"{r['batch']:>5} " + " ".join(f"{r[p + '_us']:9.1f}" for p in PARTS)
-              + f" {r['total_us']:9.1f} {r['graph_us']:9.1f} {r['sample_us']:9.1f}")
+        print(f"{r['batch']:>5} " + " ".join(f"{r[p + '_us']:9.1f}" for p in PARTS + extra))
     if args.json:
         write_json(args.json, {"k": args.k, "context": args.context, "steps": args.steps,
                                "repeats": args.repeats, "rows": rows})

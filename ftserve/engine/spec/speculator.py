@@ -25,7 +25,9 @@ draft needs its last token on the host, so the engine reads such a step back
 at once; engine._step). (An MTP request in back-off still has its MTP KV
 kept by every step: mtp.py.)
 
-Indexing: a request's n-gram index catches up over its prompt in pieces of
+Indexing: the engine indexes a verify step's drafts ahead while the device
+runs it (``index_ahead``: the lookup after it then mostly finds them done),
+and a request's n-gram index catches up over its prompt in pieces of
 at most INDEX_BUDGET positions per engine step, all requests together, so a
 long prompt's first steps do not stall everyone's (it drafts once indexed).
 """
@@ -110,11 +112,12 @@ class Speculator:
         (empty: plain decoding this step)."""
         if not self.supports(req):
             return []
-        st = self._state(req)
-        if req.num_outputs < st.resume_at:
+        st = req.spec if req.spec is not None else self._state(req)
+        n_out = len(req.output_ids)
+        if n_out < st.resume_at:
             return []
-        k = self.limit(req)
-        if k == 0:
+        k = min(self.num_tokens, req.params.max_tokens - n_out - 1, self.max_model_len - len(req.tokens))
+        if k <= 0:  # as limit(req)
             return []
         draft = self._draft(req, st, k)
         if draft is None:
@@ -128,12 +131,21 @@ class Speculator:
         None while its n-gram index still catches up over its prompt."""
         idx = st.index
         assert idx is not None
-        idx.extend(req.tokens[len(idx):])
+        idx.sync(req.tokens)
         if idx.behind:
             self._budget -= idx.catch_up(max(0, self._budget))
             if idx.behind:
                 return None
         return idx.propose(k)
+
+    def index_ahead(self, req: Req, draft: list[int]) -> None:
+        """While the verify step of ``draft`` runs: index the request's n-grams as
+        if it kept all of it (ngram.py), so the commit and the next lookup have
+        only what the kept tokens change left to do. A guess: the next ``_draft``
+        syncs the index with the tokens really kept, exactly."""
+        st: SpecState | None = req.spec
+        if st is not None and st.index is not None and len(st.index) == len(req.tokens):
+            st.index.index_ahead(draft)
 
     def record(self, req: Req, proposed: int, accepted: int) -> None:
         """What a verify step kept of the request's draft."""
