@@ -15,7 +15,7 @@ def test_smoke_checks_every_candidate_against_the_reference(tmp_path: Path) -> N
     results = bench.main(["--smoke", "--out", str(out)])
     assert json.loads(out.read_text())["rows"] == results["rows"]
     sections = {(r["section"], r["candidate"]) for r in results["rows"]}
-    assert sections >= {("prefill", "triton"), ("prefill", "triton scan=16/4/2"), ("decode", "triton"),
+    assert sections >= {("prefill", "triton"), ("prefill", "triton scan=32/4/2"), ("decode", "triton"),
                         ("decode", "triton block_v=32"), ("conv_prefill", "triton"),
                         ("conv_decode", "triton"), ("prefill", "torch")}
     for r in results["rows"]:
