@@ -51,6 +51,46 @@ class Fp8GemmConfig:
 
 
 @triton.jit
+def block_scaled_dot(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, mmask, nmask, K,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SCALE_K: tl.constexpr, TILE_SCALE: tl.constexpr, EVEN_K: tl.constexpr,
+                     UPCAST: tl.constexpr):
+    """sum over K in BLOCK_K steps of dot(a codes, b codes) x row scale x weight
+    scale -> [BLOCK_M, BLOCK_N] fp32. a_ptrs [BM, BK], b_ptrs [BK, BN] at k = 0;
+    as_ptrs [BM] the rows' scales (+ the K group); bs_ptrs the weight scales (+ the
+    K block): a scalar with TILE_SCALE (folded into the row scales), else [BN].
+    Each step's dot adds in fp32; the scales for step k+1 load during step k."""
+    if TILE_SCALE:
+        sb = tl.load(bs_ptrs)
+    else:
+        sb = tl.load(bs_ptrs, mask=nmask, other=0.0)
+    sa = tl.load(as_ptrs, mask=mmask, other=0.0)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
+        else:
+            kmask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        kn = tl.minimum(k0 + BLOCK_K, K - 1)  # the next step's column, in bounds
+        sa_next = tl.load(as_ptrs + kn // BLOCK_K, mask=mmask, other=0.0)
+        if TILE_SCALE:
+            sb_next = tl.load(bs_ptrs + kn // SCALE_K)
+            acc += mma(a, b, UPCAST) * (sa * sb)[:, None]
+        else:
+            sb_next = tl.load(bs_ptrs + kn // SCALE_K, mask=nmask, other=0.0)
+            acc += mma(a, b, UPCAST) * sa[:, None] * sb[None, :]
+        sa = sa_next
+        sb = sb_next
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr,
     M, N, K, NUM_M, NUM_N,
@@ -75,32 +115,10 @@ def _fp8_gemm_kernel(
     as_ptrs = as_ptr + rows * stride_asm  # [BM], + the K group
     if TILE_SCALE:
         bs_ptrs = bs_ptr + (pid_n * BLOCK_N // SCALE_N) * stride_bsn  # scalar, + the K block
-        sb = tl.load(bs_ptrs)
     else:
         bs_ptrs = bs_ptr + (offs_n // SCALE_N) * stride_bsn  # [BN], + the K block
-        sb = tl.load(bs_ptrs, mask=nmask, other=0.0)
-    sa = tl.load(as_ptrs, mask=mmask, other=0.0)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=mmask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
-        else:
-            kmask = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        kn = tl.minimum(k0 + BLOCK_K, K - 1)  # the next step's column, in bounds
-        sa_next = tl.load(as_ptrs + kn // BLOCK_K, mask=mmask, other=0.0)
-        if TILE_SCALE:
-            sb_next = tl.load(bs_ptrs + kn // SCALE_K)
-            acc += mma(a, b, UPCAST) * (sa * sb)[:, None]
-        else:
-            sb_next = tl.load(bs_ptrs + kn // SCALE_K, mask=nmask, other=0.0)
-            acc += mma(a, b, UPCAST) * sa[:, None] * sb[None, :]
-        sa = sa_next
-        sb = sb_next
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    acc = block_scaled_dot(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, mmask, nmask, K,
+                           BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, TILE_SCALE, EVEN_K, UPCAST)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :]

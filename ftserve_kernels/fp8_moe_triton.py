@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ftserve_kernels.attention_common import FP8_MAX, FP8_MIN_AMAX, interpreting, mma, round_e4m3
-from ftserve_kernels.fp8_gemm_triton import check_weight
+from ftserve_kernels.fp8_gemm_triton import block_scaled_dot, check_weight
 from ftserve_kernels.fp8_quant import (
     FP8,
     GROUP,
@@ -236,32 +236,10 @@ def _fp8_moe_down_kernel(
         as_ptrs = as_ptr + rows64 * stride_as
         if TILE_SCALE:
             bs_ptrs = s_ptr + e * stride_se + (pid_n * BLOCK_N // SCALE_N) * stride_sn  # scalar
-            sb = tl.load(bs_ptrs)
         else:
             bs_ptrs = s_ptr + e * stride_se + (offs_n // SCALE_N) * stride_sn
-            sb = tl.load(bs_ptrs, mask=nmask, other=0.0)
-        sa = tl.load(as_ptrs, mask=rmask, other=0.0)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=nmask[None, :], other=0.0)
-            else:
-                kmask = offs_k < INTER - k0
-                a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            kn = tl.minimum(k0 + BLOCK_K, INTER - 1)  # the next step's column, in bounds
-            sa_next = tl.load(as_ptrs + kn // BLOCK_K, mask=rmask, other=0.0)
-            if TILE_SCALE:
-                sb_next = tl.load(bs_ptrs + kn // SCALE_K)
-                acc += mma(a, b, UPCAST) * (sa * sb)[:, None]
-            else:
-                sb_next = tl.load(bs_ptrs + kn // SCALE_K, mask=nmask, other=0.0)
-                acc += mma(a, b, UPCAST) * sa[:, None] * sb[None, :]
-            sa = sa_next
-            sb = sb_next
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+        acc = block_scaled_dot(a_ptrs, b_ptrs, as_ptrs, bs_ptrs, rmask, nmask, INTER,
+                               BLOCK_M, BLOCK_N, BLOCK_K, SCALE_K, TILE_SCALE, EVEN_K, UPCAST)
         wt = tl.load(weights_ptr + rows64, mask=rmask, other=0.0)  # [M] routing weight
         acc = acc * wt[:, None]
         tl.store(y_ptr + rows64[:, None] * stride_y + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),

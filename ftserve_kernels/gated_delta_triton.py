@@ -65,13 +65,14 @@ import triton.language as tl
 
 from ftserve_kernels.attention_common import interpreting, mma
 from ftserve_kernels.gated_delta import CHUNK, L2_EPS
+from ftserve_kernels.gated_delta_verify_triton import block, decode_warps, rule_shapes
 from ftserve_kernels.gated_delta_verify_triton import conv_commit as conv_commit
 from ftserve_kernels.gated_delta_verify_triton import conv_verify as conv_verify
 from ftserve_kernels.gated_delta_verify_triton import gated_delta_commit as gated_delta_commit
 from ftserve_kernels.gated_delta_verify_triton import gated_delta_verify as gated_delta_verify
-from ftserve_kernels.short_conv_triton import check_slot_state, device_bounds, seq_grid, slot_flag
 from ftserve_kernels.short_conv_triton import conv_decode as conv_decode
 from ftserve_kernels.short_conv_triton import conv_prefill as conv_prefill
+from ftserve_kernels.short_conv_triton import device_bounds, seq_grid, slot_flag
 
 SUB = 16  # diagonal block of the triangular inverse (tl.dot's smallest tile)
 assert CHUNK == 4 * SUB, "the inverse's Neumann series has exactly four block terms"
@@ -95,18 +96,10 @@ def scan_stages(elem_bytes: int) -> int:
     return SCAN_STAGES if elem_bytes <= 2 else min(SCAN_STAGES, 2)
 
 
-def _block(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
-
-
-def decode_warps(block_k: int, block_v: int) -> int:
-    return 4 if block_k * block_v >= 4096 else 2
-
-
 def decode_block_v(batch: int, heads: int, dv: int, sms: int = 132) -> int:
     """Columns of S per decode program: the widest that still gives every SM two
     programs (a memory-bound kernel wants bytes in flight on every SM)."""
-    bv = min(_block(dv), 64)
+    bv = min(block(dv), 64)
     while bv > 16 and batch * heads * triton.cdiv(dv, bv) < 2 * sms:
         bv //= 2
     return bv
@@ -306,14 +299,9 @@ def _chunk_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr, slot_
 
 def _rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, states: torch.Tensor) -> tuple[int, int, int, int]:
-    hk, dk = q.shape[-2:]
-    hv, dv = v.shape[-2:]
-    assert k.shape == q.shape and hv % hk == 0
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-    assert q.stride(-2) == k.stride(-2) == dk and v.stride(-2) == dv, "heads must be packed in a row"
+    hk, hv, dk, dv = rule_shapes(k, v, g, beta, states)
+    assert q.shape == k.shape and q.stride(-1) == 1 and q.stride(-2) == dk
     assert q.dtype == k.dtype and q.dtype in _DTYPES
-    assert g.stride(-1) == beta.stride(-1) == 1 and g.shape == beta.shape == v.shape[:-1]
-    check_slot_state(states, (hv, dk, dv))
     return hk, hv, dk, dv
 
 
@@ -327,8 +315,8 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     _gdn_decode_kernel[(b, hv, triton.cdiv(dv, bv))](
         q, k, v, g, beta, o, states, slots, has_state,
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), o.stride(0), states.stride(0),
-        dk**-0.5, L2_EPS, HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=_block(dk), BLOCK_V=bv,
-        num_warps=decode_warps(_block(dk), bv))
+        dk**-0.5, L2_EPS, HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=block(dk), BLOCK_V=bv,
+        num_warps=decode_warps(block(dk), bv))
     return o
 
 
@@ -352,14 +340,14 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     # input dtype, which is what the scan's matmul takes it in.
     tinv = torch.empty((max(chunks, 1), hv, CHUNK, CHUNK), dtype=torch.float32, device=q.device)
     aqk = torch.empty(tinv.shape, dtype=q.dtype, device=q.device)
-    bk = _block(dk)
+    bk = block(dk)
     if chunks:
         _chunk_local_kernel[(chunks, hv)](
             q, k, g, beta, cu, tinv, aqk, nseq,
             q.stride(0), k.stride(0), g.stride(0), beta.stride(0), dk**-0.5, L2_EPS,
             HK=hk, HV=hv, DK=dk, BLOCK_K=bk, C=CHUNK, SB=SUB, EXACT=q.dtype == torch.float32,
             num_warps=LOCAL_WARPS, num_stages=1)
-    bv = min(block_v or SCAN_BLOCK_V, _block(dv))
+    bv = min(block_v or SCAN_BLOCK_V, block(dv))
     _chunk_scan_kernel[(nseq, hv, triton.cdiv(dv, bv))](
         q, k, v, g, beta, o, states, slots, has_state, cu, tinv, aqk,
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), o.stride(0), states.stride(0),

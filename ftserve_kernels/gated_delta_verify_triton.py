@@ -34,9 +34,8 @@ import triton.language as tl
 from ftserve_kernels.gated_delta import L2_EPS
 from ftserve_kernels.short_conv_triton import (
     CONV_BLOCK_C,
-    CONV_BLOCK_T,
-    _conv_prefill_kernel,
     check_slot_state,
+    conv_prefill,
     device_bounds,
     seq_grid,
     slot_flag,
@@ -127,34 +126,25 @@ def _conv_commit_kernel(x_ptr, cs_ptr, slot_ptr, has_ptr, lo_ptr, kept_ptr,
     tl.store(st_ptr + e[None, :], val, mask=m)
 
 
-def _block(n: int) -> int:
+def block(n: int) -> int:
+    """A tile's side for n (a head's dk or dv): a power of two, at least 16 (tl.dot's)."""
     return max(16, triton.next_power_of_2(n))
 
 
-def _warps(block_k: int, block_v: int) -> int:
+def decode_warps(block_k: int, block_v: int) -> int:
+    """Warps of a token-by-token update over a [block_k, block_v] slice of S
+    (the decode kernel's, and the verify and commit launches')."""
     return 4 if block_k * block_v >= 4096 else 2
 
 
 def conv_verify(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
                 has_state: torch.Tensor, seq_bounds: Sequence[int] | None,
                 cu_seqlens: torch.Tensor | None = None, static_len: int | None = None) -> torch.Tensor:
-    t, c = x.shape
-    width = w.shape[1] - 1
-    check_slot_state(conv_states, (c, width))
-    assert x.stride(1) == 1 and w.is_contiguous()
-    nseq, max_len = seq_grid(seq_bounds, slots, static_len)
-    out = torch.empty((t, c), dtype=x.dtype, device=x.device)
-    if nseq == 0 or max_len == 0:
-        return out
-    cu = device_bounds(seq_bounds, cu_seqlens, x.device)
-    block_c = min(triton.next_power_of_2(c), CONV_BLOCK_C)
-    _conv_prefill_kernel[(nseq, triton.cdiv(max_len, CONV_BLOCK_T), triton.cdiv(c, block_c))](
-        x, w, conv_states, slots, has_state, cu, out, x.stride(0), out.stride(0), conv_states.stride(0), c,
-        W=width, BLOCK_T=CONV_BLOCK_T, BLOCK_C=block_c)
-    return out
+    return conv_prefill(x, w, conv_states, slots, has_state, seq_bounds, cu_seqlens, static_len,
+                        move_windows=False)
 
 
-def _rule_shapes(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def rule_shapes(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  states: torch.Tensor) -> tuple[int, int, int, int]:
     hk, dk = k.shape[-2:]
     hv, dv = v.shape[-2:]
@@ -170,20 +160,20 @@ def gated_delta_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                        has_state: torch.Tensor, seq_bounds: Sequence[int] | None,
                        cu_seqlens: torch.Tensor | None = None, block_v: int | None = None,
                        static_len: int | None = None) -> torch.Tensor:
-    hk, hv, dk, dv = _rule_shapes(k, v, g, beta, states)
+    hk, hv, dk, dv = rule_shapes(k, v, g, beta, states)
     assert q.shape == k.shape and q.stride(-1) == 1 and q.stride(-2) == dk
     nseq, _ = seq_grid(seq_bounds, slots, static_len)
     o = torch.empty((q.shape[0], hv, dv), dtype=v.dtype, device=v.device)
     if nseq == 0:
         return o
     cu = device_bounds(seq_bounds, cu_seqlens, q.device)
-    bk = _block(dk)
-    bv = min(block_v or VERIFY_BLOCK_V, _block(dv))
+    bk = block(dk)
+    bv = min(block_v or VERIFY_BLOCK_V, block(dv))
     _gdn_tokens_kernel[(nseq, hv, triton.cdiv(dv, bv))](
         q, k, v, g, beta, o, states, slots, has_state, cu, cu,
         0, k.stride(0), 0, v.stride(0), 0, g.stride(0), 0, beta.stride(0),
         q.stride(0), o.stride(0), 0, states.stride(0), dk**-0.5, L2_EPS,
-        HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=bk, BLOCK_V=bv, VERIFY=True, num_warps=_warps(bk, bv))
+        HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=bk, BLOCK_V=bv, VERIFY=True, num_warps=decode_warps(bk, bv))
     return o
 
 
@@ -209,14 +199,14 @@ def gated_delta_commit(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: 
                        block_v: int | None = None) -> None:
     n_layers = k.shape[0]
     assert states.shape[0] == n_layers
-    hk, hv, dk, dv = _rule_shapes(k[0], v[0], g[0], beta[0], states[0])
+    hk, hv, dk, dv = rule_shapes(k[0], v[0], g[0], beta[0], states[0])
     nseq = slots.shape[0]
     if nseq == 0:
         return
-    bk = _block(dk)
-    bv = min(block_v or VERIFY_BLOCK_V, _block(dv))
+    bk = block(dk)
+    bv = min(block_v or VERIFY_BLOCK_V, block(dv))
     _gdn_tokens_kernel[(nseq, n_layers * hv, triton.cdiv(dv, bv))](
         k, k, v, g, beta, k, states, slots, has_state, starts, kept,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
         beta.stride(0), beta.stride(1), 0, 0, states.stride(0), states.stride(1), 1.0, L2_EPS,
-        HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=bk, BLOCK_V=bv, VERIFY=False, num_warps=_warps(bk, bv))
+        HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=bk, BLOCK_V=bv, VERIFY=False, num_warps=decode_warps(bk, bv))

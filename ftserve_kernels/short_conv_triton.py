@@ -158,7 +158,10 @@ def conv_decode(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slo
 
 def conv_prefill(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
                  has_state: torch.Tensor, seq_bounds: Sequence[int] | None,
-                 cu_seqlens: torch.Tensor | None = None, static_len: int | None = None) -> torch.Tensor:
+                 cu_seqlens: torch.Tensor | None = None, static_len: int | None = None,
+                 move_windows: bool = True) -> torch.Tensor:
+    """``move_windows=False``: the outputs alone, every slot's window left as it
+    was (a verify step's conv, gated_delta_verify_triton.conv_verify)."""
     t, c = x.shape
     width = w.shape[1] - 1
     check_slot_state(conv_states, (c, width))
@@ -173,7 +176,8 @@ def conv_prefill(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, sl
         _conv_prefill_kernel[(nseq, triton.cdiv(max_len, block_t), triton.cdiv(c, block_c))](
             x, w, conv_states, slots, has_state, cu, out, x.stride(0), out.stride(0), conv_states.stride(0), c,
             W=width, BLOCK_T=block_t, BLOCK_C=block_c)
-    _conv_state_kernel[(nseq, triton.cdiv(c, block_c))](
-        x, conv_states, slots, has_state, cu, x.stride(0), conv_states.stride(0), c,
-        W=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_C=block_c)
+    if move_windows:
+        _conv_state_kernel[(nseq, triton.cdiv(c, block_c))](
+            x, conv_states, slots, has_state, cu, x.stride(0), conv_states.stride(0), c,
+            W=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_C=block_c)
     return out
