@@ -93,60 +93,31 @@ def constexpr_defaults(fn: Any) -> dict[str, Any]:
     return {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
 
 
-def compile_sm90(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int,
-                 stages: int) -> dict[str, Any]:
-    """Compile one kernel for sm_90 as its launch would (pointers and strides
-    specialized as multiples of 16, every other argument named in ``types``
-    or an i32) -> {"shared": bytes, "regs", "local": spill bytes (-1 where
-    cuobjdump is missing)}, or {"error": ...} where it does not compile (an
+def build_sm90(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int, stages: int,
+               aligned: tuple[str, ...] = (), all_strides: bool = True) -> Any:
+    """triton.compile of one kernel for sm_90 as its launch would specialize it:
+    pointers, the strides (all, or with ``all_strides=False`` those named) and the
+    arguments named in ``aligned`` as multiples of 16; every other argument named in ``types`` or an i32. Returns
+    the compiled kernel, or {"error": ...} where it does not compile (an
     out-of-shared-memory kernel fails here, as its launch would)."""
     consts = {k: v for k, v in (constexpr_defaults(fn) | consts).items() if k in fn.arg_names}
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and (sig[n].startswith("*") or "stride" in n)}
+             if n not in consts and (sig[n].startswith("*") or (all_strides and "stride" in n) or n in aligned)}
     try:
-        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     except Exception as exc:  # reported; the test asserts on it
         return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+
+
+def resources(k: Any) -> tuple[dict[str, Any], str]:
+    """({"shared", "regs", "local", "stack", "loop_spills"}, the SASS) of a compiled
+    kernel; -1 and "" where cuobjdump is missing."""
     res: dict[str, Any] = {"shared": k.metadata.shared, "regs": -1, "local": -1, "stack": -1, "loop_spills": -1}
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if os.path.exists(tool):
-        with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-            f.write(k.asm["cubin"])
-        try:
-            usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-        finally:
-            os.unlink(f.name)
-        _usage(res, usage, sass)
-    return res
-
-
-def _compile(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int) -> dict[str, Any]:
-    consts = {k: v for k, v in ({"HAS_MAP": False, "PDL": False, "READ_THROUGH": False, "BLOCK_M": 1}
-                                | constexpr_defaults(fn) | consts).items() if k in fn.arg_names}
-    types = {"map_ptr": "*i32", "bank": "i64", "miss_slot_ptr": "*i32", "miss_id_ptr": "*i32"} | types
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and (sig[n].startswith("*") or "stride" in n or n in _DIV16)}
-    try:
-        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 2})
-    except Exception as exc:  # reported; the test asserts on it
-        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
-    body = k.asm["ptx"][k.asm["ptx"].index(".entry"):]
-    wait = body.find("griddepcontrol.wait")
-    res: dict[str, Any] = {"shared": k.metadata.shared, "regs": -1, "local": -1, "stack": -1, "loop_spills": -1,
-                           "loads_before_first_use": -1, "pdl_wait": wait >= 0,
-                           "pdl_release": "griddepcontrol.launch_dependents" in body,
-                           # PTX loads ahead of the wait: weights in flight early (pdl.py)
-                           "loads_before_wait": body[:wait].count("ld.global") if wait >= 0 else -1,
-                           # 16-byte loads (what UVA reads from the host bank need to near PCIe speed)
-                           "v4_loads": body.count("ld.global.v4") + body.count("ld.global.L1::evict_last.v4")}
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return res
+        return res, ""
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     try:
@@ -155,12 +126,41 @@ def _compile(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int)
     finally:
         os.unlink(f.name)
     _usage(res, usage, sass)
-    n = 0
-    for line in sass.splitlines():
-        if " FFMA" in line:
-            break
-        n += " LDG" in line
-    res["loads_before_first_use"] = n
+    return res, sass
+
+
+def compile_sm90(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int,
+                 stages: int) -> dict[str, Any]:
+    """build_sm90, then its resources: {"shared": bytes, "regs", "local", "stack",
+    "loop_spills"}, or {"error": ...}."""
+    k = build_sm90(fn, types, consts, warps, stages)
+    return k if isinstance(k, dict) else resources(k)[0]
+
+
+def _compile(fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int) -> dict[str, Any]:
+    """A decode GEMV (2 stages, the expert-cache arguments typed): its resources,
+    PDL placement, 16-byte loads and the weight loads issued before the first FMA."""
+    consts = {"HAS_MAP": False, "PDL": False, "READ_THROUGH": False, "BLOCK_M": 1} | constexpr_defaults(fn) | consts
+    types = {"map_ptr": "*i32", "bank": "i64", "miss_slot_ptr": "*i32", "miss_id_ptr": "*i32"} | types
+    k = build_sm90(fn, types, consts, warps, 2, aligned=_DIV16)
+    if isinstance(k, dict):
+        return k
+    res, sass = resources(k)
+    body = k.asm["ptx"][k.asm["ptx"].index(".entry"):]
+    wait = body.find("griddepcontrol.wait")
+    res |= {"loads_before_first_use": -1, "pdl_wait": wait >= 0,
+            "pdl_release": "griddepcontrol.launch_dependents" in body,
+            # PTX loads ahead of the wait: weights in flight early (pdl.py)
+            "loads_before_wait": body[:wait].count("ld.global") if wait >= 0 else -1,
+            # 16-byte loads (what UVA reads from the host bank need to near PCIe speed)
+            "v4_loads": body.count("ld.global.v4") + body.count("ld.global.L1::evict_last.v4")}
+    if sass:
+        n = 0
+        for line in sass.splitlines():
+            if " FFMA" in line:
+                break
+            n += " LDG" in line
+        res["loads_before_first_use"] = n
     return res
 
 

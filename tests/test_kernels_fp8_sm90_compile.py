@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from typing import Any
 
-from tests.sm90_compile import compile_in_child, loop_spills
+from tests.sm90_compile import compile_in_child
 from tests.test_kernels_sm90_compile import SMEM_LIMIT
 
 H, INTER, E, K = 2048, 768, 128, 8  # qwen3-30b-a3b: hidden, expert width, experts, top-k
 MAX_STACK = 16  # bytes: a few values saved before a loop and read back after it
-def _compile_all() -> dict[str, dict[str, Any]]:
-    import tempfile
 
+
+def _compile_all() -> dict[str, dict[str, Any]]:
     import torch
     import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from ftserve_kernels import fp8_gemm_triton as fg
     from ftserve_kernels import fp8_gemv_triton as fv
@@ -41,47 +38,27 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     from ftserve_kernels import gemv_configs as gc
     from ftserve_kernels import gemv_triton as gemv
     from tests.sm90_compile import _compile as compile_gemv
-    from tests.sm90_compile import constexpr_defaults
+    from tests.sm90_compile import build_sm90, resources
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     results: dict[str, dict[str, Any]] = {}
     f8, bf, f32, i32 = "*fp8e4nv", "*bf16", "*fp32", "*i32"
 
     def comp(name: str, fn: Any, types: dict[str, str], consts: dict[str, Any], warps: int, stages: int,
              aligned: tuple[str, ...] = ()) -> None:
-        consts = {k: v for k, v in (constexpr_defaults(fn) | consts).items() if k in fn.arg_names}
-        types = {"bank": "i64", "map_ptr": i32, "miss_slot_ptr": i32, "miss_id_ptr": i32} | types
-        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
         # Launch-time specialization: pointers, and the strides that are multiples of 16 at these shapes.
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if n not in consts and (sig[n].startswith("*") or n in aligned)}
-        try:
-            k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-        except Exception as exc:  # reported, asserted on by the test
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        types = {"bank": "i64", "map_ptr": i32, "miss_slot_ptr": i32, "miss_id_ptr": i32} | types
+        k = build_sm90(fn, types, consts, warps, stages, aligned=aligned, all_strides=False)
+        if isinstance(k, dict):  # reported, asserted on by the test
+            results[name] = k
             return
         ptx = k.asm["ptx"]
-        usage: dict[str, int] = {}
-        spills = -1
-        if os.path.exists(tool):
-            with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-                f.write(k.asm["cubin"])
-            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-            os.unlink(f.name)
-            # ptxas spills to the stack frame (STACK); LOCAL counts only local arrays.
-            usage = {w.split(":")[0]: int(w.split(":")[1]) for w in out.split()
-                     if w.split(":")[0] in ("REG", "STACK", "LOCAL")}
-            spills = loop_spills(sass)
         body = ptx[ptx.index(".entry"):]
         wait = body.find("griddepcontrol.wait")
-        results[name] = {"shared": k.metadata.shared, "regs": usage.get("REG", -1),
-                         "stack": usage.get("STACK", -1), "local": usage.get("LOCAL", -1),
-                         "loop_spills": spills, "cp_async": "cp.async" in ptx,
-                         "fp8_wgmma": any("wgmma" in line and "e4m3" in line for line in ptx.splitlines()),
-                         "pdl_wait": wait >= 0,
-                         "loads_before_wait": body[:wait].count("ld.global") if wait >= 0 else -1}
+        results[name] = resources(k)[0] | {
+            "cp_async": "cp.async" in ptx,
+            "fp8_wgmma": any("wgmma" in line and "e4m3" in line for line in ptx.splitlines()),
+            "pdl_wait": wait >= 0,
+            "loads_before_wait": body[:wait].count("ld.global") if wait >= 0 else -1}
 
     comp("act_quant", fq._act_quant_kernel, {"x_ptr": bf, "q_ptr": f8, "s_ptr": f32},
          dict(GROUP_K=fq.GROUP, BLOCK_T=8), 4, 1, ("stride_x", "stride_q"))

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import tempfile
 from typing import Any
 
 from tests.sm90_compile import compile_in_child
@@ -22,10 +20,7 @@ SMEM_LIMIT = 227 * 1024  # H100/H200 max dynamic shared memory per block
 
 
 def _compile_all() -> dict[str, dict[str, Any]]:
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from ftserve_kernels import attention_triton as at
     from ftserve_kernels import bookkeeping as bk
@@ -35,50 +30,28 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     from ftserve_kernels import moe_triton as mt
     from ftserve_kernels import norm_triton as nt
     from ftserve_kernels import rope_triton as rt
-    from tests.sm90_compile import constexpr_defaults
+    from tests.sm90_compile import build_sm90, constexpr_defaults, resources
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     results: dict[str, dict[str, Any]] = {}
 
     def comp(name: str, fn: Any, types: dict[str, str], consts: dict[str, Any],
              warps: int = 4, stages: int = 3) -> None:
-        # Optional features default off; a name the kernel lacks is dropped.
-        # (constexpr_defaults: the constexprs a kernel defaults stay constants.)
-        consts = {k: v for k, v in ({"HAS_MAP": False, "FP8": False, "PDL": False, "READ_THROUGH": False,
-                                     "BLOCK_M": 1, "QK": False} | constexpr_defaults(fn) | consts).items()
-                  if k in fn.arg_names}
+        # Optional features off unless the kernel defaults them; a name it lacks is dropped.
+        consts = {"HAS_MAP": False, "FP8": False, "PDL": False, "READ_THROUGH": False, "BLOCK_M": 1,
+                  "QK": False} | constexpr_defaults(fn) | consts
         types = {"map_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "bank": "i64",
                  "miss_slot_ptr": "*i32", "miss_id_ptr": "*i32"} | types
-        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-        # Launch-time specialization: pointers and strides divisible by 16.
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if n not in consts and (sig[n].startswith("*") or "stride" in n)}
-        try:
-            k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                               target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": warps, "num_stages": stages})
-        except Exception as exc:  # reported, asserted on by the test
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        k = build_sm90(fn, types, consts, warps, stages)  # pointers and strides divisible by 16
+        if isinstance(k, dict):  # reported, asserted on by the test
+            results[name] = k
             return
         ptx = k.asm["ptx"]
-        local = regs = -1
-        if os.path.exists(tool):
-            with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
-                f.write(k.asm["cubin"])
-            out = subprocess.run([tool, "--dump-resource-usage", f.name],
-                                 capture_output=True, text=True).stdout
-            os.unlink(f.name)
-            for word in out.split():
-                if word.startswith("LOCAL:"):
-                    local = int(word.split(":")[1])
-                if word.startswith("REG:"):
-                    regs = int(word.split(":")[1])
         body = ptx[ptx.index(".entry"):]
         wait = body.find("griddepcontrol.wait")
-        results[name] = {"shared": k.metadata.shared, "wgmma": "wgmma" in ptx,
-                         "cp_async": "cp.async" in ptx, "local": local, "regs": regs,
-                         "pdl_wait": wait >= 0, "pdl_release": "griddepcontrol.launch_dependents" in body,
-                         "loads_before_wait": body[:wait].count("ld.global") if wait >= 0 else -1}
+        results[name] = resources(k)[0] | {
+            "wgmma": "wgmma" in ptx, "cp_async": "cp.async" in ptx,
+            "pdl_wait": wait >= 0, "pdl_release": "griddepcontrol.launch_dependents" in body,
+            "loads_before_wait": body[:wait].count("ld.global") if wait >= 0 else -1}
 
     bf, i32 = "*bf16", "*i32"
     comp("store_kv", at._store_kv_kernel,
@@ -286,7 +259,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     tokens = rule | {"lo_ptr": i32, "kept_ptr": "*i64"}
     for name, verify in (("gdn_verify", True), ("gdn_commit", False)):
         comp(name, gvt._gdn_tokens_kernel, tokens,
-             heads | dict(DV=128, BLOCK_V=gvt.VERIFY_BLOCK_V, VERIFY=verify), gvt._warps(128, gvt.VERIFY_BLOCK_V), 1)
+             heads | dict(DV=128, BLOCK_V=gvt.VERIFY_BLOCK_V, VERIFY=verify), gvt.decode_warps(128, gvt.VERIFY_BLOCK_V), 1)
     comp("gdn_conv_commit", gvt._conv_commit_kernel, conv | {"lo_ptr": i32, "kept_ptr": "*i64"},
          dict(W=3, BLOCK_W=4, BLOCK_C=sct.CONV_BLOCK_C))
     return results
@@ -298,7 +271,10 @@ def test_kernels_compile_for_sm90() -> None:
     assert not errors, errors
     for name, r in results.items():
         assert r["shared"] <= SMEM_LIMIT, (name, r)
-        assert r["local"] in (0, -1), f"{name} spills registers to local memory: {r}"
+        assert r["local"] in (0, -1), f"{name} uses local memory: {r}"
+        # An fp32 model's exact (ieee) dots are a parity path, not a serving one: they
+        # spill (2026-12-05: fp32_extend 8,360 stack bytes), the serving kernels may not in a loop.
+        assert name.startswith("fp32_") or r["loop_spills"] in (0, -1), f"{name} spills registers in a loop: {r}"
     for name in ("extend", "moe_gate_up_T8192", "moe_down_T8192", "gdn_chunk_local", "gdn_chunk_scan"):
         assert results[name]["wgmma"], f"{name} does not use Hopper wgmma: {results[name]}"
         # fp32 operands multiply in fp32: no tensor-core (TF32) instruction
