@@ -47,8 +47,12 @@ def drive(gate: SpecGate, clock: Clock, steps: int, rows: int, on: tuple[float, 
 
 
 def test_buckets() -> None:
-    assert [bucket(n) for n in (1, 2, 3, 4, 7, 8, 16, 31)] == [1, 2, 2, 3, 3, 4, 5, 5]
-    assert [bucket_name(b) for b in (1, 2, 5)] == ["1", "2-3", "16-31"]
+    """Half octaves around the powers of two: a closed loop of 8 or 16 clients
+    (one fewer running while a new request prefills) stays in one bucket."""
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 16, 19, 20)] == \
+        [1, 3, 4, 5, 6, 6, 7, 7, 7, 8, 9, 9, 9, 10]
+    assert [bucket_name(b) for b in (1, 3, 7, 9, 2)] == ["1", "2", "7-9", "14-19", "none"]
+    assert all(bucket(n) <= bucket(n + 1) for n in range(1, 600))
 
 
 def test_a_slower_speculation_goes_off_and_costs_little() -> None:
@@ -96,13 +100,14 @@ def test_equal_rates_keep_the_incumbent() -> None:
 
 def test_batch_sizes_decide_apart() -> None:
     """Speculation wins at batch 1 and loses at 16 (compute-bound verifies):
-    on at one, off at the other."""
+    on at one, off at the other and its neighbours in the bucket."""
     clock = Clock()
     gate = SpecGate(clock)
     for _ in range(20):
         drive(gate, clock, 3 * WINDOW, 1, on=(1.2, 4), off=(1.0, 1))
         drive(gate, clock, 3 * WINDOW, 16, on=(4.0, 40), off=(1.0, 16))
-    assert gate.allows(1) and gate.allows(2) and not gate.allows(16) and not gate.allows(31)
+    assert gate.allows(1) and gate.allows(2) and not gate.allows(15) and not gate.allows(19)
+    assert gate.allows(20) and gate.allows(13)  # not measured: on
 
 
 def test_prefill_steps_idle_and_the_other_mode_break_windows() -> None:

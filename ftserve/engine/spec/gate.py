@@ -11,7 +11,8 @@ that are kept at 85% can still lose tokens/s, so the gate measures instead of
 modelling:
 
     windows of WINDOW consecutive decode steps (plain or verify) at one batch
-    size bucket (1, 2-3, 4-7, 8-15, ...): tokens committed / wall seconds
+    size bucket (1, 2, 3, 4, 5-6, 7-9, 10-13, 14-19, ...): tokens committed /
+    wall seconds
     the incumbent mode (speculation on, at first) runs; every ``probe_every``
     windows one window runs the other mode; the faster by more than
     HYSTERESIS becomes the incumbent
@@ -33,7 +34,9 @@ scheduling. The engine feeds ``observe`` once per committed step
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,13 +50,19 @@ EWMA = 0.5  # weight of a new window in the incumbent's rate
 
 
 def bucket(rows: int) -> int:
-    """Batch size bucket: 1, 2-3, 4-7, 8-15, ... -> 1, 2, 3, 4, ..."""
-    return max(1, rows).bit_length()
+    """Batch size bucket: half octaves centred on the powers of two, so that a
+    closed loop of 16 clients (15 or 16 running) stays in one: rows 1, 2, 3,
+    4, 5-6, 7-9, 10-13, 14-19, 20-26, ... -> 1, 3, 4, 5, 6, 7, 8, 9, 10, ..."""
+    return 1 + round(2 * math.log2(max(1, rows)))
 
 
+@functools.cache
 def bucket_name(b: int) -> str:
-    lo, hi = 1 << (b - 1), (1 << b) - 1
-    return str(lo) if lo == hi else f"{lo}-{hi}"
+    """The rows of bucket b, as "lo-hi" (or "n")."""
+    rows = [n for n in range(1, 1 << (b // 2 + 2)) if bucket(n) == b]
+    if not rows:
+        return "none"
+    return str(rows[0]) if rows[0] == rows[-1] else f"{rows[0]}-{rows[-1]}"
 
 
 @dataclass
