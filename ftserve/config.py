@@ -81,6 +81,9 @@ class EngineConfig:
                                    "the request's own prompt and output (ngram) or made by the "
                                    "checkpoint's MTP layer (mtp), verified in one step, outputs as "
                                    "without it (not for hybrid models)")
+    speculative_gate: bool = _opt(True, "speculate at every batch size, even where it measures slower "
+                                        "than plain decoding (by default the engine times both and "
+                                        "drafts only where speculation is faster)")
     num_speculative_tokens: int = _opt(4, "draft tokens per verify step (--speculative)")
     ngram_min_match: int = _opt(2, "shortest suffix of a request's tokens that an n-gram draft "
                                    "continues from an earlier occurrence")

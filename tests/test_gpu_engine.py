@@ -56,6 +56,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def make_engine(model_dir: str, device: str = "cuda", graphs: bool = True, **kw: Any) -> Engine:
     from ftserve.engine.setup import build_engine
 
+    kw.setdefault("speculative_gate", False)  # drafting by the test's design, not by timing
     cfg = EngineConfig(
         model=model_dir, load_format="dummy", device=device,
         dtype="bfloat16" if device == "cuda" else "float32",

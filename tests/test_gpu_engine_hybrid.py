@@ -50,7 +50,7 @@ def make_engine(model_dir: str, graphs: bool = True, **kw: Any) -> Engine:
         model=model_dir, load_format="dummy", device="cuda", dtype="bfloat16",
         attention_backend="triton", page_size=16, num_pages=1024, max_prefill_length=CHUNK,
         max_running_requests=8, cuda_graph_max_bs=8 if graphs else 0, state_checkpoint_pages=8,
-        status_log_interval=0.0)
+        status_log_interval=0.0, speculative_gate=False)  # drafting by the test's design, not by timing
     base.update(kw)
     return build_engine(EngineConfig(**base))
 

@@ -46,7 +46,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def make(model_dir: str, **kw: Any) -> Engine:
     base: dict[str, Any] = dict(model=model_dir, load_format="dummy", device="cpu", dtype="float32",
                                 page_size=4, num_pages=512, max_prefill_length=64,
-                                max_running_requests=16, status_log_interval=0.0)
+                                max_running_requests=16, status_log_interval=0.0,
+                                speculative_gate=False)  # the gate's timed windows would hold some steps' drafting off (test_spec_gate.py)
     base.update(kw)
     eng = build_engine(EngineConfig(**base))
     eng.check_integrity = True  # scheduler, radix and device page rows after every step
@@ -304,7 +305,8 @@ def test_hybrid_models_speculate(tmp_path: Any) -> None:
 
     model = write_config("tiny-qwen3-next", tmp_path / "hybrid")
     cfg = EngineConfig(model=model, load_format="dummy", device="cpu", dtype="float32",
-                       num_pages=64, max_running_requests=2, speculative="ngram", status_log_interval=0.0)
+                       num_pages=64, max_running_requests=2, speculative="ngram", status_log_interval=0.0,
+                       speculative_gate=False)
     engine = build_engine(cfg)
     try:
         pool = engine.scheduler.state_pool

@@ -40,7 +40,7 @@ COPY = (f"<|im_start|>user\nCopy this code exactly, renaming `size` to `length`:
 @pytest.fixture(scope="module")
 def spec_live(smollm2_path: Path) -> Iterator[Live]:
     live = start_live(dataclasses.replace(REAL_ENGINE, model=str(smollm2_path), speculative="ngram",
-                                          num_speculative_tokens=5),
+                                          num_speculative_tokens=5, speculative_gate=False),
                       dataclasses.replace(TEST_SERVER, served_model_name=SMOLLM2), attention_gain=None)
     try:
         yield live

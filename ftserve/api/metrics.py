@@ -80,9 +80,22 @@ class _EngineCollector(Collector):
              getattr(stats, "spec_proposed_tokens_total", 0)),
             ("ftserve_spec_accepted_tokens", "Speculative draft tokens kept (each saves a step).",
              getattr(stats, "spec_accepted_tokens_total", 0)),
+            ("ftserve_spec_gated_steps", "Decode steps in which the speculation gate held drafting "
+             "off (it measured plain decoding faster at that batch size).",
+             getattr(stats, "spec_gated_steps_total", 0)),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=float(value))
+        rates = getattr(stats, "spec_gate_rates", ())
+        if rates:
+            fam = GaugeMetricFamily(
+                "ftserve_spec_gate_tokens_per_second", "The speculation gate's last measured "
+                "tokens/s by batch size, with speculation on and off.", labels=["batch", "speculation"])
+            for name, on, off in rates:
+                for mode, value in (("on", on), ("off", off)):
+                    if value is not None:
+                        fam.add_metric([name, mode], float(value))
+            yield fam
         lengths = getattr(stats, "spec_accept_lengths", ())
         if lengths:  # speculation on: draft tokens kept per verify, 0 .. k
             cumulative = [sum(lengths[:a + 1]) for a in range(len(lengths))]

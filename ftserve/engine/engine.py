@@ -40,6 +40,7 @@ from ftserve.engine.messages import GenerateRequest, RequestOutput
 from ftserve.engine.request import Req
 from ftserve.engine.runner import Launched, ModelRunner
 from ftserve.engine.scheduler import Scheduler
+from ftserve.engine.spec.gate import bucket_name
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,10 @@ class EngineStats:
     spec_proposed_tokens_total: int = 0
     spec_accepted_tokens_total: int = 0
     spec_accept_lengths: tuple[int, ...] = ()
+    # The gate (spec/gate.py): decode steps it held speculation off in, and its
+    # measured tokens/s per batch bucket with and without speculation.
+    spec_gated_steps_total: int = 0
+    spec_gate_rates: tuple[tuple[str, float | None, float | None], ...] = ()
 
     @property
     def kv_usage(self) -> float:
@@ -166,6 +171,8 @@ class EngineCore:
         try:
             while True:
                 busy = self.busy
+                if not busy and self.scheduler.spec is not None and self.scheduler.spec.gate is not None:
+                    self.scheduler.spec.gate.idle()
                 if not self._drain_inbox(block=not busy):
                     break
                 self._step()
@@ -281,12 +288,18 @@ class EngineCore:
         self._maybe_log_status()
 
     def _commit(self, launched: Launched) -> None:
+        before = self.scheduler.counters.generation_tokens_total
         if launched.batch.verifies:
             sampled, row_lps = self.runner.collect_verified(launched)
             self.scheduler.commit_verified(launched.batch, sampled, row_lps)
-            return
-        token_ids, logprobs = self.runner.collect(launched)
-        self.scheduler.commit(launched.batch, token_ids, logprobs)
+        else:
+            token_ids, logprobs = self.runner.collect(launched)
+            self.scheduler.commit(launched.batch, token_ids, logprobs)
+        spec = self.scheduler.spec
+        if spec is not None and spec.gate is not None:  # spec/gate.py: tokens/s per mode
+            b = launched.batch
+            spec.gate.observe(len(b.reqs), b.is_decode or b.verifies,
+                              self.scheduler.counters.generation_tokens_total - before, b.drafting)
 
     def _collect(self, stepped: list[Req] | None = None) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
@@ -384,11 +397,18 @@ class EngineCore:
     def _spec_stats(self) -> dict[str, Any]:
         if self.scheduler.spec is None:
             return {}
-        c = self.scheduler.spec.counters
+        spec = self.scheduler.spec
+        c = spec.counters
+        gate = {}
+        if spec.gate is not None:
+            gate = dict(spec_gated_steps_total=spec.gate.counters.off_steps_total,
+                        spec_gate_rates=tuple(
+                            (bucket_name(b), st.rate.get(True), st.rate.get(False))
+                            for b, st in sorted(spec.gate.buckets.items())))
         return dict(spec_verifies_total=c.verifies_total,
                     spec_proposed_tokens_total=c.proposed_tokens_total,
                     spec_accepted_tokens_total=c.accepted_tokens_total,
-                    spec_accept_lengths=tuple(c.accept_lengths))
+                    spec_accept_lengths=tuple(c.accept_lengths), **gate)
 
     def _stalled(self) -> None:
         """No step could be planned and nothing is in flight, with work queued."""

@@ -72,6 +72,7 @@ class ScheduledBatch:
     # in drafts and new_tokens alike, until the runner reads them back.
     drafts: list[list[int]] = field(default_factory=list)
     step_id: int = -1  # set by Scheduler.schedule
+    drafting: bool = False  # a decode step planned with drafting allowed (spec/gate.py)
     # Hybrid models, (source, destination) state-pool slots: prefix-cache
     # checkpoints copied into requests' slots before the forward, and requests'
     # states saved as checkpoints after it.
@@ -293,8 +294,7 @@ class Scheduler:
         # only where the pool has the draft's pages without preempting anyone
         # (else plain decoding).
         spec = self.spec
-        if spec is not None:
-            spec.begin_step()
+        drafting = spec.begin_step(len(reqs)) if spec is not None else False
         new_tokens, prefix_lens, src_rows, steps = [], [], [], []
         drafts: list[list[int]] = []
         for r in reqs:
@@ -316,7 +316,8 @@ class Scheduler:
             steps.append(n_out)
         verify = any(drafts)
         return ScheduledBatch(reqs, not verify, new_tokens, prefix_lens, [True] * len(reqs),
-                              src_rows=src_rows, steps=steps, drafts=drafts if verify else [])
+                              src_rows=src_rows, steps=steps, drafts=drafts if verify else [],
+                              drafting=drafting)
 
     # ----- pages ---------------------------------------------------------
     def _reserve(self, req: Req, num_tokens: int) -> bool:
@@ -581,8 +582,9 @@ class Scheduler:
         """The step must be read back before the next is planned: a request in it
         will look for a draft next, from its tokens on the host."""
         spec = self.spec
+        rows = len(batch.reqs)
         return spec is not None and any(
-            s and spec.drafting(r) for r, s in zip(batch.reqs, batch.samples))
+            s and spec.drafting(r, rows) for r, s in zip(batch.reqs, batch.samples))
 
     def _landed(self, batch: ScheduledBatch) -> None:
         for req in batch.reqs:

@@ -16,6 +16,7 @@ from ftserve.engine.engine import Engine
 from ftserve.engine.runner import ModelRunner
 from ftserve.engine.sampler import Sampler
 from ftserve.engine.scheduler import Scheduler
+from ftserve.engine.spec.gate import SpecGate
 from ftserve.engine.spec.speculator import Speculator
 from ftserve.kvcache.host_tier import HostKVTier
 from ftserve.kvcache.pool import KVPool, kv_cache_torch_dtype
@@ -274,7 +275,14 @@ def _verify_tokens(cfg: EngineConfig) -> int:
 
 
 def _speculator(cfg: EngineConfig, max_model_len: int) -> Speculator | None:
-    """--speculative's per-request drafting, or None."""
+    """--speculative's per-request drafting with its gate (spec/gate.py), or None."""
+    spec = _drafting(cfg, max_model_len)
+    if spec is not None and cfg.speculative_gate:
+        spec.gate = SpecGate()
+    return spec
+
+
+def _drafting(cfg: EngineConfig, max_model_len: int) -> Speculator | None:
     if cfg.speculative == "off":
         return None
     if cfg.speculative == "mtp":

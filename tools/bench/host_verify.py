@@ -132,7 +132,8 @@ def build(max_bs: int, context: int, tokens: int, k: int, vocab: int, model_dir:
     cfg = EngineConfig(model=model_dir, load_format="dummy", device="cpu", dtype="float32", page_size=ps,
                        num_pages=max_bs * -(-max_len // ps) + 64, max_prefill_length=4096,
                        max_running_requests=max_bs, status_log_interval=0.0, max_model_len=max_len,
-                       speculative="ngram", num_speculative_tokens=k)
+                       speculative="ngram", num_speculative_tokens=k,
+                       speculative_gate=False)  # every step verifies, whatever it costs here
     eng = build_engine(cfg)
     eng.runner.model = NextTokenModel(vocab)
     return eng

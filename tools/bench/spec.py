@@ -6,7 +6,9 @@ For each mode (off, then the speculative one) it starts one ``ftserve serve`` an
 for each batch size, runs the same loadgen workload (same seed, so the same files
 and changes in the same order) with that many closed loops, greedy; reports output
 tokens/s, the ratio to plain decoding, and from /metrics the drafts' acceptance
-(kept / proposed tokens, kept per verify). Targets (BENCHMARKS.md): with the real
+(kept / proposed tokens, kept per verify) and the decode steps the speculation
+gate held drafting off in (it drafts only where it measures speculation faster;
+``-- --disable-speculative-gate`` measures speculation at every step). Targets (BENCHMARKS.md): with the real
 small model at batch 1, >= 2x plain decoding's tokens/s on the H200; with random
 weights (nothing to copy: drafts are rare and rejected, and back off) at most 3%
 slower.
@@ -48,7 +50,7 @@ from tools.bench.common import markdown_table
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC_COUNTERS = ("ftserve_spec_verifies_total", "ftserve_spec_proposed_tokens_total",
-                 "ftserve_spec_accepted_tokens_total")
+                 "ftserve_spec_accepted_tokens_total", "ftserve_spec_gated_steps_total")
 
 
 def free_port() -> int:
@@ -190,9 +192,10 @@ def run_mode(mode: str, serve: list[str], a: argparse.Namespace, budget: Budget)
             summary = loadgen(server.url, os.path.join(a.out, f"{mode}_bs{bs}"), load)
             after = server.metrics()
             moved = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS}
-            verifies, proposed, kept = (moved[k] for k in SPEC_COUNTERS)
+            verifies, proposed, kept, gated = (moved[k] for k in SPEC_COUNTERS)
             summary["spec"] = {
                 "verifies": verifies, "proposed_tokens": proposed, "accepted_tokens": kept,
+                "gated_steps": gated,  # decode steps the gate held drafting off in
                 "acceptance_rate": kept / proposed if proposed else None,
                 "kept_per_verify": kept / verifies if verifies else None,
             }
@@ -214,21 +217,23 @@ def render_markdown(res: dict[str, Any]) -> str:
         off, on = res["off"].get(str(bs)), res[mode].get(str(bs))
         if not (_ran(off) and _ran(on)):
             why = next((r["skipped"] for r in (off, on) if r is not None and "skipped" in r), "not run")
-            rows.append([bs, f"skipped: {why}", "", "", "", "", "", "", ""])
+            rows.append([bs, f"skipped: {why}", "", "", "", "", "", "", "", ""])
             continue
         assert off is not None and on is not None
         sp = on["spec"]
         rows.append([bs, off["output_throughput"], on["output_throughput"],
                      f"{res['ratios'][str(bs)]:.3f}", sp["acceptance_rate"], sp["kept_per_verify"],
-                     sp["verifies"], off["completed"] + on["completed"], off["failed"] + on["failed"]])
+                     sp["verifies"], sp.get("gated_steps"), off["completed"] + on["completed"],
+                     off["failed"] + on["failed"]])
     starts = ", ".join(f"{m} {res[m]['startup_s']:.0f} s" for m in ("off", mode) if "startup_s" in res[m])
     return "\n".join([
         f"### Speculative decoding ({mode}) vs plain on the edit replay -- {res['model']}, "
         f"{res['where']}, {res['date_utc']}",
         f"reproduce: `python -m tools.bench.spec {shlex.join(res['argv'])}`", "",
         markdown_table(["batch", "plain tok/s", f"{mode} tok/s", "ratio", "acceptance",
-                        "kept per verify", "verifies", "requests", "failed"], rows), "",
+                        "kept per verify", "verifies", "gated steps", "requests", "failed"], rows), "",
         "acceptance: draft tokens kept / proposed; kept per verify: the mean accept length; "
+        "gated steps: decode steps in which the gate (ftserve/engine/spec/gate.py) held drafting off; "
         f"server start-up: {starts or 'n/a'}; whole run {res['wall_s']:.0f} s.", ""])
 
 

@@ -25,6 +25,11 @@ draft needs its last token on the host, so the engine reads such a step back
 at once; engine._step). (An MTP request in back-off still has its MTP KV
 kept by every step: mtp.py.)
 
+Gate (gate.py): speculation pays only where the verify steps it saves cost
+less than the tokens they add; a SpecGate (--disable-speculative-gate: none)
+measures tokens/s with and without it per batch size and holds drafting off
+where it loses. A step it holds off drafts nothing and counts no miss.
+
 Indexing: the engine indexes a verify step's drafts ahead while the device
 runs it (``index_ahead``: the lookup after it then mostly finds them done),
 and a request's n-gram index catches up over its prompt in pieces of
@@ -37,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ftserve.engine.spec.gate import SpecGate
 from ftserve.engine.spec.ngram import NgramIndex
 
 if TYPE_CHECKING:
@@ -75,6 +81,8 @@ class Speculator:
         self.max_model_len = max_model_len
         self.counters = SpecCounters(accept_lengths=[0] * (num_tokens + 1))
         self._budget = INDEX_BUDGET
+        self.gate: SpecGate | None = None  # set by the engine's setup (--speculative-gate)
+        self._open = True  # this step's requests may draft (the gate)
 
     @staticmethod
     def supports(req: Req) -> bool:
@@ -90,16 +98,23 @@ class Speculator:
     def _new_state(self) -> SpecState:
         return SpecState(index=NgramIndex(self.min_match, self.max_match))
 
-    def drafting(self, req: Req) -> bool:
+    def drafting(self, req: Req, rows: int | None = None) -> bool:
         """It will look for a draft at its step after the next one commits: that
-        step must be read back before the following one is planned."""
+        step must be read back before the following one is planned. ``rows``:
+        that step's batch size, for the gate (None: assume it lets it)."""
         if not self.supports(req):
+            return False
+        if rows is not None and self.gate is not None and not self.gate.allows(rows):
             return False
         st: SpecState | None = req.spec
         return st is None or req.num_outputs + 1 >= st.resume_at
 
-    def begin_step(self) -> None:
+    def begin_step(self, rows: int) -> bool:
+        """A decode step of ``rows`` requests is being planned: whether they may
+        draft (the gate)."""
         self._budget = INDEX_BUDGET
+        self._open = self.gate is None or self.gate.planned(rows)
+        return self._open
 
     def limit(self, req: Req) -> int:
         """The longest useful draft: room for it and the bonus token within
@@ -110,7 +125,7 @@ class Speculator:
     def propose(self, req: Req) -> list[int]:
         """This step's draft for a decoding request whose tokens the host holds
         (empty: plain decoding this step)."""
-        if not self.supports(req):
+        if not self._open or not self.supports(req):
             return []
         st = req.spec if req.spec is not None else self._state(req)
         n_out = len(req.output_ids)
