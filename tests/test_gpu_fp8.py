@@ -10,7 +10,11 @@
 - offload with an fp8 bank equals resident fp8 exactly, at decode batch 1, 3 and
   8 (read-through GEMVs) and across streamed prefills;
 - the read-through GEMVs reading a pinned fp8 bank over UVA equal fill + GEMV,
-  also replayed in a graph.
+  also replayed in a graph;
+- a one-row decode routed in the fp8 o_proj launch (oproj_route_triton) and the
+  fp8 experts taking its route parts: at qwen3-30b-a3b's shape against the
+  twins, the unfused pair and a graph replay; in the model against the
+  unfused fp8 path.
 
 Bounds: decode GEMVs multiply the dequantized weights by the bf16 rows in fp32
 (w8a16), as the reference does; the prefill GEMMs round each activation to e4m3
