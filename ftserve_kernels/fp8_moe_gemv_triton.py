@@ -19,6 +19,9 @@ fp32 in a fixed order. Twin: fp8_moe_triton.fused_moe_fp8_ref.
 The next layer's input norm folds into the down kernel's epilogue as in the
 bf16 pair (moe_down_gemv_triton's NormNext: normed by the grid's last program,
 or left pending for the next qkv GEMV, ``fused_moe_fp8_add_norm_gemv_triton``).
+A row routed by o_proj (oproj_route_triton, moe_gemv_triton.RouteParts) enters
+as the bf16 pair's does: gate/up applies the post-attention norm left pending
+and writes the chosen experts' weights.
 
 Expert-slot cache (``expert_map``: expert -> slot row) and read-through
 (``Fp8ReadThrough``): this step's misses are read by the GEMVs straight from
@@ -43,6 +46,7 @@ from ftserve_kernels.fp8_gemv_triton import k_step
 from ftserve_kernels.fp8_quant import GROUP, Fp8Weight
 from ftserve_kernels.gemv_triton import _fp8_scaled
 from ftserve_kernels.moe_down_gemv_triton import NormNext, _add_then_norm_last, _add_then_part
+from ftserve_kernels.moe_gemv_triton import RouteParts, _route_inv_rms, _route_weights, route_consts
 from ftserve_kernels.moe_read_through import _miss_source
 
 
@@ -92,10 +96,18 @@ def _fp8_gate_up_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_MAP: tl.constexpr, READ_THROUGH: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
     SCALE_STEP: tl.constexpr = True,
+    parts_ptr=None, P=1, eps=0.0, sel_ptr=None, wout_ptr=None,
+    HAS_PARTS: tl.constexpr = False, BLOCK_P: tl.constexpr = 1, BLOCK_TK: tl.constexpr = 1,
 ):
+    # HAS_PARTS (RouteParts, one row routed by oproj_route_triton): as the bf16
+    # kernel, x is w * s of the post-attention norm left pending; the dots are
+    # scaled by its 1/rms at the end and program (0, 0) writes the chosen
+    # experts' weights (moe_gemv_triton._route_inv_rms, _route_weights).
     pdl.enter(PDL)  # the ids / activations come from the kernel before
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair)
+    if HAS_PARTS:  # summed before the K loop, its load beside the ids' (the bf16 kernel's reason)
+        inv = _route_inv_rms(parts_ptr, P, H, eps, BLOCK_P)
     if HAS_MAP:  # expert -> row of w (an expert-slot cache)
         e = tl.load(map_ptr + e)
     e = e.to(tl.int64)
@@ -152,6 +164,11 @@ def _fp8_gate_up_kernel(
         acc_u += u * xv[None, :]
     acc_g = tl.sum(acc_g, 1)  # [N]
     acc_u = tl.sum(acc_u, 1)
+    if HAS_PARTS:
+        acc_g = acc_g * inv
+        acc_u = acc_u * inv
+        if (pair == 0) & (tl.program_id(1) == 0):
+            _route_weights(sel_ptr, wout_ptr, inv, x_ptr.dtype.element_ty, TOP_K, BLOCK_TK)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) * up, [N]
     tl.store(out_ptr + pair.to(tl.int64) * stride_o + offs_n, h.to(out_ptr.dtype.element_ty), mask=nmask)
 
@@ -272,12 +289,14 @@ def fused_moe_fp8_gemv_triton(
 def fused_moe_fp8_add_norm_gemv_triton(
     x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     norm_next: NormNext, tiles: tuple[gc.GemvConfig, gc.GemvConfig] | None = None,
-    kernels: KernelConfig = DEFAULT_KERNELS,
+    kernels: KernelConfig = DEFAULT_KERNELS, route: RouteParts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The pair with the next layer's input norm in the down epilogue ->
     (rms_norm(out + residual), out + residual, None), or with ``norm_next.deferred``
     (weight * (out + residual), out + residual, partial sums of squares [T, P] fp32),
-    as moe_gemv_triton.fused_moe_add_norm_gemv_triton."""
+    as moe_gemv_triton.fused_moe_add_norm_gemv_triton. ``route`` (one row routed
+    by oproj_route_triton): x is pending; gate/up applies its norm and writes the
+    experts' weights into ``topk_weights`` (fp32), as there."""
     t, h = x.shape
     normed, summed = torch.empty_like(x), torch.empty_like(x)
     bn_d = (tiles or moe_gemv_tiles(x.is_cuda))[1].block_n
@@ -286,7 +305,7 @@ def fused_moe_fp8_add_norm_gemv_triton(
     assert norm_next.residual.shape == x.shape and norm_next.residual.stride() == (h, 1)
     assert norm_next.counter.dtype == torch.int32 and norm_next.weight.is_contiguous()
     _launch(x, w13, w2, topk_weights, topk_ids, None, None, kernels, tiles, normed,
-            (norm_next, summed, parts))
+            (norm_next, summed, parts), route)
     return normed, summed, parts
 
 
@@ -294,10 +313,11 @@ def _launch(
     x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_map: torch.Tensor | None, read_through: Fp8ReadThrough | None, kernels: KernelConfig,
     tiles: tuple[gc.GemvConfig, gc.GemvConfig] | None, out: torch.Tensor,
-    norm: tuple[NormNext, torch.Tensor, torch.Tensor | None] | None = None,
+    norm: tuple[NormNext, torch.Tensor, torch.Tensor | None] | None = None, route: RouteParts | None = None,
 ) -> None:
     """Both launches into ``out`` (with ``norm``: (the NormNext, the sums' output,
-    the parts' output when deferred), ``out`` receiving the normed rows)."""
+    the parts' output when deferred), ``out`` receiving the normed rows; with
+    ``route``: gate/up writes the weights into topk_weights)."""
     t, h = x.shape
     inter = w13.codes.shape[1] // 2
     k = topk_ids.shape[1]
@@ -309,6 +329,9 @@ def _launch(
     assert read_through is None or expert_map is not None, "read-through resolves misses by slot"
     ids = topk_ids.reshape(-1).contiguous()  # [N]
     weights = topk_weights.reshape(-1)
+    if route is not None:  # gate/up writes them
+        assert weights.dtype == torch.float32 and weights.data_ptr() == topk_weights.data_ptr()
+        assert expert_map is None and read_through is None and t == 1
     if weights.dtype != torch.float32 or weights.stride(0) != 1:
         weights = weights.float().contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)  # [N, I]
@@ -322,13 +345,14 @@ def _launch(
     on = pdl.active(x, kernels)
     common = dict(HAS_MAP=expert_map is not None, READ_THROUGH=read_through is not None,
                   BLOCK_M=max(2, triton.next_power_of_2(max(m, 1))), PDL=on, num_stages=1, **pdl.launch(on))
+    routed = {} if route is None else route_consts(route, weights, ids.shape[0], k)
     _fp8_gate_up_kernel[(t * k, triton.cdiv(inter, bn_gu))](
         x, w13.codes, w13.scale, act, ids, emap, h, inter,
         x.stride(0), w13.codes.stride(0), w13.codes.stride(1), w13.scale.stride(0), w13.scale.stride(1),
         act.stride(0), *_rt_args(read_through, ids, "w13"),
         TOP_K=k, SCALE_N=w13.block_n, SCALE_K=w13.block_k, BLOCK_N=bn_gu, BLOCK_K=bk_gu,
         K_STEPS=triton.cdiv(h, bk_gu), EVEN_K=h % bk_gu == 0, SCALE_STEP=step_gu, num_warps=cfg_gu.num_warps,
-        **common)
+        **routed, **common)
     fold: dict[str, object] = {}
     if norm is not None:
         nn, summed, parts = norm

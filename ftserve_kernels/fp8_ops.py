@@ -8,7 +8,9 @@ Signatures, the KernelConfig left out:
                                            + the block-scaled w8a8 GEMM
     pending_linear(scaled, parts, eps, w, b)   the same over a norm the layer before left
                                            pending (ops.PendingNorm), applied in the GEMV
-    fused_moe_add_norm(..., norm_next)     the expert GEMV pair folding the next norm
+    fused_moe_add_norm(..., norm_next, route=None)
+                                           the expert GEMV pair folding the next norm; ``route``:
+                                           a row o_proj routed (ops.fused_moe_routed)
     fused_moe(x [T, H], w13, w2, weights, ids)
                                            T <= MOE_GEMV_MAX_TOKENS: the two expert GEMVs;
                                            else the grouped w8a8 GEMMs over moe_align
@@ -84,10 +86,13 @@ def fused_moe(kernels: KernelConfig, x: torch.Tensor, w13: Fp8Weight, w2: Fp8Wei
 
 
 def fused_moe_add_norm(kernels: KernelConfig, x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight,
-                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, norm_next: Any) -> tuple[Any, Any, Any]:
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, norm_next: Any,
+                       route: Any = None) -> tuple[Any, Any, Any]:
     """The expert GEMV pair with the next layer's input norm folded into the down
     epilogue (moe_down_gemv_triton.NormNext) -> (normed or weight * sum, sum, parts or None);
-    where ops.moe_folds_next_norm (Triton, GEMV sizes)."""
+    where ops.moe_folds_next_norm (Triton, GEMV sizes). ``route`` (moe_gemv_triton.RouteParts,
+    a row ops.oproj_route routed): gate/up applies its pending norm and writes topk_weights."""
     from ftserve_kernels.fp8_moe_gemv_triton import fused_moe_fp8_add_norm_gemv_triton
 
-    return fused_moe_fp8_add_norm_gemv_triton(x, w13, w2, topk_weights, topk_ids, norm_next, kernels=kernels)
+    return fused_moe_fp8_add_norm_gemv_triton(x, w13, w2, topk_weights, topk_ids, norm_next, kernels=kernels,
+                                              route=route)

@@ -59,6 +59,36 @@ class RouteParts:
 
 
 @triton.jit
+def _route_inv_rms(parts_ptr, P, H, eps, BLOCK_P: tl.constexpr):
+    """1 / rms(s) of a routed row (RouteParts) from its partial sums of squares
+    [P], added in a fixed order: every program gets the same value."""
+    pp = tl.arange(0, BLOCK_P)
+    return tl.rsqrt(tl.sum(tl.load(parts_ptr + pp, mask=pp < P, other=0.0), 0) / H + eps)
+
+
+@triton.jit
+def _route_weights(sel_ptr, wout_ptr, inv, dt: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr):
+    """The chosen experts' weights of a routed row: the softmax over the k of
+    round(pre / rms), the logits rounded to the activations' dtype ``dt`` as the
+    router's are, into wout [k] for the down kernel."""
+    kk = tl.arange(0, BLOCK_TK)
+    km = kk < TOP_K
+    lg = tl.load(sel_ptr + kk, mask=km, other=0.0) * inv
+    lg = tl.where(km, lg.to(dt).to(tl.float32), float("-inf"))
+    p = tl.exp(lg - tl.max(lg, 0))
+    tl.store(wout_ptr + kk, p / tl.sum(p, 0), mask=km)
+
+
+def route_consts(route: RouteParts, weights_out: torch.Tensor | None, pairs: int, top_k: int) -> dict[str, object]:
+    """The gate/up kernels' keyword arguments for a routed row (HAS_PARTS)."""
+    assert weights_out is not None and route.parts.shape[0] == 1 and pairs == top_k
+    assert route.parts.dtype == torch.float32 and route.parts.is_contiguous()
+    p = route.parts.shape[1]
+    return dict(parts_ptr=route.parts, P=p, eps=route.eps, sel_ptr=route.pre_sel, wout_ptr=weights_out,
+                HAS_PARTS=True, BLOCK_P=triton.next_power_of_2(p), BLOCK_TK=triton.next_power_of_2(top_k))
+
+
+@triton.jit
 def _gemv_gate_up_kernel(
     x_ptr, w_ptr, out_ptr, ids_ptr, map_ptr, H, INTER,
     stride_xt, stride_we, stride_wn, stride_ot,
@@ -83,8 +113,7 @@ def _gemv_gate_up_kernel(
     pair = tl.program_id(0)
     e = tl.load(ids_ptr + pair)
     if HAS_PARTS:
-        pp = tl.arange(0, BLOCK_P)
-        inv = tl.rsqrt(tl.sum(tl.load(parts_ptr + pp, mask=pp < P, other=0.0), 0) / H + eps)
+        inv = _route_inv_rms(parts_ptr, P, H, eps, BLOCK_P)
     if HAS_MAP:  # expert -> row of w (an expert-slot cache)
         e = tl.load(map_ptr + e)
     e = e.to(tl.int64)
@@ -130,12 +159,7 @@ def _gemv_gate_up_kernel(
         acc_g = acc_g * inv
         acc_u = acc_u * inv
         if (pair == 0) & (tl.program_id(1) == 0):
-            kk = tl.arange(0, BLOCK_TK)
-            km = kk < TOP_K
-            lg = tl.load(sel_ptr + kk, mask=km, other=0.0) * inv
-            lg = tl.where(km, lg.to(x_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
-            p = tl.exp(lg - tl.max(lg, 0))
-            tl.store(wout_ptr + kk, p / tl.sum(p, 0), mask=km)
+            _route_weights(sel_ptr, wout_ptr, inv, x_ptr.dtype.element_ty, TOP_K, BLOCK_TK)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # SiLU(gate) * up, [N]
     tl.store(out_ptr + pair.to(tl.int64) * stride_ot + offs_n, h.to(out_ptr.dtype.element_ty),
              mask=nmask)
@@ -271,11 +295,7 @@ def moe_gate_up_gemv(
     extra: dict[str, object] = _read_through_consts(read_through)
     args += _read_through_args(read_through, ids, w13, "w13_col")
     if route is not None:
-        assert weights_out is not None and route.parts.shape[0] == 1 and pairs == top_k
-        p = route.parts.shape[1]
-        extra.update(parts_ptr=route.parts, P=p, eps=route.eps, sel_ptr=route.pre_sel,
-                     wout_ptr=weights_out, HAS_PARTS=True, BLOCK_P=triton.next_power_of_2(p),
-                     BLOCK_TK=triton.next_power_of_2(top_k))
+        extra.update(route_consts(route, weights_out, pairs, top_k))
     on = pdl.active(x, kernels)
     _gemv_gate_up_kernel[grid](*args, TOP_K=top_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                EVEN_K=h % cfg.block_k == 0, HAS_MAP=expert_map is not None,

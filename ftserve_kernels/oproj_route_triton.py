@@ -24,6 +24,13 @@ program is done: the MoE gate/up launch applies it (moe_gemv_triton, parts)::
                       and sum(s^2) over cols -> parts[p - PE]: the norm left pending,
                       as the MoE down kernel leaves it (moe_down_gemv_triton._add_then_part)
 
+An fp8 checkpoint's o_proj (``Fp8Weight``: e4m3 codes, block scales) streams
+its codes and dequantizes each tile as it arrives, as the dense fp8 GEMV does
+(gemv_triton._fp8_scaled; its K step from fp8_gemv_triton.k_step, its launch
+from the ``dense_fp8`` table entry): half the bytes of bf16. The router is
+folded from the dequantized weight (R_o in the model's dtype, as for bf16), so
+the pre-logits are those of the o_proj the unfused fp8 path computes.
+
 The logits are not rounded through the normed row as the route kernel's are
 (bf16 there), so near-ties can pick other experts than the unfused path;
 within bf16 tolerance otherwise. Twin: ``oproj_route_ref``.
@@ -41,13 +48,18 @@ import triton.language as tl
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
 from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
+from ftserve_kernels.fp8_gemm_triton import check_weight
+from ftserve_kernels.fp8_gemv_triton import k_step
+from ftserve_kernels.fp8_quant import Fp8Weight, dequantize, fp8_linear_ref
+from ftserve_kernels.gemv_triton import _fp8_scaled
 
 
 @dataclass(frozen=True)
 class FoldedRouter:
-    """R_o = G diag(w) W_o [E, q] and R_r = G diag(w) [E, H] in the weights'
+    """R_o = G diag(w) W_o [E, q] and R_r = G diag(w) [E, H] in the router's
     dtype, R_b = G diag(w) b [E] fp32 (o_proj's bias; None without), folded in
-    fp32, and the weight versions they were folded from."""
+    fp32 (an fp8 W_o dequantized), and the versions of the tensors they were
+    folded from (fold_versions)."""
 
     r_o: torch.Tensor
     r_r: torch.Tensor
@@ -55,15 +67,24 @@ class FoldedRouter:
     versions: tuple[int, ...]
 
 
-def fold_router(gate_w: torch.Tensor, norm_w: torch.Tensor, o_w: torch.Tensor,
+def fold_versions(gate_w: torch.Tensor, norm_w: torch.Tensor, o_w: torch.Tensor | Fp8Weight,
+                  o_b: torch.Tensor | None = None) -> tuple[int, ...]:
+    """The versions of the tensors a fold reads (an fp8 o_proj: its codes and
+    scales): a fold is stale once they differ."""
+    ws = (gate_w, norm_w) + ((o_w.codes, o_w.scale) if isinstance(o_w, Fp8Weight) else (o_w,))
+    return tuple(w._version for w in ws + (() if o_b is None else (o_b,)))
+
+
+def fold_router(gate_w: torch.Tensor, norm_w: torch.Tensor, o_w: torch.Tensor | Fp8Weight,
                 o_b: torch.Tensor | None = None) -> FoldedRouter:
-    """The folded router of one layer (gate_w [E, H], norm_w [H], o_w [H, q], o_b [H])."""
+    """The folded router of one layer (gate_w [E, H], norm_w [H], o_w [H, q] or
+    its fp8 codes and scales, o_b [H])."""
     g = gate_w.float() * norm_w.float()[None, :]  # [E, H]
-    r_o = (g @ o_w.float()).to(o_w.dtype)  # [E, q]
+    w_o = dequantize(o_w) if isinstance(o_w, Fp8Weight) else o_w.float()  # [H, q] fp32
+    r_o = (g @ w_o).to(gate_w.dtype)  # [E, q]
     r_b = None if o_b is None else (g @ o_b.float()).contiguous()
-    ws = (gate_w, norm_w, o_w) + (() if o_b is None else (o_b,))
     return FoldedRouter(r_o.contiguous(), g.to(gate_w.dtype).contiguous(), r_b,
-                        tuple(w._version for w in ws))
+                        fold_versions(gate_w, norm_w, o_w, o_b))
 
 
 @dataclass(frozen=True)
@@ -80,11 +101,12 @@ class OprojRoute:
 
 
 def oproj_route_ref(
-    a: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None, residual: torch.Tensor,
+    a: torch.Tensor, o_w: torch.Tensor | Fp8Weight, o_b: torch.Tensor | None, residual: torch.Tensor,
     norm_w: torch.Tensor, folded: FoldedRouter, top_k: int,
 ) -> OprojRoute:
-    """The torch twin (one part per row: the whole row's sum of squares)."""
-    o = F.linear(a, o_w, o_b)  # rounded to a's dtype
+    """The torch twin (one part per row: the whole row's sum of squares; an fp8
+    o_proj: fp8_linear_ref, the exact reference)."""
+    o = fp8_linear_ref(a, o_w, o_b) if isinstance(o_w, Fp8Weight) else F.linear(a, o_w, o_b)  # in a's dtype
     s = (o.float() + residual.float()).to(a.dtype)
     scaled = (norm_w.float() * s.float()).to(a.dtype)
     parts = (s.float() * s.float()).sum(-1, keepdim=True)
@@ -97,13 +119,19 @@ def oproj_route_ref(
 
 
 @triton.jit
-def _dot_rows(acc, w_ptrs, x_ptr, rmask, zero, offs_k, n, STEPS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dot_rows(acc, w_ptrs, x_ptr, rmask, zero, offs_k, n, STEPS: tl.constexpr, BLOCK_K: tl.constexpr,
+              s_rows=None, ROWS: tl.constexpr = 1, SCALE_K: tl.constexpr = 1, SCALE_STEP: tl.constexpr = True,
+              FP8: tl.constexpr = False):
     """acc [R, BK] + W[rows, :n] * x[:n], chunk by chunk (x's chunk repeated down
-    the rows, as gemv_triton's loop: L1 hits, no layout conversion)."""
+    the rows, as gemv_triton's loop: L1 hits, no layout conversion). FP8: W
+    holds e4m3 codes whose R = ROWS rows' scale rows start at s_rows [R], each
+    tile dequantized as it arrives (the dense fp8 GEMV's _fp8_scaled)."""
     for step in tl.static_range(STEPS):
         kk = step * BLOCK_K + offs_k[None, :] + zero  # [R, BK]
         kmask = kk < n
         w = tl.load(w_ptrs, mask=rmask[:, None] & kmask, other=0.0).to(tl.float32)
+        if FP8:
+            w = _fp8_scaled(w, s_rows, step * BLOCK_K, rmask, n, ROWS, BLOCK_K, SCALE_K, SCALE_STEP)
         acc += w * tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
         w_ptrs += BLOCK_K
     return acc
@@ -118,7 +146,11 @@ def _oproj_route_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEPS: tl.constexpr, N_STEPS: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EALL: tl.constexpr, BLOCK_TK: tl.constexpr,
     PDL: tl.constexpr = 0,
+    ws_ptr=None, stride_ws=0, SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1,
+    FP8: tl.constexpr = False, SCALE_STEP: tl.constexpr = True,
 ):
+    # FP8: wo holds e4m3 codes, ws their block scales [cdiv(N, SCALE_N),
+    # cdiv(K, SCALE_K)] (Fp8Weight); the router rows stay in the model's dtype.
     pdl.enter(PDL)  # a (the attention) and r come from the launches before
     pid = tl.program_id(0)
     dt = a_ptr.dtype.element_ty
@@ -166,9 +198,13 @@ def _oproj_route_kernel(
         q = pid - PE
         cols = q * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = cols < N
+        s_rows = ws_ptr
+        if FP8:
+            s_rows = ws_ptr + (cols // SCALE_N) * stride_ws  # [N]: each weight row's scale row
         acc = _dot_rows(tl.zeros([BLOCK_N, BLOCK_K], tl.float32),
                         wo_ptr + cols.to(tl.int64)[:, None] * stride_wo + offs_k[None, :], a_ptr, nmask,
-                        tl.zeros([BLOCK_N, 1], tl.int32), offs_k, K, K_STEPS, BLOCK_K)
+                        tl.zeros([BLOCK_N, 1], tl.int32), offs_k, K, K_STEPS, BLOCK_K,
+                        s_rows, BLOCK_N, SCALE_K, SCALE_STEP, FP8)
         o = tl.sum(acc, 1)
         if HAS_BIAS:
             o += tl.load(bo_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
@@ -183,7 +219,7 @@ def _oproj_route_kernel(
 
 def oproj_route_triton(
     a: torch.Tensor,  # [1, q] attention output
-    o_w: torch.Tensor,  # [H, q]
+    o_w: torch.Tensor | Fp8Weight,  # [H, q]: the weight, or its e4m3 codes and block scales
     o_b: torch.Tensor | None,  # [H]
     residual: torch.Tensor,  # [1, H]
     norm_w: torch.Tensor,  # [H] the post-attention norm's weight
@@ -192,19 +228,34 @@ def oproj_route_triton(
     counter: torch.Tensor,  # [1] int32, zero; left zero
     block_e: int = 2,  # router rows a program
     kernels: KernelConfig = DEFAULT_KERNELS,
+    config: gc.GemvConfig | None = None,  # the o_proj rows' launch, else as below
 ) -> OprojRoute:
-    """-> OprojRoute. The o_proj rows launch as gemv_triton launches o_proj
-    (this device's table entry for the shape, else the default)."""
+    """-> OprojRoute. The o_proj rows launch as the dense GEMV launches o_proj
+    (this device's table entry for the shape, ``dense`` or for an fp8 weight
+    ``dense_fp8``, else the default)."""
     t, k = a.shape
-    h = o_w.shape[0]
+    fp8 = isinstance(o_w, Fp8Weight)
+    w = o_w.codes if isinstance(o_w, Fp8Weight) else o_w  # [H, q]
+    h = w.shape[0]
     e = folded.r_o.shape[0]
     assert t == 1, "one decode row"
-    assert a.stride(-1) == 1 and o_w.stride(-1) == 1 and residual.stride(-1) == 1 and norm_w.is_contiguous()
-    assert folded.r_o.shape == (e, k) and folded.r_r.shape == (e, h) and counter.dtype == torch.int32
+    assert a.stride(-1) == 1 and w.stride(-1) == 1 and residual.stride(-1) == 1 and norm_w.is_contiguous()
+    assert w.shape[1] == k and folded.r_o.shape == (e, k) and folded.r_r.shape == (e, h)
+    assert counter.dtype == torch.int32
     assert (o_b is None) == (folded.r_b is None), "folded with o_proj's bias iff it has one"
-    config = gc.pick(gc.dense_key(h, k), 1, a.device, kernels) or gc.default("dense", a.is_cuda, h, 1)
+    if config is None:
+        config = (gc.pick(gc.dense_key(h, k, fp8=fp8), 1, a.device, kernels)
+                  or gc.default("dense_fp8" if fp8 else "dense", a.is_cuda, h, 1, k))
+    scales: dict[str, object] = {}
+    if isinstance(o_w, Fp8Weight):
+        check_weight(o_w)
+        bk, step = k_step(k, o_w.block_k, config.block_k)
+        scales = dict(ws_ptr=o_w.scale, stride_ws=o_w.scale.stride(0), SCALE_N=o_w.block_n,
+                      SCALE_K=o_w.block_k, FP8=True, SCALE_STEP=step)
+    else:
+        bk = min(config.block_k, triton.next_power_of_2(k))
     on = pdl.active(a, kernels)
-    bn, bk = config.block_n, min(config.block_k, triton.next_power_of_2(k))
+    bn = config.block_n
     pe = triton.cdiv(e, block_e)
     pn = triton.cdiv(h, bn)
     summed = torch.empty((1, h), dtype=a.dtype, device=a.device)
@@ -214,13 +265,13 @@ def oproj_route_triton(
     sel = torch.empty((1, top_k), dtype=torch.float32, device=a.device)
     ids = torch.empty((1, top_k), dtype=torch.int32, device=a.device)
     _oproj_route_kernel[(pe + pn,)](
-        a, o_w, o_b if o_b is not None else o_w, residual, norm_w, folded.r_o, folded.r_r,
+        a, w, o_b if o_b is not None else w, residual, norm_w, folded.r_o, folded.r_r,
         folded.r_b if folded.r_b is not None else folded.r_r,
         summed, scaled, parts, pre, sel, ids, counter,
-        h, k, e, pe, o_w.stride(0), folded.r_o.stride(0), folded.r_r.stride(0),
+        h, k, e, pe, w.stride(0), folded.r_o.stride(0), folded.r_r.stride(0),
         HAS_BIAS=o_b is not None, TOP_K=top_k, BLOCK_N=bn, BLOCK_K=bk,
         K_STEPS=triton.cdiv(k, bk), N_STEPS=triton.cdiv(h, bk),
         BLOCK_E=block_e, BLOCK_EALL=triton.next_power_of_2(e), BLOCK_TK=triton.next_power_of_2(top_k),
-        num_warps=config.num_warps, num_stages=config.num_stages, PDL=on, **pdl.launch(on),
+        num_warps=config.num_warps, num_stages=config.num_stages, PDL=on, **pdl.launch(on), **scales,
     )
     return OprojRoute(summed, scaled, parts, sel, ids)

@@ -26,6 +26,13 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
         -> fused_add_rms_norm(fused_moe(...), residual, norm_w, eps): the next layer's input
         norm in the MoE down launch's epilogue where ``moe_folds_next_norm(kernels, x)`` (Triton GEMV
         sizes), the composition otherwise
+    oproj_route_applies(a [T, q]) -> bool: whether a MoE layer's o_proj may also route at a's size
+    oproj_route(a [1, q], o_w [H, q], o_b | None, residual [1, H], norm_w [H], folded, top_k, counter)
+        -> OprojRoute: o_proj, the sum with the residual and the router's top-k in one launch,
+        the post-attention norm left pending (oproj_route_triton; ``folded`` from fold_router)
+    fused_moe_routed(route: OprojRoute, route_eps, w13, w2, norm_w, eps, counter, defer=False)
+        -> fused_moe_add_rms_norm for that row: its gate/up launch applies the pending norm and
+        weighs the chosen experts
     linear(x [T, K], w [N, K], b [N] | None) -> [T, N]: F.linear, or the Triton GEMV
         for T <= 4 on Triton (gemv_triton)
     add_rms_norm_linear(x [T, H], residual [T, H] | None, norm_w [H], eps, w [N, H], b | None)
@@ -46,9 +53,10 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
         gated_delta_verify, conv_commit, gated_delta_commit; signatures in gated_delta.py) for
         tensors like t: gated_delta_triton's kernels or the torch reference module
 
-Weights are tensors, or in linear, add_rms_norm_linear, fused_moe and
-fused_moe_add_rms_norm an fp8 checkpoint's ``fp8_quant.Fp8Weight`` (e4m3 codes
-and block scales), which goes to fp8_ops with the same KernelConfig.
+Weights are tensors, or in linear, add_rms_norm_linear, fused_moe,
+fused_moe_add_rms_norm, oproj_route and fused_moe_routed an fp8 checkpoint's
+``fp8_quant.Fp8Weight`` (e4m3 codes and block scales), which goes to fp8_ops
+with the same KernelConfig (oproj_route's kernel takes either itself).
 
 Backends are imported once into a table per KernelConfig (``_triton_table``:
 the Triton wrappers bound to it), picked per call by the config and the
@@ -255,22 +263,23 @@ def oproj_route_applies(kernels: KernelConfig, a: torch.Tensor) -> bool:
     return a.shape[0] == 1 and uses_triton(kernels, a) and moe_folds_next_norm(kernels, a)
 
 
-def oproj_route(kernels: KernelConfig, a: torch.Tensor, o_w: torch.Tensor, o_b: torch.Tensor | None,
+def oproj_route(kernels: KernelConfig, a: torch.Tensor, o_w: torch.Tensor | Fp8Weight, o_b: torch.Tensor | None,
                 residual: torch.Tensor, norm_w: torch.Tensor, folded: Any, top_k: int,
                 counter: torch.Tensor) -> Any:
     """o_proj + the router's logits and top-k, the post-attention norm left
-    pending (oproj_route_triton; where oproj_route_applies) -> OprojRoute."""
+    pending (oproj_route_triton, an fp8 o_w too; where oproj_route_applies) -> OprojRoute."""
     from ftserve_kernels.oproj_route_triton import oproj_route_triton
 
     return oproj_route_triton(a, o_w, o_b, residual, norm_w, folded, top_k, counter, kernels=kernels)
 
 
 def fused_moe_routed(
-    kernels: KernelConfig, route: Any, route_eps: float, w13: torch.Tensor, w2: torch.Tensor,
-    norm_w: torch.Tensor, eps: float, counter: torch.Tensor, defer: bool = False,
+    kernels: KernelConfig, route: Any, route_eps: float, w13: torch.Tensor | Fp8Weight,
+    w2: torch.Tensor | Fp8Weight, norm_w: torch.Tensor, eps: float, counter: torch.Tensor, defer: bool = False,
 ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
     """fused_moe_add_rms_norm for a row oproj_route routed: the gate/up launch
-    applies the pending post-attention norm and writes the experts' weights."""
+    applies the pending post-attention norm and writes the experts' weights
+    (fp8 experts: their GEMV pair, fp8_ops.fused_moe_add_norm, alike)."""
     from ftserve_kernels.moe_down_gemv_triton import NormNext
     from ftserve_kernels.moe_gemv_triton import RouteParts
 
@@ -279,8 +288,13 @@ def fused_moe_routed(
     weights = torch.empty(route.ids.shape, dtype=torch.float32, device=route.ids.device)
     pending = defer and moe_defers_next_norm(kernels, route.scaled)
     nn = NormNext(route.summed, norm_w, eps, counter, deferred=pending)
-    first, summed, parts = k.moe_add_norm(route.scaled, w13, w2, weights, route.ids, nn,
-                                          route=RouteParts(route.parts, route.pre_sel, route_eps))
+    parts_in = RouteParts(route.parts, route.pre_sel, route_eps)
+    if isinstance(w13, Fp8Weight):
+        assert isinstance(w2, Fp8Weight)
+        first, summed, parts = fp8_ops.fused_moe_add_norm(kernels, route.scaled, w13, w2, weights, route.ids, nn,
+                                                          route=parts_in)
+    else:
+        first, summed, parts = k.moe_add_norm(route.scaled, w13, w2, weights, route.ids, nn, route=parts_in)
     return (first if parts is None else PendingNorm(first, parts)), summed
 
 

@@ -10,7 +10,11 @@
 - offload with an fp8 bank equals resident fp8 exactly, at decode batch 1, 3 and
   8 (read-through GEMVs) and across streamed prefills;
 - the read-through GEMVs reading a pinned fp8 bank over UVA equal fill + GEMV,
-  also replayed in a graph.
+  also replayed in a graph;
+- a one-row decode routed in the fp8 o_proj launch (oproj_route_triton) and the
+  fp8 experts taking its route parts: at qwen3-30b-a3b's shape against the
+  twins, the unfused pair and a graph replay; in the model against the
+  unfused fp8 path.
 
 Bounds: decode GEMVs multiply the dequantized weights by the bf16 rows in fp32
 (w8a16), as the reference does; the prefill GEMMs round each activation to e4m3
@@ -239,3 +243,138 @@ def test_read_through_from_a_pinned_fp8_bank(graph: bool) -> None:
     end = row.w2_scale_col + 4 * row.w2_scale_shape[0] * row.w2_scale_shape[1]
     for slot in ids.reshape(-1).tolist():
         assert torch.equal(got_slots[slot, :end], want_slots[slot, :end]), slot
+
+
+def test_fp8_oproj_route_at_the_real_shape() -> None:
+    """qwen3-30b-a3b's layer in fp8 (o_proj 2048 x 4096 and the experts E 128,
+    I 768 in e4m3 with 128 x 128 block scales; k 8), outputs poisoned first:
+    the fused o_proj + router against its twin (the o_proj rows and the pending
+    norm within bf16 rounding, the pre-logits within fp32 summation order, the
+    ids the twin's wherever the pre-logits around the k-th are not near-tied);
+    the fp8 expert pair taking its route parts against the unfused pair over
+    the normed row; and both launches replayed from a CUDA graph equal to eager."""
+    from ftserve_kernels import fp8_moe_gemv_triton as fmg
+    from ftserve_kernels import oproj_route_triton as orr
+    from ftserve_kernels.fp8_gemv_triton import fp8_gemv_triton
+    from ftserve_kernels.fp8_quant import quantize_weight
+    from ftserve_kernels.moe_down_gemv_triton import NormNext
+    from ftserve_kernels.moe_gemv_triton import RouteParts
+
+    e, h, q, inter, k, eps = 128, 2048, 4096, 768, 8, 1e-6
+    g = torch.Generator(device="cuda").manual_seed(12)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device="cuda") * scale
+
+    def rel(x: torch.Tensor, y: torch.Tensor) -> float:
+        return float((x.float() - y.float()).norm() / y.float().norm())
+
+    a, r = rnd(1, q).bfloat16(), rnd(1, h).bfloat16()
+    o_w = quantize_weight(rnd(h, q, scale=q**-0.5))
+    nw, next_w = (1.0 + rnd(h, scale=0.1)).bfloat16(), (1.0 + rnd(h, scale=0.1)).bfloat16()
+    gate = rnd(e, h, scale=h**-0.5).bfloat16()
+    w13 = quantize_weight(rnd(e, 2 * inter, h, scale=h**-0.5))
+    w2 = quantize_weight(rnd(e, h, inter, scale=inter**-0.5))
+    folded = orr.fold_router(gate, nw, o_w)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    weights = torch.full((1, k), float("nan"), device="cuda")
+
+    def run() -> tuple[orr.OprojRoute, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        route = orr.oproj_route_triton(a, o_w, None, r, nw, folded, k, counter)
+        out = fmg.fused_moe_fp8_add_norm_gemv_triton(
+            route.scaled, w13, w2, weights, route.ids, NormNext(route.summed, next_w, eps, counter, deferred=True),
+            route=RouteParts(route.parts, route.pre_sel, eps))
+        return route, out
+
+    torch.cuda.synchronize()
+    got, (scaled, summed, parts) = run()
+    torch.cuda.synchronize()
+    assert counter.item() == 0
+    ref = orr.oproj_route_ref(a, o_w, None, r, nw, folded, k)
+    for name in ("summed", "scaled"):
+        assert rel(getattr(got, name), getattr(ref, name)) < 1e-2, name
+    assert rel(got.summed, (fp8_gemv_triton(a, o_w).float() + r.float()).bfloat16()) < 1e-2  # the unfused o_proj
+    torch.testing.assert_close(got.parts.sum(-1, keepdim=True), ref.parts, rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(got.pre_sel, ref.pre_sel, rtol=1e-3, atol=1e-3)
+    pre = a.float() @ folded.r_o.float().t() + r.float() @ folded.r_r.float().t()
+    top = torch.topk(pre, k + 1).values[0]
+    if float(top[k - 1] - top[k]) > 1e-3:  # no near-tie at the boundary
+        assert set(got.ids[0].tolist()) == set(ref.ids[0].tolist())
+    # The experts over the routed row, as the unfused pair over the normed row and the router's weights.
+    s = got.summed.float()
+    x = (nw.float() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
+    ref_w = torch.softmax((x.float() @ gate.float().t()).gather(1, got.ids.long()), -1)
+    torch.testing.assert_close(weights, ref_w, rtol=2e-2, atol=2e-3)
+    want_scaled, want_summed, _ = fmg.fused_moe_fp8_add_norm_gemv_triton(
+        x, w13, w2, ref_w, got.ids, NormNext(got.summed, next_w, eps, counter, deferred=True))
+    assert rel(summed, want_summed) < 1e-2 and rel(scaled, want_scaled) < 1e-2
+    assert parts is not None
+    torch.testing.assert_close(parts.sum(-1), summed.float().pow(2).sum(-1), rtol=1e-3, atol=1e-3)
+    # Graph-capturable: the replay writes what the eager launches wrote.
+    eager = [t.clone() for t in (got.summed, got.ids, weights, scaled, summed)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_route, (g_scaled, g_summed, _) = run()
+    for t in (g_route.summed, g_route.ids, weights, g_scaled, g_summed):
+        t.fill_(0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert counter.item() == 0
+    for x_, y_ in zip((g_route.summed, g_route.ids, weights, g_scaled, g_summed), eager):
+        assert torch.equal(x_, y_)
+
+
+@torch.inference_mode()
+def test_fp8_decode_row_routes_in_o_proj(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-row decode step of the fp8 model on CUDA routes in its fp8 o_proj
+    launch in every layer (no norm + route launch), the fp8 experts taking the
+    route parts; its logits match the unfused fp8 path's (oproj_route_applies
+    off) within bf16 rounding where both picked the same experts in every layer
+    (the pre-logits are not rounded through the normed row: a near-tie may pick
+    another expert, oproj_route_triton's docstring). In the decode graphs this
+    path runs in test_no_hidden_syncs_fp8 and test_graph_decode_equals_eager_fp8
+    (batch 1)."""
+    from ftserve.kvcache.pool import KVPool
+    from ftserve.models.forward_batch import build_forward_batch
+    from ftserve_kernels import ops
+    from ftserve_kernels.attention_triton import TritonAttentionBackend
+    from ftserve_kernels.fp8_quant import Fp8Weight
+
+    cfg = engine.model_config
+    model = engine.runner.model
+    rng = random.Random(13)
+    prompt = [rng.randrange(100, 32000) for _ in range(40)]
+    pool = KVPool(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cuda")
+    backend, kernels = TritonAttentionBackend(), engine.runner.kernels
+    model(build_forward_batch([prompt], [0], [[1, 2, 3]], pool, backend, kernels=kernels))
+    picked: dict[str, list[Any]] = {"oproj_route": [], "add_rms_norm_route": []}
+    real_or, real_route = ops.oproj_route, ops.add_rms_norm_route
+
+    def spy_or(*a: Any, **kw: Any) -> Any:
+        assert isinstance(a[2], Fp8Weight)  # o_proj's codes and scales
+        out = real_or(*a, **kw)
+        picked["oproj_route"].append(out.ids)
+        return out
+
+    def spy_route(*a: Any, **kw: Any) -> Any:
+        out = real_route(*a, **kw)
+        picked["add_rms_norm_route"].append(out[3])
+        return out
+
+    monkeypatch.setattr(ops, "oproj_route", spy_or)
+    monkeypatch.setattr(ops, "add_rms_norm_route", spy_route)
+
+    def decode() -> torch.Tensor:
+        return model(build_forward_batch([[prompt[-1]]], [40], [[1, 2, 3]], pool, backend, is_decode=True,
+                                         kernels=kernels)).float()
+
+    fused = decode()
+    assert len(picked["oproj_route"]) == cfg.num_layers and not picked["add_rms_norm_route"], picked
+    monkeypatch.setattr(ops, "oproj_route_applies", lambda *a: False)
+    unfused = decode()
+    assert len(picked["add_rms_norm_route"]) == cfg.num_layers
+    same = all(set(f[0].tolist()) == set(u[0].tolist())
+               for f, u in zip(picked["oproj_route"], picked["add_rms_norm_route"]))
+    rel = float((fused - unfused).norm() / unfused.norm())
+    assert torch.isfinite(fused).all()
+    assert rel < (0.02 if same else 0.1), (rel, same)

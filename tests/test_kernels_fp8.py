@@ -2,9 +2,11 @@
 the CPU: the per-token-group activation quantization (bit for bit), the
 block-scaled w8a8 GEMM (prefill), the dense fp8 GEMV (decode), the grouped fp8
 expert GEMMs (prefill) and the expert GEMVs (decode, with an expert-slot map
-and read-through from an fp8 bank); ops' dispatch; and a tiny fp8 model on the
-Triton kernels against the torch path, with the bound the activation
-quantization sets.
+and read-through from an fp8 bank); the fused o_proj + router over an fp8
+o_proj and the expert GEMVs taking its route parts; ops' dispatch; a tiny fp8
+model on the Triton kernels against the torch path, with the bound the
+activation quantization sets; and a one-row fp8 decode step routed in o_proj
+against the unfused fp8 path.
 
 Tolerances: in float32 a kernel and its twin differ only by fp32 summation
 order (relative 1e-5). The interpreter rounds fp32 -> bf16 toward zero (the GPU
@@ -19,6 +21,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -30,7 +33,8 @@ if not torch.cuda.is_available():
     # kernel was decorated after conftest chose the interpreter anyway).
     for _name in ("ftserve_kernels.attention_common", "ftserve_kernels.moe_align_triton",
                   "ftserve_kernels.fp8_gemm_triton", "ftserve_kernels.fp8_gemv_triton",
-                  "ftserve_kernels.fp8_moe_triton", "ftserve_kernels.fp8_moe_gemv_triton"):
+                  "ftserve_kernels.fp8_moe_triton", "ftserve_kernels.fp8_moe_gemv_triton",
+                  "ftserve_kernels.oproj_route_triton"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 
@@ -40,6 +44,7 @@ from ftserve_kernels import fp8_gemv_triton as fv  # noqa: E402
 from ftserve_kernels import fp8_moe_gemv_triton as fmg  # noqa: E402
 from ftserve_kernels import fp8_moe_triton as fm  # noqa: E402
 from ftserve_kernels import fp8_ops, ops  # noqa: E402
+from ftserve_kernels import oproj_route_triton as orr  # noqa: E402
 from ftserve_kernels.config import KernelConfig  # noqa: E402
 from ftserve_kernels.fp8_quant import (  # noqa: E402
     FP8,
@@ -52,6 +57,8 @@ from ftserve_kernels.fp8_quant import (  # noqa: E402
     quantize_weight,
 )
 from ftserve_kernels.gemv_configs import GemvConfig  # noqa: E402
+from ftserve_kernels.moe_down_gemv_triton import NormNext  # noqa: E402
+from ftserve_kernels.moe_gemv_triton import RouteParts  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -349,6 +356,119 @@ def test_read_through_from_an_fp8_bank(t: int, h: int, wide: bool) -> None:
     assert torch.equal(got, plain)  # the same sums as reading the filled slots
 
 
+# ------------------------------------------------------------------ o_proj + router (oproj_route_triton)
+
+
+def close_rounded_twice(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """o_proj's row rounded, then its sum with the residual (and w * sum): in
+    bf16 a last-bit difference in o, where o and the residual cancel, is more
+    than an ulp of the sum; by relative error there (2^-6, as close()'s
+    interpreted bound), fp32 as close()."""
+    if out.dtype == torch.float32:
+        close(out, ref)
+    else:
+        assert out.dtype == ref.dtype and rel_err(out, ref) < 2.0 ** -6, rel_err(out, ref)
+
+
+def _route_case(g: torch.Generator, e: int, h: int, q: int, bn: int, bk: int, bias: bool,
+                dtype: torch.dtype) -> dict[str, Any]:
+    """One decode row of a MoE layer with an fp8 o_proj [h, q] in bn x bk blocks."""
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+    return dict(a=rnd(1, q), o_w=weight(g, (h, q), bn, bk), o_b=rnd(h) if bias else None, r=rnd(1, h),
+                nw=(1.0 + 0.1 * torch.randn(h, generator=g)).to(dtype).to(DEVICE), gate=rnd(e, h, scale=h**-0.5))
+
+
+@pytest.mark.parametrize("dtype,h,q,bn,bk,bias,config", [
+    (torch.float32, 128, 256, 128, 128, False, (16, 64)),  # two steps a scale column
+    (torch.float32, 200, 384, 64, 128, True, (8, 256)),  # a step spans two scale columns, the last partial
+    (torch.bfloat16, 96, 512, 128, 128, False, (16, 512)),  # the CUDA default's 512-code steps
+    (torch.float32, 130, 256, 1, 256, False, (8, 128)),  # per-channel scales (one per row, bk >= K)
+])
+def test_oproj_route_fp8_matches_its_twin(dtype: torch.dtype, h: int, q: int, bn: int, bk: int, bias: bool,
+                                          config: tuple[int, int]) -> None:
+    """The fused o_proj + router launch over an fp8 o_proj (e4m3 codes, block
+    scales applied per tile as the dense fp8 GEMV does): the o_proj rows, their
+    sum with the residual, w * sum and its partial sums of squares, the top-k of
+    the pre-logits, as the twin (whose o_proj is the exact fp8 reference), over
+    two launches that share the counter. The router folds from the dequantized
+    weight."""
+    g = torch.Generator().manual_seed(h + q)
+    e, k = 16, 4
+    c = _route_case(g, e, h, q, bn, bk, bias, dtype)
+    folded = orr.fold_router(c["gate"], c["nw"], c["o_w"], c["o_b"])
+    want_ro = ((c["gate"].float() * c["nw"].float()[None, :]) @ dequantize(c["o_w"])).to(dtype)
+    torch.testing.assert_close(folded.r_o, want_ro)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    ref = orr.oproj_route_ref(c["a"], c["o_w"], c["o_b"], c["r"], c["nw"], folded, k)
+    tiles = GemvConfig(*config, 4, 1)
+    for _ in range(2):
+        got = orr.oproj_route_triton(c["a"], c["o_w"], c["o_b"], c["r"], c["nw"], folded, k, counter,
+                                     config=tiles)
+        assert int(counter.item()) == 0
+        close_rounded_twice(got.summed, ref.summed)
+        close_rounded_twice(got.scaled, ref.scaled)
+        # The parts are of the sum the kernel wrote (the twin's, up to the rounding above).
+        torch.testing.assert_close(got.parts.sum(-1, keepdim=True), got.summed.float().pow(2).sum(-1, keepdim=True),
+                                   rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.ids, ref.ids)
+        torch.testing.assert_close(got.pre_sel, ref.pre_sel, rtol=1e-5, atol=1e-5)
+    # The sum is the unfused fp8 path's: the dense fp8 GEMV's o_proj plus the residual.
+    o = fv.fp8_gemv_triton(c["a"], c["o_w"], c["o_b"], config=tiles)
+    close_rounded_twice(got.summed, (o.float() + c["r"].float()).to(dtype))
+
+
+def test_fold_router_follows_fp8_codes_and_scales() -> None:
+    """An fp8 o_proj's fold is stale once its codes or its scales change in place."""
+    g = torch.Generator().manual_seed(2)
+    c = _route_case(g, 8, 128, 128, 128, 128, False, torch.float32)
+    f = orr.fold_router(c["gate"], c["nw"], c["o_w"])
+    assert f.versions == orr.fold_versions(c["gate"], c["nw"], c["o_w"])
+    c["o_w"].scale.mul_(2.0)
+    assert orr.fold_versions(c["gate"], c["nw"], c["o_w"]) != f.versions
+    torch.testing.assert_close(orr.fold_router(c["gate"], c["nw"], c["o_w"]).r_o, 2.0 * f.r_o)
+    v = orr.fold_versions(c["gate"], c["nw"], c["o_w"])
+    c["o_w"].codes.copy_(c["o_w"].codes.flip(0))
+    assert orr.fold_versions(c["gate"], c["nw"], c["o_w"]) != v
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_fp8_experts_take_the_route_parts(defer: bool) -> None:
+    """fp8 o_proj routes, the fp8 expert GEMV pair applies the pending
+    post-attention norm and weighs the chosen experts (RouteParts): as routing
+    and normalizing the sum first and running the pair unfused (float32:
+    summation order only); the next norm folded or left pending alike."""
+    g = torch.Generator().manual_seed(7)
+    e, h, q, inter, k, eps = 8, 128, 128, 64, 2, 1e-6
+    c = _route_case(g, e, h, q, 128, 128, False, torch.float32)
+    w13, w2 = experts(g, e, h, inter, 64)
+    folded = orr.fold_router(c["gate"], c["nw"], c["o_w"])
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    route = orr.oproj_route_triton(c["a"], c["o_w"], None, c["r"], c["nw"], folded, k, counter)
+    next_w = (1.0 + 0.1 * torch.randn(h, generator=g)).to(DEVICE)
+    weights = torch.full((1, k), float("nan"), device=DEVICE)
+    got = fmg.fused_moe_fp8_add_norm_gemv_triton(
+        route.scaled, w13, w2, weights, route.ids, NormNext(route.summed, next_w, eps, counter, deferred=defer),
+        route=RouteParts(route.parts, route.pre_sel, eps))
+    assert int(counter.item()) == 0
+    s = route.summed.float()
+    x = c["nw"] * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps))  # the post-attention norm
+    logits = torch.nn.functional.linear(x, c["gate"])
+    assert torch.equal(torch.topk(logits, k).indices.to(torch.int32), route.ids)
+    ref_w = torch.softmax(logits.gather(1, route.ids.long()), -1)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-6)
+    want = fmg.fused_moe_fp8_add_norm_gemv_triton(
+        x, w13, w2, ref_w, route.ids, NormNext(route.summed, next_w, eps, counter, deferred=defer))
+    for o, r in zip(got[:2], want[:2]):
+        torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-5)
+    moe_sum = fm.fused_moe_fp8_ref(x, w13, w2, ref_w, route.ids) + s
+    torch.testing.assert_close(got[1], moe_sum, rtol=1e-4, atol=1e-5)
+    if defer:
+        assert got[2] is not None and want[2] is not None
+        torch.testing.assert_close(got[2].sum(-1), moe_sum.pow(2).sum(-1), rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------ dispatch and the model
 
 
@@ -409,6 +529,61 @@ def test_fp8_model_on_triton_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert all(torch.isfinite(o).all() for o in got)
     assert max(errs) < 0.05, errs
     assert errs[0] > 1e-4  # the prefill did quantize its activations
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU model on the interpreter; test_gpu_fp8 runs it on the GPU")
+def test_one_row_fp8_decode_routed_by_o_proj(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small tiny-moe-fp8 (o_proj and experts in e4m3, two layers), one
+    sequence: every MoE layer of a one-row decode step routes in its fp8 o_proj
+    launch (no norm + route launch) and its fp8 expert pair takes the route
+    parts (layer 0 leaving layer 1's input norm pending, layer 1 folding the
+    final norm). The logits match the unfused fp8 path's (the same Triton
+    kernels, oproj_route_applies off) and the torch path's (the exact fp8
+    reference) within float32 summation order over the same KV (a torch
+    prefill): the pre-logits pick the same experts (a near-tie could pick
+    others, as oproj_route_triton says; none at this seed). Small shapes and
+    vocabulary: the interpreter runs each GEMV program by program."""
+    from ftserve.kvcache.pool import KVPool
+    from ftserve.models.checkpoint import write_checkpoint
+    from ftserve.models.forward_batch import build_forward_batch
+    from ftserve.models.loader import load_model
+    from ftserve_kernels.attention_triton import TritonAttentionBackend
+    from ftserve_kernels.paged_attention import TorchAttentionBackend
+
+    write_checkpoint("tiny-moe-fp8", tmp_path, seed=8, overrides=dict(
+        vocab_size=128, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, moe_intermediate_size=64,
+        num_experts=8, num_experts_per_tok=2))
+    model, cfg = load_model(tmp_path, dtype="float32", device="cpu")
+    assert isinstance(model.layers[0].self_attn.o_proj.w, Fp8Weight) and model.layers[0].mlp.is_fp8
+    pool = KVPool(cfg.num_layers, 4, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    toks = torch.randint(3, cfg.vocab_size, (11,), generator=torch.Generator().manual_seed(9)).tolist()
+    torch_k, triton_k = KernelConfig(backend="torch"), KernelConfig(backend="triton")
+
+    def step(new: list[int], prefix: int, kernels: KernelConfig) -> torch.Tensor:
+        backend = TritonAttentionBackend() if kernels is triton_k else TorchAttentionBackend()
+        batch = build_forward_batch([new], [prefix], [[1]], pool, backend, is_decode=len(new) == 1,
+                                    kernels=kernels)
+        with torch.no_grad():
+            return model(batch)
+
+    calls: dict[str, list[Any]] = {"oproj_route": [], "fused_moe_routed": [], "add_rms_norm_route": []}
+    for name in calls:
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _r=real, _n=name, **kw: calls[_n].append(a) or _r(*a, **kw))
+    step(toks[:10], 0, torch_k)
+    ref = step(toks[10:], 10, torch_k)
+    calls = {name: [] for name in calls}
+    fused = step(toks[10:], 10, triton_k)
+    assert {n: len(c) for n, c in calls.items()} == {"oproj_route": 2, "fused_moe_routed": 2,
+                                                     "add_rms_norm_route": 0}
+    assert all(isinstance(c[2], Fp8Weight) for c in calls["oproj_route"])  # o_proj's codes and scales
+    assert all(isinstance(c[3], Fp8Weight) and isinstance(c[4], Fp8Weight) for c in calls["fused_moe_routed"])
+    monkeypatch.setattr(ops, "oproj_route_applies", lambda *a: False)
+    unfused = step(toks[10:], 10, triton_k)
+    assert len(calls["oproj_route"]) == 2 and len(calls["add_rms_norm_route"]) == 2  # both layers' route launch
+    assert torch.isfinite(fused).all()
+    errs = rel_err(fused, unfused), rel_err(fused, ref), rel_err(unfused, ref)
+    assert max(errs) < 1e-4, errs
 
 
 @pytest.mark.gpu

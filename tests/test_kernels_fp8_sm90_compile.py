@@ -1,15 +1,18 @@
 """Compile the fp8 Triton kernels for Hopper (sm_90) on a machine without a GPU,
 as test_kernels_sm90_compile.py does for the others, at the launch parameters
-the CUDA paths use and qwen3-30b-a3b's shapes: each compiles, fits in shared
-memory and spills no registers inside a loop; the prefill kernels spill at most
-a few words saved once per program (``stack``, the frame ptxas spills to, at
-most 16 bytes; cuobjdump's LOCAL counts local arrays, not spills). The prefill
-GEMMs multiply e4m3 on the fp8 wgmma with pipelined (cp.async) loads, at the
-tile configurations and scale modes their launchers pick; where PDL is compiled
-in, the expert GEMVs wait for the kernel before them before any load, and the
-dense GEMV loads only its first weight tile ahead of the wait; the dense GEMV
-(the bf16 kernel with FP8) issues several weight loads before its first FMA.
-Runs in a subprocess: other kernel tests put Triton into interpreter mode.
+the CUDA paths use and qwen3-30b-a3b's shapes (among them the decode GEMVs, the
+fused o_proj + router over an fp8 o_proj, and the expert gate/up taking its
+route parts): each compiles, fits in shared memory and spills no registers
+inside a loop; the prefill kernels spill at most a few words saved once per
+program (``stack``, the frame ptxas spills to, at most 16 bytes; cuobjdump's
+LOCAL counts local arrays, not spills). The prefill GEMMs multiply e4m3 on the
+fp8 wgmma with pipelined (cp.async) loads, at the tile configurations and scale
+modes their launchers pick; where PDL is compiled in, the expert GEMVs and the
+o_proj + router wait for the kernel before them before any load, and the dense
+GEMV loads only its first weight tile ahead of the wait; the dense GEMV (the
+bf16 kernel with FP8) and the expert gate/up issue several weight loads before
+their first FMA. Runs in a subprocess: other kernel tests put Triton into
+interpreter mode.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 from tests.sm90_compile import compile_in_child
 from tests.test_kernels_sm90_compile import SMEM_LIMIT
 
-H, INTER, E, K = 2048, 768, 128, 8  # qwen3-30b-a3b: hidden, expert width, experts, top-k
+H, INTER, E, K, Q = 2048, 768, 128, 8, 4096  # qwen3-30b-a3b: hidden, expert width, experts, top-k, q rows
 MAX_STACK = 16  # bytes: a few values saved before a loop and read back after it
 
 
@@ -37,6 +40,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     from ftserve_kernels import fp8_quant as fq
     from ftserve_kernels import gemv_configs as gc
     from ftserve_kernels import gemv_triton as gemv
+    from ftserve_kernels import oproj_route_triton as orr
     from tests.sm90_compile import _compile as compile_gemv
     from tests.sm90_compile import build_sm90, resources
 
@@ -125,6 +129,28 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     results["moe_gemv_down"] = compile_gemv(fmg._fp8_down_kernel, gv, dict(
         TOP_K=K, BLOCK_KP=K, SCALE_N=128, SCALE_K=128, BLOCK_N=bn_d, BLOCK_K=bk, K_STEPS=INTER // bk,
         EVEN_K=True), warps)
+    # One decode row routed in its fp8 o_proj (oproj_route_triton at the dense_fp8
+    # default for o_proj, router rows bf16), and the gate/up that applies its pending
+    # norm and weighs the experts (RouteParts).
+    cfg_o = gc.default("dense_fp8", True, H, 1, Q)
+    bk_o, step_o = fv.k_step(Q, 128, cfg_o.block_k)
+    route = ({n: bf for n in ("a_ptr", "bo_ptr", "r_ptr", "nw_ptr", "ro_ptr", "rr_ptr", "z_ptr", "scaled_ptr")}
+             | {n: f32 for n in ("rb_ptr", "parts_ptr", "pre_ptr", "sel_ptr", "ws_ptr")}
+             | {"wo_ptr": f8, "ids_ptr": i32, "cnt_ptr": i32})
+    for pdl in (False, True):
+        comp("oproj_route_fp8" + ("_pdl" if pdl else ""), orr._oproj_route_kernel, route,
+             dict(HAS_BIAS=False, TOP_K=K, BLOCK_N=cfg_o.block_n, BLOCK_K=bk_o, K_STEPS=Q // bk_o,
+                  N_STEPS=H // bk_o, BLOCK_E=2, BLOCK_EALL=E, BLOCK_TK=K, PDL=pdl, SCALE_N=128, SCALE_K=128,
+                  FP8=True, SCALE_STEP=step_o),
+             cfg_o.num_warps, cfg_o.num_stages, ("stride_wo", "stride_ro", "stride_rr"))
+    routed = gv | {"parts_ptr": f32, "sel_ptr": f32, "wout_ptr": f32, "eps": "fp32"}
+    gate_up_parts = dict(TOP_K=K, SCALE_N=128, SCALE_K=128, BLOCK_N=bn_gu, BLOCK_K=bk_gu, K_STEPS=H // bk_gu,
+                         EVEN_K=True, SCALE_STEP=bk_gu <= 128, HAS_PARTS=True,
+                         BLOCK_P=triton.next_power_of_2(H // cfg_o.block_n), BLOCK_TK=K)  # o_proj's programs
+    results["moe_gemv_gate_up_parts"] = compile_gemv(fmg._fp8_gate_up_kernel, routed, gate_up_parts, warps_gu)
+    comp("moe_gemv_gate_up_parts_pdl", fmg._fp8_gate_up_kernel, routed,
+         gate_up_parts | dict(HAS_MAP=False, READ_THROUGH=False, BLOCK_M=2, PDL=True), warps_gu, 1,
+         ("stride_x", "stride_we", "stride_wn", "stride_o"))
     for rt in (False, True):  # resident / an expert cache reading this step's misses from the bank
         tag = "_read_through" if rt else ""
         comp(f"moe_gemv_gate_up{tag}_pdl", fmg._fp8_gate_up_kernel, gv,
@@ -155,16 +181,16 @@ def test_fp8_kernels_compile_for_sm90() -> None:
         assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"
     for name, r in results.items():
         assert r["pdl_wait"] == name.endswith("_pdl"), (name, r)
-        if r["pdl_wait"] and name.startswith("moe_"):
+        if r["pdl_wait"] and name.startswith(("moe_", "oproj_route")):
             # Every load after the wait: the expert ids (and the slots read-through
-            # writes) come from the kernels before.
+            # writes) come from the kernels before; o_proj's input is the attention's.
             assert r["loads_before_wait"] == 0, (name, r)
         elif r["pdl_wait"]:  # the dense GEMV's first weight tile loads ahead of it
             assert r["loads_before_wait"] > 0, (name, r)
     # The dense fp8 GEMV's unrolled K loop issues its weight loads ahead, as the
     # bf16 GEMV's does (tests/sm90_compile.py counts the loads before the first FMA).
     for name in ("gemv_qkv_t1", "gemv_o_t1", "gemv_qkv_t1_pdl", "gemv_o_t1_pdl", "gemv_qkv_t2", "gemv_o_t2",
-                 "moe_gemv_gate_up", "moe_gemv_down"):
+                 "moe_gemv_gate_up", "moe_gemv_gate_up_parts", "moe_gemv_down"):
         n = results[name]["loads_before_first_use"]
         assert n == -1 or n >= 8, f"{name}: only {n} loads issued before the first FMA: {results[name]}"
 

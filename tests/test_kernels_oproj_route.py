@@ -1,7 +1,8 @@
 """o_proj with the router folded in (ftserve_kernels/oproj_route_triton.py) and
 the gate/up launch that applies its pending norm, against their torch twins
 (the CPU interpreter at small shapes), and a one-row decode step of a tiny
-MoE model through them against the torch path."""
+MoE model through them against the torch path. Over an fp8 o_proj and fp8
+experts: tests/test_kernels_fp8.py (interpreted), tests/test_gpu_fp8.py."""
 
 from __future__ import annotations
 

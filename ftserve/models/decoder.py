@@ -19,7 +19,7 @@ from ftserve.models.layers import Attention, DenseMLP, Embedding, Linear, MoEBlo
 from ftserve_kernels import ops
 from ftserve_kernels.config import KernelConfig
 from ftserve_kernels.decode_inputs import InputNorm
-from ftserve_kernels.oproj_route_triton import FoldedRouter, fold_router
+from ftserve_kernels.oproj_route_triton import FoldedRouter, fold_router, fold_versions
 
 Index = tuple[int | slice, ...]
 
@@ -71,7 +71,7 @@ class DecoderLayer(nn.Module):
             if folded is not None:
                 assert isinstance(self.mlp, MoEBlock)
                 o_proj, post = self.self_attn.o_proj, self.post_attention_layernorm
-                route = ops.oproj_route(kernels, a, o_proj.weight, o_proj.bias, summed, post.weight, folded,
+                route = ops.oproj_route(kernels, a, o_proj.w, o_proj.bias, summed, post.weight, folded,
                                         self.mlp.top_k, self.mlp._counter(a))
                 out, summed = self.mlp.compute_experts_routed(route, post.eps, next_norm, kernels, defer)
                 if isinstance(out, ops.PendingNorm):
@@ -98,10 +98,10 @@ class DecoderLayer(nn.Module):
 
     def router_foldable(self) -> bool:
         """A resident MoE layer whose expert weights are the softmax of the chosen
-        logits: its o_proj can route (folded_router)."""
+        logits: its o_proj can route (folded_router), in bf16 or fp8 (o_proj,
+        experts, or both)."""
         mlp = self.mlp
-        return (isinstance(mlp, MoEBlock) and mlp.renormalize and mlp.expert_compute is None
-                and not mlp.is_fp8 and self.self_attn.o_proj.weight_scale is None)  # fp8: not folded
+        return isinstance(mlp, MoEBlock) and mlp.renormalize and mlp.expert_compute is None
 
     def _routes_in_oproj(self, x: torch.Tensor, kernels: KernelConfig) -> bool:
         return (self.router_foldable() and not self.mlp.observed()  # type: ignore[union-attr]
@@ -113,10 +113,11 @@ class DecoderLayer(nn.Module):
         None while a CUDA graph is being captured and there is none yet (the
         capture's warm-up runs fold it first)."""
         assert isinstance(self.mlp, MoEBlock)
-        ws = (self.mlp.gate.weight, self.post_attention_layernorm.weight, self.self_attn.o_proj.weight)
+        # An fp8 o_proj folds dequantized (its codes and scales both versioned).
+        ws = (self.mlp.gate.weight, self.post_attention_layernorm.weight, self.self_attn.o_proj.w)
         bias = self.self_attn.o_proj.bias
         f = self._folded
-        if f is None or f.versions != tuple(w._version for w in ws + (() if bias is None else (bias,))):
+        if f is None or f.versions != fold_versions(*ws, bias):
             if ws[0].is_cuda and torch.cuda.is_current_stream_capturing():
                 return None
             with torch.no_grad():

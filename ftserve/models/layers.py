@@ -292,7 +292,7 @@ class MoEBlock(nn.Module):
         gate/up launch applies the post-attention norm left pending (eps
         ``route_eps``) and weighs the chosen experts; the down launch adds the
         residual and folds ``norm`` (pending with ``defer``, as there)."""
-        return ops.fused_moe_routed(kernels, route, route_eps, self.w13, self.w2, norm.weight, norm.eps,
+        return ops.fused_moe_routed(kernels, route, route_eps, *self.expert_weights(), norm.weight, norm.eps,
                                     self._counter(route.scaled), defer)
 
     def compute_experts(
