@@ -69,19 +69,22 @@ def _gpu_like_trace() -> st.Timeline:
         DeviceOp(215, 240, "gemm_kernel", 401), DeviceOp(240, 270, "gemm_kernel", 401),
         DeviceOp(271, 275, "_greedy_kernel", 402),
         DeviceOp(280, 281, "_mystery_kernel", 0),  # no launch call recorded: by its start
+        # No launch call either, but launched inside a torch op of window 1 (host 33).
+        DeviceOp(95, 96, "_linked_kernel", 0, linked=7),
     ]
-    return st.Timeline(windows, ops, launches, True)
+    return st.Timeline(windows, sorted(ops), launches, True, frontend={7: 33.0})
 
 
 def test_timeline_analysis_of_a_gpu_trace() -> None:
     logs = [st.StepLog(0, "decode", True, 1), st.StepLog(1, "decode", True, 1),
             st.StepLog(2, "verify", False, 1), st.StepLog(3, "verify", False, 1)]
     rows, how = st.step_rows(logs, _gpu_like_trace())
-    assert how == {"correlation": 15, "start_time": 1, "before_first_window": 0}
+    assert how == {"correlation": 15, "linked_op": 1, "start_time": 1, "before_first_window": 0}
     r0, r1, r2, r3 = rows
     assert (r0["ops"], r0["graph_kernels"], r0["period_us"], r0["graph_us"], r0["between_us"]) == (3, 3, 32, 30, 2)
     assert r0["idle_us"] == 2 and r0["host_to_first_op_us"] == 10
-    assert (r1["period_us"], r1["graph_us"], r1["between_us"], r1["idle_us"]) == (48, 28, 20, 20)
+    assert (r1["period_us"], r1["graph_us"], r1["between_us"], r1["idle_us"]) == (48, 28, 20, 19)
+    assert r1["ops"] == 4 and r1["outside"] == [("_linked_kernel", 1, 15), ("(next step)", 0, 4)]
     # verify: the copy in, the graph, sampling after it; the next step starts at 210.
     assert (r2["period_us"], r2["graph_us"], r2["between_us"], r2["busy_us"]) == (110, 55, 55, 62)
     assert (r2["kernels"], r2["copies"], r2["graph_kernels"], r2["eager_us"]) == (4, 1, 2, 7)
@@ -100,19 +103,20 @@ def test_timeline_analysis_of_a_gpu_trace() -> None:
     assert ver["kernel_table"]["_greedy_kernel"]["in_graph"] is False
     c = st.compare(dec, ver)
     assert set(c["only_other"]) == {"gemm_kernel", "Memcpy HtoD (Pinned -> Device)", "_copy_host_kernel"}
-    assert set(c["only_base"]) == {"_decode_inputs_kernel", "_gemv_kernel"}
+    assert set(c["only_base"]) == {"_decode_inputs_kernel", "_gemv_kernel", "_linked_kernel"}
+    assert c["only_base"]["_linked_kernel"] == {"per_step": 0.5, "us_per_step": 0.5, "in_graph": False}
     assert c["time_changed"] == {"_greedy_kernel": {"base_us": 10.0, "other_us": 4.0}}
-    assert c["ratios"]["period_us"] == round(110 / 40, 3) and c["deltas"]["kernels"] == 1
+    assert c["ratios"]["period_us"] == round(110 / 40, 3) and c["deltas"]["kernels"] == 0.5
 
 
 def test_ops_without_launch_calls_fall_back_to_their_start() -> None:
     tl = _gpu_like_trace()
     tl.launches = {}
     rows, how = st.step_rows([st.StepLog(i, "decode", True, 1) for i in range(4)], tl)
-    assert how["correlation"] == 0 and how["start_time"] == len(tl.ops)
+    assert how == {"correlation": 0, "linked_op": 1, "start_time": len(tl.ops) - 1, "before_first_window": 0}
     # Step 0's kernels that start after window 1 opened go to step 1: why the
     # launch calls matter for overlapped steps. No graph without them either.
-    assert rows[0]["ops"] == 2 and rows[1]["ops"] == 4 and rows[0]["graph_us"] is None
+    assert rows[0]["ops"] == 2 and rows[1]["ops"] == 5 and rows[0]["graph_us"] is None
 
 
 def test_step_loops_stop_at_their_deadline(tmp_path: Path) -> None:

@@ -211,12 +211,16 @@ class DeviceOp(NamedTuple):
     # launched the op (launch_calls); every kernel of a CUDA graph carries its
     # cudaGraphLaunch's. 0: none recorded.
     corr: int
+    # The id of the torch op or record_function range the launch ran inside
+    # (FunctionEvent.id of that CPU event); 0: none recorded.
+    linked: int = 0
 
 
 def cuda_ops(prof: Any) -> list[DeviceOp]:
     """Every CUDA op a profiler recorded, in start order (the GPU ranges of
     record_function scopes left out: they span idle gaps too)."""
-    return sorted(DeviceOp(float(e.time_range.start), float(e.time_range.end), e.name, int(e.id or 0))
+    return sorted(DeviceOp(float(e.time_range.start), float(e.time_range.end), e.name, int(e.id or 0),
+                           int(getattr(e, "linked_correlation_id", 0) or 0))
                   for e in prof.events()
                   if e.device_type == torch.autograd.DeviceType.CUDA
                   and not getattr(e, "is_user_annotation", False)
