@@ -201,6 +201,55 @@ def gpu_kernel_seconds(fn: Callable[[], Any], device: torch.device,
     return out
 
 
+class DeviceOp(NamedTuple):
+    """One CUDA op (kernel, memcpy, memset) a profiler recorded."""
+
+    start: float  # us, the profiler's clock (shared with its CPU events)
+    end: float
+    name: str
+    # The profiler's correlation id: that of the runtime / driver call that
+    # launched the op (launch_calls); every kernel of a CUDA graph carries its
+    # cudaGraphLaunch's. 0: none recorded.
+    corr: int
+    # The id of the torch op or record_function range the launch ran inside
+    # (FunctionEvent.id of that CPU event); 0: none recorded.
+    linked: int = 0
+
+
+def cuda_ops(prof: Any) -> list[DeviceOp]:
+    """Every CUDA op a profiler recorded, in start order (the GPU ranges of
+    record_function scopes left out: they span idle gaps too)."""
+    return sorted(DeviceOp(float(e.time_range.start), float(e.time_range.end), e.name, int(e.id or 0),
+                           int(getattr(e, "linked_correlation_id", 0) or 0))
+                  for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA
+                  and not getattr(e, "is_user_annotation", False)
+                  and "annotation" not in str(getattr(e, "activity_type", "") or "").lower())
+
+
+def cuda_spans(prof: Any) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every CUDA op a profiler recorded, in start order."""
+    return [(op.start, op.end, op.name) for op in cuda_ops(prof)]
+
+
+class LaunchCall(NamedTuple):
+    """A host-side CUDA runtime or driver call that puts work on a stream."""
+
+    start: float  # us, the profiler's clock
+    name: str  # cudaLaunchKernel, cuLaunchKernelEx, cudaGraphLaunch, cudaMemcpyAsync, ...
+
+
+def launch_calls(prof: Any) -> dict[int, LaunchCall]:
+    """Correlation id -> the runtime / driver call a profiler recorded under it
+    (CPU events named cuda* / cu*: the ids of torch ops are another counter)."""
+    out: dict[int, LaunchCall] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or not e.id or not e.name.startswith("cu"):
+            continue
+        out.setdefault(int(e.id), LaunchCall(float(e.time_range.start), e.name))
+    return out
+
+
 # ----------------------------------------------------------------- physical limits
 
 
@@ -365,7 +414,8 @@ def start_run(args: Any, prefix: str) -> BenchRun:
     """The opening every engine benchmark shares: the device (CUDA missing is an
     error naming --smoke), the results dict, the clock and the --budget-s
     deadline, and args.preset's config cut to args.layers layers with
-    max_position_embeddings = args.max_len."""
+    max_position_embeddings = args.max_len (model_dir "" where args.preset is
+    None: the caller brings a checkpoint)."""
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device here; `--smoke` runs the CPU version")
@@ -374,6 +424,8 @@ def start_run(args: Any, prefix: str) -> BenchRun:
     t_start = time.perf_counter()
     budget = getattr(args, "budget_s", None)
     deadline = t_start + budget if budget is not None else math.inf
-    model_dir = write_config(args.preset, tempfile.mkdtemp(prefix=prefix),
-                                   layers=args.layers, max_position_embeddings=args.max_len)
+    model_dir = ""
+    if args.preset is not None:
+        model_dir = write_config(args.preset, tempfile.mkdtemp(prefix=prefix),
+                                 layers=args.layers, max_position_embeddings=args.max_len)
     return BenchRun(device, results, t_start, deadline, model_dir)

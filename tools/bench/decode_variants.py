@@ -48,6 +48,7 @@ from ftserve.engine.request import ReqState
 from ftserve_kernels.attention_common import AttnKernelConfig
 from ftserve_kernels.config import KernelConfig
 from tools.bench.common import (
+    cuda_spans,
     decode_step_bytes,
     gpu_kernel_seconds,
     measure_copy_gbps,
@@ -162,13 +163,6 @@ def time_replay(b: Bench, batch: Any, reps: int) -> dict[str, Any]:
     ms = [a.elapsed_time(e) for a, e in zip(events, events[1:])]
     return {"replay_ms": statistics.median(ms), "replay_ms_min": min(ms), "replay_ms_max": max(ms),
             "replay_reps": reps}
-
-
-def cuda_spans(prof: Any) -> list[tuple[float, float, str]]:
-    """(start us, end us, name) of every CUDA op a profiler recorded, in start order."""
-    return sorted((float(e.time_range.start), float(e.time_range.end), e.name) for e in prof.events()
-                  if e.device_type == torch.autograd.DeviceType.CUDA
-                  and not getattr(e, "is_user_annotation", False))
 
 
 def trace_replay(b: Bench, batch: Any, replays: int = 3) -> dict[str, Any]:

@@ -18,14 +18,15 @@ def build(args: argparse.Namespace, model_dir: str, device: torch.device, **over
     """The benchmarked engine. ``args`` carries dtype, kv_tokens, chunk (the
     prefill chunk), batches (decode batch sizes) and max_len, as
     tools/bench/engine.parse_args sets them; ``overrides``: other EngineConfig
-    fields (tools/bench/hybrid.py: the state checkpoints)."""
+    fields, or these replaced (tools/bench/hybrid.py: the state checkpoints;
+    tools/bench/spec_trace.py: a GGUF's load format, speculation)."""
     from ftserve.engine.setup import build_engine
 
-    cfg = EngineConfig(
+    fields: dict[str, Any] = dict(
         model=model_dir, load_format="dummy", dtype=args.dtype, device=str(device),
         page_size=16, kv_cache_tokens=args.kv_tokens, max_prefill_length=args.chunk,
         max_running_requests=max(args.batches), cuda_graph_max_bs=max(args.batches),
-        attention_backend="auto", status_log_interval=0.0, max_model_len=args.max_len, **overrides,
+        attention_backend="auto", status_log_interval=0.0, max_model_len=args.max_len,
     )
-    return build_engine(cfg)
+    return build_engine(EngineConfig(**{**fields, **overrides}))
 
