@@ -16,7 +16,8 @@
 # fp8: the fp8 tests, tools.bench.fp8 (fp8 against bf16 in one run), tools.bench.fp8_prefill_sweep;
 # hybrid: the hybrid engine's gpu tests and tools.bench.hybrid (issue 33);
 # spec: the speculation gpu tests, tools.bench.verify_attention, then tools.bench.spec on the qwen3-30b-a3b shape and,
-# with SPEC_GGUF=PATH (the SmolLM2 GGUF; the device fetches nothing), on the real model;
+# with SPEC_GGUF=PATH (the SmolLM2 GGUF; the device fetches nothing), tools.bench.spec_trace (decode vs
+# verify step timelines) and tools.bench.spec on the real model;
 # tune: tests + tools.tune.gemv (+ tools.tune.moe with TUNE_MOE=1), then the
 # benchmarks with the fresh tables (FTSERVE_GEMV_CONFIG_FILE /
 # FTSERVE_MOE_CONFIG_FILE); commit a table that wins under ftserve_kernels/configs/.
@@ -95,6 +96,8 @@ if [ "$mode" = hybrid ] || [ "$mode" = spec ]; then
         step bench_spec_qwen3 110 python3 -m tools.bench.spec --preset qwen3-30b-a3b --layers 8 \
             --out "$work/spec_qwen3" --loadgen-args=--ignore-eos --budget-s 90 > "$work/bench_spec_qwen3.md"
         if [ -n "${SPEC_GGUF:-}" ]; then
+            step spec_trace 140 python3 -m tools.bench.spec_trace --gguf "$SPEC_GGUF" --out "$work/spec_trace" \
+                --budget-s 120 > "$work/spec_trace.md"
             step bench_spec_smollm2 150 python3 -m tools.bench.spec --gguf "$SPEC_GGUF" \
                 --out "$work/spec_smollm2" --budget-s 120 > "$work/bench_spec_smollm2.md"
         fi
