@@ -24,8 +24,9 @@ tiny models' logits by 1-3% relative under the interpreter
 Tokens are compared only where both sides run the same kernels. A prefill graph
 replays the expert tiles picked for its bucket's padded pair count (256 tokens x 4
 choices over 16 experts: 64 rows a tile, the fp8 wgmma); an eager chunk of a short
-prompt takes the tiles of its real count (under 24 pairs an expert: 16 rows, the
-fp8 mma.sync). Hopper's fp8 wgmma keeps about 14 bits of its running sum
+prompt takes the tiles of its real count (under 24 pairs an expert: 16 rows, which
+Triton multiplies on mma.sync as f16, the codes converted exactly, with fp32 sums:
+test_kernels_fp8_sm90_compile). Hopper's fp8 wgmma keeps about 14 bits of its running sum
 (test_kernels_fp8.FP8_DOT_REL: within 2^-11 of sum |a||b| over a dot), so the two
 tilings' expert outputs differ by up to that much, and the SiLU product's e4m3
 requantization turns a few such differences into a whole code step. Greedy tokens
