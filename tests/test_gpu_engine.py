@@ -106,6 +106,10 @@ class CheckedDriver(EngineDriver):
         with sync_is_error(self.check):
             return super().step()
 
+    def flush(self) -> None:
+        with sync_is_error(self.check):
+            super().flush()
+
     def finish(self, launched: Launched) -> None:
         before = self.runner.read_backs
         super().finish(launched)

@@ -12,7 +12,12 @@ near-tied the greedy tokens can differ and the rows part. (In fp32 on the CPU,
 tests/test_spec_engine.py, they are equal token for token.) The comparison,
 engine_util.assert_greedy_equal_up_to_ties, tells such a tie from a bug by the
 same weights in fp32: both paths must be about as close to it, and a row may
-part only where the two tokens are tied within that measured error."""
+part only where the two tokens are tied within that measured error.
+
+The step-by-step runs end with the driver flushed (run_logged): with overlap the
+step after a request's last plain step is launched before that step is read
+back, so it is still in flight when every request shows finished; flushed, it
+is committed and logged like every other launched step."""
 
 from __future__ import annotations
 
@@ -35,11 +40,32 @@ ROWS = 8  # requests compared (max_running_requests): near-ties part at most hal
 
 
 def echo_prompts(engine: Engine, seed: int, n: int) -> list[list[int]]:
-    """X + C + X with C the engine's greedy output after X (test_spec_engine)."""
+    """n prompts X + C + X, C the engine's greedy output after X (test_spec_engine),
+    led by those after which plain decoding repeats C[:2].
+
+    An n-gram draft needs the request's last two tokens earlier in its context:
+    after X + C + X, X's last token and C[0]. So a request drafts (C[1:]) only
+    where its first output is C[0] again, and keeps a draft token only where its
+    second is C[1]: on this model about 2 candidates in 5 and 1 in 5 (CPU, fp32).
+    Left to chance, 8 prompts made as few as 2 verify steps and kept no draft
+    token (1 seed in 12), and the 3 prompts of the step-by-step runs could make
+    no verify step at all. So 6n candidates are ranked by how far the engine's
+    own greedy decoding repeats C after them (at least 3 must repeat C[:2]).
+    The prefix cache is cleared after, so the comparison's plain run prefills
+    each prompt whole, as the speculative engine does: otherwise the plain
+    engine's KV of C would come from its decode steps, the other's from a
+    prefill, a second bf16 difference beside the verify steps'."""
     rng = random.Random(seed)
-    xs = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 40))] for _ in range(n)]
-    outs = run_greedy(engine, xs, 24)
-    return [x + c + x for x, c in zip(xs, outs)]
+    xs = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 40))] for _ in range(6 * n)]
+    cs = run_greedy(engine, xs, 24)
+    assert engine.scheduler.reset_prefix_cache()
+    cands = [x + c + x for x, c in zip(xs, cs)]
+    heads = run_greedy(engine, cands, 2)
+    assert engine.scheduler.reset_prefix_cache()
+    depth = [2 if h == c[:2] else int(h[0] == c[0]) for h, c in zip(heads, cs)]
+    assert depth.count(2) >= 3, f"too few prompts the model echoes: {depth}"
+    order = sorted(range(len(cands)), key=lambda i: -depth[i])  # stable: seed order within a depth
+    return [cands[i] for i in order[:n]]
 
 
 def equal_plain_up_to_ties(plain: Engine, spec: Engine, prompts: list[list[int]]) -> None:
@@ -62,6 +88,21 @@ class VerifyLog(CheckedDriver):
             self.log[-1] = ("verify", bs, n)
 
 
+def run_logged(engine: Engine, prompts: list[list[int]], max_tokens: int, check: bool) -> VerifyLog:
+    """Greedy requests for ``prompts`` stepped to the end as the engine thread steps
+    them (VerifyLog: under sync errors when ``check``), every launched step in the
+    log. A plain step (a request in back-off) overlaps the next, which is planned
+    from its device-side tokens: the step after a request's last token is launched
+    before that token is read back, and is still in flight when every request shows
+    finished. The flush commits it (its rows of finished requests are dropped), so
+    it is logged like the rest and every graph replay counted is a logged step."""
+    drv = VerifyLog(engine, seed=1, check=check)
+    reqs = [drv.add(p, max_tokens) for p in prompts]
+    drv.until(lambda: all(r.finished for r in reqs))
+    drv.flush()
+    return drv
+
+
 @pytest.mark.gpu
 def test_verify_steps_sync_free_and_equal_plain(model_dir: str) -> None:  # noqa: F811
     plain = make_engine(model_dir)
@@ -76,9 +117,7 @@ def test_verify_steps_sync_free_and_equal_plain(model_dir: str) -> None:  # noqa
         equal_plain_up_to_ties(plain, spec, prompts)
         assert spec.scheduler.spec is not None and spec.scheduler.spec.counters.accepted_tokens_total > 0
         for check in (False, True):  # the first run compiles every shape
-            drv = VerifyLog(spec, seed=1, check=check)
-            reqs = [drv.add(p, 16) for p in prompts[:3]]
-            drv.until(lambda rs=reqs: all(r.finished for r in rs))
+            drv = run_logged(spec, prompts[:3], 16, check)
         kinds = {k for k, _, _ in drv.log}
         assert "verify" in kinds, kinds
         for kind, bs, n in drv.log:
@@ -143,10 +182,8 @@ def test_mtp_steps_sync_free_and_equal_plain(tmp_path_factory: pytest.TempPathFa
         equal_plain_up_to_ties(plain, spec, prompts)
         assert spec.scheduler.spec is not None and spec.scheduler.spec.counters.accepted_tokens_total > 0
         for check in (False, True):  # the first run compiles every shape
-            drv = VerifyLog(spec, seed=1, check=check)
             counts = count_replays(spec)
-            reqs = [drv.add(p, 16) for p in prompts[:3]]
-            drv.until(lambda rs=reqs: all(r.finished for r in rs))
+            drv = run_logged(spec, prompts[:3], 16, check)
         kinds = [k for k, _, _ in drv.log]
         assert "verify" in kinds, kinds
         for kind, bs, n in drv.log:
@@ -187,10 +224,8 @@ def test_mtp_random_head_backs_off_sync_free(tmp_path_factory: pytest.TempPathFa
         # 24 tokens: a request that keeps nothing verifies at outputs 1, 4, 9 and 18.
         assert 0 < c.verifies_total <= ROWS * 6 and c.accepted_tokens_total * 10 <= c.proposed_tokens_total
         for check in (False, True):  # the first run compiles every shape
-            drv = VerifyLog(spec, seed=1, check=check)
             counts = count_replays(spec)
-            reqs = [drv.add(p, 24) for p in prompts[:3]]
-            drv.until(lambda rs=reqs: all(r.finished for r in rs))
+            drv = run_logged(spec, prompts[:3], 24, check)
         kinds = [k for k, _, _ in drv.log]
         assert "verify" in kinds and kinds.count("decode") > 2 * kinds.count("verify"), kinds
         for kind, bs, n in drv.log:

@@ -453,6 +453,37 @@ def test_graph_paths_same_tokens_and_exact_drafts(model_dir: str, plain: Engine,
         eng.shutdown()
 
 
+def test_backoff_steps_counted_as_the_gpu_test_counts_them(model_dir: str) -> None:
+    """test_gpu_spec.test_mtp_random_head_backs_off_sync_free's step accounting on
+    the CPU: a random head's requests, stepped to their end as that test steps
+    them (run_logged), verify at outputs 1, 4, 9 and 18 only, and every launched
+    step is a logged step of its kind (the GPU test counts graph replays, one a
+    launched decode or verify step). The step launched after the last plain
+    step, while that step was in flight, is one of them: without the flush it
+    stayed launched and unlogged, one decode replay above the logged ones."""
+    from tests.test_gpu_spec import run_logged
+
+    eng = make(model_dir, distilled=False, speculative="mtp", num_speculative_tokens=3, max_model_len=128)
+    launched = {"decode": 0, "verify": 0, "prefill": 0}
+    launch = eng.runner.launch
+
+    def counted(batch: Any) -> Any:
+        launched["decode" if batch.is_decode else "verify" if batch.verifies else "prefill"] += 1
+        return launch(batch)
+
+    eng.runner.launch = counted  # type: ignore[method-assign]
+    try:
+        drv = run_logged(eng, prompts(11, 3, (5, 20)), 24, check=False)
+        kinds = [k for k, _, _ in drv.log]
+        assert launched["decode"] == kinds.count("decode"), (launched, kinds)
+        assert launched["verify"] == kinds.count("verify") == 4, (launched, kinds)
+        assert kinds.count("decode") > 2 * kinds.count("verify"), kinds
+        assert drv.inflight is None and eng.stats().spec_accepted_tokens_total == 0
+        assert_pool_baseline(eng)
+    finally:
+        eng.shutdown()
+
+
 # ----- start-up and loading ---------------------------------------------------
 
 def test_checkpoint_without_mtp_layers_is_a_start_up_error(tmp_path: Path) -> None:
