@@ -2,7 +2,8 @@
 
     python -m tools.tune.moe --out DIR --budget-s 150
 
-For each shape (qwen3-30b-a3b first, mixtral-8x7b if the budget allows) and
+For each shape (qwen3-30b-a3b first, then mixtral-8x7b and qwen3-next-80b-a3b's
+512 experts if the budget allows; ``--shapes`` picks) and
 each token count T (most important first), with realistic routing
 (route_topk_triton over random logits):
 
@@ -75,6 +76,7 @@ from tools.tune.moe_space import (  # noqa: F401  (re-exported names)
 SHAPES: dict[str, tuple[int, int, int, int]] = {  # name -> (E, k, H, I)
     "qwen3-30b-a3b": (128, 8, 2048, 768),
     "mixtral-8x7b": (8, 2, 4096, 14336),
+    "qwen3-next-80b-a3b": (512, 10, 2048, 512),  # the hybrid's routed experts (issue 33)
 }
 TOKENS = (4096, 8192, 2048, 1024, 512)  # prefill chunk sizes, most important first
 
