@@ -435,3 +435,57 @@ def test_gpu_gemv_qwen3_shapes_graph(n: int, k: int, t: int) -> None:
     ref = torch.nn.functional.linear(x, w)
     torch.cuda.synchronize()
     assert float((y.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("h,inter", [(576, 1536), (4096, 14336)])  # SmolLM2-135M, an 8B dense model
+@pytest.mark.parametrize("t", [1, 4])
+def test_gpu_dense_layer_gemvs_graph(h: int, inter: int, t: int) -> None:
+    """A dense layer's MLP chain at decode sizes, captured in a CUDA graph with
+    syncs as errors: o_proj + residual leaving the post-attention norm pending,
+    gate/up applying it with SiLU * up (GLU), down + residual leaving the next
+    norm pending, the next qkv applying it; against the composition (F.linear,
+    fused_add_rms_norm, F.silu, mul) within bf16 rounding."""
+    from ftserve_kernels import ops
+    from ftserve_kernels.config import KernelConfig
+
+    kernels = KernelConfig()
+    g = torch.Generator(device="cuda").manual_seed(h + t)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, device="cuda", generator=g)).bfloat16()
+
+    a, r = rnd(t, h), rnd(t, h)
+    wo, w13, w2, wq = rnd(h, h, scale=h**-0.5), rnd(2 * inter, h, scale=h**-0.5), \
+        rnd(h, inter, scale=inter**-0.5), rnd(1024, h, scale=h**-0.5)
+    nw1, nw2 = 1 + rnd(h, scale=0.1), 1 + rnd(h, scale=0.1)
+
+    def chain() -> tuple[torch.Tensor, torch.Tensor]:
+        post, s1 = ops.linear_add_rms_norm(kernels, a, wo, None, r, nw1, 1e-5)
+        act = ops.gate_up_silu(kernels, post, w13, None, 1e-5)
+        nxt, s2 = ops.linear_add_rms_norm(kernels, act, w2, None, s1, nw2, 1e-5)
+        assert isinstance(post, ops.PendingNorm) and isinstance(nxt, ops.PendingNorm)
+        qkv, _ = ops.add_rms_norm_linear(kernels, s2, s2, nw2, 1e-5, wq, None, prenormed=nxt)
+        return qkv, s2
+
+    chain()  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            qkv, s2 = chain()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    a.copy_(rnd(t, h))
+    graph.replay()
+    lin = torch.nn.functional.linear
+    n1, ref_s1 = fused_add_rms_norm_ref(lin(a, wo), r, nw1, 1e-5)
+    gu = lin(n1, w13)
+    n2, ref_s2 = fused_add_rms_norm_ref(lin(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:], w2), ref_s1,
+                                        nw2, 1e-5)
+    ref_qkv = lin(n2, wq)
+    torch.cuda.synchronize()
+    for got, ref in ((s2, ref_s2), (qkv, ref_qkv)):
+        assert float((got.float() - ref.float()).norm() / ref.float().norm()) < 2e-2
