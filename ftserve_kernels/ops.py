@@ -42,6 +42,7 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
         -> (linear(norm(x + residual)) [T, N], x + residual (x when residual is None));
         ``prenormed``: x is already the normed sum (the layer before folded the norm):
         ``linear(x, w, b)``; a PendingNorm: the GEMV applies it
+    dense_folds_norm(x [T, K]) -> bool: whether linear_add_rms_norm leaves the norm pending at x's size
     linear_add_rms_norm(x [T, K], w [H, K], b, residual [T, H], norm_w [H], eps)
         -> (fused_add_rms_norm(linear(x, w, b), residual, norm_w, eps): the normed rows, or
         where dense_folds_norm(x) a PendingNorm of them left by the GEMV's epilogue; the sum)
@@ -63,10 +64,12 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
         gated_delta_verify, conv_commit, gated_delta_commit; signatures in gated_delta.py) for
         tensors like t: gated_delta_triton's kernels or the torch reference module
 
-Weights are tensors, or in linear, add_rms_norm_linear, fused_moe,
-fused_moe_add_rms_norm, oproj_route and fused_moe_routed an fp8 checkpoint's
-``fp8_quant.Fp8Weight`` (e4m3 codes and block scales), which goes to fp8_ops
-with the same KernelConfig (oproj_route's kernel takes either itself).
+Weights are tensors, or in linear, add_rms_norm_linear, linear_add_rms_norm,
+gate_up_silu, fused_moe, fused_moe_add_rms_norm, oproj_route and
+fused_moe_routed an fp8 checkpoint's ``fp8_quant.Fp8Weight`` (e4m3 codes and
+block scales), which goes to fp8_ops with the same KernelConfig (oproj_route's
+kernel takes either itself; linear_add_rms_norm and gate_up_silu compose over
+fp8_ops' linear, their folds being the bf16 GEMV's).
 
 Backends are imported once into a table per KernelConfig (``_triton_table``:
 the Triton wrappers bound to it), picked per call by the config and the
