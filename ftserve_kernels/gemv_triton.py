@@ -194,7 +194,10 @@ def _row_out(acc, t, T, N, K, eps, parts, bias, vrows, nmask, y_ptr, stride_y, r
     the next norm left pending (moe_down_gemv_triton._add_then_part: the sum,
     weight * sum into y, this program's partial sum of squares)."""
     ydt = y_ptr.dtype.element_ty
-    row_ok = (vrows * 0 + t) < T  # [N]: the row block pads T up to BLOCK_T
+    if t == 0:  # T >= 1
+        row_ok = nmask
+    else:  # the row block pads T up to BLOCK_T
+        row_ok = (vrows * 0 + t) < T  # [N]
     y = tl.sum(acc, 1) * _row_scale(parts, t, K, eps, HAS_PARTS, BLOCK_T) + bias  # [N] fp32
     if GLU:
         g, u = tl.split(tl.reshape(y.to(dt).to(tl.float32), [BLOCK_N // 2, 2]))  # [N/2] each
