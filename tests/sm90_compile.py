@@ -232,6 +232,9 @@ def compile_all() -> dict[str, dict[str, Any]]:
         gv._gemv_kernel, g | {"parts_ptr": "*fp32"},
         dict(HAS_BIAS=False, BLOCK_T=1, BLOCK_N=8, BLOCK_K=256, EVEN_K=False, K_STEPS=3, GLU=True, HAS_PARTS=True,
              BLOCK_P=128, PDL=True), 8)
+    out["gemv_add_norm_8b_down_T1_pdl"] = _compile(  # as it launches on sm_90 (PDL on)
+        gv._gemv_kernel, norm_out,
+        dict(HAS_BIAS=False, BLOCK_T=1, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, K_STEPS=56, NORM_DEFER=True, PDL=True), 8)
     out["gemv_add_norm_smollm_down_T1_pdl"] = _compile(
         gv._gemv_kernel, norm_out,
         dict(HAS_BIAS=False, BLOCK_T=1, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, K_STEPS=6, NORM_DEFER=True, PDL=True), 8)

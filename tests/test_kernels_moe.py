@@ -649,7 +649,7 @@ def test_decode_gemv_kernels_compile_for_sm90() -> None:
     for name in ("add_norm_route", "add_norm_route_next", "add_norm_route_be4"):
         # No frame at all: a [4, 2048] router tile on one warp spilled 632 bytes (route_warps).
         assert res[name]["stack"] in (0, -1), (name, res[name])
-    for name in ("moe_down3d", "gemv_o_T1", "gemv_o_T1_pdl", "gemv_add_norm_8b_down_T1", "gemv_glu_8b_T1"):
+    for name in ("moe_down3d", "gemv_o_T1", "gemv_o_T1_pdl", "gemv_add_norm_8b_down_T1_pdl", "gemv_glu_8b_T1"):
         n = res[name]["loads_before_first_use"]
         assert n == -1 or n >= 8, f"{name}: only {n} loads issued before the first FMA"
     for name, r in res.items():  # PDL: a wait exactly where compiled in, no early release
