@@ -25,15 +25,18 @@ from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 
 
 @triton.jit
-def _norm_rope_halves(x1, x2, w_ptr, j, cos, sin, eps, D: tl.constexpr, HALF: tl.constexpr, ty):
-    """Per-row RMSNorm over both halves [R, HALF], then neox rotary: the roundings
-    of rope_triton._norm_rotate_rows (normed -> ty, w * normed -> ty, out -> ty)."""
-    rs = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]  # [R, 1]
-    w1 = tl.load(w_ptr + j).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + j).to(tl.float32)[None, :]
-    y1 = (w1 * (x1 * rs).to(ty).to(tl.float32)).to(ty).to(tl.float32)
-    y2 = (w2 * (x2 * rs).to(ty).to(tl.float32)).to(ty).to(tl.float32)
-    return (y1 * cos - y2 * sin).to(ty), (y2 * cos + y1 * sin).to(ty)
+def _norm_rope_halves(x1, x2, w_ptr, j, cos, sin, eps, D: tl.constexpr, HALF: tl.constexpr, ty,
+                      NORM: tl.constexpr):
+    """Per-row RMSNorm over both halves [R, HALF] (NORM), then neox rotary: the
+    roundings of rope_triton._norm_rotate_rows (normed -> ty, w * normed -> ty,
+    out -> ty); without NORM the rotary alone, as rotary_ref rounds it."""
+    if NORM:
+        rs = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]  # [R, 1]
+        w1 = tl.load(w_ptr + j).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + j).to(tl.float32)[None, :]
+        x1 = (w1 * (x1 * rs).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+        x2 = (w2 * (x2 * rs).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    return (x1 * cos - x2 * sin).to(ty), (x2 * cos + x1 * sin).to(ty)
 
 
 @triton.jit
@@ -48,11 +51,11 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     FP8: tl.constexpr, PDL: tl.constexpr,
-    QK: tl.constexpr,
+    QK: tl.constexpr, NORM: tl.constexpr = True,
 ):
-    # QK (decode_attention_qk_triton): q and the new token's k arrive raw (before
-    # the per-head norms and the rotary) and this kernel normalizes and rotates
-    # them itself; the split holding the new token (position kv_len - 1) stores
+    # QK (DecodeQK): q and the new token's k arrive raw (before the per-head
+    # norms, NORM, and the rotary) and this kernel normalizes and rotates them
+    # itself; the split holding the new token (position kv_len - 1) stores
     # its K/V into the pages and adds it from registers after its loop, so no
     # program reads that slot back. Halves [*, D/2] throughout (full rotary).
     #
@@ -105,7 +108,7 @@ def _decode_split_kernel(
         cos = tl.load(cs_ptr + p_new * stride_cos + hj)[None, :]  # [1, HALF] fp32
         sin = tl.load(cs_ptr + p_new * stride_cos + HALF + hj)[None, :]
         q1, q2 = _norm_rope_halves(qa.to(tl.float32), qb.to(tl.float32),
-                                   qw_ptr, hj, cos, sin, eps, D, HALF, ty)  # [G, HALF] each
+                                   qw_ptr, hj, cos, sin, eps, D, HALF, ty, NORM)  # [G, HALF] each
         end = cached_end
         q = q1  # unused (the loop takes the halves)
     else:
@@ -170,7 +173,7 @@ def _decode_split_kernel(
             k1, k2 = _norm_rope_halves(
                 tl.load(k_row + hj[None, :]).to(tl.float32),
                 tl.load(k_row + HALF + hj[None, :]).to(tl.float32),
-                kw_ptr, hj, cos, sin, eps, D, HALF, ty)  # [1, HALF] each
+                kw_ptr, hj, cos, sin, eps, D, HALF, ty, NORM)  # [1, HALF] each
             v_new = tl.load(v_ptr + b.to(tl.int64) * stride_vt + kvh * stride_vh + d,
                             mask=dmask, other=0.0)  # [D]
             dst = tl.load(loc_ptr + b).to(tl.int64) * stride_cs + head_off
@@ -231,13 +234,14 @@ def _decode_reduce_kernel(
 @dataclass(frozen=True)
 class DecodeQK:
     """The raw inputs of a decode step's per-head q/k norms and rotary, for the
-    split kernel to apply itself (Qwen3; float pages, full rotary): q is passed
-    raw as decode_attention_triton's ``q``."""
+    split kernel to apply itself (float pages, full rotary): q is passed
+    raw as decode_attention_triton's ``q``. Norm weights None: a model without
+    q/k norms, the rotary and the KV store alone."""
 
     k: torch.Tensor  # [B, Hkv, D] raw (a view of the qkv projection is fine)
     v: torch.Tensor  # [B, Hkv, D]
-    q_w: torch.Tensor  # [D] q_norm weight
-    k_w: torch.Tensor  # [D] k_norm weight
+    q_w: torch.Tensor | None  # [D] q_norm weight (Qwen3)
+    k_w: torch.Tensor | None  # [D] k_norm weight
     eps: float
     positions: torch.Tensor  # [B] int64
     cos_sin: torch.Tensor  # [max_pos, D] fp32, cos | sin halves
@@ -262,9 +266,9 @@ def decode_attention_triton(
 ) -> torch.Tensor:
     """Split-K decode: the split kernel, then the reduce kernel that combines
     the splits. fp8 caches (float8_e4m3fn codes) need ``k_scale`` /
-    ``v_scale``; tiles are dequantized in registers. With ``qk``, ``q`` is raw and the kernel applies the q/k norms and
-    the rotary and stores the new K/V itself (twin: norm_rope.qk_norm_rotary_ref
-    with its kv_store, then this function without ``qk``)."""
+    ``v_scale``; tiles are dequantized in registers. With ``qk``, ``q`` is raw and the kernel applies the q/k norms
+    (where ``qk`` has them) and the rotary and stores the new K/V itself (twin:
+    norm_rope.qk_norm_rotary_ref with its kv_store, then this function without ``qk``)."""
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -279,7 +283,10 @@ def decode_attention_triton(
     if qk is not None:
         assert not fp8 and qk.cos_sin.shape[-1] == d and d % 2 == 0 and triton.next_power_of_2(d) == d
         assert qk.k.stride(-1) == 1 and qk.v.stride(-1) == 1 and qk.cos_sin.stride(-1) == 1
-        qk_args = (qk.k, qk.v, qk.q_w, qk.k_w, qk.positions, qk.cos_sin, qk.out_cache_loc, qk.eps,
+        assert (qk.q_w is None) == (qk.k_w is None)
+        q_w = qk.q_w if qk.q_w is not None else q  # unread without norms
+        k_w = qk.k_w if qk.k_w is not None else q
+        qk_args = (qk.k, qk.v, q_w, k_w, qk.positions, qk.cos_sin, qk.out_cache_loc, qk.eps,
                    qk.k.stride(0), qk.k.stride(1), qk.v.stride(0), qk.v.stride(1), qk.cos_sin.stride(0))
     else:
         qk_args = (q, q, q, q, seq_lens, q, seq_lens, 0.0, 0, 0, 0, 0, 0)  # unread
@@ -295,6 +302,7 @@ def decode_attention_triton(
         PAGE_SIZE=page_size, GROUP=group, D=d, BLOCK_D=block_d,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n,
         NUM_SPLITS=num_splits, UPCAST=interpreting(), FP8=fp8, QK=qk is not None,
+        NORM=qk is not None and qk.q_w is not None,
         num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
     )
     # Columns a reduce program combines: the whole head, or decode_reduce_block_d.

@@ -321,15 +321,18 @@ class TritonAttentionBackend:
 
     def decode_qk(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
-        q_w: torch.Tensor, k_w: torch.Tensor, eps: float, cos_sin: torch.Tensor,
+        q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float, cos_sin: torch.Tensor,
     ) -> torch.Tensor | None:
         """Decode attention from raw q/k [B, H, D]: the split kernel applies the
-        per-head norms and the rotary and stores K/V itself (one launch fewer
-        than qk_norm_rotary + forward). None where it does not apply (not a
-        decode batch, fp8 pages, partial rotary): the caller takes the usual path."""
+        per-head norms (q_w / k_w; None: a model without them) and the rotary and
+        stores K/V itself (one launch fewer than qk_norm_rotary + forward, two
+        fewer than rotary + store + forward). None where it does not apply (not a
+        decode batch, fp8 pages, partial rotary, a head dim not a power of two):
+        the caller takes the usual path."""
         pool = batch.kv_pool
         d = q.shape[-1]
-        if not batch.is_decode or pool.k_scale is not None or cos_sin.shape[-1] != d:
+        if (not batch.is_decode or pool.k_scale is not None or cos_sin.shape[-1] != d
+                or triton.next_power_of_2(d) != d):
             return None
         qk = DecodeQK(k, v, q_w, k_w, eps, batch.positions, cos_sin, batch.attn.out_cache_loc)
         return self._decode(q, pool.k[layer], pool.v[layer], batch, None, None, qk)

@@ -27,6 +27,12 @@ Fields:
                   instead of the device's packaged one (moe_configs)
     gemv_entries  GEMV launches laid over the table, ``KEY@T=BN.BK.W.S`` joined
                   by ";" (gemv_configs.parse_entries): in-context tuning runs
+    dense_gemv    a layer's dense (not fp8) linears at decode sizes (ops.linear,
+                  <= GEMV_MAX_ROWS rows) on the Triton GEMV and the launches
+                  folded into it (a gated MLP's SiLU * up, a norm left pending);
+                  off: cuBLAS (F.linear) and the unfused composition. Not the
+                  lm_head (ops.linear_fp32 decides alone). A measurement knob
+                  (tools/bench/decode_variants: ``kernels dense_gemv=0``)
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class KernelConfig:
     gemv_table: str | None = None
     moe_table: str | None = None
     gemv_entries: str = ""
+    dense_gemv: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -81,7 +88,8 @@ class KernelConfig:
     def summary(self) -> dict[str, Any]:
         """The fields, for the start-up log and the engine summary."""
         return {"backend": self.backend, "pdl": self.pdl, "gemv_table": self.gemv_table or "packaged",
-                "moe_table": self.moe_table or "packaged", "gemv_entries": self.gemv_entries}
+                "moe_table": self.moe_table or "packaged", "gemv_entries": self.gemv_entries,
+                "dense_gemv": self.dense_gemv}
 
 
 DEFAULT_KERNELS = KernelConfig()

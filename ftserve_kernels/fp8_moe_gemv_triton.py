@@ -237,7 +237,7 @@ def _fp8_down_kernel(
     out = tl.sum(y, 0)  # [N]
     if NORM_NEXT and NORM_DEFER:
         _add_then_part(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, part_ptr, stride_rt,
-                       out_ptr.dtype.element_ty)
+                       out_ptr.dtype.element_ty, tl.program_id(1), tl.num_programs(1), t < tl.num_programs(0))
     elif NORM_NEXT:
         _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, H, eps,
                             stride_rt, out_ptr.dtype.element_ty, BLOCK_H)
@@ -303,7 +303,8 @@ def fused_moe_fp8_add_norm_gemv_triton(
     parts = (torch.empty((t, triton.cdiv(h, bn_d)), dtype=torch.float32, device=x.device)
              if norm_next.deferred else None)
     assert norm_next.residual.shape == x.shape and norm_next.residual.stride() == (h, 1)
-    assert norm_next.counter.dtype == torch.int32 and norm_next.weight.is_contiguous()
+    assert norm_next.counter is not None and norm_next.counter.dtype == torch.int32
+    assert norm_next.weight.is_contiguous()
     _launch(x, w13, w2, topk_weights, topk_ids, None, None, kernels, tiles, normed,
             (norm_next, summed, parts), route)
     return normed, summed, parts

@@ -1,5 +1,14 @@
 """Dense GEMV for decode-sized T (y = x W^T + b), optionally applying an RMSNorm
-the layer before left pending (``parts``). Twin: F.linear (ops.py).
+the layer before left pending (``parts``). Twin: F.linear (ops.py). Two
+epilogues fold the launches around a dense layer's linears into it:
+
+- ``glu``: W is a gated MLP's gate/up; the program pairs gate and up rows and
+  writes SiLU(gate) * up (twin: F.linear, F.silu, mul), as moe_gemv_triton's
+  gate/up kernel does for an expert;
+- ``gemv_add_norm_triton``: y is added to a residual and the next RMSNorm left
+  pending (twin: fused_add_rms_norm(F.linear(...), residual)), as the MoE down
+  kernel leaves it (moe_down_gemv_triton, NormNext deferred): the next GEMV
+  applies it from ``parts``.
 
 At batch 1 the cuBLAS GEMVs of the attention projections read their weights at
 about half of HBM bandwidth; here every program streams BLOCK_N full weight
@@ -25,6 +34,7 @@ import triton.language as tl
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import pdl
 from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
+from ftserve_kernels.moe_down_gemv_triton import NormNext, _add_then_part
 
 GEMV_MAX_ROWS = 4  # rows per launch: every program holds all of them
 
@@ -81,6 +91,8 @@ def _gemv_kernel(
     parts_ptr=None, P=1, HAS_PARTS: tl.constexpr = False, BLOCK_P: tl.constexpr = 1,
     s_ptr=None, stride_s=0, SCALE_N: tl.constexpr = 1, SCALE_K: tl.constexpr = 1,
     FP8: tl.constexpr = False, SCALE_STEP: tl.constexpr = True,
+    GLU: tl.constexpr = False,
+    res_ptr=None, nw_ptr=None, sum_ptr=None, part_out_ptr=None, NORM_DEFER: tl.constexpr = False,
 ):
     # FP8 (fp8_gemv_triton): w holds e4m3 codes with block scales s
     # [cdiv(N, SCALE_N), cdiv(K, SCALE_K)]; each tile is dequantized as it
@@ -93,10 +105,20 @@ def _gemv_kernel(
     # beside the weights: loaded at the end it was an L2 round trip after the loop).
     # Rows are unrolled (BLOCK_T in 1, 2, 4), each with its own [N, BK] fp32
     # accumulator summed over K once at the end: the K loop is loads and FMAs only.
+    # GLU (a gated MLP's gate/up, W rows [0, N/2) the gate, [N/2, N) the up
+    # projection): a program's tile rows interleave gate row c and up row N/2 + c
+    # for BLOCK_N / 2 output columns c, and its epilogue writes SiLU(gate) * up
+    # (_row_out), as moe_gemv_triton's gate/up kernel does: the loop is the plain one.
+    # NORM_DEFER (moe_down_gemv_triton.NormNext, deferred): y is added to a
+    # residual and the next RMSNorm left pending, as the MoE down kernel leaves it.
     pid = tl.program_id(0)
     dt = x_ptr.dtype.element_ty
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]
-    nmask = cols < N
+    vrows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [N]: y's columns (GLU: gate, up interleaved)
+    nmask = vrows < N
+    if GLU:
+        cols = (vrows % 2) * (N // 2) + vrows // 2  # the weight row of each tile row
+    else:
+        cols = vrows
     offs_k = tl.arange(0, BLOCK_K)
     zero_n = tl.zeros([BLOCK_N, 1], tl.int32)  # broadcasts a K chunk down the rows
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_w + offs_k[None, :]  # [N, BK]
@@ -149,21 +171,44 @@ def _gemv_kernel(
     bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
-    # Rounded to x's dtype first, as F.linear's output, also into an fp32 y (the lm_head).
-    ydt = y_ptr.dtype.element_ty
-    sc0 = _row_scale(parts, 0, K, eps, HAS_PARTS, BLOCK_T)
-    tl.store(y_ptr + cols, (tl.sum(acc0, 1) * sc0 + bias).to(dt).to(ydt), mask=nmask)
+    _row_out(acc0, 0, T, N, K, eps, parts, bias, vrows, nmask, y_ptr, stride_y, res_ptr, nw_ptr, sum_ptr, part_out_ptr,
+             dt, HAS_PARTS, BLOCK_T, BLOCK_N, GLU, NORM_DEFER)
     if BLOCK_T > 1:
-        sc1 = _row_scale(parts, 1, K, eps, HAS_PARTS, BLOCK_T)
-        tl.store(y_ptr + stride_y + cols, (tl.sum(acc1, 1) * sc1 + bias).to(dt).to(ydt),
-                 mask=nmask & ((cols * 0 + 1) < T))
+        _row_out(acc1, 1, T, N, K, eps, parts, bias, vrows, nmask, y_ptr, stride_y, res_ptr, nw_ptr, sum_ptr, part_out_ptr,
+                 dt, HAS_PARTS, BLOCK_T, BLOCK_N, GLU, NORM_DEFER)
     if BLOCK_T > 2:
-        sc2 = _row_scale(parts, 2, K, eps, HAS_PARTS, BLOCK_T)
-        sc3 = _row_scale(parts, 3, K, eps, HAS_PARTS, BLOCK_T)
-        tl.store(y_ptr + 2 * stride_y + cols, (tl.sum(acc2, 1) * sc2 + bias).to(dt).to(ydt),
-                 mask=nmask & ((cols * 0 + 2) < T))
-        tl.store(y_ptr + 3 * stride_y + cols, (tl.sum(acc3, 1) * sc3 + bias).to(dt).to(ydt),
-                 mask=nmask & ((cols * 0 + 3) < T))
+        _row_out(acc2, 2, T, N, K, eps, parts, bias, vrows, nmask, y_ptr, stride_y, res_ptr, nw_ptr, sum_ptr, part_out_ptr,
+                 dt, HAS_PARTS, BLOCK_T, BLOCK_N, GLU, NORM_DEFER)
+        _row_out(acc3, 3, T, N, K, eps, parts, bias, vrows, nmask, y_ptr, stride_y, res_ptr, nw_ptr, sum_ptr, part_out_ptr,
+                 dt, HAS_PARTS, BLOCK_T, BLOCK_N, GLU, NORM_DEFER)
+
+
+@triton.jit
+def _row_out(acc, t, T, N, K, eps, parts, bias, vrows, nmask, y_ptr, stride_y, res_ptr, nw_ptr, sum_ptr,
+             part_out_ptr, dt, HAS_PARTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+             GLU: tl.constexpr, NORM_DEFER: tl.constexpr):
+    """Row t's epilogue: y = dot * (1/rms of a pending norm) + bias, rounded to
+    x's dtype ``dt`` as F.linear's output (also into an fp32 y: the lm_head); then
+    stored, or (GLU) round(round(SiLU(gate)) * up) stored at the output column
+    (F.silu's and mul's roundings), or (NORM_DEFER) added to the residual with
+    the next norm left pending (moe_down_gemv_triton._add_then_part: the sum,
+    weight * sum into y, this program's partial sum of squares)."""
+    ydt = y_ptr.dtype.element_ty
+    if t == 0:  # T >= 1
+        row_ok = nmask
+    else:  # the row block pads T up to BLOCK_T
+        row_ok = (vrows * 0 + t) < T  # [N]
+    y = tl.sum(acc, 1) * _row_scale(parts, t, K, eps, HAS_PARTS, BLOCK_T) + bias  # [N] fp32
+    if GLU:
+        g, u = tl.split(tl.reshape(y.to(dt).to(tl.float32), [BLOCK_N // 2, 2]))  # [N/2] each
+        h = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
+        c = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(y_ptr + t * stride_y + c, h.to(dt).to(ydt), mask=(c < N // 2) & ((c * 0 + t) < T))
+    elif NORM_DEFER:
+        _add_then_part(y, t, vrows, nmask & row_ok, res_ptr, nw_ptr, sum_ptr, y_ptr, part_out_ptr, stride_y, dt,
+                       tl.program_id(0), tl.num_programs(0), T > t)
+    else:
+        tl.store(y_ptr + t * stride_y + vrows, y.to(dt).to(ydt), mask=nmask & row_ok)
 
 
 def gemv_triton(
@@ -176,20 +221,70 @@ def gemv_triton(
     out_dtype: torch.dtype | None = None,  # y's dtype (values rounded to x's dtype first)
     parts: torch.Tensor | None = None,  # [T, P] fp32: x is w * s of a pending norm (eps)
     kernels: KernelConfig = DEFAULT_KERNELS,
+    glu: bool = False,  # W is a gated MLP's gate/up [2I, K]: y = SiLU(gate) * up [T, I]
 ) -> torch.Tensor:
     """-> y [T, N] in ``out_dtype`` or x's dtype. With ``parts``: y = (x . W^T)
     / rms(s), 1/rms from the sum of ``parts`` (x = w * s: a pending norm,
-    moe_down_gemv_triton.NormNext deferred); the launch is the plain GEMV's. Launch: ``config``, else ``block``, else the
-    device table's entry (gemv_configs), else the default."""
+    moe_down_gemv_triton.NormNext deferred); the launch is the plain GEMV's.
+    ``glu``: y [T, N/2] = round(SiLU(g)) * u of the rounded g = x . W[:N/2]^T (+ b),
+    u = x . W[N/2:]^T (+ b), as F.linear, F.silu and mul round them (the
+    launch's tile rows pair gate and up rows). Launch: ``config``, else
+    ``block``, else the device table's entry for W's shape (gemv_configs), else
+    the default."""
+    t, n = x.shape[0], w.shape[0]
+    if glu:
+        assert n % 2 == 0 and out_dtype is None
+    y = torch.empty((t, n // 2 if glu else n), dtype=out_dtype or x.dtype, device=x.device)
+    _launch(x, w, bias, y, eps, block, config, parts, kernels, glu=glu)
+    return y
+
+
+def gemv_add_norm_triton(
+    x: torch.Tensor,  # [T, K], T <= GEMV_MAX_ROWS
+    w: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None,  # [N]
+    norm_next: NormNext,  # deferred: residual [T, N], weight [N]
+    config: gc.GemvConfig | None = None,
+    kernels: KernelConfig = DEFAULT_KERNELS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm(linear(x, w, bias), residual, weight) with the norm left
+    pending in the GEMV's epilogue (as moe_down_gemv_triton leaves a deferred
+    NormNext): -> (round(weight * s), s = round(round(y) + residual), parts [T,
+    cdiv(N, BLOCK_N)] fp32: each program's sum of squares of its columns of s),
+    for a GEMV that applies the norm (``parts``, ops.PendingNorm). The launch is
+    the plain GEMV's at W's shape."""
+    assert norm_next.deferred, "the dense GEMV leaves the norm pending (no last program)"
+    t, n = x.shape[0], w.shape[0]
+    res = norm_next.residual
+    assert res.shape == (t, n) and res.is_contiguous() and norm_next.weight.is_contiguous()
+    scaled, summed = torch.empty_like(res), torch.empty_like(res)
+    config = config or _config(x, w, kernels)
+    parts = torch.empty((t, triton.cdiv(n, config.block_n)), dtype=torch.float32, device=x.device)
+    _launch(x, w, bias, scaled, 0.0, None, config, None, kernels, norm=(norm_next, summed, parts))
+    return scaled, summed, parts
+
+
+def _config(x: torch.Tensor, w: torch.Tensor, kernels: KernelConfig) -> gc.GemvConfig:
+    """The device table's entry for W's shape at x's row block, else the default."""
+    n, k = w.shape
+    block_t = triton.next_power_of_2(x.shape[0])
+    return gc.pick(gc.dense_key(n, k), block_t, x.device, kernels) or gc.default("dense", x.is_cuda, n, x.shape[0])
+
+
+def _launch(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, eps: float,
+    block: tuple[int, int] | None, config: gc.GemvConfig | None, parts: torch.Tensor | None,
+    kernels: KernelConfig, glu: bool = False,
+    norm: tuple[NormNext, torch.Tensor, torch.Tensor] | None = None,  # (norm_next, summed, parts out)
+) -> None:
     t, k = x.shape
     n = w.shape[0]
     assert t <= GEMV_MAX_ROWS and w.shape[1] == k
     if parts is not None:
         assert parts.dtype == torch.float32 and parts.shape[0] == t and parts.is_contiguous()
-    assert x.stride(-1) == 1 and w.stride(-1) == 1
-    y = torch.empty((t, n), dtype=out_dtype or x.dtype, device=x.device)
+    assert x.stride(-1) == 1 and w.stride(-1) == 1 and y.stride(-1) == 1
     if t == 0:
-        return y
+        return
     cuda = x.is_cuda
     block_t = triton.next_power_of_2(t)
     # Default (gemv_configs.default): BLOCK_K = 256 bf16 is one warp's width (8 a
@@ -201,9 +296,18 @@ def gemv_triton(
         if block is not None:
             config = dataclasses.replace(gc.default("dense", cuda, n, t), block_n=block[0], block_k=block[1])
         else:
-            config = (gc.pick(gc.dense_key(n, k), block_t, x.device, kernels)
-                      or gc.default("dense", cuda, n, t))
+            config = _config(x, w, kernels)
     bn, bk = config.block_n, min(config.block_k, triton.next_power_of_2(k))
+    if glu:
+        bn = max(bn, 2)  # a gate row and its up row at least
+    extra: dict[str, object] = {}
+    if parts is not None:
+        extra.update(parts_ptr=parts, P=parts.shape[1], HAS_PARTS=True, BLOCK_P=triton.next_power_of_2(parts.shape[1]))
+    if norm is not None:
+        nn, summed, part_out = norm
+        assert summed.stride() == y.stride() == nn.residual.stride() == (n, 1)
+        assert part_out.shape == (t, triton.cdiv(n, bn)) and part_out.is_contiguous()
+        extra.update(res_ptr=nn.residual, nw_ptr=nn.weight, sum_ptr=summed, part_out_ptr=part_out, NORM_DEFER=True)
     on = pdl.active(x, kernels)
     _gemv_kernel[(triton.cdiv(n, bn),)](
         x, w, bias if bias is not None else w, y,
@@ -211,8 +315,5 @@ def gemv_triton(
         x.stride(0), w.stride(0), y.stride(0),
         HAS_BIAS=bias is not None,
         BLOCK_T=block_t, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, K_STEPS=triton.cdiv(k, bk),
-        num_warps=config.num_warps, num_stages=config.num_stages, PDL=on, **pdl.launch(on),
-        **({} if parts is None else dict(parts_ptr=parts, P=parts.shape[1], HAS_PARTS=True,
-                                         BLOCK_P=triton.next_power_of_2(parts.shape[1]))),
+        num_warps=config.num_warps, num_stages=config.num_stages, PDL=on, GLU=glu, **extra, **pdl.launch(on),
     )
-    return y

@@ -95,7 +95,7 @@ def _gemv_down_combine3d_kernel(
     out = tl.sum(y, 0)  # [N]
     if NORM_NEXT and NORM_DEFER:
         _add_then_part(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, part_ptr, stride_rt,
-                       out_ptr.dtype.element_ty)
+                       out_ptr.dtype.element_ty, tl.program_id(1), tl.num_programs(1), t < tl.num_programs(0))
     elif NORM_NEXT:
         _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_ptr, cnt_ptr, H, eps,
                             stride_rt, out_ptr.dtype.element_ty, BLOCK_H)
@@ -130,19 +130,21 @@ def _add_then_norm_last(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, normed_pt
 
 
 @triton.jit
-def _add_then_part(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, scaled_ptr, part_ptr, stride_rt, dt):
+def _add_then_part(out, t, cols, nmask, res_ptr, nw_ptr, sum_ptr, scaled_ptr, part_ptr, stride_rt, dt,
+                   part, num_parts, row_ok):
     """The next layer's input norm left pending (NormNext.deferred): each program
     stores its columns of s = round(round(out) + residual), of round(w * s), and
-    their sum of squares of s, parts[t, program]; the GEMV that reads w * s adds
+    their sum of squares of s, parts[t, part] (``part`` of ``num_parts``: the
+    program's column block; stored where ``row_ok``); the GEMV that reads w * s adds
     the parts up itself and scales its dot by 1/rms (gemv_triton, HAS_PARTS). No
-    counter, no last program."""
+    counter, no last program. Also the dense GEMV's epilogue (gemv_triton, NORM_DEFER)."""
     res = tl.load(res_ptr + t * stride_rt + cols, mask=nmask, other=0.0).to(tl.float32)
     sv = (out.to(dt).to(tl.float32) + res).to(dt)
     tl.store(sum_ptr + t * stride_rt + cols, sv, mask=nmask)
     nw = tl.load(nw_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
     tl.store(scaled_ptr + t * stride_rt + cols, (nw * sv.to(tl.float32)).to(dt), mask=nmask)
     sf = tl.where(nmask, sv.to(tl.float32), 0.0)
-    tl.store(part_ptr + t * tl.num_programs(1) + tl.program_id(1), tl.sum(sf * sf, 0))
+    tl.store(part_ptr + t * num_parts + part, tl.sum(sf * sf, 0), mask=row_ok)
 
 
 def norm_parts(h: int, cfg: gc.GemvConfig) -> int:
@@ -155,7 +157,9 @@ def norm_parts(h: int, cfg: gc.GemvConfig) -> int:
 class NormNext:
     """The next layer's input norm, folded into the down kernel (its epilogue):
     the MoE output is added to ``residual`` and the sum normed with ``weight``;
-    ``counter`` is one int32 the caller owns, zero between launches.
+    ``counter`` is one int32 the caller owns, zero between launches (None: a
+    deferred norm in the dense GEMV, gemv_triton.gemv_add_norm_triton, which
+    has no last program).
     ``deferred``: the kernel leaves the norm pending instead: the sum, weight *
     sum in place of the normed rows, and the partial sums of squares ([T,
     norm_parts] fp32), for a consumer that applies it (gemv_triton's ``parts``)."""
@@ -163,7 +167,7 @@ class NormNext:
     residual: torch.Tensor  # [T, H]
     weight: torch.Tensor  # [H]
     eps: float
-    counter: torch.Tensor  # [1] int32
+    counter: torch.Tensor | None  # [1] int32
     deferred: bool = False
 
 
@@ -199,7 +203,8 @@ def moe_down_gemv(
         if norm_next.deferred:
             assert outs[2].shape == (t, grid[1]) and outs[2].dtype == torch.float32
             assert outs[2].is_contiguous()
-        assert norm_next.counter.dtype == torch.int32 and norm_next.weight.is_contiguous()
+        assert norm_next.counter is not None and norm_next.counter.dtype == torch.int32
+        assert norm_next.weight.is_contiguous()
         norm_args = (norm_next.residual, norm_next.weight, outs[1], outs[0], norm_next.counter,
                      norm_next.eps, h)
     else:

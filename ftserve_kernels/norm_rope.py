@@ -57,16 +57,17 @@ def rotary_ref(
 
 
 def qk_norm_rotary_ref(
-    q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
+    q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float,
     positions: torch.Tensor, cos_sin: torch.Tensor,
     kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm of q [T, Hq, D] and k [T, Hkv, D] (weights q_w/k_w [D]),
-    then neox rotary: what Qwen3 attention does before the KV store. ``kv_store`` =
-    (k_cache, v_cache, v, out_cache_loc): then also that store (float caches)."""
-    qn = rms_norm_ref(q, q_w, eps)  # [T, Hq, D]
-    kn = rms_norm_ref(k, k_w, eps)  # [T, Hkv, D]
-    qo, ko = rotary_ref(qn, kn, positions, cos_sin)
+    """Per-head RMSNorm of q [T, Hq, D] and k [T, Hkv, D] (weights q_w/k_w [D];
+    None: no norms, the rotary alone), then neox rotary: what Qwen3 attention does
+    before the KV store. ``kv_store`` = (k_cache, v_cache, v, out_cache_loc): then
+    also that store (float caches)."""
+    if q_w is not None and k_w is not None:
+        q, k = rms_norm_ref(q, q_w, eps), rms_norm_ref(k, k_w, eps)  # [T, Hq, D], [T, Hkv, D]
+    qo, ko = rotary_ref(q, k, positions, cos_sin)
     if kv_store is not None:
         kc, vc, v, loc = kv_store
         kc.index_copy_(0, loc, ko.to(kc.dtype))

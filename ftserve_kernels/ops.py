@@ -9,7 +9,9 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
     rms_norm(x [T, H], w [H], eps) -> [T, H]
     fused_add_rms_norm(x [T, H], residual [T, H], w [H], eps) -> (normed, x + residual)
     rotary(q [T, Hq, D], k [T, Hkv, D], positions [T] int64,
-           cos_sin [max_pos, rot_dim] fp32 (cos | sin halves)) -> (q, k)   (neox style)
+           cos_sin [max_pos, rot_dim] fp32 (cos | sin halves), kv_store=None) -> (q, k)
+        (neox style); kv_store as qk_norm_rotary's: one launch on Triton for both
+        (qk_norm_rotary's kernel with the norms off)
     qk_norm_rotary(q [T, Hq, D], k [T, Hkv, D], q_w [D], k_w [D], eps, positions, cos_sin,
                    kv_store=None) -> (q, k): per-head RMSNorm of q and k, then rotary
         (Qwen3), one kernel on Triton; kv_store = (k_cache, v_cache, v, out_cache_loc)
@@ -34,11 +36,20 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
         -> fused_moe_add_rms_norm for that row: its gate/up launch applies the pending norm and
         weighs the chosen experts
     linear(x [T, K], w [N, K], b [N] | None) -> [T, N]: F.linear, or the Triton GEMV
-        for T <= 4 on Triton (gemv_triton)
+        for T <= 4 on Triton (gemv_triton; KernelConfig.dense_gemv) - every dense
+        linear of the models takes this choice (layers.Linear, the functions below)
     add_rms_norm_linear(x [T, H], residual [T, H] | None, norm_w [H], eps, w [N, H], b | None)
         -> (linear(norm(x + residual)) [T, N], x + residual (x when residual is None));
         ``prenormed``: x is already the normed sum (the layer before folded the norm):
         ``linear(x, w, b)``; a PendingNorm: the GEMV applies it
+    dense_folds_norm(x [T, K]) -> bool: whether linear_add_rms_norm leaves the norm pending at x's size
+    linear_add_rms_norm(x [T, K], w [H, K], b, residual [T, H], norm_w [H], eps)
+        -> (fused_add_rms_norm(linear(x, w, b), residual, norm_w, eps): the normed rows, or
+        where dense_folds_norm(x) a PendingNorm of them left by the GEMV's epilogue; the sum)
+    gate_up_silu(x [T, H] | PendingNorm, w [2I, H], b [2I] | None, eps)
+        -> SiLU(gate) * up [T, I] (w rows [0, I) the gate, [I, 2I) the up projection):
+        one launch where linear runs the GEMV (its GLU epilogue; a PendingNorm x applied
+        in it, eps its norm's), linear, silu_, mul_ otherwise
     linear_fp32(x [T, K], w [N, K]) -> [T, N] fp32: the lm_head; F.linear(x, w).float(),
         or for one row on Triton the GEMV writing fp32 itself
     decode_inputs(packed [B, WORDS] int64, last [S] int64, page_table [R, P] int32,
@@ -53,10 +64,12 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
         gated_delta_verify, conv_commit, gated_delta_commit; signatures in gated_delta.py) for
         tensors like t: gated_delta_triton's kernels or the torch reference module
 
-Weights are tensors, or in linear, add_rms_norm_linear, fused_moe,
-fused_moe_add_rms_norm, oproj_route and fused_moe_routed an fp8 checkpoint's
-``fp8_quant.Fp8Weight`` (e4m3 codes and block scales), which goes to fp8_ops
-with the same KernelConfig (oproj_route's kernel takes either itself).
+Weights are tensors, or in linear, add_rms_norm_linear, linear_add_rms_norm,
+gate_up_silu, fused_moe, fused_moe_add_rms_norm, oproj_route and
+fused_moe_routed an fp8 checkpoint's ``fp8_quant.Fp8Weight`` (e4m3 codes and
+block scales), which goes to fp8_ops with the same KernelConfig (oproj_route's
+kernel takes either itself; linear_add_rms_norm and gate_up_silu compose over
+fp8_ops' linear, their folds being the bf16 GEMV's).
 
 Backends are imported once into a table per KernelConfig (``_triton_table``:
 the Triton wrappers bound to it), picked per call by the config and the
@@ -94,9 +107,11 @@ class _Kernels:
     # (x, w13, w2, weights, ids, NormNext) -> (normed, summed), up to moe_gemv_tokens rows; None: compose
     moe_add_norm: Callable[..., Any] | None = None
     moe_gemv_tokens: int = 0
-    # (x, w, bias, eps, ..., parts=) -> y; None: F.linear
+    # (x, w, bias, eps, ..., parts=, glu=) -> y; None: F.linear
     gemv: Callable[..., Any] | None = None
     gemv_max_rows: int = 0
+    # (x, w, bias, NormNext) -> (scaled, summed, parts): the GEMV leaving the next norm pending
+    gemv_add_norm: Callable[..., Any] | None = None
 
 
 _REF = _Kernels(
@@ -128,6 +143,7 @@ def _triton_table(kernels: KernelConfig) -> _Kernels:
         add_norm_route=bind(df.add_norm_route_triton), fused_max_tokens=df.FUSED_MAX_TOKENS,
         moe_add_norm=bind(mg.fused_moe_add_norm_gemv_triton), moe_gemv_tokens=mg.GEMV_MAX_TOKENS,
         gemv=bind(gv.gemv_triton), gemv_max_rows=gv.GEMV_MAX_ROWS,
+        gemv_add_norm=bind(gv.gemv_add_norm_triton),
     )
 
 
@@ -153,7 +169,10 @@ def fused_add_rms_norm(
 def rotary(
     kernels: KernelConfig, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     cos_sin: torch.Tensor,
+    kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if kv_store is not None:  # the store in the same launch: qk_norm_rotary's kernel, no norms
+        return _table(kernels, q).qk_norm_rotary(q, k, None, None, 0.0, positions, cos_sin, kv_store)
     return _table(kernels, q).rotary(q, k, positions, cos_sin)
 
 
@@ -338,8 +357,9 @@ def gated_delta(kernels: KernelConfig, t: torch.Tensor) -> Any:
 
 
 def _gemv_for(kernels: KernelConfig, x: torch.Tensor) -> Callable[..., Any] | None:
+    """The dense GEMV where linear runs it at x's size (rows [T, K]), else None."""
     k = _table(kernels, x)
-    if k.gemv is not None and x.shape[0] <= k.gemv_max_rows:
+    if k.gemv is not None and kernels.dense_gemv and x.dim() == 2 and x.shape[0] <= k.gemv_max_rows:
         return k.gemv
     return None
 
@@ -369,9 +389,58 @@ def add_rms_norm_linear(
         assert residual is not None
         return linear(kernels, x, w, b), residual
     if residual is None:
-        return F.linear(rms_norm(kernels, x, norm_w, eps), w, b), x
+        return linear(kernels, rms_norm(kernels, x, norm_w, eps), w, b), x
     normed, summed = fused_add_rms_norm(kernels, x, residual, norm_w, eps)
-    return F.linear(normed, w, b), summed
+    return linear(kernels, normed, w, b), summed
+
+
+def dense_folds_norm(kernels: KernelConfig, x: torch.Tensor) -> bool:
+    """Whether linear_add_rms_norm leaves the norm pending at x's size (where
+    linear runs the GEMV: its epilogue adds and leaves it, the next GEMV applies it)."""
+    return _gemv_for(kernels, x) is not None and _table(kernels, x).gemv_add_norm is not None
+
+
+def linear_add_rms_norm(
+    kernels: KernelConfig, x: torch.Tensor, w: torch.Tensor | Fp8Weight, b: torch.Tensor | None,
+    residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+    """fused_add_rms_norm(linear(x, w, b), residual, norm_w, eps) -> (normed, sum);
+    where dense_folds_norm(x) (a tensor w) one launch: the GEMV adds the residual
+    in its epilogue and leaves the norm pending -> (PendingNorm, sum), for a GEMV
+    to apply (add_rms_norm_linear, gate_up_silu)."""
+    gemv_add_norm = _table(kernels, x).gemv_add_norm
+    if isinstance(w, torch.Tensor) and gemv_add_norm is not None and dense_folds_norm(kernels, x):
+        from ftserve_kernels.moe_down_gemv_triton import NormNext
+
+        scaled, summed, parts = gemv_add_norm(x, w, b, NormNext(residual.contiguous(), norm_w, eps, None,
+                                                                 deferred=True))
+        return PendingNorm(scaled, parts), summed
+    return fused_add_rms_norm(kernels, linear(kernels, x, w, b), residual, norm_w, eps)
+
+
+def gate_up_silu(
+    kernels: KernelConfig, x: torch.Tensor | PendingNorm, w: torch.Tensor | Fp8Weight, b: torch.Tensor | None,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """SiLU(gate) * up [T, I] of linear(x, w, b), w [2I, H]: the GEMV with its GLU
+    epilogue where linear runs it (a tensor w), a PendingNorm x applied in it (eps:
+    its norm's); otherwise the composition: linear, then SiLU and the product in
+    place in the gate half (no [T, I] buffer; the down linear reads the strided rows)."""
+    if isinstance(x, PendingNorm):
+        if isinstance(w, Fp8Weight):
+            gate_up = fp8_ops.pending_linear(kernels, x.scaled, x.parts, eps, w, b)
+        else:
+            gemv = _gemv_for(kernels, x.scaled)
+            assert gemv is not None, "dense_folds_norm said the GEMV runs"
+            return gemv(x.scaled, w, b, eps, parts=x.parts, glu=True)
+    else:
+        gemv = _gemv_for(kernels, x)
+        if gemv is not None and isinstance(w, torch.Tensor):
+            return gemv(x, w, b, glu=True)
+        gate_up = linear(kernels, x, w, b)  # [T, 2I]
+    inter = gate_up.shape[1] // 2
+    h = F.silu(gate_up[:, :inter], inplace=True)  # [T, I]
+    return h.mul_(gate_up[:, inter:])
 
 
 def _add_rms_norm_fp8_linear(

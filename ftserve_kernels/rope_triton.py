@@ -6,7 +6,9 @@ through unrotated. One program per token handles all q and k heads.
 
 ``qk_norm_rotary_triton`` fuses Qwen3's per-head q/k RMSNorm with the rotary in
 one launch over (token, head) rows, many rows per program: three launches and
-two [T * H, D] round trips through memory become one read and one write.
+two [T * H, D] round trips through memory become one read and one write. With
+the norms off (NORM, a model without q/k norms) the same launch is the rotary
+that also stores K/V into the pages (ops.rotary with ``kv_store``).
 """
 
 from __future__ import annotations
@@ -94,10 +96,12 @@ def _norm_rotate_rows(
     kc_ptr, vc_ptr, v_ptr, loc_ptr, stride_cslot, stride_chead, stride_vt, stride_vh,
     NH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-    BLOCK_D: tl.constexpr, STORE: tl.constexpr,
+    BLOCK_D: tl.constexpr, STORE: tl.constexpr, NORM: tl.constexpr,
 ):
     # STORE (k rows only): the rotated row also goes to the paged K cache at its
     # token's slot, and the row's V (untouched) to the V cache: no KV-store launch.
+    # NORM off (a model without q/k norms): the rows are rotated as they are, as
+    # rotary_ref rotates them (w_ptr unread).
     # Rows are (token, head) pairs of one tensor: row = token * NH + head.
     rows = r0 + tl.arange(0, BLOCK_R)  # [R]
     rmask = rows < R
@@ -109,19 +113,24 @@ def _norm_rotate_rows(
     mh = rmask[:, None] & (j[None, :] < HALF)  # [R, half]
     x1 = tl.load(src + j[None, :], mask=mh, other=0.0).to(tl.float32)  # [R, half]
     x2 = tl.load(src + HALF + j[None, :], mask=mh, other=0.0).to(tl.float32)
-    ss = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)  # [R]
+    ty = dst_ptr.dtype.element_ty
     if 2 * HALF < D:  # partial rotary: the tail is normed but not rotated
         tt = 2 * HALF + tl.arange(0, BLOCK_TAIL)
         mt = rmask[:, None] & (tt[None, :] < D)
         x3 = tl.load(src + tt[None, :], mask=mt, other=0.0).to(tl.float32)
-        ss += tl.sum(x3 * x3, 1)
-    rs = tl.rsqrt(ss / D + eps)[:, None]  # [R, 1]
-    ty = dst_ptr.dtype.element_ty
-    # Same roundings as rms_norm_ref then rotary_ref: normed -> dtype, w * normed -> dtype.
-    w1 = tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
-    y1 = (w1 * (x1 * rs).to(ty).to(tl.float32)).to(ty).to(tl.float32)  # [R, half]
-    y2 = (w2 * (x2 * rs).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    if NORM:
+        ss = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)  # [R]
+        if 2 * HALF < D:
+            ss += tl.sum(x3 * x3, 1)
+        rs = tl.rsqrt(ss / D + eps)[:, None]  # [R, 1]
+        # Same roundings as rms_norm_ref then rotary_ref: normed -> dtype, w * normed -> dtype.
+        w1 = tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+        y1 = (w1 * (x1 * rs).to(ty).to(tl.float32)).to(ty).to(tl.float32)  # [R, half]
+        y2 = (w2 * (x2 * rs).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+    else:
+        y1 = x1
+        y2 = x2
     pos = tl.load(pos_ptr + tok, mask=rmask, other=0).to(tl.int64)  # [R]
     cs = cs_ptr + pos[:, None] * stride_cs + j[None, :]
     cos = tl.load(cs, mask=mh, other=0.0)  # [R, half] fp32
@@ -142,8 +151,11 @@ def _norm_rotate_rows(
                      mask=mv, other=0.0)
         tl.store(vc_ptr + cdst + dd[None, :], vv.to(vc_ptr.dtype.element_ty), mask=mv)
     if 2 * HALF < D:
-        w3 = tl.load(w_ptr + tt, mask=tt < D, other=0.0).to(tl.float32)[None, :]
-        o3 = (w3 * (x3 * rs).to(ty).to(tl.float32)).to(ty)
+        if NORM:
+            w3 = tl.load(w_ptr + tt, mask=tt < D, other=0.0).to(tl.float32)[None, :]
+            o3 = (w3 * (x3 * rs).to(ty).to(tl.float32)).to(ty)
+        else:
+            o3 = x3.to(ty)
         tl.store(dst + tt[None, :], o3, mask=mt)
         if STORE:
             tl.store(kc_ptr + cdst + tt[None, :], o3.to(kc_ptr.dtype.element_ty), mask=mt)
@@ -157,7 +169,7 @@ def _qk_norm_rotary_kernel(
     kc_ptr, vc_ptr, v_ptr, loc_ptr, stride_cslot, stride_chead, stride_vt, stride_vh,
     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-    BLOCK_D: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_D: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr = True,
 ):
     # Programs [0, cdiv(T*HQ, R)) take q rows, the rest k rows: one launch for both.
     pdl.enter(PDL)
@@ -168,17 +180,17 @@ def _qk_norm_rotary_kernel(
                           stride_qt, stride_qh, stride_qot, stride_qoh, stride_cs,
                           kc_ptr, vc_ptr, v_ptr, loc_ptr, stride_cslot, stride_chead,
                           stride_vt, stride_vh,
-                          HQ, D, HALF, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, BLOCK_D, False)
+                          HQ, D, HALF, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, BLOCK_D, False, NORM)
     else:
         _norm_rotate_rows(k_ptr, ko_ptr, kw_ptr, pos_ptr, cs_ptr, (pid - q_programs) * BLOCK_R,
                           T * HK, eps, stride_kt, stride_kh, stride_kot, stride_koh, stride_cs,
                           kc_ptr, vc_ptr, v_ptr, loc_ptr, stride_cslot, stride_chead,
                           stride_vt, stride_vh,
-                          HK, D, HALF, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, BLOCK_D, STORE)
+                          HK, D, HALF, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, BLOCK_D, STORE, NORM)
 
 
 def qk_norm_rotary_triton(
-    q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, eps: float,
+    q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float,
     positions: torch.Tensor, cos_sin: torch.Tensor,
     kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     kernels: KernelConfig = DEFAULT_KERNELS,
@@ -186,6 +198,8 @@ def qk_norm_rotary_triton(
     """Per-head RMSNorm of q and k (Qwen3's q_norm / k_norm), then neox rotary, in one
     launch. q [T, Hq, D], k [T, Hkv, D] (views into the qkv projection are fine),
     q_w/k_w [D] -> new contiguous (q, k). Twin: norm_rope.qk_norm_rotary_ref.
+    q_w = k_w = None: no norms (a model without them), the rotary alone (and
+    with ``kv_store`` the store: ops.rotary's one launch).
 
     ``kv_store`` = (k_cache [slots, Hkv, D], v_cache, v [T, Hkv, D], out_cache_loc [T]):
     the same launch also stores the rotated k and v at each token's slot (what the
@@ -194,7 +208,12 @@ def qk_norm_rotary_triton(
     hk = k.shape[1]
     half = cos_sin.shape[-1] // 2
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.stride(-1) == 1
-    assert q_w.is_contiguous() and k_w.is_contiguous()
+    norm = q_w is not None
+    if norm:
+        assert k_w is not None and q_w.is_contiguous() and k_w.is_contiguous()
+    else:
+        assert k_w is None
+        q_w = k_w = q  # unread
     qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D]
     ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # [T, Hkv, D]
     if kv_store is not None:
@@ -215,7 +234,7 @@ def qk_norm_rotary_triton(
             kc, vc, v, loc, kc.stride(0), kc.stride(1), v.stride(0), v.stride(1),
             HQ=hq, HK=hk, D=d, HALF=half, BLOCK_R=block_r, BLOCK_HALF=block_half,
             BLOCK_TAIL=triton.next_power_of_2(max(1, d - 2 * half)),
-            BLOCK_D=triton.next_power_of_2(d), STORE=kv_store is not None, num_warps=8,
+            BLOCK_D=triton.next_power_of_2(d), STORE=kv_store is not None, NORM=norm, num_warps=8,
             PDL=on, **pdl.launch(on),
         )
     return qo, ko

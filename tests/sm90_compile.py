@@ -25,6 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ftserve_kernels import decode_fused_triton as df
+from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import gemv_triton as gv
 from ftserve_kernels import moe_down_gemv_triton as md
 from ftserve_kernels import moe_gemv_triton as mg
@@ -207,6 +208,36 @@ def compile_all() -> dict[str, dict[str, Any]]:
         out[f"gemv_o_T{t}"] = _compile(
             gv._gemv_kernel, g,
             dict(HAS_BIAS=False, BLOCK_T=t, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, K_STEPS=16), 8)
+    # Dense decode layers (models with a DenseMLP): gate/up with the GLU epilogue over
+    # the post-attention norm left pending (HAS_PARTS), o_proj and down adding the
+    # residual and leaving the next norm pending (NORM_DEFER), at the default blocks
+    # gemv_triton picks: SmolLM2-135M (H 576, I 1536) and an 8B-class shape (H 4096,
+    # I 14336: a down GEMV of 56 unrolled K steps).
+    for name, n, k, t in (("smollm", 3072, 576, 1), ("smollm", 3072, 576, 2), ("smollm", 3072, 576, 4),
+                          ("8b", 28672, 4096, 1), ("8b", 28672, 4096, 4)):
+        parts = -(-k // gc.default("dense", True, k, t).block_n)  # o_proj's programs (N = k) left them
+        out[f"gemv_glu_{name}_T{t}"] = _compile(
+            gv._gemv_kernel, g | {"parts_ptr": "*fp32"},
+            dict(HAS_BIAS=False, BLOCK_T=t, BLOCK_N=gc.default("dense", True, n, t).block_n, BLOCK_K=256,
+                 EVEN_K=k % 256 == 0, K_STEPS=-(-k // 256), GLU=True, HAS_PARTS=True,
+                 BLOCK_P=triton.next_power_of_2(parts)), 8)
+    norm_out = g | {"res_ptr": bf, "nw_ptr": bf, "sum_ptr": bf, "part_out_ptr": "*fp32"}
+    for name, n, k, t in (("smollm_o", 576, 576, 1), ("smollm_down", 576, 1536, 1), ("smollm_down", 576, 1536, 4),
+                          ("8b_down", 4096, 14336, 1), ("8b_down", 4096, 14336, 4)):
+        out[f"gemv_add_norm_{name}_T{t}"] = _compile(
+            gv._gemv_kernel, norm_out,
+            dict(HAS_BIAS=False, BLOCK_T=t, BLOCK_N=gc.default("dense", True, n, t).block_n, BLOCK_K=256,
+                 EVEN_K=k % 256 == 0, K_STEPS=-(-k // 256), NORM_DEFER=True), 8)
+    out["gemv_glu_smollm_T1_pdl"] = _compile(
+        gv._gemv_kernel, g | {"parts_ptr": "*fp32"},
+        dict(HAS_BIAS=False, BLOCK_T=1, BLOCK_N=8, BLOCK_K=256, EVEN_K=False, K_STEPS=3, GLU=True, HAS_PARTS=True,
+             BLOCK_P=128, PDL=True), 8)
+    out["gemv_add_norm_8b_down_T1_pdl"] = _compile(  # as it launches on sm_90 (PDL on)
+        gv._gemv_kernel, norm_out,
+        dict(HAS_BIAS=False, BLOCK_T=1, BLOCK_N=16, BLOCK_K=256, EVEN_K=True, K_STEPS=56, NORM_DEFER=True, PDL=True), 8)
+    out["gemv_add_norm_smollm_down_T1_pdl"] = _compile(
+        gv._gemv_kernel, norm_out,
+        dict(HAS_BIAS=False, BLOCK_T=1, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, K_STEPS=6, NORM_DEFER=True, PDL=True), 8)
     # PDL launches: the gemv and the router load weights before the wait,
     # the MoE GEMVs read the router's ids first, so nothing of theirs comes before it.
     out["gemv_o_T1_pdl"] = _compile(

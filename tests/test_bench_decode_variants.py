@@ -32,7 +32,7 @@ def test_each_variant_turns_exactly_its_knob() -> None:
     variants = default_variants(AttnKernelConfig())
     names = [v.name for v in variants]
     assert names[0] == "baseline" and len(set(names)) == len(names)
-    assert {"kernels pdl=0",
+    assert {"kernels pdl=0", "kernels dense_gemv=0",
             "attn programs_per_sm=2", "attn programs_per_sm=8",
             "attn max_splits=32", "attn max_splits=64", "attn max_splits=256"} <= set(names)
     base = KernelConfig(backend="triton", gemv_table="/t.json")
@@ -46,6 +46,7 @@ def test_each_variant_turns_exactly_its_knob() -> None:
         for field_name in v.attn:
             assert hasattr(AttnKernelConfig(), field_name)
     assert next(v for v in variants if v.name == "kernels pdl=0").kernel_config(base).pdl is False
+    assert next(v for v in variants if v.name == "kernels dense_gemv=0").kernel_config(base).dense_gemv is False
 
 
 def test_programs_per_sm_variants_skip_the_baseline_value() -> None:
@@ -182,6 +183,7 @@ def test_smoke_run_end_to_end(tmp_path: Path) -> None:
     base = KernelConfig().summary()  # the build's on the CPU: the defaults
     assert rows["baseline"]["kernels_run"] == base
     assert rows["kernels pdl=0"]["kernels_run"] == {**base, "pdl": False}
+    assert rows["kernels dense_gemv=0"]["kernels_run"] == {**base, "dense_gemv": False}
     assert len(rows["baseline"]["tokens"]) == res["args"]["check_steps"]
     for name, r in rows.items():
         if name.startswith("attn"):  # the CPU engine runs the torch attention backend

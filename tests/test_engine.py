@@ -354,8 +354,9 @@ def test_pack_tokens_matches_per_token_layout() -> None:
 
 def test_fused_kv_store_same_tokens(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Into a float KV pool the q/k norm + rotary op of a q/k-normed model
-    (Qwen3) stores K/V and the backend skips its store (an fp8 pool and models
-    without q/k norms keep the backend's store): chunked prefill, a prefix hit
+    (Qwen3) stores K/V and the backend skips its store (an fp8 pool keeps the
+    backend's store; a model without q/k norms stores in its rotary op alike,
+    tests/test_kernels_model.py): chunked prefill, a prefix hit
     and decode give the tokens of a full recompute, and the backend saw
     kv_stored on every call."""
     backend = engine.runner.attn_backend

@@ -175,6 +175,33 @@ def run_greedy(engine: Engine, prompts: list[list[int]], max_tokens: int) -> lis
 
 
 @pytest.mark.gpu
+def test_dense_model_decode_graphs_without_hidden_syncs(tmp_path: Path) -> None:
+    """A dense model (SmolLM2-135M's layer shapes, two layers, dummy bf16): its
+    decode layers run the dense GEMV folds (GLU gate/up, the norms left pending by
+    o_proj and down, rotary + KV store in the split kernel): the scenario's steps
+    sync nothing but the one read-back, and the graphs' greedy tokens equal eager
+    decoding's."""
+    model_dir = write_config("smollm2-135m", tmp_path, layers=2, max_position_embeddings=8192)
+    dense = make_engine(model_dir)
+    eager = make_engine(model_dir, graphs=False)
+    try:
+        assert dense.runner.graphs is not None and not dense.model_config.is_moe
+        make_context_sensitive(dense.runner.model)
+        eager.runner.model.load_state_dict(dense.runner.model.state_dict())
+        scenario(dense, seed=0, check=False)  # compile every kernel shape once
+        drv = scenario(dense, seed=1, check=True)
+        for kind, bs, n in drv.log:
+            assert n == (0 if kind == "prefill_chunk" else 1), (kind, bs, n)
+        rng = random.Random(5)
+        for bs in (1, 3):
+            prompts = [[rng.randrange(100, 32000) for _ in range(rng.randint(10, 60))] for _ in range(bs)]
+            assert run_greedy(dense, prompts, 16) == run_greedy(eager, prompts, 16), bs
+    finally:
+        dense.shutdown()
+        eager.shutdown()
+
+
+@pytest.mark.gpu
 def test_constrained_decode_in_graphs_without_hidden_syncs(engine: Engine) -> None:
     """response_format requests batched with free ones through the captured decode
     graphs (all-stages variant, grammar-mask stage on): no hidden sync (the masks go

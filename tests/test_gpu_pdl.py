@@ -142,11 +142,61 @@ def _decode_qk_chain(g: torch.Generator) -> Callable[[KernelConfig], list[torch.
     return run
 
 
-@pytest.mark.parametrize("chain,seed", [(_chain, 5), (_decode_qk_chain, 9)], ids=["layer", "decode_qk"])
+def _dense_chain(g: torch.Generator) -> Callable[[KernelConfig], list[torch.Tensor]]:
+    """Two dense decode layers at batch 1, SmolLM2-135M widths, as the model
+    launches them (DecoderLayer._dense): the qkv GEMV applying the input norm
+    left pending, split-K attention from raw q/k (DecodeQK without norms: the
+    rotary and KV store inside), o_proj + residual leaving the post-attention
+    norm pending, the GLU gate/up applying it, down + residual leaving the next
+    input norm pending for the second layer's qkv."""
+    from ftserve_kernels import ops
+    from ftserve_kernels.attention_decode_triton import DecodeQK, decode_attention_triton
+
+    dev, bf = "cuda", torch.bfloat16
+    h, hq, hkv, d, inter = 576, 9, 3, 64, 1536
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(bf).to(dev)
+
+    res, a0 = rnd(1, h), rnd(1, hq * d)  # a0: the attention output of a layer before
+    w_qkv, w_o = rnd((hq + 2 * hkv) * d, h, scale=0.04), rnd(h, hq * d, scale=0.04)
+    w13, w2 = rnd(2 * inter, h, scale=0.04), rnd(h, inter, scale=0.025)
+    norm_w = (1 + 0.1 * torch.randn(h, generator=g)).to(bf).to(dev)
+    page, ctx = 16, 2048
+    table = torch.randperm(512, generator=g)[: ctx // page].view(1, -1).to(torch.int32).to(dev)
+    kc, vc = rnd(512 * page, hkv, d), rnd(512 * page, hkv, d)
+    seq_lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
+    positions = seq_lens.long() - 1
+    loc = table[:, -1].long() * page + page - 1  # the new token's slot (position ctx - 1)
+    ang = torch.arange(ctx)[:, None] / 10000.0 ** (torch.arange(d // 2) / (d // 2))[None, :]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], 1).float().to(dev)  # [ctx, d]
+
+    def run(kc_: KernelConfig) -> list[torch.Tensor]:
+        pending, summed = ops.linear_add_rms_norm(kc_, a0, w_o, None, res, norm_w, 1e-5)
+        outs: list[torch.Tensor] = []
+        for _ in range(2):
+            assert isinstance(pending, ops.PendingNorm)
+            qkv, _ = ops.add_rms_norm_linear(kc_, summed, summed, norm_w, 1e-5, w_qkv, None, prenormed=pending)
+            qh, kh, vh = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            qk = DecodeQK(kh.view(1, hkv, d), vh.view(1, hkv, d), None, None, 0.0, positions, cos_sin, loc)
+            attn = decode_attention_triton(qh.view(1, hq, d), kc, vc, table, seq_lens, page, d ** -0.5, 64,
+                                           qk=qk, kernels=kc_)
+            post, s1 = ops.linear_add_rms_norm(kc_, attn.view(1, hq * d), w_o, None, summed, norm_w, 1e-5)
+            act = ops.gate_up_silu(kc_, post, w13, None, 1e-5)
+            pending, summed = ops.linear_add_rms_norm(kc_, act, w2, None, s1, norm_w, 1e-5)
+            assert isinstance(post, ops.PendingNorm) and isinstance(pending, ops.PendingNorm)
+            outs += [qkv, attn, post.scaled, post.parts, s1, act, pending.scaled, pending.parts, summed]
+        return outs
+
+    return run
+
+
+@pytest.mark.parametrize("chain,seed", [(_chain, 5), (_decode_qk_chain, 9), (_dense_chain, 13)],
+                         ids=["layer", "decode_qk", "dense"])
 def test_pdl_chain_bit_identical(chain: Callable[..., Any], seed: int) -> None:
     """A decode layer's launches linked by PDL (the plain chain, and the
     model's batch-1 order: DecodeQK attention, the down kernel with the next
-    norm): the bits of the unlinked launches, eagerly over poisoned memory and in
+    norm; a dense model's two layers): the bits of the unlinked launches, eagerly over poisoned memory and in
     graph replays over poisoned outputs."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs sm_90")

@@ -490,13 +490,15 @@ def _rope_table(max_pos: int, d: int) -> torch.Tensor:
     return torch.cat([ang.cos(), ang.sin()], dim=1).float()  # [max_pos, d]: cos | sin
 
 
-@pytest.mark.parametrize("dtype,splits", [(torch.float32, 1), (torch.float32, 3), (torch.float32, 8),
-                                          (torch.bfloat16, 5)])
-def test_decode_qk_fold_matches_norm_rotary_then_attention(dtype: torch.dtype, splits: int) -> None:
+@pytest.mark.parametrize("dtype,splits,norm", [(torch.float32, 1, True), (torch.float32, 3, True),
+                                               (torch.float32, 8, True), (torch.bfloat16, 5, True),
+                                               (torch.float32, 3, False), (torch.bfloat16, 1, False)])
+def test_decode_qk_fold_matches_norm_rotary_then_attention(dtype: torch.dtype, splits: int, norm: bool) -> None:
     """DecodeQK: the split kernel normalizes and rotates raw q/k itself and stores
     K/V: same pages as qk_norm_rotary_ref's store, same output as attention over
     its rotated q. The new token goes to split n_tiles % splits: prefixes 0,
-    16, 39 put it alone in its split or, with one split, beside the tiles."""
+    16, 39 put it alone in its split or, with one split, beside the tiles.
+    Without norm weights (a model without q/k norms) the rotary and the store alone."""
     from ftserve_kernels.attention_decode_triton import DecodeQK
     from ftserve_kernels.norm_rope import qk_norm_rotary_ref
 
@@ -506,8 +508,8 @@ def test_decode_qk_fold_matches_norm_rotary_then_attention(dtype: torch.dtype, s
     ref_pool.k.copy_(pool.k)
     ref_pool.v.copy_(pool.v)
     g = torch.Generator().manual_seed(11)
-    q_w = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE)
-    k_w = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE)
+    q_w = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE) if norm else None
+    k_w = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE) if norm else None
     cos_sin = _rope_table(64, d).to(DEVICE)
     toks = [[1]] * 3
     fb = build_forward_batch(toks, prefix, tables, pool, TorchAttentionBackend(), is_decode=True)
@@ -545,6 +547,12 @@ def test_backend_decode_qk_applies_to_decode_only() -> None:
     half = _rope_table(16, 16).to(DEVICE)  # partial rotary
     assert backend.decode_qk(q[:2], k[:2], v[:2], 0, fb, w, w, 1e-6, half) is None
     assert backend.decode_qk(q[:2], k[:2], v[:2], 0, fb, w, w, 1e-6, _rope_table(16, 32).to(DEVICE)) is not None
+    # No q/k norms (Llama): the same fold, the rotary and the store alone.
+    assert backend.decode_qk(q[:2], k[:2], v[:2], 0, fb, None, None, 0.0, _rope_table(16, 32).to(DEVICE)) is not None
+    # A head dim not a power of two (the kernel's halves are aranges): the usual path.
+    pool, tables, q, k, v = make_case([1, 1], [5, 3], 4, 2, 24, 4, torch.float32, DEVICE)
+    fb = build_forward_batch([[1], [1]], [5, 3], tables, pool, backend, is_decode=True)
+    assert backend.decode_qk(q, k, v, 0, fb, None, None, 0.0, _rope_table(16, 24).to(DEVICE)) is None
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ an extend chunk over the cached prefix, and a decode step (GEMV MoE path)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,84 @@ def test_one_row_decode_on_triton_matches_torch_path(tmp_path: Path, monkeypatch
         assert o.shape == r.shape and torch.isfinite(o).all()
         err = float((o - r).norm() / r.norm())
         assert err < 1e-4, err
+
+
+def _label(name: str, consts: dict[str, Any]) -> str:
+    flags = sorted(k for k in ("GLU", "HAS_PARTS", "NORM_DEFER", "QK", "NORM", "STORE") if consts.get(k))
+    return "+".join([name.strip("_").removesuffix("_kernel"), *flags])
+
+
+# One decode row of a dense layer: the qkv GEMV (applying the input norm left
+# pending), the split kernel (rotary and KV store inside; no q/k norms), its
+# reduce, o_proj + residual leaving the post-attention norm pending, gate/up
+# applying it with SiLU * up, down + residual leaving the next input norm pending.
+DENSE_LAYER = ["gemv+HAS_PARTS", "decode_split+QK", "decode_reduce", "gemv+NORM_DEFER", "gemv+GLU+HAS_PARTS",
+               "gemv+NORM_DEFER"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts the interpreter's launches")
+def test_dense_decode_row_takes_the_folded_launches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SmolLM2-shaped tiny Llama (tied embeddings, no q/k norms; three layers)
+    decoding one row on the Triton kernels: six launches a layer (DENSE_LAYER;
+    layer 0's input norm comes with the embedding rows, the last layer's down is
+    plain and the final norm its own launch), no cuBLAS linear, no SiLU or product
+    launch. Its logits are the torch reference path's: fp32 to 1e-5, bf16 to a
+    relative L2 error of 5e-2 (the torch bf16 path is itself ~1e-2 from fp32; the
+    interpreter truncates bf16 casts where CUDA rounds)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    write_checkpoint("tiny-dense", tmp_path, seed=6, dtype="float32", overrides={
+        "vocab_size": 64, "intermediate_size": 48, "tie_word_embeddings": True, "num_hidden_layers": 3})
+    launches: list[str] = []
+    linears = {"linear": 0, "silu": 0}
+    real_run = InterpretedFunction.run
+
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        launches.append(_label(self.fn.__name__, kwargs))
+        return real_run(self, *args, **kwargs)
+
+    def counting(name: str) -> Any:
+        real = getattr(torch.nn.functional, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            linears[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    def decode(dtype: str, backend: AttentionBackend, kernels: KernelConfig) -> list[torch.Tensor]:
+        model, cfg = load_model(tmp_path, dtype=dtype, device="cpu")
+        pool = KVPool(cfg.num_layers, 16, PAGE, cfg.num_kv_heads, cfg.head_dim, getattr(torch, dtype), "cpu")
+        toks = torch.randint(3, cfg.vocab_size, (6,), generator=torch.Generator().manual_seed(1)).tolist()
+        outs = []
+        for new, prefix in ((toks[:5], 0), (toks[5:], 5)):
+            batch = build_forward_batch([new], [prefix], [list(range(1, 3))], pool, backend,
+                                        is_decode=len(new) == 1, kernels=kernels)
+            launches.clear()
+            linears.update(linear=0, silu=0)
+            with torch.no_grad(), monkeypatch.context() as m:
+                m.setattr(InterpretedFunction, "run", run)
+                for name in linears:
+                    m.setattr(torch.nn.functional, name, counting(name))
+                outs.append(model(batch))
+        return outs
+
+    from ftserve_kernels import ops
+
+    ops._triton_table.cache_clear()
+    try:
+        for dtype, tol in (("float32", 1e-5), ("bfloat16", 5e-2)):
+            ref = decode(dtype, TorchAttentionBackend(), KernelConfig(backend="torch"))
+            got = decode(dtype, TritonAttentionBackend(), KernelConfig(backend="triton"))
+            want = ["embed_norm", *(["gemv"] + DENSE_LAYER[1:]), *DENSE_LAYER, *DENSE_LAYER[:-1], "gemv",
+                    "rms_norm", "gemv"]
+            assert launches == want, launches
+            assert linears == {"linear": 0, "silu": 0}, linears
+            for r, o in zip(ref, got):
+                assert o.shape == r.shape and torch.isfinite(o).all()
+                err = float((o.float() - r.float()).norm() / r.float().norm())
+                assert err < tol, (dtype, err)
+    finally:
+        ops._triton_table.cache_clear()
 
 
 @pytest.mark.parametrize("rows,gemv_rows", [(1, [1]), (2, [])])

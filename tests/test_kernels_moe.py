@@ -635,7 +635,8 @@ def test_ops_norm_route_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_decode_gemv_kernels_compile_for_sm90() -> None:
     """The decode GEMV kernels (MoE gate/up and down variants, norm + route, dense
-    GEMV at 1, 2, 4 rows) compile for sm_90 at the qwen3-30b shapes without
+    GEMV at 1, 2, 4 rows, and its GLU and pending-norm epilogues at SmolLM2's and
+    an 8B dense model's shapes) compile for sm_90 at the qwen3-30b shapes without
     spilling, and the unrolled K loops issue several weight loads before their
     first FMA (tests/sm90_compile.py; a subprocess: this one runs the
     interpreter)."""
@@ -648,7 +649,7 @@ def test_decode_gemv_kernels_compile_for_sm90() -> None:
     for name in ("add_norm_route", "add_norm_route_next", "add_norm_route_be4"):
         # No frame at all: a [4, 2048] router tile on one warp spilled 632 bytes (route_warps).
         assert res[name]["stack"] in (0, -1), (name, res[name])
-    for name in ("moe_down3d", "gemv_o_T1", "gemv_o_T1_pdl"):
+    for name in ("moe_down3d", "gemv_o_T1", "gemv_o_T1_pdl", "gemv_add_norm_8b_down_T1_pdl", "gemv_glu_8b_T1"):
         n = res[name]["loads_before_first_use"]
         assert n == -1 or n >= 8, f"{name}: only {n} loads issued before the first FMA"
     for name, r in res.items():  # PDL: a wait exactly where compiled in, no early release

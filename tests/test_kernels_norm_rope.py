@@ -147,28 +147,44 @@ def test_qk_norm_rotary(dtype: torch.dtype, rot: int) -> None:
 
 
 @pytest.mark.parametrize("rot", [16, 8])
-def test_qk_norm_rotary_with_kv_store(rot: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_norm_rotary_with_kv_store(rot: int, dtype: torch.dtype, norm: bool) -> None:
     """The q/k norm + rotary launch that also stores K/V: q and k as without the store, the rotated
-    k and the untouched v at each token's slot, every other slot untouched."""
+    k and the untouched v at each token's slot, every other slot untouched. Without the norms
+    (a model without q/k norms: ops.rotary with kv_store) the same launch is rotary_ref's
+    rotary plus the store."""
+    from ftserve_kernels import ops
+    from ftserve_kernels.config import KernelConfig
+
     g = torch.Generator().manual_seed(7 + rot)
     t, hq, hk, d, slots = 21, 4, 2, 16, 64
-    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(DEVICE)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype).to(DEVICE)
     q = qkv[:, : hq * d].view(t, hq, d)
     k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
     v = qkv[:, (hq + hk) * d :].view(t, hk, d)
-    qw = (1 + 0.2 * torch.randn(d, generator=g)).to(DEVICE)
-    kw = (1 + 0.2 * torch.randn(d, generator=g)).to(DEVICE)
+    qw = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE) if norm else None
+    kw = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE) if norm else None
     table = cos_sin_table(128, rot).to(DEVICE)
     pos = torch.randint(0, 128, (t,), generator=g).to(DEVICE)
     loc = torch.randperm(slots, generator=g)[:t].to(DEVICE)
-    caches = [torch.full((slots, hk, d), 7.0, device=DEVICE) for _ in range(4)]
-    qo, ko = qk_norm_rotary_triton(q, k, qw, kw, 1e-6, pos, table, (caches[0], caches[1], v, loc))
+    caches = [torch.full((slots, hk, d), 7.0, dtype=dtype, device=DEVICE) for _ in range(4)]
+    if norm:
+        qo, ko = qk_norm_rotary_triton(q, k, qw, kw, 1e-6, pos, table, (caches[0], caches[1], v, loc))
+    else:
+        qo, ko = ops.rotary(KernelConfig(backend="triton"), q, k, pos, table, (caches[0], caches[1], v, loc))
     rq, rk = qk_norm_rotary_ref(q, k, qw, kw, 1e-6, pos, table, (caches[2], caches[3], v, loc))
-    close(qo, rq)
-    close(ko, rk)
-    close(caches[0], caches[2])
+    if not norm:  # the rotary alone, rounded once: as rotary_ref, the store apart
+        assert all(torch.equal(a, b) for a, b in zip((rq, rk), rotary_ref(q, k, pos, table)))
+    if norm and dtype == torch.bfloat16 and DEVICE == "cpu":  # the interpreter truncates its roundings
+        for out, ref in ((qo, rq), (ko, rk), (caches[0], caches[2])):
+            torch.testing.assert_close(out.float(), ref.float(), rtol=4e-2, atol=4e-2)
+    else:
+        close(qo, rq)
+        close(ko, rk)
+        close(caches[0], caches[2])
     assert torch.equal(caches[1], caches[3]) and torch.equal(caches[1][loc], v)
-    close(caches[0][loc], ko)
+    assert torch.equal(caches[0][loc], ko)
     untouched = torch.ones(slots, dtype=torch.bool)
     untouched[loc.cpu()] = False
     assert (caches[0][untouched.to(DEVICE)] == 7.0).all(), "a slot outside out_cache_loc changed"
@@ -232,11 +248,72 @@ def test_gemv_matches_linear(t: int, bias: bool, k: int, block: tuple[int, int] 
     torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+def glu_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The composition the GLU GEMV replaces: linear, SiLU of the gate half, times the up half."""
+    gate_up = torch.nn.functional.linear(x, w, b)
+    inter = w.shape[0] // 2
+    return torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+def close_rounded(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32: to summation order; bf16: a few roundings apart (three bf16 roundings
+    in a row, which the interpreter truncates)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    tol = 1e-5 if out.dtype == torch.float32 else 4e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_glu_matches_composition(t: int, bias: bool, dtype: torch.dtype) -> None:
+    """The GLU GEMV (a gated MLP's gate/up, glu=True): SiLU(gate) * up as F.linear,
+    F.silu and the product round them; odd K (masked tail), I not a multiple of a
+    program's columns, T = 3 padding the row block."""
+    g = torch.Generator().manual_seed(20 + t)
+    k, inter = 37, 21
+    x = torch.randn(t, k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(2 * inter, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    b = torch.randn(2 * inter, generator=g).to(dtype).to(DEVICE) if bias else None
+    y = gemv_triton(x, w, b, glu=True)
+    assert y.shape == (t, inter)
+    close_rounded(y, glu_ref(x, w, b))
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_add_norm_leaves_the_norm_pending(t: int, dtype: torch.dtype) -> None:
+    """gemv_add_norm_triton: the sum s = linear(x) + residual as fused_add_rms_norm
+    rounds it, weight * s, and per program a partial sum of squares that add up to
+    the row's; the GEMV given those parts computes linear(rms_norm(s)), and so does
+    the GLU GEMV (the post-attention norm pending into a gated MLP's gate/up)."""
+    from ftserve_kernels.gemv_triton import gemv_add_norm_triton
+    from ftserve_kernels.moe_down_gemv_triton import NormNext
+
+    g = torch.Generator().manual_seed(30 + t)
+    k, n, inter = 45, 40, 12
+    x = torch.randn(t, k, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=g).to(dtype).to(DEVICE)
+    r = torch.randn(t, n, generator=g).to(dtype).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(DEVICE)
+    wq = (torch.randn(2 * inter, n, generator=g) / n**0.5).to(dtype).to(DEVICE)
+    ref_n, ref_s = fused_add_rms_norm_ref(torch.nn.functional.linear(x, w, b), r, nw, 1e-6)
+    scaled, summed, parts = gemv_add_norm_triton(x, w, b, NormNext(r, nw, 1e-6, None, deferred=True))
+    assert parts.dtype == torch.float32 and parts.shape[0] == t and parts.shape[1] > 1
+    close_rounded(summed, ref_s)
+    torch.testing.assert_close(parts.sum(1), summed.float().pow(2).sum(1), rtol=1e-5, atol=1e-5)
+    close_rounded(scaled, (nw.float() * summed.float()).to(dtype))
+    # The consumers apply the norm unrounded: fp32 to float rounding, bf16 within its tolerance.
+    close_rounded(gemv_triton(scaled, wq, None, 1e-6, parts=parts), torch.nn.functional.linear(ref_n, wq))
+    close_rounded(gemv_triton(scaled, wq, None, 1e-6, parts=parts, glu=True), glu_ref(ref_n, wq, None))
+
+
 def test_ops_dense_gemv_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """On Triton ops.linear runs the GEMV up to GEMV_MAX_ROWS rows, F.linear past
-    them; ops.add_rms_norm_linear norms first and runs F.linear (its input is not
-    normed yet: a decode step's qkv arrives normed, prenormed). Results equal the
-    composition either way."""
+    them and with KernelConfig.dense_gemv off; ops.add_rms_norm_linear norms
+    first, then takes linear's choice (a decode step's qkv arrives normed,
+    prenormed, or pending). Results equal the composition either way."""
     from ftserve_kernels import gemv_triton as gv
     from ftserve_kernels import ops
     from ftserve_kernels.config import KernelConfig
@@ -249,12 +326,13 @@ def test_ops_dense_gemv_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(gv, "gemv_triton", counting)
     ops._triton_table.cache_clear()
-    kernels = KernelConfig(backend="triton")
     g = torch.Generator().manual_seed(2)
     w = torch.randn(16, 32, generator=g).to(DEVICE)
     nw = torch.ones(32).to(DEVICE)
     try:
-        for t, n_calls in [(2, 2), (gv.GEMV_MAX_ROWS + 1, 0)]:
+        for t, n_calls, kernels in [(2, 4, KernelConfig(backend="triton")),
+                                    (gv.GEMV_MAX_ROWS + 1, 0, KernelConfig(backend="triton")),
+                                    (2, 0, KernelConfig(backend="triton", dense_gemv=False))]:
             x = torch.randn(t, 32, generator=g).to(DEVICE)
             r = torch.randn(t, 32, generator=g).to(DEVICE)
             n0 = len(calls)
@@ -262,7 +340,7 @@ def test_ops_dense_gemv_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
             y1, s1 = ops.add_rms_norm_linear(kernels, x, r, nw, 1e-6, w, None, prenormed=True)
             y2, s2 = ops.add_rms_norm_linear(kernels, x, r, nw, 1e-6, w, None)
             y3, s3 = ops.add_rms_norm_linear(kernels, x, None, nw, 1e-6, w, None)
-            assert len(calls) - n0 == n_calls, t
+            assert len(calls) - n0 == n_calls, (t, kernels)
             torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)
             torch.testing.assert_close(y1, y) and s1 is r
             n2, want = fused_add_rms_norm_ref(x, r, nw, 1e-6)
@@ -271,6 +349,66 @@ def test_ops_dense_gemv_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
             torch.testing.assert_close(y3, torch.nn.functional.linear(rms_norm_ref(x, nw, 1e-6), w),
                                        rtol=1e-5, atol=1e-4)
             assert s3 is x
+    finally:
+        ops._triton_table.cache_clear()
+
+
+def test_ops_dense_mlp_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ops.linear_add_rms_norm leaves the norm pending (one GEMV launch) exactly
+    where ops.dense_folds_norm says, ops.gate_up_silu runs the GLU GEMV where
+    linear runs the GEMV and applies a pending norm there, add_rms_norm_linear
+    applies one too; past GEMV_MAX_ROWS, on the torch path and with dense_gemv
+    off, the composition. Every way equals the composition."""
+    from ftserve_kernels import gemv_triton as gv
+    from ftserve_kernels import ops
+    from ftserve_kernels.config import KernelConfig
+
+    calls: list[str] = []
+
+    def spy(name: str) -> object:
+        real = getattr(gv, name)
+
+        def counting(*args: object, **kwargs: object) -> object:
+            calls.append(name + (":glu" if kwargs.get("glu") else "") + (":parts" if kwargs.get("parts") is not None
+                                                                          else ""))
+            return real(*args, **kwargs)
+        return counting
+
+    for name in ("gemv_triton", "gemv_add_norm_triton"):
+        monkeypatch.setattr(gv, name, spy(name))
+    ops._triton_table.cache_clear()
+    g = torch.Generator().manual_seed(4)
+    q, h, inter, eps = 24, 32, 20, 1e-6
+    wo = (torch.randn(h, q, generator=g) / q**0.5).to(DEVICE)
+    w13 = (torch.randn(2 * inter, h, generator=g) / h**0.5).to(DEVICE)
+    wq = (torch.randn(16, h, generator=g) / h**0.5).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(h, generator=g)).to(DEVICE)
+    lin = torch.nn.functional.linear
+    try:
+        for t, backend, dense_gemv, want in [
+            (2, "triton", True, ["gemv_add_norm_triton", "gemv_triton:glu:parts", "gemv_triton:parts",
+                                 "gemv_triton:glu"]),
+            (gv.GEMV_MAX_ROWS + 1, "triton", True, []), (2, "torch", True, []), (2, "triton", False, []),
+        ]:
+            kernels = KernelConfig(backend=backend, dense_gemv=dense_gemv)
+            a = torch.randn(t, q, generator=g).to(DEVICE)
+            r = torch.randn(t, h, generator=g).to(DEVICE)
+            calls.clear()
+            assert ops.dense_folds_norm(kernels, a) == bool(want)
+            normed, summed = ops.linear_add_rms_norm(kernels, a, wo, None, r, nw, eps)
+            assert isinstance(normed, ops.PendingNorm) == bool(want)
+            act = ops.gate_up_silu(kernels, normed, w13, None, eps)
+            # The next layer's qkv, as a decoder layer hands it the norm: pending, or applied.
+            x, prenormed = (summed, normed) if isinstance(normed, ops.PendingNorm) else (normed, True)
+            qkv, s2 = ops.add_rms_norm_linear(kernels, x, summed, nw, eps, wq, None, prenormed=prenormed)
+            ref_n, ref_s = fused_add_rms_norm_ref(lin(a, wo), r, nw, eps)
+            plain = ops.gate_up_silu(kernels, ref_n, w13, None)
+            assert calls == want, (t, backend, dense_gemv, calls)
+            torch.testing.assert_close(summed, ref_s, rtol=1e-6, atol=1e-6)
+            assert s2 is summed
+            for got, ref in ((act, glu_ref(ref_n, w13, None)), (plain, glu_ref(ref_n, w13, None)),
+                             (qkv, lin(ref_n, wq))):
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     finally:
         ops._triton_table.cache_clear()
 
@@ -297,3 +435,57 @@ def test_gpu_gemv_qwen3_shapes_graph(n: int, k: int, t: int) -> None:
     ref = torch.nn.functional.linear(x, w)
     torch.cuda.synchronize()
     assert float((y.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("h,inter", [(576, 1536), (4096, 14336)])  # SmolLM2-135M, an 8B dense model
+@pytest.mark.parametrize("t", [1, 4])
+def test_gpu_dense_layer_gemvs_graph(h: int, inter: int, t: int) -> None:
+    """A dense layer's MLP chain at decode sizes, captured in a CUDA graph with
+    syncs as errors: o_proj + residual leaving the post-attention norm pending,
+    gate/up applying it with SiLU * up (GLU), down + residual leaving the next
+    norm pending, the next qkv applying it; against the composition (F.linear,
+    fused_add_rms_norm, F.silu, mul) within bf16 rounding."""
+    from ftserve_kernels import ops
+    from ftserve_kernels.config import KernelConfig
+
+    kernels = KernelConfig()
+    g = torch.Generator(device="cuda").manual_seed(h + t)
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(*shape, device="cuda", generator=g)).bfloat16()
+
+    a, r = rnd(t, h), rnd(t, h)
+    wo, w13, w2, wq = rnd(h, h, scale=h**-0.5), rnd(2 * inter, h, scale=h**-0.5), \
+        rnd(h, inter, scale=inter**-0.5), rnd(1024, h, scale=h**-0.5)
+    nw1, nw2 = 1 + rnd(h, scale=0.1), 1 + rnd(h, scale=0.1)
+
+    def chain() -> tuple[torch.Tensor, torch.Tensor]:
+        post, s1 = ops.linear_add_rms_norm(kernels, a, wo, None, r, nw1, 1e-5)
+        act = ops.gate_up_silu(kernels, post, w13, None, 1e-5)
+        nxt, s2 = ops.linear_add_rms_norm(kernels, act, w2, None, s1, nw2, 1e-5)
+        assert isinstance(post, ops.PendingNorm) and isinstance(nxt, ops.PendingNorm)
+        qkv, _ = ops.add_rms_norm_linear(kernels, s2, s2, nw2, 1e-5, wq, None, prenormed=nxt)
+        return qkv, s2
+
+    chain()  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            qkv, s2 = chain()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    a.copy_(rnd(t, h))
+    graph.replay()
+    lin = torch.nn.functional.linear
+    n1, ref_s1 = fused_add_rms_norm_ref(lin(a, wo), r, nw1, 1e-5)
+    gu = lin(n1, w13)
+    n2, ref_s2 = fused_add_rms_norm_ref(lin(torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:], w2), ref_s1,
+                                        nw2, 1e-5)
+    ref_qkv = lin(n2, wq)
+    torch.cuda.synchronize()
+    for got, ref in ((s2, ref_s2), (qkv, ref_qkv)):
+        assert float((got.float() - ref.float()).norm() / ref.float().norm()) < 2e-2

@@ -70,6 +70,15 @@ def _compile_all() -> dict[str, dict[str, Any]]:
                  "cs_ptr": "*fp32", "loc_ptr": "*i64", "eps": "fp32"},
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16,
               BLOCK_N=cfg.decode_block_n, NUM_SPLITS=64, UPCAST=False, QK=True), cfg.decode_warps, cfg.decode_stages)
+    # A model without q/k norms (Llama, SmolLM2's heads: 9 q / 3 kv of 64): the rotary
+    # and the KV store alone inside the split kernel.
+    cfg64 = at.AttnKernelConfig.for_device(__import__("torch").device("cuda"), 64)
+    comp("decode_split_qk_nonorm", at._decode_split_kernel,
+         attn | {"k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "pos_ptr": "*i64",
+                 "cs_ptr": "*fp32", "loc_ptr": "*i64", "eps": "fp32"},
+         dict(PAGE_SIZE=16, GROUP=3, D=64, BLOCK_D=64, BLOCK_G=16,
+              BLOCK_N=cfg64.decode_block_n, NUM_SPLITS=64, UPCAST=False, QK=True, NORM=False),
+         cfg64.decode_warps, cfg64.decode_stages)
     # fp8 e4m3 KV pages (codes + per-token scales): store, decode and extend.
     fp8 = "*fp8e4nv"
     comp("store_kv_fp8", at._store_kv_kernel,
@@ -151,6 +160,13 @@ def _compile_all() -> dict[str, dict[str, Any]]:
               "v_ptr": bf, "loc_ptr": "*i64"},
              dict(HQ=32, HK=4, D=128, HALF=64, BLOCK_R=64, BLOCK_HALF=64, BLOCK_TAIL=1,
                   BLOCK_D=128, STORE=store, PDL=store), 8)  # the store variant with PDL
+    # No q/k norms: the same launch is the rotary + KV store (ops.rotary with kv_store).
+    comp("rotary_store_pdl", rt._qk_norm_rotary_kernel,
+         {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "qw_ptr": bf, "kw_ptr": bf,
+          "pos_ptr": "*i64", "cs_ptr": "*fp32", "eps": "fp32", "kc_ptr": bf, "vc_ptr": bf,
+          "v_ptr": bf, "loc_ptr": "*i64"},
+         dict(HQ=9, HK=3, D=64, HALF=32, BLOCK_R=128, BLOCK_HALF=32, BLOCK_TAIL=1,
+              BLOCK_D=64, STORE=True, PDL=True, NORM=False), 8)
     # PDL (ftserve_kernels/pdl.py): the decode kernels' grid-dependency wait.
     comp("decode_split_pdl", at._decode_split_kernel, attn,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=cfg.decode_block_n,
@@ -286,10 +302,10 @@ def test_kernels_compile_for_sm90() -> None:
             pdl = name.endswith("_pdl") or name == "qk_norm_rotary_store"
             assert r["pdl_wait"] == pdl and not r["pdl_release"], (name, r)
     for name in ("decode_split_pdl", "decode_reduce_pdl", "rms_norm_pdl", "qk_norm_rotary_store", "oproj_route_pdl",
-                 "greedy_sample_pdl"):
+                 "greedy_sample_pdl", "rotary_store_pdl"):
         # Their every load reads an earlier kernel's output: none may move above the wait.
         assert results[name]["loads_before_wait"] == 0, (name, results[name])
-    for name in ("extend", "decode_split", "decode_split_qk",
+    for name in ("extend", "decode_split", "decode_split_qk", "decode_split_qk_nonorm",
                  "moe_gate_up_T1",
                  "moe_gate_up_T8192"):
         assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"

@@ -68,7 +68,7 @@ def test_seed_decides_the_weights(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "qwen3-next-80b-a3b",
-                                    "smollm2-135m"])
+                                    "smollm2-135m", "mistral-7b-v0.3"])
 def test_config_only_real_shapes(preset: str, tmp_path: Path) -> None:
     out = write_checkpoint(preset, tmp_path, config_only=True)
     assert not list(out.glob("*.safetensors"))

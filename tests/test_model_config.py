@@ -124,9 +124,9 @@ def test_dynamic_table_scales_for_its_length() -> None:
 
 
 # Published totals: Qwen3-30B-A3B 30.5B (3.3B active), Qwen3-235B-A22B 235B (22B active), Mixtral 8x7B
-# 46.7B (12.9B active), SmolLM2-135M 134.5M (dense, tied embeddings)
+# 46.7B (12.9B active), SmolLM2-135M 134.5M (dense, tied embeddings), Mistral-7B-v0.3 7.25B (dense)
 REAL = {"qwen3-30b-a3b": (30.5e9, 3.3e9), "qwen3-235b-a22b": (235e9, 22e9), "mixtral-8x7b": (46.7e9, 12.9e9),
-        "smollm2-135m": (134.5e6, 134.5e6)}
+        "smollm2-135m": (134.5e6, 134.5e6), "mistral-7b-v0.3": (7.25e9, 7.25e9)}
 
 
 @pytest.mark.parametrize("preset", list(REAL))

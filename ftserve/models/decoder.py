@@ -63,6 +63,8 @@ class DecoderLayer(nn.Module):
         (next_norm is a layer's, whose qkv can apply it): the norm may come out
         pending instead, an ops.PendingNorm with x = residual = the sum."""
         kernels = batch.kernels
+        if isinstance(self.mlp, DenseMLP):
+            return self._dense(x, residual, batch, cos_sin, normed, next_norm, defer)
         if next_norm is not None and self._routes_in_oproj(x, kernels):
             # One decode row: o_proj also routes, the experts weigh (no route launch).
             a, summed = self.self_attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin,
@@ -83,18 +85,41 @@ class DecoderLayer(nn.Module):
             # at decode sizes, folds into the next GEMV: see ops.add_rms_norm_linear).
             x, residual = self.self_attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin,
                                                       normed=normed)
-        if isinstance(self.mlp, MoEBlock):
-            # Norm, router and top-k in one launch at decode sizes (see MoEBlock.norm_route).
-            x, summed, weights, ids = self.mlp.norm_route(x, residual, self.post_attention_layernorm, kernels)
-            assert summed is not None
-            if next_norm is not None and self.mlp.folds_next_norm(x, kernels):
-                out, summed = self.mlp.compute_experts_norm(x, weights, ids, summed, next_norm, kernels, defer)
-                if isinstance(out, ops.PendingNorm):
-                    return summed, summed, out
-                return out, summed, True
-            return self.mlp.compute_experts(x, weights, ids, kernels), summed, False
-        x, residual = self.post_attention_layernorm.forward_add(x, residual, kernels)
-        return self.mlp(x, kernels), residual, False
+        assert isinstance(self.mlp, MoEBlock)
+        # Norm, router and top-k in one launch at decode sizes (see MoEBlock.norm_route).
+        x, summed, weights, ids = self.mlp.norm_route(x, residual, self.post_attention_layernorm, kernels)
+        assert summed is not None
+        if next_norm is not None and self.mlp.folds_next_norm(x, kernels):
+            out, summed = self.mlp.compute_experts_norm(x, weights, ids, summed, next_norm, kernels, defer)
+            if isinstance(out, ops.PendingNorm):
+                return summed, summed, out
+            return out, summed, True
+        return self.mlp.compute_experts(x, weights, ids, kernels), summed, False
+
+    def _dense(
+        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cos_sin: torch.Tensor,
+        normed: bool | ops.PendingNorm, next_norm: RMSNorm | None, defer: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool | ops.PendingNorm]:
+        """forward for a dense MLP. At decode sizes (ops.dense_folds_norm) each norm
+        is left pending by the GEMV before it and applied by the GEMV after it::
+
+            qkv GEMV (input norm) -> attention -> o_proj GEMV + residual (post norm
+            pending) -> gate/up GEMV (post norm, SiLU * up) -> down GEMV + residual
+            (with ``defer``: next_norm pending, for the next layer's qkv)
+
+        elsewhere the unfused composition with the same results."""
+        kernels, attn, post = batch.kernels, self.self_attn, self.post_attention_layernorm
+        a, summed = attn.forward_norm(x, residual, self.input_layernorm, batch, cos_sin, normed=normed,
+                                      project=False)  # [T, q]
+        h, residual = ops.linear_add_rms_norm(kernels, a, attn.o_proj.w, attn.o_proj.bias, summed, post.weight,
+                                              post.eps)
+        assert isinstance(self.mlp, DenseMLP)
+        if next_norm is not None and defer and ops.dense_folds_norm(kernels, a):
+            out, summed = self.mlp.forward_add_norm(h, residual, next_norm, kernels, post.eps)
+            if isinstance(out, ops.PendingNorm):
+                return summed, summed, out
+            return out, summed, True
+        return self.mlp(h, kernels, post.eps), residual, False
 
     def router_foldable(self) -> bool:
         """A resident MoE layer whose expert weights are the softmax of the chosen

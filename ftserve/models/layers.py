@@ -53,9 +53,7 @@ class Linear(nn.Module):
         return Fp8Weight(self.weight, self.weight_scale, *self.fp8_block)
 
     def forward(self, x: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
-        if self.weight_scale is None:
-            return F.linear(x, self.weight, self.bias)
-        return ops.linear(kernels, x, self.w, self.bias)
+        return ops.linear(kernels, x, self.w, self.bias)  # the GEMV at decode sizes (ops.linear)
 
 
 class Embedding(nn.Module):
@@ -131,26 +129,28 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if batch.layer_ready is not None:  # this layer's pages may still be streaming in
             torch.cuda.current_stream().wait_event(batch.layer_ready[self.layer_idx])
-        stored = False
+        q_w: torch.Tensor | None = None
+        k_w: torch.Tensor | None = None
+        eps = 0.0
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3
+            q_w, k_w, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
         fold = getattr(batch.attn_backend, "decode_qk", None)
-        if self.q_norm is not None and self.k_norm is not None and fold is not None and batch.is_decode:
-            # The q/k norms, the rotary and the KV store inside the decode attention
-            # launch (TritonAttentionBackend.decode_qk), where it applies.
-            out = fold(q, k, v, self.layer_idx, batch, self.q_norm.weight, self.k_norm.weight,
-                       self.q_norm.eps, cos_sin)
+        if fold is not None and batch.is_decode:
+            # The q/k norms (where the model has them), the rotary and the KV store
+            # inside the decode attention launch (TritonAttentionBackend.decode_qk),
+            # where it applies.
+            out = fold(q, k, v, self.layer_idx, batch, q_w, k_w, eps, cos_sin)
             if out is not None:
                 return self._project(out.reshape(t, self.q_size), project, batch.kernels)
-        if self.q_norm is not None and self.k_norm is not None:
-            # One kernel for both per-head norms and the rotary (three on the unfused
-            # path), and into a float KV cache the KV store too.
-            pool = batch.kv_pool
-            stored = pool.k_scale is None
-            kv_store = ((pool.k[self.layer_idx], pool.v[self.layer_idx], v,
-                         batch.attn.out_cache_loc) if stored else None)
-            q, k = ops.qk_norm_rotary(batch.kernels, q, k, self.q_norm.weight, self.k_norm.weight,
-                                      self.q_norm.eps, batch.positions, cos_sin, kv_store)
+        # One kernel for the per-head norms (if any) and the rotary (three on the
+        # unfused path), and into a float KV cache the KV store too.
+        pool = batch.kv_pool
+        stored = pool.k_scale is None
+        kv_store = (pool.k[self.layer_idx], pool.v[self.layer_idx], v, batch.attn.out_cache_loc) if stored else None
+        if q_w is not None and k_w is not None:
+            q, k = ops.qk_norm_rotary(batch.kernels, q, k, q_w, k_w, eps, batch.positions, cos_sin, kv_store)
         else:
-            q, k = ops.rotary(batch.kernels, q, k, batch.positions, cos_sin)
+            q, k = ops.rotary(batch.kernels, q, k, batch.positions, cos_sin, kv_store)
         if stored:
             out = batch.attn_backend.forward(q, k, v, self.layer_idx, batch, kv_stored=True)
         else:
@@ -162,7 +162,8 @@ class Attention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    """down(SiLU(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(SiLU(gate(x)) * up(x)) with gate and up fused into one matmul; at
+    decode sizes two GEMV launches (ops.gate_up_silu's GLU epilogue)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -171,13 +172,21 @@ class DenseMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
 
-    def forward(self, x: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, kernels)  # [T, 2I]
-        # In place in gate_up's gate half (no [T, I] buffer); the down GEMM reads
-        # the strided rows as they are.
-        h = F.silu(gate_up[:, : self.intermediate_size], inplace=True)  # [T, I]
-        h.mul_(gate_up[:, self.intermediate_size :])
-        return self.down_proj(h, kernels)  # [T, H]
+    def forward(self, x: torch.Tensor | ops.PendingNorm, kernels: KernelConfig, eps: float = 0.0) -> torch.Tensor:
+        """x [T, H], or a norm the layer before left pending (eps: its norm's) -> [T, H]."""
+        return self.down_proj(self._act(x, kernels, eps), kernels)
+
+    def forward_add_norm(
+        self, x: torch.Tensor | ops.PendingNorm, residual: torch.Tensor, norm: RMSNorm, kernels: KernelConfig,
+        eps: float = 0.0,
+    ) -> tuple[torch.Tensor | ops.PendingNorm, torch.Tensor]:
+        """norm.forward_add(forward(x), residual): at decode sizes the down GEMV adds
+        the residual and leaves ``norm`` pending (ops.linear_add_rms_norm)."""
+        return ops.linear_add_rms_norm(kernels, self._act(x, kernels, eps), self.down_proj.w, self.down_proj.bias,
+                                       residual, norm.weight, norm.eps)
+
+    def _act(self, x: torch.Tensor | ops.PendingNorm, kernels: KernelConfig, eps: float) -> torch.Tensor:
+        return ops.gate_up_silu(kernels, x, self.gate_up_proj.w, self.gate_up_proj.bias, eps)  # [T, I]
 
 
 class MoEBlock(nn.Module):

@@ -245,6 +245,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         "initializer_range": 0.041666666666666664,
         "torch_dtype": "bfloat16",
     },
+    # https://huggingface.co/mistralai/Mistral-7B-Instruct-v0.3/blob/main/config.json: a
+    # 7B-class dense model (the decode GEMVs at 4096 x 14336; vocab = the v3 tokenizer's)
+    "mistral-7b-v0.3": {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "vocab_size": 32768,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "initializer_range": 0.02,
+        "torch_dtype": "bfloat16",
+    },
     # https://huggingface.co/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json
     "mixtral-8x7b": {
         "architectures": ["MixtralForCausalLM"],

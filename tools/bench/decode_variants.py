@@ -2,6 +2,8 @@
 
     python -m tools.bench.decode_variants --out decode_variants.json          # H200, <= --budget-s (120)
     python -m tools.bench.decode_variants --smoke --out /tmp/variants.json    # CPU, tiny-moe
+    python -m tools.bench.decode_variants --preset smollm2-135m --layers 30 \
+        --only "kernels dense_gemv=0" --out dense.json                        # a dense model: GEMV vs cuBLAS
 
 The engine is built once (qwen3-30b-a3b cut to --layers, dummy bf16 weights, as
 tools/bench/engine builds it) and one --context-token prompt (2,048 by default) is

@@ -4,8 +4,9 @@ markdown table. No GPU here (tests/test_bench_decode_variants.py runs it on
 the CPU); the measurement loop lives in tools/bench/decode_variants.py.
 
 A variant replaces fields of the engine's KernelConfig
-(ftserve_kernels/config.py: PDL on or off, GEMV launches laid over the table)
-or of the Triton attention backend's AttnKernelConfig.
+(ftserve_kernels/config.py: PDL on or off, GEMV launches laid over the table,
+the dense linears on the GEMV or on cuBLAS) or of the Triton attention
+backend's AttnKernelConfig.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from ftserve_kernels.config import KernelConfig
 from tools.bench.common import markdown_table
 
 # The KernelConfig fields a variant may set (backend is the engine's device's).
-KERNEL_FIELDS = ("pdl", "gemv_entries")
+KERNEL_FIELDS = ("pdl", "gemv_entries", "dense_gemv")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ def default_variants(base_attn: AttnKernelConfig) -> list[Variant]:
     pps = base_attn.decode_programs_per_sm
     out = [Variant("baseline")]
     out.append(Variant("kernels pdl=0", "kernels:pdl", kernels={"pdl": False}))
+    # The layers' dense linears on cuBLAS and unfused (SiLU, product, norms their
+    # own launches) instead of the GEMV and its folds: the GEMV-or-cuBLAS question
+    # at the model's shapes (KernelConfig.dense_gemv).
+    out.append(Variant("kernels dense_gemv=0", "kernels:dense_gemv", kernels={"dense_gemv": False}))
     for factor in (0.5, 2.0):
         n = max(1, round(pps * factor))
         if n != pps:
