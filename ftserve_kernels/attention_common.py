@@ -57,15 +57,18 @@ def round_e4m3(y):
     """fp32 values in [-448, 448] rounded (nearest, ties to even) to the e4m3
     grid, still fp32: the cast to fp8 that follows is then exact. Done by hand
     because the CPU interpreter's own fp32 -> fp8 cast rounds some values wrong
-    (31.27 -> 16), and so the GPU and the torch twin agree bit for bit."""
+    (31.27 -> 16), and so the GPU and the torch twin agree bit for bit. The
+    magnitude is rounded and y's sign bit put back with integer ops, so a
+    negative value that rounds to zero stays -0 (code 0x80, as torch casts it):
+    Triton up to 3.6 lowers ``-x`` to ``0 - x``, which makes +0 of -0."""
     bits = y.to(tl.int32, bitcast=True)
-    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # exponent; -6 = subnormal range
+    mag = bits & 0x7FFFFFFF  # |y|
+    e = tl.maximum((mag >> 23) - 127, -6)  # exponent; -6 = subnormal range
     ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2**(e-3): 3 mantissa bits
     inv_ulp = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)  # 2**(3-e)
-    t = y * inv_ulp  # exact (a power of two), |t| <= 16
-    r = (t + 12582912.0) - 12582912.0  # 1.5 * 2**23: the fp32 add rounds to nearest even
-    r = tl.abs(r) * ulp
-    return tl.where(bits < 0, -r, r)  # the sign bit, so -0 and values rounding to 0 keep it
+    t = mag.to(tl.float32, bitcast=True) * inv_ulp  # exact (a power of two), 0 <= t <= 16
+    r = ((t + 12582912.0) - 12582912.0) * ulp  # 1.5 * 2**23: the fp32 add rounds to nearest even
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # y's sign bit
 
 
 @triton.jit

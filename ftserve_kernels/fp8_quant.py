@@ -113,8 +113,13 @@ def quantize_act_ref(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor,
     t, k = x.shape
     g = -(-k // group)
     xf = F.pad(x.float(), (0, g * group - k)).view(t, g, group)  # [T, G, group]
-    scale = xf.abs().amax(dim=-1).clamp_min(MIN_AMAX) / E4M3_MAX  # [T, G]
-    codes = (xf / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)  # IEEE division, RNE cast
+    amax = xf.abs().amax(dim=-1).clamp_min(MIN_AMAX)  # [T, G]
+    # IEEE divisions on every device, as the kernel's div_rn: CUDA torch divides by a
+    # Python number as a multiply by its rounded reciprocal, an ulp off the quotient;
+    # bf16 activations (8 significant bits) can sit exactly on an e4m3 rounding tie
+    # of x / scale, where that ulp moves the code a step.
+    scale = amax / torch.full_like(amax, E4M3_MAX)
+    codes = (xf / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)  # RNE cast
     return codes.view(t, g * group)[:, :k].contiguous(), scale
 
 

@@ -71,13 +71,19 @@ def _fp8_scaled(w, s_rows, k0, nmask, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.cons
     one scale column) one per weight row [N]; else the step spans BLOCK_K //
     SCALE_K whole scale columns, [N, KB], applied through a [N, KB, SCALE_K]
     view of the tile (a per-column gather k // SCALE_K would issue one load per
-    code, a [1, BK] scale row a layout conversion through shared memory)."""
+    code, a [1, BK] scale row a layout conversion through shared memory).
+    One return after both branches: Triton compiles the statements after an
+    ``if`` that returns, so a SCALE_STEP step shorter than a scale column
+    (BLOCK_K < SCALE_K) would build the other branch's empty arange."""
     if SCALE_STEP:
-        return w * tl.load(s_rows + k0 // SCALE_K, mask=nmask, other=0.0)[:, None]
-    kb = k0 // SCALE_K + tl.arange(0, BLOCK_K // SCALE_K)
-    sc = tl.load(s_rows[:, None] + kb[None, :], mask=nmask[:, None] & (kb[None, :] * SCALE_K < K),
-                 other=0.0)  # [N, KB]
-    return tl.reshape(tl.reshape(w, [BLOCK_N, BLOCK_K // SCALE_K, SCALE_K]) * sc[:, :, None], [BLOCK_N, BLOCK_K])
+        out = w * tl.load(s_rows + k0 // SCALE_K, mask=nmask, other=0.0)[:, None]
+    else:
+        kb = k0 // SCALE_K + tl.arange(0, BLOCK_K // SCALE_K)
+        sc = tl.load(s_rows[:, None] + kb[None, :], mask=nmask[:, None] & (kb[None, :] * SCALE_K < K),
+                     other=0.0)  # [N, KB]
+        out = tl.reshape(tl.reshape(w, [BLOCK_N, BLOCK_K // SCALE_K, SCALE_K]) * sc[:, :, None],
+                         [BLOCK_N, BLOCK_K])
+    return out
 
 
 @triton.jit

@@ -39,7 +39,10 @@ def is_fp8(dtype: torch.dtype) -> bool:
 def quantize_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., D] -> (codes [..., D] float8_e4m3fn, scales [...] fp32), see the module docstring."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp_min(FP8_MIN_AMAX) / FP8_MAX  # [...]
+    amax = xf.abs().amax(dim=-1).clamp_min(FP8_MIN_AMAX)  # [...]
+    # An IEEE division on every device, as the kernels' div_rn: CUDA torch divides
+    # by a Python number as a multiply by its rounded reciprocal (an ulp off).
+    scale = amax / torch.full_like(amax, FP8_MAX)
     codes = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # [..., D], RNE
     return codes, scale
 
