@@ -6,14 +6,19 @@ Triton on the CPU under TRITON_INTERPRET=1 with backend "triton").
 Model layers call these functions and never import a backend directly.
 Signatures, the KernelConfig left out (all shapes are packed tokens, see ForwardBatch):
 
-    rms_norm(x [T, H], w [H], eps) -> [T, H]
-    fused_add_rms_norm(x [T, H], residual [T, H], w [H], eps) -> (normed, x + residual)
+    rms_norm(x [T, H], w [H], eps, zero_centered=False) -> [T, H]
+    fused_add_rms_norm(x [T, H], residual [T, H], w [H], eps, zero_centered=False, shared=None)
+        -> (normed, x + residual); ``zero_centered``: norm(x) * (1 + w) (Qwen3-Next);
+        ``shared`` = (y [T, H], logit [T, 1]): x + sigmoid(logit) * y is added instead
+        (a MoE block's routed experts x beside its gated shared expert y)
+    gated_rms_norm(x [T, NH, D], gate [T, G, NH / G, D] or [T, NH, D], w [D], eps)
+        -> w * norm(x) * SiLU(gate) [T, NH, D] (Gated DeltaNet's output norm)
     rotary(q [T, Hq, D], k [T, Hkv, D], positions [T] int64,
            cos_sin [max_pos, rot_dim] fp32 (cos | sin halves)) -> (q, k)   (neox style)
     qk_norm_rotary(q [T, Hq, D], k [T, Hkv, D], q_w [D], k_w [D], eps, positions, cos_sin,
-                   kv_store=None) -> (q, k): per-head RMSNorm of q and k, then rotary
-        (Qwen3), one kernel on Triton; kv_store = (k_cache, v_cache, v, out_cache_loc)
-        also stores k and v into their pages in that launch
+                   kv_store=None, zero_centered=False) -> (q, k): per-head RMSNorm of q and k,
+        then rotary (Qwen3), one kernel on Triton; kv_store = (k_cache, v_cache, v,
+        out_cache_loc) also stores k and v into their pages in that launch
     route_topk(router_logits [T, E], top_k, renormalize) -> (weights [T, k] fp32, ids [T, k] int32)
     fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], ids [T, k]) -> [T, H]
         (w13 rows [0, I) are the gate, [I, 2I) the up projection; SiLU(gate) * up)
@@ -86,6 +91,7 @@ class _Kernels:
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     qk_norm_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    gated_rms_norm: Callable[..., torch.Tensor]
     route_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
     # (x, residual, norm_w, eps, gate_w, top_k, renorm, counter) -> 4 tensors; None: compose
@@ -101,7 +107,7 @@ class _Kernels:
 
 _REF = _Kernels(
     rms_norm=nr_ref.rms_norm_ref, fused_add_rms_norm=nr_ref.fused_add_rms_norm_ref,
-    rotary=nr_ref.rotary_ref, qk_norm_rotary=nr_ref.qk_norm_rotary_ref,
+    rotary=nr_ref.rotary_ref, qk_norm_rotary=nr_ref.qk_norm_rotary_ref, gated_rms_norm=nr_ref.gated_rms_norm_ref,
     route_topk=moe_ref.route_topk_ref, fused_moe=moe_ref.fused_moe_ref,
     add_norm_route=None, fused_max_tokens=0,
 )
@@ -124,6 +130,7 @@ def _triton_table(kernels: KernelConfig) -> _Kernels:
     return _Kernels(
         rms_norm=bind(nt.rms_norm_triton), fused_add_rms_norm=bind(nt.fused_add_rms_norm_triton),
         rotary=rt.rotary_triton, qk_norm_rotary=bind(rt.qk_norm_rotary_triton),
+        gated_rms_norm=bind(nt.gated_rms_norm_triton),
         route_topk=mt.route_topk_triton, fused_moe=bind(mt.fused_moe_triton),
         add_norm_route=bind(df.add_norm_route_triton), fused_max_tokens=df.FUSED_MAX_TOKENS,
         moe_add_norm=bind(mg.fused_moe_add_norm_gemv_triton), moe_gemv_tokens=mg.GEMV_MAX_TOKENS,
@@ -140,14 +147,21 @@ def uses_triton(kernels: KernelConfig, t: torch.Tensor) -> bool:
     return _table(kernels, t) is not _REF
 
 
-def rms_norm(kernels: KernelConfig, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return _table(kernels, x).rms_norm(x, w, eps)
+def rms_norm(kernels: KernelConfig, x: torch.Tensor, w: torch.Tensor, eps: float,
+             zero_centered: bool = False) -> torch.Tensor:
+    return _table(kernels, x).rms_norm(x, w, eps, zero_centered)
 
 
 def fused_add_rms_norm(
-    kernels: KernelConfig, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+    kernels: KernelConfig, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
+    zero_centered: bool = False, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _table(kernels, x).fused_add_rms_norm(x, residual, w, eps)
+    return _table(kernels, x).fused_add_rms_norm(x, residual, w, eps, zero_centered, shared)
+
+
+def gated_rms_norm(kernels: KernelConfig, x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    return _table(kernels, x).gated_rms_norm(x, gate, w, eps)
 
 
 def rotary(
@@ -161,8 +175,9 @@ def qk_norm_rotary(
     kernels: KernelConfig, q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor,
     eps: float, positions: torch.Tensor, cos_sin: torch.Tensor,
     kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    zero_centered: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _table(kernels, q).qk_norm_rotary(q, k, q_w, k_w, eps, positions, cos_sin, kv_store)
+    return _table(kernels, q).qk_norm_rotary(q, k, q_w, k_w, eps, positions, cos_sin, kv_store, zero_centered)
 
 
 def route_topk(
