@@ -181,9 +181,9 @@ def census(skip_launches: bool = False) -> Iterator[Census]:
 
 
 def hybrid_decode_step(preset: str = "tiny-qwen3-next", layers: int | None = None, device: str = "cpu",
-                       dtype: torch.dtype = torch.bfloat16, context: int = 9,
+                       dtype: torch.dtype = torch.bfloat16, context: int = 9, batch: int = 1,
                        overrides: dict[str, Any] | None = None) -> tuple[Callable[[], torch.Tensor], Any]:
-    """(one decode forward of a batch-1 sequence ``context`` tokens in, its model):
+    """(one decode forward of ``batch`` sequences ``context`` tokens in, its model):
     the model built with uninitialized weights on ``device`` (meta: shapes only),
     the Triton kernels and attention backend. On a real device the weights are
     random and the state a short prefill left."""
@@ -205,37 +205,39 @@ def hybrid_decode_step(preset: str = "tiny-qwen3-next", layers: int | None = Non
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
             model.init_buffers()
     page = 16
-    pages = list(range(1, (context + page) // page + 2))
-    kv = KVPool(len(cfg.kv_layers), len(pages) + 1, page, cfg.num_kv_heads, cfg.head_dim, dtype, device)
-    states = StatePool.for_model(cfg, 2, dtype, torch.float32, device)
-    slot = states.alloc()
+    per_seq = (context + page) // page + 1
+    pages = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(batch)]
+    kv = KVPool(len(cfg.kv_layers), batch * per_seq + 1, page, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+    states = StatePool.for_model(cfg, batch + 1, dtype, torch.float32, device)
+    slots = [states.alloc() for _ in range(batch)]
     backend = TritonAttentionBackend()
     kernels = KernelConfig(backend="triton", pdl=False)
     if device != "meta":  # a prefill leaves real state and KV
-        pre = build_forward_batch([list(range(3, 3 + context))], [0], [pages], kv, backend, device=device,
-                                  state_pool=states, state_slots=[slot], kernels=kernels)
+        pre = build_forward_batch([list(range(3, 3 + context))] * batch, [0] * batch, pages, kv, backend,
+                                  device=device, state_pool=states, state_slots=slots, kernels=kernels)
         model(pre)
-    batch = build_forward_batch([[7]], [context], [pages], kv, backend, is_decode=True, device=device,
-                                state_pool=states, state_slots=[slot], kernels=kernels)
-    return (lambda: model(batch)), model
+    step = build_forward_batch([[7]] * batch, [context] * batch, pages, kv, backend, is_decode=True,
+                               device=device, state_pool=states, state_slots=slots, kernels=kernels)
+    return (lambda: model(step)), model
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny-qwen3-next")
     p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--batch", type=int, default=1)
     p.add_argument("--meta", action="store_true", help="shapes only (real presets): launches recorded, not run")
     p.add_argument("--vocab", type=int, default=None, help="a smaller vocabulary (the interpreted lm_head is slow)")
     p.add_argument("--out", default=None, help="JSON: the summary and every op")
     args = p.parse_args()
     if not args.meta and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("run with TRITON_INTERPRET=1: the kernels interpreted on the CPU (or --meta)")
-    step, _ = hybrid_decode_step(args.preset, args.layers, "meta" if args.meta else "cpu",
+    step, _ = hybrid_decode_step(args.preset, args.layers, "meta" if args.meta else "cpu", batch=args.batch,
                                  overrides={"vocab_size": args.vocab} if args.vocab else None)
     with torch.no_grad(), census(skip_launches=args.meta) as c:
         step()
     s = c.summary()
-    print(f"{args.preset} x {args.layers or 'all'} layers: {s['torch_ops']} torch ops, "
+    print(f"{args.preset} x {args.layers or 'all'} layers, batch {args.batch}: {s['torch_ops']} torch ops, "
           f"{s['torch_bytes'] / 1e6:.2f} MB; {s['triton_launches']} Triton launches")
     print(f"{'calls':>5} {'MB':>8}  op  site")
     for name, site, calls, nbytes in c.by_site():
