@@ -214,7 +214,10 @@ def qk_norm_rotary_triton(
         kc, vc, v, loc = ko, ko, k, positions  # unread
     if t:
         block_half = triton.next_power_of_2(half)
-        block_r = max(16, 4096 // block_half)  # [R, half] tiles of 4k elements, two of them
+        block_tail = triton.next_power_of_2(max(1, d - 2 * half))
+        # [R, half] tiles of 4k elements, two of them; a partial rotary's tail tile
+        # [R, D - rot] no larger (Qwen3-Next: 192 of 256 unrotated; more spills)
+        block_r = max(16, 4096 // max(block_half, block_tail))
         grid = (triton.cdiv(t * hq, block_r) + triton.cdiv(t * hk, block_r),)
         on = pdl.active(q, kernels)
         _qk_norm_rotary_kernel[grid](
@@ -223,8 +226,7 @@ def qk_norm_rotary_triton(
             qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos_sin.stride(0),
             kc, vc, v, loc, kc.stride(0), kc.stride(1), v.stride(0), v.stride(1),
             HQ=hq, HK=hk, D=d, HALF=half, BLOCK_R=block_r, BLOCK_HALF=block_half,
-            BLOCK_TAIL=triton.next_power_of_2(max(1, d - 2 * half)),
-            BLOCK_D=triton.next_power_of_2(d), STORE=kv_store is not None, num_warps=8,
+            BLOCK_TAIL=block_tail, BLOCK_D=triton.next_power_of_2(d), STORE=kv_store is not None, num_warps=8,
             PDL=on, ZERO_CENTERED=zero_centered, **pdl.launch(on),
         )
     return qo, ko
