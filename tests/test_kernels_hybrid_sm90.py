@@ -100,11 +100,12 @@ def _launches() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int
                              BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)), BLOCK_N=acfg.decode_block_n,
                              NUM_SPLITS=splits, UPCAST=False, FP8=bool(kv)),
                         acfg.decode_warps, acfg.decode_stages))
-            if not kv:
-                out.append((f"decode_reduce_s{splits}", ad._decode_reduce_kernel, attn,
+            if not kv:  # with the output gate (Qwen3-Next's gated attention)
+                out.append((f"decode_reduce_s{splits}", ad._decode_reduce_kernel, attn | {"g_ptr": bf},
                             dict(NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), D=d,
                                  BLOCK_D=min(triton.next_power_of_2(d),
-                                             triton.next_power_of_2(acfg.decode_reduce_block_d))), 4, 3))
+                                             triton.next_power_of_2(acfg.decode_reduce_block_d)), GATE=True),
+                            4, 3))
 
     # ---- Gated DeltaNet layers: the conv and the rule, prefill and decode
     conv = {"x_ptr": bf, "w_ptr": bf, "cs_ptr": bf, "slot_ptr": i64, "has_ptr": "*i1", "cu_ptr": i32,

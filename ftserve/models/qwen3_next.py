@@ -107,11 +107,9 @@ class GatedAttention(nn.Module):
         kv_store = (pool.k[self.kv_layer], pool.v[self.kv_layer], v, batch.attn.out_cache_loc) if stored else None
         q, k = ops.qk_norm_rotary(batch.kernels, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                   batch.positions, cos_sin, kv_store, zero_centered=True)
-        if stored:
-            out = batch.attn_backend.forward(q, k, v, self.kv_layer, batch, kv_stored=True)  # [T, Hq, D]
-        else:
-            out = batch.attn_backend.forward(q, k, v, self.kv_layer, batch)
-        out = out * torch.sigmoid(gate)
+        # out * sigmoid(gate): in the decode attention's reduce launch on Triton
+        out = batch.attn_backend.forward(q, k, v, self.kv_layer, batch, kv_stored=stored,
+                                         out_gate=gate)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, -1), batch.kernels)  # [T, H]
 
 
