@@ -23,7 +23,7 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
     fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], ids [T, k]) -> [T, H]
         (w13 rows [0, I) are the gate, [I, 2I) the up projection; SiLU(gate) * up)
     add_rms_norm_route(x [T, H], residual [T, H] | None, norm_w [H], eps, gate_w [E, H],
-                       top_k, renormalize, counter [1] int32)
+                       top_k, renormalize, counter [1] int32, zero_centered=False)
         -> (normed [T, H], x + residual | None, weights [T, k] fp32, ids [T, k] int32):
         the (fused-add) norm, the router linear and route_topk; one launch on Triton
         for decode-sized T (decode_fused_triton), the composition otherwise
@@ -204,15 +204,17 @@ def fused_moe(
 def add_rms_norm_route(
     kernels: KernelConfig, x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor,
     eps: float, gate_w: torch.Tensor, top_k: int, renormalize: bool, counter: torch.Tensor,
+    zero_centered: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     k = _table(kernels, x)
     if k.add_norm_route is not None and x.shape[0] <= k.fused_max_tokens:
-        return k.add_norm_route(x, residual, norm_w, eps, gate_w, top_k, renormalize, counter)
+        return k.add_norm_route(x, residual, norm_w, eps, gate_w, top_k, renormalize, counter,
+                                zero_centered=zero_centered)
     # The composition (the reference twin of the fused kernel).
     if residual is None:
-        normed, summed = k.rms_norm(x, norm_w, eps), None
+        normed, summed = k.rms_norm(x, norm_w, eps, zero_centered), None
     else:
-        normed, summed = k.fused_add_rms_norm(x, residual, norm_w, eps)
+        normed, summed = k.fused_add_rms_norm(x, residual, norm_w, eps, zero_centered)
     weights, ids = k.route_topk(F.linear(normed, gate_w), top_k, renormalize)  # [T, k] x2
     return normed, summed, weights, ids
 

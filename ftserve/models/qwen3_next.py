@@ -13,9 +13,11 @@ DeltaNet uses a plain weight.
 
 Each residual add runs inside the norm after it (ops.fused_add_rms_norm), and a MoE
 layer's output reaches it in parts (LayerOut: routed experts, shared expert, its
-gate logit), so the shared expert's gate and the two adds are that launch's too::
+gate logit), so the shared expert's gate and the two adds are that launch's too;
+the post-attention norm also routes (ops.add_rms_norm_route, one launch at decode
+sizes)::
 
-    out, residual --[add, input norm]--> mixer --[add, post norm]--> MoE -> out', residual'
+    out, residual --[add, input norm]--> mixer --[add, post norm, route]--> MoE -> out', residual'
 
 The KV pool holds only the full-attention layers (pool layer j = ModelConfig.kv_layers[j]),
 the state pool only the linear ones (ModelConfig.linear_layers).
@@ -127,10 +129,26 @@ class SharedExpertMoE(MoEBlock):
         shared = torch.sigmoid(self.shared_expert_gate(x, kernels)) * self.shared_expert(x, kernels)  # [T, H]
         return super().forward(x, kernels) + shared
 
-    def forward_parts(self, x: torch.Tensor, kernels: KernelConfig) -> LayerOut:
-        """forward's output left in parts, for the add + norm after it to combine."""
+    def add_norm_route(self, mixed: torch.Tensor, residual: torch.Tensor, norm: ZeroCenteredRMSNorm,
+                       kernels: KernelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The residual add, the layer's post-attention norm and the routing: one
+        launch at decode sizes on Triton (ops.add_rms_norm_route). -> (normed [T, H],
+        residual + mixed [T, H], weights [T, k] fp32, ids [T, k] int32)."""
+        if self.observed():  # the router module runs, for the hooks to see its logits
+            normed, summed = norm.forward_add(LayerOut(mixed), residual, kernels)
+            return (normed, summed, *self.route(normed, kernels))
+        normed, summed, weights, ids = ops.add_rms_norm_route(
+            kernels, mixed, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
+            self._counter(mixed), zero_centered=True)
+        assert summed is not None
+        return normed, summed, weights, ids
+
+    def forward_parts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                      kernels: KernelConfig) -> LayerOut:
+        """forward's output on x routed to ``ids``, left in parts for the add + norm
+        after it to combine."""
         shared = (self.shared_expert(x, kernels), self.shared_expert_gate(x, kernels))  # [T, H], [T, 1]
-        return LayerOut(super().forward(x, kernels), shared)
+        return LayerOut(self.compute_experts(x, weights, ids, kernels), shared)
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -163,9 +181,12 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             assert self.self_attn is not None
             mixed = self.self_attn(normed, batch, cos_sin)
-        normed, residual = self.post_attention_layernorm.forward_add(LayerOut(mixed), residual, kernels)
+        assert residual is not None
         if isinstance(self.mlp, SharedExpertMoE):
-            return self.mlp.forward_parts(normed, kernels), residual
+            normed, residual, weights, ids = self.mlp.add_norm_route(mixed, residual, self.post_attention_layernorm,
+                                                                     kernels)
+            return self.mlp.forward_parts(normed, weights, ids, kernels), residual
+        normed, residual = self.post_attention_layernorm.forward_add(LayerOut(mixed), residual, kernels)
         return LayerOut(self.mlp(normed, kernels)), residual
 
 

@@ -234,8 +234,11 @@ def main() -> None:
         raise SystemExit("run with TRITON_INTERPRET=1: the kernels interpreted on the CPU (or --meta)")
     step, _ = hybrid_decode_step(args.preset, args.layers, "meta" if args.meta else "cpu", batch=args.batch,
                                  overrides={"vocab_size": args.vocab} if args.vocab else None)
-    with torch.no_grad(), census(skip_launches=args.meta) as c:
-        step()
+    with torch.no_grad():
+        with census(skip_launches=args.meta):
+            step()  # a first step makes what layers keep between steps (the routers' counters)
+        with census(skip_launches=args.meta) as c:
+            step()
     s = c.summary()
     print(f"{args.preset} x {args.layers or 'all'} layers, batch {args.batch}: {s['torch_ops']} torch ops, "
           f"{s['torch_bytes'] / 1e6:.2f} MB; {s['triton_launches']} Triton launches")
