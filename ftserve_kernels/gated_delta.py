@@ -33,7 +33,9 @@ starting state from its slot of the state pool (ftserve/kvcache/state_pool.py)
 and write the final state back, by slot index tensors: ``conv_prefill`` /
 ``gated_delta_prefill`` for packed sequences of any lengths (a host loop over
 sequences here: prefill is eager), ``conv_decode`` / ``gated_delta_decode`` for
-one token per sequence (fixed shapes, gather / scatter, no sync: capturable).
+one token per sequence (fixed shapes, gather / scatter, no sync: capturable);
+``gated_delta_decode_fused`` is the decode step from the layer's raw gate
+inputs a, b (``gate_params``), which the Triton launch turns into g and beta itself.
 
 A speculative verify step (a request's last token and its draft, a few tokens
 per sequence) may keep only some of its tokens, so it must not leave the state

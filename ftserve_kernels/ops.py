@@ -54,7 +54,7 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
     embed_rms_norm(ids [T], embed [V, H], norm: InputNorm) -> (rows [T, H], normed [T, H]):
         the same row work for an eager decode step
     gated_delta(t) -> the Gated DeltaNet entry points (conv_prefill, conv_decode,
-        gated_delta_prefill, gated_delta_decode, and a verify step's conv_verify,
+        gated_delta_prefill, gated_delta_decode(_fused), and a verify step's conv_verify,
         gated_delta_verify, conv_commit, gated_delta_commit; signatures in gated_delta.py) for
         tensors like t: gated_delta_triton's kernels or the torch reference module
 
