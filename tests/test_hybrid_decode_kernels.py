@@ -29,6 +29,8 @@ from tools.bench.op_census import census, hybrid_decode_step
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: the kernels interpreted
+
 # The torch ops of one batch-1 decode step of qwen3-next-80b-a3b cut to 8 layers
 # (6 Gated DeltaNet + 2 attention layers, all MoE): 40 cuBLAS GEMMs (Linear.forward:
 # in/qkv, out/o projections, shared expert's gate_up, down and gate), the shared
@@ -63,7 +65,7 @@ def _model(dtype: torch.dtype) -> tuple[torch.nn.Module, ModelConfig]:
     """tiny-qwen3-next (2 linear + 2 attention layers), a small vocabulary (the
     interpreted lm_head GEMV is slow), random weights."""
     cfg = ModelConfig.from_hf(preset_config("tiny-qwen3-next", overrides={"vocab_size": 512}))
-    model = build_model(cfg, dtype, torch.device("cpu"))
+    model = build_model(cfg, dtype, torch.device(DEVICE))
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -81,8 +83,8 @@ def _decode(dtype: torch.dtype, on_triton: bool) -> tuple[list[torch.Tensor], Co
     decode two steps on one path -> (logits, KV pages, conv windows, recurrent
     states after them; the torch ops of the last step)."""
     model, cfg = _model(dtype)
-    kv = KVPool(len(cfg.kv_layers), 8, 16, cfg.num_kv_heads, cfg.head_dim, dtype, "cpu")
-    states = StatePool.for_model(cfg, 3, dtype, torch.float32, "cpu")
+    kv = KVPool(len(cfg.kv_layers), 8, 16, cfg.num_kv_heads, cfg.head_dim, dtype, DEVICE)
+    states = StatePool.for_model(cfg, 3, dtype, torch.float32, DEVICE)
     slots, pages, lens = [2, 1], [[1, 2], [3]], [13, 6]
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens]
@@ -109,7 +111,8 @@ def test_decode_steps_on_triton_kernels_equal_the_torch_path() -> None:
     """Logits, KV pages, conv windows and recurrent states after two decode steps
     on the Triton kernels: fp32 the torch path's to rounding; bf16 (the interpreter
     truncates its bf16 casts where torch rounds) about as far from the fp32 path
-    as the torch path's bf16 is. The interpreted step's census is the meta device's."""
+    as the torch path's bf16 is. The step's torch ops are the meta device's census
+    (on a GPU: what the CUDA step launched besides the Triton kernels)."""
     ref, _ = _decode(torch.float32, on_triton=False)
     got, seen = _decode(torch.float32, on_triton=True)
     for name, a, b in zip(NAMES, got, ref):
