@@ -207,8 +207,9 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, o_ptr,
     stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ot, stride_oh,
+    g_ptr, stride_gt, stride_gh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, GATE: tl.constexpr = False,
 ):
     # Program (b, h, c) combines columns [c * BLOCK_D, (c + 1) * BLOCK_D) of head
     # h (BLOCK_D < D: more, smaller programs; each one weighs the splits itself).
@@ -228,7 +229,11 @@ def _decode_reduce_kernel(
         mask=(smask & (lse > float("-inf")))[:, None] & (d[None, :] < D), other=0.0,
     )  # [S, D]; empty splits' were never stored (and are not read: no traffic)
     out = tl.sum(o * w[:, None], 0) / tl.where(tot > 0.0, tot, 1.0)
-    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < D)
+    ty = o_ptr.dtype.element_ty
+    if GATE:  # out * sigmoid(gate), each rounded to the dtype as the torch ops would
+        g = tl.load(g_ptr + b * stride_gt + h * stride_gh + d, mask=d < D, other=0.0).to(tl.float32)
+        out = out.to(ty).to(tl.float32) * tl.sigmoid(g).to(ty).to(tl.float32)
+    tl.store(o_ptr + b * stride_ot + h * stride_oh + d, out.to(ty), mask=d < D)
 
 
 @dataclass(frozen=True)
@@ -263,9 +268,11 @@ def decode_attention_triton(
     v_scale: torch.Tensor | None = None,
     qk: DecodeQK | None = None,
     kernels: KernelConfig = DEFAULT_KERNELS,
+    out_gate: torch.Tensor | None = None,  # [B, Hq, D]
 ) -> torch.Tensor:
     """Split-K decode: the split kernel, then the reduce kernel that combines
-    the splits. fp8 caches (float8_e4m3fn codes) need ``k_scale`` /
+    the splits (and with ``out_gate`` multiplies by sigmoid(out_gate): Qwen3-Next's
+    gated attention; twin: paged_attention.gate_output). fp8 caches (float8_e4m3fn codes) need ``k_scale`` /
     ``v_scale``; tiles are dequantized in registers. With ``qk``, ``q`` is raw and the kernel applies the q/k norms
     (where ``qk`` has them) and the rotary and stores the new K/V itself (twin:
     norm_rope.qk_norm_rotary_ref with its kv_store, then this function without ``qk``)."""
@@ -307,11 +314,13 @@ def decode_attention_triton(
     )
     # Columns a reduce program combines: the whole head, or decode_reduce_block_d.
     block_r = min(block_d, triton.next_power_of_2(cfg.decode_reduce_block_d)) if cfg.decode_reduce_block_d else block_d
+    gate = out_gate if out_gate is not None else out  # unread without a gate
+    assert gate.shape == out.shape and gate.stride(-1) == 1
     _decode_reduce_kernel[(bsz, hq, triton.cdiv(d, block_r))](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), gate, gate.stride(0), gate.stride(1),
         NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), D=d, BLOCK_D=block_r,
-        num_warps=4, PDL=on, **pdl.launch(on),
+        num_warps=4, PDL=on, GATE=out_gate is not None, **pdl.launch(on),
     )
     return out

@@ -75,6 +75,7 @@ from ftserve_kernels.attention_decode_triton import (  # noqa: F401  (re-exporte
     _decode_split_kernel,
     decode_attention_triton,
 )
+from ftserve_kernels.paged_attention import gate_output
 
 if TYPE_CHECKING:
     from ftserve.models.forward_batch import ForwardBatch
@@ -340,6 +341,7 @@ class TritonAttentionBackend:
     def _decode(
         self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: ForwardBatch,
         ks: torch.Tensor | None, vs: torch.Tensor | None, qk: DecodeQK | None = None,
+        out_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Split-K decode attention over this layer's pages at the backend's
         split count and config (forward's decode path, and decode_qk's)."""
@@ -349,7 +351,7 @@ class TritonAttentionBackend:
         splits = self.num_splits(q.shape[0], kc.shape[1], q.device, meta.max_seq_len)
         return decode_attention_triton(
             q, kc, vc, meta.page_table, meta.seq_lens, meta.page_size, scale, splits, cfg,
-            k_scale=ks, v_scale=vs, qk=qk, kernels=batch.kernels,
+            k_scale=ks, v_scale=vs, qk=qk, kernels=batch.kernels, out_gate=out_gate,
         )
 
     def num_splits(self, batch_size: int, num_kv_heads: int, device: torch.device,
@@ -377,9 +379,11 @@ class TritonAttentionBackend:
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
-        kv_stored: bool = False,
+        kv_stored: bool = False, out_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``kv_stored``: the caller already put this step's K/V into the pages."""
+        """``kv_stored``: the caller already put this step's K/V into the pages.
+        ``out_gate`` [T, Hq, D]: the output times sigmoid(out_gate), in the decode
+        kernels' reduce launch (paged_attention.gate_output after the extend kernel)."""
         pool = batch.kv_pool
         meta = batch.attn
         kc, vc = pool.k[layer], pool.v[layer]
@@ -394,16 +398,17 @@ class TritonAttentionBackend:
         # KV head once for all its query heads, far cheaper than 64-row extend tiles.
         if batch.is_decode or (bound is None and meta.max_extend_len == 1):
             assert q.shape[0] == meta.num_seqs, "decode batches carry one token per sequence"
-            return self._decode(q, kc, vc, batch, ks, vs)
+            return self._decode(q, kc, vc, batch, ks, vs, out_gate=out_gate)
         if meta.query_seq_lens is not None:  # a verify step: one decode query per token
             assert meta.query_page_table is not None and meta.query_seq_lens.shape[0] == q.shape[0]
             splits = self.num_splits(q.shape[0], kc.shape[1], q.device, meta.max_seq_len)
             return decode_attention_triton(
                 q, kc, vc, meta.query_page_table, meta.query_seq_lens, meta.page_size, scale, splits, cfg,
-                k_scale=ks, v_scale=vs, kernels=batch.kernels,
+                k_scale=ks, v_scale=vs, kernels=batch.kernels, out_gate=out_gate,
             )
-        return extend_attention_triton(
+        out = extend_attention_triton(
             q, kc, vc, meta.page_table, meta.qo_indptr, meta.prefix_lens,
             bound if bound is not None else meta.max_extend_len, meta.page_size, scale, cfg,
             k_scale=ks, v_scale=vs,
         )
+        return gate_output(out, out_gate)

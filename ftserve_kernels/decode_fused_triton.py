@@ -43,7 +43,7 @@ def _add_norm_route_kernel(
     stride_x, stride_r, stride_n, stride_s, stride_g,
     HAS_RESIDUAL: tl.constexpr, TOP_K: tl.constexpr, RENORM: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_EALL: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, ZERO_CENTERED: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK_H)
@@ -53,6 +53,8 @@ def _add_norm_route_kernel(
     g = tl.load(g_ptr + rows_e.to(tl.int64)[:, None] * stride_g + offs[None, :],
                 mask=emask[:, None] & hmask[None, :], other=0.0)  # [BE, H], x's dtype
     nw = tl.load(nw_ptr + offs, mask=hmask, other=0.0).to(tl.float32)  # [H]
+    if ZERO_CENTERED:  # norm(x) * (1 + w) in fp32, one rounding (Qwen3-Next)
+        nw = nw + 1.0
     pdl.enter(PDL)  # the router and norm weights above are in flight; x and r are not yet written
     for t in range(T):
         x = tl.load(x_ptr + t * stride_x + offs, mask=hmask, other=0.0)
@@ -61,8 +63,11 @@ def _add_norm_route_kernel(
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # the next residual
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, 0) / H
-        normed = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        n = (nw * normed).to(x_ptr.dtype.element_ty)  # [H], what the experts read
+        if ZERO_CENTERED:
+            n = (xf * tl.rsqrt(var + eps) * nw).to(x_ptr.dtype.element_ty)
+        else:
+            normed = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+            n = (nw * normed).to(x_ptr.dtype.element_ty)  # [H], what the experts read
         if pid == 0:
             tl.store(normed_ptr + t * stride_n + offs, n, mask=hmask)
             if HAS_RESIDUAL:
@@ -128,8 +133,10 @@ def add_norm_route_triton(
     counter: torch.Tensor,  # [1] int32, zero; left zero
     block_e: int = 1,  # router rows a program streams (a power of two)
     kernels: KernelConfig = DEFAULT_KERNELS,
+    zero_centered: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """-> (normed [T, H], x + residual [T, H] or None, weights [T, k] fp32, ids [T, k] int32)."""
+    """-> (normed [T, H], x + residual [T, H] or None, weights [T, k] fp32, ids [T, k] int32);
+    ``zero_centered``: the norm is norm_rope.rms_norm_ref's zero-centered one."""
     if block_e < 1 or block_e & (block_e - 1):
         raise ValueError(f"block_e={block_e}: a power of two, at least 1")
     t, h = x.shape
@@ -157,6 +164,6 @@ def add_norm_route_triton(
         HAS_RESIDUAL=residual is not None, TOP_K=top_k, RENORM=renormalize,
         BLOCK_E=block_e, BLOCK_H=block_h, BLOCK_EALL=triton.next_power_of_2(e),
         BLOCK_K=triton.next_power_of_2(top_k), num_warps=route_warps(block_e, block_h),
-        PDL=on, **pdl.launch(on),
+        PDL=on, ZERO_CENTERED=zero_centered, **pdl.launch(on),
     )
     return normed, summed, weights, ids

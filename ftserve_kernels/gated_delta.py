@@ -33,7 +33,9 @@ starting state from its slot of the state pool (ftserve/kvcache/state_pool.py)
 and write the final state back, by slot index tensors: ``conv_prefill`` /
 ``gated_delta_prefill`` for packed sequences of any lengths (a host loop over
 sequences here: prefill is eager), ``conv_decode`` / ``gated_delta_decode`` for
-one token per sequence (fixed shapes, gather / scatter, no sync: capturable).
+one token per sequence (fixed shapes, gather / scatter, no sync: capturable);
+``gated_delta_decode_fused`` is the decode step from the layer's raw gate
+inputs a, b (``gate_params``), which the Triton launch turns into g and beta itself.
 
 A speculative verify step (a request's last token and its draft, a few tokens
 per sequence) may keep only some of its tokens, so it must not leave the state
@@ -158,9 +160,10 @@ def _prepare(
 
 
 def _start(states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
-    """The slots' states (zeros where a sequence has no prefix) [B, ...], fp32."""
+    """The slots' states (zeros where a sequence has no prefix) [B, ...], fp32.
+    has_state: bool, or any integers (a prefix length: nonzero = has one)."""
     s = states.index_select(0, slots).float()
-    keep = has_state.reshape(-1, *([1] * (s.dim() - 1)))
+    keep = has_state.reshape(-1, *([1] * (s.dim() - 1))) != 0
     return torch.where(keep, s, torch.zeros((), dtype=s.dtype, device=s.device))
 
 
@@ -203,6 +206,29 @@ def gated_delta_decode(
     return o[:, 0].to(v.dtype)
 
 
+def gate_params(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule's per-token, per-value-head gates from the layer's projections a, b
+    [..., Hv] and its parameters A_log, dt_bias [Hv] (Qwen3-Next):
+    (g = -exp(A_log) softplus(a + dt_bias) fp32, the log decay; beta = sigmoid(b)
+    in b's dtype, the write strength)."""
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, b.sigmoid()
+
+
+def gated_delta_decode_fused(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    a_log: torch.Tensor, dt_bias: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+    has_state: torch.Tensor,
+) -> torch.Tensor:
+    """gated_delta_decode with its gates from the layer's raw projections
+    (gate_params, inside the Triton launch): a, b [B, Hv], or [B, Hk, Hv / Hk]
+    views into the input projection (value heads grouped by key head)."""
+    n = q.shape[0]
+    g, beta = gate_params(a.reshape(n, -1), b.reshape(n, -1), a_log, dt_bias)
+    return gated_delta_decode(q, k, v, g, beta, states, slots, has_state)
+
+
 def conv_prefill(
     x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
     has_state: torch.Tensor, seq_bounds: Sequence[int] | None, cu_seqlens: torch.Tensor | None = None,
@@ -228,11 +254,16 @@ def conv_prefill(
 
 
 def conv_decode(
-    x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
-    has_state: torch.Tensor,
+    x: torch.Tensor | tuple[torch.Tensor, ...], w: torch.Tensor, conv_states: torch.Tensor,
+    slots: torch.Tensor, has_state: torch.Tensor,
 ) -> torch.Tensor:
     """conv_prefill of one token per sequence, x [B, C]: gather, one K-tap dot
-    product per channel, scatter the shifted window back."""
+    product per channel, scatter the shifted window back. x may also be given
+    as the parts whose rows, flattened and concatenated, are its rows (up to
+    three [B, N, D] views, e.g. q, k, v [B, Hk, d] into the input projection:
+    the Triton kernel reads them in place)."""
+    if isinstance(x, tuple):
+        x = torch.cat([p.reshape(p.shape[0], -1) for p in x], dim=-1)  # [B, C]
     ext = torch.cat([_start(conv_states, slots, has_state).to(x.dtype), x[:, :, None]], dim=2)  # [B, C, K]
     y = (ext.float() * w.float()).sum(-1)  # [B, C]
     conv_states.index_copy_(0, slots, ext[:, :, 1:].to(conv_states.dtype))

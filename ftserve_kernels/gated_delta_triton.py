@@ -9,7 +9,9 @@ shapes, state read and written in place in its pool slot by index: no gather /
 scatter copies, no host data, nothing that syncs; capturable.
 
     gated_delta_decode   grid (B, Hv, dv / BLOCK_V): S [dk, BLOCK_V] of one slot in
-                         registers, decayed, delta-updated, read by q, written back
+                         registers, decayed, delta-updated, read by q, written back;
+                         ``_fused``: the gates g, beta computed from the layer's a, b
+                         in the launch (views into the projection, read in place)
 
 Prefill of packed sequences (device ``cu_seqlens``; the host ``seq_bounds`` only
 size the grids) is two launches for the rule:
@@ -109,11 +111,15 @@ def decode_block_v(batch: int, heads: int, dv: int, sms: int = 132) -> int:
 
 
 @triton.jit
-def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr, slot_ptr, has_ptr,
-                       stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ot, stride_ss,
+def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, slot_ptr, has_ptr,
+                       stride_qt, stride_kt, stride_vt, stride_gt, stride_gg, stride_gr,
+                       stride_bt, stride_bg, stride_br, stride_ot, stride_ss,
                        scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GR: tl.constexpr,
+                       GATES: tl.constexpr = False):
+    # g and beta of value head h: group h // GR, member h % GR of their views. GATES:
+    # they hold the layer's raw a and b, turned into the gates here (gate_params).
     b = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // (HV // HK)
@@ -126,8 +132,15 @@ def _gdn_decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr, slot_
     q = q * tl.rsqrt(tl.sum(q * q) + eps) * scale
     k = k * tl.rsqrt(tl.sum(k * k) + eps)
     v = tl.load(v_ptr + b * stride_vt + h * DV + ov, mask=mv, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + b * stride_gt + h).to(tl.float32)
-    beta = tl.load(beta_ptr + b * stride_bt + h).to(tl.float32)
+    g = tl.load(g_ptr + b * stride_gt + (h // GR) * stride_gg + (h % GR) * stride_gr).to(tl.float32)
+    beta = tl.load(beta_ptr + b * stride_bt + (h // GR) * stride_bg + (h % GR) * stride_br)
+    if GATES:
+        # g = -exp(A_log) softplus(a + dt_bias) (torch's softplus: linear past 20);
+        # beta = sigmoid(b), rounded to b's dtype as the reference's
+        x = g + tl.load(dtb_ptr + h).to(tl.float32)
+        g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+        beta = tl.sigmoid(beta.to(tl.float32)).to(beta_ptr.dtype.element_ty)
+    beta = beta.to(tl.float32)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     has = slot_flag(has_ptr + b, ov)
     ms = mk[:, None] & mv[None, :]
@@ -297,27 +310,52 @@ def _chunk_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr, slot_
 # ------------------------------------------------------------------ launchers
 
 
-def _rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, states: torch.Tensor) -> tuple[int, int, int, int]:
-    hk, hv, dk, dv = rule_shapes(k, v, g, beta, states)
+def _rule_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, states: torch.Tensor,
+               ) -> tuple[int, int, int, int]:
+    hk, hv, dk, dv = rule_shapes(k, v, None, None, states)
     assert q.shape == k.shape and q.stride(-1) == 1 and q.stride(-2) == dk
     assert q.dtype == k.dtype and q.dtype in _DTYPES
     return hk, hv, dk, dv
 
 
-def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                       beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
-                       has_state: torch.Tensor, block_v: int | None = None) -> torch.Tensor:
-    hk, hv, dk, dv = _rule_args(q, k, v, g, beta, states)
+def _head_view(x: torch.Tensor, n: int, hk: int, hv: int) -> torch.Tensor:
+    """A per-value-head tensor [B, Hv] or [B, Hk, Hv / Hk] as [B, groups, members]."""
+    return x.view(n, hv, 1) if x.dim() == 2 else x.view(n, hk, hv // hk)
+
+
+def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            gates: tuple[torch.Tensor, torch.Tensor] | None, states: torch.Tensor, slots: torch.Tensor,
+            has_state: torch.Tensor, block_v: int | None) -> torch.Tensor:
+    hk, hv, dk, dv = _rule_args(q, k, v, states)
     b = q.shape[0]
+    g3, b3 = _head_view(g, b, hk, hv), _head_view(beta, b, hk, hv)
+    assert g3.shape == b3.shape and g3.shape[1] * g3.shape[2] == hv
+    a_log, dt_bias = gates if gates is not None else (g, g)  # unread without gates
     o = torch.empty((b, hv, dv), dtype=v.dtype, device=v.device)
     bv = block_v or decode_block_v(b, hv, dv)
     _gdn_decode_kernel[(b, hv, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, o, states, slots, has_state,
-        q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), o.stride(0), states.stride(0),
-        dk**-0.5, L2_EPS, HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=block(dk), BLOCK_V=bv,
-        num_warps=decode_warps(block(dk), bv))
+        q, k, v, g3, b3, a_log, dt_bias, o, states, slots, has_state,
+        q.stride(0), k.stride(0), v.stride(0), *g3.stride(), *b3.stride(), o.stride(0), states.stride(0),
+        dk**-0.5, L2_EPS, HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=block(dk), BLOCK_V=bv, GR=g3.shape[2],
+        GATES=gates is not None, num_warps=decode_warps(block(dk), bv))
     return o
+
+
+def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                       has_state: torch.Tensor, block_v: int | None = None) -> torch.Tensor:
+    rule_shapes(k, v, g, beta, states)
+    return _decode(q, k, v, g, beta, None, states, slots, has_state, block_v)
+
+
+def gated_delta_decode_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                             b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, states: torch.Tensor,
+                             slots: torch.Tensor, has_state: torch.Tensor, block_v: int | None = None,
+                             ) -> torch.Tensor:
+    """gated_delta_decode with its gates from a, b (views into the projection are
+    read in place) and A_log, dt_bias [Hv], in the launch."""
+    assert a.stride(-1) == b.stride(-1) == 1 and a_log.is_contiguous() and dt_bias.is_contiguous()
+    return _decode(q, k, v, a, b, (a_log, dt_bias), states, slots, has_state, block_v)
 
 
 def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -326,7 +364,8 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         cu_seqlens: torch.Tensor | None = None, block_v: int | None = None,
                         static_len: int | None = None) -> torch.Tensor:
     assert chunk == CHUNK, "the Triton kernels are built for one chunk size"
-    hk, hv, dk, dv = _rule_args(q, k, v, g, beta, states)
+    rule_shapes(k, v, g, beta, states)
+    hk, hv, dk, dv = _rule_args(q, k, v, states)
     nseq, _ = seq_grid(seq_bounds, slots, static_len)
     o = torch.empty((q.shape[0], hv, dv), dtype=v.dtype, device=v.device)
     if nseq == 0:

@@ -144,13 +144,15 @@ def conv_verify(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slo
                         move_windows=False)
 
 
-def rule_shapes(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def rule_shapes(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor | None,
                  states: torch.Tensor) -> tuple[int, int, int, int]:
+    """(Hk, Hv, dk, dv), the layouts checked (g, beta None: a launch that reads other gates)."""
     hk, dk = k.shape[-2:]
     hv, dv = v.shape[-2:]
     assert hv % hk == 0 and k.stride(-1) == v.stride(-1) == 1
     assert k.stride(-2) == dk and v.stride(-2) == dv, "heads must be packed in a row"
-    assert g.stride(-1) == beta.stride(-1) == 1 and g.shape == beta.shape == v.shape[:-1]
+    if g is not None and beta is not None:
+        assert g.stride(-1) == beta.stride(-1) == 1 and g.shape == beta.shape == v.shape[:-1]
     check_slot_state(states, (hv, dk, dv))
     return hk, hv, dk, dv
 

@@ -6,21 +6,26 @@ Triton on the CPU under TRITON_INTERPRET=1 with backend "triton").
 Model layers call these functions and never import a backend directly.
 Signatures, the KernelConfig left out (all shapes are packed tokens, see ForwardBatch):
 
-    rms_norm(x [T, H], w [H], eps) -> [T, H]
-    fused_add_rms_norm(x [T, H], residual [T, H], w [H], eps) -> (normed, x + residual)
+    rms_norm(x [T, H], w [H], eps, zero_centered=False) -> [T, H]
+    fused_add_rms_norm(x [T, H], residual [T, H], w [H], eps, zero_centered=False, shared=None)
+        -> (normed, x + residual); ``zero_centered``: norm(x) * (1 + w) (Qwen3-Next);
+        ``shared`` = (y [T, H], logit [T, 1]): x + sigmoid(logit) * y is added instead
+        (a MoE block's routed experts x beside its gated shared expert y)
+    gated_rms_norm(x [T, NH, D], gate [T, G, NH / G, D] or [T, NH, D], w [D], eps)
+        -> w * norm(x) * SiLU(gate) [T, NH, D] (Gated DeltaNet's output norm)
     rotary(q [T, Hq, D], k [T, Hkv, D], positions [T] int64,
            cos_sin [max_pos, rot_dim] fp32 (cos | sin halves), kv_store=None) -> (q, k)
         (neox style); kv_store as qk_norm_rotary's: one launch on Triton for both
         (qk_norm_rotary's kernel with the norms off)
     qk_norm_rotary(q [T, Hq, D], k [T, Hkv, D], q_w [D], k_w [D], eps, positions, cos_sin,
-                   kv_store=None) -> (q, k): per-head RMSNorm of q and k, then rotary
-        (Qwen3), one kernel on Triton; kv_store = (k_cache, v_cache, v, out_cache_loc)
-        also stores k and v into their pages in that launch
+                   kv_store=None, zero_centered=False) -> (q, k): per-head RMSNorm of q and k,
+        then rotary (Qwen3), one kernel on Triton; kv_store = (k_cache, v_cache, v,
+        out_cache_loc) also stores k and v into their pages in that launch
     route_topk(router_logits [T, E], top_k, renormalize) -> (weights [T, k] fp32, ids [T, k] int32)
     fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], ids [T, k]) -> [T, H]
         (w13 rows [0, I) are the gate, [I, 2I) the up projection; SiLU(gate) * up)
     add_rms_norm_route(x [T, H], residual [T, H] | None, norm_w [H], eps, gate_w [E, H],
-                       top_k, renormalize, counter [1] int32)
+                       top_k, renormalize, counter [1] int32, zero_centered=False)
         -> (normed [T, H], x + residual | None, weights [T, k] fp32, ids [T, k] int32):
         the (fused-add) norm, the router linear and route_topk; one launch on Triton
         for decode-sized T (decode_fused_triton), the composition otherwise
@@ -60,7 +65,7 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
     embed_rms_norm(ids [T], embed [V, H], norm: InputNorm) -> (rows [T, H], normed [T, H]):
         the same row work for an eager decode step
     gated_delta(t) -> the Gated DeltaNet entry points (conv_prefill, conv_decode,
-        gated_delta_prefill, gated_delta_decode, and a verify step's conv_verify,
+        gated_delta_prefill, gated_delta_decode(_fused), and a verify step's conv_verify,
         gated_delta_verify, conv_commit, gated_delta_commit; signatures in gated_delta.py) for
         tensors like t: gated_delta_triton's kernels or the torch reference module
 
@@ -99,6 +104,7 @@ class _Kernels:
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     qk_norm_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    gated_rms_norm: Callable[..., torch.Tensor]
     route_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
     # (x, residual, norm_w, eps, gate_w, top_k, renorm, counter) -> 4 tensors; None: compose
@@ -116,7 +122,7 @@ class _Kernels:
 
 _REF = _Kernels(
     rms_norm=nr_ref.rms_norm_ref, fused_add_rms_norm=nr_ref.fused_add_rms_norm_ref,
-    rotary=nr_ref.rotary_ref, qk_norm_rotary=nr_ref.qk_norm_rotary_ref,
+    rotary=nr_ref.rotary_ref, qk_norm_rotary=nr_ref.qk_norm_rotary_ref, gated_rms_norm=nr_ref.gated_rms_norm_ref,
     route_topk=moe_ref.route_topk_ref, fused_moe=moe_ref.fused_moe_ref,
     add_norm_route=None, fused_max_tokens=0,
 )
@@ -139,6 +145,7 @@ def _triton_table(kernels: KernelConfig) -> _Kernels:
     return _Kernels(
         rms_norm=bind(nt.rms_norm_triton), fused_add_rms_norm=bind(nt.fused_add_rms_norm_triton),
         rotary=rt.rotary_triton, qk_norm_rotary=bind(rt.qk_norm_rotary_triton),
+        gated_rms_norm=bind(nt.gated_rms_norm_triton),
         route_topk=mt.route_topk_triton, fused_moe=bind(mt.fused_moe_triton),
         add_norm_route=bind(df.add_norm_route_triton), fused_max_tokens=df.FUSED_MAX_TOKENS,
         moe_add_norm=bind(mg.fused_moe_add_norm_gemv_triton), moe_gemv_tokens=mg.GEMV_MAX_TOKENS,
@@ -156,14 +163,21 @@ def uses_triton(kernels: KernelConfig, t: torch.Tensor) -> bool:
     return _table(kernels, t) is not _REF
 
 
-def rms_norm(kernels: KernelConfig, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return _table(kernels, x).rms_norm(x, w, eps)
+def rms_norm(kernels: KernelConfig, x: torch.Tensor, w: torch.Tensor, eps: float,
+             zero_centered: bool = False) -> torch.Tensor:
+    return _table(kernels, x).rms_norm(x, w, eps, zero_centered)
 
 
 def fused_add_rms_norm(
-    kernels: KernelConfig, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+    kernels: KernelConfig, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float,
+    zero_centered: bool = False, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _table(kernels, x).fused_add_rms_norm(x, residual, w, eps)
+    return _table(kernels, x).fused_add_rms_norm(x, residual, w, eps, zero_centered, shared)
+
+
+def gated_rms_norm(kernels: KernelConfig, x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    return _table(kernels, x).gated_rms_norm(x, gate, w, eps)
 
 
 def rotary(
@@ -180,8 +194,9 @@ def qk_norm_rotary(
     kernels: KernelConfig, q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor,
     eps: float, positions: torch.Tensor, cos_sin: torch.Tensor,
     kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    zero_centered: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _table(kernels, q).qk_norm_rotary(q, k, q_w, k_w, eps, positions, cos_sin, kv_store)
+    return _table(kernels, q).qk_norm_rotary(q, k, q_w, k_w, eps, positions, cos_sin, kv_store, zero_centered)
 
 
 def route_topk(
@@ -208,15 +223,17 @@ def fused_moe(
 def add_rms_norm_route(
     kernels: KernelConfig, x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor,
     eps: float, gate_w: torch.Tensor, top_k: int, renormalize: bool, counter: torch.Tensor,
+    zero_centered: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     k = _table(kernels, x)
     if k.add_norm_route is not None and x.shape[0] <= k.fused_max_tokens:
-        return k.add_norm_route(x, residual, norm_w, eps, gate_w, top_k, renormalize, counter)
+        return k.add_norm_route(x, residual, norm_w, eps, gate_w, top_k, renormalize, counter,
+                                zero_centered=zero_centered)
     # The composition (the reference twin of the fused kernel).
     if residual is None:
-        normed, summed = k.rms_norm(x, norm_w, eps), None
+        normed, summed = k.rms_norm(x, norm_w, eps, zero_centered), None
     else:
-        normed, summed = k.fused_add_rms_norm(x, residual, norm_w, eps)
+        normed, summed = k.fused_add_rms_norm(x, residual, norm_w, eps, zero_centered)
     weights, ids = k.route_topk(F.linear(normed, gate_w), top_k, renormalize)  # [T, k] x2
     return normed, summed, weights, ids
 

@@ -211,6 +211,11 @@ def paged_attention_ref(
     return out
 
 
+def gate_output(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """out * sigmoid(gate) (Qwen3-Next's gated attention), out without a gate."""
+    return out if gate is None else out * torch.sigmoid(gate)
+
+
 class TorchAttentionBackend:
     """Reference attention backend: works on any device, used on the CPU and as
     the oracle for the Triton backend. Not CUDA-graph capturable (host loops)."""
@@ -221,7 +226,7 @@ class TorchAttentionBackend:
     def __init__(self, scale: float | None = None) -> None:
         self.scale = scale
 
-    def forward(self, q, k, v, layer, batch, kv_stored=False):  # type: ignore[no-untyped-def]
+    def forward(self, q, k, v, layer, batch, kv_stored=False, out_gate=None):  # type: ignore[no-untyped-def]
         pool = batch.kv_pool
         meta = batch.attn
         ks, vs = pool.scales(layer)  # None, None unless the pool holds fp8 codes
@@ -236,7 +241,8 @@ class TorchAttentionBackend:
             cached = batch.extras[self.ROWS_KEY] = (
                 indptr, kv_rows(meta.page_table, indptr, meta.seq_lens_host, meta.page_size))
         indptr, rows = cached
-        return paged_attention_ref(
+        out = paged_attention_ref(
             q, pool.k[layer], pool.v[layer], meta.page_table, indptr,
             meta.seq_lens_host, meta.page_size, scale, ks, vs, rows,
         )
+        return gate_output(out, out_gate)

@@ -90,13 +90,21 @@ def rotary_triton(
 
 
 @triton.jit
+def _scale_normed(normed, w, ty: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """The norm's weight on fp32 ``normed`` -> dtype ``ty``: rms_norm_ref's roundings."""
+    if ZERO_CENTERED:
+        return (normed * (1.0 + w)).to(ty)
+    return (w * normed.to(ty).to(tl.float32)).to(ty)
+
+
+@triton.jit
 def _norm_rotate_rows(
     src_ptr, dst_ptr, w_ptr, pos_ptr, cs_ptr, r0, R, eps,
     stride_st, stride_sh, stride_dt, stride_dh, stride_cs,
     kc_ptr, vc_ptr, v_ptr, loc_ptr, stride_cslot, stride_chead, stride_vt, stride_vh,
     NH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
-    BLOCK_D: tl.constexpr, STORE: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_D: tl.constexpr, STORE: tl.constexpr, NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
 ):
     # STORE (k rows only): the rotated row also goes to the paged K cache at its
     # token's slot, and the row's V (untouched) to the V cache: no KV-store launch.
@@ -123,11 +131,12 @@ def _norm_rotate_rows(
         if 2 * HALF < D:
             ss += tl.sum(x3 * x3, 1)
         rs = tl.rsqrt(ss / D + eps)[:, None]  # [R, 1]
-        # Same roundings as rms_norm_ref then rotary_ref: normed -> dtype, w * normed -> dtype.
+        # Same roundings as rms_norm_ref then rotary_ref: normed -> dtype, w * normed -> dtype
+        # (zero-centered: (1 + w) * normed in fp32 -> dtype).
         w1 = tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
-        y1 = (w1 * (x1 * rs).to(ty).to(tl.float32)).to(ty).to(tl.float32)  # [R, half]
-        y2 = (w2 * (x2 * rs).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+        y1 = _scale_normed(x1 * rs, w1, ty, ZERO_CENTERED).to(tl.float32)  # [R, half]
+        y2 = _scale_normed(x2 * rs, w2, ty, ZERO_CENTERED).to(tl.float32)
     else:
         y1 = x1
         y2 = x2
@@ -153,7 +162,7 @@ def _norm_rotate_rows(
     if 2 * HALF < D:
         if NORM:
             w3 = tl.load(w_ptr + tt, mask=tt < D, other=0.0).to(tl.float32)[None, :]
-            o3 = (w3 * (x3 * rs).to(ty).to(tl.float32)).to(ty)
+            o3 = _scale_normed(x3 * rs, w3, ty, ZERO_CENTERED)
         else:
             o3 = x3.to(ty)
         tl.store(dst + tt[None, :], o3, mask=mt)
@@ -170,6 +179,7 @@ def _qk_norm_rotary_kernel(
     HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
     BLOCK_D: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr = True,
+    ZERO_CENTERED: tl.constexpr = False,
 ):
     # Programs [0, cdiv(T*HQ, R)) take q rows, the rest k rows: one launch for both.
     pdl.enter(PDL)
@@ -180,20 +190,20 @@ def _qk_norm_rotary_kernel(
                           stride_qt, stride_qh, stride_qot, stride_qoh, stride_cs,
                           kc_ptr, vc_ptr, v_ptr, loc_ptr, stride_cslot, stride_chead,
                           stride_vt, stride_vh,
-                          HQ, D, HALF, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, BLOCK_D, False, NORM)
+                          HQ, D, HALF, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, BLOCK_D, False, NORM, ZERO_CENTERED)
     else:
         _norm_rotate_rows(k_ptr, ko_ptr, kw_ptr, pos_ptr, cs_ptr, (pid - q_programs) * BLOCK_R,
                           T * HK, eps, stride_kt, stride_kh, stride_kot, stride_koh, stride_cs,
                           kc_ptr, vc_ptr, v_ptr, loc_ptr, stride_cslot, stride_chead,
                           stride_vt, stride_vh,
-                          HK, D, HALF, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, BLOCK_D, STORE, NORM)
+                          HK, D, HALF, BLOCK_R, BLOCK_HALF, BLOCK_TAIL, BLOCK_D, STORE, NORM, ZERO_CENTERED)
 
 
 def qk_norm_rotary_triton(
     q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor | None, k_w: torch.Tensor | None, eps: float,
     positions: torch.Tensor, cos_sin: torch.Tensor,
     kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    kernels: KernelConfig = DEFAULT_KERNELS,
+    zero_centered: bool = False, kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k (Qwen3's q_norm / k_norm), then neox rotary, in one
     launch. q [T, Hq, D], k [T, Hkv, D] (views into the qkv projection are fine),
@@ -224,7 +234,10 @@ def qk_norm_rotary_triton(
         kc, vc, v, loc = ko, ko, k, positions  # unread
     if t:
         block_half = triton.next_power_of_2(half)
-        block_r = max(16, 4096 // block_half)  # [R, half] tiles of 4k elements, two of them
+        block_tail = triton.next_power_of_2(max(1, d - 2 * half))
+        # [R, half] tiles of 4k elements, two of them; a partial rotary's tail tile
+        # [R, D - rot] no larger (Qwen3-Next: 192 of 256 unrotated; more spills)
+        block_r = max(16, 4096 // max(block_half, block_tail))
         grid = (triton.cdiv(t * hq, block_r) + triton.cdiv(t * hk, block_r),)
         on = pdl.active(q, kernels)
         _qk_norm_rotary_kernel[grid](
@@ -233,8 +246,7 @@ def qk_norm_rotary_triton(
             qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos_sin.stride(0),
             kc, vc, v, loc, kc.stride(0), kc.stride(1), v.stride(0), v.stride(1),
             HQ=hq, HK=hk, D=d, HALF=half, BLOCK_R=block_r, BLOCK_HALF=block_half,
-            BLOCK_TAIL=triton.next_power_of_2(max(1, d - 2 * half)),
-            BLOCK_D=triton.next_power_of_2(d), STORE=kv_store is not None, NORM=norm, num_warps=8,
-            PDL=on, **pdl.launch(on),
+            BLOCK_TAIL=block_tail, BLOCK_D=triton.next_power_of_2(d), STORE=kv_store is not None, NORM=norm,
+            num_warps=8, PDL=on, ZERO_CENTERED=zero_centered, **pdl.launch(on),
         )
     return qo, ko

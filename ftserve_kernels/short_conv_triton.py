@@ -6,7 +6,8 @@ rows and ``static_len`` instead of the host bounds (``seq_grid``): each program
 reads its sequence's length from cu_seqlens and skips what lies past it.
 
     conv_decode     grid (B, C / BLOCK_C): the window [state | x] of one slot, the
-                    K-tap dot and SiLU, the window shifted back into the slot
+                    K-tap dot and SiLU, the window shifted back into the slot; x read
+                    where the projection left it (q, k, v of each key-head group)
     conv_prefill    grid (B, max_len / BLOCK_T, C / BLOCK_C) over packed sequences
                     (device cu_seqlens; the host bounds size the grid), then the
                     state update, grid (B, C / BLOCK_C): a separate launch, since
@@ -37,16 +38,34 @@ def slot_flag(ptr, lanes):
 
 
 @triton.jit
-def _conv_decode_kernel(x_ptr, w_ptr, cs_ptr, slot_ptr, has_ptr, out_ptr,
-                        stride_xt, stride_ot, stride_cs, C,
-                        W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr):
+def _load_part(ptr, b, c, lo, stride_t, stride_h, D: tl.constexpr, N: tl.constexpr, mask):
+    """Channels c of one input part (channels [lo, lo + N D): N heads of D), zero elsewhere."""
+    cc = c - lo
+    m = mask & (cc >= 0) & (cc < N * D)
+    cc = tl.where(m, cc, 0)
+    return tl.load(ptr + b * stride_t + (cc // D) * stride_h + cc % D, mask=m, other=0.0)
+
+
+@triton.jit
+def _conv_decode_kernel(x_ptr, x1_ptr, x2_ptr, w_ptr, cs_ptr, slot_ptr, has_ptr, out_ptr,
+                        stride_xt, stride_xh, stride_x1t, stride_x1h, stride_x2t, stride_x2h,
+                        stride_ot, stride_cs, C,
+                        W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+                        D0: tl.constexpr, N0: tl.constexpr, D1: tl.constexpr, N1: tl.constexpr,
+                        D2: tl.constexpr, N2: tl.constexpr):
+    # The input row is up to three parts (conv_decode's), read where they lie;
+    # a part's masked-off lanes load zeros, so the sum is exactly the channel's value.
     b = tl.program_id(0)
     oc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mc = oc < C
     e = tl.arange(0, BLOCK_E)  # window position: [0, W) the state, W the new input
     slot = tl.load(slot_ptr + b).to(tl.int64)
     has = slot_flag(has_ptr + b, oc)
-    x = tl.load(x_ptr + b * stride_xt + oc, mask=mc, other=0.0)
+    x = _load_part(x_ptr, b, oc, 0, stride_xt, stride_xh, D0, N0, mc)
+    if N1 > 0:
+        x += _load_part(x1_ptr, b, oc, N0 * D0, stride_x1t, stride_x1h, D1, N1, mc)
+    if N2 > 0:
+        x += _load_part(x2_ptr, b, oc, N0 * D0 + N1 * D1, stride_x2t, stride_x2h, D2, N2, mc)
     st_ptr = cs_ptr + slot * stride_cs + oc[:, None] * W + e[None, :]  # [BLOCK_C, BLOCK_E]
     old = tl.load(st_ptr, mask=(mc & has)[:, None] & (e < W)[None, :], other=0.0)
     win = tl.where((e == W)[None, :], x[:, None], old.to(x.dtype))  # the reference's ext, in x's dtype
@@ -142,17 +161,26 @@ def check_slot_state(states: torch.Tensor, shape: tuple[int, ...]) -> None:
     assert states.stride()[1:] == tuple(torch.empty(shape).stride()), "a slot's state must be contiguous"
 
 
-def conv_decode(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
-                has_state: torch.Tensor) -> torch.Tensor:
-    b, c = x.shape
+def conv_decode(x: torch.Tensor | tuple[torch.Tensor, ...], w: torch.Tensor, conv_states: torch.Tensor,
+                slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+    """x [B, C], or up to three [B, N, D] parts of it read in place (gated_delta.conv_decode)."""
+    parts = [p[:, None, :] if p.dim() == 2 else p for p in (x if isinstance(x, tuple) else (x,))]
+    assert 1 <= len(parts) <= 3 and all(p.dim() == 3 and p.stride(-1) == 1 for p in parts)
+    b = parts[0].shape[0]
+    c = sum(p.shape[1] * p.shape[2] for p in parts)
     width = w.shape[1] - 1
     check_slot_state(conv_states, (c, width))
-    assert x.stride(1) == 1 and w.is_contiguous()
-    out = torch.empty((b, c), dtype=x.dtype, device=x.device)
+    assert w.is_contiguous()
+    out = torch.empty((b, c), dtype=parts[0].dtype, device=parts[0].device)
     block_c = min(triton.next_power_of_2(c), CONV_DECODE_BLOCK_C)
+    p0 = parts[0]
+    p1, p2 = (parts[i] if len(parts) > i else p0[:, :0] for i in (1, 2))  # [B, 0, D]: unread
     _conv_decode_kernel[(b, triton.cdiv(c, block_c))](
-        x, w, conv_states, slots, has_state, out, x.stride(0), out.stride(0), conv_states.stride(0), c,
-        W=width, BLOCK_E=triton.next_power_of_2(width + 1), BLOCK_C=block_c)
+        p0, p1, p2, w, conv_states, slots, has_state, out,
+        p0.stride(0), p0.stride(1), p1.stride(0), p1.stride(1), p2.stride(0), p2.stride(1),
+        out.stride(0), conv_states.stride(0), c,
+        W=width, BLOCK_E=triton.next_power_of_2(width + 1), BLOCK_C=block_c,
+        D0=p0.shape[2], N0=p0.shape[1], D1=p1.shape[2], N1=p1.shape[1], D2=p2.shape[2], N2=p2.shape[1])
     return out
 
 

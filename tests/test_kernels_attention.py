@@ -206,6 +206,32 @@ def test_decode_matches_reference(dtype: torch.dtype, is_decode: bool) -> None:
     assert rel_err(out, ref) < (FP32_TOL if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("is_decode", [True, False])  # False: three tokens of one sequence, extend
+def test_backend_output_gate_matches_reference(dtype: torch.dtype, is_decode: bool) -> None:
+    """Qwen3-Next's gated attention: out * sigmoid(gate), the gate a [T, Hq, D] view
+    strided by q between its heads; on decode in the reduce launch (each product's
+    roundings the torch ops'), after the extend kernel otherwise."""
+    new, prefix = ([1, 1], [16, 5]) if is_decode else ([3], [6])
+    pool, tables, q, k, v = make_case(new, prefix, 4, 2, 32, 4, dtype, DEVICE, seed=3)
+    ref_pool = KVPool(1, pool.num_pages, 4, 2, 32, dtype, DEVICE)
+    ref_pool.k.copy_(pool.k)
+    ref_pool.v.copy_(pool.v)
+    g = torch.Generator().manual_seed(4)
+    qg = (2 * torch.randn(q.shape[0], 4, 2, 32, generator=g)).to(dtype).to(DEVICE)
+    gate = qg[:, :, 1]
+    toks = [[1] * n for n in new]
+    be = at.TritonAttentionBackend()
+    out = be.forward(q, k, v, 0, build_forward_batch(toks, prefix, tables, pool, be, is_decode=is_decode),
+                     out_gate=gate)
+    ref_fb = build_forward_batch(toks, prefix, tables, ref_pool, TorchAttentionBackend())
+    ref = ref_fb.attn_backend.forward(q, k, v, 0, ref_fb, out_gate=gate)
+    plain = ref_fb.attn_backend.forward(q, k, v, 0, ref_fb)
+    assert torch.equal(ref, plain * torch.sigmoid(gate))
+    assert rel_err(out, ref) < (FP32_TOL if dtype == torch.float32 else 2e-2)
+    assert rel_err(plain, ref) > 0.1, "the gate changes the output"
+
+
 @pytest.mark.parametrize("splits", [1, 3, 8])
 def test_decode_split_counts_agree(splits: int) -> None:
     """More splits than tiles leaves empty splits; every count gives the same answer."""
@@ -322,7 +348,7 @@ def test_decode_reduce_drops_the_rows_of_empty_splits() -> None:
         _decode_reduce_kernel[(b, h, d // block_d)](
             mid_o, mid_lse, out,
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-            out.stride(0), out.stride(1), NUM_SPLITS=s, BLOCK_S=s, D=d, BLOCK_D=block_d, PDL=False,
+            out.stride(0), out.stride(1), out, 0, 0, NUM_SPLITS=s, BLOCK_S=s, D=d, BLOCK_D=block_d, PDL=False,
         )
         assert not out.isnan().any()
         torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-6)

@@ -173,6 +173,67 @@ def test_conv_decode_matches_reference(dtype: torch.dtype) -> None:
     assert torch.equal(got[1:], want[1:])  # the shifted windows, bit for bit
 
 
+def _projection(n: int, dk: int, dv: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Views into an in_proj output as the layer splits it (value heads grouped by
+    key head): q, k [n, Hk, dk], v [n, Hk, r dv] (z between the groups), b, a [n, Hk, r]."""
+    r = HV // HK
+    g = _gen(seed)
+    qkvz = torch.randn(n, HK, 2 * dk + 2 * r * dv, generator=g).to(dtype).to(DEVICE)
+    ba = (3 * torch.randn(n, HK, 2 * r, generator=g)).to(dtype).to(DEVICE)
+    q, k, v, _ = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+    b, a = ba.split([r, r], dim=-1)
+    return q, k, v, b, a
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_fused_gates_from_projection_views(dtype: torch.dtype) -> None:
+    """The decode launch that computes g = -exp(A_log) softplus(a + dt_bias) and
+    beta = sigmoid(b) itself, a and b read as [B, Hk, r] views of the projection;
+    dt_bias puts one head past softplus's linear threshold and one deep in its
+    tail. has_state as the layer passes it: the prefix lengths (rows 2-3: padding
+    on the sink)."""
+    dk, dv = 16, 32
+    q, k, v, _, _ = _rule(4, dk, dv, seed=50, dtype=dtype)
+    _, _, _, b, a = _projection(4, dk, dv, seed=51, dtype=dtype)
+    a_log = torch.tensor([0.5, -1.0, 0.0, 1.2]).to(dtype).to(DEVICE)
+    dt_bias = torch.tensor([25.0, -30.0, 0.3, -1.0]).to(dtype).to(DEVICE)
+    slots, prefix = _dev([3, 1, 0, 0], [7, 0, 0, 0])
+    base = _states(5, HV, dk, dv, seed=52)
+    want, got = base.clone(), base.clone()
+    o_ref = ref.gated_delta_decode_fused(q, k, v, a, b, a_log, dt_bias, want, slots, prefix)
+    o = tri.gated_delta_decode_fused(q, k, v, a, b, a_log, dt_bias, got, slots, prefix, block_v=16)
+    g, beta = ref.gate_params(a.reshape(4, -1), b.reshape(4, -1), a_log, dt_bias)
+    assert (g[:, 0] < -20).all() and (g[:, 1] > -1e-10).all(), "the two softplus branches"
+    plain = base.clone()
+    torch.testing.assert_close(ref.gated_delta_decode(q, k, v, g, beta, plain, slots, prefix != 0), o_ref)
+    if dtype == torch.float32:
+        assert _max(o[:2], o_ref[:2]) <= EXACT
+    else:  # beta rounded to bf16 by both; the interpreter truncates where torch rounds
+        assert _max(o[:2], o_ref[:2]) <= 3e-2, _max(o[:2], o_ref[:2])
+    assert _max(got[1:4], want[1:4]) <= (EXACT if dtype == torch.float32 else 2e-2)
+    assert torch.equal(got[2], base[2]) and torch.equal(got[4], base[4])  # nobody's slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_decode_reads_q_k_v_in_place(dtype: torch.dtype) -> None:
+    """The decode conv over (q, k, v) views into the projection (no concatenated
+    copy): the reference's outputs and windows of the concatenated channels, 288
+    of them (two channel blocks, a masked tail)."""
+    dk, dv = 24, 48
+    q, k, v, _, _ = _projection(4, dk, dv, seed=53, dtype=dtype)
+    c = HK * (2 * dk + HV // HK * dv)
+    w = _conv(1, c, 4, seed=54, dtype=dtype)[1]
+    slots, prefix = _dev([2, 1, 0, 0], [5, 0, 0, 0])
+    base = _states(4, c, 3, seed=55, dtype=dtype)
+    want, got, cat = base.clone(), base.clone(), base.clone()
+    o_ref = ref.conv_decode((q, k, v), w, want, slots, prefix)
+    x = torch.cat([p.reshape(4, -1) for p in (q, k, v)], dim=-1)
+    assert torch.equal(ref.conv_decode(x, w, cat, slots, prefix), o_ref) and torch.equal(cat, want)
+    o = tri.conv_decode((q, k, v), w, got, slots, prefix)
+    _close(o[:2], o_ref[:2])
+    assert torch.equal(got[1:], want[1:])  # the shifted windows, bit for bit
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_prefill_matches_reference(dtype: torch.dtype) -> None:
     """Sequences of 2 (shorter than the window: old entries move within it), 0, 45

@@ -46,6 +46,7 @@ def _launches() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int
     from ftserve.models.config import ModelConfig
     from ftserve_kernels import attention_decode_triton as ad
     from ftserve_kernels import attention_triton as at
+    from ftserve_kernels import decode_fused_triton as df
     from ftserve_kernels import gated_delta_triton as gdt
     from ftserve_kernels import gemv_configs as gc
     from ftserve_kernels import gemv_triton as gv
@@ -54,6 +55,7 @@ def _launches() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int
     from ftserve_kernels import moe_down_gemv_triton as md
     from ftserve_kernels import moe_gemv_triton as mg
     from ftserve_kernels import moe_triton as mt
+    from ftserve_kernels import norm_triton as nt
     from ftserve_kernels import rope_triton as rt
     from ftserve_kernels import short_conv_triton as sct
     from ftserve_kernels.attention_common import AttnKernelConfig
@@ -66,13 +68,18 @@ def _launches() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int
     out: list[tuple[str, Any, dict[str, str], dict[str, Any], int, int]] = []
     bf, f32, i32, i64 = "*bf16", "*fp32", "*i32", "*i64"
 
-    # ---- gated attention layers: rotary (partial), KV store, extend / decode attention
+    # ---- gated attention layers: the zero-centered q/k norms, partial rotary and KV
+    # store in one launch (an fp8 cache: the separate store), extend / decode attention
     half = cfg.rotary_dim // 2
-    out.append(("rotary", rt._rotary_kernel,
-                {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "pos_ptr": i64, "cs_ptr": f32},
-                dict(HQ=hq, HK=hkv, D=d, HALF=half, BLOCK_HQ=triton.next_power_of_2(hq),
-                     BLOCK_HK=triton.next_power_of_2(hkv), BLOCK_HALF=triton.next_power_of_2(half),
-                     BLOCK_D=triton.next_power_of_2(max(1, d - 2 * half))), 4, 3))
+    block_half = triton.next_power_of_2(half)
+    block_tail = triton.next_power_of_2(max(1, d - 2 * half))
+    out.append(("qk_norm_rotary", rt._qk_norm_rotary_kernel,
+                {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "qw_ptr": bf, "kw_ptr": bf,
+                 "pos_ptr": i64, "cs_ptr": f32, "eps": "fp32", "kc_ptr": bf, "vc_ptr": bf, "v_ptr": bf,
+                 "loc_ptr": i64},
+                dict(HQ=hq, HK=hkv, D=d, HALF=half, BLOCK_R=max(16, 4096 // max(block_half, block_tail)),
+                     BLOCK_HALF=block_half, BLOCK_TAIL=block_tail, BLOCK_D=triton.next_power_of_2(d),
+                     STORE=True, ZERO_CENTERED=True), 8, 3))
     attn = {"q_ptr": bf, "o_ptr": bf, "kc_ptr": bf, "vc_ptr": bf, "pt_ptr": i32, "qo_indptr_ptr": i32,
             "prefix_ptr": i32, "seq_lens_ptr": i32, "mid_o_ptr": f32, "mid_lse_ptr": f32,
             "scale_log2": "fp32", "ks_ptr": f32, "vs_ptr": f32, "loc_ptr": i64}
@@ -94,11 +101,12 @@ def _launches() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int
                              BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)), BLOCK_N=acfg.decode_block_n,
                              NUM_SPLITS=splits, UPCAST=False, FP8=bool(kv)),
                         acfg.decode_warps, acfg.decode_stages))
-            if not kv:
-                out.append((f"decode_reduce_s{splits}", ad._decode_reduce_kernel, attn,
+            if not kv:  # with the output gate (Qwen3-Next's gated attention)
+                out.append((f"decode_reduce_s{splits}", ad._decode_reduce_kernel, attn | {"g_ptr": bf},
                             dict(NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), D=d,
                                  BLOCK_D=min(triton.next_power_of_2(d),
-                                             triton.next_power_of_2(acfg.decode_reduce_block_d))), 4, 3))
+                                             triton.next_power_of_2(acfg.decode_reduce_block_d)), GATE=True),
+                            4, 3))
 
     # ---- Gated DeltaNet layers: the conv and the rule, prefill and decode
     conv = {"x_ptr": bf, "w_ptr": bf, "cs_ptr": bf, "slot_ptr": i64, "has_ptr": "*i1", "cu_ptr": i32,
@@ -108,9 +116,13 @@ def _launches() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int
                 dict(W=width, BLOCK_T=sct.CONV_BLOCK_T, BLOCK_C=block_c), 4, 3))
     out.append(("conv_state", sct._conv_state_kernel, conv,
                 dict(W=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_C=block_c), 4, 3))
-    out.append(("conv_decode", sct._conv_decode_kernel, conv,
+    # decode: q, k, v read where in_proj left them (key-head groups), has_state the prefix lengths
+    r = la.num_value_heads // la.num_key_heads
+    out.append(("conv_decode", sct._conv_decode_kernel, conv | {"x1_ptr": bf, "x2_ptr": bf, "has_ptr": i32},
                 dict(W=width, BLOCK_E=triton.next_power_of_2(width + 1),
-                     BLOCK_C=min(triton.next_power_of_2(la.conv_dim), sct.CONV_DECODE_BLOCK_C)), 4, 3))
+                     BLOCK_C=min(triton.next_power_of_2(la.conv_dim), sct.CONV_DECODE_BLOCK_C),
+                     D0=la.key_head_dim, N0=la.num_key_heads, D1=la.key_head_dim, N1=la.num_key_heads,
+                     D2=r * la.value_head_dim, N2=la.num_key_heads), 4, 3))
     rule = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "g_ptr": f32, "beta_ptr": bf, "o_ptr": bf, "s_ptr": f32,
             "slot_ptr": i64, "has_ptr": "*i1", "cu_ptr": i32, "tinv_ptr": f32, "aqk_ptr": bf,
             "scale": "fp32", "eps": "fp32"}
@@ -122,9 +134,26 @@ def _launches() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int
                 heads | dict(DV=la.value_head_dim, C=gdt.CHUNK, UPCAST=False,
                              BLOCK_V=min(gdt.SCAN_BLOCK_V, triton.next_power_of_2(la.value_head_dim))),
                 gdt.SCAN_WARPS, gdt.scan_stages(2)))
+    # decode: the gates from the projection's a, b ([B, Hk, r] views) in the launch, then the
+    # gated norm of its output (z read in place)
     bv = gdt.decode_block_v(1, la.num_value_heads, la.value_head_dim, SMS)
-    out.append(("gdn_decode", gdt._gdn_decode_kernel, rule, heads | dict(DV=la.value_head_dim, BLOCK_V=bv),
-                gdt.decode_warps(bk, bv), 3))
+    out.append(("gdn_decode", gdt._gdn_decode_kernel,
+                rule | {"g_ptr": bf, "alog_ptr": bf, "dtb_ptr": bf, "has_ptr": i32},
+                heads | dict(DV=la.value_head_dim, BLOCK_V=bv, GR=r, GATES=True), gdt.decode_warps(bk, bv), 3))
+    block_dv = triton.next_power_of_2(la.value_head_dim)
+    out.append(("gated_rms_norm", nt._gated_rms_norm_kernel,
+                {"x_ptr": bf, "g_ptr": bf, "w_ptr": bf, "out_ptr": bf, "eps": "fp32"},
+                dict(NH=la.num_value_heads, RATIO=r, D=la.value_head_dim,
+                     BLOCK_R=max(1, min(16, 2048 // block_dv)), BLOCK_D=block_dv), 4, 3))
+    # ---- the zero-centered norms: alone (layer 0), after the residual add, after the
+    # shared expert's gated sum and the residual add (norm_launch_params' tile)
+    block_h, block_r, warps = nt.norm_launch_params(h)
+    norm = {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "y_ptr": bf, "lg_ptr": bf,
+            "eps": "fp32"}
+    for name, res, shared in (("norm", False, False), ("add_norm", True, False), ("shared_add_norm", True, True)):
+        out.append((name, nt._rms_norm_kernel, norm,
+                    dict(HAS_RESIDUAL=res, BLOCK_R=block_r, BLOCK_H=block_h, ZERO_CENTERED=True, SHARED=shared),
+                    warps, 3))
 
     # ---- MoE: routing, then the grouped GEMMs (prefill) or the GEMV pair (decode)
     route = {"logits_ptr": bf, "w_ptr": f32, "ids_ptr": i32}
@@ -132,6 +161,14 @@ def _launches() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int
     out.append(("route", mt._route_kernel, route,
                 dict(TOP_K=k, BLOCK_T=max(1, min(16, 2048 // block_e)), BLOCK_E=block_e,
                      BLOCK_K=triton.next_power_of_2(k), RENORM=cfg.norm_topk_prob), 4, 3))
+    # decode: the post-attention norm (zero-centered, after the residual add), the router
+    # GEMV and the top-k in one launch, at add_norm_route_triton's choices
+    out.append(("add_norm_route", df._add_norm_route_kernel,
+                {"x_ptr": bf, "r_ptr": bf, "nw_ptr": bf, "g_ptr": bf, "normed_ptr": bf, "sum_ptr": bf,
+                 "logits_ptr": f32, "w_out_ptr": f32, "ids_out_ptr": i32, "cnt_ptr": i32, "eps": "fp32"},
+                dict(HAS_RESIDUAL=True, TOP_K=k, RENORM=cfg.norm_topk_prob, BLOCK_E=1,
+                     BLOCK_H=triton.next_power_of_2(h), BLOCK_EALL=block_e, BLOCK_K=triton.next_power_of_2(k),
+                     ZERO_CENTERED=True), df.route_warps(1, triton.next_power_of_2(h)), 3))
     shape = mc.shape_key(e, h, inter, k)
     moe = {"x_ptr": bf, "a_ptr": bf, "w_ptr": bf, "out_ptr": bf, "weights_ptr": f32, "sorted_ptr": i32,
            "block_expert_ptr": i32, "total_ptr": i32}
@@ -201,8 +238,14 @@ def _launches() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int
     return out
 
 
+# Integer arguments a launch specializes as multiples of 16 at these shapes, where the
+# kernel's registers depend on it (the fused norm + router: 112 stack bytes without
+# the hint, none with it, as launched).
+ALIGNED = {"add_norm_route": ("H", "E")}
+
+
 def _compile_all() -> dict[str, dict[str, Any]]:
-    from tests.sm90_compile import compile_sm90
+    from tests.sm90_compile import build_sm90, resources
 
     base = {"PDL": False, "HAS_MAP": False, "FP8": False, "READ_THROUGH": False, "QK": False}
     res: dict[str, dict[str, Any]] = {}
@@ -211,7 +254,8 @@ def _compile_all() -> dict[str, dict[str, Any]]:
         consts = {n: v for n, v in base.items() if n in fn.arg_names} | consts
         if "BLOCK_M" in fn.arg_names and "BLOCK_M" not in consts:  # the GEMVs' read-through rows: off
             consts["BLOCK_M"] = 1
-        res[name] = compile_sm90(fn, types, consts, warps, stages) | {"warps": warps, "stages": stages}
+        k = build_sm90(fn, types, consts, warps, stages, aligned=ALIGNED.get(name, ()))
+        res[name] = (k if isinstance(k, dict) else resources(k)[0]) | {"warps": warps, "stages": stages}
     return res
 
 
@@ -234,7 +278,8 @@ def test_hybrid_kernels_fit_sm90_shared_memory() -> None:
              or v[1] > KNOWN_SPILLS[n][1]}
     assert not grown, f"spill registers (stack bytes, spill instructions in loops): {grown}"
     # The launches this test exists for are in the list (a renamed kernel would drop silently).
-    for name in ("extend", "decode_split_s64", "gdn_chunk_scan", "gdn_decode", "route"):
+    for name in ("extend", "decode_split_s64", "gdn_chunk_scan", "gdn_decode", "route", "conv_decode",
+                 "gated_rms_norm", "shared_add_norm", "qk_norm_rotary", "add_norm_route"):
         assert name in results, sorted(results)
     assert any(n.startswith("align_place_") and n.endswith("_pre1") for n in results), sorted(results)
     assert any(n.startswith("moe_gate_up_") for n in results), sorted(results)

@@ -609,6 +609,32 @@ def test_add_norm_route_bf16_rounds_like_the_reference() -> None:
     assert (got[3] == ref[3]).float().mean() >= 0.75
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_norm_route_zero_centered(dtype: torch.dtype) -> None:
+    """Qwen3-Next's post-attention norm, norm(s) * (1 + w) rounded once, in the
+    fused launch: the composition's normed rows, sum and routing."""
+    g = torch.Generator().manual_seed(12)
+    t, e, k, h = 2, 10, 3, 48
+    x, r = ((2 * torch.randn(t, h, generator=g)).to(dtype).to(DEVICE) for _ in range(2))
+    nw = (0.2 * torch.randn(h, generator=g)).to(dtype).to(DEVICE)
+    gw = (torch.randn(e, h, generator=g) / h**0.5).to(dtype).to(DEVICE)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    got = df.add_norm_route_triton(x, r, nw, 1e-6, gw, k, True, counter, zero_centered=True)
+    ref = ops.add_rms_norm_route(KernelConfig(backend="torch"), x, r, nw, 1e-6, gw, k, True,
+                                 torch.zeros_like(counter), zero_centered=True)
+    plain = norm_route_ref(x, r, nw, gw, k, True)
+    assert not torch.allclose(plain[0].float(), ref[0].float(), atol=1e-2), "1 + w is not w"
+    assert int(counter.cpu()[0]) == 0 and got[1] is not None and ref[1] is not None
+    if dtype == torch.float32:
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[1], ref[1]) and torch.equal(got[3], ref[3])
+        torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-6)
+    else:  # the interpreter truncates its bf16 casts; a near tie may reorder
+        torch.testing.assert_close(got[0].float(), ref[0].float(), rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(got[2].sum(1), ref[2].sum(1), rtol=2e-2, atol=2e-2)
+        assert (got[3] == ref[3]).float().mean() >= 0.5
+
+
 def test_ops_norm_route_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Triton runs the fused kernel up to FUSED_MAX_TOKENS rows, the composition
     past it; both agree with the reference."""

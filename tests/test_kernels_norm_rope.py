@@ -21,12 +21,14 @@ if DEVICE == "cpu":
 from ftserve_kernels.gemv_triton import gemv_triton  # noqa: E402
 from ftserve_kernels.norm_rope import (  # noqa: E402
     fused_add_rms_norm_ref,
+    gated_rms_norm_ref,
     qk_norm_rotary_ref,
     rms_norm_ref,
     rotary_ref,
 )
 from ftserve_kernels.norm_triton import (  # noqa: E402
     fused_add_rms_norm_triton,
+    gated_rms_norm_triton,
     norm_launch_params,
     rms_norm_triton,
 )
@@ -90,6 +92,92 @@ def test_fused_add_rms_norm(dtype: torch.dtype) -> None:
         close(summed, ref_sum)
     close(out, ref_out)
     assert torch.equal(x, x0) and torch.equal(r, r0), "inputs are not modified"
+
+
+def bf16_close(out: torch.Tensor, ref: torch.Tensor, ulps: int = 1) -> None:
+    """On the CPU the 3.9 interpreter truncates fp32 -> bf16 where torch rounds to
+    nearest: each rounding a kernel shares with the reference may differ by an ulp."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if DEVICE == "cuda" or out.dtype == torch.float32:
+        close(out, ref)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=ulps * 1.6e-2, atol=ulps * 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_centered_norms(dtype: torch.dtype) -> None:
+    """Qwen3-Next's norm(x) * (1 + w) rounded once: alone, after the residual add,
+    and after the shared-expert combine (routed + sigmoid(logit) * shared, then the
+    add), on a strided row view."""
+    g = torch.Generator().manual_seed(11)
+    t, h = 7, 48
+    big = (2 * torch.randn(t, 2 * h, generator=g)).to(dtype).to(DEVICE)
+    x = big[:, h:]  # row stride 2h
+    r = torch.randn(t, h, generator=g).to(dtype).to(DEVICE)
+    w = (0.1 * torch.randn(h, generator=g)).to(dtype).to(DEVICE)  # zero-centered: near 0
+    y = torch.randn(t, h, generator=g).to(dtype).to(DEVICE)
+    logit = (2 * torch.randn(t, 1, generator=g)).to(dtype).to(DEVICE)
+    bf16_close(rms_norm_triton(x, w, 1e-6, zero_centered=True), rms_norm_ref(x, w, 1e-6, zero_centered=True))
+    assert not torch.allclose(rms_norm_ref(x, w, 1e-6, zero_centered=True).float(),
+                              rms_norm_ref(x, w, 1e-6).float(), atol=1e-2), "1 + w is not w"
+    for shared in (None, (y, logit)):
+        out, summed = fused_add_rms_norm_triton(x, r, w, 1e-6, zero_centered=True, shared=shared)
+        ref_out, ref_sum = fused_add_rms_norm_ref(x, r, w, 1e-6, zero_centered=True, shared=shared)
+        if DEVICE == "cuda" or dtype == torch.float32:
+            torch.testing.assert_close(summed, ref_sum, rtol=1e-6, atol=1e-6)
+        else:  # three roundings before the sum
+            bf16_close(summed, ref_sum, ulps=3)
+        bf16_close(out, ref_out, ulps=1 if shared is None else 3)
+    plain = fused_add_rms_norm_triton(x, r, w, 1e-6, zero_centered=True)[1]
+    assert not torch.allclose(summed.float(), plain.float()), "the shared expert was added"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm_reads_the_gate_in_place(dtype: torch.dtype) -> None:
+    """Gated DeltaNet's w * norm(o) * SiLU(z): z a [T, Hk, r, dv] view into a
+    projection row (value heads grouped by key head), and a plain [T, NH, D] gate;
+    rows spanning several programs (T * NH = 40, a partial last one)."""
+    g = torch.Generator().manual_seed(12)
+    t, hk, r, d = 5, 2, 4, 24  # 24: a masked head tail
+    proj = torch.randn(t, hk, 3 * r * d, generator=g).to(dtype).to(DEVICE)  # per key head: [. | z | .]
+    z = proj[:, :, r * d : 2 * r * d].view(t, hk, r, d)
+    o = (3 * torch.randn(t, hk * r, d, generator=g)).to(dtype).to(DEVICE)
+    w = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE)
+    want = gated_rms_norm_ref(o, z, w, 1e-6)
+    got = gated_rms_norm_triton(o, z, w, 1e-6)
+    assert got.is_contiguous()
+    bf16_close(got, want, ulps=2)
+    plain = z.reshape(t, hk * r, d)  # a copy: value head h = key head h // r, member h % r
+    bf16_close(gated_rms_norm_triton(o, plain, w, 1e-6), want, ulps=2)
+    bf16_close(got, gated_rms_norm_ref(o, plain, w, 1e-6), ulps=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rotary_zero_centered_partial_with_store(dtype: torch.dtype) -> None:
+    """Qwen3-Next's attention: q a [T, Hq, D] view strided by its interleaved gate
+    (head stride 2D), zero-centered q/k norms, a quarter of the head rotated, the
+    KV store in the same launch."""
+    g = torch.Generator().manual_seed(13)
+    t, hq, hk, d, rot, slots = 9, 4, 2, 32, 8, 24
+    qg = (3 * torch.randn(t, hq, 2, d, generator=g)).to(dtype).to(DEVICE)
+    q = qg[:, :, 0]  # [T, Hq, D], the gate between heads
+    kv = torch.randn(t, 2, hk, d, generator=g).to(dtype).to(DEVICE)
+    k, v = kv[:, 0], kv[:, 1]
+    qw = (0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE)
+    kw = (0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE)
+    table = cos_sin_table(64, rot).to(DEVICE)
+    pos = torch.randint(0, 64, (t,), generator=g).to(DEVICE)
+    loc = torch.randperm(slots, generator=g)[:t].to(DEVICE)
+    caches = [torch.zeros(slots, hk, d, dtype=dtype, device=DEVICE) for _ in range(4)]
+    qo, ko = qk_norm_rotary_triton(q, k, qw, kw, 1e-6, pos, table, (caches[0], caches[1], v, loc),
+                                   zero_centered=True)
+    rq, rk = qk_norm_rotary_ref(q, k, qw, kw, 1e-6, pos, table, (caches[2], caches[3], v, loc),
+                                zero_centered=True)
+    for out, ref in ((qo, rq), (ko, rk), (caches[0], caches[2])):
+        bf16_close(out, ref, ulps=3)
+    assert torch.equal(caches[1], caches[3])
+    plain = qk_norm_rotary_ref(q, k, qw, kw, 1e-6, pos, table)[0]
+    assert not torch.allclose(plain.float(), rq.float(), atol=1e-2), "1 + w is not w"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

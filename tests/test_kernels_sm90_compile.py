@@ -153,6 +153,14 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     comp("rms_norm_heads", nt._rms_norm_kernel,
          {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "eps": "fp32"},
          dict(HAS_RESIDUAL=False, BLOCK_R=64, BLOCK_H=128), 8)
+    # Qwen3-Next's: zero-centered, after the shared expert's gated sum and the residual add
+    comp("rms_norm_zero_centered_shared", nt._rms_norm_kernel,
+         {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "y_ptr": bf, "lg_ptr": bf,
+          "eps": "fp32"},
+         dict(HAS_RESIDUAL=True, BLOCK_R=4, BLOCK_H=2048, ZERO_CENTERED=True, SHARED=True), 8)
+    comp("gated_rms_norm", nt._gated_rms_norm_kernel,
+         {"x_ptr": bf, "g_ptr": bf, "w_ptr": bf, "out_ptr": bf, "eps": "fp32"},
+         dict(NH=32, RATIO=2, D=128, BLOCK_R=16, BLOCK_D=128), 4)
     for store in (False, True):  # True: the launch that also stores K/V
         comp("qk_norm_rotary" + ("_store" if store else ""), rt._qk_norm_rotary_kernel,
              {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "qw_ptr": bf, "kw_ptr": bf,
@@ -167,6 +175,12 @@ def _compile_all() -> dict[str, dict[str, Any]]:
           "v_ptr": bf, "loc_ptr": "*i64"},
          dict(HQ=9, HK=3, D=64, HALF=32, BLOCK_R=128, BLOCK_HALF=32, BLOCK_TAIL=1,
               BLOCK_D=64, STORE=True, PDL=True, NORM=False), 8)
+    comp("qk_norm_rotary_zero_centered_partial", rt._qk_norm_rotary_kernel,  # Qwen3-Next's gated attention
+         {"q_ptr": bf, "k_ptr": bf, "qo_ptr": bf, "ko_ptr": bf, "qw_ptr": bf, "kw_ptr": bf,
+          "pos_ptr": "*i64", "cs_ptr": "*fp32", "eps": "fp32", "kc_ptr": bf, "vc_ptr": bf,
+          "v_ptr": bf, "loc_ptr": "*i64"},
+         dict(HQ=16, HK=2, D=256, HALF=32, BLOCK_R=16, BLOCK_HALF=32, BLOCK_TAIL=256,
+              BLOCK_D=256, STORE=True, ZERO_CENTERED=True), 8)
     # PDL (ftserve_kernels/pdl.py): the decode kernels' grid-dependency wait.
     comp("decode_split_pdl", at._decode_split_kernel, attn,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=cfg.decode_block_n,
@@ -236,8 +250,13 @@ def _compile_all() -> dict[str, dict[str, Any]]:
             "aqk_ptr": bf, "scale": "fp32", "eps": "fp32"}
     heads = dict(HK=16, HV=32, DK=128, BLOCK_K=128)
     for bv in (16, 32, 64):  # decode_block_v's choices
-        comp(f"gdn_decode_bv{bv}", gdt._gdn_decode_kernel, rule, heads | dict(DV=128, BLOCK_V=bv),
+        comp(f"gdn_decode_bv{bv}", gdt._gdn_decode_kernel, rule, heads | dict(DV=128, BLOCK_V=bv, GR=1),
              gdt.decode_warps(128, bv), 1)
+        # the model's: g and beta from the projection's a and b ([B, Hk, 2] views), has_state
+        # the prefix lengths
+        comp(f"gdn_decode_fused_bv{bv}", gdt._gdn_decode_kernel,
+             rule | {"g_ptr": bf, "alog_ptr": bf, "dtb_ptr": bf, "has_ptr": i32},
+             heads | dict(DV=128, BLOCK_V=bv, GR=2, GATES=True), gdt.decode_warps(128, bv), 1)
     comp("gdn_chunk_local", gdt._chunk_local_kernel, rule, heads | dict(C=64, SB=16),
          gdt.LOCAL_WARPS, 1)
     comp("gdn_chunk_scan", gdt._chunk_scan_kernel, rule,
@@ -264,7 +283,12 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          gdt.LOCAL_WARPS, 1)
     comp("fp32_gdn_chunk_scan", gdt._chunk_scan_kernel, rule32,
          heads | dict(DV=128, BLOCK_V=gdt.SCAN_BLOCK_V, C=64, UPCAST=False), gdt.SCAN_WARPS, gdt.scan_stages(4))
-    comp("gdn_conv_decode", sct._conv_decode_kernel, conv, dict(W=3, BLOCK_E=4, BLOCK_C=sct.CONV_DECODE_BLOCK_C))
+    comp("gdn_conv_decode", sct._conv_decode_kernel, conv | {"x1_ptr": bf, "x2_ptr": bf},
+         dict(W=3, BLOCK_E=4, BLOCK_C=sct.CONV_DECODE_BLOCK_C, D0=8192, N0=1, D1=1, N1=0, D2=1, N2=0))
+    # the model's: q, k, v read in place from the projection (16 key-head groups), has_state
+    # the prefix lengths
+    comp("gdn_conv_decode_parts", sct._conv_decode_kernel, conv | {"x1_ptr": bf, "x2_ptr": bf, "has_ptr": i32},
+         dict(W=3, BLOCK_E=4, BLOCK_C=sct.CONV_DECODE_BLOCK_C, D0=128, N0=16, D1=128, N1=16, D2=256, N2=16))
     comp("gdn_conv_prefill", sct._conv_prefill_kernel, conv,
          dict(W=3, BLOCK_T=sct.CONV_BLOCK_T, BLOCK_C=sct.CONV_BLOCK_C))
     comp("gdn_conv_state", sct._conv_state_kernel, conv, dict(W=3, BLOCK_W=4, BLOCK_C=sct.CONV_BLOCK_C))

@@ -69,14 +69,15 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     """Stores the new K/V of one layer into the pool (unless ``kv_stored``: the
-    caller's fused q/k norm + rotary launch did), then attends.
+    caller's fused q/k norm + rotary launch did), then attends; with ``out_gate``
+    [T, Hq, D] the output is multiplied by sigmoid(out_gate) (Qwen3-Next).
 
     q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]
     """
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
-        kv_stored: bool = False,
+        kv_stored: bool = False, out_gate: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

@@ -11,6 +11,14 @@ Its RMSNorms (layer, final, q/k) are zero-centered: the checkpoint stores w and 
 norm scales by (1 + w), in fp32 (ZeroCenteredRMSNorm); only the gated norm inside
 DeltaNet uses a plain weight.
 
+Each residual add runs inside the norm after it (ops.fused_add_rms_norm), and a MoE
+layer's output reaches it in parts (LayerOut: routed experts, shared expert, its
+gate logit), so the shared expert's gate and the two adds are that launch's too;
+the post-attention norm also routes (ops.add_rms_norm_route, one launch at decode
+sizes)::
+
+    out, residual --[add, input norm]--> mixer --[add, post norm, route]--> MoE -> out', residual'
+
 The KV pool holds only the full-attention layers (pool layer j = ModelConfig.kv_layers[j]),
 the state pool only the linear ones (ModelConfig.linear_layers).
 """
@@ -18,6 +26,8 @@ the state pool only the linear ones (ModelConfig.linear_layers).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,6 +42,21 @@ from ftserve_kernels import ops
 from ftserve_kernels.config import KernelConfig
 
 
+@dataclass(frozen=True)
+class LayerOut:
+    """What a block adds to the residual stream: ``y``, or on a shared-expert MoE
+    block y (the routed experts) + sigmoid(logit) * shared, with ``shared`` =
+    (the shared expert's output [T, H], its gate logit [T, 1])."""
+
+    y: torch.Tensor  # [T, H]
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rows(self, idx: torch.Tensor) -> LayerOut:
+        """The rows ``idx`` of every part."""
+        pick = functools.partial(torch.index_select, dim=0, index=idx)
+        return LayerOut(pick(self.y), None if self.shared is None else (pick(self.shared[0]), pick(self.shared[1])))
+
+
 class ZeroCenteredRMSNorm(nn.Module):
     """norm(x) * (1 + w) in fp32, rounded to x's dtype once at the end."""
 
@@ -40,10 +65,17 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+    def forward(self, x: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
+        return ops.rms_norm(kernels, x, self.weight, self.eps, zero_centered=True)
+
+    def forward_add(self, out: LayerOut, residual: torch.Tensor | None,
+                    kernels: KernelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + out), residual + out); residual None: out.y is the stream's start."""
+        if residual is None:
+            assert out.shared is None
+            return self(out.y, kernels), out.y
+        return ops.fused_add_rms_norm(kernels, out.y, residual, self.weight, self.eps, zero_centered=True,
+                                      shared=out.shared)
 
 
 class GatedAttention(nn.Module):
@@ -71,9 +103,15 @@ class GatedAttention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if batch.layer_ready is not None:  # this layer's pages may still be streaming in
             torch.cuda.current_stream().wait_event(batch.layer_ready[self.kv_layer])
-        q, k = ops.rotary(batch.kernels, self.q_norm(q), self.k_norm(k), batch.positions, cos_sin)  # partial rotary
-        out = batch.attn_backend.forward(q, k, v, self.kv_layer, batch)  # [T, Hq, D]
-        out = out * torch.sigmoid(gate)
+        # Both norms, the (partial) rotary and, into a float KV cache, the KV store: one launch.
+        pool = batch.kv_pool
+        stored = pool.k_scale is None
+        kv_store = (pool.k[self.kv_layer], pool.v[self.kv_layer], v, batch.attn.out_cache_loc) if stored else None
+        q, k = ops.qk_norm_rotary(batch.kernels, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                  batch.positions, cos_sin, kv_store, zero_centered=True)
+        # out * sigmoid(gate): in the decode attention's reduce launch on Triton
+        out = batch.attn_backend.forward(q, k, v, self.kv_layer, batch, kv_stored=stored,
+                                         out_gate=gate)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, -1), batch.kernels)  # [T, H]
 
 
@@ -90,6 +128,27 @@ class SharedExpertMoE(MoEBlock):
     def forward(self, x: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
         shared = torch.sigmoid(self.shared_expert_gate(x, kernels)) * self.shared_expert(x, kernels)  # [T, H]
         return super().forward(x, kernels) + shared
+
+    def add_norm_route(self, mixed: torch.Tensor, residual: torch.Tensor, norm: ZeroCenteredRMSNorm,
+                       kernels: KernelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The residual add, the layer's post-attention norm and the routing: one
+        launch at decode sizes on Triton (ops.add_rms_norm_route). -> (normed [T, H],
+        residual + mixed [T, H], weights [T, k] fp32, ids [T, k] int32)."""
+        if self.observed():  # the router module runs, for the hooks to see its logits
+            normed, summed = norm.forward_add(LayerOut(mixed), residual, kernels)
+            return (normed, summed, *self.route(normed, kernels))
+        normed, summed, weights, ids = ops.add_rms_norm_route(
+            kernels, mixed, residual, norm.weight, norm.eps, self.gate.weight, self.top_k, self.renormalize,
+            self._counter(mixed), zero_centered=True)
+        assert summed is not None
+        return normed, summed, weights, ids
+
+    def forward_parts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                      kernels: KernelConfig) -> LayerOut:
+        """forward's output on x routed to ``ids``, left in parts for the add + norm
+        after it to combine."""
+        shared = (self.shared_expert(x, kernels), self.shared_expert_gate(x, kernels))  # [T, H], [T, 1]
+        return LayerOut(self.compute_experts(x, weights, ids, kernels), shared)
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -111,15 +170,24 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(h, cfg.intermediate_size, cfg.mlp_bias, dtype)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin: torch.Tensor) -> torch.Tensor:
-        normed = self.input_layernorm(x)
+    def forward(self, out: LayerOut, residual: torch.Tensor | None, batch: ForwardBatch,
+                cos_sin: torch.Tensor) -> tuple[LayerOut, torch.Tensor]:
+        """(the layer before's output, the residual stream before it; None: out.y is
+        the embeddings) -> (this layer's output, the stream before it)."""
+        kernels = batch.kernels
+        normed, residual = self.input_layernorm.forward_add(out, residual, kernels)
         if self.linear_attn is not None:
-            x = x + self.linear_attn(normed, batch)
+            mixed = self.linear_attn(normed, batch)
         else:
             assert self.self_attn is not None
-            x = x + self.self_attn(normed, batch, cos_sin)
-        h = self.post_attention_layernorm(x)
-        return x + self.mlp(h, batch.kernels)
+            mixed = self.self_attn(normed, batch, cos_sin)
+        assert residual is not None
+        if isinstance(self.mlp, SharedExpertMoE):
+            normed, residual, weights, ids = self.mlp.add_norm_route(mixed, residual, self.post_attention_layernorm,
+                                                                     kernels)
+            return self.mlp.forward_parts(normed, weights, ids, kernels), residual
+        normed, residual = self.post_attention_layernorm.forward_add(LayerOut(mixed), residual, kernels)
+        return LayerOut(self.mlp(normed, kernels)), residual
 
 
 class Qwen3NextForCausalLM(nn.Module):
@@ -166,16 +234,21 @@ class Qwen3NextForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = batch.input_embeds if batch.input_embeds is not None else self.embed_tokens(batch.input_ids)
+        out, residual = LayerOut(x), None
         for layer in self.layers:
-            x = layer(x, batch, self.cos_sin)  # [T, H]
+            out, residual = layer(out, residual, batch, self.cos_sin)  # [T, H] parts, [T, H]
+        assert residual is not None
+        rows = batch.logits_indices
         if batch.keep_hidden:  # every token's normed hidden state, for MTP drafting
-            x = batch.hidden = self.norm(x)
-            if batch.logits_indices is not None:
-                x = x.index_select(0, batch.logits_indices)
+            x = batch.hidden = self.norm.forward_add(out, residual, batch.kernels)[0]
+            if rows is not None:
+                x = x.index_select(0, rows)
             return ops.linear_fp32(batch.kernels, x, self.lm_head_weight())
-        if batch.logits_indices is not None:
-            x = x.index_select(0, batch.logits_indices)  # [B, H]: the norm is per row
-        return ops.linear_fp32(batch.kernels, self.norm(x), self.lm_head_weight())  # [B or T, V] fp32
+        if rows is not None and not (batch.is_decode and rows.shape[0] == residual.shape[0]):
+            # The norm is per row: select first. A decode batch's rows are all of them, in order.
+            out, residual = out.rows(rows), residual.index_select(0, rows)  # [B, H] each
+        x, _ = self.norm.forward_add(out, residual, batch.kernels)
+        return ops.linear_fp32(batch.kernels, x, self.lm_head_weight())  # [B or T, V] fp32
 
     def ignorable_checkpoint_names(self) -> set[str]:
         return {"lm_head.weight"} if self.lm_head is None else set()
@@ -265,11 +338,13 @@ class Qwen3NextMTP(MTPHead):
                          lambda: ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype), dtype)
 
     def normalize(self, norm: nn.Module, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return norm(x)  # type: ignore[no-any-return]
+        return norm(x, batch.kernels)  # type: ignore[no-any-return]
 
     def block(self, layer: nn.Module, x: torch.Tensor, batch: ForwardBatch,
               cos_sin: torch.Tensor) -> torch.Tensor:
-        return self.norm(layer(x, batch, cos_sin))  # type: ignore[no-any-return]
+        assert isinstance(self.norm, ZeroCenteredRMSNorm)
+        out, residual = layer(LayerOut(x), None, batch, cos_sin)
+        return self.norm.forward_add(out, residual, batch.kernels)[0]
 
 
 def _mlp_targets(hf: str, me: str, inter: int) -> dict[str, Target]:
