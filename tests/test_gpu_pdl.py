@@ -88,6 +88,22 @@ def _assert_eager_and_replays_equal(run: Callable[[], list[torch.Tensor]], ref: 
             assert torch.equal(a, b), f"output {i} differs (graph replay)"
 
 
+def _paged_context(g: torch.Generator, rnd: Callable[..., torch.Tensor], hkv: int, d: int) -> tuple[Any, ...]:
+    """One sequence of 2,048 tokens in scattered 16-token pages of random K/V, its
+    new token's position and slot, and the rotary table: (page, table, k_cache,
+    v_cache, seq_lens, positions, out_cache_loc, cos_sin)."""
+    dev = "cuda"
+    page, ctx = 16, 2048
+    table = torch.randperm(512, generator=g)[: ctx // page].view(1, -1).to(torch.int32).to(dev)
+    kc, vc = rnd(512 * page, hkv, d), rnd(512 * page, hkv, d)
+    seq_lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
+    positions = seq_lens.long() - 1
+    loc = table[:, -1].long() * page + page - 1  # the new token's slot (position ctx - 1)
+    ang = torch.arange(ctx)[:, None] / 10000.0 ** (torch.arange(d // 2) / (d // 2))[None, :]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], 1).float().to(dev)  # [ctx, d]
+    return page, table, kc, vc, seq_lens, positions, loc, cos_sin
+
+
 def _decode_qk_chain(g: torch.Generator) -> Callable[[KernelConfig], list[torch.Tensor]]:
     """Batch 1 at qwen3-30b-a3b widths, one decode layer's launches as the model
     makes them: the prenormed qkv GEMV, split-K attention from raw q/k (DecodeQK:
@@ -116,14 +132,7 @@ def _decode_qk_chain(g: torch.Generator) -> Callable[[KernelConfig], list[torch.
     w_o = rnd(h, hq * d, scale=0.02)
     gate = rnd(e, h, scale=0.05)
     w13, w2 = rnd(e, 2 * inter, h, scale=0.02), rnd(e, h, inter, scale=0.02)
-    page, ctx = 16, 2048
-    table = torch.randperm(512, generator=g)[: ctx // page].view(1, -1).to(torch.int32).to(dev)
-    kc, vc = rnd(512 * page, hkv, d), rnd(512 * page, hkv, d)
-    seq_lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
-    positions = seq_lens.long() - 1
-    loc = table[:, -1].long() * page + page - 1  # the new token's slot (position ctx - 1)
-    ang = torch.arange(ctx)[:, None] / 10000.0 ** (torch.arange(d // 2) / (d // 2))[None, :]
-    cos_sin = torch.cat([ang.cos(), ang.sin()], 1).float().to(dev)  # [ctx, d]
+    page, table, kc, vc, seq_lens, positions, loc, cos_sin = _paged_context(g, rnd, hkv, d)
     counters = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(2)]
 
     def run(kc_: KernelConfig) -> list[torch.Tensor]:
@@ -162,14 +171,7 @@ def _dense_chain(g: torch.Generator) -> Callable[[KernelConfig], list[torch.Tens
     w_qkv, w_o = rnd((hq + 2 * hkv) * d, h, scale=0.04), rnd(h, hq * d, scale=0.04)
     w13, w2 = rnd(2 * inter, h, scale=0.04), rnd(h, inter, scale=0.025)
     norm_w = (1 + 0.1 * torch.randn(h, generator=g)).to(bf).to(dev)
-    page, ctx = 16, 2048
-    table = torch.randperm(512, generator=g)[: ctx // page].view(1, -1).to(torch.int32).to(dev)
-    kc, vc = rnd(512 * page, hkv, d), rnd(512 * page, hkv, d)
-    seq_lens = torch.tensor([ctx], dtype=torch.int32, device=dev)
-    positions = seq_lens.long() - 1
-    loc = table[:, -1].long() * page + page - 1  # the new token's slot (position ctx - 1)
-    ang = torch.arange(ctx)[:, None] / 10000.0 ** (torch.arange(d // 2) / (d // 2))[None, :]
-    cos_sin = torch.cat([ang.cos(), ang.sin()], 1).float().to(dev)  # [ctx, d]
+    page, table, kc, vc, seq_lens, positions, loc, cos_sin = _paged_context(g, rnd, hkv, d)
 
     def run(kc_: KernelConfig) -> list[torch.Tensor]:
         pending, summed = ops.linear_add_rms_norm(kc_, a0, w_o, None, res, norm_w, 1e-5)

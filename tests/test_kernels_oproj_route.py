@@ -187,15 +187,23 @@ def test_gpu_oproj_route_at_the_real_shape() -> None:
         got = orr.oproj_route_triton(a, o_w, None, r, nw, folded, k, counter, block_e=block_e)
         torch.cuda.synchronize()
         assert counter.item() == 0
-        for name in ("summed", "scaled"):
-            x, y = getattr(got, name).float(), getattr(ref, name).float()
-            assert float((x - y).norm() / y.norm()) < 1e-2, name
-        torch.testing.assert_close(got.parts.sum(-1, keepdim=True), ref.parts, rtol=2e-2, atol=1e-3)
-        torch.testing.assert_close(got.pre_sel, ref.pre_sel, rtol=1e-3, atol=1e-3)
-        pre = a.float() @ folded.r_o.float().t() + r.float() @ folded.r_r.float().t()
-        top = torch.topk(pre, k + 1).values[0]
-        if float(top[k - 1] - top[k]) > 1e-3:  # no near-tie at the boundary
-            assert set(got.ids[0].tolist()) == set(ref.ids[0].tolist())
+        assert_route_close(got, ref, a, r, folded, k)
+
+
+def assert_route_close(got: orr.OprojRoute, ref: orr.OprojRoute, a: torch.Tensor, r: torch.Tensor,
+                       folded: Any, k: int) -> None:
+    """A one-row CUDA OprojRoute against its twin: the sums within bf16, the norm's
+    parts and the chosen logits, and the top-k ids unless the k-th and (k+1)-th
+    folded logits are near-tied."""
+    for name in ("summed", "scaled"):
+        x, y = getattr(got, name).float(), getattr(ref, name).float()
+        assert float((x - y).norm() / y.norm()) < 1e-2, name
+    torch.testing.assert_close(got.parts.sum(-1, keepdim=True), ref.parts, rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(got.pre_sel, ref.pre_sel, rtol=1e-3, atol=1e-3)
+    pre = a.float() @ folded.r_o.float().t() + r.float() @ folded.r_r.float().t()
+    top = torch.topk(pre, k + 1).values[0]
+    if float(top[k - 1] - top[k]) > 1e-3:  # no near-tie at the boundary
+        assert set(got.ids[0].tolist()) == set(ref.ids[0].tolist())
 
 
 def test_refresh_derived_refolds_in_place(tmp_path: Path) -> None:

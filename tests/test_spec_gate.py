@@ -20,7 +20,7 @@ from ftserve.api.metrics import Metrics
 from ftserve.engine.engine import Engine
 from ftserve.engine.spec.gate import MAX_PROBE, MIN_PROBE, WINDOW, SpecGate, bucket, bucket_name
 from tests.engine_util import collect, greedy, tokens_of
-from tests.test_spec_engine import make
+from tests.test_spec_engine import make, model_dir  # noqa: F401 - the fixture
 
 
 class Clock:
@@ -154,16 +154,7 @@ def step_clock(eng: Engine, verify_cost: float) -> Clock:
     return clock
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from ftserve.models.checkpoint import write_checkpoint
-
-    out = tmp_path_factory.mktemp("tiny-moe-gate")
-    write_checkpoint("tiny-moe", out, config_only=True)
-    return str(out)
-
-
-def copying_engine(model_dir: str, **kw: Any) -> Engine:
+def copying_engine(model_dir: str, **kw: Any) -> Engine:  # noqa: F811
     """An engine whose model continues every token t with next(t), a cycle of
     PERIOD tokens (tools/bench/host_verify.py): once a cycle has gone by, each
     n-gram draft is kept whole, so what speculation gains is known and only the
@@ -176,7 +167,7 @@ def copying_engine(model_dir: str, **kw: Any) -> Engine:
 
 
 @pytest.mark.parametrize("verify_cost,on", [(12.0, False), (1.5, True)])
-def test_engine_gate_follows_the_step_costs(model_dir: str, verify_cost: float, on: bool) -> None:
+def test_engine_gate_follows_the_step_costs(model_dir: str, verify_cost: float, on: bool) -> None:  # noqa: F811
     """One request decoding 600 tokens, every draft of 4 kept. Verify steps that
     cost 12 plain steps lose (5 tokens each): the gate turns speculation off
     after its first window and probe, and most steps are plain; at 1.5 plain
@@ -210,7 +201,7 @@ def test_engine_gate_follows_the_step_costs(model_dir: str, verify_cost: float, 
         eng.shutdown()
 
 
-def test_gate_flag(model_dir: str) -> None:
+def test_gate_flag(model_dir: str) -> None:  # noqa: F811
     """The gate is on by default; --disable-speculative-gate: none, every step may draft."""
     from ftserve.cli import build_parser, configs_from_args
 
