@@ -257,9 +257,11 @@ def fused_moe_fp8_triton(
     topk_ids: torch.Tensor,  # [T, k] int32
     cfg: Fp8MoeConfig | None = None,
     expert_map: torch.Tensor | None = None,  # [E] int32: expert -> row of w13 / w2 (slot cache)
+    valid_rows: torch.Tensor | None = None,  # [1] int: rows past it are padding (moe_align)
 ) -> torch.Tensor:
     """Grouped w8a8 MoE -> [T, H] in x's dtype: quantize x, align, gate/up
-    (quantizing its output), down, combine. Five launches, fixed shapes."""
+    (quantizing its output), down, combine. Five launches, fixed shapes. Rows
+    past ``valid_rows`` are left unspecified (their pairs are skipped)."""
     t, h = x.shape
     inter = w13.codes.shape[1] // 2
     k = topk_ids.shape[1]
@@ -274,7 +276,7 @@ def fused_moe_fp8_triton(
     cfg = cfg or Fp8MoeConfig.pick(n, e, x.is_cuda, tile_scale)
     assert x.numel() < 2 ** 31 and w13.codes[0].numel() < 2 ** 31, "int32 offsets in the gate/up kernel"
     xq, xs = quantize_act_triton(x)  # [T, H] e4m3, [T, H / 128]
-    sorted_ids, block_expert, total = moe_align(topk_ids, e, cfg.block_m)
+    sorted_ids, block_expert, total = moe_align(topk_ids, e, cfg.block_m, valid_rows=valid_rows)
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32 or weights.stride(0) != 1:
         weights = weights.float().contiguous()

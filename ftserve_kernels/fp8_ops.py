@@ -62,11 +62,13 @@ def pending_linear(kernels: KernelConfig, scaled: torch.Tensor, parts: torch.Ten
 
 def fused_moe(kernels: KernelConfig, x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None,
-              read_through: Any = None, triton: bool | None = None) -> torch.Tensor:
+              read_through: Any = None, triton: bool | None = None,
+              valid_rows: torch.Tensor | None = None) -> torch.Tensor:
     """``expert_map`` [E] int32: expert -> row of w13 / w2 (an expert-slot cache);
     ``read_through`` (fp8_moe_gemv_triton.Fp8ReadThrough, GEMV sizes): this
     step's misses read from the host bank by the GEMVs; ``triton``: the caller's
-    choice of backend (the expert cache picks by device), else ``kernels``'."""
+    choice of backend (the expert cache picks by device), else ``kernels``';
+    ``valid_rows``: the grouped GEMMs skip rows past it (ops.fused_moe)."""
     if not (kernels.triton(x) if triton is None else triton):
         assert read_through is None, "read-through is a Triton GEMV path"
         from ftserve_kernels.fp8_moe_triton import fused_moe_fp8_ref
@@ -82,7 +84,7 @@ def fused_moe(kernels: KernelConfig, x: torch.Tensor, w13: Fp8Weight, w2: Fp8Wei
     assert read_through is None, "read-through is a GEMV path"
     from ftserve_kernels.fp8_moe_triton import fused_moe_fp8_triton
 
-    return fused_moe_fp8_triton(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map)
+    return fused_moe_fp8_triton(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, valid_rows=valid_rows)
 
 
 def fused_moe_add_norm(kernels: KernelConfig, x: torch.Tensor, w13: Fp8Weight, w2: Fp8Weight,

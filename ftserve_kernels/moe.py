@@ -35,9 +35,12 @@ def fused_moe_ref(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    valid_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * down(SiLU(gate(x_t)) * up(x_t)) over the experts
     ids[t, k]. x [T, H] -> [T, H] in x's dtype; accumulation in fp32.
+    ``valid_rows``: the Triton twin may leave rows past it unspecified; this
+    computes every row.
 
     Per-expert matmuls run in the weights' dtype (as the HF experts do); the
     routing weight is applied in the activation dtype, matching HF's cast of the

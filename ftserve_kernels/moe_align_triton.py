@@ -15,6 +15,13 @@ uses no atomics: the pairs are cut into chunks; each program places one chunk
 at expert start + the counts of earlier chunks + the rank inside its chunk
 (counts come from a per-chunk histogram pass past a few thousand pairs, else
 every program counts all ids itself: one launch for decode).
+
+``valid_rows`` (a [1] device tensor): only the first valid_rows tokens' pairs
+are grouped; the rest belong to no expert, as ids outside [0, E) do. A captured
+prefill graph pads its bucket with rows of garbage (engine/prefill_graph.py)
+whose routing would otherwise scatter over the experts: a 16-token step in a
+256-token bucket then read nearly every expert's weights, and a half-full
+bucket spent half its expert GEMMs on padding.
 """
 
 from __future__ import annotations
@@ -27,27 +34,37 @@ import triton.language as tl
 
 
 @triton.jit
-def _align_hist_kernel(ids_ptr, hist_ptr, N, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+def _pair_limit(valid_ptr, N, K, HAS_VALID: tl.constexpr):
+    # Pairs at or past this index are dropped (moe_align's valid_rows).
+    if HAS_VALID:
+        return tl.minimum(N, tl.load(valid_ptr).to(tl.int32) * K)
+    return N
+
+
+@triton.jit
+def _align_hist_kernel(ids_ptr, hist_ptr, valid_ptr, N, K, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                       HAS_VALID: tl.constexpr):
     # Large N only: per-chunk expert counts hist[c, e], plain stores (no atomics,
     # so no zeroed buffer and no extra launch to zero it).
     # Sub-chunks keep the [SUB, E] one-hot tile near 16k elements (as _align_place_kernel).
     SUB: tl.constexpr = CHUNK if CHUNK * BLOCK_E <= 16384 else (16384 // BLOCK_E if BLOCK_E >= 128 else 128)
     c = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
+    lim = _pair_limit(valid_ptr, N, K, HAS_VALID)
     cnt = tl.zeros([BLOCK_E], tl.int32)
     for s0 in range(0, CHUNK, SUB):
         offs = c * CHUNK + s0 + tl.arange(0, SUB)
-        ids = tl.load(ids_ptr + offs, mask=offs < N, other=-1)
+        ids = tl.load(ids_ptr + offs, mask=offs < lim, other=-1)
         cnt += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)  # [E]
     tl.store(hist_ptr + c * BLOCK_E + e, cnt)
 
 
 @triton.jit
 def _align_place_kernel(
-    ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-    N, MAX_ROWS, MAX_BLOCKS, ROWS_PER_PROG, BLOCKS_PER_PROG,
+    ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, total_ptr, valid_ptr,
+    N, K, MAX_ROWS, MAX_BLOCKS, ROWS_PER_PROG, BLOCKS_PER_PROG,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, HIST_ROWS: tl.constexpr,
-    FILL: tl.constexpr, PRECOUNTED: tl.constexpr,
+    FILL: tl.constexpr, PRECOUNTED: tl.constexpr, HAS_VALID: tl.constexpr,
 ):
     # Program c: (1) counts per expert over all pairs and over chunks before c,
     # (2) places the pairs of chunk c at expert start + earlier chunks' count +
@@ -64,6 +81,7 @@ def _align_place_kernel(
     c = tl.program_id(0)
     nchunks = tl.num_programs(0)
     e = tl.arange(0, BLOCK_E)
+    lim = _pair_limit(valid_ptr, N, K, HAS_VALID)
     totals = tl.zeros([BLOCK_E], tl.int32)
     before = tl.zeros([BLOCK_E], tl.int32)
     if PRECOUNTED:
@@ -79,7 +97,7 @@ def _align_place_kernel(
         for c0 in range(0, nchunks):
             for s0 in range(0, CHUNK, SUB):
                 p = c0 * CHUNK + s0 + j
-                ids = tl.load(ids_ptr + p, mask=p < N, other=-1)
+                ids = tl.load(ids_ptr + p, mask=p < lim, other=-1)
                 cnt = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)  # [E]
                 totals += cnt
                 before += cnt * (c0 < c).to(tl.int32)
@@ -91,7 +109,7 @@ def _align_place_kernel(
     base = starts + before  # [E] next free row of each expert for this program
     for s0 in range(0, CHUNK, SUB):
         offs = c * CHUNK + s0 + tl.arange(0, SUB)
-        m = offs < N
+        m = offs < lim
         ids = tl.load(ids_ptr + offs, mask=m, other=-1)
         onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [S, E]
         rank = tl.cumsum(onehot, 0) - onehot  # [S, E] earlier pairs of the same expert in the sub-chunk
@@ -140,13 +158,16 @@ def _align_plan(n: int, num_experts: int, block_m: int, chunk: int = 0) -> tuple
 
 
 def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = 0
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, chunk: int = 0,
+    valid_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_ids [R] int32, block_expert [R / block_m] int32,
     num_padded [1] int32), R = N + min(E, N) * (block_m - 1) rounded up to block_m.
     One launch up to _PRECOUNT_MIN pairs (decode), two past it. ``chunk``: pairs
-    per program (0: default; never below it); the result does not depend on it."""
+    per program (0: default; never below it); the result does not depend on it.
+    ``valid_rows`` [1] int: group only the pairs of rows below it (module doc)."""
     n = topk_ids.numel()
+    k = topk_ids.shape[-1] if topk_ids.dim() > 1 else 1
     dev = topk_ids.device
     max_rows, max_blocks, block_e, chunk, chunks, rows_pp, blocks_pp = _align_plan(
         n, num_experts, block_m, chunk)
@@ -156,13 +177,15 @@ def moe_align(
     total = torch.empty(1, dtype=torch.int32, device=dev)
     precount = n > _PRECOUNT_MIN
     hist = total  # unread unless precount
+    has_valid = valid_rows is not None
+    valid = valid_rows if has_valid else total  # unread without HAS_VALID
     if precount:
         hist = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)
-        _align_hist_kernel[(chunks,)](ids, hist, n, BLOCK_E=block_e, CHUNK=chunk)
+        _align_hist_kernel[(chunks,)](ids, hist, valid, n, k, BLOCK_E=block_e, CHUNK=chunk, HAS_VALID=has_valid)
     _align_place_kernel[(chunks,)](
-        ids, hist, sorted_ids, block_expert, total, n, max_rows, max_blocks, rows_pp, blocks_pp,
+        ids, hist, sorted_ids, block_expert, total, valid, n, k, max_rows, max_blocks, rows_pp, blocks_pp,
         BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, HIST_ROWS=max(1, 4096 // block_e),
-        FILL=max(16, 8192 // block_e), PRECOUNTED=precount,
+        FILL=max(16, 8192 // block_e), PRECOUNTED=precount, HAS_VALID=has_valid,
         num_warps=8 if min(chunk, 16384 // block_e) * block_e > 4096 else 4,
     )
     return sorted_ids, block_expert, total

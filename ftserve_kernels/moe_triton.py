@@ -196,9 +196,12 @@ def fused_moe_triton(
     expert_map: torch.Tensor | None = None,  # [E] int32: expert -> row of w13/w2 (slot cache)
     gemv: bool | None = None,
     kernels: KernelConfig = DEFAULT_KERNELS,
+    valid_rows: torch.Tensor | None = None,  # [1] int: rows past it are padding (moe_align)
 ) -> torch.Tensor:
     """Grouped-GEMM MoE; ``gemv`` (default: no ``cfg`` and T <= GEMV_MAX_TOKENS)
-    takes the two-kernel GEMV path of moe_gemv_triton instead."""
+    takes the two-kernel GEMV path of moe_gemv_triton instead. With
+    ``valid_rows`` the grouped GEMMs skip the padding rows' pairs, whose output
+    rows are then left unspecified (the GEMV path computes every row)."""
     if gemv or (gemv is None and cfg is None and x.shape[0] <= GEMV_MAX_TOKENS):
         return fused_moe_gemv_triton(x, w13, w2, topk_weights, topk_ids, expert_map, kernels=kernels)
     t, h = x.shape
@@ -212,7 +215,7 @@ def fused_moe_triton(
         return torch.empty_like(x)
     assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1
     cfg = cfg or MoeConfig.pick(n, e, x.device, hidden=h, inter=inter, top_k=k, kernels=kernels)
-    align = moe_align(topk_ids, e, cfg.block_m, cfg.align_chunk)
+    align = moe_align(topk_ids, e, cfg.block_m, cfg.align_chunk, valid_rows)
     weights = topk_weights.reshape(-1)  # [N]
     if weights.dtype != torch.float32 or weights.stride(0) != 1:
         weights = weights.float().contiguous()

@@ -22,7 +22,7 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
         then rotary (Qwen3), one kernel on Triton; kv_store = (k_cache, v_cache, v,
         out_cache_loc) also stores k and v into their pages in that launch
     route_topk(router_logits [T, E], top_k, renormalize) -> (weights [T, k] fp32, ids [T, k] int32)
-    fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], ids [T, k]) -> [T, H]
+    fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], weights [T, k], ids [T, k], valid_rows=None) -> [T, H]
         (w13 rows [0, I) are the gate, [I, 2I) the up projection; SiLU(gate) * up)
     add_rms_norm_route(x [T, H], residual [T, H] | None, norm_w [H], eps, gate_w [E, H],
                        top_k, renormalize, counter [1] int32, zero_centered=False)
@@ -212,12 +212,16 @@ def fused_moe(
     w2: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    valid_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """``valid_rows`` [1] int on the device (ForwardBatch.valid_tokens: a padded
+    graph bucket's real tokens): the grouped GEMMs skip the pairs of rows past
+    it, whose outputs are then unspecified."""
     if isinstance(w13, Fp8Weight):  # an fp8 checkpoint's experts (fp8_ops)
         assert isinstance(w2, Fp8Weight)
-        return fp8_ops.fused_moe(kernels, x, w13, w2, topk_weights, topk_ids)
+        return fp8_ops.fused_moe(kernels, x, w13, w2, topk_weights, topk_ids, valid_rows=valid_rows)
     assert isinstance(w2, torch.Tensor)
-    return _table(kernels, x).fused_moe(x, w13, w2, topk_weights, topk_ids)
+    return _table(kernels, x).fused_moe(x, w13, w2, topk_weights, topk_ids, valid_rows=valid_rows)
 
 
 def add_rms_norm_route(

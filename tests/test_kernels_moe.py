@@ -145,6 +145,66 @@ def test_align_drops_out_of_range_ids() -> None:
     assert sorted(real[real < 6].tolist()) == [0, 1, 3, 4, 5]
 
 
+@pytest.mark.parametrize("precount", [False, True])
+@pytest.mark.parametrize("valid", [0, 1, 37, 200])
+def test_align_valid_rows_groups_only_those_rows(
+    precount: bool, valid: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``valid_rows`` (a padded graph bucket's real tokens, on the device)
+    the alignment equals the one of the first ``valid`` rows alone: the padding
+    rows' pairs sit in no block and cost no GEMM rows."""
+    monkeypatch.setattr(ma, "_PRECOUNT_MIN", 0 if precount else 10**9)
+    t, k, e, bm = 200, 3, 64, 16
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, e, (t, k), generator=g, dtype=torch.int32)
+    n = t * k
+    rows = torch.tensor([valid], dtype=torch.int32, device=DEVICE)
+    sorted_ids, block_expert, total = (x.cpu() for x in ma.moe_align(ids.to(DEVICE), e, bm, valid_rows=rows))
+    total = int(total[0])
+    counts = torch.bincount(ids[:valid].reshape(-1).long(), minlength=e)
+    assert total == int(((counts + bm - 1) // bm * bm).sum())
+    real = sorted_ids[:total]
+    flat = ids[:valid].reshape(-1)
+    assert torch.equal(real[real < n], torch.argsort(flat.long(), stable=True).int())
+    assert torch.all(sorted_ids[total:] == n) and torch.all(block_expert[total // bm :] == -1)
+    full = ma.moe_align(ids.to(DEVICE), e, bm, valid_rows=torch.tensor([t], dtype=torch.int32, device=DEVICE))
+    for a, b in zip(full, ma.moe_align(ids.to(DEVICE), e, bm)):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_moe_valid_rows_skips_padding(fp8: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ops.fused_moe with valid_rows: the real rows equal the full computation's
+    and the grouped GEMMs get only the real rows' pairs (the alignment's padded
+    row count is the one of those pairs alone)."""
+    from ftserve_kernels import fp8_moe_triton, fp8_quant
+
+    totals: list[int] = []
+    real_align = ma.moe_align
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        out = real_align(*args, **kwargs)
+        totals.append(int(out[2].cpu()[0]))
+        return out
+
+    monkeypatch.setattr(fp8_moe_triton if fp8 else mt, "moe_align", recording)
+    g = torch.Generator().manual_seed(11)
+    t, valid, e, k, h, inter = 40, 9, 6, 2, 128, 128
+    x = torch.randn(t, h, generator=g).to(DEVICE)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(DEVICE)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(DEVICE)
+    weights, ids = route_topk_ref(torch.randn(t, e, generator=g).to(DEVICE), k, True)
+    rows = torch.tensor([valid], dtype=torch.int32, device=DEVICE)
+    kernels = KernelConfig(backend="triton")
+    w = (fp8_quant.quantize_weight(w13), fp8_quant.quantize_weight(w2)) if fp8 else (w13, w2)
+    full = ops.fused_moe(kernels, x, *w, weights, ids)
+    out = ops.fused_moe(kernels, x, *w, weights, ids, valid_rows=rows)
+    assert torch.equal(out[:valid], full[:valid])
+    assert len(totals) == 2 and totals[0] >= t * k and totals[1] < totals[0]
+    ref = ops.fused_moe(KernelConfig(backend="torch"), x, w13, w2, weights, ids, valid_rows=rows)
+    assert torch.equal(ref, fused_moe_ref(x, w13, w2, weights, ids))
+
+
 @pytest.mark.parametrize("t,gemv", [(1, None), (1, False), (5, None), (5, True), (33, None)])
 def test_fused_moe_matches_reference(t: int, gemv: bool | None) -> None:
     """Grouped-GEMM path and the GEMV path (default for T <= GEMV_MAX_TOKENS)."""

@@ -39,7 +39,19 @@ def engine(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
 
 
 @torch.inference_mode()
-def test_padded_static_forward_equals_eager(engine) -> None:  # type: ignore[no-untyped-def]
+def test_padded_static_forward_equals_eager(engine, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """... and tells the MoE layers how many rows are real (ForwardBatch.valid_tokens,
+    the grouped GEMMs skip the padding's pairs on Triton); eager steps have no padding."""
+    from ftserve_kernels import ops
+
+    seen: list[int | None] = []
+    real_moe = ops.fused_moe
+
+    def recording(*args, valid_rows=None, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(None if valid_rows is None else int(valid_rows.item()))
+        return real_moe(*args, valid_rows=valid_rows, **kwargs)
+
+    monkeypatch.setattr(ops, "fused_moe", recording)
     sched, runner = engine.scheduler, engine.runner
     rng = random.Random(0)
     # Two requests, the first long enough to need a second chunk over its prefix.
@@ -47,7 +59,7 @@ def test_padded_static_forward_equals_eager(engine) -> None:  # type: ignore[no-
     for i, p in enumerate(prompts):
         sched.add(Req(f"pg{i}", p, SamplingParams(max_tokens=2, temperature=0.0), 0.0))
     graphs = PrefillGraphs(runner, 48, 4)
-    checked = 0
+    checked = padded = 0
     for _ in range(6):
         batch = sched.schedule()
         assert batch is not None
@@ -59,18 +71,23 @@ def test_padded_static_forward_equals_eager(engine) -> None:  # type: ignore[no-
         # The graph's static forward, eagerly, on padded inputs ...
         bucket = graphs._bucket(batch.num_tokens)
         graphs._fill(batch, bucket)
+        seen.clear()
         static = graphs._forward(bucket)[: len(batch.reqs)]
+        assert seen == [batch.num_tokens] * len(runner.model.layers)
+        padded += bucket > batch.num_tokens
         # ... then the eager forward of the same step rewrites the same KV.
         fb, _, _, _ = runner.build(batch)
         fb.logits_indices = torch.tensor(
             [sum(len(t) for t in batch.new_tokens[: i + 1]) - 1 for i in range(len(batch.reqs))])
+        seen.clear()
         eager = runner.model(fb)
+        assert seen and all(v is None for v in seen)
         torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
         sched.commit(batch, [5] * len(batch.reqs))
         checked += 1
         if not any(r.state.value == "prefill" for r in sched.running) and not sched.waiting:
             break
-    assert checked >= 2  # a packed two-request chunk, then a chunk over a cached prefix
+    assert checked >= 2 and padded  # a packed two-request chunk, then a chunk over a cached prefix
     for r in list(sched.running):
         sched.finish(r, "abort")
     sched.finished_reqs.clear()

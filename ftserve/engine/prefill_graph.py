@@ -204,6 +204,7 @@ class PrefillGraphs:
                           r.kv_pool, self.backends[bucket],
                           logits_indices=rows, is_decode=False, kernels=r.kernels,
                           keep_hidden=self.keep_hidden)
+        fb.valid_tokens = attn.qo_indptr[-1:]  # empty sequences repeat the last entry
         if self.hybrid:  # the slots by index; a verify step logs its linear layers' inputs
             fb.state_pool, fb.state_slots = r.state_pool, p.state_slots
             fb.state_verify = self.all_rows

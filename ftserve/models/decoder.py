@@ -94,7 +94,7 @@ class DecoderLayer(nn.Module):
             if isinstance(out, ops.PendingNorm):
                 return summed, summed, out
             return out, summed, True
-        return self.mlp.compute_experts(x, weights, ids, kernels), summed, False
+        return self.mlp.compute_experts(x, weights, ids, kernels, batch.valid_tokens), summed, False
 
     def _dense(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch, cos_sin: torch.Tensor,

@@ -119,6 +119,11 @@ class ForwardBatch:
     # each (one sequence per state_slots row, empty ones padding); 0: eager, the
     # host lists are the step's.
     graph_seq_bound: int = 0
+    # [1] int32 on the device: how many leading rows are real tokens, in a
+    # captured graph's bucket padded past them (engine/prefill_graph.py); the
+    # resident MoE layers skip the padding rows' experts (moe_align's
+    # valid_rows). None: every row is a token.
+    valid_tokens: torch.Tensor | None = None
     # Which kernels every layer runs (the engine's, fixed at start-up; tests
     # and tools building a batch themselves get the defaults unless they pass one).
     kernels: KernelConfig = DEFAULT_KERNELS

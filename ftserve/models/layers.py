@@ -305,11 +305,16 @@ class MoEBlock(nn.Module):
                                     self._counter(route.scaled), defer)
 
     def compute_experts(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kernels: KernelConfig
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, kernels: KernelConfig,
+        valid_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``valid_rows`` (ForwardBatch.valid_tokens): rows past it are a graph
+        bucket's padding, their outputs unspecified (the resident experts skip
+        them; an expert cache computes them)."""
         if self.expert_compute is not None:
             return self.expert_compute(x, topk_weights, topk_ids, kernels)
-        return ops.fused_moe(kernels, x, *self.expert_weights(), topk_weights, topk_ids)  # [T, H]
+        return ops.fused_moe(kernels, x, *self.expert_weights(), topk_weights, topk_ids,
+                             valid_rows=valid_rows)  # [T, H]
 
     def forward(self, x: torch.Tensor, kernels: KernelConfig) -> torch.Tensor:
         weights, ids = self.route(x, kernels)

@@ -144,11 +144,11 @@ class SharedExpertMoE(MoEBlock):
         return normed, summed, weights, ids
 
     def forward_parts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                      kernels: KernelConfig) -> LayerOut:
+                      kernels: KernelConfig, valid_rows: torch.Tensor | None = None) -> LayerOut:
         """forward's output on x routed to ``ids``, left in parts for the add + norm
-        after it to combine."""
+        after it to combine (rows past ``valid_rows``: padding, see compute_experts)."""
         shared = (self.shared_expert(x, kernels), self.shared_expert_gate(x, kernels))  # [T, H], [T, 1]
-        return LayerOut(self.compute_experts(x, weights, ids, kernels), shared)
+        return LayerOut(self.compute_experts(x, weights, ids, kernels, valid_rows), shared)
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -185,7 +185,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         if isinstance(self.mlp, SharedExpertMoE):
             normed, residual, weights, ids = self.mlp.add_norm_route(mixed, residual, self.post_attention_layernorm,
                                                                      kernels)
-            return self.mlp.forward_parts(normed, weights, ids, kernels), residual
+            return self.mlp.forward_parts(normed, weights, ids, kernels, batch.valid_tokens), residual
         normed, residual = self.post_attention_layernorm.forward_add(LayerOut(mixed), residual, kernels)
         return LayerOut(self.mlp(normed, kernels)), residual
 
