@@ -757,3 +757,67 @@ def test_gpu_decode_qk_fold_real_shape() -> None:
     torch.testing.assert_close(pool.k.nan_to_num(7.0), ref_pool.k.nan_to_num(7.0), rtol=2e-2, atol=2e-2)
     assert torch.equal(pool.v.nan_to_num(7.0), ref_pool.v.nan_to_num(7.0))
     assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2, rel_err(out, ref)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("hq,hkv,d", [(16, 2, 256), (32, 4, 128)])  # Qwen3-Next's, Qwen3-30B-A3B's
+def test_gpu_extend_split_real_shape(hq: int, hkv: int, d: int) -> None:
+    """16 and 200 new tokens over a 32k prefix (page 16): the split-K extend at
+    the policy's split count equals the plain extend kernel, eagerly and in a
+    CUDA graph captured as prefill graphs capture it (a 256-token bucket, the
+    table's context as the static bound, an empty padding sequence), replayed
+    with each chunk refilled in place; rows past the chunk stay untouched."""
+    prefix, budget, ps = 32_768, 256, 16
+    dev = torch.device("cuda")
+    pool, tables, q, k, v = make_case([budget], [prefix], hq, hkv, d, ps, torch.bfloat16, "cuda")
+    kc, vc = pool.k[0], pool.v[0]
+    cfg = at.AttnKernelConfig.for_device(dev, d)
+    scale = d**-0.5
+    full = build_forward_batch([[1] * budget], [prefix], tables, pool, TorchAttentionBackend()).attn
+    at.store_kv_triton(kc, vc, k, v, full.out_cache_loc)
+
+    def plain(n: int) -> torch.Tensor:
+        meta = build_forward_batch([[1] * n], [prefix], tables, pool, TorchAttentionBackend()).attn
+        return at.extend_attention_triton(q[:n], kc, vc, meta.page_table, meta.qo_indptr, meta.prefix_lens,
+                                          n, ps, scale, cfg)
+
+    for n in (16, 200):  # eager: the step's own host values
+        meta = build_forward_batch([[1] * n], [prefix], tables, pool, TorchAttentionBackend()).attn
+        s = at.TritonAttentionBackend().extend_splits(hq, meta, cfg, dev)
+        assert s > 1, (n, s)
+        split = at.extend_split_attention_triton(q[:n], kc, vc, meta.page_table, meta.qo_indptr,
+                                                 meta.prefix_lens, n, ps, scale, s, cfg)
+        want = plain(n)
+        torch.cuda.synchronize()
+        assert torch.isfinite(split).all()
+        assert rel_err(split, want) < 1e-2, (n, s)
+
+    table = torch.cat([full.page_table, torch.zeros_like(full.page_table)])  # + an empty sequence
+    indptr = torch.zeros(3, dtype=torch.int32, device="cuda")
+    prefix_t = torch.tensor([prefix, 0], dtype=torch.int32, device="cuda")
+    gmeta = dataclasses.replace(full, max_seq_len=table.shape[1] * ps, max_extend_len=budget)
+    s = at.TritonAttentionBackend(extend_token_bound=budget).extend_splits(hq, gmeta, cfg, dev)
+    assert s > 1
+    out = torch.empty_like(q)
+
+    def run() -> None:
+        at.extend_split_attention_triton(q, kc, vc, table, indptr, prefix_t, budget, ps, scale, s, cfg, out=out)
+
+    indptr.copy_(torch.tensor([0, budget, budget]))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for n in (16, 200):
+        indptr.copy_(torch.tensor([0, n, n]))
+        out.fill_(float("nan"))
+        graph.replay()
+        want = plain(n)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out[:n]).all() and out[n:].isnan().all()
+        assert rel_err(out[:n], want) < 1e-2, (n, s)
