@@ -1,4 +1,4 @@
-"""Triton attention over the paged KV cache: KV store, split-K decode, extend.
+"""Triton attention over the paged KV cache: KV store, split-K decode, extend, split-K extend.
 
 Twins of ``paged_attention.store_kv_ref`` / ``paged_attention_ref``. Shapes as in
 ``paged_attention.py``; the cache is one layer of the pool ``[slots, Hkv, D]``
@@ -28,6 +28,21 @@ Extend/prefill runs one program per (query head, block of BLOCK_M new tokens,
 sequence): keys below the block's first query position need no mask (the
 bulk of a long cached prefix), the last few tiles get the causal mask.
 
+Split-K extend (``extend_split_attention_triton``): few new tokens over a long
+prefix give that grid a handful of programs, each walking the whole prefix
+alone. Each program is then cut into S, dealing the block's KV tiles as decode
+does (tile t to split t % S, unmasked tiles first, then the masked ones), each
+split writing a partial (o, lse) per row, and a reduce launch combines them::
+
+    block's tiles:  0 1 .. S-1 | S .. | .. full_end | masked .. kv_end
+    split:          0 1 .. S-1 | 0 .. |             | (t % S)
+                    partial (o, lse) [T, Hq, S]  ->  reduce  ->  o[t, h]
+
+The grid ``(heads * S, cdiv(max_extend_len, BLOCK_M), B)`` and S come from host
+values only (``TritonAttentionBackend.extend_splits``, policy
+``extend_num_splits``: S = 1, the plain kernel, whenever the plain grid fills
+the GPU), so the CUDA-graph contract below holds for it unchanged.
+
 Extend in a CUDA graph (fixed token budget). The grid is
 ``(heads, cdiv(max_extend_len, BLOCK_M), B)`` and depends only on the
 host ints ``max_extend_len`` and ``B = page_table.shape[0]``. Every program reads
@@ -39,7 +54,8 @@ place ``q`` (first ``sum(new)`` rows), ``qo_indptr`` [B+1], ``prefix_lens`` [B],
 ``page_table`` [B, W] and the pool; unused sequences get equal ``qo_indptr``
 entries (zero new tokens) and write nothing. Rows of ``out`` past
 ``qo_indptr[B]`` are left untouched. ``TritonAttentionBackend(extend_token_bound=
-chunk)`` launches extend this way; batches with one token per sequence still
+chunk)`` launches extend this way (split-K too, at an S fixed by the bound and
+the graph's context bound); batches with one token per sequence still
 take the decode path only when the host says so (``batch.is_decode``).
 
 fp8 pools (``float8_e4m3fn`` caches, format in ``paged_attention``): the store
@@ -487,6 +503,11 @@ class TritonAttentionBackend:
     docstring); the one-token-per-sequence shortcut to the decode kernel is then
     taken only for ``batch.is_decode``, since ``max_extend_len`` may change
     between replays.
+
+    Extend steps whose plain grid leaves SMs idle (few new tokens over a long
+    prefix) take the split-K extend at ``extend_splits`` splits, chosen from the
+    token bound and ``max_seq_len`` (host values; a graph's are static);
+    the constructor's ``extend_splits`` fixes the count instead (tests, benches).
     """
 
     name = "triton"
