@@ -318,26 +318,39 @@ def _extend_split_kernel(
     scale_log2,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr, FP8: tl.constexpr,
+    UPCAST: tl.constexpr, FP8: tl.constexpr, BLOCK_G: tl.constexpr = 1,
 ):
-    # _extend_kernel's program (query head, block of BLOCK_M tokens, sequence),
-    # cut NUM_SPLITS ways over its KV tiles: split s takes tiles t = s, s + S, ...
+    # _extend_kernel's program (query head, block of new tokens, sequence), cut
+    # NUM_SPLITS ways over its KV tiles: split s takes tiles t = s, s + S, ...
     # of the block's range [0, kv_end), unmasked ones (below the block's first
     # query) and then the masked ones, and writes a partial (o, lse) per row.
-    head = tl.program_id(0) // NUM_SPLITS
+    # BLOCK_G = 1: a program's BLOCK_M rows are tokens of one query head.
+    # BLOCK_G >= GROUP (a power of two): its rows are BLOCK_M // BLOCK_G tokens
+    # x the GROUP query heads of one KV head (padding heads masked), so each
+    # K/V tile is read once for the whole group, as the decode split kernel does.
+    BLOCK_T: tl.constexpr = BLOCK_M // BLOCK_G  # tokens per program
+    hg = tl.program_id(0) // NUM_SPLITS
     s = tl.program_id(0) % NUM_SPLITS
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
     b = tl.program_id(2)
     q0 = tl.load(qo_indptr_ptr + b)
     n_new = tl.load(qo_indptr_ptr + b + 1) - q0
-    if mb * BLOCK_M < n_new:  # blocks past this sequence's new tokens (static grid) exit
+    if mb * BLOCK_T < n_new:  # blocks past this sequence's new tokens (static grid) exit
         prefix = tl.load(prefix_ptr + b)
-        kvh = head // GROUP
-        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [M] token within the sequence
-        mmask = offs_m < n_new
+        if BLOCK_G == 1:
+            kvh = hg // GROUP
+            head0 = hg
+        else:
+            kvh = hg
+            head0 = hg * GROUP
+        r = tl.arange(0, BLOCK_M)
+        g = r % BLOCK_G
+        heads = head0 + g  # [M]
+        offs_m = mb * BLOCK_T + r // BLOCK_G  # [M] token within the sequence
+        mmask = (offs_m < n_new) & (g < GROUP)
         d = tl.arange(0, D)
         rows = (q0 + offs_m).to(tl.int64)
-        q = tl.load(q_ptr + (rows * stride_qt + head * stride_qh)[:, None] + d[None, :],
+        q = tl.load(q_ptr + (rows * stride_qt + heads * stride_qh)[:, None] + d[None, :],
                     mask=mmask[:, None], other=0.0)  # [M, D]
         q_pos = prefix + offs_m
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -345,9 +358,9 @@ def _extend_split_kernel(
         acc = tl.zeros([BLOCK_M, D], tl.float32)
         pt_row = pt_ptr + b.to(tl.int64) * stride_pt
         head_off = kvh * stride_ch
-        full_tiles = (prefix + mb * BLOCK_M) // BLOCK_N
+        full_tiles = (prefix + mb * BLOCK_T) // BLOCK_N
         full_end = full_tiles * BLOCK_N
-        kv_end = prefix + tl.minimum((mb + 1) * BLOCK_M, n_new)
+        kv_end = prefix + tl.minimum((mb + 1) * BLOCK_T, n_new)
         for n0 in range(s * BLOCK_N, full_end, NUM_SPLITS * BLOCK_N):
             acc, m_i, l_i = _extend_tile(
                 q, acc, m_i, l_i, kc_ptr, vc_ptr, pt_row, head_off, n0, q_pos, kv_end,
@@ -365,9 +378,9 @@ def _extend_split_kernel(
         has = l_i > 0.0  # false: no key of this split is visible to the row
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))  # log2 domain
-        tl.store(mid_o_ptr + (rows * stride_mot + head * stride_moh + s * stride_mos)[:, None] + d[None, :],
+        tl.store(mid_o_ptr + (rows * stride_mot + heads * stride_moh + s * stride_mos)[:, None] + d[None, :],
                  out, mask=(mmask & has)[:, None])
-        tl.store(mid_lse_ptr + rows * stride_mlt + head * stride_mlh + s, lse, mask=mmask)
+        tl.store(mid_lse_ptr + rows * stride_mlt + heads * stride_mlh + s, lse, mask=mmask)
 
 
 @triton.jit
@@ -396,11 +409,12 @@ def _extend_reduce_kernel(
         tl.store(o_ptr + row * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
 
-def extend_split_block_m(max_extend_len: int, cfg: AttnKernelConfig) -> int:
-    """Query rows of a split-K extend program: the chunk's token bound rounded
-    up to a power of two, from 16 (tl.dot's least M) to cfg.extend_block_m, so
-    a 16-token chunk does not multiply 48 rows of padding on every tile."""
-    return min(cfg.extend_block_m, max(16, triton.next_power_of_2(max(1, max_extend_len))))
+def extend_split_block_m(rows: int, cfg: AttnKernelConfig) -> int:
+    """Query rows of a split-K extend program: the chunk's rows (its token
+    bound, times the padded GQA group with ``group_heads``) rounded up to a
+    power of two, from 16 (tl.dot's least M) to cfg.extend_block_m, so a
+    16-token chunk does not multiply 48 rows of padding on every tile."""
+    return min(cfg.extend_block_m, max(16, triton.next_power_of_2(max(1, rows))))
 
 
 def extend_num_splits(programs: int, kv_tiles: int, num_sms: int, cfg: AttnKernelConfig) -> int:
@@ -440,12 +454,16 @@ def extend_split_attention_triton(
     k_scale: torch.Tensor | None = None,  # [slots, Hkv] fp32, fp8 caches only
     v_scale: torch.Tensor | None = None,
     block_m: int | None = None,  # query rows per program; None: extend_split_block_m
+    group_heads: bool = False,
 ) -> torch.Tensor:
     """extend_attention_triton's attention with every program's KV tiles dealt
     to ``num_splits`` programs (tile t to split t % S), partials combined by a
     reduce launch: for few new tokens over a long prefix, where the plain grid
     has too few programs to fill the GPU. Same arguments and graph contract
-    (grid from host values only; rows past ``qo_indptr[B]`` untouched)."""
+    (grid from host values only; rows past ``qo_indptr[B]`` untouched).
+    ``group_heads``: a program's rows are tokens x all query heads of one KV
+    head (``block_m`` // the group, padded to a power of two, tokens each), so
+    every K/V tile is read once per KV head rather than once per query head."""
     t, hq, d = q.shape
     hkv = k_cache.shape[1]
     bsz = page_table.shape[0]
@@ -457,17 +475,20 @@ def extend_split_attention_triton(
     out = torch.empty_like(q) if out is None else out
     if t == 0:
         return out
-    bm = block_m or extend_split_block_m(max_extend_len, cfg)
+    group = hq // hkv
+    block_g = triton.next_power_of_2(group) if group_heads else 1
+    bm = max(block_m or extend_split_block_m(max_extend_len * block_g, cfg), block_g)
     mid_o = torch.empty((t, hq, num_splits, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((t, hq, num_splits), dtype=torch.float32, device=q.device)
     ks, vs, stride_ss, fp8 = scale_args(k_cache, k_scale, v_scale)
-    _extend_split_kernel[(hq * num_splits, triton.cdiv(max_extend_len, bm), bsz)](
+    programs = hkv if group_heads else hq
+    _extend_split_kernel[(programs * num_splits, triton.cdiv(max_extend_len, bm // block_g), bsz)](
         q, k_cache, v_cache, page_table, qo_indptr, prefix_lens, ks, vs, mid_o, mid_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0), stride_ss,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         scale * LOG2E,
-        PAGE_SIZE=page_size, GROUP=hq // hkv, D=d, BLOCK_M=bm, BLOCK_N=cfg.extend_block_n,
-        NUM_SPLITS=num_splits, UPCAST=interpreting(), FP8=fp8,
+        PAGE_SIZE=page_size, GROUP=group, D=d, BLOCK_M=bm, BLOCK_N=cfg.extend_block_n,
+        NUM_SPLITS=num_splits, UPCAST=interpreting(), FP8=fp8, BLOCK_G=block_g,
         num_warps=cfg.extend_warps, num_stages=cfg.extend_stages,
     )
     _extend_reduce_kernel[(t, hq)](

@@ -418,13 +418,15 @@ def _split_case(new_lens: list[int], prefix_lens: list[int], hq: int, hkv: int, 
     return pool, (q, pool.k[0], pool.v[0], table, indptr, prefix), ref
 
 
-@pytest.mark.parametrize("splits,hq", [(1, 4), (2, 4), (3, 4), (4, 4), (3, 8)])  # GQA groups of 2 and 4
-def test_extend_split_matches_extend_and_reference(splits: int, hq: int) -> None:
+@pytest.mark.parametrize("splits,hq,grouped", [(1, 4, False), (2, 4, False), (3, 4, False), (4, 4, False),
+                                                (3, 8, False), (3, 4, True), (4, 8, True), (2, 6, True)])
+def test_extend_split_matches_extend_and_reference(splits: int, hq: int, grouped: bool) -> None:
     """Several sequences (a cold one, a single new token, a prefix of 0, prefixes
     longer than a split's share of tiles, more splits than a sequence has
     tiles), two empty padding sequences and padding rows: the split-K launch
     equals the plain extend kernel and the torch twin, and leaves the padding
-    rows alone."""
+    rows alone. ``grouped``: a program serves all query heads of a KV head
+    (GQA groups of 2, 4 and 3, padded to 4)."""
     new, pre = [7, 1, 20, 3, 1], [0, 5, 13, 70, 0]
     t = sum(new)
     _, args, ref = _split_case(new, pre, hq, 2, pad_seqs=2, pad_tokens=5)
@@ -432,7 +434,7 @@ def test_extend_split_matches_extend_and_reference(splits: int, hq: int) -> None
     plain = torch.full_like(args[0], float("nan"))
     at.extend_attention_triton(*args, bound, 4, 32**-0.5, out=plain)
     split = torch.full_like(args[0], float("nan"))
-    at.extend_split_attention_triton(*args, bound, 4, 32**-0.5, splits, out=split)
+    at.extend_split_attention_triton(*args, bound, 4, 32**-0.5, splits, out=split, group_heads=grouped)
     assert torch.isfinite(split[:t]).all() and split[t:].isnan().all()
     assert rel_err(split[:t], plain[:t]) < FP32_TOL
     assert rel_err(split[:t], ref) < FP32_TOL
@@ -444,8 +446,8 @@ def test_extend_split_rows_past_their_keys() -> None:
     rows (their partial is empty, lse -inf, and the reduce weighs it 0), and
     the result is still attention; so with 64-row blocks, 2 and 3 splits."""
     _, args, ref = _split_case([32], [2], 4, 2)
-    for splits, bm in ((8, 16), (2, 64), (3, 64)):
-        out = at.extend_split_attention_triton(*args, 32, 4, 32**-0.5, splits, block_m=bm)
+    for splits, bm, grouped in ((8, 16, False), (2, 64, False), (3, 64, False), (3, 64, True)):
+        out = at.extend_split_attention_triton(*args, 32, 4, 32**-0.5, splits, block_m=bm, group_heads=grouped)
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) < FP32_TOL
 
@@ -788,10 +790,13 @@ def test_gpu_extend_split_real_shape(hq: int, hkv: int, d: int) -> None:
         assert s > 1, (n, s)
         split = at.extend_split_attention_triton(q[:n], kc, vc, meta.page_table, meta.qo_indptr,
                                                  meta.prefix_lens, n, ps, scale, s, cfg)
+        grouped = at.extend_split_attention_triton(q[:n], kc, vc, meta.page_table, meta.qo_indptr,
+                                                   meta.prefix_lens, n, ps, scale, s, cfg, group_heads=True)
         want = plain(n)
         torch.cuda.synchronize()
-        assert torch.isfinite(split).all()
+        assert torch.isfinite(split).all() and torch.isfinite(grouped).all()
         assert rel_err(split, want) < 1e-2, (n, s)
+        assert rel_err(grouped, want) < 1e-2, (n, s)
 
     table = torch.cat([full.page_table, torch.zeros_like(full.page_table)])  # + an empty sequence
     indptr = torch.zeros(3, dtype=torch.int32, device="cuda")

@@ -114,6 +114,10 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n,
               NUM_SPLITS=8, UPCAST=False, FP8=True),
          cfg.extend_warps, cfg.extend_stages)
+    comp("extend_split_grouped_d256", at._extend_split_kernel, attn,  # group_heads: 8 tokens x 8 heads
+         dict(PAGE_SIZE=16, GROUP=8, D=256, BLOCK_M=64, BLOCK_N=cfg256.extend_block_n, NUM_SPLITS=32,
+              UPCAST=False, BLOCK_G=8),
+         cfg256.extend_warps, cfg256.extend_stages)
     comp("extend_reduce", at._extend_reduce_kernel, attn, dict(NUM_SPLITS=32, BLOCK_S=32, D=256), 4, 1)
     comp("route", mt._route_kernel, {"logits_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": i32},
          dict(TOP_K=8, BLOCK_T=16, BLOCK_E=128, BLOCK_K=8, RENORM=True))

@@ -15,6 +15,9 @@ layer call by CUDA-graph replay (device time):
     split     extend_split_attention_triton at the policy's S (S = 1: at
               --probe-splits, to show what splitting would cost there)
     ratio     plain / split (> 1: split-K is faster)
+    grouped   the split-K launch with group_heads (a program per KV head serves
+              all its query heads: K/V read once per group), S from the same
+              policy over its grid; the backend takes the per-head launch
 
 and checks the two agree (bf16 tolerance).
 
@@ -27,6 +30,7 @@ import argparse
 import math
 
 import torch
+import triton
 
 from ftserve.models.forward_batch import AttentionMetadata
 from ftserve_kernels import attention_triton as at
@@ -61,13 +65,27 @@ def case(hq: int, hkv: int, d: int, new: int, prefix: int, probe: int) -> dict[s
     def split() -> None:
         at.extend_split_attention_triton(q, kc, vc, table, qo, pre, new, PAGE, scale, splits, cfg, out=out_s)
 
-    plain_us, split_us = bench_graph(plain) * 1e6, bench_graph(split) * 1e6
-    err = rel_err(out_s, out_p)
+    # Grouped: a program serves the GQA group's query heads (rows = tokens x group), so
+    # each K/V tile is read once per KV head; S from the same policy over its own grid.
+    bg = triton.next_power_of_2(hq // hkv)
+    rows_g = max(at.extend_split_block_m(new * bg, cfg), bg)
+    pol_g = at.extend_num_splits(hkv * triton.cdiv(new, rows_g // bg), triton.cdiv(kv, cfg.extend_block_n),
+                                 at._num_sms(q.device), cfg)
+    splits_g = pol_g if pol_g > 1 else probe
+    out_g = torch.empty_like(q)
+
+    def grouped() -> None:
+        at.extend_split_attention_triton(q, kc, vc, table, qo, pre, new, PAGE, scale, splits_g, cfg, out=out_g,
+                                         group_heads=True)
+
+    plain_us, split_us, grouped_us = (bench_graph(f) * 1e6 for f in (plain, split, grouped))
+    err = max(rel_err(out_s, out_p), rel_err(out_g, out_p))
     assert err < 2e-2, f"split-K disagrees with the plain kernel: rel err {err:.2e}"
     # K and V bytes the chunk must read at least once (every KV head, the whole range).
     mib = 2 * kv * hkv * d * 2 / 2**20
     return {"heads": f"{hq}/{hkv}x{d}", "new": new, "prefix": prefix, "policy_splits": policy,
             "splits": splits, "plain_us": plain_us, "split_us": split_us, "ratio": plain_us / split_us,
+            "grouped_splits": splits_g, "grouped_probe": pol_g == 1, "grouped_us": grouped_us, "grouped_ratio": plain_us / grouped_us,
             "kv_mib": mib, "rel_err": err}
 
 
@@ -90,12 +108,15 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.empty_cache()
     print(f"extend attention, us per layer call (CUDA-graph replay), {torch.cuda.get_device_name()}, page {PAGE}")
     print()
-    print("| heads | new | prefix | K+V MiB | S (policy) | plain us | split-K us | plain / split |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| heads | new | prefix | K+V MiB | S (policy) | plain us | split-K us | plain / split "
+          "| grouped S | grouped us | plain / grouped |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         s = f"{r['policy_splits']}" if r["policy_splits"] > 1 else f"1 (probe {r['splits']})"
         print(f"| {r['heads']} | {r['new']} | {r['prefix']} | {r['kv_mib']:.0f} | {s} | {r['plain_us']:.1f} | "
-              f"{r['split_us']:.1f} | {r['ratio']:.2f} |")
+              f"{r['split_us']:.1f} | {r['ratio']:.2f} | {r['grouped_splits']}{' (probe)' if r['grouped_probe'] else ''} "
+              f"| {r['grouped_us']:.1f} "
+              f"| {r['grouped_ratio']:.2f} |")
     if args.out:
         write_json(args.out, {"args": vars(args), "device": torch.cuda.get_device_name(), "rows": rows})
     return 0
