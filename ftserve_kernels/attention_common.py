@@ -127,6 +127,13 @@ class AttnKernelConfig:
     # split holds nothing, so at short contexts fewer programs do the same
     # work (0: off). Long contexts keep max_splits, where fewer splits lose.
     short_context_splits: int = 64
+    # Split-K extend (attention_triton.extend_num_splits): a grid of fewer
+    # programs than SMs (few new tokens over a long prefix) is cut into at most
+    # extend_max_splits KV splits, towards extend_programs_per_sm programs per
+    # SM, each split holding at least extend_split_min_tiles tiles.
+    extend_max_splits: int = 32
+    extend_programs_per_sm: int = 2
+    extend_split_min_tiles: int = 8
 
     @staticmethod
     def for_device(device: torch.device, head_dim: int) -> AttnKernelConfig:
@@ -140,7 +147,8 @@ class AttnKernelConfig:
 def _config_for(device_type: str, head_dim: int) -> AttnKernelConfig:
     # Cached: the backend asks on every layer of every step.
     if device_type != "cuda":
-        return AttnKernelConfig(16, 16, 4, 1, 16, 4, 1, 8)
+        # Splits from a single tile, so the tests' tiny contexts take split-K too.
+        return AttnKernelConfig(16, 16, 4, 1, 16, 4, 1, 8, extend_split_min_tiles=1)
     if head_dim > 128:
         # Shared memory: Q + staged K/V tiles. Decode: 8 warps, as the fp8 cache's
         # [64, 256] K and V tiles are converted to bf16 in registers; at 4 warps that

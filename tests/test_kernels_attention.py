@@ -397,6 +397,152 @@ def test_decode_at_the_short_context_cap_is_attention(prefix: list[int]) -> None
     assert rel_err(out, ref) < 1e-5, rel_err(out, ref)
 
 
+# ---------------------------------------------------------------- split-K extend
+
+
+def _split_case(new_lens: list[int], prefix_lens: list[int], hq: int, hkv: int, pad_seqs: int = 0,
+                pad_tokens: int = 0):  # type: ignore[no-untyped-def]
+    """make_case's pool with the new K/V stored, and the extend arguments of a
+    batch padded as prefill graphs pad: ``pad_seqs`` empty sequences (qo_indptr
+    repeats, the dummy page row) and ``pad_tokens`` q rows past qo_indptr[B]."""
+    pool, tables, q, k, v = make_case(new_lens, prefix_lens, hq, hkv, 32, 4, torch.float32, DEVICE)
+    fb = build_forward_batch([[1] * n for n in new_lens], prefix_lens, tables, pool, TorchAttentionBackend())
+    meta = fb.attn
+    at.store_kv_triton(pool.k[0], pool.v[0], k, v, meta.out_cache_loc)
+    table = torch.cat([meta.page_table, torch.zeros_like(meta.page_table[:1]).repeat(pad_seqs, 1)])
+    indptr = torch.cat([meta.qo_indptr, meta.qo_indptr[-1:].repeat(pad_seqs)])
+    prefix = torch.cat([meta.prefix_lens, torch.full((pad_seqs,), 3, dtype=torch.int32, device=DEVICE)])
+    q = torch.cat([q, torch.randn(pad_tokens, hq, 32, device=DEVICE)])
+    ref = paged_attention_ref(q[: sum(new_lens)], pool.k[0], pool.v[0], meta.page_table, meta.qo_indptr.tolist(),
+                              meta.seq_lens.tolist(), 4, 32**-0.5)
+    return pool, (q, pool.k[0], pool.v[0], table, indptr, prefix), ref
+
+
+@pytest.mark.parametrize("splits,hq,grouped", [(1, 4, False), (2, 4, False), (3, 4, False), (4, 4, False),
+                                                (3, 8, False), (3, 4, True), (4, 8, True), (2, 6, True)])
+def test_extend_split_matches_extend_and_reference(splits: int, hq: int, grouped: bool) -> None:
+    """Several sequences (a cold one, a single new token, a prefix of 0, prefixes
+    longer than a split's share of tiles, more splits than a sequence has
+    tiles), two empty padding sequences and padding rows: the split-K launch
+    equals the plain extend kernel and the torch twin, and leaves the padding
+    rows alone. ``grouped``: a program serves all query heads of a KV head
+    (GQA groups of 2, 4 and 3, padded to 4)."""
+    new, pre = [7, 1, 20, 3, 1], [0, 5, 13, 70, 0]
+    t = sum(new)
+    _, args, ref = _split_case(new, pre, hq, 2, pad_seqs=2, pad_tokens=5)
+    bound = 24  # a static bound above the longest chunk, as in a graph
+    plain = torch.full_like(args[0], float("nan"))
+    at.extend_attention_triton(*args, bound, 4, 32**-0.5, out=plain)
+    split = torch.full_like(args[0], float("nan"))
+    at.extend_split_attention_triton(*args, bound, 4, 32**-0.5, splits, out=split, group_heads=grouped)
+    assert torch.isfinite(split[:t]).all() and split[t:].isnan().all()
+    assert rel_err(split[:t], plain[:t]) < FP32_TOL
+    assert rel_err(split[:t], ref) < FP32_TOL
+
+
+def test_extend_split_rows_past_their_keys() -> None:
+    """32 new tokens in 16-row blocks over a 2-token prefix, 8 splits: the
+    split holding a block's last masked tile has no key visible to its first
+    rows (their partial is empty, lse -inf, and the reduce weighs it 0), and
+    the result is still attention; so with 64-row blocks, 2 and 3 splits."""
+    _, args, ref = _split_case([32], [2], 4, 2)
+    for splits, bm, grouped in ((8, 16, False), (2, 64, False), (3, 64, False), (3, 64, True)):
+        out = at.extend_split_attention_triton(*args, 32, 4, 32**-0.5, splits, block_m=bm, group_heads=grouped)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < FP32_TOL
+
+
+def test_extend_num_splits_policy() -> None:
+    """H100 (132 SMs), Qwen3-Next's attention (16 q heads, head_dim 256) and
+    Qwen3-30B-A3B's (32 q heads, 128): few new tokens over a long prefix get
+    many splits; a grid that fills the GPU, or a context too short to share,
+    keeps the plain kernel (S = 1)."""
+    sms = 132
+    for hq, d in ((16, 256), (32, 128)):
+        cfg = at.AttnKernelConfig.for_device(torch.device("cuda"), d)
+        bm, bn = cfg.extend_block_m, cfg.extend_block_n
+
+        def splits(new: int, kv: int, cfg: at.AttnKernelConfig = cfg, hq: int = hq,
+                   bm: int = bm, bn: int = bn) -> int:
+            return at.extend_num_splits(hq * -(-new // bm), -(-kv // bn), sms, cfg)
+
+        s16 = splits(16, 106_000 + 16)  # the agentic turn / hybrid tail chunk
+        assert 1 < s16 <= cfg.extend_max_splits and hq * s16 >= cfg.extend_programs_per_sm * sms
+        s200 = splits(200, 100_000 + 200)
+        assert 1 < s200 < cfg.extend_max_splits and hq * 4 * s200 >= 2 * sms
+        assert 1 < splits(16, 8_192 + 16) <= cfg.extend_max_splits
+        assert splits(4096, 4096) == 1 and splits(4096, 100_000 + 4096) == 1  # the cold chunk's path
+        assert splits(16, 16) == 1 and splits(200, 200) == 1  # nothing worth sharing
+        for new, kv in ((16, 300), (64, 2000), (256, 50_000)):  # powers of two, capped, >= min tiles each
+            s = splits(new, kv)
+            assert s & (s - 1) == 0 and s <= cfg.extend_max_splits
+            assert s == 1 or s * cfg.extend_split_min_tiles <= -(-kv // bn)
+
+
+def test_backend_extend_splits_from_host_values() -> None:
+    """The backend asks the policy with the step's host values (eager: each
+    sequence's new tokens) or the graph's static bound; an explicit count wins."""
+    cfg = at.AttnKernelConfig.for_device(torch.device(DEVICE), 32)
+    dev = torch.device(DEVICE)
+    pool = KVPool(1, 80, 4, 2, 32, torch.float32, DEVICE)
+    meta = build_forward_batch([[1] * 5], [300], [list(range(1, 78))], pool, TorchAttentionBackend()).attn
+    sms = at._num_sms(dev)
+    blocks = -(-5 // cfg.extend_block_m)
+    want = at.extend_num_splits(2 * blocks, -(-305 // cfg.extend_block_n), sms, cfg)
+    assert at.TritonAttentionBackend().extend_splits(2, meta, cfg, dev) == want > 1
+    # A graph bucket of 16 blocks per head fills these SMs: the plain kernel.
+    graph = at.TritonAttentionBackend(extend_token_bound=16 * cfg.extend_block_m)
+    assert graph.extend_splits(2, meta, cfg, dev) == (1 if 2 * 16 >= sms else want)
+    assert at.TritonAttentionBackend(extend_splits=3).extend_splits(2, meta, cfg, dev) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_split_extend_matches_reference(dtype: torch.dtype) -> None:
+    """TritonAttentionBackend.forward on the split-K path (store + split + reduce)
+    against the torch backend, and with an output gate."""
+    new, pre = [3, 1, 9], [40, 0, 21]
+    pool, tables, q, k, v = make_case(new, pre, 4, 2, 32, 4, dtype, DEVICE)
+    ref_pool = KVPool(1, pool.num_pages, 4, 2, 32, dtype, DEVICE)
+    ref_pool.k.copy_(pool.k)
+    ref_pool.v.copy_(pool.v)
+    toks = [[1] * n for n in new]
+    be = at.TritonAttentionBackend(extend_splits=4)
+    gate = torch.randn_like(q)
+    out = be.forward(q, k, v, 0, build_forward_batch(toks, pre, tables, pool, be), out_gate=gate)
+    ref_fb = build_forward_batch(toks, pre, tables, ref_pool, TorchAttentionBackend())
+    ref = ref_fb.attn_backend.forward(q, k, v, 0, ref_fb, out_gate=gate)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < (FP32_TOL if dtype == torch.float32 else 2e-2)
+
+
+def test_model_greedy_with_split_extend_over_a_prefix_hit(tmp_path: object) -> None:
+    """The real model path: a prompt's KV cached (torch backend), then a short
+    turn over it through the split-K extend (4 splits, both layers), then decode:
+    the greedy tokens equal a full recompute's."""
+    from ftserve.models.checkpoint import write_checkpoint
+    from ftserve.models.loader import load_model
+    from tests.engine_util import make_context_sensitive, reference_greedy
+
+    write_checkpoint("tiny-moe", tmp_path, config_only=True)  # type: ignore[arg-type]
+    model, mcfg = load_model(tmp_path, "float32", "cpu", "dummy")  # type: ignore[arg-type]
+    make_context_sensitive(model)
+    g = torch.Generator().manual_seed(5)
+    first = torch.randint(10, 32000, (45,), generator=g).tolist()
+    turn = torch.randint(10, 32000, (6,), generator=g).tolist()
+    pool = KVPool(len(mcfg.kv_layers), 8, 16, mcfg.num_kv_heads, mcfg.head_dim, torch.float32, "cpu")
+    pages = list(range(1, 8))
+    seq = first + turn
+    with torch.inference_mode():
+        model(build_forward_batch([first], [0], [pages], pool, TorchAttentionBackend()))
+        split = at.TritonAttentionBackend(extend_splits=4)
+        out = [int(model(build_forward_batch([turn], [len(first)], [pages], pool, split))[0].argmax())]
+        for _ in range(2):
+            fb = build_forward_batch([[out[-1]]], [len(seq) + len(out) - 1], [pages], pool,
+                                     TorchAttentionBackend())
+            out.append(int(model(fb)[0].argmax()))
+    assert out == reference_greedy(model, mcfg, seq, 3)
+
+
 # ---------------------------------------------------------------- GPU, real shapes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -613,3 +759,70 @@ def test_gpu_decode_qk_fold_real_shape() -> None:
     torch.testing.assert_close(pool.k.nan_to_num(7.0), ref_pool.k.nan_to_num(7.0), rtol=2e-2, atol=2e-2)
     assert torch.equal(pool.v.nan_to_num(7.0), ref_pool.v.nan_to_num(7.0))
     assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2, rel_err(out, ref)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("hq,hkv,d", [(16, 2, 256), (32, 4, 128)])  # Qwen3-Next's, Qwen3-30B-A3B's
+def test_gpu_extend_split_real_shape(hq: int, hkv: int, d: int) -> None:
+    """16 and 200 new tokens over a 32k prefix (page 16): the split-K extend at
+    the policy's split count equals the plain extend kernel, eagerly and in a
+    CUDA graph captured as prefill graphs capture it (a 256-token bucket, the
+    table's context as the static bound, an empty padding sequence), replayed
+    with each chunk refilled in place; rows past the chunk stay untouched."""
+    prefix, budget, ps = 32_768, 256, 16
+    dev = torch.device("cuda")
+    pool, tables, q, k, v = make_case([budget], [prefix], hq, hkv, d, ps, torch.bfloat16, "cuda")
+    kc, vc = pool.k[0], pool.v[0]
+    cfg = at.AttnKernelConfig.for_device(dev, d)
+    scale = d**-0.5
+    full = build_forward_batch([[1] * budget], [prefix], tables, pool, TorchAttentionBackend()).attn
+    at.store_kv_triton(kc, vc, k, v, full.out_cache_loc)
+
+    def plain(n: int) -> torch.Tensor:
+        meta = build_forward_batch([[1] * n], [prefix], tables, pool, TorchAttentionBackend()).attn
+        return at.extend_attention_triton(q[:n], kc, vc, meta.page_table, meta.qo_indptr, meta.prefix_lens,
+                                          n, ps, scale, cfg)
+
+    for n in (16, 200):  # eager: the step's own host values
+        meta = build_forward_batch([[1] * n], [prefix], tables, pool, TorchAttentionBackend()).attn
+        s = at.TritonAttentionBackend().extend_splits(hq, meta, cfg, dev)
+        assert s > 1, (n, s)
+        split = at.extend_split_attention_triton(q[:n], kc, vc, meta.page_table, meta.qo_indptr,
+                                                 meta.prefix_lens, n, ps, scale, s, cfg)
+        grouped = at.extend_split_attention_triton(q[:n], kc, vc, meta.page_table, meta.qo_indptr,
+                                                   meta.prefix_lens, n, ps, scale, s, cfg, group_heads=True)
+        want = plain(n)
+        torch.cuda.synchronize()
+        assert torch.isfinite(split).all() and torch.isfinite(grouped).all()
+        assert rel_err(split, want) < 1e-2, (n, s)
+        assert rel_err(grouped, want) < 1e-2, (n, s)
+
+    table = torch.cat([full.page_table, torch.zeros_like(full.page_table)])  # + an empty sequence
+    indptr = torch.zeros(3, dtype=torch.int32, device="cuda")
+    prefix_t = torch.tensor([prefix, 0], dtype=torch.int32, device="cuda")
+    gmeta = dataclasses.replace(full, max_seq_len=table.shape[1] * ps, max_extend_len=budget)
+    s = at.TritonAttentionBackend(extend_token_bound=budget).extend_splits(hq, gmeta, cfg, dev)
+    assert s > 1
+    out = torch.empty_like(q)
+
+    def run() -> None:
+        at.extend_split_attention_triton(q, kc, vc, table, indptr, prefix_t, budget, ps, scale, s, cfg, out=out)
+
+    indptr.copy_(torch.tensor([0, budget, budget]))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for n in (16, 200):
+        indptr.copy_(torch.tensor([0, n, n]))
+        out.fill_(float("nan"))
+        graph.replay()
+        want = plain(n)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out[:n]).all() and out[n:].isnan().all()
+        assert rel_err(out[:n], want) < 1e-2, (n, s)

@@ -99,6 +99,26 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m,
               BLOCK_N=cfg.extend_block_n, UPCAST=False),
          cfg.extend_warps, cfg.extend_stages)
+    # Split-K extend (few new tokens over a long prefix): 64-row blocks at d 128, 16-row
+    # blocks at Qwen3-Next's d 256 (its config: 32-key tiles, 2 stages), fp8 pages; the reduce.
+    comp("extend_split", at._extend_split_kernel, attn,
+         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n,
+              NUM_SPLITS=8, UPCAST=False),
+         cfg.extend_warps, cfg.extend_stages)
+    cfg256 = at.AttnKernelConfig.for_device(__import__("torch").device("cuda"), 256)
+    comp("extend_split_bm16_d256", at._extend_split_kernel, attn,
+         dict(PAGE_SIZE=16, GROUP=8, D=256, BLOCK_M=16, BLOCK_N=cfg256.extend_block_n, NUM_SPLITS=32,
+              UPCAST=False),
+         cfg256.extend_warps, cfg256.extend_stages)
+    comp("extend_split_fp8", at._extend_split_kernel, attn8,
+         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n,
+              NUM_SPLITS=8, UPCAST=False, FP8=True),
+         cfg.extend_warps, cfg.extend_stages)
+    comp("extend_split_grouped_d256", at._extend_split_kernel, attn,  # group_heads: 8 tokens x 8 heads
+         dict(PAGE_SIZE=16, GROUP=8, D=256, BLOCK_M=64, BLOCK_N=cfg256.extend_block_n, NUM_SPLITS=32,
+              UPCAST=False, BLOCK_G=8),
+         cfg256.extend_warps, cfg256.extend_stages)
+    comp("extend_reduce", at._extend_reduce_kernel, attn, dict(NUM_SPLITS=32, BLOCK_S=32, D=256), 4, 1)
     comp("route", mt._route_kernel, {"logits_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": i32},
          dict(TOP_K=8, BLOCK_T=16, BLOCK_E=128, BLOCK_K=8, RENORM=True))
     align = {"ids_ptr": i32, "hist_ptr": i32, "sorted_ptr": i32, "block_expert_ptr": i32,
@@ -329,7 +349,7 @@ def test_kernels_compile_for_sm90() -> None:
                  "greedy_sample_pdl", "rotary_store_pdl"):
         # Their every load reads an earlier kernel's output: none may move above the wait.
         assert results[name]["loads_before_wait"] == 0, (name, results[name])
-    for name in ("extend", "decode_split", "decode_split_qk", "decode_split_qk_nonorm",
+    for name in ("extend", "extend_split", "decode_split", "decode_split_qk", "decode_split_qk_nonorm",
                  "moe_gate_up_T1",
                  "moe_gate_up_T8192"):
         assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"

@@ -185,6 +185,17 @@ def test_extend_fp8_matches_reference(qdtype: torch.dtype) -> None:
     assert rel_err(ref, exact) < 0.05  # only the new tokens' quantization differs
 
 
+@pytest.mark.parametrize("splits", [2, 5])
+def test_extend_split_fp8_matches_reference(splits: int) -> None:
+    """The split-K extend (TritonAttentionBackend with forced splits) on fp8
+    pages: the same codes, scales and dequantization as the plain kernel."""
+    out, ref, exact = run_both([5, 1, 9], [40, 0, 21], 4, 2, 32, 4, torch.float32, False,
+                               at.TritonAttentionBackend(extend_splits=splits))
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-4
+    assert rel_err(ref, exact) < 0.05
+
+
 def test_decode_fp8_matches_reference() -> None:
     cfg = at.AttnKernelConfig.for_device(torch.device(DEVICE), 32)
     out, ref, exact = run_both([1, 1, 1], [0, 37, 12], 8, 2, 32, 8, torch.float32, True,

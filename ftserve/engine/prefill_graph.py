@@ -18,7 +18,11 @@ views of the device buffer and of each pinned staging copy::
 
 Padding tokens write their K/V to the dummy page and attend to nothing; empty
 sequences read the dummy page-table row; the extend kernel sizes its grid from
-the bucket (``extend_token_bound``) and skips what lies past each sequence. Rows
+the bucket (``extend_token_bound``) and skips what lies past each sequence; a
+bucket whose grid leaves SMs idle (few tokens) attends split-K over the KV at a
+split count fixed at capture from the bucket and the static context bound
+(TritonAttentionBackend.extend_splits), so a small chunk over a long prefix
+still fills the GPU. Rows
 of padding tokens carry garbage through the layers but every op is row-local,
 and only the real sequences' last rows become logits. Sampling runs eagerly on
 the graph's static logits (it is a handful of launches).
