@@ -172,7 +172,9 @@ def _launches() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int
     shape = mc.shape_key(e, h, inter, k)
     moe = {"x_ptr": bf, "a_ptr": bf, "w_ptr": bf, "out_ptr": bf, "weights_ptr": f32, "sorted_ptr": i32,
            "block_expert_ptr": i32, "total_ptr": i32}
-    align = {"ids_ptr": i32, "hist_ptr": i32, "sorted_ptr": i32, "block_expert_ptr": i32, "total_ptr": i32}
+    # valid_ptr: a captured prefill bucket's real tokens (ForwardBatch.valid_tokens), as graphs run it
+    align = {"ids_ptr": i32, "hist_ptr": i32, "sorted_ptr": i32, "block_expert_ptr": i32, "total_ptr": i32,
+             "valid_ptr": i32}
     moe_cfgs: set[mc.MoeConfig] = set()
     align_plans: set[tuple[int, ...]] = set()
     for t in PREFILL_TOKENS:
@@ -186,10 +188,11 @@ def _launches() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int
     for block_m, pre, block_e, chunk in sorted(align_plans):
         tag = f"bm{block_m}_c{chunk}"
         if pre:
-            out.append((f"align_hist_{tag}", ma._align_hist_kernel, align, dict(BLOCK_E=block_e, CHUNK=chunk), 4, 3))
+            out.append((f"align_hist_{tag}", ma._align_hist_kernel, align,
+                        dict(BLOCK_E=block_e, CHUNK=chunk, HAS_VALID=True), 4, 3))
         out.append((f"align_place_{tag}_pre{pre}", ma._align_place_kernel, align,
                     dict(BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, HIST_ROWS=max(1, 4096 // block_e),
-                         FILL=max(16, 8192 // block_e), PRECOUNTED=bool(pre)),
+                         FILL=max(16, 8192 // block_e), PRECOUNTED=bool(pre), HAS_VALID=True),
                     8 if min(chunk, 16384 // block_e) * block_e > 4096 else 4, 3))
     for c in sorted(moe_cfgs, key=str):
         tag = f"m{c.block_m}n{c.block_n}k{c.block_k}w{c.num_warps}s{c.num_stages}"
