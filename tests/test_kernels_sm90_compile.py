@@ -122,11 +122,11 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     comp("route", mt._route_kernel, {"logits_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": i32},
          dict(TOP_K=8, BLOCK_T=16, BLOCK_E=128, BLOCK_K=8, RENORM=True))
     align = {"ids_ptr": i32, "hist_ptr": i32, "sorted_ptr": i32, "block_expert_ptr": i32,
-             "total_ptr": i32}
-    for pre in (False, True):
+             "total_ptr": i32, "valid_ptr": i32}
+    for pre in (False, True):  # valid_ptr: as captured prefill graphs launch them
         comp(f"align_place_{pre}", ma._align_place_kernel, align,
-             dict(BLOCK_M=64, BLOCK_E=128, CHUNK=128, HIST_ROWS=32, FILL=64, PRECOUNTED=pre), 8)
-    comp("align_hist", ma._align_hist_kernel, align, dict(BLOCK_E=128, CHUNK=128))
+             dict(BLOCK_M=64, BLOCK_E=128, CHUNK=128, HIST_ROWS=32, FILL=64, PRECOUNTED=pre, HAS_VALID=True), 8)
+    comp("align_hist", ma._align_hist_kernel, align, dict(BLOCK_E=128, CHUNK=128, HAS_VALID=True))
     moe = {"x_ptr": bf, "a_ptr": bf, "w_ptr": bf, "out_ptr": bf, "weights_ptr": "*fp32",
            "sorted_ptr": i32, "block_expert_ptr": i32, "total_ptr": i32}
     for t in (1, 8192):
