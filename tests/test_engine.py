@@ -467,3 +467,29 @@ def test_pack_decode_rows_is_one_decode_row_per_request(padded_bs: int) -> None:
     into = pack_decode_rows(batch, ps, sink, padded_bs, out=buf[8 * WORDS:])
     assert into.data_ptr() == buf.data_ptr() + 8 * WORDS * 8 and torch.equal(into, got)
     assert (buf[:8 * WORDS] == -7).all() and (buf[8 * WORDS + padded_bs * WORDS:] == -7).all()
+
+
+@pytest.mark.parametrize("limit", ["max_tokens", "max_model_len"])
+def test_overlap_launches_no_step_past_the_last_token(model_dir: str, limit: str) -> None:
+    """With overlap scheduling the next step is planned while one is in flight;
+    a request whose in-flight step samples its last token (by max_tokens or the
+    context limit, both known by count) is not decoded again: n output tokens
+    cost one prefill and n - 1 decode steps, the same as without overlap."""
+    from ftserve.engine.driver import EngineDriver
+
+    eng = make_engine(model_dir, max_model_len=16 if limit == "max_model_len" else 4096)
+    try:
+        drv = EngineDriver(eng)
+        prompt_ids = prompt(random.Random(5), 10)
+        req = drv.add(prompt_ids, max_tokens=6 if limit == "max_tokens" else 100)
+        launched = []
+        for _ in range(20):
+            batch = drv.step()
+            if batch is not None:
+                launched.append(batch.is_decode)
+            if drv.idle:
+                break
+        assert req.finish_reason == "length" and req.num_outputs == 6
+        assert launched == [False] + [True] * 5, launched
+    finally:
+        eng.shutdown()

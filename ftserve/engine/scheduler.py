@@ -279,6 +279,8 @@ class Scheduler:
                 continue  # prefilling, or preempted by this loop (WAITING, out of running)
             if req.inflight and req.inflight_row < 0:
                 continue  # defensive: an in-flight step that samples nothing
+            if req.num_inflight_tokens and self._last_in_flight(req):
+                continue  # its in-flight step samples its last token: nothing follows it
             while not self._reserve(req, req.computed_len + req.num_inflight_tokens + 1):
                 victim = self._pick_victim(exclude=req)
                 if victim is None:
@@ -678,6 +680,13 @@ class Scheduler:
             req.internal_error = True
             return "error"
         return "stop" if req.grammar.done else None
+
+    def _last_in_flight(self, req: Req) -> bool:
+        """Whether the token req's in-flight step samples ends it by count
+        (max_tokens, the context limit): the overlap planner then leaves it out of
+        the next step, which would only compute a token that is thrown away."""
+        return (req.num_outputs + 1 >= req.params.max_tokens
+                or len(req.tokens) + 1 >= self.max_model_len)
 
     def _stop_reason(self, req: Req, tok: int) -> str | None:
         return self._stop_reason_at(req.params, tok, req.num_outputs, len(req.tokens))
