@@ -14,7 +14,7 @@
 # on 2026-12-01 74 of ~110 passed in 240 s, the other 35 took 118 s more), so a
 # benchmark call can skip them (GPU_SUITE_SKIP=gpu_tests);
 # fp8: the fp8 tests, tools.bench.fp8 (fp8 against bf16 in one run), tools.bench.fp8_prefill_sweep;
-# hybrid: the hybrid engine's gpu tests and tools.bench.hybrid (issue 33);
+# hybrid: the hybrid engine's gpu tests and the attention kernels' (split-K extend), tools.bench.extend_split, tools.bench.hybrid (issue 33);
 # spec: the speculation gpu tests, tools.bench.verify_attention, then tools.bench.spec on the qwen3-30b-a3b shape and,
 # with SPEC_GGUF=PATH (the SmolLM2 GGUF; the device fetches nothing), tools.bench.spec_trace (decode vs
 # verify step timelines) and tools.bench.spec on the real model;
@@ -79,7 +79,7 @@ if [ "$mode" = fp8 ]; then  # issue 32: the fp8 tests (gpu-marked and the kernel
 fi
 if [ "$mode" = hybrid ] || [ "$mode" = spec ]; then
     if [ "$mode" = hybrid ]; then
-        tests=(tests/test_gpu_engine_hybrid.py tests/test_qwen3_next.py)
+        tests=(tests/test_gpu_engine_hybrid.py tests/test_qwen3_next.py tests/test_kernels_attention.py)
     else
         tests=(tests/test_gpu_spec.py tests/test_gpu_engine_hybrid.py -k "spec or verify or mtp or backs_off")
     fi
@@ -88,6 +88,10 @@ if [ "$mode" = hybrid ] || [ "$mode" = spec ]; then
     grep -E "passed|failed" "$out/gpu_tests.txt" | tail -1
     grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" | head -30
     if [ "$mode" = hybrid ]; then
+        # split-K extend against the plain kernel (a short chunk over a long prefix: the
+        # hybrid's checkpoint tail, small agentic turns), then the hybrid engine
+        step extend_split 45 python3 -m tools.bench.extend_split --out "$work/extend_split.json" \
+            > "$work/extend_split.md"
         step bench_hybrid 200 python3 -m tools.bench.hybrid --budget-s 150 --out "$work/bench_hybrid.json" \
             > "$work/bench_hybrid.md"
     else
@@ -100,6 +104,10 @@ if [ "$mode" = hybrid ] || [ "$mode" = spec ]; then
                 --budget-s 120 > "$work/spec_trace.md"
             step bench_spec_smollm2 150 python3 -m tools.bench.spec --gguf "$SPEC_GGUF" \
                 --out "$work/spec_smollm2" --budget-s 120 > "$work/bench_spec_smollm2.md"
+            # 3 drafts: a batch-1 verify of 4 rows takes the fused GEMV path (5 rows: cuBLAS)
+            step bench_spec_smollm2_k3 80 python3 -m tools.bench.spec --gguf "$SPEC_GGUF" --batches 1 \
+                --out "$work/spec_smollm2_k3" --budget-s 65 -- --num-speculative-tokens 3 \
+                > "$work/bench_spec_smollm2_k3.md"
         fi
     fi
     echo "total $(( $(date +%s) - t0 ))s" | tee -a "$log"
