@@ -261,6 +261,19 @@ def _extend_kernel(
                  out.to(o_ptr.dtype.element_ty), mask=mmask[:, None])
 
 
+def _extend_prologue(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+    cfg: AttnKernelConfig | None, out: torch.Tensor | None,
+) -> tuple[AttnKernelConfig, torch.Tensor]:
+    """Both extend launches' argument checks -> (the tiles, the output buffer)."""
+    d = q.shape[-1]
+    if d & (d - 1):
+        raise ValueError(f"head_dim {d} must be a power of two for the Triton extend kernel")
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    assert page_table.stride(-1) == 1
+    return cfg or AttnKernelConfig.for_device(q.device, d), torch.empty_like(q) if out is None else out
+
+
 def extend_attention_triton(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [slots, Hkv, D], new tokens already stored
@@ -275,23 +288,23 @@ def extend_attention_triton(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,  # [slots, Hkv] fp32, fp8 caches only
     v_scale: torch.Tensor | None = None,
+    num_splits: int = 1,
 ) -> torch.Tensor:
     """Causal over the new tokens, full over the cached prefix. ``max_extend_len``
     may exceed the real maximum (a static bound for CUDA graphs, see the module
     docstring); programs past a sequence's extent exit early. fp8 caches need
-    ``k_scale`` / ``v_scale`` (dequantized in registers)."""
+    ``k_scale`` / ``v_scale`` (dequantized in registers). ``num_splits`` > 1:
+    extend_split_attention_triton's split-K launch pair instead."""
+    if num_splits > 1:
+        return extend_split_attention_triton(q, k_cache, v_cache, page_table, qo_indptr, prefix_lens,
+                                             max_extend_len, page_size, scale, num_splits, cfg, out,
+                                             k_scale, v_scale)
+    cfg, out = _extend_prologue(q, k_cache, v_cache, page_table, cfg, out)
     t, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    bsz = page_table.shape[0]
-    if d & (d - 1):
-        raise ValueError(f"head_dim {d} must be a power of two for the Triton extend kernel")
-    cfg = cfg or AttnKernelConfig.for_device(q.device, d)
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
-    assert page_table.stride(-1) == 1
-    out = torch.empty_like(q) if out is None else out
     if t == 0:
         return out
-    group = hq // hkv
+    bsz = page_table.shape[0]
+    group = hq // k_cache.shape[1]
     grid = (hq, triton.cdiv(max_extend_len, cfg.extend_block_m), bsz)
     ks, vs, stride_ss, fp8 = scale_args(k_cache, k_scale, v_scale)
     _extend_kernel[grid](
@@ -464,17 +477,13 @@ def extend_split_attention_triton(
     ``group_heads``: a program's rows are tokens x all query heads of one KV
     head (``block_m`` // the group, padded to a power of two, tokens each), so
     every K/V tile is read once per KV head rather than once per query head."""
+    assert num_splits >= 1
+    cfg, out = _extend_prologue(q, k_cache, v_cache, page_table, cfg, out)
     t, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    bsz = page_table.shape[0]
-    if d & (d - 1):
-        raise ValueError(f"head_dim {d} must be a power of two for the Triton extend kernel")
-    cfg = cfg or AttnKernelConfig.for_device(q.device, d)
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
-    assert page_table.stride(-1) == 1 and num_splits >= 1
-    out = torch.empty_like(q) if out is None else out
     if t == 0:
         return out
+    hkv = k_cache.shape[1]
+    bsz = page_table.shape[0]
     group = hq // hkv
     block_g = triton.next_power_of_2(group) if group_heads else 1
     bm = max(block_m or extend_split_block_m(max_extend_len * block_g, cfg), block_g)
@@ -628,18 +637,11 @@ class TritonAttentionBackend:
                 q, kc, vc, meta.query_page_table, meta.query_seq_lens, meta.page_size, scale, splits, cfg,
                 k_scale=ks, v_scale=vs, kernels=batch.kernels, out_gate=out_gate,
             )
-        tokens = bound if bound is not None else meta.max_extend_len
-        splits = self.extend_splits(q.shape[1], meta, cfg, q.device)
-        if splits > 1:
-            out = extend_split_attention_triton(
-                q, kc, vc, meta.page_table, meta.qo_indptr, meta.prefix_lens, tokens, meta.page_size,
-                scale, splits, cfg, k_scale=ks, v_scale=vs,
-            )
-        else:
-            out = extend_attention_triton(
-                q, kc, vc, meta.page_table, meta.qo_indptr, meta.prefix_lens, tokens, meta.page_size,
-                scale, cfg, k_scale=ks, v_scale=vs,
-            )
+        out = extend_attention_triton(
+            q, kc, vc, meta.page_table, meta.qo_indptr, meta.prefix_lens,
+            bound if bound is not None else meta.max_extend_len, meta.page_size, scale, cfg,
+            k_scale=ks, v_scale=vs, num_splits=self.extend_splits(q.shape[1], meta, cfg, q.device),
+        )
         return gate_output(out, out_gate)
 
     def extend_splits(self, num_q_heads: int, meta: AttentionMetadata, cfg: AttnKernelConfig,

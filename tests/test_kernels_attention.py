@@ -770,6 +770,8 @@ def test_gpu_extend_split_real_shape(hq: int, hkv: int, d: int) -> None:
     CUDA graph captured as prefill graphs capture it (a 256-token bucket, the
     table's context as the static bound, an empty padding sequence), replayed
     with each chunk refilled in place; rows past the chunk stay untouched."""
+    from ftserve.engine.cuda_graph import capture_graph
+
     prefix, budget, ps = 32_768, 256, 16
     dev = torch.device("cuda")
     pool, tables, q, k, v = make_case([budget], [prefix], hq, hkv, d, ps, torch.bfloat16, "cuda")
@@ -810,14 +812,7 @@ def test_gpu_extend_split_real_shape(hq: int, hkv: int, d: int) -> None:
         at.extend_split_attention_triton(q, kc, vc, table, indptr, prefix_t, budget, ps, scale, s, cfg, out=out)
 
     indptr.copy_(torch.tensor([0, budget, budget]))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph, _ = capture_graph(run, None)  # compiled outside the capture
     for n in (16, 200):
         indptr.copy_(torch.tensor([0, n, n]))
         out.fill_(float("nan"))
