@@ -685,8 +685,11 @@ class Scheduler:
         """Whether the token req's in-flight step samples ends it by count
         (max_tokens, the context limit): the overlap planner then leaves it out of
         the next step, which would only compute a token that is thrown away."""
-        return (req.num_outputs + 1 >= req.params.max_tokens
-                or len(req.tokens) + 1 >= self.max_model_len)
+        return self._length_reached(req.params, req.num_outputs + 1, len(req.tokens) + 1)
+
+    def _length_reached(self, p: SamplingParams, n: int, length: int) -> bool:
+        """Whether a request ends by count at its n-th output token, ``length`` in all."""
+        return n >= p.max_tokens or length >= self.max_model_len
 
     def _stop_reason(self, req: Req, tok: int) -> str | None:
         return self._stop_reason_at(req.params, tok, req.num_outputs, len(req.tokens))
@@ -697,7 +700,7 @@ class Scheduler:
         if n >= p.min_tokens:
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
                 return "stop"
-        if n >= p.max_tokens or length >= self.max_model_len:
+        if self._length_reached(p, n, length):
             return "length"
         return None
 
