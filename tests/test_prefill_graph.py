@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ftserve.config import EngineConfig
-from ftserve.engine.prefill_graph import PrefillGraphs, prefill_buckets
+from ftserve.engine.prefill_graph import PrefillGraphs, prefill_buckets, verify_buckets
 from ftserve.engine.request import Req
 from ftserve.engine.sampling_params import SamplingParams
 from ftserve.engine.setup import build_engine
@@ -21,6 +21,20 @@ def test_buckets_cover_the_chunk() -> None:
     assert prefill_buckets(4096) == [256, 512, 1024, 2048, 4096]
     assert prefill_buckets(3000) == [256, 512, 1024, 2048, 3000]
     assert prefill_buckets(64) == [64]
+
+
+def test_verify_buckets_start_at_one_full_draft() -> None:
+    """Batch 1's verify step has a graph of its exact width: at <= GEMV_MAX_ROWS
+    rows its linears take the decode GEMVs (ops.dense_folds_norm), which an
+    8-row bucket's padding would turn away."""
+    from ftserve_kernels.gemv_triton import GEMV_MAX_ROWS
+
+    assert verify_buckets(16, 3) == [4, 8, 16, 32, 64]
+    assert verify_buckets(16, 4) == [5, 8, 16, 32, 64, 80]
+    assert verify_buckets(1, 3) == [4]
+    assert verify_buckets(16, 7) == [8, 16, 32, 64, 128]
+    assert verify_buckets(2, 1) == [2, 4]
+    assert verify_buckets(16, 3)[0] <= GEMV_MAX_ROWS
 
 
 @pytest.fixture(scope="module")

@@ -332,7 +332,7 @@ def test_verify_graph_static_forward_equals_eager(model_dir: str) -> None:
     try:
         sched, runner = eng.scheduler, eng.runner
         graphs = PrefillGraphs(runner, 0, 4, buckets=verify_buckets(4, 3), all_rows=True)
-        assert graphs.buckets == [8, 16]
+        assert graphs.buckets == [4, 8, 16]
         prompts = {"a": [5, 6, 7, 8, 9, 5, 6], "b": [11, 12, 13, 14, 11, 12], "c": [20, 21, 22]}
         firsts = {"a": 7, "b": 13, "c": 23}  # a: "6 7" recurs, b: "12 13"; c: nothing
         for rid, p in prompts.items():

@@ -430,7 +430,7 @@ def test_verify_graph_static_forward_and_commit_equal_eager(model_dir: str) -> N
         sched, runner, pool = eng.scheduler, eng.runner, eng.scheduler.state_pool
         assert pool is not None
         graphs = StaticReplay.graphs(runner, 0, 4, buckets=verify_buckets(4, 3), all_rows=True, seq_tokens=4)
-        assert graphs.hybrid and graphs.buckets == [8, 16]
+        assert graphs.hybrid and graphs.buckets == [4, 8, 16]
         prompts_ = {"a": [5, 6, 7, 8, 9, 5, 6], "b": [11, 12, 13, 14, 11, 12], "c": [20, 21, 22]}
         firsts = {"a": 7, "b": 13, "c": 23}
         for rid, p in prompts_.items():
