@@ -127,6 +127,41 @@ def test_verify_steps_sync_free_and_equal_plain(model_dir: str) -> None:  # noqa
         spec.shutdown()
 
 
+@pytest.mark.gpu
+def test_dense_batch1_verify_replays_its_exact_width(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """SmolLM2's layer shapes (two layers, dummy bf16) with 3 drafts, one request
+    at a time: every verify step replays the 4-token graph (verify_buckets: no
+    padding rows), whose dense linears take the decode GEMVs and their folds (the
+    norms left pending, SiLU * up in the epilogue); greedy outputs equal plain
+    decoding's up to bf16 near-ties."""
+    from ftserve.models.checkpoint import write_config
+
+    d = write_config("smollm2-135m", tmp_path_factory.mktemp("gpu-spec-dense"), layers=2,
+                     max_position_embeddings=8192)
+    plain = make_engine(d)
+    spec = make_engine(d, speculative="ngram", num_speculative_tokens=3, max_running_requests=1)
+    try:
+        make_context_sensitive(plain.runner.model, 8.0)
+        spec.runner.model.load_state_dict(plain.runner.model.state_dict())
+        vg = spec.runner.verify_graphs
+        assert vg is not None and vg.buckets == [4]
+        widths: list[int] = []
+        replay = vg._run
+
+        def run(bucket: int) -> Any:
+            widths.append(bucket)
+            return replay(bucket)
+
+        vg._run = run  # type: ignore[method-assign]
+        prompts = echo_prompts(plain, 0, ROWS)
+        equal_plain_up_to_ties(plain, spec, prompts)
+        assert spec.scheduler.spec is not None and spec.scheduler.spec.counters.accepted_tokens_total > 0
+        assert widths and set(widths) == {4}, widths
+    finally:
+        plain.shutdown()
+        spec.shutdown()
+
+
 def count_replays(engine: Engine) -> dict[str, int]:
     """Count the runner's graph replays by kind (decode, prefill, verify) and
     the steps it built eagerly (eager_decode, eager_verify), from now on."""
