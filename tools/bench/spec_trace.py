@@ -61,6 +61,8 @@ the same step windows, classification and tables.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import random
 import statistics
 import time
@@ -97,6 +99,7 @@ PHASES = ("verify", "decode", "decode_sync")
 PHASE_DRAFTS = {"verify": "always", "decode": None, "decode_sync": "never"}
 WINDOW = "spec_trace.step"  # record_function name prefix of a traced step
 TOP_KERNELS = 14
+HOST_TOP = 24  # host functions listed per phase (--host-profile)
 NAME_CHARS = 90  # kernel names in the markdown (cuBLAS names run to hundreds)
 MAX_OUTSIDE = 48  # ops outside the graph listed per step (the CPU smoke has hundreds)
 
@@ -382,11 +385,33 @@ def warm_up(drv: EngineDriver, reqs: Sequence[Req], outputs: int, deadline: floa
     return n
 
 
-def time_steps(drv: EngineDriver, reqs: Sequence[Req], steps: int, deadline: float) -> dict[str, Any]:
+def host_profile(prof: cProfile.Profile, steps: int, top: int = HOST_TOP) -> list[list[Any]]:
+    """The engine's own functions (ftserve/, ftserve_kernels/) by cumulative time:
+    [function, calls per step, cumulative us per step, own us per step]."""
+    rows = []
+    for (path, line, name), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
+        where = path.replace("\\", "/")
+        for root in ("/ftserve/", "/ftserve_kernels/"):
+            if root in where:
+                short = root.strip("/") + "/" + where.split(root, 1)[1]
+                rows.append([f"{short}:{line}({name})", round(calls / steps, 2),
+                             round(cum / steps * 1e6, 1), round(own / steps * 1e6, 1)])
+                break
+    rows.sort(key=lambda r: -r[2])
+    return rows[:top]
+
+
+def time_steps(drv: EngineDriver, reqs: Sequence[Req], steps: int, deadline: float,
+               profile_host: bool = False) -> dict[str, Any]:
     """``steps`` engine steps without the profiler (fewer past ``deadline``):
-    wall time per step by kind, and the tokens they committed."""
+    wall time per step by kind, and the tokens they committed. ``profile_host``:
+    under cProfile instead (the host's functions per step, host_profile; the
+    profiler slows Python, so the walls are not the untraced ones)."""
     before = sum(len(r.output_ids) for r in reqs)
     walls: dict[str, list[float]] = {}
+    prof = cProfile.Profile() if profile_host else None
+    if prof is not None:
+        prof.enable()
     t0 = time.perf_counter()
     n, stopped = 0, False
     for _ in range(steps):
@@ -399,6 +424,9 @@ def time_steps(drv: EngineDriver, reqs: Sequence[Req], steps: int, deadline: flo
         n += 1
     drv.flush()  # the last step's tokens (overlapped: still in flight)
     elapsed = time.perf_counter() - t0
+    if prof is not None:
+        prof.disable()
+        return {"steps": n, "host_profile": host_profile(prof, max(n, 1))}
     tokens = sum(len(r.output_ids) for r in reqs) - before
     return {"steps": n, "stopped_by_budget": stopped, "elapsed_s": round(elapsed, 4), "tokens": tokens,
             "tokens_per_step": round(tokens / n, 3) if n else None,
@@ -456,7 +484,9 @@ def run_phase(drv: EngineDriver, phase: str, args: argparse.Namespace, device: t
         out: dict[str, Any] = {"drafts": mode or "off"}
         out["warmup_steps"] = warm_up(drv, reqs, args.warmup, deadline)
         left = deadline - time.perf_counter()
-        out["timed"] = time_steps(drv, reqs, args.steps, time.perf_counter() + left / 2)
+        out["timed"] = time_steps(drv, reqs, args.steps, time.perf_counter() + left / 3)
+        if args.host_profile:
+            out["host"] = time_steps(drv, reqs, args.steps, time.perf_counter() + left / 3, profile_host=True)
         out["trace"] = trace_steps(drv, args.trace_steps, device, deadline)
         if spec is not None:
             c = spec.counters
@@ -538,6 +568,12 @@ def render(res: dict[str, Any]) -> str:
                       f"outside the graph, last {kind} step (name, us, gap before us): "
                       + "; ".join(f"{n} {d} (+{g})" for n, d, g in k["outside_last"][:24])
                       + (" ..." if len(k["outside_last"]) > 24 else ""), ""]
+    for phase in PHASES:
+        host = res.get("phases", {}).get(phase, {}).get("host")
+        if host and host.get("host_profile"):
+            lines += [f"host functions of the {phase} phase (cProfile over {host['steps']} steps, which "
+                      "slows Python; us per step):", "",
+                      markdown_table(["function", "calls", "cumulative us", "own us"], host["host_profile"]), ""]
     for what in ("errors", "skipped"):
         if res.get(what):
             lines.append(f"{what}: {res[what] if what == 'skipped' else list(res[what])}")
@@ -570,6 +606,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=64, help="timed steps per phase (no profiler)")
     p.add_argument("--trace-steps", type=int, default=24, help="profiled steps per phase")
     p.add_argument("--phases", default=",".join(PHASES), help=f"subset of {','.join(PHASES)}")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also run each phase's timed steps again under cProfile: the engine's host functions")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
