@@ -127,7 +127,7 @@ class AttnKernelConfig:
     # split holds nothing, so at short contexts fewer programs do the same
     # work (0: off). Long contexts keep max_splits, where fewer splits lose.
     short_context_splits: int = 64
-    # Split-K extend (attention_triton.extend_num_splits): a grid of fewer
+    # Split-K extend (attention_extend_triton.extend_num_splits): a grid of fewer
     # programs than SMs (few new tokens over a long prefix) is cut into at most
     # extend_max_splits KV splits, towards extend_programs_per_sm programs per
     # SM, each split holding at least extend_split_min_tiles tiles.

@@ -20,12 +20,13 @@ if DEVICE == "cpu":
     # and re-decorate if another test imported the module without it.
     os.environ["TRITON_INTERPRET"] = "1"
     for _name in ("ftserve_kernels.attention_common", "ftserve_kernels.attention_decode_triton",
-                  "ftserve_kernels.attention_triton"):
+                  "ftserve_kernels.attention_extend_triton", "ftserve_kernels.attention_triton"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 
 from ftserve.kvcache.pool import KVPool  # noqa: E402
 from ftserve.models.forward_batch import build_forward_batch  # noqa: E402
+from ftserve_kernels import attention_extend_triton as ate  # noqa: E402
 from ftserve_kernels import attention_triton as at  # noqa: E402
 from ftserve_kernels.paged_attention import TorchAttentionBackend, paged_attention_ref  # noqa: E402
 
@@ -87,7 +88,7 @@ def run_both(
         at.decode_attention_triton(q, pool.k[0], pool.v[0], meta.page_table, meta.seq_lens,
                                    page_size, scale, splits, cfg=backend.cfg, out=poisoned)
     else:
-        at.extend_attention_triton(q, pool.k[0], pool.v[0], meta.page_table, meta.qo_indptr,
+        ate.extend_attention_triton(q, pool.k[0], pool.v[0], meta.page_table, meta.qo_indptr,
                                    meta.prefix_lens, bound or meta.max_extend_len, page_size,
                                    scale, cfg=backend.cfg, out=poisoned)
     assert torch.equal(poisoned, out)
@@ -131,10 +132,10 @@ def test_extend_static_grid_bound() -> None:
     meta = fb.attn
     at.store_kv_triton(pool.k[0], pool.v[0], k, v, meta.out_cache_loc)
     args = (q, pool.k[0], pool.v[0])
-    exact = at.extend_attention_triton(*args, meta.page_table, meta.qo_indptr, meta.prefix_lens,
+    exact = ate.extend_attention_triton(*args, meta.page_table, meta.qo_indptr, meta.prefix_lens,
                                        20, 4, 32**-0.5, cfg)
     bounded = torch.full_like(q, float("nan"))
-    at.extend_attention_triton(*args, meta.page_table, meta.qo_indptr, meta.prefix_lens,
+    ate.extend_attention_triton(*args, meta.page_table, meta.qo_indptr, meta.prefix_lens,
                                64, 4, 32**-0.5, cfg, out=bounded)
     assert torch.equal(exact, bounded)
     # Two padding sequences after the real ones: zero new tokens, dummy page rows.
@@ -142,7 +143,7 @@ def test_extend_static_grid_bound() -> None:
     indptr = torch.cat([meta.qo_indptr, meta.qo_indptr[-1:].repeat(2)])
     prefix = torch.cat([meta.prefix_lens, torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)])
     padded = torch.full_like(q, float("nan"))
-    at.extend_attention_triton(*args, table, indptr, prefix, 64, 4, 32**-0.5, cfg, out=padded)
+    ate.extend_attention_triton(*args, table, indptr, prefix, 64, 4, 32**-0.5, cfg, out=padded)
     assert torch.equal(exact, padded)
     ref = paged_attention_ref(q, pool.k[0], pool.v[0], meta.page_table, [0, 9, 29], [14, 20],
                               4, 32**-0.5)
@@ -432,9 +433,9 @@ def test_extend_split_matches_extend_and_reference(splits: int, hq: int, grouped
     _, args, ref = _split_case(new, pre, hq, 2, pad_seqs=2, pad_tokens=5)
     bound = 24  # a static bound above the longest chunk, as in a graph
     plain = torch.full_like(args[0], float("nan"))
-    at.extend_attention_triton(*args, bound, 4, 32**-0.5, out=plain)
+    ate.extend_attention_triton(*args, bound, 4, 32**-0.5, out=plain)
     split = torch.full_like(args[0], float("nan"))
-    at.extend_split_attention_triton(*args, bound, 4, 32**-0.5, splits, out=split, group_heads=grouped)
+    ate.extend_split_attention_triton(*args, bound, 4, 32**-0.5, splits, out=split, group_heads=grouped)
     assert torch.isfinite(split[:t]).all() and split[t:].isnan().all()
     assert rel_err(split[:t], plain[:t]) < FP32_TOL
     assert rel_err(split[:t], ref) < FP32_TOL
@@ -447,7 +448,7 @@ def test_extend_split_rows_past_their_keys() -> None:
     the result is still attention; so with 64-row blocks, 2 and 3 splits."""
     _, args, ref = _split_case([32], [2], 4, 2)
     for splits, bm, grouped in ((8, 16, False), (2, 64, False), (3, 64, False), (3, 64, True)):
-        out = at.extend_split_attention_triton(*args, 32, 4, 32**-0.5, splits, block_m=bm, group_heads=grouped)
+        out = ate.extend_split_attention_triton(*args, 32, 4, 32**-0.5, splits, block_m=bm, group_heads=grouped)
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) < FP32_TOL
 
@@ -464,7 +465,7 @@ def test_extend_num_splits_policy() -> None:
 
         def splits(new: int, kv: int, cfg: at.AttnKernelConfig = cfg, hq: int = hq,
                    bm: int = bm, bn: int = bn) -> int:
-            return at.extend_num_splits(hq * -(-new // bm), -(-kv // bn), sms, cfg)
+            return ate.extend_num_splits(hq * -(-new // bm), -(-kv // bn), sms, cfg)
 
         s16 = splits(16, 106_000 + 16)  # the agentic turn / hybrid tail chunk
         assert 1 < s16 <= cfg.extend_max_splits and hq * s16 >= cfg.extend_programs_per_sm * sms
@@ -488,7 +489,7 @@ def test_backend_extend_splits_from_host_values() -> None:
     meta = build_forward_batch([[1] * 5], [300], [list(range(1, 78))], pool, TorchAttentionBackend()).attn
     sms = at._num_sms(dev)
     blocks = -(-5 // cfg.extend_block_m)
-    want = at.extend_num_splits(2 * blocks, -(-305 // cfg.extend_block_n), sms, cfg)
+    want = ate.extend_num_splits(2 * blocks, -(-305 // cfg.extend_block_n), sms, cfg)
     assert at.TritonAttentionBackend().extend_splits(2, meta, cfg, dev) == want > 1
     # A graph bucket of 16 blocks per head fills these SMs: the plain kernel.
     graph = at.TritonAttentionBackend(extend_token_bound=16 * cfg.extend_block_m)
@@ -623,7 +624,7 @@ def test_gpu_extend_graph_replay_static_bound() -> None:
     out = torch.empty_like(q)
 
     def run() -> None:
-        at.extend_attention_triton(q, kc, vc, table, indptr, prefix, budget, 16, 128**-0.5,
+        ate.extend_attention_triton(q, kc, vc, table, indptr, prefix, budget, 16, 128**-0.5,
                                    cfg, out=out)
 
     s = torch.cuda.Stream()
@@ -783,16 +784,16 @@ def test_gpu_extend_split_real_shape(hq: int, hkv: int, d: int) -> None:
 
     def plain(n: int) -> torch.Tensor:
         meta = build_forward_batch([[1] * n], [prefix], tables, pool, TorchAttentionBackend()).attn
-        return at.extend_attention_triton(q[:n], kc, vc, meta.page_table, meta.qo_indptr, meta.prefix_lens,
+        return ate.extend_attention_triton(q[:n], kc, vc, meta.page_table, meta.qo_indptr, meta.prefix_lens,
                                           n, ps, scale, cfg)
 
     for n in (16, 200):  # eager: the step's own host values
         meta = build_forward_batch([[1] * n], [prefix], tables, pool, TorchAttentionBackend()).attn
         s = at.TritonAttentionBackend().extend_splits(hq, meta, cfg, dev)
         assert s > 1, (n, s)
-        split = at.extend_split_attention_triton(q[:n], kc, vc, meta.page_table, meta.qo_indptr,
+        split = ate.extend_split_attention_triton(q[:n], kc, vc, meta.page_table, meta.qo_indptr,
                                                  meta.prefix_lens, n, ps, scale, s, cfg)
-        grouped = at.extend_split_attention_triton(q[:n], kc, vc, meta.page_table, meta.qo_indptr,
+        grouped = ate.extend_split_attention_triton(q[:n], kc, vc, meta.page_table, meta.qo_indptr,
                                                    meta.prefix_lens, n, ps, scale, s, cfg, group_heads=True)
         want = plain(n)
         torch.cuda.synchronize()
@@ -809,7 +810,7 @@ def test_gpu_extend_split_real_shape(hq: int, hkv: int, d: int) -> None:
     out = torch.empty_like(q)
 
     def run() -> None:
-        at.extend_split_attention_triton(q, kc, vc, table, indptr, prefix_t, budget, ps, scale, s, cfg, out=out)
+        ate.extend_split_attention_triton(q, kc, vc, table, indptr, prefix_t, budget, ps, scale, s, cfg, out=out)
 
     indptr.copy_(torch.tensor([0, budget, budget]))
     graph, _ = capture_graph(run, None)  # compiled outside the capture

@@ -45,6 +45,7 @@ def _launches() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int
     from ftserve.models.checkpoint import preset_config
     from ftserve.models.config import ModelConfig
     from ftserve_kernels import attention_decode_triton as ad
+    from ftserve_kernels import attention_extend_triton as ate
     from ftserve_kernels import attention_triton as at
     from ftserve_kernels import decode_fused_triton as df
     from ftserve_kernels import gated_delta_triton as gdt
@@ -89,7 +90,7 @@ def _launches() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int
         out.append((f"store_kv{kv}", at._store_kv_kernel, types | {"k_ptr": bf, "v_ptr": bf},
                     dict(HKV=hkv, D=d, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
                          FP8=bool(kv)), 4, 3))
-        out.append((f"extend{kv}", at._extend_kernel, types,
+        out.append((f"extend{kv}", ate._extend_kernel, types,
                     dict(PAGE_SIZE=16, GROUP=hq // hkv, D=d, BLOCK_M=acfg.extend_block_m,
                          BLOCK_N=acfg.extend_block_n, UPCAST=False, FP8=bool(kv)),
                     acfg.extend_warps, acfg.extend_stages))

@@ -19,7 +19,8 @@ if DEVICE == "cpu":
     # The interpreter is chosen when a kernel is decorated (see test_kernels_attention).
     os.environ["TRITON_INTERPRET"] = "1"
     for _name in ("ftserve_kernels.attention_common", "ftserve_kernels.attention_decode_triton",
-                  "ftserve_kernels.attention_triton", "ftserve_kernels.moe_read_through",
+                  "ftserve_kernels.attention_extend_triton", "ftserve_kernels.attention_triton",
+                  "ftserve_kernels.moe_read_through",
                   "ftserve_kernels.moe_gemv_triton",
                   "ftserve_kernels.moe_align_triton", "ftserve_kernels.moe_triton",
                   "ftserve_kernels.decode_fused_triton"):

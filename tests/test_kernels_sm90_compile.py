@@ -22,6 +22,7 @@ SMEM_LIMIT = 227 * 1024  # H100/H200 max dynamic shared memory per block
 def _compile_all() -> dict[str, dict[str, Any]]:
     import triton.language as tl
 
+    from ftserve_kernels import attention_extend_triton as ate
     from ftserve_kernels import attention_triton as at
     from ftserve_kernels import bookkeeping as bk
     from ftserve_kernels import moe_align_triton as ma
@@ -89,36 +90,36 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=cfg.decode_block_n,
               NUM_SPLITS=64, UPCAST=False, FP8=True),
          cfg.decode_warps, cfg.decode_stages)
-    comp("extend_fp8", at._extend_kernel, attn8,
+    comp("extend_fp8", ate._extend_kernel, attn8,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n,
               UPCAST=False, FP8=True),
          cfg.extend_warps, cfg.extend_stages)
     comp("decode_reduce", at._decode_reduce_kernel, attn,
          dict(NUM_SPLITS=64, BLOCK_S=64, D=128, BLOCK_D=128), 4, 1)
-    comp("extend", at._extend_kernel, attn,
+    comp("extend", ate._extend_kernel, attn,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m,
               BLOCK_N=cfg.extend_block_n, UPCAST=False),
          cfg.extend_warps, cfg.extend_stages)
     # Split-K extend (few new tokens over a long prefix): 64-row blocks at d 128, 16-row
     # blocks at Qwen3-Next's d 256 (its config: 32-key tiles, 2 stages), fp8 pages; the reduce.
-    comp("extend_split", at._extend_split_kernel, attn,
+    comp("extend_split", ate._extend_split_kernel, attn,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n,
               NUM_SPLITS=8, UPCAST=False),
          cfg.extend_warps, cfg.extend_stages)
     cfg256 = at.AttnKernelConfig.for_device(__import__("torch").device("cuda"), 256)
-    comp("extend_split_bm16_d256", at._extend_split_kernel, attn,
+    comp("extend_split_bm16_d256", ate._extend_split_kernel, attn,
          dict(PAGE_SIZE=16, GROUP=8, D=256, BLOCK_M=16, BLOCK_N=cfg256.extend_block_n, NUM_SPLITS=32,
               UPCAST=False),
          cfg256.extend_warps, cfg256.extend_stages)
-    comp("extend_split_fp8", at._extend_split_kernel, attn8,
+    comp("extend_split_fp8", ate._extend_split_kernel, attn8,
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m, BLOCK_N=cfg.extend_block_n,
               NUM_SPLITS=8, UPCAST=False, FP8=True),
          cfg.extend_warps, cfg.extend_stages)
-    comp("extend_split_grouped_d256", at._extend_split_kernel, attn,  # group_heads: 8 tokens x 8 heads
+    comp("extend_split_grouped_d256", ate._extend_split_kernel, attn,  # group_heads: 8 tokens x 8 heads
          dict(PAGE_SIZE=16, GROUP=8, D=256, BLOCK_M=64, BLOCK_N=cfg256.extend_block_n, NUM_SPLITS=32,
               UPCAST=False, BLOCK_G=8),
          cfg256.extend_warps, cfg256.extend_stages)
-    comp("extend_reduce", at._extend_reduce_kernel, attn, dict(NUM_SPLITS=32, BLOCK_S=32, D=256), 4, 1)
+    comp("extend_reduce", ate._extend_reduce_kernel, attn, dict(NUM_SPLITS=32, BLOCK_S=32, D=256), 4, 1)
     comp("route", mt._route_kernel, {"logits_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": i32},
          dict(TOP_K=8, BLOCK_T=16, BLOCK_E=128, BLOCK_K=8, RENORM=True))
     align = {"ids_ptr": i32, "hist_ptr": i32, "sorted_ptr": i32, "block_expert_ptr": i32,
@@ -286,7 +287,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     # An fp32 model: its dots multiply in fp32 (attention_common.mma, gated_delta_triton's
     # EXACT), on the FMA units, at the tile sizes the bf16 launches use.
     f32 = "*fp32"
-    comp("fp32_extend", at._extend_kernel, attn | {"q_ptr": f32, "o_ptr": f32, "kc_ptr": f32, "vc_ptr": f32},
+    comp("fp32_extend", ate._extend_kernel, attn | {"q_ptr": f32, "o_ptr": f32, "kc_ptr": f32, "vc_ptr": f32},
          dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_M=cfg.extend_block_m,
               BLOCK_N=cfg.extend_block_n, UPCAST=False),
          cfg.extend_warps, cfg.extend_stages)

@@ -23,7 +23,7 @@ if DEVICE == "cpu":
     # Kernels pick the interpreter when decorated (see test_kernels_attention.py).
     os.environ["TRITON_INTERPRET"] = "1"
     for _name in ("ftserve_kernels.attention_common", "ftserve_kernels.attention_decode_triton",
-                  "ftserve_kernels.attention_triton"):
+                  "ftserve_kernels.attention_extend_triton", "ftserve_kernels.attention_triton"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])
 

@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if not torch.cuda.is_available():
     # The interpreter is chosen when a kernel is decorated (see test_kernels_attention).
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("ftserve_kernels.attention_triton", "ftserve_kernels.moe_align_triton",
+    for _name in ("ftserve_kernels.attention_extend_triton", "ftserve_kernels.attention_triton",
+                  "ftserve_kernels.moe_align_triton",
                   "ftserve_kernels.moe_triton", "ftserve_kernels.bookkeeping",
                   "ftserve.moe.kernels"):
         if _name in sys.modules:

@@ -11,6 +11,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from ftserve_kernels import attention_extend_triton as ate
 from ftserve_kernels import attention_triton as at
 from ftserve_kernels.paged_attention import paged_attention_ref
 from tools.bench.kernel_harness import (
@@ -105,7 +106,7 @@ def bench_extend(n_new: int, total: int, quick: bool) -> None:
         out = torch.full_like(q, float("nan"))
 
         def run(cfg: at.AttnKernelConfig = cfg, out: torch.Tensor = out) -> torch.Tensor:
-            return at.extend_attention_triton(
+            return ate.extend_attention_triton(
                 q, kc, vc, table, indptr, pre, n_new, PAGE, D**-0.5, cfg, out=out)
 
         try:

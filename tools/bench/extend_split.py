@@ -5,7 +5,7 @@ model's 16-token tail chunk) gives the plain extend grid, one program per
 (query head, 64-row block, sequence), a handful of programs that each walk the
 whole prefix alone. The split-K launch deals each program's KV tiles to S
 programs and combines their partials in a reduce launch
-(attention_triton.extend_split_attention_triton); the backend picks S from
+(attention_extend_triton.extend_split_attention_triton); the backend picks S from
 host values (TritonAttentionBackend.extend_splits, policy extend_num_splits).
 
 Per (head shape, new tokens, prefix), one sequence, page 16, bf16, timed per
@@ -33,6 +33,7 @@ import torch
 import triton
 
 from ftserve.models.forward_batch import AttentionMetadata
+from ftserve_kernels import attention_extend_triton as ate
 from ftserve_kernels import attention_triton as at
 from tools.bench.common import write_json
 from tools.bench.kernel_harness import bench_graph, rel_err
@@ -60,22 +61,22 @@ def case(hq: int, hkv: int, d: int, new: int, prefix: int, probe: int) -> dict[s
     out_p, out_s = torch.empty_like(q), torch.empty_like(q)
 
     def plain() -> None:
-        at.extend_attention_triton(q, kc, vc, table, qo, pre, new, PAGE, scale, cfg, out=out_p)
+        ate.extend_attention_triton(q, kc, vc, table, qo, pre, new, PAGE, scale, cfg, out=out_p)
 
     def split() -> None:
-        at.extend_split_attention_triton(q, kc, vc, table, qo, pre, new, PAGE, scale, splits, cfg, out=out_s)
+        ate.extend_split_attention_triton(q, kc, vc, table, qo, pre, new, PAGE, scale, splits, cfg, out=out_s)
 
     # Grouped: a program serves the GQA group's query heads (rows = tokens x group), so
     # each K/V tile is read once per KV head; S from the same policy over its own grid.
     bg = triton.next_power_of_2(hq // hkv)
-    rows_g = max(at.extend_split_block_m(new * bg, cfg), bg)
-    pol_g = at.extend_num_splits(hkv * triton.cdiv(new, rows_g // bg), triton.cdiv(kv, cfg.extend_block_n),
+    rows_g = max(ate.extend_split_block_m(new * bg, cfg), bg)
+    pol_g = ate.extend_num_splits(hkv * triton.cdiv(new, rows_g // bg), triton.cdiv(kv, cfg.extend_block_n),
                                  at._num_sms(q.device), cfg)
     splits_g = pol_g if pol_g > 1 else probe
     out_g = torch.empty_like(q)
 
     def grouped() -> None:
-        at.extend_split_attention_triton(q, kc, vc, table, qo, pre, new, PAGE, scale, splits_g, cfg, out=out_g,
+        ate.extend_split_attention_triton(q, kc, vc, table, qo, pre, new, PAGE, scale, splits_g, cfg, out=out_g,
                                          group_heads=True)
 
     plain_us, split_us, grouped_us = (bench_graph(f) * 1e6 for f in (plain, split, grouped))

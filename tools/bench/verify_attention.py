@@ -27,6 +27,7 @@ import math
 import torch
 
 from ftserve.engine.prefill_graph import verify_buckets
+from ftserve_kernels import attention_extend_triton as ate
 from ftserve_kernels import attention_triton as at
 from tools.bench.common import write_json
 from tools.bench.kernel_harness import bench_graph
@@ -65,7 +66,7 @@ def case(batch: int, k: int, context: int, hq: int, hkv: int, d: int) -> dict[st
     splits_q = be.num_splits(bucket, hkv, q.device, max_len)
 
     def extend() -> None:
-        at.extend_attention_triton(q, kc, vc, full_table, qo, prefix, bucket, PAGE, scale, cfg, out=out_e)
+        ate.extend_attention_triton(q, kc, vc, full_table, qo, prefix, bucket, PAGE, scale, cfg, out=out_e)
 
     def per_query() -> None:
         at.decode_attention_triton(q, kc, vc, q_table, q_lens, PAGE, scale, splits_q, cfg, out=out_q)
