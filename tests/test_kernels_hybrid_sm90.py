@@ -265,8 +265,8 @@ def _compile_all() -> dict[str, dict[str, Any]]:
 
 # (stack bytes, spill instructions inside loops) at these shapes: none inside a loop
 # (chunk_scan's 16-byte frame is outside its chunk loop); to be cut, never to grow.
-# align_place_bm128_c512_pre1: the H100 table's tuned align (2026-12-05), 1.50x the
-# heuristic's on the device with its 8-byte frame.
+# align_place_bm128_c512_pre1: the H100 table's tuned align, faster than the
+# heuristic's on the device with its 8-byte frame (configs/README.md).
 KNOWN_SPILLS = {"gdn_chunk_scan": (16, 0), "align_place_bm64_c128_pre1": (16, 0),
                 "align_place_bm128_c512_pre1": (8, 0)}
 

@@ -89,8 +89,8 @@ if [ "$mode" = hybrid ] || [ "$mode" = spec ]; then
     grep -E "^(FAILED|ERROR)" "$out/gpu_tests.txt" | head -30
     if [ "$mode" = hybrid ]; then
         # split-K extend against the plain kernel (a short chunk over a long prefix: the
-        # hybrid's checkpoint tail, small agentic turns; 45 s did not cover its compiles on a
-        # fresh H100, 2026-12-05), then the hybrid engine
+        # hybrid's checkpoint tail, small agentic turns; its compiles on a fresh machine
+        # take most of the limit), then the hybrid engine
         step extend_split 90 python3 -m tools.bench.extend_split --out "$work/extend_split.json" \
             > "$work/extend_split.md"
         step bench_hybrid 200 python3 -m tools.bench.hybrid --budget-s 150 --out "$work/bench_hybrid.json" \

@@ -123,9 +123,9 @@ def verify_buckets(max_seqs: int, num_draft: int) -> list[int]:
     num_draft + 1, then powers of two from 8 up to every sequence feeding one,
     max_seqs * (num_draft + 1). The first is batch 1's step exactly, unpadded:
     at up to GEMV_MAX_ROWS rows its dense linears run the decode GEMVs and
-    their folds (norms left pending, SiLU * up in the epilogue) instead of
-    cuBLAS and separate norm and activation launches (H100, SmolLM2 with 3
-    drafts: the 8-row graph spent 1,092 us against a decode step's 652)."""
+    their folds (norms left pending, SiLU * up in the epilogue), which padding
+    to 8 rows would trade for cuBLAS and separate norm and activation launches
+    (BENCHMARKS.md, the verify step's trace)."""
     top = max_seqs * (num_draft + 1)
     sizes = prefill_buckets(top, smallest=min(8, top))
     return sizes if num_draft + 1 >= sizes[0] else [num_draft + 1, *sizes]
