@@ -390,10 +390,9 @@ def host_profile(prof: cProfile.Profile, steps: int, top: int = HOST_TOP) -> lis
     [function, calls per step, cumulative us per step, own us per step]."""
     rows = []
     for (path, line, name), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():  # type: ignore[attr-defined]
-        where = path.replace("\\", "/")
         for root in ("/ftserve/", "/ftserve_kernels/"):
-            if root in where:
-                short = root.strip("/") + "/" + where.split(root, 1)[1]
+            if root in path:
+                short = root.strip("/") + "/" + path.split(root, 1)[1]
                 rows.append([f"{short}:{line}({name})", round(calls / steps, 2),
                              round(cum / steps * 1e6, 1), round(own / steps * 1e6, 1)])
                 break
@@ -484,9 +483,10 @@ def run_phase(drv: EngineDriver, phase: str, args: argparse.Namespace, device: t
         out: dict[str, Any] = {"drafts": mode or "off"}
         out["warmup_steps"] = warm_up(drv, reqs, args.warmup, deadline)
         left = deadline - time.perf_counter()
-        out["timed"] = time_steps(drv, reqs, args.steps, time.perf_counter() + left / 3)
+        share = left / (3 if args.host_profile else 2)  # the rest: the traced steps
+        out["timed"] = time_steps(drv, reqs, args.steps, time.perf_counter() + share)
         if args.host_profile:
-            out["host"] = time_steps(drv, reqs, args.steps, time.perf_counter() + left / 3, profile_host=True)
+            out["host"] = time_steps(drv, reqs, args.steps, time.perf_counter() + share, profile_host=True)
         out["trace"] = trace_steps(drv, args.trace_steps, device, deadline)
         if spec is not None:
             c = spec.counters
