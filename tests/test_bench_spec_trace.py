@@ -168,6 +168,23 @@ def test_smoke_run_end_to_end(tmp_path: Path, capsys) -> None:  # type: ignore[n
     assert "| phase | step kind |" in out and out.strip() in (tmp_path / "spec_trace.md").read_text()
 
 
+def test_host_profile_lists_the_engine_functions_per_step(tmp_path: Path) -> None:
+    """--host-profile: each phase's steps again under cProfile, the engine's own
+    functions by cumulative time per step, in the JSON and the markdown."""
+    res = st.main(["--smoke", "--phases", "verify", "--host-profile", "--out", str(tmp_path)])
+    host = res["phases"]["verify"]["host"]
+    assert host["steps"] == 4
+    rows = host["host_profile"]
+    names = [r[0] for r in rows]
+    assert any(n.startswith("ftserve/engine/driver.py:") and n.endswith("(step)") for n in names), names
+    assert all(n.startswith(("ftserve/", "ftserve_kernels/")) for n in names)
+    assert [r[2] for r in rows] == sorted((r[2] for r in rows), reverse=True)
+    step = next(r for r in rows if r[0].endswith("(step)") and "driver.py" in r[0])
+    assert step[1] == 1.0 and step[2] >= step[3] > 0  # one call a step; cumulative >= own
+    assert "host functions of the verify phase" in (tmp_path / "spec_trace.md").read_text()
+    assert "host" not in st.main(["--smoke", "--phases", "verify", "--out", str(tmp_path / "b")])["phases"]["verify"]
+
+
 def test_a_spent_budget_skips_every_phase(tmp_path: Path) -> None:
     res = st.main(["--smoke", "--budget-s", "0", "--out", str(tmp_path / "t.json")])
     assert res["skipped"] == [f"phase {p}" for p in st.PHASES] and res["phases"] == {}
