@@ -174,6 +174,7 @@ def test_host_profile_lists_the_engine_functions_per_step(tmp_path: Path) -> Non
     res = st.main(["--smoke", "--phases", "verify", "--host-profile", "--out", str(tmp_path)])
     host = res["phases"]["verify"]["host"]
     assert host["steps"] == 4
+    assert "note" not in res["phases"]["verify"], "the requests outlast the profiled steps too"
     rows = host["host_profile"]
     names = [r[0] for r in rows]
     assert any(n.startswith("ftserve/engine/driver.py:") and n.endswith("(step)") for n in names), names

@@ -57,11 +57,12 @@ def make_engine(model_dir: str, device: str = "cuda", graphs: bool = True, **kw:
     from ftserve.engine.setup import build_engine
 
     kw.setdefault("speculative_gate", False)  # drafting by the test's design, not by timing
+    kw.setdefault("max_running_requests", 8)
     cfg = EngineConfig(
         model=model_dir, load_format="dummy", device=device,
         dtype="bfloat16" if device == "cuda" else "float32",
         attention_backend="triton" if device == "cuda" else "torch",
-        page_size=16, num_pages=1024, max_prefill_length=CHUNK, max_running_requests=8,
+        page_size=16, num_pages=1024, max_prefill_length=CHUNK,
         cuda_graph_max_bs=8 if graphs else 0, status_log_interval=0.0, **kw,
     )
     return build_engine(cfg)

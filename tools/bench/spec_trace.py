@@ -629,8 +629,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not 1 <= args.batch <= args.max_running:
         p.error("--batch must be in [1, --max-running]")
     k = args.num_speculative_tokens
-    # Room for every step to commit a whole draft, and a margin.
-    args.max_tokens = (args.warmup + args.steps + args.trace_steps + 8) * (k + 1) + 16
+    # Room for every step to commit a whole draft (the profiled steps are a second
+    # set of timed ones), and a margin.
+    steps = args.warmup + args.steps * (2 if args.host_profile else 1) + args.trace_steps
+    args.max_tokens = (steps + 8) * (k + 1) + 16
     # engine_driver.build's fields: the engine as spec.py's server runs it.
     args.batches = [args.max_running]
     # Decode graphs up to the size the server pads --batch to, not every size up to
