@@ -105,3 +105,39 @@ def test_padded_static_forward_equals_eager(engine, monkeypatch: pytest.MonkeyPa
     for r in list(sched.running):
         sched.finish(r, "abort")
     sched.finished_reqs.clear()
+
+
+def test_runner_prefill_graph_path_keeps_first_token_logprobs(engine) -> None:  # type: ignore[no-untyped-def]
+    """The runner's prefill-graph path (the static forward run in place of a
+    replay) samples a request's first token with the stages its own parameters
+    ask for: admitted before they are read, so logprobs asked for come back for
+    every token, the first included, as on the eager path."""
+    from ftserve.engine.driver import EngineDriver
+
+    class Static(PrefillGraphs):
+        replays = 0
+
+        def _run(self, bucket: int) -> torch.Tensor:
+            Static.replays += 1
+            return self._forward(bucket)
+
+    def run() -> list[tuple[list[int], list[int]]]:
+        drv = EngineDriver(engine)
+        rng = random.Random(3)
+        reqs = [drv.add([rng.randrange(10, 32000) for _ in range(n)], 6,
+                        SamplingParams(temperature=0.0, logprobs=k))
+                for n, k in ((12, 3), (30, 0), (7, 5))]
+        drv.run_all()
+        assert engine.scheduler.reset_prefix_cache()
+        return [(list(r.output_ids), [lp.token_id for lp in r.pending_logprobs]) for r in reqs]
+
+    runner = engine.runner
+    runner.prefill_graphs = Static(runner, 48, 4)  # first: the slots' last owners asked for no logprobs
+    try:
+        graphed = run()
+    finally:
+        runner.prefill_graphs = None
+    eager = run()
+    assert Static.replays > 0
+    assert all(ids == lps and len(ids) == 6 for ids, lps in graphed), graphed
+    assert graphed == eager

@@ -365,11 +365,9 @@ def test_verify_graph_static_forward_equals_eager(model_dir: str) -> None:
 
 
 def test_verify_graph_path_in_the_runner_same_tokens(model_dir: str, plain: Engine) -> None:
-    """The runner's graph path for verify steps (static logits, rows in order),
-    with the graph's static forward run eagerly in place of a replay: greedy
-    steps take the tokens the graph sampled itself (no sampler call after the
-    replay), steps with sampled rows sample its static logits; the same tokens
-    as plain decoding both ways."""
+    """The runner's graph path for verify steps (static logits, rows in order,
+    eager sampling), with the graph's static forward run eagerly in place of a
+    replay: the same tokens as plain decoding."""
     from ftserve.engine.prefill_graph import PrefillGraphs, verify_buckets
 
     class StaticForward(PrefillGraphs):
@@ -383,31 +381,13 @@ def test_verify_graph_path_in_the_runner_same_tokens(model_dir: str, plain: Engi
 
     prompts = echo_prompts(plain, 5, 3, greedy(12), lengths=(4, 12))
     reqs = [(f"vg{i}", p, greedy(12)) for i, p in enumerate(prompts)]
-    seeded = SamplingParams(max_tokens=12, temperature=0.7, seed=5, ignore_eos=True)
-    sampled = [(f"vs{i}", p, seeded if i == 1 else greedy(12)) for i, p in enumerate(prompts)]
     eng = make(model_dir, speculative="ngram", num_speculative_tokens=3)
-    calls = {"in_graph": 0, "after_replay": 0}
-    sample = eng.runner.sampler.sample
-
-    def counted(*a: Any, last: Any = None, counters: Any = None, **kw: Any) -> Any:
-        if counters is not None:  # the graph's own greedy sampling (PrefillGraphs._sample_greedy)
-            calls["in_graph"] += 1
-        elif last is None:  # a verify step's rows sampled after the replay
-            calls["after_replay"] += 1
-        return sample(*a, last=last, counters=counters, **kw)
-
-    eng.runner.sampler.sample = counted  # type: ignore[method-assign]
     try:
         eng.runner.verify_graphs = StaticForward(eng.runner, 0, 4, buckets=verify_buckets(4, 3),
                                                  all_rows=True)
         same_outputs(collect(plain, reqs), collect(eng, reqs))
         assert eng.stats().spec_accepted_tokens_total > 0
-        replays = StaticForward.replays
-        assert 0 < replays <= eng.stats().spec_verifies_total  # every verify step
-        assert calls == {"in_graph": replays, "after_replay": 0}
-        same_outputs(collect(plain, sampled), collect(eng, sampled))
-        assert calls["in_graph"] == StaticForward.replays > replays
-        assert calls["after_replay"] > 0
+        assert 0 < StaticForward.replays <= eng.stats().spec_verifies_total  # every verify step
         assert_pool_baseline(eng)
     finally:
         eng.shutdown()

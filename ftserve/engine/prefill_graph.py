@@ -12,7 +12,6 @@ views of the device buffer and of each pinned staging copy::
                 | page-table rows (request slots) [S] | logits rows [S]
                 (verify graphs: logits rows [Tmax] | each token's page-table row [Tmax])
                 | state-pool slots [S] (hybrid models only)
-                | sampler slot, step, below-min_tokens flag [3 x Tmax] (verify graphs)
 
     tokens:     [ seq 0 | seq 1 | ... | padding up to the bucket ]
     sequences:  [ real ones ... | empty ones (qo_indptr repeats, 0 tokens) ]
@@ -26,8 +25,7 @@ split count fixed at capture from the bucket and the static context bound
 still fills the GPU. Rows
 of padding tokens carry garbage through the layers but every op is row-local,
 and only the real sequences' last rows become logits. Sampling runs eagerly on
-the graph's static logits (it is a handful of launches), except in a verify
-graph (below).
+the graph's static logits (it is a handful of launches).
 
 Verify graphs (speculative decoding: each sequence feeds its last token and a
 few draft tokens over a long cached prefix) attend with one split-K decode
@@ -57,11 +55,9 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 
 from ftserve.engine.cuda_graph import capture_graph
-from ftserve.engine.runner import logits_rows, sample_rows, sampling_words, token_layout
-from ftserve.engine.sampler import SampleOutput, SamplerFeatures
+from ftserve.engine.runner import logits_rows, sample_rows, token_layout
 from ftserve.kvcache.state_pool import SINK_SLOT
 from ftserve.models.forward_batch import AttentionMetadata, ForwardBatch
-from ftserve_kernels.bookkeeping import StagedRows, copy_host_words_paired, paired_copies_supported
 
 if TYPE_CHECKING:
     from ftserve.engine.runner import ModelRunner
@@ -94,16 +90,11 @@ class PrefillInputs(Generic[A]):
     # hybrid only ([0] otherwise): [S] each sequence's state-pool slot; empty
     # sequences: the sink slot (state_pool.SINK_SLOT, 0)
     state_slots: A
-    # all_rows only ([0] otherwise): [3 * Tmax] each sampled row's sampler slot,
-    # then its output step, then its below-min_tokens flag (runner.sampling_words,
-    # each run Tmax long); padding rows: the dummy slot, step 0, flag 0
-    sampling: A
 
     @staticmethod
     def sizes(max_tokens: int, max_seqs: int, all_rows: bool = False, hybrid: bool = False) -> list[int]:
         t, s = max_tokens, max_seqs
-        return [t, t, t, s + 1, s, s, s, t if all_rows else s, t if all_rows else 0, s if hybrid else 0,
-                3 * t if all_rows else 0]
+        return [t, t, t, s + 1, s, s, s, t if all_rows else s, t if all_rows else 0, s if hybrid else 0]
 
     @classmethod
     def views(cls, buf: Any, max_tokens: int, max_seqs: int, all_rows: bool = False,
@@ -176,16 +167,6 @@ class PrefillGraphs:
         self._stage = [torch.zeros(self.size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._stage_done = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._flip = 0
-        # Verify graphs sample greedily in the graph (module docstring): the fused
-        # greedy launch's arrival counters (one per row, one for the rows) and the
-        # pinned pair its tokens land in, a device word picking the row; the host
-        # counts replays to know which (``_out_flip``; the row of the last: ``_side``).
-        self.in_graph_io = all_rows and paired_copies_supported(runner.device)
-        self.counters = torch.zeros(self.t_max + 1, dtype=torch.int32, device=runner.device)
-        self.tokens_out = StagedRows(torch.zeros(2, self.t_max, dtype=torch.int64, pin_memory=pin),
-                                     torch.zeros(1, dtype=torch.int32, device=runner.device))
-        self._out_flip = self._side = 0
-        self.samples: dict[int, SampleOutput] = {}
         self.backends = {b: TritonAttentionBackend(extend_token_bound=b) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -239,23 +220,7 @@ class PrefillGraphs:
             fb.state_verify = self.all_rows
             fb.graph_seq_bound = min(self.seq_tokens, bucket)
         self.fbs[bucket] = fb  # the captured call's is the last
-        logits = r.model(fb)  # [S, V] fp32 ([bucket, V] with all_rows)
-        if self.all_rows:
-            self.samples[bucket] = self._sample_greedy(logits, bucket)
-        return logits
-
-    def _sample_greedy(self, logits: torch.Tensor, bucket: int) -> SampleOutput:
-        """A verify graph's rows sampled greedily from its static sampling inputs;
-        with in-graph I/O the tokens also go to row ``parity`` of the pinned pair
-        and the word toggles (by the greedy launch itself where it can)."""
-        t, w = self.t_max, self.inputs.sampling
-        staged = (StagedRows(self.tokens_out.pair[:, :bucket], self.tokens_out.parity)
-                  if self.in_graph_io else None)
-        out = self.runner.sampler.sample(logits, w[:bucket], w[t:t + bucket], w[2 * t:2 * t + bucket] != 0,
-                                         features=SamplerFeatures(), host_out=staged, counters=self.counters)
-        if staged is not None and not out.on_host:
-            copy_host_words_paired(out.token_ids[:bucket], staged.pair, staged.parity, flip=True)
-        return out
+        return r.model(fb)  # [S, V] fp32 ([bucket, V] with all_rows)
 
     def capture(self) -> None:
         t0 = time.monotonic()
@@ -267,8 +232,6 @@ class PrefillGraphs:
                 self.graphs[bucket], self.logits[bucket] = capture_graph(
                     lambda b=bucket: self._forward(b), self.pool)
         torch.cuda.synchronize()
-        self.tokens_out.parity.zero_()  # the warm-up runs toggled the word
-        self._out_flip = 0
         log.info("CUDA graphs for %s token budgets %s (up to %d sequences) captured in %.1f s",
                  "verify" if self.all_rows else "prefill", self.buckets, self.max_seqs,
                  time.monotonic() - t0)
@@ -287,8 +250,6 @@ class PrefillGraphs:
         f.slots[:] = r.sink_row  # empty sequences read the dummy row
         f.token_rows[:] = r.sink_row  # so do padding tokens
         f.state_slots[:] = SINK_SLOT  # and empty sequences' states (hybrid)
-        t_max = self.t_max
-        f.sampling[:t_max] = r.sampler.dummy_slot  # and padding rows' sampling (verify)
         if batch is not None:
             ids, pos, locs, indptr, seq, last = token_layout(batch, r.page_size)
             t, k = len(ids), len(seq)
@@ -303,14 +264,9 @@ class PrefillGraphs:
             if self.hybrid:
                 f.state_slots[:k] = [req.state_slot for req in batch.reqs]
             if self.all_rows:
-                srows = sample_rows(batch)
-                n = len(srows)
-                f.logits_rows[:n] = logits_rows(batch, srows, last)
+                rows = logits_rows(batch, sample_rows(batch), last)
+                f.logits_rows[:len(rows)] = rows
                 f.token_rows[:t] = [req.slot for req, x in zip(batch.reqs, batch.new_tokens) for _ in x]
-                words = sampling_words(batch, srows)
-                f.sampling[:n] = words[:n]
-                f.sampling[t_max:t_max + n] = words[n:2 * n]
-                f.sampling[2 * t_max:2 * t_max + n] = words[2 * n:]
             else:
                 f.logits_rows[:k] = last
         self.p_in.copy_(host, non_blocking=True)
@@ -329,18 +285,7 @@ class PrefillGraphs:
         self._fill(batch, bucket)
         if drafts is not None:
             self.inputs.ids.index_copy_(0, drafts[0], drafts[1])
-        logits = self._run(bucket)
-        if self.in_graph_io:  # the replay stored its greedy tokens into this row
-            self._side = self._out_flip
-            self._out_flip ^= 1
-        return logits
-
-    def greedy_out(self, batch: ScheduledBatch, n: int) -> tuple[SampleOutput, torch.Tensor | None]:
-        """A verify step's greedy tokens, sampled by its replay: the bucket's
-        static output, and the pinned row holding the first ``n`` (None where
-        the graph could not store them: the caller copies them out)."""
-        host = self.tokens_out.pair[self._side, :n] if self.in_graph_io else None
-        return self.samples[self._bucket(batch.num_tokens)], host
+        return self._run(bucket)
 
     def _run(self, bucket: int) -> torch.Tensor:
         """Replay the graph of ``bucket``; its static logits (tests on the CPU

@@ -44,7 +44,6 @@ import torch
 from ftserve.engine import prompt_logprobs as prompt_lp
 from ftserve.engine.grammar import MaskFiller
 from ftserve.engine.messages import TokenLogprob
-from ftserve.engine.sampler import SamplerFeatures
 from ftserve.engine.scheduler import ScheduledBatch
 from ftserve.engine.spec import accept
 from ftserve.kvcache.pool import KVPool
@@ -357,8 +356,6 @@ class ModelRunner:
             # sampled rows in order (PrefillGraphs.all_rows). A hybrid's state work
             # that is not fixed-shape runs around the replay: checkpoint loads
             # before it (above), saves after it, a verify step's commit after sampling.
-            if graphs.all_rows:  # a verify graph samples greedy rows itself: parameters first
-                self._sampling_inputs(batch)
             drafts: torch.Tensor | None = None
             if mtp is not None and batch.verifies:  # the chain, eagerly, then the replay
                 drafts = mtp.draft(batch)  # [D]
@@ -370,27 +367,23 @@ class ModelRunner:
                 if mtp is not None:
                     mtp.extend(batch, graphs.static_batch(batch), None, rows)
                 return Launched(batch, rows, None)
-            feats = self.sampler.features_of(batch.reqs[i].slot for i in rows)
-            graph_host: torch.Tensor | None = None
-            if graphs.all_rows and feats == SamplerFeatures():  # greedy: sampled in the replay
-                out, graph_host = graphs.greedy_out(batch, len(rows))
+            self._sampling_inputs(batch)  # behind the forward on the stream, before sampling
+            if graphs.all_rows:  # the sampled rows lead, in order: a view
+                dev = self._upload(sampling_words(batch, rows)).view(3, -1)
+                logits = logits_all[:len(rows)]  # [R, V]
             else:
-                if graphs.all_rows:  # the sampled rows lead, in order: a view
-                    dev = self._upload(sampling_words(batch, rows)).view(3, -1)
-                    logits = logits_all[:len(rows)]  # [R, V]
-                else:
-                    self._sampling_inputs(batch)  # behind the forward on the stream, before sampling
-                    dev = self._upload(rows + sampling_words(batch, rows)).view(4, -1)
-                    logits = logits_all.index_select(0, dev[0])  # [R, V]
-                    dev = dev[1:]
-                out = self.sampler.sample(logits, dev[0], dev[1], dev[2].bool(),
-                                          last=None if batch.verifies else self.last_tokens, features=feats)
-                self.sampler.update(dev[0], out.token_ids)
+                dev = self._upload(rows + sampling_words(batch, rows)).view(4, -1)
+                logits = logits_all.index_select(0, dev[0])  # [R, V]
+                dev = dev[1:]
+            out = self.sampler.sample(logits, dev[0], dev[1], dev[2].bool(),
+                                      last=None if batch.verifies else self.last_tokens,
+                                      features=self.sampler.features_of(batch.reqs[i].slot for i in rows))
+            self.sampler.update(dev[0], out.token_ids)
             if graphs.hybrid and batch.verifies:
                 self._commit_states(batch, graphs.static_batch(batch), out.token_ids)
             if mtp is not None:
                 mtp.extend(batch, graphs.static_batch(batch), out.token_ids, rows)
-            return Launched(batch, rows, self._copy_out(batch, rows, out, graph_host, drafts))
+                return Launched(batch, rows, self._copy_out(batch, rows, out, drafts=drafts))
         else:
             fb, slots, steps, min_active = self.build(batch, prompt)
             fb.layer_ready = layer_ready
@@ -433,6 +426,7 @@ class ModelRunner:
             if mtp is not None:
                 mtp.extend(batch, fb, out.token_ids, rows)
             return Launched(batch, rows, self._copy_out(batch, rows, out, drafts=drafts))
+        return Launched(batch, rows, self._copy_out(batch, rows, out))
 
     def _copy_out(self, batch: ScheduledBatch, rows: list[int], out: SampleOutput,
                   graph_host: torch.Tensor | None = None, drafts: torch.Tensor | None = None,

@@ -368,19 +368,15 @@ class Sampler:
         last: torch.Tensor | None = None,  # [>= B] int64: also receives the tokens
         features: SamplerFeatures | None = None,  # this call's stages (features_of); None: all enabled
         host_out: StagedRows | None = None,
-        counters: torch.Tensor | None = None,
     ) -> SampleOutput:
         """``host_out``: where the greedy kernel gives the tokens, it also stores
         them into the picked row of that pinned pair and toggles its word
         (greedy_triton); the output's ``on_host`` says whether it did, and if
-        not the caller copies them. ``counters``: the fused greedy launch's
-        arrival counters (zero, B + 1 of them) where B may pass the sampler's
-        own (a verify graph's rows outnumber the slots)."""
+        not the caller copies them."""
         f = self._features if features is None else features
         assert self._features.covers(f), "a stage that was never enabled (its state is missing)"
-        counters = self._greedy_counts if counters is None else counters
         fusable = (greedy_sample_triton is not None and self.kernels.triton(logits)
-                   and logits.shape[0] < counters.numel())
+                   and logits.shape[0] < self._greedy_counts.numel())
         if f in _FUSED and fusable:
             # Greedy rows, or temperature alone: the stop mask, the argmax (of logits
             # / T + Gumbel noise on sampled rows) and the copy into ``last``, one launch.
@@ -397,12 +393,12 @@ class Sampler:
                 cuts = filter_cuts_triton(logits.float(), slots, min_tokens_active, self._i, _NI, self._f,
                                           MIN_TEMPERATURE)
             tokens = greedy_sample_triton(logits, slots, min_tokens_active, self._i, _NI,
-                                          counters, last,
+                                          self._greedy_counts, last,
                                           self._f if sampled else None, steps if sampled else None,
                                           MIN_TEMPERATURE, cuts=cuts, host_out=host_out, kernels=self.kernels)
             return SampleOutput(tokens, on_host=host_out is not None)
         out = self._sample(logits, slots, steps, min_tokens_active, f, last if fusable else None, fusable,
-                           host_out if fusable else None, counters)
+                           host_out if fusable else None)
         if last is not None and not fusable:
             last[:out.token_ids.shape[0]].copy_(out.token_ids)
         return out
@@ -411,7 +407,6 @@ class Sampler:
         self, logits: torch.Tensor, slots: torch.Tensor, steps: torch.Tensor,
         min_tokens_active: torch.Tensor, f: SamplerFeatures, last: torch.Tensor | None = None,
         fused_draw: bool = False, host_out: StagedRows | None = None,
-        counters: torch.Tensor | None = None,
     ) -> SampleOutput:
         """The composed stages. ``fused_draw``: the argmax, the temperature and the
         Gumbel draw (and the copy into ``last``) run as greedy_triton's one launch
@@ -456,8 +451,7 @@ class Sampler:
                 x = ks.mask_token_ids(x, irow[:, _NI:], stop_active)  # [B, V]
                 scaled = x / temperature.clamp_min(MIN_TEMPERATURE)[:, None]  # [B, V]
                 x = torch.where(_filter_keep(scaled, top_k, top_p, min_p), x, ks.NEG_INF)
-            tokens = greedy_sample_triton(x, slots, min_tokens_active, self._i, _NI,
-                                          self._greedy_counts if counters is None else counters,
+            tokens = greedy_sample_triton(x, slots, min_tokens_active, self._i, _NI, self._greedy_counts,
                                           last, self._f if f.sampling else None,
                                           steps if f.sampling else None, MIN_TEMPERATURE,
                                           host_out=host_out, kernels=self.kernels)

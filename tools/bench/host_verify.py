@@ -27,7 +27,7 @@ counted). Per step, in us (the best of ``--repeats`` means of ``--steps``):
     launch     the rest of ModelRunner.launch (page mirror, sampler inputs,
                the read-back copy), less the sampler:
     sample     Sampler.sample: on the CPU the reference stages' compute, on a
-               GPU part of the verify graph (greedy rows; reported, not counted)
+               GPU one greedy Triton launch (reported, not counted)
     read       ModelRunner.collect_verified (read back, tokens per request)
     commit     Scheduler.commit_verified (acceptance, stop checks, page trim)
     engine     the rest of EngineCore._step (outputs, stats, the drafts'
@@ -35,9 +35,9 @@ counted). Per step, in us (the best of ``--repeats`` means of ``--steps``):
     total      the sum of the six
 
 and how much of the total runs while the step's device work is queued,
-between the verify graph's replay call and the read-back (the copy-out
-where the graph did not store the tokens, the last step's outputs and stats,
-the n-grams indexed ahead):
+between the verify graph's replay call and the read-back (the sampler's
+launches, the copy-out, the last step's outputs and stats, the n-grams
+indexed ahead):
 
     overlap    host time in that window (less the CPU sampler's compute)
     critical   total - overlap: the host time on the device's critical path,
@@ -119,13 +119,10 @@ class HostOnlyVerifyGraphs(PrefillGraphs):
         self.replays += 1
         p = self.inputs
         logits = one_hot(p.ids.index_select(0, p.logits_rows[:bucket]), self.runner.sampler.vocab_size)
-        self.graph_s += time.perf_counter() - t0
-        # A verify graph samples its rows greedily too (prefill_graph.py); that
-        # time is the sampler's (acc["sample"]), not the graph's.
-        self.samples[bucket] = self._sample_greedy(logits, bucket)
         self.replayed_at = time.perf_counter()
         if self.on_replay is not None:
             self.on_replay()
+        self.graph_s += self.replayed_at - t0
         return logits
 
 
