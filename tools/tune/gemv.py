@@ -5,8 +5,10 @@
 Problems (qwen3-30b-a3b decode; gemv_configs names the kernel of each kind):
 the MoE gate/up and down + combine GEMVs (E=128, k=8, H=2048, I=768), the qkv
 projection (2048 -> 5120, its input already normed), o_proj (4096 -> 2048), and
-lm_head (2048 -> 151936) only with budget to spare. For each token count T
-(1, 2) and problem, most important first:
+lm_head (2048 -> 151936) only with budget to spare; SmolLM2-135M's dense
+linears when ``--problems`` names them (smol_*: decode and the batch-1 verify
+step, ``--tokens 1,4``). For each token count T (1, 2) and problem, most
+important first:
 
 1. time today's default launch (gemv_configs.default): the baseline;
 2. time a pruned candidate list (``candidates``: registers, shared memory,

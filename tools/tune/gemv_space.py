@@ -81,6 +81,15 @@ PROBLEMS: dict[str, Problem] = {p.name: p for p in (
     Problem("qkv", "dense", (5120, 2048)),
     Problem("o_proj", "dense", (2048, 4096)),
     Problem("lm_head", "dense", (151_936, 2048), optional=True),
+    # SmolLM2-135M (hidden 576, 9 + 2 x 3 heads of 64, MLP 1536): a dense model whose
+    # decode and batch-1 verify steps are GEMVs of 1 and 4 rows (--tokens 1,4); the
+    # gate/up entry is the GLU launch's (its key is W's shape, gate and up stacked).
+    # Tuned only when --problems names them (not in DEFAULT_PROBLEMS).
+    Problem("smol_qkv", "dense", (960, 576)),
+    Problem("smol_o_proj", "dense", (576, 576)),
+    Problem("smol_gate_up", "dense", (3072, 576)),
+    Problem("smol_down", "dense", (576, 1536)),
+    Problem("smol_lm_head", "dense", (49_152, 576)),
 )}
 PIPELINED = ("moe_gate_up",)  # a runtime K loop: num_stages matters
 BLOCK_NS = (4, 8, 16, 32, 64)
