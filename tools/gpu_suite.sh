@@ -14,7 +14,8 @@
 # on 2026-12-01 74 of ~110 passed in 240 s, the other 35 took 118 s more), so a
 # benchmark call can skip them (GPU_SUITE_SKIP=gpu_tests);
 # fp8: the fp8 tests, tools.bench.fp8 (fp8 against bf16 in one run), tools.bench.fp8_prefill_sweep;
-# hybrid: the hybrid engine's gpu tests and the attention kernels' (split-K extend), tools.bench.extend_split, tools.bench.hybrid (issue 33);
+# hybrid: the hybrid engine's gpu tests and the attention kernels' (split-K extend),
+# tools.bench.extend_split, tools.bench.hybrid (issue 33);
 # spec: the speculation gpu tests, tools.bench.verify_attention, then tools.bench.spec on the qwen3-30b-a3b shape and,
 # with SPEC_GGUF=PATH (the SmolLM2 GGUF; the device fetches nothing), tools.bench.spec_trace (decode vs
 # verify step timelines) and tools.bench.spec on the real model;

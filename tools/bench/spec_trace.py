@@ -13,10 +13,11 @@ own step loop, per step kind, against plain decoding on the same engine.
 The engine is built as tools/bench/spec.py's server builds it: --speculative
 ngram with 4 draft tokens, CUDA graphs for decode, prefill and verify steps
 sized for --max-running requests (16: spec.py's largest default batch; the
-verify graph a step replays is the smallest token bucket >= its tokens: one
-request's k + 1 its own, prefill_graph.verify_buckets), the model's dtype; but with the speculation gate off,
-so every step may verify, and decode graphs captured only up to the size the
-server pads --batch to (the same graph replays; a cold build compiles less).
+verify graph a step replays is the smallest token bucket >= its tokens, one
+request's k + 1 a bucket of its own: prefill_graph.verify_buckets), the
+model's dtype; but with the speculation gate off, so every step may verify,
+and decode graphs captured only up to the size the server pads --batch to
+(the same graph replays; a cold build compiles less).
 --batch requests each get a prompt of --prompt-tokens that repeats one random
 block of --period tokens (a text the model can copy: n-gram drafts find their
 continuation in it). Three phases run on that one engine, in this order:
