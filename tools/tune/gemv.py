@@ -7,8 +7,8 @@ the MoE gate/up and down + combine GEMVs (E=128, k=8, H=2048, I=768), the qkv
 projection (2048 -> 5120, its input already normed), o_proj (4096 -> 2048), and
 lm_head (2048 -> 151936) only with budget to spare; SmolLM2-135M's dense
 linears when ``--problems`` names them (smol_*: decode and the batch-1 verify
-step, ``--tokens 1,4``). ``--tokens`` are row blocks (powers of two): a launch
-of T rows takes the entry of T's next power of two. For each T (default 1, 2)
+step, ``--tokens 1,4``; a dense launch of T rows takes the entry of T's row
+block, the next power of two, as this tool files it). For each T (default 1, 2)
 and problem, most important first:
 
 1. time today's default launch (gemv_configs.default): the baseline;
@@ -302,12 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cap", type=int, default=CAP, help="candidates per (problem, T)")
     args = ap.parse_args(argv)
     problems = [PROBLEMS[name] for name in args.problems.split(",")]
-    tokens = [int(t) for t in args.tokens.split(",")]
-    if any(t < 1 or t & (t - 1) or t > gv.GEMV_MAX_ROWS for t in tokens):
-        # A launch looks its entry up by its row block (next power of two of its rows).
-        ap.error(f"--tokens: row blocks, powers of two up to {gv.GEMV_MAX_ROWS}; got {args.tokens}")
     assert torch.cuda.is_available(), "tune_gemv needs a CUDA device"
-    run(Path(args.out), args.budget_s, problems, tokens,
+    run(Path(args.out), args.budget_s, problems, [int(t) for t in args.tokens.split(",")],
         torch.device("cuda"), min_gain=args.min_gain, cap=args.cap)
 
 
