@@ -74,6 +74,7 @@ class Problem:
 
 
 QWEN3_MOE = (128, 8, 2048, 768)  # (E, k, H, I)
+QWEN3_NEXT_MOE = (512, 10, 2048, 512)
 PROBLEMS: dict[str, Problem] = {p.name: p for p in (
     Problem("gate_up", "moe_gate_up", QWEN3_MOE),
     Problem("down", "moe_down", QWEN3_MOE),
@@ -90,6 +91,16 @@ PROBLEMS: dict[str, Problem] = {p.name: p for p in (
     Problem("smol_gate_up", "dense", (3072, 576)),
     Problem("smol_down", "dense", (576, 1536)),
     Problem("smol_lm_head", "dense", (49_152, 576)),
+    # qwen3-next-80b-a3b's decode (the hybrid bench's model, --problems next_*,lm_head):
+    # 512 experts top-10; the linear layers' fused in_proj (qkvz + ba) and the full
+    # attention layers' gated qkv; the shared expert's gate/up (GLU) and down; its
+    # o_proj / out_proj (2048 x 4096) and lm_head are qwen3-30b-a3b's shapes.
+    Problem("next_gate_up", "moe_gate_up", QWEN3_NEXT_MOE),
+    Problem("next_down", "moe_down", QWEN3_NEXT_MOE),
+    Problem("next_in_proj", "dense", (12_352, 2048)),
+    Problem("next_qkv", "dense", (9216, 2048)),
+    Problem("next_shared_gate_up", "dense", (1024, 2048)),
+    Problem("next_shared_down", "dense", (2048, 512)),
 )}
 PIPELINED = ("moe_gate_up",)  # a runtime K loop: num_stages matters
 BLOCK_NS = (4, 8, 16, 32, 64)
