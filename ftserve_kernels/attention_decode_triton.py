@@ -52,12 +52,19 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     FP8: tl.constexpr, PDL: tl.constexpr,
     QK: tl.constexpr, NORM: tl.constexpr = True,
+    first_ptr=None, BLOCK_J: tl.constexpr = 1,
 ):
     # QK (DecodeQK): q and the new token's k arrive raw (before the per-head
     # norms, NORM, and the rotary) and this kernel normalizes and rotates them
     # itself; the split holding the new token (position kv_len - 1) stores
     # its K/V into the pages and adds it from registers after its loop, so no
     # program reads that slot back. Halves [*, D/2] throughout (full rotary).
+    # BLOCK_J > 1 (a verify step: query b is row b - first[b] of its sequence's
+    # rows first[b]..b, consecutive positions): the keys of the earlier rows are
+    # this step's too, and another program stores them, so this one never reads
+    # them from the pages: it rotates all of its sequence's new keys up to its
+    # own (at most BLOCK_J) from k itself, adds them after the loop, and stores
+    # only its own.
     #
     # Tiles of BLOCK_N cached tokens are dealt to the splits in turn: split s
     # takes tiles s, s + NUM_SPLITS, ..., so its first tile does not depend on
@@ -80,9 +87,15 @@ def _decode_split_kernel(
     heads = kvh * GROUP + g
     gmask = g < GROUP
     if QK:
+        if BLOCK_J > 1:
+            tok0 = tl.load(first_ptr + b).to(tl.int32)  # the row of the sequence's first new token
+            n_new = b - tok0 + 1  # this step's keys up to this query's own
+        else:
+            n_new = 1
+        new0 = kv_len - n_new  # the first new key's position: the pages hold those before it
         # the split after the last tile's, in turn
-        new_here = (s == tl.cdiv(kv_len - 1, BLOCK_N) % NUM_SPLITS) & (kv_len > 0)
-        cached_end = tl.minimum(end, kv_len - 1)  # the new token comes after the loop
+        new_here = (s == tl.cdiv(new0, BLOCK_N) % NUM_SPLITS) & (kv_len > 0)
+        cached_end = tl.minimum(end, new0)  # the new tokens come after the loop
     else:
         new_here = False
         cached_end = end
@@ -165,7 +178,43 @@ def _decode_split_kernel(
         else:
             acc = mma_acc(p.to(vv.dtype), vv, acc * alpha[:, None], UPCAST)
         m_i = m_new
-    if QK:
+    if QK and BLOCK_J > 1:
+        if new_here:
+            # The step's keys up to this query's: normalized and rotated at their
+            # positions, rounded as the pages hold them; this query's own K/V stored.
+            jj = tl.arange(0, BLOCK_J)
+            jmask = jj < n_new
+            trow = (tok0 + jj).to(tl.int64)  # [J] their rows of k / v
+            k_rows = k_ptr + trow[:, None] * stride_kt + kvh * stride_kh
+            pj = (new0 + jj).to(tl.int64)[:, None]
+            cj = tl.load(cs_ptr + pj * stride_cos + hj[None, :], mask=jmask[:, None], other=0.0)  # [J, HALF]
+            sj = tl.load(cs_ptr + pj * stride_cos + HALF + hj[None, :], mask=jmask[:, None], other=0.0)
+            k1, k2 = _norm_rope_halves(
+                tl.load(k_rows + hj[None, :], mask=jmask[:, None], other=0.0).to(tl.float32),
+                tl.load(k_rows + HALF + hj[None, :], mask=jmask[:, None], other=0.0).to(tl.float32),
+                kw_ptr, hj, cj, sj, eps, D, HALF, ty, NORM)  # [J, HALF] each
+            v_new = tl.load(v_ptr + trow[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                            mask=jmask[:, None] & dmask[None, :], other=0.0)  # [J, D]
+            own = (jj == n_new - 1)[:, None]  # this query's token: stored by this program
+            dst = tl.load(loc_ptr + b).to(tl.int64) * stride_cs + head_off + jj[:, None] * 0
+            cty = kc_ptr.dtype.element_ty
+            vty = vc_ptr.dtype.element_ty
+            tl.store(kc_ptr + dst + hj[None, :], k1.to(cty), mask=own)
+            tl.store(kc_ptr + dst + HALF + hj[None, :], k2.to(cty), mask=own)
+            tl.store(vc_ptr + dst + d[None, :], v_new.to(vty), mask=own & dmask[None, :])
+            kf1 = k1.to(cty).to(tl.float32)
+            kf2 = k2.to(cty).to(tl.float32)
+            sc = (tl.sum(q1.to(tl.float32)[:, None, :] * kf1[None, :, :], 2)
+                  + tl.sum(q2.to(tl.float32)[:, None, :] * kf2[None, :, :], 2))  # [G, J]
+            sc = tl.where(jmask[None, :], sc * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vf = v_new.to(vty).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p.to(ty).to(tl.float32)[:, :, None] * vf[None, :, :], 1)
+            m_i = m_new
+    elif QK:
         if new_here:
             # The new token: normalize and rotate its k, store K/V into its slot
             # (what the backend's KV store would do), and add it to this split.
@@ -251,6 +300,17 @@ class DecodeQK:
     positions: torch.Tensor  # [B] int64
     cos_sin: torch.Tensor  # [max_pos, D] fp32, cos | sin halves
     out_cache_loc: torch.Tensor  # [B] int64, the new token's KV slot
+    # A verify step's queries (several new tokens a sequence, one query each):
+    # [B] int64, the row of each query's sequence's first new token, its rows
+    # consecutive up to the query's own; ``rows_bound`` bounds a sequence's rows
+    # (<= MAX_VERIFY_ROWS). None: one new token a sequence (decode).
+    first_rows: torch.Tensor | None = None
+    rows_bound: int = 1
+
+
+# The most new tokens of one sequence the fold takes in a verify step: each
+# query's program adds that many keys from registers ([G, J, D/2] products).
+MAX_VERIFY_ROWS = 8
 
 
 def decode_attention_triton(
@@ -275,7 +335,9 @@ def decode_attention_triton(
     gated attention; twin: paged_attention.gate_output). fp8 caches (float8_e4m3fn codes) need ``k_scale`` /
     ``v_scale``; tiles are dequantized in registers. With ``qk``, ``q`` is raw and the kernel applies the q/k norms
     (where ``qk`` has them) and the rotary and stores the new K/V itself (twin:
-    norm_rope.qk_norm_rotary_ref with its kv_store, then this function without ``qk``)."""
+    norm_rope.qk_norm_rotary_ref with its kv_store, then this function without ``qk``),
+    also for a verify step's queries (``qk.first_rows``: each query attends to its
+    sequence's new keys up to its own, rotated from ``qk.k``)."""
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -287,6 +349,10 @@ def decode_attention_triton(
     mid_o = torch.empty((bsz, hq, num_splits, block_d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
     ks, vs, stride_ss, fp8 = scale_args(k_cache, k_scale, v_scale)
+    verify: dict[str, object] = {}
+    if qk is not None and qk.first_rows is not None:
+        assert 1 <= qk.rows_bound <= MAX_VERIFY_ROWS and qk.first_rows.shape == (bsz,)
+        verify = dict(first_ptr=qk.first_rows, BLOCK_J=max(2, triton.next_power_of_2(qk.rows_bound)))
     if qk is not None:
         assert not fp8 and qk.cos_sin.shape[-1] == d and d % 2 == 0 and triton.next_power_of_2(d) == d
         assert qk.k.stride(-1) == 1 and qk.v.stride(-1) == 1 and qk.cos_sin.stride(-1) == 1
@@ -310,7 +376,7 @@ def decode_attention_triton(
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.decode_block_n,
         NUM_SPLITS=num_splits, UPCAST=interpreting(), FP8=fp8, QK=qk is not None,
         NORM=qk is not None and qk.q_w is not None,
-        num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **pdl.launch(on),
+        num_warps=cfg.decode_warps, num_stages=cfg.decode_stages, PDL=on, **verify, **pdl.launch(on),
     )
     # Columns a reduce program combines: the whole head, or decode_reduce_block_d.
     block_r = min(block_d, triton.next_power_of_2(cfg.decode_reduce_block_d)) if cfg.decode_reduce_block_d else block_d

@@ -56,6 +56,7 @@ from ftserve_kernels.attention_common import (  # noqa: F401  (re-exported names
     scale_args,
 )
 from ftserve_kernels.attention_decode_triton import (  # noqa: F401  (re-exported names)
+    MAX_VERIFY_ROWS,
     DecodeQK,
     _decode_reduce_kernel,
     _decode_split_kernel,
@@ -175,16 +176,30 @@ class TritonAttentionBackend:
         """Decode attention from raw q/k [B, H, D]: the split kernel applies the
         per-head norms (q_w / k_w; None: a model without them) and the rotary and
         stores K/V itself (one launch fewer than qk_norm_rotary + forward, two
-        fewer than rotary + store + forward). None where it does not apply (not a
-        decode batch, fp8 pages, partial rotary, a head dim not a power of two):
-        the caller takes the usual path."""
-        pool = batch.kv_pool
+        fewer than rotary + store + forward); also a verify step's queries (the
+        verify graphs' layout, AttentionMetadata.query_first_rows). None where it
+        does not apply (another extend step, a verify step of more than
+        MAX_VERIFY_ROWS tokens a sequence, fp8 pages, partial rotary, a head dim
+        not a power of two): the caller takes the usual path."""
+        pool, meta = batch.kv_pool, batch.attn
         d = q.shape[-1]
-        if (not batch.is_decode or pool.k_scale is not None or cos_sin.shape[-1] != d
+        verify = (meta.query_seq_lens is not None and meta.query_first_rows is not None
+                  and meta.query_rows_bound <= MAX_VERIFY_ROWS)
+        if ((not batch.is_decode and not verify) or pool.k_scale is not None or cos_sin.shape[-1] != d
                 or triton.next_power_of_2(d) != d):
             return None
-        qk = DecodeQK(k, v, q_w, k_w, eps, batch.positions, cos_sin, batch.attn.out_cache_loc)
-        return self._decode(q, pool.k[layer], pool.v[layer], batch, None, None, qk)
+        kc, vc = pool.k[layer], pool.v[layer]
+        if batch.is_decode:
+            qk = DecodeQK(k, v, q_w, k_w, eps, batch.positions, cos_sin, meta.out_cache_loc)
+            return self._decode(q, kc, vc, batch, None, None, qk)
+        assert meta.query_page_table is not None and meta.query_seq_lens.shape[0] == q.shape[0]
+        qk = DecodeQK(k, v, q_w, k_w, eps, batch.positions, cos_sin, meta.out_cache_loc,
+                      meta.query_first_rows, meta.query_rows_bound)
+        cfg = self.cfg or AttnKernelConfig.for_device(q.device, d)
+        scale = self.scale if self.scale is not None else d**-0.5
+        splits = self.num_splits(q.shape[0], kc.shape[1], q.device, meta.max_seq_len)
+        return decode_attention_triton(q, kc, vc, meta.query_page_table, meta.query_seq_lens, meta.page_size,
+                                       scale, splits, cfg, qk=qk, kernels=batch.kernels)
 
     def _decode(
         self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: ForwardBatch,

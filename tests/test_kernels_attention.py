@@ -10,6 +10,7 @@ import dataclasses
 import importlib
 import os
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -728,6 +729,111 @@ def test_backend_decode_qk_applies_to_decode_only() -> None:
     assert backend.decode_qk(q, k, v, 0, fb, None, None, 0.0, _rope_table(16, 24).to(DEVICE)) is None
 
 
+def _verify_case(new: list[int], prefix: list[int], hq: int, hkv: int, d: int, page: int, dtype: torch.dtype,
+                 seed: int, backend: Any = None, pad: int = 2,
+                 ) -> tuple[KVPool, Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A verify step's layout as the verify graphs attend (one decode query per
+    token, its sequence's first row), then ``pad`` padding tokens reading the
+    NaN-poisoned dummy row at length 1 and writing the dummy slot 0."""
+    pool, tables, q, k, v = make_case(new, prefix, hq, hkv, d, page, dtype, DEVICE, seed=seed)
+    fb = build_forward_batch([[1] * n for n in new], prefix, tables, pool, backend or TorchAttentionBackend())
+    meta = fb.attn
+    rows = [i for i, n in enumerate(new) for _ in range(n)]
+    table = torch.cat([meta.page_table, torch.zeros_like(meta.page_table[:1])])  # + the dummy row
+    t = sum(new)
+    g = torch.Generator().manual_seed(seed + 100)
+    meta.query_page_table = table.index_select(0, torch.tensor(rows + [len(new)] * pad, device=DEVICE))
+    fb.positions = torch.cat([fb.positions, torch.zeros(pad, dtype=torch.int64, device=DEVICE)])
+    meta.query_seq_lens = (fb.positions + 1).to(torch.int32)
+    starts = [sum(new[:i]) for i in range(len(new))]
+    meta.query_first_rows = torch.tensor([starts[i] for i in rows] + list(range(t, t + pad)), device=DEVICE)
+    meta.query_rows_bound = max(new)
+    meta.out_cache_loc = torch.cat([meta.out_cache_loc, torch.zeros(pad, dtype=torch.int64, device=DEVICE)])
+    extra = [(3 * torch.randn(pad, hq, d, generator=g)).to(dtype).to(DEVICE),
+             torch.randn(pad, hkv, d, generator=g).to(dtype).to(DEVICE),
+             torch.randn(pad, hkv, d, generator=g).to(dtype).to(DEVICE)]
+    q, k, v = (torch.cat([x, e]) for x, e in zip((q, k, v), extra))
+    return pool, fb, q, k, v
+
+
+@pytest.mark.parametrize("dtype,splits,norm", [(torch.float32, 1, True), (torch.float32, 3, True),
+                                               (torch.float32, 8, False), (torch.bfloat16, 5, True),
+                                               (torch.bfloat16, 2, False)])
+def test_verify_qk_fold_matches_norm_rotary_then_attention(dtype: torch.dtype, splits: int, norm: bool) -> None:
+    """DecodeQK with first_rows (a verify step: 4, 1 and 3 new tokens over
+    prefixes of 70, 0 and 130, one to three 64-token tiles dealt to the splits,
+    or none): each query rotates its sequence's new keys up to its own from k
+    and stores only its own. The pages equal qk_norm_rotary_ref's store of
+    every new token, the output attention over the rotated q with every key
+    read from the pages; padding rows attend to their own key alone."""
+    from ftserve_kernels.attention_decode_triton import DecodeQK
+    from ftserve_kernels.norm_rope import qk_norm_rotary_ref
+
+    new, prefix, d, hq, hkv, page = [4, 1, 3], [70, 0, 130], 32, 8, 2, 4
+    pool, fb, q, k, v = _verify_case(new, prefix, hq, hkv, d, page, dtype, seed=splits)
+    meta = fb.attn
+    ref_pool = KVPool(1, pool.num_pages, page, hkv, d, dtype, DEVICE)
+    ref_pool.k.copy_(pool.k)
+    ref_pool.v.copy_(pool.v)
+    g = torch.Generator().manual_seed(12)
+    q_w = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE) if norm else None
+    k_w = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE) if norm else None
+    cos_sin = _rope_table(256, d).to(DEVICE)
+    cfg = at.AttnKernelConfig()
+    qo, _ = qk_norm_rotary_ref(q, k, q_w, k_w, 1e-6, fb.positions, cos_sin,
+                               (ref_pool.k[0], ref_pool.v[0], v, meta.out_cache_loc))
+    ref = at.decode_attention_triton(qo, ref_pool.k[0], ref_pool.v[0], meta.query_page_table,
+                                     meta.query_seq_lens, page, d**-0.5, splits, cfg=cfg)
+    out = torch.full_like(q, float("nan"))
+    before_k = pool.k.clone()
+    qk = DecodeQK(k, v, q_w, k_w, 1e-6, fb.positions, cos_sin, meta.out_cache_loc, meta.query_first_rows,
+                  meta.query_rows_bound)
+    at.decode_attention_triton(q, pool.k[0], pool.v[0], meta.query_page_table, meta.query_seq_lens, page,
+                               d**-0.5, splits, cfg=cfg, out=out, qk=qk)
+    # The real pages (the dummy page takes every padding token's store: the last one wins).
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(pool.k[:, page:], ref_pool.k[:, page:], **tol)
+    assert torch.equal(pool.v[:, page:], ref_pool.v[:, page:])
+    loc = meta.out_cache_loc
+    pool.k[0, loc] = before_k[0, loc]
+    assert torch.equal(pool.k.nan_to_num(7.0), before_k.nan_to_num(7.0)), "a write outside the new slots"
+    # Real rows as the reference; a padding row attends to its own key (the
+    # reference's read the dummy slot after the last padding store), finite.
+    t = sum(new)
+    assert torch.isfinite(out).all()
+    assert rel_err(out[:t], ref[:t]) < ((1e-5 if DEVICE == "cpu" else FP32_TOL) if dtype == torch.float32
+                                        else 2e-2), rel_err(out[:t], ref[:t])
+
+
+def test_backend_decode_qk_takes_verify_steps() -> None:
+    """The backend folds a verify step (query_first_rows set, at most
+    MAX_VERIFY_ROWS tokens a sequence) into the split kernel, as its forward
+    would attend after qk_norm_rotary's store; past the bound, the usual path."""
+    from ftserve_kernels.norm_rope import qk_norm_rotary_ref
+
+    new, prefix, d, page = [3, 2], [9, 21], 32, 4
+    backend = at.TritonAttentionBackend(extend_token_bound=8)
+    pool, fb, q, k, v = _verify_case(new, prefix, 4, 2, d, page, torch.float32, seed=4, backend=backend)
+    meta = fb.attn
+    ref_pool = KVPool(1, pool.num_pages, page, 2, d, torch.float32, DEVICE)
+    ref_pool.k.copy_(pool.k)
+    ref_pool.v.copy_(pool.v)
+    cos_sin = _rope_table(64, d).to(DEVICE)
+    w = (1 + 0.1 * torch.arange(d, dtype=torch.float32)).to(DEVICE)
+    out = backend.decode_qk(q, k, v, 0, fb, w, w, 1e-6, cos_sin)
+    assert out is not None
+    out = out[:sum(new)]  # padding rows: see the test above
+    qo, ko = qk_norm_rotary_ref(q, k, w, w, 1e-6, fb.positions, cos_sin,
+                                (ref_pool.k[0], ref_pool.v[0], v, meta.out_cache_loc))
+    ref_fb = dataclasses.replace(fb, kv_pool=ref_pool)
+    ref = backend.forward(qo, ko, v, 0, ref_fb, kv_stored=True)[:sum(new)]
+    assert rel_err(out, ref) < FP32_TOL
+    meta.query_rows_bound = at.MAX_VERIFY_ROWS + 1
+    assert backend.decode_qk(q, k, v, 0, fb, w, w, 1e-6, cos_sin) is None
+    meta.query_rows_bound, meta.query_first_rows = 3, None
+    assert backend.decode_qk(q, k, v, 0, fb, w, w, 1e-6, cos_sin) is None
+
+
 @pytest.mark.gpu
 def test_gpu_decode_qk_fold_real_shape() -> None:
     """qwen3-30b-a3b heads (32 q, 4 kv, d 128), bf16, contexts to 3,000 at the
@@ -760,6 +866,49 @@ def test_gpu_decode_qk_fold_real_shape() -> None:
     torch.testing.assert_close(pool.k.nan_to_num(7.0), ref_pool.k.nan_to_num(7.0), rtol=2e-2, atol=2e-2)
     assert torch.equal(pool.v.nan_to_num(7.0), ref_pool.v.nan_to_num(7.0))
     assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2, rel_err(out, ref)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("hq,hkv,d,norm", [(9, 3, 64, False), (32, 4, 128, True)])  # SmolLM2's, Qwen3-30B-A3B's
+def test_gpu_verify_qk_fold_real_shape(hq: int, hkv: int, d: int, norm: bool) -> None:
+    """A verify step (4, 4 and 2 new tokens over 2,000, 37 and 3,000 cached) at
+    the backend's split count, bf16: the fold against qk_norm_rotary's store,
+    then attention over the pages; outputs within bf16, pages as stored."""
+    from ftserve_kernels.attention_decode_triton import DecodeQK
+    from ftserve_kernels.rope_triton import qk_norm_rotary_triton
+
+    new, prefix, page = [4, 4, 2], [2000, 37, 3000], 16
+    pool, fb, q, k, v = _verify_case(new, prefix, hq, hkv, d, page, torch.bfloat16, seed=5)
+    meta = fb.attn
+    ref_pool = KVPool(1, pool.num_pages, page, hkv, d, torch.bfloat16, "cuda")
+    ref_pool.k.copy_(pool.k)
+    ref_pool.v.copy_(pool.v)
+    g = torch.Generator().manual_seed(2)
+    q_w = (1 + 0.2 * torch.randn(d, generator=g)).to(torch.bfloat16).cuda() if norm else None
+    k_w = (1 + 0.2 * torch.randn(d, generator=g)).to(torch.bfloat16).cuda() if norm else None
+    cos_sin = _rope_table(4096, d).cuda()
+    splits = at.TritonAttentionBackend().num_splits(q.shape[0], hkv, q.device)
+    if norm:
+        qo, _ = qk_norm_rotary_triton(q, k, q_w, k_w, 1e-6, fb.positions, cos_sin,
+                                      (ref_pool.k[0], ref_pool.v[0], v, meta.out_cache_loc))
+    else:
+        from ftserve_kernels.norm_rope import qk_norm_rotary_ref
+
+        qo, _ = qk_norm_rotary_ref(q, k, None, None, 1e-6, fb.positions, cos_sin,
+                                   (ref_pool.k[0], ref_pool.v[0], v, meta.out_cache_loc))
+    ref = at.decode_attention_triton(qo, ref_pool.k[0], ref_pool.v[0], meta.query_page_table,
+                                     meta.query_seq_lens, page, d**-0.5, splits)
+    out = torch.full_like(q, float("nan"))
+    at.decode_attention_triton(q, pool.k[0], pool.v[0], meta.query_page_table, meta.query_seq_lens, page,
+                               d**-0.5, splits, out=out,
+                               qk=DecodeQK(k, v, q_w, k_w, 1e-6, fb.positions, cos_sin, meta.out_cache_loc,
+                                           meta.query_first_rows, meta.query_rows_bound))
+    torch.cuda.synchronize()
+    t = sum(new)
+    torch.testing.assert_close(pool.k[:, page:], ref_pool.k[:, page:], rtol=2e-2, atol=2e-2)
+    assert torch.equal(pool.v[:, page:], ref_pool.v[:, page:])
+    assert torch.isfinite(out).all() and rel_err(out[:t], ref[:t]) < 1e-2, rel_err(out[:t], ref[:t])
 
 
 @pytest.mark.gpu

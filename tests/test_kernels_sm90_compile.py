@@ -80,6 +80,17 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          dict(PAGE_SIZE=16, GROUP=3, D=64, BLOCK_D=64, BLOCK_G=16,
               BLOCK_N=cfg64.decode_block_n, NUM_SPLITS=64, UPCAST=False, QK=True, NORM=False),
          cfg64.decode_warps, cfg64.decode_stages)
+    # A verify step's queries (DecodeQK.first_rows): each adds its sequence's new keys
+    # (up to MAX_VERIFY_ROWS) from registers; SmolLM2's heads at 4 rows, qwen3's at 8.
+    qk_types = attn | {"k_ptr": bf, "v_ptr": bf, "qw_ptr": bf, "kw_ptr": bf, "pos_ptr": "*i64",
+                       "cs_ptr": "*fp32", "loc_ptr": "*i64", "eps": "fp32", "first_ptr": "*i64"}
+    comp("decode_split_qk_verify4_nonorm", at._decode_split_kernel, qk_types,
+         dict(PAGE_SIZE=16, GROUP=3, D=64, BLOCK_D=64, BLOCK_G=16, BLOCK_N=cfg64.decode_block_n,
+              NUM_SPLITS=64, UPCAST=False, QK=True, NORM=False, BLOCK_J=4),
+         cfg64.decode_warps, cfg64.decode_stages)
+    comp("decode_split_qk_verify8", at._decode_split_kernel, qk_types,
+         dict(PAGE_SIZE=16, GROUP=8, D=128, BLOCK_D=128, BLOCK_G=16, BLOCK_N=cfg.decode_block_n,
+              NUM_SPLITS=64, UPCAST=False, QK=True, BLOCK_J=8), cfg.decode_warps, cfg.decode_stages)
     # fp8 e4m3 KV pages (codes + per-token scales): store, decode and extend.
     fp8 = "*fp8e4nv"
     comp("store_kv_fp8", at._store_kv_kernel,
@@ -351,7 +362,7 @@ def test_kernels_compile_for_sm90() -> None:
         # Their every load reads an earlier kernel's output: none may move above the wait.
         assert results[name]["loads_before_wait"] == 0, (name, results[name])
     for name in ("extend", "extend_split", "decode_split", "decode_split_qk", "decode_split_qk_nonorm",
-                 "moe_gate_up_T1",
+                 "decode_split_qk_verify4_nonorm", "decode_split_qk_verify8", "moe_gate_up_T1",
                  "moe_gate_up_T8192"):
         assert results[name]["cp_async"], f"{name} loads are not pipelined: {results[name]}"
 

@@ -322,16 +322,29 @@ def test_hybrid_models_speculate(tmp_path: Any) -> None:
     assert engine.scheduler.state_pool.verify_log is None
 
 
-def test_verify_graph_static_forward_equals_eager(model_dir: str) -> None:
+def test_verify_graph_static_forward_equals_eager(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The verify graphs' static, padded forward (what CUDA captures per width; run
     eagerly here, Triton attention under the interpreter) gives the eager verify
-    step's logits at every sampled row: two drafted requests and a plain one."""
+    step's logits at every sampled row: two drafted requests and a plain one.
+    Each layer's attention folds the rotary and the KV store into the decode
+    kernel (every token's sequence's first row in the static inputs)."""
     from ftserve.engine.prefill_graph import PrefillGraphs, verify_buckets
+    from ftserve_kernels import attention_triton as at
+
+    folded: list[list[int]] = []
+    real = at.decode_attention_triton
+
+    def spy(*args: Any, qk: Any = None, **kwargs: Any) -> Any:
+        if qk is not None and qk.first_rows is not None:
+            folded.append(qk.first_rows.tolist())
+        return real(*args, qk=qk, **kwargs)
+
+    monkeypatch.setattr(at, "decode_attention_triton", spy)
 
     eng = make(model_dir, speculative="ngram", num_speculative_tokens=3)
     try:
         sched, runner = eng.scheduler, eng.runner
-        graphs = PrefillGraphs(runner, 0, 4, buckets=verify_buckets(4, 3), all_rows=True)
+        graphs = PrefillGraphs(runner, 0, 4, buckets=verify_buckets(4, 3), all_rows=True, seq_tokens=4)
         assert graphs.buckets == [4, 8, 16]
         prompts = {"a": [5, 6, 7, 8, 9, 5, 6], "b": [11, 12, 13, 14, 11, 12], "c": [20, 21, 22]}
         firsts = {"a": 7, "b": 13, "c": 23}  # a: "6 7" recurs, b: "12 13"; c: nothing
@@ -355,6 +368,9 @@ def test_verify_graph_static_forward_equals_eager(model_dir: str) -> None:
             slots = [r.slot for r in batch.reqs]
             assert graphs.inputs.token_rows.tolist() == [slots[0]] * 4 + [slots[1]] * 4 + [slots[2]] \
                 + [runner.sink_row] * 7
+            first = [0] * 4 + [4] * 4 + [8] + list(range(9, 16))  # padding: its own row
+            assert graphs.inputs.first_rows.tolist() == first
+            assert folded == [first] * len(runner.model.layers), "every layer folds the rotary and store"
             fb, slots, steps, _ = runner.build(batch)
             eager = runner.model(fb)  # [9, V]
         torch.testing.assert_close(static, eager, rtol=1e-4, atol=1e-4)
@@ -384,7 +400,7 @@ def test_verify_graph_path_in_the_runner_same_tokens(model_dir: str, plain: Engi
     eng = make(model_dir, speculative="ngram", num_speculative_tokens=3)
     try:
         eng.runner.verify_graphs = StaticForward(eng.runner, 0, 4, buckets=verify_buckets(4, 3),
-                                                 all_rows=True)
+                                                 all_rows=True, seq_tokens=4)
         same_outputs(collect(plain, reqs), collect(eng, reqs))
         assert eng.stats().spec_accepted_tokens_total > 0
         assert 0 < StaticForward.replays <= eng.stats().spec_verifies_total  # every verify step

@@ -10,7 +10,8 @@ views of the device buffer and of each pinned staging copy::
     p_in int64: ids [Tmax] | positions [Tmax] | out_cache_loc [Tmax]
                 | qo_indptr [S+1] | seq_lens [S] | prefix_lens [S]
                 | page-table rows (request slots) [S] | logits rows [S]
-                (verify graphs: logits rows [Tmax] | each token's page-table row [Tmax])
+                (verify graphs: logits rows [Tmax] | each token's page-table row [Tmax]
+                 | the row of each token's sequence's first token [Tmax])
                 | state-pool slots [S] (hybrid models only)
 
     tokens:     [ seq 0 | seq 1 | ... | padding up to the bucket ]
@@ -52,6 +53,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import numpy as np
 import torch
 
 from ftserve.engine.cuda_graph import capture_graph
@@ -87,6 +89,10 @@ class PrefillInputs(Generic[A]):
     # all_rows only ([0] otherwise): [Tmax] each token's page-table row (its
     # request's slot; padding: the dummy row)
     token_rows: A
+    # all_rows only ([0] otherwise): [Tmax] the token row of each token's
+    # sequence's first token (padding: its own row), for the attention's fold
+    # (AttentionMetadata.query_first_rows)
+    first_rows: A
     # hybrid only ([0] otherwise): [S] each sequence's state-pool slot; empty
     # sequences: the sink slot (state_pool.SINK_SLOT, 0)
     state_slots: A
@@ -94,7 +100,8 @@ class PrefillInputs(Generic[A]):
     @staticmethod
     def sizes(max_tokens: int, max_seqs: int, all_rows: bool = False, hybrid: bool = False) -> list[int]:
         t, s = max_tokens, max_seqs
-        return [t, t, t, s + 1, s, s, s, t if all_rows else s, t if all_rows else 0, s if hybrid else 0]
+        return [t, t, t, s + 1, s, s, s, t if all_rows else s, t if all_rows else 0, t if all_rows else 0,
+                s if hybrid else 0]
 
     @classmethod
     def views(cls, buf: Any, max_tokens: int, max_seqs: int, all_rows: bool = False,
@@ -167,6 +174,7 @@ class PrefillGraphs:
         self._stage = [torch.zeros(self.size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._stage_done = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._flip = 0
+        self._rows = np.arange(self.t_max, dtype=np.int64)
         self.backends = {b: TritonAttentionBackend(extend_token_bound=b) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -210,6 +218,8 @@ class PrefillGraphs:
         if self.all_rows:
             attn.query_page_table = r.page_table.index_select(0, p.token_rows[:bucket])  # [bucket, W]
             attn.query_seq_lens = (p.positions[:bucket] + 1).to(torch.int32)  # [bucket]
+            attn.query_first_rows = p.first_rows[:bucket]
+            attn.query_rows_bound = min(self.seq_tokens, bucket)
         fb = ForwardBatch(p.ids[:bucket], p.positions[:bucket], attn,
                           r.kv_pool, self.backends[bucket],
                           logits_indices=rows, is_decode=False, kernels=r.kernels,
@@ -250,6 +260,8 @@ class PrefillGraphs:
         f.slots[:] = r.sink_row  # empty sequences read the dummy row
         f.token_rows[:] = r.sink_row  # so do padding tokens
         f.state_slots[:] = SINK_SLOT  # and empty sequences' states (hybrid)
+        if self.all_rows:
+            f.first_rows[:] = self._rows  # padding tokens: their own row
         if batch is not None:
             ids, pos, locs, indptr, seq, last = token_layout(batch, r.page_size)
             t, k = len(ids), len(seq)
@@ -267,6 +279,8 @@ class PrefillGraphs:
                 rows = logits_rows(batch, sample_rows(batch), last)
                 f.logits_rows[:len(rows)] = rows
                 f.token_rows[:t] = [req.slot for req, x in zip(batch.reqs, batch.new_tokens) for _ in x]
+                for i in range(k):
+                    f.first_rows[indptr[i]:indptr[i + 1]] = indptr[i]
             else:
                 f.logits_rows[:k] = last
         self.p_in.copy_(host, non_blocking=True)

@@ -57,6 +57,12 @@ class AttentionMetadata:
     # The same attention as the extend layout above; None: that layout.
     query_page_table: torch.Tensor | None = None  # [T, max_pages] int32
     query_seq_lens: torch.Tensor | None = None  # [T] int32: position + 1
+    # [T] int64: the row of each token's sequence's first new token (its rows run
+    # consecutively from there), and a host bound on one sequence's new tokens:
+    # the decode kernel's q/k norm + rotary + KV store fold takes a verify step
+    # with them (TritonAttentionBackend.decode_qk). None: the unfused path.
+    query_first_rows: torch.Tensor | None = None
+    query_rows_bound: int = 1
 
     @property
     def num_seqs(self) -> int:

@@ -135,10 +135,10 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3
             q_w, k_w, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
         fold = getattr(batch.attn_backend, "decode_qk", None)
-        if fold is not None and batch.is_decode:
+        if fold is not None and (batch.is_decode or batch.attn.query_first_rows is not None):
             # The q/k norms (where the model has them), the rotary and the KV store
             # inside the decode attention launch (TritonAttentionBackend.decode_qk),
-            # where it applies.
+            # where it applies: decode steps, and the verify graphs' steps.
             out = fold(q, k, v, self.layer_idx, batch, q_w, k_w, eps, cos_sin)
             if out is not None:
                 return self._project(out.reshape(t, self.q_size), project, batch.kernels)
