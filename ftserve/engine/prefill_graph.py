@@ -174,7 +174,17 @@ class PrefillGraphs:
         self._stage = [torch.zeros(self.size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._stage_done = [torch.cuda.Event() for _ in range(2)] if pin else None
         self._flip = 0
-        self._rows = np.arange(self.t_max, dtype=np.int64)
+        # Each staging copy's field views, and the all-padding step every fill starts
+        # from (token 0 -> dummy slot 0, the dummy page-table row, the sink state
+        # slot, each padding token its own first row): one copy, not a write a field.
+        self._views = [PrefillInputs.views(h.numpy(), self.t_max, max_seqs, all_rows, self.hybrid)
+                       for h in self._stage]
+        self._blank = np.zeros(self.size, dtype=np.int64)
+        blank = PrefillInputs.views(self._blank, self.t_max, max_seqs, all_rows, self.hybrid)
+        blank.slots[:] = runner.sink_row  # empty sequences read the dummy row
+        blank.token_rows[:] = runner.sink_row  # so do padding tokens
+        blank.state_slots[:] = SINK_SLOT  # and empty sequences' states (hybrid)
+        blank.first_rows[:] = np.arange(blank.first_rows.shape[0])
         self.backends = {b: TritonAttentionBackend(extend_token_bound=b) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -251,17 +261,11 @@ class PrefillGraphs:
         r = self.runner
         self._flip ^= 1
         done = self._stage_done[self._flip] if self._stage_done is not None else None
-        host = self._stage[self._flip]
+        host, f = self._stage[self._flip], self._views[self._flip]
         if done is not None and not done.query():  # an unrecorded event counts as done
             host = torch.empty_like(host, pin_memory=True)  # still being copied
-        buf = host.numpy()
-        buf[:] = 0  # padding: token 0 -> dummy slot 0
-        f = PrefillInputs.views(buf, self.t_max, self.max_seqs, self.all_rows, self.hybrid)
-        f.slots[:] = r.sink_row  # empty sequences read the dummy row
-        f.token_rows[:] = r.sink_row  # so do padding tokens
-        f.state_slots[:] = SINK_SLOT  # and empty sequences' states (hybrid)
-        if self.all_rows:
-            f.first_rows[:] = self._rows  # padding tokens: their own row
+            f = PrefillInputs.views(host.numpy(), self.t_max, self.max_seqs, self.all_rows, self.hybrid)
+        host.numpy()[:] = self._blank  # an all-padding step (__init__), the batch over it
         if batch is not None:
             ids, pos, locs, indptr, seq, last = token_layout(batch, r.page_size)
             t, k = len(ids), len(seq)
