@@ -62,14 +62,17 @@ def _align_hist_kernel(ids_ptr, hist_ptr, valid_ptr, N, K, BLOCK_E: tl.constexpr
 @triton.jit
 def _align_place_kernel(
     ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, total_ptr, valid_ptr,
-    N, K, MAX_ROWS, MAX_BLOCKS, ROWS_PER_PROG, BLOCKS_PER_PROG,
+    N, K, MAX_ROWS, MAX_BLOCKS, ROWS_PER_PROG, BLOCKS_PER_PROG, EXPERTS_PER_PROG,
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, HIST_ROWS: tl.constexpr,
     FILL: tl.constexpr, PRECOUNTED: tl.constexpr, HAS_VALID: tl.constexpr,
+    E_TILE: tl.constexpr = 16, TAIL: tl.constexpr = 256,
 ):
     # Program c: (1) counts per expert over all pairs and over chunks before c,
     # (2) places the pairs of chunk c at expert start + earlier chunks' count +
     # rank inside the chunk (stable: pair order within an expert), (3) writes the
-    # sentinel into its share of padding rows and block -> expert entries.
+    # sentinel into the padding rows of its share of experts (each fewer than
+    # BLOCK_M, after the expert's pairs) and of its share of rows past the last
+    # expert, and its share of block -> expert entries.
     # A chunk is walked in sub-chunks of SUB pairs: one-hot tiles [SUB, E] stay
     # near 16k elements while a large CHUNK keeps the chunk count (every program
     # reads all chunks' counts) small. SUB == CHUNK for the default plan up to 128
@@ -117,15 +120,30 @@ def _align_place_kernel(
         # An id outside [0, E) belongs to no expert: dropped, never written over row 0.
         tl.store(sorted_ptr + dest, offs, mask=m & (tl.sum(onehot, 1) > 0))
         base += tl.sum(onehot, 0)
-    f = tl.arange(0, FILL)
     pad_lo = starts + totals  # [E] first padding row of each expert
+    # An expert's padding, rows pad_lo..end: its bounds picked out of the [E]
+    # vectors for E_TILE experts at a time ([E_TILE, E] selects; testing every
+    # row against every expert's range was [rows, E] compares, most of a
+    # 512-expert prefill's alignment).
+    et = tl.arange(0, E_TILE)
+    j = tl.arange(0, BLOCK_M)
+    e_begin = c * EXPERTS_PER_PROG
+    e_end = tl.minimum(e_begin + EXPERTS_PER_PROG, BLOCK_E)
+    for e0 in range(e_begin, e_end, E_TILE):
+        ee = e0 + et  # [ET]
+        sel = e[None, :] == ee[:, None]  # [ET, E]
+        lo = tl.sum(tl.where(sel, pad_lo[None, :], 0), 1)  # [ET]
+        hi = tl.sum(tl.where(sel, ends[None, :], 0), 1)
+        rows = lo[:, None] + j[None, :]  # [ET, BLOCK_M]
+        tl.store(sorted_ptr + rows, tl.zeros([E_TILE, BLOCK_M], tl.int32) + N,
+                 mask=(rows < hi[:, None]) & (ee < e_end)[:, None])
     r_begin = c * ROWS_PER_PROG
     r_end = tl.minimum(r_begin + ROWS_PER_PROG, MAX_ROWS)
-    for r0 in range(r_begin, r_end, FILL):
-        rows = r0 + f
-        in_pad = (rows[:, None] >= pad_lo[None, :]) & (rows[:, None] < ends[None, :])  # [F, E]
-        pad = (tl.sum(in_pad.to(tl.int32), 1) > 0) | (rows >= total)
-        tl.store(sorted_ptr + rows, tl.zeros([FILL], tl.int32) + N, mask=pad & (rows < r_end))
+    t = tl.arange(0, TAIL)
+    for r0 in range(tl.maximum(r_begin, total), r_end, TAIL):  # the unused tail
+        rows = r0 + t
+        tl.store(sorted_ptr + rows, tl.zeros([TAIL], tl.int32) + N, mask=rows < r_end)
+    f = tl.arange(0, FILL)
     b_begin = c * BLOCKS_PER_PROG
     b_end = tl.minimum(b_begin + BLOCKS_PER_PROG, MAX_BLOCKS)
     for b0 in range(b_begin, b_end, FILL):
@@ -142,7 +160,7 @@ _PRECOUNT_MIN = 4096  # pairs; past it a histogram pass beats every program coun
 @functools.lru_cache(maxsize=256)
 def _align_plan(n: int, num_experts: int, block_m: int, chunk: int = 0) -> tuple[int, ...]:
     """Host-only sizes for moe_align, cached: (max_rows, max_blocks, BLOCK_E, chunk,
-    chunks, rows per program, blocks per program). ``chunk`` (a power of two,
+    chunks, rows per program, blocks per program, experts per program). ``chunk`` (a power of two,
     0: the default below) is the pairs per program, a tuned-table field."""
     max_rows = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
     max_blocks = max_rows // block_m
@@ -154,7 +172,7 @@ def _align_plan(n: int, num_experts: int, block_m: int, chunk: int = 0) -> tuple
     chunk = max(default, min(chunk, triton.next_power_of_2(n)))
     chunks = triton.cdiv(n, chunk)
     return (max_rows, max_blocks, block_e, chunk, chunks,
-            triton.cdiv(max_rows, chunks), triton.cdiv(max_blocks, chunks))
+            triton.cdiv(max_rows, chunks), triton.cdiv(max_blocks, chunks), triton.cdiv(block_e, chunks))
 
 
 def moe_align(
@@ -169,7 +187,7 @@ def moe_align(
     n = topk_ids.numel()
     k = topk_ids.shape[-1] if topk_ids.dim() > 1 else 1
     dev = topk_ids.device
-    max_rows, max_blocks, block_e, chunk, chunks, rows_pp, blocks_pp = _align_plan(
+    max_rows, max_blocks, block_e, chunk, chunks, rows_pp, blocks_pp, experts_pp = _align_plan(
         n, num_experts, block_m, chunk)
     ids = topk_ids.reshape(-1)
     sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=dev)
@@ -184,8 +202,9 @@ def moe_align(
         _align_hist_kernel[(chunks,)](ids, hist, valid, n, k, BLOCK_E=block_e, CHUNK=chunk, HAS_VALID=has_valid)
     _align_place_kernel[(chunks,)](
         ids, hist, sorted_ids, block_expert, total, valid, n, k, max_rows, max_blocks, rows_pp, blocks_pp,
-        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, HIST_ROWS=max(1, 4096 // block_e),
+        experts_pp, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, HIST_ROWS=max(1, 4096 // block_e),
         FILL=max(16, 8192 // block_e), PRECOUNTED=precount, HAS_VALID=has_valid,
+        E_TILE=max(2, min(16, triton.next_power_of_2(experts_pp))),
         num_warps=8 if min(chunk, 16384 // block_e) * block_e > 4096 else 4,
     )
     return sorted_ids, block_expert, total

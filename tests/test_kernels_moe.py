@@ -90,6 +90,7 @@ def test_align_is_a_padded_grouping(
     assert sorted_ids.numel() >= total and sorted_ids.numel() % bm == 0
     real = sorted_ids[:total]
     assert sorted(real[real < n].tolist()) == list(range(n))
+    assert torch.all((real < n) | (real == n)), "an expert's padding rows hold the sentinel"
     assert torch.all(sorted_ids[total:] == n)
     flat = ids.reshape(-1)
     for b in range(total // bm):
