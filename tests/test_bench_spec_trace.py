@@ -186,6 +186,31 @@ def test_host_profile_lists_the_engine_functions_per_step(tmp_path: Path) -> Non
     assert "host" not in st.main(["--smoke", "--phases", "verify", "--out", str(tmp_path / "b")])["phases"]["verify"]
 
 
+def test_host_calls_time_the_step_path_per_call(tmp_path: Path) -> None:
+    """--host-calls: each phase's timed steps again with a perf_counter around
+    the step's main host calls; a verify step plans, launches, packs its verify
+    graph's inputs (the smoke's verify graphs are none: eager), samples, reads
+    back and commits once each; the wrappers are gone afterwards."""
+    from ftserve.engine.scheduler import Scheduler
+
+    plain = Scheduler.__dict__["schedule"]
+    res = st.main(["--smoke", "--phases", "verify,decode", "--host-calls", "--out", str(tmp_path)])
+    assert Scheduler.__dict__["schedule"] is plain, "the wrappers are restored"
+    verify = res["phases"]["verify"]["host_calls"]
+    assert verify["steps"] == 4 and "note" not in res["phases"]["verify"]
+    per_step = {r[0]: r[1] for r in verify["calls"]}
+    for call in ("EngineDriver.step", "Scheduler.schedule", "ModelRunner.launch", "Sampler.sample",
+                 "ModelRunner.collect_verified", "Scheduler.commit_verified"):
+        assert per_step.get(call) == 1.0, (call, per_step)
+    assert "Scheduler.commit" not in per_step  # a plain step's commit: the decode phase's
+    decode = {r[0]: r for r in res["phases"]["decode"]["host_calls"]["calls"]}
+    assert decode["Scheduler.commit"][1] == 1.0 and "ModelRunner.collect_verified" not in decode
+    step = decode["EngineDriver.step"]
+    assert step[2] >= decode["Scheduler.schedule"][2] > 0 and step[3] >= step[2]  # median <= p90
+    md = (tmp_path / "spec_trace.md").read_text()
+    assert "host calls of the verify phase" in md and "| Scheduler.commit_verified |" in md
+
+
 def test_a_spent_budget_skips_every_phase(tmp_path: Path) -> None:
     res = st.main(["--smoke", "--budget-s", "0", "--out", str(tmp_path / "t.json")])
     assert res["skipped"] == [f"phase {p}" for p in st.PHASES] and res["phases"] == {}

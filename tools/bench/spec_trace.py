@@ -49,6 +49,12 @@ verify, prefill): the medians, and every kernel's count and device time per
 step (the top ones in the summary). Then decode vs verify kernel by kernel:
 which kernels the verify step runs that decode does not, and the reverse.
 
+--host-calls runs each phase's timed steps once more with a perf_counter
+around each of the step's main host calls (HOST_CALLS: planning, packing,
+the graph launch, sampling, the read-back and its wait, committing): their
+calls and median microseconds per step, without cProfile's slow-down
+(--host-profile: every engine function, under cProfile).
+
 The run stops itself within --budget-s: phases that would start past it are
 skipped, and a phase's step loops end at its share of what is left (the
 engine build is not bounded). Output: --out/spec_trace.json (or --out itself
@@ -62,13 +68,16 @@ the same step windows, classification and tables.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import functools
+import importlib
 import pstats
 import random
 import statistics
 import time
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,6 +110,25 @@ PHASE_DRAFTS = {"verify": "always", "decode": None, "decode_sync": "never"}
 WINDOW = "spec_trace.step"  # record_function name prefix of a traced step
 TOP_KERNELS = 14
 HOST_TOP = 24  # host functions listed per phase (--host-profile)
+# (module, class, method) timed per call by --host-calls: a step's host path.
+HOST_CALLS = (
+    ("ftserve.engine.scheduler", "Scheduler", "schedule"),
+    ("ftserve.engine.spec.speculator", "Speculator", "propose"),
+    ("ftserve.engine.runner", "ModelRunner", "launch"),
+    ("ftserve.engine.prefill_graph", "PrefillGraphs", "_fill"),
+    ("ftserve.engine.prefill_graph", "PrefillGraphs", "replay"),
+    ("ftserve.engine.cuda_graph", "DecodeGraphs", "replay"),
+    ("torch.cuda", "CUDAGraph", "replay"),
+    ("ftserve.engine.sampler", "Sampler", "sample"),
+    ("ftserve.engine.runner", "ModelRunner", "_copy_out"),
+    ("ftserve.engine.scheduler", "Scheduler", "plan_ahead"),
+    ("ftserve.engine.runner", "ModelRunner", "collect"),
+    ("ftserve.engine.runner", "ModelRunner", "collect_verified"),
+    ("torch.cuda", "Event", "synchronize"),
+    ("ftserve.engine.scheduler", "Scheduler", "commit"),
+    ("ftserve.engine.scheduler", "Scheduler", "commit_verified"),
+    ("ftserve.engine.driver", "EngineDriver", "step"),
+)
 NAME_CHARS = 90  # kernel names in the markdown (cuBLAS names run to hundreds)
 MAX_OUTSIDE = 48  # ops outside the graph listed per step (the CPU smoke has hundreds)
 
@@ -401,6 +429,45 @@ def host_profile(prof: cProfile.Profile, steps: int, top: int = HOST_TOP) -> lis
     return rows[:top]
 
 
+@contextlib.contextmanager
+def timed_calls(calls: Sequence[tuple[str, str, str]] = HOST_CALLS) -> Iterator[dict[str, list[float]]]:
+    """Each ``calls`` method wrapped to append its wall microseconds to the
+    yielded dict (key "Class.method"), restored on exit."""
+    times: dict[str, list[float]] = {}
+    saved = []
+    for mod, cls_name, name in calls:
+        cls = getattr(importlib.import_module(mod), cls_name)
+        orig = cls.__dict__[name]
+        key = f"{cls_name}.{name}"
+        times[key] = []
+
+        def timed(*a: Any, _orig: Any = orig, _out: list[float] = times[key], **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _orig(*a, **kw)
+            finally:
+                _out.append((time.perf_counter() - t0) * 1e6)
+
+        saved.append((cls, name, orig))
+        setattr(cls, name, functools.wraps(orig)(timed))
+    try:
+        yield times
+    finally:
+        for cls, name, orig in reversed(saved):
+            setattr(cls, name, orig)
+
+
+def call_rows(times: dict[str, list[float]], steps: int) -> list[list[Any]]:
+    """[call, calls per step, median us, p90 us] for the calls the steps made."""
+    rows = []
+    for key, v in times.items():
+        if v:
+            v = sorted(v)
+            rows.append([key, round(len(v) / max(steps, 1), 2), round(statistics.median(v), 1),
+                         round(v[min(len(v) - 1, 9 * len(v) // 10)], 1)])
+    return rows
+
+
 def time_steps(drv: EngineDriver, reqs: Sequence[Req], steps: int, deadline: float,
                profile_host: bool = False) -> dict[str, Any]:
     """``steps`` engine steps without the profiler (fewer past ``deadline``):
@@ -484,10 +551,15 @@ def run_phase(drv: EngineDriver, phase: str, args: argparse.Namespace, device: t
         out: dict[str, Any] = {"drafts": mode or "off"}
         out["warmup_steps"] = warm_up(drv, reqs, args.warmup, deadline)
         left = deadline - time.perf_counter()
-        share = left / (3 if args.host_profile else 2)  # the rest: the traced steps
+        share = left / (2 + args.host_profile + args.host_calls)  # the rest: the traced steps
         out["timed"] = time_steps(drv, reqs, args.steps, time.perf_counter() + share)
         if args.host_profile:
             out["host"] = time_steps(drv, reqs, args.steps, time.perf_counter() + share, profile_host=True)
+        if args.host_calls:
+            with timed_calls() as times:
+                timed = time_steps(drv, reqs, args.steps, time.perf_counter() + share)
+            out["host_calls"] = {"steps": timed["steps"], "wall_us_median": timed["wall_us_median"],
+                                 "calls": call_rows(times, timed["steps"])}
         out["trace"] = trace_steps(drv, args.trace_steps, device, deadline)
         if spec is not None:
             c = spec.counters
@@ -575,6 +647,12 @@ def render(res: dict[str, Any]) -> str:
             lines += [f"host functions of the {phase} phase (cProfile over {host['steps']} steps, which "
                       "slows Python; us per step):", "",
                       markdown_table(["function", "calls", "cumulative us", "own us"], host["host_profile"]), ""]
+    for phase in PHASES:
+        calls = res.get("phases", {}).get(phase, {}).get("host_calls")
+        if calls and calls.get("calls"):
+            lines += [f"host calls of the {phase} phase ({calls['steps']} steps, a perf_counter around "
+                      f"each; step walls {calls['wall_us_median']} us):", "",
+                      markdown_table(["call", "calls per step", "median us", "p90 us"], calls["calls"]), ""]
     for what in ("errors", "skipped"):
         if res.get(what):
             lines.append(f"{what}: {res[what] if what == 'skipped' else list(res[what])}")
@@ -609,6 +687,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--phases", default=",".join(PHASES), help=f"subset of {','.join(PHASES)}")
     p.add_argument("--host-profile", action="store_true",
                    help="also run each phase's timed steps again under cProfile: the engine's host functions")
+    p.add_argument("--host-calls", action="store_true",
+                   help="also run each phase's timed steps again timing the step's main host calls (HOST_CALLS)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -632,7 +712,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     k = args.num_speculative_tokens
     # Room for every step to commit a whole draft (the profiled steps are a second
     # set of timed ones), and a margin.
-    steps = args.warmup + args.steps * (2 if args.host_profile else 1) + args.trace_steps
+    steps = args.warmup + args.steps * (1 + args.host_profile + args.host_calls) + args.trace_steps
     args.max_tokens = (steps + 8) * (k + 1) + 16
     # engine_driver.build's fields: the engine as spec.py's server runs it.
     args.batches = [args.max_running]
