@@ -246,16 +246,26 @@ def _fp8_down_kernel(
 
 
 def moe_gemv_tiles(cuda: bool) -> tuple[gc.GemvConfig, gc.GemvConfig]:
-    """(gate/up, down) launch parameters (block_n, block_k, warps; no stages:
-    the K loops are unrolled). Hopper: a gate/up program streams 2 x 8 rows of
-    H codes (32 KB at H 2048) in steps of 512 codes a row (a lane's 16-byte
-    load, one scale a lane), accumulating like gemv_triton; a down program 8
-    choices x 4 rows of I codes in 128-code steps (24 KB at I 768: 512
-    programs a token at H 2048, as the tuned bf16 down; 16 rows left 128, fewer
-    than the SMs)."""
-    if not cuda:
-        return gc.GemvConfig(16, GROUP, 4, 1), gc.GemvConfig(16, GROUP, 4, 1)
-    return gc.GemvConfig(8, 512, 8, 1), gc.GemvConfig(4, GROUP, 4, 1)
+    """The built-in (gate/up, down) launch parameters (block_n, block_k, warps;
+    no stages: the K loops are unrolled): gemv_configs.default's, tuned per
+    device into the GEMV table (tools/tune/gemv.py, the fp8_* problems). Hopper:
+    a gate/up program streams 2 x 8 rows of H codes (32 KB at H 2048) in steps
+    of 512 codes a row (a lane's 16-byte load, one scale a lane), accumulating
+    like gemv_triton; a down program 8 choices x 4 rows of I codes in 128-code
+    steps (24 KB at I 768: 512 programs a token at H 2048, as the tuned bf16
+    down; 16 rows left 128, fewer than the SMs)."""
+    return gc.default("moe_fp8_gate_up", cuda), gc.default("moe_fp8_down", cuda)
+
+
+def _tiles(x: torch.Tensor, w13: Fp8Weight, top_k: int, kernels: KernelConfig,
+           ) -> tuple[gc.GemvConfig, gc.GemvConfig]:
+    """The device table's entries for this shape at x's token count (keyed by
+    w13's expert rows, as moe_gemv_triton's), else the built-in tiles."""
+    e, two_i, h = w13.codes.shape
+    t = x.shape[0]
+    gate_up, down = moe_gemv_tiles(x.is_cuda)
+    return (gc.pick(gc.moe_key("moe_fp8_gate_up", e, h, two_i // 2, top_k), t, x.device, kernels) or gate_up,
+            gc.pick(gc.moe_key("moe_fp8_down", e, h, two_i // 2, top_k), t, x.device, kernels) or down)
 
 
 def _rt_args(rt: Fp8ReadThrough | None, ids: torch.Tensor, part: str) -> tuple[object, ...]:
@@ -299,7 +309,7 @@ def fused_moe_fp8_add_norm_gemv_triton(
     experts' weights into ``topk_weights`` (fp32), as there."""
     t, h = x.shape
     normed, summed = torch.empty_like(x), torch.empty_like(x)
-    bn_d = (tiles or moe_gemv_tiles(x.is_cuda))[1].block_n
+    bn_d = (tiles or _tiles(x, w13, topk_ids.shape[1], kernels))[1].block_n
     parts = (torch.empty((t, triton.cdiv(h, bn_d)), dtype=torch.float32, device=x.device)
              if norm_next.deferred else None)
     assert norm_next.residual.shape == x.shape and norm_next.residual.stride() == (h, 1)
@@ -336,7 +346,7 @@ def _launch(
     if weights.dtype != torch.float32 or weights.stride(0) != 1:
         weights = weights.float().contiguous()
     act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)  # [N, I]
-    cfg_gu, cfg_d = tiles or moe_gemv_tiles(x.is_cuda)
+    cfg_gu, cfg_d = tiles or _tiles(x, w13, k, kernels)
     bn_gu, bn_d = cfg_gu.block_n, cfg_d.block_n
     bk_gu, step_gu = k_step(h, w13.block_k, cfg_gu.block_k)
     # The down kernel's steps stay inside one scale column (GROUP divides its blocks).

@@ -44,8 +44,9 @@ from ftserve_kernels.config_tables import CONFIG_DIR  # noqa: F401 - re-exported
 from ftserve_kernels.moe_configs import shape_key as moe_shape_key
 
 MOE_KINDS = ("moe_gate_up", "moe_down")
+FP8_MOE_KINDS = ("moe_fp8_gate_up", "moe_fp8_down")  # fp8_moe_gemv_triton's pair
 DENSE_KINDS = ("dense", "dense_fp8")
-KINDS = MOE_KINDS + DENSE_KINDS
+KINDS = MOE_KINDS + FP8_MOE_KINDS + DENSE_KINDS
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,15 @@ def default(kind: str, cuda: bool, n: int = 0, tokens: int = 1, k: int = 0) -> G
     if not cuda:  # the interpreter: small tiles are fast, warps and stages are ignored
         if kind in DENSE_KINDS:
             return GemvConfig(8, 16, 1, 3)
+        if kind in FP8_MOE_KINDS:  # a scale group's columns (fp8_quant.GROUP) a step
+            return GemvConfig(16, 128, 4, 1)
         return GemvConfig(16, 16, 4, 1)
+    if kind in FP8_MOE_KINDS:
+        # fp8_moe_gemv_triton: a gate/up program streams 2 x 8 rows in steps of 512
+        # codes a row (a lane's 16-byte load, one scale a lane); a down program 8
+        # choices x 4 rows in steps of one scale group (128 codes). No stages: the
+        # K loops are unrolled.
+        return GemvConfig(8, 512, 8, 1) if kind == "moe_fp8_gate_up" else GemvConfig(4, 128, 4, 1)
     if kind == "dense_fp8":
         # 512 codes a row step (a lane's 16-byte load, one scale a lane), 4 warps;
         # at one row 4 weight rows a program at K 2048 (qkv: 1280 programs of
@@ -104,7 +113,7 @@ def default(kind: str, cuda: bool, n: int = 0, tokens: int = 1, k: int = 0) -> G
 
 
 def moe_key(kind: str, num_experts: int, hidden: int, inter: int, top_k: int) -> str:
-    assert kind in MOE_KINDS, kind
+    assert kind in MOE_KINDS + FP8_MOE_KINDS, kind
     return f"{kind}:{moe_shape_key(num_experts, hidden, inter, top_k)}"
 
 

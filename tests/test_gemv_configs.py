@@ -307,6 +307,51 @@ def test_tune_run_writes_a_table_the_runtime_picks(
         assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-5
 
 
+def test_tune_fp8_expert_pair_and_the_launchers_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fp8_* problems on the interpreter: tools/tune/gemv times
+    fp8_moe_gemv_triton's pair over e4m3 experts (each candidate checked against
+    fused_moe_fp8_ref first), files the gate/up and down under their own keys
+    at T, and an entry it writes is what gc.pick returns; the launcher asks the
+    table for exactly those keys (its weights' E, H, I and top-k, x's T)."""
+    from ftserve_kernels import fp8_moe_gemv_triton as fmg
+    from ftserve_kernels.fp8_moe_triton import fused_moe_fp8_ref
+    from ftserve_kernels.fp8_quant import quantize_weight
+
+    e, k, h, inter = 4, 2, 128, 128
+    problems = [tune.Problem("fgu", "moe_fp8_gate_up", (e, k, h, inter)),
+                tune.Problem("fdn", "moe_fp8_down", (e, k, h, inter))]
+    assert [p.key() for p in problems] == [f"moe_fp8_gate_up:E={e},H={h},I={inter},k={k}",
+                                           f"moe_fp8_down:E={e},H={h},I={inter},k={k}"]
+    assert problems[0].weight_bytes(1) == k * 2 * inter * h  # a byte a code
+    # Larger tiles than the interpreter's defaults (16 x 128): fewer programs win there.
+    sweep = [GemvConfig(64, 128, 4, 1), GemvConfig(128, 128, 4, 1)]
+    path = tune.run(tmp_path, 600.0, problems, (1,), torch.device("cpu"), sweep=lambda p, t: sweep,
+                    dtype=torch.float32, iters=2, min_gain=0.0, copy_bytes=1 << 20)
+    raw = json.loads(path.read_text())
+    kc = KernelConfig(gemv_table=str(path))
+    for p in problems:
+        tm = raw["timings"][p.key()]["1"]
+        assert tm["configs_timed"] == 3 and tm["skipped"] == 0, tm  # the default and both candidates ran
+        entry = gc.pick(p.key(), 1, CUDA0, kc)
+        assert (entry is not None) == tm["in_table"] and (entry is None or entry.to_dict() == tm["best"])
+    asked: list[tuple[str, int]] = []
+    real_pick = gc.pick
+
+    def spy(key: str, tokens: int, *a: Any, **kw: Any) -> Any:
+        asked.append((key, tokens))
+        return real_pick(key, tokens, *a, **kw)
+
+    monkeypatch.setattr(gc, "pick", spy)
+    g = torch.Generator().manual_seed(9)
+    w13 = quantize_weight(torch.randn(e, 2 * inter, h, generator=g) / h**0.5)
+    w2 = quantize_weight(torch.randn(e, h, inter, generator=g) / inter**0.5)
+    x = torch.randn(2, h, generator=g)
+    weights, ids = route_topk_ref(torch.randn(2, e, generator=g), k, True)
+    out = fmg.fused_moe_fp8_gemv_triton(x, w13, w2, weights, ids, kernels=kc)
+    assert asked == [(problems[0].key(), 2), (problems[1].key(), 2)]
+    assert rel_err(out, fused_moe_fp8_ref(x, w13, w2, weights, ids)) < 2e-2
+
+
 def test_tune_merge_drops_a_stale_entry() -> None:
     """A rerun where the default wins removes the old entry (it was measured
     as no better) and keeps the other T and keys."""
@@ -322,6 +367,20 @@ def test_tune_merge_drops_a_stale_entry() -> None:
 def _check_entry(key: str, t: int, cfg: GemvConfig) -> float:
     """rel err of the kernel of ``key`` launched with ``cfg`` at T = t (CUDA, bf16)."""
     kind, shape = gc.parse_key(key)
+    if kind in gc.FP8_MOE_KINDS:
+        from ftserve_kernels import fp8_moe_gemv_triton as fmg
+        from ftserve_kernels.fp8_moe_triton import fused_moe_fp8_ref
+        from ftserve_kernels.fp8_quant import quantize_weight
+
+        e, h, inter, k = shape["E"], shape["H"], shape["I"], shape["k"]
+        w13 = quantize_weight((torch.randn(e, 2 * inter, h, device="cuda") / h**0.5).bfloat16())
+        w2 = quantize_weight((torch.randn(e, h, inter, device="cuda") / inter**0.5).bfloat16())
+        x = torch.randn(t, h, device="cuda").bfloat16()
+        weights, ids = route_topk_ref(torch.randn(t, e, device="cuda"), k, True)
+        gu, dn = fmg.moe_gemv_tiles(True)
+        tiles = (cfg, dn) if kind == "moe_fp8_gate_up" else (gu, cfg)
+        out = fmg.fused_moe_fp8_gemv_triton(x, w13, w2, weights, ids, tiles=tiles)
+        return rel_err(out, fused_moe_fp8_ref(x, w13, w2, weights, ids))
     if kind in gc.MOE_KINDS:
         e, h, inter, k = shape["E"], shape["H"], shape["I"], shape["k"]
         w13 = (torch.randn(e, 2 * inter, h, device="cuda") / h**0.5).bfloat16()

@@ -5,11 +5,13 @@
 Problems (qwen3-30b-a3b decode; gemv_configs names the kernel of each kind):
 the MoE gate/up and down + combine GEMVs (E=128, k=8, H=2048, I=768), the qkv
 projection (2048 -> 5120, its input already normed), o_proj (4096 -> 2048), and
-lm_head (2048 -> 151936) only with budget to spare; SmolLM2-135M's dense
-linears when ``--problems`` names them (smol_*: decode and the batch-1 verify
-step, ``--tokens 1,4``; a dense launch of T rows takes the entry of T's row
-block, the next power of two, as this tool files it). For each T (default 1, 2)
-and problem, most important first:
+lm_head (2048 -> 151936) only with budget to spare. Only when ``--problems``
+names them: qwen3-30b-a3b-fp8's expert GEMV pair (fp8_*: e4m3 codes; a time is
+the pair's, the other kernel at its default), qwen3-next-80b-a3b's decode
+shapes (next_*), SmolLM2-135M's dense linears (smol_*: decode and the batch-1
+verify step, ``--tokens 1,4``). A dense launch of T rows takes the entry of T's
+row block, the next power of two, as this tool files it. For each T (default
+1, 2) and problem, most important first:
 
 1. time today's default launch (gemv_configs.default): the baseline;
 2. time a pruned candidate list (``candidates``: registers, shared memory,
@@ -49,10 +51,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ftserve_kernels import fp8_moe_gemv_triton as fmg
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import gemv_triton as gv
 from ftserve_kernels import moe_down_gemv_triton as md
 from ftserve_kernels import moe_gemv_triton as mg
+from ftserve_kernels.fp8_moe_triton import fused_moe_fp8_ref
+from ftserve_kernels.fp8_quant import Fp8Weight, quantize_weight
 from ftserve_kernels.gemv_configs import GemvConfig
 from ftserve_kernels.moe import fused_moe_ref, route_topk_ref
 from tools.bench.common import measure_copy_gbps, median_time
@@ -139,6 +144,45 @@ class MoeCase:
         return None
 
 
+class MoeFp8Case:
+    """fp8_moe_gemv_triton's pair at one T over e4m3 experts (the bf16 case's
+    routings to distinct experts): both kernels run, the one not under test at
+    its default, so a time is the pair's (the other kernel's share is the same
+    for every candidate)."""
+
+    def __init__(self, problem: Problem, tokens: int, w13: Fp8Weight, w2: Fp8Weight, dtype: torch.dtype,
+                 iters: int) -> None:
+        e, k, h, inter = problem.shape
+        self.problem, self.tokens, self.w13, self.w2, self.iters = problem, tokens, w13, w2, iters
+        dev = self.device = w13.codes.device
+        assert tokens * k <= e, "each routing takes distinct experts"
+        n_routes = min(max(1, e // (tokens * k)),
+                       copies(problem.weight_bytes(tokens)) if dev.type == "cuda" else 1)
+        perm = torch.randperm(e, device=dev).to(torch.int32)
+        self.x = torch.randn(tokens, h, device=dev).to(dtype)
+        self.routes = []
+        for r in range(n_routes):
+            weights, _ = route_topk_ref(torch.randn(tokens, e, device=dev), k, True)
+            ids = perm[r * tokens * k:(r + 1) * tokens * k].reshape(tokens, k).contiguous()
+            self.routes.append((weights.float().contiguous(), ids))
+        self.ref = fused_moe_fp8_ref(self.x, w13, w2, *self.routes[0])
+
+    def _pair(self, cfg: GemvConfig, route: int) -> torch.Tensor:
+        cuda = self.device.type == "cuda"
+        gate_up, down = gc.default("moe_fp8_gate_up", cuda), gc.default("moe_fp8_down", cuda)
+        tiles = (cfg, down) if self.problem.gate_up else (gate_up, cfg)
+        weights, ids = self.routes[route]
+        return fmg.fused_moe_fp8_gemv_triton(self.x, self.w13, self.w2, weights, ids, tiles=tiles)
+
+    def measure(self, cfg: GemvConfig) -> float:
+        check_close(self._pair(cfg, 0), self.ref)
+        return _time_calls([lambda r=r: self._pair(cfg, r) for r in range(len(self.routes))],
+                           self.device, self.iters)
+
+    def cublas(self) -> float | None:
+        return None
+
+
 class DenseCase:
     """One dense GEMV at one T over enough weight copies to defeat the L2."""
 
@@ -163,7 +207,7 @@ class DenseCase:
         return _time_calls([lambda w=w: F.linear(self.x, w) for w in self.ws], self.device, self.iters)
 
 
-Case = MoeCase | DenseCase
+Case = MoeCase | MoeFp8Case | DenseCase
 
 
 def tune_case(case: Case, sweep: list[GemvConfig], deadline: float, log: Callable[[str], None],
@@ -260,6 +304,7 @@ def run(out_dir: Path, budget_s: float, problems: Iterable[Problem], tokens: Ite
              + [(p, t) for t in tokens for p in problems if p.optional])
     required_left = sum(not p.optional for p, _ in order)
     moe_weights: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+    fp8_weights: dict[tuple[int, ...], tuple[Fp8Weight, Fp8Weight]] = {}
     torch.manual_seed(0)
     for problem, t in order:
         now = time.monotonic()
@@ -276,7 +321,13 @@ def run(out_dir: Path, budget_s: float, problems: Iterable[Problem], tokens: Ite
                 e, k, h, inter = problem.shape
                 moe_weights[problem.shape] = ((torch.randn(e, 2 * inter, h, device=device) / h**0.5).to(dtype),
                                               (torch.randn(e, h, inter, device=device) / inter**0.5).to(dtype))
-            case = MoeCase(problem, t, *moe_weights[problem.shape], iters=iters)
+            if problem.fp8:
+                if problem.shape not in fp8_weights:
+                    w13, w2 = moe_weights[problem.shape]
+                    fp8_weights[problem.shape] = (quantize_weight(w13), quantize_weight(w2))
+                case = MoeFp8Case(problem, t, *fp8_weights[problem.shape], dtype=dtype, iters=iters)
+            else:
+                case = MoeCase(problem, t, *moe_weights[problem.shape], iters=iters)
         else:
             case = DenseCase(problem, t, device, dtype, iters)
         configs = sweep(problem, t) if sweep is not None else candidates(problem, t, sms, cap)

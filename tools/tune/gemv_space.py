@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import triton
 
 from ftserve_kernels import gemv_configs as gc
+from ftserve_kernels.fp8_quant import GROUP as FP8_GROUP
 from ftserve_kernels.gemv_configs import GemvConfig
 from tools.tune.common import SMEM_LIMIT, round_robin
 
@@ -33,7 +34,16 @@ class Problem:
 
     @property
     def moe(self) -> bool:
-        return self.kind in gc.MOE_KINDS
+        return self.kind in gc.MOE_KINDS + gc.FP8_MOE_KINDS
+
+    @property
+    def fp8(self) -> bool:
+        """e4m3 weights (one byte a code; fp8_moe_gemv_triton's pair)."""
+        return self.kind in gc.FP8_MOE_KINDS
+
+    @property
+    def gate_up(self) -> bool:
+        return self.kind.endswith("gate_up")
 
     def key(self) -> str:
         if self.moe:
@@ -50,24 +60,26 @@ class Problem:
         """(rows of weight a program's tile stacks, N, K) of the kernel's GEMV."""
         if self.moe:
             e, k, h, inter = self.shape
-            if self.kind.startswith("moe_gate_up"):
+            if self.gate_up:
                 return 2, inter, h  # gate and up rows
             return triton.next_power_of_2(k), h, inter  # the k choices' rows
         n, kd = self.shape
         return 1, n, kd
 
     def weight_bytes(self, tokens: int, elem: int = 2) -> int:
-        """Weight bytes one call reads (distinct experts per (token, choice))."""
+        """Weight bytes one call reads (distinct experts per (token, choice));
+        fp8: one byte a code (the scales are 1/16,384 of it)."""
         if self.moe:
             e, k, h, inter = self.shape
-            return tokens * k * (2 if self.kind.startswith("moe_gate_up") else 1) * inter * h * elem
+            elem = 1 if self.fp8 else elem
+            return tokens * k * (2 if self.gate_up else 1) * inter * h * elem
         n, kd = self.shape
         return n * kd * elem
 
     def programs(self, tokens: int, block_n: int) -> int:
         if self.moe:
             e, k, h, inter = self.shape
-            if self.kind.startswith("moe_gate_up"):
+            if self.gate_up:
                 return tokens * k * triton.cdiv(inter, block_n)
             return tokens * triton.cdiv(h, block_n)
         return triton.cdiv(self.shape[0], block_n)
@@ -82,6 +94,10 @@ PROBLEMS: dict[str, Problem] = {p.name: p for p in (
     Problem("qkv", "dense", (5120, 2048)),
     Problem("o_proj", "dense", (2048, 4096)),
     Problem("lm_head", "dense", (151_936, 2048), optional=True),
+    # qwen3-30b-a3b-fp8's experts (fp8_moe_gemv_triton: e4m3 codes, 128 x 128 scale
+    # blocks); tuned when --problems names them.
+    Problem("fp8_gate_up", "moe_fp8_gate_up", QWEN3_MOE),
+    Problem("fp8_down", "moe_fp8_down", QWEN3_MOE),
     # SmolLM2-135M (hidden 576, 9 + 2 x 3 heads of 64, MLP 1536): a dense model whose
     # decode and batch-1 verify steps are GEMVs of 1 and 4 rows (--tokens 1,4); the
     # gate/up entry is the GLU launch's (its key is W's shape, gate and up stacked).
@@ -127,6 +143,8 @@ def fits(problem: Problem, cfg: GemvConfig, tokens: int, sms: int) -> bool:
     memory of the pipelined loads, tiles no larger than the problem, unrolled
     loops of bounded length, and at least half a program per SM."""
     rows, n, k = problem.dims()
+    if problem.kind == "moe_fp8_down" and cfg.block_k > FP8_GROUP:
+        return False  # its launch steps one scale group at most: the same launch as block_k 128
     per_thread = rows * cfg.block_n * cfg.block_k / (32 * cfg.num_warps)
     smem = cfg.num_stages * rows * cfg.block_n * cfg.block_k * 2 if cfg.num_stages > 1 else 0
     unrolled = problem.kind not in PIPELINED
