@@ -90,6 +90,22 @@ def _time_calls(fns: list[Callable[[], Any]], device: torch.device, iters: int) 
     return median_time(rotate(fns), device, iters, warmup=1) / len(fns)
 
 
+def distinct_routes(problem: Problem, tokens: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Routings of ``tokens`` rows, each to distinct experts ([T, k] fp32 weights,
+    [T, k] int32 ids): as many as push a call's weights past the L2 (one on the
+    interpreter)."""
+    e, k, _, _ = problem.shape
+    assert tokens * k <= e, "each routing takes distinct experts"
+    n_routes = min(max(1, e // (tokens * k)), copies(problem.weight_bytes(tokens)) if device.type == "cuda" else 1)
+    perm = torch.randperm(e, device=device).to(torch.int32)
+    routes = []
+    for r in range(n_routes):
+        weights, _ = route_topk_ref(torch.randn(tokens, e, device=device), k, True)
+        ids = perm[r * tokens * k:(r + 1) * tokens * k].reshape(tokens, k).contiguous()
+        routes.append((weights.float().contiguous(), ids))
+    return routes
+
+
 class MoeCase:
     """One MoE kernel at one T: routings to distinct experts (as many as push a
     call's weights past the L2), the reference, buffers. The kernel not under
@@ -100,18 +116,10 @@ class MoeCase:
         e, k, h, inter = problem.shape
         self.problem, self.tokens, self.w13, self.w2, self.iters = problem, tokens, w13, w2, iters
         dev = self.device = w13.device
-        cuda = dev.type == "cuda"
-        assert tokens * k <= e, "each routing takes distinct experts"
-        n_routes = min(max(1, e // (tokens * k)), copies(problem.weight_bytes(tokens)) if cuda else 1)
-        perm = torch.randperm(e, device=dev).to(torch.int32)
+        routes = distinct_routes(problem, tokens, dev)
+        self.routes = [(w.reshape(-1), ids.reshape(-1)) for w, ids in routes]  # the kernels' flat pairs
         self.x = torch.randn(tokens, h, device=dev).to(w13.dtype)
-        self.routes = []
-        for r in range(n_routes):
-            weights, _ = route_topk_ref(torch.randn(tokens, e, device=dev), k, True)
-            ids = perm[r * tokens * k:(r + 1) * tokens * k].reshape(tokens, k).contiguous()
-            self.routes.append((weights.float().reshape(-1).contiguous(), ids.reshape(-1)))
-        w0, ids0 = self.routes[0]
-        self.ref = fused_moe_ref(self.x, w13, w2, w0.view(tokens, k), ids0.view(tokens, k))
+        self.ref = fused_moe_ref(self.x, w13, w2, *routes[0])
         self.act = torch.empty(tokens * k, inter, device=dev, dtype=w13.dtype)
         self.out = torch.empty(tokens, h, device=dev, dtype=w13.dtype)
 
@@ -152,19 +160,11 @@ class MoeFp8Case:
 
     def __init__(self, problem: Problem, tokens: int, w13: Fp8Weight, w2: Fp8Weight, dtype: torch.dtype,
                  iters: int) -> None:
-        e, k, h, inter = problem.shape
+        h = problem.shape[2]
         self.problem, self.tokens, self.w13, self.w2, self.iters = problem, tokens, w13, w2, iters
         dev = self.device = w13.codes.device
-        assert tokens * k <= e, "each routing takes distinct experts"
-        n_routes = min(max(1, e // (tokens * k)),
-                       copies(problem.weight_bytes(tokens)) if dev.type == "cuda" else 1)
-        perm = torch.randperm(e, device=dev).to(torch.int32)
+        self.routes = distinct_routes(problem, tokens, dev)
         self.x = torch.randn(tokens, h, device=dev).to(dtype)
-        self.routes = []
-        for r in range(n_routes):
-            weights, _ = route_topk_ref(torch.randn(tokens, e, device=dev), k, True)
-            ids = perm[r * tokens * k:(r + 1) * tokens * k].reshape(tokens, k).contiguous()
-            self.routes.append((weights.float().contiguous(), ids))
         self.ref = fused_moe_fp8_ref(self.x, w13, w2, *self.routes[0])
 
     def _pair(self, cfg: GemvConfig, route: int) -> torch.Tensor:
