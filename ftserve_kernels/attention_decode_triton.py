@@ -180,40 +180,44 @@ def _decode_split_kernel(
         m_i = m_new
     if QK and BLOCK_J > 1:
         if new_here:
-            # The step's keys up to this query's: normalized and rotated at their
-            # positions, rounded as the pages hold them; this query's own K/V stored.
-            jj = tl.arange(0, BLOCK_J)
-            jmask = jj < n_new
-            trow = (tok0 + jj).to(tl.int64)  # [J] their rows of k / v
-            k_rows = k_ptr + trow[:, None] * stride_kt + kvh * stride_kh
-            pj = (new0 + jj).to(tl.int64)[:, None]
-            cj = tl.load(cs_ptr + pj * stride_cos + hj[None, :], mask=jmask[:, None], other=0.0)  # [J, HALF]
-            sj = tl.load(cs_ptr + pj * stride_cos + HALF + hj[None, :], mask=jmask[:, None], other=0.0)
-            k1, k2 = _norm_rope_halves(
-                tl.load(k_rows + hj[None, :], mask=jmask[:, None], other=0.0).to(tl.float32),
-                tl.load(k_rows + HALF + hj[None, :], mask=jmask[:, None], other=0.0).to(tl.float32),
-                kw_ptr, hj, cj, sj, eps, D, HALF, ty, NORM)  # [J, HALF] each
-            v_new = tl.load(v_ptr + trow[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                            mask=jmask[:, None] & dmask[None, :], other=0.0)  # [J, D]
-            own = (jj == n_new - 1)[:, None]  # this query's token: stored by this program
-            dst = tl.load(loc_ptr + b).to(tl.int64) * stride_cs + head_off + jj[:, None] * 0
+            # The step's keys up to this query's, one at a time with the decode
+            # tail's [1, HALF] math (normalized and rotated at their positions,
+            # rounded as the pages hold them); this query's own K/V stored. Keys
+            # past its own (j >= n_new) score -inf and add nothing.
+            dst = tl.load(loc_ptr + b).to(tl.int64) * stride_cs + head_off
             cty = kc_ptr.dtype.element_ty
             vty = vc_ptr.dtype.element_ty
-            tl.store(kc_ptr + dst + hj[None, :], k1.to(cty), mask=own)
-            tl.store(kc_ptr + dst + HALF + hj[None, :], k2.to(cty), mask=own)
-            tl.store(vc_ptr + dst + d[None, :], v_new.to(vty), mask=own & dmask[None, :])
-            kf1 = k1.to(cty).to(tl.float32)
-            kf2 = k2.to(cty).to(tl.float32)
-            sc = (tl.sum(q1.to(tl.float32)[:, None, :] * kf1[None, :, :], 2)
-                  + tl.sum(q2.to(tl.float32)[:, None, :] * kf2[None, :, :], 2))  # [G, J]
-            sc = tl.where(jmask[None, :], sc * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vf = v_new.to(vty).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(p.to(ty).to(tl.float32)[:, :, None] * vf[None, :, :], 1)
-            m_i = m_new
+            for j in tl.static_range(BLOCK_J):
+                # j's masks as vectors: the interpreter takes no scalar mask
+                hlive = hj * 0 + j < n_new  # [HALF]
+                dlive = d * 0 + j < n_new  # [BLOCK_D]
+                trow = (tok0 + j).to(tl.int64)
+                k_row = k_ptr + trow * stride_kt + kvh * stride_kh
+                pj = (new0 + j).to(tl.int64)
+                cj = tl.load(cs_ptr + pj * stride_cos + hj, mask=hlive, other=0.0)[None, :]  # [1, HALF]
+                sj = tl.load(cs_ptr + pj * stride_cos + HALF + hj, mask=hlive, other=0.0)[None, :]
+                k1, k2 = _norm_rope_halves(
+                    tl.load(k_row + hj, mask=hlive, other=0.0).to(tl.float32)[None, :],
+                    tl.load(k_row + HALF + hj, mask=hlive, other=0.0).to(tl.float32)[None, :],
+                    kw_ptr, hj, cj, sj, eps, D, HALF, ty, NORM)  # [1, HALF] each
+                v_new = tl.load(v_ptr + trow * stride_vt + kvh * stride_vh + d,
+                                mask=dmask & dlive, other=0.0)  # [D]
+                # this query's own token, stored by this program
+                hown = (hj * 0 + j == n_new - 1)[None, :]
+                tl.store(kc_ptr + dst + hj[None, :], k1.to(cty), mask=hown)
+                tl.store(kc_ptr + dst + HALF + hj[None, :], k2.to(cty), mask=hown)
+                tl.store(vc_ptr + dst + d, v_new.to(vty), mask=dmask & (d * 0 + j == n_new - 1))
+                kf1 = k1.to(cty).to(tl.float32)
+                kf2 = k2.to(cty).to(tl.float32)
+                sc = (tl.sum(q1.to(tl.float32) * kf1, 1) + tl.sum(q2.to(tl.float32) * kf2, 1)) * scale_log2
+                sc = tl.where(g * 0 + j < n_new, sc, float("-inf"))  # [G]
+                m_new = tl.maximum(m_i, sc)
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(sc - m_new)
+                l_i = l_i * alpha + p
+                vf = v_new.to(vty).to(tl.float32)
+                acc = acc * alpha[:, None] + p.to(ty).to(tl.float32)[:, None] * vf[None, :]
+                m_i = m_new
     elif QK:
         if new_here:
             # The new token: normalize and rotate its k, store K/V into its slot
