@@ -322,7 +322,8 @@ def test_tune_fp8_expert_pair_and_the_launchers_lookup(tmp_path: Path, monkeypat
                 tune.Problem("fdn", "moe_fp8_down", (e, k, h, inter))]
     assert [p.key() for p in problems] == [f"moe_fp8_gate_up:E={e},H={h},I={inter},k={k}",
                                            f"moe_fp8_down:E={e},H={h},I={inter},k={k}"]
-    assert problems[0].weight_bytes(1) == k * 2 * inter * h  # a byte a code
+    # a byte a code, both kernels' (the pair is timed)
+    assert problems[0].weight_bytes(1) == problems[1].weight_bytes(1) == k * 3 * inter * h
     # Larger tiles than the interpreter's defaults (16 x 128): fewer programs win there.
     sweep = [GemvConfig(64, 128, 4, 1), GemvConfig(128, 128, 4, 1)]
     path = tune.run(tmp_path, 600.0, problems, (1,), torch.device("cpu"), sweep=lambda p, t: sweep,

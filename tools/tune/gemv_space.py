@@ -67,11 +67,13 @@ class Problem:
         return 1, n, kd
 
     def weight_bytes(self, tokens: int, elem: int = 2) -> int:
-        """Weight bytes one call reads (distinct experts per (token, choice));
-        fp8: one byte a code (the scales are 1/16,384 of it)."""
+        """Weight bytes one timed call reads (distinct experts per (token, choice));
+        fp8: one byte a code (the scales are 1/16,384 of it), and both kernels'
+        (MoeFp8Case times the pair, gate/up's 2 x I rows and down's H)."""
         if self.moe:
             e, k, h, inter = self.shape
-            elem = 1 if self.fp8 else elem
+            if self.fp8:
+                return tokens * k * 3 * inter * h
             return tokens * k * (2 if self.gate_up else 1) * inter * h * elem
         n, kd = self.shape
         return n * kd * elem
