@@ -23,6 +23,13 @@ def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centered: bo
     return (w * normed).to(x.dtype)
 
 
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] -> SiLU(gate) * up [T, I] in its dtype, written over the gate
+    half (a view: no [T, I] buffer; the down linear reads the strided rows)."""
+    inter = gate_up.shape[1] // 2
+    return F.silu(gate_up[:, :inter], inplace=True).mul_(gate_up[:, inter:])
+
+
 def fused_add_rms_norm_ref(
     x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, zero_centered: bool = False,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -54,7 +54,8 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
     gate_up_silu(x [T, H] | PendingNorm, w [2I, H], b [2I] | None, eps)
         -> SiLU(gate) * up [T, I] (w rows [0, I) the gate, [I, 2I) the up projection):
         one launch where linear runs the GEMV (its GLU epilogue; a PendingNorm x applied
-        in it, eps its norm's), linear, silu_, mul_ otherwise
+        in it, eps its norm's), otherwise linear, then SiLU * up in place (one
+        glu_triton launch on Triton, silu_ and mul_ on torch)
     linear_fp32(x [T, K], w [N, K]) -> [T, N] fp32: the lm_head; F.linear(x, w).float(),
         or for one row on Triton the GEMV writing fp32 itself
     decode_inputs(packed [B, WORDS] int64, last [S] int64, page_table [R, P] int32,
@@ -105,6 +106,7 @@ class _Kernels:
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     qk_norm_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     gated_rms_norm: Callable[..., torch.Tensor]
+    silu_mul: Callable[..., torch.Tensor]  # gate_up [T, 2I] -> SiLU(gate) * up, in its gate half
     route_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
     # (x, residual, norm_w, eps, gate_w, top_k, renorm, counter) -> 4 tensors; None: compose
@@ -123,7 +125,7 @@ class _Kernels:
 _REF = _Kernels(
     rms_norm=nr_ref.rms_norm_ref, fused_add_rms_norm=nr_ref.fused_add_rms_norm_ref,
     rotary=nr_ref.rotary_ref, qk_norm_rotary=nr_ref.qk_norm_rotary_ref, gated_rms_norm=nr_ref.gated_rms_norm_ref,
-    route_topk=moe_ref.route_topk_ref, fused_moe=moe_ref.fused_moe_ref,
+    silu_mul=nr_ref.silu_mul_ref, route_topk=moe_ref.route_topk_ref, fused_moe=moe_ref.fused_moe_ref,
     add_norm_route=None, fused_max_tokens=0,
 )
 
@@ -135,6 +137,7 @@ def _triton_table(kernels: KernelConfig) -> _Kernels:
     try:
         from ftserve_kernels import decode_fused_triton as df
         from ftserve_kernels import gemv_triton as gv
+        from ftserve_kernels import glu_triton as gl
         from ftserve_kernels import moe_gemv_triton as mg
         from ftserve_kernels import moe_triton as mt
         from ftserve_kernels import norm_triton as nt
@@ -145,7 +148,7 @@ def _triton_table(kernels: KernelConfig) -> _Kernels:
     return _Kernels(
         rms_norm=bind(nt.rms_norm_triton), fused_add_rms_norm=bind(nt.fused_add_rms_norm_triton),
         rotary=rt.rotary_triton, qk_norm_rotary=bind(rt.qk_norm_rotary_triton),
-        gated_rms_norm=bind(nt.gated_rms_norm_triton),
+        gated_rms_norm=bind(nt.gated_rms_norm_triton), silu_mul=bind(gl.silu_mul_triton),
         route_topk=mt.route_topk_triton, fused_moe=bind(mt.fused_moe_triton),
         add_norm_route=bind(df.add_norm_route_triton), fused_max_tokens=df.FUSED_MAX_TOKENS,
         moe_add_norm=bind(mg.fused_moe_add_norm_gemv_triton), moe_gemv_tokens=mg.GEMV_MAX_TOKENS,
@@ -446,7 +449,8 @@ def gate_up_silu(
     """SiLU(gate) * up [T, I] of linear(x, w, b), w [2I, H]: the GEMV with its GLU
     epilogue where linear runs it (a tensor w), a PendingNorm x applied in it (eps:
     its norm's); otherwise the composition: linear, then SiLU and the product in
-    place in the gate half (no [T, I] buffer; the down linear reads the strided rows)."""
+    place in the gate half (no [T, I] buffer; the down linear reads the strided rows),
+    one launch on Triton (glu_triton)."""
     if isinstance(x, PendingNorm):
         if isinstance(w, Fp8Weight):
             gate_up = fp8_ops.pending_linear(kernels, x.scaled, x.parts, eps, w, b)
@@ -459,9 +463,7 @@ def gate_up_silu(
         if gemv is not None and isinstance(w, torch.Tensor):
             return gemv(x, w, b, glu=True)
         gate_up = linear(kernels, x, w, b)  # [T, 2I]
-    inter = gate_up.shape[1] // 2
-    h = F.silu(gate_up[:, :inter], inplace=True)  # [T, I]
-    return h.mul_(gate_up[:, inter:])
+    return _table(kernels, gate_up).silu_mul(gate_up)  # [T, I], in the gate half
 
 
 def _add_rms_norm_fp8_linear(

@@ -153,6 +153,26 @@ def test_gated_rms_norm_reads_the_gate_in_place(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,inter", [(0, 8), (1, 20), (5, 1536), (3, 1100)])
+def test_silu_mul_in_place_matches_ref(dtype: torch.dtype, t: int, inter: int) -> None:
+    """SiLU(gate) * up over [T, 2I] rows (one or more column blocks, a ragged last
+    one) equals silu_mul_ref and lands in the gate half, the up half untouched;
+    rows of a wider buffer (a row stride past 2I) are read and written in place."""
+    from ftserve_kernels.glu_triton import silu_mul_triton
+    from ftserve_kernels.norm_rope import silu_mul_ref
+
+    g = torch.Generator().manual_seed(t + inter)
+    buf = (3 * torch.randn(t, 2 * inter + 8, generator=g)).to(dtype).to(DEVICE)
+    gate_up = buf[:, :2 * inter]  # row stride 2I + 8
+    want = silu_mul_ref(gate_up.clone())
+    up, tail = gate_up[:, inter:].clone(), buf[:, 2 * inter:].clone()
+    got = silu_mul_triton(gate_up)
+    assert got.shape == (t, inter) and got.data_ptr() == gate_up.data_ptr()
+    bf16_close(got, want)
+    assert torch.equal(gate_up[:, inter:], up) and torch.equal(buf[:, 2 * inter:], tail)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qk_norm_rotary_zero_centered_partial_with_store(dtype: torch.dtype) -> None:
     """Qwen3-Next's attention: q a [T, Hq, D] view strided by its interleaved gate
     (head stride 2D), zero-centered q/k norms, a quarter of the head rotated, the
@@ -446,15 +466,17 @@ def test_ops_dense_mlp_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     where ops.dense_folds_norm says, ops.gate_up_silu runs the GLU GEMV where
     linear runs the GEMV and applies a pending norm there, add_rms_norm_linear
     applies one too; past GEMV_MAX_ROWS, on the torch path and with dense_gemv
-    off, the composition. Every way equals the composition."""
+    off, the composition, its SiLU * up one glu_triton launch on Triton. Every
+    way equals the composition."""
     from ftserve_kernels import gemv_triton as gv
+    from ftserve_kernels import glu_triton as gl
     from ftserve_kernels import ops
     from ftserve_kernels.config import KernelConfig
 
     calls: list[str] = []
 
-    def spy(name: str) -> object:
-        real = getattr(gv, name)
+    def spy(name: str, mod: object = gv) -> object:
+        real = getattr(mod, name)
 
         def counting(*args: object, **kwargs: object) -> object:
             calls.append(name + (":glu" if kwargs.get("glu") else "") + (":parts" if kwargs.get("parts") is not None
@@ -464,6 +486,7 @@ def test_ops_dense_mlp_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for name in ("gemv_triton", "gemv_add_norm_triton"):
         monkeypatch.setattr(gv, name, spy(name))
+    monkeypatch.setattr(gl, "silu_mul_triton", spy("silu_mul_triton", gl))
     ops._triton_table.cache_clear()
     g = torch.Generator().manual_seed(4)
     q, h, inter, eps = 24, 32, 20, 1e-6
@@ -473,18 +496,20 @@ def test_ops_dense_mlp_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     nw = (1 + 0.1 * torch.randn(h, generator=g)).to(DEVICE)
     lin = torch.nn.functional.linear
     try:
+        glu = ["silu_mul_triton"] * 2  # the two gate_up_silu calls, composed on Triton
         for t, backend, dense_gemv, want in [
             (2, "triton", True, ["gemv_add_norm_triton", "gemv_triton:glu:parts", "gemv_triton:parts",
                                  "gemv_triton:glu"]),
-            (gv.GEMV_MAX_ROWS + 1, "triton", True, []), (2, "torch", True, []), (2, "triton", False, []),
+            (gv.GEMV_MAX_ROWS + 1, "triton", True, glu), (2, "torch", True, []), (2, "triton", False, glu),
         ]:
             kernels = KernelConfig(backend=backend, dense_gemv=dense_gemv)
             a = torch.randn(t, q, generator=g).to(DEVICE)
             r = torch.randn(t, h, generator=g).to(DEVICE)
             calls.clear()
-            assert ops.dense_folds_norm(kernels, a) == bool(want)
+            folds = want[:1] == ["gemv_add_norm_triton"]
+            assert ops.dense_folds_norm(kernels, a) == folds
             normed, summed = ops.linear_add_rms_norm(kernels, a, wo, None, r, nw, eps)
-            assert isinstance(normed, ops.PendingNorm) == bool(want)
+            assert isinstance(normed, ops.PendingNorm) == folds
             act = ops.gate_up_silu(kernels, normed, w13, None, eps)
             # The next layer's qkv, as a decoder layer hands it the norm: pending, or applied.
             x, prenormed = (summed, normed) if isinstance(normed, ops.PendingNorm) else (normed, True)

@@ -190,6 +190,9 @@ def _compile_all() -> dict[str, dict[str, Any]]:
          {"x_ptr": bf, "r_ptr": bf, "w_ptr": bf, "out_ptr": bf, "sum_ptr": bf, "y_ptr": bf, "lg_ptr": bf,
           "eps": "fp32"},
          dict(HAS_RESIDUAL=True, BLOCK_R=4, BLOCK_H=2048, ZERO_CENTERED=True, SHARED=True), 8)
+    from ftserve_kernels import glu_triton as gl
+
+    comp("silu_mul_pdl", gl._silu_mul_kernel, {"gu_ptr": bf}, dict(BLOCK=gl._BLOCK, PDL=True), 4)
     comp("gated_rms_norm", nt._gated_rms_norm_kernel,
          {"x_ptr": bf, "g_ptr": bf, "w_ptr": bf, "out_ptr": bf, "eps": "fp32"},
          dict(NH=32, RATIO=2, D=128, BLOCK_R=16, BLOCK_D=128), 4)
@@ -358,7 +361,7 @@ def test_kernels_compile_for_sm90() -> None:
             pdl = name.endswith("_pdl") or name == "qk_norm_rotary_store"
             assert r["pdl_wait"] == pdl and not r["pdl_release"], (name, r)
     for name in ("decode_split_pdl", "decode_reduce_pdl", "rms_norm_pdl", "qk_norm_rotary_store", "oproj_route_pdl",
-                 "greedy_sample_pdl", "rotary_store_pdl"):
+                 "greedy_sample_pdl", "rotary_store_pdl", "silu_mul_pdl"):
         # Their every load reads an earlier kernel's output: none may move above the wait.
         assert results[name]["loads_before_wait"] == 0, (name, results[name])
     for name in ("extend", "extend_split", "decode_split", "decode_split_qk", "decode_split_qk_nonorm",
