@@ -338,6 +338,32 @@ def test_gpu_norm_rope_real_shapes() -> None:
     assert torch.equal(kc[loc], ko) and torch.equal(vc[loc], vv)
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t,inter", [(5, 1536), (4096, 768), (4096, 12288)])  # k = 4 verify; prefill
+def test_gpu_silu_mul_real_shapes_graph(t: int, inter: int) -> None:
+    """SmolLM2's MLP in a 5-row verify step, an expert-sized and a wide prefill:
+    bf16 within an ulp of silu_mul_ref (CUDA's exp against Triton's), the up half
+    untouched, and a CUDA-graph replay of the PDL launch equal to the eager one."""
+    from ftserve_kernels.glu_triton import silu_mul_triton
+    from ftserve_kernels.norm_rope import silu_mul_ref
+
+    src = (3 * torch.randn(t, 2 * inter, device="cuda")).bfloat16()
+    want = silu_mul_ref(src.clone())
+    gate_up = src.clone()
+    got = silu_mul_triton(gate_up)
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-5)
+    assert torch.equal(gate_up[:, inter:], src[:, inter:])
+    static = src.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = silu_mul_triton(static)
+    static.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)
+
+
 # ---------------------------------------------------------------- dense GEMV
 
 
