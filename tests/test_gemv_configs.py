@@ -209,7 +209,7 @@ def test_tune_candidates_are_pruned_and_capped(name: str, tokens: int) -> None:
     """Never empty at the qwen3 shapes, under the cap, unique, the default left
     out, every candidate fits, and the first ones cover distinct tile shapes."""
     problem = tune.PROBLEMS[name]
-    default = gc.default(problem.kind, True, problem.shape[0], tokens)
+    default = problem.default(True, tokens)
     sweep = tune.candidates(problem, tokens, 132)
     full = tune.candidates(problem, tokens, 132, cap=10**6)
     assert 0 < len(sweep) <= tune.CAP and len(sweep) == min(tune.CAP, len(full))
@@ -351,6 +351,44 @@ def test_tune_fp8_expert_pair_and_the_launchers_lookup(tmp_path: Path, monkeypat
     out = fmg.fused_moe_fp8_gemv_triton(x, w13, w2, weights, ids, kernels=kc)
     assert asked == [(problems[0].key(), 2), (problems[1].key(), 2)]
     assert rel_err(out, fused_moe_fp8_ref(x, w13, w2, weights, ids)) < 2e-2
+
+
+def test_tune_fp8_dense_gemv_and_the_launchers_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dense_fp8 problem on the interpreter: tools/tune/gemv block-quantizes its
+    weights, checks every candidate of fp8_gemv_triton against fp8_linear_ref,
+    files the winner under the dense_fp8 key at the row block, and the launcher
+    asks the table for exactly that key; its bytes are a byte a code."""
+    from ftserve_kernels import fp8_gemv_triton as fv
+    from ftserve_kernels.fp8_quant import fp8_linear_ref, quantize_weight
+
+    n, k = 256, 512
+    problem = tune.Problem("f8", "dense_fp8", (n, k))
+    assert problem.key() == f"dense_fp8:N={n},K={k}" and problem.weight_bytes(1) == n * k
+    assert problem.default(True, 1) == gc.default("dense_fp8", True, n, 1, k)
+    sweep = [GemvConfig(64, 128, 4, 1), GemvConfig(128, 256, 4, 1)]
+    path = tune.run(tmp_path, 600.0, [problem], (1, 2), torch.device("cpu"), sweep=lambda p, t: sweep,
+                    dtype=torch.float32, iters=2, min_gain=0.0, copy_bytes=1 << 20)
+    raw = json.loads(path.read_text())
+    kc = KernelConfig(gemv_table=str(path))
+    for t in (1, 2):
+        tm = raw["timings"][problem.key()][str(t)]
+        assert tm["configs_timed"] == 3 and tm["skipped"] == 0 and tm["cublas_us"] is None, tm
+        entry = gc.pick(problem.key(), t, CUDA0, kc)
+        assert (entry is not None) == tm["in_table"] and (entry is None or entry.to_dict() == tm["best"])
+    asked: list[tuple[str, int]] = []
+    real_pick = gc.pick
+
+    def spy(key: str, tokens: int, *a: Any, **kw: Any) -> Any:
+        asked.append((key, tokens))
+        return real_pick(key, tokens, *a, **kw)
+
+    monkeypatch.setattr(gc, "pick", spy)
+    g = torch.Generator().manual_seed(3)
+    w = quantize_weight(torch.randn(n, k, generator=g) / k**0.5)
+    x = torch.randn(2, k, generator=g)
+    out = fv.fp8_gemv_triton(x, w, kernels=kc)
+    assert asked == [(problem.key(), 2)]
+    assert rel_err(out, fp8_linear_ref(x, w)) < 1e-4
 
 
 def test_tune_merge_drops_a_stale_entry() -> None:

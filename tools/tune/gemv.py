@@ -6,8 +6,9 @@ Problems (qwen3-30b-a3b decode; gemv_configs names the kernel of each kind):
 the MoE gate/up and down + combine GEMVs (E=128, k=8, H=2048, I=768), the qkv
 projection (2048 -> 5120, its input already normed), o_proj (4096 -> 2048), and
 lm_head (2048 -> 151936) only with budget to spare. Only when ``--problems``
-names them: qwen3-30b-a3b-fp8's expert GEMV pair (fp8_*: e4m3 codes; a time is
-the pair's, the other kernel at its default), qwen3-next-80b-a3b's decode
+names them: qwen3-30b-a3b-fp8's expert GEMV pair (fp8_gate_up, fp8_down: e4m3
+codes; a time is the pair's, the other kernel at its default) and its qkv and
+o_proj over e4m3 weights (fp8_qkv, fp8_o_proj), qwen3-next-80b-a3b's decode
 shapes (next_*), SmolLM2-135M's dense linears (smol_*: decode and the batch-1
 verify step, ``--tokens 1,4``). A dense launch of T rows takes the entry of T's
 row block, the next power of two, as this tool files it. For each T (default
@@ -27,8 +28,8 @@ Times are CUDA-graph replays (as decode runs) cycling over enough distinct
 weights (tools/bench/decode_layer: 160 MB; the MoE over routings to distinct
 experts) that weights stream from HBM, not from an L2 warmed by the last call.
 Rates are weight bytes / time, also as % of the device copy rate (read + write,
-tools/bench/common) measured in the same run; the dense rows also time cuBLAS
-F.linear on the same input.
+tools/bench/common) measured in the same run; the bf16 dense rows also time
+cuBLAS F.linear on the same input.
 
 Budget: every (problem, T) gets an equal share of the time left (a share it
 does not use passes on); lm_head runs only on what is left. The clock is
@@ -51,13 +52,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ftserve_kernels import fp8_gemv_triton as fv
 from ftserve_kernels import fp8_moe_gemv_triton as fmg
 from ftserve_kernels import gemv_configs as gc
 from ftserve_kernels import gemv_triton as gv
 from ftserve_kernels import moe_down_gemv_triton as md
 from ftserve_kernels import moe_gemv_triton as mg
 from ftserve_kernels.fp8_moe_triton import fused_moe_fp8_ref
-from ftserve_kernels.fp8_quant import Fp8Weight, quantize_weight
+from ftserve_kernels.fp8_quant import Fp8Weight, fp8_linear_ref, quantize_weight
 from ftserve_kernels.gemv_configs import GemvConfig
 from ftserve_kernels.moe import fused_moe_ref, route_topk_ref
 from tools.bench.common import measure_copy_gbps, median_time
@@ -184,18 +186,28 @@ class MoeFp8Case:
 
 
 class DenseCase:
-    """One dense GEMV at one T over enough weight copies to defeat the L2."""
+    """One dense GEMV at one T over enough weight copies to defeat the L2; a
+    dense_fp8 problem's weights block-quantized to e4m3 (fp8_gemv_triton, each
+    candidate checked against fp8_linear_ref, no cuBLAS peer)."""
 
     def __init__(self, problem: Problem, tokens: int, device: torch.device, dtype: torch.dtype,
                  iters: int) -> None:
         n, k = problem.shape
         self.problem, self.tokens, self.device, self.iters = problem, tokens, device, iters
         n_copies = copies(problem.weight_bytes(tokens)) if device.type == "cuda" else 1
-        self.ws = [(torch.randn(n, k, device=device) / k**0.5).to(dtype) for _ in range(n_copies)]
+        ws = [(torch.randn(n, k, device=device) / k**0.5).to(dtype) for _ in range(n_copies)]
         self.x = torch.randn(tokens, k, device=device).to(dtype)
-        self.ref = F.linear(self.x.float(), self.ws[0].float())
+        self.ws: list[torch.Tensor | Fp8Weight]
+        if problem.fp8:
+            self.ws = [quantize_weight(w) for w in ws]
+            self.ref = fp8_linear_ref(self.x, self.ws[0]).float()
+        else:
+            self.ws = list(ws)
+            self.ref = F.linear(self.x.float(), ws[0].float())
 
-    def _run(self, cfg: GemvConfig, w: torch.Tensor) -> torch.Tensor:
+    def _run(self, cfg: GemvConfig, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
+        if isinstance(w, Fp8Weight):
+            return fv.fp8_gemv_triton(self.x, w, config=cfg)
         return gv.gemv_triton(self.x, w, config=cfg)
 
     def measure(self, cfg: GemvConfig) -> float:
@@ -203,7 +215,9 @@ class DenseCase:
         return _time_calls([lambda w=w: self._run(cfg, w) for w in self.ws], self.device, self.iters)
 
     def cublas(self) -> float | None:
-        """F.linear on the same input."""
+        """F.linear on the same input (bf16 weights only)."""
+        if self.problem.fp8:
+            return None
         return _time_calls([lambda w=w: F.linear(self.x, w) for w in self.ws], self.device, self.iters)
 
 
@@ -217,7 +231,7 @@ def tune_case(case: Case, sweep: list[GemvConfig], deadline: float, log: Callabl
     With ``refine_sms`` (the SM count) the sweep is followed, time allowing, by
     the other warps / stages of the three fastest tile shapes."""
     problem, t = case.problem, case.tokens
-    default = gc.default(problem.kind, case.device.type == "cuda", problem.shape[0], t)
+    default = problem.default(case.device.type == "cuda", t)
     timed = Sweep(case.measure, log)
     times = timed.times
     timed.attempt(default)
@@ -335,8 +349,8 @@ def run(out_dir: Path, budget_s: float, problems: Iterable[Problem], tokens: Ite
         del case
         if result is None:
             continue
-        win = result["default_s"] / result["best_s"] > 1 + min_gain and result["config"] != gc.default(
-            problem.kind, cuda, problem.shape[0], t)
+        win = result["default_s"] / result["best_s"] > 1 + min_gain and result["config"] != problem.default(
+            cuda, t)
         result["timing"]["in_table"] = win
         tr.save(merge(tr.table, problem.key(), problem.table_t(t), result["config"] if win else None,
                       result["timing"]))

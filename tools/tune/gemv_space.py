@@ -38,8 +38,9 @@ class Problem:
 
     @property
     def fp8(self) -> bool:
-        """e4m3 weights (one byte a code; fp8_moe_gemv_triton's pair)."""
-        return self.kind in gc.FP8_MOE_KINDS
+        """e4m3 weights (one byte a code): fp8_moe_gemv_triton's pair, or the
+        dense GEMV over an Fp8Weight (fp8_gemv_triton)."""
+        return self.kind in gc.FP8_MOE_KINDS or self.kind == "dense_fp8"
 
     @property
     def gate_up(self) -> bool:
@@ -50,7 +51,11 @@ class Problem:
             e, k, h, inter = self.shape
             return gc.moe_key(self.kind, e, h, inter, k)
         n, kd = self.shape
-        return gc.dense_key(n, kd)
+        return gc.dense_key(n, kd, fp8=self.fp8)
+
+    def default(self, cuda: bool, tokens: int) -> GemvConfig:
+        """The launch the kernel takes without a table entry (gc.default)."""
+        return gc.default(self.kind, cuda, self.shape[0], tokens, self.dims()[2])
 
     def table_t(self, tokens: int) -> int:
         """The T the runtime looks up: tokens (MoE), the row block (dense)."""
@@ -76,7 +81,7 @@ class Problem:
                 return tokens * k * 3 * inter * h
             return tokens * k * (2 if self.gate_up else 1) * inter * h * elem
         n, kd = self.shape
-        return n * kd * elem
+        return n * kd * (1 if self.fp8 else elem)
 
     def programs(self, tokens: int, block_n: int) -> int:
         if self.moe:
@@ -100,6 +105,9 @@ PROBLEMS: dict[str, Problem] = {p.name: p for p in (
     # blocks); tuned when --problems names them.
     Problem("fp8_gate_up", "moe_fp8_gate_up", QWEN3_MOE),
     Problem("fp8_down", "moe_fp8_down", QWEN3_MOE),
+    # ... and its attention projections over e4m3 weights (fp8_gemv_triton).
+    Problem("fp8_qkv", "dense_fp8", (5120, 2048)),
+    Problem("fp8_o_proj", "dense_fp8", (2048, 4096)),
     # SmolLM2-135M (hidden 576, 9 + 2 x 3 heads of 64, MLP 1536): a dense model whose
     # decode and batch-1 verify steps are GEMVs of 1 and 4 rows (--tokens 1,4); the
     # gate/up entry is the GLU launch's (its key is W's shape, gate and up stacked).
@@ -164,7 +172,7 @@ def candidates(problem: Problem, tokens: int, sms: int, cap: int = CAP) -> list[
     default first (log2 distance), each shape's variants in preference order
     (the default's warps first; stages only where the kernel pipelines), so a
     small cap still covers the neighbourhood before a second variant of any."""
-    base = gc.default(problem.kind, True, problem.shape[0], tokens)
+    base = problem.default(True, tokens)
     stages = STAGES if problem.kind in PIPELINED else (base.num_stages,)
 
     def dist(shape: tuple[int, int]) -> tuple[float, int, int]:
