@@ -194,40 +194,28 @@ class TritonAttentionBackend:
             return self._decode(q, kc, vc, batch, None, None, qk)
         qk = DecodeQK(k, v, q_w, k_w, eps, batch.positions, cos_sin, meta.out_cache_loc,
                       meta.query_first_rows, meta.query_rows_bound)
-        return self._verify(q, kc, vc, batch, None, None, qk)
+        return self._decode(q, kc, vc, batch, None, None, qk, verify=True)
 
     def _decode(
         self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: ForwardBatch,
         ks: torch.Tensor | None, vs: torch.Tensor | None, qk: DecodeQK | None = None,
-        out_gate: torch.Tensor | None = None,
+        out_gate: torch.Tensor | None = None, verify: bool = False,
     ) -> torch.Tensor:
         """Split-K decode attention over this layer's pages at the backend's
-        split count and config (forward's decode path, and decode_qk's)."""
+        split count and config (forward's decode path, and decode_qk's). ``verify``:
+        a verify step's, one decode query per token over
+        AttentionMetadata.query_page_table / query_seq_lens."""
         meta = batch.attn
+        table, lens = meta.page_table, meta.seq_lens
+        if verify:
+            assert meta.query_page_table is not None and meta.query_seq_lens is not None
+            assert meta.query_seq_lens.shape[0] == q.shape[0]
+            table, lens = meta.query_page_table, meta.query_seq_lens
         cfg = self.cfg or AttnKernelConfig.for_device(q.device, q.shape[-1])
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         splits = self.num_splits(q.shape[0], kc.shape[1], q.device, meta.max_seq_len)
         return decode_attention_triton(
-            q, kc, vc, meta.page_table, meta.seq_lens, meta.page_size, scale, splits, cfg,
-            k_scale=ks, v_scale=vs, qk=qk, kernels=batch.kernels, out_gate=out_gate,
-        )
-
-    def _verify(
-        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: ForwardBatch,
-        ks: torch.Tensor | None, vs: torch.Tensor | None, qk: DecodeQK | None = None,
-        out_gate: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """A verify step's attention: one split-K decode query per token over
-        AttentionMetadata.query_page_table / query_seq_lens (forward's verify
-        path, and decode_qk's)."""
-        meta = batch.attn
-        assert meta.query_page_table is not None and meta.query_seq_lens is not None
-        assert meta.query_seq_lens.shape[0] == q.shape[0]
-        cfg = self.cfg or AttnKernelConfig.for_device(q.device, q.shape[-1])
-        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        splits = self.num_splits(q.shape[0], kc.shape[1], q.device, meta.max_seq_len)
-        return decode_attention_triton(
-            q, kc, vc, meta.query_page_table, meta.query_seq_lens, meta.page_size, scale, splits, cfg,
+            q, kc, vc, table, lens, meta.page_size, scale, splits, cfg,
             k_scale=ks, v_scale=vs, qk=qk, kernels=batch.kernels, out_gate=out_gate,
         )
 
@@ -277,7 +265,7 @@ class TritonAttentionBackend:
             assert q.shape[0] == meta.num_seqs, "decode batches carry one token per sequence"
             return self._decode(q, kc, vc, batch, ks, vs, out_gate=out_gate)
         if meta.query_seq_lens is not None:  # a verify step: one decode query per token
-            return self._verify(q, kc, vc, batch, ks, vs, out_gate=out_gate)
+            return self._decode(q, kc, vc, batch, ks, vs, out_gate=out_gate, verify=True)
         out = extend_attention_triton(
             q, kc, vc, meta.page_table, meta.qo_indptr, meta.prefix_lens,
             bound if bound is not None else meta.max_extend_len, meta.page_size, scale, cfg,

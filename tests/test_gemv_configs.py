@@ -307,6 +307,19 @@ def test_tune_run_writes_a_table_the_runtime_picks(
         assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-5
 
 
+def record_picks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """gc.pick wrapped to log each (key, T) it is asked for, answering as before."""
+    asked: list[tuple[str, int]] = []
+    real_pick = gc.pick
+
+    def spy(key: str, tokens: int, *a: Any, **kw: Any) -> Any:
+        asked.append((key, tokens))
+        return real_pick(key, tokens, *a, **kw)
+
+    monkeypatch.setattr(gc, "pick", spy)
+    return asked
+
+
 def test_tune_fp8_expert_pair_and_the_launchers_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fp8_* problems on the interpreter: tools/tune/gemv times
     fp8_moe_gemv_triton's pair over e4m3 experts (each candidate checked against
@@ -335,14 +348,7 @@ def test_tune_fp8_expert_pair_and_the_launchers_lookup(tmp_path: Path, monkeypat
         assert tm["configs_timed"] == 3 and tm["skipped"] == 0, tm  # the default and both candidates ran
         entry = gc.pick(p.key(), 1, CUDA0, kc)
         assert (entry is not None) == tm["in_table"] and (entry is None or entry.to_dict() == tm["best"])
-    asked: list[tuple[str, int]] = []
-    real_pick = gc.pick
-
-    def spy(key: str, tokens: int, *a: Any, **kw: Any) -> Any:
-        asked.append((key, tokens))
-        return real_pick(key, tokens, *a, **kw)
-
-    monkeypatch.setattr(gc, "pick", spy)
+    asked = record_picks(monkeypatch)
     g = torch.Generator().manual_seed(9)
     w13 = quantize_weight(torch.randn(e, 2 * inter, h, generator=g) / h**0.5)
     w2 = quantize_weight(torch.randn(e, h, inter, generator=g) / inter**0.5)
@@ -375,14 +381,7 @@ def test_tune_fp8_dense_gemv_and_the_launchers_lookup(tmp_path: Path, monkeypatc
         assert tm["configs_timed"] == 3 and tm["skipped"] == 0 and tm["cublas_us"] is None, tm
         entry = gc.pick(problem.key(), t, CUDA0, kc)
         assert (entry is not None) == tm["in_table"] and (entry is None or entry.to_dict() == tm["best"])
-    asked: list[tuple[str, int]] = []
-    real_pick = gc.pick
-
-    def spy(key: str, tokens: int, *a: Any, **kw: Any) -> Any:
-        asked.append((key, tokens))
-        return real_pick(key, tokens, *a, **kw)
-
-    monkeypatch.setattr(gc, "pick", spy)
+    asked = record_picks(monkeypatch)
     g = torch.Generator().manual_seed(3)
     w = quantize_weight(torch.randn(n, k, generator=g) / k**0.5)
     x = torch.randn(2, k, generator=g)
