@@ -27,11 +27,7 @@ from ftserve_kernels import pdl
 from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.fp8_gemm_triton import check_weight
 from ftserve_kernels.fp8_quant import GROUP, Fp8Weight
-from ftserve_kernels.gemv_triton import _gemv_kernel
-
-# Rows per launch: an fp32 accumulator tile per row over 512-code steps (the
-# dense_fp8 default) fills the registers at 4 rows; the bf16 GEMV goes to 8.
-GEMV_MAX_ROWS = 4
+from ftserve_kernels.gemv_triton import GEMV_MAX_ROWS, _gemv_kernel
 
 __all__ = ["GEMV_MAX_ROWS", "fp8_gemv_triton", "k_step", "launch_consts"]
 

@@ -106,10 +106,7 @@ def default(kind: str, cuda: bool, n: int = 0, tokens: int = 1, k: int = 0) -> G
         return GemvConfig(8 if k >= 4096 and tokens == 1 else 4, 512, 4, 1)
     if kind in DENSE_KINDS:
         # gemv_triton's reasoning: 16 rows of 256 per program at qkv's N, 8 where
-        # 4 rows of 16 would spill, 4 past 4 rows (8 accumulator tiles: 32
-        # registers a thread, as 4 rows of 8).
-        if tokens > 4:
-            return GemvConfig(4, 256, 8, 3)
+        # 4 rows of 16 would spill.
         return GemvConfig(16 if n >= 4096 and tokens <= 2 else 8, 256, 8, 3)
     return {"moe_gate_up": GemvConfig(16, 512, 8, 2),
             "moe_down": GemvConfig(8, 256, 8, 2)}[kind]

@@ -36,7 +36,7 @@ from ftserve_kernels import pdl
 from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
 from ftserve_kernels.moe_down_gemv_triton import NormNext, _add_then_part
 
-GEMV_MAX_ROWS = 8  # rows per launch: every program holds all of them
+GEMV_MAX_ROWS = 4  # rows per launch: every program holds all of them
 
 
 @triton.jit
@@ -109,7 +109,7 @@ def _gemv_kernel(
     # the K loop is the plain GEMV's, and the row's 1/rms, known only from all
     # the parts, scales the dot at the end (the parts load first, in flight
     # beside the weights: loaded at the end it was an L2 round trip after the loop).
-    # Rows are unrolled (BLOCK_T in 1, 2, 4, 8), each with its own [N, BK] fp32
+    # Rows are unrolled (BLOCK_T in 1, 2, 4), each with its own [N, BK] fp32
     # accumulator summed over K once at the end: the K loop is loads and FMAs only.
     # GLU (a gated MLP's gate/up, W rows [0, N/2) the gate, [N/2, N) the up
     # projection): a program's tile rows interleave gate row c and up row N/2 + c
@@ -154,11 +154,6 @@ def _gemv_kernel(
     if BLOCK_T > 2:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    if BLOCK_T > 4:
-        acc4 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc5 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc6 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc7 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     # Unrolled (K_STEPS = cdiv(K, BLOCK_K)): the steps' loads are independent and
     # the body has no barrier, so the compiler can issue them ahead.
     for step in tl.static_range(K_STEPS):
@@ -178,11 +173,6 @@ def _gemv_kernel(
         if BLOCK_T > 2:
             acc2 += w * _row_in(x_ptr, 2, T, stride_x, kk, kmask)
             acc3 += w * _row_in(x_ptr, 3, T, stride_x, kk, kmask)
-        if BLOCK_T > 4:
-            acc4 += w * _row_in(x_ptr, 4, T, stride_x, kk, kmask)
-            acc5 += w * _row_in(x_ptr, 5, T, stride_x, kk, kmask)
-            acc6 += w * _row_in(x_ptr, 6, T, stride_x, kk, kmask)
-            acc7 += w * _row_in(x_ptr, 7, T, stride_x, kk, kmask)
         w_ptrs += BLOCK_K
     bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
@@ -196,15 +186,6 @@ def _gemv_kernel(
         _row_out(acc2, 2, T, N, K, eps, parts, bias, vrows, nmask, y_ptr, stride_y, res_ptr, nw_ptr, sum_ptr, part_out_ptr,
                  dt, HAS_PARTS, BLOCK_T, BLOCK_N, GLU, NORM_DEFER)
         _row_out(acc3, 3, T, N, K, eps, parts, bias, vrows, nmask, y_ptr, stride_y, res_ptr, nw_ptr, sum_ptr, part_out_ptr,
-                 dt, HAS_PARTS, BLOCK_T, BLOCK_N, GLU, NORM_DEFER)
-    if BLOCK_T > 4:
-        _row_out(acc4, 4, T, N, K, eps, parts, bias, vrows, nmask, y_ptr, stride_y, res_ptr, nw_ptr, sum_ptr, part_out_ptr,
-                 dt, HAS_PARTS, BLOCK_T, BLOCK_N, GLU, NORM_DEFER)
-        _row_out(acc5, 5, T, N, K, eps, parts, bias, vrows, nmask, y_ptr, stride_y, res_ptr, nw_ptr, sum_ptr, part_out_ptr,
-                 dt, HAS_PARTS, BLOCK_T, BLOCK_N, GLU, NORM_DEFER)
-        _row_out(acc6, 6, T, N, K, eps, parts, bias, vrows, nmask, y_ptr, stride_y, res_ptr, nw_ptr, sum_ptr, part_out_ptr,
-                 dt, HAS_PARTS, BLOCK_T, BLOCK_N, GLU, NORM_DEFER)
-        _row_out(acc7, 7, T, N, K, eps, parts, bias, vrows, nmask, y_ptr, stride_y, res_ptr, nw_ptr, sum_ptr, part_out_ptr,
                  dt, HAS_PARTS, BLOCK_T, BLOCK_N, GLU, NORM_DEFER)
 
 

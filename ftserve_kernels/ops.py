@@ -41,7 +41,7 @@ Signatures, the KernelConfig left out (all shapes are packed tokens, see Forward
         -> fused_moe_add_rms_norm for that row: its gate/up launch applies the pending norm and
         weighs the chosen experts
     linear(x [T, K], w [N, K], b [N] | None) -> [T, N]: F.linear, or the Triton GEMV
-        for T <= 8 on Triton (gemv_triton; KernelConfig.dense_gemv) - every dense
+        for T <= 4 on Triton (gemv_triton; KernelConfig.dense_gemv) - every dense
         linear of the models takes this choice (layers.Linear, the functions below)
     add_rms_norm_linear(x [T, H], residual [T, H] | None, norm_w [H], eps, w [N, H], b | None)
         -> (linear(norm(x + residual)) [T, N], x + residual (x when residual is None));

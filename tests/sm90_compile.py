@@ -200,22 +200,21 @@ def compile_all() -> dict[str, dict[str, Any]]:
                  BLOCK_EALL=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(k)),
             df.route_warps(be, 2048))
     g = {"x_ptr": bf, "w_ptr": bf, "b_ptr": bf, "y_ptr": bf, "eps": "fp32"}
-    for t in (1, 2, 4, 8):  # the default blocks gemv_triton picks at each row count
+    for t in (1, 2, 4):  # the default blocks gemv_triton picks at each row count
         out[f"gemv_qkv_T{t}"] = _compile(
             gv._gemv_kernel, g,
-            dict(HAS_BIAS=False, BLOCK_T=t, BLOCK_N=gc.default("dense", True, 5120, t).block_n, BLOCK_K=256,
-                 EVEN_K=True, K_STEPS=8), 8)
+            dict(HAS_BIAS=False, BLOCK_T=t, BLOCK_N=16 if t <= 2 else 8, BLOCK_K=256, EVEN_K=True,
+                 K_STEPS=8), 8)
         out[f"gemv_o_T{t}"] = _compile(
             gv._gemv_kernel, g,
-            dict(HAS_BIAS=False, BLOCK_T=t, BLOCK_N=gc.default("dense", True, 2048, t).block_n, BLOCK_K=256,
-                 EVEN_K=True, K_STEPS=16), 8)
+            dict(HAS_BIAS=False, BLOCK_T=t, BLOCK_N=8, BLOCK_K=256, EVEN_K=True, K_STEPS=16), 8)
     # Dense decode layers (models with a DenseMLP): gate/up with the GLU epilogue over
     # the post-attention norm left pending (HAS_PARTS), o_proj and down adding the
     # residual and leaving the next norm pending (NORM_DEFER), at the default blocks
     # gemv_triton picks: SmolLM2-135M (H 576, I 1536) and an 8B-class shape (H 4096,
     # I 14336: a down GEMV of 56 unrolled K steps).
     for name, n, k, t in (("smollm", 3072, 576, 1), ("smollm", 3072, 576, 2), ("smollm", 3072, 576, 4),
-                          ("smollm", 3072, 576, 8), ("8b", 28672, 4096, 1), ("8b", 28672, 4096, 4)):
+                          ("8b", 28672, 4096, 1), ("8b", 28672, 4096, 4)):
         parts = -(-k // gc.default("dense", True, k, t).block_n)  # o_proj's programs (N = k) left them
         out[f"gemv_glu_{name}_T{t}"] = _compile(
             gv._gemv_kernel, g | {"parts_ptr": "*fp32"},
@@ -224,7 +223,7 @@ def compile_all() -> dict[str, dict[str, Any]]:
                  BLOCK_P=triton.next_power_of_2(parts)), 8)
     norm_out = g | {"res_ptr": bf, "nw_ptr": bf, "sum_ptr": bf, "part_out_ptr": "*fp32"}
     for name, n, k, t in (("smollm_o", 576, 576, 1), ("smollm_down", 576, 1536, 1), ("smollm_down", 576, 1536, 4),
-                          ("smollm_down", 576, 1536, 8), ("8b_down", 4096, 14336, 1), ("8b_down", 4096, 14336, 4)):
+                          ("8b_down", 4096, 14336, 1), ("8b_down", 4096, 14336, 4)):
         out[f"gemv_add_norm_{name}_T{t}"] = _compile(
             gv._gemv_kernel, norm_out,
             dict(HAS_BIAS=False, BLOCK_T=t, BLOCK_N=gc.default("dense", True, n, t).block_n, BLOCK_K=256,

@@ -138,7 +138,7 @@ def test_bad_table_is_an_error_naming_the_file(
         kc.check_tables(CUDA0)
 
 
-@pytest.mark.parametrize("t", [1, 2, 3, 6])
+@pytest.mark.parametrize("t", [1, 2, 3])
 @pytest.mark.parametrize("cfg", [GemvConfig(16, 32, 2, 2), GemvConfig(4, 128, 4, 1)])
 def test_dense_gemv_with_other_configs_matches_reference(t: int, cfg: GemvConfig) -> None:
     """N = 37, K = 80: masked column and K tails under non-default tiles."""

@@ -367,12 +367,11 @@ def test_gpu_silu_mul_real_shapes_graph(t: int, inter: int) -> None:
 # ---------------------------------------------------------------- dense GEMV
 
 
-@pytest.mark.parametrize("t", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("t", [1, 2, 3])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("k,block", [(56, None), (600, (4, 512))])  # (4, 512): 2 warp-width sub-chunks
 def test_gemv_matches_linear(t: int, bias: bool, k: int, block: tuple[int, int] | None) -> None:
-    """N, K not multiples of the blocks (masked tails); T = 3 and 5 pad the row
-    block (of 4, of 8: a k = 4 verify step's 5 rows)."""
+    """N, K not multiples of the blocks (masked tails); T = 3 pads the row block."""
     g = torch.Generator().manual_seed(t)
     n = 37
     x = torch.randn(t, k, generator=g).to(DEVICE)
@@ -398,7 +397,7 @@ def close_rounded(out: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("t", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_glu_matches_composition(t: int, bias: bool, dtype: torch.dtype) -> None:
@@ -415,7 +414,7 @@ def test_gemv_glu_matches_composition(t: int, bias: bool, dtype: torch.dtype) ->
     close_rounded(y, glu_ref(x, w, b))
 
 
-@pytest.mark.parametrize("t", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_add_norm_leaves_the_norm_pending(t: int, dtype: torch.dtype) -> None:
     """gemv_add_norm_triton: the sum s = linear(x) + residual as fused_add_rms_norm
@@ -556,7 +555,7 @@ def test_ops_dense_mlp_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n,k", [(5120, 2048), (2048, 4096)])  # qwen3-30b qkv_proj, o_proj
-@pytest.mark.parametrize("t", [1, 2, 8])
+@pytest.mark.parametrize("t", [1, 2])
 def test_gpu_gemv_qwen3_shapes_graph(n: int, k: int, t: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(n + t)
     x = torch.randn(t, k, device="cuda", generator=g).bfloat16()
@@ -580,7 +579,7 @@ def test_gpu_gemv_qwen3_shapes_graph(n: int, k: int, t: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("h,inter", [(576, 1536), (4096, 14336)])  # SmolLM2-135M, an 8B dense model
-@pytest.mark.parametrize("t", [1, 4, 5, 8])
+@pytest.mark.parametrize("t", [1, 4])
 def test_gpu_dense_layer_gemvs_graph(h: int, inter: int, t: int) -> None:
     """A dense layer's MLP chain at decode sizes, captured in a CUDA graph with
     syncs as errors: o_proj + residual leaving the post-attention norm pending,

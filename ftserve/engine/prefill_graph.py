@@ -129,10 +129,10 @@ def verify_buckets(max_seqs: int, num_draft: int) -> list[int]:
     """Token budgets of the verify graphs: one sequence's full draft,
     num_draft + 1, then powers of two from 8 up to every sequence feeding one,
     max_seqs * (num_draft + 1). The first is batch 1's step exactly, unpadded:
-    at up to GEMV_MAX_ROWS (8) rows its dense linears run the decode GEMVs and
-    their folds (norms left pending, SiLU * up in the epilogue), and the GEMV's
-    cost follows its padded row block (k + 1 rounded up to a power of two), not
-    the bucket's 8."""
+    at up to GEMV_MAX_ROWS rows its dense linears run the decode GEMVs and
+    their folds (norms left pending, SiLU * up in the epilogue), which padding
+    to 8 rows would trade for cuBLAS and separate norm and activation launches
+    (BENCHMARKS.md, the verify step's trace)."""
     top = max_seqs * (num_draft + 1)
     sizes = prefill_buckets(top, smallest=min(8, top))
     return sizes if num_draft + 1 >= sizes[0] else [num_draft + 1, *sizes]
