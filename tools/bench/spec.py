@@ -2,8 +2,9 @@
 code-edit replay (loadgen's ``edit`` profile: rewrite a ~2k-token file with one small
 change).
 
-For each mode (off, then the speculative one) it starts one ``ftserve serve`` and,
-for each batch size, runs the same loadgen workload (same seed, so the same files
+For each mode (off, then the speculative one; with ``--ks 4,8`` one speculative
+server per draft length, all against the one plain run) it starts one ``ftserve
+serve`` and, for each batch size, runs the same loadgen workload (same seed, so the same files
 and changes in the same order) with that many closed loops, greedy; reports output
 tokens/s, the ratio to plain decoding, and from /metrics the drafts' acceptance
 (kept / proposed tokens, kept per verify) and the decode steps the speculation
@@ -25,11 +26,13 @@ flags after ``--`` override them).
     python -m tools.bench.spec --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out OUT/smollm2 --budget-s 90
     python -m tools.bench.spec --preset qwen3-30b-a3b --layers 8 --out OUT/qwen3 \
         --loadgen-args=--ignore-eos --budget-s 60
+    # draft lengths side by side: one plain server, then one speculative server per k
+    python -m tools.bench.spec --gguf SmolLM2-135M-Instruct.Q4_1.gguf --ks 4,8 --out OUT/ks --budget-s 200
     # on the CPU, to check the script (small files, batch 1 and 2)
     python -m tools.bench.spec --model smollm2-135m --batches 1,2 --requests 2 \
         --file-tokens 300 --out OUT -- --device cpu --cuda-graph-max-bs 0
 
-Flags after ``--`` go to both servers. OUT gets each server's log, each run's
+Flags after ``--`` go to every server. OUT gets each server's log, each run's
 loadgen output, bench_spec.json and bench_spec.md.
 """
 
@@ -44,6 +47,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from typing import Any
 
 from tools.bench.common import markdown_table
@@ -155,10 +159,13 @@ class Budget:
         return slice_s * 2 / 3 if slice_s >= self.MIN_RUN_S else 0.0
 
 
-def run_mode(mode: str, serve: list[str], a: argparse.Namespace, budget: Budget) -> dict[str, Any]:
-    """One server in ``mode``; a loadgen run per batch size; each run's summary and
-    the speculation counters it moved."""
-    server = Server([*serve, "--speculative", mode], os.path.join(a.out, f"serve_{mode}.log"))
+def run_mode(mode: str, serve: list[str], a: argparse.Namespace, budget: Budget, label: str | None = None,
+             extra: Sequence[str] = ()) -> dict[str, Any]:
+    """One server in ``mode`` (with ``extra`` flags; its logs and runs named
+    ``label``, default the mode); a loadgen run per batch size; each run's summary
+    and the speculation counters it moved."""
+    label = label or mode
+    server = Server([*serve, "--speculative", mode, *extra], os.path.join(a.out, f"serve_{label}.log"))
     runs: dict[str, Any] = {}
     try:
         t0 = time.monotonic()
@@ -189,7 +196,7 @@ def run_mode(mode: str, serve: list[str], a: argparse.Namespace, budget: Budget)
             if share is not None:
                 load += ["--duration", f"{share:.1f}"]
             before = server.metrics()
-            summary = loadgen(server.url, os.path.join(a.out, f"{mode}_bs{bs}"), load)
+            summary = loadgen(server.url, os.path.join(a.out, f"{label}_bs{bs}"), load)
             after = server.metrics()
             moved = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS}
             verifies, proposed, kept, gated = (moved[k] for k in SPEC_COUNTERS)
@@ -212,25 +219,27 @@ def _ran(run: dict[str, Any] | None) -> bool:
 
 def render_markdown(res: dict[str, Any]) -> str:
     mode = res["mode"]
+    labels = res["spec_labels"]
     rows = []
-    for bs in res["batch_sizes"]:
-        off, on = res["off"].get(str(bs)), res[mode].get(str(bs))
-        if not (_ran(off) and _ran(on)):
-            why = next((r["skipped"] for r in (off, on) if r is not None and "skipped" in r), "not run")
-            rows.append([bs, f"skipped: {why}", "", "", "", "", "", "", "", ""])
-            continue
-        assert off is not None and on is not None
-        sp = on["spec"]
-        rows.append([bs, off["output_throughput"], on["output_throughput"],
-                     f"{res['ratios'][str(bs)]:.3f}", sp["acceptance_rate"], sp["kept_per_verify"],
-                     sp["verifies"], sp.get("gated_steps"), off["completed"] + on["completed"],
-                     off["failed"] + on["failed"]])
-    starts = ", ".join(f"{m} {res[m]['startup_s']:.0f} s" for m in ("off", mode) if "startup_s" in res[m])
+    for label in labels:
+        for bs in res["batch_sizes"]:
+            off, on = res["off"].get(str(bs)), res[label].get(str(bs))
+            if not (_ran(off) and _ran(on)):
+                why = next((r["skipped"] for r in (off, on) if r is not None and "skipped" in r), "not run")
+                rows.append([label, bs, f"skipped: {why}", "", "", "", "", "", "", "", ""])
+                continue
+            assert off is not None and on is not None
+            sp = on["spec"]
+            rows.append([label, bs, off["output_throughput"], on["output_throughput"],
+                         f"{res['ratios'][label][str(bs)]:.3f}", sp["acceptance_rate"], sp["kept_per_verify"],
+                         sp["verifies"], sp.get("gated_steps"), off["completed"] + on["completed"],
+                         off["failed"] + on["failed"]])
+    starts = ", ".join(f"{m} {res[m]['startup_s']:.0f} s" for m in ("off", *labels) if "startup_s" in res[m])
     return "\n".join([
         f"### Speculative decoding ({mode}) vs plain on the edit replay -- {res['model']}, "
         f"{res['where']}, {res['date_utc']}",
         f"reproduce: `python -m tools.bench.spec {shlex.join(res['argv'])}`", "",
-        markdown_table(["batch", "plain tok/s", f"{mode} tok/s", "ratio", "acceptance",
+        markdown_table(["speculation", "batch", "plain tok/s", "spec tok/s", "ratio", "acceptance",
                         "kept per verify", "verifies", "gated steps", "requests", "failed"], rows), "",
         "acceptance: draft tokens kept / proposed; kept per verify: the mean accept length; "
         "gated steps: decode steps in which the gate (ftserve/engine/spec/gate.py) held drafting off; "
@@ -259,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8, help="--preset: layers kept")
     p.add_argument("--out", required=True)
     p.add_argument("--batches", default="1,16", help="batch sizes (closed loops), comma-separated")
+    p.add_argument("--ks", default="",
+                   help="draft lengths to compare, comma-separated: one speculative server each "
+                        "(--num-speculative-tokens K) against the one plain run; default: one "
+                        "server with the flags after --")
     p.add_argument("--requests", type=int, default=4, help="measured requests per closed loop")
     p.add_argument("--file-tokens", type=int, default=2000)
     p.add_argument("--max-context", type=int, default=8192)
@@ -274,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.gguf is not None and not (os.path.isfile(a.gguf) and a.gguf.endswith(".gguf")):
         p.error(f"--gguf {a.gguf!r} is not a .gguf file")
     a.batch_sizes = [int(x) for x in a.batches.split(",")]
+    ks = [int(x) for x in a.ks.split(",") if x]
+    if ks and "--num-speculative-tokens" in serve_extra:
+        p.error("--ks sets --num-speculative-tokens per server: not both")
     started = time.monotonic()
     os.makedirs(a.out, exist_ok=True)
     if a.preset is not None:
@@ -292,20 +308,26 @@ def main(argv: list[str] | None = None) -> int:
     serve += ["--status-log-interval", "0", "--max-running-requests", top, "--cuda-graph-max-bs", top,
               *serve_extra]
     mode = a.speculative
+    # The speculative servers: one per --ks draft length, else one with the flags given.
+    spec_runs = [(f"{mode}_k{k}", ["--num-speculative-tokens", str(k)]) for k in ks] or [(mode, [])]
+    labels = [label for label, _ in spec_runs]
     res: dict[str, Any] = {
         "argv": argv + (["--", *serve_extra] if serve_extra else []),
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "model": name, "batch_sizes": a.batch_sizes, "mode": mode, "budget_s": a.budget_s,
-        "where": "the CPU" if "cpu" in serve_extra else "the server's default device",
+        "model": name, "batch_sizes": a.batch_sizes, "mode": mode, "spec_labels": labels,
+        "budget_s": a.budget_s, "where": "the CPU" if "cpu" in serve_extra else "the server's default device",
     }
-    budget = Budget(a.budget_s, runs=2 * len(a.batch_sizes), servers=2)
-    for m in ("off", mode):
-        res[m] = run_mode(m, serve, a, budget)
-    res["ratios"] = {str(bs): (res[mode][str(bs)]["output_throughput"]
-                               / res["off"][str(bs)]["output_throughput"])
-                     if _ran(res["off"].get(str(bs))) and _ran(res[mode].get(str(bs)))
-                     and res["off"][str(bs)]["output_throughput"] else None
-                     for bs in a.batch_sizes}
+    servers = 1 + len(spec_runs)
+    budget = Budget(a.budget_s, runs=servers * len(a.batch_sizes), servers=servers)
+    res["off"] = run_mode("off", serve, a, budget)
+    for label, extra in spec_runs:
+        res[label] = run_mode(mode, serve, a, budget, label, extra)
+    res["ratios"] = {label: {str(bs): (res[label][str(bs)]["output_throughput"]
+                                       / res["off"][str(bs)]["output_throughput"])
+                             if _ran(res["off"].get(str(bs))) and _ran(res[label].get(str(bs)))
+                             and res["off"][str(bs)]["output_throughput"] else None
+                             for bs in a.batch_sizes}
+                     for label in labels}
     res["wall_s"] = time.monotonic() - started
     with open(os.path.join(a.out, "bench_spec.json"), "w") as f:
         json.dump(res, f, indent=2)
@@ -313,12 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(a.out, "bench_spec.md"), "w") as f:
         f.write(md)
     print(md)
-    for m in ("off", mode):
+    for m in ("off", *labels):
         if "error" in res[m]:
             print(f"{m}: {res[m]['error']}", file=sys.stderr)
-    failed = any(res[m][str(bs)].get("failed", 0) for m in ("off", mode) for bs in a.batch_sizes
+    failed = any(res[m][str(bs)].get("failed", 0) for m in ("off", *labels) for bs in a.batch_sizes
                  if str(bs) in res[m])
-    return 1 if failed or res["off"]["exit_code"] or res[mode]["exit_code"] else 0
+    return 1 if failed or any(res[m]["exit_code"] for m in ("off", *labels)) else 0
 
 
 if __name__ == "__main__":
