@@ -42,21 +42,22 @@ def _pair_limit(valid_ptr, N, K, HAS_VALID: tl.constexpr):
 
 
 @triton.jit
+def _chunk_ids(ids_ptr, offs, lim, BLOCK_E: tl.constexpr):
+    # A chunk's expert ids and which of them are grouped (past lim, or outside
+    # [0, BLOCK_E): no expert's).
+    ids = tl.load(ids_ptr + offs, mask=offs < lim, other=-1)
+    return ids, (ids >= 0) & (ids < BLOCK_E)
+
+
+@triton.jit
 def _align_hist_kernel(ids_ptr, hist_ptr, valid_ptr, N, K, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
                        HAS_VALID: tl.constexpr):
     # Large N only: per-chunk expert counts hist[c, e], plain stores (no atomics,
     # so no zeroed buffer and no extra launch to zero it).
-    # Sub-chunks keep the [SUB, E] one-hot tile near 16k elements (as _align_place_kernel).
-    SUB: tl.constexpr = CHUNK if CHUNK * BLOCK_E <= 16384 else (16384 // BLOCK_E if BLOCK_E >= 128 else 128)
     c = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    lim = _pair_limit(valid_ptr, N, K, HAS_VALID)
-    cnt = tl.zeros([BLOCK_E], tl.int32)
-    for s0 in range(0, CHUNK, SUB):
-        offs = c * CHUNK + s0 + tl.arange(0, SUB)
-        ids = tl.load(ids_ptr + offs, mask=offs < lim, other=-1)
-        cnt += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)  # [E]
-    tl.store(hist_ptr + c * BLOCK_E + e, cnt)
+    ids, ok = _chunk_ids(ids_ptr, c * CHUNK + tl.arange(0, CHUNK), _pair_limit(valid_ptr, N, K, HAS_VALID),
+                         BLOCK_E)
+    tl.store(hist_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), tl.histogram(ids, BLOCK_E, mask=ok))
 
 
 @triton.jit
@@ -73,14 +74,12 @@ def _align_place_kernel(
     # sentinel into the padding rows of its share of experts (each fewer than
     # BLOCK_M, after the expert's pairs) and of its share of rows past the last
     # expert, and its share of block -> expert entries.
-    # A chunk is walked in sub-chunks of SUB pairs: one-hot tiles [SUB, E] stay
-    # near 16k elements while a large CHUNK keeps the chunk count (every program
-    # reads all chunks' counts) small. SUB == CHUNK for the default plan up to 128
-    # experts; past them the default's 128-pair chunks are cut too: the rank's
-    # cumsum over [SUB, E] may be laid out with warps along SUB, and then its
-    # scratch is the whole tile in shared memory (E=512: [128, 512] int32 is
-    # 256 KiB, over Hopper's 227 KiB; [32, 512] is 64 KiB).
-    SUB: tl.constexpr = CHUNK if CHUNK * BLOCK_E <= 16384 else (16384 // BLOCK_E if BLOCK_E >= 128 else 128)
+    # A chunk is placed SUB pairs at a time: a pair's rank is the number of
+    # earlier pairs of its expert in the sub-chunk ([SUB, SUB] compares), its
+    # expert's next free row is gathered from the [E] vector, which then moves
+    # on by the sub-chunk's histogram. No [SUB, E] one-hot tile and no cumsum
+    # over it, whose cost grew with the expert count (512 for qwen3-next).
+    SUB: tl.constexpr = CHUNK if CHUNK <= 128 else 128
     c = tl.program_id(0)
     nchunks = tl.num_programs(0)
     e = tl.arange(0, BLOCK_E)
@@ -96,30 +95,27 @@ def _align_place_kernel(
             totals += tl.sum(h, 0)
             before += tl.sum(tl.where(rows[:, None] < c, h, 0), 0)
     else:
-        j = tl.arange(0, SUB)
         for c0 in range(0, nchunks):
-            for s0 in range(0, CHUNK, SUB):
-                p = c0 * CHUNK + s0 + j
-                ids = tl.load(ids_ptr + p, mask=p < lim, other=-1)
-                cnt = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)  # [E]
-                totals += cnt
-                before += cnt * (c0 < c).to(tl.int32)
+            ids, ok = _chunk_ids(ids_ptr, c0 * CHUNK + tl.arange(0, CHUNK), lim, BLOCK_E)
+            cnt = tl.histogram(ids, BLOCK_E, mask=ok)  # [E]
+            totals += cnt
+            before += cnt * (c0 < c).to(tl.int32)
     padded = tl.cdiv(totals, BLOCK_M) * BLOCK_M  # [E]
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
     total = tl.sum(padded, 0)
     tl.store(total_ptr, total, mask=c == 0)
     base = starts + before  # [E] next free row of each expert for this program
+    jj = tl.arange(0, SUB)
+    earlier = jj[None, :] < jj[:, None]  # [S, S]: pair j comes before pair i
     for s0 in range(0, CHUNK, SUB):
-        offs = c * CHUNK + s0 + tl.arange(0, SUB)
-        m = offs < lim
-        ids = tl.load(ids_ptr + offs, mask=m, other=-1)
-        onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # [S, E]
-        rank = tl.cumsum(onehot, 0) - onehot  # [S, E] earlier pairs of the same expert in the sub-chunk
-        dest = tl.sum(onehot * (base[None, :] + rank), 1)  # [S]
+        offs = c * CHUNK + s0 + jj
+        ids, ok = _chunk_ids(ids_ptr, offs, lim, BLOCK_E)
+        rank = tl.sum(((ids[:, None] == ids[None, :]) & earlier).to(tl.int32), 1)  # [S]
+        dest = tl.gather(base, tl.where(ok, ids, 0), 0) + rank
         # An id outside [0, E) belongs to no expert: dropped, never written over row 0.
-        tl.store(sorted_ptr + dest, offs, mask=m & (tl.sum(onehot, 1) > 0))
-        base += tl.sum(onehot, 0)
+        tl.store(sorted_ptr + dest, offs, mask=ok)
+        base += tl.histogram(ids, BLOCK_E, mask=ok)
     pad_lo = starts + totals  # [E] first padding row of each expert
     # An expert's padding, rows pad_lo..end: its bounds picked out of the [E]
     # vectors for E_TILE experts at a time ([E_TILE, E] selects; testing every
@@ -165,8 +161,9 @@ def _align_plan(n: int, num_experts: int, block_m: int, chunk: int = 0) -> tuple
     max_rows = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
     max_blocks = max_rows // block_m
     block_e = triton.next_power_of_2(num_experts)
-    # [chunk, E] one-hot tiles of about 16k elements, but chunks of at least 128
-    # pairs: every program reads all [chunks, E] counts, so chunks must stay few.
+    # Chunks of at least 128 pairs (every program reads all [chunks, E] counts,
+    # so chunks must stay few), more for few experts (16k / E pairs): the counts
+    # to read shrink with E, a program's placement grows with its chunk.
     default = max(16, min(triton.next_power_of_2(n), max(128, 16384 // block_e)))
     assert chunk & (chunk - 1) == 0, f"align chunk {chunk} is not a power of two"
     chunk = max(default, min(chunk, triton.next_power_of_2(n)))
@@ -205,6 +202,6 @@ def moe_align(
         experts_pp, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, HIST_ROWS=max(1, 4096 // block_e),
         FILL=max(16, 8192 // block_e), PRECOUNTED=precount, HAS_VALID=has_valid,
         E_TILE=max(2, min(16, triton.next_power_of_2(experts_pp))),
-        num_warps=8 if min(chunk, 16384 // block_e) * block_e > 4096 else 4,
+        num_warps=8 if chunk >= 128 else 4,  # [128, 128] rank compares a sub-chunk
     )
     return sorted_ids, block_expert, total

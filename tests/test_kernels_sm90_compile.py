@@ -139,6 +139,10 @@ def _compile_all() -> dict[str, dict[str, Any]]:
         comp(f"align_place_{pre}", ma._align_place_kernel, align,
              dict(BLOCK_M=64, BLOCK_E=128, CHUNK=128, HIST_ROWS=32, FILL=64, PRECOUNTED=pre, HAS_VALID=True), 8)
     comp("align_hist", ma._align_hist_kernel, align, dict(BLOCK_E=128, CHUNK=128, HAS_VALID=True))
+    # qwen3-next's 512 experts at the tuned 512-pair chunks (four 128-pair sub-chunks)
+    comp("align_place_e512", ma._align_place_kernel, align,
+         dict(BLOCK_M=128, BLOCK_E=512, CHUNK=512, HIST_ROWS=8, FILL=16, PRECOUNTED=True, HAS_VALID=True), 8)
+    comp("align_hist_e512", ma._align_hist_kernel, align, dict(BLOCK_E=512, CHUNK=512, HAS_VALID=True))
     moe = {"x_ptr": bf, "a_ptr": bf, "w_ptr": bf, "out_ptr": bf, "weights_ptr": "*fp32",
            "sorted_ptr": i32, "block_expert_ptr": i32, "total_ptr": i32}
     for t in (1, 8192):
