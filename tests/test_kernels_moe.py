@@ -15,6 +15,7 @@ import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="an interpreter test: CPU tensors")
 if DEVICE == "cpu":
     # The interpreter is chosen when a kernel is decorated (see test_kernels_attention).
     os.environ["TRITON_INTERPRET"] = "1"
@@ -513,6 +514,7 @@ def test_tune_choose_pairs_one_block_m() -> None:
     assert tune.choose(gate_up, {tile(32, 64, 64, 8, 4, 3): 0.1}, {}) is None
 
 
+@interpreter_only
 def test_tune_run_writes_a_table_the_runtime_picks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -550,6 +552,7 @@ def test_tune_run_writes_a_table_the_runtime_picks(
         assert rel_err(out, fused_moe_ref(x, w13, w2, weights, ids)) < 1e-4
 
 
+@interpreter_only
 def test_tune_align_chunk_times_only_identical_plans() -> None:
     """Every chunk the tuner may put in the table reproduces the default grouping."""
     e, k, h, inter, t = 128, 3, 16, 16, 400
@@ -559,6 +562,7 @@ def test_tune_align_chunk_times_only_identical_plans() -> None:
     assert bench.align_chunk_times(16, time.monotonic() - 1) == {0: times[0]}
 
 
+@interpreter_only
 def test_tune_one_stops_at_the_deadline() -> None:
     """Past the deadline only the default config is timed, and it is the entry."""
     e, k, h, inter, t = 4, 2, 32, 32, 8
