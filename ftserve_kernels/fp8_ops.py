@@ -5,7 +5,9 @@ Signatures, the KernelConfig left out:
 
     linear(x [T, K], w [N, K], b)          T <= GEMV_MAX_ROWS: fp8 GEMV (bf16 rows, w8a16);
                                            else per-token-group activation quantization
-                                           + the block-scaled w8a8 GEMM
+                                           + the block-scaled w8a8 GEMM: cuBLAS's
+                                           (fp8_scaled_mm) on Hopper where the weight's
+                                           grid is its recipe, else Triton's
     pending_linear(scaled, parts, eps, w, b)   the same over a norm the layer before left
                                            pending (ops.PendingNorm), applied in the GEMV
     fused_moe_add_norm(..., norm_next, route=None)
@@ -42,6 +44,10 @@ def linear(kernels: KernelConfig, x: torch.Tensor, w: Fp8Weight, b: torch.Tensor
         from ftserve_kernels.fp8_gemv_triton import fp8_gemv_triton
 
         return fp8_gemv_triton(x, w, b, kernels=kernels)
+    from ftserve_kernels import fp8_scaled_mm
+
+    if fp8_scaled_mm.available() and fp8_scaled_mm.fits(w):
+        return fp8_scaled_mm.fp8_linear_scaled_mm(x, w, b)
     from ftserve_kernels.fp8_gemm_triton import fp8_linear_triton
 
     return fp8_linear_triton(x, w, b)

@@ -151,9 +151,10 @@ def fp8_linear_ref(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = No
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, K, G, stride_x, stride_q, stride_s,
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, T_OUT, K, G, stride_x, stride_q, stride_s, stride_sg,
                       GROUP_K: tl.constexpr, BLOCK_T: tl.constexpr):
     # Program (row block, column group): BLOCK_T rows of one GROUP_K-column group.
+    # Rows T..T_OUT (padding a GEMM asks for) get zero codes and the floor scale.
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     g = tl.program_id(1)
     c = g * GROUP_K + tl.arange(0, GROUP_K)  # [GK]
@@ -163,23 +164,28 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, T, K, G, stride_x, stride_q, stride_s
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), FP8_MIN_AMAX), FP8_MAX)  # [BT]
     y = tl.math.div_rn(x, scale[:, None])
     y = round_e4m3(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
-    tl.store(q_ptr + t[:, None].to(tl.int64) * stride_q + c[None, :], y.to(q_ptr.dtype.element_ty), mask=m)
-    tl.store(s_ptr + t.to(tl.int64) * stride_s + g, scale, mask=t < T)
+    out = (t[:, None] < T_OUT) & (c[None, :] < K)
+    tl.store(q_ptr + t[:, None].to(tl.int64) * stride_q + c[None, :], y.to(q_ptr.dtype.element_ty), mask=out)
+    tl.store(s_ptr + t.to(tl.int64) * stride_s + g * stride_sg, scale, mask=t < T_OUT)
 
 
 def quantize_act_triton(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of quantize_act_ref: one launch over (row blocks, groups); fixed
-    shapes, no host read. ``out``: (codes, scales) to write into."""
+    shapes, no host read. ``out``: (codes [T', K], scales [T', G]) to write into,
+    any strides with unit column steps for the codes; T' >= T rows, the ones past
+    x's zero codes with the floor scale (fp8_scaled_mm's padding)."""
     t, k = x.shape
     g = -(-k // GROUP)
     assert x.stride(-1) == 1
     codes, scales = out if out is not None else (
         torch.empty((t, k), dtype=FP8, device=x.device),
         torch.empty((t, g), dtype=torch.float32, device=x.device))
-    if t:
+    rows = codes.shape[0]
+    assert codes.stride(-1) == 1 and rows >= t and scales.shape == (rows, g)
+    if rows:
         block_t = 8
-        _act_quant_kernel[(triton.cdiv(t, block_t), g)](
-            x, codes, scales, t, k, g, x.stride(0), codes.stride(0), scales.stride(0),
+        _act_quant_kernel[(triton.cdiv(rows, block_t), g)](
+            x, codes, scales, t, rows, k, g, x.stride(0), codes.stride(0), scales.stride(0), scales.stride(1),
             GROUP_K=GROUP, BLOCK_T=block_t, num_warps=4)
     return codes, scales

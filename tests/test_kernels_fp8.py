@@ -211,6 +211,79 @@ def test_gemm_matches_twin(dtype: torch.dtype, m: int, n: int, k: int, bn: int, 
     assert rel_err(got, fp8_linear_ref(x, w, b)) < 0.05
 
 
+SCALED_MM_CASES = [  # m, n, k: rows padded to 4 (5, 37) or not; K / 128 = 4 and 8
+    (5, 256, 512), (37, 384, 1024), (64, 128, 512)]
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+@pytest.mark.parametrize("m,n,k", SCALED_MM_CASES)
+def test_scaled_mm_operands_meet_the_recipe(m: int, n: int, k: int) -> None:
+    """fp8_scaled_mm's operands: the quantization kernel writes x's codes and
+    scales (bit for bit the twin's) into the padded column-major buffers, the
+    padding rows zero codes with the floor scale; the weight's views and those
+    pass torch's own check of the 1x128 x 128x128 recipe (scaled_mm on meta
+    tensors), which row-major activation scales fail."""
+    import torch.nn.functional as F
+
+    from ftserve_kernels import fp8_scaled_mm as sm
+
+    g = torch.Generator().manual_seed(m)
+    w = weight(g, (n, k))
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    assert sm.fits(w)
+    codes, scales = quantize_act_triton(x, sm.act_buffers(m, k, x.device))
+    m4 = -(-m // 4) * 4
+    assert codes.shape == (m4, k) and scales.shape == (m4, k // 128) and scales.stride() == (1, m4)
+    want_c, want_s = quantize_act_ref(x.cpu())
+    assert torch.equal(codes[:m].cpu().view(torch.uint8), want_c.view(torch.uint8))
+    assert torch.equal(scales[:m].cpu(), want_s)
+    floor = quantize_act_ref(torch.zeros(m4 - m, k))[1]
+    assert not codes[m:].float().any() and torch.equal(scales[m:].cpu(), floor)
+    wc, ws = sm.weight_operands(w)
+    assert wc.data_ptr() == w.codes.data_ptr() and ws.data_ptr() == w.scale.data_ptr()  # views, no copy
+    recipe = (F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128)
+    y = F.scaled_mm(meta_like(codes), meta_like(wc), meta_like(scales), recipe[0], meta_like(ws), recipe[1],
+                    output_dtype=torch.bfloat16)
+    assert y.shape == (m4, n)
+    with pytest.raises(RuntimeError, match="1x128 x 128x128"):
+        F.scaled_mm(meta_like(codes), meta_like(wc), meta_like(scales.contiguous()), recipe[0], meta_like(ws),
+                    recipe[1], output_dtype=torch.bfloat16)
+
+
+def test_scaled_mm_takes_only_its_recipe() -> None:
+    """Grids other than 128 x 128 blocks over whole blocks stay on the Triton GEMM."""
+    from ftserve_kernels import fp8_scaled_mm as sm
+
+    g = torch.Generator().manual_seed(0)
+    assert sm.fits(weight(g, (256, 512)))
+    assert not sm.fits(weight(g, (256, 512), bn=64))  # fused projections' smaller row blocks
+    assert not sm.fits(weight(g, (256, 512), bn=1, bk=512))  # per-channel
+    assert not sm.fits(weight(g, (256, 384)))  # K / 128 not a multiple of 4
+    assert not sm.fits(weight(g, (200, 512)))  # a partial row block
+    assert not sm.fits(weight(g, (2, 256, 512)))  # stacked experts
+
+
+@pytest.mark.skipif(DEVICE == "cpu" or not __import__("ftserve_kernels.fp8_scaled_mm").fp8_scaled_mm.available(),
+                    reason="cuBLAS's block-scaled fp8 GEMM: Hopper with torch's scaled_mm recipes")
+@pytest.mark.parametrize("m,n,k", SCALED_MM_CASES)
+def test_scaled_mm_matches_twin(m: int, n: int, k: int) -> None:
+    """The same product as the Triton GEMM's twin (activation codes rounded alike),
+    within the fp8 dot bound; ops.linear takes it for weights that fit."""
+    from ftserve_kernels import fp8_scaled_mm as sm
+
+    g = torch.Generator().manual_seed(m)
+    w = weight(g, (n, k))
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    b = torch.randn(n, generator=g).to(torch.bfloat16).to(DEVICE)
+    for bias in (None, b):
+        want = fp8_linear_ref(x, w, bias, act_quant=True)
+        close_fp8_dot(sm.fp8_linear_scaled_mm(x, w, bias), want, magnitude(x, w))
+        close_fp8_dot(ops.linear(KernelConfig(backend="triton"), x, w, bias), want, magnitude(x, w))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,n,k,bn,bk", GEMV_CASES)
 def test_gemv_matches_exact_reference(dtype: torch.dtype, t: int, n: int, k: int, bn: int, bk: int) -> None:

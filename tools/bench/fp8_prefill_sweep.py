@@ -7,8 +7,9 @@ ahead of bf16's). One GPU call picks the configs the pick() heuristics return:
 
 Rows: ``moe`` (fused_moe_fp8_triton: act quant, align, gate/up, down, combine;
 the bf16 row is fused_moe_triton with its tuned table) and ``gemm`` per
-projection (fp8_linear_triton: act quant and the GEMM; the bf16 row is
-torch.matmul, cuBLAS). Median device seconds of one call, and TFLOPS of the
+projection (fp8_linear_triton: act quant and the GEMM; ``scaled_mm``:
+fp8_scaled_mm, act quant and cuBLAS's block-scaled GEMM, on Hopper; the bf16
+row is torch.matmul, cuBLAS). Median device seconds of one call, and TFLOPS of the
 matmul work. The row named ``pick`` is the config the launcher takes by itself.
 """
 
@@ -88,6 +89,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cfg = fg.Fp8GemmConfig(*c)
             rows.append(row(f"{name} fp8 {c}", lambda a=a, qw=qw, cfg=cfg: fg.fp8_linear_triton(a, qw, None, cfg),
                             flops))
+        if cuda:
+            from ftserve_kernels import fp8_scaled_mm as sm
+
+            if sm.available() and sm.fits(qw):
+                rows.append(row(f"{name} fp8 scaled_mm", lambda a=a, qw=qw: sm.fp8_linear_scaled_mm(a, qw), flops))
         wb = w.to(dtype).to(dev)
         rows.append(row(f"{name} bf16 matmul", lambda a=a, wb=wb: a @ wb.T, flops))
         res["gemm"][name] = rows
