@@ -43,9 +43,8 @@ def available() -> bool:
 def fits(w: Fp8Weight) -> bool:
     """The weight's scale grid is the recipe's (module docstring), without a copy."""
     n, k = w.codes.shape[-2:]
-    kb = k // GROUP
     return (w.codes.dim() == 2 and w.block_n == GROUP and w.block_k == GROUP and n % GROUP == 0
-            and k % GROUP == 0 and kb % 4 == 0 and w.codes.stride(-1) == 1 and w.scale.is_contiguous())
+            and k % (4 * GROUP) == 0 and w.codes.stride(-1) == 1 and w.scale.is_contiguous())
 
 
 def weight_operands(w: Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,6 +44,7 @@ from ftserve_kernels import fp8_gemv_triton as fv  # noqa: E402
 from ftserve_kernels import fp8_moe_gemv_triton as fmg  # noqa: E402
 from ftserve_kernels import fp8_moe_triton as fm  # noqa: E402
 from ftserve_kernels import fp8_ops, ops  # noqa: E402
+from ftserve_kernels import fp8_scaled_mm as sm  # noqa: E402
 from ftserve_kernels import oproj_route_triton as orr  # noqa: E402
 from ftserve_kernels.config import KernelConfig  # noqa: E402
 from ftserve_kernels.fp8_quant import (  # noqa: E402
@@ -228,8 +229,6 @@ def test_scaled_mm_operands_meet_the_recipe(m: int, n: int, k: int) -> None:
     tensors), which row-major activation scales fail."""
     import torch.nn.functional as F
 
-    from ftserve_kernels import fp8_scaled_mm as sm
-
     g = torch.Generator().manual_seed(m)
     w = weight(g, (n, k))
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -255,8 +254,6 @@ def test_scaled_mm_operands_meet_the_recipe(m: int, n: int, k: int) -> None:
 
 def test_scaled_mm_takes_only_its_recipe() -> None:
     """Grids other than 128 x 128 blocks over whole blocks stay on the Triton GEMM."""
-    from ftserve_kernels import fp8_scaled_mm as sm
-
     g = torch.Generator().manual_seed(0)
     assert sm.fits(weight(g, (256, 512)))
     assert not sm.fits(weight(g, (256, 512), bn=64))  # fused projections' smaller row blocks
@@ -266,14 +263,12 @@ def test_scaled_mm_takes_only_its_recipe() -> None:
     assert not sm.fits(weight(g, (2, 256, 512)))  # stacked experts
 
 
-@pytest.mark.skipif(DEVICE == "cpu" or not __import__("ftserve_kernels.fp8_scaled_mm").fp8_scaled_mm.available(),
+@pytest.mark.skipif(DEVICE == "cpu" or not sm.available(),
                     reason="cuBLAS's block-scaled fp8 GEMM: Hopper with torch's scaled_mm recipes")
 @pytest.mark.parametrize("m,n,k", SCALED_MM_CASES)
 def test_scaled_mm_matches_twin(m: int, n: int, k: int) -> None:
     """The same product as the Triton GEMM's twin (activation codes rounded alike),
     within the fp8 dot bound; ops.linear takes it for weights that fit."""
-    from ftserve_kernels import fp8_scaled_mm as sm
-
     g = torch.Generator().manual_seed(m)
     w = weight(g, (n, k))
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
