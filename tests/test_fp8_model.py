@@ -26,12 +26,11 @@ from ftserve.config import EngineConfig
 from ftserve.engine.engine import Engine
 from ftserve.models.checkpoint import write_checkpoint
 from ftserve.models.config import ModelConfig
-from ftserve.models.fp8 import DUMMY_SCALE
 from ftserve.models.fp8_config import Fp8Config, UnsupportedQuantization, parse_quantization
 from ftserve.models.layers import Linear, MoEBlock
 from ftserve.models.loader import load_model
 from ftserve.models.presets import PRESETS
-from ftserve_kernels.fp8_quant import FP8, Fp8Weight, dequantize
+from ftserve_kernels.fp8_quant import FP8, Fp8Weight, dequantize, quantize_weight
 from tests import test_engine as te
 from tests.test_parity import TOL, PagedSession, Pair, _prompts
 
@@ -376,14 +375,33 @@ def test_engine_summary_says_fp8(engine: Engine) -> None:
 
 
 def test_dummy_weights_with_an_fp8_config(tmp_path: Path) -> None:
-    """--load-format dummy with an fp8 config: fp8 codes and scales drawn so the
-    weights are ~N(0, 0.02) as the model-dtype dummy weights; a forward is finite."""
+    """--load-format dummy with an fp8 config: the model dtype's dummy model of the
+    same seed, block-quantized (every fp8 weight's codes and scales are its twin's
+    weight quantized on the layer's grid; every other parameter equals the twin's),
+    so the two formats route alike in a benchmark; a forward is finite."""
     from ftserve.models.checkpoint import write_config
 
-    model, cfg = load_model(write_config("tiny-moe-fp8", tmp_path), dtype="float32", load_format="dummy")
+    model, cfg = load_model(write_config("tiny-moe-fp8", tmp_path / "fp8"), dtype="float32", load_format="dummy")
+    twin, _ = load_model(write_config("tiny-moe-fp8", tmp_path / "plain", quantization_config=None), dtype="float32",
+                         load_format="dummy")
     w = model.layers[0].mlp.w13
     assert w.dtype == FP8 and model.layers[0].mlp.w13_scale is not None
-    assert (model.layers[0].mlp.w13_scale == DUMMY_SCALE).all()
+    params = dict(model.named_parameters())
+    quantized = 0
+    for name, p in twin.named_parameters():
+        mine = params[name]
+        if mine.dtype != FP8:
+            assert torch.equal(mine, p), name
+            continue
+        path, _, attr = name.rpartition(".")
+        mod = model.get_submodule(path)
+        block = mod.fp8_block if attr == "weight" else mod.fp8_blocks[attr]
+        for k in range(p.shape[0] if p.dim() == 3 else 1):
+            q = quantize_weight(p[k] if p.dim() == 3 else p, *block)
+            assert torch.equal(q.codes.view(torch.uint8), (mine[k] if p.dim() == 3 else mine).view(torch.uint8))
+            assert torch.equal(q.scale, params[f"{name}_scale"][k] if p.dim() == 3 else params[f"{name}_scale"])
+        quantized += 1
+    assert quantized >= 3 * len(model.layers)  # qkv, o_proj and the experts' pair at least
     weights = dequantize(model.layers[0].mlp.expert_weights()[0])
     assert weights.std().item() == pytest.approx(0.02, rel=0.05)
     assert all(isinstance(m, Linear) and m.weight.dtype == torch.float32
@@ -391,6 +409,26 @@ def test_dummy_weights_with_an_fp8_config(tmp_path: Path) -> None:
     sess = PagedSession(model)
     out = sess.step([sess.new_seq()], _prompts(cfg.vocab_size, [9], seed=0), all_logits=True)
     assert torch.isfinite(out).all() and out.std() > 0
+
+
+def test_dummy_fp8_bank_is_the_bf16_bank_quantized() -> None:
+    """The offload bank's dummy experts (drawn on the serving device, then copied
+    into the bank): an fp8 bank holds the bf16 bank of the same seed, quantized."""
+    from ftserve.moe.banks import Fp8Row, HostBank, _fill_bank_dummy
+
+    layers, e, h, i = 2, 3, 256, 128
+    plain = HostBank.allocate(layers, e, h, i, torch.bfloat16, pin=False)
+    q8 = HostBank.allocate(layers, e, h, i, torch.bfloat16, pin=False, fp8_row=Fp8Row(h, i, (128, 128), (128, 128)))
+    _fill_bank_dummy(plain, torch.device("cpu"), 7, torch.bfloat16)
+    _fill_bank_dummy(q8, torch.device("cpu"), 7, torch.bfloat16)
+    for j in range(layers):
+        for name in ("w13", "w2"):
+            src, got = plain.layer_params(j)[name], q8.layer_params(j)
+            for x in range(e):
+                q = quantize_weight(src[x], 128, 128)
+                assert torch.equal(q.codes.view(torch.uint8), got[name][x].view(torch.uint8)), (j, name, x)
+                assert torch.equal(q.scale, got[f"{name}_scale"][x])
+    assert plain.layer_params(0)["w13"].float().std().item() == pytest.approx(0.02, rel=0.05)
 
 
 # ------------------------------------------------------------------ the engine on an fp8 model

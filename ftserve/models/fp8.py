@@ -40,15 +40,9 @@ from torch import nn
 from ftserve.models.decoder import Target
 from ftserve.models.fp8_config import Fp8Config
 from ftserve.models.layers import Linear, MoEBlock
-from ftserve_kernels.fp8_quant import FP8, Fp8Weight, dequantize
+from ftserve_kernels.fp8_quant import FP8, Fp8Weight, dequantize, quantize_weight
 
 Reader = Callable[[str], torch.Tensor]  # another checkpoint tensor by name (any shard)
-
-# Dummy fp8 weights: codes ~ N(0, 32), scale 0.02 / 32: weights ~ N(0, 0.02), as
-# loader.fill_dummy draws for the model dtype (codes far from the e4m3 limit 448).
-DUMMY_CODE_STD = 32.0
-DUMMY_SCALE = 0.02 / DUMMY_CODE_STD
-
 
 @dataclass(frozen=True)
 class ConvertTarget(Target):
@@ -257,10 +251,12 @@ def _check_scale(s: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def fill_dummy_codes(p: torch.Tensor, gen: torch.Generator) -> None:
-    """Random e4m3 codes ~ N(0, DUMMY_CODE_STD), one leading slice at a time
-    (the fp32 draw is 4x the codes' size)."""
-    for part in (p.unbind(0) if p.dim() == 3 else (p,)):
-        draw = torch.empty(part.shape, dtype=torch.float32, device=p.device)
-        draw.normal_(0.0, DUMMY_CODE_STD, generator=gen)
-        part.copy_(draw.clamp_(-448.0, 448.0).to(FP8))
+def quantize_into(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], w: torch.Tensor) -> None:
+    """Block-quantize w [..., N, K] into an fp8 weight's codes and scale grid
+    (``block`` = (bn, bk)), one leading slice at a time (the quantization's fp32
+    temporaries are 4x a slice): dummy weights (loader.fill_dummy, moe/banks)."""
+    for c, s, part in (zip(codes.unbind(0), scale.unbind(0), w.unbind(0)) if w.dim() == 3
+                       else ((codes, scale, w),)):
+        q = quantize_weight(part, *block)
+        c.copy_(q.codes)
+        s.copy_(q.scale)

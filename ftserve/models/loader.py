@@ -231,16 +231,27 @@ def fill_dummy(model: DecoderForCausalLM, seed: int = 0) -> None:
     expert cache look perfect. Embeddings are N(0, 1) (hidden states O(1);
     N(0, 1/H) when tied, as they are also the LM head) and
     the router N(0, 1/H), so router logits are ~N(0, 1) and differ per token.
+
+    An fp8 config's weights are the model dtype's draw (the same generator
+    stream, so every other parameter matches the unquantized config's too),
+    block-quantized on the layer's scale grid: the fp8 dummy model is its bf16
+    twin quantized, as a published fp8 checkpoint is, and routes like it.
     """
     cfg = model.config
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
+    dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point and p.dtype != FP8)
     for name, p in model.named_parameters():
-        if p.dtype == FP8:  # an fp8 config's codes; their scales make the weights N(0, 0.02)
-            fp8.fill_dummy_codes(p, gen)
+        if p.dtype == FP8:
+            path, _, attr = name.rpartition(".")
+            mod = model.get_submodule(path)
+            block = mod.fp8_block if attr == "weight" else mod.fp8_blocks[attr]
+            draw = torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+            fp8.quantize_into(p, getattr(mod, f"{attr}_scale"), block, draw)
+            del draw
         elif name.endswith("_scale"):
-            p.fill_(fp8.DUMMY_SCALE)
+            continue  # an fp8 weight's scales: filled with its codes
         elif name.endswith("norm.weight") or ".pre_fc_norm_" in name:
             p.fill_(1.0)
         elif name.endswith(".bias"):

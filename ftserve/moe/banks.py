@@ -237,23 +237,30 @@ def load_offloaded_model(
             # in place; the bank is filled layer by layer through a device stage.
             fill_dummy(model, seed)
             attach(host_views)
-            _fill_bank_dummy(bank, device, seed)
+            _fill_bank_dummy(bank, device, seed, torch_dtype)
     else:
         raise ValueError(f"load_format must be safetensors or dummy, got {load_format!r}")
     return model, cfg, bank
 
 
-def _fill_bank_dummy(bank: HostBank, device: torch.device, seed: int) -> None:
+def _fill_bank_dummy(bank: HostBank, device: torch.device, seed: int, dtype: torch.dtype) -> None:
+    """Every layer's experts drawn on the device (N(0, DUMMY_EXPERT_STD) in the model
+    ``dtype``, a bf16 bank row's layout), then copied into the bank; an fp8 bank gets
+    the same draw block-quantized (fp8.quantize_into), so fp8 and bf16 banks
+    of one seed hold the same experts up to the quantization and route alike."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed + 1)
-    e = bank.num_experts
+    e, i, h = bank.num_experts, bank.inter, bank.hidden
     stage = torch.empty(e, bank.row_elems, dtype=bank.data.dtype, device=device)  # [E, R]
     for j in range(bank.num_layers):
         if bank.fp8 is None:
             stage.normal_(0.0, DUMMY_EXPERT_STD, generator=gen)
-        else:  # codes and scales as fp8.fill_dummy_codes / loader.fill_dummy draw them
+        else:
+            draw = torch.empty(e, 3 * i * h, dtype=dtype, device=device)  # the bf16 bank's rows
+            draw.normal_(0.0, DUMMY_EXPERT_STD, generator=gen)
             stage.zero_()
-            for w in bank.fp8.views(stage):
-                fp8.fill_dummy_codes(w.codes, gen)
-                w.scale.fill_(fp8.DUMMY_SCALE)
+            w13, w2 = bank.fp8.views(stage)
+            fp8.quantize_into(w13.codes, w13.scale, (w13.block_n, w13.block_k), draw[:, :2 * i * h].view(e, 2 * i, h))
+            fp8.quantize_into(w2.codes, w2.scale, (w2.block_n, w2.block_k), draw[:, 2 * i * h:].view(e, h, i))
+            del draw
         bank.data[j * e:(j + 1) * e].copy_(stage)  # start-up only: a blocking copy is fine
