@@ -66,12 +66,54 @@ twin, elsewhere.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 CHUNK = 64
 L2_EPS = 1e-6
+SINK_SLOT = 0  # the state pool's slot that absorbs writes nobody reads (kvcache/state_pool.py)
+
+
+@dataclass(frozen=True)
+class InnerSaves:
+    """States saved inside a prefill chunk (engine/state_checkpoints.py): sequence
+    b's conv window and rule state after its first ``offsets[b, i]`` tokens go
+    into pool slot ``slots[b, i]``, besides its final ones into its own slot. A
+    row's saves come first, offsets ascending strictly inside (0, its length);
+    the rest of the row is slot -1 (none). The Triton kernels cut each sequence
+    into K + 1 segments there and carry the state through them, so the result is
+    the one the sequence gives as K + 1 prefill chunks: the same chunks, the same
+    math."""
+
+    offsets: torch.Tensor  # [B, K] int64, device
+    slots: torch.Tensor  # [B, K] int64, device
+    host: list[list[tuple[int, int]]] | None = None  # eager: each sequence's (offset, slot); None in a graph
+
+    @property
+    def per_seq(self) -> int:
+        return int(self.slots.shape[1])
+
+    def host_rows(self, nseq: int) -> list[list[tuple[int, int]]]:
+        assert self.host is not None, "a graph's saves are read on the device"
+        return [list(self.host[b]) if b < len(self.host) else [] for b in range(nseq)]
+
+
+def segment_bounds(cu: torch.Tensor, saves: InnerSaves) -> torch.Tensor:
+    """cu_seqlens [B + 1] -> the segments' bounds [B (K + 1) + 1] int32 on the
+    device (sequence b's segments are b (K + 1) ... b (K + 1) + K; the ones after
+    its last save are empty). No host read."""
+    lo = cu[:-1].long()
+    n = (cu[1:].long() - lo)[:, None]
+    off = torch.minimum(torch.where(saves.slots >= 0, saves.offsets, n).clamp(min=0), n)
+    segs = torch.cat([lo[:, None], lo[:, None] + off], dim=1).reshape(-1)
+    return torch.cat([segs, cu[-1:].long()]).to(torch.int32)
+
+
+def _save_rows(conv_states: torch.Tensor, slot: torch.Tensor | int, value: torch.Tensor) -> None:
+    dst = slot if isinstance(slot, torch.Tensor) else torch.tensor([slot], device=conv_states.device)
+    conv_states.index_copy_(0, dst.reshape(-1), value.reshape(-1, *conv_states.shape[1:]).to(conv_states.dtype))
 
 
 def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
@@ -171,6 +213,7 @@ def gated_delta_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, seq_bounds: Sequence[int] | None,
     chunk: int = CHUNK, cu_seqlens: torch.Tensor | None = None, static_len: int | None = None,
+    saves: InnerSaves | None = None,
 ) -> torch.Tensor:
     """Packed sequences b = [seq_bounds[b], seq_bounds[b+1]) of q, k [T, Hk, dk],
     v [T, Hv, dv], g [T, Hv] (log decay), beta [T, Hv]; each starts from
@@ -178,17 +221,26 @@ def gated_delta_prefill(
     there. states: one layer's pool tensor [S+1, Hv, dk, dv]. -> o [T, Hv, dv]
     in v's dtype. cu_seqlens: seq_bounds on the device (the batch's qo_indptr),
     which the Triton twin reads; the reference loops over the host bounds.
-    seq_bounds None: a captured graph's (module docstring)."""
+    seq_bounds None: a captured graph's (module docstring). ``saves``: states
+    inside the sequences too (InnerSaves: each sequence is run as its segments)."""
     if seq_bounds is None:
-        return _rule_graph(q, k, v, g, beta, states, slots, has_state, cu_seqlens, static_len, store=True)
+        return _rule_graph(q, k, v, g, beta, states, slots, has_state, cu_seqlens, static_len, store=True,
+                           saves=saves)
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
     start = _start(states, slots, has_state)  # [B, Hv, dk, dv]
     out = torch.empty(vf.shape, dtype=v.dtype, device=v.device)
+    rows = saves.host_rows(len(seq_bounds) - 1) if saves is not None else None
     for b in range(len(seq_bounds) - 1):
         lo, hi = seq_bounds[b], seq_bounds[b + 1]
-        o, s = chunk_gated_delta_rule_ref(qf[lo:hi], kf[lo:hi], vf[lo:hi], gf[lo:hi], bf[lo:hi],
-                                          start[b], chunk)
-        out[lo:hi] = o.to(v.dtype)
+        s = start[b]
+        cuts = rows[b] if rows is not None else []
+        for a, z, dst in zip([0] + [o for o, _ in cuts], [o for o, _ in cuts] + [hi - lo],
+                             [d for _, d in cuts] + [None]):
+            o, s = chunk_gated_delta_rule_ref(qf[lo + a:lo + z], kf[lo + a:lo + z], vf[lo + a:lo + z],
+                                              gf[lo + a:lo + z], bf[lo + a:lo + z], s, chunk)
+            out[lo + a:lo + z] = o.to(v.dtype)
+            if dst is not None:
+                _save_rows(states, dst, s)
         states.index_copy_(0, slots[b : b + 1], s[None].to(states.dtype))
     return out
 
@@ -232,23 +284,27 @@ def gated_delta_decode_fused(
 def conv_prefill(
     x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
     has_state: torch.Tensor, seq_bounds: Sequence[int] | None, cu_seqlens: torch.Tensor | None = None,
-    static_len: int | None = None,
+    static_len: int | None = None, saves: InnerSaves | None = None,
 ) -> torch.Tensor:
     """SiLU(causal depthwise conv) of packed sequences x [T, C] with weights w [C, K];
     sequence b continues from conv_states[slots[b]] [C, K-1] (zeros unless
     has_state[b]: the zero padding of a fresh sequence) and leaves its last K-1
-    inputs there. -> [T, C] in x's dtype. cu_seqlens, static_len: as gated_delta_prefill's."""
+    inputs there. -> [T, C] in x's dtype. cu_seqlens, static_len: as gated_delta_prefill's;
+    ``saves``: the window after each saved offset also goes into its slot."""
     if seq_bounds is None:
-        return _conv_graph(x, w, conv_states, slots, has_state, cu_seqlens, static_len, store=True)
+        return _conv_graph(x, w, conv_states, slots, has_state, cu_seqlens, static_len, store=True, saves=saves)
     width = w.shape[1] - 1
     start = _start(conv_states, slots, has_state).to(x.dtype)  # [B, C, K-1]
     out = torch.empty_like(x)
+    rows = saves.host_rows(len(seq_bounds) - 1) if saves is not None else None
     for b in range(len(seq_bounds) - 1):
         lo, hi = seq_bounds[b], seq_bounds[b + 1]
         ext = torch.cat([start[b], x[lo:hi].t()], dim=1)  # [C, K-1+L]
         if hi > lo:  # an empty sequence (padding) only keeps its window
             y = F.conv1d(ext[None].to(w.dtype), w[:, None, :], groups=w.shape[0])[0]  # [C, L]
             out[lo:hi] = F.silu(y).t().to(x.dtype)
+        for off, dst in (rows[b] if rows is not None else []):
+            _save_rows(conv_states, dst, ext[:, off:off + width])  # the window after off tokens
         conv_states.index_copy_(0, slots[b : b + 1], ext[None, :, ext.shape[1] - width:].to(conv_states.dtype))
     return out
 
@@ -322,11 +378,12 @@ def _graph_tokens(cu_seqlens: torch.Tensor | None, n_tok: int, static_len: int |
 def _rule_graph(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     states: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor, cu_seqlens: torch.Tensor | None,
-    static_len: int | None, store: bool,
+    static_len: int | None, store: bool, saves: InnerSaves | None = None,
 ) -> torch.Tensor:
     """gated_delta_prefill (store) or _verify in a graph: the rule token by token
     over every sequence at once, masked past each one's length; rows of no
-    sequence (padding) get zeros."""
+    sequence (padding) get zeros; ``saves``: the state after each saved offset
+    into its slot (the sink slot for none)."""
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
     n_tok = q.shape[0]
     tok, real, _ = _graph_tokens(cu_seqlens, n_tok, static_len)
@@ -338,6 +395,10 @@ def _rule_graph(
         s = torch.where(keep[:, None, None, None], _delta_step(s, kf[t], vf[t], gf[t], bf[t]), s)
         o = torch.einsum("bhk,bhkv->bhv", qf[t], s)
         out.index_copy_(0, torch.where(keep, t, n_tok), o.to(v.dtype))
+        if saves is not None:
+            for i in range(saves.per_seq):
+                hit = (saves.slots[:, i] >= 0) & (saves.offsets[:, i] == m + 1) & keep
+                _save_rows(states, torch.where(hit, saves.slots[:, i], SINK_SLOT), s)
     if store:
         states.index_copy_(0, slots, s.to(states.dtype))
     return out[:n_tok]
@@ -346,9 +407,11 @@ def _rule_graph(
 def _conv_graph(
     x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
     has_state: torch.Tensor, cu_seqlens: torch.Tensor | None, static_len: int | None, store: bool,
+    saves: InnerSaves | None = None,
 ) -> torch.Tensor:
     """conv_prefill (store) or conv_verify in a graph: every sequence's window
-    [state | its tokens, padded to static_len] at once; rows of no sequence get zeros."""
+    [state | its tokens, padded to static_len] at once; rows of no sequence get zeros;
+    ``saves``: the window after each saved offset into its slot (the sink slot for none)."""
     width = w.shape[1] - 1
     n_tok = x.shape[0]
     tok, real, n = _graph_tokens(cu_seqlens, n_tok, static_len)
@@ -359,6 +422,12 @@ def _conv_graph(
     out = torch.zeros((n_tok + 1, x.shape[1]), dtype=x.dtype, device=x.device)  # row n_tok: a sink
     rows = torch.where(real, tok, n_tok).reshape(-1)
     out.index_copy_(0, rows, F.silu(y).transpose(1, 2).reshape(-1, x.shape[1]).to(x.dtype))
+    if saves is not None:
+        for i in range(saves.per_seq):
+            off = saves.offsets[:, i].clamp(min=0, max=static_len)
+            pick = off[:, None] + torch.arange(width, device=x.device)  # [B, W]: ext[off : off + W]
+            win = ext.gather(2, pick[:, None, :].expand(-1, ext.shape[1], -1))
+            _save_rows(conv_states, torch.where(saves.slots[:, i] >= 0, saves.slots[:, i], SINK_SLOT), win)
     if store:
         pick = n[:, None] + torch.arange(width, device=x.device)  # [B, W]: ext[n : n + W]
         win = ext.gather(2, pick[:, None, :].expand(-1, ext.shape[1], -1))

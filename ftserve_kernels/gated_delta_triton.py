@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from ftserve_kernels.attention_common import interpreting, mma
-from ftserve_kernels.gated_delta import CHUNK, L2_EPS
+from ftserve_kernels.gated_delta import CHUNK, L2_EPS, InnerSaves, segment_bounds
 from ftserve_kernels.gated_delta_verify_triton import block, decode_warps, rule_shapes
 from ftserve_kernels.gated_delta_verify_triton import conv_commit as conv_commit
 from ftserve_kernels.gated_delta_verify_triton import conv_verify as conv_verify
@@ -253,21 +253,23 @@ def _chunk_local_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, cu_ptr, tinv_ptr, aqk_ptr
 
 @triton.jit
 def _chunk_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr, slot_ptr, has_ptr, cu_ptr,
-                       tinv_ptr, aqk_ptr,
+                       tinv_ptr, aqk_ptr, save_ptr,
                        stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ot, stride_ss,
                        scale, eps,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, C: tl.constexpr,
-                       UPCAST: tl.constexpr):
+                       UPCAST: tl.constexpr, NSEG: tl.constexpr = 1):
+    # NSEG > 1 (InnerSaves): cu_ptr holds segments, NSEG a sequence, chunked each on
+    # its own; the state runs on through them, and after each but the last goes
+    # into the slot save_ptr[n (NSEG - 1) + i] names (-1: none), as a chunk ending
+    # there would leave it.
     n = tl.program_id(0)
     h = tl.program_id(1)
     kh = h // (HV // HK)
     dt = q_ptr.dtype.element_ty
-    base = 0  # chunks of the sequences before this one
-    for m in range(0, n):
+    base = 0  # chunks of the segments before this one
+    for m in range(0, n * NSEG):
         base += (tl.load(cu_ptr + m + 1) - tl.load(cu_ptr + m) + C - 1) // C
-    lo = tl.load(cu_ptr + n).to(tl.int64)
-    hi = tl.load(cu_ptr + n + 1).to(tl.int64)
     slot = tl.load(slot_ptr + n).to(tl.int64)
     ok = tl.arange(0, BLOCK_K)
     ov = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -278,32 +280,41 @@ def _chunk_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr, slot_
     sp = s_ptr + slot * stride_ss + h * (DK * DV) + ok[:, None] * DV + ov[None, :]
     s = tl.load(sp, mask=ms & has[None, :], other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_V]
     r = tl.arange(0, C)
-    for j in range(0, tl.cdiv(hi - lo, C).to(tl.int32)):
-        t0 = lo + j * C  # the chunk's first token; rows below it as int32 offsets
-        mt = r < hi - t0
-        k = _load_normed(k_ptr + t0 * stride_kt, r, mt, stride_kt, kh, 1.0, eps, DK, BLOCK_K).to(dt)
-        q = _load_normed(q_ptr + t0 * stride_qt, r, mt, stride_qt, kh, scale, eps, DK, BLOCK_K).to(dt)
-        v = tl.load(v_ptr + t0 * stride_vt + r[:, None] * stride_vt + h * DV + ov[None, :],
-                    mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + t0 * stride_gt + r * stride_gt + h, mask=mt, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + t0 * stride_bt + r * stride_bt + h, mask=mt, other=0.0).to(tl.float32)
-        cum = tl.cumsum(g, 0)
-        # log gamma_C: the cumsum's own last entry (padding rows add exact zeros), not a
-        # separate sum, whose rounding would put exp(last - cum) of the last row off 1
-        last = tl.sum(tl.where(r == C - 1, cum, 0.0), 0)
-        gamma = tl.exp(cum)
-        tile = ((base + j) * HV + h).to(tl.int64) * (C * C) + (r[:, None] * C + r[None, :])
-        tinv = tl.load(tinv_ptr + tile).to(dt)
-        aqk = tl.load(aqk_ptr + tile).to(dt)
-        sd = s.to(dt)
-        # U = Tinv (beta V - (beta gamma K) S): the chunk's corrected writes
-        x = beta[:, None] * v - (beta * gamma)[:, None] * mma(k, sd, UPCAST)
-        u = mma(tinv, x.to(dt), UPCAST).to(dt)  # [C, BLOCK_V]
-        o = gamma[:, None] * mma(q, sd, UPCAST) + mma(aqk, u, UPCAST)
-        tl.store(o_ptr + t0 * stride_ot + r[:, None] * stride_ot + h * DV + ov[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
-        k_end = (k.to(tl.float32) * tl.exp(last - cum)[:, None]).to(dt)  # (gamma_C / gamma_s) k_s
-        s = mma(tl.trans(k_end), u, UPCAST) + s * tl.exp(last)
+    for sg in range(0, NSEG):  # a loop, not unrolled: one copy of the pipelined chunk loop
+        lo = tl.load(cu_ptr + n * NSEG + sg).to(tl.int64)
+        hi = tl.load(cu_ptr + n * NSEG + sg + 1).to(tl.int64)
+        nc = tl.cdiv(hi - lo, C).to(tl.int32)
+        for j in range(0, nc):
+            t0 = lo + j * C  # the chunk's first token; rows below it as int32 offsets
+            mt = r < hi - t0
+            k = _load_normed(k_ptr + t0 * stride_kt, r, mt, stride_kt, kh, 1.0, eps, DK, BLOCK_K).to(dt)
+            q = _load_normed(q_ptr + t0 * stride_qt, r, mt, stride_qt, kh, scale, eps, DK, BLOCK_K).to(dt)
+            v = tl.load(v_ptr + t0 * stride_vt + r[:, None] * stride_vt + h * DV + ov[None, :],
+                        mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + t0 * stride_gt + r * stride_gt + h, mask=mt, other=0.0).to(tl.float32)
+            beta = tl.load(beta_ptr + t0 * stride_bt + r * stride_bt + h, mask=mt, other=0.0).to(tl.float32)
+            cum = tl.cumsum(g, 0)
+            # log gamma_C: the cumsum's own last entry (padding rows add exact zeros), not a
+            # separate sum, whose rounding would put exp(last - cum) of the last row off 1
+            last = tl.sum(tl.where(r == C - 1, cum, 0.0), 0)
+            gamma = tl.exp(cum)
+            tile = ((base + j) * HV + h).to(tl.int64) * (C * C) + (r[:, None] * C + r[None, :])
+            tinv = tl.load(tinv_ptr + tile).to(dt)
+            aqk = tl.load(aqk_ptr + tile).to(dt)
+            sd = s.to(dt)
+            # U = Tinv (beta V - (beta gamma K) S): the chunk's corrected writes
+            x = beta[:, None] * v - (beta * gamma)[:, None] * mma(k, sd, UPCAST)
+            u = mma(tinv, x.to(dt), UPCAST).to(dt)  # [C, BLOCK_V]
+            o = gamma[:, None] * mma(q, sd, UPCAST) + mma(aqk, u, UPCAST)
+            tl.store(o_ptr + t0 * stride_ot + r[:, None] * stride_ot + h * DV + ov[None, :],
+                     o.to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+            k_end = (k.to(tl.float32) * tl.exp(last - cum)[:, None]).to(dt)  # (gamma_C / gamma_s) k_s
+            s = mma(tl.trans(k_end), u, UPCAST) + s * tl.exp(last)
+        base += nc
+        if sg < NSEG - 1:
+            dst = tl.load(save_ptr + n * (NSEG - 1) + sg).to(tl.int64)
+            if dst >= 0:
+                tl.store(sp + (dst - slot) * stride_ss, s.to(s_ptr.dtype.element_ty), mask=ms)
     tl.store(sp, s.to(s_ptr.dtype.element_ty), mask=ms)
 
 
@@ -362,7 +373,7 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
                         has_state: torch.Tensor, seq_bounds: Sequence[int] | None, chunk: int = CHUNK,
                         cu_seqlens: torch.Tensor | None = None, block_v: int | None = None,
-                        static_len: int | None = None) -> torch.Tensor:
+                        static_len: int | None = None, saves: InnerSaves | None = None) -> torch.Tensor:
     assert chunk == CHUNK, "the Triton kernels are built for one chunk size"
     rule_shapes(k, v, g, beta, states)
     hk, hv, dk, dv = _rule_args(q, k, v, states)
@@ -371,10 +382,18 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     if nseq == 0:
         return o
     cu = device_bounds(seq_bounds, cu_seqlens, q.device)
-    if seq_bounds is None:  # a graph: a bound (each sequence wastes less than one chunk)
-        chunks = triton.cdiv(q.shape[0], CHUNK) + nseq
+    nseg = 1 if saves is None else saves.per_seq + 1  # segments a sequence
+    if seq_bounds is None:  # a graph: a bound (each segment wastes less than one chunk)
+        chunks = triton.cdiv(q.shape[0], CHUNK) + nseq * nseg
     else:
-        chunks = sum(triton.cdiv(seq_bounds[i + 1] - seq_bounds[i], CHUNK) for i in range(nseq))
+        rows = saves.host_rows(nseq) if saves is not None else [[] for _ in range(nseq)]
+        chunks = 0
+        for i in range(nseq):
+            cuts = [0] + [off for off, _ in rows[i]] + [seq_bounds[i + 1] - seq_bounds[i]]
+            chunks += sum(triton.cdiv(b - a, CHUNK) for a, b in zip(cuts, cuts[1:]))
+    if saves is not None:
+        assert saves.slots.shape[0] == nseq and saves.slots.is_contiguous()
+        cu = segment_bounds(cu, saves)
     # Tinv in fp32 (chunk_local reads its own partial results back from it); Aqk in the
     # input dtype, which is what the scan's matmul takes it in.
     tinv = torch.empty((max(chunks, 1), hv, CHUNK, CHUNK), dtype=torch.float32, device=q.device)
@@ -382,14 +401,14 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     bk = block(dk)
     if chunks:
         _chunk_local_kernel[(chunks, hv)](
-            q, k, g, beta, cu, tinv, aqk, nseq,
+            q, k, g, beta, cu, tinv, aqk, nseq * nseg,
             q.stride(0), k.stride(0), g.stride(0), beta.stride(0), dk**-0.5, L2_EPS,
             HK=hk, HV=hv, DK=dk, BLOCK_K=bk, C=CHUNK, SB=SUB, EXACT=q.dtype == torch.float32,
             num_warps=LOCAL_WARPS, num_stages=1)
     bv = min(block_v or SCAN_BLOCK_V, block(dv))
     _chunk_scan_kernel[(nseq, hv, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, o, states, slots, has_state, cu, tinv, aqk,
+        q, k, v, g, beta, o, states, slots, has_state, cu, tinv, aqk, saves.slots if saves is not None else slots,
         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0), o.stride(0), states.stride(0),
         dk**-0.5, L2_EPS, HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=bk, BLOCK_V=bv, C=CHUNK,
-        UPCAST=interpreting(), num_warps=SCAN_WARPS, num_stages=scan_stages(q.element_size()))
+        UPCAST=interpreting(), NSEG=nseg, num_warps=SCAN_WARPS, num_stages=scan_stages(q.element_size()))
     return o

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ftserve_kernels.gated_delta import InnerSaves
+
 CONV_BLOCK_T, CONV_BLOCK_C, CONV_DECODE_BLOCK_C = 16, 128, 256  # launch shapes (sm_90 compile test)
 
 
@@ -112,11 +114,21 @@ def _conv_prefill_kernel(x_ptr, w_ptr, cs_ptr, slot_ptr, has_ptr, cu_ptr, out_pt
 
 @triton.jit
 def _conv_state_kernel(x_ptr, cs_ptr, slot_ptr, has_ptr, cu_ptr, stride_xt, stride_cs, C,
-                       W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The last W window positions of [old state | the sequence's tokens] become the state."""
-    n = tl.program_id(0)
+                       W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+                       off_ptr=None, save_ptr=None, K: tl.constexpr = 0):
+    """The last W window positions of [old state | the sequence's tokens] become the state.
+    K > 0 (InnerSaves, program n K + i): the window after the sequence's first
+    off_ptr[n K + i] tokens goes into slot save_ptr[n K + i] instead (-1: none)."""
+    if K > 0:
+        n = tl.program_id(0) // K
+        p = tl.program_id(0)
+    else:
+        n = tl.program_id(0)
     lo = tl.load(cu_ptr + n).to(tl.int64)
-    hi = tl.load(cu_ptr + n + 1).to(tl.int64)
+    if K > 0:
+        hi = lo + tl.load(off_ptr + p)
+    else:
+        hi = tl.load(cu_ptr + n + 1).to(tl.int64)
     oc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mc = oc < C
     e = tl.arange(0, BLOCK_W)
@@ -130,8 +142,12 @@ def _conv_state_kernel(x_ptr, cs_ptr, slot_ptr, has_ptr, cu_ptr, stride_xt, stri
     st_ptr = cs_ptr + slot * stride_cs + oc[:, None] * W
     sv = tl.load(st_ptr + pos[None, :], mask=m & (~in_x)[None, :] & has[:, None], other=0.0)
     val = tl.where(in_x[None, :], xv, sv.to(xv.dtype)).to(cs_ptr.dtype.element_ty)
-    tl.debug_barrier()  # a short sequence moves old entries within the same row
-    tl.store(st_ptr + e[None, :], val, mask=m)
+    if K > 0:
+        dst = tl.load(save_ptr + p + oc * 0).to(tl.int64)  # [BLOCK_C]
+        tl.store(cs_ptr + dst[:, None] * stride_cs + oc[:, None] * W + e[None, :], val, mask=m & (dst >= 0)[:, None])
+    else:
+        tl.debug_barrier()  # a short sequence moves old entries within the same row
+        tl.store(st_ptr + e[None, :], val, mask=m)
 
 
 def seq_grid(seq_bounds: Sequence[int] | None, slots: torch.Tensor, static_len: int | None,
@@ -187,9 +203,10 @@ def conv_decode(x: torch.Tensor | tuple[torch.Tensor, ...], w: torch.Tensor, con
 def conv_prefill(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, slots: torch.Tensor,
                  has_state: torch.Tensor, seq_bounds: Sequence[int] | None,
                  cu_seqlens: torch.Tensor | None = None, static_len: int | None = None,
-                 move_windows: bool = True) -> torch.Tensor:
+                 move_windows: bool = True, saves: InnerSaves | None = None) -> torch.Tensor:
     """``move_windows=False``: the outputs alone, every slot's window left as it
-    was (a verify step's conv, gated_delta_verify_triton.conv_verify)."""
+    was (a verify step's conv, gated_delta_verify_triton.conv_verify). ``saves``:
+    the windows inside the sequences too (gated_delta.InnerSaves)."""
     t, c = x.shape
     width = w.shape[1] - 1
     check_slot_state(conv_states, (c, width))
@@ -204,6 +221,12 @@ def conv_prefill(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, sl
         _conv_prefill_kernel[(nseq, triton.cdiv(max_len, block_t), triton.cdiv(c, block_c))](
             x, w, conv_states, slots, has_state, cu, out, x.stride(0), out.stride(0), conv_states.stride(0), c,
             W=width, BLOCK_T=block_t, BLOCK_C=block_c)
+    if saves is not None:  # before the final windows replace the old ones these read
+        assert saves.slots.shape[0] == nseq and saves.slots.is_contiguous() and saves.offsets.is_contiguous()
+        _conv_state_kernel[(nseq * saves.per_seq, triton.cdiv(c, block_c))](
+            x, conv_states, slots, has_state, cu, x.stride(0), conv_states.stride(0), c,
+            W=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_C=block_c,
+            off_ptr=saves.offsets, save_ptr=saves.slots, K=saves.per_seq)
     if move_windows:
         _conv_state_kernel[(nseq, triton.cdiv(c, block_c))](
             x, conv_states, slots, has_state, cu, x.stride(0), conv_states.stride(0), c,

@@ -20,9 +20,10 @@ def test_smoke_measures_every_target(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["targets"] == [list(t) for t in res["targets"]]
     assert not res.get("errors") and not res.get("skipped"), (res.get("errors"), res.get("skipped"))
     cold, cached = res["cold"], res["cached"]
-    # 64 new tokens, pages of 16: a chunk to the last page boundary (its checkpoint), then the rest.
-    assert cold["steps"] == [(0, 48), (48, 16)] and cold["cached_tokens"] == 0
-    # The 256-token conversation's prompt-end checkpoint is at 240: 80 tokens to compute.
+    # 64 new tokens, pages of 16: one chunk, its last page boundary's checkpoint (48) saved inside it.
+    assert cold["steps"] == [(0, 64)] and cold["cached_tokens"] == 0
+    # The 256-token conversation's prompt-end checkpoint is at 240: 80 tokens to compute in chunks
+    # of 64 (the smoke run's budget; the second ends on the prompt's last page boundary, 304).
     assert cached["cached_tokens"] == 240 and cached["steps"] == [(240, 64), (304, 16)]
     assert res["state_checkpoints_saved"] > 0
     assert [r["context"] for r in res["decode"]] == [48, 256]

@@ -106,24 +106,61 @@ def test_batched_chunked_prompts_equal_a_full_recompute(engine: Engine) -> None:
     assert_baseline(engine)
 
 
-def test_chunks_end_on_checkpoint_boundaries(engine: Engine) -> None:
-    """A 70-token prompt with chunks of 24: cut at 16, 32, 48, 64 (every 16) and 68
-    (the last page before the final token), each cut saving the state."""
+def test_checkpoints_inside_and_at_the_end_of_chunks(engine: Engine) -> None:
+    """A 70-token prompt with chunks of 24 saves its state at 16, 32, 48, 64 (every
+    16) and 68 (the last page before the final token) without a chunk of its own
+    for any: the linear layers save the ones inside a chunk as they pass
+    (ScheduledBatch.state_inner, at most MAX_INNER a chunk), a chunk ending on one
+    copies it after the forward. Chunks: [0, 24) saving 16 inside, [24, 48) saving
+    32 inside and 48 at its end, [48, 70) saving 64 and 68 inside."""
     from ftserve.engine.driver import EngineDriver
 
     drv = EngineDriver(engine)
     rng = random.Random(2)
     req = drv.add(prompt(rng, 70), max_tokens=2)
-    ends, saves = [], []
+    ends, saves, inside = [], [], []
     while not req.finished:
         batch = drv.step()
         if batch is not None and req in batch.reqs and not batch.is_decode:
             i = batch.reqs.index(req)
             ends.append(batch.prefix_lens[i] + len(batch.new_tokens[i]))
             saves.append(len(batch.state_saves))
+            inner = batch.state_inner[i] if batch.state_inner else []
+            inside.append([batch.prefix_lens[i] + off for off, _ in inner])
     drv.flush()
-    assert ends == [16, 32, 48, 64, 68, 70]
-    assert saves == [1, 1, 1, 1, 1, 0]
+    assert ends == [24, 48, 70]
+    assert saves == [0, 1, 0]
+    assert inside == [[16], [32], [64, 68]]
+    assert engine.scheduler.counters.state_checkpoints_saved_total >= 5
+    assert_baseline(engine)
+
+
+def test_a_third_checkpoint_ends_the_chunk(engine: Engine) -> None:
+    """MAX_INNER checkpoints fit inside one chunk: a 70-token prompt in one chunk
+    budget would pass five, so its chunk ends on the third (48), saving 16 and 32
+    inside, then [48, 70) saves 64 and 68 inside."""
+    from ftserve.engine import state_checkpoints
+    from ftserve.engine.driver import EngineDriver
+
+    assert state_checkpoints.MAX_INNER == 2
+    drv = EngineDriver(engine)
+    budget = engine.scheduler.max_prefill_length
+    engine.scheduler.max_prefill_length = 128
+    try:
+        rng = random.Random(3)
+        req = drv.add(prompt(rng, 70), max_tokens=2)
+        ends, inside = [], []
+        while not req.finished:
+            batch = drv.step()
+            if batch is not None and req in batch.reqs and not batch.is_decode:
+                i = batch.reqs.index(req)
+                ends.append(batch.prefix_lens[i] + len(batch.new_tokens[i]))
+                inner = batch.state_inner[i] if batch.state_inner else []
+                inside.append([batch.prefix_lens[i] + off for off, _ in inner])
+        drv.flush()
+    finally:
+        engine.scheduler.max_prefill_length = budget
+    assert ends == [48, 70] and inside == [[16, 32], [64, 68]]
     assert_baseline(engine)
 
 
@@ -145,7 +182,7 @@ def test_a_checkpoint_before_the_unsent_tail(engine: Engine) -> None:
         if batch is not None and not batch.is_decode:
             ends.append(batch.prefix_lens[0] + len(batch.new_tokens[0]))
     drv.flush()
-    assert ends == [16, 32, 48, 60, 64, 68, 70]
+    assert ends == [24, 48, 68, 70]  # 60 and 64 inside [48, 68), which ends on the third (68)
     turn2 = p[:62] + prompt(rng, 12)  # its reply stands where the tail stood
     res = collect(engine, [("turn2", turn2, greedy(5))])["turn2"]
     assert res[-1].cached_tokens == 60 and tokens_of(res) == ref(engine, turn2, 5)

@@ -430,3 +430,57 @@ def test_graph_forms_equal_the_host_bounded_step(kind: str) -> None:
         assert torch.equal(rec[4], rec0[4]) and torch.equal(conv[4], conv0[4])  # nobody's slot
         if kind == "verify":
             assert torch.equal(rec, rec0) and torch.equal(conv, conv0)  # no slot written, not even the sink
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_inner_saves_equal_the_chunks_split_there(graph: bool) -> None:
+    """States saved inside a prefill chunk (gated_delta.InnerSaves: a hybrid's
+    checkpoints at a page boundary inside the step, engine/state_checkpoints.py):
+    a sequence with saves after 16 and 80 of its 100 tokens, one with a save after
+    5 of 7 (inside the conv window's reach of its start: the old window is read),
+    one with none. Outputs, final slots and the saved slots equal running each
+    sequence as separate chunks cut at its saves, for the reference twin and the
+    Triton kernels, eagerly and as a captured graph launches them (static shapes,
+    the saves' offsets on the device; the sink takes the padding's writes)."""
+    dk, dv, c = 16, 32, 24
+    bounds, slots_l, has_l = [0, 100, 107, 130], [3, 1, 2], [False, True, True]
+    cuts = [[(16, 5), (80, 6)], [(5, 7)], []]
+    n = bounds[-1]
+    rule = _rule(n, dk, dv, seed=70)
+    x, w = _conv(n, c, 4, seed=71, dtype=torch.float32)
+    rec0, conv0 = _states(9, HV, dk, dv, seed=72), _states(9, c, 3, seed=73)
+    # The split run: each sequence's pieces as consecutive prefill chunks.
+    want_rec, want_conv = rec0.clone(), conv0.clone()
+    o_want, y_want = torch.empty(n, HV, dv, device=DEVICE), torch.empty(n, c, device=DEVICE)
+    for b in range(3):
+        lo, hi = bounds[b], bounds[b + 1]
+        edges = [0] + [off for off, _ in cuts[b]] + [hi - lo]
+        for i, (a, z) in enumerate(zip(edges, edges[1:])):
+            slot, has = _dev([slots_l[b]], [has_l[b] or i > 0])
+            part = [t[lo + a:lo + z] for t in rule]
+            o_want[lo + a:lo + z] = ref.gated_delta_prefill(*part, want_rec, slot, has, [0, z - a])
+            y_want[lo + a:lo + z] = ref.conv_prefill(x[lo + a:lo + z], w, want_conv, slot, has, [0, z - a])
+            if i < len(cuts[b]):
+                dst = cuts[b][i][1]
+                want_rec[dst], want_conv[dst] = want_rec[slots_l[b]], want_conv[slots_l[b]]
+    k = 2
+    offs = torch.tensor([[o for o, _ in r] + [0] * (k - len(r)) for r in cuts], device=DEVICE)
+    dsts = torch.tensor([[d for _, d in r] + [-1] * (k - len(r)) for r in cuts], device=DEVICE)
+    if graph:  # + an empty padding sequence on the sink, padding tokens, a static bound
+        pad = 6
+        rule = [torch.cat([t, t[:pad]]) for t in rule]
+        x = torch.cat([x, x[:pad]])
+        cu = torch.tensor(bounds + [n], dtype=torch.int32, device=DEVICE)
+        slots, has = _dev(slots_l + [0], has_l + [False])
+        saves = ref.InnerSaves(torch.cat([offs, offs[:1] * 0]), torch.cat([dsts, dsts[:1] * 0 - 1]))
+        host, static = None, 128
+    else:
+        cu, (slots, has) = torch.tensor(bounds, dtype=torch.int32, device=DEVICE), _dev(slots_l, has_l)
+        saves, host, static = ref.InnerSaves(offs, dsts, cuts), bounds, None
+    for mod in (ref, tri):
+        rec, conv = rec0.clone(), conv0.clone()
+        o = mod.gated_delta_prefill(*rule, rec, slots, has, host, cu_seqlens=cu, static_len=static, saves=saves)
+        y = mod.conv_prefill(x, w, conv, slots, has, host, cu_seqlens=cu, static_len=static, saves=saves)
+        assert _max(o[:n], o_want) <= EXACT and _max(y[:n], y_want) <= EXACT, mod.__name__
+        assert _max(rec[1:], want_rec[1:]) <= EXACT and _max(conv[1:], want_conv[1:]) <= EXACT, mod.__name__
+        assert torch.equal(rec[4], rec0[4]) and torch.equal(conv[8], conv0[8])  # nobody's slots

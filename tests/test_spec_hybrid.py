@@ -81,7 +81,7 @@ def distill(model: torch.nn.Module, hidden_share: float = 0.0, seed: int = 0) ->
 def make(model_dir: str, distilled: bool = True, **kw: Any) -> Engine:
     base: dict[str, Any] = dict(model=model_dir, load_format="dummy", device="cpu", dtype="float32",
                                 page_size=PS, num_pages=512, max_prefill_length=24, max_running_requests=8,
-                                state_checkpoint_pages=4, state_checkpoints=64, status_log_interval=0.0,
+                                state_checkpoint_pages=4, state_checkpoints=128, status_log_interval=0.0,
                                 speculative_gate=False)  # the gate's timed windows would hold some steps' drafting off (test_spec_gate.py)
     base.update(kw)
     eng = build_engine(EngineConfig(**base))
@@ -316,7 +316,7 @@ def test_start_up_sizes_the_verify_log(model_dir: str, ngram: tuple[Engine, Stat
     assert pool is not None and pool.verify_log is not None
     assert pool.verify_log.tokens == 8 * (4 + 1) == eng.summary["state_verify_tokens"]
     assert eng.summary["state_gib"] * 2**30 == pool.nbytes > pool.conv.nbytes + pool.recurrent.nbytes
-    assert pool.num_slots == 8 + 64
+    assert pool.num_slots == 8 + 128
     assert eng.runner.verify_graphs is None  # CPU: no graphs (the graph tests run their static forward)
     off = make(model_dir)
     try:

@@ -58,8 +58,10 @@ import torch
 
 from ftserve.engine.cuda_graph import capture_graph
 from ftserve.engine.runner import logits_rows, sample_rows, token_layout
+from ftserve.engine.state_checkpoints import MAX_INNER
 from ftserve.kvcache.state_pool import SINK_SLOT
 from ftserve.models.forward_batch import AttentionMetadata, ForwardBatch
+from ftserve_kernels.gated_delta import InnerSaves
 
 if TYPE_CHECKING:
     from ftserve.engine.runner import ModelRunner
@@ -96,12 +98,18 @@ class PrefillInputs(Generic[A]):
     # hybrid only ([0] otherwise): [S] each sequence's state-pool slot; empty
     # sequences: the sink slot (state_pool.SINK_SLOT, 0)
     state_slots: A
+    # hybrid prefill only ([0] otherwise): [S * MAX_INNER] each sequence's state
+    # checkpoints inside its chunk (ScheduledBatch.state_inner), row-major: tokens
+    # into the chunk, and the slot (-1: none)
+    save_offsets: A
+    save_slots: A
 
     @staticmethod
     def sizes(max_tokens: int, max_seqs: int, all_rows: bool = False, hybrid: bool = False) -> list[int]:
         t, s = max_tokens, max_seqs
+        saves = s * MAX_INNER if hybrid and not all_rows else 0
         return [t, t, t, s + 1, s, s, s, t if all_rows else s, t if all_rows else 0, t if all_rows else 0,
-                s if hybrid else 0]
+                s if hybrid else 0, saves, saves]
 
     @classmethod
     def views(cls, buf: Any, max_tokens: int, max_seqs: int, all_rows: bool = False,
@@ -184,6 +192,7 @@ class PrefillGraphs:
         blank.slots[:] = runner.sink_row  # empty sequences read the dummy row
         blank.token_rows[:] = runner.sink_row  # so do padding tokens
         blank.state_slots[:] = SINK_SLOT  # and empty sequences' states (hybrid)
+        blank.save_slots[:] = -1  # no state checkpoints inside the chunks
         blank.first_rows[:] = np.arange(blank.first_rows.shape[0])
         self.backends = {b: TritonAttentionBackend(extend_token_bound=b) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -239,6 +248,8 @@ class PrefillGraphs:
             fb.state_pool, fb.state_slots = r.state_pool, p.state_slots
             fb.state_verify = self.all_rows
             fb.graph_seq_bound = min(self.seq_tokens, bucket)
+            if not self.all_rows:  # the linear layers' kernels cut each sequence at its checkpoints
+                fb.state_inner = InnerSaves(p.save_offsets.view(s, MAX_INNER), p.save_slots.view(s, MAX_INNER))
         self.fbs[bucket] = fb  # the captured call's is the last
         return r.model(fb)  # [S, V] fp32 ([bucket, V] with all_rows)
 
@@ -279,6 +290,10 @@ class PrefillGraphs:
             f.slots[:k] = [req.slot for req in batch.reqs]
             if self.hybrid:
                 f.state_slots[:k] = [req.state_slot for req in batch.reqs]
+                for i, cuts in enumerate(batch.state_inner):
+                    for j, (off, slot) in enumerate(cuts):
+                        f.save_offsets[i * MAX_INNER + j] = off
+                        f.save_slots[i * MAX_INNER + j] = slot
             if self.all_rows:
                 rows = logits_rows(batch, sample_rows(batch), last)
                 f.logits_rows[:len(rows)] = rows

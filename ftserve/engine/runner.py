@@ -56,6 +56,7 @@ from ftserve.models.forward_batch import (
 )
 from ftserve_kernels.bookkeeping import copy_host_words
 from ftserve_kernels.config import KernelConfig
+from ftserve_kernels.gated_delta import InnerSaves
 
 if TYPE_CHECKING:
     from ftserve.engine.cuda_graph import DecodeGraphs
@@ -278,8 +279,17 @@ class ModelRunner:
         fb = ForwardBatch(input_ids, positions, attn, self.kv_pool, self.attn_backend,
                           logits_indices=logits_idx, is_decode=batch.is_decode, kernels=self.kernels,
                           state_pool=self.state_pool, state_slots=d_state_slots,
-                          state_verify=hybrid and batch.verifies)
+                          state_verify=hybrid and batch.verifies, state_inner=self._inner_saves(batch))
         return fb, s_slots, s_steps, s_min.bool()
+
+    def _inner_saves(self, batch: ScheduledBatch) -> InnerSaves | None:
+        """The step's state checkpoints inside its chunks, on the device (one copy)."""
+        if not any(batch.state_inner):
+            return None
+        k = max(len(x) for x in batch.state_inner)
+        rows = [x + [(0, -1)] * (k - len(x)) for x in batch.state_inner]
+        dev = self._upload([off for row in rows for off, _ in row] + [s for row in rows for _, s in row])
+        return InnerSaves(dev[:len(rows) * k].view(-1, k), dev[len(rows) * k:].view(-1, k), batch.state_inner)
 
     def _extend_graphs(self, batch: ScheduledBatch) -> PrefillGraphs | None:
         """The captured graphs that run this (non-decode) step, if any: verify

@@ -78,6 +78,10 @@ class ScheduledBatch:
     # states saved as checkpoints after it.
     state_loads: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # ... and checkpoints inside a request's chunk, saved by the linear layers as
+    # they pass (engine/state_checkpoints.py): per request, (tokens into its
+    # chunk, checkpoint slot), ascending; empty lists for none.
+    state_inner: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -210,13 +214,15 @@ class Scheduler:
         logit_rows = PROMPT_LOGPROBS_CHUNK  # the step's prompt-logprob tokens, all requests together
         chunks: list[tuple[Req, int]] = []  # (request, new tokens this step)
         saves: list[tuple[int, int]] = []  # hybrid models: (request slot, checkpoint slot)
+        inner: list[list[tuple[int, int]]] = []  # hybrid models: each chunk's checkpoints inside it
         stalled = False
 
         def room(req: Req) -> int:
             n = min(req.remaining_prefill, budget, logit_rows if req.wants_prompt_logprobs else budget)
-            end = self._next_checkpoint(req)
-            if end is not None and req.computed_len + n > end:
-                n = end - req.computed_len  # the chunk ends on the boundary: its state is saved there
+            cuts = self._checkpoint_cuts(req)
+            if len(cuts) > state_checkpoints.MAX_INNER and req.computed_len + n > cuts[state_checkpoints.MAX_INNER]:
+                # MAX_INNER checkpoints inside the chunk at most: it ends on the next one
+                n = cuts[state_checkpoints.MAX_INNER] - req.computed_len
             return n
 
         def take(req: Req, n: int) -> None:
@@ -224,7 +230,7 @@ class Scheduler:
             chunks.append((req, n))
             budget -= n
             logit_rows -= n if req.wants_prompt_logprobs else 0
-            self._plan_checkpoint(req, req.computed_len + n, saves)
+            self._plan_checkpoints(req, req.computed_len + n, saves, inner)
 
         for req in [r for r in self.running if r.state is ReqState.PREFILL and not r.inflight]:
             if budget <= 0:
@@ -270,7 +276,8 @@ class Scheduler:
             new_tokens=[req.tokens[req.computed_len:req.computed_len + n] for req, n in chunks],
             prefix_lens=[req.computed_len for req in reqs],
             samples=[req.computed_len + n == len(req.tokens) for req, n in chunks],
-            steps=[req.num_outputs for req in reqs], state_loads=loads, state_saves=saves)
+            steps=[req.num_outputs for req in reqs], state_loads=loads, state_saves=saves,
+            state_inner=inner if any(inner) else [])
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         reqs: list[Req] = []
@@ -451,31 +458,43 @@ class Scheduler:
         end = max([n for n, _ in give] + [req.num_tree_pages * ps])
         return end // ps, give
 
-    def _next_checkpoint(self, req: Req) -> int | None:
-        """Hybrid models with a prefix cache: where req's next chunk must end to
-        save a state checkpoint (engine/state_checkpoints.py)."""
+    def _checkpoint_cuts(self, req: Req) -> list[int]:
+        """Hybrid models with a prefix cache: the lengths past req's computed ones at
+        which it saves a state checkpoint, ascending (engine/state_checkpoints.py)."""
         if not self.checkpoint_every:
-            return None
-        return state_checkpoints.next_boundary(req, self.page_size, self.checkpoint_every)
+            return []
+        return state_checkpoints.boundaries_ahead(req, self.page_size, self.checkpoint_every)
 
-    def _plan_checkpoint(self, req: Req, end: int, saves: list[tuple[int, int]]) -> None:
-        """If req's chunk ends on a checkpoint boundary, a slot to save its state
-        into after the forward. When every checkpoint is locked, req's own latest
-        (not yet in the prefix cache) moves here: a long prefill past the cap
-        keeps its early checkpoints and its deepest, the one its prompt ends on
-        (the next turn's resume point); with none of its own, skipped."""
-        if end != self._next_checkpoint(req):
-            return
-        slot = self.radix.alloc_state()
-        if slot is None and req.checkpoints:
-            # A save into it that a step still runs comes first in stream order.
-            _, slot = req.checkpoints.pop()
-        if slot is None:
-            self.counters.state_checkpoints_skipped_total += 1
-            return
-        saves.append((req.state_slot, slot))
-        req.checkpoints.append((end, slot))
-        self.counters.state_checkpoints_saved_total += 1
+    def _plan_checkpoints(self, req: Req, end: int, saves: list[tuple[int, int]],
+                          inner: list[list[tuple[int, int]]]) -> None:
+        """A slot for each checkpoint boundary req's chunk reaches: one it ends on is
+        saved after the forward (``saves``), ones inside it by the linear layers as
+        they pass (``inner``, tokens into the chunk). When every checkpoint is locked,
+        req's own latest (not yet in the prefix cache) moves to the deeper boundary:
+        a long prefill past the cap keeps its early checkpoints and its deepest, the
+        one its prompt ends on (the next turn's resume point); with none of its own,
+        skipped."""
+        start = req.computed_len
+        mine: list[tuple[int, int]] = []
+        for cut in self._checkpoint_cuts(req):
+            if cut > end:
+                break
+            slot = self.radix.alloc_state()
+            if slot is None and req.checkpoints:
+                # A save into it that a step still runs comes first in stream order;
+                # one of this chunk's own is not made at all.
+                _, slot = req.checkpoints.pop()
+                mine = [(off, s) for off, s in mine if s != slot]
+            if slot is None:
+                self.counters.state_checkpoints_skipped_total += 1
+                continue
+            if cut == end:
+                saves.append((req.state_slot, slot))
+            else:
+                mine.append((cut - start, slot))
+            req.checkpoints.append((cut, slot))
+            self.counters.state_checkpoints_saved_total += 1
+        inner.append(mine)
 
     def _prefill_leader(self, req: Req) -> Req | None:
         if not self.enable_prefix_cache:

@@ -3,12 +3,15 @@ prefix cache.
 
 A linear-attention layer keeps one state per sequence (kvcache/state_pool.py),
 overwritten by every chunk; the KV pages of a cached prefix are of no use to a
-later request without the state after exactly that prefix. So the scheduler
-ends a prefill chunk on a checkpoint boundary and copies the request's state
-into a fresh slot there (``ScheduledBatch.state_saves``, run after the
-forward); the prefix cache keeps those slots at node ends (kvcache/radix.py),
-and a hit resumes at the deepest one its prompt reaches
-(``ScheduledBatch.state_loads``, run before the forward).
+later request without the state after exactly that prefix. So a prefill chunk
+saves the request's state into a fresh slot at each boundary it reaches: one it
+ends on by a copy after the forward (``ScheduledBatch.state_saves``), up to
+MAX_INNER inside it by the linear layers themselves as they pass
+(``ScheduledBatch.state_inner``: their kernels cut the sequence there and carry
+the state on, gated_delta.InnerSaves), so a boundary costs no forward of its
+own; a chunk with more ends on the next one. The prefix cache keeps those slots
+at node ends (kvcache/radix.py), and a hit resumes at the deepest one its prompt
+reaches (``ScheduledBatch.state_loads``, run before the forward).
 
 Boundaries of a request with T tokens to prefill (page size ps, every
 ``every`` tokens = --state-checkpoint-pages pages)::
@@ -38,6 +41,10 @@ from __future__ import annotations
 
 from ftserve.engine.request import Req
 
+# Checkpoints one prefill chunk saves inside it (the linear layers' kernels cut
+# a sequence there, gated_delta.InnerSaves); it ends on the next one.
+MAX_INNER = 2
+
 
 def last_boundary(num_tokens: int, page_size: int) -> int:
     """The deepest checkpoint of a request prefilling ``num_tokens`` tokens."""
@@ -65,10 +72,9 @@ def _ahead(req: Req, page_size: int, every: int) -> list[int]:
     return [*ahead, last]
 
 
-def next_boundary(req: Req, page_size: int, every: int) -> int | None:
-    """The first checkpoint boundary past ``req.computed_len``, or None."""
-    ahead = _ahead(req, page_size, every)
-    return ahead[0] if ahead else None
+def boundaries_ahead(req: Req, page_size: int, every: int) -> list[int]:
+    """The checkpoint boundaries past ``req.computed_len``, ascending."""
+    return _ahead(req, page_size, every)
 
 
 def boundaries(req: Req, page_size: int, every: int) -> list[int]:

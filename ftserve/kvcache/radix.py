@@ -397,6 +397,8 @@ class RadixCache:
                     break
         finally:
             self.unlock(target)
+            if self.states is not None:
+                self._drop_useless_host(target)
         self.hit_tokens_total += num_tokens - match.num_tokens
         self.host_hit_tokens_total += num_tokens - match.num_tokens
         return dataclasses.replace(match, pages=pages, num_tokens=num_tokens, node=node,
@@ -861,6 +863,18 @@ class RadixCache:
             if parent.on_host and not parent.children and parent.ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))
         return freed
+
+    def _drop_useless_host(self, node: RadixNode) -> None:
+        """After restore: the host part of its path may have lost, to the host
+        eviction that made room while it was pinned, the checkpoint below it;
+        host nodes left as leaves without one go (device nodes stay: the match
+        returned holds them)."""
+        while (not node.detached and node.on_host and not node.children and node.state < 0
+               and node.ref == 0):
+            up = node.parent
+            assert up is not None
+            self._drop_subtree(node)
+            node = up
 
     def _drop_useless(self, node: RadixNode) -> tuple[RadixNode, int]:
         """Stateful caches: drop ``node`` and up while it is a leaf without a

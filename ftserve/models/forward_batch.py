@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ftserve_kernels.config import DEFAULT_KERNELS, KernelConfig
+from ftserve_kernels.gated_delta import InnerSaves
 
 if TYPE_CHECKING:
     from ftserve.kvcache.pool import KVPool
@@ -119,6 +120,9 @@ class ForwardBatch:
     # state as it was and log their inputs into state_pool.verify_log; the runner
     # then moves each slot on by the tokens it kept (StatePool.commit_verified).
     state_verify: bool = False
+    # State checkpoints inside this prefill step's sequences, which the linear
+    # layers save as they pass (engine/state_checkpoints.py).
+    state_inner: InnerSaves | None = None
     # A captured graph's extend forward (engine/prefill_graph.py): the attn host
     # lists are static upper bounds, not this step's, so the linear layers read
     # each sequence's tokens from qo_indptr on the device, at most this many

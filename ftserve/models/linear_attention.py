@@ -138,7 +138,7 @@ class GatedDeltaNet(nn.Module):
                                             cu_seqlens=meta.qo_indptr, static_len=bound)
         else:
             mixed = gated_delta.conv_prefill(mixed, weight, conv_states, slots, has_state, bounds,
-                                             cu_seqlens=meta.qo_indptr, static_len=bound)
+                                             cu_seqlens=meta.qo_indptr, static_len=bound, saves=batch.state_inner)
         q, k, v = self._heads(mixed)
         g, beta = gate_params(a.reshape(t, -1), b.reshape(t, -1), self.A_log, self.dt_bias)  # [T, Hv] each
         if log is not None:
@@ -147,4 +147,5 @@ class GatedDeltaNet(nn.Module):
             return gated_delta.gated_delta_verify(q, k, v, g, beta, states, slots, has_state, bounds,  # type: ignore[no-any-return]
                                                   cu_seqlens=meta.qo_indptr, static_len=bound)
         return gated_delta.gated_delta_prefill(q, k, v, g, beta, states, slots, has_state, bounds,  # type: ignore[no-any-return]
-                                               cu_seqlens=meta.qo_indptr, static_len=bound)
+                                               cu_seqlens=meta.qo_indptr, static_len=bound,
+                                               saves=batch.state_inner)

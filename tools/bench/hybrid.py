@@ -14,8 +14,8 @@ Sections (each recorded, or its error recorded, in the JSON; the run goes on):
     base      a 102,400-token conversation prefilled chunk by chunk (not a target):
               it leaves its pages and state checkpoints in the prefix cache
     cold      time to first token of a cold 4,096-token prompt: every prefill step
-              (a chunk ends at the prompt's last page boundary to save its state
-              checkpoint, then the last partial page), synchronized; median of reps
+              (one chunk: the state checkpoint at its last page boundary is saved
+              inside it), synchronized; median of reps
     cached    the same for a 4,096-token turn over the cached conversation: it resumes
               from the conversation's prompt-end checkpoint and computes 4,112 tokens
               (the conversation's last partial page again)
