@@ -311,10 +311,11 @@ def _chunk_scan_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, s_ptr, slot_
             k_end = (k.to(tl.float32) * tl.exp(last - cum)[:, None]).to(dt)  # (gamma_C / gamma_s) k_s
             s = mma(tl.trans(k_end), u, UPCAST) + s * tl.exp(last)
         base += nc
-        if sg < NSEG - 1:
-            dst = tl.load(save_ptr + n * (NSEG - 1) + sg).to(tl.int64)
-            if dst >= 0:
-                tl.store(sp + (dst - slot) * stride_ss, s.to(s_ptr.dtype.element_ty), mask=ms)
+        if NSEG > 1:  # (a constant: save_ptr is not read without segments)
+            if sg < NSEG - 1:
+                dst = tl.load(save_ptr + n * (NSEG - 1) + sg).to(tl.int64)
+                if dst >= 0:
+                    tl.store(sp + (dst - slot) * stride_ss, s.to(s_ptr.dtype.element_ty), mask=ms)
     tl.store(sp, s.to(s_ptr.dtype.element_ty), mask=ms)
 
 

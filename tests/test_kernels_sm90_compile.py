@@ -286,7 +286,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
 
     rule = {"q_ptr": bf, "k_ptr": bf, "v_ptr": bf, "g_ptr": "*fp32", "beta_ptr": bf, "o_ptr": bf,
             "s_ptr": "*fp32", "slot_ptr": "*i64", "has_ptr": "*i1", "cu_ptr": i32, "tinv_ptr": "*fp32",
-            "aqk_ptr": bf, "scale": "fp32", "eps": "fp32"}
+            "aqk_ptr": bf, "save_ptr": "*i64", "scale": "fp32", "eps": "fp32"}
     heads = dict(HK=16, HV=32, DK=128, BLOCK_K=128)
     for bv in (16, 32, 64):  # decode_block_v's choices
         comp(f"gdn_decode_bv{bv}", gdt._gdn_decode_kernel, rule, heads | dict(DV=128, BLOCK_V=bv, GR=1),
