@@ -17,8 +17,8 @@ Sections (each recorded, or its error recorded, in the JSON; the run goes on):
               (one chunk: the state checkpoint at its last page boundary is saved
               inside it), synchronized; median of reps
     cached    the same for a 4,096-token turn over the cached conversation: it resumes
-              from the conversation's prompt-end checkpoint and computes 4,112 tokens
-              (the conversation's last partial page again)
+              at 102,400 (the checkpoint every 256 pages its warm-up turn saved there)
+              and computes the 4,096 new tokens
     decode    batch 1 at 2k and 100k contexts, steps overlapped as the engine runs
               them, against the HBM roofline of what one step moves: every weight
               but the routed experts not chosen (10 a layer, counted from the
