@@ -84,12 +84,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # q, k: what the casts
 
 # Launch shapes (tests/test_kernels_sm90_compile.py compiles these for sm_90).
 LOCAL_WARPS = 4  # chunk_local: [C, C] fp32 tiles, four of them live across the inverse
-# chunk_scan: 4 V blocks x 32 heads = 128 programs, one wave. Its chunk holds k and q
-# ([C, DK] mma A operands, in registers on every warpgroup) and the state across the
-# loop: 4 warps spilled inside it (232 stack bytes, 53 spill instructions a chunk),
-# 8 warps at 2 stages still 5; 8 warps at 3 stages (176 KB of shared memory: the
-# loads two chunks ahead in cp.async buffers, not registers) spill none in the loop.
-SCAN_BLOCK_V, SCAN_WARPS, SCAN_STAGES = 32, 8, 3
+# chunk_scan: 8 V blocks x 32 heads = 256 programs, two a SM, of 4 warps at 2 stages:
+# the fastest on the device (tools/bench/gated_delta's sweep), and free of spills
+# in its chunk loop without segments (the sm_90 compile tests).
+SCAN_BLOCK_V, SCAN_WARPS, SCAN_STAGES = 16, 4, 2
 
 
 def scan_stages(elem_bytes: int) -> int:

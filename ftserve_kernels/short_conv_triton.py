@@ -28,7 +28,8 @@ import triton.language as tl
 
 from ftserve_kernels.gated_delta import InnerSaves
 
-CONV_BLOCK_T, CONV_BLOCK_C, CONV_DECODE_BLOCK_C = 16, 128, 256  # launch shapes (sm_90 compile test)
+# launch shapes (sm_90 compile test); prefill's the fastest of a device sweep
+CONV_BLOCK_T, CONV_BLOCK_C, CONV_WARPS, CONV_DECODE_BLOCK_C = 16, 64, 2, 256
 
 
 @triton.jit
@@ -220,7 +221,7 @@ def conv_prefill(x: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, sl
     if max_len > 0:
         _conv_prefill_kernel[(nseq, triton.cdiv(max_len, block_t), triton.cdiv(c, block_c))](
             x, w, conv_states, slots, has_state, cu, out, x.stride(0), out.stride(0), conv_states.stride(0), c,
-            W=width, BLOCK_T=block_t, BLOCK_C=block_c)
+            W=width, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=CONV_WARPS)
     if saves is not None:  # before the final windows replace the old ones these read
         assert saves.slots.shape[0] == nseq and saves.slots.is_contiguous() and saves.offsets.is_contiguous()
         _conv_state_kernel[(nseq * saves.per_seq, triton.cdiv(c, block_c))](

@@ -329,7 +329,7 @@ def _compile_all() -> dict[str, dict[str, Any]]:
     comp("gdn_conv_decode_parts", sct._conv_decode_kernel, conv | {"x1_ptr": bf, "x2_ptr": bf, "has_ptr": i32},
          dict(W=3, BLOCK_E=4, BLOCK_C=sct.CONV_DECODE_BLOCK_C, D0=128, N0=16, D1=128, N1=16, D2=256, N2=16))
     comp("gdn_conv_prefill", sct._conv_prefill_kernel, conv,
-         dict(W=3, BLOCK_T=sct.CONV_BLOCK_T, BLOCK_C=sct.CONV_BLOCK_C))
+         dict(W=3, BLOCK_T=sct.CONV_BLOCK_T, BLOCK_C=sct.CONV_BLOCK_C), sct.CONV_WARPS)
     comp("gdn_conv_state", sct._conv_state_kernel, conv, dict(W=3, BLOCK_W=4, BLOCK_C=sct.CONV_BLOCK_C))
     # A speculative verify step's: the rule token by token (outputs only), and the
     # commit over every layer (state only), the conv windows' commit.
