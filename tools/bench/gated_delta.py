@@ -157,7 +157,7 @@ def fla_decode(rec_fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: 
 # Launch shapes the prefill sweep tries besides the module's own (gated_delta_triton's
 # constants): chunk_local's warps, chunk_scan's (V block, warps, stages).
 LOCAL_WARPS = (8, 16)
-SCAN_SHAPES = ((32, 4, 2), (16, 4, 2), (16, 8, 2), (32, 8, 2), (64, 8, 2))
+SCAN_SHAPES = ((32, 4, 2), (32, 8, 3), (16, 8, 2), (32, 8, 2), (64, 8, 2))
 
 
 @contextmanager
