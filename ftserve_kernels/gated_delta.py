@@ -73,7 +73,6 @@ import torch.nn.functional as F
 
 CHUNK = 64
 L2_EPS = 1e-6
-SINK_SLOT = 0  # the state pool's slot that absorbs writes nobody reads (kvcache/state_pool.py)
 
 
 @dataclass(frozen=True)
@@ -96,8 +95,8 @@ class InnerSaves:
         return int(self.slots.shape[1])
 
     def host_rows(self, nseq: int) -> list[list[tuple[int, int]]]:
-        assert self.host is not None, "a graph's saves are read on the device"
-        return [list(self.host[b]) if b < len(self.host) else [] for b in range(nseq)]
+        assert self.host is not None and len(self.host) == nseq, "a graph's saves are read on the device"
+        return self.host
 
 
 def segment_bounds(cu: torch.Tensor, saves: InnerSaves) -> torch.Tensor:
@@ -111,9 +110,10 @@ def segment_bounds(cu: torch.Tensor, saves: InnerSaves) -> torch.Tensor:
     return torch.cat([segs, cu[-1:].long()]).to(torch.int32)
 
 
-def _save_rows(conv_states: torch.Tensor, slot: torch.Tensor | int, value: torch.Tensor) -> None:
-    dst = slot if isinstance(slot, torch.Tensor) else torch.tensor([slot], device=conv_states.device)
-    conv_states.index_copy_(0, dst.reshape(-1), value.reshape(-1, *conv_states.shape[1:]).to(conv_states.dtype))
+def _save_rows(pool: torch.Tensor, slot: torch.Tensor | int, value: torch.Tensor) -> None:
+    """pool[slot] = value for a slot index or a [B] tensor of them (value [B, ...])."""
+    dst = slot if isinstance(slot, torch.Tensor) else torch.tensor([slot], device=pool.device)
+    pool.index_copy_(0, dst.reshape(-1), value.reshape(-1, *pool.shape[1:]).to(pool.dtype))
 
 
 def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
@@ -383,7 +383,8 @@ def _rule_graph(
     """gated_delta_prefill (store) or _verify in a graph: the rule token by token
     over every sequence at once, masked past each one's length; rows of no
     sequence (padding) get zeros; ``saves``: the state after each saved offset
-    into its slot (the sink slot for none)."""
+    into its slot (a row without one rewrites its own slot, which the final
+    store overwrites)."""
     qf, kf, vf, gf, bf = _prepare(q, k, v, g, beta)
     n_tok = q.shape[0]
     tok, real, _ = _graph_tokens(cu_seqlens, n_tok, static_len)
@@ -398,7 +399,7 @@ def _rule_graph(
         if saves is not None:
             for i in range(saves.per_seq):
                 hit = (saves.slots[:, i] >= 0) & (saves.offsets[:, i] == m + 1) & keep
-                _save_rows(states, torch.where(hit, saves.slots[:, i], SINK_SLOT), s)
+                _save_rows(states, torch.where(hit, saves.slots[:, i], slots), s)
     if store:
         states.index_copy_(0, slots, s.to(states.dtype))
     return out[:n_tok]
@@ -411,7 +412,8 @@ def _conv_graph(
 ) -> torch.Tensor:
     """conv_prefill (store) or conv_verify in a graph: every sequence's window
     [state | its tokens, padded to static_len] at once; rows of no sequence get zeros;
-    ``saves``: the window after each saved offset into its slot (the sink slot for none)."""
+    ``saves``: the window after each saved offset into its slot (a row without one
+    rewrites its own slot, which the final store overwrites)."""
     width = w.shape[1] - 1
     n_tok = x.shape[0]
     tok, real, n = _graph_tokens(cu_seqlens, n_tok, static_len)
@@ -427,7 +429,7 @@ def _conv_graph(
             off = saves.offsets[:, i].clamp(min=0, max=static_len)
             pick = off[:, None] + torch.arange(width, device=x.device)  # [B, W]: ext[off : off + W]
             win = ext.gather(2, pick[:, None, :].expand(-1, ext.shape[1], -1))
-            _save_rows(conv_states, torch.where(saves.slots[:, i] >= 0, saves.slots[:, i], SINK_SLOT), win)
+            _save_rows(conv_states, torch.where(saves.slots[:, i] >= 0, saves.slots[:, i], slots), win)
     if store:
         pick = n[:, None] + torch.arange(width, device=x.device)  # [B, W]: ext[n : n + W]
         win = ext.gather(2, pick[:, None, :].expand(-1, ext.shape[1], -1))

@@ -58,8 +58,8 @@ def turn_boundary(req: Req, page_size: int) -> int:
     return max(0, req.prompt_len - req.unsent_tail) // page_size * page_size
 
 
-def _ahead(req: Req, page_size: int, every: int) -> list[int]:
-    """Boundaries past ``req.computed_len``, ascending."""
+def boundaries_ahead(req: Req, page_size: int, every: int) -> list[int]:
+    """The checkpoint boundaries past ``req.computed_len``, ascending."""
     c = req.computed_len
     last = last_boundary(len(req.tokens), page_size)
     if last <= c:
@@ -72,12 +72,9 @@ def _ahead(req: Req, page_size: int, every: int) -> list[int]:
     return [*ahead, last]
 
 
-def boundaries_ahead(req: Req, page_size: int, every: int) -> list[int]:
-    """The checkpoint boundaries past ``req.computed_len``, ascending."""
-    return _ahead(req, page_size, every)
 
 
 def boundaries(req: Req, page_size: int, every: int) -> list[int]:
     """Lengths at which ``req`` holds a checkpoint it has not handed to the
     prefix cache, or will save one, ascending."""
-    return [n for n, _ in req.checkpoints] + _ahead(req, page_size, every)
+    return [n for n, _ in req.checkpoints] + boundaries_ahead(req, page_size, every)

@@ -251,12 +251,13 @@ def _check_scale(s: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_into(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], w: torch.Tensor) -> None:
-    """Block-quantize w [..., N, K] into an fp8 weight's codes and scale grid
-    (``block`` = (bn, bk)), one leading slice at a time (the quantization's fp32
-    temporaries are 4x a slice): dummy weights (loader.fill_dummy, moe/banks)."""
+def quantize_into(dst: Fp8Weight, w: torch.Tensor) -> None:
+    """Block-quantize w [..., N, K] into ``dst``'s codes and scale grid, one leading
+    slice at a time (the quantization's fp32 temporaries are 4x a slice): dummy
+    weights (loader.fill_dummy, moe/banks)."""
+    codes, scale = dst.codes, dst.scale
     for c, s, part in (zip(codes.unbind(0), scale.unbind(0), w.unbind(0)) if w.dim() == 3
                        else ((codes, scale, w),)):
-        q = quantize_weight(part, *block)
+        q = quantize_weight(part, dst.block_n, dst.block_k)
         c.copy_(q.codes)
         s.copy_(q.scale)

@@ -20,7 +20,7 @@ from ftserve.models import fp8
 from ftserve.models.config import ModelConfig
 from ftserve.models.decoder import DecoderForCausalLM
 from ftserve.models.registry import model_class
-from ftserve_kernels.fp8_quant import FP8
+from ftserve_kernels.fp8_quant import FP8, Fp8Weight
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ def fill_dummy(model: DecoderForCausalLM, seed: int = 0) -> None:
             mod = model.get_submodule(path)
             block = mod.fp8_block if attr == "weight" else mod.fp8_blocks[attr]
             draw = torch.empty(p.shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
-            fp8.quantize_into(p, getattr(mod, f"{attr}_scale"), block, draw)
+            fp8.quantize_into(Fp8Weight(p, getattr(mod, f"{attr}_scale"), *block), draw)
             del draw
         elif name.endswith("_scale"):
             continue  # an fp8 weight's scales: filled with its codes

@@ -260,7 +260,7 @@ def _fill_bank_dummy(bank: HostBank, device: torch.device, seed: int, dtype: tor
             draw.normal_(0.0, DUMMY_EXPERT_STD, generator=gen)
             stage.zero_()
             w13, w2 = bank.fp8.views(stage)
-            fp8.quantize_into(w13.codes, w13.scale, (w13.block_n, w13.block_k), draw[:, :2 * i * h].view(e, 2 * i, h))
-            fp8.quantize_into(w2.codes, w2.scale, (w2.block_n, w2.block_k), draw[:, 2 * i * h:].view(e, h, i))
+            fp8.quantize_into(w13, draw[:, :2 * i * h].view(e, 2 * i, h))
+            fp8.quantize_into(w2, draw[:, 2 * i * h:].view(e, h, i))
             del draw
         bank.data[j * e:(j + 1) * e].copy_(stage)  # start-up only: a blocking copy is fine
